@@ -1,0 +1,271 @@
+"""Model configuration: two dataclasses and a handful of named presets.
+
+`MoEConfig` describes one Mixture-of-Experts layer (router, experts, dispatcher);
+`ModelConfig` describes the decoder-only transformer around it. Both validate
+themselves on construction, so a bad value fails where it is written, with the
+field's name and the range that was expected, not deep inside a forward pass.
+
+Presets:
+- ``tiny``  — CI smoke size: a training step takes milliseconds on a CPU.
+- ``small`` — a real CPU run: minutes to a visibly falling loss.
+- ``gpt_oss_20b`` and ``deepseek_v3`` — the published shapes (see
+  ``shared/background/FACTS.md``: the models' public configs). They drive the FLOPs
+  model, kernel shapes and the simulators; they are never trained here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+ROUTER_DTYPES = ("fp32", "fp64")
+ATTENTION_KINDS = ("mha", "mla")
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}"
+            )
+
+
+def _non_negative(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(
+                f"{type(obj).__name__}.{name} must be a non-negative integer, got {value!r}"
+            )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer: ``n_experts`` SwiGLU experts of width ``d_expert``, ``top_k`` per token.
+
+    Routing: ``score_func`` turns router logits into scores; with ``n_groups > 1`` the
+    experts are split into groups and only the ``topk_groups`` best groups (by the sum of
+    each group's top-2 scores, DeepSeek-V3 style) may be chosen. ``renormalize`` rescales
+    the chosen weights to sum to one; ``scaling_factor`` multiplies them afterwards.
+    ``capacity_factor`` is used by the capacity dispatcher only.
+    """
+
+    d_model: int
+    n_experts: int
+    top_k: int
+    d_expert: int
+    n_shared_experts: int = 0
+    score_func: str = "softmax"
+    renormalize: bool = True
+    scaling_factor: float = 1.0
+    n_groups: int = 1
+    topk_groups: int = 1
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    capacity_factor: float = 1.25
+    router_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _positive(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups")
+        _non_negative(self, "n_shared_experts")
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"MoEConfig.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}"
+            )
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(
+                f"MoEConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}"
+            )
+        if self.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(
+                f"MoEConfig.router_dtype must be one of {ROUTER_DTYPES}, got {self.router_dtype!r}"
+            )
+        if not self.capacity_factor > 0:
+            raise ValueError(
+                f"MoEConfig.capacity_factor must be > 0, got {self.capacity_factor!r}"
+            )
+        if not self.scaling_factor > 0:
+            raise ValueError(f"MoEConfig.scaling_factor must be > 0, got {self.scaling_factor!r}")
+        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ValueError(
+                "MoEConfig.aux_loss_coef and z_loss_coef must be >= 0, got "
+                f"{self.aux_loss_coef!r} and {self.z_loss_coef!r}"
+            )
+        if self.n_experts % self.n_groups:
+            raise ValueError(
+                f"MoEConfig.n_groups must divide n_experts={self.n_experts}, got {self.n_groups}"
+            )
+        if self.topk_groups > self.n_groups:
+            raise ValueError(
+                f"MoEConfig.topk_groups must be in [1, n_groups={self.n_groups}], "
+                f"got {self.topk_groups}"
+            )
+        if self.n_groups > 1 and self.top_k > self.topk_groups * (self.n_experts // self.n_groups):
+            raise ValueError(
+                f"MoEConfig.top_k={self.top_k} exceeds the experts in the {self.topk_groups} "
+                f"selected groups ({self.topk_groups * (self.n_experts // self.n_groups)})"
+            )
+
+    def replace(self, **changes: object) -> MoEConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer: the first ``n_dense_layers`` use a dense SwiGLU FFN of
+    width ``d_ff``, the rest an MoE layer described by ``moe``.
+
+    ``attention="mha"`` is grouped-query attention with ``n_kv_heads`` key/value heads;
+    ``attention="mla"`` records DeepSeek's multi-head latent attention shapes for the
+    FLOPs model (the trainable model here implements ``mha`` only).
+    ``sliding_window`` > 0 with ``sliding_every`` = 2 means every other layer attends
+    to a window of that many tokens (GPT-OSS); it only affects the FLOPs model.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_ff: int
+    moe: MoEConfig
+    n_dense_layers: int = 0
+    n_kv_heads: int = 0  # 0 means n_heads
+    head_dim: int = 0  # 0 means d_model // n_heads
+    seq_len: int = 128
+    mtp_layers: int = 0
+    attention: str = "mha"
+    # MLA shapes (FLOPs model only)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    sliding_window: int = 0
+    sliding_every: int = 0
+    tie_embeddings: bool = False
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len")
+        _non_negative(
+            self, "n_dense_layers", "n_kv_heads", "head_dim", "mtp_layers", "q_lora_rank",
+            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "sliding_window", "sliding_every",
+        )
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"ModelConfig.moe must be a MoEConfig, got {type(self.moe).__name__}")
+        if self.moe.d_model != self.d_model:
+            raise ValueError(
+                f"ModelConfig.moe.d_model must equal d_model={self.d_model}, got {self.moe.d_model}"
+            )
+        if self.head_dim == 0 and self.d_model % self.n_heads:
+            raise ValueError(
+                f"ModelConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                "(or set head_dim explicitly)"
+            )
+        if self.kv_heads > self.n_heads or self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_kv_heads must divide n_heads={self.n_heads}, got {self.n_kv_heads}"
+            )
+        if self.n_dense_layers > self.n_layers:
+            raise ValueError(
+                f"ModelConfig.n_dense_layers must be in [0, n_layers={self.n_layers}], "
+                f"got {self.n_dense_layers}"
+            )
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"ModelConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}"
+            )
+        if self.attention == "mla":
+            _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    def replace(self, **changes: object) -> ModelConfig:
+        """A copy with some fields changed (validated again). ``moe=`` may be a dict of
+        MoE field changes; ``d_model`` changes propagate to the MoE config."""
+        moe = changes.pop("moe", None)
+        if isinstance(moe, dict):
+            moe = self.moe.replace(**moe)
+        moe = moe if moe is not None else self.moe
+        if "d_model" in changes and moe.d_model != changes["d_model"]:
+            moe = moe.replace(d_model=changes["d_model"])
+        return dataclasses.replace(self, moe=moe, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        d["moe"] = MoEConfig(**d["moe"])
+        return cls(**d)
+
+
+def _tiny() -> ModelConfig:
+    return ModelConfig(
+        name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256,
+        n_dense_layers=0, seq_len=64,
+        moe=MoEConfig(d_model=64, n_experts=8, top_k=2, d_expert=64),
+    )
+
+
+def _small() -> ModelConfig:
+    return ModelConfig(
+        name="small", vocab_size=256, d_model=128, n_layers=4, n_heads=4, d_ff=512,
+        n_dense_layers=1, seq_len=128,
+        moe=MoEConfig(d_model=128, n_experts=16, top_k=4, d_expert=128, n_shared_experts=1),
+    )
+
+
+def _gpt_oss_20b() -> ModelConfig:
+    # Shapes from the published Hugging Face config of openai/gpt-oss-20b (FACTS.md).
+    return ModelConfig(
+        name="gpt_oss_20b", vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64,
+        n_kv_heads=8, head_dim=64, d_ff=2880, n_dense_layers=0, seq_len=4096,
+        sliding_window=128, sliding_every=2,
+        moe=MoEConfig(d_model=2880, n_experts=32, top_k=4, d_expert=2880,
+                      score_func="softmax", renormalize=True),
+    )
+
+
+def _deepseek_v3() -> ModelConfig:
+    # Shapes from DeepSeek-V3's published inference/configs/config_671B.json (FACTS.md).
+    return ModelConfig(
+        name="deepseek_v3", vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128,
+        d_ff=18_432, n_dense_layers=3, seq_len=4096, mtp_layers=1, attention="mla",
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, head_dim=192,
+        moe=MoEConfig(d_model=7168, n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1,
+                      score_func="sigmoid", renormalize=True, scaling_factor=2.5,
+                      n_groups=8, topk_groups=4, aux_loss_coef=0.0001),
+    )
+
+
+PRESETS = {
+    "tiny": _tiny,
+    "small": _small,
+    "gpt_oss_20b": _gpt_oss_20b,
+    "deepseek_v3": _deepseek_v3,
+}
+
+
+def preset(name: str, **changes: object) -> ModelConfig:
+    """The named preset, optionally with fields changed: ``preset("tiny", n_layers=4)``."""
+    if name not in PRESETS:
+        raise ValueError(f"preset name must be one of {sorted(PRESETS)}, got {name!r}")
+    cfg = PRESETS[name]()
+    return cfg.replace(**changes) if changes else cfg
