@@ -5,6 +5,9 @@ that runs ``fn`` on fresh random inputs against the package's reference and *rai
 ``ExerciseError`` with a helpful message when the answer is wrong — a headless run never
 "passes" an unsolved exercise. The notebook parameter ``SOLUTIONS=True`` (CI) passes the
 reference solution itself, so the same check runs either way.
+
+One module per notebook (``lab_bench`` for 00, ``naive_moe`` for 01, ...) holds that
+notebook's checks and registers its solutions with ``@reference_solution("name")``.
 """
 
 from __future__ import annotations
@@ -21,20 +24,42 @@ def not_done(*_args, **_kwargs):
     raise NotImplementedError("exercise not solved yet: write your answer in the cell above")
 
 
-def _call(fn: Callable, *args, **kwargs):
+def call_answer(fn: Callable, *args, **kwargs):
+    """Call the learner's ``fn``; an unsolved stub becomes an ``ExerciseError``."""
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as exc:
         raise ExerciseError(f"{getattr(fn, '__name__', 'your function')}: {exc}") from None
 
 
+# name -> reference solution; each notebook's module registers its own.
+SOLUTIONS: dict[str, Callable] = {}
+
+
+def reference_solution(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as the reference solution of exercise ``name``."""
+
+    def register(fn: Callable) -> Callable:
+        if name in SOLUTIONS:
+            raise ValueError(f"exercise {name!r} is registered twice")
+        SOLUTIONS[name] = fn
+        return fn
+
+    return register
+
+
 def solution(name: str) -> Callable:
     """The reference solution of exercise ``name`` (what ``SOLUTIONS=True`` uses)."""
+    _import_all()
     try:
         return SOLUTIONS[name]
     except KeyError:
         raise ValueError(f"exercise name must be one of {sorted(SOLUTIONS)}, got {name!r}") from None
 
 
-# name -> reference solution; each notebook's section below registers its own.
-SOLUTIONS: dict[str, Callable] = {}
+def _import_all() -> None:
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
