@@ -1,0 +1,11 @@
+"""Benchmarks behind ``python -m moe_lab bench <name>``.
+
+One module per benchmark. Each exposes ``DESCRIPTION``, ``add_arguments(parser)`` and
+``run(args) -> dict``; the dict is printed as one JSON object with ``--json`` and as a table
+otherwise, and every figure in it is also appended to the results ledger by the module.
+"""
+
+BENCHMARKS = {
+    # name -> module (imported only when that benchmark is asked for)
+    "mxfp8": "moe_lab.bench.mxfp8",
+}
