@@ -1,0 +1,174 @@
+"""A small decoder-only MoE transformer, the model every notebook trains.
+
+Pre-norm blocks (RMSNorm → attention → residual, RMSNorm → FFN → residual) with rotary
+position embeddings and grouped-query attention. The first ``cfg.n_dense_layers``
+blocks use a dense SwiGLU FFN, the rest an MoE layer (DeepSeek-V3 keeps its first three
+layers dense the same way). Implementations are picked by name — the dispatcher for
+the MoE layers, ``attention_impl`` for attention — never by ``if`` scattered through
+the model.
+
+``model(idx, targets)`` with ``idx: [batch, seq] int64`` returns ``ModelOutput`` with
+``logits: [batch, seq, vocab]``, ``loss`` (cross-entropy + the MoE auxiliary losses, or
+``None`` without targets), ``lm_loss`` and the per-layer ``MoEStats``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moe_lab.attention import causal_attention
+from moe_lab.config import ModelConfig
+from moe_lab.moe.experts import SwiGLU
+from moe_lab.moe.layer import MoELayer, MoEStats
+
+Tensor = torch.Tensor
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float = 10_000.0) -> tuple[Tensor, Tensor]:
+    """cos, sin: ``[seq_len, head_dim // 2]`` for rotary embeddings."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs of ``x: [batch, heads, seq, head_dim]`` by position."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention; ``attention_impl`` names the core (see
+    ``moe_lab.attention.ATTENTION_IMPLS``)."""
+
+    def __init__(self, cfg: ModelConfig, attention_impl: str = "sdpa") -> None:
+        super().__init__()
+        if cfg.attention != "mha":
+            raise ValueError(
+                f"the trainable model implements attention='mha' only, got {cfg.attention!r} "
+                f"(preset {cfg.name!r} is for the FLOPs model and simulators)"
+            )
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim_head
+        self.attention_impl = attention_impl
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head,
+                             bias=False)
+        self.out = nn.Linear(cfg.n_heads * cfg.dim_head, cfg.d_model, bias=False)
+        cos, sin = rope_cache(cfg.seq_len, cfg.dim_head)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim,
+             self.kv_heads * self.head_dim], dim=-1,
+        )
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+        y = causal_attention(q, k, v, impl=self.attention_impl)
+        return self.out(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: bool, dispatcher: str, attention_impl: str) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg, attention_impl)
+        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.ffn = MoELayer(cfg.moe, dispatcher) if moe else SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, MoEStats | None]:
+        x = x + self.attn(self.norm1(x))
+        if isinstance(self.ffn, MoELayer):
+            y, stats = self.ffn(self.norm2(x))
+            return x + y, stats
+        return x + self.ffn(self.norm2(x)), None
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor
+    loss: Tensor | None
+    lm_loss: Tensor | None
+    moe_stats: list[MoEStats] = field(default_factory=list)
+
+    @property
+    def aux_loss(self) -> Tensor:
+        return sum((s.aux_loss + s.z_loss for s in self.moe_stats), self.logits.new_zeros(()))
+
+
+class MoETransformer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, dispatcher: str = "naive", attention_impl: str = "sdpa"
+    ) -> None:
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            Block(cfg, i >= cfg.n_dense_layers, dispatcher, attention_impl)
+            for i in range(cfg.n_layers)
+        )
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
+
+    def set_dispatcher(self, name: str) -> None:
+        """Switch every MoE layer to dispatcher ``name`` (weights unchanged)."""
+        from moe_lab.moe.dispatch import DISPATCHERS
+
+        if name not in DISPATCHERS:
+            raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {name!r}")
+        for layer in self.moe_layers:
+            layer.dispatcher = name
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> ModelOutput:
+        if idx.dim() != 2 or idx.dtype != torch.int64:
+            raise ValueError(f"idx must be [batch, seq] int64, got {tuple(idx.shape)} {idx.dtype}")
+        if idx.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds cfg.seq_len={self.cfg.seq_len}")
+        x = self.embed(idx)
+        stats: list[MoEStats] = []
+        for block in self.blocks:
+            x, s = block(x)
+            if s is not None:
+                stats.append(s)
+        logits = self.lm_head(self.norm(x))
+        out = ModelOutput(logits=logits, loss=None, lm_loss=None, moe_stats=stats)
+        if targets is not None:
+            lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+            out.lm_loss = lm
+            out.loss = lm + out.aux_loss.float()
+        return out
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameters in total, or active per token (top_k of n_experts routed experts)."""
+        total = sum(p.numel() for p in self.parameters())
+        if not active:
+            return total
+        inactive = 0
+        for layer in self.moe_layers:
+            per_expert = layer.experts.w_gate_up[0].numel() + layer.experts.w_down[0].numel()
+            inactive += per_expert * (layer.cfg.n_experts - layer.cfg.top_k)
+        return total - inactive

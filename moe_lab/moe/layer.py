@@ -1,0 +1,93 @@
+"""The MoE layer: router → dispatcher → experts (+ an optional shared expert).
+
+``y, stats = MoELayer(cfg, dispatcher="naive")(x)`` with ``x: [tokens, d_model]`` or
+``[batch, seq, d_model]``. The dispatcher is chosen by name from
+``moe_lab.moe.dispatch.DISPATCHERS``; every dispatcher computes the same function
+(up to dropped tokens, which ``stats.dropped_tokens`` counts) and is tested against
+``naive``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from moe_lab.config import MoEConfig
+from moe_lab.moe.dispatch import DISPATCHERS
+from moe_lab.moe.experts import SwiGLU, SwiGLUExperts
+from moe_lab.moe.router import Router, RouterOutput
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class MoEStats:
+    """What one MoE forward reports; every field stays on the device."""
+
+    tokens_per_expert: Tensor  # [E] int64
+    aux_loss: Tensor  # [] the load-balancing loss, already times cfg.aux_loss_coef
+    z_loss: Tensor  # [] router z-loss, already times cfg.z_loss_coef
+    dropped_tokens: Tensor  # [] int64: (token, expert) assignments not computed
+    routing: RouterOutput
+
+    @property
+    def imbalance(self) -> Tensor:
+        """max load / mean load (1.0 is perfectly balanced)."""
+        load = self.tokens_per_expert.float()
+        return load.max() / load.mean().clamp_min(1e-9)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, dispatcher: str = "naive") -> None:
+        super().__init__()
+        if not isinstance(cfg, MoEConfig):
+            raise ValueError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(
+                f"dispatcher must be one of {sorted(DISPATCHERS)}, got {dispatcher!r}"
+            )
+        self.cfg = cfg
+        self.dispatcher = dispatcher
+        self.router = Router(cfg)
+        self.experts = SwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert)
+        self.shared = (
+            SwiGLU(cfg.d_model, cfg.d_expert * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
+        if x.dim() not in (2, 3) or x.shape[-1] != self.cfg.d_model:
+            raise ValueError(
+                f"x must be [tokens, d_model={self.cfg.d_model}] or [batch, seq, d_model], "
+                f"got {tuple(x.shape)}"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        if x.dtype != self.experts.w_gate_up.dtype or x.device != self.experts.w_gate_up.device:
+            raise ValueError(
+                f"x is {x.dtype} on {x.device} but the layer's weights are "
+                f"{self.experts.w_gate_up.dtype} on {self.experts.w_gate_up.device}"
+            )
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        y, dropped = DISPATCHERS[self.dispatcher](
+            tokens, routing.topk_ids, routing.topk_weights, self.experts, self.cfg
+        )
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        stats = MoEStats(
+            tokens_per_expert=routing.tokens_per_expert,
+            aux_loss=(routing.aux_loss * self.cfg.aux_loss_coef).to(x.dtype),
+            z_loss=(routing.z_loss * self.cfg.z_loss_coef).to(x.dtype),
+            dropped_tokens=dropped,
+            routing=routing,
+        )
+        return y.reshape(shape), stats
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return f"experts={c.n_experts}, top_k={c.top_k}, dispatcher={self.dispatcher!r}"

@@ -1,0 +1,79 @@
+"""Plots the notebooks share. Each function draws on an Axes (created if not given)
+and returns it, so a notebook can compose figures."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def _ax(ax=None, figsize=(6, 3.5)):
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    return ax
+
+
+def plot_tokens_per_expert(counts: Sequence[float], capacity: float | None = None, ax=None,
+                           title: str = "tokens per expert"):
+    """Bar chart of the load of each expert, with the capacity line if given."""
+    ax = _ax(ax)
+    counts = np.asarray(counts, dtype=float)
+    colors = ["tab:red" if capacity is not None and c > capacity else "tab:blue" for c in counts]
+    ax.bar(np.arange(len(counts)), counts, color=colors)
+    ax.axhline(counts.mean(), color="k", ls=":", lw=1, label=f"mean {counts.mean():.0f}")
+    if capacity is not None:
+        ax.axhline(capacity, color="tab:red", ls="--", lw=1, label=f"capacity {capacity:.0f}")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("tokens")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_routing_heatmap(matrix, row_labels: Sequence[str], ax=None,
+                         title: str = "share of each domain's tokens per expert"):
+    """Heat map ``[domains, experts]``; rows are normalised to sum to one."""
+    ax = _ax(ax, figsize=(7, 0.45 * len(row_labels) + 1.5))
+    m = np.asarray(matrix, dtype=float)
+    m = m / np.maximum(m.sum(axis=1, keepdims=True), 1e-12)
+    im = ax.imshow(m, aspect="auto", cmap="viridis")
+    ax.set_yticks(range(len(row_labels)), row_labels)
+    ax.set_xlabel("expert")
+    ax.set_title(title)
+    plt.colorbar(im, ax=ax, fraction=0.03)
+    return ax
+
+
+def plot_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], ax=None,
+                xlabel: str = "step", ylabel: str = "loss", title: str = "", logy: bool = False):
+    """Several named (x, y) curves on one Axes."""
+    ax = _ax(ax)
+    for name, (x, y) in curves.items():
+        ax.plot(x, y, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return ax
+
+
+def plot_bars(values: dict[str, float], ax=None, ylabel: str = "", title: str = "",
+              fmt: str = "{:.3g}"):
+    """A labelled bar per entry, the value written on each bar."""
+    ax = _ax(ax)
+    names, vals = list(values), [values[k] for k in values]
+    bars = ax.bar(names, vals, color="tab:blue")
+    for b, v in zip(bars, vals, strict=True):
+        ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.tick_params(axis="x", rotation=20)
+    return ax
