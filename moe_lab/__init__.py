@@ -28,7 +28,7 @@ def _cuda_present() -> bool:
 if "TRITON_INTERPRET" not in os.environ and not _cuda_present():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from moe_lab.config import MoEConfig, ModelConfig, preset  # noqa: E402
+from moe_lab.config import ModelConfig, MoEConfig, preset  # noqa: E402
 
 __all__ = ["MoEConfig", "ModelConfig", "preset", "MoELayer", "MoETransformer"]
 __version__ = "0.1.0"

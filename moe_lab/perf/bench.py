@@ -1,0 +1,280 @@
+"""All timing in moe_lab goes through here.
+
+A single timestamp around one call tells you very little: the first call pays for
+allocation, kernel compilation and cold caches, and any later call can be hit by another
+process. So `bench` warms up first, then times many calls *one at a time* and reports the
+median with its spread (min, max, inter-quartile range). On the CPU each call is wrapped in
+``time.perf_counter()``; on CUDA, where work is asynchronous, each call is bracketed by a
+pair of CUDA events and the device is synchronised before the times are read.
+
+`compare` times several implementations ("providers") of the same thing on the same
+inputs in one run. With ``alternate=True`` it interleaves them round by round (and flips
+the order every other round), so a burst of background noise lands on all of them rather
+than on whichever happened to run at that moment; it reports ratios against the first.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+# Adaptive runs (repeat=None) time at least this many calls, however slow each one is,
+# so the median and IQR are never computed from one or two samples.
+MIN_ADAPTIVE_REPEAT = 5
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """Timings of one function: ``n`` calls, each timed on its own.
+
+    ``times`` holds the ``n`` per-call durations in seconds; ``median_s``, ``min_s``,
+    ``max_s`` and ``iqr_s`` (75th minus 25th percentile) summarise them. ``device`` is
+    ``"cuda"`` (CUDA-event timing) or ``"cpu"`` (wall clock).
+    """
+
+    median_s: float
+    min_s: float
+    max_s: float
+    iqr_s: float
+    n: int
+    device: str
+    times: list[float] = field(repr=False)
+
+    @classmethod
+    def from_times(cls, times: list[float], device: str) -> BenchResult:
+        """Summarise a list of per-call durations (seconds)."""
+        if not times:
+            raise ValueError("times must hold at least one duration, got an empty list")
+        times = [float(t) for t in times]
+        if len(times) >= 2:
+            q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+            iqr = q3 - q1
+        else:
+            iqr = 0.0
+        return cls(
+            median_s=statistics.median(times), min_s=min(times), max_s=max(times),
+            iqr_s=iqr, n=len(times), device=device, times=times,
+        )
+
+    def per_second(self, items: float) -> float:
+        """Throughput: ``items`` processed per call divided by the median time per call."""
+        if not items >= 0:
+            raise ValueError(f"items must be a non-negative number, got {items!r}")
+        return items / self.median_s if self.median_s > 0 else math.inf
+
+    @property
+    def median_ms(self) -> float:
+        return self.median_s * 1e3
+
+    def __str__(self) -> str:
+        return (
+            f"{_fmt_time(self.median_s)} median (min {_fmt_time(self.min_s)}, "
+            f"max {_fmt_time(self.max_s)}, IQR {_fmt_time(self.iqr_s)}; "
+            f"n={self.n}, {self.device})"
+        )
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def _tensors(obj: object) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def infer_device(args: tuple, kwargs: dict) -> str:
+    """``"cuda"`` when any tensor argument is on a CUDA device, ``"cpu"`` when the tensor
+    arguments are all on the CPU; with no tensor arguments (a closure), ``"cuda"`` when a
+    CUDA device is present, since a closure on a GPU machine is assumed to launch GPU work.
+    """
+    devices = {t.device.type for t in _tensors((args, kwargs))}
+    if "cuda" in devices:
+        return "cuda"
+    if devices:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _Timer:
+    """Times one call of ``fn``: wall clock on the CPU, a CUDA event pair on CUDA."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.times: list[float] = []
+
+    def call(self, fn: Callable, args: tuple, kwargs: dict) -> float:
+        """Run ``fn`` once and return the elapsed seconds known so far (CUDA: the host
+        time, only to drive the adaptive loop; the event time is read in `collect`)."""
+        if self.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()  # queued work must not spill into this call's window
+            t0 = time.perf_counter()
+            start.record()
+            fn(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            self._pending.append((start, end))
+            return time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        elapsed = time.perf_counter() - t0
+        self.times.append(elapsed)
+        return elapsed
+
+    def collect(self) -> list[float]:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.times.extend(s.elapsed_time(e) / 1e3 for s, e in self._pending)
+            self._pending.clear()
+        return self.times
+
+
+def _check_counts(warmup: int, repeat: int | None, min_time_s: float, max_repeat: int) -> None:
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    bad_repeat = not isinstance(repeat, int) or isinstance(repeat, bool) or repeat <= 0
+    if repeat is not None and bad_repeat:
+        raise ValueError(f"repeat must be a positive integer or None (adaptive), got {repeat!r}")
+    if not isinstance(max_repeat, int) or isinstance(max_repeat, bool) or max_repeat <= 0:
+        raise ValueError(f"max_repeat must be a positive integer, got {max_repeat!r}")
+    if not (isinstance(min_time_s, (int, float)) and min_time_s >= 0 and math.isfinite(min_time_s)):
+        raise ValueError(f"min_time_s must be a finite number >= 0, got {min_time_s!r}")
+
+
+def bench(
+    fn: Callable,
+    *args,
+    warmup: int = 3,
+    repeat: int | None = None,
+    min_time_s: float = 0.2,
+    max_repeat: int = 1000,
+    **kwargs,
+) -> BenchResult:
+    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then calls timed one by one.
+
+    With ``repeat`` given, exactly that many timed calls; with ``repeat=None`` (adaptive),
+    calls continue until their total reaches ``min_time_s`` and at least
+    ``MIN_ADAPTIVE_REPEAT`` were made, never more than ``max_repeat``. Returns a
+    `BenchResult` (median and spread). Never time on all-zero inputs: hardware and
+    libraries take shortcuts on zeros that real data does not allow.
+    """
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    _check_counts(warmup, repeat, min_time_s, max_repeat)
+    device = infer_device(args, kwargs)
+    timer = _Timer(device)
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    if repeat is not None:
+        for _ in range(repeat):
+            timer.call(fn, args, kwargs)
+    else:
+        total, n = 0.0, 0
+        while n < max_repeat and (n < MIN_ADAPTIVE_REPEAT or total < min_time_s):
+            total += timer.call(fn, args, kwargs)
+            n += 1
+    return BenchResult.from_times(timer.collect(), device)
+
+
+class Comparison(dict):
+    """``name -> BenchResult`` for providers timed in one run; the first is the baseline."""
+
+    @property
+    def baseline(self) -> str:
+        return next(iter(self))
+
+    def ratios(self, baseline: str | None = None) -> dict[str, float]:
+        """Speed-up of each provider over ``baseline`` (default: the first):
+        baseline median time / provider median time (> 1 means faster)."""
+        baseline = self.baseline if baseline is None else baseline
+        if baseline not in self:
+            raise ValueError(f"baseline must be one of {list(self)}, got {baseline!r}")
+        base = self[baseline].median_s
+        return {name: base / r.median_s if r.median_s > 0 else math.inf for name, r in self.items()}
+
+    def fastest(self) -> str:
+        """Name of the provider with the smallest median time."""
+        return min(self, key=lambda name: self[name].median_s)
+
+    def __str__(self) -> str:
+        width = max(len(name) for name in self)
+        lines = []
+        for name, ratio in self.ratios().items():
+            lines.append(f"{name:<{width}}  {self[name]}  x{ratio:.2f} vs {self.baseline}")
+        return "\n".join(lines)
+
+
+def compare(
+    fns: dict[str, Callable],
+    *args,
+    alternate: bool = True,
+    warmup: int = 3,
+    repeat: int | None = None,
+    min_time_s: float = 0.2,
+    max_repeat: int = 1000,
+    **kwargs,
+) -> Comparison:
+    """Time several providers of the same computation on the same ``args`` in one run.
+
+    ``fns`` maps a provider name to a callable; every callable gets ``*args, **kwargs``.
+    With ``alternate=True`` each round calls every provider once (the order reversed every
+    other round) so that noise is shared; with ``alternate=False`` each is benched in turn.
+    Rounds follow `bench`'s rule: ``repeat`` rounds, or adaptive until the slowest provider
+    has run ``min_time_s`` in total (at least ``MIN_ADAPTIVE_REPEAT``, at most ``max_repeat``
+    rounds), so every provider gets the same number of timed calls. Returns a `Comparison`
+    (a dict of `BenchResult`) whose ``ratios()`` are speed-ups over the first provider.
+    """
+    if not isinstance(fns, dict) or not fns:
+        raise ValueError(f"fns must be a non-empty dict of name -> callable, got {fns!r}")
+    for name, fn in fns.items():
+        if not callable(fn):
+            raise ValueError(f"fns[{name!r}] must be callable, got {type(fn).__name__}")
+    _check_counts(warmup, repeat, min_time_s, max_repeat)
+    if not alternate:
+        return Comparison(
+            (name, bench(fn, *args, warmup=warmup, repeat=repeat, min_time_s=min_time_s,
+                         max_repeat=max_repeat, **kwargs))
+            for name, fn in fns.items()
+        )
+    device = infer_device(args, kwargs)
+    names = list(fns)
+    timers = {name: _Timer(device) for name in names}
+    for _ in range(warmup):
+        for name in names:
+            fns[name](*args, **kwargs)
+    totals = dict.fromkeys(names, 0.0)
+    rounds = 0
+    while True:
+        if repeat is not None:
+            if rounds >= repeat:
+                break
+        elif rounds >= max_repeat or (
+            # the slowest provider sets the pace: waiting for the fastest to reach min_time_s
+            # would run a slow one thousands of times
+            rounds >= MIN_ADAPTIVE_REPEAT and max(totals.values()) >= min_time_s
+        ):
+            break
+        order = names if rounds % 2 == 0 else names[::-1]
+        for name in order:
+            totals[name] += timers[name].call(fns[name], args, kwargs)
+        rounds += 1
+    return Comparison(
+        (name, BenchResult.from_times(timers[name].collect(), device)) for name in names
+    )

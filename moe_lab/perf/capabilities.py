@@ -1,0 +1,186 @@
+"""What this machine can do, detected once.
+
+Every notebook and kernel in moe_lab asks the same few questions before it picks a path:
+is there a CUDA device, do Triton kernels run compiled or under the interpreter, is
+Transformer Engine importable, does the GPU have native MXFP8 matrix units (SM 10.x,
+Blackwell)? `capabilities()` answers them once per process and caches the answer, so a
+notebook can print one line about its hardware and every figure it records can carry the
+same label. The small predicates below (`is_cuda()`, `native_mxfp8()`,
+`triton_interpreted()`) are what code branches on; nothing else should read
+``torch.cuda`` or ``TRITON_INTERPRET`` directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+# Blackwell data-centre parts (SM 10.0, 10.3) are the first with block-scaled (MX) FP8
+# tensor-core instructions; Transformer Engine's MXFP8BlockScaling recipe requires them.
+MXFP8_MIN_CAPABILITY = (10, 0)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The hardware and software this process runs on.
+
+    ``device`` is ``"cuda"`` or ``"cpu"``; ``device_name`` the GPU name or the CPU model;
+    ``n_threads`` torch's intra-op thread count; ``cuda_capability`` ``(major, minor)`` or
+    ``None``; ``triton_mode`` ``"compiled"`` or ``"interpreted"``; ``versions`` maps library
+    names to version strings.
+    """
+
+    device: str
+    device_name: str
+    n_threads: int
+    cuda_capability: tuple[int, int] | None
+    n_devices: int
+    triton_mode: str
+    transformer_engine: bool
+    native_mxfp8: bool
+    has_grouped_mm: bool
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def hardware_label(self) -> str:
+        """A short label for figures and the ledger: ``"H200"``, ``"H200 x8"``, or
+        ``"cpu:AMD EPYC x2"`` (CPU model and thread count)."""
+        if self.device == "cuda":
+            label = _short_gpu_name(self.device_name)
+            return f"{label} x{self.n_devices}" if self.n_devices > 1 else label
+        return f"cpu:{_short_cpu_name(self.device_name)} x{self.n_threads}"
+
+    def summary(self) -> str:
+        """One line: device, Triton mode, Transformer Engine, MXFP8, library versions."""
+        cc = (
+            f" sm_{self.cuda_capability[0]}{self.cuda_capability[1]}"
+            if self.cuda_capability
+            else ""
+        )
+        te = "no TE"
+        if self.transformer_engine:
+            te = "TE " + self.versions.get("transformer_engine", "present")
+        mx = "native MXFP8" if self.native_mxfp8 else "MXFP8 emulated"
+        return (
+            f"{self.hardware_label()} ({self.device_name}{cc}, {self.n_threads} threads); "
+            f"triton {self.triton_mode}; "
+            f"{te}; {mx}; torch {self.versions.get('torch', '?')}, "
+            f"triton {self.versions.get('triton', '?')}, python {self.versions.get('python', '?')}"
+        )
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict (tuples become lists), with the hardware label added."""
+        return {
+            "device": self.device,
+            "device_name": self.device_name,
+            "hardware_label": self.hardware_label(),
+            "n_threads": self.n_threads,
+            "n_devices": self.n_devices,
+            "cuda_capability": list(self.cuda_capability) if self.cuda_capability else None,
+            "triton_mode": self.triton_mode,
+            "transformer_engine": self.transformer_engine,
+            "native_mxfp8": self.native_mxfp8,
+            "has_grouped_mm": self.has_grouped_mm,
+            "versions": dict(self.versions),
+        }
+
+
+def _short_gpu_name(name: str) -> str:
+    # "NVIDIA H200" -> "H200"; "NVIDIA GB300" -> "GB300"; "NVIDIA H100 80GB HBM3" -> "H100"
+    name = re.sub(r"^NVIDIA\s+", "", name.strip())
+    return name.split()[0] if name else "cuda"
+
+
+def _short_cpu_name(name: str) -> str:
+    name = re.sub(r"\((R|TM|tm|r)\)", "", name)
+    name = re.sub(r"\s+(CPU|Processor)\b.*$", "", name)
+    name = re.sub(r"\s+\d+-Core.*$", "", name)
+    return " ".join(name.split()) or "unknown"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of python, torch, triton, numpy and (when installed) Transformer Engine."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for key, dists in (
+        ("triton", ("triton",)),
+        ("numpy", ("numpy",)),
+        ("transformer_engine", ("transformer-engine", "transformer_engine")),
+    ):
+        for dist in dists:
+            v = _version(dist)
+            if v is not None:
+                versions[key] = v
+                break
+    return versions
+
+
+def _transformer_engine_importable() -> bool:
+    # find_spec, not import: Transformer Engine loads CUDA libraries at import time.
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def capabilities() -> Capabilities:
+    """Detect the machine once per process (cached)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device_name = torch.cuda.get_device_name(0)
+        cc = tuple(torch.cuda.get_device_capability(0))
+        n_devices = torch.cuda.device_count()
+    else:
+        device_name, cc, n_devices = _cpu_model(), None, 1
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" or not cuda
+    return Capabilities(
+        device="cuda" if cuda else "cpu",
+        device_name=device_name,
+        n_threads=torch.get_num_threads(),
+        cuda_capability=cc,
+        n_devices=n_devices,
+        triton_mode="interpreted" if interpreted else "compiled",
+        transformer_engine=_transformer_engine_importable(),
+        native_mxfp8=cc is not None and cc >= MXFP8_MIN_CAPABILITY,
+        has_grouped_mm=hasattr(torch, "_grouped_mm"),
+        versions=library_versions(),
+    )
+
+
+def is_cuda() -> bool:
+    """True when a CUDA device is present."""
+    return capabilities().device == "cuda"
+
+
+def native_mxfp8() -> bool:
+    """True on GPUs with MX block-scaled FP8 tensor cores (SM 10.0 and newer)."""
+    return capabilities().native_mxfp8
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` or no CUDA)."""
+    return capabilities().triton_mode == "interpreted"

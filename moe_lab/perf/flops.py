@@ -1,0 +1,245 @@
+"""Training FLOPs per token, TFLOPS per GPU and MFU.
+
+To turn "tokens per second" into "how hard is the hardware working" one needs the FLOPs a
+token costs. The count here follows the convention of Megatron-LM's FLOPs formula, which
+MLPerf submitters and papers quote:
+
+* only matrix multiplications count; one multiply-accumulate (MAC) is 2 FLOPs;
+* training = forward + backward, and the backward pass does two matmuls for every one in
+  the forward (gradient with respect to the input and to the weight), so 3x forward;
+* causal attention does half the work of full attention: a query at position ``i`` sees
+  ``i`` keys, ``seq_len / 2`` on average; a sliding-window layer of window ``w`` sees at
+  most ``w`` (on average ``w - w^2 / (2 seq_len)`` for ``w < seq_len``);
+* an MoE layer runs ``top_k`` routed experts and every shared expert per token, each a
+  SwiGLU MLP of three ``d_model x d_expert`` matrices; the router is one
+  ``d_model x n_experts`` matmul;
+* multi-token prediction (MTP) modules each add one MoE transformer layer, a projection
+  of the concatenated ``[hidden; embedding]`` (``2 d_model -> d_model``) and their own
+  logits.
+
+Norms, activations, softmax and the embedding lookup are left out (they are a fraction of
+a percent for large models). So one token of a model whose matmuls touch ``P`` weights
+costs about ``6 P`` FLOPs, plus attention's ``seq_len``-dependent core.
+
+All counts are per token of a training sequence of length ``seq_len`` (default
+``cfg.seq_len``).
+"""
+
+from __future__ import annotations
+
+from moe_lab.config import ModelConfig
+
+FLOPS_PER_MAC = 2
+TRAIN_MULTIPLIER = 3  # forward + backward (input grad + weight grad)
+_TRAIN = FLOPS_PER_MAC * TRAIN_MULTIPLIER
+
+
+def _check_cfg(cfg: ModelConfig) -> None:
+    if not isinstance(cfg, ModelConfig):
+        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+
+
+def _seq(cfg: ModelConfig, seq_len: int | None) -> int:
+    _check_cfg(cfg)
+    if seq_len is None:
+        return cfg.seq_len
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
+    return seq_len
+
+
+def attended_keys(seq_len: int, window: int = 0) -> float:
+    """Average number of keys a query attends to in a causal sequence of ``seq_len``.
+
+    Full causal attention: ``seq_len / 2`` (the Megatron convention). With a sliding
+    window ``w < seq_len``: ``w - w^2 / (2 seq_len)`` (the band of width ``w`` below the
+    diagonal of the ``seq_len x seq_len`` score matrix, per row). ``window=0``: no window.
+    """
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be a non-negative integer, got {window!r}")
+    if window == 0 or window >= seq_len:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
+def is_sliding_layer(cfg: ModelConfig, layer: int) -> bool:
+    """True when decoder layer ``layer`` (0-based) uses the sliding window: with
+    ``sliding_every = e`` layers ``0, e, 2e, ...`` are windowed (GPT-OSS: every other
+    layer, starting with the first)."""
+    return cfg.sliding_window > 0 and cfg.sliding_every > 0 and layer % cfg.sliding_every == 0
+
+
+def attention_proj_macs(cfg: ModelConfig) -> int:
+    """Forward MACs per token of one layer's attention projections (Q, K, V, O or MLA)."""
+    d, h = cfg.d_model, cfg.n_heads
+    if cfg.attention == "mla":
+        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * qk_dim  # down, then up
+        else:
+            q = d * h * qk_dim
+        kv_down = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # latent + shared rope key
+        kv_up = cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        out = h * cfg.v_head_dim * d
+        return q + kv_down + kv_up + out
+    hd = cfg.dim_head
+    return d * h * hd + 2 * d * cfg.kv_heads * hd + h * hd * d
+
+
+def attention_core_macs(cfg: ModelConfig, seq_len: int, window: int = 0) -> float:
+    """Forward MACs per token of one layer's attention core (``QK^T`` and ``PV``), causal."""
+    h = cfg.n_heads
+    if cfg.attention == "mla":
+        qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        qk_dim = v_dim = cfg.dim_head
+    return attended_keys(seq_len, window) * h * (qk_dim + v_dim)
+
+
+def dense_mlp_macs(cfg: ModelConfig) -> int:
+    """Forward MACs per token of a dense SwiGLU FFN (gate, up, down: 3 matrices)."""
+    return 3 * cfg.d_model * cfg.d_ff
+
+
+def moe_mlp_macs(cfg: ModelConfig) -> int:
+    """Forward MACs per token of an MoE layer's experts: ``top_k`` routed plus every
+    shared expert, each a SwiGLU of three ``d_model x d_expert`` matrices."""
+    m = cfg.moe
+    return (m.top_k + m.n_shared_experts) * 3 * cfg.d_model * m.d_expert
+
+
+def router_macs(cfg: ModelConfig) -> int:
+    """Forward MACs per token of the router gate ``[d_model] @ [d_model, n_experts]``."""
+    return cfg.d_model * cfg.moe.n_experts
+
+
+def logits_macs(cfg: ModelConfig) -> int:
+    """Forward MACs per token of the output projection ``[d_model] @ [d_model, vocab]``."""
+    return cfg.d_model * cfg.vocab_size
+
+
+def mtp_proj_macs(cfg: ModelConfig) -> int:
+    """Forward MACs per token of one MTP module's ``eh`` projection ``2 d_model -> d_model``."""
+    return 2 * cfg.d_model * cfg.d_model
+
+
+def _mtp_count(cfg: ModelConfig, include_mtp: bool) -> int:
+    return cfg.mtp_layers if include_mtp else 0
+
+
+def flops_breakdown(
+    cfg: ModelConfig, seq_len: int | None = None, *, include_mtp: bool = True
+) -> dict[str, float]:
+    """Training FLOPs per token by kind of work; the values sum to
+    `training_flops_per_token`.
+
+    Keys: ``mlp`` (dense FFNs, routed and shared experts, MTP modules' experts included),
+    ``attention_proj``, ``attention_core``, ``router``, ``logits`` (main head plus each MTP
+    module's), ``mtp`` (only the MTP modules' ``eh`` projections: their attention, MLP and
+    logits are counted under the keys above).
+    """
+    s = _seq(cfg, seq_len)
+    n_mtp = _mtp_count(cfg, include_mtp)
+    n_layers_attn = cfg.n_layers + n_mtp
+    n_moe = cfg.n_moe_layers + n_mtp
+    core = sum(
+        attention_core_macs(cfg, s, cfg.sliding_window if is_sliding_layer(cfg, i) else 0)
+        for i in range(cfg.n_layers)
+    ) + n_mtp * attention_core_macs(cfg, s)
+    macs = {
+        "mlp": cfg.n_dense_layers * dense_mlp_macs(cfg) + n_moe * moe_mlp_macs(cfg),
+        "attention_proj": n_layers_attn * attention_proj_macs(cfg),
+        "attention_core": core,
+        "router": n_moe * router_macs(cfg),
+        "logits": (1 + n_mtp) * logits_macs(cfg),
+        "mtp": n_mtp * mtp_proj_macs(cfg),
+    }
+    return {k: float(_TRAIN * v) for k, v in macs.items()}
+
+
+def training_flops_per_token(
+    cfg: ModelConfig, seq_len: int | None = None, *, include_mtp: bool = True
+) -> float:
+    """Training (forward + backward) FLOPs per token at sequence length ``seq_len``.
+
+    DeepSeek-V3 at 4096 with its one MTP module: about 260 GFLOP/token.
+    """
+    return sum(flops_breakdown(cfg, seq_len, include_mtp=include_mtp).values())
+
+
+def per_layer_flops(cfg: ModelConfig, seq_len: int | None = None) -> list[float]:
+    """Training FLOPs per token of each decoder layer, in order (``cfg.n_layers`` values;
+    the embedding, logits and MTP modules are not included)."""
+    s = _seq(cfg, seq_len)
+    out = []
+    for i in range(cfg.n_layers):
+        window = cfg.sliding_window if is_sliding_layer(cfg, i) else 0
+        macs = attention_proj_macs(cfg) + attention_core_macs(cfg, s, window)
+        if i < cfg.n_dense_layers:
+            macs += dense_mlp_macs(cfg)
+        else:
+            macs += moe_mlp_macs(cfg) + router_macs(cfg)
+        out.append(float(_TRAIN * macs))
+    return out
+
+
+def layer_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, float]:
+    """Training FLOPs per token of one layer of each type, for a pipeline model.
+
+    ``embedding`` (a lookup: 0), ``dense`` (attention + dense FFN), ``moe`` (attention +
+    router + experts; the mean over MoE layers when sliding-window layers make them
+    differ), ``mtp`` (one MTP module: an MoE layer with full causal attention, its ``eh``
+    projection and its own logits), ``logits`` (the output head). A type the model lacks
+    has 0. ``dense * n_dense_layers + moe * n_moe_layers + mtp * mtp_layers + logits``
+    equals `training_flops_per_token`.
+    """
+    s = _seq(cfg, seq_len)
+    layers = per_layer_flops(cfg, s)
+    dense = layers[: cfg.n_dense_layers]
+    moe = layers[cfg.n_dense_layers :]
+    moe_full = attention_proj_macs(cfg) + attention_core_macs(cfg, s) + moe_mlp_macs(cfg)
+    moe_full += router_macs(cfg)
+    return {
+        "embedding": 0.0,
+        "dense": sum(dense) / len(dense) if dense else 0.0,
+        "moe": sum(moe) / len(moe) if moe else 0.0,
+        "mtp": float(_TRAIN * (moe_full + mtp_proj_macs(cfg) + logits_macs(cfg)))
+        if cfg.mtp_layers
+        else 0.0,
+        "logits": float(_TRAIN * logits_macs(cfg)),
+    }
+
+
+def active_params(cfg: ModelConfig, *, include_mtp: bool = False) -> int:
+    """Weights one token's matmuls touch (embedding lookup excluded, output head included):
+    ``training_flops_per_token`` minus the attention core, divided by 6."""
+    _check_cfg(cfg)
+    n_mtp = _mtp_count(cfg, include_mtp)
+    n_moe = cfg.n_moe_layers + n_mtp
+    return (
+        cfg.n_dense_layers * dense_mlp_macs(cfg)
+        + n_moe * (moe_mlp_macs(cfg) + router_macs(cfg))
+        + (cfg.n_layers + n_mtp) * attention_proj_macs(cfg)
+        + (1 + n_mtp) * logits_macs(cfg)
+        + n_mtp * mtp_proj_macs(cfg)
+    )
+
+
+def tflops_per_gpu(
+    cfg: ModelConfig, seq_len: int | None, tokens_per_s: float, *, include_mtp: bool = True
+) -> float:
+    """Model TFLOPS per GPU sustained at ``tokens_per_s`` tokens per second per GPU."""
+    if not (isinstance(tokens_per_s, (int, float)) and tokens_per_s >= 0):
+        raise ValueError(f"tokens_per_s must be a number >= 0, got {tokens_per_s!r}")
+    return training_flops_per_token(cfg, seq_len, include_mtp=include_mtp) * tokens_per_s / 1e12
+
+
+def mfu(achieved_flops: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over peak FLOP/s (same units), in [0, ...)."""
+    if not (isinstance(achieved_flops, (int, float)) and achieved_flops >= 0):
+        raise ValueError(f"achieved_flops must be a number >= 0, got {achieved_flops!r}")
+    if not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
+        raise ValueError(f"peak_flops must be a number > 0, got {peak_flops!r}")
+    return achieved_flops / peak_flops

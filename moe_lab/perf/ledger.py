@@ -1,0 +1,362 @@
+"""The results ledger: every figure a notebook reports, one JSON line each.
+
+A notebook measures something (tokens/s, host syncs per step, bytes moved) and calls
+``record(notebook, step, metric, value, unit)``; the ledger appends one line to
+``ledger.jsonl`` holding the figure together with the hardware it was measured on, the
+library versions, the time (UTC) and the profile. Everything that shows a figure later —
+``build/RESULTS.md``, the README's gains table, the final notebook's waterfall — reads the
+ledger, so no figure is ever typed by hand.
+
+Where the ledger lives: ``$MOE_LAB_RESULTS_DIR/ledger.jsonl`` when that variable is set,
+else ``<project root>/build/results/ledger.jsonl``. The project root is the nearest parent
+of the current directory holding the moe-lab ``pyproject.toml``, so a notebook executing
+with cwd ``notebooks/`` writes to the same ledger as the command line.
+
+Why appends cannot corrupt it: each record is encoded to one ``bytes`` line first and
+written with a single ``os.write`` on a descriptor opened with ``O_APPEND``. The kernel
+moves to the end of the file and writes in one step, so concurrent writers (two notebooks,
+a notebook and the workbook runner) never interleave inside a line and never overwrite
+each other. A crash can still leave a torn last line; the next ``record`` starts on a
+fresh line when it finds one (checking the last byte under an advisory ``flock``, so a
+long line another writer is still copying in is not mistaken for a torn one), and
+``read`` skips a line that does not parse, with a warning. Rewriting the whole file
+through a temporary file and a rename was the other choice; it costs a full copy per
+figure and loses a figure when two writers rename at once, so it is not used here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import platform
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+try:
+    import fcntl
+except ModuleNotFoundError:  # Windows: no advisory locks; appends stay single writes
+    fcntl = None
+
+RESULTS_ENV = "MOE_LAB_RESULTS_DIR"
+PROFILE_ENV = "MOE_LAB_PROFILE"
+LEDGER_NAME = "ledger.jsonl"
+PROJECT_NAME = "moe-lab"
+
+# Keys every record has; ``**extra`` may add others but not replace these (bar ``profile``).
+CORE_KEYS = ("notebook", "step", "metric", "value", "unit", "hardware", "versions", "time")
+
+DEFAULT_KEYS = ("notebook", "step", "metric", "hardware")
+
+
+class LedgerWarning(UserWarning):
+    """A ledger line could not be read (a torn write, a hand edit) and was skipped."""
+
+
+# ------------------------------------------------------------------------------ location
+
+
+def _is_moe_lab_pyproject(path: Path) -> bool:
+    """Whether ``path`` is a pyproject.toml whose ``[project] name`` is ``moe-lab``."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: no tomllib; a [project] name line suffices.
+        section = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+        return bool(section) and bool(
+            re.search(rf'^name\s*=\s*["\']{PROJECT_NAME}["\']', section.group(1), re.M)
+        )
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    return data.get("project", {}).get("name") == PROJECT_NAME
+
+
+def find_project_root(start: str | os.PathLike[str] | None = None) -> Path | None:
+    """The nearest directory at or above ``start`` (default: cwd) holding moe-lab's pyproject.
+
+    Returns ``None`` when there is none, e.g. moe_lab installed from a wheel and run
+    outside the checkout.
+    """
+    here = Path(start if start is not None else Path.cwd()).resolve()
+    for directory in (here, *here.parents):
+        if _is_moe_lab_pyproject(directory / "pyproject.toml"):
+            return directory
+    return None
+
+
+def results_dir() -> Path:
+    """Where the ledger lives: ``$MOE_LAB_RESULTS_DIR``, else ``<root>/build/results``.
+
+    Without a project root above the current directory, ``./build/results``.
+    """
+    env = os.environ.get(RESULTS_ENV)
+    if env:
+        return Path(env)
+    root = find_project_root()
+    return (root if root is not None else Path.cwd()) / "build" / "results"
+
+
+def ledger_path() -> Path:
+    """The ledger file: ``results_dir() / "ledger.jsonl"``."""
+    return results_dir() / LEDGER_NAME
+
+
+# ------------------------------------------------------------------------------ context
+
+
+def _fallback_hardware_label() -> str:
+    machine = platform.processor() or platform.machine() or "unknown machine"
+    return f"{machine} CPU (capabilities unavailable)"
+
+
+def _hardware_label() -> str:
+    try:
+        from moe_lab.perf.capabilities import capabilities
+    except ImportError:
+        return _fallback_hardware_label()
+    return str(capabilities().hardware_label())
+
+
+def _library_versions() -> dict[str, str]:
+    try:
+        from moe_lab.perf.capabilities import library_versions
+    except ImportError:
+        return {"python": platform.python_version()}
+    return {str(name): str(version) for name, version in library_versions().items()}
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def _check_name(argument: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{argument} must be a non-empty string, got {value!r}")
+
+
+def _check_value(metric: str, value: object) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"value of metric {metric!r} must be a real number (int or float), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"value of metric {metric!r} must be finite, got {number!r}")
+    return number
+
+
+def _append_line(path: Path, line: bytes) -> None:
+    """Append ``line`` (ending in a newline) to ``path`` with one write on an O_APPEND fd."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Read-write only so the last byte can be checked; O_APPEND still puts every write at the end.
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            # Only for the torn-line check below: another writer's long line may be half
+            # copied in when we look at the last byte. The write itself needs no lock.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        # A crash mid-write may have left a torn last line: start on a fresh one so the
+        # torn bytes stay a line of their own (which `read` skips) instead of
+        # swallowing this record.
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        written = os.write(fd, line)
+        if written != len(line):
+            raise OSError(f"short write to {path}: {written} of {len(line)} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def record(
+    notebook: str,
+    step: str,
+    metric: str,
+    value: float,
+    unit: str,
+    *,
+    hardware: str | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Append one figure to the ledger and return the record written.
+
+    Args:
+        notebook: the notebook that measured it, e.g. ``"01_naive_moe"``.
+        step: what was measured within it, e.g. ``"naive"`` or ``"dropless"``.
+        metric: the quantity, e.g. ``"tokens_per_s"``.
+        value: a finite number; ints stay ints (counts), other reals become floats.
+        unit: e.g. ``"tok/s"``, ``"ms"``, ``"syncs"``; ``""`` for a pure ratio.
+        hardware: the label of the machine; default: ``capabilities().hardware_label()``.
+            Pass it when recording a figure measured elsewhere.
+        **extra: more JSON-serialisable fields (``profile``, ``spread``, ``n_repeats``, ...).
+            ``profile`` defaults to ``$MOE_LAB_PROFILE`` (set by the workbook runner).
+
+    Raises:
+        ValueError: an empty name, a non-finite or non-numeric value, an extra field that
+            would replace a core field, or an extra value JSON cannot hold.
+    """
+    for argument, name in (("notebook", notebook), ("step", step), ("metric", metric)):
+        _check_name(argument, name)
+    number = _check_value(metric, value)
+    if not isinstance(unit, str):
+        raise ValueError(f"unit of metric {metric!r} must be a string, got {unit!r}")
+    if hardware is not None:
+        _check_name("hardware", hardware)
+    clashes = sorted(set(extra) & set(CORE_KEYS))
+    if clashes:
+        raise ValueError(
+            f"extra fields must not replace the core fields {list(CORE_KEYS)}, got {clashes}"
+        )
+
+    profile = extra.pop("profile", None)
+    if profile is None:
+        profile = os.environ.get(PROFILE_ENV) or None
+    entry: dict[str, Any] = {
+        "notebook": notebook,
+        "step": step,
+        "metric": metric,
+        "value": number,
+        "unit": unit,
+        "hardware": hardware if hardware is not None else _hardware_label(),
+        "versions": _library_versions(),
+        "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+        "profile": profile,
+        **extra,
+    }
+    try:
+        line = json.dumps(entry, allow_nan=False, ensure_ascii=False) + "\n"
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"extra fields of metric {metric!r} must be JSON-serialisable and finite: {exc}"
+        ) from None
+    _append_line(ledger_path(), line.encode("utf-8"))
+    return entry
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+def read(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """All records in the ledger at ``path`` (default: ``ledger_path()``), oldest first.
+
+    A missing ledger is an empty one. A line that is not a JSON object (a write torn by a
+    crash, a hand edit) is skipped with a ``LedgerWarning`` naming the file and line.
+    """
+    file = Path(path) if path is not None else ledger_path()
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        return []
+    records: list[dict[str, Any]] = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            item = None
+        if not isinstance(item, dict):
+            warnings.warn(
+                f"{file}: line {number} is not a ledger record and was skipped "
+                f"(a torn write?): {raw[:80]!r}",
+                LedgerWarning,
+                stacklevel=2,
+            )
+            continue
+        records.append(item)
+    return records
+
+
+def _time_of(item: dict[str, Any]) -> datetime:
+    try:
+        moment = datetime.fromisoformat(str(item["time"]))
+    except (KeyError, ValueError):
+        return datetime.min.replace(tzinfo=timezone.utc)
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+
+
+def latest(
+    records: Iterable[dict[str, Any]], keys: Sequence[str] = DEFAULT_KEYS
+) -> list[dict[str, Any]]:
+    """The newest record (by ``time``; later in the list on a tie) for each value of ``keys``.
+
+    The result keeps the order in which each key first appears in ``records``.
+    """
+    if isinstance(keys, str) or not keys:
+        raise ValueError(f"keys must be a non-empty sequence of field names, got {keys!r}")
+    newest: dict[tuple[str, ...], tuple[datetime, int, dict[str, Any]]] = {}
+    for index, item in enumerate(records):
+        key = tuple(json.dumps(item.get(name), sort_keys=True) for name in keys)
+        candidate = (_time_of(item), index, item)
+        if key not in newest or candidate[:2] >= newest[key][:2]:
+            newest[key] = candidate
+    # Dicts keep insertion order: each key sits where it first appeared.
+    return [item for _, _, item in newest.values()]
+
+
+def format_value(value: object) -> str:
+    """A figure for a table: ints with thousands separators, reals to 4 significant figures.
+
+    ``6338`` → ``"6,338"``; ``1648.27`` → ``"1,648"``; ``0.012345`` → ``"0.01235"``;
+    ``3.2e-07`` → ``"3.200e-07"``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return str(value)
+    if isinstance(value, numbers.Integral):
+        return f"{int(value):,}"
+    number = float(value)
+    if not math.isfinite(number) or number == 0.0:
+        return f"{number:g}"
+    magnitude = math.floor(math.log10(abs(number)))
+    if magnitude < -3 or magnitude >= 6:
+        return f"{number:.3e}"
+    decimals = max(0, 3 - magnitude)
+    return f"{number:,.{decimals}f}"
+
+
+def _cell(value: object) -> str:
+    text = "" if value is None else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+TABLE_COLUMNS = ("notebook", "step", "metric", "value", "unit", "hardware", "date")
+
+
+def results_table_markdown(records: Iterable[dict[str, Any]]) -> str:
+    """One markdown table of ``records``: notebook, step, metric, value, unit, hardware, date.
+
+    Rows are grouped by notebook (sorted), keeping the records' order within a notebook.
+    Pass ``latest(read())`` for one row per figure. No records: a one-line note instead.
+    """
+    rows = sorted(records, key=lambda item: str(item.get("notebook", "")))
+    if not rows:
+        return "_No figures in the ledger yet: run `make workbook`._\n"
+    lines = [
+        "| " + " | ".join(TABLE_COLUMNS) + " |",
+        "|" + "|".join(["---", "---", "---", "---:", "---", "---", "---"]) + "|",
+    ]
+    for item in rows:
+        cells = (
+            item.get("notebook"),
+            item.get("step"),
+            item.get("metric"),
+            format_value(item.get("value")),
+            item.get("unit"),
+            item.get("hardware"),
+            str(item.get("time", ""))[:10],
+        )
+        lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+    return "\n".join(lines) + "\n"

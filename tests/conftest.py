@@ -1,0 +1,31 @@
+"""Shared test setup.
+
+``import moe_lab`` comes first: on a machine without CUDA it sets ``TRITON_INTERPRET=1``
+before anything imports Triton, so kernels run under the interpreter. Every test session
+gets its own results ledger in a temporary directory (tests never write into the user's
+``build/``), and every test starts from ``torch.manual_seed(0)``.
+"""
+
+from __future__ import annotations
+
+import moe_lab  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no CUDA)
+
+# isort: split
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_results_dir(tmp_path_factory: pytest.TempPathFactory):
+    """Point the ledger (and notebook kernels, which inherit the environment) at a tmp dir."""
+    results = tmp_path_factory.mktemp("results")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOE_LAB_RESULTS_DIR", str(results))
+        patch.setenv("MOE_LAB_HEADLESS", "1")  # notebooks draw static figures, not widgets
+        yield results
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """The same random numbers in every test, whatever ran before it."""
+    torch.manual_seed(0)
