@@ -154,3 +154,16 @@ def test_model_forward_backward_tiny():
         m(torch.zeros(1, 129, dtype=torch.int64))
     with pytest.raises(ValueError, match="attention='mha'"):
         MoETransformer(preset("deepseek_v3"))
+
+
+def test_naive_layer_syncs_once_per_expert_and_fails_the_certificate():
+    from moe_lab.sync import SyncError, assert_sync_free, count_syncs
+
+    c = cfg(n_experts=6)
+    layer = MoELayer(c)
+    x = torch.randn(30, c.d_model)
+    _, syncs = count_syncs(layer, x)
+    assert sum(syncs.values()) >= c.n_experts
+    with pytest.raises(SyncError, match="nonzero") as err:
+        assert_sync_free(layer, x)
+    assert "dispatch.py" in str(err.value)  # it names where the sync happens

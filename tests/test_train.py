@@ -1,0 +1,100 @@
+import json
+
+import pytest
+import torch
+
+from moe_lab import preset
+from moe_lab.train import TrainConfig, load_checkpoint, lr_at, save_checkpoint, train
+
+TINY = preset("tiny", n_layers=1, seq_len=32)
+
+
+def cfg(**kw):
+    base = dict(steps=12, batch_size=4, warmup_steps=3, eval_every=6, eval_per_domain=2,
+                progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_deterministic_under_a_seed_and_loss_falls():
+    a = train(TINY, cfg(seed=3))
+    b = train(TINY, cfg(seed=3))
+    c = train(TINY, cfg(seed=4))
+    assert a.losses() == b.losses()
+    assert a.losses() != c.losses()
+    assert a.losses()[-1] < a.losses()[0]
+    h = a.history[-1]
+    assert len(h["tokens_per_expert"]) == 1 and sum(h["tokens_per_expert"][0]) == 4 * 32 * 2
+    assert h["imbalance"][0] >= 1.0 and h["dropped_tokens"] == 0
+    assert [e["step"] for e in a.evals] == [6, 12]
+    assert {"all", *a.domains} <= set(a.evals[-1])
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    path = tmp_path / "ck.pt"
+    full = train(TINY, cfg(seed=1))
+    interrupted = cfg(seed=1, checkpoint_path=str(path), checkpoint_every=5)
+    train(TINY, interrupted, stop_after=7)  # checkpoint at step 5, then "crash" at 7
+    assert load_checkpoint(path)["step"] == 5
+    resumed = train(TINY, interrupted, resume=True)
+    assert resumed.losses() == full.losses()
+    assert resumed.evals == full.evals
+    for p, q in zip(resumed.model.parameters(), full.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "ck.pt"
+    save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+
+    def broken_save(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, {"step": 2})
+    assert load_checkpoint(path)["step"] == 1  # the old checkpoint survives
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]  # no temporary left behind
+
+
+def test_resume_refuses_other_config(tmp_path):
+    path = tmp_path / "ck.pt"
+    train(TINY, cfg(checkpoint_path=str(path), checkpoint_every=4), stop_after=4)
+    with pytest.raises(ValueError, match="different model config"):
+        train(TINY.replace(d_ff=128), cfg(checkpoint_path=str(path)), resume=True)
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        train(TINY, cfg(checkpoint_path=str(tmp_path / "none.pt")), resume=True)
+
+
+def test_lr_schedule():
+    c = cfg(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, c) == pytest.approx(0.1)
+    assert lr_at(9, c) == pytest.approx(1.0)
+    assert lr_at(10, c) == pytest.approx(1.0)
+    assert lr_at(55, c) == pytest.approx(0.55)
+    assert lr_at(100, c) == pytest.approx(0.1)
+    assert all(lr_at(s, c) >= lr_at(s + 1, c) for s in range(10, 100))
+
+
+@pytest.mark.parametrize("field, value", [("steps", 0), ("batch_size", -1), ("lr", 0.0),
+                                          ("grad_clip", 0.0), ("min_lr_ratio", 2.0),
+                                          ("warmup_steps", -1)])
+def test_bad_train_config(field, value):
+    with pytest.raises(ValueError, match=field):
+        cfg(**{field: value})
+
+
+def test_trains_on_a_user_text_file(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40, encoding="utf-8")
+    r = train(TINY, cfg(corpus=str(text), steps=6, eval_every=0))
+    assert r.domains == ["text"] and len(r.history) == 6
+
+
+def test_cli_train_json(capsys):
+    from moe_lab.__main__ import main
+
+    assert main(["train", "--preset", "tiny", "--steps", "3", "--batch-size", "2", "--json",
+                 "--eval-every", "0"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["steps"] == 3 and out["dispatcher"] == "naive"
