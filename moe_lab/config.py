@@ -19,6 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+DROP_POLICIES = ("position", "probability")
 ROUTER_DTYPES = ("fp32", "fp64")
 ATTENTION_KINDS = ("mha", "mla")
 
@@ -49,7 +50,10 @@ class MoEConfig:
     experts are split into groups and only the ``topk_groups`` best groups (by the sum of
     each group's top-2 scores, DeepSeek-V3 style) may be chosen. ``renormalize`` rescales
     the chosen weights to sum to one; ``scaling_factor`` multiplies them afterwards.
-    ``capacity_factor`` is used by the capacity dispatcher only.
+    ``capacity_factor``, ``capacity_multiple`` (round the per-expert capacity up to a
+    multiple, as kernels like) and ``drop_policy`` (which assignments an over-full expert
+    keeps: the earliest by ``position`` or the most confident by router ``probability``)
+    are used by the capacity dispatcher only.
     """
 
     d_model: int
@@ -65,10 +69,17 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     capacity_factor: float = 1.25
+    capacity_multiple: int = 1
+    drop_policy: str = "position"
     router_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        _positive(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups")
+        _positive(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups",
+                  "capacity_multiple")
+        if self.drop_policy not in DROP_POLICIES:
+            raise ValueError(
+                f"MoEConfig.drop_policy must be one of {DROP_POLICIES}, got {self.drop_policy!r}"
+            )
         _non_negative(self, "n_shared_experts")
         if self.top_k > self.n_experts:
             raise ValueError(

@@ -77,12 +77,14 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, dispatcher: str, attention_impl: str) -> None:
+    def __init__(self, cfg: ModelConfig, moe: bool, dispatcher: str, attention_impl: str,
+                 expert_backend: str = "loop") -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg, attention_impl)
         self.norm2 = nn.RMSNorm(cfg.d_model)
-        self.ffn = MoELayer(cfg.moe, dispatcher) if moe else SwiGLU(cfg.d_model, cfg.d_ff)
+        self.ffn = (MoELayer(cfg.moe, dispatcher, expert_backend) if moe
+                    else SwiGLU(cfg.d_model, cfg.d_ff))
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats | None]:
         x = x + self.attn(self.norm1(x))
@@ -106,7 +108,8 @@ class ModelOutput:
 
 class MoETransformer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, dispatcher: str = "naive", attention_impl: str = "sdpa"
+        self, cfg: ModelConfig, dispatcher: str = "naive", attention_impl: str = "sdpa",
+        expert_backend: str = "loop",
     ) -> None:
         super().__init__()
         if not isinstance(cfg, ModelConfig):
@@ -114,7 +117,7 @@ class MoETransformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, i >= cfg.n_dense_layers, dispatcher, attention_impl)
+            Block(cfg, i >= cfg.n_dense_layers, dispatcher, attention_impl, expert_backend)
             for i in range(cfg.n_layers)
         )
         self.norm = nn.RMSNorm(cfg.d_model)
@@ -134,14 +137,20 @@ class MoETransformer(nn.Module):
     def moe_layers(self) -> list[MoELayer]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
 
-    def set_dispatcher(self, name: str) -> None:
+    def set_dispatcher(self, name: str, expert_backend: str | None = None) -> None:
         """Switch every MoE layer to dispatcher ``name`` (weights unchanged)."""
         from moe_lab.moe.dispatch import DISPATCHERS
+        from moe_lab.moe.experts import EXPERT_BACKENDS
 
         if name not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {name!r}")
+        if expert_backend is not None and expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(
+                f"expert_backend must be one of {EXPERT_BACKENDS}, got {expert_backend!r}")
         for layer in self.moe_layers:
             layer.dispatcher = name
+            if expert_backend is not None:
+                layer.experts.backend = expert_backend
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> ModelOutput:
         if idx.dim() != 2 or idx.dtype != torch.int64:

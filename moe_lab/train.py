@@ -48,6 +48,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_per_domain: int = 8
     dispatcher: str = "naive"
+    expert_backend: str = "loop"
     attention_impl: str = "sdpa"
     corpus: str = "synthetic"
     checkpoint_path: str | None = None
@@ -169,7 +170,8 @@ def train(
     if corpus is None:
         corpus = load_corpus(cfg.corpus, seq_len=model_cfg.seq_len, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
-    model = MoETransformer(model_cfg, dispatcher=cfg.dispatcher, attention_impl=cfg.attention_impl)
+    model = MoETransformer(model_cfg, dispatcher=cfg.dispatcher, attention_impl=cfg.attention_impl,
+                           expert_backend=cfg.expert_backend)
     optimizer = _make_optimizer(model, cfg)
     data_gen = torch.Generator().manual_seed(cfg.seed + 1)
     eval_batch = corpus.fixed_eval_set(cfg.eval_per_domain)
@@ -253,7 +255,8 @@ def _run_cli(args: argparse.Namespace) -> int:
     model_cfg = preset(args.preset)
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        dispatcher=args.dispatcher, corpus=args.corpus, eval_every=args.eval_every,
+        dispatcher=args.dispatcher, expert_backend=args.expert_backend, corpus=args.corpus,
+        eval_every=args.eval_every,
         warmup_steps=min(20, args.steps // 10),
         checkpoint_path=args.checkpoint, checkpoint_every=args.checkpoint_every,
         progress=not args.json,
@@ -277,6 +280,7 @@ def _run_cli(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from moe_lab.moe.dispatch import DISPATCHERS
+    from moe_lab.moe.experts import EXPERT_BACKENDS
 
     d = TrainConfig()
     p = subparsers.add_parser("train", help="train a preset on the synthetic corpus or a text file")
@@ -286,6 +290,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dispatcher", default=d.dispatcher, choices=sorted(DISPATCHERS))
+    p.add_argument("--expert-backend", default=d.expert_backend, choices=list(EXPERT_BACKENDS),
+                   help="grouped GEMM of the dropless dispatcher")
     p.add_argument("--corpus", default="synthetic", help="'synthetic' or a path to a UTF-8 text file")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--checkpoint", default=None, help="checkpoint file to write (and resume from)")

@@ -27,6 +27,8 @@ def moe(**kw):
         ({"n_shared_experts": -1}, "n_shared_experts"),
         ({"aux_loss_coef": -0.1}, "aux_loss_coef"),
         ({"top_k": 2.0}, "top_k"),
+        ({"capacity_multiple": 0}, "capacity_multiple"),
+        ({"drop_policy": "random"}, "drop_policy"),
     ],
 )
 def test_bad_moe_config_names_the_field(changes, field):

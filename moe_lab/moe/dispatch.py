@@ -11,16 +11,29 @@ scatter-add the weighted result. Finding "its tokens" is ``torch.where(mask)`` �
 ``nonzero`` whose output size depends on the data, so the host must wait for the device
 once per expert. It drops nothing and is the correctness reference for every other
 dispatcher; it is slow on purpose.
+
+``capacity`` (GShard / Switch Transformer) gives every expert a fixed number of slots,
+``C = ceil(tokens · top_k · capacity_factor / n_experts)``, so every buffer has a shape known
+before the data: ``[n_experts, C, d_model]``, one batched matmul, no sync. The price is that
+an expert chosen more than ``C`` times drops the rest — those tokens skip the layer.
+
+``dropless`` sorts the (token, expert) assignments by expert (a stable argsort: no sync),
+computes the per-expert offsets on the device with a prefix sum, runs all experts as one
+grouped GEMM over those offsets, and scatters the weighted results back. Every buffer is
+``tokens · top_k`` rows — a bound known from shapes alone — so nothing is dropped and the
+host never waits.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from moe_lab.moe.experts import SwiGLUExperts
+from moe_lab.moe.router import tokens_per_expert_from_ids
 
 Tensor = torch.Tensor
 # name -> fn(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped_tokens: Tensor[] int64)
@@ -48,4 +61,94 @@ def naive_dispatch(
         y_e = experts.forward_expert(e, x[token_idx])
         weight = topk_weights[token_idx, slot].unsqueeze(-1).to(y_e.dtype)
         out.index_add_(0, token_idx, y_e * weight)
+    return out, torch.zeros((), dtype=torch.int64, device=x.device)
+
+
+def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float,
+                    multiple: int = 1) -> int:
+    """Slots per expert: ``ceil(tokens · top_k · capacity_factor / n_experts)``, rounded up to
+    a multiple of ``multiple`` (from shapes only: a Python int, no device value)."""
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    c = math.ceil(tokens * top_k * capacity_factor / n_experts)
+    return -(-c // multiple) * multiple
+
+
+def capacity_positions(topk_ids: Tensor, topk_weights: Tensor, n_experts: int,
+                       policy: str = "position") -> Tensor:
+    """``[T, k]`` int64: each assignment's rank among those sent to the same expert.
+
+    ``position``: ranked first by choice (every token's first choice before any second
+    choice, as GShard does), then by token order. ``probability``: ranked by router weight,
+    highest first (ties by token order). Assignments with rank ``>= C`` are dropped.
+    """
+    tokens, k = topk_ids.shape
+    if policy == "position":
+        order = torch.arange(tokens * k, device=topk_ids.device).view(tokens, k).t().reshape(-1)
+    elif policy == "probability":
+        order = torch.argsort(-topk_weights.reshape(-1).float(), stable=True)
+    else:
+        raise ValueError(f"drop policy must be 'position' or 'probability', got {policy!r}")
+    ids_in_order = topk_ids.reshape(-1)[order]
+    one_hot = F.one_hot(ids_in_order, n_experts)  # [T*k, E]
+    rank_in_order = (one_hot.cumsum(0) - 1).gather(1, ids_in_order.unsqueeze(1)).squeeze(1)
+    rank = torch.empty_like(rank_in_order).scatter_(0, order, rank_in_order)
+    return rank.view(tokens, k)
+
+
+@register_dispatcher("capacity")
+def capacity_dispatch(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts, cfg
+) -> tuple[Tensor, Tensor]:
+    """Padded ``[E, C, d]`` buffers and one batched matmul; over-capacity assignments dropped."""
+    tokens, k = topk_ids.shape
+    n_experts = experts.n_experts
+    capacity = expert_capacity(tokens, k, n_experts, cfg.capacity_factor, cfg.capacity_multiple)
+    rank = capacity_positions(topk_ids, topk_weights, n_experts, cfg.drop_policy)
+    keep = rank < capacity
+    # Dropped assignments are written to one extra "trash" slot past the end and ignored.
+    trash = n_experts * capacity
+    slot = torch.where(keep, topk_ids * capacity + rank, torch.full_like(rank, trash)).reshape(-1)
+    token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    buffer = x.new_zeros(trash + 1, x.shape[1])
+    buffer = buffer.index_add(0, slot, x.index_select(0, token_of))
+    y = experts.batched_forward(buffer[:trash].view(n_experts, capacity, -1))
+    y = torch.cat([y.reshape(trash, -1), y.new_zeros(1, y.shape[-1])])
+    weight = (topk_weights * keep).reshape(-1, 1).to(y.dtype)
+    out = torch.zeros_like(x).index_add_(0, token_of, y.index_select(0, slot) * weight)
+    return out, (~keep).sum()
+
+
+def sort_by_expert(topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    """The dropless permutation, on the device.
+
+    Returns ``order: [T·k]`` (the flattened assignments sorted by expert, stable, so ties
+    keep token order) and ``offsets: [n_experts + 1] int32`` (expert ``e``'s rows are
+    ``offsets[e]:offsets[e+1]`` of the sorted buffer).
+    """
+    order = torch.argsort(topk_ids.reshape(-1), stable=True)
+    counts = tokens_per_expert_from_ids(topk_ids, n_experts)
+    offsets = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    return order, offsets
+
+
+@register_dispatcher("dropless")
+def dropless_dispatch(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts, cfg=None
+) -> tuple[Tensor, Tensor]:
+    """Permute → grouped GEMM over device offsets → weighted unpermute. Never drops."""
+    tokens, k = topk_ids.shape
+    if experts.backend == "triton":
+        from moe_lab.kernels.permute import make_row_id_map, permute, unpermute
+
+        row_id_map, offsets = make_row_id_map(topk_ids, experts.n_experts)
+        x_sorted = permute(x, row_id_map, tokens * k)
+        y_sorted = experts.grouped_forward(x_sorted, offsets)
+        out = unpermute(y_sorted, row_id_map, topk_weights.to(y_sorted.dtype))
+        return out, torch.zeros((), dtype=torch.int64, device=x.device)
+    order, offsets = sort_by_expert(topk_ids, experts.n_experts)
+    token_of = order // k  # the token behind each sorted row
+    y_sorted = experts.grouped_forward(x.index_select(0, token_of), offsets)
+    weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_sorted.dtype)
+    out = torch.zeros_like(x).index_add_(0, token_of, y_sorted * weight)
     return out, torch.zeros((), dtype=torch.int64, device=x.device)

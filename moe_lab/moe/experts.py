@@ -9,6 +9,18 @@ reference every faster backend is checked against.
 ``quant = "mxfp8"`` makes every expert matmul quantize its inputs and weights to MXFP8
 along the reduction dim first (emulated: quantize → dequantize → matmul), see
 ``moe_lab.quant``.
+
+Three ways to run all experts over tokens already grouped by expert
+(``grouped_forward(x, offsets)``, rows ``offsets[e]:offsets[e+1]`` belong to expert ``e``),
+selected by ``backend``:
+
+- ``loop`` — the reference: every expert on every row, each row keeping its own expert's
+  result. ``n_experts`` times the work, but plainly right and free of host syncs (a loop that
+  slices each expert's rows would need their count on the host).
+- ``torch`` — ``torch._grouped_mm``: one grouped GEMM over the offsets, wrapped as the
+  custom op ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it.
+- ``triton`` — moe_lab's own Triton grouped GEMM with SwiGLU fused into the first GEMM's
+  epilogue (``moe_lab.kernels.grouped_gemm``).
 """
 
 from __future__ import annotations
@@ -20,6 +32,55 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
+EXPERT_BACKENDS = ("loop", "torch", "triton")
+
+
+# torch._grouped_mm as a custom op: its own meta function accepts only bf16 (the CUDA
+# kernel's restriction) although the CPU kernel runs fp32; our fake function states the
+# output shape for any dtype, and the backward passes contiguous gradients (the CPU
+# kernel refuses the stride-0 gradient of ``.sum()``).
+@torch.library.custom_op("moe_lab::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """``x: [M, K]``, ``w: [E, K, N]``, ``offs: [E] int32`` cumulative row ends (last = M)."""
+    return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs)
+
+
+@grouped_mm.register_fake
+def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("moe_lab::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+    """``dW[e] = x[rows of e]ᵀ · dy[rows of e]``: ``[E, K, N]`` (zeros for an empty expert)."""
+    return torch._grouped_mm(x.contiguous().t(), dy.contiguous(), offs=offs)
+
+
+@grouped_mm_wgrad.register_fake
+def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+    return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _grouped_mm_backward(ctx, dy: Tensor):
+    x, w, offs = ctx.saved_tensors
+    dy = dy.contiguous()
+    dx = grouped_mm(dy, w.transpose(-1, -2).contiguous(), offs) if ctx.needs_input_grad[0] else None
+    dw = grouped_mm_wgrad(x, dy, offs) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _fake_quantize(t: Tensor, dim: int) -> Tensor:
+    from moe_lab.quant.mx import fake_quantize
+
+    return fake_quantize(t, dim=dim)
 
 
 def swiglu(h: Tensor) -> Tensor:
@@ -37,6 +98,7 @@ class SwiGLUExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.quant: str | None = None
+        self.backend = "loop"
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -45,13 +107,55 @@ class SwiGLUExperts(nn.Module):
 
     def _mm(self, x: Tensor, w: Tensor) -> Tensor:
         # x: [n, K], w: [K, N]; the reduction dim is x's last and w's first.
-        if self.quant == "mxfp8":
-            from moe_lab.quant.mx import fake_quantize
-
-            x, w = fake_quantize(x, dim=-1), fake_quantize(w, dim=0)
-        elif self.quant is not None:
-            raise ValueError(f"SwiGLUExperts.quant must be None or 'mxfp8', got {self.quant!r}")
+        x, w = self._quantized(x, w, 0)
         return x @ w
+
+    def _quantized(self, x: Tensor, w: Tensor, w_dim: int) -> tuple[Tensor, Tensor]:
+        if self.quant == "mxfp8":
+            return _fake_quantize(x, -1), _fake_quantize(w, w_dim)
+        if self.quant is not None:
+            raise ValueError(f"SwiGLUExperts.quant must be None or 'mxfp8', got {self.quant!r}")
+        return x, w
+
+    def grouped_forward(self, x: Tensor, offsets: Tensor) -> Tensor:
+        """All experts over rows grouped by expert.
+
+        ``x: [M, d_model]``; ``offsets: [n_experts + 1] int32`` on x's device, with
+        ``offsets[-1] == M`` (every row belongs to an expert). Returns ``[M, d_model]``.
+        No host sync in any backend.
+        """
+        if self.backend not in EXPERT_BACKENDS:
+            raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {self.backend!r}")
+        if self.backend == "loop":
+            return self._loop_forward(x, offsets)
+        if self.backend == "torch":
+            xq, w1 = self._quantized(x, self.w_gate_up, 1)
+            h = swiglu(grouped_mm(xq, w1.to(x.dtype), offsets[1:]))
+            hq, w2 = self._quantized(h, self.w_down, 1)
+            return grouped_mm(hq, w2.to(x.dtype), offsets[1:])
+        from moe_lab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_swiglu
+
+        xq, w1 = self._quantized(x, self.w_gate_up, 1)
+        h = grouped_gemm_swiglu(xq, w1, offsets)
+        hq, w2 = self._quantized(h, self.w_down, 1)
+        return grouped_gemm(hq, w2, offsets)
+
+    def _loop_forward(self, x: Tensor, offsets: Tensor) -> Tensor:
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+        row_expert = torch.searchsorted(offsets[1:], rows, right=True)  # [M]
+        out = x.new_zeros(x.shape[0], self.d_model)
+        for e in range(self.n_experts):
+            mine = (row_expert == e).unsqueeze(-1)
+            out = torch.where(mine, self.forward_expert(e, x), out)
+        return out
+
+    def batched_forward(self, x: Tensor) -> Tensor:
+        """``x: [n_experts, capacity, d_model]`` → same shape: expert ``e`` on ``x[e]``
+        (the capacity dispatcher's padded buffers; one batched matmul per weight)."""
+        xq, w1 = self._quantized(x, self.w_gate_up, 1)
+        h = swiglu(torch.bmm(xq, w1))
+        hq, w2 = self._quantized(h, self.w_down, 1)
+        return torch.bmm(hq, w2)
 
     def forward_expert(self, expert: int, x: Tensor) -> Tensor:
         """Expert ``expert`` on its tokens ``x: [n, d_model]`` → ``[n, d_model]``."""

@@ -2,9 +2,10 @@
 
 ``y, stats = MoELayer(cfg, dispatcher="naive")(x)`` with ``x: [tokens, d_model]`` or
 ``[batch, seq, d_model]``. The dispatcher is chosen by name from
-``moe_lab.moe.dispatch.DISPATCHERS``; every dispatcher computes the same function
-(up to dropped tokens, which ``stats.dropped_tokens`` counts) and is tested against
-``naive``.
+``moe_lab.moe.dispatch.DISPATCHERS`` (``naive``, ``capacity``, ``dropless``) and the
+dropless dispatcher's grouped GEMM by ``expert_backend`` (``loop``, ``torch``, ``triton``);
+every combination computes the same function (up to dropped tokens, which
+``stats.dropped_tokens`` counts) and is tested against ``naive``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn as nn
 
 from moe_lab.config import MoEConfig
 from moe_lab.moe.dispatch import DISPATCHERS
-from moe_lab.moe.experts import SwiGLU, SwiGLUExperts
+from moe_lab.moe.experts import EXPERT_BACKENDS, SwiGLU, SwiGLUExperts
 from moe_lab.moe.router import Router, RouterOutput
 
 Tensor = torch.Tensor
@@ -40,7 +41,8 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig, dispatcher: str = "naive") -> None:
+    def __init__(self, cfg: MoEConfig, dispatcher: str = "naive",
+                 expert_backend: str = "loop") -> None:
         super().__init__()
         if not isinstance(cfg, MoEConfig):
             raise ValueError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
@@ -48,10 +50,16 @@ class MoELayer(nn.Module):
             raise ValueError(
                 f"dispatcher must be one of {sorted(DISPATCHERS)}, got {dispatcher!r}"
             )
+        if expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(
+                f"expert_backend must be one of {EXPERT_BACKENDS}, got {expert_backend!r}"
+            )
         self.cfg = cfg
         self.dispatcher = dispatcher
         self.router = Router(cfg)
         self.experts = SwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert)
+        # Used by the dropless dispatcher's grouped GEMM (naive and capacity ignore it).
+        self.experts.backend = expert_backend
         self.shared = (
             SwiGLU(cfg.d_model, cfg.d_expert * cfg.n_shared_experts)
             if cfg.n_shared_experts
@@ -90,4 +98,5 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.cfg
-        return f"experts={c.n_experts}, top_k={c.top_k}, dispatcher={self.dispatcher!r}"
+        return (f"experts={c.n_experts}, top_k={c.top_k}, dispatcher={self.dispatcher!r}, "
+                f"expert_backend={self.experts.backend!r}")
