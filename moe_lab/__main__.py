@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "moe_lab.perf.cli",  # env, flops
     "moe_lab.train",  # train
     "moe_lab.workbook",  # workbook
+    "moe_lab.bench.cli",  # bench NAME
 )
 
 

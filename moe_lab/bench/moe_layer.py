@@ -1,0 +1,211 @@
+"""Benchmark: forward + backward of one MoE layer, every dispatcher on the same inputs.
+
+Providers: ``naive`` (the loop over experts), ``capacity`` at capacity factors 1.0 and 1.25,
+``dropless`` with each expert backend that runs compiled on this device (the Triton grouped
+GEMM only where Triton compiles; under the interpreter it is checked in the tests, not
+timed), and Hugging Face ``transformers``' Mixtral block with each of its experts
+implementations (``eager``, ``batched_mm``, ``grouped_mm``) when ``transformers`` is
+installed. All providers share one set of weights and one input; their outputs are checked
+against the naive layer before anything is timed. Timings are interleaved (``compare``) so
+every provider sees the same machine noise.
+
+Shapes: ``fine`` is DeepSeek-like (64 experts, top-8, expert width d_model/2); ``coarse``
+is Mixtral-like (8 experts, top-2, expert width 2·d_model).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from moe_lab.config import MoEConfig
+from moe_lab.moe.layer import MoELayer
+
+DESCRIPTION = "fwd+bwd of one MoE layer: naive / capacity / dropless / Hugging Face Mixtral"
+
+SHAPES = {
+    "fine": dict(n_experts=64, top_k=8, d_model=256, d_expert=128),
+    "coarse": dict(n_experts=8, top_k=2, d_model=256, d_expert=512),
+}
+TOKENS = {"smoke": 1024, "full": 4096}
+
+
+def expert_flops(tokens: int, top_k: int, d_model: int, d_expert: int) -> float:
+    """Useful expert FLOPs of forward + backward: per assignment, the SwiGLU expert does
+    ``2·d·2f + 2·f·d = 6·d·f`` FLOPs forward and twice that backward."""
+    return 18.0 * tokens * top_k * d_model * d_expert
+
+
+def _hf_block(layer: MoELayer, implementation: str):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    c = layer.cfg
+    config = MixtralConfig(hidden_size=c.d_model, intermediate_size=c.d_expert,
+                           num_local_experts=c.n_experts, num_experts_per_tok=c.top_k,
+                           router_jitter_noise=0.0)
+    config._experts_implementation = implementation
+    block = MixtralSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        block.experts.gate_up_proj.copy_(layer.experts.w_gate_up.transpose(1, 2))
+        block.experts.down_proj.copy_(layer.experts.w_down.transpose(1, 2))
+    return block
+
+
+def build_providers(cfg: MoEConfig, include_hf: bool = True) -> tuple[dict, list[str]]:
+    """name -> module taking ``x: [tokens, d]`` and returning ``(y, aux)``; and notes."""
+    from moe_lab.perf import capabilities
+
+    notes: list[str] = []
+    naive = MoELayer(cfg, "naive")
+    providers: dict[str, torch.nn.Module] = {"naive": naive}
+
+    def clone(dispatcher: str, backend: str = "loop", **changes) -> MoELayer:
+        layer = MoELayer(cfg.replace(**changes) if changes else cfg, dispatcher, backend)
+        layer.load_state_dict(naive.state_dict())
+        return layer
+
+    providers["capacity cf1.0"] = clone("capacity", capacity_factor=1.0)
+    providers["capacity cf1.25"] = clone("capacity", capacity_factor=1.25)
+    if cfg.n_experts <= 8:  # the loop backend does n_experts times the work: coarse only
+        providers["dropless loop"] = clone("dropless", "loop")
+    if hasattr(torch, "_grouped_mm"):
+        providers["dropless torch"] = clone("dropless", "torch")
+    else:
+        notes.append("dropless torch: torch._grouped_mm is missing from this build")
+    if capabilities().triton_mode == "compiled":
+        providers["dropless triton"] = clone("dropless", "triton")
+    else:
+        notes.append("dropless triton: Triton is interpreted here; checked in tests, not timed")
+    if include_hf:
+        try:
+            for impl in ("eager", "batched_mm", "grouped_mm"):
+                providers[f"hf {impl}"] = _hf_block(naive, impl)
+        except ImportError:
+            notes.append("hf: transformers is not installed (pip install -e '.[test]')")
+    return providers, notes
+
+
+def _step_fn(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    is_hf = not isinstance(module, MoELayer)
+
+    def step() -> None:
+        xi = x.detach().requires_grad_()
+        if is_hf:
+            y = module(xi.unsqueeze(0)).squeeze(0)
+            y.backward(grad)
+        else:
+            y, stats = module(xi)
+            torch.autograd.backward([y, stats.aux_loss], [grad, torch.ones_like(stats.aux_loss)])
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return module(x.unsqueeze(0)).squeeze(0) if is_hf else module(x)[0]
+
+    return step, forward
+
+
+def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool = True,
+              seed: int = 0, progress: bool = False) -> dict:
+    """Benchmark one shape; returns ``{"rows": [...], "notes": [...], ...}``."""
+    from moe_lab.perf import compare
+    from moe_lab.sync import count_syncs
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    if tokens <= 0:
+        raise ValueError(f"tokens must be positive, got {tokens}")
+    torch.manual_seed(seed)
+    s = SHAPES[shape]
+    cfg = MoEConfig(**s)
+    providers, notes = build_providers(cfg, include_hf)
+    x = torch.randn(tokens, cfg.d_model)
+    grad = torch.randn(tokens, cfg.d_model)
+    steps, reference = {}, None
+    syncs = {}
+    for name, module in providers.items():
+        step, forward = _step_fn(module, x, grad)
+        y = forward()
+        if reference is None:
+            reference = y
+        elif not name.startswith("capacity"):  # capacity drops tokens by design
+            torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, n=name: f"{n} differs from naive: {m}")
+        _, counter = count_syncs(step)
+        syncs[name] = sum(counter.values())
+        steps[name] = step
+    timings = compare(steps, min_time_s=min_time_s)
+    flops = expert_flops(tokens, cfg.top_k, cfg.d_model, cfg.d_expert)
+    naive_s = timings["naive"].median_s
+    rows = []
+    for name, t in timings.items():
+        rows.append({
+            "shape": shape, "provider": name, "median_ms": t.median_s * 1e3,
+            "tokens_per_s": tokens / t.median_s, "vs_naive": naive_s / t.median_s,
+            "syncs_per_step": syncs[name], "expert_gflops": flops / t.median_s / 1e9,
+        })
+    return {"shape": shape, "tokens": tokens, "config": s, "rows": rows, "notes": notes}
+
+
+def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float,
+                            min_time_s: float = 0.5) -> dict:
+    """Time the dropless expert compute alone (grouped GEMMs, fwd+bwd, ``torch`` backend)
+    and compare with the floor ``FLOPs / measured matmul ceiling``."""
+    from moe_lab.moe.dispatch import sort_by_expert
+    from moe_lab.perf import bench
+
+    cfg = MoEConfig(**SHAPES[shape])
+    layer = MoELayer(cfg, "dropless", "torch")
+    x = torch.randn(tokens, cfg.d_model)
+    ids = layer.router(x).topk_ids
+    order, offsets = sort_by_expert(ids, cfg.n_experts)
+    xs = x.index_select(0, order // cfg.top_k)
+    grad = torch.randn_like(xs)
+
+    def experts_only() -> None:
+        xi = xs.detach().requires_grad_()
+        layer.experts.grouped_forward(xi, offsets).backward(grad)
+
+    t = bench(experts_only, min_time_s=min_time_s)
+    flops = expert_flops(tokens, cfg.top_k, cfg.d_model, cfg.d_expert)
+    floor_s = flops / (ceiling_gflops * 1e9)
+    return {"shape": shape, "tokens": tokens, "median_ms": t.median_s * 1e3,
+            "floor_ms": floor_s * 1e3, "ratio_to_floor": t.median_s / floor_s,
+            "achieved_gflops": flops / t.median_s / 1e9, "ceiling_gflops": ceiling_gflops}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="all", choices=["all", *SHAPES])
+    parser.add_argument("--profile", default="smoke", choices=list(TOKENS))
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per step (overrides profile)")
+    parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timing per provider")
+    parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face blocks")
+    parser.add_argument("--notebook", default="bench:moe-layer", help="ledger 'notebook' field")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from moe_lab.perf import ceilings, ledger
+
+    tokens = args.tokens or TOKENS[args.profile]
+    shapes = list(SHAPES) if args.shape == "all" else [args.shape]
+    ceiling = ceilings.matmul_peak(torch.float32, n=1024 if args.profile == "smoke" else 2048)
+    result: dict = {"tokens": tokens, "matmul_ceiling_gflops": ceiling.giga, "rows": [],
+                    "notes": [], "floor": []}
+    for shape in shapes:
+        r = run_shape(shape, tokens, args.min_time, include_hf=not args.no_hf)
+        result["rows"] += r["rows"]
+        result["notes"] += [n for n in r["notes"] if n not in result["notes"]]
+        if hasattr(torch, "_grouped_mm"):
+            result["floor"].append(expert_compute_vs_floor(shape, tokens, ceiling.giga, args.min_time))
+    for row in result["rows"]:
+        step = f"{row['shape']}:{row['provider']}"
+        ledger.record(args.notebook, step, "tokens_per_s", row["tokens_per_s"], "tok/s",
+                      tokens=tokens)
+        ledger.record(args.notebook, step, "vs_naive", row["vs_naive"], "x", tokens=tokens)
+        ledger.record(args.notebook, step, "syncs_per_step", row["syncs_per_step"], "syncs")
+    for f in result["floor"]:
+        ledger.record(args.notebook, f"{f['shape']}:dropless torch experts", "ratio_to_floor",
+                      f["ratio_to_floor"], "x", tokens=tokens)
+    return result

@@ -1,0 +1,570 @@
+"""Host syncs: count them in a real run, and prove a step has none without running it.
+
+A GPU works through a queue. The host (Python) enqueues kernels and moves on at once, so
+while the GPU computes step *n* the host is already preparing step *n + 1*; the launch
+cost of hundreds of small kernels hides behind the work. A **host sync** is any
+operation after which the host must wait until the GPU has drained its queue:
+
+- reading a value on the host: ``.item()``, ``int(t)``, ``if t:``, ``.tolist()``,
+  printing a tensor;
+- an operator whose output *shape* depends on the data, because the host must know the
+  shape to allocate the output: ``nonzero``, ``x[bool_mask]``, ``unique``,
+  ``masked_select``, ``bincount``, ``repeat_interleave`` with tensor repeats;
+- a blocking copy between host and device (``.cpu()``, ``.to("cuda")`` of host data).
+
+Each sync empties the queue: the GPU idles while the host catches up, and a step that
+syncs cannot be captured in a CUDA graph. A naive Mixture-of-Experts layer syncs several
+times per layer (count tokens per expert, ``nonzero`` per expert, split by ``.tolist()``);
+a dropless, sync-free one keeps every count on the device.
+
+Two tools, one list of sync operators (``SYNC_OPS``):
+
+``count_syncs(fn, *args, **kwargs)``
+    runs ``fn`` for real under a ``TorchDispatchMode``, which sees every ATen operator
+    the call dispatches (forward and, if ``fn`` calls it, backward), and counts the ones
+    in the list. It works on a CPU: whether an op syncs is a property of the operator,
+    not of where it happened to run, so a laptop counts what a GPU would suffer.
+``assert_sync_free(fn, *args, backward=True, **kwargs)``
+    runs ``fn`` on *fake* tensors (``FakeTensorMode``: shapes and dtypes, no data, no
+    compute), then its backward, and raises ``SyncError`` naming the first sync
+    operator and the line of your code that issued it. Because nothing is computed, it
+    checks a DeepSeek-sized layer as fast as a tiny one.
+
+How the count maps to a GPU
+---------------------------
+``count_syncs`` treats every tensor as if it lived on the accelerator, except tensors
+the run itself copied to the host: ``x.cpu().tolist()`` counts 1 on a GPU (the copy)
+and 1 on a CPU (the read). Host reads that never reach the dispatcher on a CPU
+(``tolist``, ``numpy``, ``repr``) are seen through a ``TorchFunctionMode``; autograd does
+not carry that mode into backward, so such a read *inside a custom backward* on a CPU
+run is missed (``.item()`` there is still counted). ``F.one_hot`` on a CPU checks its
+input's range with two host reads that the CUDA version replaces by device asserts;
+those are not counted, so ``one_hot(t, num_classes)`` counts 0 and ``one_hot(t)``
+(which must read the maximum to size its output) counts 1, as on a GPU. Explicit
+``torch.cuda.synchronize()`` calls are not operators and are not counted.
+
+A ``.tolist()`` of eight values is one sync (one copy), and counts as one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import linecache
+import os
+import sys
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+__all__ = ["SYNC_OPS", "SyncError", "assert_sync_free", "count_syncs"]
+
+aten = torch.ops.aten
+
+#: Every operator counted as a host sync, with the reason, keyed by operator name. In
+#: ``count_syncs`` counters and ``SyncError.op`` an ATen name carries its overload
+#: (``aten.nonzero.default``) and, where the op syncs only in some forms, a note
+#: (``aten.index.Tensor (bool mask)``).
+SYNC_OPS: dict[str, str] = {
+    "aten._local_scalar_dense": "reads one value on the host (.item(), int(t), bool(t), if t:)",
+    "aten.is_nonzero": "reads one value on the host (bool(t))",
+    "aten.nonzero": "output length = number of non-zeros (also torch.where(c), argwhere)",
+    "aten.masked_select": "output length = number of True mask entries",
+    "aten.index": "x[bool_mask] runs nonzero on the mask to size its output",
+    "aten.index_put_": "x[bool_mask] = v runs nonzero on the mask, unless v is a single "
+    "host value (then ATen turns it into masked_fill_, which does not sync)",
+    "aten.index_put": "as index_put_",
+    "aten._index_put_impl_": "as index_put_",
+    "aten.bincount": "output length = max(minlength, max(input) + 1): reads the max on the "
+    "host even when minlength is given",
+    "aten.repeat_interleave": "with tensor repeats and no output_size=, output length = "
+    "sum(repeats)",
+    "aten._unique": "output length = number of distinct values",
+    "aten._unique2": "output length = number of distinct values (torch.unique)",
+    "aten.unique_dim": "output length = number of distinct values",
+    "aten.unique_consecutive": "output length = number of runs",
+    "aten.unique_dim_consecutive": "output length = number of runs",
+    "aten.histc": "with min == max (the default) it reads min and max on the host; pass "
+    "min= and max= to avoid it",
+    "aten.equal": "returns a Python bool",
+    "aten.allclose": "returns a Python bool",
+    "aten._to_copy": "a blocking copy between host and device waits for the queue "
+    "(.cpu(), .to(device); non_blocking=True does not)",
+    "aten.copy_": "a blocking copy between host and device waits for the queue",
+    "Tensor.tolist": "copies the values to the host (one sync per call)",
+    "Tensor.numpy": "reads the values on the host",
+    "Tensor.__array__": "reads the values on the host (np.asarray(t))",
+    "Tensor.__repr__": "printing reads the values on the host",
+    "Tensor.__str__": "printing reads the values on the host",
+    "Tensor.__format__": "formatting reads the values on the host (f'{loss:.3f}')",
+    "F.one_hot without num_classes": "reads max(input) on the host to size the output",
+}
+
+# Not syncs, though they look related: nonzero_static (fixed size, padded),
+# repeat_interleave(..., output_size=n), histc(..., min=a, max=b), _assert_async (a
+# device-side assert), masked_fill, where(c, a, b), index_select / gather / scatter_add_ /
+# index_add_ with integer indices, one_hot(t, num_classes), topk, sort, argsort, cumsum,
+# embedding backward, multinomial (its checks are device asserts in torch 2.x).
+
+_UNIQUE = {
+    aten._unique,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.unique_dim_consecutive,
+}
+_ALWAYS = {
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten.bincount,
+    aten.equal,
+    aten.allclose,
+    aten.is_nonzero,
+    *_UNIQUE,
+}
+_INDEX_PUT = {aten.index_put, aten.index_put_, aten._index_put_impl_}
+_COPIES = {aten._to_copy, aten.copy_}
+
+_HOST_READS = {
+    torch.Tensor.tolist: "Tensor.tolist",
+    torch.Tensor.numpy: "Tensor.numpy",
+    torch.Tensor.__array__: "Tensor.__array__",
+    torch.Tensor.__repr__: "Tensor.__repr__",
+    torch.Tensor.__str__: "Tensor.__str__",
+    torch.Tensor.__format__: "Tensor.__format__",
+}
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_THIS_FILE = os.path.normcase(os.path.abspath(__file__))
+
+
+class SyncError(RuntimeError):
+    """A host sync where none was allowed.
+
+    Attributes: ``op`` — the operator, e.g. ``"aten.nonzero.default"``;
+    ``where`` — ``"file:line in function: source"`` of the user code that issued it, or
+    None when it came from inside PyTorch (e.g. a built-in backward);
+    ``phase`` — ``"fn"`` (while running the function) or ``"backward"`` (while running
+    the backward pass that ``assert_sync_free`` adds).
+    """
+
+    def __init__(self, op: str, where: str | None = None, phase: str = "fn") -> None:
+        self.op = op
+        self.where = where
+        self.phase = phase
+        during = "in the backward pass" if phase == "backward" else "in the function"
+        msg = f"host sync {during}: {op}"
+        reason = _reason(op)
+        if reason:
+            msg += f" ({reason})"
+        if where:
+            msg += f"\n  at {where}"
+        super().__init__(msg)
+
+
+def _reason(op: str) -> str | None:
+    """The ``SYNC_OPS`` entry for a recorded name such as ``aten.nonzero.default``."""
+    if op in SYNC_OPS:
+        return SYNC_OPS[op]
+    return SYNC_OPS.get(op.split(" ")[0].rsplit(".", 1)[0])
+
+
+# --------------------------------------------------------------------------------------
+# Classifying one operator call
+# --------------------------------------------------------------------------------------
+
+
+def _bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The call's arguments by schema name (defaults filled in)."""
+    bound: dict[str, Any] = {}
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def _is_mask(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def _crosses_host(src: torch.device, dst: torch.device) -> bool:
+    if src.type == dst.type:
+        return False
+    # meta has no data: moving to or from it never waits for anything.
+    return "meta" not in (src.type, dst.type) and "cpu" in (src.type, dst.type)
+
+
+def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+    """The sync this operator call causes, as a readable name, or None."""
+    packet = func.overloadpacket
+    if packet in _ALWAYS:
+        return str(func)
+    if packet is aten.index:
+        indices = _bind(func, args, kwargs).get("indices") or []
+        return f"{func} (bool mask)" if any(_is_mask(i) for i in indices) else None
+    if packet in _INDEX_PUT:
+        b = _bind(func, args, kwargs)
+        indices = [i for i in (b.get("indices") or []) if i is not None]
+        if not any(_is_mask(i) for i in indices):
+            return None
+        value = b.get("values")
+        # ATen's canDispatchToMaskedFill: one mask, one host value, no accumulate.
+        masked_fill = (
+            not b.get("accumulate", False)
+            and len(indices) == 1
+            and isinstance(value, torch.Tensor)
+            and value.numel() == 1
+            and value.device.type == "cpu"
+        )
+        return None if masked_fill else f"{func} (bool mask)"
+    if packet is aten.repeat_interleave and func._overloadname in ("Tensor", "self_Tensor"):
+        return None if _bind(func, args, kwargs).get("output_size") is not None else str(func)
+    if packet is aten.histc:
+        b = _bind(func, args, kwargs)
+        return f"{func} (range from data)" if b.get("min", 0) == b.get("max", 0) else None
+    if packet in _COPIES:
+        b = _bind(func, args, kwargs)
+        if b.get("non_blocking", False):
+            return None
+        if packet is aten._to_copy:
+            src, dst = b["self"].device, b.get("device")
+        else:
+            src, dst = b["src"].device, b["self"].device
+        if dst is None or not _crosses_host(src, torch.device(dst)):
+            return None
+        direction = "device->host" if torch.device(dst).type == "cpu" else "host->device"
+        return f"{func} ({direction})"
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# The two modes and their shared state
+# --------------------------------------------------------------------------------------
+
+
+class _SyncState:
+    """What the two modes share: the counter, or (strict) the wish to raise at once."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.counts: Counter[str] = Counter()
+        self.suppress = 0
+        self.phase = "fn"
+        # Tensors this run copied to the host: reading them is not another sync. They are
+        # kept alive so that their addresses are not reused by unrelated tensors.
+        self._host_copies: list[torch.Tensor] = []
+        self._host_ptrs: set[int] = set()
+
+    def record(self, op: str) -> None:
+        if self.suppress:
+            return
+        if self.strict:
+            raise SyncError(op, where=_user_line_from_stack(), phase=self.phase)
+        self.counts[op] += 1
+
+    @contextlib.contextmanager
+    def suppressed(self) -> Iterator[None]:
+        self.suppress += 1
+        try:
+            yield
+        finally:
+            self.suppress -= 1
+
+    def remember_host_copy(self, t: object) -> None:
+        ptr = _storage_ptr(t)
+        if ptr is not None:
+            self._host_copies.append(t)  # type: ignore[arg-type]
+            self._host_ptrs.add(ptr)
+
+    def is_host_copy(self, t: object) -> bool:
+        if not self._host_ptrs:
+            return False
+        ptr = _storage_ptr(t)
+        return ptr is not None and ptr in self._host_ptrs
+
+
+def _storage_ptr(t: object) -> int | None:
+    if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type != "cpu":
+        return None
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # fake or meta tensors have no data
+        return None
+    return ptr or None
+
+
+class _SyncDispatchMode(TorchDispatchMode):
+    """Sees every ATen operator, forward and backward, after autograd and decompositions."""
+
+    def __init__(self, state: _SyncState) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _classify(func, args, kwargs)
+        if op is not None and not (
+            func.overloadpacket is aten._local_scalar_dense and self.state.is_host_copy(args[0])
+        ):
+            self.state.record(op)
+        out = func(*args, **kwargs)
+        if op is not None and op.endswith("(device->host)"):
+            self.state.remember_host_copy(out if func.overloadpacket is aten._to_copy else args[0])
+        return out
+
+
+class _SyncFunctionMode(TorchFunctionMode):
+    """Sees torch-level calls: host reads that bypass the dispatcher, and ``F.one_hot``."""
+
+    def __init__(self, state: _SyncState) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _HOST_READS.get(func)
+        if name is not None and args:
+            if not self.state.is_host_copy(args[0]):
+                self.state.record(name)
+            # One read is one sync, however many scalar reads it makes inside.
+            with self.state.suppressed():
+                return func(*args, **kwargs)
+        if func is F.one_hot and args and isinstance(args[0], torch.Tensor):
+            if args[0].device.type in ("cpu", "meta"):
+                num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+                if num_classes < 0:
+                    self.state.record("F.one_hot without num_classes")
+                # The CPU kernel's range checks are device asserts on CUDA: not counted.
+                with self.state.suppressed():
+                    return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _watch(state: _SyncState) -> Iterator[None]:
+    with _SyncFunctionMode(state), _SyncDispatchMode(state):
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# Finding the user's line
+# --------------------------------------------------------------------------------------
+
+
+def _call_fn(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    # The frame of this function marks where user code begins (see _user_line).
+    return fn(*args, **kwargs)
+
+
+def _backward(root: torch.Tensor) -> None:
+    # Gradients w.r.t. every leaf of the graph, returned rather than accumulated: the
+    # whole backward runs, and no tensor's .grad (fake or real) is touched.
+    leaves: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    stack = [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold the leaf
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    if leaves:
+        torch.autograd.grad(root, leaves, torch.ones_like(root), allow_unused=True)
+
+
+_ENTRY_CODES = {_call_fn.__code__, _backward.__code__}
+
+
+def _user_line(frames: list[tuple[FrameType, int]]) -> str | None:
+    """The innermost frame that is neither PyTorch nor this module, stopping at the call
+    into user code. ``frames`` is innermost first."""
+    for frame, lineno in frames:
+        code = frame.f_code
+        if code in _ENTRY_CODES:
+            return None
+        filename = code.co_filename
+        if filename.startswith(_TORCH_DIR) or filename.startswith("<frozen"):
+            continue
+        if os.path.normcase(os.path.abspath(filename)) == _THIS_FILE:
+            continue
+        if filename == contextlib.__file__:
+            continue
+        source = linecache.getline(filename, lineno, frame.f_globals).strip()
+        return f"{filename}:{lineno} in {code.co_name}: {source}"
+    return None
+
+
+def _user_line_from_stack() -> str | None:
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        frames.append((frame, frame.f_lineno))
+        frame = frame.f_back
+    return _user_line(frames)
+
+
+def _user_line_from_traceback(tb: TracebackType | None) -> str | None:
+    return _user_line(list(reversed(list(traceback.walk_tb(tb)))))
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------
+
+
+def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Counter[str]]:
+    """Run ``fn(*args, **kwargs)`` for real and count the host syncs it causes.
+
+    Returns ``(result, counts)`` where ``counts`` maps a readable operator name (e.g.
+    ``"aten._local_scalar_dense.default"``, ``"aten.index.Tensor (bool mask)"``,
+    ``"Tensor.tolist"``) to how many times it ran; ``sum(counts.values())`` is the
+    number of syncs. Backward is included when ``fn`` calls it. See ``SYNC_OPS`` for the
+    list and the module docstring for how a CPU count maps to a GPU.
+    """
+    if not callable(fn):
+        raise ValueError(f"count_syncs: fn must be callable, got {type(fn).__name__}")
+    state = _SyncState(strict=False)
+    with _watch(state):
+        result = _call_fn(fn, args, kwargs)
+    return result, state.counts
+
+
+def _modules_of(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[nn.Module]:
+    """Modules whose parameters ``fn`` can reach: ``fn`` itself, the module a bound
+    method belongs to, module arguments, a partial's stored arguments, and modules
+    ``fn`` names as closure variables or globals."""
+    found: list[nn.Module] = []
+    candidates: list[object] = [fn, *tree_leaves((args, kwargs))]
+    target = fn
+    while isinstance(target, functools.partial):
+        candidates += [target.func, *tree_leaves((target.args, target.keywords))]
+        target = target.func
+    candidates.append(getattr(target, "__self__", None))
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        for cell in getattr(target, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                candidates.append(cell.cell_contents)
+        globals_ = getattr(target, "__globals__", {})
+        candidates += [globals_[name] for name in code.co_names if name in globals_]
+    for obj in candidates:
+        if isinstance(obj, nn.Module) and not any(obj is m for m in found):
+            found.append(obj)
+    return found
+
+
+@contextlib.contextmanager
+def _fake_parameters(modules: list[nn.Module], mode: FakeTensorMode) -> Iterator[None]:
+    """Swap every parameter and buffer of ``modules`` for a fake twin, restore on exit.
+
+    ``mode.from_tensor`` memoises, so a parameter shared by two modules (tied
+    embeddings) gets one fake twin, and the real tensors are never touched.
+    """
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    seen: set[int] = set()
+    try:
+        for module in modules:
+            for sub in module.modules():
+                if id(sub) in seen:
+                    continue
+                seen.add(id(sub))
+                for table in (sub._parameters, sub._buffers):
+                    for name, value in list(table.items()):
+                        if value is not None:
+                            swapped.append((table, name, value))
+                            table[name] = mode.from_tensor(value)
+        yield
+    finally:
+        for table, name, value in reversed(swapped):
+            table[name] = value
+
+
+_FAKE_RUN_NOTE = (
+    "assert_sync_free ran fn on fake tensors (shapes, no data). An operator without a fake "
+    "implementation cannot run there: a raw Triton launch, or a custom op without "
+    "torch.library.register_fake. Register kernels as custom ops with a fake implementation."
+)
+
+
+def assert_sync_free(
+    fn: Callable[..., Any], *args: Any, backward: bool = True, **kwargs: Any
+) -> Any:
+    """Check that ``fn(*args, **kwargs)`` (and its backward) never syncs with the host.
+
+    ``fn`` runs under ``FakeTensorMode``: tensor arguments, and the parameters and
+    buffers of the modules ``fn`` can reach (``fn`` itself, a bound method's module,
+    module arguments, modules it names as closure variables or globals), are replaced by
+    fake tensors of the same shape, dtype and device. Nothing is computed and the real
+    modules are untouched: their parameters keep their values and get no ``.grad``.
+
+    With ``backward=True``, if the result (or its first tensor that requires grad, for a
+    tuple, list or dict) requires grad, the backward pass runs too, with a ones-like
+    output gradient; gradients are returned to nowhere rather than accumulated.
+
+    Raises ``SyncError`` at the first sync: an operator from ``SYNC_OPS``, or anything
+    ``FakeTensorMode`` itself finds data-dependent. Returns the (fake) result: its
+    shapes and dtypes are real, its values are not.
+
+    Every operator must have a fake implementation: a raw Triton launch cannot run on
+    fake tensors, so kernels are wrapped as ``torch.library`` custom ops with
+    ``register_fake`` (the note added to such an error says so).
+
+    If ``fn`` runs backward itself, pass ``backward=False`` (its backward is checked
+    anyway, and a second one would find the graph freed). Real tensors that ``fn`` reads
+    from a closure are treated as constants.
+    """
+    if not callable(fn):
+        raise ValueError(f"assert_sync_free: fn must be callable, got {type(fn).__name__}")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    state = _SyncState(strict=True)
+    fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+    with _fake_parameters(_modules_of(fn, args, kwargs), mode):
+        try:
+            with mode, _watch(state):
+                result = _call_fn(fn, fake_args, fake_kwargs)
+                if backward:
+                    root = next(
+                        (
+                            t
+                            for t in tree_leaves(result)
+                            if isinstance(t, torch.Tensor) and t.requires_grad
+                        ),
+                        None,
+                    )
+                    if root is not None:
+                        state.phase = "backward"
+                        _backward(root)
+        except (DynamicOutputShapeException, DataDependentOutputException) as err:
+            raise SyncError(
+                str(err.func), where=_user_line_from_traceback(err.__traceback__), phase=state.phase
+            ) from err
+        except SyncError:
+            raise
+        except Exception as err:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(_FAKE_RUN_NOTE)
+            raise
+    return result
