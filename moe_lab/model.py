@@ -78,12 +78,12 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, dispatcher: str, attention_impl: str,
-                 expert_backend: str = "loop") -> None:
+                 expert_backend: str = "loop", router_impl: str = "reference") -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
         self.attn = Attention(cfg, attention_impl)
         self.norm2 = nn.RMSNorm(cfg.d_model)
-        self.ffn = (MoELayer(cfg.moe, dispatcher, expert_backend) if moe
+        self.ffn = (MoELayer(cfg.moe, dispatcher, expert_backend, router_impl) if moe
                     else SwiGLU(cfg.d_model, cfg.d_ff))
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats | None]:
@@ -109,7 +109,7 @@ class ModelOutput:
 class MoETransformer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, dispatcher: str = "naive", attention_impl: str = "sdpa",
-        expert_backend: str = "loop",
+        expert_backend: str = "loop", router_impl: str = "reference",
     ) -> None:
         super().__init__()
         if not isinstance(cfg, ModelConfig):
@@ -117,7 +117,8 @@ class MoETransformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, i >= cfg.n_dense_layers, dispatcher, attention_impl, expert_backend)
+            Block(cfg, i >= cfg.n_dense_layers, dispatcher, attention_impl, expert_backend,
+                  router_impl)
             for i in range(cfg.n_layers)
         )
         self.norm = nn.RMSNorm(cfg.d_model)

@@ -49,6 +49,7 @@ class TrainConfig:
     eval_per_domain: int = 8
     dispatcher: str = "naive"
     expert_backend: str = "loop"
+    router_impl: str = "reference"
     attention_impl: str = "sdpa"
     corpus: str = "synthetic"
     checkpoint_path: str | None = None
@@ -171,7 +172,7 @@ def train(
         corpus = load_corpus(cfg.corpus, seq_len=model_cfg.seq_len, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_cfg, dispatcher=cfg.dispatcher, attention_impl=cfg.attention_impl,
-                           expert_backend=cfg.expert_backend)
+                           expert_backend=cfg.expert_backend, router_impl=cfg.router_impl)
     optimizer = _make_optimizer(model, cfg)
     data_gen = torch.Generator().manual_seed(cfg.seed + 1)
     eval_batch = corpus.fixed_eval_set(cfg.eval_per_domain)

@@ -42,7 +42,7 @@ class MoEStats:
 
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, dispatcher: str = "naive",
-                 expert_backend: str = "loop") -> None:
+                 expert_backend: str = "loop", router_impl: str = "reference") -> None:
         super().__init__()
         if not isinstance(cfg, MoEConfig):
             raise ValueError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
@@ -56,7 +56,7 @@ class MoELayer(nn.Module):
             )
         self.cfg = cfg
         self.dispatcher = dispatcher
-        self.router = Router(cfg)
+        self.router = Router(cfg, impl=router_impl)
         self.experts = SwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert)
         # Used by the dropless dispatcher's grouped GEMM (naive and capacity ignore it).
         self.experts.backend = expert_backend

@@ -112,15 +112,22 @@ def route(
     return RouterOutput(topk_ids, topk_weights, scores, logits, tokens_per_expert, aux, z)
 
 
+# name -> fn(x, gate_weight, cfg, expert_bias) -> RouterOutput; faster variants register here.
+ROUTER_IMPLS = {"reference": route}
+
+
 class Router(nn.Module):
     """The gate (``weight: [n_experts, d_model]``) and the routing chain of ``route``.
 
     ``expert_bias`` (a buffer, zeros by default) is added to the scores for selection only.
     """
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
         super().__init__()
+        if impl not in ROUTER_IMPLS:
+            raise ValueError(f"router impl must be one of {sorted(ROUTER_IMPLS)}, got {impl!r}")
         self.cfg = cfg
+        self.impl = impl
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.reset_parameters()
@@ -129,4 +136,4 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=self.cfg.d_model**-0.5)
 
     def forward(self, x: Tensor) -> RouterOutput:
-        return route(x, self.weight, self.cfg, self.expert_bias)
+        return ROUTER_IMPLS[self.impl](x, self.weight, self.cfg, self.expert_bias)
