@@ -1,0 +1,479 @@
+"""Triton token permutation: a row-id map built on the device, then permute and unpermute.
+
+A grouped GEMM wants each expert's tokens in one contiguous block of rows. Token ``t``
+goes to ``k`` experts, so the *permuted* buffer has one row per (token, slot) pair, sorted
+by expert; the *row-id map* ``row_id_map[t, j]`` says which row of that buffer holds
+token ``t``'s copy for its ``j``-th expert (TransformerEngine's ``moe_permute`` and
+Megatron-LM's ``permute`` work the same way). Building it is a counting sort, and every
+step has a size known from the shapes alone: a histogram of expert ids per block of
+entries (``[n_blocks, E]``), exclusive prefix sums over experts (where each expert's rows
+start, ``offsets``) and over blocks (where this block's rows for that expert start), and
+per entry its rank among the earlier entries of its block with the same expert (a
+cumulative sum over a one-hot ``[BLOCK, E]`` tile). The order is stable — by expert, then
+token, then slot, the order of a stable argsort of the flattened expert ids — and no
+count is read on the host: the permuted buffer is sized from a static bound, ``T·k`` rows,
+or ``T·k + E·(align − 1)`` when each expert's segment is padded up to a multiple of
+``align`` for a kernel that wants aligned tiles.
+
+``permute`` copies each token row to its ``k`` rows (padding rows are zero); ``unpermute``
+gathers them back and sums with the router weights, ``y_t = Σ_j w[t, j] · y[row_id_map[t,
+j]]``, accumulating in float32. Each is the other's transpose, so each one's backward is
+the other: permute's is an unweighted unpermute, unpermute's (with respect to ``y``) a
+permute scaled by the weights, and its gradient with respect to the weights is a row dot
+product ``<dout[t], y[row_id_map[t, j]]>``. Every launch is a ``torch.library.custom_op``
+with a fake implementation, so ``FakeTensorMode`` (`moe_lab.sync.assert_sync_free`) and
+``torch.compile`` can trace through kernels they cannot run; the torch glue between the
+launches (sums, cumulative sums) stays visible to them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_lab.kernels.grouped_gemm import cast_for_store
+
+Tensor = torch.Tensor
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _expert_histogram_kernel(ids_ptr, counts_ptr, N_ENTRIES, E,
+                             BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    # ids: [N_ENTRIES] expert ids (flattened topk_ids); counts: [cdiv(N_ENTRIES, BLOCK), E]
+    # int32, counts[b, e] = entries of block b routed to expert e. Grid: (n_blocks,).
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + i, mask=i < N_ENTRIES, other=-1)
+    experts = tl.arange(0, BLOCK_E)
+    hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, BLOCK_E] one-hot
+    tl.store(counts_ptr + pid * E + experts, tl.sum(hit, 0), mask=experts < E)
+
+
+@triton.jit
+def _row_id_map_kernel(ids_ptr, base_ptr, map_ptr, N_ENTRIES, E,
+                       BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    # ids: [N_ENTRIES]; base: [n_blocks, E] int32, first destination row of block b's
+    # entries for expert e; map: [N_ENTRIES] int32. Grid: (n_blocks,).
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N_ENTRIES
+    ids = tl.load(ids_ptr + i, mask=ok, other=-1)
+    hit = (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(hit, 0) * hit, 1) - 1  # earlier entries of the block, same expert
+    valid = ok & (ids >= 0) & (ids < E)
+    base = tl.load(base_ptr + pid * E + ids, mask=valid, other=-1)
+    tl.store(map_ptr + i, tl.where(valid, base + rank, -1), mask=ok)
+
+
+@triton.jit
+def _permute_kernel(
+    x_ptr, map_ptr, w_ptr, y_ptr, T, D, N_ROWS, TOP_K,
+    s_xt, s_xd, s_mt, s_mk, s_wt, s_wk, s_yr, s_yd,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+):
+    # x: [T, D]; row_id_map: [T, TOP_K] int32; weights: [T, TOP_K] (if HAS_WEIGHTS);
+    # y: [N_ROWS, D]; y[row_id_map[t, j]] = x[t] (· weights[t, j]).
+    # Grid: (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)).
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_ok, d_ok = t < T, d < D
+    x = tl.load(x_ptr + t[:, None] * s_xt + d[None, :] * s_xd,
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    for j in range(TOP_K):
+        row = tl.load(map_ptr + t * s_mt + j * s_mk, mask=t_ok, other=-1).to(tl.int64)
+        ok = t_ok & (row >= 0) & (row < N_ROWS)  # memory safety against a bad map
+        out = x
+        if HAS_WEIGHTS:
+            w = tl.load(w_ptr + t * s_wt + j * s_wk, mask=t_ok, other=0.0).to(tl.float32)
+            out = x * w[:, None]
+        tl.store(y_ptr + row[:, None] * s_yr + d[None, :] * s_yd,
+                 cast_for_store(out, y_ptr), mask=ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _unpermute_kernel(
+    y_ptr, map_ptr, w_ptr, out_ptr, T, D, N_ROWS, TOP_K,
+    s_yr, s_yd, s_mt, s_mk, s_wt, s_wk, s_ot, s_od,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+):
+    # y: [N_ROWS, D]; row_id_map: [T, TOP_K] int32; weights: [T, TOP_K] (if HAS_WEIGHTS);
+    # out: [T, D], out[t] = Σ_j (weights[t, j] ·) y[row_id_map[t, j]], summed in float32.
+    # Grid: (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)).
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    t_ok, d_ok = t < T, d < D
+    acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    for j in range(TOP_K):
+        row = tl.load(map_ptr + t * s_mt + j * s_mk, mask=t_ok, other=-1).to(tl.int64)
+        ok = t_ok & (row >= 0) & (row < N_ROWS)
+        v = tl.load(y_ptr + row[:, None] * s_yr + d[None, :] * s_yd,
+                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            v = v * tl.load(w_ptr + t * s_wt + j * s_wk, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        acc += v
+    tl.store(out_ptr + t[:, None] * s_ot + d[None, :] * s_od, cast_for_store(acc, out_ptr),
+             mask=t_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _unpermute_weight_grad_kernel(
+    y_ptr, map_ptr, dout_ptr, dw_ptr, T, D, N_ROWS, TOP_K,
+    s_yr, s_yd, s_mt, s_mk, s_gt, s_gd,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # y: [N_ROWS, D]; row_id_map: [T, TOP_K] int32; dout: [T, D];
+    # dw: [T, TOP_K] float32 contiguous, dw[t, j] = <dout[t], y[row_id_map[t, j]]>.
+    # Grid: (cdiv(T, BLOCK_T), TOP_K).
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    j = tl.program_id(1)
+    t_ok = t < T
+    row = tl.load(map_ptr + t * s_mt + j * s_mk, mask=t_ok, other=-1).to(tl.int64)
+    ok = t_ok & (row >= 0) & (row < N_ROWS)
+    acc = tl.zeros((BLOCK_T,), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        g = tl.load(dout_ptr + t[:, None] * s_gt + d[None, :] * s_gd,
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.load(y_ptr + row[:, None] * s_yr + d[None, :] * s_yd,
+                    mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(g * v, 1)
+    tl.store(dw_ptr + t * TOP_K + j, acc, mask=t_ok)
+
+
+# --------------------------------------------------------------------------------------
+# Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
+# --------------------------------------------------------------------------------------
+
+
+@torch.compiler.assume_constant_result  # detected once; torch.compile need not trace it
+def _interpreted() -> bool:
+    from moe_lab.perf.capabilities import triton_interpreted
+
+    return triton_interpreted()
+
+
+def _map_block(n_entries: int, n_experts: int) -> int:
+    """Entries per program of the row-id-map kernels; the one-hot tile is BLOCK x BLOCK_E.
+    Large under the interpreter (each program is a Python round trip), modest compiled."""
+    block_e = triton.next_power_of_2(n_experts)
+    if _interpreted():
+        return min(triton.next_power_of_2(max(n_entries, 16)), max(16, 65536 // block_e))
+    return max(16, min(128, 8192 // block_e))
+
+
+def _row_blocks(tokens: int, d: int) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_D)`` of the row-copy kernels."""
+    if _interpreted():
+        return min(128, max(16, triton.next_power_of_2(tokens))), min(256, max(16, triton.next_power_of_2(d)))
+    return 16, min(256, max(16, triton.next_power_of_2(d)))
+
+
+def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Kernel outputs that the kernels fill completely start uninitialised. (Tests replace
+    this with a NaN fill to prove it.)"""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@torch.library.custom_op("moe_lab::expert_block_histogram", mutates_args=())
+def _expert_block_histogram_op(ids: Tensor, n_experts: int, block: int) -> Tensor:
+    n = ids.shape[0]
+    n_blocks = triton.cdiv(n, block)
+    counts = _new_output((n_blocks, n_experts), torch.int32, ids.device)
+    if n_blocks:
+        _expert_histogram_kernel[(n_blocks,)](
+            ids, counts, n, n_experts, BLOCK=block, BLOCK_E=triton.next_power_of_2(n_experts),
+        )
+    return counts
+
+
+@_expert_block_histogram_op.register_fake
+def _(ids: Tensor, n_experts: int, block: int) -> Tensor:
+    return ids.new_empty(((ids.shape[0] + block - 1) // block, n_experts), dtype=torch.int32)
+
+
+@torch.library.custom_op("moe_lab::row_id_map_from_bases", mutates_args=())
+def _row_id_map_op(ids: Tensor, base: Tensor, block: int) -> Tensor:
+    n, n_experts = ids.shape[0], base.shape[1]
+    row_id_map = _new_output((n,), torch.int32, ids.device)
+    if n:
+        _row_id_map_kernel[(triton.cdiv(n, block),)](
+            ids, base, row_id_map, n, n_experts,
+            BLOCK=block, BLOCK_E=triton.next_power_of_2(n_experts),
+        )
+    return row_id_map
+
+
+@_row_id_map_op.register_fake
+def _(ids: Tensor, base: Tensor, block: int) -> Tensor:
+    return ids.new_empty((ids.shape[0],), dtype=torch.int32)
+
+
+@torch.library.custom_op("moe_lab::permute", mutates_args=())
+def _permute_op(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
+    (tokens, d), top_k = x.shape, row_id_map.shape[1]
+    # Every row is some (token, slot)'s destination only when there is no padding.
+    if n_rows == tokens * top_k:
+        y = _new_output((n_rows, d), x.dtype, x.device)
+    else:
+        y = torch.zeros((n_rows, d), dtype=x.dtype, device=x.device)
+    if tokens and d and top_k:
+        bt, bd = _row_blocks(tokens, d)
+        w_arg = row_id_map if weights is None else weights  # unused without weights
+        _permute_kernel[(triton.cdiv(tokens, bt), triton.cdiv(d, bd))](
+            x, row_id_map, w_arg, y, tokens, d, n_rows, top_k,
+            *x.stride(), *row_id_map.stride(), *w_arg.stride(), *y.stride(),
+            BLOCK_T=bt, BLOCK_D=bd, HAS_WEIGHTS=weights is not None,
+        )
+    return y
+
+
+@_permute_op.register_fake
+def _(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
+    return x.new_empty((n_rows, x.shape[1]))
+
+
+@torch.library.custom_op("moe_lab::unpermute", mutates_args=())
+def _unpermute_op(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
+    (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
+    out = _new_output((tokens, d), y.dtype, y.device)
+    if tokens and d:
+        bt, bd = _row_blocks(tokens, d)
+        w_arg = row_id_map if weights is None else weights
+        _unpermute_kernel[(triton.cdiv(tokens, bt), triton.cdiv(d, bd))](
+            y, row_id_map, w_arg, out, tokens, d, n_rows, top_k,
+            *y.stride(), *row_id_map.stride(), *w_arg.stride(), *out.stride(),
+            BLOCK_T=bt, BLOCK_D=bd, HAS_WEIGHTS=weights is not None,
+        )
+    return out
+
+
+@_unpermute_op.register_fake
+def _(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
+    return y.new_empty((row_id_map.shape[0], y.shape[1]))
+
+
+@torch.library.custom_op("moe_lab::unpermute_weight_grad", mutates_args=())
+def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
+    (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
+    dw = _new_output((tokens, top_k), torch.float32, y.device)
+    if tokens and top_k:
+        bt, bd = _row_blocks(tokens, d)
+        _unpermute_weight_grad_kernel[(triton.cdiv(tokens, bt), top_k)](
+            y, row_id_map, dout, dw, tokens, d, n_rows, top_k,
+            *y.stride(), *row_id_map.stride(), *dout.stride(), BLOCK_T=bt, BLOCK_D=bd,
+        )
+    return dw
+
+
+@_unpermute_weight_grad_op.register_fake
+def _(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
+    return y.new_empty(tuple(row_id_map.shape), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Autograd and the public wrappers
+# --------------------------------------------------------------------------------------
+
+
+class Permute(torch.autograd.Function):
+    """``y = permute(x, row_id_map, n_rows)``; backward: ``dx = unpermute(dy, row_id_map)``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
+        ctx.save_for_backward(row_id_map)
+        return _permute_op(x, row_id_map, None, n_rows)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        (row_id_map,) = ctx.saved_tensors
+        return _unpermute_op(dy, row_id_map, None), None, None
+
+
+class Unpermute(torch.autograd.Function):
+    """``out = unpermute(y, row_id_map, weights)``; backward: ``dy`` a weighted permute,
+    ``dweights`` the row dot products ``<dout[t], y[row_id_map[t, j]]>``."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
+        ctx.save_for_backward(y, row_id_map, weights)
+        return _unpermute_op(y, row_id_map, weights)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        y, row_id_map, weights = ctx.saved_tensors
+        dy = dweights = None
+        if ctx.needs_input_grad[0]:
+            dy = _permute_op(dout, row_id_map, weights, y.shape[0])
+        if weights is not None and ctx.needs_input_grad[2]:
+            dweights = _unpermute_weight_grad_op(y, row_id_map, dout).to(weights.dtype)
+        return dy, None, dweights
+
+
+def permuted_rows(tokens: int, top_k: int, n_experts: int, align: int = 1) -> int:
+    """Static size of the permuted buffer: ``T·k``, plus ``E·(align − 1)`` padding rows
+    when each expert's segment is rounded up to a multiple of ``align``."""
+    return tokens * top_k + (n_experts * (align - 1) if align > 1 else 0)
+
+
+def _check_device(name: str, t: Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the first argument's device), got {t.device}")
+    if device.type != "cuda" and not _interpreted():
+        raise ValueError(
+            f"{name} must be on a CUDA device for compiled Triton, got {device} "
+            "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
+        )
+
+
+def _check_map(row_id_map: Tensor, tokens: int | None, n_rows: int, device: torch.device) -> None:
+    """``row_id_map: [T, k]`` int32 on ``device`` (``T = tokens`` unless None), ``T·k <= n_rows``."""
+    if not isinstance(row_id_map, torch.Tensor):
+        raise TypeError(f"row_id_map must be a torch.Tensor, got {type(row_id_map).__name__}")
+    expected_t = "T" if tokens is None else f"T = {tokens}"
+    if (row_id_map.dim() != 2 or row_id_map.dtype != torch.int32
+            or (tokens is not None and row_id_map.shape[0] != tokens)):
+        raise ValueError(
+            f"row_id_map must be [{expected_t}, k] int32, "
+            f"got shape {tuple(row_id_map.shape)} {row_id_map.dtype}"
+        )
+    _check_device("row_id_map", row_id_map, device)
+    if n_rows < row_id_map.numel():
+        raise ValueError(
+            f"n_rows must be at least T·k = {row_id_map.numel()} (one row per token and slot), "
+            f"got {n_rows}"
+        )
+
+
+def _check_rows(name: str, t: Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, d], got shape {tuple(t.shape)}")
+    if t.dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"{name}.dtype must be one of {[str(d) for d in KERNEL_DTYPES]}, got {t.dtype}"
+        )
+
+
+def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
+    """Where each (token, slot) goes in the expert-sorted buffer, and where experts start.
+
+    Args:
+        topk_ids: ``[T, k]`` int64 or int32 expert ids in ``[0, n_experts)`` (checked on the
+            device with ``torch._assert_async``: no host read).
+        n_experts: ``E``.
+        align: pad each expert's segment up to a multiple of ``align`` rows.
+
+    Returns:
+        ``row_id_map: [T, k]`` int32, the destination row of each (token, slot), stable by
+        (expert, token, slot); ``offsets: [E + 1]`` int32, expert ``e``'s rows are
+        ``offsets[e]:offsets[e+1]`` (its tokens first, then zero padding). The buffer
+        needs ``permuted_rows(T, k, E, align)`` rows; ``offsets[E]`` is at most that.
+    """
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"topk_ids must be [T, k] int64 or int32, got shape {tuple(topk_ids.shape)} "
+            f"{topk_ids.dtype}"
+        )
+    if not isinstance(n_experts, int) or n_experts < 1:
+        raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be a positive int, got {align!r}")
+    _check_device("topk_ids", topk_ids, topk_ids.device)
+    flat = topk_ids.reshape(-1).contiguous()
+    torch._assert_async(((flat >= 0) & (flat < n_experts)).all(),
+                        f"topk_ids must hold expert ids in [0, n_experts = {n_experts})")
+    block = _map_block(flat.shape[0], n_experts)
+    block_counts = _expert_block_histogram_op(flat, n_experts, block)  # [n_blocks, E]
+    counts = block_counts.sum(0, dtype=torch.int32)  # [E] tokens per expert
+    if align > 1:
+        counts = (counts + (align - 1)) // align * align
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
+    # First row of block b's entries for expert e: the expert's start plus the entries of
+    # that expert in the blocks before b.
+    base = block_counts.cumsum(0, dtype=torch.int32) - block_counts + offsets[:-1]
+    row_id_map = _row_id_map_op(flat, base, block)
+    return row_id_map.view(topk_ids.shape), offsets
+
+
+def permute(x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
+    """Copy token row ``x[t]`` to rows ``row_id_map[t, :]`` of a new ``[n_rows, d]`` buffer.
+
+    ``x: [T, d]`` (float32, bfloat16 or float16, any strides); ``row_id_map: [T, k]``
+    int32 from `make_row_id_map`; ``n_rows >= T·k`` (see `permuted_rows`). Rows no
+    (token, slot) maps to are zero. Differentiable in ``x``.
+    """
+    _check_rows("x", x)
+    _check_device("x", x, x.device)
+    if not isinstance(n_rows, int):
+        raise ValueError(f"n_rows must be an int, got {type(n_rows).__name__}")
+    _check_map(row_id_map, x.shape[0], n_rows, x.device)
+    return Permute.apply(x, row_id_map, n_rows)
+
+
+def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> Tensor:
+    """``out[t] = Σ_j weights[t, j] · y[row_id_map[t, j]]``, summed in float32.
+
+    ``y: [n_rows, d]``; ``row_id_map: [T, k]`` int32; ``weights: [T, k]`` floating (any
+    float dtype, e.g. the router's float32), or None for a plain sum. Returns ``[T, d]``
+    in ``y``'s dtype. Differentiable in ``y`` and ``weights``.
+    """
+    _check_rows("y", y)
+    _check_device("y", y, y.device)
+    _check_map(row_id_map, None, y.shape[0], y.device)
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+            got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise ValueError(f"weights must be a floating-point tensor or None, got {got}")
+        if weights.shape != row_id_map.shape:
+            raise ValueError(
+                f"weights must be [T, k] = {tuple(row_id_map.shape)} like row_id_map, "
+                f"got {tuple(weights.shape)}"
+            )
+        _check_device("weights", weights, y.device)
+    return Unpermute.apply(y, row_id_map, weights)
+
+
+# --------------------------------------------------------------------------------------
+# References (plain PyTorch; what the kernels are tested against)
+# --------------------------------------------------------------------------------------
+
+
+def make_row_id_map_reference(topk_ids: Tensor, n_experts: int, align: int = 1
+                              ) -> tuple[Tensor, Tensor]:
+    """The row-id map from a stable argsort of the flattened expert ids."""
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # sorted position -> entry
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(),
+                                                                       device=flat.device))
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    unpadded_start = counts.cumsum(0) - counts
+    padded = (counts + align - 1) // align * align
+    offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+    dest = offsets[flat] + position - unpadded_start[flat]
+    return dest.view(topk_ids.shape).int(), offsets.int()
+
+
+def permute_reference(x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
+    """``index_copy`` of each token row to its ``k`` destinations; other rows zero."""
+    tokens, top_k = row_id_map.shape
+    copies = x.unsqueeze(1).expand(tokens, top_k, x.shape[1]).reshape(tokens * top_k, x.shape[1])
+    return x.new_zeros((n_rows, x.shape[1])).index_copy(0, row_id_map.reshape(-1).long(), copies)
+
+
+def unpermute_reference(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> Tensor:
+    """``index_select`` of each (token, slot)'s row, weighted sum over slots in float32."""
+    tokens, top_k = row_id_map.shape
+    rows = y.float().index_select(0, row_id_map.reshape(-1).long()).view(tokens, top_k, y.shape[1])
+    if weights is not None:
+        rows = rows * weights.float().unsqueeze(-1)
+    return rows.sum(1).to(y.dtype)
