@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "moe_lab.train",  # train
     "moe_lab.workbook",  # workbook
     "moe_lab.bench.cli",  # bench NAME
+    "moe_lab.sim.cli",  # sim pipeline|fabric
 )
 
 

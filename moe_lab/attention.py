@@ -4,7 +4,20 @@
 (``k``/``v`` may have fewer heads than ``q``: grouped-query attention) returns
 ``[batch, heads, seq, head_dim]``. ``reference`` is the textbook definition
 (softmax(QKᵀ/√d + causal mask)·V, computed in float32); ``sdpa`` is PyTorch's fused
-``scaled_dot_product_attention``. Other implementations (MXFP8) register beside them.
+``scaled_dot_product_attention``.
+
+MXFP8 attention (NVIDIA's MoE recipe moves attention's two batched matmuls to MXFP8):
+each matmul's operands are blocked along *its* reduction dimension — Q and K along
+head_dim for ``QKᵀ``, the probabilities P and V along the keys for ``P·V`` — with E4M3
+elements and one power-of-two scale per 32 values (`moe_lab.quant.mx`); the softmax
+stays in float32. ``mxfp8`` is the reference emulation: quantize → dequantize each
+operand, then the float32 reference computation (head_dim and key length are padded
+with zeros to a multiple of 32 where needed; zeros change no block's scale and no dot
+product). Its backward is straight-through and in float32: the gradient GEMMs are not
+emulated in MXFP8 here. ``mxfp8_triton`` runs the forward as one Triton flash-attention
+pass on MX inputs (`moe_lab.kernels.attention`), quantizing Q, K, V with the Triton
+quantizer (`moe_lab.kernels.mx`) and P inside the kernel, and differentiates through the
+reference emulation (recomputed in the backward).
 """
 
 from __future__ import annotations
@@ -53,6 +66,83 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """PyTorch's fused attention (flash / memory-efficient / math, whichever applies)."""
     k, v = _expand_kv(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+MX_OPERANDS = ("q", "k", "p", "v")
+
+
+def _fake_mx(x: Tensor, dim: int, scale_mode: str) -> Tensor:
+    from moe_lab.quant.mx import fake_quantize
+
+    return fake_quantize(x, dim=dim, scale_mode=scale_mode, pad=True, quantize_grad=False)
+
+
+def mxfp8_reference_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    quantize: tuple[str, ...] = MX_OPERANDS,
+    scale_mode: str = "rceil",
+) -> Tensor:
+    """Causal attention with MXFP8 (E4M3, 32-blocks) operands, emulated in float32.
+
+    ``q``: ``[B, H, T_q, d]``; ``k``, ``v``: ``[B, H_kv, T_k, d]``. ``quantize`` names the
+    operands to quantize (any of ``"q"``, ``"k"`` along head_dim; ``"p"``, ``"v"`` along the
+    keys) — all four is the recipe; fewer shows where the error comes from. Returns
+    ``[B, H, T_q, d]`` in ``q.dtype``.
+    """
+    unknown = set(quantize) - set(MX_OPERANDS)
+    if unknown:
+        raise ValueError(f"quantize must name operands from {MX_OPERANDS}, got {sorted(unknown)}")
+    k, v = _expand_kv(q, k, v)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    if "q" in quantize:
+        qf = _fake_mx(qf, -1, scale_mode)
+    if "k" in quantize:
+        kf = _fake_mx(kf, -1, scale_mode)
+    if "v" in quantize:
+        vf = _fake_mx(vf, -2, scale_mode)
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    scores = (qf @ kf.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    if "p" in quantize:
+        probs = _fake_mx(probs, -1, scale_mode)
+    return (probs @ vf).to(q.dtype)
+
+
+@register_attention("mxfp8")
+def mxfp8_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """MXFP8 reference emulation: Q, K quantized along head_dim, P and V along the keys."""
+    return mxfp8_reference_attention(q, k, v)
+
+
+class _MXFP8TritonAttention(torch.autograd.Function):
+    """Forward: the Triton MX flash-attention kernel. Backward: autograd through the
+    reference emulation, recomputed from the saved inputs."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from moe_lab.kernels.attention import mx_attention_forward, quantize_qkv
+
+        ctx.save_for_backward(q, k, v)
+        up = [x.float() if x.dtype == torch.float16 else x for x in (q, k, v)]
+        return mx_attention_forward(*quantize_qkv(*up)).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = mxfp8_reference_attention(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), grad)
+
+
+@register_attention("mxfp8_triton")
+def mxfp8_triton_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """MXFP8 attention forward as one Triton flash-attention pass on MX inputs (compiled
+    on CUDA, interpreted on the CPU); backward through the reference emulation."""
+    return _MXFP8TritonAttention.apply(q, k, v)
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, impl: str = "sdpa") -> Tensor:

@@ -51,6 +51,7 @@ class TrainConfig:
     expert_backend: str = "loop"
     router_impl: str = "reference"
     attention_impl: str = "sdpa"
+    mxfp8: tuple[str, ...] = ()  # ("attention",), ("experts",) or both: emulated MXFP8
     corpus: str = "synthetic"
     checkpoint_path: str | None = None
     checkpoint_every: int = 0
@@ -173,6 +174,10 @@ def train(
     torch.manual_seed(cfg.seed)
     model = MoETransformer(model_cfg, dispatcher=cfg.dispatcher, attention_impl=cfg.attention_impl,
                            expert_backend=cfg.expert_backend, router_impl=cfg.router_impl)
+    if cfg.mxfp8:
+        from moe_lab.quant.linear import apply_mxfp8
+
+        apply_mxfp8(model, tuple(cfg.mxfp8))
     optimizer = _make_optimizer(model, cfg)
     data_gen = torch.Generator().manual_seed(cfg.seed + 1)
     eval_batch = corpus.fixed_eval_set(cfg.eval_per_domain)

@@ -8,4 +8,5 @@ otherwise, and every figure in it is also appended to the results ledger by the 
 BENCHMARKS = {
     # name -> module (imported only when that benchmark is asked for)
     "moe-layer": "moe_lab.bench.moe_layer",
+    "mxfp8": "moe_lab.bench.mxfp8",
 }

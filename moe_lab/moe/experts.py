@@ -77,10 +77,10 @@ def _grouped_mm_backward(ctx, dy: Tensor):
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def _fake_quantize(t: Tensor, dim: int) -> Tensor:
+def _fake_quantize(t: Tensor, dim: int, quantize_grad: bool = True) -> Tensor:
     from moe_lab.quant.mx import fake_quantize
 
-    return fake_quantize(t, dim=dim)
+    return fake_quantize(t, dim=dim, quantize_grad=quantize_grad)
 
 
 def swiglu(h: Tensor) -> Tensor:
@@ -112,7 +112,9 @@ class SwiGLUExperts(nn.Module):
 
     def _quantized(self, x: Tensor, w: Tensor, w_dim: int) -> tuple[Tensor, Tensor]:
         if self.quant == "mxfp8":
-            return _fake_quantize(x, -1), _fake_quantize(w, w_dim)
+            # Activations' gradients are quantized (they feed the next GEMM); the weights'
+            # gradient goes to the optimizer in full precision, as the recipe does.
+            return _fake_quantize(x, -1), _fake_quantize(w, w_dim, quantize_grad=False)
         if self.quant is not None:
             raise ValueError(f"SwiGLUExperts.quant must be None or 'mxfp8', got {self.quant!r}")
         return x, w

@@ -1,0 +1,290 @@
+"""Triton flash-attention forward on MXFP8 inputs: block scales applied inside the tile loop.
+
+Flash attention computes ``softmax(QKᵀ/√d)·V`` one ``[BLOCK_M, BLOCK_N]`` tile of scores at
+a time, never materialising the ``T × T`` matrix: it keeps, per query row, the running
+maximum ``m`` and the running sum ``l`` of ``exp(s - m)``, rescales the output accumulator
+by ``exp(m_old - m_new)`` whenever the maximum grows, and divides by ``l`` at the end
+(the *online softmax*). Feeding it MXFP8 operands changes the two matrix products, not the
+softmax. ``QKᵀ`` reduces over ``head_dim``, so Q and K arrive blocked along ``head_dim``:
+the score tile is a sum over head-dim blocks ``j`` of a *partial dot* of raw FP8 values,
+``Q_j K_jᵀ``, times that block's two scales, ``sq[:, j] ⊗ sk[:, j]`` — exactly what an MX
+tensor core does in hardware (``tl.dot_scaled`` on Blackwell). ``P·V`` reduces over the
+keys, so V arrives blocked along the keys, and the kernel quantizes each tile of
+probabilities ``p = exp(s - m)`` (values in ``[0, 1]``) to MXFP8 along the keys itself,
+then sums partial dots ``P_j V_j`` times ``sp[:, j] ⊗ sv[j, :]`` over the tile's key
+blocks. The row sum ``l`` uses the unquantized ``p``, as FP8 attention kernels do.
+
+Here the FP8 codes are decoded to float exactly (an E4M3 value has 4 significant bits,
+so float16 — or float32 under the interpreter — holds it exactly) and multiplied with
+``tl.dot`` accumulating in float32; a real FP8/MX kernel would feed the bytes to the
+tensor cores directly, with the same result up to summation order. The probabilities
+are quantized with the integer routines of `moe_lab.kernels.mx`, so the bits do not
+depend on the device's float casts. Requirements: causal, ``T_q <= T_k`` (query ``i``
+sees keys ``<= i + T_k - T_q``), Q/K head_dim padded to a multiple of 32, V padded
+along the keys to a multiple of 32 (`moe_lab.kernels.mx.mx_quantize` with ``pad=True``
+produces exactly that). Backward is not a kernel: `moe_lab.attention` differentiates
+through the reference emulation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_lab.kernels.mx import fp8_code, mx_scale_byte
+from moe_lab.perf.capabilities import triton_interpreted
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor
+
+Tensor = torch.Tensor
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def decode_e4m3(code):
+    """float32 value of E4M3 bytes (int32 0..255): exact, NaN for 0x7F/0xFF."""
+    sign = code & 0x80
+    exp_field = (code >> 3) & 0xF
+    man = code & 0x7
+    normal = ((sign << 24) | ((exp_field + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    sub = man.to(tl.float32) * 0.001953125  # m * 2^-9
+    sub = tl.where(sign != 0, -sub, sub)
+    value = tl.where(exp_field == 0, sub, normal)
+    return tl.where((code & 0x7F) == 0x7F, float("nan"), value)
+
+
+@triton.jit
+def decode_e8m0(byte):
+    """float32 ``2^(byte - 127)`` of E8M0 bytes (int32); NaN for 0xFF."""
+    value = tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
+    return tl.where(byte == 255, float("nan"), value)
+
+
+@triton.jit
+def _mx_attention_fwd_kernel(
+    q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr,
+    H, KV_GROUP, T_Q, T_K, T_K_PAD, D, D_PAD, sm_scale_log2,
+    s_qb, s_qh, s_qt, s_qd, s_qsb, s_qsh, s_qst, s_qsd,
+    s_kb, s_kh, s_kt, s_kd, s_ksb, s_ksh, s_kst, s_ksd,
+    s_vb, s_vh, s_vt, s_vd, s_vsb, s_vsh, s_vst, s_vsd,
+    s_ob, s_oh, s_ot, s_od,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    N_DB: tl.constexpr, MX: tl.constexpr, QUANT_P: tl.constexpr, RCEIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    # q codes [B, H, T_Q, D_PAD] u8, q scales [B, H, T_Q, D_PAD/32] u8 (k likewise, H_kv heads);
+    # v codes [B, H_kv, T_K_PAD, D] u8 blocked along keys, v scales [B, H_kv, T_K_PAD/32, D];
+    # o [B, H, T_Q, D] float32. N_DB: head-dim blocks, rounded up to a power of two.
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // KV_GROUP
+    q_ptr += b * s_qb + h * s_qh
+    qs_ptr += b * s_qsb + h * s_qsh
+    k_ptr += b * s_kb + hk * s_kh
+    ks_ptr += b * s_ksb + hk * s_ksh
+    v_ptr += b * s_vb + hk * s_vh
+    vs_ptr += b * s_vsb + hk * s_vsh
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    db = tl.arange(0, N_DB)
+    c = tl.arange(0, MX)
+    offs_d = tl.arange(0, BLOCK_D)
+    N_KB: tl.constexpr = BLOCK_N // MX
+    kb = tl.arange(0, N_KB)
+
+    # Q as [N_DB, BLOCK_M, 32] FP8 values and [N_DB, BLOCK_M, 1] scales.
+    rows = offs_m[None, :, None]
+    q_col = db[:, None, None] * MX + c[None, None, :]
+    q_codes = tl.load(q_ptr + rows * s_qt + q_col * s_qd,
+                      mask=(rows < T_Q) & (q_col < D_PAD), other=0).to(tl.int32)
+    q_vals = decode_e4m3(q_codes).to(DOT_DTYPE)
+    qs_ok = (rows < T_Q) & (db[:, None, None] < D_PAD // MX)
+    q_scale = decode_e8m0(
+        tl.load(qs_ptr + rows * s_qst + db[:, None, None] * s_qsd, mask=qs_ok, other=127)
+        .to(tl.int32))
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    offset = T_K - T_Q  # causal: query i sees keys j <= i + offset
+    hi = tl.minimum(T_K, (pid_m + 1) * BLOCK_M + offset)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        # K as [N_DB, 32, BLOCK_N] and its scales [N_DB, 1, BLOCK_N].
+        keys = offs_n[None, None, :]
+        k_col = db[:, None, None] * MX + c[None, :, None]
+        k_codes = tl.load(k_ptr + keys * s_kt + k_col * s_kd,
+                          mask=(keys < T_K) & (k_col < D_PAD), other=0).to(tl.int32)
+        ks_ok = (keys < T_K) & (db[:, None, None] < D_PAD // MX)
+        k_scale = decode_e8m0(
+            tl.load(ks_ptr + keys * s_kst + db[:, None, None] * s_ksd, mask=ks_ok, other=127)
+            .to(tl.int32))
+        # Scores: one partial dot per head-dim block, times its two scales, summed.
+        partial = tl.dot(q_vals, decode_e4m3(k_codes).to(DOT_DTYPE))  # [N_DB, BLOCK_M, BLOCK_N]
+        s = tl.sum(partial * q_scale * k_scale, axis=0) * sm_scale_log2
+        causal = (offs_n[None, :] <= offs_m[:, None] + offset) & (offs_n[None, :] < T_K)
+        s = tl.where(causal, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_N], in [0, 1]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+
+        # V as [N_KB, 32, BLOCK_D] and its scales [N_KB, 1, BLOCK_D].
+        v_row = start_n + kb[:, None, None] * MX + c[None, :, None]
+        cols = offs_d[None, None, :]
+        v_codes = tl.load(v_ptr + v_row * s_vt + cols * s_vd,
+                          mask=(v_row < T_K_PAD) & (cols < D), other=0).to(tl.int32)
+        vblk = start_n // MX + kb[:, None, None]
+        vs_ok = (vblk < T_K_PAD // MX) & (cols < D)
+        v_scale = decode_e8m0(
+            tl.load(vs_ptr + vblk * s_vst + cols * s_vsd, mask=vs_ok, other=127).to(tl.int32))
+        # P blocked along the keys: [BLOCK_M, N_KB, 32] -> [N_KB, BLOCK_M, 32].
+        p3 = tl.reshape(p, (BLOCK_M, N_KB, MX))
+        if QUANT_P:
+            p_bits = p3.to(tl.int32, bitcast=True)
+            p_scale_byte = mx_scale_byte(tl.max(p_bits & 0x7FFFFFFF, axis=2), 8, RCEIL)
+            shift = p_scale_byte - 127
+            if RCEIL:
+                shift = tl.where(p_scale_byte == 0, 0, shift)
+            p_codes = fp8_code(p_bits, shift[:, :, None], (p_scale_byte == 255)[:, :, None],
+                               3, 7, 0x7E, 0x7F)  # E4M3: 3 mantissa bits, bias 7
+            p_vals = decode_e4m3(p_codes)
+            p_scale = decode_e8m0(p_scale_byte)
+        else:
+            p_vals = p3
+            p_scale = tl.full((BLOCK_M, N_KB), 1.0, tl.float32)
+        p_vals = tl.permute(p_vals, (1, 0, 2)).to(DOT_DTYPE)
+        p_scale = tl.permute(p_scale, (1, 0))[:, :, None]  # [N_KB, BLOCK_M, 1]
+        pv = tl.dot(p_vals, decode_e4m3(v_codes).to(DOT_DTYPE))  # [N_KB, BLOCK_M, BLOCK_D]
+        acc += tl.sum(pv * p_scale * v_scale, axis=0)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ok = (offs_m[:, None] < T_Q) & (offs_d[None, :] < D)
+    o_ptr += b * s_ob + h * s_oh
+    tl.store(o_ptr + offs_m[:, None] * s_ot + offs_d[None, :] * s_od, out, mask=o_ok)
+
+
+def _check_mx(name: str, mx: MXTensor, dim: int) -> None:
+    if not isinstance(mx, MXTensor):
+        raise TypeError(f"{name} must be an MXTensor, got {type(mx).__name__}")
+    if mx.elem_dtype != E4M3 or mx.block_size != BLOCK_SIZE:
+        raise ValueError(
+            f"{name} must be MXFP8 E4M3 with block_size {BLOCK_SIZE}, got "
+            f"{mx.elem_dtype} with block_size {mx.block_size}"
+        )
+    if len(mx.shape) != 4 or mx.dim != dim:
+        raise ValueError(
+            f"{name} must be a [batch, heads, seq, head_dim] MXTensor blocked along dim {dim}, "
+            f"got shape {tuple(mx.shape)} blocked along dim {mx.dim}"
+        )
+
+
+def mx_attention_forward(
+    q: MXTensor,
+    k: MXTensor,
+    v: MXTensor,
+    *,
+    quantize_p: bool = True,
+    scale_mode: str = "rceil",
+) -> Tensor:
+    """Causal attention ``softmax(QKᵀ/√d)·V`` on MXFP8 operands, one flash-attention pass.
+
+    Args:
+        q: MXTensor of ``[B, H, T_q, d]`` blocked along head_dim (``dim=3``).
+        k: MXTensor of ``[B, H_kv, T_k, d]`` blocked along head_dim; ``H_kv`` divides ``H``.
+        v: MXTensor of ``[B, H_kv, T_k, d]`` blocked along the keys (``dim=2``).
+        quantize_p: quantize the probabilities to MXFP8 along the keys (the recipe);
+            ``False`` keeps them float32 (to study where the error comes from).
+        scale_mode: the scale rule for the probabilities (``"rceil"`` or ``"floor"``).
+
+    Returns:
+        ``[B, H, T_q, d]`` float32, on q's device.
+    """
+    _check_mx("q", q, 3)
+    _check_mx("k", k, 3)
+    _check_mx("v", v, 2)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    bq, h, t_q, d = q.shape
+    bk, h_kv, t_k, dk = k.shape
+    if (bk, dk) != (bq, d) or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(
+            f"q, k, v must agree: q [B, H, T_q, d], k and v [B, H_kv, T_k, d]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if h % h_kv:
+        raise ValueError(f"k heads ({h_kv}) must divide q heads ({h})")
+    if t_q > t_k:
+        raise ValueError(f"T_q = {t_q} must be <= T_k = {t_k} (causal: every query sees a key)")
+    devices = {q.data.device, k.data.device, v.data.device}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
+    device = q.data.device
+    if device.type != "cuda" and not triton_interpreted():
+        raise ValueError(
+            f"q, k, v must be on a CUDA device for compiled Triton, got {device} "
+            "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
+        )
+    out = torch.empty((bq, h, t_q, d), dtype=torch.float32, device=device)
+    if out.numel() == 0:
+        return out
+    d_pad = q.data.shape[3]
+    t_k_pad = v.data.shape[2]
+    if triton_interpreted():
+        block_m = block_n = min(128, max(32, triton.next_power_of_2(t_k)))
+        block_m = min(block_m, max(16, triton.next_power_of_2(t_q)))
+        dot_dtype = tl.float32
+    else:
+        block_m, block_n, dot_dtype = 64, 64, tl.float16
+    n_db = triton.next_power_of_2(d_pad // BLOCK_SIZE)
+    u8 = torch.uint8
+    qd, qs = q.data.view(u8), q.scale.view(u8)
+    kd, ks = k.data.view(u8), k.scale.view(u8)
+    vd, vs = v.data.view(u8), v.scale.view(u8)
+    grid = (triton.cdiv(t_q, block_m), bq * h)
+    _mx_attention_fwd_kernel[grid](
+        qd, qs, kd, ks, vd, vs, out,
+        h, h // h_kv, t_q, t_k, t_k_pad, d, d_pad, LOG2E / math.sqrt(d),
+        *qd.stride(), *qs.stride(), *kd.stride(), *ks.stride(),
+        *vd.stride(), *vs.stride(), *out.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        N_DB=n_db, MX=BLOCK_SIZE, QUANT_P=quantize_p, RCEIL=scale_mode == "rceil",
+        DOT_DTYPE=dot_dtype, num_warps=4,
+    )
+    return out
+
+
+def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
+                 ) -> tuple[MXTensor, MXTensor, MXTensor]:
+    """MXFP8 copies for attention with the Triton quantizer: Q and K blocked along
+    head_dim, V along the keys (each padded with zeros to a multiple of 32).
+
+    ``q``: ``[B, H, T_q, d]``; ``k``, ``v``: ``[B, H_kv, T_k, d]``; float32 or bfloat16.
+    """
+    from moe_lab.kernels.mx import mx_quantize
+
+    def rows(x: Tensor) -> MXTensor:
+        b, h, t, d = x.shape
+        mx, _ = mx_quantize(x.reshape(b * h * t, d), colwise=False, scale_mode=scale_mode,
+                            pad=True)
+        d_pad = mx.data.shape[-1]
+        return MXTensor(mx.data.reshape(b, h, t, d_pad), mx.scale.reshape(b, h, t, d_pad // 32),
+                        E4M3, BLOCK_SIZE, 3, x.shape, scale_mode)
+
+    def keys(x: Tensor) -> MXTensor:
+        b, h, t, d = x.shape
+        _, mx = mx_quantize(x.reshape(b * h, t, d), rowwise=False, scale_mode=scale_mode,
+                            pad=True)
+        t_pad = mx.data.shape[-2]
+        return MXTensor(mx.data.reshape(b, h, t_pad, d), mx.scale.reshape(b, h, t_pad // 32, d),
+                        E4M3, BLOCK_SIZE, 2, x.shape, scale_mode)
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got {tuple(x.shape)}")
+    return rows(q), rows(k), keys(v)
+

@@ -1,0 +1,351 @@
+"""MXFP8 linear layers: every GEMM of a linear layer fed MX operands blocked along its own
+reduction dimension — emulated anywhere, on MX tensor cores through Transformer Engine.
+
+A linear layer ``Y = X Wᵀ + b`` (``X: [M, K]`` tokens × features, ``W: [N, K]``) runs three
+GEMMs per training step, each reducing over a different dimension, and MXFP8 blocks must
+run along the reduced one:
+
+==========  ===============  ==================================================
+GEMM        reduces over     MX operands
+==========  ===============  ==================================================
+forward     K (features)     X blocked along K (row-wise), W along K (row-wise)
+dgrad       N (outputs)      dY along N (row-wise), W along N (column-wise)
+wgrad       M (tokens)       dY along M (column-wise), X along M (column-wise)
+==========  ===============  ==================================================
+
+So X, W and dY are each needed in *two* MX copies, row-wise and column-wise — not one
+copy and its transpose (`moe_lab.kernels.mx` makes both in one pass). `MXLinear`
+emulates this recipe exactly: each GEMM's operands are quantized to MXFP8 (E4M3,
+``rceil`` scales, as Transformer Engine's ``MXFP8BlockScaling``) along that GEMM's
+reduction dimension, dequantized, and multiplied in float32 (tensor cores accumulate in
+float32 too); the result is cast to the input's dtype. The bias and its gradient stay in
+high precision, and so does the weight gradient that leaves the wgrad GEMM. Token counts
+that are not a multiple of 32 are padded with zero tokens for the wgrad GEMM (they add
+nothing to the sum); the feature dims must be multiples of 32.
+
+Where Transformer Engine is importable and the GPU has MX tensor cores (SM 10.0+,
+Blackwell), `make_mxfp8_linear` / `apply_mxfp8` with ``backend="auto"`` (or ``"te"``)
+build a ``te.Linear`` run under the ``MXFP8BlockScaling`` recipe instead: real MXFP8
+GEMMs. Elsewhere ``"auto"`` falls back to the emulation and says so in the module's
+``backend`` attribute and repr, and ``"te"`` raises with the reason. Nothing pretends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, quantize
+
+Tensor = torch.Tensor
+BACKENDS = ("auto", "emulated", "te")
+TARGETS = ("attention", "experts")
+ATTENTION_CLASS = "Attention"
+EXPERTS_CLASS = "SwiGLUExperts"
+
+
+def _fq(x: Tensor, dim: int, scale_mode: str, pad: bool = False) -> Tensor:
+    """quantize → dequantize along ``dim`` (no autograd: used inside `_MXLinearFunction`)."""
+    return quantize(x, E4M3, BLOCK_SIZE, dim, scale_mode, pad=pad).dequantize(torch.float32)
+
+
+class _MXLinearFunction(torch.autograd.Function):
+    """``Y = q(X) q(W)ᵀ + b`` with MXFP8 operands in all three GEMMs (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.has_bias, ctx.scale_mode, ctx.x_shape = bias is not None, scale_mode, x.shape
+        y = _fq(x2, -1, scale_mode) @ _fq(weight, -1, scale_mode).t()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x2, weight = ctx.saved_tensors
+        mode = ctx.scale_mode
+        g2 = grad_out.reshape(-1, weight.shape[0])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dgrad: reduce over N — dY row-wise, W column-wise (along its dim 0).
+            grad_x = (_fq(g2, -1, mode) @ _fq(weight, 0, mode)).to(x2.dtype)
+            grad_x = grad_x.reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            # wgrad: reduce over the tokens — dY and X column-wise (zero tokens pad to 32).
+            grad_w = (_fq(g2, 0, mode, pad=True).t() @ _fq(x2, 0, mode, pad=True))
+            grad_w = grad_w.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.float().sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def _check_features(in_features: int, out_features: int) -> None:
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        if value % BLOCK_SIZE:
+            raise ValueError(
+                f"MXLinear.{name} must be a multiple of {BLOCK_SIZE} (an MX block), got {value}"
+            )
+
+
+class MXLinear(nn.Linear):
+    """An ``nn.Linear`` whose three GEMMs use MXFP8 operands (emulated: quantize →
+    dequantize → float32 matmul). Same parameters, init and state dict as ``nn.Linear``.
+
+    ``x: [..., in_features]`` → ``[..., out_features]`` in ``x.dtype``. ``in_features`` and
+    ``out_features`` must be multiples of 32. ``backend`` is always ``"emulated"`` here;
+    the Transformer Engine path is `TEMXFP8Linear` (see `make_mxfp8_linear`).
+    """
+
+    backend = "emulated"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 *, scale_mode: str = "rceil") -> None:
+        _check_features(in_features, out_features)
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.scale_mode = scale_mode
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, scale_mode: str = "rceil") -> MXLinear:
+        """An MXLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        _check_features(linear.in_features, linear.out_features)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+        new.register_parameter("weight", linear.weight)
+        new.register_parameter("bias", linear.bias)
+        new.scale_mode = scale_mode
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
+            )
+        return _MXLinearFunction.apply(x, self.weight, self.bias, self.scale_mode)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mxfp8=emulated, scale_mode={self.scale_mode}"
+
+
+# ------------------------------------------------------------------ Transformer Engine
+
+
+def te_mxfp8_status() -> tuple[bool, str]:
+    """Whether Transformer Engine can run MXFP8 GEMMs here, and why not if not (from the
+    machine's capabilities, detected once by `moe_lab.perf.capabilities`)."""
+    from moe_lab.perf.capabilities import capabilities
+
+    caps = capabilities()
+    if not caps.transformer_engine:
+        return False, "transformer_engine is not installed"
+    if caps.device != "cuda":
+        return False, "no CUDA device"
+    if not caps.native_mxfp8:
+        major, minor = caps.cuda_capability
+        return False, (f"{caps.device_name} is SM {major}.{minor}; "
+                       "MXFP8 tensor cores need SM 10.0+")
+    return True, "transformer_engine with an SM 10.0+ GPU"
+
+
+class TEMXFP8Linear(nn.Module):
+    """A ``transformer_engine.pytorch.Linear`` run under the ``MXFP8BlockScaling`` recipe:
+    real MXFP8 GEMMs on Blackwell. Built by `make_mxfp8_linear`; holds its own (copied)
+    parameters as ``self.te_linear.weight`` / ``.bias``."""
+
+    backend = "transformer_engine"
+
+    def __init__(self, linear: nn.Linear) -> None:
+        ok, why = te_mxfp8_status()
+        if not ok:
+            raise RuntimeError(f"Transformer Engine MXFP8 backend unavailable: {why}")
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import MXFP8BlockScaling
+
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.te_linear = te.Linear(linear.in_features, linear.out_features,
+                                   bias=linear.bias is not None,
+                                   params_dtype=linear.weight.dtype, device="cuda")
+        with torch.no_grad():
+            self.te_linear.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                self.te_linear.bias.copy_(linear.bias)
+        self.recipe = MXFP8BlockScaling()
+        # TE >= 2.8 names the context manager `autocast(recipe=...)`; older, `fp8_autocast`.
+        if hasattr(te, "autocast"):
+            self._autocast = lambda: te.autocast(enabled=True, recipe=self.recipe)
+        else:
+            self._autocast = lambda: te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with self._autocast():
+            return self.te_linear(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               "mxfp8=transformer_engine MXFP8BlockScaling"
+
+
+def make_mxfp8_linear(linear: nn.Linear, backend: str = "auto") -> nn.Module:
+    """The MXFP8 version of ``linear``: `TEMXFP8Linear` (``"te"``, or ``"auto"`` where
+    `te_mxfp8_status` says yes) or the emulating `MXLinear` (``"emulated"``, or ``"auto"``
+    elsewhere). ``backend="te"`` where TE cannot run raises ``RuntimeError`` with why."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "te" or (backend == "auto" and te_mxfp8_status()[0]):
+        return TEMXFP8Linear(linear)
+    return MXLinear.from_linear(linear)
+
+
+def _modules_named(model: nn.Module, class_name: str) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == class_name]
+
+
+def apply_mxfp8(
+    model: nn.Module,
+    targets: Iterable[str] = ("attention",),
+    *,
+    backend: str = "auto",
+    attention_impl: str = "mxfp8",
+) -> nn.Module:
+    """Switch parts of ``model`` to MXFP8, in place; returns ``model``.
+
+    ``"attention"``: every ``nn.Linear`` inside modules of class ``Attention`` (the ``qkv``
+    and ``out`` projections) becomes `make_mxfp8_linear(linear, backend)`, and their
+    ``attention_impl`` is set to ``attention_impl`` (``"mxfp8"``: the emulated MXFP8
+    attention core; ``"mxfp8_triton"``: the Triton kernel). ``"experts"``: every
+    ``SwiGLUExperts`` module gets ``quant = "mxfp8"`` (its matmuls fake-quantize their
+    operands along the reduction dim). A target that matches no module is an error.
+    """
+    if isinstance(targets, str):
+        targets = (targets,)
+    targets = tuple(targets)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(f"targets must be a non-empty subset of {TARGETS}, got {targets!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    from moe_lab.attention import ATTENTION_IMPLS
+
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ValueError(
+            f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}, got {attention_impl!r}"
+        )
+    if "attention" in targets:
+        blocks = _modules_named(model, ATTENTION_CLASS)
+        if not blocks:
+            raise ValueError(f"targets has 'attention' but the model has no {ATTENTION_CLASS} "
+                             "module")
+        for block in blocks:
+            for parent in list(block.modules()):
+                for name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear:  # exactly nn.Linear: never wrap twice
+                        setattr(parent, name, make_mxfp8_linear(child, backend))
+            if not hasattr(block, "attention_impl"):
+                raise ValueError(f"{ATTENTION_CLASS} module has no attention_impl attribute")
+            block.attention_impl = attention_impl
+    if "experts" in targets:
+        experts = _modules_named(model, EXPERTS_CLASS)
+        if not experts:
+            raise ValueError(f"targets has 'experts' but the model has no {EXPERTS_CLASS} module")
+        for module in experts:
+            if not hasattr(module, "quant"):
+                raise ValueError(f"{EXPERTS_CLASS} module has no 'quant' attribute to set")
+            module.quant = "mxfp8"
+    return model
+
+
+
+# ------------------------------------------------------------------ per-layer error statistics
+
+
+@torch.no_grad()
+def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "rceil"
+                         ) -> list[dict]:
+    """What MXFP8 would cost, layer by layer, on one forward of ``model(*inputs)``.
+
+    Returns one dict per (layer, tensor) with `moe_lab.quant.mx.mx_error_stats`'s figures
+    (``rel_error``, ``saturated``, ``underflow``, ...) plus ``layer`` and ``tensor``:
+
+    * ``attention{i}.{name}`` ``input`` / ``weight`` for each linear inside the ``i``-th
+      ``Attention`` module (blocked along the reduction dim, as the forward GEMM sees them);
+    * ``attention{i}.core`` ``q``, ``k`` (along head_dim), ``v`` (along the keys), ``p``
+      (the softmax probabilities, along the keys) and ``output`` (the MXFP8 emulation's
+      relative error against float32 attention; its counts are zero);
+    * ``experts{j}`` ``w_gate_up`` / ``w_down`` for each ``SwiGLUExperts`` module (along
+      the reduction dim, ``d_model`` and ``d_expert``).
+
+    The model runs as configured (its own attention implementation); nothing is changed.
+    """
+    import math
+
+    from moe_lab.attention import ATTENTION_IMPLS, _expand_kv, mxfp8_reference_attention
+    from moe_lab.quant.mx import mx_error_stats
+
+    rows: list[dict] = []
+
+    def add(layer: str, tensor: str, x: Tensor, dim: int) -> None:
+        rows.append({"layer": layer, "tensor": tensor,
+                     **mx_error_stats(x.float(), dim=dim, scale_mode=scale_mode, pad=True)})
+
+    handles, saved_impls, temp_names = [], [], []
+    try:
+        for i, block in enumerate(_modules_named(model, ATTENTION_CLASS)):
+            for name, lin in block.named_modules():
+                if isinstance(lin, nn.Linear):
+                    def hook(mod, args, layer=f"attention{i}.{name}"):
+                        add(layer, "input", args[0], -1)
+                        add(layer, "weight", mod.weight, -1)
+
+                    handles.append(lin.register_forward_pre_hook(hook))
+            original = block.attention_impl
+
+            def recording(q, k, v, layer=f"attention{i}.core", original=original):
+                ke, ve = _expand_kv(q, k, v)
+                add(layer, "q", q, -1)
+                add(layer, "k", k, -1)
+                add(layer, "v", v, -2)
+                scores = (q.float() @ ke.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+                t_q, t_k = q.shape[-2], k.shape[-2]
+                mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+                add(layer, "p", probs, -1)
+                exact = probs @ ve.float()
+                emulated = mxfp8_reference_attention(q, k, v, scale_mode=scale_mode).float()
+                err = ((emulated - exact).norm() / exact.norm()).item()
+                rows.append({"layer": layer, "tensor": "output", "rel_error": err,
+                             "mean_rel_error": float("nan"),
+                             "max_abs_error": (emulated - exact).abs().max().item(),
+                             "saturated": 0, "underflow": 0, "numel": exact.numel(),
+                             "nonfinite": 0, "nan_block_values": 0, "bits_per_value": 8.25})
+                return ATTENTION_IMPLS[original](q, k, v)
+
+            temp = f"_mx_layer_error_stats_{id(block)}"
+            ATTENTION_IMPLS[temp] = recording
+            temp_names.append(temp)
+            saved_impls.append((block, original))
+            block.attention_impl = temp
+        for j, experts in enumerate(_modules_named(model, EXPERTS_CLASS)):
+            for name in ("w_gate_up", "w_down"):
+                if hasattr(experts, name):
+                    add(f"experts{j}", name, getattr(experts, name), -2)
+        model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for block, original in saved_impls:
+            block.attention_impl = original
+        for temp in temp_names:
+            ATTENTION_IMPLS.pop(temp, None)
+    return rows

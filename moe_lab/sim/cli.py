@@ -1,0 +1,234 @@
+"""The ``sim`` command of ``python -m moe_lab``: the pipeline and fabric simulators.
+
+``sim pipeline``: a preset's layers cut into pipeline stages — the naive even split and
+the searched layout (and ``--layout`` if given) — with each layout's stage imbalance and
+its simulated step (bubble, step time). ``sim fabric``: an all-to-all over a leaf-spine
+fabric with ECMP and adaptive routing, with and without sender pacing. Every figure is a
+simulation; ``--json`` prints one JSON object marked ``"kind": "simulated"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from moe_lab.config import PRESETS, preset
+
+
+def pipeline_report(
+    preset_name: str = "deepseek_v3",
+    n_ranks: int = 8,
+    n_microbatches: int = 16,
+    *,
+    n_chunks: int = 1,
+    layout: str | None = None,
+    logits_scale: float = 1.0,
+    delay_wgrad: bool = False,
+    seq_len: int | None = None,
+) -> dict[str, Any]:
+    """The ``sim pipeline`` answer as a dict: per layout, its string, rank loads,
+    imbalance and the simulated step (makespan in GFLOP/token units, bubble)."""
+    from moe_lab.sim import pipeline as pl
+
+    cfg = preset(preset_name)
+    costs = pl.layer_costs(cfg, seq_len, logits_scale=logits_scale)
+    layouts: dict[str, pl.Layout] = {}
+    if layout is not None:
+        given = pl.parse_layout(layout, n_ranks)
+        if given.n_chunks != n_chunks and n_chunks != 1:
+            raise ValueError(
+                f"--layout has {given.n_chunks} chunks per rank but --vpp is {n_chunks}"
+            )
+        n_chunks = given.n_chunks
+        pl.check_layout(given, cfg)
+        layouts["given"] = given
+    if n_ranks * n_chunks <= cfg.n_layers:
+        layouts["even"] = pl.even_layout(cfg, n_ranks, n_chunks)
+    layouts["searched"] = pl.search_layout(
+        cfg, costs, n_ranks, n_chunks, n_microbatches=n_microbatches if n_chunks > 1 else None
+    )
+    schedule = "1f1b" if n_chunks == 1 else "interleaved"
+    out: dict[str, Any] = {
+        "preset": preset_name,
+        "stages": n_ranks,
+        "vpp": n_chunks,
+        "microbatches": n_microbatches,
+        "schedule": schedule,
+        "delay_wgrad": delay_wgrad,
+        "logits_scale": logits_scale,
+        "unit": costs.unit,
+        "kind": "simulated",
+        "layouts": {},
+    }
+    for name, lay in layouts.items():
+        report = pl.layout_report(lay, cfg, costs)
+        step = pl.simulate_layout(lay, cfg, costs, n_microbatches, delay_wgrad=delay_wgrad)
+        report.update(
+            makespan=step.makespan,
+            bubble_fraction=step.bubble_fraction,
+        )
+        out["layouts"][name] = report
+    if "even" in out["layouts"]:
+        out["searched_over_even_step_time"] = (
+            out["layouts"]["searched"]["makespan"] / out["layouts"]["even"]["makespan"]
+        )
+    return out
+
+
+def pipeline_command(args: argparse.Namespace) -> int:
+    """Print the ``sim pipeline`` report (a summary, or one JSON object with ``--json``)."""
+    report = pipeline_report(
+        args.preset, args.stages, args.microbatches, n_chunks=args.vpp, layout=args.layout,
+        logits_scale=args.logits_scale, delay_wgrad=args.delay_wgrad, seq_len=args.seq_len,
+    )
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{report['preset']}: {report['stages']} pipeline stages x {report['vpp']} chunks, "
+          f"{report['microbatches']} micro-batches, {report['schedule']}, logits cost x "
+          f"{report['logits_scale']:g} (simulated)")
+    for name, item in report["layouts"].items():
+        print(f"  {name:<9} {item['layout']}")
+        print(f"  {'':<9} imbalance {item['imbalance']:.2%}, bubble "
+              f"{item['bubble_fraction']:.2%}, step {item['makespan']:.1f} {item['unit']}")
+    if "searched_over_even_step_time" in report:
+        print(f"  searched / even step time: {report['searched_over_even_step_time']:.3f}")
+    return 0
+
+
+def fabric_report(
+    *,
+    hosts_per_leaf: int = 8,
+    n_leaf: int = 8,
+    n_spine: int = 8,
+    link_gbps: float = 400.0,
+    oversubscription: float = 1.0,
+    traffic: str = "uniform",
+    mb_per_pair: float = 1.0,
+    zipf_s: float = 1.0,
+    n_senders: int = 32,
+    routings: tuple[str, ...] = ("ecmp", "adaptive"),
+    pacings: tuple[bool, ...] = (True, False),
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The ``sim fabric`` answer as a dict: one entry per routing × pacing."""
+    import numpy as np
+
+    from moe_lab.sim import fabric as fb
+
+    topo = fb.LeafSpine(hosts_per_leaf, n_leaf, n_spine, link_gbps, oversubscription)
+    rng = np.random.default_rng(seed)
+    nbytes = mb_per_pair * 2**20
+    if traffic == "uniform":
+        matrix = fb.uniform_traffic(topo.n_hosts, nbytes)
+    elif traffic == "moe":
+        matrix = fb.moe_traffic(topo.n_hosts, zipf_s=zipf_s, rng=rng)
+    elif traffic == "incast":
+        matrix = fb.incast_traffic(topo.n_hosts, n_senders, nbytes, rng=rng)
+    else:
+        raise ValueError(f"traffic must be one of ('uniform', 'moe', 'incast'), got {traffic!r}")
+    runs = []
+    for routing in routings:
+        for pacing in pacings:
+            result = fb.simulate(topo, matrix, routing=routing, pacing=pacing,
+                                 rng=np.random.default_rng(seed + 1))
+            runs.append(result.to_dict())
+    return {
+        "topology": {
+            "hosts_per_leaf": hosts_per_leaf, "leaves": n_leaf, "spines": n_spine,
+            "link_gbps": link_gbps, "oversubscription": oversubscription,
+            "n_gpus": topo.n_hosts,
+        },
+        "traffic": traffic,
+        "total_bytes": float(matrix.sum() - np.trace(matrix)),
+        "seed": seed,
+        "kind": "simulated",
+        "runs": runs,
+    }
+
+
+def fabric_command(args: argparse.Namespace) -> int:
+    """Print the ``sim fabric`` report (a summary, or one JSON object with ``--json``)."""
+    routings = ("ecmp", "adaptive") if args.routing == "both" else (args.routing,)
+    pacings = {"both": (True, False), "on": (True,), "off": (False,)}[args.pacing]
+    report = fabric_report(
+        hosts_per_leaf=args.hosts_per_leaf, n_leaf=args.leaves, n_spine=args.spines,
+        link_gbps=args.link_gbps, oversubscription=args.oversubscription,
+        traffic=args.traffic, mb_per_pair=args.mb_per_pair, zipf_s=args.zipf,
+        n_senders=args.senders, routings=routings, pacings=pacings, seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    topo = report["topology"]
+    print(f"{topo['n_gpus']} GPUs: {topo['leaves']} leaves x {topo['hosts_per_leaf']} GPUs, "
+          f"{topo['spines']} spines, {topo['link_gbps']:g} Gb/s, oversubscription "
+          f"{topo['oversubscription']:g}:1; traffic {report['traffic']} (simulated)")
+    for run in report["runs"]:
+        print(f"  {run['routing']:<8} pacing {'on ' if run['pacing'] else 'off'}  "
+              f"bandwidth {run['algbw_fraction']:.1%} of link, efficiency "
+              f"{run['efficiency']:.1%}, FCT p50 {run['fct_p50_us']:,.0f} us, "
+              f"p99 {run['fct_p99_us']:,.0f} us, timeouts {run['flows_with_timeout']}")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``sim`` command (sub-commands ``pipeline`` and ``fabric``)."""
+    sim = subparsers.add_parser(
+        "sim", help="pipeline-layout and network-fabric simulators (projections)",
+        description=__doc__.splitlines()[0],
+    )
+    which = sim.add_subparsers(dest="simulator", required=True, metavar="SIMULATOR")
+
+    pipe = which.add_parser("pipeline", help="stage imbalance and bubble of pipeline layouts")
+    pipe.add_argument("--preset", default="deepseek_v3", choices=sorted(PRESETS))
+    pipe.add_argument("--stages", type=_positive_int, default=8, help="pipeline ranks")
+    pipe.add_argument("--vpp", type=_positive_int, default=1, help="virtual stages per rank")
+    pipe.add_argument("--microbatches", type=_positive_int, default=16)
+    pipe.add_argument("--layout", default=None,
+                      help='a Megatron layout string to evaluate too, e.g. "Et*3|(tt|)*29,m|L"')
+    pipe.add_argument("--logits-scale", type=_positive_float, default=1.0,
+                      help="cost factor of the logits GEMM (0.5: MXFP8)")
+    pipe.add_argument("--delay-wgrad", action="store_true",
+                      help="split backward into B and W and let W fill the bubbles")
+    pipe.add_argument("--seq-len", type=_positive_int, default=None)
+    pipe.add_argument("--json", action="store_true", help="print one JSON object")
+    pipe.set_defaults(func=pipeline_command)
+
+    fab = which.add_parser("fabric", help="all-to-all over a leaf-spine fabric")
+    fab.add_argument("--hosts-per-leaf", type=_positive_int, default=8)
+    fab.add_argument("--leaves", type=_positive_int, default=8)
+    fab.add_argument("--spines", type=_positive_int, default=8)
+    fab.add_argument("--link-gbps", type=_positive_float, default=400.0)
+    fab.add_argument("--oversubscription", type=_positive_float, default=1.0)
+    fab.add_argument("--traffic", choices=("uniform", "moe", "incast"), default="uniform")
+    fab.add_argument("--mb-per-pair", type=_positive_float, default=1.0,
+                     help="MiB per GPU pair (uniform) or per sender (incast)")
+    fab.add_argument("--zipf", type=float, default=1.0, help="expert-popularity skew (moe)")
+    fab.add_argument("--senders", type=_positive_int, default=32, help="incast senders")
+    fab.add_argument("--routing", choices=("ecmp", "adaptive", "both"), default="both")
+    fab.add_argument("--pacing", choices=("on", "off", "both"), default="both")
+    fab.add_argument("--seed", type=int, default=0)
+    fab.add_argument("--json", action="store_true", help="print one JSON object")
+    fab.set_defaults(func=fabric_command)

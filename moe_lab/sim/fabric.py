@@ -1,0 +1,885 @@
+"""The network under expert parallelism, simulated: leaf-spine, ECMP vs adaptive, incast.
+
+Expert parallelism ends every MoE layer's dispatch and combine with an **all-to-all**:
+each GPU sends the tokens routed to experts on other GPUs. Between nodes this crosses a
+two-tier **leaf-spine** network: every GPU's NIC hangs off a leaf switch, and every leaf
+has one uplink to every spine, so two GPUs on different leaves have ``n_spine`` equal
+paths between them. Which path a flow takes decides whether the fabric delivers its
+nominal bandwidth:
+
+* **ECMP** hashes each flow's header onto one path. The hash is as good as random, so the
+  flows of a leaf fall onto its uplinks like balls into bins: some uplinks get more than
+  their share, and because all-to-all traffic is a few large, long-lived ("low entropy")
+  flows that start together, those collisions last for the whole transfer. The busiest
+  uplink sets the pace; the others idle after their flows finish.
+* **Adaptive routing** (per packet, on the least-loaded path, with the receiving NIC
+  putting packets back in order) spreads every flow over all spines. In the fluid limit
+  modelled here — small packets, accurate load telemetry, a symmetric fabric — every
+  uplink of a leaf carries the same load, so the fabric behaves as one big switch.
+* **Incast**: when many senders target one GPU (a hot expert), their first packets all
+  arrive together. Without **pacing** the senders start at line rate, the receiver's
+  switch port queues the excess until congestion control reacts, and what does not fit
+  in its buffer is dropped and retransmitted after a timeout — a tail-latency spike.
+  With pacing (telemetry-driven congestion control that sets each sender to its fair
+  share from the start) the queue never builds.
+
+The model, step by step (each a documented approximation):
+
+1. *Topology* (:class:`LeafSpine`): directed links host→leaf, leaf→host, leaf→spine,
+   spine→leaf; host links run at ``link_gbps``; each leaf's ``n_spine`` uplinks together
+   carry ``hosts_per_leaf × link_gbps / oversubscription``.
+2. *Traffic*: a GPU × GPU matrix of bytes (:func:`uniform_traffic`,
+   :func:`moe_traffic` with Zipf-skewed expert popularity, :func:`incast_traffic`); each
+   non-zero off-diagonal entry is one flow, all starting at time 0.
+3. *Routing* (:func:`route`): ECMP picks one spine per flow uniformly at random (a hash);
+   adaptive routing splits each flow equally over the spines, modelled as each leaf's
+   uplinks acting as one link of ``n_spine`` times the capacity.
+4. *Rates*: max-min fair (:func:`max_min_rates`, progressive filling: raise every rate
+   together until a link fills, freeze the flows through it, repeat) — what a fair
+   congestion control converges to. *Completion times*: a fluid simulation re-allocates
+   the rates each time flows finish (:func:`fluid_completion_times`).
+5. *Burst* (unpaced only, :class:`BurstModel`): before congestion control reacts
+   (``reaction_us``), each sender splits its line rate evenly over its flows (a flow
+   shorter than the window sends all of it); queues grow at every link that receives
+   more in the window than it can forward (arrivals pass hop by hop, each congested link
+   forwarding at its capacity). The queue a flow meets adds its draining
+   time to the flow's completion; a queue beyond ``buffer_kb`` drops packets, and every
+   flow through that port pays one retransmission timeout (``rto_us``). Paced senders
+   start at their fair rates, so no queue builds. No PFC, no ECN marking dynamics, no
+   packet-level reordering cost: first-order effects only.
+
+Figures are projections ("simulated"), not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+ROUTINGS = ("ecmp", "adaptive")
+
+
+# ---------------------------------------------------------------------------- topology
+
+
+@dataclass(frozen=True)
+class LeafSpine:
+    """A two-tier leaf-spine fabric with one NIC per GPU ("host").
+
+    Link indices (directed): host ``h`` up ``h``; down ``H + h``; leaf ``a`` → spine ``s``
+    ``2H + a·S + s``; spine ``s`` → leaf ``b`` ``2H + A·S + s·A + b`` (``H`` hosts, ``A``
+    leaves, ``S`` spines).
+    """
+
+    hosts_per_leaf: int = 8
+    n_leaf: int = 8
+    n_spine: int = 8
+    link_gbps: float = 400.0
+    oversubscription: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("hosts_per_leaf", "n_leaf", "n_spine"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"LeafSpine.{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.link_gbps, (int, float)) and self.link_gbps > 0):
+            raise ValueError(f"LeafSpine.link_gbps must be > 0, got {self.link_gbps!r}")
+        if not (isinstance(self.oversubscription, (int, float)) and self.oversubscription >= 1):
+            raise ValueError(
+                f"LeafSpine.oversubscription must be >= 1 (downlink : uplink capacity), "
+                f"got {self.oversubscription!r}"
+            )
+
+    @property
+    def n_hosts(self) -> int:
+        """GPUs (one NIC each)."""
+        return self.hosts_per_leaf * self.n_leaf
+
+    @property
+    def n_links(self) -> int:
+        """Directed physical links."""
+        return 2 * self.n_hosts + 2 * self.n_leaf * self.n_spine
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """Capacity of a host link (NIC), bytes/s."""
+        return self.link_gbps * 1e9 / 8
+
+    @property
+    def uplink_bytes_per_s(self) -> float:
+        """Capacity of one leaf-spine link, bytes/s."""
+        return self.hosts_per_leaf * self.link_bytes_per_s / (self.n_spine * self.oversubscription)
+
+    def leaf_of(self, host: np.ndarray | int) -> np.ndarray | int:
+        """The leaf switch of ``host``."""
+        return np.asarray(host) // self.hosts_per_leaf
+
+    def capacities(self) -> np.ndarray:
+        """Bytes/s of every physical link, ``[n_links]``."""
+        cap = np.empty(self.n_links)
+        cap[: 2 * self.n_hosts] = self.link_bytes_per_s
+        cap[2 * self.n_hosts :] = self.uplink_bytes_per_s
+        return cap
+
+    def host_up(self, h: np.ndarray) -> np.ndarray:
+        """Link index of host ``h`` → its leaf."""
+        return np.asarray(h)
+
+    def host_down(self, h: np.ndarray) -> np.ndarray:
+        """Link index of the leaf → host ``h``."""
+        return self.n_hosts + np.asarray(h)
+
+    def leaf_up(self, leaf: np.ndarray, spine: np.ndarray) -> np.ndarray:
+        """Link index of ``leaf`` → ``spine``."""
+        return 2 * self.n_hosts + np.asarray(leaf) * self.n_spine + np.asarray(spine)
+
+    def spine_down(self, spine: np.ndarray, leaf: np.ndarray) -> np.ndarray:
+        """Link index of ``spine`` → ``leaf``."""
+        base = 2 * self.n_hosts + self.n_leaf * self.n_spine
+        return base + np.asarray(spine) * self.n_leaf + np.asarray(leaf)
+
+    def replace(self, **changes: Any) -> LeafSpine:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------- traffic
+
+
+def check_traffic(traffic: np.ndarray, n_hosts: int | None = None) -> np.ndarray:
+    """``traffic`` as a float ``[n, n]`` array of bytes; ``ValueError`` if it is not one."""
+    arr = np.asarray(traffic, dtype=float)
+    if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
+        raise ValueError(f"traffic must be a square [n_gpus, n_gpus] matrix, got shape {arr.shape}")
+    if n_hosts is not None and arr.shape[0] != n_hosts:
+        raise ValueError(
+            f"traffic is {arr.shape[0]} × {arr.shape[0]} but the fabric has {n_hosts} hosts"
+        )
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("traffic must hold finite byte counts, got NaN or inf")
+    if np.any(arr < 0):
+        i, j = np.argwhere(arr < 0)[0]
+        raise ValueError(
+            f"traffic must be >= 0 bytes everywhere, got {float(arr[i, j])!r} at [{i}, {j}]"
+        )
+    return arr
+
+
+def uniform_traffic(n_gpus: int, bytes_per_pair: float) -> np.ndarray:
+    """Every GPU sends ``bytes_per_pair`` to every other GPU: ``[n_gpus, n_gpus]``."""
+    if not isinstance(n_gpus, int) or n_gpus < 2:
+        raise ValueError(f"n_gpus must be an integer >= 2, got {n_gpus!r}")
+    if not bytes_per_pair > 0:
+        raise ValueError(f"bytes_per_pair must be > 0, got {bytes_per_pair!r}")
+    out = np.full((n_gpus, n_gpus), float(bytes_per_pair))
+    np.fill_diagonal(out, 0.0)
+    return out
+
+
+def zipf_expert_probs(n_experts: int, s: float, rng: np.random.Generator) -> np.ndarray:
+    """Expert popularity ∝ 1 / rank^s, the ranks shuffled over the experts (``s = 0``: uniform)."""
+    if not isinstance(n_experts, int) or n_experts < 1:
+        raise ValueError(f"n_experts must be a positive integer, got {n_experts!r}")
+    if not (isinstance(s, (int, float)) and s >= 0):
+        raise ValueError(f"zipf exponent s must be >= 0, got {s!r}")
+    weights = 1.0 / np.arange(1, n_experts + 1) ** float(s)
+    weights = weights[rng.permutation(n_experts)]
+    return weights / weights.sum()
+
+
+def traffic_from_expert_loads(
+    tokens: np.ndarray, experts_per_gpu: int, bytes_per_token: float
+) -> np.ndarray:
+    """GPU × GPU bytes of one dispatch from per-source expert loads.
+
+    ``tokens[g, e]``: token copies GPU ``g`` sends to expert ``e``; expert ``e`` lives on
+    GPU ``e // experts_per_gpu``. Traffic a GPU sends to itself stays on the diagonal (it
+    never enters the network).
+    """
+    loads = np.asarray(tokens, dtype=float)
+    if loads.ndim != 2:
+        raise ValueError(f"tokens must be [n_gpus, n_experts], got shape {loads.shape}")
+    if np.any(loads < 0):
+        raise ValueError("tokens must be >= 0 everywhere")
+    n_gpus, n_experts = loads.shape
+    if not isinstance(experts_per_gpu, int) or experts_per_gpu < 1:
+        raise ValueError(f"experts_per_gpu must be a positive integer, got {experts_per_gpu!r}")
+    if n_experts != n_gpus * experts_per_gpu:
+        raise ValueError(
+            f"tokens has {n_experts} experts; expected n_gpus × experts_per_gpu = "
+            f"{n_gpus} × {experts_per_gpu} = {n_gpus * experts_per_gpu}"
+        )
+    per_gpu = loads.reshape(n_gpus, n_gpus, experts_per_gpu).sum(axis=2)
+    return per_gpu * float(bytes_per_token)
+
+
+def moe_traffic(
+    n_gpus: int,
+    *,
+    experts_per_gpu: int = 4,
+    tokens_per_gpu: int = 4096,
+    top_k: int = 8,
+    bytes_per_token: float = 7168 * 2,
+    zipf_s: float = 0.0,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """The dispatch all-to-all of one MoE layer with Zipf-skewed expert popularity.
+
+    Each GPU routes ``tokens_per_gpu × top_k`` token copies; the expert of each copy is
+    drawn from :func:`zipf_expert_probs` (a multinomial draw: the top-k of one token may
+    repeat an expert here, a negligible difference for the byte counts). Default sizes:
+    DeepSeek-V3's hidden 7168 in bf16 per token copy.
+    """
+    rng = rng if rng is not None else np.random.default_rng(0)
+    n_experts = n_gpus * experts_per_gpu
+    probs = zipf_expert_probs(n_experts, zipf_s, rng)
+    tokens = rng.multinomial(tokens_per_gpu * top_k, probs, size=n_gpus)
+    return traffic_from_expert_loads(tokens, experts_per_gpu, bytes_per_token)
+
+
+def incast_traffic(
+    n_gpus: int,
+    n_senders: int,
+    bytes_per_sender: float,
+    *,
+    receiver: int = 0,
+    background_bytes: float = 0.0,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """``n_senders`` GPUs (chosen at random) each send ``bytes_per_sender`` to ``receiver``,
+    on top of an optional uniform all-to-all of ``background_bytes`` per pair."""
+    if not isinstance(n_senders, int) or not 1 <= n_senders < n_gpus:
+        raise ValueError(f"n_senders must be in [1, n_gpus - 1 = {n_gpus - 1}], got {n_senders!r}")
+    if not 0 <= receiver < n_gpus:
+        raise ValueError(f"receiver must be in [0, {n_gpus - 1}], got {receiver!r}")
+    rng = rng if rng is not None else np.random.default_rng(0)
+    out = uniform_traffic(n_gpus, background_bytes) if background_bytes > 0 else np.zeros(
+        (n_gpus, n_gpus)
+    )
+    others = np.delete(np.arange(n_gpus), receiver)
+    senders = rng.choice(others, size=n_senders, replace=False)
+    out[senders, receiver] += float(bytes_per_sender)
+    return out
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+@dataclass(frozen=True)
+class Flows:
+    """The flows of a traffic matrix and the links each crosses.
+
+    ``links[f]``: the physical links of flow ``f``, one per hop (host up, leaf up, spine
+    down, host down); ``-1`` where there is no single link: the middle hops of intra-leaf
+    flows, and of adaptively routed flows, which cross every spine.
+    ``rate_links`` / ``rate_capacity``: the links the rate allocation sees — the physical
+    ones for ECMP; for adaptive routing each leaf's uplinks (and downlinks from the spine
+    layer) merged into one link of ``n_spine`` times the capacity. ``spine[f]``: the ECMP
+    choice (``-1`` intra-leaf or adaptive).
+    """
+
+    routing: str
+    src: np.ndarray
+    dst: np.ndarray
+    nbytes: np.ndarray
+    spine: np.ndarray
+    links: np.ndarray
+    link_bytes: np.ndarray
+    rate_links: np.ndarray
+    rate_capacity: np.ndarray
+
+    @property
+    def n_flows(self) -> int:
+        """Number of flows."""
+        return int(self.src.size)
+
+
+def ecmp_spines(n_flows: int, n_spine: int, rng: np.random.Generator) -> np.ndarray:
+    """The ECMP hash of ``n_flows`` flows onto ``n_spine`` paths: uniform and independent."""
+    return rng.integers(0, n_spine, size=n_flows)
+
+
+def route(
+    topo: LeafSpine,
+    traffic: np.ndarray,
+    routing: str = "ecmp",
+    rng: np.random.Generator | None = None,
+) -> Flows:
+    """Turn ``traffic`` into flows with paths (ECMP hashing or adaptive spreading)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    arr = check_traffic(traffic, topo.n_hosts)
+    rng = rng if rng is not None else np.random.default_rng(0)
+    mask = arr > 0
+    np.fill_diagonal(mask, False)
+    src, dst = np.nonzero(mask)
+    nbytes = arr[src, dst]
+    a, b = topo.leaf_of(src), topo.leaf_of(dst)
+    inter = a != b
+    n_flows = src.size
+    H, A, S = topo.n_hosts, topo.n_leaf, topo.n_spine
+    cap = topo.capacities()
+
+    links = np.full((n_flows, 4), -1, dtype=np.int64)
+    links[:, 0] = topo.host_up(src)
+    links[:, 3] = topo.host_down(dst)
+    link_bytes = np.bincount(links[:, 0], weights=nbytes, minlength=topo.n_links)
+    link_bytes += np.bincount(links[:, 3], weights=nbytes, minlength=topo.n_links)
+    spine = np.full(n_flows, -1, dtype=np.int64)
+    if routing == "ecmp":
+        spine[inter] = ecmp_spines(int(inter.sum()), S, rng)
+        links[inter, 1] = topo.leaf_up(a[inter], spine[inter])
+        links[inter, 2] = topo.spine_down(spine[inter], b[inter])
+        for hop in (1, 2):
+            link_bytes += np.bincount(
+                links[inter, hop], weights=nbytes[inter], minlength=topo.n_links
+            )
+        rate_links, rate_capacity = links, cap
+    else:
+        # Physical loads: every spine carries 1/S of each inter-leaf flow.
+        leaf_out = np.bincount(a[inter], weights=nbytes[inter], minlength=A) / S
+        leaf_in = np.bincount(b[inter], weights=nbytes[inter], minlength=A) / S
+        link_bytes[topo.leaf_up(np.repeat(np.arange(A), S), np.tile(np.arange(S), A))] = (
+            np.repeat(leaf_out, S)
+        )
+        link_bytes[topo.spine_down(np.repeat(np.arange(S), A), np.tile(np.arange(A), S))] = (
+            np.tile(leaf_in, S)
+        )
+        # Rates: each leaf's S uplinks act as one link of S times the capacity.
+        rate_links = links.copy()
+        rate_links[inter, 1] = 2 * H + a[inter]
+        rate_links[inter, 2] = 2 * H + A + b[inter]
+        rate_capacity = np.concatenate(
+            [cap[: 2 * H], np.full(2 * A, S * topo.uplink_bytes_per_s)]
+        )
+    return Flows(
+        routing=routing,
+        src=src,
+        dst=dst,
+        nbytes=nbytes,
+        spine=spine,
+        links=links,
+        link_bytes=link_bytes,
+        rate_links=rate_links,
+        rate_capacity=rate_capacity,
+    )
+
+
+# ---------------------------------------------------------------------------- rates
+
+
+class _Incidence:
+    """Flow-link incidence in both directions, built once and reused by every water-fill.
+
+    ``padded[f]``: the links of flow ``f`` (``n_links`` pads a missing hop); the flows of
+    link ``l`` are ``by_link[starts[l]:starts[l + 1]]``.
+    """
+
+    def __init__(self, flow_links: np.ndarray, capacity: np.ndarray) -> None:
+        links = np.asarray(flow_links, dtype=np.int64)
+        cap = np.asarray(capacity, dtype=float)
+        if links.ndim != 2:
+            raise ValueError(f"flow_links must be [n_flows, hops], got shape {links.shape}")
+        if cap.ndim != 1 or cap.size == 0 or np.any(~(cap > 0)):
+            raise ValueError("capacity must be a non-empty vector of positive numbers")
+        self.n_links = cap.size
+        if links.size and np.any(links >= self.n_links):
+            raise ValueError(
+                f"flow_links refers to link {int(links.max())}; only {self.n_links} exist"
+            )
+        valid = links >= 0
+        if links.shape[0] and np.any(~valid.any(axis=1)):
+            raise ValueError("every flow must cross at least one link")
+        self.capacity = cap
+        self.padded = np.where(valid, links, self.n_links)
+        flow_of = np.repeat(np.arange(links.shape[0]), links.shape[1])[valid.ravel()]
+        link_of = links.ravel()[valid.ravel()]
+        order = np.argsort(link_of, kind="stable")
+        self.by_link = flow_of[order]
+        self.starts = np.searchsorted(link_of[order], np.arange(self.n_links + 1))
+
+    def rates(self, active: np.ndarray, rel_tol: float) -> np.ndarray:
+        """Max-min fair rates of the flows where ``active`` is True (0 for the others)."""
+        n_flows = self.padded.shape[0]
+        rate = np.zeros(n_flows)
+        free = active.copy()
+        counts = np.bincount(self.padded[free].ravel(), minlength=self.n_links + 1)
+        counts = counts[: self.n_links].astype(float)
+        residual = self.capacity.copy()
+        share = np.empty(self.n_links)
+        level = 0.0
+        while True:
+            live = counts > 0
+            if not live.any():
+                break
+            share.fill(np.inf)
+            np.divide(residual, counts, out=share, where=live)
+            inc = float(share.min())
+            level += inc
+            residual -= inc * counts
+            full = np.flatnonzero(share <= inc * (1.0 + rel_tol))
+            if full.size == 1:
+                link = full[0]
+                members = self.by_link[self.starts[link] : self.starts[link + 1]]
+                members = members[free[members]]
+            else:
+                members = np.concatenate(
+                    [self.by_link[self.starts[link] : self.starts[link + 1]] for link in full]
+                )
+                # A flow through two links that fill together is counted once.
+                members = np.unique(members[free[members]])
+            free[members] = False
+            rate[members] = level
+            hit = self.padded[members].ravel()
+            counts -= np.bincount(hit, minlength=self.n_links + 1)[: self.n_links]
+            residual[full] = 0.0
+            counts[full] = 0.0
+        return rate
+
+
+def max_min_rates(
+    flow_links: np.ndarray, capacity: np.ndarray, *, rel_tol: float = 1e-9
+) -> np.ndarray:
+    """Max-min fair rates by progressive filling.
+
+    Args:
+        flow_links: ``[n_flows, hops]`` link indices per flow, ``-1`` for "no link".
+        capacity: ``[n_links]`` capacities (the rates come back in the same unit).
+        rel_tol: links whose fair share is within this factor of the smallest fill in the
+            same round (1e-9: exact up to rounding; larger merges rounds, for speed).
+
+    Every unfrozen flow's rate rises together until some link is full; the flows through
+    it are frozen at that rate; repeat. The result is the allocation in which no flow can
+    go faster without slowing a flow that is no faster than it.
+    """
+    inc = _Incidence(flow_links, capacity)
+    return inc.rates(np.ones(inc.padded.shape[0], dtype=bool), rel_tol)
+
+
+def fluid_completion_times(
+    nbytes: np.ndarray,
+    flow_links: np.ndarray,
+    capacity: np.ndarray,
+    *,
+    rel_tol: float = 0.01,
+    step_quantile: float = 0.1,
+) -> np.ndarray:
+    """Completion time of every flow (all starting at 0) under max-min fair sharing.
+
+    A fluid simulation in epochs: compute the max-min rates of the unfinished flows,
+    advance time, re-allocate. Each epoch runs until the ``step_quantile`` quantile of the
+    unfinished flows' finishing times at the current rates (at least the next completion),
+    so the epochs stay few (about ``log(n_flows) / -log(1 - step_quantile)``). A flow that
+    finishes inside an epoch does so at the epoch's rates, not at the rates the flows
+    finishing before it would have left it (a few per cent on the percentiles with the
+    defaults; ``test_sim_fabric`` holds it to 5 %). ``step_quantile=0`` with a tiny
+    ``rel_tol`` is exact: one epoch per completion.
+    """
+    size = np.asarray(nbytes, dtype=float)
+    links = np.asarray(flow_links, dtype=np.int64)
+    if size.ndim != 1 or links.ndim != 2 or links.shape[0] != size.size:
+        raise ValueError(
+            f"nbytes [{size.size}] and flow_links {links.shape} must describe the same flows"
+        )
+    if np.any(~np.isfinite(size)) or np.any(size < 0):
+        raise ValueError("nbytes must be finite and >= 0 for every flow")
+    if not 0 <= step_quantile < 1:
+        raise ValueError(f"step_quantile must be in [0, 1), got {step_quantile!r}")
+    incidence = _Incidence(links, capacity)
+    done = np.zeros(size.size)
+    remaining = size.copy()
+    active = remaining > 0
+    now = 0.0
+    while active.any():
+        idx = np.flatnonzero(active)
+        rates = incidence.rates(active, rel_tol)[idx]
+        to_finish = remaining[idx] / rates
+        step = max(
+            float(to_finish.min()) * (1.0 + rel_tol),
+            float(np.quantile(to_finish, step_quantile)),
+        )
+        finishing = to_finish <= step
+        done[idx[finishing]] = now + to_finish[finishing]
+        active[idx[finishing]] = False
+        keep = idx[~finishing]
+        remaining[keep] -= rates[~finishing] * step
+        now += step
+    return done
+
+
+# ---------------------------------------------------------------------------- burst model
+
+
+@dataclass(frozen=True)
+class BurstModel:
+    """The first moments of an unpaced transfer, before congestion control reacts.
+
+    ``reaction_us``: how long senders keep their starting rate (feedback round trip plus
+    the rate update). ``buffer_kb``: packet buffer per switch egress port. ``rto_us``:
+    the retransmission timeout a flow pays when its packets are dropped. Defaults are
+    illustrative orders of magnitude for a 400G RoCE fabric, not measured values.
+    """
+
+    reaction_us: float = 10.0
+    buffer_kb: float = 1024.0
+    rto_us: float = 500.0
+
+    def __post_init__(self) -> None:
+        for name in ("reaction_us", "buffer_kb", "rto_us"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"BurstModel.{name} must be a finite number >= 0, got {value!r}")
+
+
+def _pass_fraction(offered: np.ndarray, capacity: np.ndarray | float) -> np.ndarray:
+    """The share of the offered rate a link forwards: ``min(1, capacity / offered)``."""
+    out = np.ones_like(offered)
+    over = offered > capacity
+    out[over] = (np.broadcast_to(capacity, offered.shape)[over]) / offered[over]
+    return out
+
+
+def _burst(flows: Flows, topo: LeafSpine, model: BurstModel) -> tuple[np.ndarray, np.ndarray]:
+    """Peak queue (bytes) and dropped bytes per physical link during the unpaced start.
+
+    Hop by hop: a flow arrives at the rate the previous hop let through; over the
+    reaction window ``tau`` a link receives ``sum(min(rate * tau, flow bytes))`` and
+    forwards ``capacity * tau``; the difference queues, and beyond the buffer it is lost.
+    """
+    n_links = topo.n_links
+    cap = topo.capacities()
+    per_sender = np.bincount(flows.src, minlength=topo.n_hosts)
+    # Each sender splits its NIC evenly over its flows; adaptive flows spread over spines.
+    arrive = topo.link_bytes_per_s / per_sender[flows.src]
+    queue = np.zeros(n_links)
+    dropped = np.zeros(n_links)
+    tau = model.reaction_us * 1e-6
+    buffer = model.buffer_kb * 1024
+    S = topo.n_spine
+    for hop in range(4):
+        if flows.routing == "adaptive" and hop in (1, 2):
+            inter = topo.leaf_of(flows.src) != topo.leaf_of(flows.dst)
+            leaf = topo.leaf_of(flows.src if hop == 1 else flows.dst)
+            agg = np.bincount(leaf[inter], weights=arrive[inter], minlength=topo.n_leaf)
+            offered_per_link = agg / S  # every spine gets an equal share
+            scale_leaf = _pass_fraction(offered_per_link, topo.uplink_bytes_per_s)
+            window = np.minimum(arrive * tau, flows.nbytes)
+            window_per_link = np.bincount(leaf[inter], weights=window[inter],
+                                          minlength=topo.n_leaf) / S
+            excess = np.maximum(window_per_link - topo.uplink_bytes_per_s * tau, 0.0)
+            ids = (
+                topo.leaf_up(
+                    np.repeat(np.arange(topo.n_leaf), S), np.tile(np.arange(S), topo.n_leaf)
+                )
+                if hop == 1
+                else topo.spine_down(
+                    np.tile(np.arange(S), topo.n_leaf), np.repeat(np.arange(topo.n_leaf), S)
+                )
+            )
+            queue[ids] = np.repeat(np.minimum(excess, buffer), S)
+            dropped[ids] = np.repeat(np.maximum(excess - buffer, 0.0), S)
+            arrive = np.where(inter, arrive * scale_leaf[leaf], arrive)
+            continue
+        link = flows.links[:, hop]
+        on = link >= 0
+        offered = np.bincount(link[on], weights=arrive[on], minlength=n_links)
+        window = np.minimum(arrive * tau, flows.nbytes)
+        window_bytes = np.bincount(link[on], weights=window[on], minlength=n_links)
+        excess = np.maximum(window_bytes - cap * tau, 0.0)
+        queue = np.maximum(queue, np.minimum(excess, buffer))
+        dropped += np.maximum(excess - buffer, 0.0)
+        scale = _pass_fraction(offered, cap)
+        arrive = np.where(on, arrive * scale[np.where(on, link, 0)], arrive)
+    return queue, dropped
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class FabricResult:
+    """One simulated transfer: per-flow completion times and the fabric's figures.
+
+    ``fct`` in seconds per flow; ``algbw_fraction``: bytes each GPU sends on average,
+    over the transfer time, as a fraction of its link capacity (1 = line rate);
+    ``efficiency``: the time a perfectly balanced fabric would need (the busiest NIC or
+    leaf's uplinks) over the simulated time. ``queue_bytes`` / ``dropped_bytes``: per
+    physical link, during the unpaced burst (zeros when paced); ``timed_out[f]``: flow ``f``
+    lost packets and paid a retransmission timeout.
+    """
+
+    topology: LeafSpine
+    routing: str
+    pacing: bool
+    flows: Flows
+    fct: np.ndarray
+    makespan: float
+    lower_bound: float
+    queue_bytes: np.ndarray
+    dropped_bytes: np.ndarray
+    timed_out: np.ndarray
+
+    @property
+    def algbw_fraction(self) -> float:
+        """Mean bytes sent per GPU / transfer time / link capacity."""
+        per_gpu = self.flows.nbytes.sum() / self.topology.n_hosts
+        return float(per_gpu / self.makespan / self.topology.link_bytes_per_s)
+
+    @property
+    def efficiency(self) -> float:
+        """Perfectly balanced transfer time / simulated transfer time."""
+        return float(self.lower_bound / self.makespan)
+
+    def fct_percentile(self, q: float) -> float:
+        """Flow completion time percentile ``q`` (0–100), microseconds."""
+        return float(np.percentile(self.fct, q) * 1e6)
+
+    def uplink_bytes(self) -> np.ndarray:
+        """Bytes on every leaf→spine and spine→leaf link, ``[2 · n_leaf · n_spine]``."""
+        return self.flows.link_bytes[2 * self.topology.n_hosts :]
+
+    @property
+    def uplink_max_over_mean(self) -> float:
+        """Bytes on the busiest leaf-spine link over the mean."""
+        up = self.uplink_bytes()
+        return float(up.max() / up.mean()) if up.mean() > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as plain JSON-able values, marked ``kind="simulated"``."""
+        return {
+            "routing": self.routing,
+            "pacing": self.pacing,
+            "n_gpus": self.topology.n_hosts,
+            "n_flows": self.flows.n_flows,
+            "makespan_us": self.makespan * 1e6,
+            "lower_bound_us": self.lower_bound * 1e6,
+            "algbw_fraction": self.algbw_fraction,
+            "efficiency": self.efficiency,
+            "fct_p50_us": self.fct_percentile(50),
+            "fct_p99_us": self.fct_percentile(99),
+            "uplink_max_over_mean": self.uplink_max_over_mean,
+            "dropped_bytes": float(self.dropped_bytes.sum()),
+            "flows_with_timeout": int(self.timed_out.sum()),
+            "kind": "simulated",
+        }
+
+
+def lower_bound_time(topo: LeafSpine, traffic: np.ndarray) -> float:
+    """The transfer time of a perfectly balanced fabric: the busiest NIC (send or
+    receive) or the busiest leaf's uplinks (inter-leaf bytes over their total capacity)."""
+    arr = check_traffic(traffic, topo.n_hosts).copy()
+    np.fill_diagonal(arr, 0.0)
+    nic = max(arr.sum(axis=1).max(), arr.sum(axis=0).max()) / topo.link_bytes_per_s
+    leaves = topo.leaf_of(np.arange(topo.n_hosts))
+    per_leaf = np.zeros((topo.n_leaf, topo.n_leaf))
+    np.add.at(per_leaf, (leaves[:, None], leaves[None, :]), arr)
+    np.fill_diagonal(per_leaf, 0.0)
+    up_cap = topo.n_spine * topo.uplink_bytes_per_s
+    core = max(per_leaf.sum(axis=1).max(), per_leaf.sum(axis=0).max()) / up_cap
+    return float(max(nic, core))
+
+
+def _representative_path(flows: Flows, topo: LeafSpine) -> np.ndarray:
+    """One physical link per hop of each flow, ``[n_flows, 4]`` (``-1``: no such hop).
+
+    An adaptively routed flow crosses every uplink of its leaf; they carry equal loads, so
+    the one to spine 0 stands for all of them.
+    """
+    path = flows.links.copy()
+    if flows.routing == "adaptive":
+        inter = topo.leaf_of(flows.src) != topo.leaf_of(flows.dst)
+        path[inter, 1] = topo.leaf_up(topo.leaf_of(flows.src[inter]), 0)
+        path[inter, 2] = topo.spine_down(0, topo.leaf_of(flows.dst[inter]))
+    return path
+
+
+def simulate(
+    topo: LeafSpine,
+    traffic: np.ndarray,
+    *,
+    routing: str = "ecmp",
+    pacing: bool = True,
+    burst: BurstModel | None = None,
+    rng: np.random.Generator | None = None,
+    rel_tol: float = 0.01,
+    step_quantile: float = 0.1,
+) -> FabricResult:
+    """Route ``traffic`` over ``topo`` and simulate the transfer.
+
+    Flow completion time = fluid max-min completion (:func:`fluid_completion_times`)
+    + without pacing, the draining time of the burst queues on the flow's path and one
+    ``rto_us`` if any port on its path dropped packets (:class:`BurstModel`).
+    """
+    burst = burst if burst is not None else BurstModel()
+    flows = route(topo, traffic, routing, rng)
+    if flows.n_flows == 0:
+        raise ValueError("traffic has no bytes between different GPUs: nothing to simulate")
+    fct = fluid_completion_times(
+        flows.nbytes, flows.rate_links, flows.rate_capacity, rel_tol=rel_tol,
+        step_quantile=step_quantile,
+    )
+    n_links = topo.n_links
+    queue, dropped = np.zeros(n_links), np.zeros(n_links)
+    if not pacing:
+        queue, dropped = _burst(flows, topo, burst)
+        path = _representative_path(flows, topo)
+        on = path >= 0
+        padded = np.where(on, path, 0)
+        wait = np.where(on, (queue / topo.capacities())[padded], 0.0).sum(axis=1)
+        timed_out = (np.where(on, dropped[padded], 0.0) > 0).any(axis=1)
+        fct = fct + wait + timed_out * burst.rto_us * 1e-6
+    else:
+        timed_out = np.zeros(flows.n_flows, dtype=bool)
+    return FabricResult(
+        topology=topo,
+        routing=routing,
+        pacing=pacing,
+        flows=flows,
+        fct=fct,
+        makespan=float(fct.max()),
+        lower_bound=lower_bound_time(topo, traffic),
+        queue_bytes=queue,
+        dropped_bytes=dropped,
+        timed_out=timed_out,
+    )
+
+
+# ---------------------------------------------------------------------------- balls into bins
+
+
+def expected_empty_bins(n_balls: int, n_bins: int) -> float:
+    """Expected empty bins when ``n_balls`` fall uniformly into ``n_bins``: m(1 - 1/m)^n."""
+    return n_bins * (1.0 - 1.0 / n_bins) ** n_balls
+
+
+def expected_pair_collisions(n_balls: int, n_bins: int) -> float:
+    """Expected pairs of balls sharing a bin: C(n, 2) / m."""
+    return n_balls * (n_balls - 1) / 2 / n_bins
+
+
+def expected_max_load(n_balls: int, n_bins: int) -> float:
+    """Exact expected fullest bin for ``n_balls`` uniform balls in ``n_bins`` bins.
+
+    ``P(max <= k)`` by Poissonisation: with independent Poisson(n/m) bins, condition on
+    the total being ``n``; ``P(all <= k, total = n)`` is the coefficient of ``x^n`` in the
+    ``m``-th power of the truncated Poisson generating function, computed by convolution.
+    Then ``E[max] = sum_k P(max > k)``.
+    """
+    if n_balls < 0 or n_bins < 1:
+        raise ValueError(f"need n_balls >= 0 and n_bins >= 1, got {n_balls}, {n_bins}")
+    if n_balls == 0:
+        return 0.0
+    lam = n_balls / n_bins
+    j = np.arange(n_balls + 1)
+    log_pmf = -lam + j * math.log(lam) - np.array([math.lgamma(x + 1) for x in j])
+    pmf = np.exp(log_pmf)
+    total_pmf = math.exp(-n_balls + n_balls * math.log(n_balls) - math.lgamma(n_balls + 1))
+    expected = 0.0
+    for k in range(n_balls):
+        base = np.where(j <= k, pmf, 0.0)
+        acc = np.zeros(n_balls + 1)
+        acc[0] = 1.0
+        for _ in range(n_bins):
+            acc = np.convolve(acc, base)[: n_balls + 1]
+        p_le = min(1.0, acc[n_balls] / total_pmf)
+        expected += 1.0 - p_le
+        if p_le > 1.0 - 1e-12:
+            break
+    return expected
+
+
+# ---------------------------------------------------------------------------- figures
+
+
+def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = None) -> Any:
+    """Draw the leaf-spine fabric with each leaf-spine link coloured by its load.
+
+    Line width and colour: bytes on the link over the mean uplink bytes (hot = red).
+    Returns the matplotlib axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib import cm
+    from matplotlib.colors import Normalize
+
+    topo = result.topology
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4))
+    A, S = topo.n_leaf, topo.n_spine
+    spine_x = np.linspace(0, 1, S + 2)[1:-1]
+    leaf_x = np.linspace(0, 1, A + 2)[1:-1]
+    up = result.flows.link_bytes[topo.leaf_up(np.repeat(np.arange(A), S), np.tile(np.arange(S), A))]
+    down = result.flows.link_bytes[
+        topo.spine_down(np.tile(np.arange(S), A), np.repeat(np.arange(A), S))
+    ]
+    load = (up + down) / 2
+    mean = load.mean() if load.mean() > 0 else 1.0
+    rel = load / mean
+    # Centred on the mean; the scale stretches to the largest deviation so hot links show.
+    spread = max(0.25, float(np.abs(rel - 1.0).max()))
+    norm = Normalize(vmin=1.0 - spread, vmax=1.0 + spread)
+    cmap = plt.get_cmap("coolwarm")
+    for idx in range(A * S):
+        a, s = divmod(idx, S)
+        ax.plot([leaf_x[a], spine_x[s]], [0.35, 0.9], color=cmap(norm(rel[idx])),
+                linewidth=0.4 + 2.6 * max(rel[idx], 0.0) / norm.vmax, zorder=1)
+    ax.scatter(spine_x, np.full(S, 0.9), s=160, marker="s", color="#444", zorder=2)
+    ax.scatter(leaf_x, np.full(A, 0.35), s=120, marker="s", color="#777", zorder=2)
+    hpl = topo.hosts_per_leaf
+    for a in range(A):
+        xs = leaf_x[a] + (np.arange(hpl) - (hpl - 1) / 2) * (0.8 / (A + 1)) / max(hpl, 1)
+        ax.scatter(xs, np.full(hpl, 0.08), s=8, color="#2a9d8f", zorder=2)
+        for x in xs:
+            ax.plot([x, leaf_x[a]], [0.08, 0.35], color="#bbb", linewidth=0.4, zorder=0)
+    ax.text(0.0, 0.9, "spines", va="center", fontsize=8)
+    ax.text(0.0, 0.35, "leaves", va="center", fontsize=8)
+    ax.text(0.0, 0.08, "GPUs", va="center", fontsize=8)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    plt.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.03,
+                 label="uplink load / mean")
+    ax.set_title(title or f"{result.routing}: uplink loads (simulated)", fontsize=9)
+    return ax
+
+
+def fabric_figure(
+    zipf_s: float = 0.0,
+    oversubscription: float = 1.0,
+    n_spine: int = 8,
+    adaptive: int = 0,
+    pacing: int = 1,
+    hosts_per_leaf: int = 8,
+    n_leaf: int = 8,
+    seed: int = 0,
+) -> Any:
+    """The explorer's figure: one MoE dispatch all-to-all (Zipf skew ``zipf_s`` over the
+    experts) on a leaf-spine fabric — the topology with its uplink loads, and the
+    distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches."""
+    import matplotlib.pyplot as plt
+
+    topo = LeafSpine(hosts_per_leaf, n_leaf, n_spine, 400.0, max(1.0, oversubscription))
+    rng = np.random.default_rng(seed)
+    traffic = moe_traffic(topo.n_hosts, tokens_per_gpu=512, zipf_s=zipf_s, rng=rng)
+    result = simulate(topo, traffic, routing="adaptive" if adaptive else "ecmp",
+                      pacing=bool(pacing), rng=rng)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8),
+                                      gridspec_kw={"width_ratios": [1.6, 1]})
+    plot_topology(result, ax=left)
+    fct_us = np.sort(result.fct) * 1e6
+    right.plot(fct_us, np.arange(1, fct_us.size + 1) / fct_us.size, drawstyle="steps-post")
+    right.axvline(result.fct_percentile(99), color="tab:red", ls="--", lw=1,
+                  label=f"p99 {result.fct_percentile(99):,.0f} us")
+    right.set_xscale("log")
+    right.set_xlabel("flow completion time (us, simulated)")
+    right.set_ylabel("fraction of flows")
+    right.legend(fontsize=8)
+    right.set_title(f"bandwidth {result.algbw_fraction:.0%} of link, efficiency "
+                    f"{result.efficiency:.0%}", fontsize=9)
+    fig.suptitle(f"{topo.n_hosts} GPUs, {result.routing}, pacing {'on' if pacing else 'off'}, "
+                 f"zipf s={zipf_s:g}, oversubscription {topo.oversubscription:g}:1", fontsize=10)
+    fig.tight_layout()
+    return fig
