@@ -51,6 +51,7 @@ class TrainConfig:
     expert_backend: str = "loop"
     router_impl: str = "reference"
     attention_impl: str = "sdpa"
+    expert_bias_rate: float = 0.0  # aux-loss-free balancing: bias += rate * sign(mean - load)
     mxfp8: tuple[str, ...] = ()  # ("attention",), ("experts",) or both: emulated MXFP8
     corpus: str = "synthetic"
     checkpoint_path: str | None = None
@@ -70,6 +71,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.expert_bias_rate < 0:
+            raise ValueError(f"TrainConfig.expert_bias_rate must be >= 0, got {self.expert_bias_rate!r}")
         if not self.grad_clip > 0:
             raise ValueError(f"TrainConfig.grad_clip must be > 0, got {self.grad_clip!r}")
         if self.checkpoint_every and not self.checkpoint_path:
@@ -167,6 +170,7 @@ def train(
     from tqdm.auto import tqdm
 
     from moe_lab.data import load_corpus
+    from moe_lab.moe.balance import update_expert_bias
 
     cfg = cfg or TrainConfig()
     if corpus is None:
@@ -213,6 +217,9 @@ def train(
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
+        if cfg.expert_bias_rate:
+            update_expert_bias(model, [s.tokens_per_expert for s in out.moe_stats],
+                               cfg.expert_bias_rate)
         # Reading the statistics back is a host sync per step: the naive stack's habit.
         counts = [s.tokens_per_expert.tolist() for s in out.moe_stats]
         record = {

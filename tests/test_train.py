@@ -98,3 +98,13 @@ def test_cli_train_json(capsys):
                  "--eval-every", "0"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["steps"] == 3 and out["dispatcher"] == "naive"
+
+
+def test_expert_bias_rate_balances_through_the_trainer():
+    plain = train(TINY, cfg(seed=2, steps=10))
+    biased = train(TINY, cfg(seed=2, steps=10, expert_bias_rate=0.05))
+    bias = biased.model.moe_layers[0].router.expert_bias
+    assert bias.abs().sum() > 0  # the update ran
+    assert plain.model.moe_layers[0].router.expert_bias.abs().sum() == 0
+    with pytest.raises(ValueError, match="expert_bias_rate"):
+        cfg(expert_bias_rate=-1.0)

@@ -9,4 +9,5 @@ BENCHMARKS = {
     # name -> module (imported only when that benchmark is asked for)
     "moe-layer": "moe_lab.bench.moe_layer",
     "mxfp8": "moe_lab.bench.mxfp8",
+    "router": "moe_lab.bench.router",
 }

@@ -7,17 +7,34 @@ only the best few groups — ranked by the sum of each group's top-2 scores — 
 picked), a per-expert bias added for selection only (aux-loss-free load balancing), the
 top-k, renormalisation of the chosen weights and a scaling factor. Around it sit the
 statistics that keep experts balanced: tokens per expert, the switch-style auxiliary
-loss and the router z-loss.
+loss, the sequence-level auxiliary loss (DeepSeek-V3) and the router z-loss.
 
 This module is the *reference*: the unfused chain, written the way frameworks write it,
 each step one or more full passes over a ``[tokens, n_experts]`` tensor. It runs in
 float32 or float64 (``MoEConfig.router_dtype``); routers are kept in high precision
-because the weights they produce multiply the experts' outputs directly.
+because the weights they produce multiply the experts' outputs directly. The fused
+router (`moe_lab.kernels.router`) and a ``torch.compile`` of this chain are registered
+beside it in ``ROUTER_IMPLS`` and tested against it.
 
 Shapes: ``x: [tokens, d_model]`` → ``topk_ids: [tokens, top_k] int64``,
 ``topk_weights: [tokens, top_k]`` (router dtype), ``tokens_per_expert: [n_experts] int64``.
-Ties in the top-k are broken towards the lower expert index (``torch.topk`` on the CPU
-and CUDA returns the first occurrence among equal values for ``sorted=True``).
+
+Defined behaviour, kept by every implementation:
+
+- **Ties** go to the lower expert index, and the ``top_k`` slots are ordered by score,
+  highest first. ``torch.topk`` does not promise this (on the CPU it returns equal values
+  in no fixed order), so the reference uses `topk_lowest_index` (a top-k of unique keys
+  that pack the score and the index, or a stable sort in float64); the same rule picks
+  the groups.
+- **-inf logits** are allowed and mean "this expert is unavailable to this token": it is
+  never chosen while another expert is available (whatever its bias), and it is chosen,
+  lowest index first, only when fewer than ``top_k`` are. Its score, weight and gradient
+  are 0. Under softmax a token whose logits are *all* -inf has no scores: they are NaN.
+- **NaN logits** propagate: the token's scores, and through them the weights or the
+  auxiliary statistics, become NaN, so the loss shows it; the ids stay valid indices, but
+  which ones is not specified. Nothing is checked on the host (that would be a sync);
+  `moe_lab.kernels.router.check_finite_logits` is the explicit, syncing check.
+
 Every step here is sync-free: counts come from ``scatter_add_``, not ``bincount``.
 """
 
@@ -36,25 +53,63 @@ DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 @dataclass
 class RouterOutput:
-    topk_ids: Tensor  # [T, k] int64
-    topk_weights: Tensor  # [T, k] router dtype
-    scores: Tensor  # [T, E] router dtype, after the score function
+    topk_ids: Tensor  # [T, k] int64, ordered by score (highest first)
+    topk_weights: Tensor  # [T, k] router dtype (float32 for the fused router)
+    scores: Tensor | None  # [T, E] after the score function; None where not materialised
     logits: Tensor  # [T, E] router dtype
     tokens_per_expert: Tensor  # [E] int64
-    aux_loss: Tensor  # [] router dtype (unscaled by the coefficient)
-    z_loss: Tensor  # [] router dtype (unscaled)
+    aux_loss: Tensor  # [] switch (global) load-balancing loss, unscaled by the coefficient
+    z_loss: Tensor  # [] router z-loss, unscaled
+    seq_aux_loss: Tensor | None = None  # [] sequence-level aux loss when seq_len was given
+
+    @property
+    def routing_map(self) -> Tensor:
+        """``[T, E]`` bool: ``True`` where the token was routed to the expert (built on use)."""
+        tokens, n_experts = self.logits.shape
+        out = torch.zeros(tokens, n_experts, dtype=torch.bool, device=self.topk_ids.device)
+        return out.scatter_(1, self.topk_ids, True)
 
 
-def group_limited_mask(scores: Tensor, n_groups: int, topk_groups: int) -> Tensor:
+def topk_lowest_index(values: Tensor, k: int) -> Tensor:
+    """Indices ``[..., k]`` of the ``k`` largest ``values`` along the last dim, highest first,
+    ties to the lower index.
+
+    float64: the first ``k`` of a stable descending sort. float32: a top-k of *unique*
+    64-bit keys — the float's bits made monotone (for negative floats the magnitude bits
+    are flipped, so larger float means larger integer), shifted up, and the reversed
+    expert index in the low bits — so no two keys are equal and ``torch.topk``'s order among
+    equal values never matters. Packing value and index into one key is how GPU top-k
+    kernels make ties deterministic; it is also a top-k, not a sort, so it stays cheap.
+    """
+    n = values.shape[-1]
+    if values.dtype != torch.float32 or n == 0:
+        return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    bits = (values + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    shift = max(1, (n - 1).bit_length())
+    reversed_index = (1 << shift) - 1 - torch.arange(n, device=values.device)
+    keys = ordered * (1 << shift) + reversed_index
+    low = keys.topk(k, dim=-1, sorted=True).values & ((1 << shift) - 1)
+    return (1 << shift) - 1 - low
+
+
+def group_limited_mask(scores: Tensor, n_groups: int, topk_groups: int,
+                       lowest_index_ties: bool = True) -> Tensor:
     """Boolean ``[T, E]`` mask of the experts inside each token's ``topk_groups`` best groups.
 
-    A group's score is the sum of its two best expert scores (one if a group has one expert).
+    A group's score is the sum of its two best expert scores (one if a group has one expert);
+    groups with equal scores go to the lower group index (``lowest_index_ties=False``:
+    ``torch.topk``'s order, as frameworks do).
     """
     tokens, n_experts = scores.shape
     per_group = n_experts // n_groups
     grouped = scores.view(tokens, n_groups, per_group)
+    # The sum of the two best values does not depend on which of two equal values is first.
     group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, G]
-    best_groups = group_scores.topk(topk_groups, dim=-1).indices  # [T, g]
+    if lowest_index_ties:
+        best_groups = topk_lowest_index(group_scores, topk_groups)  # [T, g]
+    else:
+        best_groups = group_scores.topk(topk_groups, dim=-1).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     return group_mask.unsqueeze(-1).expand(tokens, n_groups, per_group).reshape(tokens, n_experts)
 
@@ -65,11 +120,25 @@ def tokens_per_expert_from_ids(topk_ids: Tensor, n_experts: int) -> Tensor:
     return counts.scatter_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1)))
 
 
+def routing_agreement(topk_ids: Tensor, reference_ids: Tensor) -> float:
+    """Fraction of the (token, slot) choices in ``topk_ids`` that ``reference_ids`` also made
+    for that token (order within a token's top-k ignored); 1.0 for no tokens. Reads the
+    answer back to the host: for reports, not for the training step."""
+    if topk_ids.shape != reference_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and reference_ids "
+                         f"{tuple(reference_ids.shape)} must have the same shape")
+    if topk_ids.numel() == 0:
+        return 1.0
+    hit = (topk_ids.unsqueeze(-1) == reference_ids.unsqueeze(-2)).any(-1)
+    return float(hit.float().mean())
+
+
 def switch_aux_loss(scores: Tensor, tokens_per_expert: Tensor, top_k: int) -> Tensor:
     """Switch-Transformer load-balancing loss: ``E · Σ_e f_e · P_e``.
 
     ``f_e`` is the fraction of routed slots that went to expert ``e`` (not differentiable),
-    ``P_e`` the mean routing probability of ``e`` (differentiable). It equals 1 when both are
+    ``P_e`` the mean routing probability of ``e`` (differentiable; scores are normalised to
+    sum to one per token, which matters for sigmoid scores). It equals 1 when both are
     uniform and grows as routing concentrates.
     """
     tokens, n_experts = scores.shape
@@ -80,26 +149,78 @@ def switch_aux_loss(scores: Tensor, tokens_per_expert: Tensor, top_k: int) -> Te
     return n_experts * (f * probs.mean(dim=0)).sum()
 
 
-def route(
-    x: Tensor,
-    gate_weight: Tensor,
+def sequence_aux_loss(scores: Tensor, topk_ids: Tensor, top_k: int, seq_len: int) -> Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the switch loss of each sequence of
+    ``seq_len`` consecutive tokens, averaged over sequences. It keeps every *sequence*
+    balanced, not just the batch. ``tokens`` must be a multiple of ``seq_len``."""
+    tokens, n_experts = scores.shape
+    check_seq_len(tokens, seq_len)
+    if tokens == 0:
+        return scores.sum() * 0
+    n_seqs = tokens // seq_len
+    probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    seq_of_token = torch.arange(tokens, device=scores.device) // seq_len  # [T]
+    slots = (seq_of_token.unsqueeze(1) * n_experts + topk_ids).reshape(-1)
+    counts = torch.zeros(n_seqs * n_experts, dtype=scores.dtype, device=scores.device)
+    counts = counts.scatter_add_(0, slots, torch.ones_like(slots, dtype=scores.dtype))
+    f = counts.view(n_seqs, n_experts) / (seq_len * top_k)
+    p = probs.view(n_seqs, seq_len, n_experts).mean(dim=1)
+    return n_experts * (f * p).sum(dim=-1).mean()
+
+
+def check_seq_len(tokens: int, seq_len: int | None) -> None:
+    if seq_len is None:
+        return
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
+    if tokens % seq_len:
+        raise ValueError(f"tokens={tokens} must be a multiple of seq_len={seq_len}")
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE's z-loss: the mean squared log-sum-exp of each token's logits."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0
+    return logits.logsumexp(dim=-1).square().mean()
+
+
+def route_from_logits(
+    logits: Tensor,
     cfg: MoEConfig,
     expert_bias: Tensor | None = None,
+    *,
+    seq_len: int | None = None,
+    lowest_index_ties: bool = True,
 ) -> RouterOutput:
-    """The reference routing chain. ``gate_weight: [n_experts, d_model]``."""
-    if x.dim() != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
-    dtype = DTYPES[cfg.router_dtype]
-    logits = x.to(dtype) @ gate_weight.to(dtype).t()  # [T, E]
+    """The reference chain after the gating matmul. ``logits: [tokens, n_experts]`` float32 or
+    float64; the chain computes in that dtype.
+
+    ``lowest_index_ties=False`` takes ``torch.topk`` for the groups and the experts, as
+    frameworks do (equal scores in no fixed order): the same function on data without
+    ties, used to time the chain the way frameworks run it.
+    """
+    if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
+        raise ValueError(
+            f"logits must be [tokens, n_experts={cfg.n_experts}], got {tuple(logits.shape)}"
+        )
+    if logits.dtype not in DTYPES.values():
+        raise ValueError(f"logits must be float32 or float64, got {logits.dtype}")
+    check_seq_len(logits.shape[0], seq_len)
+    dtype = logits.dtype
     if cfg.score_func == "softmax":
         scores = logits.softmax(dim=-1)
     else:
         scores = logits.sigmoid()
     selection = scores if expert_bias is None else scores + expert_bias.to(dtype)
+    # A -inf logit marks the expert unavailable, whatever its bias.
+    selection = selection.masked_fill(logits == float("-inf"), float("-inf"))
     if cfg.n_groups > 1:
-        mask = group_limited_mask(selection, cfg.n_groups, cfg.topk_groups)
+        mask = group_limited_mask(selection, cfg.n_groups, cfg.topk_groups, lowest_index_ties)
         selection = selection.masked_fill(~mask, float("-inf"))
-    topk_ids = selection.topk(cfg.top_k, dim=-1, sorted=True).indices  # [T, k]
+    if lowest_index_ties:
+        topk_ids = topk_lowest_index(selection, cfg.top_k)  # [T, k]
+    else:
+        topk_ids = selection.topk(cfg.top_k, dim=-1, sorted=True).indices
     topk_weights = scores.gather(1, topk_ids)
     if cfg.renormalize and cfg.top_k > 1:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True).clamp_min(
@@ -108,24 +229,101 @@ def route(
     topk_weights = topk_weights * cfg.scaling_factor
     tokens_per_expert = tokens_per_expert_from_ids(topk_ids, cfg.n_experts)
     aux = switch_aux_loss(scores, tokens_per_expert, cfg.top_k)
-    z = logits.logsumexp(dim=-1).square().mean() if x.shape[0] else logits.sum() * 0
-    return RouterOutput(topk_ids, topk_weights, scores, logits, tokens_per_expert, aux, z)
+    seq_aux = None if seq_len is None else sequence_aux_loss(scores, topk_ids, cfg.top_k, seq_len)
+    z = router_z_loss(logits)
+    return RouterOutput(topk_ids, topk_weights, scores, logits, tokens_per_expert, aux, z, seq_aux)
 
 
-# name -> fn(x, gate_weight, cfg, expert_bias) -> RouterOutput; faster variants register here.
-ROUTER_IMPLS = {"reference": route}
+def gate_logits(x: Tensor, gate_weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x · gate_weightᵀ`` computed in ``dtype``: ``[tokens, n_experts]``."""
+    return x.to(dtype) @ gate_weight.to(dtype).t()
+
+
+def _check_x(x: Tensor, cfg: MoEConfig) -> None:
+    if x.dim() != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
+
+
+def route(
+    x: Tensor,
+    gate_weight: Tensor,
+    cfg: MoEConfig,
+    expert_bias: Tensor | None = None,
+    *,
+    seq_len: int | None = None,
+) -> RouterOutput:
+    """The reference routing chain. ``gate_weight: [n_experts, d_model]``; ``seq_len`` (the
+    tokens are whole sequences of that length, in order) adds ``seq_aux_loss``."""
+    _check_x(x, cfg)
+    logits = gate_logits(x, gate_weight, DTYPES[cfg.router_dtype])  # [T, E]
+    return route_from_logits(logits, cfg, expert_bias, seq_len=seq_len)
+
+
+# torch.compile of the chain after the matmul: the fair fused baseline on a CPU, where
+# Inductor fuses the elementwise steps into a few loops. Compiled on first use.
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_route_from_logits(
+    logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None
+) -> RouterOutput:
+    """`route_from_logits` under ``torch.compile`` (same function, same tie rule)."""
+    fn = _COMPILED.get("chain")
+    if fn is None:
+        fn = _COMPILED["chain"] = torch.compile(route_from_logits, dynamic=False)
+    return fn(logits, cfg, expert_bias, seq_len=seq_len)
+
+
+def compiled_route(
+    x: Tensor,
+    gate_weight: Tensor,
+    cfg: MoEConfig,
+    expert_bias: Tensor | None = None,
+    *,
+    seq_len: int | None = None,
+) -> RouterOutput:
+    """`route` with the chain after the matmul compiled (``ROUTER_IMPLS["compiled"]``)."""
+    _check_x(x, cfg)
+    logits = gate_logits(x, gate_weight, DTYPES[cfg.router_dtype])
+    return compiled_route_from_logits(logits, cfg, expert_bias, seq_len=seq_len)
+
+
+def fused_route(
+    x: Tensor,
+    gate_weight: Tensor,
+    cfg: MoEConfig,
+    expert_bias: Tensor | None = None,
+    *,
+    seq_len: int | None = None,
+) -> RouterOutput:
+    """The fused Triton router (``ROUTER_IMPLS["triton"]``); see `moe_lab.kernels.router`.
+    Imported on first use, so that importing this module does not import Triton."""
+    from moe_lab.kernels.router import fused_route as fused
+
+    return fused(x, gate_weight, cfg, expert_bias, seq_len=seq_len)
+
+
+# name -> fn(x, gate_weight, cfg, expert_bias, *, seq_len=None) -> RouterOutput; each is
+# tested against "reference" (tests/test_router.py, tests/test_router_kernel.py).
+ROUTER_IMPLS = {"reference": route, "compiled": compiled_route, "triton": fused_route}
 
 
 class Router(nn.Module):
     """The gate (``weight: [n_experts, d_model]``) and the routing chain of ``route``.
 
-    ``expert_bias`` (a buffer, zeros by default) is added to the scores for selection only.
+    ``expert_bias`` (a buffer, zeros by default) is added to the scores for selection only;
+    `moe_lab.moe.balance.update_expert_bias` moves it after each optimizer step.
     """
 
     def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
         super().__init__()
         if impl not in ROUTER_IMPLS:
             raise ValueError(f"router impl must be one of {sorted(ROUTER_IMPLS)}, got {impl!r}")
+        if impl == "triton" and cfg.router_dtype != "fp32":
+            raise ValueError(
+                f"router impl 'triton' computes in float32: MoEConfig.router_dtype must be "
+                f"'fp32', got {cfg.router_dtype!r}"
+            )
         self.cfg = cfg
         self.impl = impl
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
@@ -135,5 +333,10 @@ class Router(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.cfg.d_model**-0.5)
 
-    def forward(self, x: Tensor) -> RouterOutput:
-        return ROUTER_IMPLS[self.impl](x, self.weight, self.cfg, self.expert_bias)
+    def forward(self, x: Tensor, seq_len: int | None = None) -> RouterOutput:
+        """Route ``x: [tokens, d_model]``; with ``seq_len`` (the tokens are whole sequences of
+        that length, in order) the output carries ``seq_aux_loss`` too."""
+        return ROUTER_IMPLS[self.impl](x, self.weight, self.cfg, self.expert_bias, seq_len=seq_len)
+
+    def extra_repr(self) -> str:
+        return f"n_experts={self.cfg.n_experts}, d_model={self.cfg.d_model}, impl={self.impl!r}"

@@ -1,0 +1,189 @@
+"""Aux-loss-free load balancing: a per-expert bias, nudged after every step (DeepSeek-V3).
+
+An auxiliary loss balances experts by pushing the router's *probabilities* towards uniform,
+and so fights the language-model loss for the same parameters. DeepSeek-V3 balances with
+a bias instead: each router keeps ``expert_bias: [E]``, added to the scores for choosing
+the top-k only (the weights that multiply the experts' outputs stay the unbiased scores),
+and after every optimizer step each expert's bias moves by a fixed amount towards balance:
+
+    bias_e += rate · sign(mean_load − load_e)
+
+An overloaded expert becomes a little less attractive, an idle one a little more. Nothing
+is differentiated and nothing is read back to the host: the loads are the routers' own
+``tokens_per_expert`` counts, on the device. (Megatron-Core:
+``--moe-router-enable-expert-bias`` with ``--moe-router-bias-update-rate``.)
+
+`update_expert_bias` is the update. `ExpertBiasBalancer` applies it inside
+`moe_lab.train.train` through its ``callback``; `compare_balancing` trains the same model
+three ways — no balancing, an auxiliary loss, the bias — and returns what each did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from moe_lab.config import ModelConfig
+from moe_lab.moe.layer import MoELayer
+from moe_lab.moe.router import Router
+
+Tensor = torch.Tensor
+
+
+def _routers(model_or_layers: nn.Module | Iterable[nn.Module]) -> list[Router]:
+    """The routers of a model, a layer, a router, or an iterable of them, in order."""
+    if isinstance(model_or_layers, Router):
+        return [model_or_layers]
+    if isinstance(model_or_layers, MoELayer):
+        return [model_or_layers.router]
+    if isinstance(model_or_layers, nn.Module):
+        layers = getattr(model_or_layers, "moe_layers", None)
+        if layers is None:
+            layers = [m for m in model_or_layers.modules() if isinstance(m, MoELayer)]
+        return [layer.router for layer in layers]
+    routers: list[Router] = []
+    for item in model_or_layers:
+        if not isinstance(item, (Router, MoELayer)):
+            raise ValueError(f"model_or_layers must hold Router or MoELayer modules, got "
+                             f"{type(item).__name__}")
+        routers += _routers(item)
+    return routers
+
+
+def update_expert_bias(
+    model_or_layers: nn.Module | Iterable[nn.Module],
+    tokens_per_expert: Tensor | Sequence[Tensor] | Sequence[Sequence[int]],
+    rate: float,
+) -> None:
+    """``bias_e += rate · sign(mean_load − load_e)`` for every router, in place.
+
+    ``model_or_layers``: an ``MoETransformer``, an ``MoELayer``, a ``Router``, or an
+    iterable of layers or routers. ``tokens_per_expert``: one ``[E]`` load per router, as a
+    ``[n_routers, E]`` tensor or a sequence (of tensors, or of lists of ints). Device tensors
+    (``MoEStats.tokens_per_expert``) keep the update free of host syncs. Call it after the
+    optimizer step, with the loads of the step just taken.
+    """
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0:
+        raise ValueError(f"rate must be a positive number, got {rate!r}")
+    routers = _routers(model_or_layers)
+    if isinstance(tokens_per_expert, Tensor) and tokens_per_expert.dim() == 1:
+        tokens_per_expert = tokens_per_expert.unsqueeze(0)
+    if len(tokens_per_expert) != len(routers):
+        raise ValueError(f"tokens_per_expert must hold one load per router ({len(routers)}), "
+                         f"got {len(tokens_per_expert)}")
+    with torch.no_grad():
+        for router, load in zip(routers, tokens_per_expert, strict=True):
+            bias = router.expert_bias
+            load = torch.as_tensor(load, device=bias.device).to(bias.dtype)
+            if load.shape != bias.shape:
+                raise ValueError(f"each load must be [n_experts={bias.shape[0]}], got "
+                                 f"{tuple(load.shape)}")
+            bias.add_(torch.sign(load.mean() - load), alpha=rate)
+
+
+def load_imbalance(tokens_per_expert: Tensor) -> Tensor:
+    """``max load / mean load`` over the last dim (1.0 is perfect balance)."""
+    load = tokens_per_expert.float()
+    return load.amax(dim=-1) / load.mean(dim=-1).clamp_min(1e-9)
+
+
+class ExpertBiasBalancer:
+    """Aux-loss-free balancing for `moe_lab.train.train`, as its ``callback``::
+
+        with ExpertBiasBalancer(rate=1e-3) as balancer:
+            result = train(model_cfg, cfg, callback=balancer)
+
+    While the ``with`` block is open, a global forward hook notes every ``MoELayer`` that
+    runs in training mode and sums its ``tokens_per_expert`` (on the device; the hook reads
+    nothing back). ``train`` calls the balancer after each optimizer step, which updates
+    every noted layer's bias with the loads summed since the last step. Evaluation
+    forwards (``model.eval()``) are not counted.
+    """
+
+    def __init__(self, rate: float) -> None:
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0:
+            raise ValueError(f"rate must be a positive number, got {rate!r}")
+        self.rate = float(rate)
+        self.layers: list[MoELayer] = []
+        self._loads: dict[int, Tensor] = {}
+        self._handle = None
+        self.updates = 0
+
+    def _hook(self, module: nn.Module, inputs, output) -> None:
+        if isinstance(module, MoELayer) and module.training:
+            counts = output[1].tokens_per_expert.detach()
+            key = id(module)
+            if key not in self._loads:
+                if not any(layer is module for layer in self.layers):
+                    self.layers.append(module)
+                self._loads[key] = counts.clone()
+            else:
+                self._loads[key] += counts
+
+    def __enter__(self) -> ExpertBiasBalancer:
+        self._handle = nn.modules.module.register_module_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def __call__(self, step: int, record: dict | None = None) -> None:
+        layers = [layer for layer in self.layers if id(layer) in self._loads]
+        if layers:
+            update_expert_bias(layers, [self._loads[id(layer)] for layer in layers], self.rate)
+            self.updates += 1
+        self._loads.clear()
+
+
+def compare_balancing(
+    model_cfg: ModelConfig,
+    steps: int,
+    *,
+    batch_size: int = 8,
+    seed: int = 0,
+    aux_loss_coef: float = 0.01,
+    bias_rate: float = 0.01,
+    dispatcher: str = "naive",
+    expert_backend: str = "loop",
+    router_impl: str = "reference",
+    progress: bool = False,
+) -> dict[str, list[dict]]:
+    """Train ``model_cfg`` three times on the same data — ``"none"`` (no balancing),
+    ``"aux loss"`` (``aux_loss_coef``), ``"bias"`` (aux-loss-free, ``bias_rate``) — and
+    return, per run, one record per step: ``loss`` (the language-model loss, comparable
+    across runs), ``imbalance`` (max/mean load, averaged over the MoE layers) and
+    ``max_share`` (the busiest expert's share of the routed slots, averaged likewise)."""
+    from moe_lab.data import load_corpus
+    from moe_lab.train import TrainConfig, train
+
+    if not isinstance(steps, int) or steps <= 0:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    corpus = load_corpus("synthetic", seq_len=model_cfg.seq_len, seed=seed)
+    runs = {"none": (0.0, None), "aux loss": (aux_loss_coef, None), "bias": (0.0, bias_rate)}
+    out: dict[str, list[dict]] = {}
+    for name, (coef, rate) in runs.items():
+        cfg = model_cfg.replace(moe={"aux_loss_coef": coef})
+        train_cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, eval_every=0,
+                                warmup_steps=max(1, steps // 10), dispatcher=dispatcher,
+                                expert_backend=expert_backend, router_impl=router_impl,
+                                progress=progress)
+        if rate is None:
+            result = train(cfg, train_cfg, corpus=corpus)
+        else:
+            with ExpertBiasBalancer(rate) as balancer:
+                result = train(cfg, train_cfg, corpus=corpus, callback=balancer)
+        records = []
+        for h in result.history:
+            counts = torch.tensor(h["tokens_per_expert"], dtype=torch.float64)  # [layers, E]
+            records.append({
+                "step": h["step"],
+                "loss": h["lm_loss"],
+                "imbalance": float(load_imbalance(counts).mean()),
+                "max_share": float((counts.amax(-1) / counts.sum(-1).clamp_min(1)).mean()),
+            })
+        out[name] = records
+    return out
