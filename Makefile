@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PROFILE ?= smoke
+comma  := ,
 
 # Without a CUDA device every Triton kernel runs under Triton's interpreter on the CPU.
 HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
@@ -23,14 +24,23 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # torch and triton first, by exact version: on a machine without CUDA this takes the CPU build.
-$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
+# The workbook also installs the test extras: notebook 03 compares against Hugging Face's
+# Mixtral block (transformers) and notebook 05 against torchao.
+define install_extras
 	$(BIN)/python -m pip install --quiet torch==2.13.0 triton==3.7.1
-	$(BIN)/python -m pip install --quiet -e ".[$*]"
+	$(BIN)/python -m pip install --quiet -e ".[$(1)]"
 	@touch $@
+endef
 
-install: $(VENV)/.installed-lab
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(call install_extras,test)
 
-workbook: $(VENV)/.installed-lab
+$(VENV)/.installed-workbook: pyproject.toml | $(BIN)/python
+	$(call install_extras,lab$(comma)test)
+
+install: $(VENV)/.installed-workbook
+
+workbook: $(VENV)/.installed-workbook
 	$(BIN)/python -m moe_lab workbook --profile $(PROFILE)
 
 test: $(VENV)/.installed-test
@@ -39,7 +49,7 @@ test: $(VENV)/.installed-test
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not slow"
 
-lab: $(VENV)/.installed-lab
+lab: $(VENV)/.installed-workbook
 	cd notebooks && ../$(BIN)/jupyter lab
 
 lint: $(VENV)/.installed-test

@@ -29,6 +29,8 @@ SHAPES = {
     "coarse": dict(n_experts=8, top_k=2, d_model=256, d_expert=512),
 }
 TOKENS = {"smoke": 1024, "full": 4096}
+PROVIDERS = ("naive", "capacity cf1.0", "capacity cf1.25", "dropless loop", "dropless torch",
+             "dropless triton", "hf eager", "hf batched_mm", "hf grouped_mm")
 
 
 def expert_flops(tokens: int, top_k: int, d_model: int, d_expert: int) -> float:
@@ -54,27 +56,33 @@ def _hf_block(layer: MoELayer, implementation: str):
     return block
 
 
-def build_providers(cfg: MoEConfig, include_hf: bool = True) -> tuple[dict, list[str]]:
-    """name -> module taking ``x: [tokens, d]`` and returning ``(y, aux)``; and notes."""
+def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32,
+                    only: list[str] | None = None) -> tuple[dict, list[str]]:
+    """name -> module taking ``x: [tokens, d]`` and returning ``(y, aux)``; and notes.
+
+    ``only``: keep just these providers (``naive`` is always kept: it is the reference)."""
     from moe_lab.perf import capabilities
 
     notes: list[str] = []
-    naive = MoELayer(cfg, "naive")
+    naive = MoELayer(cfg, "naive").to(device=device, dtype=dtype)
     providers: dict[str, torch.nn.Module] = {"naive": naive}
 
     def clone(dispatcher: str, backend: str = "loop", **changes) -> MoELayer:
         layer = MoELayer(cfg.replace(**changes) if changes else cfg, dispatcher, backend)
-        layer.load_state_dict(naive.state_dict())
+        layer.to(device=device, dtype=dtype).load_state_dict(naive.state_dict())
         return layer
 
     providers["capacity cf1.0"] = clone("capacity", capacity_factor=1.0)
     providers["capacity cf1.25"] = clone("capacity", capacity_factor=1.25)
     if cfg.n_experts <= 8:  # the loop backend does n_experts times the work: coarse only
         providers["dropless loop"] = clone("dropless", "loop")
-    if hasattr(torch, "_grouped_mm"):
-        providers["dropless torch"] = clone("dropless", "torch")
-    else:
+    if not hasattr(torch, "_grouped_mm"):
         notes.append("dropless torch: torch._grouped_mm is missing from this build")
+    elif device == "cuda" and dtype != torch.bfloat16:
+        notes.append("dropless torch: torch._grouped_mm on CUDA needs bf16")
+    else:
+        providers["dropless torch"] = clone("dropless", "torch")
     if capabilities().triton_mode == "compiled":
         providers["dropless triton"] = clone("dropless", "triton")
     else:
@@ -82,9 +90,16 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True) -> tuple[dict, list
     if include_hf:
         try:
             for impl in ("eager", "batched_mm", "grouped_mm"):
-                providers[f"hf {impl}"] = _hf_block(naive, impl)
+                providers[f"hf {impl}"] = _hf_block(naive, impl).to(device=device, dtype=dtype)
         except ImportError:
             notes.append("hf: transformers is not installed (pip install -e '.[test]')")
+    if only is not None:
+        unknown = set(only) - set(PROVIDERS)
+        if unknown:
+            raise ValueError(f"only: unknown providers {sorted(unknown)}; known {PROVIDERS}")
+        # A known provider missing on this machine (no transformers, no compiled Triton) is
+        # already explained in the notes.
+        providers = {k: v for k, v in providers.items() if k == "naive" or k in only}
     return providers, notes
 
 
@@ -107,9 +122,19 @@ def _step_fn(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
     return step, forward
 
 
+def _device_dtype() -> tuple[str, torch.dtype]:
+    from moe_lab.perf import capabilities
+
+    # bf16 on a GPU (what its grouped GEMMs run), fp32 on the CPU (the eager reference).
+    return ("cuda", torch.bfloat16) if capabilities().device == "cuda" else ("cpu", torch.float32)
+
+
 def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool = True,
-              seed: int = 0, progress: bool = False) -> dict:
-    """Benchmark one shape; returns ``{"rows": [...], "notes": [...], ...}``."""
+              seed: int = 0, only: list[str] | None = None) -> dict:
+    """Benchmark one shape; returns ``{"rows": [...], "notes": [...], ...}``.
+
+    Runs on the GPU in bf16 where there is one, else on the CPU in fp32. ``only`` limits
+    the providers (``naive`` is always timed: the ratios are to it)."""
     from moe_lab.perf import compare
     from moe_lab.sync import count_syncs
 
@@ -120,9 +145,11 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
     torch.manual_seed(seed)
     s = SHAPES[shape]
     cfg = MoEConfig(**s)
-    providers, notes = build_providers(cfg, include_hf)
-    x = torch.randn(tokens, cfg.d_model)
-    grad = torch.randn(tokens, cfg.d_model)
+    device, dtype = _device_dtype()
+    providers, notes = build_providers(cfg, include_hf, device, dtype, only)
+    x = torch.randn(tokens, cfg.d_model, device=device, dtype=dtype)
+    grad = torch.randn(tokens, cfg.d_model, device=device, dtype=dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
     steps, reference = {}, None
     syncs = {}
     for name, module in providers.items():
@@ -131,7 +158,7 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
         if reference is None:
             reference = y
         elif not name.startswith("capacity"):  # capacity drops tokens by design
-            torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4,
+            torch.testing.assert_close(y, reference, rtol=tol, atol=tol,
                                        msg=lambda m, n=name: f"{n} differs from naive: {m}")
         _, counter = count_syncs(step)
         syncs[name] = sum(counter.values())
@@ -146,7 +173,8 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
             "tokens_per_s": tokens / t.median_s, "vs_naive": naive_s / t.median_s,
             "syncs_per_step": syncs[name], "expert_gflops": flops / t.median_s / 1e9,
         })
-    return {"shape": shape, "tokens": tokens, "config": s, "rows": rows, "notes": notes}
+    return {"shape": shape, "tokens": tokens, "config": s, "device": device,
+            "dtype": str(dtype).replace("torch.", ""), "rows": rows, "notes": notes}
 
 
 def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float,
@@ -157,8 +185,9 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float,
     from moe_lab.perf import bench
 
     cfg = MoEConfig(**SHAPES[shape])
-    layer = MoELayer(cfg, "dropless", "torch")
-    x = torch.randn(tokens, cfg.d_model)
+    device, dtype = _device_dtype()
+    layer = MoELayer(cfg, "dropless", "torch").to(device=device, dtype=dtype)
+    x = torch.randn(tokens, cfg.d_model, device=device, dtype=dtype)
     ids = layer.router(x).topk_ids
     order, offsets = sort_by_expert(ids, cfg.n_experts)
     xs = x.index_select(0, order // cfg.top_k)
@@ -182,6 +211,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per step (overrides profile)")
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timing per provider")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face blocks")
+    parser.add_argument("--only", nargs="+", default=None, metavar="PROVIDER",
+                        help="time only these providers besides naive (e.g. 'dropless torch')")
     parser.add_argument("--notebook", default="bench:moe-layer", help="ledger 'notebook' field")
 
 
@@ -190,11 +221,12 @@ def run(args: argparse.Namespace) -> dict:
 
     tokens = args.tokens or TOKENS[args.profile]
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
-    ceiling = ceilings.matmul_peak(torch.float32, n=1024 if args.profile == "smoke" else 2048)
+    device, dtype = _device_dtype()
+    ceiling = ceilings.matmul_peak(dtype, n=1024 if args.profile == "smoke" else 2048, device=device)
     result: dict = {"tokens": tokens, "matmul_ceiling_gflops": ceiling.giga, "rows": [],
                     "notes": [], "floor": []}
     for shape in shapes:
-        r = run_shape(shape, tokens, args.min_time, include_hf=not args.no_hf)
+        r = run_shape(shape, tokens, args.min_time, include_hf=not args.no_hf, only=args.only)
         result["rows"] += r["rows"]
         result["notes"] += [n for n in r["notes"] if n not in result["notes"]]
         if hasattr(torch, "_grouped_mm"):

@@ -42,7 +42,7 @@ EXPERT_BACKENDS = ("loop", "torch", "triton")
 @torch.library.custom_op("moe_lab::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """``x: [M, K]``, ``w: [E, K, N]``, ``offs: [E] int32`` cumulative row ends (last = M)."""
-    return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offs)
+    return torch._grouped_mm(x.contiguous(), w, offs=offs)
 
 
 @grouped_mm.register_fake
@@ -69,7 +69,9 @@ def _grouped_mm_setup(ctx, inputs, output) -> None:
 def _grouped_mm_backward(ctx, dy: Tensor):
     x, w, offs = ctx.saved_tensors
     dy = dy.contiguous()
-    dx = grouped_mm(dy, w.transpose(-1, -2).contiguous(), offs) if ctx.needs_input_grad[0] else None
+    # The transposed weight is a strided view: the CPU and CUDA kernels read it in place
+    # (a .contiguous() here would copy every expert's weights each backward).
+    dx = grouped_mm(dy, w.transpose(-1, -2), offs) if ctx.needs_input_grad[0] else None
     dw = grouped_mm_wgrad(x, dy, offs) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
@@ -131,6 +133,10 @@ class SwiGLUExperts(nn.Module):
         if self.backend == "loop":
             return self._loop_forward(x, offsets)
         if self.backend == "torch":
+            if x.is_cuda and x.dtype != torch.bfloat16:
+                raise ValueError(
+                    f"expert backend 'torch' on CUDA needs bfloat16 (torch._grouped_mm's CUDA "
+                    f"kernel), got {x.dtype}; use .bfloat16() or expert_backend='triton'")
             xq, w1 = self._quantized(x, self.w_gate_up, 1)
             h = swiglu(grouped_mm(xq, w1.to(x.dtype), offsets[1:]))
             hq, w2 = self._quantized(h, self.w_down, 1)

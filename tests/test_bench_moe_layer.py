@@ -1,0 +1,34 @@
+import pytest
+
+from moe_lab.bench.moe_layer import SHAPES, expert_flops, run_shape
+
+
+def test_run_shape_checks_and_reports_every_provider():
+    r = run_shape("coarse", tokens=32, min_time_s=0.01, include_hf=False,
+                  only=["dropless torch", "capacity cf1.0"])
+    rows = {row["provider"]: row for row in r["rows"]}
+    assert set(rows) == {"naive", "dropless torch", "capacity cf1.0"}
+    assert rows["naive"]["vs_naive"] == 1.0
+    assert rows["naive"]["syncs_per_step"] >= SHAPES["coarse"]["n_experts"]
+    assert rows["dropless torch"]["syncs_per_step"] == 0
+    assert rows["capacity cf1.0"]["syncs_per_step"] == 0
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["median_ms"] > 0
+    from moe_lab.perf import capabilities
+
+    if capabilities().triton_mode == "interpreted":  # said, not timed
+        assert any("triton" in n for n in r["notes"]) and "dropless triton" not in rows
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="shape"):
+        run_shape("medium", tokens=8)
+    with pytest.raises(ValueError, match="tokens"):
+        run_shape("coarse", tokens=0)
+    with pytest.raises(ValueError, match="only"):
+        run_shape("coarse", tokens=8, include_hf=False, only=["warp drive"])
+
+
+def test_expert_flops():
+    # per assignment: 2·d·2f forward for gate+up, 2·f·d for down, backward twice that
+    assert expert_flops(10, 2, 8, 4) == 3 * 10 * 2 * (2 * 8 * 2 * 4 + 2 * 4 * 8)
