@@ -10,4 +10,5 @@ BENCHMARKS = {
     "moe-layer": "moe_lab.bench.moe_layer",
     "mxfp8": "moe_lab.bench.mxfp8",
     "router": "moe_lab.bench.router",
+    "step": "moe_lab.bench.step",
 }

@@ -1,0 +1,466 @@
+"""Paged stashing: the experts' saved activations in fixed pages, allocated on the device.
+
+Backward needs what the forward pass saved: for the experts, activations with one row
+per (token, expert) assignment routed to the device. How many rows that is depends on the
+routing. Eager PyTorch allocates each saved tensor at its exact size, after the host has
+learned the size — a sync. A captured CUDA graph cannot ask: every buffer has the size it
+had at capture, so a static design must allocate for the worst case. On one device with
+every expert local, moe_lab's dropless buffer is exactly ``tokens · top_k`` rows and
+static for free (notebook 03). With expert parallelism it is not: a device's experts
+receive between nothing and every token of every rank, so a static per-expert buffer
+holds ``n_experts · tokens`` rows per device (each of its ``E / ep`` experts may receive
+all ``ep · tokens`` tokens of the group) against ``tokens · top_k`` on average — and one
+such buffer per layer, because each layer's activations live until its backward.
+
+Paging decouples the two. Compute still runs in whatever buffer the dispatcher uses; what
+must *live until backward* is copied into a pool of fixed-size pages shared by all layers:
+
+1. per-expert page counts from the token counts: ``pages[e] = ceil(rows[e] / page_rows)``;
+2. each expert's first page by an exclusive prefix sum of those counts, after the pages
+   already taken this step (``head``) — a bump allocator on the device;
+3. each row's page and slot: its expert by a binary search of the offsets, its position
+   in the expert, divided by the page size;
+4. a fixed pool with an ``overflow`` flag: pages past the end go to a trash page and the
+   flag is raised. The step is then repeated without stashing (Megatron-Core's paged-stash
+   runner and HybridEP do the same) or skipped.
+
+All of it runs on the device with shapes known in advance: no sync, so it can be captured.
+The pool costs ``capacity_factor · tokens · top_k`` rows (+ one partly filled page per
+expert) per stashed tensor instead of the worst case; restoring gathers the same rows back,
+so the saved activations round-trip bit for bit.
+
+`PagedStash.attach(model, example_batch)` wraps each MoE layer's expert compute in
+``torch.autograd.graph.saved_tensors_hooks``: every saved tensor with one row per sorted
+assignment goes into the pool; weights and offsets are kept as they are. A first forward
+pass on the example batch plans the pools (one per activation width and dtype).
+`simulate_expert_parallel` measures the memory against the worst case across routing
+skews, for one device of an expert-parallel group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "PagedStash", "StashCall", "max_pages", "page_table", "pages_per_expert", "plot_page_map",
+    "simulate_expert_parallel", "expert_parallel_counts",
+]
+
+
+# --------------------------------------------------------------------------------------
+# The page arithmetic (all on the device, no sync)
+# --------------------------------------------------------------------------------------
+
+
+def _check_page_rows(page_rows: int) -> None:
+    if not isinstance(page_rows, int) or isinstance(page_rows, bool) or page_rows <= 0:
+        raise ValueError(f"page_rows must be a positive integer, got {page_rows!r}")
+
+
+def pages_per_expert(offsets: Tensor, page_rows: int) -> Tensor:
+    """``[E]`` int64: ``ceil(rows[e] / page_rows)`` with ``rows[e] = offsets[e+1] - offsets[e]``
+    (``offsets: [E + 1]``, on the device)."""
+    _check_page_rows(page_rows)
+    counts = (offsets[1:] - offsets[:-1]).long()
+    return (counts + page_rows - 1) // page_rows
+
+
+def page_table(offsets: Tensor, page_rows: int, n_rows: int,
+               head: Tensor | int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Where each of the ``n_rows`` rows sorted by expert goes in a page pool.
+
+    ``offsets: [E + 1]`` (``offsets[-1] == n_rows``); ``head``: the pages already taken.
+    Returns ``(page, slot, first_page)``: ``page, slot: [n_rows]`` int64 — row ``r`` lives
+    at ``pool[page[r], slot[r]]`` — and ``first_page: [E]`` int64, each expert's first page
+    (the page map). Expert ``e`` owns pages ``first_page[e] … first_page[e] + pages[e] - 1``;
+    every page holds rows of one expert only, so a kernel can treat a page as a tile.
+    """
+    pages = pages_per_expert(offsets, page_rows)
+    first_page = F.pad(pages.cumsum(0), (1, 0))[:-1] + head  # exclusive prefix sum
+    page, slot = _row_pages(offsets, first_page, n_rows, page_rows)
+    return page, slot, first_page
+
+
+def _row_pages(offsets: Tensor, first_page: Tensor, n_rows: int,
+               page_rows: int) -> tuple[Tensor, Tensor]:
+    # Row r: its expert by a binary search of the offsets, its position within the expert.
+    rows = torch.arange(n_rows, device=offsets.device, dtype=offsets.dtype)
+    expert = torch.searchsorted(offsets[1:], rows, right=True).clamp_(max=first_page.shape[0] - 1)
+    within = (rows - offsets.index_select(0, expert)).long()
+    return first_page.index_select(0, expert) + within // page_rows, within % page_rows
+
+
+def max_pages(tokens: int, top_k: int, n_experts: int, page_rows: int) -> int:
+    """The most pages one layer's ``tokens · top_k`` rows can take on one device, over every
+    routing (each token picks ``top_k`` distinct experts, so an expert gets at most
+    ``tokens`` rows): the smallest pool that never overflows.
+
+    An expert's first page costs one row, each further page a full ``page_rows``. So the
+    worst routing gives one row to as many experts as it can, ``m = min(E, T·k)``, and
+    spends the rest on further pages — at most ``ceil(T / page_rows) - 1`` more per expert.
+    """
+    _check_page_rows(page_rows)
+    rows = tokens * top_k
+    m = min(n_experts, rows)
+    if m == 0:
+        return 0
+    more_per_expert = -(-tokens // page_rows) - 1
+    return m + min((rows - m) // page_rows, m * more_per_expert)
+
+
+# --------------------------------------------------------------------------------------
+# The pool and the hooks
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StashCall:
+    """One activation the experts save, as planned: layer, width, dtype, rows (``T·k``),
+    experts and ``top_k`` (so ``rows / top_k`` tokens)."""
+
+    layer: int
+    width: int
+    dtype: torch.dtype
+    rows: int
+    n_experts: int
+    top_k: int
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def exact_bytes(self) -> int:
+        """What eager PyTorch keeps: exactly the routed rows."""
+        return self.rows * self.width * self.itemsize
+
+    @property
+    def worst_case_bytes(self) -> int:
+        """A static buffer with room for every token at every expert: ``E · T`` rows."""
+        return self.n_experts * (self.rows // self.top_k) * self.width * self.itemsize
+
+
+@dataclass
+class _Stashed:
+    """The handle autograd keeps instead of a tensor: where its rows went."""
+
+    pool: int
+    offsets: Tensor
+    first_page: Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class PagedStash(nn.Module):
+    """A device page pool for the activations the MoE experts save for backward.
+
+    ``stash = PagedStash(page_rows=32, capacity_factor=1.25).attach(model, example_batch)``;
+    then every training forward pass pages the experts' saved activations into fixed pools
+    (buffers ``pool{i}: [n_pages + 1, page_rows, width]``, the last page a trash page),
+    and backward reads them back. Call `reset` at the start of each step (the
+    `moe_lab.step.SyncFreeStep` does). ``overflow`` (``[]`` bool buffer) is raised when a
+    step needed more pages than a pool holds; those rows went to the trash page, so the
+    step must be repeated with the stash `disabled` (or skipped).
+
+    Pool size per planned activation: ``ceil(capacity_factor · rows / page_rows) + E`` pages.
+    With ``capacity_factor >= 1`` a single device never overflows (see `max_pages`); under
+    expert parallelism the rows a device receives vary, and the factor is the margin.
+    """
+
+    def __init__(self, page_rows: int = 32, capacity_factor: float = 1.25) -> None:
+        super().__init__()
+        _check_page_rows(page_rows)
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+        self.page_rows = page_rows
+        self.capacity_factor = capacity_factor
+        self.enabled = True
+        self.plan: list[StashCall] = []
+        self.pool_keys: list[tuple[int, torch.dtype]] = []
+        self._planning: list[StashCall] | None = None
+        self._attached: list[nn.Module] = []
+        self._model_ref = lambda: None
+        self.register_buffer("overflow", torch.zeros((), dtype=torch.bool))
+
+    # -- setting up ----------------------------------------------------------------------
+
+    def pages_for(self, call: StashCall) -> int:
+        """Pages the pool sets aside for one planned activation."""
+        return math.ceil(self.capacity_factor * call.rows / self.page_rows) + call.n_experts
+
+    def attach(self, model: nn.Module, example_batch) -> PagedStash:
+        """Wrap the expert compute of every MoE layer of ``model`` and size the pools from
+        one forward pass on ``example_batch`` (``.x``: ``[batch, seq]``). Returns self."""
+        layers = list(getattr(model, "moe_layers", []))
+        if not layers:
+            raise ValueError("PagedStash.attach: the model has no MoE layers (model.moe_layers)")
+        if self._attached:
+            raise ValueError("PagedStash.attach: already attached; detach() first")
+        for index, layer in enumerate(layers):
+            if layer.dispatcher != "dropless":
+                raise ValueError(f"PagedStash.attach: MoE layer {index} uses dispatcher "
+                                 f"{layer.dispatcher!r}; paging needs the dropless dispatcher's "
+                                 "expert-sorted rows and offsets")
+            experts = layer.experts
+            original = type(experts).grouped_forward.__get__(experts)
+            experts.grouped_forward = functools.partial(
+                self._paged_grouped_forward, original, index, layer.cfg.top_k)
+            self._attached.append(experts)
+        self._model_ref = weakref.ref(model)  # not a submodule: the stash does not own the model
+        self._planning = []
+        try:
+            with torch.enable_grad():
+                model(example_batch.x)
+        finally:
+            planned, self._planning = self._planning, None
+        self._allocate(planned, next(model.parameters()).device)
+        return self
+
+    def detach(self) -> None:
+        """Unwrap the experts (the pools stay allocated until the stash is dropped)."""
+        for experts in self._attached:
+            experts.__dict__.pop("grouped_forward", None)
+        self._attached = []
+
+    def check_attached(self, model: nn.Module) -> None:
+        if not self._attached or self._model_ref() is not model:
+            raise ValueError("the paged stash is not attached to this model: "
+                             "call stash.attach(model, example_batch) first")
+
+    def _allocate(self, planned: list[StashCall], device: torch.device) -> None:
+        self.plan = planned
+        keys: list[tuple[int, torch.dtype]] = []
+        for call in planned:
+            if (call.width, call.dtype) not in keys:
+                keys.append((call.width, call.dtype))
+        self.pool_keys = keys
+        for i, (width, dtype) in enumerate(keys):
+            n_pages = sum(self.pages_for(c) for c in planned if (c.width, c.dtype) == (width, dtype))
+            self.register_buffer(f"pool{i}", torch.zeros(n_pages + 1, self.page_rows, width,
+                                                         dtype=dtype, device=device))
+            self.register_buffer(f"head{i}", torch.zeros((), dtype=torch.int64, device=device))
+        self.overflow = torch.zeros((), dtype=torch.bool, device=device)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start a step: every pool empty, the overflow flag down (device ops only)."""
+        for i in range(len(self.pool_keys)):
+            getattr(self, f"head{i}").zero_()
+        self.overflow.zero_()
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Run without paging (the saved activations stay ordinary tensors)."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
+
+    def stash(self, t: Tensor, offsets: Tensor) -> _Stashed:
+        """Copy ``t: [rows, width]`` (rows sorted by expert, ``offsets: [E + 1]``) into its
+        pool; return the handle `restore` takes. Raises the overflow flag when it does not fit."""
+        key = (t.shape[1], t.dtype)
+        if key not in self.pool_keys:
+            raise ValueError(f"PagedStash: no pool for width {key[0]} and dtype {key[1]} "
+                             f"(planned: {self.pool_keys}); attach with this model and batch shape")
+        i = self.pool_keys.index(key)
+        pool, head = getattr(self, f"pool{i}"), getattr(self, f"head{i}")
+        n_pages = pool.shape[0] - 1
+        page, slot, first_page = page_table(offsets, self.page_rows, t.shape[0], head)
+        used = pages_per_expert(offsets, self.page_rows).sum()
+        self.overflow.logical_or_(head + used > n_pages)
+        head.add_(used)
+        dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
+        pool.view(-1, pool.shape[-1]).index_copy_(0, dest, t)
+        return _Stashed(i, offsets, first_page, tuple(t.shape), t.dtype)
+
+    def restore(self, handle: _Stashed) -> Tensor:
+        """The stashed tensor, gathered back from its pages (a contiguous copy)."""
+        pool = getattr(self, f"pool{handle.pool}")
+        n_pages = pool.shape[0] - 1
+        page, slot = _row_pages(handle.offsets, handle.first_page, handle.shape[0], self.page_rows)
+        dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
+        return pool.view(-1, pool.shape[-1]).index_select(0, dest).view(handle.shape)
+
+    def _paged_grouped_forward(self, original, layer: int, top_k: int, x: Tensor,
+                               offsets: Tensor) -> Tensor:
+        if not self.enabled or (self._planning is None and not self.pool_keys):
+            return original(x, offsets)
+        rows = x.shape[0]
+
+        def pageable(t: Tensor) -> bool:
+            # Activations: one row per sorted assignment. Not the weights (leaves that
+            # require grad) nor the offsets.
+            return (t.dim() == 2 and t.shape[0] == rows and t.is_floating_point()
+                    and not (t.is_leaf and t.requires_grad))
+
+        if self._planning is not None:
+            def pack(t: Tensor):
+                if pageable(t):
+                    self._planning.append(StashCall(layer, t.shape[1], t.dtype, rows,
+                                                    offsets.shape[0] - 1, top_k))
+                return t
+
+            def unpack(t):
+                return t
+        else:
+            def pack(t: Tensor):
+                return self.stash(t, offsets) if pageable(t) else t
+
+            def unpack(t):
+                return self.restore(t) if isinstance(t, _Stashed) else t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return original(x, offsets)
+
+    # -- what it costs ---------------------------------------------------------------------
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of all pools (trash pages included): the fixed allocation."""
+        return sum(getattr(self, f"pool{i}").numel() * getattr(self, f"pool{i}").element_size()
+                   for i in range(len(self.pool_keys)))
+
+    @property
+    def exact_bytes(self) -> int:
+        """Bytes of the planned activations at their exact size (eager PyTorch, one device)."""
+        return sum(c.exact_bytes for c in self.plan)
+
+    @property
+    def worst_case_bytes(self) -> int:
+        """Bytes of static per-expert buffers with room for every token at every expert."""
+        return sum(c.worst_case_bytes for c in self.plan)
+
+    def pages_used(self) -> list[int]:
+        """Pages taken in each pool by the last step (reads the device: for reports only)."""
+        return [int(getattr(self, f"head{i}")) for i in range(len(self.pool_keys))]
+
+    def pool_pages(self) -> list[int]:
+        return [getattr(self, f"pool{i}").shape[0] - 1 for i in range(len(self.pool_keys))]
+
+    def extra_repr(self) -> str:
+        pools = [(w, str(d).replace("torch.", ""), n)
+                 for (w, d), n in zip(self.pool_keys, self.pool_pages(), strict=True)]
+        return f"page_rows={self.page_rows}, capacity_factor={self.capacity_factor}, pools={pools}"
+
+
+# --------------------------------------------------------------------------------------
+# Memory across routing skews, one device of an expert-parallel group
+# --------------------------------------------------------------------------------------
+
+
+def expert_parallel_counts(tokens_per_rank: int, n_experts: int, top_k: int, ep_size: int,
+                           skew: float, seed: int = 0) -> Tensor:
+    """``[ep_size, n_experts // ep_size]`` int64: the rows each device receives for each of
+    its experts when every one of ``ep_size`` ranks routes ``tokens_per_rank`` tokens top-k
+    among ``n_experts`` with Zipf-like popularity ``p_e ∝ (e + 1) ** -skew`` (skew 0:
+    uniform; device 0 holds the most popular experts)."""
+    if n_experts % ep_size:
+        raise ValueError(f"ep_size must divide n_experts={n_experts}, got {ep_size}")
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew}")
+    g = torch.Generator().manual_seed(seed)
+    popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
+    ids = torch.multinomial(popularity.expand(tokens_per_rank * ep_size, n_experts), top_k,
+                            replacement=False, generator=g)
+    counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(
+        0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int64))
+    return counts.view(ep_size, n_experts // ep_size)
+
+
+def simulate_expert_parallel(tokens_per_rank: int, n_experts: int, top_k: int, ep_size: int,
+                             skews, page_rows: int = 32, capacity_factor: float = 1.25,
+                             seed: int = 0) -> list[dict]:
+    """Rows of expert activations one device must keep, per routing skew, in units of rows
+    (multiply by width × bytes for memory): ``exact`` (eager, the busiest device),
+    ``paged`` (its pages × page_rows), ``pool`` (the fixed pool:
+    ``ceil(cf · T·k / page_rows) + E_local`` pages), ``worst_case`` (a static buffer for
+    every token of the group at each local expert: ``E_local · ep · T = E · T``), and
+    whether any device ``overflow`` s its pool. The pages come from `page_table`."""
+    _check_page_rows(page_rows)
+    local = n_experts // ep_size if n_experts % ep_size == 0 else None
+    if local is None:
+        raise ValueError(f"ep_size must divide n_experts={n_experts}, got {ep_size}")
+    pool_pages = math.ceil(capacity_factor * tokens_per_rank * top_k / page_rows) + local
+    worst = n_experts * tokens_per_rank
+    rows_out = []
+    for skew in skews:
+        counts = expert_parallel_counts(tokens_per_rank, n_experts, top_k, ep_size, skew, seed)
+        pages = []
+        for device_counts in counts:
+            offsets = F.pad(device_counts.cumsum(0), (1, 0))
+            pages.append(int(pages_per_expert(offsets, page_rows).sum()))
+        busiest = int(counts.sum(1).argmax())
+        rows_out.append({
+            "skew": float(skew), "exact": int(counts[busiest].sum()),
+            "paged": pages[busiest] * page_rows, "pool": pool_pages * page_rows,
+            "worst_case": worst, "overflow": any(p > pool_pages for p in pages),
+            "devices_overflowing": sum(p > pool_pages for p in pages),
+            "imbalance": float(counts.sum(1).max() / counts.sum(1).float().mean()),
+        })
+    return rows_out
+
+
+# --------------------------------------------------------------------------------------
+# The picture
+# --------------------------------------------------------------------------------------
+
+
+def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None,
+                  title: str | None = None, per_row: int = 16):
+    """Draw the pool a step fills: one cell per page, coloured and labelled by its expert,
+    filled as far as the page is full; the trash page is hatched and pages past the end of
+    the pool (an overflow) are outlined in red. ``counts``: rows per expert."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    counts = torch.as_tensor(counts, dtype=torch.int64)
+    pages = pages_per_expert(F.pad(counts.cumsum(0), (1, 0)), page_rows)
+    used = int(pages.sum())
+    n_pages = used if n_pages is None else n_pages
+    page_expert = torch.repeat_interleave(torch.arange(len(counts)), pages).tolist()
+    page_fill = []
+    for c in counts.tolist():
+        full, rest = divmod(c, page_rows)
+        page_fill += [1.0] * full + ([rest / page_rows] if rest else [])
+    cells = max(n_pages, used) + 1  # + the trash page
+    n_rows = math.ceil(cells / per_row)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.55 * per_row, 0.7 + 0.6 * n_rows))
+    cmap = plt.get_cmap("tab10")
+    for p in range(cells):
+        r, c = divmod(p, per_row)
+        x, y = c, -r
+        if p < used:
+            colour = cmap(page_expert[p] % 10)
+            ax.add_patch(Rectangle((x, y), 0.92, 0.85, facecolor=colour, alpha=0.2))
+            ax.add_patch(Rectangle((x, y), 0.92 * page_fill[p], 0.85, facecolor=colour))
+            ax.text(x + 0.46, y + 0.42, f"e{page_expert[p]}", ha="center", va="center", fontsize=8)
+            if p >= n_pages:
+                ax.add_patch(Rectangle((x, y), 0.92, 0.85, fill=False, edgecolor="red", lw=2))
+        elif p < n_pages:
+            ax.add_patch(Rectangle((x, y), 0.92, 0.85, fill=False, edgecolor="0.6"))
+        if p == max(n_pages, used):
+            ax.add_patch(Rectangle((x, y), 0.92, 0.85, facecolor="0.9", hatch="xx",
+                                   edgecolor="0.5"))
+    ax.set_xlim(-0.1, per_row + 0.1)
+    ax.set_ylim(-n_rows + 0.9, 0.95)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    status = f"{used} of {n_pages} pages used" + (" — OVERFLOW" if used > n_pages else "")
+    ax.set_title(title or f"page pool, {page_rows} rows per page: {status} (hatched: trash page)",
+                 fontsize=10)
+    return ax

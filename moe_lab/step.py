@@ -1,0 +1,616 @@
+"""The sync-free training step: forward, backward and optimizer without the host waiting once.
+
+A CUDA graph records a sequence of kernels once and replays it with one launch. It can hold
+a whole training iteration only if nothing in the iteration needs the host: no value read
+back (``.item()``, ``.tolist()``, ``if loss > x:``), no output whose size depends on the
+data (``nonzero``, ``x[mask]``), no host-side number that changes from step to step. The
+naive loop in `moe_lab.train` breaks all three rules on purpose; this module is the step
+with each of them fixed:
+
+- **dropless dispatch** — tokens reach their experts by a sort and a grouped GEMM over
+  offsets kept on the device (notebook 03), not by ``torch.where`` per expert;
+- **a capturable optimizer** — AdamW with ``fused=True, capturable=True``: its step count
+  lives on the device, and the learning rate is a device tensor that the schedule
+  (`lr_schedule`, the same warm-up + cosine as `moe_lab.train.lr_at`) rewrites in place;
+  the stock AdamW keeps the step count on the host and reads it every step;
+- **clipping without a host read** — ``clip_grad_norm_`` returns the norm as a tensor; its
+  ``error_if_nonfinite=True`` check would read it, so it is off (a non-finite norm shows
+  in the statistics instead);
+- **statistics on the device** — loss, gradient norm, tokens per expert and imbalance
+  are summed into device buffers (`StepState`) and read back in *one* copy every
+  ``read_every`` steps (`SyncFreeStep.read_stats`);
+- **static inputs** — every batch is copied into the same two device buffers, so a
+  captured graph always reads its inputs from the same addresses.
+
+The auxiliary loss already comes from device-side counts (the router counts with
+``scatter_add_``). `SyncFreeStep.certify` runs the *whole* step — forward, backward,
+clipping, the learning-rate update and the optimizer — under
+`moe_lab.sync.assert_sync_free` on fake tensors, so a CPU proves what a GPU will do.
+
+`LADDER` and `ladder_step` rebuild the step one fix at a time, from the naive loop to this
+one, so notebook 06 can count the syncs going down to zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from moe_lab.config import ModelConfig
+from moe_lab.model import MoETransformer
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "LADDER", "StepConfig", "StepState", "SyncFreeStep", "build_model", "build_sync_free",
+    "default_backends",
+    "ladder_step", "lr_schedule", "make_optimizer", "random_batch", "train_sync_free",
+]
+
+
+# --------------------------------------------------------------------------------------
+# Configuration and the pieces of the step
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The schedule and the bookkeeping of `SyncFreeStep`.
+
+    ``lr`` … ``total_steps``: linear warm-up to ``lr``, then cosine decay to
+    ``lr · min_lr_ratio`` at ``total_steps`` (as `moe_lab.train.lr_at`). ``grad_clip``:
+    the global norm gradients are clipped to. ``read_every``: statistics are copied to
+    the host once every that many steps. ``expert_bias_rate`` > 0 moves each router's
+    expert bias after the optimizer step (aux-loss-free balancing,
+    `moe_lab.moe.balance.update_expert_bias`, from the device-side counts).
+    ``overflow_policy`` (with a paged stash only):
+    ``"rerun"`` reads the stash's overflow flag after every step and repeats an overflowed
+    step without stashing (one read of one flag per step, after the step is queued);
+    ``"skip"`` reads nothing — an overflowed step updates nothing and is counted in the
+    statistics as skipped.
+    """
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    total_steps: int = 200
+    grad_clip: float = 1.0
+    read_every: int = 10
+    overflow_policy: str = "rerun"
+    expert_bias_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "read_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"StepConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(
+                f"StepConfig.warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if not self.lr > 0:
+            raise ValueError(f"StepConfig.lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"StepConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"StepConfig.grad_clip must be > 0, got {self.grad_clip!r}")
+        if not self.expert_bias_rate >= 0:
+            raise ValueError(
+                f"StepConfig.expert_bias_rate must be >= 0, got {self.expert_bias_rate!r}")
+        if self.overflow_policy not in ("rerun", "skip"):
+            raise ValueError(
+                f"StepConfig.overflow_policy must be 'rerun' or 'skip', got {self.overflow_policy!r}")
+
+    @classmethod
+    def from_train_config(cls, cfg, read_every: int = 10) -> StepConfig:
+        """The schedule of a `moe_lab.train.TrainConfig`."""
+        return cls(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
+                   total_steps=cfg.steps, grad_clip=cfg.grad_clip, read_every=read_every,
+                   expert_bias_rate=getattr(cfg, "expert_bias_rate", 0.0))
+
+
+def lr_schedule(step: Tensor, cfg: StepConfig) -> Tensor:
+    """`moe_lab.train.lr_at` computed on the device: ``step: []`` (optimizer steps taken so
+    far, any dtype) → the learning rate, ``[]`` float32. No host value changes per step,
+    so a captured graph replays the schedule rather than freezing one learning rate."""
+    s = step.double()  # one scalar: float64 costs nothing and keeps the cosine's tail exact
+    floor = cfg.lr * cfg.min_lr_ratio
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = ((s - cfg.warmup_steps) / span).clamp(0.0, 1.0)
+    decay = floor + 0.5 * (cfg.lr - floor) * (1.0 + torch.cos(progress * math.pi))
+    if cfg.warmup_steps == 0:
+        return decay.float()
+    warm = cfg.lr * (s + 1.0) / cfg.warmup_steps
+    return torch.where(s < cfg.warmup_steps, warm, decay).float()
+
+
+def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW that a graph can hold: ``fused=True, capturable=True`` and the learning rate a
+    0-dim tensor on the parameters' device, shared by every parameter group (the schedule
+    writes it in place). Parameter groups as `moe_lab.train`: weight decay on matrices
+    except the embedding.
+
+    The fused kernel keeps each parameter's step count on the device and also takes a
+    ``found_inf`` flag on the device that turns the whole update into a no-op — what the
+    paged stash uses to drop an overflowed step without asking the host.
+    """
+    params = list(model.named_parameters())
+    if not params:
+        raise ValueError("make_optimizer: the model has no parameters")
+    device = params[0][1].device
+    decay = [p for n, p in params if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in params if p.dim() < 2 or "embed" in n]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    lr_t = torch.tensor(float(lr), dtype=torch.float32, device=device)
+    return torch.optim.AdamW(groups, lr=lr_t, betas=betas, fused=True, capturable=True)
+
+
+def default_backends(device: torch.device | str) -> dict[str, str]:
+    """The sync-free MoE implementations that run fastest on ``device``: on CUDA the
+    Triton grouped GEMM and the fused Triton router (compiled there); on a CPU the
+    ``torch._grouped_mm`` backend and the reference router (Triton is interpreted on a
+    CPU: correct, far too slow to train with). All of them are sync-free."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from moe_lab.moe.router import ROUTER_IMPLS
+
+        router = "triton" if "triton" in ROUTER_IMPLS else "reference"
+        return {"dispatcher": "dropless", "expert_backend": "triton", "router_impl": router}
+    backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
+    return {"dispatcher": "dropless", "expert_backend": backend, "router_impl": "reference"}
+
+
+def random_batch(model_cfg: ModelConfig, batch_size: int, device: torch.device | str = "cpu",
+                 generator: torch.Generator | None = None):
+    """A `moe_lab.data.Batch` of uniformly random bytes (``y`` is ``x`` shifted by one):
+    for timing and certificates, where the text does not matter."""
+    from moe_lab.data import Batch
+
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len + 1),
+                           generator=generator)
+    return Batch(tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device),
+                 torch.zeros(batch_size, dtype=torch.int64, device=device))
+
+
+# --------------------------------------------------------------------------------------
+# The device-side state of the loop
+# --------------------------------------------------------------------------------------
+
+# The scalar accumulators, in the order `read_stats` unpacks them.
+_SCALARS = ("steps", "skipped", "loss", "lm_loss", "aux_loss", "grad_norm", "grad_norm_max")
+
+
+class StepState(nn.Module):
+    """Everything the training loop keeps between steps, as device buffers.
+
+    ``x``, ``y``: ``[batch, seq]`` int64, the static inputs every batch is copied into;
+    ``step``: ``[]`` float32, optimizer steps taken (drives the schedule); ``lr``: the
+    optimizer's own learning-rate tensor; ``skip``: ``[]`` float32, 1.0 while the current
+    step must not update anything (a paged-stash overflow); ``scalars``: ``[7]`` float64
+    sums over the current window (see ``_SCALARS``); ``tokens_per_expert``: ``[L, E]``
+    float64 sums; ``imbalance``: ``[L]`` float64 sums of max/mean load.
+
+    A module so that `moe_lab.sync.assert_sync_free` swaps these buffers for fake ones
+    together with the model's parameters.
+    """
+
+    def __init__(self, example_batch, lr: Tensor, n_moe_layers: int, n_experts: int) -> None:
+        super().__init__()
+        device = lr.device
+        self.register_buffer("x", torch.zeros_like(example_batch.x, device=device))
+        self.register_buffer("y", torch.zeros_like(example_batch.y, device=device))
+        self.register_buffer("step", torch.zeros((), dtype=torch.float32, device=device))
+        self.register_buffer("lr", lr)
+        self.register_buffer("skip", torch.zeros((), dtype=torch.float32, device=device))
+        self.register_buffer("scalars", torch.zeros(len(_SCALARS), dtype=torch.float64,
+                                                    device=device))
+        self.register_buffer("tokens_per_expert", torch.zeros(n_moe_layers, n_experts,
+                                                              dtype=torch.float64, device=device))
+        self.register_buffer("imbalance", torch.zeros(n_moe_layers, dtype=torch.float64,
+                                                      device=device))
+
+    def zero_window(self) -> None:
+        self.scalars.zero_()
+        self.tokens_per_expert.zero_()
+        self.imbalance.zero_()
+
+
+def _shared_lr(optimizer: torch.optim.Optimizer) -> Tensor:
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    if not all(isinstance(lr, Tensor) for lr in lrs):
+        raise ValueError(
+            "optimizer: every param group's lr must be a device tensor, so that the schedule "
+            f"needs no host value; got {[type(lr).__name__ for lr in lrs]}. Build the optimizer "
+            "with moe_lab.step.make_optimizer")
+    if any(lr is not lrs[0] for lr in lrs):
+        raise ValueError("optimizer: every param group must share one lr tensor "
+                         "(moe_lab.step.make_optimizer builds it so)")
+    for i, g in enumerate(optimizer.param_groups):
+        if not (g.get("capturable") or g.get("fused")):
+            raise ValueError(
+                f"optimizer: param group {i} has capturable=False and fused=False: its step "
+                "count lives on the host and is read every step. Use "
+                "moe_lab.step.make_optimizer (fused=True, capturable=True)")
+    return lrs[0]
+
+
+@contextlib.contextmanager
+def _optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
+    """Point ``optimizer`` at the fake twins of its parameters (and of its state, its lr
+    and its ``found_inf``) while `assert_sync_free` runs the step; restore on exit.
+
+    `assert_sync_free` swaps the parameters of the modules it is given for fake tensors,
+    but an optimizer holds its own references to the real ones: without this the certified
+    step would update (or, with no gradients, silently skip) the real parameters, and the
+    optimizer would not be certified at all. ``from_tensor`` memoises, so each parameter
+    maps to the very fake twin the model now holds.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    fake = next((p for p in model.parameters() if isinstance(p, FakeTensor)), None)
+    if fake is None:
+        raise RuntimeError("_optimizer_on_fake_params: the model's parameters are not fake; "
+                           "call it inside assert_sync_free")
+    mode = fake.fake_mode
+
+    def to_fake(value):
+        return mode.from_tensor(value) if isinstance(value, Tensor) else value
+
+    saved_groups = [dict(g) for g in optimizer.param_groups]
+    saved_state = optimizer.state
+    had_found_inf = hasattr(optimizer, "found_inf")
+    saved_found_inf = getattr(optimizer, "found_inf", None)
+    try:
+        state = defaultdict(dict)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p in saved_state:
+                    state[to_fake(p)] = {k: to_fake(v) for k, v in saved_state[p].items()}
+            group["params"] = [to_fake(p) for p in group["params"]]
+            group["lr"] = to_fake(group["lr"])
+        optimizer.state = state
+        if saved_found_inf is not None:
+            optimizer.found_inf = to_fake(saved_found_inf)
+        yield
+    finally:
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            group.clear()
+            group.update(saved)
+        optimizer.state = saved_state
+        if had_found_inf:
+            optimizer.found_inf = saved_found_inf
+        elif hasattr(optimizer, "found_inf"):
+            del optimizer.found_inf
+
+
+# --------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------
+
+
+class SyncFreeStep:
+    """One training iteration of an `MoETransformer` that never waits for the device.
+
+    ``step = SyncFreeStep(model, optimizer, example_batch)``; then ``stats = step(batch)``
+    copies the batch into the static inputs, runs forward, backward, clipping, the
+    learning-rate update and the optimizer, and returns ``None`` — or, every
+    ``cfg.read_every`` steps, the statistics of the last window (`read_stats`, the only
+    host read). ``optimizer`` must keep its learning rate in a device tensor and its step
+    count on the device (`make_optimizer`). ``forward`` replaces the call of the model in
+    the forward pass (e.g. ``torch.compile(model)``); the certificate always checks
+    ``model``. ``stash`` (a `moe_lab.moe.stash.PagedStash` attached to the model) pages the
+    experts' saved activations; see ``StepConfig.overflow_policy``.
+
+    `certify` proves the whole step sync-free (`moe_lab.sync.assert_sync_free`).
+    `moe_lab.graphs.GraphedStep` captures `run` in a CUDA graph.
+    """
+
+    def __init__(self, model: MoETransformer, optimizer: torch.optim.Optimizer, example_batch,
+                 cfg: StepConfig | None = None, *, forward: Callable | None = None,
+                 stash=None) -> None:
+        if not isinstance(model, MoETransformer):
+            raise ValueError(f"model must be an MoETransformer, got {type(model).__name__}")
+        self.cfg = cfg or StepConfig()
+        self.model = model
+        self.optimizer = optimizer
+        self.forward = forward if forward is not None else model
+        lr = _shared_lr(optimizer)
+        param = next(model.parameters())
+        if lr.device != param.device:
+            raise ValueError(f"optimizer lr is on {lr.device} but the model on {param.device}")
+        x, y = example_batch.x, example_batch.y
+        if x.dim() != 2 or x.shape != y.shape or x.dtype != torch.int64:
+            raise ValueError(f"example_batch.x and .y must be [batch, seq] int64 of one shape, "
+                             f"got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
+        n_experts = model.cfg.moe.n_experts
+        self.state = StepState(example_batch, lr, len(model.moe_layers), n_experts)
+        self.stash = stash
+        if stash is not None:
+            stash.check_attached(model)
+            # The fused AdamW skips its whole update on the device when this flag is 1.
+            optimizer.found_inf = self.state.skip
+        self.host_steps = 0  # a Python count: when to read, without asking the device
+        self.reruns = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.x.device
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        return tuple(self.state.x.shape)
+
+    # -- the device work ---------------------------------------------------------------
+
+    def load(self, batch) -> None:
+        """Copy ``batch.x`` and ``batch.y`` into the static inputs (same shape required)."""
+        if tuple(batch.x.shape) != self.batch_shape or tuple(batch.y.shape) != self.batch_shape:
+            raise ValueError(f"batch must be [batch, seq] = {self.batch_shape} like the example "
+                             f"batch, got x {tuple(batch.x.shape)} and y {tuple(batch.y.shape)}")
+        self.state.x.copy_(batch.x, non_blocking=True)
+        self.state.y.copy_(batch.y, non_blocking=True)
+
+    def run(self, zero_grad: bool = True) -> None:
+        """Forward, backward, clip, schedule, optimizer, statistics — all on the device.
+
+        ``zero_grad=False`` leaves the gradients as they are: a captured graph sets them to
+        ``None`` once before capture, and its backward then writes them afresh each replay.
+        """
+        st, cfg = self.state, self.cfg
+        if zero_grad:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.stash is not None:
+            self.stash.reset()
+        st.lr.copy_(lr_schedule(st.step, cfg))
+        out = self.forward(st.x, st.y)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
+        if self.stash is not None:
+            st.skip.copy_(self.stash.overflow)
+        self.optimizer.step()
+        keep = 1.0 - st.skip  # 0.0 for a step the optimizer skipped
+        st.step.add_(keep)
+        keep64 = keep.double()
+        values = torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach(),
+                              grad_norm.detach()]).double()
+        st.scalars[:2].add_(torch.stack([keep64, st.skip.double()]))
+        st.scalars[2:6].add_(values * keep64)
+        st.scalars[6].copy_(torch.maximum(st.scalars[6], values[3] * keep64))
+        if out.moe_stats:
+            counts = torch.stack([s.tokens_per_expert for s in out.moe_stats]).double()
+            imbalance = torch.stack([s.imbalance for s in out.moe_stats]).double()
+            st.tokens_per_expert.add_(counts * keep64)
+            st.imbalance.add_(imbalance * keep64)
+            if cfg.expert_bias_rate:
+                from moe_lab.moe.balance import update_expert_bias
+
+                # A skipped step's loads are all zero: sign(mean - load) = 0, no move.
+                update_expert_bias(self.model, counts * keep64, cfg.expert_bias_rate)
+
+    def read_stats(self) -> dict:
+        """Copy the window's statistics to the host — one transfer, the step's only sync —
+        and start a new window. Means are over the steps that updated the model."""
+        st = self.state
+        packed = torch.cat([st.scalars, st.lr.double().reshape(1), st.step.double().reshape(1),
+                            st.tokens_per_expert.reshape(-1), st.imbalance]).tolist()
+        st.zero_window()
+        n_layers, n_experts = st.tokens_per_expert.shape
+        scalars = dict(zip(_SCALARS, packed[: len(_SCALARS)], strict=True))
+        lr, total = packed[len(_SCALARS): len(_SCALARS) + 2]
+        rest = packed[len(_SCALARS) + 2:]
+        n = max(scalars["steps"], 1.0)
+        counts = [[int(round(c)) for c in rest[i * n_experts:(i + 1) * n_experts]]
+                  for i in range(n_layers)]
+        return {
+            "step": int(round(total)),
+            "steps": int(round(scalars["steps"])),
+            "skipped": int(round(scalars["skipped"])),
+            "loss": scalars["loss"] / n,
+            "lm_loss": scalars["lm_loss"] / n,
+            "aux_loss": scalars["aux_loss"] / n,
+            "grad_norm": scalars["grad_norm"] / n,
+            "grad_norm_max": scalars["grad_norm_max"],
+            "lr": lr,
+            "tokens_per_expert": counts,
+            "imbalance": [v / n for v in rest[n_layers * n_experts:]],
+            "reruns": self.reruns,
+        }
+
+    # -- the host side -----------------------------------------------------------------
+
+    def finish(self) -> dict | None:
+        """After a step was launched: re-run it without stashing if the paged stash
+        overflowed (policy ``"rerun"``), count it, and every ``read_every`` steps read."""
+        if self.stash is not None and self.cfg.overflow_policy == "rerun":
+            if bool(self.stash.overflow):  # one flag, read after the whole step is queued
+                self.rerun_without_stash()
+        self.host_steps += 1
+        if self.host_steps % self.cfg.read_every == 0:
+            return self.read_stats()
+        return None
+
+    def rerun_without_stash(self) -> None:
+        """Repeat the step eagerly with stashing off. The overflowed run updated nothing
+        (the optimizer saw ``found_inf = 1``), so this is the step the data asked for."""
+        self.reruns += 1
+        with self.stash.disabled():
+            self.run(zero_grad=True)
+
+    def launch(self, batch) -> None:
+        """Copy ``batch`` into the static inputs and run the step (no host read)."""
+        self.load(batch)
+        self.run()
+
+    def __call__(self, batch) -> dict | None:
+        self.launch(batch)
+        return self.finish()
+
+    # -- the certificate ---------------------------------------------------------------
+
+    def certify(self) -> None:
+        """Run the whole step — forward, backward, clipping, schedule, optimizer and the
+        statistics — on fake tensors under `moe_lab.sync.assert_sync_free`; raise its
+        ``SyncError`` at the first host sync. Nothing real is touched: the parameters,
+        optimizer state and buffers keep their values."""
+        from moe_lab.sync import assert_sync_free
+
+        modules = [self.model, self.state]
+        if self.stash is not None:
+            modules.append(self.stash)
+        assert_sync_free(self._certified_run, *modules, backward=False)
+
+    def _certified_run(self, *_modules: nn.Module) -> None:
+        # The modules arrive as arguments only so that assert_sync_free swaps their tensors.
+        # The model itself is certified, not a compiled wrapper of it.
+        forward, self.forward = self.forward, self.model
+        try:
+            with _optimizer_on_fake_params(self.optimizer, self.model):
+                self.run()
+        finally:
+            self.forward = forward
+
+
+def build_model(model_cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0,
+                lr: float = 3e-3, weight_decay: float = 0.1,
+                **model_kwargs) -> tuple[MoETransformer, torch.optim.AdamW]:
+    """A fresh model (seeded with ``seed``) on ``device`` with the sync-free implementations
+    of `default_backends` (``model_kwargs`` override them, e.g. ``expert_backend="loop"``),
+    and its capturable optimizer (`make_optimizer`)."""
+    kwargs = {**default_backends(device), **model_kwargs}
+    torch.manual_seed(seed)
+    model = MoETransformer(model_cfg, **kwargs).to(device)
+    return model, make_optimizer(model, lr=lr, weight_decay=weight_decay)
+
+
+def build_sync_free(model_cfg: ModelConfig, batch_size: int, *, device: torch.device | str = "cpu",
+                    seed: int = 0, cfg: StepConfig | None = None, weight_decay: float = 0.1,
+                    **model_kwargs) -> SyncFreeStep:
+    """`build_model` and a `SyncFreeStep` around it, its static inputs shaped by a random
+    batch of ``batch_size`` sequences."""
+    cfg = cfg or StepConfig()
+    model, optimizer = build_model(model_cfg, device=device, seed=seed, lr=cfg.lr,
+                                   weight_decay=weight_decay, **model_kwargs)
+    example = random_batch(model_cfg, batch_size, device, torch.Generator().manual_seed(seed))
+    return SyncFreeStep(model, optimizer, example, cfg)
+
+
+def train_sync_free(model_cfg: ModelConfig, train_cfg=None, *, read_every: int = 10,
+                    graphed: bool = True, device: torch.device | str | None = None,
+                    corpus=None, progress: bool = False) -> list[dict]:
+    """Train like `moe_lab.train.train` (same seeds, same batches, same schedule) with the
+    sync-free step, captured in a CUDA graph when ``graphed`` and CUDA is present (eager
+    otherwise); returns the statistics read every ``read_every`` steps (and of the last,
+    shorter window). The model uses `default_backends`: ``train_cfg``'s dispatcher, expert
+    backend, router and ``mxfp8`` choices are not used; evaluation and checkpoints are
+    `moe_lab.train`'s business."""
+    from moe_lab.data import load_corpus
+    from moe_lab.train import TrainConfig
+
+    train_cfg = train_cfg or TrainConfig()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if corpus is None:
+        corpus = load_corpus(train_cfg.corpus, seq_len=model_cfg.seq_len, seed=train_cfg.seed)
+    cfg = StepConfig.from_train_config(train_cfg, read_every=read_every)
+    model, optimizer = build_model(model_cfg, device=device, seed=train_cfg.seed, lr=cfg.lr,
+                                   weight_decay=train_cfg.weight_decay)
+    data_gen = torch.Generator().manual_seed(train_cfg.seed + 1)
+    batches = (_to(corpus.sample(train_cfg.batch_size, generator=data_gen, split="train"), device)
+               for _ in range(train_cfg.steps))
+    first = next(batches)  # shapes the static inputs, then is trained on like any other
+    if graphed:
+        from moe_lab.graphs import GraphedStep
+
+        runner = GraphedStep(model, optimizer, first, cfg, quiet=not progress)
+    else:
+        runner = SyncFreeStep(model, optimizer, first, cfg)
+    history = []
+    for batch in itertools.chain([first], batches):
+        record = runner(batch)
+        if record is not None:
+            history.append(record)
+            if progress:
+                print(f"step {record['step']}: loss {record['loss']:.3f}")
+    step = runner.step if graphed else runner
+    if step.host_steps % read_every:
+        history.append(step.read_stats())
+    return history
+
+
+def _to(batch, device):
+    from moe_lab.data import Batch
+
+    return Batch(batch.x.to(device), batch.y.to(device), batch.domain.to(device))
+
+
+# --------------------------------------------------------------------------------------
+# The ladder: from the naive loop to the sync-free step, one fix at a time
+# --------------------------------------------------------------------------------------
+
+#: The fixes, in the order notebook 06 applies them: (name, what was wrong, what fixes it).
+LADDER: tuple[tuple[str, str, str], ...] = (
+    ("dropless dispatch",
+     "the naive dispatcher finds each expert's tokens with torch.where: one nonzero per "
+     "expert per layer",
+     "sort by expert, offsets on the device, one grouped GEMM (notebook 03)"),
+    ("statistics on the device",
+     "the loop reads loss, grad norm, counts and dropped tokens every step "
+     "(.item(), .tolist(), int())",
+     "sum them into device buffers and read them in one copy every N steps"),
+    ("capturable optimizer",
+     "AdamW keeps each parameter's step count on the host and reads it every step "
+     "(.item()); the learning rate is a Python float set by the host",
+     "fused, capturable AdamW: step counts and the learning rate live on the device"),
+)
+
+
+def ladder_step(model_cfg: ModelConfig, batch, n_fixes: int, *, seed: int = 0,
+                lr: float = 3e-3) -> Callable[[], None]:
+    """A training step with the first ``n_fixes`` entries of `LADDER` applied (0: the loop
+    of `moe_lab.train`; ``len(LADDER)``: `SyncFreeStep`), as a closure over a fresh model
+    seeded with ``seed`` — count its syncs with `moe_lab.sync.count_syncs`."""
+    if not isinstance(n_fixes, int) or not 0 <= n_fixes <= len(LADDER):
+        raise ValueError(f"n_fixes must be in [0, {len(LADDER)}], got {n_fixes!r}")
+    if n_fixes == len(LADDER):
+        step = build_sync_free(model_cfg, batch.x.shape[0], seed=seed, cfg=StepConfig(lr=lr))
+        step.load(batch)
+        return step.run
+    backends = default_backends("cpu")
+    torch.manual_seed(seed)
+    model = MoETransformer(model_cfg, dispatcher="dropless" if n_fixes >= 1 else "naive",
+                           expert_backend=backends["expert_backend"])
+    from moe_lab.train import TrainConfig, _make_optimizer
+
+    optimizer = _make_optimizer(model, TrainConfig(lr=lr))
+    device_stats = n_fixes >= 2
+    sums = torch.zeros(4, dtype=torch.float64)
+    records: list[dict] = []
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        out = model(batch.x, batch.y)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if device_stats:
+            sums.add_(torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach(),
+                                   grad_norm]).double())
+        else:
+            records.append({
+                "loss": out.loss.item(), "lm_loss": out.lm_loss.item(),
+                "aux_loss": out.aux_loss.item(), "grad_norm": grad_norm.item(),
+                "tokens_per_expert": [s.tokens_per_expert.tolist() for s in out.moe_stats],
+                "dropped_tokens": sum(int(s.dropped_tokens) for s in out.moe_stats),
+            })
+
+    return step
