@@ -11,4 +11,5 @@ BENCHMARKS = {
     "mxfp8": "moe_lab.bench.mxfp8",
     "router": "moe_lab.bench.router",
     "step": "moe_lab.bench.step",
+    "ep": "moe_lab.bench.ep",
 }

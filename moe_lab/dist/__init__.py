@@ -1,0 +1,27 @@
+"""Scaling out: expert parallelism over torch.distributed.
+
+- ``ep`` — the expert-parallel MoE layer (`EPMoELayer`, `from_layer`): experts sharded over
+  a process group, tokens moved by two all-to-alls (dropless, or budgeted and sync-free);
+- ``overlap`` — a chunked step that overlaps one chunk's all-to-all with another's expert
+  compute (async work handles, optional delayed weight gradients), timed per chunk;
+- ``launch`` — start ranks from Python or a notebook (`run_ranks`) or under torchrun
+  (`init_from_env`), with timeouts so a dead or hung rank fails the job loudly;
+- ``netem`` — an emulated network link (namespaces, veth, a rate limit) so that
+  communication on one machine is real waiting.
+
+Submodules load on first use: ``import moe_lab.dist`` imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["ep", "overlap", "launch", "netem"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,153 @@
+"""Train the MoE transformer with expert parallelism, one process per rank.
+
+    torchrun --standalone --nproc_per_node=2 scripts/train_ep.py --preset small
+    torchrun --standalone --nproc_per_node=4 scripts/train_ep.py --preset tiny --steps 100
+
+CPU ranks talk through gloo, GPU ranks through NCCL (picked automatically; one GPU per
+local rank). Every rank builds the same model from the same seed, then keeps only its
+shard of each MoE layer's experts (`moe_lab.dist.ep.from_layer`); attention, router,
+shared expert and embeddings are replicated. Each rank draws its own batches. After each
+backward, replicated gradients are averaged over all ranks and expert gradients (already
+summed over the EP group by the all-to-all's backward) are divided by the world size, so
+the update is that of the mean loss over all ranks' tokens.
+
+``--ep-size`` smaller than the world size makes several EP groups of consecutive ranks;
+the copies of each expert shard are then averaged over the ranks that hold them (expert
+data parallelism). For multi-node runs see ``scripts/slurm/train_ep.sbatch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import moe_lab  # noqa: E402,F401  (sets TRITON_INTERPRET before torch where there is no CUDA)
+
+# isort: split
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", choices=["tiny", "small"])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", default="dropless", choices=["dropless", "budget"],
+                   help="EP exchange: exact counts, or a static budget with overflow re-runs")
+    p.add_argument("--capacity-factor", type=float, default=1.5, help="budget mode: rows per rank "
+                   "pair = capacity_factor x the average")
+    p.add_argument("--ep-size", type=int, default=0, help="ranks per EP group (0: all)")
+    p.add_argument("--expert-backend", default=None, choices=["loop", "torch", "triton"],
+                   help="grouped GEMM (default: torch on CPU, triton on GPU)")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="rank 0 prints one JSON summary line")
+    return p.parse_args(argv)
+
+
+def build_groups(ep_size: int):
+    """EP groups of consecutive ranks, and the expert-data-parallel groups across them."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % ep_size:
+        raise ValueError(f"--ep-size must divide the world size {world}, got {ep_size}")
+    if ep_size == world:
+        return None, None
+    ep_groups = [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(world // ep_size)]
+    dp_groups = [list(range(i, world, ep_size)) for i in range(ep_size)]
+    ep_group = None
+    dp_group = None
+    for ranks in ep_groups:  # every rank must create every group, in the same order
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            ep_group = g
+    for ranks in dp_groups:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = g
+    return ep_group, dp_group
+
+
+def main(argv=None) -> int:
+    from moe_lab.config import preset
+    from moe_lab.data import SyntheticCorpus
+    from moe_lab.dist.ep import EPMoELayer, clip_grad_norm_ep, from_layer, sync_gradients
+    from moe_lab.dist.launch import init_from_env
+    from moe_lab.model import MoETransformer
+    from moe_lab.moe.layer import MoELayer
+    from moe_lab.train import TrainConfig, lr_at
+
+    args = parse_args(argv)
+    rank, world, device = init_from_env(collective_timeout_s=args.timeout)
+    cfg = preset(args.preset)
+    ep_size = args.ep_size or world
+    if cfg.moe.n_experts % ep_size:
+        raise SystemExit(f"the {args.preset} preset has {cfg.moe.n_experts} experts: --ep-size "
+                         f"(or the world size) must divide it, got {ep_size}")
+    ep_group, dp_group = build_groups(ep_size)
+    backend = args.expert_backend or ("triton" if device.type == "cuda" else "torch")
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    model = MoETransformer(cfg, dispatcher="dropless", expert_backend=backend)
+    for block in model.blocks:
+        if isinstance(block.ffn, MoELayer) and not isinstance(block.ffn, EPMoELayer):
+            block.ffn = from_layer(block.ffn, ep_group, mode=args.mode,
+                                   capacity_factor=args.capacity_factor)
+    model.to(device)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95))
+    schedule = TrainConfig(steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10))
+    corpus = SyntheticCorpus(seq_len=cfg.seq_len, seed=args.seed)
+    data_gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batches
+    tokens_per_step = args.batch_size * cfg.seq_len * world
+    history, times = [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        batch = corpus.sample(args.batch_size, generator=data_gen)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, schedule)
+        out = model(batch.x.to(device), batch.y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        sync_gradients(model, None, dp_group)
+        clip_grad_norm_ep(model, 1.0, ep_group)
+        optimizer.step()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        loss = float(loss) / world
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        reruns = sum(getattr(s, "reruns", 0) for s in out.moe_stats)
+        a2a = sum(getattr(s, "a2a_bytes", 0) for s in out.moe_stats)
+        history.append({"step": step, "loss": loss, "reruns": reruns, "a2a_bytes": a2a})
+        if rank == 0 and not args.json and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  loss {loss:.4f}  {tokens_per_step / times[-1]:,.0f} tok/s  "
+                  f"a2a {a2a / 1e6:.2f} MB/rank  reruns {reruns}", flush=True)
+    steady = sorted(times[1:] or times)
+    summary = {
+        "preset": args.preset, "world_size": world, "ep_size": ep_size, "backend": dist.get_backend(),
+        "device": device.type, "mode": args.mode, "steps": args.steps,
+        "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "tokens_per_s": tokens_per_step / steady[len(steady) // 2],
+        "a2a_bytes_per_step_rank0": history[-1]["a2a_bytes"],
+        "reruns": sum(h["reruns"] for h in history),
+    }
+    if rank == 0:
+        print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()),
+              flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
