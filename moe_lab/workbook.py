@@ -7,7 +7,9 @@ and ``SOLUTIONS``, kernel ``python3``, working directory ``notebooks/`` — into
 nbconvert. The kernel inherits this process's environment, which carries
 ``MOE_LAB_PROFILE`` and ``MOE_LAB_RESULTS_DIR`` so every figure a notebook records lands in
 one ledger. At the end ``build/RESULTS.md`` shows the machine, one table of the latest
-ledger figures and how long each notebook took.
+ledger figures and how long each notebook took, and (with HTML) ``build/site/`` holds every
+executed notebook as a page and an ``index.html`` that opens without a server
+(`moe_lab.site`).
 
 A notebook that fails does not stop the run: the others still execute, the failure is
 reported with the error's name and the cell it came from, and the command exits non-zero.
@@ -289,7 +291,21 @@ def run_workbook(
         bar.close()
 
     write_results_md(build / "RESULTS.md", runs, ledger_dir, profile)
+    if html:
+        _build_site(executed_dir, build / "site", ledger_dir)
     return runs
+
+
+def _build_site(executed_dir: Path, site_dir: Path, ledger_dir: Path) -> None:
+    """``build/site/``: every executed notebook as HTML and an index (`moe_lab.site`). A
+    failure here is reported, not raised: the notebooks ran and RESULTS.md is written."""
+    from moe_lab.perf.ledger import LEDGER_NAME
+    from moe_lab.site import build_site
+
+    try:
+        build_site(executed_dir, site_dir, ledger_dir / LEDGER_NAME)
+    except Exception as exc:
+        print(f"site: not built ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------ RESULTS.md

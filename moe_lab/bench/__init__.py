@@ -12,4 +12,5 @@ BENCHMARKS = {
     "router": "moe_lab.bench.router",
     "step": "moe_lab.bench.step",
     "ep": "moe_lab.bench.ep",
+    "time-to-train": "moe_lab.bench.ttt",
 }

@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Print the README's "Gains" table from the results ledger — never typed by hand.
+
+    python scripts/readme_gains.py                      # the project's ledger and results/
+    python scripts/readme_gains.py --ledger build/results/ledger.jsonl --results results
+
+One row per workbook notebook: its headline figure (chosen as the site's index chooses it,
+`moe_lab.site.HEADLINES`) as measured on a CPU, the machine and date, and the command that
+reproduces it. Then, for every ``results/<gpu>/`` folder: the same table from its
+``ledger.jsonl`` when the workbook was run there with ``MOE_LAB_RESULTS_DIR=results/<gpu>``,
+and the benchmarks of ``scripts/gpu_check.py`` from its ``bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def notebooks_in(folder: Path) -> list[str]:
+    from moe_lab.site import NOTEBOOK_PATTERN
+
+    return sorted(p.stem for p in folder.glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
+
+
+def ledger_table(records: list[dict], notebooks: list[str], hardware=None) -> list[str]:
+    from moe_lab.site import headline_rows
+
+    lines = ["| notebook | headline | figure | measured on | reproduce |",
+             "|---|---|---:|---|---|"]
+    for row in headline_rows(records, notebooks, hardware):
+        if row["record"] is None:
+            lines.append(f"| {row['notebook']} | not measured yet | — | — | "
+                         f"`{_cell(row['command'])}` |")
+            continue
+        profile = f", {row['profile']} profile" if row.get("profile") else ""
+        lines.append(f"| {row['notebook']} | {_cell(row['label'])} | {_cell(row['figure'])} | "
+                     f"{_cell(row['hardware'])}, {row['date']}{profile} | "
+                     f"`{_cell(row['command'])}` |")
+    return lines
+
+
+def gpu_check_table(folder: Path) -> list[str]:
+    """The benchmarks of ``scripts/gpu_check.py`` stored in ``folder/bench.json``."""
+    bench = json.loads((folder / "bench.json").read_text())
+    env_file = folder / "env.json"
+    env = json.loads(env_file.read_text()) if env_file.exists() else {}
+    lines = [f"Measured {env.get('date', '?')} on {env.get('gpu', folder.name)} "
+             f"(torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}); reproduce: "
+             "`python scripts/gpu_check.py`.", "",
+             "| benchmark | figures |", "|---|---|"]
+    for entry in bench:
+        fields = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in entry.items() if k != "bench")
+        lines.append(f"| {_cell(entry.get('bench', '?'))} | {_cell(fields)} |")
+    return lines
+
+
+def gains_markdown(ledger: Path | None, results: Path, notebooks: list[str]) -> str:
+    from moe_lab.perf.ledger import read
+    from moe_lab.site import on_cpu_or_machine_free
+
+    records = read(ledger) if ledger is not None else read()
+    out = ["### Measured on a CPU (simulations and counts included)", "",
+           *ledger_table(records, notebooks, on_cpu_or_machine_free)]
+    if results.is_dir():
+        for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+            section: list[str] = []
+            if (folder / "ledger.jsonl").exists():
+                gpu_records = [r for r in read(folder / "ledger.jsonl")
+                               if not on_cpu_or_machine_free(r)]
+                section += ledger_table(gpu_records, notebooks, None)
+            if (folder / "bench.json").exists():
+                section += ([""] if section else []) + gpu_check_table(folder)
+            if section:
+                out += ["", f"### Measured on {folder.name}", "", *section]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ledger", type=Path, default=None,
+                        help="the ledger (default: $MOE_LAB_RESULTS_DIR or build/results)")
+    parser.add_argument("--results", type=Path, default=ROOT / "results",
+                        help="folder of results/<gpu>/ (default: results/)")
+    parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks")
+    args = parser.parse_args(argv)
+    print(gains_markdown(args.ledger, args.results, notebooks_in(args.notebooks)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""Time to train: the stacks, the contest's rules (same weights, same batches, the clock),
+the summary over seeds, the ladder into the ledger, MFU and the GB300 projection, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moe_lab.bench import ttt
+from moe_lab.bench.ttt import NAIVE, Stack, TTTConfig, TTTRun
+
+# A contest that runs in a fraction of a second: tiny preset, two sequences per step.
+MICRO = TTTConfig(preset="tiny", target_loss=5.5, batch_size=2, max_steps=6, warmup_steps=1,
+                  eval_every=3, eval_per_domain=1, min_eval_rows=7)
+
+
+@pytest.fixture
+def ledger_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_LAB_RESULTS_DIR", str(tmp_path))
+    return tmp_path
+
+
+# ------------------------------------------------------------------------------ stacks
+
+
+def test_stack_validates_its_choices():
+    with pytest.raises(ValueError, match="dispatcher"):
+        Stack("x", dispatcher="teleport")
+    with pytest.raises(ValueError, match="router_dtype"):
+        Stack("x", router_impl="triton", router_dtype="fp64")
+    with pytest.raises(ValueError, match="sync_free"):
+        Stack("x", compile=True)
+    assert "naive dispatch" in NAIVE.describe() and "FP64" in NAIVE.describe()
+
+
+def test_optimised_stack_on_a_cpu():
+    best = ttt.optimised_stack("cpu")
+    assert (best.dispatcher, best.expert_backend, best.router_dtype) == ("dropless", "torch", "fp32")
+    assert best.sync_free and best.compile and not best.graphed and best.mxfp8 == ()
+    assert any("emulated" in note for note in best.notes)  # MXFP8 left off, and why
+    eager = ttt.optimised_stack("cpu", compile=False, router_impl="compiled")
+    assert not eager.compile and eager.router_impl == "compiled"
+
+
+@pytest.mark.parametrize("compile_", [True, False])
+def test_ladder_adds_one_technique_per_rung(compile_):
+    rungs = ttt.ladder("cpu", compile=compile_)
+    stacks = [s for _, s in rungs]
+    assert stacks[0] == NAIVE
+    best = ttt.optimised_stack("cpu", compile=compile_)
+    assert replace(stacks[-1], notes=()) == replace(best, notes=())
+    assert len(rungs) == (5 if compile_ else 4)
+    fields = ("dispatcher", "router_dtype", "sync_free", "compile")
+    for before, after in zip(stacks, stacks[1:]):
+        changed = [f for f in fields if getattr(before, f) != getattr(after, f)]
+        assert len(changed) == 1, (before, after)
+
+
+def test_ttt_config_validates():
+    with pytest.raises(ValueError, match="target_loss"):
+        TTTConfig(target_loss=-1.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        TTTConfig(batch_size=0)
+    with pytest.raises(ValueError, match="preset"):
+        TTTConfig(preset="huge")
+    assert ttt.PROFILES["full"].preset == "small" and MICRO.tokens_per_step == 2 * 64
+
+
+# ------------------------------------------------------------------------------ the rules
+
+
+def test_every_stack_starts_from_the_same_weights():
+    naive = ttt.build_model(NAIVE, MICRO)
+    best = ttt.build_model(ttt.optimised_stack("cpu", compile=False), MICRO)
+    a, b = naive.state_dict(), best.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert naive.moe_layers[0].cfg.router_dtype == "fp64"
+    assert best.moe_layers[0].cfg.router_dtype == "fp32"
+
+
+def test_both_stacks_train_the_same_model_on_the_same_data():
+    cfg = replace(MICRO, target_loss=0.01)  # not reached: every evaluation is kept
+    runs = ttt.compare_stacks([NAIVE, ttt.optimised_stack("cpu", compile=False)], cfg)
+    naive, best = runs
+    assert [p["step"] for p in naive.curve] == [p["step"] for p in best.curve] == [3, 6]
+    for p, q in zip(naive.curve, best.curve):
+        assert p["eval_loss"] == pytest.approx(q["eval_loss"], rel=1e-3)
+
+
+def test_the_clock():
+    reached = ttt.time_to_train(NAIVE, MICRO)  # target 5.5 (ln 256 = 5.55): the first evaluation reaches it
+    assert reached.reached and reached.steps == 3
+    assert reached.time_to_target_s == reached.curve[-1]["time_s"]
+    assert reached.time_to_target_s <= reached.elapsed_s
+    assert reached.train_s + reached.eval_s == pytest.approx(reached.elapsed_s)
+    assert reached.tokens_per_s == pytest.approx(3 * MICRO.tokens_per_step / reached.train_s)
+    assert len(reached.train_curve) == 3 and "loss" in reached.train_curve[0]
+    missed = ttt.time_to_train(NAIVE, replace(MICRO, target_loss=0.01))
+    assert not missed.reached and missed.time_to_target_s is None and missed.steps == 6
+    times = [p["time_s"] for p in missed.curve]
+    assert times == sorted(times) and missed.final_eval_loss == missed.curve[-1]["eval_loss"]
+
+
+def test_text_file_corpus(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    cfg = replace(MICRO, corpus=str(text))
+    run = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False), cfg)
+    assert run.curve and math.isfinite(run.final_eval_loss)
+
+
+# ------------------------------------------------------------------------------ summary
+
+
+def _run(stack, seed, t, steps=10, tps=100.0):
+    return TTTRun(stack=stack, description=stack, seed=seed, hardware="cpu:test x1",
+                  target_loss=1.0, reached=t is not None, steps=steps, time_to_target_s=t,
+                  elapsed_s=t or 50.0, init_s=1.0, train_s=9.0, eval_s=1.0, tokens_per_step=128,
+                  tokens_per_s=tps, final_eval_loss=1.0)
+
+
+def test_summary_medians_spread_and_speedups():
+    runs = [_run("naive", 0, 30.0), _run("optimised", 0, 10.0),
+            _run("optimised", 1, 20.0), _run("naive", 1, 40.0),
+            _run("naive", 2, 20.0), _run("optimised", 2, None)]
+    naive, best = ttt.summarise(runs)
+    assert naive["stack"] == "naive" and naive["time_to_target_s"] == 30.0
+    assert (naive["time_min_s"], naive["time_max_s"], naive["reached"]) == (20.0, 40.0, 3)
+    assert best["reached"] == 2 and best["time_to_target_s"] == 15.0
+    assert best["speedup"] == pytest.approx(2.0)  # ratio of the medians
+    assert (best["speedup_min"], best["speedup_max"]) == (2.0, 3.0)  # per seed, reached only
+    assert naive["speedup"] == pytest.approx(1.0)
+
+
+def test_compare_alternates_the_order(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ttt, "time_to_train",
+                        lambda stack, cfg, **kw: calls.append((stack.name, cfg.seed)) or
+                        _run(stack.name, cfg.seed, 1.0))
+    b = replace(NAIVE, name="b")
+    ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1, 2], interleave=False)
+    assert calls == [("naive", 0), ("b", 0), ("b", 1), ("naive", 1), ("naive", 2), ("b", 2)]
+    raced = []
+    monkeypatch.setattr(ttt, "race", lambda stacks, cfg, **kw: raced.append(
+        [s.name for s in stacks]) or [_run(s.name, cfg.seed, 1.0) for s in stacks])
+    runs = ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1])  # a CPU: interleaved
+    assert raced == [["naive", "b"], ["b", "naive"]]
+    assert [r.stack for r in runs] == ["naive", "b", "b", "naive"]
+    with pytest.raises(ValueError):
+        ttt.compare_stacks([], MICRO)
+
+
+def test_the_race_gives_each_stack_its_own_clock():
+    cfg = replace(MICRO, target_loss=0.01)
+    best = ttt.optimised_stack("cpu", compile=False)
+    raced = ttt.race([NAIVE, best], cfg)
+    alone = ttt.time_to_train(NAIVE, cfg)
+    assert [r.stack for r in raced] == ["naive", "optimised"]
+    for run in raced:
+        assert run.steps == 6 and [p["step"] for p in run.curve] == [3, 6]
+        assert run.train_s + run.eval_s == pytest.approx(run.elapsed_s)
+    # racing changes the clocks, not the training: the same losses as a run alone
+    assert [p["eval_loss"] for p in raced[0].curve] == [p["eval_loss"] for p in alone.curve]
+    with pytest.raises(ValueError, match="CPU"):
+        ttt.race([NAIVE, best], cfg, device="meta")
+
+
+# ------------------------------------------------------------------------------ ladder, ledger
+
+
+def test_ladder_throughput_into_the_ledger_and_the_waterfall(ledger_dir):
+    from moe_lab.perf.ledger import read
+    from moe_lab.waterfall import waterfalls_from_ledger
+
+    rungs = ttt.ladder("cpu", compile=False)[:2]
+    rows = ttt.ladder_throughput(rungs, MICRO, min_time_s=0.0, warmup=1)
+    assert [r["rung"] for r in rows] == [0, 1] and rows[0]["vs_first"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and r["n"] >= 5 for r in rows)
+    ttt.record_ladder(rows, MICRO, "10_time_to_train", profile="smoke")
+    ttt.record_ladder(rows, MICRO, "10_time_to_train", profile="smoke")  # a second measurement
+    records = read()
+    assert len(records) == 4 and len({r["run"] for r in records}) == 2
+    (wf,) = waterfalls_from_ledger(records)
+    assert [r.label for r in wf.rungs] == [label for label, _ in rungs]
+    assert wf.rungs[0].value == pytest.approx(rows[0]["tokens_per_s"])
+
+
+def test_record_summary(ledger_dir):
+    from moe_lab.perf.ledger import read
+
+    runs = [_run("naive", 0, 30.0), _run("optimised", 0, 10.0)]
+    ttt.record_summary(ttt.summarise(runs), MICRO, "10_time_to_train", profile="full")
+    got = {(r["step"], r["metric"]): r for r in read()}
+    assert got[("naive", "time_to_target_s")]["value"] == 30.0
+    speedup = got[("optimised vs naive", "time_to_target_speedup")]
+    assert speedup["value"] == pytest.approx(3.0) and speedup["profile"] == "full"
+    assert got[("optimised", "steps_to_target")]["unit"] == "steps"
+
+
+def test_pick_router_impl_returns_a_measured_candidate():
+    name, medians = ttt.pick_router_impl(MICRO, candidates=("reference",), min_time_s=0.0)
+    assert name == "reference" and medians["reference"] > 0
+
+
+# ------------------------------------------------------------------------------ MFU, projection
+
+
+def test_mfu_and_the_bound():
+    from moe_lab import preset
+    from moe_lab.perf.flops import training_flops_per_token
+
+    rows = ttt.mfu_rows([{"stack": "naive", "tokens_per_s": 1000.0}], MICRO, 1e12)
+    per_token = training_flops_per_token(preset("tiny"))
+    assert rows[0]["mfu"] == pytest.approx(1000.0 * per_token / 1e12)
+    assert ttt.speedup_bound(0.5) == 2.0
+    with pytest.raises(ValueError):
+        ttt.speedup_bound(0.0)
+
+
+def test_gb300_projection_is_labelled_and_consistent():
+    from moe_lab.perf import mlperf
+    from moe_lab.perf.hardware import gpu_spec
+
+    rows = ttt.gb300_projection({"naive": 0.2, "optimised": 0.4})
+    kinds = [r["kind"] for r in rows]
+    assert kinds == ["projection", "projection", "reported", "bound"]
+    naive, best, reported, bound = rows
+    assert best["tokens_per_s_per_gpu"] == pytest.approx(2 * naive["tokens_per_s_per_gpu"])
+    assert best["minutes_on_8192"] == pytest.approx(naive["minutes_on_8192"] / 2)
+    assert reported["tokens_per_s_per_gpu"] == mlperf.DEEPSEEK_V3_GB300["tokens_per_s_per_gpu"]
+    assert reported["minutes_on_8192"] == mlperf.result("DeepSeek-V3 671B").minutes
+    assert reported["mfu"] == pytest.approx(1648e12 / gpu_spec("GB300").peak_flops("bf16"))
+    assert bound["mfu"] == 1.0 and bound["minutes_on_8192"] < reported["minutes_on_8192"]
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser()
+    ttt.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_arguments():
+    args = _args("--profile", "full", "--seeds", "3", "--target", "1.25")
+    cfg = ttt.config_from_args(args)
+    assert (cfg.preset, cfg.target_loss, args.seeds) == ("small", 1.25, 3)
+    with pytest.raises(ValueError, match="--target"):
+        ttt.config_from_args(_args("--corpus", "notes.txt"))
+
+
+def test_cli_run(ledger_dir):
+    args = _args("--target", "5.5", "--max-steps", "4", "--batch-size", "2", "--no-compile",
+                 "--notebook", "bench:time-to-train")
+    result = ttt.run(args)
+    assert [row["stack"] for row in result["rows"]] == ["naive", "optimised"]
+    assert all(row["reached"] == 1 for row in result["rows"])
+    assert "dropless" in result["optimised"]["stack"]
+    from moe_lab.perf.ledger import read
+
+    metrics = {(r["step"], r["metric"]) for r in read()}
+    assert ("optimised vs naive", "time_to_target_speedup") in metrics
+
+
+@pytest.mark.slow
+def test_compiled_stack_trains_like_the_eager_one():
+    cfg = replace(MICRO, target_loss=0.01, max_steps=3)
+    eager = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False), cfg)
+    compiled = ttt.time_to_train(ttt.optimised_stack("cpu", compile=True), cfg)
+    assert compiled.init_s > 0
+    assert compiled.curve[-1]["eval_loss"] == pytest.approx(eager.curve[-1]["eval_loss"], rel=1e-3)
