@@ -283,15 +283,15 @@ def _project_files() -> list[Path]:
 
 
 # The workspace and home directories of the machines this was written on. Not preceded
-# by a word character, so a URL path segment (".../owner/work/...") does not count.
+# by a word character, so a URL path segment (".../owner/" + "work/...") does not count.
 ABSOLUTE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root)/")
 
 
 def test_absolute_path_pattern():
     assert ABSOLUTE_PATH.search("cd " + "/" + "work/main")
     assert ABSOLUTE_PATH.search('"' + "/" + "root/.cache")
-    assert not ABSOLUTE_PATH.search("https://example.org/team/work/page")
-    assert not ABSOLUTE_PATH.search("notebooks/work/x")
+    assert not ABSOLUTE_PATH.search("https://example.org/team/" + "work/page")
+    assert not ABSOLUTE_PATH.search("notebooks/" + "work/x")
 
 
 def test_no_file_holds_an_absolute_path_of_this_machine():
