@@ -101,7 +101,7 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  "optimised vs naive"),
         Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
                  "optimised vs naive", notebook="bench:time-to-train",
-                 command="python -m moe_lab bench time-to-train --profile full --seeds 3"),),
+                 command="python -m moe_lab bench time-to-train --profile full --seeds 3 --ladder"),),
 }
 
 
@@ -154,28 +154,46 @@ def find_headline(records: Iterable[dict], notebook: str,
     if flagged:
         rec = _best(flagged)
         return rec, Headline(rec["metric"], str(rec.get("label") or rec["metric"]), rec.get("step"))
+    # Entries naming the same figure (metric and step) from different sources — a notebook
+    # and the benchmark command behind it — compete: the full-profile, then the newest, wins.
+    # Different figures keep the table's order of preference.
+    groups: dict[tuple, list[Headline]] = {}
     for spec in HEADLINES.get(notebook, ()):
-        source = spec.notebook or notebook
-        matches = [r for r in records if r.get("notebook") == source
-                   and r.get("metric") == spec.metric
-                   and (spec.step is None or r.get("step") == spec.step)]
-        rec = _best(matches, spec.pick)
-        if rec is not None:
-            return rec, spec
+        groups.setdefault((spec.metric, spec.step, spec.pick), []).append(spec)
+    for specs in groups.values():
+        found = []
+        for spec in specs:
+            source = spec.notebook or notebook
+            matches = [r for r in records if r.get("notebook") == source
+                       and r.get("metric") == spec.metric
+                       and (spec.step is None or r.get("step") == spec.step)]
+            rec = _best(matches, spec.pick)
+            if rec is not None:
+                found.append((rec, spec))
+        if found:
+            return max(found, key=lambda item: (_profile_rank(item[0]), str(item[0].get("time", ""))))
     return None
 
 
 def format_figure(record: dict) -> str:
-    """``"1.42 x"``, ``"0 syncs"``, ``"91.3 GFLOP/s"``: value and unit as a table shows them."""
+    """``"1.420×"``, ``"0 syncs"``, ``"91.30 GFLOP/s"``: value and unit as a table shows them,
+    with the range when the record carries one (``min``, ``max``: e.g. over seeds)."""
     from moe_lab.perf.ledger import format_value
 
     value = format_value(record.get("value"))
     unit = str(record.get("unit") or "")
     if unit in ("x", "×"):
-        return f"{value}×"
-    if unit == "fraction":
-        return f"{100 * float(record['value']):.3g}%"
-    return f"{value} {unit}".strip()
+        text = f"{value}×"
+    elif unit == "fraction":
+        text = f"{100 * float(record['value']):.3g}%"
+    else:
+        text = f"{value} {unit}".strip()
+    low, high = record.get("min"), record.get("max")
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)):
+        seeds = record.get("seeds")
+        over = f" over {seeds} seeds" if isinstance(seeds, int) else ""
+        text += f" (range {format_value(float(low))}–{format_value(float(high))}{over})"
+    return text
 
 
 def headline_rows(records: Sequence[dict], notebooks: Sequence[str],

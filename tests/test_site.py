@@ -67,6 +67,20 @@ def test_headline_from_the_table_prefers_full_then_newest():
     assert site.find_headline(records, "10_time_to_train", hardware="H200") is None
 
 
+def test_the_benchmark_and_the_notebook_compete_for_one_figure():
+    records = [
+        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.2, "x",
+             time="2026-11-29T09:00:00", profile="full"),
+        _rec("bench:time-to-train", "optimised vs naive", "time_to_target_speedup", 1.4, "x",
+             time="2026-11-29T10:00:00", profile="full"),
+        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.1, "x",
+             time="2026-11-29T11:00:00", profile="smoke"),
+    ]
+    (row,) = site.headline_rows(records, ["10_time_to_train"])
+    assert row["figure"] == "1.400×"
+    assert row["command"] == "python -m moe_lab bench time-to-train --profile full --seeds 3 --ladder"
+
+
 def test_flagged_record_overrides_and_pick_min():
     records = [_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs"),
                _rec("01_naive_moe", "naive", "train_tokens_per_s", 900.0, "tok/s", headline=True),
@@ -92,6 +106,8 @@ def test_format_figure():
     assert site.format_figure({"value": 0.25, "unit": "fraction"}) == "25%"
     assert site.format_figure({"value": 3, "unit": "syncs"}) == "3 syncs"
     assert site.format_figure({"value": 1.5, "unit": "x"}) == "1.500×"
+    assert (site.format_figure({"value": 1.2, "unit": "x", "min": 0.9, "max": 1.25, "seeds": 3})
+            == "1.200× (range 0.9000–1.250 over 3 seeds)")
 
 
 # ------------------------------------------------------------------------------ the site

@@ -928,6 +928,15 @@ def run(args: argparse.Namespace) -> dict:
             f"{r.time_to_target_s:.1f} s, {r.steps} steps" if r.reached else
             f"not reached in {r.steps} steps (eval loss {r.final_eval_loss:.3f})")
             + f", {r.tokens_per_s:,.0f} tok/s, init {r.init_s:.1f} s" for r in runs]
+    from moe_lab.perf import ceilings
+
+    ceiling = ceilings.matmul_peak("fp32", n=1024 if args.profile == "smoke" else 2048)
+    result["matmul_ceiling_gflops"] = ceiling.giga
+    result["mfu"] = mfu_rows(summary, cfg, ceiling.value)
+    for row in result["mfu"]:
+        ledger.record(args.notebook, row["stack"], "mfu", row["mfu"], "fraction",
+                      ceiling_gflops=ceiling.giga, preset=cfg.preset, profile=args.profile)
+    result["same_precision_speedup_bound"] = speedup_bound(result["mfu"][0]["mfu"])
     if args.ladder:
         rows = ladder_throughput(ladder(device, compile=compile_, router_impl=router), cfg,
                                  device=device)
