@@ -145,6 +145,9 @@ def main(argv=None) -> int:
     if rank == 0:
         print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()),
               flush=True)
+    # Every rank reaches this barrier before any tears its sockets down: a rank that closes
+    # its gloo pairs while a peer is still inside a collective can abort that peer.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
