@@ -32,3 +32,16 @@ def test_bad_arguments():
 def test_expert_flops():
     # per assignment: 2·d·2f forward for gate+up, 2·f·d for down, backward twice that
     assert expert_flops(10, 2, 8, 4) == 3 * 10 * 2 * (2 * 8 * 2 * 4 + 2 * 4 * 8)
+
+
+def test_expert_compute_vs_floor_times_the_ceiling_in_the_same_run():
+    from moe_lab.bench.moe_layer import expert_compute_vs_floor
+
+    r = expert_compute_vs_floor("coarse", tokens=64, ceiling_gflops=123.0, min_time_s=0.01, ceiling_n=64)
+    flops = expert_flops(64, SHAPES["coarse"]["top_k"], SHAPES["coarse"]["d_model"],
+                         SHAPES["coarse"]["d_expert"])
+    assert r["ceiling_gflops_separate"] == 123.0  # reported, not used
+    assert r["ceiling_gflops"] > 0 and r["ceiling_gflops"] != 123.0
+    assert r["floor_ms"] == pytest.approx(flops / (r["ceiling_gflops"] * 1e9) * 1e3)
+    assert r["ratio_to_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
+    assert r["achieved_gflops"] == pytest.approx(flops / (r["median_ms"] / 1e3) / 1e9)
