@@ -68,6 +68,18 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+@register_attention("sdpa_fp32")
+def sdpa_fp32_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """`sdpa_attention` with the core in float32 whatever the inputs' dtype (output cast back
+    to ``q.dtype``). For bf16 autocast on a CPU, where PyTorch's bf16 flash-attention
+    backward runs several times slower than its float32 one while the projections around it
+    gain from bf16."""
+    k, v = _expand_kv(q, k, v)
+    with torch.autocast(q.device.type, enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    return out.to(q.dtype)
+
+
 MX_OPERANDS = ("q", "k", "p", "v")
 
 

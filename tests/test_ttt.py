@@ -44,17 +44,31 @@ def test_optimised_stack_on_a_cpu():
     assert any("emulated" in note for note in best.notes)  # MXFP8 left off, and why
     eager = ttt.optimised_stack("cpu", compile=False, router_impl="compiled")
     assert not eager.compile and eager.router_impl == "compiled"
+    # BF16 autocast exactly where the CPU has bf16 matmul instructions, attention core in FP32
+    assert best.amp == ("bf16" if ttt.cpu_has_native_bf16() else "")
+    assert best.attention_impl == ("sdpa_fp32" if best.amp else "sdpa")
+    fp32 = ttt.optimised_stack("cpu", amp="")
+    assert fp32.amp == "" and fp32.attention_impl == "sdpa" and "BF16" not in fp32.describe()
+    forced = ttt.optimised_stack("cpu", amp="bf16")
+    assert forced.amp == "bf16" and "BF16 autocast" in forced.describe()
+    with pytest.raises(ValueError, match="amp"):
+        ttt.optimised_stack("cpu", amp="fp8")
+    with pytest.raises(ValueError, match="sync_free"):
+        Stack("x", amp="bf16")
+    with pytest.raises(ValueError, match="amp"):
+        Stack("x", sync_free=True, amp="fp16")
 
 
+@pytest.mark.parametrize("amp", ["", "bf16"])
 @pytest.mark.parametrize("compile_", [True, False])
-def test_ladder_adds_one_technique_per_rung(compile_):
-    rungs = ttt.ladder("cpu", compile=compile_)
+def test_ladder_adds_one_technique_per_rung(compile_, amp):
+    rungs = ttt.ladder("cpu", compile=compile_, amp=amp)
     stacks = [s for _, s in rungs]
     assert stacks[0] == NAIVE
-    best = ttt.optimised_stack("cpu", compile=compile_)
+    best = ttt.optimised_stack("cpu", compile=compile_, amp=amp)
     assert replace(stacks[-1], notes=()) == replace(best, notes=())
-    assert len(rungs) == (5 if compile_ else 4)
-    fields = ("dispatcher", "router_dtype", "sync_free", "compile")
+    assert len(rungs) == 4 + compile_ + bool(amp)
+    fields = ("dispatcher", "router_dtype", "sync_free", "compile", "amp")
     for before, after in zip(stacks, stacks[1:]):
         changed = [f for f in fields if getattr(before, f) != getattr(after, f)]
         assert len(changed) == 1, (before, after)
@@ -83,13 +97,14 @@ def test_every_stack_starts_from_the_same_weights():
     assert best.moe_layers[0].cfg.router_dtype == "fp32"
 
 
-def test_both_stacks_train_the_same_model_on_the_same_data():
+@pytest.mark.parametrize("amp, rel", [("", 1e-3), ("bf16", 1e-2)])
+def test_both_stacks_train_the_same_model_on_the_same_data(amp, rel):
     cfg = replace(MICRO, target_loss=0.01)  # not reached: every evaluation is kept
-    runs = ttt.compare_stacks([NAIVE, ttt.optimised_stack("cpu", compile=False)], cfg)
+    runs = ttt.compare_stacks([NAIVE, ttt.optimised_stack("cpu", compile=False, amp=amp)], cfg)
     naive, best = runs
     assert [p["step"] for p in naive.curve] == [p["step"] for p in best.curve] == [3, 6]
-    for p, q in zip(naive.curve, best.curve):
-        assert p["eval_loss"] == pytest.approx(q["eval_loss"], rel=1e-3)
+    for p, q in zip(naive.curve, best.curve):  # FP32 to reduction order; BF16 to its rounding
+        assert p["eval_loss"] == pytest.approx(q["eval_loss"], rel=rel)
 
 
 def test_the_clock():
@@ -217,6 +232,13 @@ def test_mfu_and_the_bound():
     rows = ttt.mfu_rows([{"stack": "naive", "tokens_per_s": 1000.0}], MICRO, 1e12)
     per_token = training_flops_per_token(preset("tiny"))
     assert rows[0]["mfu"] == pytest.approx(1000.0 * per_token / 1e12)
+    # each stack against the ceiling of its own precision
+    two = ttt.mfu_rows([{"stack": "naive", "tokens_per_s": 1000.0},
+                        {"stack": "optimised", "tokens_per_s": 3000.0}], MICRO,
+                       {"naive": 1e12, "optimised": 2e12})
+    assert two[1]["mfu"] == pytest.approx(1.5 * two[0]["mfu"]) and two[1]["ceiling_gflops"] == 2000
+    with pytest.raises(ValueError, match="optimised"):
+        ttt.mfu_rows([{"stack": "optimised", "tokens_per_s": 1.0}], MICRO, {"naive": 1e12})
     assert ttt.speedup_bound(0.5) == 2.0
     with pytest.raises(ValueError):
         ttt.speedup_bound(0.0)

@@ -79,8 +79,12 @@ class Stack:
     (fused AdamW, schedule and statistics on the device) instead of the loop of
     `moe_lab.train`; ``compile`` wraps the model in ``torch.compile``; ``graphed`` captures
     the whole step as a CUDA graph (`moe_lab.graphs.GraphedStep`; CUDA only); ``mxfp8``
-    names the parts run in MXFP8 (`moe_lab.quant.linear.apply_mxfp8`). ``notes`` say why a
-    choice was made or left out on this machine.
+    names the parts run in MXFP8 (`moe_lab.quant.linear.apply_mxfp8`); ``amp`` (``"bf16"``)
+    runs the forward under ``torch.autocast`` in that dtype (fp32 master weights, the router
+    and the loss in fp32); ``attention_impl`` names the attention core
+    (`moe_lab.attention.ATTENTION_IMPLS`); ``row_align`` pads every expert's group of the
+    dropless layout to a multiple of that many rows (``SwiGLUExperts.row_align``). ``notes``
+    say why a choice was made or left out on this machine.
     """
 
     name: str
@@ -92,9 +96,13 @@ class Stack:
     compile: bool = False
     graphed: bool = False
     mxfp8: tuple[str, ...] = ()
+    amp: str = ""
+    attention_impl: str = "sdpa"
+    row_align: int = 1
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        from moe_lab.attention import ATTENTION_IMPLS
         from moe_lab.config import ROUTER_DTYPES
         from moe_lab.moe.dispatch import DISPATCHERS
         from moe_lab.moe.experts import EXPERT_BACKENDS
@@ -103,15 +111,21 @@ class Stack:
         for attr, allowed in (("dispatcher", tuple(DISPATCHERS)),
                               ("expert_backend", EXPERT_BACKENDS),
                               ("router_impl", tuple(ROUTER_IMPLS)),
-                              ("router_dtype", ROUTER_DTYPES)):
+                              ("router_dtype", ROUTER_DTYPES),
+                              ("amp", AMP_DTYPES),
+                              ("attention_impl", tuple(ATTENTION_IMPLS))):
             value = getattr(self, attr)
             if value not in allowed:
                 raise ValueError(f"Stack.{attr} must be one of {sorted(allowed)}, got {value!r}")
         if self.router_impl == "triton" and self.router_dtype != "fp32":
             raise ValueError("Stack: router_impl 'triton' computes in FP32; router_dtype must be "
                              f"'fp32', got {self.router_dtype!r}")
-        if (self.compile or self.graphed) and not self.sync_free:
-            raise ValueError("Stack: compile and graphed apply to the sync-free step; set "
+        if not isinstance(self.row_align, int) or self.row_align < 1:
+            raise ValueError(f"Stack.row_align must be a positive integer, got {self.row_align!r}")
+        if self.row_align > 1 and self.dispatcher != "dropless":
+            raise ValueError("Stack: row_align pads the dropless layout; dispatcher must be 'dropless'")
+        if (self.compile or self.graphed or self.amp) and not self.sync_free:
+            raise ValueError("Stack: compile, graphed and amp apply to the sync-free step; set "
                              "sync_free=True")
 
     def describe(self) -> str:
@@ -121,6 +135,12 @@ class Stack:
             parts[0] += f" ({self.expert_backend} grouped GEMM)"
         parts.append(f"{self.router_impl} router {self.router_dtype.upper()}")
         parts.append("sync-free step" if self.sync_free else "moe_lab.train loop")
+        if self.amp:
+            parts.append(f"{self.amp.upper()} autocast")
+        if self.attention_impl != "sdpa":
+            parts.append(f"{self.attention_impl} attention")
+        if self.row_align > 1:
+            parts.append(f"expert groups padded to {self.row_align} rows")
         if self.compile:
             parts.append("torch.compile")
         if self.graphed:
@@ -128,6 +148,38 @@ class Stack:
         if self.mxfp8:
             parts.append("MXFP8 " + "+".join(self.mxfp8))
         return ", ".join(parts)
+
+
+AMP_DTYPES = ("", "bf16")  # "": no autocast
+
+
+def _autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = False) -> Callable:
+    """``fn(x, y)`` under ``torch.autocast(device_type, amp)``. The cast cache (each weight
+    cast once per forward, reused by its backward) is on, except under a CUDA graph, where
+    a cached cast would be a capture-time copy of the weights. Off, it cost ~25% of a
+    BF16 step on a CPU (every use of a weight casts it anew)."""
+    dtype = {"bf16": torch.bfloat16}[amp]
+
+    def forward(x, y=None):
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed):
+            return fn(x, y)
+
+    return forward
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (x86 ``avx512_bf16`` / ``amx_bf16``, Arm
+    ``bf16``): where it does, bf16 GEMMs run about twice as fast as fp32 (measured by
+    `moe_lab.perf.ceilings.matmul_peak`); where it does not, bf16 is emulated and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set()
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags.update(line.split(":", 1)[1].split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 NAIVE = Stack("naive", notes=("the loop over experts, FP64 router, stock AdamW, statistics "
@@ -147,16 +199,23 @@ def _mxfp8_targets(device: torch.device) -> tuple[tuple[str, ...], str]:
 
 
 def optimised_stack(device: torch.device | str | None = None, *, compile: bool | None = None,
-                    router_impl: str | None = None) -> Stack:
+                    router_impl: str | None = None, amp: str | None = None) -> Stack:
     """The fastest sync-free stack this ``device`` runs (see the module docstring).
 
     ``compile`` (CPU only; default True) wraps the model in ``torch.compile``.
     ``router_impl`` overrides the router; by default the fused Triton router on a GPU, and on
     a CPU ``"reference"`` (under ``compile`` Inductor fuses the reference chain with the rest
     of the model; without it, pass the winner of `pick_router_impl`).
+    ``amp`` (CPU only): ``"bf16"`` or ``""``; by default BF16 autocast where the CPU has bf16
+    matmul instructions (`cpu_has_native_bf16`), with the attention core kept in FP32
+    (``sdpa_fp32``: PyTorch's bf16 flash-attention backward on a CPU is slower than its FP32
+    one). On a GPU the model stays in FP32 here (BF16 there is the next step, not yet
+    validated on a GPU in this workbook).
     """
     device = _device(device)
     mxfp8, mx_note = _mxfp8_targets(device)
+    if amp is not None and amp not in AMP_DTYPES:
+        raise ValueError(f"amp must be one of {AMP_DTYPES}, got {amp!r}")
     if device.type == "cuda":
         from moe_lab.perf.capabilities import capabilities
 
@@ -169,33 +228,41 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
                      notes=(f"{backend} grouped GEMM and {router} router (Triton compiles here)",
                             "the whole step captured as one CUDA graph", mx_note))
     compile = True if compile is None else bool(compile)
+    amp = ("bf16" if cpu_has_native_bf16() else "") if amp is None else amp
     backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
     router = router_impl or "reference"
     notes = [f"{backend} grouped GEMM: Triton runs interpreted on a CPU (correct, far too slow)",
              ("the FP32 reference router, compiled together with the model" if compile and
               router == "reference" else f"the {router} router in FP32"),
+             ("BF16 autocast (FP32 master weights, router and loss): this CPU has bf16 matmul "
+              "instructions; the attention core stays FP32, whose CPU backward is faster"
+              if amp else "FP32: this CPU has no bf16 matmul instructions (bf16 would be emulated)"),
              ("torch.compile of the model (its compile time is initialisation, reported as "
               "init_s)" if compile else "eager: torch.compile off"),
              "no CUDA graph: there is no CUDA here", mx_note]
     return Stack("optimised", dispatcher="dropless", expert_backend=backend, router_impl=router,
                  router_dtype="fp32", sync_free=True, compile=compile, graphed=False,
-                 mxfp8=(), notes=tuple(notes))
+                 mxfp8=(), amp=amp, attention_impl="sdpa_fp32" if amp else "sdpa",
+                 row_align=64 if amp else 1,
+                 notes=tuple(notes))
 
 
 def ladder(device: torch.device | str | None = None, *, compile: bool | None = None,
-           router_impl: str | None = None) -> list[tuple[str, Stack]]:
+           router_impl: str | None = None, amp: str | None = None) -> list[tuple[str, Stack]]:
     """From `NAIVE` to `optimised_stack`, one technique per rung: ``[(label, stack), ...]``.
 
     The rungs: the naive stack; + dropless dispatch with a grouped GEMM; + the router in
     FP32 (``router_impl``: fused where Triton compiles, on a CPU the winner of
-    `pick_router_impl`); + the sync-free step; + ``torch.compile`` (CPU, where on: the
+    `pick_router_impl`); + the sync-free step; + BF16 autocast (CPU, where it pays; ``amp``
+    as in `optimised_stack`); + ``torch.compile`` (CPU, where on: the
     router chain is then compiled with the model, as the reference) or the CUDA graph
     (GPU); + MXFP8, where native. The last rung is `optimised_stack`.
     """
     device = _device(device)
     compile = True if compile is None else bool(compile)
     best = optimised_stack(device, compile=compile,
-                           router_impl=None if compile and device.type == "cpu" else router_impl)
+                           router_impl=None if compile and device.type == "cpu" else router_impl,
+                           amp=amp)
     eager_router = router_impl or best.router_impl
     rungs = [("naive", NAIVE)]
     dropless = replace(NAIVE, name="dropless", dispatcher="dropless",
@@ -206,6 +273,10 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
     sync_free = replace(fp32, name="sync-free", sync_free=True)
     rungs.append(("+ sync-free step", sync_free))
     last = sync_free
+    if best.amp:
+        last = replace(last, name=best.amp, amp=best.amp, attention_impl=best.attention_impl,
+                       row_align=best.row_align)
+        rungs.append((f"+ {best.amp.upper()} autocast", last))
     if best.compile:
         last = replace(last, name="compiled", compile=True, router_impl=best.router_impl)
         rungs.append(("+ torch.compile", last))
@@ -364,8 +435,11 @@ def build_model(stack: Stack, cfg: TTTConfig, device: torch.device | str | None 
     device = _device(device)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model_config(stack.router_dtype), dispatcher=stack.dispatcher,
-                           expert_backend=stack.expert_backend, router_impl=stack.router_impl)
+                           expert_backend=stack.expert_backend, router_impl=stack.router_impl,
+                           attention_impl=stack.attention_impl)
     model = model.to(device)
+    for layer in model.moe_layers:
+        layer.experts.row_align = stack.row_align
     if stack.mxfp8:
         from moe_lab.quant.linear import apply_mxfp8
 
@@ -448,6 +522,10 @@ class _SyncFreeTrainer(_Trainer):
         forward = None
         if stack.compile:
             forward = torch.compile(self.model)
+        if stack.amp:
+            forward = _autocast_forward(self.model if forward is None else forward, device.type,
+                                        stack.amp, graphed=stack.graphed and device.type == "cuda")
+        if stack.compile:
             out = forward(example.x, example.y)
             out.loss.backward()
             self.model.zero_grad(set_to_none=True)
@@ -756,16 +834,29 @@ def record_ladder(rows: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK
 # --------------------------------------------------------------------------------------
 
 
-def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: float) -> list[dict]:
+def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: float | dict[str, float]) -> list[dict]:
     """Model FLOPs utilisation of each stack's training throughput against ``peak_flops``
-    (this machine's measured matmul ceiling, FLOP/s): the FLOPs model of
-    `moe_lab.perf.flops` (matmuls only, 6 FLOPs per weight per token plus attention)."""
+    (this machine's measured matmul ceiling, FLOP/s; a dict gives each stack the ceiling of
+    the precision it computes in, e.g. ``{"naive": fp32, "optimised": bf16}``): the FLOPs
+    model of `moe_lab.perf.flops` (matmuls only, 6 FLOPs per weight per token plus
+    attention)."""
     from moe_lab.perf.flops import mfu, training_flops_per_token
 
     per_token = training_flops_per_token(preset(cfg.preset))
-    return [{"stack": row["stack"], "tokens_per_s": row["tokens_per_s"],
-             "achieved_gflops": row["tokens_per_s"] * per_token / 1e9,
-             "mfu": mfu(row["tokens_per_s"] * per_token, peak_flops)} for row in summary]
+    rows = []
+    for row in summary:
+        if isinstance(peak_flops, dict):
+            if row["stack"] not in peak_flops:
+                raise ValueError(f"peak_flops has no ceiling for stack {row['stack']!r}: "
+                                 f"got {sorted(peak_flops)}")
+            peak = peak_flops[row["stack"]]
+        else:
+            peak = peak_flops
+        rows.append({"stack": row["stack"], "tokens_per_s": row["tokens_per_s"],
+                     "achieved_gflops": row["tokens_per_s"] * per_token / 1e9,
+                     "ceiling_gflops": peak / 1e9,
+                     "mfu": mfu(row["tokens_per_s"] * per_token, peak)})
+    return rows
 
 
 def speedup_bound(mfu_value: float) -> float:
@@ -865,6 +956,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'synthetic' or a path to a UTF-8 text file (then give --target)")
     parser.add_argument("--no-compile", action="store_true",
                         help="CPU: leave torch.compile off in the optimised stack")
+    parser.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                        help="CPU: BF16 autocast in the optimised stack (auto: where the CPU has "
+                             "bf16 matmul instructions)")
     parser.add_argument("--pick-router", action="store_true",
                         help="CPU: time the reference vs the compiled router and use the faster "
                              "in the eager rungs (under torch.compile the chain is compiled anyway)")
@@ -907,8 +1001,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.pick_router and device.type == "cpu":
         router, router_times = pick_router_impl(cfg)
         notes.append(f"router picked by measurement: {router} ({router_times})")
+    amp = {"auto": None, "bf16": "bf16", "off": ""}[getattr(args, "amp", "auto")]
     best = optimised_stack(device, compile=compile_,
-                           router_impl=None if compile_ and device.type == "cpu" else router)
+                           router_impl=None if compile_ and device.type == "cpu" else router, amp=amp)
     runs = compare_stacks([NAIVE, best], cfg, seeds=range(args.seeds), device=device,
                           max_seconds=args.max_seconds, progress=args.progress)
     summary = summarise(runs)
@@ -930,16 +1025,26 @@ def run(args: argparse.Namespace) -> dict:
             + f", {r.tokens_per_s:,.0f} tok/s, init {r.init_s:.1f} s" for r in runs]
     from moe_lab.perf import ceilings
 
-    ceiling = ceilings.matmul_peak("fp32", n=1024 if args.profile == "smoke" else 2048)
+    n = 1024 if args.profile == "smoke" else 2048
+    ceiling = ceilings.matmul_peak("fp32", n=n)
+    peaks = {NAIVE.name: ceiling}
+    peaks[best.name] = ceilings.matmul_peak(best.amp, n=n) if best.amp else ceiling
     result["matmul_ceiling_gflops"] = ceiling.giga
-    result["mfu"] = mfu_rows(summary, cfg, ceiling.value)
+    result["mfu"] = mfu_rows(summary, cfg, {k: c.value for k, c in peaks.items()})
     for row in result["mfu"]:
         ledger.record(args.notebook, row["stack"], "mfu", row["mfu"], "fraction",
-                      ceiling_gflops=ceiling.giga, preset=cfg.preset, profile=args.profile)
+                      ceiling_gflops=row["ceiling_gflops"], ceiling=peaks[row["stack"]].name,
+                      preset=cfg.preset, profile=args.profile)
+    # At the naive stack's precision, no change can beat 1 / its MFU; a lower precision
+    # moves the ceiling itself (the naive stack's FLOP rate against the faster ceiling).
     result["same_precision_speedup_bound"] = speedup_bound(result["mfu"][0]["mfu"])
+    if best.amp:
+        result["lower_precision_speedup_bound"] = peaks[best.name].value / (
+            result["mfu"][0]["achieved_gflops"] * 1e9)
     if args.ladder:
-        rows = ladder_throughput(ladder(device, compile=compile_, router_impl=router), cfg,
-                                 device=device)
+        rows = ladder_throughput(ladder(device, compile=compile_, router_impl=router,
+                                        amp=best.amp if device.type == "cpu" else None),
+                                 cfg, device=device)
         record_ladder(rows, cfg, args.notebook, profile=args.profile)
         result["ladder"] = rows
     return result

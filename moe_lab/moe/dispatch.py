@@ -148,7 +148,38 @@ def dropless_dispatch(
         return out, torch.zeros((), dtype=torch.int64, device=x.device)
     order, offsets = sort_by_expert(topk_ids, experts.n_experts)
     token_of = order // k  # the token behind each sorted row
-    y_sorted = experts.grouped_forward(x.index_select(0, token_of), offsets)
+    align = getattr(experts, "row_align", 1)
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+        raise ValueError(f"experts.row_align must be a positive integer, got {align!r}")
+    if align == 1:
+        y_sorted = experts.grouped_forward(x.index_select(0, token_of), offsets)
+    else:
+        x_pad, dest, padded = _aligned_layout(x, token_of, order, topk_ids, offsets, align)
+        y_sorted = experts.grouped_forward(x_pad, padded).index_select(0, dest)
     weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_sorted.dtype)
     out = torch.zeros_like(x).index_add_(0, token_of, y_sorted * weight)
     return out, torch.zeros((), dtype=torch.int64, device=x.device)
+
+
+def _aligned_layout(x: Tensor, token_of: Tensor, order: Tensor, topk_ids: Tensor, offsets: Tensor,
+                    align: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The sorted rows with every expert's group padded with zero rows to a multiple of
+    ``align``: ``(x_pad, dest, padded_offsets)``; sorted row ``i`` sits at ``x_pad[dest[i]]``.
+
+    Why: a CPU's bf16 GEMM (oneDNN) compiles a kernel for every new row count it meets, and
+    dropless routing makes new per-expert counts every step — padded, the counts fall on a
+    few multiples of ``align`` and the compiled kernels are reused (Megatron-Core pads expert
+    groups the same way for FP8 GEMMs, which need aligned rows). The buffer has a static
+    size, ``T·k + E·(align − 1)`` rows, so there is no host sync; padding rows are zeros,
+    their outputs are never read, and the trailing rows past the last group are not computed.
+    """
+    n_experts = offsets.shape[0] - 1
+    counts = offsets[1:] - offsets[:-1]
+    padded_counts = (counts + (align - 1)) // align * align
+    padded = F.pad(padded_counts.cumsum(0), (1, 0)).to(offsets.dtype)
+    expert_of = topk_ids.reshape(-1).index_select(0, order)
+    shift = (padded[:-1] - offsets[:-1]).to(torch.int64)  # [E]: where each group moves
+    dest = torch.arange(order.shape[0], device=x.device) + shift.index_select(0, expert_of)
+    rows = order.shape[0] + n_experts * (align - 1)
+    x_pad = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x.index_select(0, token_of))
+    return x_pad, dest, padded

@@ -6,6 +6,11 @@ rather than ``E`` separate ``nn.Linear`` modules is what lets a grouped GEMM tre
 one batched problem; the loop below uses them one expert at a time, which is the
 reference every faster backend is checked against.
 
+The weights are cast to the tokens' dtype at each matmul, so bf16 tokens run bf16 GEMMs
+against fp32 master weights (what ``torch.autocast`` does for ``nn.Linear``; the gradient
+flows back to the fp32 weights through the cast). `moe_lab.moe.layer.MoELayer` sends the
+tokens in the autocast dtype when autocast is on.
+
 ``quant = "mxfp8"`` makes every expert matmul quantize its inputs and weights to MXFP8
 along the reduction dim first (emulated: quantize → dequantize → matmul), see
 ``moe_lab.quant``.
@@ -101,6 +106,9 @@ class SwiGLUExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.quant: str | None = None
         self.backend = "loop"
+        # Rows of each expert's group rounded up to a multiple of this in the dropless
+        # layout (1: packed). See `moe_lab.moe.dispatch.dropless_dispatch`.
+        self.row_align = 1
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -110,7 +118,7 @@ class SwiGLUExperts(nn.Module):
     def _mm(self, x: Tensor, w: Tensor) -> Tensor:
         # x: [n, K], w: [K, N]; the reduction dim is x's last and w's first.
         x, w = self._quantized(x, w, 0)
-        return x @ w
+        return x @ w.to(x.dtype)
 
     def _quantized(self, x: Tensor, w: Tensor, w_dim: int) -> tuple[Tensor, Tensor]:
         if self.quant == "mxfp8":
@@ -125,7 +133,9 @@ class SwiGLUExperts(nn.Module):
         """All experts over rows grouped by expert.
 
         ``x: [M, d_model]``; ``offsets: [n_experts + 1] int32`` on x's device, with
-        ``offsets[-1] == M`` (every row belongs to an expert). Returns ``[M, d_model]``.
+        ``offsets[-1] <= M``. Returns ``[M, d_model]``; rows past ``offsets[-1]`` belong to
+        no expert and their output is undefined (the aligned dropless layout never reads
+        them).
         No host sync in any backend.
         """
         if self.backend not in EXPERT_BACKENDS:
@@ -144,9 +154,9 @@ class SwiGLUExperts(nn.Module):
         from moe_lab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_swiglu
 
         xq, w1 = self._quantized(x, self.w_gate_up, 1)
-        h = grouped_gemm_swiglu(xq, w1, offsets)
+        h = grouped_gemm_swiglu(xq, w1.to(xq.dtype), offsets)
         hq, w2 = self._quantized(h, self.w_down, 1)
-        return grouped_gemm(hq, w2, offsets)
+        return grouped_gemm(hq, w2.to(hq.dtype), offsets)
 
     def _loop_forward(self, x: Tensor, offsets: Tensor) -> Tensor:
         rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
@@ -161,9 +171,9 @@ class SwiGLUExperts(nn.Module):
         """``x: [n_experts, capacity, d_model]`` → same shape: expert ``e`` on ``x[e]``
         (the capacity dispatcher's padded buffers; one batched matmul per weight)."""
         xq, w1 = self._quantized(x, self.w_gate_up, 1)
-        h = swiglu(torch.bmm(xq, w1))
+        h = swiglu(torch.bmm(xq, w1.to(xq.dtype)))
         hq, w2 = self._quantized(h, self.w_down, 1)
-        return torch.bmm(hq, w2)
+        return torch.bmm(hq, w2.to(hq.dtype))
 
     def forward_expert(self, expert: int, x: Tensor) -> Tensor:
         """Expert ``expert`` on its tokens ``x: [n, d_model]`` → ``[n, d_model]``."""

@@ -10,6 +10,7 @@ every combination computes the same function (up to dropped tokens, which
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,15 @@ from moe_lab.moe.experts import EXPERT_BACKENDS, SwiGLU, SwiGLUExperts
 from moe_lab.moe.router import Router, RouterOutput
 
 Tensor = torch.Tensor
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (devices autocast does not know, such as
+    ``meta``, never are)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
 
 
 @dataclass
@@ -74,23 +84,35 @@ class MoELayer(nn.Module):
             )
         if not x.is_floating_point():
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
-        if x.dtype != self.experts.w_gate_up.dtype or x.device != self.experts.w_gate_up.device:
+        w = self.experts.w_gate_up
+        device_type = x.device.type
+        autocast = _autocast_enabled(device_type)
+        compute_dtype = torch.get_autocast_dtype(device_type) if autocast else w.dtype
+        if x.dtype not in (w.dtype, compute_dtype) or x.device != w.device:
             raise ValueError(
                 f"x is {x.dtype} on {x.device} but the layer's weights are "
-                f"{self.experts.w_gate_up.dtype} on {self.experts.w_gate_up.device}"
+                f"{w.dtype} on {w.device}"
+                + (f" (under autocast x may also be {compute_dtype})" if autocast else "")
             )
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        routing = self.router(tokens)
-        y, dropped = DISPATCHERS[self.dispatcher](
-            tokens, routing.topk_ids, routing.topk_weights, self.experts, self.cfg
-        )
+        # Under autocast the router still computes in its own dtype (cfg.router_dtype: a
+        # bf16 router flips near-tie choices), and the experts take the tokens in the
+        # autocast dtype; the dispatcher runs outside autocast so its gathers and
+        # scatter-adds see one dtype.
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+            routing = self.router(tokens.to(self.router.weight.dtype))
+            y, dropped = DISPATCHERS[self.dispatcher](
+                tokens.to(compute_dtype), routing.topk_ids, routing.topk_weights, self.experts,
+                self.cfg
+            )
         if self.shared is not None:
             y = y + self.shared(tokens)
+        loss_dtype = w.dtype if autocast else x.dtype  # loss terms stay in full precision
         stats = MoEStats(
             tokens_per_expert=routing.tokens_per_expert,
-            aux_loss=(routing.aux_loss * self.cfg.aux_loss_coef).to(x.dtype),
-            z_loss=(routing.z_loss * self.cfg.z_loss_coef).to(x.dtype),
+            aux_loss=(routing.aux_loss * self.cfg.aux_loss_coef).to(loss_dtype),
+            z_loss=(routing.z_loss * self.cfg.z_loss_coef).to(loss_dtype),
             dropped_tokens=dropped,
             routing=routing,
         )
