@@ -31,7 +31,10 @@ package, never a code path of its own:
   (``torch._grouped_mm`` on a CPU, moe_lab's Triton kernel on a GPU); the router in FP32
   (the fused Triton kernel where Triton compiles; on a CPU whichever of the reference chain
   and its ``torch.compile`` is measured faster, see `pick_router_impl`); the sync-free step
-  of `moe_lab.step` (fused AdamW, statistics on the device); ``torch.compile`` of the model
+  of `moe_lab.step` (fused AdamW, statistics on the device); on a CPU with bf16 matmul
+  instructions, BF16 autocast (FP32 master weights, router, attention core and loss; expert
+  groups padded to 64 rows so the bf16 GEMM kernels compiled per row count are reused);
+  ``torch.compile`` of the model
   on a CPU, the whole step captured as a CUDA graph on a GPU; MXFP8 only where the GPU has
   MX tensor cores and Transformer Engine runs them — elsewhere it is emulated, slower, and
   left off.
@@ -120,7 +123,7 @@ class Stack:
         if self.router_impl == "triton" and self.router_dtype != "fp32":
             raise ValueError("Stack: router_impl 'triton' computes in FP32; router_dtype must be "
                              f"'fp32', got {self.router_dtype!r}")
-        if not isinstance(self.row_align, int) or self.row_align < 1:
+        if not isinstance(self.row_align, int) or isinstance(self.row_align, bool) or self.row_align < 1:
             raise ValueError(f"Stack.row_align must be a positive integer, got {self.row_align!r}")
         if self.row_align > 1 and self.dispatcher != "dropless":
             raise ValueError("Stack: row_align pads the dropless layout; dispatcher must be 'dropless'")
