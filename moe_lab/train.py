@@ -110,8 +110,10 @@ def _make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 
 @torch.no_grad()
+@torch.no_grad()
 def evaluate(model: MoETransformer, eval_batch, domains: list[str]) -> dict[str, float]:
-    """Mean next-token loss per domain (and ``"all"``) on a fixed eval batch."""
+    """Mean next-token loss per domain (and ``"all"``) on a fixed eval batch (no autograd
+    graph: nothing is kept for a backward that never comes)."""
     was_training = model.training
     model.eval()
     logits = model(eval_batch.x).logits

@@ -108,3 +108,21 @@ def test_expert_bias_rate_balances_through_the_trainer():
     assert plain.model.moe_layers[0].router.expert_bias.abs().sum() == 0
     with pytest.raises(ValueError, match="expert_bias_rate"):
         cfg(expert_bias_rate=-1.0)
+
+
+def test_evaluate_builds_no_autograd_graph():
+    from moe_lab.config import preset
+    from moe_lab.data import SyntheticCorpus
+    from moe_lab.model import MoETransformer
+    from moe_lab.train import evaluate
+
+    cfg = preset("tiny")
+    model = MoETransformer(cfg)
+    corpus = SyntheticCorpus(seq_len=cfg.seq_len, seed=0)
+    batch = corpus.fixed_eval_set(1)
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.requires_grad))
+    result = evaluate(model, batch, corpus.domains)
+    handle.remove()
+    assert seen == [False] and model.training  # no graph; the mode is restored
+    assert "all" in result and all(v == v and abs(v) < float("inf") for v in result.values())
