@@ -205,6 +205,22 @@ def test_label_helpers():
         has_grouped_mm=True, versions={"torch": "x"},
     )
     assert c.hardware_label() == "GB300 x4" and "sm_103" in c.summary()
+    assert c.cpu_bf16 is False and c.to_dict()["cpu_bf16"] is False  # not detected: off
+
+
+def test_cpuinfo_reads_model_and_flags(monkeypatch, tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n"
+                    "flags\t\t: fpu sse avx512f avx512_bf16\n\nprocessor\t: 1\n"
+                    "model name\t: other\nflags\t\t: fpu\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        info if path == "/proc/cpuinfo" else path, *a, **k))
+    model, flags = caps_mod._cpuinfo()
+    assert model == "AMD EPYC 9R14 96-Core Processor"  # the first CPU's
+    assert flags == {"fpu", "sse", "avx512f", "avx512_bf16"} and flags & caps_mod.CPU_BF16_FLAGS
+    info.write_text("model name\t: old\nflags\t\t: fpu avx2\n")
+    assert not caps_mod._cpuinfo()[1] & caps_mod.CPU_BF16_FLAGS
 
 
 # ------------------------------------------------------------------------------ ceilings

@@ -38,6 +38,8 @@ def test_stack_validates_its_choices():
 
 
 def test_optimised_stack_on_a_cpu():
+    from moe_lab.perf.capabilities import native_bf16_cpu
+
     best = ttt.optimised_stack("cpu")
     assert (best.dispatcher, best.expert_backend, best.router_dtype) == ("dropless", "torch", "fp32")
     assert best.sync_free and best.compile and not best.graphed and best.mxfp8 == ()
@@ -45,7 +47,7 @@ def test_optimised_stack_on_a_cpu():
     eager = ttt.optimised_stack("cpu", compile=False, router_impl="compiled")
     assert not eager.compile and eager.router_impl == "compiled"
     # BF16 autocast exactly where the CPU has bf16 matmul instructions, attention core in FP32
-    assert best.amp == ("bf16" if ttt.cpu_has_native_bf16() else "")
+    assert best.amp == ("bf16" if native_bf16_cpu() else "")
     assert best.attention_impl == ("sdpa_fp32" if best.amp else "sdpa")
     fp32 = ttt.optimised_stack("cpu", amp="")
     assert fp32.amp == "" and fp32.attention_impl == "sdpa" and "BF16" not in fp32.describe()
@@ -297,3 +299,18 @@ def test_compiled_stack_trains_like_the_eager_one():
     compiled = ttt.time_to_train(ttt.optimised_stack("cpu", compile=True), cfg)
     assert compiled.init_s > 0
     assert compiled.curve[-1]["eval_loss"] == pytest.approx(eager.curve[-1]["eval_loss"], rel=1e-3)
+
+
+def test_stack_ceilings_measure_each_precision_once(monkeypatch):
+    from moe_lab.perf import ceilings
+
+    calls = []
+    monkeypatch.setattr(ceilings, "matmul_peak",
+                        lambda dtype, n, min_time_s: calls.append(dtype) or f"{dtype}@{n}")
+    bf16 = ttt.optimised_stack("cpu", compile=False, amp="bf16")
+    fp32 = ttt.optimised_stack("cpu", compile=False, amp="")
+    peaks = ttt.stack_ceilings([NAIVE, bf16], n=64)
+    assert peaks == {"naive": "fp32@64", "optimised": "bf16@64"} and calls == ["fp32", "bf16"]
+    calls.clear()
+    assert ttt.stack_ceilings([NAIVE, fp32], n=64) == {"naive": "fp32@64", "optimised": "fp32@64"}
+    assert calls == ["fp32"]

@@ -188,7 +188,7 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
     given, is reported alongside as the run's separately measured figure.
     """
     from moe_lab.moe.dispatch import sort_by_expert
-    from moe_lab.perf import compare
+    from moe_lab.perf import ceilings, compare
 
     cfg = MoEConfig(**SHAPES[shape])
     device, dtype = _device_dtype()
@@ -198,9 +198,7 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
     order, offsets = sort_by_expert(ids, cfg.n_experts)
     xs = x.index_select(0, order // cfg.top_k)
     grad = torch.randn_like(xs)
-    a = torch.randn(ceiling_n, ceiling_n, device=device, dtype=dtype)
-    b = torch.randn(ceiling_n, ceiling_n, device=device, dtype=dtype)
-    out = torch.empty(ceiling_n, ceiling_n, device=device, dtype=dtype)
+    a, b, out = ceilings.matmul_operands(dtype, ceiling_n, device=device)
 
     def experts_only() -> None:
         xi = xs.detach().requires_grad_()

@@ -170,21 +170,6 @@ def _autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = 
     return forward
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 matmul instructions (x86 ``avx512_bf16`` / ``amx_bf16``, Arm
-    ``bf16``): where it does, bf16 GEMMs run about twice as fast as fp32 (measured by
-    `moe_lab.perf.ceilings.matmul_peak`); where it does not, bf16 is emulated and slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set()
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags.update(line.split(":", 1)[1].split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
 NAIVE = Stack("naive", notes=("the loop over experts, FP64 router, stock AdamW, statistics "
                               "read every step, eager",))
 
@@ -210,7 +195,8 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     a CPU ``"reference"`` (under ``compile`` Inductor fuses the reference chain with the rest
     of the model; without it, pass the winner of `pick_router_impl`).
     ``amp`` (CPU only): ``"bf16"`` or ``""``; by default BF16 autocast where the CPU has bf16
-    matmul instructions (`cpu_has_native_bf16`), with the attention core kept in FP32
+    matmul instructions (`moe_lab.perf.capabilities.native_bf16_cpu`), with the attention
+    core kept in FP32
     (``sdpa_fp32``: PyTorch's bf16 flash-attention backward on a CPU is slower than its FP32
     one). On a GPU the model stays in FP32 here (BF16 there is the next step, not yet
     validated on a GPU in this workbook).
@@ -231,7 +217,9 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
                      notes=(f"{backend} grouped GEMM and {router} router (Triton compiles here)",
                             "the whole step captured as one CUDA graph", mx_note))
     compile = True if compile is None else bool(compile)
-    amp = ("bf16" if cpu_has_native_bf16() else "") if amp is None else amp
+    from moe_lab.perf.capabilities import native_bf16_cpu
+
+    amp = ("bf16" if native_bf16_cpu() else "") if amp is None else amp
     backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
     router = router_impl or "reference"
     notes = [f"{backend} grouped GEMM: Triton runs interpreted on a CPU (correct, far too slow)",
@@ -862,6 +850,19 @@ def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: float | dict[s
     return rows
 
 
+def stack_ceilings(stacks: Sequence[Stack], n: int = 2048, min_time_s: float = 0.3) -> dict:
+    """Each stack's measured matmul ceiling (`moe_lab.perf.ceilings.Ceiling`), in the precision
+    its matmuls run in: fp32, or its ``amp`` dtype; each precision measured once."""
+    from moe_lab.perf import ceilings
+
+    measured: dict[str, object] = {}
+    for stack in stacks:
+        dtype = stack.amp or "fp32"
+        if dtype not in measured:
+            measured[dtype] = ceilings.matmul_peak(dtype, n=n, min_time_s=min_time_s)
+    return {stack.name: measured[stack.amp or "fp32"] for stack in stacks}
+
+
 def speedup_bound(mfu_value: float) -> float:
     """The most any change that keeps the arithmetic (same FLOPs, same precision) can speed
     up a step running at ``mfu_value`` of the machine's measured ceiling: at best the step
@@ -1026,13 +1027,8 @@ def run(args: argparse.Namespace) -> dict:
             f"{r.time_to_target_s:.1f} s, {r.steps} steps" if r.reached else
             f"not reached in {r.steps} steps (eval loss {r.final_eval_loss:.3f})")
             + f", {r.tokens_per_s:,.0f} tok/s, init {r.init_s:.1f} s" for r in runs]
-    from moe_lab.perf import ceilings
-
-    n = 1024 if args.profile == "smoke" else 2048
-    ceiling = ceilings.matmul_peak("fp32", n=n)
-    peaks = {NAIVE.name: ceiling}
-    peaks[best.name] = ceilings.matmul_peak(best.amp, n=n) if best.amp else ceiling
-    result["matmul_ceiling_gflops"] = ceiling.giga
+    peaks = stack_ceilings([NAIVE, best], n=1024 if args.profile == "smoke" else 2048)
+    result["matmul_ceiling_gflops"] = peaks[NAIVE.name].giga
     result["mfu"] = mfu_rows(summary, cfg, {k: c.value for k, c in peaks.items()})
     for row in result["mfu"]:
         ledger.record(args.notebook, row["stack"], "mfu", row["mfu"], "fraction",
@@ -1042,8 +1038,8 @@ def run(args: argparse.Namespace) -> dict:
     # moves the ceiling itself (the naive stack's FLOP rate against the faster ceiling).
     result["same_precision_speedup_bound"] = speedup_bound(result["mfu"][0]["mfu"])
     if best.amp:
-        result["lower_precision_speedup_bound"] = peaks[best.name].value / (
-            result["mfu"][0]["achieved_gflops"] * 1e9)
+        result["lower_precision_speedup_bound"] = speedup_bound(
+            result["mfu"][0]["achieved_gflops"] * 1e9 / peaks[best.name].value)
     if args.ladder:
         rows = ladder_throughput(ladder(device, compile=compile_, router_impl=router,
                                         amp=best.amp if device.type == "cpu" else None),
@@ -1056,7 +1052,7 @@ def run(args: argparse.Namespace) -> dict:
 __all__ = [
     "DESCRIPTION", "LADDER_METRIC", "NAIVE", "PROFILES", "Stack", "TTTConfig", "TTTRun",
     "add_arguments", "build_model", "compare_stacks", "eval_set", "gb300_projection", "ladder",
-    "race",
+    "race", "stack_ceilings",
     "ladder_throughput", "make_trainer", "mfu_rows", "optimised_stack", "pick_router_impl",
     "record_ladder", "record_summary", "run", "speedup_bound", "summarise", "time_to_train",
 ]

@@ -47,6 +47,7 @@ class Capabilities:
     native_mxfp8: bool
     has_grouped_mm: bool
     versions: dict[str, str] = field(default_factory=dict)
+    cpu_bf16: bool = False  # the CPU has bf16 matmul instructions (AVX512-BF16, AMX, Arm BF16)
 
     def hardware_label(self) -> str:
         """A short label for figures and the ledger: ``"H200"``, ``"H200 x8"``, or
@@ -87,6 +88,7 @@ class Capabilities:
             "transformer_engine": self.transformer_engine,
             "native_mxfp8": self.native_mxfp8,
             "has_grouped_mm": self.has_grouped_mm,
+            "cpu_bf16": self.cpu_bf16,
             "versions": dict(self.versions),
         }
 
@@ -104,15 +106,30 @@ def _short_cpu_name(name: str) -> str:
     return " ".join(name.split()) or "unknown"
 
 
-def _cpu_model() -> str:
+# CPU flags of bf16 matmul instructions: with them a CPU's bf16 GEMMs run about twice its
+# fp32 rate (`moe_lab.perf.ceilings.matmul_peak`); without them bf16 is emulated, slower.
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _cpuinfo() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags from ``/proc/cpuinfo`` (empty where absent)."""
+    model, flags = "", set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key == "model name" and not model:
+                    model = value.strip()
+                elif key in ("flags", "features") and not flags:  # x86, Arm
+                    flags = set(value.split())
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown cpu"
+    return model, flags
+
+
+def _cpu_model() -> str:
+    return _cpuinfo()[0] or platform.processor() or platform.machine() or "unknown cpu"
 
 
 def _version(dist: str) -> str | None:
@@ -168,6 +185,7 @@ def capabilities() -> Capabilities:
         native_mxfp8=cc is not None and cc >= MXFP8_MIN_CAPABILITY,
         has_grouped_mm=hasattr(torch, "_grouped_mm"),
         versions=library_versions(),
+        cpu_bf16=bool(_cpuinfo()[1] & CPU_BF16_FLAGS),
     )
 
 
@@ -179,6 +197,11 @@ def is_cuda() -> bool:
 def native_mxfp8() -> bool:
     """True on GPUs with MX block-scaled FP8 tensor cores (SM 10.0 and newer)."""
     return capabilities().native_mxfp8
+
+
+def native_bf16_cpu() -> bool:
+    """True when the CPU has bf16 matmul instructions (see ``CPU_BF16_FLAGS``)."""
+    return capabilities().cpu_bf16
 
 
 def triton_interpreted() -> bool:

@@ -80,6 +80,20 @@ def _device(device: str | None) -> str:
     return device
 
 
+def matmul_operands(
+    dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ceiling's problem: ``a, b`` random normal ``[n, n]`` and ``out``, for
+    ``torch.matmul(a, b, out=out)`` (``2 n^3`` FLOPs) — for timing it beside other work."""
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    dt, dev = _dtype(dtype), _device(device)
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
+    b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
+    return a, b, torch.empty(n, n, device=dev, dtype=dt)
+
+
 def matmul_peak(
     dtype: str | torch.dtype = "fp32",
     n: int = 1024,
@@ -92,13 +106,8 @@ def matmul_peak(
 
     ``device`` defaults to this machine's (`capabilities`). ``2 n^3`` FLOPs per call.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
     dt, dev = _dtype(dtype), _device(device)
-    gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
-    b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
-    out = torch.empty(n, n, device=dev, dtype=dt)
+    a, b, out = matmul_operands(dt, n, device=dev, seed=seed)
     result = bench(torch.matmul, a, b, out=out, warmup=2, min_time_s=min_time_s)
     return Ceiling(
         name=f"matmul_{_dtype_name(dt)}", value=result.per_second(2.0 * n**3), unit="FLOP/s",
