@@ -10,7 +10,7 @@ from moe_lab.config import MoEConfig
 from moe_lab.moe.dispatch import capacity_positions, expert_capacity, sort_by_expert
 from moe_lab.sync import assert_sync_free, count_syncs
 
-BACKENDS = ["loop", "torch", "triton"]
+BACKENDS = ["loop", "torch", "openmp", "triton"]
 
 
 def cfg(**kw):
@@ -27,6 +27,13 @@ def pair(c, dispatcher, backend="loop", dtype=torch.float32):
 
 
 def skip_missing(backend):
+    if backend == "openmp":
+        from moe_lab.kernels import cpu_grouped
+
+        # Skipped only where there is no compiler at all; a compiler that fails to build
+        # the kernel fails the test.
+        if cpu_grouped.compiler() is None:
+            pytest.skip("no C++ compiler: the openmp backend cannot be built here")
     if backend == "triton":
         pytest.importorskip("moe_lab.kernels.grouped_gemm")
         pytest.importorskip("moe_lab.kernels.permute")
@@ -184,7 +191,7 @@ def test_bad_backend_is_refused():
         MoELayer(cfg(), "dropless", "cuda-magic")
 
 
-ALIGN_BACKENDS = ["loop", "torch"]  # triton has its own permute kernels (row_align not used)
+ALIGN_BACKENDS = ["loop", "torch", "openmp"]  # triton has its own permute kernels (row_align not used)
 
 
 @pytest.mark.parametrize("backend", ALIGN_BACKENDS)

@@ -203,7 +203,7 @@ def test_paged_step_is_certified_sync_free():
     batch = random_batch(TINY, 2)
     step, stash = _step(batch, capacity_factor=1.25)
     step.certify()
-    assert stash.pages_used() == [0]  # the certificate ran on fake pools
+    assert stash.pages_used() == [0] * len(stash.pool_keys)  # the certificate ran on fake pools
 
 
 def test_attach_refuses_a_dispatcher_without_offsets():

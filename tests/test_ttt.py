@@ -38,10 +38,12 @@ def test_stack_validates_its_choices():
 
 
 def test_optimised_stack_on_a_cpu():
+    from moe_lab.kernels import cpu_grouped
     from moe_lab.perf.capabilities import native_bf16_cpu
 
     best = ttt.optimised_stack("cpu")
-    assert (best.dispatcher, best.expert_backend, best.router_dtype) == ("dropless", "torch", "fp32")
+    grouped = "openmp" if cpu_grouped.available() else "torch"
+    assert (best.dispatcher, best.expert_backend, best.router_dtype) == ("dropless", grouped, "fp32")
     assert best.sync_free and best.compile and not best.graphed and best.mxfp8 == ()
     assert any("emulated" in note for note in best.notes)  # MXFP8 left off, and why
     eager = ttt.optimised_stack("cpu", compile=False, router_impl="compiled")

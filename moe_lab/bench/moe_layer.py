@@ -30,7 +30,7 @@ SHAPES = {
 }
 TOKENS = {"smoke": 1024, "full": 4096}
 PROVIDERS = ("naive", "capacity cf1.0", "capacity cf1.25", "dropless loop", "dropless torch",
-             "dropless triton", "hf eager", "hf batched_mm", "hf grouped_mm")
+             "dropless openmp", "dropless triton", "hf eager", "hf batched_mm", "hf grouped_mm")
 
 
 def expert_flops(tokens: int, top_k: int, d_model: int, d_expert: int) -> float:
@@ -83,6 +83,14 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
         notes.append("dropless torch: torch._grouped_mm on CUDA needs bf16")
     else:
         providers["dropless torch"] = clone("dropless", "torch")
+    if device == "cpu":
+        from moe_lab.kernels import cpu_grouped
+
+        if cpu_grouped.available():
+            providers["dropless openmp"] = clone("dropless", "openmp")
+        else:
+            notes.append("dropless openmp: moe_lab's CPU grouped GEMM did not build here "
+                         "(it needs a C++ compiler with OpenMP)")
     if capabilities().triton_mode == "compiled":
         providers["dropless triton"] = clone("dropless", "triton")
     else:
@@ -178,9 +186,10 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
 
 
 def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | None = None,
-                            min_time_s: float = 0.5, ceiling_n: int = 1024) -> dict:
-    """Time the dropless expert compute alone (grouped GEMMs, fwd+bwd, ``torch`` backend)
-    and compare with the floor ``FLOPs / measured matmul ceiling``.
+                            min_time_s: float = 0.5, ceiling_n: int = 1024,
+                            backend: str = "torch") -> dict:
+    """Time the dropless expert compute alone (grouped GEMMs and SwiGLU, fwd+bwd, expert
+    ``backend``) and compare with the floor ``FLOPs / measured matmul ceiling``.
 
     The ceiling (a square ``[n, n] @ [n, n]`` matmul) is timed in the same rounds as the
     expert compute (`compare`, alternating), so both see the same machine: on a shared CPU a
@@ -192,7 +201,7 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
 
     cfg = MoEConfig(**SHAPES[shape])
     device, dtype = _device_dtype()
-    layer = MoELayer(cfg, "dropless", "torch").to(device=device, dtype=dtype)
+    layer = MoELayer(cfg, "dropless", backend).to(device=device, dtype=dtype)
     x = torch.randn(tokens, cfg.d_model, device=device, dtype=dtype)
     ids = layer.router(x).topk_ids
     order, offsets = sort_by_expert(ids, cfg.n_experts)
@@ -201,6 +210,9 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
     a, b, out = ceilings.matmul_operands(dtype, ceiling_n, device=device)
 
     def experts_only() -> None:
+        # As in a training step after zero_grad(set_to_none=True): the weight gradients are
+        # written, not accumulated into the previous round's.
+        layer.zero_grad(set_to_none=True)
         xi = xs.detach().requires_grad_()
         layer.experts.grouped_forward(xi, offsets).backward(grad)
 
@@ -212,10 +224,21 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
     ceiling_now = 2.0 * ceiling_n**3 / times["ceiling"].median_s / 1e9
     flops = expert_flops(tokens, cfg.top_k, cfg.d_model, cfg.d_expert)
     floor_s = flops / (ceiling_now * 1e9)
-    return {"shape": shape, "tokens": tokens, "median_ms": t.median_s * 1e3,
+    return {"shape": shape, "backend": backend, "tokens": tokens, "median_ms": t.median_s * 1e3,
             "floor_ms": floor_s * 1e3, "ratio_to_floor": t.median_s / floor_s,
             "achieved_gflops": flops / t.median_s / 1e9, "ceiling_gflops": ceiling_now,
             "ceiling_gflops_separate": ceiling_gflops}
+
+
+def floor_backends(device: str) -> list[str]:
+    """The grouped-GEMM expert backends that run here (the floor comparison's subjects)."""
+    backends = ["torch"] if hasattr(torch, "_grouped_mm") else []
+    if device == "cpu":
+        from moe_lab.kernels import cpu_grouped
+
+        if cpu_grouped.available():
+            backends.append("openmp")
+    return backends
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,10 +265,10 @@ def run(args: argparse.Namespace) -> dict:
         r = run_shape(shape, tokens, args.min_time, include_hf=not args.no_hf, only=args.only)
         result["rows"] += r["rows"]
         result["notes"] += [n for n in r["notes"] if n not in result["notes"]]
-        if hasattr(torch, "_grouped_mm"):
+        for backend in floor_backends(device):
             result["floor"].append(expert_compute_vs_floor(
                 shape, tokens, ceiling.giga, args.min_time,
-                ceiling_n=1024 if args.profile == "smoke" else 2048))
+                ceiling_n=1024 if args.profile == "smoke" else 2048, backend=backend))
     for row in result["rows"]:
         step = f"{row['shape']}:{row['provider']}"
         ledger.record(args.notebook, step, "tokens_per_s", row["tokens_per_s"], "tok/s",
@@ -253,6 +276,6 @@ def run(args: argparse.Namespace) -> dict:
         ledger.record(args.notebook, step, "vs_naive", row["vs_naive"], "x", tokens=tokens)
         ledger.record(args.notebook, step, "syncs_per_step", row["syncs_per_step"], "syncs")
     for f in result["floor"]:
-        ledger.record(args.notebook, f"{f['shape']}:dropless torch experts", "ratio_to_floor",
+        ledger.record(args.notebook, f"{f['shape']}:dropless {f['backend']} experts", "ratio_to_floor",
                       f["ratio_to_floor"], "x", tokens=tokens)
     return result

@@ -28,7 +28,8 @@ package, never a code path of its own:
   FP64, and the training loop of `moe_lab.train` — the stock AdamW stepping parameter by
   parameter and the statistics read back every step — run eagerly;
 - ``optimised`` (`optimised_stack`): dropless, sync-free dispatch with a grouped GEMM
-  (``torch._grouped_mm`` on a CPU, moe_lab's Triton kernel on a GPU); the router in FP32
+  (on a CPU moe_lab's OpenMP kernel, `moe_lab.kernels.cpu_grouped`, where a C++ compiler
+  builds it, else ``torch._grouped_mm``; moe_lab's Triton kernel on a GPU); the router in FP32
   (the fused Triton kernel where Triton compiles; on a CPU whichever of the reference chain
   and its ``torch.compile`` is measured faster, see `pick_router_impl`); the sync-free step
   of `moe_lab.step` (fused AdamW, statistics on the device); on a CPU with bf16 matmul
@@ -220,9 +221,17 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     from moe_lab.perf.capabilities import native_bf16_cpu
 
     amp = ("bf16" if native_bf16_cpu() else "") if amp is None else amp
-    backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
+    from moe_lab.kernels import cpu_grouped
+
+    if cpu_grouped.available():
+        backend, why = "openmp", ("moe_lab's OpenMP grouped GEMM (each core takes whole experts); "
+                                  "Triton runs interpreted on a CPU (correct, far too slow)")
+    else:
+        backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
+        why = (f"{backend} grouped GEMM: the OpenMP one did not build here, and Triton runs "
+               f"interpreted on a CPU (correct, far too slow)")
     router = router_impl or "reference"
-    notes = [f"{backend} grouped GEMM: Triton runs interpreted on a CPU (correct, far too slow)",
+    notes = [why,
              ("the FP32 reference router, compiled together with the model" if compile and
               router == "reference" else f"the {router} router in FP32"),
              ("BF16 autocast (FP32 master weights, router and loss): this CPU has bf16 matmul "

@@ -1,0 +1,179 @@
+"""moe_lab's CPU grouped GEMM (expert backend ``openmp``) against torch._grouped_mm and mm."""
+
+import pytest
+import torch
+
+from moe_lab.kernels import cpu_grouped
+from moe_lab.sync import assert_sync_free
+
+pytestmark = pytest.mark.skipif(cpu_grouped.compiler() is None,
+                                reason="no C++ compiler: the CPU grouped GEMM cannot be built")
+
+
+def reference(x, w, ends):
+    """Plain per-expert matmuls; rows past the last end are zero."""
+    out = torch.zeros(x.shape[0], w.shape[-1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(ends):
+        out[start:end] = x[start:end].double() @ w[e].double()
+        start = end
+    return out
+
+
+def reference_wgrad(x, dy, ends):
+    dw = torch.zeros(len(ends), x.shape[1], dy.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(ends):
+        dw[e] = x[start:end].double().t() @ dy[start:end].double()
+        start = end
+    return dw
+
+
+def offsets(counts):
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+COUNTS = {
+    "even": [5, 5, 5, 5],
+    "skewed": [0, 37, 1, 0],
+    "one expert": [23],
+    "empty experts": [0, 0, 0],
+    "zero rows": [0, 0],
+    "many": [3, 0, 9, 1, 0, 0, 12, 2, 7, 0, 4, 1],
+}
+
+
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_forward_and_wgrad_match_per_expert_matmuls(case):
+    counts = COUNTS[case]
+    m, k, n = sum(counts), 24, 40
+    x, w, dy = torch.randn(m, k), torch.randn(len(counts), k, n), torch.randn(m, n)
+    offs = offsets(counts)
+    ends = offs.tolist()
+    torch.testing.assert_close(cpu_grouped.grouped_mm(x, w, offs).double(), reference(x, w, ends),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_grouped.grouped_mm_wgrad(x, dy, offs).double(),
+                               reference_wgrad(x, dy, ends), rtol=1e-5, atol=1e-4)
+    if hasattr(torch, "_grouped_mm") and m:
+        torch.testing.assert_close(cpu_grouped.grouped_mm(x, w, offs),
+                                   torch._grouped_mm(x, w, offs=offs), rtol=1e-5, atol=1e-4)
+
+
+def test_rows_past_the_last_offset_are_zero_and_int64_offsets_work():
+    x, w = torch.randn(20, 8), torch.randn(2, 8, 6)
+    offs = torch.tensor([4, 13])  # int64; rows 13.. belong to no expert
+    out = cpu_grouped.grouped_mm(x, w, offs)
+    assert torch.equal(out[13:], torch.zeros(7, 6))
+    torch.testing.assert_close(out[:13].double(), reference(x, w, [4, 13])[:13], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_other_dtypes(dtype):
+    counts = [7, 0, 18, 3]
+    x = torch.randn(28, 32).to(dtype)
+    w = torch.randn(4, 32, 16).to(dtype)
+    out = cpu_grouped.grouped_mm(x, w, offsets(counts))
+    assert out.dtype == dtype
+    tol = 1e-10 if dtype == torch.float64 else 3e-2
+    torch.testing.assert_close(out.double(), reference(x, w, offsets(counts).tolist()),
+                               rtol=tol, atol=tol * 10)
+
+
+def test_non_contiguous_inputs():
+    counts = [6, 11, 0, 9]
+    x = torch.randn(26, 48)[:, ::2]  # strided columns
+    w = torch.randn(4, 20, 24).transpose(1, 2)  # [4, 24, 20] view, as the backward's wᵀ
+    dy = torch.randn(20, 26).t()
+    offs = offsets(counts)
+    torch.testing.assert_close(cpu_grouped.grouped_mm(x, w, offs).double(),
+                               reference(x, w, offs.tolist()), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_grouped.grouped_mm_wgrad(x, dy, offs).double(),
+                               reference_wgrad(x, dy, offs.tolist()), rtol=1e-5, atol=1e-4)
+
+
+def test_special_values_propagate_to_their_own_expert_only():
+    counts = [3, 4]
+    x, w = torch.randn(7, 8), torch.randn(2, 8, 5)
+    x[1, 2] = float("nan")
+    x[5, 0] = float("inf")
+    out = cpu_grouped.grouped_mm(x, w, offsets(counts))
+    assert out[1].isnan().all()
+    assert out[5].isinf().all()  # one inf input per row: ±inf in every output column
+    assert torch.isfinite(out[[0, 2, 3, 4, 6]]).all()
+
+
+def test_autograd_matches_torch_grouped_mm():
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is missing from this build")
+    from moe_lab.moe.experts import grouped_mm as torch_grouped_mm
+
+    counts = [9, 0, 14, 5]
+    offs = offsets(counts)
+    x0, w0 = torch.randn(28, 16), torch.randn(4, 16, 12)
+    grads = []
+    for fn in (cpu_grouped.grouped_mm, torch_grouped_mm):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fn(x, w, offs).sum().backward()  # a stride-0 gradient
+        grads.append((x.grad, w.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_is_sync_free_under_fake_tensors():
+    x, w = torch.randn(12, 8, requires_grad=True), torch.randn(3, 8, 4, requires_grad=True)
+    offs = offsets([4, 4, 4])
+
+    def step():
+        cpu_grouped.grouped_mm(x, w, offs).square().sum().backward()
+
+    assert_sync_free(step)
+
+
+@pytest.mark.parametrize("offs, match", [
+    (torch.tensor([5, 3], dtype=torch.int32), "non-decreasing"),
+    (torch.tensor([5, 99], dtype=torch.int32), "within"),
+    (torch.tensor([-1, 3], dtype=torch.int32), "non-decreasing"),
+    (torch.tensor([3], dtype=torch.int32), "shape"),
+    (torch.tensor([3.0, 9.0]), "int32 or int64"),
+])
+def test_bad_offsets_raise(offs, match):
+    x, w = torch.randn(10, 4), torch.randn(2, 4, 3)
+    with pytest.raises(RuntimeError, match=match):
+        cpu_grouped.grouped_mm(x, w, offs)
+
+
+def test_mismatched_shapes_and_dtypes_raise():
+    offs = offsets([2, 2])
+    with pytest.raises(RuntimeError, match="K"):
+        cpu_grouped.grouped_mm(torch.randn(4, 5), torch.randn(2, 4, 3), offs)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_grouped.grouped_mm(torch.randn(4, 4), torch.randn(2, 4, 3, dtype=torch.float64), offs)
+    with pytest.raises(RuntimeError, match=r"dy \[M, N\]"):
+        cpu_grouped.grouped_mm_wgrad(torch.randn(4, 4), torch.randn(5, 3), offs)
+
+
+def test_thread_count_is_respected_and_results_do_not_depend_on_it():
+    counts = [40, 3, 0, 25, 17, 1]
+    x, w = torch.randn(86, 32), torch.randn(6, 32, 48)
+    offs = offsets(counts)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(cpu_grouped.grouped_mm(x, w, offs))
+    finally:
+        torch.set_num_threads(before)
+    # each expert is one whole GEMM on one thread either way: identical bits
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_layer_backend_refuses_non_cpu_tokens_with_a_clear_error():
+    from moe_lab import MoELayer
+    from moe_lab.config import MoEConfig
+
+    layer = MoELayer(MoEConfig(d_model=8, n_experts=2, top_k=1, d_expert=8), "dropless", "openmp")
+    with torch.device("meta"):
+        x = torch.empty(4, 8)
+    with pytest.raises(ValueError, match="openmp"):
+        layer.experts.grouped_forward(x, torch.zeros(3, dtype=torch.int32, device="meta"))
