@@ -177,3 +177,76 @@ def test_layer_backend_refuses_non_cpu_tokens_with_a_clear_error():
         x = torch.empty(4, 8)
     with pytest.raises(ValueError, match="openmp"):
         layer.experts.grouped_forward(x, torch.zeros(3, dtype=torch.int32, device="meta"))
+
+
+def unfused_mlp(x, w1, w2, offs):
+    from moe_lab.moe.experts import swiglu
+
+    ends = offs.tolist()
+    out, start = [], 0
+    for e, end in enumerate(ends):
+        out.append(swiglu(x[start:end] @ w1[e]) @ w2[e])
+        start = end
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[-1])
+
+
+@pytest.mark.parametrize("case", list(COUNTS))
+def test_expert_mlp_forward_and_backward_match_the_plain_chain(case):
+    counts = COUNTS[case]
+    n, d, f = sum(counts), 16, 12
+    offs = offsets(counts)
+    x0, w10, w20 = torch.randn(n + 2, d), torch.randn(len(counts), d, 2 * f), torch.randn(len(counts), f, d)
+    dy = torch.randn(n, d)
+    results = []
+    for fn in (cpu_grouped.expert_mlp, unfused_mlp):
+        x, w1, w2 = (t.clone().requires_grad_() for t in (x0, w10, w20))
+        y = fn(x, w1, w2, offs)
+        (y[:n] * dy).sum().backward()
+        results.append((y[:n], x.grad[:n], w1.grad, w2.grad))
+        if fn is cpu_grouped.expert_mlp:  # rows past the last offset: zero, and no gradient
+            assert torch.equal(y[n:], torch.zeros(2, d))
+            assert torch.equal(x.grad[n:], torch.zeros(2, d))
+    for ours, ref in zip(*results, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_mlp_bf16_non_contiguous_and_partial_grads():
+    counts = [9, 0, 17, 4]
+    offs = offsets(counts)
+    x = torch.randn(30, 64)[:, ::2].bfloat16()  # strided columns, d = 32
+    w1 = torch.randn(4, 48, 32).transpose(1, 2).bfloat16().requires_grad_()  # [4, 32, 48] view
+    w2 = torch.randn(4, 24, 32).bfloat16().requires_grad_()
+    y = cpu_grouped.expert_mlp(x, w1, w2, offs)  # x needs no gradient
+    same_steps = unfused_mlp(x, w1.detach(), w2.detach(), offs)  # the same bf16 roundings
+    torch.testing.assert_close(y, same_steps, rtol=1e-2, atol=1e-2)
+    exact = unfused_mlp(x.double(), w1.double(), w2.double(), offs)
+    assert (y.double() - exact).norm() / exact.norm() < 1e-2
+    y.float().square().sum().backward()
+    assert w1.grad.shape == w1.shape and w2.grad.shape == w2.shape and x.grad is None
+    assert torch.isfinite(w1.grad.float()).all()
+
+
+def test_expert_mlp_is_sync_free_and_the_layer_uses_it():
+    from moe_lab import MoELayer
+    from moe_lab.config import MoEConfig
+
+    layer = MoELayer(MoEConfig(d_model=32, n_experts=4, top_k=2, d_expert=32), "dropless", "openmp")
+    assert_sync_free(layer, torch.randn(10, 32, requires_grad=True))
+    with torch.profiler.profile() as prof:
+        layer(torch.randn(10, 32))[0].sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "moe_lab::openmp_expert_mlp" in names and "moe_lab::openmp_expert_mlp_backward" in names
+    # with MXFP8 emulation the quantizers sit between the GEMMs: the two grouped GEMMs then
+    layer.experts.quant = "mxfp8"
+    with torch.profiler.profile() as prof:
+        layer(torch.randn(10, 32))
+    names = {e.name for e in prof.events()}
+    assert "moe_lab::openmp_grouped_mm" in names and "moe_lab::openmp_expert_mlp" not in names
+
+
+def test_expert_mlp_bad_shapes_raise():
+    offs = offsets([2, 2])
+    with pytest.raises(RuntimeError, match="chain"):
+        cpu_grouped.expert_mlp(torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 4, 8), offs)
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_grouped.expert_mlp(torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 3, 8).double(), offs)

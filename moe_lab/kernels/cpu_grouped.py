@@ -130,6 +130,60 @@ def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
 
 
+@torch.library.custom_op("moe_lab::openmp_expert_mlp", mutates_args=())
+def _expert_mlp(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    _check(x, w1, w2, offs)
+    y, h = extension().expert_mlp(x, w1, w2, offs)
+    return y, h
+
+
+@_expert_mlp.register_fake
+def _(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape[0], w2.shape[-1]), x.new_empty(x.shape[0], w1.shape[-1])
+
+
+@torch.library.custom_op("moe_lab::openmp_expert_mlp_backward", mutates_args=())
+def _expert_mlp_backward(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
+                         dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    _check(x, h, w1, w2, offs, dy)
+    dx, dw1, dw2 = extension().expert_mlp_backward(x, h, w1, w2, offs, dy)
+    return dx, dw1, dw2
+
+
+@_expert_mlp_backward.register_fake
+def _(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Tensor, dy: Tensor):
+    return x.new_empty(x.shape), x.new_empty(w1.shape), x.new_empty(w2.shape)
+
+
+def _mlp_setup(ctx, inputs, output) -> None:
+    x, w1, w2, offs = inputs
+    ctx.save_for_backward(x, output[1], w1, w2, offs)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _mlp_backward(ctx, dy: Tensor, _dh: Tensor | None):
+    x, h, w1, w2, offs = ctx.saved_tensors
+    dx, dw1, dw2 = _expert_mlp_backward(x, h, w1, w2, offs, dy)
+    needs = ctx.needs_input_grad
+    return (dx if needs[0] else None, dw1 if needs[1] else None, dw2 if needs[2] else None, None)
+
+
+_expert_mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+
+
+def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, offs: Tensor) -> Tensor:
+    """Every expert's SwiGLU MLP over its rows in one pass over the experts:
+    ``y[rows of e] = swiglu(x[rows of e] · w_gate_up[e]) · w_down[e]``.
+
+    ``x: [M, d]``, ``w_gate_up: [E, d, 2f]``, ``w_down: [E, f, d_out]``, ``offs: [E]``
+    cumulative row ends. The same function as two `grouped_mm` calls with `swiglu` between
+    them, but each core runs an expert's first GEMM, SwiGLU and second GEMM back to back, so
+    the expert's ``[rows, 2f]`` pre-activation is read while still in that core's cache; the
+    backward does the same per expert (five GEMMs and the SwiGLU gradient). Saves ``x`` and
+    the pre-activation for the backward, not the activation (recomputed per expert)."""
+    return _expert_mlp(x, w_gate_up, w_down, offs)[0]
+
+
 def _register_autograd() -> None:
     from moe_lab.moe.experts import register_grouped_mm_autograd
 

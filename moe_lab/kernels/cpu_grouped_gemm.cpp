@@ -91,7 +91,91 @@ at::Tensor grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy, const at:
   return dw;
 }
 
+// The whole expert MLP, y[rows of e] = swiglu(x[rows of e] @ w1[e]) @ w2[e], one expert per
+// core at a time: the pre-activation h of an expert is still in that core's cache when its
+// SwiGLU and second GEMM read it. Returns {y, h}; h (the pre-activation, [M, 2f]) is what the
+// backward needs besides x. Rows past the last end are zero in both.
+std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                                   const at::Tensor& offs) {
+  TORCH_CHECK(x.device().is_cpu() && w1.device().is_cpu() && w2.device().is_cpu(),
+              "expert_mlp: x, w1 and w2 must be on the CPU");
+  TORCH_CHECK(x.dim() == 2 && w1.dim() == 3 && w2.dim() == 3, "expert_mlp: x must be [M, d], w1 [E, d, 2f] "
+              "and w2 [E, f, d_out], got ", x.sizes(), ", ", w1.sizes(), " and ", w2.sizes());
+  const int64_t n_groups = w1.size(0), m = x.size(0), two_f = w1.size(2), f = two_f / 2;
+  TORCH_CHECK(x.size(1) == w1.size(1) && two_f % 2 == 0 && w2.size(0) == n_groups && w2.size(1) == f,
+              "expert_mlp: shapes do not chain: x ", x.sizes(), ", w1 ", w1.sizes(), ", w2 ", w2.sizes());
+  TORCH_CHECK(x.scalar_type() == w1.scalar_type() && x.scalar_type() == w2.scalar_type(),
+              "expert_mlp: x, w1 and w2 must share a dtype, got ", x.scalar_type(), ", ",
+              w1.scalar_type(), " and ", w2.scalar_type());
+  const auto ends = row_ends(offs, n_groups, m, "expert_mlp");
+  at::Tensor h = at::empty({m, two_f}, x.options());
+  at::Tensor y = at::empty({m, w2.size(2)}, x.options());
+  const int64_t last = n_groups ? ends[n_groups - 1] : 0;
+  if (last < m) {
+    h.slice(0, last, m).zero_();
+    y.slice(0, last, m).zero_();
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t e = 0; e < n_groups; ++e) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
+    if (end == start) continue;
+    at::Tensor h_e = h.slice(0, start, end), y_e = y.slice(0, start, end);
+    at::mm_out(h_e, x.slice(0, start, end), w1.select(0, e));
+    at::Tensor a = at::silu(h_e.narrow(1, 0, f));
+    a.mul_(h_e.narrow(1, f, f));
+    at::mm_out(y_e, a, w2.select(0, e));
+  }
+  return {y, h};
+}
+
+// Backward of expert_mlp, again one expert per core: {dx, dw1, dw2}. The activation
+// a = silu(gate) * up is recomputed from h per expert (cheap, and cache-hot) rather than kept
+// from the forward.
+std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w1,
+                                            const at::Tensor& w2, const at::Tensor& offs,
+                                            const at::Tensor& dy) {
+  const int64_t n_groups = w1.size(0), m = x.size(0), f = w1.size(2) / 2;
+  TORCH_CHECK(h.size(0) == m && dy.size(0) == m && dy.size(1) == w2.size(2),
+              "expert_mlp_backward: shapes do not match: x ", x.sizes(), ", h ", h.sizes(), ", dy ",
+              dy.sizes(), ", w2 ", w2.sizes());
+  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "expert_mlp_backward: dy must have x's dtype ",
+              x.scalar_type(), ", got ", dy.scalar_type());
+  const auto ends = row_ends(offs, n_groups, m, "expert_mlp_backward");
+  at::Tensor dx = at::empty({m, x.size(1)}, x.options());
+  at::Tensor dw1 = at::empty(w1.sizes(), x.options());
+  at::Tensor dw2 = at::empty(w2.sizes(), x.options());
+  const int64_t last = n_groups ? ends[n_groups - 1] : 0;
+  if (last < m) dx.slice(0, last, m).zero_();
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t e = 0; e < n_groups; ++e) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
+    at::Tensor dw1_e = dw1.select(0, e), dw2_e = dw2.select(0, e);
+    if (end == start) {
+      dw1_e.zero_();
+      dw2_e.zero_();
+      continue;
+    }
+    at::Tensor x_e = x.slice(0, start, end), h_e = h.slice(0, start, end), dy_e = dy.slice(0, start, end);
+    at::Tensor gate = h_e.narrow(1, 0, f), up = h_e.narrow(1, f, f);
+    at::Tensor s = at::silu(gate);
+    at::mm_out(dw2_e, (s * up).t(), dy_e);                 // dW2 = aᵀ · dy
+    at::Tensor da = at::mm(dy_e, w2.select(0, e).t());     // da = dy · W2ᵀ
+    at::Tensor dh = at::empty({end - start, 2 * f}, x.options());
+    at::Tensor dgate = dh.narrow(1, 0, f), dup = dh.narrow(1, f, f);
+    at::mul_out(dup, da, s);                               // d up   = da · silu(gate)
+    at::silu_backward_out(dgate, da * up, gate);           // d gate = da · up · silu'(gate)
+    at::mm_out(dw1_e, x_e.t(), dh);                        // dW1 = xᵀ · dh
+    at::Tensor dx_e = dx.slice(0, start, end);
+    at::mm_out(dx_e, dh, w1.select(0, e).t());             // dx = dh · W1ᵀ
+  }
+  return {dx, dw1, dw2};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("expert_mlp", &expert_mlp, "every expert's SwiGLU MLP over its rows, experts spread over cores");
+  m.def("expert_mlp_backward", &expert_mlp_backward, "backward of expert_mlp: {dx, dw1, dw2}");
   m.def("grouped_mm", &grouped_mm, "out[rows of e] = x[rows of e] @ w[e], experts spread over cores");
   m.def("grouped_mm_wgrad", &grouped_mm_wgrad, "dw[e] = x[rows of e]^T @ dy[rows of e]");
 }

@@ -24,8 +24,9 @@ selected by ``backend``:
   slices each expert's rows would need their count on the host).
 - ``torch`` — ``torch._grouped_mm``: one grouped GEMM over the offsets, wrapped as the
   custom op ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it.
-- ``openmp`` — on a CPU only: moe_lab's C++ grouped GEMM that hands each core whole experts
-  (``moe_lab.kernels.cpu_grouped``; built on first use, needs a C++ compiler).
+- ``openmp`` — on a CPU only: moe_lab's C++ kernels that hand each core whole experts, each
+  expert's two GEMMs and SwiGLU run back to back on its core (``moe_lab.kernels.cpu_grouped``;
+  built on first use, needs a C++ compiler).
 - ``triton`` — moe_lab's own Triton grouped GEMM with SwiGLU fused into the first GEMM's
   epilogue (``moe_lab.kernels.grouped_gemm``).
 """
@@ -187,11 +188,15 @@ class SwiGLUExperts(nn.Module):
             return self._loop_forward(x, offsets)
         if self.backend in ("torch", "openmp"):
             if self.backend == "openmp":
+                from moe_lab.kernels.cpu_grouped import expert_mlp
                 from moe_lab.kernels.cpu_grouped import grouped_mm as mm
 
                 if x.device.type != "cpu":
                     raise ValueError(f"expert backend 'openmp' runs on the CPU, got tokens on "
                                      f"{x.device}; use expert_backend='torch' or 'triton'")
+                if self.quant is None:  # both GEMMs and the SwiGLU per expert, on one core
+                    return expert_mlp(x, self.w_gate_up.to(x.dtype), self.w_down.to(x.dtype),
+                                      offsets[1:])
             else:
                 mm = grouped_mm
                 if x.is_cuda and x.dtype != torch.bfloat16:
