@@ -37,6 +37,14 @@ std::vector<int64_t> row_ends(const at::Tensor& offs, int64_t n_groups, int64_t 
   return ends;
 }
 
+// Zero the rows of each tensor past the last group's end (rows that belong to no expert).
+void zero_tail(const std::vector<int64_t>& ends, std::initializer_list<at::Tensor> tensors) {
+  const int64_t end = ends.empty() ? 0 : ends.back();
+  for (const at::Tensor& t : tensors) {
+    if (end < t.size(0)) t.slice(0, end, t.size(0)).zero_();
+  }
+}
+
 }  // namespace
 
 // out[rows of e] = x[rows of e] @ w[e]; rows past the last end are zero.
@@ -50,8 +58,7 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   const int64_t n_groups = w.size(0), m = x.size(0);
   const auto ends = row_ends(offs, n_groups, m, "grouped_mm");
   at::Tensor out = at::empty({m, w.size(2)}, x.options());
-  const int64_t last = n_groups ? ends[n_groups - 1] : 0;
-  if (last < m) out.slice(0, last, m).zero_();
+  zero_tail(ends, {out});
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t e = 0; e < n_groups; ++e) {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -110,11 +117,7 @@ std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, co
   const auto ends = row_ends(offs, n_groups, m, "expert_mlp");
   at::Tensor h = at::empty({m, two_f}, x.options());
   at::Tensor y = at::empty({m, w2.size(2)}, x.options());
-  const int64_t last = n_groups ? ends[n_groups - 1] : 0;
-  if (last < m) {
-    h.slice(0, last, m).zero_();
-    y.slice(0, last, m).zero_();
-  }
+  zero_tail(ends, {h, y});
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t e = 0; e < n_groups; ++e) {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -145,8 +148,7 @@ std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tenso
   at::Tensor dx = at::empty({m, x.size(1)}, x.options());
   at::Tensor dw1 = at::empty(w1.sizes(), x.options());
   at::Tensor dw2 = at::empty(w2.sizes(), x.options());
-  const int64_t last = n_groups ? ends[n_groups - 1] : 0;
-  if (last < m) dx.slice(0, last, m).zero_();
+  zero_tail(ends, {dx});
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t e = 0; e < n_groups; ++e) {
     at::AutoDispatchBelowADInplaceOrView guard;
