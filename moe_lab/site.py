@@ -68,6 +68,8 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  "capacity cf1"),
         Headline("vs_naive", "capacity dispatch speed vs naive", "capacity cf1"),),
     "03_dropless_sync_free": (
+        Headline("vs_naive", "dropless (openmp grouped GEMM) MoE layer speed vs naive, "
+                 "fine-grained experts", "fine:dropless openmp"),
         Headline("vs_naive", "dropless (torch grouped GEMM) MoE layer speed vs naive, "
                  "fine-grained experts", "fine:dropless torch"),
         Headline("vs_naive", "dropless MoE layer speed vs naive", "coarse:dropless torch"),),

@@ -45,6 +45,17 @@ void zero_tail(const std::vector<int64_t>& ends, std::initializer_list<at::Tenso
   }
 }
 
+// Elementwise math in float32 for 16-bit inputs (one rounding at the end, as a fused GPU
+// epilogue or Inductor's generated code does); float32 and float64 as they are.
+at::Tensor widen(const at::Tensor& t) {
+  return at::isReducedFloatingType(t.scalar_type()) ? t.to(at::kFloat) : t;
+}
+
+// silu(gate) * up in the inputs' dtype, computed as `widen` says.
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  return at::silu(widen(gate)).mul_(widen(up)).to(gate.scalar_type());
+}
+
 }  // namespace
 
 // out[rows of e] = x[rows of e] @ w[e]; rows past the last end are zero.
@@ -125,8 +136,7 @@ std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, co
     if (end == start) continue;
     at::Tensor h_e = h.slice(0, start, end), y_e = y.slice(0, start, end);
     at::mm_out(h_e, x.slice(0, start, end), w1.select(0, e));
-    at::Tensor a = at::silu(h_e.narrow(1, 0, f));
-    a.mul_(h_e.narrow(1, f, f));
+    const at::Tensor a = swiglu(h_e.narrow(1, 0, f), h_e.narrow(1, f, f));
     at::mm_out(y_e, a, w2.select(0, e));
   }
   return {y, h};
@@ -161,13 +171,13 @@ std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tenso
     }
     at::Tensor x_e = x.slice(0, start, end), h_e = h.slice(0, start, end), dy_e = dy.slice(0, start, end);
     at::Tensor gate = h_e.narrow(1, 0, f), up = h_e.narrow(1, f, f);
-    at::Tensor s = at::silu(gate);
-    at::mm_out(dw2_e, (s * up).t(), dy_e);                 // dW2 = aᵀ · dy
-    at::Tensor da = at::mm(dy_e, w2.select(0, e).t());     // da = dy · W2ᵀ
+    const at::Tensor g = widen(gate), u = widen(up);
+    const at::Tensor s = at::silu(g);
+    at::mm_out(dw2_e, (s * u).to(x.scalar_type()).t(), dy_e);  // dW2 = aᵀ · dy
+    const at::Tensor da = widen(at::mm(dy_e, w2.select(0, e).t()));  // da = dy · W2ᵀ
     at::Tensor dh = at::empty({end - start, 2 * f}, x.options());
-    at::Tensor dgate = dh.narrow(1, 0, f), dup = dh.narrow(1, f, f);
-    at::mul_out(dup, da, s);                               // d up   = da · silu(gate)
-    at::silu_backward_out(dgate, da * up, gate);           // d gate = da · up · silu'(gate)
+    dh.narrow(1, f, f).copy_(da * s);                              // d up   = da · silu(gate)
+    dh.narrow(1, 0, f).copy_(at::silu_backward(da * u, g));        // d gate = da · up · silu'(gate)
     at::mm_out(dw1_e, x_e.t(), dh);                        // dW1 = xᵀ · dh
     at::Tensor dx_e = dx.slice(0, start, end);
     at::mm_out(dx_e, dh, w1.select(0, e).t());             // dx = dh · W1ᵀ
