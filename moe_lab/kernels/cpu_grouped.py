@@ -5,20 +5,28 @@ core. MoE experts are small GEMMs (a few hundred rows each), and splitting a sma
 across cores leaves each core a sliver plus a wait at the end of every expert. The kernel
 here (``cpu_grouped_gemm.cpp``, beside this file) turns the loop inside out: an OpenMP loop
 hands each core whole experts in turn, first come first served (a dynamic schedule: the
-experts' row counts differ), and each core runs its experts' GEMMs single-threaded. It is the CPU
-counterpart of the GPU grouped GEMM's tile scheduler: the unit of work is an expert's rows,
+experts' row counts differ), and each core runs its experts' GEMMs single-threaded. It is
+the CPU counterpart of the GPU grouped GEMM's tile scheduler: the unit of work is an expert's rows,
 not a slice of one expert's GEMM. On the 2-core reference machine the forward, dX and dW
 grouped GEMMs of the benchmark's shapes ran 1.05-1.6x faster this way, fp32 and bf16
 (``python -m moe_lab bench moe-layer`` times the layers built on it).
 
-The kernel is C++, built on first use with ``torch.utils.cpp_extension`` (about 30 s, once
+`expert_mlp` goes one step further, the CPU form of fusing SwiGLU into the first GEMM's
+epilogue: each core runs an expert's first GEMM, its SwiGLU and its second GEMM back to back
+(and in the backward its five GEMMs and the SwiGLU gradient), so an expert's pre-activation
+is used while still in that core's cache, and the ``[M, 2f]`` intermediate never makes a
+round trip through memory between separate passes. SwiGLU runs in float32 for 16-bit inputs.
+The ``openmp`` expert backend uses it; `grouped_mm` alone serves where something must happen
+between the GEMMs (MXFP8 emulation quantizes the activation there).
+
+The kernels are C++, built on first use with ``torch.utils.cpp_extension`` (about 30 s, once
 per machine and torch version; ``make install`` builds it ahead). It needs a C++ compiler
 with OpenMP — the same one ``torch.compile`` needs on a CPU. Without one, `available`
 says False, `extension` raises with the reason, and the ``torch`` backend remains.
 
-Both launches are ``torch.library.custom_op`` s with fake implementations and the same
-autograd formula as ``moe_lab::grouped_mm``, so the sync detector and ``torch.compile``
-trace through them. The offsets are read on the host, which on a CPU is where they
+Every launch is a ``torch.library.custom_op`` with a fake implementation (`grouped_mm`
+with the same autograd formula as ``moe_lab::grouped_mm``), so the sync detector and
+``torch.compile`` trace through them. The offsets are read on the host, which on a CPU is where they
 already are: no device is waited for, and they are checked (a bad offset raises).
 """
 
