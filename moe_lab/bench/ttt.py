@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from moe_lab.config import ModelConfig, preset
+from moe_lab.config import ModelConfig, _positive, preset
 
 DESCRIPTION = "time to a target eval loss (a mini MLPerf): naive stack vs optimised stack"
 NOTEBOOK = "bench:time-to-train"
@@ -328,10 +328,7 @@ class TTTConfig:
     corpus: str = "synthetic"
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "max_steps", "eval_every", "eval_per_domain", "min_eval_rows"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"TTTConfig.{name} must be a positive integer, got {value!r}")
+        _positive(self, "batch_size", "max_steps", "eval_every", "eval_per_domain", "min_eval_rows")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"TTTConfig.warmup_steps must be a non-negative integer, "
                              f"got {self.warmup_steps!r}")

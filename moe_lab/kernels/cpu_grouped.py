@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from moe_lab.moe.experts import register_grouped_mm_autograd
+
 Tensor = torch.Tensor
 
 SOURCE = Path(__file__).with_name("cpu_grouped_gemm.cpp")
@@ -192,13 +194,7 @@ def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, offs: Tensor) -> Te
     return _expert_mlp(x, w_gate_up, w_down, offs)[0]
 
 
-def _register_autograd() -> None:
-    from moe_lab.moe.experts import register_grouped_mm_autograd
-
-    register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)
-
-
-_register_autograd()
+register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)
 
 
 if __name__ == "__main__":  # `python -m moe_lab.kernels.cpu_grouped`: build ahead (make install)
