@@ -4,7 +4,9 @@
 (``k``/``v`` may have fewer heads than ``q``: grouped-query attention) returns
 ``[batch, heads, seq, head_dim]``. ``reference`` is the textbook definition
 (softmax(QKᵀ/√d + causal mask)·V, computed in float32); ``sdpa`` is PyTorch's fused
-``scaled_dot_product_attention``.
+``scaled_dot_product_attention``; ``sdpa_fp32`` the same with the core in float32;
+``cpu_fused`` is moe_lab's own CPU kernel (`moe_lab.kernels.cpu_attention`: one core per
+batch and head, causal blocks skipped, float32).
 
 MXFP8 attention (NVIDIA's MoE recipe moves attention's two batched matmuls to MXFP8):
 each matmul's operands are blocked along *its* reduction dimension — Q and K along
@@ -78,6 +80,18 @@ def sdpa_fp32_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     with torch.autocast(q.device.type, enabled=False):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     return out.to(q.dtype)
+
+
+@register_attention("cpu_fused")
+def cpu_fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """moe_lab's fused causal attention for the CPU (`moe_lab.kernels.cpu_attention`): one
+    core per (batch, head), the causal blocks above the diagonal skipped, float32 whatever
+    the inputs' dtype (output cast back to ``q.dtype``). Needs the C++ CPU kernels
+    (`moe_lab.kernels.cpu_ext.available`)."""
+    from moe_lab.kernels.cpu_attention import causal_attention as fused
+
+    k, v = _expand_kv(q, k, v)
+    return fused(q, k, v)
 
 
 MX_OPERANDS = ("q", "k", "p", "v")

@@ -24,6 +24,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,12 +112,15 @@ def _make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 @torch.no_grad()
 @torch.no_grad()
-def evaluate(model: MoETransformer, eval_batch, domains: list[str]) -> dict[str, float]:
+def evaluate(model: MoETransformer, eval_batch, domains: list[str],
+             forward: Callable | None = None) -> dict[str, float]:
     """Mean next-token loss per domain (and ``"all"``) on a fixed eval batch (no autograd
-    graph: nothing is kept for a backward that never comes)."""
+    graph: nothing is kept for a backward that never comes). ``forward`` (default: the
+    model itself) runs the model, e.g. its ``torch.compile`` under autocast; the model is put
+    in eval mode around it either way."""
     was_training = model.training
     model.eval()
-    logits = model(eval_batch.x).logits
+    logits = (model if forward is None else forward)(eval_batch.x).logits
     per_token = torch.nn.functional.cross_entropy(
         logits.float().transpose(1, 2), eval_batch.y, reduction="none"
     )

@@ -34,25 +34,30 @@ def test_stack_validates_its_choices():
         Stack("x", router_impl="triton", router_dtype="fp64")
     with pytest.raises(ValueError, match="sync_free"):
         Stack("x", compile=True)
+    with pytest.raises(ValueError, match="compiled_eval"):
+        Stack("x", sync_free=True, compiled_eval=True)
     assert "naive dispatch" in NAIVE.describe() and "FP64" in NAIVE.describe()
 
 
 def test_optimised_stack_on_a_cpu():
-    from moe_lab.kernels import cpu_grouped
+    from moe_lab.kernels import cpu_ext
     from moe_lab.perf.capabilities import native_bf16_cpu
 
     best = ttt.optimised_stack("cpu")
-    grouped = "openmp" if cpu_grouped.available() else "torch"
+    kernels = cpu_ext.available()
+    grouped = "openmp" if kernels else "torch"
     assert (best.dispatcher, best.expert_backend, best.router_dtype) == ("dropless", grouped, "fp32")
     assert best.sync_free and best.compile and not best.graphed and best.mxfp8 == ()
+    assert best.compiled_eval and "confirmed in FP32" in best.describe()
     assert any("emulated" in note for note in best.notes)  # MXFP8 left off, and why
     eager = ttt.optimised_stack("cpu", compile=False, router_impl="compiled")
-    assert not eager.compile and eager.router_impl == "compiled"
+    assert not eager.compile and eager.router_impl == "compiled" and not eager.compiled_eval
     # BF16 autocast exactly where the CPU has bf16 matmul instructions, attention core in FP32
     assert best.amp == ("bf16" if native_bf16_cpu() else "")
-    assert best.attention_impl == ("sdpa_fp32" if best.amp else "sdpa")
+    assert best.attention_impl == ("cpu_fused" if kernels else "sdpa_fp32" if best.amp else "sdpa")
     fp32 = ttt.optimised_stack("cpu", amp="")
-    assert fp32.amp == "" and fp32.attention_impl == "sdpa" and "BF16" not in fp32.describe()
+    assert fp32.amp == "" and "BF16" not in fp32.describe()
+    assert fp32.attention_impl == ("cpu_fused" if kernels else "sdpa")
     forced = ttt.optimised_stack("cpu", amp="bf16")
     assert forced.amp == "bf16" and "BF16 autocast" in forced.describe()
     with pytest.raises(ValueError, match="amp"):
@@ -71,8 +76,10 @@ def test_ladder_adds_one_technique_per_rung(compile_, amp):
     assert stacks[0] == NAIVE
     best = ttt.optimised_stack("cpu", compile=compile_, amp=amp)
     assert replace(stacks[-1], notes=()) == replace(best, notes=())
-    assert len(rungs) == 4 + compile_ + bool(amp)
-    fields = ("dispatcher", "router_dtype", "sync_free", "compile", "amp")
+    fused = best.attention_impl == "cpu_fused"  # a rung of its own where the kernels build
+    assert len(rungs) == 4 + fused + compile_ + bool(amp)
+    fields = ("dispatcher", "router_dtype", "sync_free", "compile", "amp") + (
+        ("attention_impl",) if fused else ())
     for before, after in zip(stacks, stacks[1:]):
         changed = [f for f in fields if getattr(before, f) != getattr(after, f)]
         assert len(changed) == 1, (before, after)
@@ -187,6 +194,23 @@ def test_the_race_gives_each_stack_its_own_clock():
     assert [p["eval_loss"] for p in raced[0].curve] == [p["eval_loss"] for p in alone.curve]
     with pytest.raises(ValueError, match="CPU"):
         ttt.race([NAIVE, best], cfg, device="meta")
+
+
+def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monkeypatch):
+    best = ttt.optimised_stack("cpu", amp="bf16")
+    assert best.compiled_eval
+    # reached: the compiled (BF16) evaluation and the FP32 confirmation agree
+    run = ttt.time_to_train(best, MICRO)
+    assert run.reached and run.steps == 3
+    (point,) = run.curve
+    assert point["eval_loss"] <= MICRO.target_loss
+    assert point["compiled_eval_loss"] == pytest.approx(point["eval_loss"], rel=1e-2)
+    # the compiled evaluation claims the target; FP32 disagrees, so training goes on
+    monkeypatch.setattr(ttt._SyncFreeTrainer, "evaluate", lambda self, batch, domains: 0.0)
+    run = ttt.time_to_train(best, replace(MICRO, target_loss=0.01))
+    assert not run.reached and run.steps == MICRO.max_steps
+    assert [p["compiled_eval_loss"] for p in run.curve] == [0.0, 0.0]
+    assert all(p["eval_loss"] > 0.01 for p in run.curve)
 
 
 # ------------------------------------------------------------------------------ ladder, ledger

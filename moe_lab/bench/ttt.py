@@ -32,11 +32,13 @@ package, never a code path of its own:
   builds it, else ``torch._grouped_mm``; moe_lab's Triton kernel on a GPU); the router in FP32
   (the fused Triton kernel where Triton compiles; on a CPU whichever of the reference chain
   and its ``torch.compile`` is measured faster, see `pick_router_impl`); the sync-free step
-  of `moe_lab.step` (fused AdamW, statistics on the device); on a CPU with bf16 matmul
-  instructions, BF16 autocast (FP32 master weights, router, attention core and loss; expert
-  groups padded to 64 rows so the bf16 GEMM kernels compiled per row count are reused);
-  ``torch.compile`` of the model
-  on a CPU, the whole step captured as a CUDA graph on a GPU; MXFP8 only where the GPU has
+  of `moe_lab.step` (fused AdamW, statistics on the device); on a CPU moe_lab's fused
+  attention kernel (`moe_lab.kernels.cpu_attention`) and, with bf16 matmul instructions,
+  BF16 autocast (FP32 master weights, router, attention core and loss; expert groups padded
+  to 64 rows so the bf16 GEMM kernels compiled per row count are reused); ``torch.compile``
+  of the model on a CPU, its evaluations compiled too (an evaluation that reaches the target
+  is confirmed by the plain FP32 one before the clock stops), the whole step captured as a
+  CUDA graph on a GPU; MXFP8 only where the GPU has
   MX tensor cores and Transformer Engine runs them — elsewhere it is emulated, slower, and
   left off.
 
@@ -87,8 +89,11 @@ class Stack:
     runs the forward under ``torch.autocast`` in that dtype (fp32 master weights, the router
     and the loss in fp32); ``attention_impl`` names the attention core
     (`moe_lab.attention.ATTENTION_IMPLS`); ``row_align`` pads every expert's group of the
-    dropless layout to a multiple of that many rows (``SwiGLUExperts.row_align``). ``notes``
-    say why a choice was made or left out on this machine.
+    dropless layout to a multiple of that many rows (``SwiGLUExperts.row_align``);
+    ``compiled_eval`` (with ``compile``) runs the evaluations through a ``torch.compile`` of
+    the model under the stack's autocast, and confirms an evaluation that reaches the
+    target with the plain FP32 one before the clock stops (`race`). ``notes`` say why a
+    choice was made or left out on this machine.
     """
 
     name: str
@@ -103,6 +108,7 @@ class Stack:
     amp: str = ""
     attention_impl: str = "sdpa"
     row_align: int = 1
+    compiled_eval: bool = False
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -131,6 +137,8 @@ class Stack:
         if (self.compile or self.graphed or self.amp) and not self.sync_free:
             raise ValueError("Stack: compile, graphed and amp apply to the sync-free step; set "
                              "sync_free=True")
+        if self.compiled_eval and not self.compile:
+            raise ValueError("Stack: compiled_eval evaluates through torch.compile; set compile=True")
 
     def describe(self) -> str:
         """One line: what this stack runs."""
@@ -147,6 +155,9 @@ class Stack:
             parts.append(f"expert groups padded to {self.row_align} rows")
         if self.compile:
             parts.append("torch.compile")
+        if self.compiled_eval:
+            parts.append("evaluation compiled" + (f" in {self.amp.upper()}" if self.amp else "")
+                         + " (the crossing confirmed in FP32)")
         if self.graphed:
             parts.append("CUDA graph")
         if self.mxfp8:
@@ -197,10 +208,11 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     of the model; without it, pass the winner of `pick_router_impl`).
     ``amp`` (CPU only): ``"bf16"`` or ``""``; by default BF16 autocast where the CPU has bf16
     matmul instructions (`moe_lab.perf.capabilities.native_bf16_cpu`), with the attention
-    core kept in FP32
-    (``sdpa_fp32``: PyTorch's bf16 flash-attention backward on a CPU is slower than its FP32
-    one). On a GPU the model stays in FP32 here (BF16 there is the next step, not yet
-    validated on a GPU in this workbook).
+    core kept in FP32 (PyTorch's bf16 flash-attention backward on a CPU is slower than its
+    FP32 one). On a CPU the attention is moe_lab's fused kernel (``cpu_fused``) where its
+    C++ kernels build, else ``sdpa_fp32`` / ``sdpa``; with ``compile`` the evaluations are
+    compiled too (``compiled_eval``). On a GPU the model stays in FP32 here (BF16 there is
+    the next step, not yet validated on a GPU in this workbook).
     """
     device = _device(device)
     mxfp8, mx_note = _mxfp8_targets(device)
@@ -231,7 +243,16 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
         why = (f"{backend} grouped GEMM: the OpenMP one did not build here, and Triton runs "
                f"interpreted on a CPU (correct, far too slow)")
     router = router_impl or "reference"
-    notes = [why,
+    fused_attention = cpu_grouped.available()  # the same C++ extension holds the attention
+    if fused_attention:
+        attention, attention_note = "cpu_fused", (
+            "moe_lab's fused CPU attention (moe_lab.kernels.cpu_attention): one core per "
+            "(batch, head), causal blocks skipped, FP32")
+    else:
+        attention = "sdpa_fp32" if amp else "sdpa"
+        attention_note = ("PyTorch's scaled_dot_product_attention" + (" with its core in FP32"
+                          if amp else "") + ": moe_lab's CPU kernels did not build here")
+    notes = [why, attention_note,
              ("the FP32 reference router, compiled together with the model" if compile and
               router == "reference" else f"the {router} router in FP32"),
              ("BF16 autocast (FP32 master weights, router and loss): this CPU has bf16 matmul "
@@ -239,12 +260,15 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
               if amp else "FP32: this CPU has no bf16 matmul instructions (bf16 would be emulated)"),
              ("torch.compile of the model (its compile time is initialisation, reported as "
               "init_s)" if compile else "eager: torch.compile off"),
+             ("evaluation through a torch.compile of the model" + (" under BF16 autocast" if amp
+              else "") + "; an evaluation that reaches the target is confirmed by the plain "
+              "FP32 one, which the naive stack uses, before the clock stops"
+              if compile else "evaluation eager in FP32"),
              "no CUDA graph: there is no CUDA here", mx_note]
     return Stack("optimised", dispatcher="dropless", expert_backend=backend, router_impl=router,
                  router_dtype="fp32", sync_free=True, compile=compile, graphed=False,
-                 mxfp8=(), amp=amp, attention_impl="sdpa_fp32" if amp else "sdpa",
-                 row_align=64 if amp else 1,
-                 notes=tuple(notes))
+                 mxfp8=(), amp=amp, attention_impl=attention, row_align=64 if amp else 1,
+                 compiled_eval=compile, notes=tuple(notes))
 
 
 def ladder(device: torch.device | str | None = None, *, compile: bool | None = None,
@@ -253,7 +277,8 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
 
     The rungs: the naive stack; + dropless dispatch with a grouped GEMM; + the router in
     FP32 (``router_impl``: fused where Triton compiles, on a CPU the winner of
-    `pick_router_impl`); + the sync-free step; + BF16 autocast (CPU, where it pays; ``amp``
+    `pick_router_impl`); + the sync-free step; + moe_lab's fused CPU attention (where its
+    C++ kernels build); + BF16 autocast (CPU, where it pays; ``amp``
     as in `optimised_stack`); + ``torch.compile`` (CPU, where on: the
     router chain is then compiled with the model, as the reference) or the CUDA graph
     (GPU); + MXFP8, where native. The last rung is `optimised_stack`.
@@ -273,6 +298,9 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
     sync_free = replace(fp32, name="sync-free", sync_free=True)
     rungs.append(("+ sync-free step", sync_free))
     last = sync_free
+    if best.attention_impl == "cpu_fused":
+        last = replace(last, name="fused attention", attention_impl="cpu_fused")
+        rungs.append(("+ fused CPU attention", last))
     if best.amp:
         last = replace(last, name=best.amp, amp=best.amp, attention_impl=best.attention_impl,
                        row_align=best.row_align)
@@ -384,7 +412,9 @@ class TTTRun:
     target when reached); ``init_s``: building, compiling, capturing (not timed);
     ``train_s`` / ``eval_s``: the timed region split into training and evaluation;
     ``tokens_per_s``: training tokens over ``train_s``; ``curve``: one point per
-    evaluation, ``{"step", "time_s", "eval_loss"}``.
+    evaluation, ``{"step", "time_s", "eval_loss"}`` (and ``"compiled_eval_loss"`` where a
+    stack's compiled evaluation reached the target and the plain FP32 one, ``eval_loss``,
+    was asked to confirm it).
     """
 
     stack: str
@@ -445,13 +475,21 @@ def build_model(stack: Stack, cfg: TTTConfig, device: torch.device | str | None 
 
 
 class _Trainer:
-    """``trainer.step(step, batch)`` trains on one batch; ``trainer.model`` is evaluated."""
+    """``trainer.step(step, batch)`` trains on one batch; ``trainer.evaluate(...)`` is the
+    stack's own evaluation of ``trainer.model``: the plain one (eager, FP32) unless
+    ``eval_forward`` is set (the compiled forward of ``compiled_eval``)."""
 
     model: torch.nn.Module
     train_records: list[dict]
+    eval_forward: Callable | None = None
 
     def step(self, step: int, batch) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def evaluate(self, eval_batch, domains: list[str]) -> float:
+        from moe_lab.train import evaluate
+
+        return evaluate(self.model, eval_batch, domains, forward=self.eval_forward)["all"]
 
     def sync(self) -> None:
         if next(self.model.parameters()).device.type == "cuda":
@@ -502,9 +540,14 @@ class _SyncFreeTrainer(_Trainer):
 
     With ``compile``, one forward and backward on random tokens compile the model before the
     clock starts; the weights do not move (no optimizer step) and the gradients are dropped.
+    With ``compiled_eval``, a second ``torch.compile`` of the model (static shapes, so the
+    training graph is never recompiled as dynamic) serves the evaluations, under the same
+    autocast; given ``eval_shape`` (the eval batch's ``[rows, seq]``) it too is compiled
+    before the clock starts, on random tokens of that shape.
     """
 
-    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device) -> None:
+    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device,
+                 eval_shape: tuple[int, int] | None = None) -> None:
         from moe_lab.step import StepConfig, SyncFreeStep, make_optimizer
 
         self.cfg = cfg
@@ -526,6 +569,20 @@ class _SyncFreeTrainer(_Trainer):
             out = forward(example.x, example.y)
             out.loss.backward()
             self.model.zero_grad(set_to_none=True)
+        if stack.compiled_eval:
+            eval_forward = torch.compile(self.model, dynamic=False)
+            if stack.amp:
+                eval_forward = _autocast_forward(eval_forward, device.type, stack.amp)
+            self.eval_forward = eval_forward
+            if eval_shape is not None:
+                warm = torch.randint(0, model_cfg.vocab_size, tuple(eval_shape),
+                                     generator=torch.Generator().manual_seed(cfg.seed + 11))
+                from moe_lab.data import Batch
+                from moe_lab.train import evaluate
+
+                evaluate(self.model, Batch(warm.to(device), warm.to(device),
+                                           torch.zeros(warm.shape[0], dtype=torch.long, device=device)),
+                         [], forward=eval_forward)
         if stack.graphed and device.type == "cuda":
             from moe_lab.graphs import GraphedStep
 
@@ -543,21 +600,25 @@ class _SyncFreeTrainer(_Trainer):
                                        "imbalance": stats["imbalance"]})
 
 
-def make_trainer(stack: Stack, cfg: TTTConfig, device: torch.device | str | None = None) -> _Trainer:
-    """The trainer of ``stack``: ``trainer.step(step, batch)``, ``trainer.model``."""
+def make_trainer(stack: Stack, cfg: TTTConfig, device: torch.device | str | None = None, *,
+                 eval_shape: tuple[int, int] | None = None) -> _Trainer:
+    """The trainer of ``stack``: ``trainer.step(step, batch)``, ``trainer.evaluate(batch,
+    domains)``, ``trainer.model``. ``eval_shape`` (the eval batch's ``[rows, seq]``) lets a
+    stack with ``compiled_eval`` compile its evaluation before the clock starts."""
     device = _device(device)
     if stack.sync_free:
-        return _SyncFreeTrainer(stack, cfg, device)
+        return _SyncFreeTrainer(stack, cfg, device, eval_shape=eval_shape)
     return _LoopTrainer(stack, cfg, device)
 
 
 class _Lane:
     """One stack's run inside `race`: its trainer, its own data stream and its own clock."""
 
-    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device) -> None:
+    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device,
+                 eval_shape: tuple[int, int] | None = None) -> None:
         self.stack = stack
         t0 = time.perf_counter()
-        self.trainer = make_trainer(stack, cfg, device)
+        self.trainer = make_trainer(stack, cfg, device, eval_shape=eval_shape)
         self.init_s = time.perf_counter() - t0
         self.data_gen = torch.Generator().manual_seed(cfg.seed + 1)  # as moe_lab.train.train
         self.clock = 0.0  # timed seconds so far (interleaved: this lane's own segments only)
@@ -597,7 +658,7 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus=None,
         corpus = load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)
     eval_batch = _to(eval_set(corpus, cfg), device)
     domains = list(corpus.domains)
-    lanes = [_Lane(stack, cfg, device) for stack in stacks]
+    lanes = [_Lane(stack, cfg, device, eval_shape=tuple(eval_batch.x.shape)) for stack in stacks]
     solo = len(lanes) == 1
     start = time.perf_counter()
     for step in range(cfg.max_steps):
@@ -613,11 +674,17 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus=None,
             if lane.steps % cfg.eval_every == 0 or lane.steps == cfg.max_steps:
                 lane.trainer.sync()
                 t_eval = time.perf_counter()
-                loss = evaluate(lane.trainer.model, eval_batch, domains)["all"]
+                loss = lane.trainer.evaluate(eval_batch, domains)
+                point = {"step": lane.steps}
+                if loss <= cfg.target_loss and lane.trainer.eval_forward is not None:
+                    # the stack's own (compiled, autocast) evaluation says "reached": the
+                    # plain FP32 evaluation, the naive stack's, has the last word
+                    point["compiled_eval_loss"] = loss
+                    loss = evaluate(lane.trainer.model, eval_batch, domains)["all"]
                 now = time.perf_counter()
                 lane.eval_s += now - t_eval
                 lane.clock = now - start if solo else lane.clock + now - t0
-                lane.curve.append({"step": lane.steps, "time_s": lane.clock, "eval_loss": loss})
+                lane.curve.append({**point, "time_s": lane.clock, "eval_loss": loss})
                 if progress:
                     print(f"{lane.stack.name:>10} step {lane.steps:4d}  {lane.clock:7.1f} s  "
                           f"eval loss {loss:.3f}", flush=True)

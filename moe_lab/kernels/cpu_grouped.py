@@ -19,10 +19,11 @@ round trip through memory between separate passes. SwiGLU runs in float32 for 16
 The ``openmp`` expert backend uses it; `grouped_mm` alone serves where something must happen
 between the GEMMs (MXFP8 emulation quantizes the activation there).
 
-The kernels are C++, built on first use with ``torch.utils.cpp_extension`` (about 30 s, once
-per machine and torch version; ``make install`` builds it ahead). It needs a C++ compiler
-with OpenMP — the same one ``torch.compile`` needs on a CPU. Without one, `available`
-says False, `extension` raises with the reason, and the ``torch`` backend remains.
+The kernels are C++, built on first use with the rest of moe_lab's CPU kernels
+(`moe_lab.kernels.cpu_ext`: about 40 s, once per machine and torch version; ``make install``
+builds them ahead). They need a C++ compiler with OpenMP — the same one ``torch.compile``
+needs on a CPU. Without one, `available` says False, `extension` raises with the reason,
+and the ``torch`` backend remains.
 
 Every launch is a ``torch.library.custom_op`` with a fake implementation (`grouped_mm`
 with the same autograd formula as ``moe_lab::grouped_mm``), so the sync detector and
@@ -32,80 +33,12 @@ already are: no device is waited for, and they are checked (a bad offset raises)
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import sys
-import threading
-from pathlib import Path
-
 import torch
 
+from moe_lab.kernels.cpu_ext import available, compiler, extension
 from moe_lab.moe.experts import register_grouped_mm_autograd
 
 Tensor = torch.Tensor
-
-SOURCE = Path(__file__).with_name("cpu_grouped_gemm.cpp")
-_lock = threading.Lock()
-_ext = None
-_error: str | None = None
-
-
-def _name_and_dir() -> tuple[str, Path]:
-    digest = hashlib.sha1(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
-    name = f"moe_lab_cpu_grouped_{digest}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "moe_lab" / "extensions"
-    return name, Path(root) / name
-
-
-def extension():
-    """The built extension module (``grouped_mm``, ``grouped_mm_wgrad``); built on first use.
-
-    Raises ``RuntimeError`` naming the cause when it cannot be built (and remembers that, so
-    it is tried once per process)."""
-    global _ext, _error
-    if _ext is not None:
-        return _ext
-    with _lock:
-        if _ext is not None:
-            return _ext
-        if _error is not None:
-            raise RuntimeError(_error)
-        if os.environ.get("MOE_LAB_NO_CPU_EXTENSION"):
-            _error = ("moe_lab's CPU grouped GEMM is switched off (MOE_LAB_NO_CPU_EXTENSION is set); "
-                      "use expert_backend='torch'")
-            raise RuntimeError(_error)
-        from torch.utils.cpp_extension import load
-
-        name, build_dir = _name_and_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob(f"{name}*.so")):
-            print("moe_lab: building the CPU grouped GEMM (C++/OpenMP, once per machine, ~30 s)...",
-                  file=sys.stderr, flush=True)
-        try:
-            _ext = load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-        except Exception as exc:  # compiler missing, no OpenMP, ...
-            reason = str(exc).strip().splitlines()
-            _error = (f"moe_lab's CPU grouped GEMM could not be built ({type(exc).__name__}: "
-                      f"{reason[-1] if reason else ''}); it needs a C++ compiler with OpenMP. "
-                      f"Use expert_backend='torch' instead")
-            raise RuntimeError(_error) from exc
-        return _ext
-
-
-def compiler() -> str | None:
-    """The C++ compiler ``torch.utils.cpp_extension`` would call (``$CXX`` or ``c++``), or None."""
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
-def available() -> bool:
-    """Whether the kernel is built or can be built here (builds it if need be)."""
-    try:
-        extension()
-    except RuntimeError:
-        return False
-    return True
 
 
 def _check(x: Tensor, *others: Tensor) -> None:
@@ -197,10 +130,10 @@ def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, offs: Tensor) -> Te
 register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)
 
 
-if __name__ == "__main__":  # `python -m moe_lab.kernels.cpu_grouped`: build ahead (make install)
-    try:
-        extension()
-    except RuntimeError as exc:
-        print(f"moe_lab: {exc} (the 'torch' expert backend still works)", file=sys.stderr)
-    else:
-        print(f"moe_lab: CPU grouped GEMM ready ({_name_and_dir()[1]})")
+if __name__ == "__main__":  # `python -m moe_lab.kernels.cpu_grouped`: the same as cpu_ext
+    from moe_lab.kernels.cpu_ext import main
+
+    raise SystemExit(main())
+
+
+__all__ = ["available", "compiler", "expert_mlp", "extension", "grouped_mm", "grouped_mm_wgrad"]

@@ -184,10 +184,3 @@ std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tenso
   }
   return {dx, dw1, dw2};
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("expert_mlp", &expert_mlp, "every expert's SwiGLU MLP over its rows, experts spread over cores");
-  m.def("expert_mlp_backward", &expert_mlp_backward, "backward of expert_mlp: {dx, dw1, dw2}");
-  m.def("grouped_mm", &grouped_mm, "out[rows of e] = x[rows of e] @ w[e], experts spread over cores");
-  m.def("grouped_mm_wgrad", &grouped_mm_wgrad, "dw[e] = x[rows of e]^T @ dy[rows of e]");
-}

@@ -1,0 +1,313 @@
+// moe_lab's fused causal attention for the CPU, forward and backward, in float32.
+//
+// PyTorch's CPU flash attention splits every head into query blocks and calls a BLAS GEMM
+// per block pair; at a small head dimension (32) and short sequences (128) each of those
+// calls is a few microseconds of real work, and the per-call cost and the passes over
+// memory between them dominate. Here one core takes a whole (batch, head) at a time and
+// does everything for it while it sits in that core's cache:
+//
+//   forward, per block of kBlockQ query rows:  S = Q Kᵀ over the keys the block may see
+//   (causal: blocks above the diagonal are never computed), softmax row by row (max, exp,
+//   sum, normalise; the log-sum-exp kept for the backward), O = P V;
+//   backward, per block: P recomputed from the log-sum-exp, dP = dO Vᵀ,
+//   dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K, dK += dSᵀ Q, dV += Pᵀ dO.
+//
+// The small GEMMs run through ATen's batch-reduce GEMM micro-kernel (oneDNN's brgemm, which
+// has almost no per-call cost) on that core; the elementwise passes are plain loops the
+// compiler vectorises, with an exp of our own (a polynomial after range reduction, as in
+// Cephes) because the C library's is not vectorised. Masked positions are never read: their
+// probabilities and score gradients are set to zero, not multiplied by zero, so a NaN in a
+// key a query may not see does not reach that query.
+
+#include <torch/extension.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlockQ = 32;
+
+// C[m, n] = A[m, k] · B[k, n] (+ C when accumulate); row-major with leading dimensions.
+inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) {
+      for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, n * sizeof(float));
+    }
+    return;
+  }
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+}
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// exp of every lane: ATen's exp_u20 (the one its own CPU flash attention uses; about 20 ulp,
+// 0 below ln(FLT_MIN)), with NaN kept NaN.
+inline Vec vexp(const Vec& x) { return Vec::blendv(x.exp_u20(), x, x.isnan()); }
+
+inline float max_nan(float a, float b) { return (std::isnan(a) || a > b) ? a : b; }
+
+inline float lanes_sum(const Vec& v) {
+  alignas(64) float lane[Vec::size()];
+  v.store(lane);
+  float sum = 0.f;
+  for (int64_t l = 0; l < Vec::size(); ++l) sum += lane[l];
+  return sum;
+}
+
+inline float lanes_max(const Vec& v) {
+  alignas(64) float lane[Vec::size()];
+  v.store(lane);
+  float mx = -kInf;
+  for (int64_t l = 0; l < Vec::size(); ++l) mx = max_nan(lane[l], mx);
+  return mx;
+}
+
+// row[0:n) *= scale, in place; returns the largest (NaN if any is NaN).
+inline float scale_and_max(float* row, int64_t n, float scale) {
+  const int64_t W = Vec::size();
+  Vec vmax(-kInf);
+  const Vec vs(scale);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec v = Vec::loadu(row + j) * vs;
+    v.store(row + j);
+    vmax = at::vec::maximum(vmax, v);
+  }
+  float mx = lanes_max(vmax);
+  for (; j < n; ++j) {
+    row[j] *= scale;
+    mx = max_nan(row[j], mx);
+  }
+  return mx;
+}
+
+// row[0:n) = exp(row - shift), in place; returns their sum.
+inline float exp_and_sum(float* row, int64_t n, float shift) {
+  const Vec vshift(shift);
+  Vec vsum(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = vexp(Vec::loadu(row + j) - vshift);
+    e.store(row + j);
+    vsum = vsum + e;
+  }
+  float sum = lanes_sum(vsum);
+  for (; j < n; ++j) {
+    row[j] = std::exp(row[j] - shift);
+    sum += row[j];
+  }
+  return sum;
+}
+
+// row[0:n) *= a.
+inline void scale_row(float* row, int64_t n, float a) {
+  const Vec va(a);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(row + j) * va).store(row + j);
+  for (; j < n; ++j) row[j] *= a;
+}
+
+// The backward's row: p = exp(s·scale − lse) (in place of s) and
+// ds = p·(dp − delta)·scale (in place of dp), over [0, n).
+inline void grad_row(float* s, float* dp, int64_t n, float scale, float lse, float delta) {
+  const Vec vscale(scale), vlse(lse), vdelta(delta);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec p = vexp(Vec::loadu(s + j) * vscale - vlse);
+    p.store(s + j);
+    (p * (Vec::loadu(dp + j) - vdelta) * vscale).store(dp + j);
+  }
+  for (; j < n; ++j) {
+    const float p = std::exp(s[j] * scale - lse);
+    s[j] = p;
+    dp[j] = p * (dp[j] - delta) * scale;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + j), Vec::loadu(b + j), acc);
+  float sum = lanes_sum(acc);
+  for (; j < n; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+// Transpose a [rows, cols] block (leading dim ld_in) into out[cols, rows] (leading dim ld_out).
+inline void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,
+                      int64_t ld_out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* src = in + i * ld_in;
+    for (int64_t j = 0; j < cols; ++j) out[j * ld_out + i] = src[j];
+  }
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* who) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu(), who, ": tensors must be on the CPU, got ", t->device());
+    TORCH_CHECK(t->scalar_type() == at::kFloat, who, ": tensors must be float32, got ",
+                t->scalar_type());
+    TORCH_CHECK(t->dim() == 4, who, ": tensors must be [batch, heads, seq, head_dim], got ",
+                t->sizes());
+  }
+  TORCH_CHECK(k.sizes() == v.sizes(), who, ": k and v must have the same shape, got ", k.sizes(),
+              " and ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), who,
+              ": q ", q.sizes(), " and k ", k.sizes(), " must agree in batch, heads and head_dim "
+              "(expand grouped k/v heads first)");
+  TORCH_CHECK(q.size(2) <= k.size(2), who, ": causal attention needs at most as many queries as "
+              "keys (query i sees keys up to i + keys - queries), got ", q.size(2), " queries and ",
+              k.size(2), " keys");
+}
+
+// A [B, H, S, D] tensor whose rows of D are contiguous (any strides above), as ATen may hand
+// over a transposed view; anything else is made contiguous.
+at::Tensor rows_contiguous(const at::Tensor& t) {
+  return t.stride(3) == 1 ? t : t.contiguous();
+}
+
+struct Heads {
+  const float* base;
+  int64_t sb, sh, ss;  // strides of batch, head, seq (in elements)
+  explicit Heads(const at::Tensor& t)
+      : base(t.data_ptr<float>()), sb(t.stride(0)), sh(t.stride(1)), ss(t.stride(2)) {}
+  const float* at(int64_t b, int64_t h) const { return base + b * sb + h * sh; }
+};
+
+}  // namespace
+
+// Returns (out [B, H, Sq, D] contiguous, lse [B, H, Sq] float32).
+std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                 const at::Tensor& v_in) {
+  check_qkv(q_in, k_in, v_in, "cpu causal attention");
+  const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, H, Sq, D}, q.options());
+  at::Tensor lse = at::empty({B, H, Sq}, q.options());
+  if (out.numel() == 0) return {out, lse};
+  if (D == 0) {
+    out.zero_();
+    lse.fill_(std::log(static_cast<double>(Sk)));  // every visible score is 0
+    return {out, lse};
+  }
+  const Heads Q(q), K(k), V(v);
+  float* O = out.data_ptr<float>();
+  float* L = lse.data_ptr<float>();
+  const int64_t offset = Sk - Sq;  // query i sees keys 0 .. i + offset
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+
+#pragma omp parallel
+  {
+    std::vector<float> kt(D * Sk), s(kBlockQ * Sk);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float *qp = Q.at(b, h), *kp = K.at(b, h), *vp = V.at(b, h);
+      float* op = O + bh * Sq * D;
+      float* lp = L + bh * Sq;
+      transpose(kp, Sk, D, K.ss, kt.data(), Sk);
+      for (int64_t i0 = 0; i0 < Sq; i0 += kBlockQ) {
+        const int64_t m = std::min(kBlockQ, Sq - i0);
+        const int64_t n = std::min(Sk, i0 + m + offset);  // keys the block's last row sees
+        gemm(m, n, D, qp + i0 * Q.ss, Q.ss, kt.data(), Sk, s.data(), n, false);
+        for (int64_t r = 0; r < m; ++r) {
+          float* row = s.data() + r * n;
+          const int64_t seen = i0 + r + offset + 1;
+          const float mx = scale_and_max(row, seen, scale);
+          const float sum = exp_and_sum(row, seen, mx);
+          scale_row(row, seen, 1.f / sum);
+          std::fill(row + seen, row + n, 0.f);
+          lp[i0 + r] = mx + std::log(sum);
+        }
+        gemm(m, D, n, s.data(), n, vp, V.ss, op + i0 * D, D, false);
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  }
+  return {out, lse};
+}
+
+// Returns (dq, dk, dv), each [B, H, S, D] contiguous float32.
+std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                                  const at::Tensor& k_in, const at::Tensor& v_in,
+                                                  const at::Tensor& out_in, const at::Tensor& lse_in) {
+  check_qkv(q_in, k_in, v_in, "cpu causal attention backward");
+  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
+              "cpu causal attention backward: dout and out must have q's shape ", q_in.sizes(),
+              ", got ", dout_in.sizes(), " and ", out_in.sizes());
+  TORCH_CHECK(dout_in.scalar_type() == at::kFloat && out_in.scalar_type() == at::kFloat &&
+              lse_in.scalar_type() == at::kFloat,
+              "cpu causal attention backward: dout, out and lse must be float32");
+  TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == q_in.size(0) && lse_in.size(1) == q_in.size(1) &&
+              lse_in.size(2) == q_in.size(2),
+              "cpu causal attention backward: lse must be [batch, heads, seq], got ", lse_in.sizes());
+  const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
+  const at::Tensor dout = rows_contiguous(dout_in), out = rows_contiguous(out_in);
+  const at::Tensor lse = lse_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3);
+  at::Tensor dq = at::empty({B, H, Sq, D}, q.options());
+  at::Tensor dk = at::zeros({B, H, Sk, D}, q.options());
+  at::Tensor dv = at::zeros({B, H, Sk, D}, q.options());
+  if (dq.numel() == 0 || dk.numel() == 0) {
+    dq.zero_();
+    return {dq, dk, dv};
+  }
+  const Heads Q(q), K(k), V(v), dO(dout), O(out);
+  const float* L = lse.data_ptr<float>();
+  float *dQ = dq.data_ptr<float>(), *dK = dk.data_ptr<float>(), *dV = dv.data_ptr<float>();
+  const int64_t offset = Sk - Sq;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+
+#pragma omp parallel
+  {
+    std::vector<float> kt(D * Sk), vt(D * Sk), p(kBlockQ * Sk), dp(kBlockQ * Sk),
+        pt(Sk * kBlockQ), delta(kBlockQ);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float *qp = Q.at(b, h), *kp = K.at(b, h), *vp = V.at(b, h), *gp = dO.at(b, h),
+                  *op = O.at(b, h);
+      const float* lp = L + bh * Sq;
+      float *dqp = dQ + bh * Sq * D, *dkp = dK + bh * Sk * D, *dvp = dV + bh * Sk * D;
+      transpose(kp, Sk, D, K.ss, kt.data(), Sk);
+      transpose(vp, Sk, D, V.ss, vt.data(), Sk);
+      for (int64_t i0 = 0; i0 < Sq; i0 += kBlockQ) {
+        const int64_t m = std::min(kBlockQ, Sq - i0);
+        const int64_t n = std::min(Sk, i0 + m + offset);
+        const float* qb = qp + i0 * Q.ss;
+        const float* gb = gp + i0 * dO.ss;
+        for (int64_t r = 0; r < m; ++r) {
+          delta[r] = dot(gb + r * dO.ss, op + (i0 + r) * O.ss, D);
+        }
+        gemm(m, n, D, qb, Q.ss, kt.data(), Sk, p.data(), n, false);   // S
+        gemm(m, n, D, gb, dO.ss, vt.data(), Sk, dp.data(), n, false);  // dP
+        for (int64_t r = 0; r < m; ++r) {
+          float *prow = p.data() + r * n, *dsrow = dp.data() + r * n;
+          const int64_t seen = i0 + r + offset + 1;
+          grad_row(prow, dsrow, seen, scale, lp[i0 + r], delta[r]);
+          std::fill(prow + seen, prow + n, 0.f);
+          std::fill(dsrow + seen, dsrow + n, 0.f);
+        }
+        gemm(m, D, n, dp.data(), n, kp, K.ss, dqp + i0 * D, D, false);  // dQ = dS K
+        transpose(p.data(), m, n, n, pt.data(), m);
+        gemm(n, D, m, pt.data(), m, gb, dO.ss, dvp, D, true);  // dV += Pᵀ dO
+        transpose(dp.data(), m, n, n, pt.data(), m);
+        gemm(n, D, m, pt.data(), m, qb, Q.ss, dkp, D, true);  // dK += dSᵀ Q
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  }
+  return {dq, dk, dv};
+}

@@ -1,0 +1,126 @@
+"""Builds moe_lab's C++ CPU kernels once per machine and hands out the module.
+
+One extension holds them all: the grouped GEMM and fused expert MLP of the ``openmp``
+expert backend (``cpu_grouped_gemm.cpp``, wrapped by `moe_lab.kernels.cpu_grouped`) and the
+fused causal attention (``cpu_attention.cpp``, wrapped by `moe_lab.kernels.cpu_attention`);
+``cpu_module.cpp`` binds them. ``torch.utils.cpp_extension`` compiles them on first use
+(about 40 s) and caches the result under ``~/.cache/moe_lab/extensions`` (or
+``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the torch version and the vector
+instruction set ATen uses on this CPU (``torch.backends.cpu.get_cpu_capability()``: the
+kernels' elementwise loops are compiled for it, so a cache shared by different machines
+never hands one a build it cannot run). ``make install`` builds it ahead
+(``python -m moe_lab.kernels.cpu_ext``).
+
+It needs a C++ compiler with OpenMP, the same one ``torch.compile`` needs on a CPU. Without
+one, `available` is False, `extension` raises with the reason, and every caller has a
+plain-PyTorch path (the ``torch`` expert backend, the ``sdpa`` attention). Setting
+``MOE_LAB_NO_CPU_EXTENSION`` switches the extension off, to try those paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("cpu_grouped_gemm.cpp", "cpu_attention.cpp", "cpu_module.cpp"))
+
+# Compiler flags for ATen's vector types (at::vec) per CPU capability, as ATen builds its
+# own kernels; anything else gets the portable scalar fallback of at::vec.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+}
+
+_lock = threading.Lock()
+_ext = None
+_error: str | None = None
+
+
+def capability() -> str:
+    """The vector instruction set ATen dispatches to on this CPU (``"AVX512"``, ``"AVX2"``,
+    ``"DEFAULT"``, ...); the kernels are compiled for it."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _name_and_dir() -> tuple[str, Path]:
+    key = b"".join(path.read_bytes() for path in SOURCES)
+    key += torch.__version__.encode() + capability().encode()
+    name = f"moe_lab_cpu_kernels_{hashlib.sha1(key).hexdigest()[:12]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "moe_lab" / "extensions"
+    return name, Path(root) / name
+
+
+def extension():
+    """The built extension module; built on first use.
+
+    Raises ``RuntimeError`` naming the cause when it cannot be built (and remembers that, so
+    it is tried once per process)."""
+    global _ext, _error
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is not None:
+            return _ext
+        if _error is not None:
+            raise RuntimeError(_error)
+        if os.environ.get("MOE_LAB_NO_CPU_EXTENSION"):
+            _error = ("moe_lab's CPU kernels are switched off (MOE_LAB_NO_CPU_EXTENSION is set); "
+                      "use expert_backend='torch' and attention_impl='sdpa'")
+            raise RuntimeError(_error)
+        from torch.utils.cpp_extension import load
+
+        name, build_dir = _name_and_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob(f"{name}*.so")):
+            print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, ~40 s)...",
+                  file=sys.stderr, flush=True)
+        flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability(), [])]
+        try:
+            _ext = load(name, [str(path) for path in SOURCES], extra_cflags=flags,
+                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # compiler missing, no OpenMP, ...
+            reason = str(exc).strip().splitlines()
+            _error = (f"moe_lab's CPU kernels could not be built ({type(exc).__name__}: "
+                      f"{reason[-1] if reason else ''}); they need a C++ compiler with OpenMP. "
+                      f"Use expert_backend='torch' and attention_impl='sdpa' instead")
+            raise RuntimeError(_error) from exc
+        return _ext
+
+
+def compiler() -> str | None:
+    """The C++ compiler ``torch.utils.cpp_extension`` would call (``$CXX`` or ``c++``), or None."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def available() -> bool:
+    """Whether the kernels are built or can be built here (builds them if need be)."""
+    try:
+        extension()
+    except RuntimeError:
+        return False
+    return True
+
+
+def main() -> int:
+    """Build ahead (``make install``); a failure is reported, not fatal: the plain-PyTorch
+    paths still work."""
+    try:
+        extension()
+    except RuntimeError as exc:
+        print(f"moe_lab: {exc} (the 'torch' expert backend and 'sdpa' attention still work)",
+              file=sys.stderr)
+    else:
+        print(f"moe_lab: CPU kernels ready ({_name_and_dir()[1]}, {capability()})")
+    return 0
+
+
+if __name__ == "__main__":  # `python -m moe_lab.kernels.cpu_ext`
+    sys.exit(main())

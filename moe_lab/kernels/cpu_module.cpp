@@ -1,0 +1,32 @@
+// The Python module of moe_lab's CPU kernels (built by moe_lab/kernels/cpu_ext.py).
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// cpu_grouped_gemm.cpp: the openmp expert backend.
+at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs);
+at::Tensor grouped_mm_wgrad(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& offs);
+std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                                   const at::Tensor& offs);
+std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w1,
+                                            const at::Tensor& w2, const at::Tensor& offs,
+                                            const at::Tensor& dy);
+
+// cpu_attention.cpp: fused causal attention.
+std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v);
+std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout, const at::Tensor& q,
+                                                  const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& out, const at::Tensor& lse);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("expert_mlp", &expert_mlp, "every expert's SwiGLU MLP over its rows, experts spread over cores");
+  m.def("expert_mlp_backward", &expert_mlp_backward, "backward of expert_mlp: {dx, dw1, dw2}");
+  m.def("grouped_mm", &grouped_mm, "out[rows of e] = x[rows of e] @ w[e], experts spread over cores");
+  m.def("grouped_mm_wgrad", &grouped_mm_wgrad, "dw[e] = x[rows of e]^T @ dy[rows of e]");
+  m.def("causal_attention_forward", &causal_attention_forward,
+        "causal softmax(q k^T / sqrt(d)) v per (batch, head), float32: {out, lse}");
+  m.def("causal_attention_backward", &causal_attention_backward,
+        "backward of causal_attention_forward: {dq, dk, dv}");
+}
