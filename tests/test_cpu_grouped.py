@@ -193,10 +193,12 @@ def unfused_mlp(x, w1, w2, offs):
     return torch.cat(out) if out else x.new_zeros(0, w2.shape[-1])
 
 
+# f = 12: the SwiGLU's scalar tail only; f = 40: two full vectors (AVX-512) and a tail.
+@pytest.mark.parametrize("f", [12, 40])
 @pytest.mark.parametrize("case", list(COUNTS))
-def test_expert_mlp_forward_and_backward_match_the_plain_chain(case):
+def test_expert_mlp_forward_and_backward_match_the_plain_chain(case, f):
     counts = COUNTS[case]
-    n, d, f = sum(counts), 16, 12
+    n, d = sum(counts), 16
     offs = offsets(counts)
     x0, w10, w20 = torch.randn(n + 2, d), torch.randn(len(counts), d, 2 * f), torch.randn(len(counts), f, d)
     dy = torch.randn(n, d)
@@ -232,6 +234,28 @@ def test_expert_mlp_bf16_non_contiguous_and_partial_grads():
     for ours, ref in ((w1.grad, r1.grad), (w2.grad, r2.grad)):
         assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
         assert (ours.float() - ref.float()).norm() / ref.float().norm() < 1e-2
+
+
+def test_expert_mlp_extreme_pre_activations_stay_finite_and_match():
+    # gates of +-60 put exp() at its range ends (silu -> gate, or -> -0); both paths agree
+    counts = [7, 9]
+    offs = offsets(counts)
+    x = torch.randn(16, 8)
+    w1 = torch.randn(2, 8, 64) * 20
+    w2 = torch.randn(2, 32, 8)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        xs, w1s, w2s = (t.detach().to(dtype).requires_grad_() for t in (x, w1, w2))
+        y = cpu_grouped.expert_mlp(xs, w1s, w2s, offs)
+        y.float().square().sum().backward()
+        rs = [t.detach().clone().requires_grad_() for t in (xs, w1s, w2s)]
+        ref = unfused_mlp(*rs, offs)
+        ref.float().square().sum().backward()
+        assert torch.isfinite(y).all() and all(torch.isfinite(t.grad).all() for t in (xs, w1s, w2s))
+        scale = ref.float().abs().max()
+        torch.testing.assert_close(y.float() / scale, ref.float() / scale, rtol=tol, atol=tol)
+        for ours, theirs in zip((xs, w1s, w2s), rs):
+            g = theirs.grad.float().abs().max()
+            torch.testing.assert_close(ours.grad.float() / g, theirs.grad.float() / g, rtol=tol, atol=tol)
 
 
 def test_expert_mlp_is_sync_free_and_the_layer_uses_it():

@@ -13,6 +13,9 @@
 // a bad offset raises instead of reading or writing out of bounds.
 
 #include <torch/extension.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
 
 #include <vector>
 
@@ -51,9 +54,107 @@ at::Tensor widen(const at::Tensor& t) {
   return at::isReducedFloatingType(t.scalar_type()) ? t.to(at::kFloat) : t;
 }
 
-// silu(gate) * up in the inputs' dtype, computed as `widen` says.
+// silu(gate) * up in the inputs' dtype, computed as `widen` says (ATen ops: the float64 path).
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   return at::silu(widen(gate)).mul_(widen(up)).to(gate.scalar_type());
+}
+
+// The float32/bf16/fp16 path: one pass per row over the expert's pre-activation, in float32
+// registers (ATen's vector types, the exp ATen's own silu uses), instead of the half-dozen
+// ATen calls and temporaries of `swiglu` and its gradient for every expert.
+using fVec = at::vec::Vectorized<float>;
+
+inline bool vectorised_swiglu(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+template <typename T>
+inline const float* as_float(const T* src, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    at::vec::convert(src, buf, n);
+    return buf;
+  }
+}
+
+template <typename T>
+inline void store(const float* src, T* dst, int64_t n) {
+  at::vec::convert(src, dst, n);
+}
+
+inline float sigmoid(float g) { return 1.f / (1.f + std::exp(-g)); }
+
+// a[j] = silu(g[j]) * u[j]
+inline void swiglu_row(const float* g, const float* u, float* a, int64_t n) {
+  const fVec one(1.f);
+  int64_t j = 0;
+  for (; j + fVec::size() <= n; j += fVec::size()) {
+    const fVec gv = fVec::loadu(g + j);
+    (gv / (one + gv.neg().exp()) * fVec::loadu(u + j)).store(a + j);
+  }
+  for (; j < n; ++j) a[j] = g[j] * sigmoid(g[j]) * u[j];
+}
+
+// dg = da · u · silu'(g), du = da · silu(g), with silu'(g) = σ(g)(1 + g(1 − σ(g)))
+inline void swiglu_grad_row(const float* g, const float* u, const float* da, float* dg, float* du,
+                            int64_t n) {
+  const fVec one(1.f);
+  int64_t j = 0;
+  for (; j + fVec::size() <= n; j += fVec::size()) {
+    const fVec gv = fVec::loadu(g + j), dav = fVec::loadu(da + j);
+    const fVec sig = one / (one + gv.neg().exp());
+    (dav * gv * sig).store(du + j);
+    (dav * fVec::loadu(u + j) * sig * (one + gv * (one - sig))).store(dg + j);
+  }
+  for (; j < n; ++j) {
+    const float sig = sigmoid(g[j]);
+    du[j] = da[j] * g[j] * sig;
+    dg[j] = da[j] * u[j] * sig * (1.f + g[j] * (1.f - sig));
+  }
+}
+
+// a[r] = swiglu(h[r, :f], h[r, f:]) for the rows of one expert (h rows contiguous, a contiguous).
+template <typename T>
+void swiglu_rows(const at::Tensor& h, at::Tensor& a, int64_t f) {
+  std::vector<float> buf(3 * f);
+  const T* hp = h.data_ptr<T>();
+  T* ap = a.data_ptr<T>();
+  for (int64_t r = 0; r < h.size(0); ++r) {
+    const T* row = hp + r * h.stride(0);
+    const float* g = as_float(row, f, buf.data());
+    const float* u = as_float(row + f, f, buf.data() + f);
+    float* out = buf.data() + 2 * f;
+    swiglu_row(g, u, out, f);
+    store(out, ap + r * f, f);
+  }
+}
+
+// dh[r] = [d gate, d up] from h[r] and da[r] (all rows contiguous).
+template <typename T>
+void swiglu_grad_rows(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, int64_t f) {
+  std::vector<float> buf(6 * f);
+  const T *hp = h.data_ptr<T>(), *dap = da.data_ptr<T>();
+  T* dhp = dh.data_ptr<T>();
+  for (int64_t r = 0; r < h.size(0); ++r) {
+    const T* row = hp + r * h.stride(0);
+    const float* g = as_float(row, f, buf.data());
+    const float* u = as_float(row + f, f, buf.data() + f);
+    const float* d = as_float(dap + r * f, f, buf.data() + 2 * f);
+    float *dg = buf.data() + 3 * f, *du = buf.data() + 4 * f;
+    swiglu_grad_row(g, u, d, dg, du, f);
+    store(dg, dhp + r * 2 * f, f);
+    store(du, dhp + r * 2 * f + f, f);
+  }
+}
+
+// The expert's activation a = swiglu(h) in h's dtype.
+at::Tensor expert_swiglu(const at::Tensor& h_e, int64_t f) {
+  if (!vectorised_swiglu(h_e.scalar_type())) return swiglu(h_e.narrow(1, 0, f), h_e.narrow(1, f, f));
+  at::Tensor a = at::empty({h_e.size(0), f}, h_e.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h_e.scalar_type(), "expert_swiglu",
+                                  [&] { swiglu_rows<scalar_t>(h_e, a, f); });
+  return a;
 }
 
 }  // namespace
@@ -136,8 +237,7 @@ std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, co
     if (end == start) continue;
     at::Tensor h_e = h.slice(0, start, end), y_e = y.slice(0, start, end);
     at::mm_out(h_e, x.slice(0, start, end), w1.select(0, e));
-    const at::Tensor a = swiglu(h_e.narrow(1, 0, f), h_e.narrow(1, f, f));
-    at::mm_out(y_e, a, w2.select(0, e));
+    at::mm_out(y_e, expert_swiglu(h_e, f), w2.select(0, e));
   }
   return {y, h};
 }
@@ -145,11 +245,12 @@ std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, co
 // Backward of expert_mlp, again one expert per core: {dx, dw1, dw2}. The activation
 // a = silu(gate) * up is recomputed from h per expert (cheap, and cache-hot) rather than kept
 // from the forward.
-std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w1,
+std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tensor& h_in, const at::Tensor& w1,
                                             const at::Tensor& w2, const at::Tensor& offs,
                                             const at::Tensor& dy) {
+  const at::Tensor h = h_in.contiguous();  // the row loops read h row by row
   const int64_t n_groups = w1.size(0), m = x.size(0), f = w1.size(2) / 2;
-  TORCH_CHECK(h.size(0) == m && dy.size(0) == m && dy.size(1) == w2.size(2),
+  TORCH_CHECK(h.dim() == 2 && h.size(0) == m && h.size(1) == 2 * f && dy.size(0) == m && dy.size(1) == w2.size(2),
               "expert_mlp_backward: shapes do not match: x ", x.sizes(), ", h ", h.sizes(), ", dy ",
               dy.sizes(), ", w2 ", w2.sizes());
   TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "expert_mlp_backward: dy must have x's dtype ",
@@ -170,14 +271,17 @@ std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tenso
       continue;
     }
     at::Tensor x_e = x.slice(0, start, end), h_e = h.slice(0, start, end), dy_e = dy.slice(0, start, end);
-    at::Tensor gate = h_e.narrow(1, 0, f), up = h_e.narrow(1, f, f);
-    const at::Tensor g = widen(gate), u = widen(up);
-    const at::Tensor s = at::silu(g);
-    at::mm_out(dw2_e, (s * u).to(x.scalar_type()).t(), dy_e);  // dW2 = aᵀ · dy
-    const at::Tensor da = widen(at::mm(dy_e, w2.select(0, e).t()));  // da = dy · W2ᵀ
+    at::mm_out(dw2_e, expert_swiglu(h_e, f).t(), dy_e);         // dW2 = aᵀ · dy (a recomputed)
+    const at::Tensor da = at::mm(dy_e, w2.select(0, e).t());      // da = dy · W2ᵀ
     at::Tensor dh = at::empty({end - start, 2 * f}, x.options());
-    dh.narrow(1, f, f).copy_(da * s);                              // d up   = da · silu(gate)
-    dh.narrow(1, 0, f).copy_(at::silu_backward(da * u, g));        // d gate = da · up · silu'(gate)
+    if (vectorised_swiglu(x.scalar_type())) {  // d gate = da · up · silu'(gate), d up = da · silu(gate)
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "expert_swiglu_grad",
+                                      [&] { swiglu_grad_rows<scalar_t>(h_e, da, dh, f); });
+    } else {
+      const at::Tensor g = widen(h_e.narrow(1, 0, f)), u = widen(h_e.narrow(1, f, f)), d = widen(da);
+      dh.narrow(1, f, f).copy_(d * at::silu(g));
+      dh.narrow(1, 0, f).copy_(at::silu_backward(d * u, g));
+    }
     at::mm_out(dw1_e, x_e.t(), dh);                        // dW1 = xᵀ · dh
     at::Tensor dx_e = dx.slice(0, start, end);
     at::mm_out(dx_e, dh, w1.select(0, e).t());             // dx = dh · W1ᵀ
