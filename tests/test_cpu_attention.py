@@ -185,6 +185,8 @@ def test_bad_inputs_raise_clear_errors():
         cpu_attention.causal_attention(*qkv(1, 2, 9, 8, 4)[:1], k, v)
     with pytest.raises(RuntimeError, match="k and v must have the same shape"):
         cpu_attention.causal_attention(q, k, v[..., :2])
+    with pytest.raises(RuntimeError, match="head_dim must be > 0"):
+        cpu_attention.causal_attention(q[..., :0], k[..., :0], v[..., :0])
     with pytest.raises(RuntimeError, match="expand grouped"):
         cpu_attention.causal_attention(q, k[:, :1], v[:, :1])
 

@@ -13,11 +13,11 @@
 //   dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K, dK += dSᵀ Q, dV += Pᵀ dO.
 //
 // The small GEMMs run through ATen's batch-reduce GEMM micro-kernel (oneDNN's brgemm, which
-// has almost no per-call cost) on that core; the elementwise passes are plain loops the
-// compiler vectorises, with an exp of our own (a polynomial after range reduction, as in
-// Cephes) because the C library's is not vectorised. Masked positions are never read: their
-// probabilities and score gradients are set to zero, not multiplied by zero, so a NaN in a
-// key a query may not see does not reach that query.
+// has almost no per-call cost) on that core; the elementwise passes use ATen's vector types
+// (compiled for this CPU's vector width, see moe_lab/kernels/cpu_ext.py) and the exp ATen's
+// own CPU flash attention uses. Masked scores inside a diagonal block are computed by the
+// block's GEMM but never read: their probabilities and score gradients are set to zero, not
+// multiplied by zero, so a NaN in a key a query may not see does not reach that query.
 
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
@@ -167,6 +167,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3), who,
               ": q ", q.sizes(), " and k ", k.sizes(), " must agree in batch, heads and head_dim "
               "(expand grouped k/v heads first)");
+  TORCH_CHECK(q.size(3) > 0, who, ": head_dim must be > 0 (the scores are scaled by 1/sqrt(head_dim))");
   TORCH_CHECK(q.size(2) <= k.size(2), who, ": causal attention needs at most as many queries as "
               "keys (query i sees keys up to i + keys - queries), got ", q.size(2), " queries and ",
               k.size(2), " keys");
@@ -197,11 +198,6 @@ std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q_in, const a
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());
   at::Tensor lse = at::empty({B, H, Sq}, q.options());
   if (out.numel() == 0) return {out, lse};
-  if (D == 0) {
-    out.zero_();
-    lse.fill_(std::log(static_cast<double>(Sk)));  // every visible score is 0
-    return {out, lse};
-  }
   const Heads Q(q), K(k), V(v);
   float* O = out.data_ptr<float>();
   float* L = lse.data_ptr<float>();
