@@ -53,6 +53,7 @@ them to the ledger in the form `moe_lab.waterfall` draws.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import time
@@ -727,6 +728,33 @@ def time_to_train(stack: Stack, cfg: TTTConfig, *, corpus=None,
 # --------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Run the enclosed training bit for bit the same every time (on a CPU, for a fixed
+    thread count).
+
+    Without it, the compiled stacks are not: Inductor's CPU code adds scattered values — the
+    embedding's gradient, the combine's ``index_add`` — with atomic adds, in whatever order
+    the threads get there, so two runs of one seed part at the last bits after a few steps
+    and, at a target on the flat part of the loss curve, can reach it tens of steps apart.
+    ``torch.use_deterministic_algorithms(True)`` (warnings only) makes Inductor call ATen's
+    ordered kernels there instead; it must be on when the model compiles and while it runs
+    (Dynamo recompiles when it changes). Uninitialised memory is left as it is (PyTorch
+    would otherwise fill every new buffer, at a cost). Restores the previous settings on exit.
+    """
+    import torch.utils.deterministic as det
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        det.fill_uninitialized_memory = before[2]
+
+
 def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int] = (0,), *,
                    corpus=None, device: torch.device | str | None = None,
                    max_seconds: float | None = None, interleave: bool | None = None,
@@ -1041,6 +1069,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "in the eager rungs (under torch.compile the chain is compiled anyway)")
     parser.add_argument("--ladder", action="store_true",
                         help="also time one step of every rung of the ladder (for the waterfall)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="bit-reproducible runs: torch.use_deterministic_algorithms during the "
+                             "race (see deterministic_algorithms; costs some throughput)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="give up on a run after this many timed seconds")
     parser.add_argument("--notebook", default=NOTEBOOK, help="ledger 'notebook' field")
@@ -1081,10 +1112,12 @@ def run(args: argparse.Namespace) -> dict:
     amp = {"auto": None, "bf16": "bf16", "off": ""}[getattr(args, "amp", "auto")]
     best = optimised_stack(device, compile=compile_,
                            router_impl=None if compile_ and device.type == "cpu" else router, amp=amp)
-    runs = compare_stacks([NAIVE, best], cfg, seeds=range(args.seeds), device=device,
-                          max_seconds=args.max_seconds, progress=args.progress)
+    deterministic = bool(getattr(args, "deterministic", False))
+    with deterministic_algorithms() if deterministic else contextlib.nullcontext():
+        runs = compare_stacks([NAIVE, best], cfg, seeds=range(args.seeds), device=device,
+                              max_seconds=args.max_seconds, progress=args.progress)
     summary = summarise(runs)
-    record_summary(summary, cfg, args.notebook, profile=args.profile)
+    record_summary(summary, cfg, args.notebook, profile=args.profile, deterministic=deterministic)
     if router_times:
         for name, ms in router_times.items():
             ledger.record(args.notebook, f"router:{name}", "router_fwd_bwd_ms", ms, "ms",
@@ -1124,7 +1157,8 @@ def run(args: argparse.Namespace) -> dict:
 
 __all__ = [
     "DESCRIPTION", "LADDER_METRIC", "NAIVE", "PROFILES", "Stack", "TTTConfig", "TTTRun",
-    "add_arguments", "build_model", "compare_stacks", "eval_set", "gb300_projection", "ladder",
+    "add_arguments", "build_model", "compare_stacks", "deterministic_algorithms", "eval_set",
+    "gb300_projection", "ladder",
     "race", "stack_ceilings",
     "ladder_throughput", "make_trainer", "mfu_rows", "optimised_stack", "pick_router_impl",
     "record_ladder", "record_summary", "run", "speedup_bound", "summarise", "time_to_train",
