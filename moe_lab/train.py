@@ -111,7 +111,6 @@ def _make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opt
 
 
 @torch.no_grad()
-@torch.no_grad()
 def evaluate(model: MoETransformer, eval_batch, domains: list[str],
              forward: Callable | None = None) -> dict[str, float]:
     """Mean next-token loss per domain (and ``"all"``) on a fixed eval batch (no autograd

@@ -96,6 +96,10 @@ def test_non_contiguous_inputs():
     assert not q.is_contiguous() and q.stride(-1) == 1
     torch.testing.assert_close(cpu_attention.causal_attention(q, k, v).double(), reference(q, k, v),
                                rtol=2e-5, atol=2e-5)
+    # one key row broadcast over the sequence (seq stride 0): copied first
+    k1 = k[:, :, :1].expand(-1, -1, 30, -1)
+    torch.testing.assert_close(cpu_attention.causal_attention(q, k1, v).double(), reference(q, k1, v),
+                               rtol=2e-5, atol=2e-5)
     # last dim strided too: copied first
     wide = torch.randn(2, 2, 30, 32, generator=g)
     q2, k2, v2 = wide[..., ::2], wide.flip(2)[..., ::2], wide[..., 1::2]

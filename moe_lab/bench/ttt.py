@@ -234,9 +234,10 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     from moe_lab.perf.capabilities import native_bf16_cpu
 
     amp = ("bf16" if native_bf16_cpu() else "") if amp is None else amp
-    from moe_lab.kernels import cpu_grouped
+    from moe_lab.kernels import cpu_ext
 
-    if cpu_grouped.available():
+    kernels = cpu_ext.available()  # moe_lab's C++ CPU kernels: the grouped GEMM and the attention
+    if kernels:
         backend, why = "openmp", ("moe_lab's OpenMP grouped GEMM (each core takes whole experts); "
                                   "Triton runs interpreted on a CPU (correct, far too slow)")
     else:
@@ -244,8 +245,7 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
         why = (f"{backend} grouped GEMM: the OpenMP one did not build here, and Triton runs "
                f"interpreted on a CPU (correct, far too slow)")
     router = router_impl or "reference"
-    fused_attention = cpu_grouped.available()  # the same C++ extension holds the attention
-    if fused_attention:
+    if kernels:
         attention, attention_note = "cpu_fused", (
             "moe_lab's fused CPU attention (moe_lab.kernels.cpu_attention): one core per "
             "(batch, head), causal blocks skipped, FP32")

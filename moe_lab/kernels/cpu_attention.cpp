@@ -173,10 +173,10 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
               k.size(2), " keys");
 }
 
-// A [B, H, S, D] tensor whose rows of D are contiguous (any strides above), as ATen may hand
-// over a transposed view; anything else is made contiguous.
+// A [B, H, S, D] tensor whose rows of D are contiguous and do not overlap (any strides above),
+// as ATen may hand over a transposed view; anything else is made contiguous.
 at::Tensor rows_contiguous(const at::Tensor& t) {
-  return t.stride(3) == 1 ? t : t.contiguous();
+  return (t.stride(3) == 1 && t.stride(2) >= t.size(3)) ? t : t.contiguous();
 }
 
 struct Heads {

@@ -16,7 +16,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
-
+#include <type_traits>
 #include <vector>
 
 namespace {
