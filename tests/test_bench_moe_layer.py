@@ -45,3 +45,32 @@ def test_expert_compute_vs_floor_times_the_ceiling_in_the_same_run():
     assert r["floor_ms"] == pytest.approx(flops / (r["ceiling_gflops"] * 1e9) * 1e3)
     assert r["ratio_to_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
     assert r["achieved_gflops"] == pytest.approx(flops / (r["median_ms"] / 1e3) / 1e9)
+
+
+def test_a_disturbed_ceiling_is_flagged_and_kept_out_of_the_ledger(tmp_path, monkeypatch):
+    import argparse
+
+    from moe_lab.bench import moe_layer
+    from moe_lab.perf.ledger import read
+
+    # a separately measured ceiling far above what the rounds saw: the rounds were disturbed
+    r = moe_layer.expert_compute_vs_floor("coarse", tokens=64, ceiling_gflops=1e9, min_time_s=0.01,
+                                          ceiling_n=64)
+    assert r["ceiling_disturbed"]
+
+    monkeypatch.setenv("MOE_LAB_RESULTS_DIR", str(tmp_path))
+
+    def fake_floor(shape, tokens, ceiling_gflops, min_time_s, ceiling_n, backend):
+        ratio = 0.7 if backend == "torch" else 1.4  # under 1: impossible, so disturbed
+        return {"shape": shape, "backend": backend, "ratio_to_floor": ratio, "ceiling_gflops": 80.0,
+                "ceiling_disturbed": ratio < 1}
+
+    monkeypatch.setattr(moe_layer, "expert_compute_vs_floor", fake_floor)
+    monkeypatch.setattr(moe_layer, "run_shape", lambda *a, **k: {"rows": [], "notes": []})
+    args = argparse.Namespace(tokens=64, profile="smoke", shape="coarse", min_time=0.01, no_hf=True,
+                              only=None, notebook="bench:moe-layer")
+    result = moe_layer.run(args)
+    assert any("coarse torch" in note and "disturbed" in note for note in result["notes"])
+    written = {r["step"] for r in read() if r["metric"] == "ratio_to_floor"}
+    assert "coarse:dropless torch experts" not in written
+    assert len(written) == len(moe_layer.floor_backends("cpu")) - 1

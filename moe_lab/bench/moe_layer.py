@@ -195,6 +195,10 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
     expert compute (`compare`, alternating), so both see the same machine: on a shared CPU a
     ceiling measured a minute earlier can be off by 2x either way. ``ceiling_gflops``, if
     given, is reported alongside as the run's separately measured figure.
+
+    ``ceiling_disturbed`` is True when the ceiling of these rounds cannot be right: below 3/4
+    of the separately measured one, or so low that the expert compute would beat the floor
+    (a ratio under 1, which no code can reach). The ratio of such a run says nothing; rerun.
     """
     from moe_lab.moe.dispatch import sort_by_expert
     from moe_lab.perf import ceilings, compare
@@ -224,10 +228,12 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
     ceiling_now = 2.0 * ceiling_n**3 / times["ceiling"].median_s / 1e9
     flops = expert_flops(tokens, cfg.top_k, cfg.d_model, cfg.d_expert)
     floor_s = flops / (ceiling_now * 1e9)
+    ratio = t.median_s / floor_s
+    disturbed = ratio < 1.0 or (ceiling_gflops is not None and ceiling_now < 0.75 * ceiling_gflops)
     return {"shape": shape, "backend": backend, "tokens": tokens, "median_ms": t.median_s * 1e3,
-            "floor_ms": floor_s * 1e3, "ratio_to_floor": t.median_s / floor_s,
+            "floor_ms": floor_s * 1e3, "ratio_to_floor": ratio,
             "achieved_gflops": flops / t.median_s / 1e9, "ceiling_gflops": ceiling_now,
-            "ceiling_gflops_separate": ceiling_gflops}
+            "ceiling_gflops_separate": ceiling_gflops, "ceiling_disturbed": disturbed}
 
 
 def floor_backends(device: str) -> list[str]:
@@ -276,6 +282,13 @@ def run(args: argparse.Namespace) -> dict:
         ledger.record(args.notebook, step, "vs_naive", row["vs_naive"], "x", tokens=tokens)
         ledger.record(args.notebook, step, "syncs_per_step", row["syncs_per_step"], "syncs")
     for f in result["floor"]:
+        if f["ceiling_disturbed"]:
+            result["notes"].append(
+                f"{f['shape']} {f['backend']}: the matmul ceiling timed in the same rounds "
+                f"({f['ceiling_gflops']:.0f} GFLOP/s, against {ceiling.giga:.0f} measured apart) "
+                f"was disturbed, so its ratio to the floor ({f['ratio_to_floor']:.2f}x) means "
+                f"nothing: rerun; it is not written to the ledger")
+            continue
         ledger.record(args.notebook, f"{f['shape']}:dropless {f['backend']} experts", "ratio_to_floor",
                       f["ratio_to_floor"], "x", tokens=tokens)
     return result
