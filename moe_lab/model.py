@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from moe_lab.attention import causal_attention
 from moe_lab.config import ModelConfig
 from moe_lab.moe.experts import SwiGLU
-from moe_lab.moe.layer import MoELayer, MoEStats
+from moe_lab.moe.layer import MoELayer, MoEStats, _autocast_enabled
 
 Tensor = torch.Tensor
 
@@ -125,6 +125,8 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        # Under autocast, compute the logits in FP32 (see `forward`); off, nothing changes.
+        self.fp32_logits = False
         self.apply(self._init)
 
     @staticmethod
@@ -164,13 +166,25 @@ class MoETransformer(nn.Module):
             x, s = block(x)
             if s is not None:
                 stats.append(s)
-        logits = self.lm_head(self.norm(x))
+        logits = self._logits(self.norm(x))
         out = ModelOutput(logits=logits, loss=None, lm_loss=None, moe_stats=stats)
         if targets is not None:
             lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
             out.lm_loss = lm
             out.loss = lm + out.aux_loss.float()
         return out
+
+    def _logits(self, h: Tensor) -> Tensor:
+        """The output projection. With ``fp32_logits`` and autocast on for ``h``'s device, it
+        runs in FP32 (FP32 weight, FP32 logits, FP32 gradients), as mixed-precision recipes
+        keep the output layer: rounded to bf16, logits of a few units carry an error of a few
+        hundredths, which near convergence is as large as the signal the loss still has to
+        learn from. It is ~2% of this model's matmul FLOPs."""
+        device_type = h.device.type
+        if self.fp32_logits and type(self.lm_head) is nn.Linear and _autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return F.linear(h.float(), self.lm_head.weight.float())
+        return self.lm_head(h)
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameters in total, or active per token (top_k of n_experts routed experts)."""

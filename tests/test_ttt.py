@@ -36,6 +36,8 @@ def test_stack_validates_its_choices():
         Stack("x", compile=True)
     with pytest.raises(ValueError, match="compiled_eval"):
         Stack("x", sync_free=True, compiled_eval=True)
+    with pytest.raises(ValueError, match="fp32_logits"):
+        Stack("x", sync_free=True, fp32_logits=True)  # nothing to keep in FP32 without amp
     assert "naive dispatch" in NAIVE.describe() and "FP64" in NAIVE.describe()
 
 
@@ -54,6 +56,8 @@ def test_optimised_stack_on_a_cpu():
     assert not eager.compile and eager.router_impl == "compiled" and not eager.compiled_eval
     # BF16 autocast exactly where the CPU has bf16 matmul instructions, attention core in FP32
     assert best.amp == ("bf16" if native_bf16_cpu() else "")
+    assert best.fp32_logits == bool(best.amp)  # BF16 everywhere but the logits
+    assert ttt.build_model(best, MICRO).fp32_logits == best.fp32_logits
     assert best.attention_impl == ("cpu_fused" if kernels else "sdpa_fp32" if best.amp else "sdpa")
     fp32 = ttt.optimised_stack("cpu", amp="")
     assert fp32.amp == "" and "BF16" not in fp32.describe()
@@ -345,12 +349,17 @@ def test_compiled_stack_is_bit_reproducible_in_deterministic_mode():
 
 
 @pytest.mark.slow
-def test_compiled_stack_trains_like_the_eager_one():
+@pytest.mark.parametrize("amp, rel", [("", 1e-5), ("bf16", 5e-3)])
+def test_compiled_stack_trains_like_the_eager_one(amp, rel):
+    # FP32: compiling changes no arithmetic that matters here (equal on the reference
+    # machine). BF16: eager autocast rounds every op's output to bf16 where Inductor keeps a
+    # fused chain in fp32, and the compiled stack evaluates in BF16 (the eager one in FP32):
+    # the two agree to about bf16's unit roundoff (2^-8 = 3.9e-3), not closer.
     cfg = replace(MICRO, target_loss=0.01, max_steps=3)
-    eager = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False), cfg)
-    compiled = ttt.time_to_train(ttt.optimised_stack("cpu", compile=True), cfg)
+    eager = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False, amp=amp), cfg)
+    compiled = ttt.time_to_train(ttt.optimised_stack("cpu", compile=True, amp=amp), cfg)
     assert compiled.init_s > 0
-    assert compiled.curve[-1]["eval_loss"] == pytest.approx(eager.curve[-1]["eval_loss"], rel=1e-3)
+    assert compiled.curve[-1]["eval_loss"] == pytest.approx(eager.curve[-1]["eval_loss"], rel=rel)
 
 
 def test_stack_ceilings_measure_each_precision_once(monkeypatch):

@@ -88,7 +88,9 @@ class Stack:
     the whole step as a CUDA graph (`moe_lab.graphs.GraphedStep`; CUDA only); ``mxfp8``
     names the parts run in MXFP8 (`moe_lab.quant.linear.apply_mxfp8`); ``amp`` (``"bf16"``)
     runs the forward under ``torch.autocast`` in that dtype (fp32 master weights, the router
-    and the loss in fp32); ``attention_impl`` names the attention core
+    and the loss in fp32); ``fp32_logits`` (with ``amp``) computes the output projection and
+    the logits in FP32 (`moe_lab.model.MoETransformer.fp32_logits`); ``attention_impl`` names
+    the attention core
     (`moe_lab.attention.ATTENTION_IMPLS`); ``row_align`` pads every expert's group of the
     dropless layout to a multiple of that many rows (``SwiGLUExperts.row_align``);
     ``compiled_eval`` (with ``compile``) runs the evaluations through a ``torch.compile`` of
@@ -107,6 +109,7 @@ class Stack:
     graphed: bool = False
     mxfp8: tuple[str, ...] = ()
     amp: str = ""
+    fp32_logits: bool = False
     attention_impl: str = "sdpa"
     row_align: int = 1
     compiled_eval: bool = False
@@ -138,6 +141,8 @@ class Stack:
         if (self.compile or self.graphed or self.amp) and not self.sync_free:
             raise ValueError("Stack: compile, graphed and amp apply to the sync-free step; set "
                              "sync_free=True")
+        if self.fp32_logits and not self.amp:
+            raise ValueError("Stack: fp32_logits keeps the logits in FP32 under autocast; set amp")
         if self.compiled_eval and not self.compile:
             raise ValueError("Stack: compiled_eval evaluates through torch.compile; set compile=True")
 
@@ -149,7 +154,7 @@ class Stack:
         parts.append(f"{self.router_impl} router {self.router_dtype.upper()}")
         parts.append("sync-free step" if self.sync_free else "moe_lab.train loop")
         if self.amp:
-            parts.append(f"{self.amp.upper()} autocast")
+            parts.append(f"{self.amp.upper()} autocast" + (" (logits FP32)" if self.fp32_logits else ""))
         if self.attention_impl != "sdpa":
             parts.append(f"{self.attention_impl} attention")
         if self.row_align > 1:
@@ -256,8 +261,9 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     notes = [why, attention_note,
              ("the FP32 reference router, compiled together with the model" if compile and
               router == "reference" else f"the {router} router in FP32"),
-             ("BF16 autocast (FP32 master weights, router and loss): this CPU has bf16 matmul "
-              "instructions; the attention core stays FP32, whose CPU backward is faster"
+             ("BF16 autocast (FP32 master weights, router, logits and loss): this CPU has bf16 "
+              "matmul instructions; the attention core stays FP32, whose CPU backward is faster; "
+              "the logits in FP32 keep BF16 from costing steps to the target"
               if amp else "FP32: this CPU has no bf16 matmul instructions (bf16 would be emulated)"),
              ("torch.compile of the model (its compile time is initialisation, reported as "
               "init_s)" if compile else "eager: torch.compile off"),
@@ -268,7 +274,8 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
              "no CUDA graph: there is no CUDA here", mx_note]
     return Stack("optimised", dispatcher="dropless", expert_backend=backend, router_impl=router,
                  router_dtype="fp32", sync_free=True, compile=compile, graphed=False,
-                 mxfp8=(), amp=amp, attention_impl=attention, row_align=64 if amp else 1,
+                 mxfp8=(), amp=amp, fp32_logits=bool(amp), attention_impl=attention,
+                 row_align=64 if amp else 1,
                  compiled_eval=compile, notes=tuple(notes))
 
 
@@ -303,8 +310,8 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
         last = replace(last, name="fused attention", attention_impl="cpu_fused")
         rungs.append(("+ fused CPU attention", last))
     if best.amp:
-        last = replace(last, name=best.amp, amp=best.amp, attention_impl=best.attention_impl,
-                       row_align=best.row_align)
+        last = replace(last, name=best.amp, amp=best.amp, fp32_logits=best.fp32_logits,
+                       attention_impl=best.attention_impl, row_align=best.row_align)
         rungs.append((f"+ {best.amp.upper()} autocast", last))
     if best.compile:
         last = replace(last, name="compiled", compile=True, router_impl=best.router_impl)
@@ -468,6 +475,7 @@ def build_model(stack: Stack, cfg: TTTConfig, device: torch.device | str | None 
     model = model.to(device)
     for layer in model.moe_layers:
         layer.experts.row_align = stack.row_align
+    model.fp32_logits = stack.fp32_logits
     if stack.mxfp8:
         from moe_lab.quant.linear import apply_mxfp8
 
