@@ -125,7 +125,7 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        # Under autocast, compute the logits in FP32 (see `forward`); off, nothing changes.
+        # Under autocast, compute the logits in FP32 (see `_logits`); off, nothing changes.
         self.fp32_logits = False
         self.apply(self._init)
 
@@ -177,9 +177,9 @@ class MoETransformer(nn.Module):
     def _logits(self, h: Tensor) -> Tensor:
         """The output projection. With ``fp32_logits`` and autocast on for ``h``'s device, it
         runs in FP32 (FP32 weight, FP32 logits, FP32 gradients), as mixed-precision recipes
-        keep the output layer: rounded to bf16, logits of a few units carry an error of a few
-        hundredths, which near convergence is as large as the signal the loss still has to
-        learn from. It is ~3% of the small preset's matmul FLOPs."""
+        keep the output layer: rounded to bf16, logits of a few units are off by up to a
+        hundredth or two, which near convergence is as large as the signal the loss still has
+        to learn from. It is ~3% of the small preset's matmul FLOPs."""
         device_type = h.device.type
         if self.fp32_logits and type(self.lm_head) is nn.Linear and _autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):

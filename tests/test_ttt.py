@@ -349,12 +349,12 @@ def test_compiled_stack_is_bit_reproducible_in_deterministic_mode():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("amp, rel", [("", 1e-5), ("bf16", 5e-3)])
+@pytest.mark.parametrize("amp, rel", [("", 1e-4), ("bf16", 5e-3)])
 def test_compiled_stack_trains_like_the_eager_one(amp, rel):
-    # FP32: compiling changes no arithmetic that matters here (equal on the reference
-    # machine). BF16: eager autocast rounds every op's output to bf16 where Inductor keeps a
-    # fused chain in fp32, and the compiled stack evaluates in BF16 (the eager one in FP32):
-    # the two agree to about bf16's unit roundoff (2^-8 = 3.9e-3), not closer.
+    # FP32: compiling changes only the summation order (equal on the reference machine).
+    # BF16: eager autocast rounds every op's output to bf16 where Inductor keeps a fused
+    # chain in fp32, and the compiled stack evaluates in BF16 (the eager one in FP32): the
+    # two agree to about bf16's unit roundoff (2^-8 = 3.9e-3), not closer.
     cfg = replace(MICRO, target_loss=0.01, max_steps=3)
     eager = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False, amp=amp), cfg)
     compiled = ttt.time_to_train(ttt.optimised_stack("cpu", compile=True, amp=amp), cfg)
