@@ -366,19 +366,25 @@ class SyncFreeStep:
         ``zero_grad=False`` leaves the gradients as they are: a captured graph sets them to
         ``None`` once before capture, and its backward then writes them afresh each replay.
         """
+        from moe_lab.perf.breakdown import phase
+
         st, cfg = self.state, self.cfg
         if zero_grad:
-            self.optimizer.zero_grad(set_to_none=True)
+            with phase("optimizer"):
+                self.optimizer.zero_grad(set_to_none=True)
         if self.stash is not None:
             self.stash.reset()
         st.lr.copy_(lr_schedule(st.step, cfg))
-        out = self.forward(st.x, st.y)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
-        if self.stash is not None:
-            st.skip.copy_(self.stash.overflow)
-        self.optimizer.step()
+        with phase("forward"):
+            out = self.forward(st.x, st.y)
+        with phase("backward"):
+            out.loss.backward()
+        with phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
+            if self.stash is not None:
+                st.skip.copy_(self.stash.overflow)
+            self.optimizer.step()
         keep = 1.0 - st.skip  # 0.0 for a step the optimizer skipped
         st.step.add_(keep)
         keep64 = keep.double()

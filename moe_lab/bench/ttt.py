@@ -521,16 +521,22 @@ class _LoopTrainer(_Trainer):
         self.train_records = []
 
     def step(self, step: int, batch) -> None:
+        from moe_lab.perf.breakdown import phase
         from moe_lab.train import lr_at
 
         lr = lr_at(step, self.train_cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        out = self.model(batch.x, batch.y)
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
-        self.optimizer.step()
+        with phase("forward"):
+            out = self.model(batch.x, batch.y)
+        with phase("optimizer"):
+            self.optimizer.zero_grad(set_to_none=True)
+        with phase("backward"):
+            out.loss.backward()
+        with phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.train_cfg.grad_clip)
+            self.optimizer.step()
         counts = [s.tokens_per_expert.tolist() for s in out.moe_stats]
         record = {"step": step + 1, "loss": out.loss.item(), "grad_norm": grad_norm.item(),
                   "imbalance": [max(c) / (sum(c) / len(c)) for c in counts],
@@ -912,6 +918,37 @@ def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
                      "tokens_per_s": cfg.tokens_per_step / t.median_s,
                      "vs_first": first / t.median_s, "init_s": init_s[label]})
     return rows
+
+
+def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, warmup: int = 3,
+                    device: torch.device | str | None = None, corpus=None) -> dict[str, dict]:
+    """Where a training step of each stack spends its time, ``{stack.name: breakdown}``
+    (`moe_lab.perf.breakdown.step_breakdown`: ms per step by phase and by kind, under the
+    profiler). Each stack's trainer is built as for the race and steps on the contest's
+    training batches, ``warmup`` steps first (compiling happens when the trainer is built)."""
+    from moe_lab.data import load_corpus
+    from moe_lab.perf.breakdown import step_breakdown
+
+    if not stacks:
+        raise ValueError("stacks must name at least one Stack, got none")
+    device = _device(device)
+    if corpus is None:
+        corpus = load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    batches = [_to(corpus.sample(cfg.batch_size, generator=gen, split="train"), device)
+               for _ in range(4)]
+    results = {}
+    for stack in stacks:
+        trainer = make_trainer(stack, cfg, device)
+        counter = iter(range(10**9))
+
+        def one_step(trainer=trainer, counter=counter) -> None:
+            i = next(counter)
+            trainer.step(i, batches[i % len(batches)])
+            trainer.sync()
+
+        results[stack.name] = step_breakdown(one_step, steps=steps, warmup=warmup)
+    return results
 
 
 def record_ladder(rows: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK,

@@ -11,6 +11,7 @@ on first use.
 - ``flops`` — training FLOPs per token, TFLOPS per GPU, MFU
 - ``mlperf`` — the MLPerf Training v6.0 results as data
 - ``ledger`` — the results ledger every reported figure goes into
+- ``breakdown`` — where a training step's time goes (profiled, by phase and kind)
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from moe_lab.perf.capabilities import Capabilities, capabilities
 
 __all__ = [
     "BenchResult", "Capabilities", "bench", "capabilities", "compare",
-    "ceilings", "flops", "hardware", "ledger", "mlperf",
+    "breakdown", "ceilings", "flops", "hardware", "ledger", "mlperf",
 ]
 
-_MODULES = ("ceilings", "flops", "hardware", "ledger", "mlperf")
+_MODULES = ("breakdown", "ceilings", "flops", "hardware", "ledger", "mlperf")
 
 if TYPE_CHECKING:
-    from moe_lab.perf import ceilings, flops, hardware, ledger, mlperf  # noqa: F401
+    from moe_lab.perf import breakdown, ceilings, flops, hardware, ledger, mlperf  # noqa: F401
 
 
 def __getattr__(name: str):
