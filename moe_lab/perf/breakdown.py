@@ -24,6 +24,9 @@ slower here than on the clock; compare kinds within a run, and time steps with t
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -113,12 +116,33 @@ def step_breakdown(step: Callable[[], None], steps: int = 5, warmup: int = 2) ->
 
     for _ in range(warmup):
         step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _quiet_stderr():  # the profiler's C++ side logs its start and stop on stderr
+        prof.__enter__()
+    try:
         start = time.perf_counter()
         for _ in range(steps):
             step()
         wall_s = time.perf_counter() - start
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
     return breakdown_from_events(prof.events(), wall_s, steps)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 sent to the null device for the duration (C++ writes included);
+    restored afterwards, so nothing the step itself writes is lost."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def format_breakdown(result: dict, title: str = "") -> str:
