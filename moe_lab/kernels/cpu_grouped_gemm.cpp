@@ -96,19 +96,24 @@ inline void swiglu_row(const float* g, const float* u, float* a, int64_t n) {
   for (; j < n; ++j) a[j] = g[j] * sigmoid(g[j]) * u[j];
 }
 
-// dg = da · u · silu'(g), du = da · silu(g), with silu'(g) = σ(g)(1 + g(1 − σ(g)))
+// dg = da · u · silu'(g), du = da · silu(g), with silu'(g) = σ(g)(1 + g(1 − σ(g))); and, where
+// `a` is given, the activation a = silu(g) · u again, computed exactly as `swiglu_row` does (the
+// forward's values, bit for bit) — the backward needs it for dW2 and gets it from this pass.
 inline void swiglu_grad_row(const float* g, const float* u, const float* da, float* dg, float* du,
-                            int64_t n) {
+                            float* a, int64_t n) {
   const fVec one(1.f);
   int64_t j = 0;
   for (; j + fVec::size() <= n; j += fVec::size()) {
-    const fVec gv = fVec::loadu(g + j), dav = fVec::loadu(da + j);
-    const fVec sig = one / (one + gv.neg().exp());
-    (dav * gv * sig).store(du + j);
-    (dav * fVec::loadu(u + j) * sig * (one + gv * (one - sig))).store(dg + j);
+    const fVec gv = fVec::loadu(g + j), uv = fVec::loadu(u + j), dav = fVec::loadu(da + j);
+    const fVec denom = one + gv.neg().exp();
+    const fVec sig = one / denom, silu = gv / denom;
+    if (a != nullptr) (silu * uv).store(a + j);
+    (dav * silu).store(du + j);
+    (dav * uv * sig * (one + gv * (one - sig))).store(dg + j);
   }
   for (; j < n; ++j) {
     const float sig = sigmoid(g[j]);
+    if (a != nullptr) a[j] = g[j] * sig * u[j];
     du[j] = da[j] * g[j] * sig;
     dg[j] = da[j] * u[j] * sig * (1.f + g[j] * (1.f - sig));
   }
@@ -130,21 +135,23 @@ void swiglu_rows(const at::Tensor& h, at::Tensor& a, int64_t f) {
   }
 }
 
-// dh[r] = [d gate, d up] from h[r] and da[r] (all rows contiguous).
+// dh[r] = [d gate, d up] from h[r] and da[r], and a[r] = swiglu(h[r]) (all rows contiguous).
 template <typename T>
-void swiglu_grad_rows(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, int64_t f) {
+void swiglu_grad_rows(const at::Tensor& h, const at::Tensor& da, at::Tensor& dh, at::Tensor& a,
+                      int64_t f) {
   std::vector<float> buf(6 * f);
   const T *hp = h.data_ptr<T>(), *dap = da.data_ptr<T>();
-  T* dhp = dh.data_ptr<T>();
+  T *dhp = dh.data_ptr<T>(), *ap = a.data_ptr<T>();
   for (int64_t r = 0; r < h.size(0); ++r) {
     const T* row = hp + r * h.stride(0);
     const float* g = as_float(row, f, buf.data());
     const float* u = as_float(row + f, f, buf.data() + f);
     const float* d = as_float(dap + r * f, f, buf.data() + 2 * f);
-    float *dg = buf.data() + 3 * f, *du = buf.data() + 4 * f;
-    swiglu_grad_row(g, u, d, dg, du, f);
+    float *dg = buf.data() + 3 * f, *du = buf.data() + 4 * f, *act = buf.data() + 5 * f;
+    swiglu_grad_row(g, u, d, dg, du, act, f);
     store(dg, dhp + r * 2 * f, f);
     store(du, dhp + r * 2 * f + f, f);
+    store(act, ap + r * f, f);
   }
 }
 
@@ -243,8 +250,8 @@ std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, co
 }
 
 // Backward of expert_mlp, again one expert per core: {dx, dw1, dw2}. The activation
-// a = silu(gate) * up is recomputed from h per expert (cheap, and cache-hot) rather than kept
-// from the forward.
+// a = silu(gate) * up is recomputed from h per expert (cache-hot) rather than kept from the
+// forward — in the same pass over h as the SwiGLU gradient, where the vectorised path runs.
 std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tensor& h_in, const at::Tensor& w1,
                                             const at::Tensor& w2, const at::Tensor& offs,
                                             const at::Tensor& dy) {
@@ -271,13 +278,15 @@ std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tenso
       continue;
     }
     at::Tensor x_e = x.slice(0, start, end), h_e = h.slice(0, start, end), dy_e = dy.slice(0, start, end);
-    at::mm_out(dw2_e, expert_swiglu(h_e, f).t(), dy_e);         // dW2 = aᵀ · dy (a recomputed)
     const at::Tensor da = at::mm(dy_e, w2.select(0, e).t());      // da = dy · W2ᵀ
     at::Tensor dh = at::empty({end - start, 2 * f}, x.options());
     if (vectorised_swiglu(x.scalar_type())) {  // d gate = da · up · silu'(gate), d up = da · silu(gate)
+      at::Tensor a = at::empty({end - start, f}, x.options());
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "expert_swiglu_grad",
-                                      [&] { swiglu_grad_rows<scalar_t>(h_e, da, dh, f); });
+                                      [&] { swiglu_grad_rows<scalar_t>(h_e, da, dh, a, f); });
+      at::mm_out(dw2_e, a.t(), dy_e);                              // dW2 = aᵀ · dy (a recomputed)
     } else {
+      at::mm_out(dw2_e, expert_swiglu(h_e, f).t(), dy_e);
       const at::Tensor g = widen(h_e.narrow(1, 0, f)), u = widen(h_e.narrow(1, f, f)), d = widen(da);
       dh.narrow(1, f, f).copy_(d * at::silu(g));
       dh.narrow(1, 0, f).copy_(at::silu_backward(d * u, g));
