@@ -108,7 +108,7 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  "optimised vs naive"),
         Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
                  "optimised vs naive", notebook="bench:time-to-train",
-                 command=("python -m moe_lab bench time-to-train --profile full --seeds 5 --ladder "
+                 command=("python -m moe_lab bench time-to-train --profile full --seeds 10 --ladder "
                           "--pick-router")),),
 }
 

@@ -78,7 +78,7 @@ def test_the_benchmark_and_the_notebook_compete_for_one_figure():
     ]
     (row,) = site.headline_rows(records, ["10_time_to_train"])
     assert row["figure"] == "1.400×"
-    assert row["command"] == ("python -m moe_lab bench time-to-train --profile full --seeds 5 --ladder "
+    assert row["command"] == ("python -m moe_lab bench time-to-train --profile full --seeds 10 --ladder "
                               "--pick-router")
 
 
