@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from moe_lab.config import ModelConfig
 from moe_lab.model import MoETransformer
+from moe_lab.perf.breakdown import phase
 
 Tensor = torch.Tensor
 
@@ -366,8 +367,6 @@ class SyncFreeStep:
         ``zero_grad=False`` leaves the gradients as they are: a captured graph sets them to
         ``None`` once before capture, and its backward then writes them afresh each replay.
         """
-        from moe_lab.perf.breakdown import phase
-
         st, cfg = self.state, self.cfg
         if zero_grad:
             with phase("optimizer"):

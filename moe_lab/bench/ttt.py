@@ -884,29 +884,17 @@ def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
     """Training tokens/s of one step of every rung, on the same batches, timed interleaved
     (`moe_lab.perf.compare`: round by round, so noise lands on all rungs alike). Returns one
     row per rung: label, stack, median step time, spread, tokens/s, ratio to the first."""
-    from moe_lab.data import load_corpus
     from moe_lab.perf import compare
 
     device = _device(device)
-    if corpus is None:
-        corpus = load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    batches = [_to(corpus.sample(cfg.batch_size, generator=gen, split="train"), device)
-               for _ in range(4)]
+    batches = _step_batches(cfg, device, corpus)
     providers: dict[str, Callable[[], None]] = {}
     init_s: dict[str, float] = {}
     for label, stack in rungs:
         t0 = time.perf_counter()
         trainer = make_trainer(stack, cfg, device)
         init_s[label] = time.perf_counter() - t0
-        counter = iter(range(10**9))
-
-        def one_step(trainer=trainer, counter=counter) -> None:
-            i = next(counter)
-            trainer.step(i, batches[i % len(batches)])
-            trainer.sync()
-
-        providers[label] = one_step
+        providers[label] = _stepper(trainer, batches)
     timings = compare(providers, warmup=warmup, min_time_s=min_time_s)
     first = next(iter(timings.values())).median_s
     rows = []
@@ -926,29 +914,37 @@ def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, 
     (`moe_lab.perf.breakdown.step_breakdown`: ms per step by phase and by kind, under the
     profiler). Each stack's trainer is built as for the race and steps on the contest's
     training batches, ``warmup`` steps first (compiling happens when the trainer is built)."""
-    from moe_lab.data import load_corpus
     from moe_lab.perf.breakdown import step_breakdown
 
     if not stacks:
         raise ValueError("stacks must name at least one Stack, got none")
     device = _device(device)
+    batches = _step_batches(cfg, device, corpus)
+    return {stack.name: step_breakdown(_stepper(make_trainer(stack, cfg, device), batches),
+                                       steps=steps, warmup=warmup) for stack in stacks}
+
+
+def _step_batches(cfg: TTTConfig, device: torch.device, corpus=None, n: int = 4) -> list:
+    """``n`` training batches of the contest (its first ones), for step-by-step measurements."""
+    from moe_lab.data import load_corpus
+
     if corpus is None:
         corpus = load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    batches = [_to(corpus.sample(cfg.batch_size, generator=gen, split="train"), device)
-               for _ in range(4)]
-    results = {}
-    for stack in stacks:
-        trainer = make_trainer(stack, cfg, device)
-        counter = iter(range(10**9))
+    return [_to(corpus.sample(cfg.batch_size, generator=gen, split="train"), device)
+            for _ in range(n)]
 
-        def one_step(trainer=trainer, counter=counter) -> None:
-            i = next(counter)
-            trainer.step(i, batches[i % len(batches)])
-            trainer.sync()
 
-        results[stack.name] = step_breakdown(one_step, steps=steps, warmup=warmup)
-    return results
+def _stepper(trainer: _Trainer, batches: Sequence) -> Callable[[], None]:
+    """One finished training step of ``trainer`` per call, cycling through ``batches``."""
+    counter = iter(range(10**9))
+
+    def one_step() -> None:
+        i = next(counter)
+        trainer.step(i, batches[i % len(batches)])
+        trainer.sync()
+
+    return one_step
 
 
 def record_ladder(rows: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK,
