@@ -1,10 +1,11 @@
 """Builds moe_lab's C++ CPU kernels once per machine and hands out the module.
 
 One extension holds them all: the grouped GEMM and fused expert MLP of the ``openmp``
-expert backend (``cpu_grouped_gemm.cpp``, wrapped by `moe_lab.kernels.cpu_grouped`) and the
-fused causal attention (``cpu_attention.cpp``, wrapped by `moe_lab.kernels.cpu_attention`);
-``cpu_module.cpp`` binds them. ``torch.utils.cpp_extension`` compiles them on first use
-(about 40 s) and caches the result under ``~/.cache/moe_lab/extensions`` (or
+expert backend (``cpu_grouped_gemm.cpp``, wrapped by `moe_lab.kernels.cpu_grouped`), the
+fused causal attention (``cpu_attention.cpp``, wrapped by `moe_lab.kernels.cpu_attention`) and
+the dropless layout's token permutation (``cpu_permute.cpp``, wrapped by
+`moe_lab.kernels.cpu_permute`); ``cpu_module.cpp`` binds them. ``torch.utils.cpp_extension``
+compiles them on first use (about 40 s) and caches the result under ``~/.cache/moe_lab/extensions`` (or
 ``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the torch version and the vector
 instruction set ATen uses on this CPU (``torch.backends.cpu.get_cpu_capability()``: the
 kernels' elementwise loops are compiled for it, so a cache shared by different machines
@@ -29,7 +30,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("cpu_grouped_gemm.cpp", "cpu_attention.cpp", "cpu_module.cpp"))
+SOURCES = tuple(HERE / name for name in ("cpu_grouped_gemm.cpp", "cpu_attention.cpp", "cpu_permute.cpp",
+                                         "cpu_module.cpp"))
 
 # Compiler flags for ATen's vector types (at::vec) per CPU capability, as ATen builds its
 # own kernels; anything else gets the portable scalar fallback of at::vec.

@@ -20,6 +20,13 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout, const 
                                                   const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& out, const at::Tensor& lse);
 
+// cpu_permute.cpp: the dropless layout's token permutation.
+std::vector<at::Tensor> row_id_map(const at::Tensor& topk_ids, int64_t n_experts, int64_t align);
+at::Tensor permute(const at::Tensor& x, const at::Tensor& row_id_map, const c10::optional<at::Tensor>& weights,
+                   int64_t n_rows);
+at::Tensor unpermute(const at::Tensor& y, const at::Tensor& row_id_map, const c10::optional<at::Tensor>& weights);
+at::Tensor unpermute_weight_grad(const at::Tensor& y, const at::Tensor& row_id_map, const at::Tensor& dout);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_mlp", &expert_mlp, "every expert's SwiGLU MLP over its rows, experts spread over cores");
   m.def("expert_mlp_backward", &expert_mlp_backward, "backward of expert_mlp: {dx, dw1, dw2}");
@@ -29,4 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal softmax(q k^T / sqrt(d)) v per (batch, head), float32: {out, lse}");
   m.def("causal_attention_backward", &causal_attention_backward,
         "backward of causal_attention_forward: {dq, dk, dv}");
+  m.def("row_id_map", &row_id_map, "counting sort of expert ids: {row_id_map [T, k] int32, offsets [E + 1] int32}");
+  m.def("permute", &permute, "y[row_id_map[t, j]] = x[t] (* w[t, j]); unmapped rows zero");
+  m.def("unpermute", &unpermute, "out[t] = sum_j w[t, j] * y[row_id_map[t, j]], in float32");
+  m.def("unpermute_weight_grad", &unpermute_weight_grad, "dw[t, j] = <dout[t], y[row_id_map[t, j]]>");
 }

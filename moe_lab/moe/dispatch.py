@@ -21,7 +21,9 @@ an expert chosen more than ``C`` times drops the rest — those tokens skip the 
 computes the per-expert offsets on the device with a prefix sum, runs all experts as one
 grouped GEMM over those offsets, and scatters the weighted results back. Every buffer is
 ``tokens · top_k`` rows — a bound known from shapes alone — so nothing is dropped and the
-host never waits.
+host never waits. With the ``openmp`` expert backend on a CPU the sort and the two moves run
+as moe_lab's C++ kernels (`moe_lab.kernels.cpu_permute`: a counting sort, then one pass per
+move), with the ``triton`` backend as the Triton kernels of `moe_lab.kernels.permute`.
 """
 
 from __future__ import annotations
@@ -146,11 +148,21 @@ def dropless_dispatch(
         y_sorted = experts.grouped_forward(x_sorted, offsets)
         out = unpermute(y_sorted, row_id_map, topk_weights.to(y_sorted.dtype))
         return out, torch.zeros((), dtype=torch.int64, device=x.device)
-    order, offsets = sort_by_expert(topk_ids, experts.n_experts)
-    token_of = order // k  # the token behind each sorted row
     align = getattr(experts, "row_align", 1)
     if not isinstance(align, int) or isinstance(align, bool) or align < 1:
         raise ValueError(f"experts.row_align must be a positive integer, got {align!r}")
+    if experts.backend == "openmp" and x.device.type == "cpu":
+        # The same layout in one C++ pass each way (a counting sort, a copy per token row,
+        # a weighted gather-sum back), instead of the argsort / gather / scatter-add chain.
+        from moe_lab.kernels import cpu_permute
+
+        row_id_map, offsets = cpu_permute.make_row_id_map(topk_ids, experts.n_experts, align=align)
+        n_rows = cpu_permute.permuted_rows(tokens, k, experts.n_experts, align)
+        y_sorted = experts.grouped_forward(cpu_permute.permute(x, row_id_map, n_rows), offsets)
+        out = cpu_permute.unpermute(y_sorted, row_id_map, topk_weights)
+        return out, torch.zeros((), dtype=torch.int64, device=x.device)
+    order, offsets = sort_by_expert(topk_ids, experts.n_experts)
+    token_of = order // k  # the token behind each sorted row
     if align == 1:
         y_sorted = experts.grouped_forward(x.index_select(0, token_of), offsets)
     else:

@@ -1,0 +1,217 @@
+"""The dropless layout's token permutation on a CPU: one pass each, in C++ (``cpu_permute.cpp``).
+
+`moe_lab.moe.dispatch.dropless_dispatch` in plain PyTorch gets each token's ``k`` copies into
+expert order, and back, with a chain of ATen ops: a stable argsort of the expert ids, a
+gather, a copy into the padded layout, a gather out of it, a multiply by the router
+weights, a scatter-add into the tokens. Each is a pass over the whole ``[T·k, d]`` buffer
+(the scatter-adds on one core), and the backward runs them all again. The
+``openmp`` expert backend uses these kernels instead — the same row-id map design as the
+Triton kernels of `moe_lab.kernels.permute` (and TransformerEngine's ``moe_permute``):
+
+- `make_row_id_map` — a counting sort: ``row_id_map[t, j]`` is the row of the
+  expert-sorted buffer that holds token ``t``'s copy for its ``j``-th expert, stable by
+  (expert, token, slot), each expert's segment padded to a multiple of ``align``;
+- `permute` — each token row copied to its ``k`` rows (padding rows zero);
+- `unpermute` — ``out[t] = Σ_j w[t, j] · y[row_id_map[t, j]]``, summed in float32.
+
+Each is the other's transpose, so each one's backward is the other (and the router weights'
+gradient a row dot product). Every pass gathers per token — no scatter-add, no two cores
+writing one row — so the result does not depend on the number of cores. The semantics are
+those of `moe_lab.kernels.permute`'s plain-PyTorch references, which the tests check these
+against. Every kernel is a ``torch.library.custom_op`` with a fake implementation, so
+``torch.compile`` and the sync detector trace through them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lab.kernels.cpu_ext import available, extension
+
+Tensor = torch.Tensor
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def permuted_rows(tokens: int, top_k: int, n_experts: int, align: int = 1) -> int:
+    """Static size of the permuted buffer: ``T·k``, plus ``E·(align − 1)`` padding rows when
+    each expert's segment is rounded up to a multiple of ``align``."""
+    return tokens * top_k + (n_experts * (align - 1) if align > 1 else 0)
+
+
+# --------------------------------------------------------------------------------------
+# The kernels as custom ops
+# --------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moe_lab::cpu_row_id_map", mutates_args=())
+def _row_id_map_op(topk_ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
+    row_id_map, offsets = extension().row_id_map(topk_ids, n_experts, align)
+    return row_id_map, offsets
+
+
+@_row_id_map_op.register_fake
+def _(topk_ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
+    return (topk_ids.new_empty(topk_ids.shape, dtype=torch.int32),
+            topk_ids.new_empty((n_experts + 1,), dtype=torch.int32))
+
+
+@torch.library.custom_op("moe_lab::cpu_permute", mutates_args=())
+def _permute_op(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
+    return extension().permute(x, row_id_map, weights, n_rows)
+
+
+@_permute_op.register_fake
+def _(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
+    return x.new_empty((n_rows, x.shape[1]))
+
+
+@torch.library.custom_op("moe_lab::cpu_unpermute", mutates_args=())
+def _unpermute_op(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
+    return extension().unpermute(y, row_id_map, weights)
+
+
+@_unpermute_op.register_fake
+def _(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
+    return y.new_empty((row_id_map.shape[0], y.shape[1]))
+
+
+@torch.library.custom_op("moe_lab::cpu_unpermute_weight_grad", mutates_args=())
+def _weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
+    return extension().unpermute_weight_grad(y, row_id_map, dout)
+
+
+@_weight_grad_op.register_fake
+def _(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
+    return y.new_empty(tuple(row_id_map.shape), dtype=torch.float32)
+
+
+# permute: y[map[t, j]] = w[t, j]·x[t]  ->  dx = unpermute(dy, map, w), dw = <dy[map[t, j]], x[t]>
+def _permute_setup(ctx, inputs, output) -> None:
+    x, row_id_map, weights, _n_rows = inputs
+    ctx.save_for_backward(x if weights is not None else None, row_id_map, weights)
+
+
+def _permute_backward(ctx, dy: Tensor):
+    x, row_id_map, weights = ctx.saved_tensors
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = _unpermute_op(dy, row_id_map, weights)
+    if weights is not None and ctx.needs_input_grad[2]:
+        dw = _weight_grad_op(dy, row_id_map, x).to(weights.dtype)
+    return dx, None, dw, None
+
+
+# unpermute: out[t] = Σ_j w[t, j]·y[map[t, j]]  ->  dy = permute(dout, map, w), dw = <dout[t], y[map[t, j]]>
+def _unpermute_setup(ctx, inputs, output) -> None:
+    y, row_id_map, weights = inputs
+    ctx.save_for_backward(y, row_id_map, weights)
+
+
+def _unpermute_backward(ctx, dout: Tensor):
+    y, row_id_map, weights = ctx.saved_tensors
+    dy = dw = None
+    if ctx.needs_input_grad[0]:
+        dy = _permute_op(dout, row_id_map, weights, y.shape[0])
+    if weights is not None and ctx.needs_input_grad[2]:
+        dw = _weight_grad_op(y, row_id_map, dout).to(weights.dtype)
+    return dy, None, dw
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+# --------------------------------------------------------------------------------------
+# The public functions (checked arguments; the kernels check indices themselves)
+# --------------------------------------------------------------------------------------
+
+
+def _check_cpu(name: str, t: Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU (moe_lab.kernels.cpu_permute), got {t.device}; "
+                         "on a GPU use moe_lab.kernels.permute")
+
+
+def _check_rows(name: str, t: Tensor) -> None:
+    _check_cpu(name, t)
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, d], got shape {tuple(t.shape)}")
+    if t.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{name}.dtype must be one of {[str(d) for d in KERNEL_DTYPES]}, got {t.dtype}")
+
+
+def _check_map(row_id_map: Tensor, tokens: int | None, n_rows: int) -> None:
+    _check_cpu("row_id_map", row_id_map)
+    expected_t = "T" if tokens is None else f"T = {tokens}"
+    if (row_id_map.dim() != 2 or row_id_map.dtype != torch.int32
+            or (tokens is not None and row_id_map.shape[0] != tokens)):
+        raise ValueError(f"row_id_map must be [{expected_t}, k] int32, got shape "
+                         f"{tuple(row_id_map.shape)} {row_id_map.dtype}")
+    if n_rows < row_id_map.numel():
+        raise ValueError(f"n_rows must be at least T·k = {row_id_map.numel()} (one row per token "
+                         f"and slot), got {n_rows}")
+
+
+def _check_weights(weights: Tensor | None, row_id_map: Tensor) -> None:
+    if weights is None:
+        return
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"weights must be a floating-point tensor or None, got {got}")
+    _check_cpu("weights", weights)
+    if weights.shape != row_id_map.shape:
+        raise ValueError(f"weights must be [T, k] = {tuple(row_id_map.shape)} like row_id_map, "
+                         f"got {tuple(weights.shape)}")
+
+
+def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
+    """Where each (token, slot) goes in the expert-sorted buffer, and where experts start.
+
+    ``topk_ids: [T, k]`` int64 or int32 expert ids in ``[0, n_experts)`` (checked: an id out
+    of range raises). Returns ``row_id_map: [T, k]`` int32, stable by (expert, token, slot),
+    and ``offsets: [E + 1]`` int32: expert ``e``'s rows are ``offsets[e]:offsets[e+1]``, its
+    tokens first, then zero padding up to a multiple of ``align``. The buffer needs
+    `permuted_rows` ``(T, k, E, align)`` rows.
+    """
+    _check_cpu("topk_ids", topk_ids)
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"topk_ids must be [T, k] int64 or int32, got shape {tuple(topk_ids.shape)} "
+                         f"{topk_ids.dtype}")
+    if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 1:
+        raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+        raise ValueError(f"align must be a positive int, got {align!r}")
+    return _row_id_map_op(topk_ids, n_experts, align)
+
+
+def permute(x: Tensor, row_id_map: Tensor, n_rows: int, weights: Tensor | None = None) -> Tensor:
+    """Copy token row ``x[t]`` to rows ``row_id_map[t, :]`` of a new ``[n_rows, d]`` buffer
+    (scaled by ``weights[t, j]`` in float32 if given); rows no (token, slot) maps to are zero.
+
+    ``x: [T, d]`` float32, bfloat16 or float16 (any strides); ``row_id_map: [T, k]`` int32
+    from `make_row_id_map`; ``n_rows >= T·k``. Differentiable in ``x`` and ``weights``.
+    """
+    _check_rows("x", x)
+    if isinstance(n_rows, bool) or not isinstance(n_rows, int):
+        raise ValueError(f"n_rows must be an int, got {type(n_rows).__name__}")
+    _check_map(row_id_map, x.shape[0], n_rows)
+    _check_weights(weights, row_id_map)
+    return _permute_op(x, row_id_map, weights, n_rows)
+
+
+def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> Tensor:
+    """``out[t] = Σ_j weights[t, j] · y[row_id_map[t, j]]`` (or the plain sum), in float32.
+
+    ``y: [n_rows, d]``; ``row_id_map: [T, k]`` int32; ``weights: [T, k]`` floating (e.g. the
+    router's float32) or None. Returns ``[T, d]`` in ``y``'s dtype. Differentiable in ``y``
+    and ``weights``.
+    """
+    _check_rows("y", y)
+    _check_map(row_id_map, None, y.shape[0])
+    _check_weights(weights, row_id_map)
+    return _unpermute_op(y, row_id_map, weights)
+
+
+__all__ = ["KERNEL_DTYPES", "available", "make_row_id_map", "permute", "permuted_rows", "unpermute"]
