@@ -243,8 +243,9 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
 
     kernels = cpu_ext.available()  # moe_lab's C++ CPU kernels: the grouped GEMM and the attention
     if kernels:
-        backend, why = "openmp", ("moe_lab's OpenMP grouped GEMM (each core takes whole experts); "
-                                  "Triton runs interpreted on a CPU (correct, far too slow)")
+        backend, why = "openmp", ("moe_lab's OpenMP grouped GEMM (each core takes whole experts) "
+                                  "and C++ token permutation (a counting sort, one pass per "
+                                  "move); Triton runs interpreted on a CPU (correct, far too slow)")
     else:
         backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
         why = (f"{backend} grouped GEMM: the OpenMP one did not build here, and Triton runs "
