@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from moe_lab.kernels import cpu_permute as cp
+from moe_lab.kernels.cpu_ext import compiler
 from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference, unpermute_reference
 
-pytestmark = pytest.mark.skipif(not cp.available(),
+pytestmark = pytest.mark.skipif(compiler() is None,
                                 reason="no C++ compiler: moe_lab's CPU kernels cannot be built")
 
 
@@ -61,7 +62,7 @@ def test_permute_is_index_copy_bit_for_bit(name, dtype):
     assert torch.equal(y, permute_reference(x, row_id_map, n_rows))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", ["random", "skewed_empty_experts", "all_to_one_expert", "contest_shape"])
 def test_weighted_permute_and_unpermute_match_the_references(name, dtype):
     ids, n_experts = ROUTINGS[name]()
