@@ -91,7 +91,7 @@ inline void swiglu_row(const float* g, const float* u, float* a, int64_t n) {
   int64_t j = 0;
   for (; j + fVec::size() <= n; j += fVec::size()) {
     const fVec gv = fVec::loadu(g + j);
-    (gv / (one + gv.neg().exp()) * fVec::loadu(u + j)).store(a + j);
+    (gv / (one + gv.neg().exp_u20()) * fVec::loadu(u + j)).store(a + j);
   }
   for (; j < n; ++j) a[j] = g[j] * sigmoid(g[j]) * u[j];
 }
@@ -105,7 +105,7 @@ inline void swiglu_grad_row(const float* g, const float* u, const float* da, flo
   int64_t j = 0;
   for (; j + fVec::size() <= n; j += fVec::size()) {
     const fVec gv = fVec::loadu(g + j), uv = fVec::loadu(u + j), dav = fVec::loadu(da + j);
-    const fVec denom = one + gv.neg().exp();
+    const fVec denom = one + gv.neg().exp_u20();
     const fVec sig = one / denom, silu = gv / denom;
     if (a != nullptr) (silu * uv).store(a + j);
     (dav * silu).store(du + j);
