@@ -145,13 +145,11 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Transpose a [rows, cols] block (leading dim ld_in) into out[cols, rows] (leading dim ld_out).
+// Transpose a [rows, cols] block (leading dim ld_in) into out[cols, rows] (leading dim ld_out):
+// ATen's vectorised 16x16-tile transpose (plain loops where the CPU has no AVX-512).
 inline void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,
                       int64_t ld_out) {
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* src = in + i * ld_in;
-    for (int64_t j = 0; j < cols; ++j) out[j * ld_out + i] = src[j];
-  }
+  at::vec::transpose_mxn<float>(in, ld_in, out, ld_out, static_cast<int>(rows), static_cast<int>(cols));
 }
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* who) {
