@@ -74,6 +74,10 @@ inline float lanes_max(const Vec& v) {
   return mx;
 }
 
+// Every row loop below runs whole vectors and then one partial vector for the last n mod W
+// lanes (masked loads and stores), so a row's tail is vectorised too: rows here are the keys
+// a query sees, i + 1 of them, rarely a multiple of the vector width.
+
 // row[0:n) *= scale, in place; returns the largest (NaN if any is NaN).
 inline float scale_and_max(float* row, int64_t n, float scale) {
   const int64_t W = Vec::size();
@@ -85,12 +89,12 @@ inline float scale_and_max(float* row, int64_t n, float scale) {
     v.store(row + j);
     vmax = at::vec::maximum(vmax, v);
   }
-  float mx = lanes_max(vmax);
-  for (; j < n; ++j) {
-    row[j] *= scale;
-    mx = max_nan(row[j], mx);
+  if (j < n) {
+    const Vec v = Vec::loadu(row + j, n - j) * vs;
+    v.store(row + j, n - j);
+    vmax = at::vec::maximum(vmax, Vec::set(Vec(-kInf), v, n - j));
   }
-  return mx;
+  return lanes_max(vmax);
 }
 
 // row[0:n) = exp(row - shift), in place; returns their sum.
@@ -103,12 +107,12 @@ inline float exp_and_sum(float* row, int64_t n, float shift) {
     e.store(row + j);
     vsum = vsum + e;
   }
-  float sum = lanes_sum(vsum);
-  for (; j < n; ++j) {
-    row[j] = std::exp(row[j] - shift);
-    sum += row[j];
+  if (j < n) {
+    const Vec e = vexp(Vec::loadu(row + j, n - j) - vshift);
+    e.store(row + j, n - j);
+    vsum = vsum + Vec::set(Vec(0.f), e, n - j);
   }
-  return sum;
+  return lanes_sum(vsum);
 }
 
 // row[0:n) *= a.
@@ -116,7 +120,7 @@ inline void scale_row(float* row, int64_t n, float a) {
   const Vec va(a);
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(row + j) * va).store(row + j);
-  for (; j < n; ++j) row[j] *= a;
+  if (j < n) (Vec::loadu(row + j, n - j) * va).store(row + j, n - j);
 }
 
 // The backward's row: p = exp(s·scale − lse) (in place of s) and
@@ -129,10 +133,10 @@ inline void grad_row(float* s, float* dp, int64_t n, float scale, float lse, flo
     p.store(s + j);
     (p * (Vec::loadu(dp + j) - vdelta) * vscale).store(dp + j);
   }
-  for (; j < n; ++j) {
-    const float p = std::exp(s[j] * scale - lse);
-    s[j] = p;
-    dp[j] = p * (dp[j] - delta) * scale;
+  if (j < n) {
+    const Vec p = vexp(Vec::loadu(s + j, n - j) * vscale - vlse);
+    p.store(s + j, n - j);
+    (p * (Vec::loadu(dp + j, n - j) - vdelta) * vscale).store(dp + j, n - j);
   }
 }
 
