@@ -13,9 +13,12 @@ with each of them fixed:
   lives on the device, and the learning rate is a device tensor that the schedule
   (`lr_schedule`, the same warm-up + cosine as `moe_lab.train.lr_at`) rewrites in place;
   the stock AdamW keeps the step count on the host and reads it every step;
-- **clipping without a host read** — ``clip_grad_norm_`` returns the norm as a tensor; its
-  ``error_if_nonfinite=True`` check would read it, so it is off (a non-finite norm shows
-  in the statistics instead);
+- **clipping without a host read** — the global gradient norm stays a tensor (the
+  ``error_if_nonfinite=True`` check of ``clip_grad_norm_`` would read it, so it is off: a
+  non-finite norm shows in the statistics instead). With a fused optimizer the clip is not
+  even a pass of its own: the fused AdamW divides every gradient by its ``grad_scale`` tensor
+  as it reads it (the hook AMP's loss scaling uses), so the step sets
+  ``grad_scale = max(1, norm / max_norm)`` and the gradients are read once, not three times;
 - **statistics on the device** — loss, gradient norm, tokens per expert and imbalance
   are summed into device buffers (`StepState`) and read back in *one* copy every
   ``read_every`` steps (`SyncFreeStep.read_stats`);
@@ -197,7 +200,8 @@ class StepState(nn.Module):
     ``x``, ``y``: ``[batch, seq]`` int64, the static inputs every batch is copied into;
     ``step``: ``[]`` float32, optimizer steps taken (drives the schedule); ``lr``: the
     optimizer's own learning-rate tensor; ``skip``: ``[]`` float32, 1.0 while the current
-    step must not update anything (a paged-stash overflow); ``scalars``: ``[7]`` float64
+    step must not update anything (a paged-stash overflow); ``grad_scale``: ``[]`` float32,
+    what a fused optimizer divides the gradients by (the clip, `SyncFreeStep`); ``scalars``: ``[7]`` float64
     sums over the current window (see ``_SCALARS``); ``tokens_per_expert``: ``[L, E]``
     float64 sums; ``imbalance``: ``[L]`` float64 sums of max/mean load.
 
@@ -213,6 +217,7 @@ class StepState(nn.Module):
         self.register_buffer("step", torch.zeros((), dtype=torch.float32, device=device))
         self.register_buffer("lr", lr)
         self.register_buffer("skip", torch.zeros((), dtype=torch.float32, device=device))
+        self.register_buffer("grad_scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("scalars", torch.zeros(len(_SCALARS), dtype=torch.float64,
                                                     device=device))
         self.register_buffer("tokens_per_expert", torch.zeros(n_moe_layers, n_experts,
@@ -247,8 +252,8 @@ def _shared_lr(optimizer: torch.optim.Optimizer) -> Tensor:
 
 @contextlib.contextmanager
 def _optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
-    """Point ``optimizer`` at the fake twins of its parameters (and of its state, its lr
-    and its ``found_inf``) while `assert_sync_free` runs the step; restore on exit.
+    """Point ``optimizer`` at the fake twins of its parameters (and of its state, its lr,
+    its ``found_inf`` and its ``grad_scale``) while `assert_sync_free` runs the step; restore on exit.
 
     `assert_sync_free` swaps the parameters of the modules it is given for fake tensors,
     but an optimizer holds its own references to the real ones: without this the certified
@@ -269,8 +274,8 @@ def _optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module
 
     saved_groups = [dict(g) for g in optimizer.param_groups]
     saved_state = optimizer.state
-    had_found_inf = hasattr(optimizer, "found_inf")
-    saved_found_inf = getattr(optimizer, "found_inf", None)
+    saved_attrs = {name: getattr(optimizer, name) for name in ("found_inf", "grad_scale")
+                   if hasattr(optimizer, name)}
     try:
         state = defaultdict(dict)
         for group in optimizer.param_groups:
@@ -280,18 +285,20 @@ def _optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module
             group["params"] = [to_fake(p) for p in group["params"]]
             group["lr"] = to_fake(group["lr"])
         optimizer.state = state
-        if saved_found_inf is not None:
-            optimizer.found_inf = to_fake(saved_found_inf)
+        for name, value in saved_attrs.items():
+            if value is not None:
+                setattr(optimizer, name, to_fake(value))
         yield
     finally:
         for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
             group.clear()
             group.update(saved)
         optimizer.state = saved_state
-        if had_found_inf:
-            optimizer.found_inf = saved_found_inf
-        elif hasattr(optimizer, "found_inf"):
-            del optimizer.found_inf
+        for name in ("found_inf", "grad_scale"):
+            if name in saved_attrs:
+                setattr(optimizer, name, saved_attrs[name])
+            elif hasattr(optimizer, name):
+                delattr(optimizer, name)
 
 
 # --------------------------------------------------------------------------------------
@@ -335,6 +342,11 @@ class SyncFreeStep:
                              f"got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
         n_experts = model.cfg.moe.n_experts
         self.state = StepState(example_batch, lr, len(model.moe_layers), n_experts)
+        # A fused optimizer clips for free: it divides the gradients by ``grad_scale`` as it
+        # reads them. Any other optimizer gets clip_grad_norm_'s in-place multiply.
+        self.fused_clip = all(g.get("fused") for g in optimizer.param_groups)
+        if self.fused_clip:
+            optimizer.grad_scale = self.state.grad_scale
         self.stash = stash
         if stash is not None:
             stash.check_attached(model)
@@ -379,8 +391,15 @@ class SyncFreeStep:
         with phase("backward"):
             out.loss.backward()
         with phase("optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
+            if self.fused_clip:
+                # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the
+                # fused AdamW as a divisor while it reads each gradient
+                grad_norm = torch.nn.utils.get_total_norm(
+                    [p.grad for p in self.model.parameters() if p.grad is not None])
+                st.grad_scale.copy_(((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0))
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
             if self.stash is not None:
                 st.skip.copy_(self.stash.overflow)
             self.optimizer.step()

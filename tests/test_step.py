@@ -165,6 +165,28 @@ def test_matches_the_naive_trainer():
         assert b["tokens_per_expert"] == a["tokens_per_expert"]
 
 
+@pytest.mark.parametrize("grad_clip", [1e-3, 1e3], ids=["clipping", "not clipping"])
+def test_clip_folded_into_the_fused_adamw_equals_clip_grad_norm(grad_clip):
+    """The fused optimizer divides the gradients by ``grad_scale = max(1, norm / max_norm)``
+    as it reads them; the same steps with clip_grad_norm_'s in-place multiply end at the
+    same parameters, and report the same (unclipped) gradient norm."""
+    cfg = StepConfig(grad_clip=grad_clip, read_every=1)
+    steps = [build_sync_free(TINY, 2, cfg=cfg) for _ in range(2)]
+    assert steps[0].fused_clip and steps[0].optimizer.grad_scale is steps[0].state.grad_scale
+    steps[1].fused_clip = False
+    del steps[1].optimizer.grad_scale
+    gen = torch.Generator().manual_seed(3)
+    batches = [random_batch(TINY, 2, generator=gen) for _ in range(3)]
+    stats = [[step(b) for b in batches] for step in steps]
+    expected_scale = max(1.0, (stats[0][-1]["grad_norm"] + 1e-6) / grad_clip)
+    assert float(steps[0].state.grad_scale) == pytest.approx(expected_scale, rel=1e-5)
+    assert float(steps[1].state.grad_scale) == 1.0  # never used by the unfused path
+    for a, b in zip(stats[0], stats[1], strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    for p, q in zip(steps[0].model.parameters(), steps[1].model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+
+
 def test_expert_bias_balancing_matches_the_naive_trainer_and_stays_sync_free():
     model_cfg = preset("tiny", n_layers=1, seq_len=32)
     tcfg = TrainConfig(steps=3, batch_size=2, warmup_steps=1, eval_every=0, progress=False,
