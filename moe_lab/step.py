@@ -18,7 +18,8 @@ with each of them fixed:
   non-finite norm shows in the statistics instead). With a fused optimizer the clip is not
   even a pass of its own: the fused AdamW divides every gradient by its ``grad_scale`` tensor
   as it reads it (the hook AMP's loss scaling uses), so the step sets
-  ``grad_scale = max(1, norm / max_norm)`` and the gradients are read once, not three times;
+  ``grad_scale = max(1, norm / max_norm)``: two passes over the gradients (the norm, the
+  update) instead of three (the norm, the multiply, the update);
 - **statistics on the device** — loss, gradient norm, tokens per expert and imbalance
   are summed into device buffers (`StepState`) and read back in *one* copy every
   ``read_every`` steps (`SyncFreeStep.read_stats`);
