@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_permute import topk  # the Triton kernels' routings generator: distinct experts per token
 
 from moe_lab.kernels import cpu_permute as cp
 from moe_lab.kernels.cpu_ext import compiler
@@ -14,13 +15,6 @@ from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference
 
 pytestmark = pytest.mark.skipif(compiler() is None,
                                 reason="no C++ compiler: moe_lab's CPU kernels cannot be built")
-
-
-def topk(tokens: int, top_k: int, n_experts: int, skew: float = 0.0) -> torch.Tensor:
-    """Distinct experts per token, as a router picks them; ``skew`` favours low ids, so some
-    experts get no tokens."""
-    scores = torch.rand(tokens, n_experts) - skew * torch.arange(n_experts) / n_experts
-    return scores.topk(top_k, dim=-1).indices
 
 
 ROUTINGS = {

@@ -81,24 +81,6 @@ at::Tensor checked_weights(const c10::optional<at::Tensor>& w, const at::Tensor&
   return w->to(at::kFloat).contiguous();
 }
 
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    at::vec::convert(src, dst, n);
-  }
-}
-
-template <typename T>
-inline void store_row(const float* src, T* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    at::vec::convert(src, dst, n);
-  }
-}
-
 // acc[0:n) += a · x[0:n)
 inline void axpy(float* acc, const float* x, float a, int64_t n) {
   const fVec va(a);
@@ -200,10 +182,10 @@ at::Tensor permute(const at::Tensor& x_in, const at::Tensor& map_in, const c10::
           for (int64_t j = 0; j < k; ++j) std::memcpy(yp + m[t * k + j] * d, src, d * sizeof(scalar_t));
           continue;
         }
-        load_row(src, row.data(), d);
+        at::vec::convert(src, row.data(), d);
         for (int64_t j = 0; j < k; ++j) {
           scale(scaled.data(), row.data(), wp[t * k + j], d);
-          store_row(scaled.data(), yp + m[t * k + j] * d, d);
+          at::vec::convert(scaled.data(), yp + m[t * k + j] * d, d);
         }
       }
     });
@@ -232,10 +214,10 @@ at::Tensor unpermute(const at::Tensor& y_in, const at::Tensor& map_in, const c10
       for (int64_t t = begin; t < end; ++t) {
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t j = 0; j < k; ++j) {
-          load_row(yp + m[t * k + j] * sy, row.data(), d);
+          at::vec::convert(yp + m[t * k + j] * sy, row.data(), d);
           axpy(acc.data(), row.data(), wp ? wp[t * k + j] : 1.f, d);
         }
-        store_row(acc.data(), op + t * d, d);
+        at::vec::convert(acc.data(), op + t * d, d);
       }
     });
   });
@@ -263,9 +245,9 @@ at::Tensor unpermute_weight_grad(const at::Tensor& y_in, const at::Tensor& map_i
     at::parallel_for(0, tokens, grain(k, d), [&](int64_t begin, int64_t end) {
       std::vector<float> g(d), row(d);
       for (int64_t t = begin; t < end; ++t) {
-        load_row(gp + t * sg, g.data(), d);
+        at::vec::convert(gp + t * sg, g.data(), d);
         for (int64_t j = 0; j < k; ++j) {
-          load_row(yp + m[t * k + j] * sy, row.data(), d);
+          at::vec::convert(yp + m[t * k + j] * sy, row.data(), d);
           dwp[t * k + j] = dot(g.data(), row.data(), d);
         }
       }

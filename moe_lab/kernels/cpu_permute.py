@@ -27,15 +27,17 @@ from __future__ import annotations
 import torch
 
 from moe_lab.kernels.cpu_ext import available, extension
+from moe_lab.kernels.permute_args import (
+    KERNEL_DTYPES,
+    check_map,
+    check_n_rows,
+    check_rows,
+    check_topk,
+    check_weights,
+    permuted_rows,
+)
 
 Tensor = torch.Tensor
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def permuted_rows(tokens: int, top_k: int, n_experts: int, align: int = 1) -> int:
-    """Static size of the permuted buffer: ``T·k``, plus ``E·(align − 1)`` padding rows when
-    each expert's segment is rounded up to a multiple of ``align``."""
-    return tokens * top_k + (n_experts * (align - 1) if align > 1 else 0)
 
 
 # --------------------------------------------------------------------------------------
@@ -126,44 +128,10 @@ _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_se
 # --------------------------------------------------------------------------------------
 
 
-def _check_cpu(name: str, t: Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+def _check_cpu(name: str, t: Tensor | None) -> None:
+    if t is not None and t.device.type != "cpu":
         raise ValueError(f"{name} must be on the CPU (moe_lab.kernels.cpu_permute), got {t.device}; "
                          "on a GPU use moe_lab.kernels.permute")
-
-
-def _check_rows(name: str, t: Tensor) -> None:
-    _check_cpu(name, t)
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, d], got shape {tuple(t.shape)}")
-    if t.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"{name}.dtype must be one of {[str(d) for d in KERNEL_DTYPES]}, got {t.dtype}")
-
-
-def _check_map(row_id_map: Tensor, tokens: int | None, n_rows: int) -> None:
-    _check_cpu("row_id_map", row_id_map)
-    expected_t = "T" if tokens is None else f"T = {tokens}"
-    if (row_id_map.dim() != 2 or row_id_map.dtype != torch.int32
-            or (tokens is not None and row_id_map.shape[0] != tokens)):
-        raise ValueError(f"row_id_map must be [{expected_t}, k] int32, got shape "
-                         f"{tuple(row_id_map.shape)} {row_id_map.dtype}")
-    if n_rows < row_id_map.numel():
-        raise ValueError(f"n_rows must be at least T·k = {row_id_map.numel()} (one row per token "
-                         f"and slot), got {n_rows}")
-
-
-def _check_weights(weights: Tensor | None, row_id_map: Tensor) -> None:
-    if weights is None:
-        return
-    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-        got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
-        raise ValueError(f"weights must be a floating-point tensor or None, got {got}")
-    _check_cpu("weights", weights)
-    if weights.shape != row_id_map.shape:
-        raise ValueError(f"weights must be [T, k] = {tuple(row_id_map.shape)} like row_id_map, "
-                         f"got {tuple(weights.shape)}")
 
 
 def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
@@ -175,14 +143,8 @@ def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tupl
     tokens first, then zero padding up to a multiple of ``align``. The buffer needs
     `permuted_rows` ``(T, k, E, align)`` rows.
     """
+    check_topk(topk_ids, n_experts, align)
     _check_cpu("topk_ids", topk_ids)
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"topk_ids must be [T, k] int64 or int32, got shape {tuple(topk_ids.shape)} "
-                         f"{topk_ids.dtype}")
-    if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 1:
-        raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
-    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
-        raise ValueError(f"align must be a positive int, got {align!r}")
     return _row_id_map_op(topk_ids, n_experts, align)
 
 
@@ -193,11 +155,12 @@ def permute(x: Tensor, row_id_map: Tensor, n_rows: int, weights: Tensor | None =
     ``x: [T, d]`` float32, bfloat16 or float16 (any strides); ``row_id_map: [T, k]`` int32
     from `make_row_id_map`; ``n_rows >= T·k``. Differentiable in ``x`` and ``weights``.
     """
-    _check_rows("x", x)
-    if isinstance(n_rows, bool) or not isinstance(n_rows, int):
-        raise ValueError(f"n_rows must be an int, got {type(n_rows).__name__}")
-    _check_map(row_id_map, x.shape[0], n_rows)
-    _check_weights(weights, row_id_map)
+    check_rows("x", x)
+    check_n_rows(n_rows)
+    check_map(row_id_map, x.shape[0], n_rows)
+    check_weights(weights, row_id_map)
+    for name, t in (("x", x), ("row_id_map", row_id_map), ("weights", weights)):
+        _check_cpu(name, t)
     return _permute_op(x, row_id_map, weights, n_rows)
 
 
@@ -208,9 +171,11 @@ def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> T
     router's float32) or None. Returns ``[T, d]`` in ``y``'s dtype. Differentiable in ``y``
     and ``weights``.
     """
-    _check_rows("y", y)
-    _check_map(row_id_map, None, y.shape[0])
-    _check_weights(weights, row_id_map)
+    check_rows("y", y)
+    check_map(row_id_map, None, y.shape[0])
+    check_weights(weights, row_id_map)
+    for name, t in (("y", y), ("row_id_map", row_id_map), ("weights", weights)):
+        _check_cpu(name, t)
     return _unpermute_op(y, row_id_map, weights)
 
 

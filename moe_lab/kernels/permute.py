@@ -31,9 +31,17 @@ import triton
 import triton.language as tl
 
 from moe_lab.kernels.grouped_gemm import cast_for_store
+from moe_lab.kernels.permute_args import (  # noqa: F401 (KERNEL_DTYPES, permuted_rows: public here too)
+    KERNEL_DTYPES,
+    check_map,
+    check_n_rows,
+    check_rows,
+    check_topk,
+    check_weights,
+    permuted_rows,
+)
 
 Tensor = torch.Tensor
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------
@@ -315,12 +323,6 @@ class Unpermute(torch.autograd.Function):
         return dy, None, dweights
 
 
-def permuted_rows(tokens: int, top_k: int, n_experts: int, align: int = 1) -> int:
-    """Static size of the permuted buffer: ``T·k``, plus ``E·(align − 1)`` padding rows
-    when each expert's segment is rounded up to a multiple of ``align``."""
-    return tokens * top_k + (n_experts * (align - 1) if align > 1 else 0)
-
-
 def _check_device(name: str, t: Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the first argument's device), got {t.device}")
@@ -333,32 +335,8 @@ def _check_device(name: str, t: Tensor, device: torch.device) -> None:
 
 def _check_map(row_id_map: Tensor, tokens: int | None, n_rows: int, device: torch.device) -> None:
     """``row_id_map: [T, k]`` int32 on ``device`` (``T = tokens`` unless None), ``T·k <= n_rows``."""
-    if not isinstance(row_id_map, torch.Tensor):
-        raise TypeError(f"row_id_map must be a torch.Tensor, got {type(row_id_map).__name__}")
-    expected_t = "T" if tokens is None else f"T = {tokens}"
-    if (row_id_map.dim() != 2 or row_id_map.dtype != torch.int32
-            or (tokens is not None and row_id_map.shape[0] != tokens)):
-        raise ValueError(
-            f"row_id_map must be [{expected_t}, k] int32, "
-            f"got shape {tuple(row_id_map.shape)} {row_id_map.dtype}"
-        )
+    check_map(row_id_map, tokens, n_rows)
     _check_device("row_id_map", row_id_map, device)
-    if n_rows < row_id_map.numel():
-        raise ValueError(
-            f"n_rows must be at least T·k = {row_id_map.numel()} (one row per token and slot), "
-            f"got {n_rows}"
-        )
-
-
-def _check_rows(name: str, t: Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, d], got shape {tuple(t.shape)}")
-    if t.dtype not in KERNEL_DTYPES:
-        raise ValueError(
-            f"{name}.dtype must be one of {[str(d) for d in KERNEL_DTYPES]}, got {t.dtype}"
-        )
 
 
 def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
@@ -376,17 +354,7 @@ def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tupl
         ``offsets[e]:offsets[e+1]`` (its tokens first, then zero padding). The buffer
         needs ``permuted_rows(T, k, E, align)`` rows; ``offsets[E]`` is at most that.
     """
-    if not isinstance(topk_ids, torch.Tensor):
-        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(
-            f"topk_ids must be [T, k] int64 or int32, got shape {tuple(topk_ids.shape)} "
-            f"{topk_ids.dtype}"
-        )
-    if not isinstance(n_experts, int) or n_experts < 1:
-        raise ValueError(f"n_experts must be a positive int, got {n_experts!r}")
-    if not isinstance(align, int) or align < 1:
-        raise ValueError(f"align must be a positive int, got {align!r}")
+    check_topk(topk_ids, n_experts, align)
     _check_device("topk_ids", topk_ids, topk_ids.device)
     flat = topk_ids.reshape(-1).contiguous()
     torch._assert_async(((flat >= 0) & (flat < n_experts)).all(),
@@ -411,10 +379,9 @@ def permute(x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
     int32 from `make_row_id_map`; ``n_rows >= T·k`` (see `permuted_rows`). Rows no
     (token, slot) maps to are zero. Differentiable in ``x``.
     """
-    _check_rows("x", x)
+    check_rows("x", x)
     _check_device("x", x, x.device)
-    if not isinstance(n_rows, int):
-        raise ValueError(f"n_rows must be an int, got {type(n_rows).__name__}")
+    check_n_rows(n_rows)
     _check_map(row_id_map, x.shape[0], n_rows, x.device)
     return Permute.apply(x, row_id_map, n_rows)
 
@@ -426,18 +393,11 @@ def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> T
     float dtype, e.g. the router's float32), or None for a plain sum. Returns ``[T, d]``
     in ``y``'s dtype. Differentiable in ``y`` and ``weights``.
     """
-    _check_rows("y", y)
+    check_rows("y", y)
     _check_device("y", y, y.device)
     _check_map(row_id_map, None, y.shape[0], y.device)
+    check_weights(weights, row_id_map)
     if weights is not None:
-        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
-            got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
-            raise ValueError(f"weights must be a floating-point tensor or None, got {got}")
-        if weights.shape != row_id_map.shape:
-            raise ValueError(
-                f"weights must be [T, k] = {tuple(row_id_map.shape)} like row_id_map, "
-                f"got {tuple(weights.shape)}"
-            )
         _check_device("weights", weights, y.device)
     return Unpermute.apply(y, row_id_map, weights)
 
