@@ -85,8 +85,9 @@ def sdpa_fp32_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 @register_attention("cpu_fused")
 def cpu_fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """moe_lab's fused causal attention for the CPU (`moe_lab.kernels.cpu_attention`): one
-    core per (batch, head), the causal blocks above the diagonal skipped, float32 whatever
-    the inputs' dtype (output cast back to ``q.dtype``). Needs the C++ CPU kernels
+    core per (batch, head), the causal blocks above the diagonal skipped; bfloat16 inputs
+    take bfloat16 GEMMs with float32 accumulation and softmax, anything else computes in
+    float32 (output cast back to ``q.dtype``). Needs the C++ CPU kernels
     (`moe_lab.kernels.cpu_ext.available`)."""
     from moe_lab.kernels.cpu_attention import causal_attention as fused
 

@@ -68,16 +68,89 @@ def test_matches_sdpa_through_the_registry_with_grouped_heads():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_bf16_inputs_compute_in_float32_and_return_bf16():
-    q, k, v = (t.requires_grad_() for t in qkv(2, 2, 40, 40, 32, dtype=torch.bfloat16))
+BF16_SHAPES = {name: shape for name, shape in SHAPES.items() if shape[-1] % 2 == 0}
+BF16_SHAPES["odd keys, odd block"] = (2, 2, 35, 70, 8)  # a query block of 3 rows, 35 + 3 keys
+BF16_SHAPES["head_dim 2"] = (1, 2, 33, 33, 2)
+
+
+def bf16_close(mine, theirs, frac=2e-2):
+    """Within ``frac`` of the largest reference value: a few bf16 roundings (P, dS, the output)."""
+    assert mine.dtype == torch.bfloat16
+    err = (mine.double() - theirs).abs().max()
+    assert err <= frac * theirs.abs().max(), f"max error {err:.3g} vs max {theirs.abs().max():.3g}"
+
+
+@pytest.mark.parametrize("shape", list(BF16_SHAPES.values()), ids=list(BF16_SHAPES))
+def test_bf16_forward_and_gradients_match_the_float64_reference(shape):
+    if not cpu_attention.bf16_gemms():
+        pytest.skip("no bf16 GEMMs on this CPU: bf16 is widened (test_bf16_is_widened_...)")
+    q, k, v = (t.requires_grad_() for t in qkv(*shape, dtype=torch.bfloat16))
+    out = cpu_attention.causal_attention(q, k, v)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(qr, kr, vr)
+    rq, rk, rv = torch.autograd.grad(ref, (qr, kr, vr), grad.double())
+    for mine, theirs in ((out, ref), (dq, rq), (dk, rk), (dv, rv)):
+        bf16_close(mine, theirs)
+    # and it is not the float32 kernel in disguise: P is rounded to bf16 before P V
+    exact = cpu_attention.causal_attention(*(t.detach().float() for t in (q, k, v))).bfloat16()
+    assert shape[2] == 1 or not torch.equal(out, exact)
+
+
+def test_bf16_is_widened_where_it_cannot_take_bf16_gemms():
+    # an odd head_dim cannot be paired for the bf16 GEMMs: float32 inside, the same bits as
+    # the float32 kernel on the widened inputs
+    q, k, v = qkv(2, 2, 40, 40, 33, dtype=torch.bfloat16)
     out = cpu_attention.causal_attention(q, k, v)
     assert out.dtype == torch.bfloat16
-    ref = reference(q.detach(), k.detach(), v.detach())
-    # one rounding of the float32 result to bf16
-    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
-    out.float().square().sum().backward()
-    assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
-    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.equal(out, cpu_attention.causal_attention(q.float(), k.float(), v.float()).bfloat16())
+    # float16 is widened too
+    h = [t.half() for t in qkv(1, 2, 24, 24, 16)]
+    assert torch.equal(cpu_attention.causal_attention(*h),
+                       cpu_attention.causal_attention(*(t.float() for t in h)).half())
+
+
+def test_bf16_non_contiguous_and_misaligned_inputs():
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 2, 30, 4, 16, generator=g).bfloat16()  # the model's [b, s, h, d] layout
+    q, k, v = (base[i].transpose(1, 2) for i in range(3))
+    bf16_close(cpu_attention.causal_attention(q, k, v), reference(q, k, v))
+    # rows starting at an odd element (not on a 32-bit boundary) and an odd row stride
+    wide = torch.randn(2, 2, 30, 35, generator=g).bfloat16()
+    q2, k2, v2 = wide[..., 1:17], wide.flip(2)[..., 3:19], wide[..., 17:33]
+    assert k2.stride(2) % 2 == 1 and q2.data_ptr() % 4 == 2
+    for t in (q2, k2, v2):
+        t.requires_grad_()
+    out = cpu_attention.causal_attention(q2, k2, v2)
+    bf16_close(out, reference(q2, k2, v2))
+    grad = torch.ones_like(out)
+    mine = torch.autograd.grad(out, (q2, k2, v2), grad)
+    contiguous = [t.detach().contiguous().requires_grad_() for t in (q2, k2, v2)]
+    theirs = torch.autograd.grad(cpu_attention.causal_attention(*contiguous), contiguous, grad)
+    assert torch.equal(out, cpu_attention.causal_attention(*contiguous))
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a, b)
+
+
+def test_bf16_nan_stays_in_the_rows_that_see_it():
+    q, k, v = qkv(1, 2, 40, 40, 16, dtype=torch.bfloat16)
+    q[0, 0, 7, 3] = float("nan")
+    k[0, 1, 21, 0] = float("nan")  # key 21: seen by queries 21..39; odd, so paired with key 20
+    out = cpu_attention.causal_attention(q, k, v)
+    bad = torch.isnan(out).any(-1)[0]
+    expected = torch.zeros(2, 40, dtype=torch.bool)
+    expected[0, 7] = True
+    expected[1, 21:] = True
+    assert torch.equal(bad, expected)
+
+
+def test_bf16_under_autocast_and_through_the_model_layout():
+    q, k, v = qkv(2, 2, 24, 24, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cpu_attention.causal_attention(q, k, v)
+    assert out.dtype == torch.bfloat16
+    bf16_close(out, reference(q, k, v))
 
 
 def test_under_autocast_the_core_stays_float32():
@@ -136,9 +209,10 @@ def test_nan_stays_in_the_rows_that_see_it():
     assert torch.equal(bad, expected)
 
 
-def test_results_do_not_depend_on_the_thread_count():
-    q, k, v = qkv(2, 3, 70, 70, 32)
-    grad = torch.randn(2, 3, 70, 32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_do_not_depend_on_the_thread_count(dtype):
+    q, k, v = qkv(2, 3, 70, 70, 32, dtype=dtype)
+    grad = torch.randn(2, 3, 70, 32).to(dtype)
     before = torch.get_num_threads()
     results = []
     try:
@@ -154,8 +228,9 @@ def test_results_do_not_depend_on_the_thread_count():
         assert torch.equal(a, b)
 
 
-def test_custom_ops_pass_opcheck():
-    q, k, v = qkv(1, 2, 33, 33, 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_custom_ops_pass_opcheck(dtype):
+    q, k, v = qkv(1, 2, 33, 33, 8, dtype=dtype)
     out, lse = torch.ops.moe_lab.cpu_causal_attention(q, k, v)
     torch.library.opcheck(torch.ops.moe_lab.cpu_causal_attention.default,
                           (q.requires_grad_(), k, v))
@@ -163,8 +238,9 @@ def test_custom_ops_pass_opcheck():
                           (torch.randn_like(out), q.detach(), k, v, out, lse))
 
 
-def test_sync_free_and_compiles_fullgraph():
-    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 32, 32, 16))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sync_free_and_compiles_fullgraph(dtype):
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 32, 32, 16, dtype=dtype))
 
     def step(q, k, v):
         return cpu_attention.causal_attention(q, k, v).square().sum()
@@ -193,6 +269,14 @@ def test_bad_inputs_raise_clear_errors():
         cpu_attention.causal_attention(q[..., :0], k[..., :0], v[..., :0])
     with pytest.raises(RuntimeError, match="expand grouped"):
         cpu_attention.causal_attention(q, k[:, :1], v[:, :1])
+    op = torch.ops.moe_lab.cpu_causal_attention
+    with pytest.raises(RuntimeError, match="all be float32 or all bfloat16"):
+        op(q.bfloat16(), k, v)
+    with pytest.raises(RuntimeError, match="even head_dim"):
+        op(*(t[..., :3].bfloat16() for t in (q, k, v)))
+    out, lse = op(q, k, v)
+    with pytest.raises(RuntimeError, match="dout and out must have q's dtype"):
+        torch.ops.moe_lab.cpu_causal_attention_backward(out.bfloat16(), q, k, v, out, lse)
 
 
 def test_model_trains_with_it_like_with_sdpa():

@@ -34,7 +34,7 @@ package, never a code path of its own:
   and its ``torch.compile`` is measured faster, see `pick_router_impl`); the sync-free step
   of `moe_lab.step` (fused AdamW, statistics on the device); on a CPU moe_lab's fused
   attention kernel (`moe_lab.kernels.cpu_attention`) and, with bf16 matmul instructions,
-  BF16 autocast (FP32 master weights, router, attention core and loss; expert groups padded
+  BF16 autocast (FP32 master weights, router, softmax and loss; expert groups padded
   to 64 rows so the bf16 GEMM kernels compiled per row count are reused); ``torch.compile``
   of the model on a CPU, its evaluations compiled too (an evaluation that reaches the target
   is confirmed by the plain FP32 one before the clock stops), the whole step captured as a
@@ -254,7 +254,8 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     if kernels:
         attention, attention_note = "cpu_fused", (
             "moe_lab's fused CPU attention (moe_lab.kernels.cpu_attention): one core per "
-            "(batch, head), causal blocks skipped, FP32")
+            "(batch, head), causal blocks skipped; BF16 GEMMs with an FP32 softmax under BF16 "
+            "autocast, FP32 otherwise")
     else:
         attention = "sdpa_fp32" if amp else "sdpa"
         attention_note = ("PyTorch's scaled_dot_product_attention" + (" with its core in FP32"

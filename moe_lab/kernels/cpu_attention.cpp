@@ -18,6 +18,13 @@
 // own CPU flash attention uses. Masked scores inside a diagonal block are computed by the
 // block's GEMM but never read: their probabilities and score gradients are set to zero, not
 // multiplied by zero, so a NaN in a key a query may not see does not reach that query.
+//
+// Float32 inputs compute in float32. Bfloat16 inputs run the same blocks with bfloat16 GEMMs
+// (float32 accumulation, where ATen's brgemm has them for this CPU): the softmax and its
+// gradient stay in float32, P and dS are rounded to bfloat16 for the products that take them,
+// dK and dV accumulate in float32 over the blocks. Those GEMMs read B in pairs (rows 2p and
+// 2p + 1 of the reduction dimension interleaved), so each head's Kᵀ, Vᵀ, K and V are repacked
+// once, and each block's dO and Q; a reduction of odd length is padded with a zero row.
 
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
@@ -47,6 +54,59 @@ inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
     return;
   }
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
+}
+
+using bf16 = at::BFloat16;
+
+// C[m, n] = A[m, k] · B[k, n] (+ C when accumulate) from bfloat16 operands into float32: A
+// row-major, B in VNNI pairs (element (kk, j) at b[((kk / 2) · ldb + j) · 2 + kk % 2], see
+// pack_pairs), k even.
+inline void gemm_bf16(int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda, const bf16* b,
+                      int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) {
+      for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, n * sizeof(float));
+    }
+    return;
+  }
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/true);
+}
+
+// Whether ATen's bfloat16 brgemm runs on this CPU (it needs oneDNN's micro-kernels for the
+// CPU's instruction set); asked once, with a 2x2x2 product checked against its known result.
+bool bf16_gemm_works() {
+  static const bool works = [] {
+    try {
+      const bf16 a[4] = {bf16(1.f), bf16(2.f), bf16(3.f), bf16(4.f)};
+      const bf16 b[4] = {bf16(1.f), bf16(0.f), bf16(0.f), bf16(1.f)};  // identity, in pairs
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      gemm_bf16(2, 2, 2, a, 2, b, 2, c, 2, false);
+      at::native::cpublas::brgemm_release(true);
+      return c[0] == 1.f && c[1] == 2.f && c[2] == 3.f && c[3] == 4.f;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }();
+  return works;
+}
+
+// Rows [0, rows) of a bfloat16 [rows, cols] matrix (leading dim ld) as the B operand of
+// gemm_bf16 with k = rows: rows 2p and 2p + 1 interleaved, out[(p · cols + j) · 2 + r % 2];
+// an odd last row is paired with zeros.
+inline void pack_pairs(const bf16* src, int64_t rows, int64_t cols, int64_t ld, bf16* out) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  for (int64_t r = 0; r < rows; r += 2) {
+    const uint16_t* r0 = s + r * ld;
+    uint32_t* dst = o + (r / 2) * cols;
+    if (r + 1 < rows) {
+      const uint16_t* r1 = r0 + ld;
+      for (int64_t j = 0; j < cols; ++j) dst[j] = uint32_t(r0[j]) | (uint32_t(r1[j]) << 16);
+    } else {
+      for (int64_t j = 0; j < cols; ++j) dst[j] = uint32_t(r0[j]);
+    }
+  }
 }
 
 using Vec = at::vec::Vectorized<float>;
@@ -159,8 +219,10 @@ inline void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld_in
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* who) {
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu(), who, ": tensors must be on the CPU, got ", t->device());
-    TORCH_CHECK(t->scalar_type() == at::kFloat, who, ": tensors must be float32, got ",
-                t->scalar_type());
+    TORCH_CHECK(t->scalar_type() == q.scalar_type() &&
+                    (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+                who, ": q, k and v must all be float32 or all bfloat16, got ", q.scalar_type(), ", ",
+                k.scalar_type(), " and ", v.scalar_type());
     TORCH_CHECK(t->dim() == 4, who, ": tensors must be [batch, heads, seq, head_dim], got ",
                 t->sizes());
   }
@@ -170,6 +232,8 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
               ": q ", q.sizes(), " and k ", k.sizes(), " must agree in batch, heads and head_dim "
               "(expand grouped k/v heads first)");
   TORCH_CHECK(q.size(3) > 0, who, ": head_dim must be > 0 (the scores are scaled by 1/sqrt(head_dim))");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.size(3) % 2 == 0, who,
+              ": bfloat16 needs an even head_dim (the GEMMs take pairs along it), got ", q.size(3));
   TORCH_CHECK(q.size(2) <= k.size(2), who, ": causal attention needs at most as many queries as "
               "keys (query i sees keys up to i + keys - queries), got ", q.size(2), " queries and ",
               k.size(2), " keys");
@@ -189,12 +253,184 @@ struct Heads {
   const float* at(int64_t b, int64_t h) const { return base + b * sb + h * sh; }
 };
 
+struct BfHeads {
+  const at::BFloat16* base;
+  int64_t sb, sh, ss;
+  explicit BfHeads(const at::Tensor& t)
+      : base(t.data_ptr<at::BFloat16>()), sb(t.stride(0)), sh(t.stride(1)), ss(t.stride(2)) {}
+  const at::BFloat16* at(int64_t b, int64_t h) const { return base + b * sb + h * sh; }
+};
+
+// Transpose a bfloat16 [rows, cols] block (rows <= 32) into out[cols, rows]: ATen's 32x32-tile
+// transpose (plain loops where the CPU has no AVX-512).
+inline void transpose_bf16(const bf16* in, int64_t rows, int64_t cols, int64_t ld_in, bf16* out,
+                           int64_t ld_out) {
+  for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+    at::vec::transpose_mxn<bf16>(in + c0, ld_in, out + c0 * ld_out, ld_out, static_cast<int>(rows),
+                                 static_cast<int>(std::min<int64_t>(32, cols - c0)));
+  }
+}
+
+// The B operand of S = Q Kᵀ (and dP = dO Vᵀ) from K's rows: pairs of K's columns are already
+// adjacent, so the pair layout is the transpose of K read as 32-bit words, [Sk, D/2] -> [D/2, Sk].
+inline void pack_transposed(const bf16* k, int64_t sk, int64_t d, int64_t ld, bf16* out) {
+  transpose(reinterpret_cast<const float*>(k), sk, d / 2, ld / 2, reinterpret_cast<float*>(out), sk);
+}
+
+// bfloat16 tensors whose rows are contiguous and every stride, like the data, sits on a
+// 32-bit boundary (pack_transposed reads pairs as words); anything else is copied first.
+at::Tensor rows_paired(const at::Tensor& t) {
+  const bool ok = t.stride(3) == 1 && t.stride(2) >= t.size(3) && t.stride(2) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+inline int64_t round_even(int64_t n) { return n + (n & 1); }
+
+// p[0:seen) = bf16(row[0:seen)), zeros up to n2.
+inline void row_to_bf16(const float* row, int64_t seen, bf16* p, int64_t n2) {
+  at::vec::convert(row, p, seen);
+  std::fill(p + seen, p + n2, bf16(0.f));
+}
+
+// bfloat16 forward: the GEMMs take bfloat16 operands and accumulate in float32, the softmax
+// runs in float32 and P is rounded to bfloat16 for P V (as a GPU flash attention does).
+std::vector<at::Tensor> forward_bf16(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
+  const at::Tensor q = rows_paired(q_in), k = rows_paired(k_in), v = rows_contiguous(v_in);
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3);
+  at::Tensor out = at::empty({B, H, Sq, D}, q.options());
+  at::Tensor lse = at::empty({B, H, Sq}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0) return {out, lse};
+  const auto Q = BfHeads(q), K = BfHeads(k), V = BfHeads(v);
+  bf16* O = out.data_ptr<bf16>();
+  float* L = lse.data_ptr<float>();
+  const int64_t offset = Sk - Sq;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+
+#pragma omp parallel
+  {
+    std::vector<bf16> kt(D * Sk), vp(round_even(Sk) * D), pb(kBlockQ * round_even(Sk));
+    std::vector<float> s(kBlockQ * Sk), o(kBlockQ * D);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const bf16 *qp = Q.at(b, h), *kp = K.at(b, h), *vptr = V.at(b, h);
+      bf16* op = O + bh * Sq * D;
+      float* lp = L + bh * Sq;
+      pack_transposed(kp, Sk, D, K.ss, kt.data());
+      pack_pairs(vptr, Sk, D, V.ss, vp.data());
+      for (int64_t i0 = 0; i0 < Sq; i0 += kBlockQ) {
+        const int64_t m = std::min(kBlockQ, Sq - i0);
+        const int64_t n = std::min(Sk, i0 + m + offset), n2 = round_even(n);
+        gemm_bf16(m, n, D, qp + i0 * Q.ss, Q.ss, kt.data(), Sk, s.data(), n, false);
+        for (int64_t r = 0; r < m; ++r) {
+          float* row = s.data() + r * n;
+          const int64_t seen = i0 + r + offset + 1;
+          const float mx = scale_and_max(row, seen, scale);
+          const float sum = exp_and_sum(row, seen, mx);
+          scale_row(row, seen, 1.f / sum);
+          row_to_bf16(row, seen, pb.data() + r * n2, n2);
+          lp[i0 + r] = mx + std::log(sum);
+        }
+        gemm_bf16(m, D, n2, pb.data(), n2, vp.data(), D, o.data(), D, false);
+        at::vec::convert(o.data(), op + i0 * D, m * D);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  }
+  return {out, lse};
+}
+
+// bfloat16 backward: every GEMM in bfloat16 with float32 accumulation, P and dS rounded to
+// bfloat16 for the products that take them; dK and dV accumulate in float32 over the blocks.
+std::vector<at::Tensor> backward_bf16(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                                      const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in) {
+  const at::Tensor q = rows_contiguous(q_in), k = rows_paired(k_in), v = rows_paired(v_in);
+  const at::Tensor dout = rows_contiguous(dout_in), out = rows_contiguous(out_in);
+  const at::Tensor lse = lse_in.contiguous();
+  const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3);
+  at::Tensor dq = at::empty({B, H, Sq, D}, q.options());
+  at::Tensor dk = at::empty({B, H, Sk, D}, q.options());
+  at::Tensor dv = at::empty({B, H, Sk, D}, q.options());
+  if (dq.numel() == 0 || dk.numel() == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  const auto Q = BfHeads(q), K = BfHeads(k), V = BfHeads(v), dO = BfHeads(dout), O = BfHeads(out);
+  const float* L = lse.data_ptr<float>();
+  bf16 *dQ = dq.data_ptr<bf16>(), *dK = dk.data_ptr<bf16>(), *dV = dv.data_ptr<bf16>();
+  const int64_t offset = Sk - Sq;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const int64_t m2max = round_even(kBlockQ), sk2 = round_even(Sk);
+
+#pragma omp parallel
+  {
+    std::vector<bf16> kt(D * Sk), vt(D * Sk), kr(sk2 * D), pb(kBlockQ * sk2), dsb(kBlockQ * sk2),
+        tb(Sk * m2max), pairs(m2max * D);
+    std::vector<float> p(kBlockQ * Sk), dp(kBlockQ * Sk), dk_acc(Sk * D), dv_acc(Sk * D), dq_blk(kBlockQ * D),
+        delta(kBlockQ), g_row(D), o_row(D);
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const bf16 *qp = Q.at(b, h), *kp = K.at(b, h), *vptr = V.at(b, h), *gp = dO.at(b, h), *op = O.at(b, h);
+      const float* lp = L + bh * Sq;
+      pack_transposed(kp, Sk, D, K.ss, kt.data());
+      pack_transposed(vptr, Sk, D, V.ss, vt.data());
+      pack_pairs(kp, Sk, D, K.ss, kr.data());
+      std::fill(dk_acc.begin(), dk_acc.end(), 0.f);
+      std::fill(dv_acc.begin(), dv_acc.end(), 0.f);
+      for (int64_t i0 = 0; i0 < Sq; i0 += kBlockQ) {
+        const int64_t m = std::min(kBlockQ, Sq - i0), m2 = round_even(m);
+        const int64_t n = std::min(Sk, i0 + m + offset), n2 = round_even(n);
+        const bf16* qb = qp + i0 * Q.ss;
+        const bf16* gb = gp + i0 * dO.ss;
+        for (int64_t r = 0; r < m; ++r) {
+          at::vec::convert(gb + r * dO.ss, g_row.data(), D);
+          at::vec::convert(op + (i0 + r) * O.ss, o_row.data(), D);
+          delta[r] = dot(g_row.data(), o_row.data(), D);
+        }
+        gemm_bf16(m, n, D, qb, Q.ss, kt.data(), Sk, p.data(), n, false);   // S
+        gemm_bf16(m, n, D, gb, dO.ss, vt.data(), Sk, dp.data(), n, false);  // dP
+        for (int64_t r = 0; r < m; ++r) {
+          float *prow = p.data() + r * n, *dsrow = dp.data() + r * n;
+          const int64_t seen = i0 + r + offset + 1;
+          grad_row(prow, dsrow, seen, scale, lp[i0 + r], delta[r]);
+          row_to_bf16(prow, seen, pb.data() + r * n2, n2);
+          row_to_bf16(dsrow, seen, dsb.data() + r * n2, n2);
+        }
+        gemm_bf16(m, D, n2, dsb.data(), n2, kr.data(), D, dq_blk.data(), D, false);  // dQ = dS K
+        at::vec::convert(dq_blk.data(), dQ + bh * Sq * D + i0 * D, m * D);
+        // dV += Pᵀ dO and dK += dSᵀ Q: Aᵀ is [n, m2] with a zero column when m is odd
+        transpose_bf16(pb.data(), m, n, n2, tb.data(), m2);
+        if (m2 != m) for (int64_t j = 0; j < n; ++j) tb[j * m2 + m] = bf16(0.f);
+        pack_pairs(gb, m, D, dO.ss, pairs.data());
+        gemm_bf16(n, D, m2, tb.data(), m2, pairs.data(), D, dv_acc.data(), D, true);
+        transpose_bf16(dsb.data(), m, n, n2, tb.data(), m2);
+        if (m2 != m) for (int64_t j = 0; j < n; ++j) tb[j * m2 + m] = bf16(0.f);
+        pack_pairs(qb, m, D, Q.ss, pairs.data());
+        gemm_bf16(n, D, m2, tb.data(), m2, pairs.data(), D, dk_acc.data(), D, true);
+      }
+      at::vec::convert(dk_acc.data(), dK + bh * Sk * D, Sk * D);
+      at::vec::convert(dv_acc.data(), dV + bh * Sk * D, Sk * D);
+    }
+    at::native::cpublas::brgemm_release(true);
+  }
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 // Returns (out [B, H, Sq, D] contiguous, lse [B, H, Sq] float32).
 std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q_in, const at::Tensor& k_in,
                                                  const at::Tensor& v_in) {
   check_qkv(q_in, k_in, v_in, "cpu causal attention");
+  if (q_in.scalar_type() == at::kBFloat16) {
+    if (bf16_gemm_works()) return forward_bf16(q_in, k_in, v_in);
+    auto res = causal_attention_forward(q_in.to(at::kFloat), k_in.to(at::kFloat), v_in.to(at::kFloat));
+    return {res[0].to(at::kBFloat16), res[1]};
+  }
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const int64_t B = q.size(0), H = q.size(1), Sq = q.size(2), Sk = k.size(2), D = q.size(3);
   at::Tensor out = at::empty({B, H, Sq, D}, q.options());
@@ -245,12 +481,20 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout_in, con
   TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
               "cpu causal attention backward: dout and out must have q's shape ", q_in.sizes(),
               ", got ", dout_in.sizes(), " and ", out_in.sizes());
-  TORCH_CHECK(dout_in.scalar_type() == at::kFloat && out_in.scalar_type() == at::kFloat &&
+  TORCH_CHECK(dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
               lse_in.scalar_type() == at::kFloat,
-              "cpu causal attention backward: dout, out and lse must be float32");
+              "cpu causal attention backward: dout and out must have q's dtype ", q_in.scalar_type(),
+              " and lse must be float32, got ", dout_in.scalar_type(), ", ", out_in.scalar_type(), " and ",
+              lse_in.scalar_type());
   TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == q_in.size(0) && lse_in.size(1) == q_in.size(1) &&
               lse_in.size(2) == q_in.size(2),
               "cpu causal attention backward: lse must be [batch, heads, seq], got ", lse_in.sizes());
+  if (q_in.scalar_type() == at::kBFloat16) {
+    if (bf16_gemm_works()) return backward_bf16(dout_in, q_in, k_in, v_in, out_in, lse_in);
+    const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+    auto res = causal_attention_backward(f(dout_in), f(q_in), f(k_in), f(v_in), f(out_in), lse_in);
+    return {res[0].to(at::kBFloat16), res[1].to(at::kBFloat16), res[2].to(at::kBFloat16)};
+  }
   const at::Tensor q = rows_contiguous(q_in), k = rows_contiguous(k_in), v = rows_contiguous(v_in);
   const at::Tensor dout = rows_contiguous(dout_in), out = rows_contiguous(out_in);
   const at::Tensor lse = lse_in.contiguous();
@@ -309,3 +553,6 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout_in, con
   }
   return {dq, dk, dv};
 }
+
+// Whether bfloat16 inputs take the bfloat16 GEMMs here (else they are widened to float32).
+bool causal_attention_bf16_gemms() { return bf16_gemm_works(); }
