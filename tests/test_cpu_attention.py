@@ -145,6 +145,34 @@ def test_bf16_nan_stays_in_the_rows_that_see_it():
     assert torch.equal(bad, expected)
 
 
+def test_bf16_backward_nan_stays_in_the_rows_that_see_it():
+    # 33 positions: the last query block has one row, padded to a pair with a zero column in
+    # the scratch the first block's transposes filled (NaN from query 1); one thread, in order
+    q, k, v = (t.requires_grad_() for t in qkv(1, 1, 33, 33, 16, dtype=torch.bfloat16))
+    with torch.no_grad():
+        q[0, 0, 1, 3] = float("nan")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out = cpu_attention.causal_attention(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    finally:
+        torch.set_num_threads(before)
+    def nan_rows(t):
+        return set(torch.isnan(t[0, 0]).any(-1).nonzero().flatten().tolist())
+
+    # query 1's output and dQ; dV of the keys it sees (0, 1); dK = dSᵀ Q of the keys of its
+    # query block (0..31: their masked dS are zeros, and 0 · NaN is NaN in a GEMM), not key 32,
+    # whose block above the diagonal is never computed — as in the float32 kernel
+    assert nan_rows(out) == nan_rows(dq) == {1} and nan_rows(dv) == {0, 1}
+    assert nan_rows(dk) == set(range(32))
+    wide = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out32 = cpu_attention.causal_attention(*wide)
+    for mine, theirs in zip((out, dq, dk, dv),
+                            (out32, *torch.autograd.grad(out32, wide, torch.ones_like(out32)))):
+        assert nan_rows(mine) == nan_rows(theirs)
+
+
 def test_bf16_under_autocast_and_through_the_model_layout():
     q, k, v = qkv(2, 2, 24, 24, 8, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):

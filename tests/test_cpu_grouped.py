@@ -215,6 +215,80 @@ def test_expert_mlp_forward_and_backward_match_the_plain_chain(case, f):
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+BF16_COUNTS = {**COUNTS, "several row blocks": [0, 150, 64, 1, 129]}  # blocks of 64 rows
+
+
+@pytest.mark.parametrize("case", list(BF16_COUNTS))
+def test_expert_mlp_bf16_blocks_match_the_plain_chain(case):
+    # bf16 runs each expert in blocks of 64 rows on ATen's bf16 micro-kernel; against the
+    # float64 chain on the same bf16 inputs, within a few bf16 roundings
+    if not cpu_grouped.extension().bf16_gemms():
+        pytest.skip("no bf16 GEMMs on this CPU: bf16 takes ATen's GEMMs (the float path)")
+    counts = BF16_COUNTS[case]
+    n, d, f = sum(counts), 32, 24
+    offs = offsets(counts)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n + 3, d, generator=g).bfloat16().requires_grad_()
+    w1 = (torch.randn(len(counts), d, 2 * f, generator=g) / d**0.5).bfloat16().requires_grad_()
+    w2 = (torch.randn(len(counts), f, d, generator=g) / f**0.5).bfloat16().requires_grad_()
+    dy = torch.randn(n + 3, d, generator=g).bfloat16()
+    y = cpu_grouped.expert_mlp(x, w1, w2, offs)
+    y.backward(dy)
+    assert torch.equal(y[n:], torch.zeros(3, d, dtype=torch.bfloat16))
+    assert torch.equal(x.grad[n:], torch.zeros(3, d, dtype=torch.bfloat16))
+    r = [t.detach().double().requires_grad_() for t in (x, w1, w2)]
+    ref = unfused_mlp(r[0][:n], r[1], r[2], offs)
+    ref.backward(dy[:n].double())
+    pairs = ((y[:n], ref), (x.grad[:n], r[0].grad[:n]), (w1.grad, r[1].grad), (w2.grad, r[2].grad))
+    for ours, theirs in pairs:
+        assert ours.dtype == torch.bfloat16
+        if theirs.numel():
+            err = (ours.double() - theirs).abs().max()
+            assert err <= 2e-2 * theirs.abs().max().clamp_min(1e-3), (err, theirs.abs().max())
+    for e, c in enumerate(counts):  # an expert with no rows gets exactly zero weight gradients
+        if c == 0:
+            assert not w1.grad[e].any() and not w2.grad[e].any()
+
+
+def test_expert_mlp_bf16_special_values_stay_in_their_own_expert():
+    # one thread, so expert 1 reuses the scratch expert 0 filled with inf: an odd block's
+    # padding must be zeros, not whatever the last transpose left there (inf * 0 = nan)
+    counts = [5, 3, 7]
+    offs = offsets(counts)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(15, 16, generator=g).bfloat16()
+    x[3, 0] = float("inf")  # expert 0; its transpose puts it where expert 1's padding column goes
+    w1, w2 = torch.randn(3, 16, 32, generator=g).bfloat16(), torch.randn(3, 16, 16, generator=g).bfloat16()
+    dy = torch.randn(15, 16, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y, h = cpu_grouped.extension().expert_mlp(x, w1, w2, offs)
+        dx, dw1, dw2 = cpu_grouped.extension().expert_mlp_backward(x, h, w1, w2, offs, dy)
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.isfinite(dw1[0]).all()
+    for t in (y[5:], dx[5:], dw1[1:], dw2[1:]):
+        assert torch.isfinite(t).all()
+
+
+def test_expert_mlp_bf16_results_do_not_depend_on_the_thread_count():
+    offs = offsets([70, 0, 33, 130])
+    g = torch.Generator().manual_seed(6)
+    x, dy = torch.randn(233, 16, generator=g).bfloat16(), torch.randn(233, 16, generator=g).bfloat16()
+    w1, w2 = torch.randn(4, 16, 32, generator=g).bfloat16(), torch.randn(4, 16, 16, generator=g).bfloat16()
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            y, h = cpu_grouped.extension().expert_mlp(x, w1, w2, offs)
+            outs.append((y, h, *cpu_grouped.extension().expert_mlp_backward(x, h, w1, w2, offs, dy)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_expert_mlp_bf16_non_contiguous_and_partial_grads():
     counts = [9, 0, 17, 4]
     offs = offsets(counts)

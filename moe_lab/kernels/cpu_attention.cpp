@@ -30,6 +30,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
+#include "cpu_bf16.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -40,6 +42,15 @@
 #include <vector>
 
 namespace {
+
+using moe_lab_cpu::bf16;
+using moe_lab_cpu::bf16_gemm_works;
+using moe_lab_cpu::gemm_bf16;
+using moe_lab_cpu::pack_pairs;
+using moe_lab_cpu::pack_transposed;
+using moe_lab_cpu::round_even;
+using moe_lab_cpu::transpose;
+using moe_lab_cpu::transpose_bf16;
 
 constexpr int64_t kBlockQ = 32;
 
@@ -54,59 +65,6 @@ inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
     return;
   }
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
-}
-
-using bf16 = at::BFloat16;
-
-// C[m, n] = A[m, k] · B[k, n] (+ C when accumulate) from bfloat16 operands into float32: A
-// row-major, B in VNNI pairs (element (kk, j) at b[((kk / 2) · ldb + j) · 2 + kk % 2], see
-// pack_pairs), k even.
-inline void gemm_bf16(int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda, const bf16* b,
-                      int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (!accumulate) {
-      for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, n * sizeof(float));
-    }
-    return;
-  }
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/true);
-}
-
-// Whether ATen's bfloat16 brgemm runs on this CPU (it needs oneDNN's micro-kernels for the
-// CPU's instruction set); asked once, with a 2x2x2 product checked against its known result.
-bool bf16_gemm_works() {
-  static const bool works = [] {
-    try {
-      const bf16 a[4] = {bf16(1.f), bf16(2.f), bf16(3.f), bf16(4.f)};
-      const bf16 b[4] = {bf16(1.f), bf16(0.f), bf16(0.f), bf16(1.f)};  // identity, in pairs
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-      gemm_bf16(2, 2, 2, a, 2, b, 2, c, 2, false);
-      at::native::cpublas::brgemm_release(true);
-      return c[0] == 1.f && c[1] == 2.f && c[2] == 3.f && c[3] == 4.f;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }();
-  return works;
-}
-
-// Rows [0, rows) of a bfloat16 [rows, cols] matrix (leading dim ld) as the B operand of
-// gemm_bf16 with k = rows: rows 2p and 2p + 1 interleaved, out[(p · cols + j) · 2 + r % 2];
-// an odd last row is paired with zeros.
-inline void pack_pairs(const bf16* src, int64_t rows, int64_t cols, int64_t ld, bf16* out) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* o = reinterpret_cast<uint32_t*>(out);
-  for (int64_t r = 0; r < rows; r += 2) {
-    const uint16_t* r0 = s + r * ld;
-    uint32_t* dst = o + (r / 2) * cols;
-    if (r + 1 < rows) {
-      const uint16_t* r1 = r0 + ld;
-      for (int64_t j = 0; j < cols; ++j) dst[j] = uint32_t(r0[j]) | (uint32_t(r1[j]) << 16);
-    } else {
-      for (int64_t j = 0; j < cols; ++j) dst[j] = uint32_t(r0[j]);
-    }
-  }
 }
 
 using Vec = at::vec::Vectorized<float>;
@@ -209,13 +167,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// Transpose a [rows, cols] block (leading dim ld_in) into out[cols, rows] (leading dim ld_out):
-// ATen's vectorised 16x16-tile transpose (plain loops where the CPU has no AVX-512).
-inline void transpose(const float* in, int64_t rows, int64_t cols, int64_t ld_in, float* out,
-                      int64_t ld_out) {
-  at::vec::transpose_mxn<float>(in, ld_in, out, ld_out, static_cast<int>(rows), static_cast<int>(cols));
-}
-
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* who) {
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu(), who, ": tensors must be on the CPU, got ", t->device());
@@ -261,22 +212,6 @@ struct BfHeads {
   const at::BFloat16* at(int64_t b, int64_t h) const { return base + b * sb + h * sh; }
 };
 
-// Transpose a bfloat16 [rows, cols] block (rows <= 32) into out[cols, rows]: ATen's 32x32-tile
-// transpose (plain loops where the CPU has no AVX-512).
-inline void transpose_bf16(const bf16* in, int64_t rows, int64_t cols, int64_t ld_in, bf16* out,
-                           int64_t ld_out) {
-  for (int64_t c0 = 0; c0 < cols; c0 += 32) {
-    at::vec::transpose_mxn<bf16>(in + c0, ld_in, out + c0 * ld_out, ld_out, static_cast<int>(rows),
-                                 static_cast<int>(std::min<int64_t>(32, cols - c0)));
-  }
-}
-
-// The B operand of S = Q Kᵀ (and dP = dO Vᵀ) from K's rows: pairs of K's columns are already
-// adjacent, so the pair layout is the transpose of K read as 32-bit words, [Sk, D/2] -> [D/2, Sk].
-inline void pack_transposed(const bf16* k, int64_t sk, int64_t d, int64_t ld, bf16* out) {
-  transpose(reinterpret_cast<const float*>(k), sk, d / 2, ld / 2, reinterpret_cast<float*>(out), sk);
-}
-
 // bfloat16 tensors whose rows are contiguous and every stride, like the data, sits on a
 // 32-bit boundary (pack_transposed reads pairs as words); anything else is copied first.
 at::Tensor rows_paired(const at::Tensor& t) {
@@ -284,8 +219,6 @@ at::Tensor rows_paired(const at::Tensor& t) {
                   reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
-
-inline int64_t round_even(int64_t n) { return n + (n & 1); }
 
 // p[0:seen) = bf16(row[0:seen)), zeros up to n2.
 inline void row_to_bf16(const float* row, int64_t seen, bf16* p, int64_t n2) {
@@ -554,5 +487,5 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout_in, con
   return {dq, dk, dv};
 }
 
-// Whether bfloat16 inputs take the bfloat16 GEMMs here (else they are widened to float32).
-bool causal_attention_bf16_gemms() { return bf16_gemm_works(); }
+// Whether ATen's bfloat16 GEMMs run here (else bfloat16 inputs are widened to float32).
+bool bf16_gemms() { return moe_lab_cpu::bf16_gemm_works(); }

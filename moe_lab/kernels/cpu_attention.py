@@ -113,7 +113,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def bf16_gemms() -> bool:
     """Whether bfloat16 inputs run bfloat16 GEMMs on this CPU (ATen's oneDNN micro-kernels
     for its instruction set); where not, they are widened to float32 inside the kernel."""
-    return bool(extension().causal_attention_bf16_gemms())
+    return bool(extension().bf16_gemms())
 
 
 __all__ = ["available", "bf16_gemms", "causal_attention"]

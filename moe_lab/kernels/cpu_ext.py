@@ -4,7 +4,8 @@ One extension holds them all: the grouped GEMM and fused expert MLP of the ``ope
 expert backend (``cpu_grouped_gemm.cpp``, wrapped by `moe_lab.kernels.cpu_grouped`), the
 fused causal attention (``cpu_attention.cpp``, wrapped by `moe_lab.kernels.cpu_attention`) and
 the dropless layout's token permutation (``cpu_permute.cpp``, wrapped by
-`moe_lab.kernels.cpu_permute`); ``cpu_module.cpp`` binds them. ``torch.utils.cpp_extension``
+`moe_lab.kernels.cpu_permute`); ``cpu_module.cpp`` binds them, ``cpu_bf16.h`` holds the
+bfloat16 GEMM helpers the attention and the expert MLP share. ``torch.utils.cpp_extension``
 compiles them on first use (about 40 s) and caches the result under ``~/.cache/moe_lab/extensions`` (or
 ``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the torch version and the vector
 instruction set ATen uses on this CPU (``torch.backends.cpu.get_cpu_capability()``: the
@@ -32,6 +33,8 @@ import torch
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("cpu_grouped_gemm.cpp", "cpu_attention.cpp", "cpu_permute.cpp",
                                          "cpu_module.cpp"))
+# Headers the sources include: not compiled on their own, but part of the cache key.
+HEADERS = (HERE / "cpu_bf16.h",)
 
 # Compiler flags for ATen's vector types (at::vec) per CPU capability, as ATen builds its
 # own kernels; anything else gets the portable scalar fallback of at::vec.
@@ -53,7 +56,7 @@ def capability() -> str:
 
 
 def _name_and_dir() -> tuple[str, Path]:
-    key = b"".join(path.read_bytes() for path in SOURCES)
+    key = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key += torch.__version__.encode() + capability().encode()
     name = f"moe_lab_cpu_kernels_{hashlib.sha1(key).hexdigest()[:12]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "moe_lab" / "extensions"

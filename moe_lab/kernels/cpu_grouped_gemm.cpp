@@ -15,6 +15,8 @@
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "cpu_bf16.h"
+
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -164,6 +166,137 @@ at::Tensor expert_swiglu(const at::Tensor& h_e, int64_t f) {
   return a;
 }
 
+// ---- bfloat16: the expert's GEMMs on ATen's bf16 micro-kernel, in blocks of rows ----
+//
+// With bfloat16 operands (the model under BF16 autocast) each expert runs in blocks of kRows
+// rows through ATen's bf16 brgemm (moe_lab_cpu::gemm_bf16) instead of whole-expert ATen GEMMs:
+// the weights are repacked once per expert into the pairs layout those GEMMs read, and
+// everything a block makes (its pre-activation in float32, its activation, its gradients)
+// stays in the core's cache between the GEMMs that use it. The weight gradients accumulate
+// over the blocks in float32 and are rounded once. Needs even d, f and d_out (the pairs).
+
+using moe_lab_cpu::bf16;
+constexpr int64_t kRows = 64;
+
+inline bool bf16_blocks(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2) {
+  return x.scalar_type() == at::kBFloat16 && w1.scalar_type() == at::kBFloat16 &&
+         w2.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0 && w1.size(2) % 4 == 0 &&
+         w2.size(2) % 2 == 0 && moe_lab_cpu::bf16_gemm_works();
+}
+
+// Contiguous, on a 32-bit boundary (pack_transposed reads pairs as words); else a fresh copy.
+at::Tensor paired(const at::Tensor& t) {
+  return (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0)
+             ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor unit_stride_rows(const at::Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); }
+
+std::vector<at::Tensor> expert_mlp_bf16(const at::Tensor& x_in, const at::Tensor& w1_in, const at::Tensor& w2_in,
+                                        const std::vector<int64_t>& ends) {
+  const at::Tensor x = unit_stride_rows(x_in), w1 = paired(w1_in), w2 = paired(w2_in);
+  const int64_t n_groups = w1.size(0), m = x.size(0), d = x.size(1), two_f = w1.size(2), f = two_f / 2,
+                d_out = w2.size(2), ldx = x.stride(0);
+  at::Tensor h = at::empty({m, two_f}, x.options());
+  at::Tensor y = at::empty({m, d_out}, x.options());
+  zero_tail(ends, {h, y});
+  const bf16 *X = x.data_ptr<bf16>(), *W1 = w1.data_ptr<bf16>(), *W2 = w2.data_ptr<bf16>();
+  bf16 *H = h.data_ptr<bf16>(), *Y = y.data_ptr<bf16>();
+#pragma omp parallel
+  {
+    std::vector<bf16> w1p(d * two_f), w2p(f * d_out), act(kRows * f);
+    std::vector<float> hf(kRows * two_f), yf(kRows * d_out), buf(3 * f);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t e = 0; e < n_groups; ++e) {
+      const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
+      if (end == start) continue;
+      moe_lab_cpu::pack_pairs(W1 + e * d * two_f, d, two_f, two_f, w1p.data());
+      moe_lab_cpu::pack_pairs(W2 + e * f * d_out, f, d_out, d_out, w2p.data());
+      for (int64_t r0 = start; r0 < end; r0 += kRows) {
+        const int64_t rb = std::min(kRows, end - r0);
+        moe_lab_cpu::gemm_bf16(rb, two_f, d, X + r0 * ldx, ldx, w1p.data(), two_f, hf.data(), two_f, false);
+        at::vec::convert(hf.data(), H + r0 * two_f, rb * two_f);  // h as the backward will read it
+        for (int64_t r = 0; r < rb; ++r) {
+          const bf16* row = H + (r0 + r) * two_f;
+          const float* g = as_float(row, f, buf.data());
+          const float* u = as_float(row + f, f, buf.data() + f);
+          swiglu_row(g, u, buf.data() + 2 * f, f);
+          store(buf.data() + 2 * f, act.data() + r * f, f);
+        }
+        moe_lab_cpu::gemm_bf16(rb, d_out, f, act.data(), f, w2p.data(), d_out, yf.data(), d_out, false);
+        at::vec::convert(yf.data(), Y + r0 * d_out, rb * d_out);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  }
+  return {y, h};
+}
+
+std::vector<at::Tensor> expert_mlp_backward_bf16(const at::Tensor& x_in, const at::Tensor& h, const at::Tensor& w1_in,
+                                                 const at::Tensor& w2_in, const std::vector<int64_t>& ends,
+                                                 const at::Tensor& dy_in) {
+  const at::Tensor x = unit_stride_rows(x_in), dy = unit_stride_rows(dy_in), w1 = paired(w1_in), w2 = paired(w2_in);
+  const int64_t n_groups = w1.size(0), m = x.size(0), d = x.size(1), two_f = w1.size(2), f = two_f / 2,
+                d_out = w2.size(2), ldx = x.stride(0), ldy = dy.stride(0);
+  at::Tensor dx = at::empty({m, d}, x.options());
+  at::Tensor dw1 = at::empty(w1.sizes(), x.options());
+  at::Tensor dw2 = at::empty(w2.sizes(), x.options());
+  zero_tail(ends, {dx});
+  const bf16 *X = x.data_ptr<bf16>(), *H = h.data_ptr<bf16>(), *DY = dy.data_ptr<bf16>(),
+             *W1 = w1.data_ptr<bf16>(), *W2 = w2.data_ptr<bf16>();
+  bf16 *DX = dx.data_ptr<bf16>(), *DW1 = dw1.data_ptr<bf16>(), *DW2 = dw2.data_ptr<bf16>();
+  const int64_t rows2 = moe_lab_cpu::round_even(kRows);
+#pragma omp parallel
+  {
+    std::vector<bf16> w1t(d * two_f), w2t(f * d_out), dh(kRows * two_f), act(kRows * f),
+        tb(std::max(d, f) * rows2), pairs(rows2 * std::max(two_f, d_out));
+    std::vector<float> daf(kRows * f), dxf(kRows * d), dw1acc(d * two_f), dw2acc(f * d_out), buf(5 * f);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t e = 0; e < n_groups; ++e) {
+      const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
+      bf16 *dw1_e = DW1 + e * d * two_f, *dw2_e = DW2 + e * f * d_out;
+      if (end == start) {
+        std::fill(dw1_e, dw1_e + d * two_f, bf16(0.f));
+        std::fill(dw2_e, dw2_e + f * d_out, bf16(0.f));
+        continue;
+      }
+      moe_lab_cpu::pack_transposed(W2 + e * f * d_out, f, d_out, d_out, w2t.data());  // B of dy · W2ᵀ
+      moe_lab_cpu::pack_transposed(W1 + e * d * two_f, d, two_f, two_f, w1t.data());  // B of dh · W1ᵀ
+      std::fill(dw1acc.begin(), dw1acc.end(), 0.f);
+      std::fill(dw2acc.begin(), dw2acc.end(), 0.f);
+      for (int64_t r0 = start; r0 < end; r0 += kRows) {
+        const int64_t rb = std::min(kRows, end - r0), rb2 = moe_lab_cpu::round_even(rb);
+        moe_lab_cpu::gemm_bf16(rb, f, d_out, DY + r0 * ldy, ldy, w2t.data(), f, daf.data(), f, false);  // da
+        for (int64_t r = 0; r < rb; ++r) {  // dh = [d gate, d up] and a, from h and da (float32)
+          const bf16* row = H + (r0 + r) * two_f;
+          const float* g = as_float(row, f, buf.data());
+          const float* u = as_float(row + f, f, buf.data() + f);
+          float *dg = buf.data() + 2 * f, *du = buf.data() + 3 * f, *a = buf.data() + 4 * f;
+          swiglu_grad_row(g, u, daf.data() + r * f, dg, du, a, f);
+          store(dg, dh.data() + r * two_f, f);
+          store(du, dh.data() + r * two_f + f, f);
+          store(a, act.data() + r * f, f);
+        }
+        moe_lab_cpu::gemm_bf16(rb, d, two_f, dh.data(), two_f, w1t.data(), d, dxf.data(), d, false);  // dx
+        at::vec::convert(dxf.data(), DX + r0 * d, rb * d);
+        // dW2 += aᵀ dy and dW1 += xᵀ dh: A transposed into tb ([cols, rb2], a zero column when rb is odd)
+        moe_lab_cpu::transpose_bf16(act.data(), rb, f, f, tb.data(), rb2);
+        if (rb2 != rb) for (int64_t j = 0; j < f; ++j) tb[j * rb2 + rb] = bf16(0.f);
+        moe_lab_cpu::pack_pairs(DY + r0 * ldy, rb, d_out, ldy, pairs.data());
+        moe_lab_cpu::gemm_bf16(f, d_out, rb2, tb.data(), rb2, pairs.data(), d_out, dw2acc.data(), d_out, true);
+        moe_lab_cpu::transpose_bf16(X + r0 * ldx, rb, d, ldx, tb.data(), rb2);
+        if (rb2 != rb) for (int64_t j = 0; j < d; ++j) tb[j * rb2 + rb] = bf16(0.f);
+        moe_lab_cpu::pack_pairs(dh.data(), rb, two_f, two_f, pairs.data());
+        moe_lab_cpu::gemm_bf16(d, two_f, rb2, tb.data(), rb2, pairs.data(), two_f, dw1acc.data(), two_f, true);
+      }
+      at::vec::convert(dw1acc.data(), dw1_e, d * two_f);
+      at::vec::convert(dw2acc.data(), dw2_e, f * d_out);
+    }
+    at::native::cpublas::brgemm_release(true);
+  }
+  return {dx, dw1, dw2};
+}
+
 }  // namespace
 
 // out[rows of e] = x[rows of e] @ w[e]; rows past the last end are zero.
@@ -234,6 +367,7 @@ std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, co
               "expert_mlp: x, w1 and w2 must share a dtype, got ", x.scalar_type(), ", ",
               w1.scalar_type(), " and ", w2.scalar_type());
   const auto ends = row_ends(offs, n_groups, m, "expert_mlp");
+  if (bf16_blocks(x, w1, w2)) return expert_mlp_bf16(x, w1, w2, ends);
   at::Tensor h = at::empty({m, two_f}, x.options());
   at::Tensor y = at::empty({m, w2.size(2)}, x.options());
   zero_tail(ends, {h, y});
@@ -263,6 +397,7 @@ std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tenso
   TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "expert_mlp_backward: dy must have x's dtype ",
               x.scalar_type(), ", got ", dy.scalar_type());
   const auto ends = row_ends(offs, n_groups, m, "expert_mlp_backward");
+  if (bf16_blocks(x, w1, w2)) return expert_mlp_backward_bf16(x, h, w1, w2, ends, dy);
   at::Tensor dx = at::empty({m, x.size(1)}, x.options());
   at::Tensor dw1 = at::empty(w1.sizes(), x.options());
   at::Tensor dw2 = at::empty(w2.sizes(), x.options());

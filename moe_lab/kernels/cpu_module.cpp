@@ -19,7 +19,7 @@ std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::
 std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout, const at::Tensor& q,
                                                   const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& out, const at::Tensor& lse);
-bool causal_attention_bf16_gemms();
+bool bf16_gemms();
 
 // cpu_permute.cpp: the dropless layout's token permutation.
 std::vector<at::Tensor> row_id_map(const at::Tensor& topk_ids, int64_t n_experts, int64_t align);
@@ -37,8 +37,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal softmax(q k^T / sqrt(d)) v per (batch, head), float32: {out, lse}");
   m.def("causal_attention_backward", &causal_attention_backward,
         "backward of causal_attention_forward: {dq, dk, dv}");
-  m.def("causal_attention_bf16_gemms", &causal_attention_bf16_gemms,
-        "whether bfloat16 attention runs bfloat16 GEMMs here (else it is widened to float32)");
+  m.def("bf16_gemms", &bf16_gemms, "whether ATen's bfloat16 GEMMs run on this CPU");
   m.def("row_id_map", &row_id_map, "counting sort of expert ids: {row_id_map [T, k] int32, offsets [E + 1] int32}");
   m.def("permute", &permute, "y[row_id_map[t, j]] = x[t] (* w[t, j]); unmapped rows zero");
   m.def("unpermute", &unpermute, "out[t] = sum_j w[t, j] * y[row_id_map[t, j]], in float32");
