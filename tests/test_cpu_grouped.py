@@ -354,5 +354,42 @@ def test_expert_mlp_bad_shapes_raise():
     offs = offsets([2, 2])
     with pytest.raises(RuntimeError, match="chain"):
         cpu_grouped.expert_mlp(torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 4, 8), offs)
-    with pytest.raises(RuntimeError, match="dtype"):
-        cpu_grouped.expert_mlp(torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 3, 8).double(), offs)
+    op = torch.ops.moe_lab.openmp_expert_mlp
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        op(torch.randn(4, 8), torch.randn(2, 8, 6), torch.randn(2, 3, 8).double(), offs)
+    with pytest.raises(RuntimeError, match="must share a dtype"):  # fp32 weights need even f
+        op(torch.randn(4, 8).bfloat16(), torch.randn(2, 8, 6), torch.randn(2, 3, 8), offs)
+    # the wrapper casts weights of another dtype to x's
+    y = cpu_grouped.expert_mlp(torch.randn(4, 8), torch.randn(2, 8, 6).double(), torch.randn(2, 3, 8), offs)
+    assert y.dtype == torch.float32
+
+
+def test_expert_mlp_takes_fp32_weights_with_bf16_tokens():
+    # fp32 (master) weights are rounded to bf16 as they are repacked: the same bits as casting
+    # them first; their gradients come back in fp32, unrounded (rounded, the bf16 path's bits)
+    if not cpu_grouped.extension().bf16_gemms():
+        pytest.skip("no bf16 GEMMs on this CPU: fp32 weights are cast to bf16 first")
+    offs = offsets([70, 0, 5, 64])
+    g = torch.Generator().manual_seed(8)
+    x0, dy = torch.randn(139, 32, generator=g).bfloat16(), torch.randn(139, 32, generator=g).bfloat16()
+    w1, w2 = torch.randn(4, 32, 48, generator=g) / 6, torch.randn(4, 24, 32, generator=g) / 5
+    assert cpu_grouped.takes_fp32_weights(x0, w1, w2)
+    results = []
+    for cast in (False, True):
+        x = x0.clone().requires_grad_()
+        a, b = (w.bfloat16() if cast else w.clone() for w in (w1, w2))
+        a.requires_grad_(), b.requires_grad_()
+        y = cpu_grouped.expert_mlp(x, a, b, offs)
+        y.backward(dy)
+        results.append((y, x.grad, a.grad, b.grad))
+    (y32, dx32, dw1_32, dw2_32), (y16, dx16, dw1_16, dw2_16) = results
+    assert dw1_32.dtype == dw2_32.dtype == torch.float32 and y32.dtype == torch.bfloat16
+    assert torch.equal(y32, y16) and torch.equal(dx32, dx16)
+    assert torch.equal(dw1_32.bfloat16(), dw1_16) and torch.equal(dw2_32.bfloat16(), dw2_16)
+    assert not torch.equal(dw1_32, dw1_16.float())  # fp32 gradients: not rounded to bf16
+    assert not dw1_32[1].any() and not dw2_32[1].any()  # the empty expert
+    torch.library.opcheck(torch.ops.moe_lab.openmp_expert_mlp.default,
+                          (x0, w1.requires_grad_(), w2.requires_grad_(), offs))
+    # the choice is a constant to torch.compile: one graph, the same result
+    compiled = torch.compile(lambda x, a, b: cpu_grouped.expert_mlp(x, a, b, offs), fullgraph=True)
+    assert torch.equal(compiled(x0, w1, w2), y32)

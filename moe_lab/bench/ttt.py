@@ -264,8 +264,9 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
              ("the FP32 reference router, compiled together with the model" if compile and
               router == "reference" else f"the {router} router in FP32"),
              ("BF16 autocast (FP32 master weights, router, logits and loss): this CPU has bf16 "
-              "matmul instructions; the attention core stays FP32, whose CPU backward is faster; "
-              "the logits in FP32 keep BF16 from costing steps to the target"
+              "matmul instructions; the attention's softmax stays FP32 (its GEMMs are BF16 in "
+              "moe_lab's kernel; PyTorch's attention core stays FP32, whose CPU backward is "
+              "faster); the logits in FP32 keep BF16 from costing steps to the target"
               if amp else "FP32: this CPU has no bf16 matmul instructions (bf16 would be emulated)"),
              ("torch.compile of the model (its compile time is initialisation, reported as "
               "init_s)" if compile else "eager: torch.compile off"),

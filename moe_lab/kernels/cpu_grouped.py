@@ -102,7 +102,7 @@ def _expert_mlp_backward(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Ten
 
 @_expert_mlp_backward.register_fake
 def _(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Tensor, dy: Tensor):
-    return x.new_empty(x.shape), x.new_empty(w1.shape), x.new_empty(w2.shape)
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape)
 
 
 def _mlp_setup(ctx, inputs, output) -> None:
@@ -130,8 +130,37 @@ def expert_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, offs: Tensor) -> Te
     them, but each core runs an expert's first GEMM, SwiGLU and second GEMM back to back, so
     the expert's ``[rows, 2f]`` pre-activation is read while still in that core's cache; the
     backward does the same per expert (five GEMMs and the SwiGLU gradient). Saves ``x`` and
-    the pre-activation for the backward, not the activation (recomputed per expert)."""
+    the pre-activation for the backward, not the activation (recomputed per expert).
+
+    Weights of another dtype than ``x`` are cast to it first — except float32 (master)
+    weights with bfloat16 ``x`` where this CPU runs bf16 GEMMs (`takes_fp32_weights`): the
+    kernel rounds them to bfloat16 as it repacks them for its GEMMs, and their gradients come
+    back in float32, accumulated in float32 and never rounded (no cast pass either way)."""
+    if (w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype) and not takes_fp32_weights(
+            x, w_gate_up, w_down):
+        w_gate_up, w_down = w_gate_up.to(x.dtype), w_down.to(x.dtype)
     return _expert_mlp(x, w_gate_up, w_down, offs)[0]
+
+
+def takes_fp32_weights(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> bool:
+    """Whether `expert_mlp` takes these float32 weights as they are with bfloat16 ``x``: on a
+    CPU with bf16 GEMMs, for even ``d``, ``f`` and ``d_out``."""
+    return (x.dtype == torch.bfloat16 and w_gate_up.dtype == w_down.dtype == torch.float32
+            and x.shape[-1] % 2 == 0 and w_gate_up.shape[-1] % 4 == 0 and w_down.shape[-1] % 2 == 0
+            and bf16_gemms())
+
+
+@torch.compiler.assume_constant_result
+def bf16_gemms() -> bool:
+    """Whether ATen's bf16 GEMMs run on this CPU (asked of the built kernels once; a constant
+    to ``torch.compile``, which would otherwise break the graph at the extension's call)."""
+    global _BF16_GEMMS
+    if _BF16_GEMMS is None:
+        _BF16_GEMMS = bool(extension().bf16_gemms())
+    return _BF16_GEMMS
+
+
+_BF16_GEMMS: bool | None = None
 
 
 register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)
@@ -143,4 +172,5 @@ if __name__ == "__main__":  # `python -m moe_lab.kernels.cpu_grouped`: the same 
     raise SystemExit(main())
 
 
-__all__ = ["available", "compiler", "expert_mlp", "extension", "grouped_mm", "grouped_mm_wgrad"]
+__all__ = ["available", "bf16_gemms", "compiler", "expert_mlp", "extension", "grouped_mm",
+           "grouped_mm_wgrad", "takes_fp32_weights"]

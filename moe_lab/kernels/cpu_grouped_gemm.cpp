@@ -178,9 +178,12 @@ at::Tensor expert_swiglu(const at::Tensor& h_e, int64_t f) {
 using moe_lab_cpu::bf16;
 constexpr int64_t kRows = 64;
 
+// bfloat16 tokens with bfloat16 weights, or with float32 (master) weights: those are rounded
+// to bfloat16 as they are repacked, and their gradients come back in float32, never rounded.
 inline bool bf16_blocks(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2) {
-  return x.scalar_type() == at::kBFloat16 && w1.scalar_type() == at::kBFloat16 &&
-         w2.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0 && w1.size(2) % 4 == 0 &&
+  const auto wt = w1.scalar_type();
+  return x.scalar_type() == at::kBFloat16 && (wt == at::kBFloat16 || wt == at::kFloat) &&
+         w2.scalar_type() == wt && x.size(1) % 2 == 0 && w1.size(2) % 4 == 0 &&
          w2.size(2) % 2 == 0 && moe_lab_cpu::bf16_gemm_works();
 }
 
@@ -192,6 +195,34 @@ at::Tensor paired(const at::Tensor& t) {
 
 at::Tensor unit_stride_rows(const at::Tensor& t) { return t.stride(1) == 1 ? t : t.contiguous(); }
 
+// A contiguous [rows, cols] weight of type T as the B operand of a GEMM with k = rows
+// (pack_pairs) or, transposed, with k = cols (pack_transposed); float32 is rounded to bfloat16
+// first, through `tmp` (rows · cols).
+template <typename T>
+inline void pack_weight(const T* w, int64_t rows, int64_t cols, bool transposed, bf16* out, bf16* tmp) {
+  const bf16* src;
+  if constexpr (std::is_same_v<T, bf16>) {
+    src = w;
+  } else {
+    at::vec::convert(w, tmp, rows * cols);
+    src = tmp;
+  }
+  if (transposed) {
+    moe_lab_cpu::pack_transposed(src, rows, cols, cols, out);
+  } else {
+    moe_lab_cpu::pack_pairs(src, rows, cols, cols, out);
+  }
+}
+
+// x, w1 and w2 share a dtype, or x is bfloat16 with float32 weights where bf16_blocks runs.
+void check_dtypes(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const char* who) {
+  const bool same = x.scalar_type() == w1.scalar_type() && x.scalar_type() == w2.scalar_type();
+  TORCH_CHECK(same || bf16_blocks(x, w1, w2), who, ": x, w1 and w2 must share a dtype (or x bfloat16 "
+              "with float32 weights, where bf16 GEMMs run here and d, 2f / 2 and d_out are even), got ",
+              x.scalar_type(), ", ", w1.scalar_type(), " and ", w2.scalar_type());
+}
+
+template <typename W>
 std::vector<at::Tensor> expert_mlp_bf16(const at::Tensor& x_in, const at::Tensor& w1_in, const at::Tensor& w2_in,
                                         const std::vector<int64_t>& ends) {
   const at::Tensor x = unit_stride_rows(x_in), w1 = paired(w1_in), w2 = paired(w2_in);
@@ -200,18 +231,20 @@ std::vector<at::Tensor> expert_mlp_bf16(const at::Tensor& x_in, const at::Tensor
   at::Tensor h = at::empty({m, two_f}, x.options());
   at::Tensor y = at::empty({m, d_out}, x.options());
   zero_tail(ends, {h, y});
-  const bf16 *X = x.data_ptr<bf16>(), *W1 = w1.data_ptr<bf16>(), *W2 = w2.data_ptr<bf16>();
+  const bf16* X = x.data_ptr<bf16>();
+  const W *W1 = w1.data_ptr<W>(), *W2 = w2.data_ptr<W>();
   bf16 *H = h.data_ptr<bf16>(), *Y = y.data_ptr<bf16>();
 #pragma omp parallel
   {
-    std::vector<bf16> w1p(d * two_f), w2p(f * d_out), act(kRows * f);
+    std::vector<bf16> w1p(d * two_f), w2p(f * d_out), act(kRows * f),
+        tmp(std::is_same_v<W, bf16> ? 0 : std::max(d * two_f, f * d_out));
     std::vector<float> hf(kRows * two_f), yf(kRows * d_out), buf(3 * f);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < n_groups; ++e) {
       const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
       if (end == start) continue;
-      moe_lab_cpu::pack_pairs(W1 + e * d * two_f, d, two_f, two_f, w1p.data());
-      moe_lab_cpu::pack_pairs(W2 + e * f * d_out, f, d_out, d_out, w2p.data());
+      pack_weight(W1 + e * d * two_f, d, two_f, false, w1p.data(), tmp.data());
+      pack_weight(W2 + e * f * d_out, f, d_out, false, w2p.data(), tmp.data());
       for (int64_t r0 = start; r0 < end; r0 += kRows) {
         const int64_t rb = std::min(kRows, end - r0);
         moe_lab_cpu::gemm_bf16(rb, two_f, d, X + r0 * ldx, ldx, w1p.data(), two_f, hf.data(), two_f, false);
@@ -232,6 +265,7 @@ std::vector<at::Tensor> expert_mlp_bf16(const at::Tensor& x_in, const at::Tensor
   return {y, h};
 }
 
+template <typename W>
 std::vector<at::Tensor> expert_mlp_backward_bf16(const at::Tensor& x_in, const at::Tensor& h, const at::Tensor& w1_in,
                                                  const at::Tensor& w2_in, const std::vector<int64_t>& ends,
                                                  const at::Tensor& dy_in) {
@@ -239,29 +273,31 @@ std::vector<at::Tensor> expert_mlp_backward_bf16(const at::Tensor& x_in, const a
   const int64_t n_groups = w1.size(0), m = x.size(0), d = x.size(1), two_f = w1.size(2), f = two_f / 2,
                 d_out = w2.size(2), ldx = x.stride(0), ldy = dy.stride(0);
   at::Tensor dx = at::empty({m, d}, x.options());
-  at::Tensor dw1 = at::empty(w1.sizes(), x.options());
-  at::Tensor dw2 = at::empty(w2.sizes(), x.options());
+  at::Tensor dw1 = at::empty(w1.sizes(), w1.options());  // in the weights' dtype
+  at::Tensor dw2 = at::empty(w2.sizes(), w2.options());
   zero_tail(ends, {dx});
-  const bf16 *X = x.data_ptr<bf16>(), *H = h.data_ptr<bf16>(), *DY = dy.data_ptr<bf16>(),
-             *W1 = w1.data_ptr<bf16>(), *W2 = w2.data_ptr<bf16>();
-  bf16 *DX = dx.data_ptr<bf16>(), *DW1 = dw1.data_ptr<bf16>(), *DW2 = dw2.data_ptr<bf16>();
+  const bf16 *X = x.data_ptr<bf16>(), *H = h.data_ptr<bf16>(), *DY = dy.data_ptr<bf16>();
+  const W *W1 = w1.data_ptr<W>(), *W2 = w2.data_ptr<W>();
+  bf16* DX = dx.data_ptr<bf16>();
+  W *DW1 = dw1.data_ptr<W>(), *DW2 = dw2.data_ptr<W>();
   const int64_t rows2 = moe_lab_cpu::round_even(kRows);
 #pragma omp parallel
   {
     std::vector<bf16> w1t(d * two_f), w2t(f * d_out), dh(kRows * two_f), act(kRows * f),
-        tb(std::max(d, f) * rows2), pairs(rows2 * std::max(two_f, d_out));
+        tb(std::max(d, f) * rows2), pairs(rows2 * std::max(two_f, d_out)),
+        tmp(std::is_same_v<W, bf16> ? 0 : std::max(d * two_f, f * d_out));
     std::vector<float> daf(kRows * f), dxf(kRows * d), dw1acc(d * two_f), dw2acc(f * d_out), buf(5 * f);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < n_groups; ++e) {
       const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
-      bf16 *dw1_e = DW1 + e * d * two_f, *dw2_e = DW2 + e * f * d_out;
+      W *dw1_e = DW1 + e * d * two_f, *dw2_e = DW2 + e * f * d_out;
       if (end == start) {
-        std::fill(dw1_e, dw1_e + d * two_f, bf16(0.f));
-        std::fill(dw2_e, dw2_e + f * d_out, bf16(0.f));
+        std::fill(dw1_e, dw1_e + d * two_f, W(0.f));
+        std::fill(dw2_e, dw2_e + f * d_out, W(0.f));
         continue;
       }
-      moe_lab_cpu::pack_transposed(W2 + e * f * d_out, f, d_out, d_out, w2t.data());  // B of dy · W2ᵀ
-      moe_lab_cpu::pack_transposed(W1 + e * d * two_f, d, two_f, two_f, w1t.data());  // B of dh · W1ᵀ
+      pack_weight(W2 + e * f * d_out, f, d_out, true, w2t.data(), tmp.data());  // B of dy · W2ᵀ
+      pack_weight(W1 + e * d * two_f, d, two_f, true, w1t.data(), tmp.data());  // B of dh · W1ᵀ
       std::fill(dw1acc.begin(), dw1acc.end(), 0.f);
       std::fill(dw2acc.begin(), dw2acc.end(), 0.f);
       for (int64_t r0 = start; r0 < end; r0 += kRows) {
@@ -289,7 +325,7 @@ std::vector<at::Tensor> expert_mlp_backward_bf16(const at::Tensor& x_in, const a
         moe_lab_cpu::pack_pairs(dh.data(), rb, two_f, two_f, pairs.data());
         moe_lab_cpu::gemm_bf16(d, two_f, rb2, tb.data(), rb2, pairs.data(), two_f, dw1acc.data(), two_f, true);
       }
-      at::vec::convert(dw1acc.data(), dw1_e, d * two_f);
+      at::vec::convert(dw1acc.data(), dw1_e, d * two_f);  // float32 weights: a copy, no rounding
       at::vec::convert(dw2acc.data(), dw2_e, f * d_out);
     }
     at::native::cpublas::brgemm_release(true);
@@ -363,11 +399,12 @@ std::vector<at::Tensor> expert_mlp(const at::Tensor& x, const at::Tensor& w1, co
   const int64_t n_groups = w1.size(0), m = x.size(0), two_f = w1.size(2), f = two_f / 2;
   TORCH_CHECK(x.size(1) == w1.size(1) && two_f % 2 == 0 && w2.size(0) == n_groups && w2.size(1) == f,
               "expert_mlp: shapes do not chain: x ", x.sizes(), ", w1 ", w1.sizes(), ", w2 ", w2.sizes());
-  TORCH_CHECK(x.scalar_type() == w1.scalar_type() && x.scalar_type() == w2.scalar_type(),
-              "expert_mlp: x, w1 and w2 must share a dtype, got ", x.scalar_type(), ", ",
-              w1.scalar_type(), " and ", w2.scalar_type());
+  check_dtypes(x, w1, w2, "expert_mlp");
   const auto ends = row_ends(offs, n_groups, m, "expert_mlp");
-  if (bf16_blocks(x, w1, w2)) return expert_mlp_bf16(x, w1, w2, ends);
+  if (bf16_blocks(x, w1, w2)) {
+    return w1.scalar_type() == at::kFloat ? expert_mlp_bf16<float>(x, w1, w2, ends)
+                                          : expert_mlp_bf16<bf16>(x, w1, w2, ends);
+  }
   at::Tensor h = at::empty({m, two_f}, x.options());
   at::Tensor y = at::empty({m, w2.size(2)}, x.options());
   zero_tail(ends, {h, y});
@@ -396,8 +433,12 @@ std::vector<at::Tensor> expert_mlp_backward(const at::Tensor& x, const at::Tenso
               dy.sizes(), ", w2 ", w2.sizes());
   TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "expert_mlp_backward: dy must have x's dtype ",
               x.scalar_type(), ", got ", dy.scalar_type());
+  check_dtypes(x, w1, w2, "expert_mlp_backward");
   const auto ends = row_ends(offs, n_groups, m, "expert_mlp_backward");
-  if (bf16_blocks(x, w1, w2)) return expert_mlp_backward_bf16(x, h, w1, w2, ends, dy);
+  if (bf16_blocks(x, w1, w2)) {
+    return w1.scalar_type() == at::kFloat ? expert_mlp_backward_bf16<float>(x, h, w1, w2, ends, dy)
+                                          : expert_mlp_backward_bf16<bf16>(x, h, w1, w2, ends, dy);
+  }
   at::Tensor dx = at::empty({m, x.size(1)}, x.options());
   at::Tensor dw1 = at::empty(w1.sizes(), x.options());
   at::Tensor dw2 = at::empty(w2.sizes(), x.options());

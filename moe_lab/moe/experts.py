@@ -195,8 +195,9 @@ class SwiGLUExperts(nn.Module):
                     raise ValueError(f"expert backend 'openmp' runs on the CPU, got tokens on "
                                      f"{x.device}; use expert_backend='torch' or 'triton'")
                 if self.quant is None:  # both GEMMs and the SwiGLU per expert, on one core
-                    return expert_mlp(x, self.w_gate_up.to(x.dtype), self.w_down.to(x.dtype),
-                                      offsets[1:])
+                    # the weights as they are: the kernel casts them (or, fp32 with bf16
+                    # tokens, rounds them as it repacks them and returns fp32 gradients)
+                    return expert_mlp(x, self.w_gate_up, self.w_down, offsets[1:])
             else:
                 mm = grouped_mm
                 if x.is_cuda and x.dtype != torch.bfloat16:
