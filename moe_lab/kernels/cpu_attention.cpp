@@ -216,6 +216,7 @@ struct BfHeads {
 // 32-bit boundary (pack_transposed reads pairs as words); anything else is copied first.
 at::Tensor rows_paired(const at::Tensor& t) {
   const bool ok = t.stride(3) == 1 && t.stride(2) >= t.size(3) && t.stride(2) % 2 == 0 &&
+                  t.stride(1) % 2 == 0 && t.stride(0) % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0;
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
