@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lab.kernels.cpu_ext import available, extension
+from moe_lab.kernels.cpu_ext import available, bf16_gemms, extension
 
 Tensor = torch.Tensor
 
@@ -108,12 +108,6 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return out
         out, _ = _attention(q.float(), k.float(), v.float())
     return out.to(q.dtype)
-
-
-def bf16_gemms() -> bool:
-    """Whether bfloat16 inputs run bfloat16 GEMMs on this CPU (ATen's oneDNN micro-kernels
-    for its instruction set); where not, they are widened to float32 inside the kernel."""
-    return bool(extension().bf16_gemms())
 
 
 __all__ = ["available", "bf16_gemms", "causal_attention"]

@@ -100,6 +100,21 @@ def extension():
         return _ext
 
 
+@torch.compiler.assume_constant_result
+def bf16_gemms() -> bool:
+    """Whether ATen's bfloat16 GEMMs (oneDNN's micro-kernels for this CPU's instruction set)
+    run here: where they do, the attention and the expert MLP take bfloat16 operands as they
+    are; where not, they widen them to float32 or use ATen's GEMM. Asked of the built kernels
+    once; a constant to ``torch.compile`` (the extension's own call would break the graph)."""
+    global _bf16_gemms
+    if _bf16_gemms is None:
+        _bf16_gemms = bool(extension().bf16_gemms())
+    return _bf16_gemms
+
+
+_bf16_gemms: bool | None = None
+
+
 def compiler() -> str | None:
     """The C++ compiler ``torch.utils.cpp_extension`` would call (``$CXX`` or ``c++``), or None."""
     return shutil.which(os.environ.get("CXX", "c++"))

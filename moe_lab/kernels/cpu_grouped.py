@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lab.kernels.cpu_ext import available, compiler, extension
+from moe_lab.kernels.cpu_ext import available, bf16_gemms, compiler, extension
 from moe_lab.moe.experts import register_grouped_mm_autograd
 
 Tensor = torch.Tensor
@@ -149,18 +149,6 @@ def takes_fp32_weights(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> bool:
             and x.shape[-1] % 2 == 0 and w_gate_up.shape[-1] % 4 == 0 and w_down.shape[-1] % 2 == 0
             and bf16_gemms())
 
-
-@torch.compiler.assume_constant_result
-def bf16_gemms() -> bool:
-    """Whether ATen's bf16 GEMMs run on this CPU (asked of the built kernels once; a constant
-    to ``torch.compile``, which would otherwise break the graph at the extension's call)."""
-    global _BF16_GEMMS
-    if _BF16_GEMMS is None:
-        _BF16_GEMMS = bool(extension().bf16_gemms())
-    return _BF16_GEMMS
-
-
-_BF16_GEMMS: bool | None = None
 
 
 register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)
