@@ -45,7 +45,7 @@ namespace {
 
 using moe_lab_cpu::bf16;
 using moe_lab_cpu::bf16_gemm_works;
-using moe_lab_cpu::gemm_bf16;
+using moe_lab_cpu::gemm;
 using moe_lab_cpu::pack_pairs;
 using moe_lab_cpu::pack_transposed;
 using moe_lab_cpu::round_even;
@@ -53,19 +53,6 @@ using moe_lab_cpu::transpose;
 using moe_lab_cpu::transpose_bf16;
 
 constexpr int64_t kBlockQ = 32;
-
-// C[m, n] = A[m, k] · B[k, n] (+ C when accumulate); row-major with leading dimensions.
-inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, float* c, int64_t ldc, bool accumulate) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (!accumulate) {
-      for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, n * sizeof(float));
-    }
-    return;
-  }
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/false);
-}
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -256,7 +243,7 @@ std::vector<at::Tensor> forward_bf16(const at::Tensor& q_in, const at::Tensor& k
       for (int64_t i0 = 0; i0 < Sq; i0 += kBlockQ) {
         const int64_t m = std::min(kBlockQ, Sq - i0);
         const int64_t n = std::min(Sk, i0 + m + offset), n2 = round_even(n);
-        gemm_bf16(m, n, D, qp + i0 * Q.ss, Q.ss, kt.data(), Sk, s.data(), n, false);
+        gemm(m, n, D, qp + i0 * Q.ss, Q.ss, kt.data(), Sk, s.data(), n, false);
         for (int64_t r = 0; r < m; ++r) {
           float* row = s.data() + r * n;
           const int64_t seen = i0 + r + offset + 1;
@@ -266,7 +253,7 @@ std::vector<at::Tensor> forward_bf16(const at::Tensor& q_in, const at::Tensor& k
           row_to_bf16(row, seen, pb.data() + r * n2, n2);
           lp[i0 + r] = mx + std::log(sum);
         }
-        gemm_bf16(m, D, n2, pb.data(), n2, vp.data(), D, o.data(), D, false);
+        gemm(m, D, n2, pb.data(), n2, vp.data(), D, o.data(), D, false);
         at::vec::convert(o.data(), op + i0 * D, m * D);
       }
     }
@@ -325,8 +312,8 @@ std::vector<at::Tensor> backward_bf16(const at::Tensor& dout_in, const at::Tenso
           at::vec::convert(op + (i0 + r) * O.ss, o_row.data(), D);
           delta[r] = dot(g_row.data(), o_row.data(), D);
         }
-        gemm_bf16(m, n, D, qb, Q.ss, kt.data(), Sk, p.data(), n, false);   // S
-        gemm_bf16(m, n, D, gb, dO.ss, vt.data(), Sk, dp.data(), n, false);  // dP
+        gemm(m, n, D, qb, Q.ss, kt.data(), Sk, p.data(), n, false);   // S
+        gemm(m, n, D, gb, dO.ss, vt.data(), Sk, dp.data(), n, false);  // dP
         for (int64_t r = 0; r < m; ++r) {
           float *prow = p.data() + r * n, *dsrow = dp.data() + r * n;
           const int64_t seen = i0 + r + offset + 1;
@@ -334,17 +321,17 @@ std::vector<at::Tensor> backward_bf16(const at::Tensor& dout_in, const at::Tenso
           row_to_bf16(prow, seen, pb.data() + r * n2, n2);
           row_to_bf16(dsrow, seen, dsb.data() + r * n2, n2);
         }
-        gemm_bf16(m, D, n2, dsb.data(), n2, kr.data(), D, dq_blk.data(), D, false);  // dQ = dS K
+        gemm(m, D, n2, dsb.data(), n2, kr.data(), D, dq_blk.data(), D, false);  // dQ = dS K
         at::vec::convert(dq_blk.data(), dQ + bh * Sq * D + i0 * D, m * D);
         // dV += Pᵀ dO and dK += dSᵀ Q: Aᵀ is [n, m2] with a zero column when m is odd
         transpose_bf16(pb.data(), m, n, n2, tb.data(), m2);
         if (m2 != m) for (int64_t j = 0; j < n; ++j) tb[j * m2 + m] = bf16(0.f);
         pack_pairs(gb, m, D, dO.ss, pairs.data());
-        gemm_bf16(n, D, m2, tb.data(), m2, pairs.data(), D, dv_acc.data(), D, true);
+        gemm(n, D, m2, tb.data(), m2, pairs.data(), D, dv_acc.data(), D, true);
         transpose_bf16(dsb.data(), m, n, n2, tb.data(), m2);
         if (m2 != m) for (int64_t j = 0; j < n; ++j) tb[j * m2 + m] = bf16(0.f);
         pack_pairs(qb, m, D, Q.ss, pairs.data());
-        gemm_bf16(n, D, m2, tb.data(), m2, pairs.data(), D, dk_acc.data(), D, true);
+        gemm(n, D, m2, tb.data(), m2, pairs.data(), D, dk_acc.data(), D, true);
       }
       at::vec::convert(dk_acc.data(), dK + bh * Sk * D, Sk * D);
       at::vec::convert(dv_acc.data(), dV + bh * Sk * D, Sk * D);

@@ -1,5 +1,5 @@
-// Bfloat16 GEMM helpers shared by moe_lab's CPU kernels (cpu_attention.cpp and
-// cpu_grouped_gemm.cpp; cpu_ext.py hashes this header with the sources).
+// The brgemm wrapper and bfloat16 GEMM helpers shared by moe_lab's CPU kernels
+// (cpu_attention.cpp and cpu_grouped_gemm.cpp; cpu_ext.py hashes this header with the sources).
 //
 // ATen's batch-reduce GEMM micro-kernel (oneDNN's brgemm) takes bfloat16 A and B and
 // accumulates in float32. It reads B in pairs: rows 2p and 2p + 1 of the reduction dimension
@@ -21,14 +21,19 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <type_traits>
 
 namespace moe_lab_cpu {
 
 using bf16 = at::BFloat16;
 
-// C[m, n] = A[m, k] · B[k, n] (+ C when accumulate): A bfloat16 row-major, B in pairs, C float32.
-inline void gemm_bf16(int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda, const bf16* b,
-                      int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+// C[m, n] = A[m, k] · B[k, n] (+ C when accumulate) through ATen's brgemm, C float32: float32
+// operands row-major, or bfloat16 ones with A row-major and B in pairs. k = 0 makes C zero
+// (or leaves it, accumulating).
+template <typename T>
+inline void gemm(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+                 float* c, int64_t ldc, bool accumulate) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, bf16>, "gemm: float32 or bfloat16");
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (!accumulate) {
@@ -36,7 +41,8 @@ inline void gemm_bf16(int64_t m, int64_t n, int64_t k, const bf16* a, int64_t ld
     }
     return;
   }
-  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, /*is_vnni=*/true);
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c,
+                              /*is_vnni=*/std::is_same_v<T, bf16>);
 }
 
 // Whether ATen's bfloat16 brgemm runs on this CPU (it needs oneDNN's micro-kernels for the
@@ -48,7 +54,7 @@ inline bool bf16_gemm_works() {
       const bf16 a[4] = {bf16(1.f), bf16(2.f), bf16(3.f), bf16(4.f)};
       const bf16 b[4] = {bf16(1.f), bf16(0.f), bf16(0.f), bf16(1.f)};  // identity, in pairs
       float c[4] = {0.f, 0.f, 0.f, 0.f};
-      gemm_bf16(2, 2, 2, a, 2, b, 2, c, 2, false);
+      gemm(2, 2, 2, a, 2, b, 2, c, 2, false);
       at::native::cpublas::brgemm_release(true);
       return c[0] == 1.f && c[1] == 2.f && c[2] == 3.f && c[3] == 4.f;
     } catch (const std::exception&) {

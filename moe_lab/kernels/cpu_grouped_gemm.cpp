@@ -169,7 +169,7 @@ at::Tensor expert_swiglu(const at::Tensor& h_e, int64_t f) {
 // ---- bfloat16: the expert's GEMMs on ATen's bf16 micro-kernel, in blocks of rows ----
 //
 // With bfloat16 operands (the model under BF16 autocast) each expert runs in blocks of kRows
-// rows through ATen's bf16 brgemm (moe_lab_cpu::gemm_bf16) instead of whole-expert ATen GEMMs:
+// rows through ATen's bf16 brgemm (moe_lab_cpu::gemm) instead of whole-expert ATen GEMMs:
 // the weights are repacked once per expert into the pairs layout those GEMMs read, and
 // everything a block makes (its pre-activation in float32, its activation, its gradients)
 // stays in the core's cache between the GEMMs that use it. The weight gradients accumulate
@@ -247,7 +247,7 @@ std::vector<at::Tensor> expert_mlp_bf16(const at::Tensor& x_in, const at::Tensor
       pack_weight(W2 + e * f * d_out, f, d_out, false, w2p.data(), tmp.data());
       for (int64_t r0 = start; r0 < end; r0 += kRows) {
         const int64_t rb = std::min(kRows, end - r0);
-        moe_lab_cpu::gemm_bf16(rb, two_f, d, X + r0 * ldx, ldx, w1p.data(), two_f, hf.data(), two_f, false);
+        moe_lab_cpu::gemm(rb, two_f, d, X + r0 * ldx, ldx, w1p.data(), two_f, hf.data(), two_f, false);
         at::vec::convert(hf.data(), H + r0 * two_f, rb * two_f);  // h as the backward will read it
         for (int64_t r = 0; r < rb; ++r) {
           const bf16* row = H + (r0 + r) * two_f;
@@ -256,7 +256,7 @@ std::vector<at::Tensor> expert_mlp_bf16(const at::Tensor& x_in, const at::Tensor
           swiglu_row(g, u, buf.data() + 2 * f, f);
           store(buf.data() + 2 * f, act.data() + r * f, f);
         }
-        moe_lab_cpu::gemm_bf16(rb, d_out, f, act.data(), f, w2p.data(), d_out, yf.data(), d_out, false);
+        moe_lab_cpu::gemm(rb, d_out, f, act.data(), f, w2p.data(), d_out, yf.data(), d_out, false);
         at::vec::convert(yf.data(), Y + r0 * d_out, rb * d_out);
       }
     }
@@ -302,7 +302,7 @@ std::vector<at::Tensor> expert_mlp_backward_bf16(const at::Tensor& x_in, const a
       std::fill(dw2acc.begin(), dw2acc.end(), 0.f);
       for (int64_t r0 = start; r0 < end; r0 += kRows) {
         const int64_t rb = std::min(kRows, end - r0), rb2 = moe_lab_cpu::round_even(rb);
-        moe_lab_cpu::gemm_bf16(rb, f, d_out, DY + r0 * ldy, ldy, w2t.data(), f, daf.data(), f, false);  // da
+        moe_lab_cpu::gemm(rb, f, d_out, DY + r0 * ldy, ldy, w2t.data(), f, daf.data(), f, false);  // da
         for (int64_t r = 0; r < rb; ++r) {  // dh = [d gate, d up] and a, from h and da (float32)
           const bf16* row = H + (r0 + r) * two_f;
           const float* g = as_float(row, f, buf.data());
@@ -313,17 +313,17 @@ std::vector<at::Tensor> expert_mlp_backward_bf16(const at::Tensor& x_in, const a
           store(du, dh.data() + r * two_f + f, f);
           store(a, act.data() + r * f, f);
         }
-        moe_lab_cpu::gemm_bf16(rb, d, two_f, dh.data(), two_f, w1t.data(), d, dxf.data(), d, false);  // dx
+        moe_lab_cpu::gemm(rb, d, two_f, dh.data(), two_f, w1t.data(), d, dxf.data(), d, false);  // dx
         at::vec::convert(dxf.data(), DX + r0 * d, rb * d);
         // dW2 += aᵀ dy and dW1 += xᵀ dh: A transposed into tb ([cols, rb2], a zero column when rb is odd)
         moe_lab_cpu::transpose_bf16(act.data(), rb, f, f, tb.data(), rb2);
         if (rb2 != rb) for (int64_t j = 0; j < f; ++j) tb[j * rb2 + rb] = bf16(0.f);
         moe_lab_cpu::pack_pairs(DY + r0 * ldy, rb, d_out, ldy, pairs.data());
-        moe_lab_cpu::gemm_bf16(f, d_out, rb2, tb.data(), rb2, pairs.data(), d_out, dw2acc.data(), d_out, true);
+        moe_lab_cpu::gemm(f, d_out, rb2, tb.data(), rb2, pairs.data(), d_out, dw2acc.data(), d_out, true);
         moe_lab_cpu::transpose_bf16(X + r0 * ldx, rb, d, ldx, tb.data(), rb2);
         if (rb2 != rb) for (int64_t j = 0; j < d; ++j) tb[j * rb2 + rb] = bf16(0.f);
         moe_lab_cpu::pack_pairs(dh.data(), rb, two_f, two_f, pairs.data());
-        moe_lab_cpu::gemm_bf16(d, two_f, rb2, tb.data(), rb2, pairs.data(), two_f, dw1acc.data(), two_f, true);
+        moe_lab_cpu::gemm(d, two_f, rb2, tb.data(), rb2, pairs.data(), two_f, dw1acc.data(), two_f, true);
       }
       at::vec::convert(dw1acc.data(), dw1_e, d * two_f);  // float32 weights: a copy, no rounding
       at::vec::convert(dw2acc.data(), dw2_e, f * d_out);
