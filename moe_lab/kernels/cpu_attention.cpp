@@ -120,28 +120,48 @@ inline float exp_and_sum(float* row, int64_t n, float shift) {
   return lanes_sum(vsum);
 }
 
-// row[0:n) *= a.
-inline void scale_row(float* row, int64_t n, float a) {
-  const Vec va(a);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(row + j) * va).store(row + j);
-  if (j < n) (Vec::loadu(row + j, n - j) * va).store(row + j, n - j);
+// v's first n lanes stored at p: float32 as they are, bfloat16 rounded to nearest even.
+inline void store_lanes(const Vec& v, float* p, int64_t n) {
+  if (n == Vec::size()) {
+    v.store(p);
+  } else {
+    v.store(p, n);
+  }
 }
 
-// The backward's row: p = exp(s·scale − lse) (in place of s) and
-// ds = p·(dp − delta)·scale (in place of dp), over [0, n).
-inline void grad_row(float* s, float* dp, int64_t n, float scale, float lse, float delta) {
-  const Vec vscale(scale), vlse(lse), vdelta(delta);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec p = vexp(Vec::loadu(s + j) * vscale - vlse);
-    p.store(s + j);
-    (p * (Vec::loadu(dp + j) - vdelta) * vscale).store(dp + j);
+inline void store_lanes(const Vec& v, bf16* p, int64_t n) {
+#ifdef MOE_LAB_NATIVE_BF16
+  moe_lab_cpu::store_bf16(moe_lab_cpu::bf16_bits(v), p, n);
+#else
+  alignas(64) float lane[Vec::size()];
+  v.store(lane);
+  at::vec::convert(lane, p, n);
+#endif
+}
+
+// out[0:n) = row[0:n) · a, in out's dtype (out may be row itself).
+template <typename T>
+inline void scale_row_to(const float* row, int64_t n, float a, T* out) {
+  const Vec va(a);
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    const int64_t w = std::min<int64_t>(Vec::size(), n - j);
+    store_lanes((w == Vec::size() ? Vec::loadu(row + j) : Vec::loadu(row + j, w)) * va, out + j, w);
   }
-  if (j < n) {
-    const Vec p = vexp(Vec::loadu(s + j, n - j) * vscale - vlse);
-    p.store(s + j, n - j);
-    (p * (Vec::loadu(dp + j, n - j) - vdelta) * vscale).store(dp + j, n - j);
+}
+
+// The backward's row over [0, n): p = exp(s·scale − lse) and ds = p·(dp − delta)·scale, in
+// the outputs' dtype (float32 outputs may be s and dp themselves).
+template <typename T>
+inline void grad_row(const float* s, const float* dp, T* p_out, T* ds_out, int64_t n, float scale, float lse,
+                     float delta) {
+  const Vec vscale(scale), vlse(lse), vdelta(delta);
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    const int64_t w = std::min<int64_t>(Vec::size(), n - j);
+    const bool full = w == Vec::size();
+    const Vec p = vexp((full ? Vec::loadu(s + j) : Vec::loadu(s + j, w)) * vscale - vlse);
+    const Vec ds = p * ((full ? Vec::loadu(dp + j) : Vec::loadu(dp + j, w)) - vdelta) * vscale;
+    store_lanes(p, p_out + j, w);
+    store_lanes(ds, ds_out + j, w);
   }
 }
 
@@ -208,11 +228,6 @@ at::Tensor rows_paired(const at::Tensor& t) {
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// p[0:seen) = bf16(row[0:seen)), zeros up to n2.
-inline void row_to_bf16(const float* row, int64_t seen, bf16* p, int64_t n2) {
-  at::vec::convert(row, p, seen);
-  std::fill(p + seen, p + n2, bf16(0.f));
-}
 
 // bfloat16 forward: the GEMMs take bfloat16 operands and accumulate in float32, the softmax
 // runs in float32 and P is rounded to bfloat16 for P V (as a GPU flash attention does).
@@ -249,12 +264,13 @@ std::vector<at::Tensor> forward_bf16(const at::Tensor& q_in, const at::Tensor& k
           const int64_t seen = i0 + r + offset + 1;
           const float mx = scale_and_max(row, seen, scale);
           const float sum = exp_and_sum(row, seen, mx);
-          scale_row(row, seen, 1.f / sum);
-          row_to_bf16(row, seen, pb.data() + r * n2, n2);
+          bf16* prow = pb.data() + r * n2;
+          scale_row_to(row, seen, 1.f / sum, prow);  // P, rounded to bf16 for P V
+          std::fill(prow + seen, prow + n2, bf16(0.f));
           lp[i0 + r] = mx + std::log(sum);
         }
         gemm(m, D, n2, pb.data(), n2, vp.data(), D, o.data(), D, false);
-        at::vec::convert(o.data(), op + i0 * D, m * D);
+        moe_lab_cpu::to_bf16(o.data(), op + i0 * D, m * D);
       }
     }
     at::native::cpublas::brgemm_release(true);
@@ -317,12 +333,13 @@ std::vector<at::Tensor> backward_bf16(const at::Tensor& dout_in, const at::Tenso
         for (int64_t r = 0; r < m; ++r) {
           float *prow = p.data() + r * n, *dsrow = dp.data() + r * n;
           const int64_t seen = i0 + r + offset + 1;
-          grad_row(prow, dsrow, seen, scale, lp[i0 + r], delta[r]);
-          row_to_bf16(prow, seen, pb.data() + r * n2, n2);
-          row_to_bf16(dsrow, seen, dsb.data() + r * n2, n2);
+          bf16 *pbrow = pb.data() + r * n2, *dsbrow = dsb.data() + r * n2;
+          grad_row(prow, dsrow, pbrow, dsbrow, seen, scale, lp[i0 + r], delta[r]);
+          std::fill(pbrow + seen, pbrow + n2, bf16(0.f));
+          std::fill(dsbrow + seen, dsbrow + n2, bf16(0.f));
         }
         gemm(m, D, n2, dsb.data(), n2, kr.data(), D, dq_blk.data(), D, false);  // dQ = dS K
-        at::vec::convert(dq_blk.data(), dQ + bh * Sq * D + i0 * D, m * D);
+        moe_lab_cpu::to_bf16(dq_blk.data(), dQ + bh * Sq * D + i0 * D, m * D);
         // dV += Pᵀ dO and dK += dSᵀ Q: Aᵀ is [n, m2] with a zero column when m is odd
         transpose_bf16(pb.data(), m, n, n2, tb.data(), m2);
         if (m2 != m) for (int64_t j = 0; j < n; ++j) tb[j * m2 + m] = bf16(0.f);
@@ -333,8 +350,8 @@ std::vector<at::Tensor> backward_bf16(const at::Tensor& dout_in, const at::Tenso
         pack_pairs(qb, m, D, Q.ss, pairs.data());
         gemm(n, D, m2, tb.data(), m2, pairs.data(), D, dk_acc.data(), D, true);
       }
-      at::vec::convert(dk_acc.data(), dK + bh * Sk * D, Sk * D);
-      at::vec::convert(dv_acc.data(), dV + bh * Sk * D, Sk * D);
+      moe_lab_cpu::to_bf16(dk_acc.data(), dK + bh * Sk * D, Sk * D);
+      moe_lab_cpu::to_bf16(dv_acc.data(), dV + bh * Sk * D, Sk * D);
     }
     at::native::cpublas::brgemm_release(true);
   }
@@ -382,7 +399,7 @@ std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q_in, const a
           const int64_t seen = i0 + r + offset + 1;
           const float mx = scale_and_max(row, seen, scale);
           const float sum = exp_and_sum(row, seen, mx);
-          scale_row(row, seen, 1.f / sum);
+          scale_row_to(row, seen, 1.f / sum, row);
           std::fill(row + seen, row + n, 0.f);
           lp[i0 + r] = mx + std::log(sum);
         }
@@ -459,7 +476,7 @@ std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout_in, con
         for (int64_t r = 0; r < m; ++r) {
           float *prow = p.data() + r * n, *dsrow = dp.data() + r * n;
           const int64_t seen = i0 + r + offset + 1;
-          grad_row(prow, dsrow, seen, scale, lp[i0 + r], delta[r]);
+          grad_row(prow, dsrow, prow, dsrow, seen, scale, lp[i0 + r], delta[r]);
           std::fill(prow + seen, prow + n, 0.f);
           std::fill(dsrow + seen, dsrow + n, 0.f);
         }

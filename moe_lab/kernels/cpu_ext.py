@@ -7,10 +7,11 @@ the dropless layout's token permutation (``cpu_permute.cpp``, wrapped by
 `moe_lab.kernels.cpu_permute`); ``cpu_module.cpp`` binds them, ``cpu_bf16.h`` holds the
 bfloat16 GEMM helpers the attention and the expert MLP share. ``torch.utils.cpp_extension``
 compiles them on first use (about 40 s) and caches the result under ``~/.cache/moe_lab/extensions`` (or
-``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the torch version and the vector
-instruction set ATen uses on this CPU (``torch.backends.cpu.get_cpu_capability()``: the
-kernels' elementwise loops are compiled for it, so a cache shared by different machines
-never hands one a build it cannot run). ``make install`` builds it ahead
+``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the torch version and the compiler flags:
+the vector instruction set ATen uses on this CPU (``torch.backends.cpu.get_cpu_capability()``:
+the kernels' elementwise loops are compiled for it) and whether it has AVX512_BF16
+(`native_bf16`), so a cache shared by different machines never hands one a build it cannot
+run). ``make install`` builds it ahead
 (``python -m moe_lab.kernels.cpu_ext``).
 
 It needs a C++ compiler with OpenMP, the same one ``torch.compile`` needs on a CPU. Without
@@ -55,9 +56,32 @@ def capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def native_bf16() -> bool:
+    """Whether this CPU has the AVX512_BF16 instructions (``avx512_bf16`` in Linux's
+    ``/proc/cpuinfo``): the kernels then round float32 to bfloat16 with them (one instruction
+    per 32 values; see ``cpu_bf16.h``). False elsewhere, where ATen's conversion serves."""
+    if capability() != "AVX512":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability(), [])]
+    if native_bf16():
+        flags.append("-mavx512bf16")
+    return flags
+
+
 def _name_and_dir() -> tuple[str, Path]:
     key = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key += torch.__version__.encode() + capability().encode()
+    key += torch.__version__.encode() + " ".join(_flags()).encode()
     name = f"moe_lab_cpu_kernels_{hashlib.sha1(key).hexdigest()[:12]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "moe_lab" / "extensions"
     return name, Path(root) / name
@@ -87,9 +111,8 @@ def extension():
         if not any(build_dir.glob(f"{name}*.so")):
             print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, ~40 s)...",
                   file=sys.stderr, flush=True)
-        flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability(), [])]
         try:
-            _ext = load(name, [str(path) for path in SOURCES], extra_cflags=flags,
+            _ext = load(name, [str(path) for path in SOURCES], extra_cflags=_flags(),
                         extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # compiler missing, no OpenMP, ...
             reason = str(exc).strip().splitlines()

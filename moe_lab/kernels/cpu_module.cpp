@@ -2,6 +2,8 @@
 
 #include <torch/extension.h>
 
+#include "cpu_bf16.h"
+
 #include <vector>
 
 // cpu_grouped_gemm.cpp: the openmp expert backend.
@@ -28,6 +30,25 @@ at::Tensor permute(const at::Tensor& x, const at::Tensor& row_id_map, const c10:
 at::Tensor unpermute(const at::Tensor& y, const at::Tensor& row_id_map, const c10::optional<at::Tensor>& weights);
 at::Tensor unpermute_weight_grad(const at::Tensor& y, const at::Tensor& row_id_map, const at::Tensor& dout);
 
+// cpu_bf16.h's float32 -> bfloat16 rounding over a tensor (what the kernels round with), and
+// whether it runs on the AVX512_BF16 instructions in this build; for the tests.
+at::Tensor round_bf16(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "round_bf16: x must be a float32 CPU tensor, got ",
+              x.scalar_type(), " on ", x.device());
+  const at::Tensor src = x.contiguous();
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(at::kBFloat16));
+  moe_lab_cpu::to_bf16(src.data_ptr<float>(), out.data_ptr<at::BFloat16>(), src.numel());
+  return out;
+}
+
+bool native_bf16() {
+#ifdef MOE_LAB_NATIVE_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("expert_mlp", &expert_mlp, "every expert's SwiGLU MLP over its rows, experts spread over cores");
   m.def("expert_mlp_backward", &expert_mlp_backward, "backward of expert_mlp: {dx, dw1, dw2}");
@@ -38,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention_backward", &causal_attention_backward,
         "backward of causal_attention_forward: {dq, dk, dv}");
   m.def("bf16_gemms", &bf16_gemms, "whether ATen's bfloat16 GEMMs run on this CPU");
+  m.def("round_bf16", &round_bf16, "float32 -> bfloat16 as the kernels round (nearest even)");
+  m.def("native_bf16", &native_bf16, "whether the kernels round on the AVX512_BF16 instructions");
   m.def("row_id_map", &row_id_map, "counting sort of expert ids: {row_id_map [T, k] int32, offsets [E + 1] int32}");
   m.def("permute", &permute, "y[row_id_map[t, j]] = x[t] (* w[t, j]); unmapped rows zero");
   m.def("unpermute", &unpermute, "out[t] = sum_j w[t, j] * y[row_id_map[t, j]], in float32");
