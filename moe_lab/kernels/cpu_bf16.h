@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <type_traits>
 
 // With the AVX512_BF16 instructions (cpu_ext.py compiles with -mavx512bf16 where the CPU has
@@ -154,5 +155,18 @@ inline void pack_transposed(const bf16* src, int64_t rows, int64_t cols, int64_t
 }
 
 inline int64_t round_even(int64_t n) { return n + (n & 1); }
+
+// A per-thread scratch buffer left uninitialised: every element is written before it is
+// read (std::vector would zero it first, on every call of a kernel).
+template <typename T>
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) : data_(n > 0 ? new T[n] : nullptr) {}
+  T* data() { return data_.get(); }
+  T& operator[](int64_t i) { return data_[i]; }
+
+ private:
+  std::unique_ptr<T[]> data_;
+};
 
 }  // namespace moe_lab_cpu
