@@ -48,6 +48,7 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import ModelConfig
+from moe_lab.kernels import cpu_optim
 from moe_lab.model import MoETransformer
 from moe_lab.perf.breakdown import phase
 
@@ -346,6 +347,12 @@ class SyncFreeStep:
         # A fused optimizer clips for free: it divides the gradients by ``grad_scale`` as it
         # reads them. Any other optimizer gets clip_grad_norm_'s in-place multiply.
         self.fused_clip = all(g.get("fused") for g in optimizer.param_groups)
+        # On a CPU with moe_lab's kernels, the norm, the clip and AdamW are one call
+        # (moe_lab.kernels.cpu_optim), the same update in two passes without Python between;
+        # torch's step while the optimizer has step hooks (they run only there).
+        self.cpu_clip_adamw = False
+        if self.fused_clip and param.device.type == "cpu":
+            self.cpu_clip_adamw = cpu_optim.supports(optimizer)
         if self.fused_clip:
             optimizer.grad_scale = self.state.grad_scale
         self.stash = stash
@@ -392,18 +399,21 @@ class SyncFreeStep:
         with phase("backward"):
             out.loss.backward()
         with phase("optimizer"):
-            if self.fused_clip:
-                # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the
-                # fused AdamW as a divisor while it reads each gradient
-                grad_norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in self.model.parameters() if p.grad is not None])
-                st.grad_scale.copy_(((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0))
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
             if self.stash is not None:
                 st.skip.copy_(self.stash.overflow)
-            self.optimizer.step()
+            if self.fused_clip and self.cpu_clip_adamw and not cpu_optim.has_step_hooks(self.optimizer):
+                grad_norm = cpu_optim.clip_adamw_(self.optimizer, cfg.grad_clip, st.grad_scale, st.skip)
+            else:
+                if self.fused_clip:
+                    # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the
+                    # fused AdamW as a divisor while it reads each gradient
+                    grad_norm = torch.nn.utils.get_total_norm(
+                        [p.grad for p in self.model.parameters() if p.grad is not None])
+                    st.grad_scale.copy_(((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0))
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
+                self.optimizer.step()
         keep = 1.0 - st.skip  # 0.0 for a step the optimizer skipped
         st.step.add_(keep)
         keep64 = keep.double()

@@ -2,9 +2,10 @@
 
 One extension holds them all: the grouped GEMM and fused expert MLP of the ``openmp``
 expert backend (``cpu_grouped_gemm.cpp``, wrapped by `moe_lab.kernels.cpu_grouped`), the
-fused causal attention (``cpu_attention.cpp``, wrapped by `moe_lab.kernels.cpu_attention`) and
+fused causal attention (``cpu_attention.cpp``, wrapped by `moe_lab.kernels.cpu_attention`),
 the dropless layout's token permutation (``cpu_permute.cpp``, wrapped by
-`moe_lab.kernels.cpu_permute`); ``cpu_module.cpp`` binds them, ``cpu_bf16.h`` holds the
+`moe_lab.kernels.cpu_permute`) and the clipped AdamW step (``cpu_optim.cpp``, wrapped by
+`moe_lab.kernels.cpu_optim`); ``cpu_module.cpp`` binds them, ``cpu_bf16.h`` holds the
 bfloat16 GEMM helpers the attention and the expert MLP share. ``torch.utils.cpp_extension``
 compiles them on first use (about 40 s) and caches the result under ``~/.cache/moe_lab/extensions`` (or
 ``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the torch version and the compiler flags:
@@ -33,7 +34,7 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("cpu_grouped_gemm.cpp", "cpu_attention.cpp", "cpu_permute.cpp",
-                                         "cpu_module.cpp"))
+                                         "cpu_optim.cpp", "cpu_module.cpp"))
 # Headers the sources include: not compiled on their own, but part of the cache key.
 HEADERS = (HERE / "cpu_bf16.h",)
 

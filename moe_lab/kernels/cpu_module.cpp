@@ -30,6 +30,13 @@ at::Tensor permute(const at::Tensor& x, const at::Tensor& row_id_map, const c10:
 at::Tensor unpermute(const at::Tensor& y, const at::Tensor& row_id_map, const c10::optional<at::Tensor>& weights);
 at::Tensor unpermute_weight_grad(const at::Tensor& y, const at::Tensor& row_id_map, const at::Tensor& dout);
 
+// cpu_optim.cpp: the global gradient norm, the clip factor and AdamW in one call.
+at::Tensor clip_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                       const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                       const std::vector<at::Tensor>& steps, const std::vector<double>& weight_decays,
+                       const at::Tensor& lr, double beta1, double beta2, double eps, double max_norm,
+                       const at::Tensor& skip, const at::Tensor& grad_scale);
+
 // cpu_bf16.h's float32 -> bfloat16 rounding over a tensor (what the kernels round with), and
 // whether it runs on the AVX512_BF16 instructions in this build; for the tests.
 at::Tensor round_bf16(const at::Tensor& x) {
@@ -59,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention_backward", &causal_attention_backward,
         "backward of causal_attention_forward: {dq, dk, dv}");
   m.def("bf16_gemms", &bf16_gemms, "whether ATen's bfloat16 GEMMs run on this CPU");
+  m.def("clip_adamw_", &clip_adamw_, "global gradient norm, clip factor and AdamW step over all tensors");
   m.def("round_bf16", &round_bf16, "float32 -> bfloat16 as the kernels round (nearest even)");
   m.def("native_bf16", &native_bf16, "whether the kernels round on the AVX512_BF16 instructions");
   m.def("row_id_map", &row_id_map, "counting sort of expert ids: {row_id_map [T, k] int32, offsets [E + 1] int32}");
