@@ -19,7 +19,9 @@ with each of them fixed:
   even a pass of its own: the fused AdamW divides every gradient by its ``grad_scale`` tensor
   as it reads it (the hook AMP's loss scaling uses), so the step sets
   ``grad_scale = max(1, norm / max_norm)``: two passes over the gradients (the norm, the
-  update) instead of three (the norm, the multiply, the update);
+  update) instead of three (the norm, the multiply, the update). On a CPU with moe_lab's
+  kernels the two passes are one call (`moe_lab.kernels.cpu_optim`: the norm, the factor and
+  AdamW over every tensor, no Python between them; torch's step where step hooks are set);
 - **statistics on the device** — loss, gradient norm, tokens per expert and imbalance
   are summed into device buffers (`StepState`) and read back in *one* copy every
   ``read_every`` steps (`SyncFreeStep.read_stats`);

@@ -32,7 +32,8 @@ package, never a code path of its own:
   builds it, else ``torch._grouped_mm``; moe_lab's Triton kernel on a GPU); the router in FP32
   (the fused Triton kernel where Triton compiles; on a CPU whichever of the reference chain
   and its ``torch.compile`` is measured faster, see `pick_router_impl`); the sync-free step
-  of `moe_lab.step` (fused AdamW, statistics on the device); on a CPU moe_lab's fused
+  of `moe_lab.step` (fused AdamW — on a CPU the norm, the clip and AdamW as one call of
+  `moe_lab.kernels.cpu_optim` — and statistics on the device); on a CPU moe_lab's fused
   attention kernel (`moe_lab.kernels.cpu_attention`) and, with bf16 matmul instructions,
   BF16 autocast (FP32 master weights, router, softmax and loss; expert groups padded
   to 64 rows so the bf16 GEMM kernels compiled per row count are reused); ``torch.compile``
