@@ -44,14 +44,19 @@ def _(params, grads, exp_avgs, exp_avg_sqs, steps, weight_decays, lr, beta1, bet
 
 def supports(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `clip_adamw_` can step ``optimizer``: a ``torch.optim.AdamW`` with ``fused=True``
-    on float32 CPU parameters, without AMSGrad or maximising, and moe_lab's CPU kernels here."""
-    if type(optimizer) is not torch.optim.AdamW:
+    on contiguous float32 CPU parameters, without AMSGrad or maximising, its groups sharing
+    one learning rate, betas and eps (as `moe_lab.step.make_optimizer` builds it), and
+    moe_lab's CPU kernels here."""
+    if type(optimizer) is not torch.optim.AdamW or not optimizer.param_groups:
         return False
+    first = optimizer.param_groups[0]
     for group in optimizer.param_groups:
         if not group.get("fused") or group.get("amsgrad") or group.get("maximize"):
             return False
+        if group["lr"] is not first["lr"] or group["betas"] != first["betas"] or group["eps"] != first["eps"]:
+            return False
         for p in group["params"]:
-            if p.device.type != "cpu" or p.dtype != torch.float32:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                 return False
     return available()
 
@@ -77,18 +82,14 @@ def clip_adamw_(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tenso
     """
     if not supports(optimizer):
         raise ValueError("clip_adamw_: optimizer must be a fused float32 CPU torch.optim.AdamW "
-                         "(moe_lab.step.make_optimizer) with moe_lab's CPU kernels built; "
-                         "see moe_lab.kernels.cpu_optim.supports")
+                         "whose groups share lr, betas and eps (moe_lab.step.make_optimizer), "
+                         "with moe_lab's CPU kernels built; see moe_lab.kernels.cpu_optim.supports")
     if not max_norm > 0:
         raise ValueError(f"clip_adamw_: max_norm must be > 0, got {max_norm!r}")
     params, grads, avgs, sqs, steps, decays = [], [], [], [], [], []
-    lr = betas = eps = None
+    first = optimizer.param_groups[0]
+    lr, betas, eps = first["lr"], first["betas"], first["eps"]
     for group in optimizer.param_groups:
-        if lr is None:
-            lr, betas, eps = group["lr"], group["betas"], group["eps"]
-        elif group["lr"] is not lr or group["betas"] != betas or group["eps"] != eps:
-            raise ValueError("clip_adamw_: every parameter group must share lr (one tensor), betas "
-                             "and eps, as make_optimizer's do")
         for p in group["params"]:
             if p.grad is None:
                 continue
