@@ -7,12 +7,12 @@ the dropless layout's token permutation (``cpu_permute.cpp``, wrapped by
 `moe_lab.kernels.cpu_permute`) and the clipped AdamW step (``cpu_optim.cpp``, wrapped by
 `moe_lab.kernels.cpu_optim`); ``cpu_module.cpp`` binds them, ``cpu_bf16.h`` holds the
 bfloat16 GEMM helpers the attention and the expert MLP share. ``torch.utils.cpp_extension``
-compiles them on first use (about 40 s) and caches the result under ``~/.cache/moe_lab/extensions`` (or
-``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the torch version and the compiler flags:
-the vector instruction set ATen uses on this CPU (``torch.backends.cpu.get_cpu_capability()``:
-the kernels' elementwise loops are compiled for it) and whether it has AVX512_BF16
-(`native_bf16`), so a cache shared by different machines never hands one a build it cannot
-run). ``make install`` builds it ahead
+compiles them on first use (about 80 s on 2 cores) and caches the result under
+``~/.cache/moe_lab/extensions`` (or ``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the
+torch version and the compiler flags: the vector instruction set ATen uses on this CPU
+(``torch.backends.cpu.get_cpu_capability()``: the kernels' elementwise loops are compiled for
+it) and whether it has AVX512_BF16 (`native_bf16`), so a cache shared by different machines
+never hands one a build it cannot run. ``make install`` builds it ahead
 (``python -m moe_lab.kernels.cpu_ext``).
 
 It needs a C++ compiler with OpenMP, the same one ``torch.compile`` needs on a CPU. Without
@@ -110,7 +110,7 @@ def extension():
         name, build_dir = _name_and_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob(f"{name}*.so")):
-            print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, ~40 s)...",
+            print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, about a minute)...",
                   file=sys.stderr, flush=True)
         try:
             _ext = load(name, [str(path) for path in SOURCES], extra_cflags=_flags(),

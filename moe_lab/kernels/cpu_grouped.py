@@ -33,7 +33,7 @@ The ``openmp`` expert backend uses it; `grouped_mm` alone serves where something
 between the GEMMs (MXFP8 emulation quantizes the activation there).
 
 The kernels are C++, built on first use with the rest of moe_lab's CPU kernels
-(`moe_lab.kernels.cpu_ext`: about 40 s, once per machine and torch version; ``make install``
+(`moe_lab.kernels.cpu_ext`: about 80 s on 2 cores, once per machine and torch version; ``make install``
 builds them ahead). They need a C++ compiler with OpenMP — the same one ``torch.compile``
 needs on a CPU. Without one, `available` says False, `extension` raises with the reason,
 and the ``torch`` backend remains.
