@@ -352,6 +352,8 @@ class SyncFreeStep:
         # On a CPU with moe_lab's kernels, the norm, the clip and AdamW are one call
         # (moe_lab.kernels.cpu_optim), the same update in two passes without Python between;
         # torch's step while the optimizer has step hooks (they run only there).
+        # Decided once here, as fused_clip is (the step does not check the optimizer again;
+        # StepConfig has already checked grad_clip > 0).
         self.cpu_clip_adamw = False
         if self.fused_clip and param.device.type == "cpu":
             self.cpu_clip_adamw = cpu_optim.supports(optimizer)
@@ -404,7 +406,7 @@ class SyncFreeStep:
             if self.stash is not None:
                 st.skip.copy_(self.stash.overflow)
             if self.fused_clip and self.cpu_clip_adamw and not cpu_optim.has_step_hooks(self.optimizer):
-                grad_norm = cpu_optim.clip_adamw_(self.optimizer, cfg.grad_clip, st.grad_scale, st.skip)
+                grad_norm = cpu_optim.step_checked(self.optimizer, cfg.grad_clip, st.grad_scale, st.skip)
             else:
                 if self.fused_clip:
                     # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the

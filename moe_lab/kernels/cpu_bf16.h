@@ -57,7 +57,7 @@ inline __m512 load_bf16(const bf16* p, int64_t n) {
 
 inline __m512 load_f32(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
 
-// The first n lanes of v rounded to bfloat16 and stored at p.
+// The first n of 16 bfloat16 bit patterns (bf16_bits) stored at p.
 inline void store_bf16(__m256i bits, bf16* p, int64_t n) { _mm256_mask_storeu_epi16(p, lanes(n), bits); }
 #endif
 

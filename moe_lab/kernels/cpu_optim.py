@@ -86,6 +86,15 @@ def clip_adamw_(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tenso
                          "with moe_lab's CPU kernels built; see moe_lab.kernels.cpu_optim.supports")
     if not max_norm > 0:
         raise ValueError(f"clip_adamw_: max_norm must be > 0, got {max_norm!r}")
+    return step_checked(optimizer, max_norm, grad_scale, skip)
+
+
+def step_checked(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tensor,
+                 skip: Tensor) -> Tensor:
+    """`clip_adamw_` for a caller that has already checked ``supports(optimizer)`` and
+    ``max_norm > 0`` once (`moe_lab.step.SyncFreeStep`, at construction): the per-step path,
+    without walking every parameter to check it again. The kernel still checks each tensor's
+    dtype, layout and size."""
     params, grads, avgs, sqs, steps, decays = [], [], [], [], [], []
     first = optimizer.param_groups[0]
     lr, betas, eps = first["lr"], first["betas"], first["eps"]
