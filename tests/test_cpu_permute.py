@@ -172,3 +172,87 @@ def test_bad_input_raises_with_the_argument_named():
     twice[3, 1] = twice[2, 0]
     with pytest.raises(RuntimeError, match="two \\(token, slot\\) pairs"):
         cp.permute(x, twice, 20)
+
+
+# ------------------------------------------------------------------------------ the router's top-k
+
+
+def _scores(rows: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g)
+    x[:, : n // 2] = x[:, : n // 2].round(decimals=1)  # many exact ties, at every rank
+    return x
+
+
+@pytest.mark.parametrize("rows, n, k", [(2048, 16, 4), (37, 5, 5), (9, 1, 1), (0, 8, 2), (7, 6, 0),
+                                        (300, 64, 8), (5, 257, 3)])
+def test_topk_lowest_index_equals_the_pytorch_reference(rows, n, k):
+    from moe_lab.moe.router import topk_by_unique_keys
+
+    x = _scores(rows, n, seed=rows + n + k)
+    ours = cp.topk_lowest_index(x, k)
+    assert ours.dtype == torch.int64 and ours.shape == (rows, k)
+    assert torch.equal(ours, topk_by_unique_keys(x, k))
+    # a non-contiguous view (every other column) gives its contiguous copy's answer
+    wide = _scores(rows, 2 * n, seed=1)[:, ::2]
+    assert torch.equal(cp.topk_lowest_index(wide, k), topk_by_unique_keys(wide.contiguous(), k))
+
+
+def test_topk_lowest_index_special_values_and_signed_zeros():
+    from moe_lab.moe.router import topk_by_unique_keys
+
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[0.0, -0.0, 1.0, -1.0, 0.0],       # -0.0 ties with +0.0: the lower index first
+                      [-inf, -inf, -inf, 2.0, -inf],       # -inf ties among themselves
+                      [nan, inf, 3.0, -nan, 1e-45],        # NaN above +inf; a negative NaN last
+                      [1e38, -1e38, inf, -inf, 0.5]])
+    ours = cp.topk_lowest_index(x, 5)
+    assert torch.equal(ours, topk_by_unique_keys(x, 5))
+    assert ours[0].tolist() == [2, 0, 1, 4, 3]
+    assert ours[1].tolist() == [3, 0, 1, 2, 4]
+    assert ours[2, 0] == 0 and ours[2, -1] == 3
+
+
+def test_topk_lowest_index_does_not_depend_on_the_thread_count():
+    x = _scores(4096, 16, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cp.topk_lowest_index(x, 4)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, cp.topk_lowest_index(x, 4))
+
+
+def test_the_router_takes_the_kernel_once_loaded_and_compiles_through_it():
+    from moe_lab.kernels import cpu_ext
+    from moe_lab.moe import router
+
+    cp.extension()  # loaded
+    assert cpu_ext.loaded()
+    x = _scores(512, 16, seed=5).requires_grad_()
+    ids = router.topk_lowest_index(x, 4)
+    assert torch.equal(ids, router.topk_by_unique_keys(x, 4))
+    compiled = torch.compile(router.topk_lowest_index, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x, 4), ids)
+    y = x.gather(1, ids).sum()  # the values keep their gradient through the gather
+    y.backward()
+    assert x.grad.sum() == 512 * 4
+    # float64, other ranks and other devices keep the PyTorch forms
+    assert torch.equal(router.topk_lowest_index(x.detach().double(), 4), ids)
+    cube = _scores(24, 16, seed=6).view(2, 12, 16)
+    assert torch.equal(router.topk_lowest_index(cube, 4), router.topk_by_unique_keys(cube, 4))
+
+
+def test_topk_lowest_index_bad_input():
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"k must be an int in \[0, n = 6\]"):
+        cp.topk_lowest_index(x, 7)
+    with pytest.raises(ValueError, match="k must be"):
+        cp.topk_lowest_index(x, -1)
+    with pytest.raises(ValueError, match=r"values must be a \[T, n\] float32"):
+        cp.topk_lowest_index(x.double(), 2)
+    with pytest.raises(ValueError, match=r"values must be a \[T, n\] float32"):
+        cp.topk_lowest_index(x[0], 2)
+    with pytest.raises(ValueError, match="on the CPU"):
+        cp.topk_lowest_index(x.to("meta"), 2)

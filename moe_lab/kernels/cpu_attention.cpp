@@ -22,7 +22,9 @@
 // Float32 inputs compute in float32. Bfloat16 inputs run the same blocks with bfloat16 GEMMs
 // (float32 accumulation, where ATen's brgemm has them for this CPU): the softmax and its
 // gradient stay in float32, P and dS are rounded to bfloat16 for the products that take them,
-// dK and dV accumulate in float32 over the blocks. Those GEMMs read B in pairs (rows 2p and
+// dK and dV accumulate in float32 over the blocks. The bf16 forward rounds P unnormalised
+// (exp(s − max), in the same pass as the exp) and scales P V's [rows, D] output by 1/sum
+// instead of the [rows, keys] P, as a flash attention does: one pass over the scores fewer. Those GEMMs read B in pairs (rows 2p and
 // 2p + 1 of the reduction dimension interleaved), so each head's Kᵀ, Vᵀ, K and V are repacked
 // once, and each block's dO and Q; a reduction of odd length is padded with a zero row.
 
@@ -120,6 +122,17 @@ inline float exp_and_sum(float* row, int64_t n, float shift) {
   return lanes_sum(vsum);
 }
 
+// max(row[0:n) · scale), NaN if any is NaN; the row is only read. For scale > 0 this is the
+// largest of the scaled values exactly (rounding is monotone), without storing them.
+inline float max_scaled(const float* row, int64_t n, float scale) {
+  const int64_t W = Vec::size();
+  Vec vmax(-kInf);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(row + j));
+  if (j < n) vmax = at::vec::maximum(vmax, Vec::set(Vec(-kInf), Vec::loadu(row + j, n - j), n - j));
+  return lanes_max(vmax * Vec(scale));
+}
+
 // v's first n lanes stored at p: float32 as they are, bfloat16 rounded to nearest even.
 inline void store_lanes(const Vec& v, float* p, int64_t n) {
   if (n == Vec::size()) {
@@ -137,6 +150,23 @@ inline void store_lanes(const Vec& v, bf16* p, int64_t n) {
   v.store(lane);
   at::vec::convert(lane, p, n);
 #endif
+}
+
+// out[0:n) = exp(row[0:n) · scale − shift) in out's dtype (one rounding); returns the sum of
+// the unrounded values. One pass: the forward's P before its normalisation, which is applied
+// to the [rows, D] output of P V instead of the [rows, keys] P (as a flash attention does).
+template <typename T>
+inline float exp_sum_to(const float* row, int64_t n, float scale, float shift, T* out) {
+  const Vec vs(scale), vshift(shift);
+  Vec vsum(0.f);
+  for (int64_t j = 0; j < n; j += Vec::size()) {
+    const int64_t w = std::min<int64_t>(Vec::size(), n - j);
+    const bool full = w == Vec::size();
+    const Vec e = vexp((full ? Vec::loadu(row + j) : Vec::loadu(row + j, w)) * vs - vshift);
+    store_lanes(e, out + j, w);
+    vsum = vsum + (full ? e : Vec::set(Vec(0.f), e, w));
+  }
+  return lanes_sum(vsum);
 }
 
 // out[0:n) = row[0:n) · a, in out's dtype (out may be row itself).
@@ -246,7 +276,7 @@ std::vector<at::Tensor> forward_bf16(const at::Tensor& q_in, const at::Tensor& k
 #pragma omp parallel
   {
     std::vector<bf16> kt(D * Sk), vp(round_even(Sk) * D), pb(kBlockQ * round_even(Sk));
-    std::vector<float> s(kBlockQ * Sk), o(kBlockQ * D);
+    std::vector<float> s(kBlockQ * Sk), o(kBlockQ * D), inv_sum(kBlockQ);
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
@@ -260,17 +290,17 @@ std::vector<at::Tensor> forward_bf16(const at::Tensor& q_in, const at::Tensor& k
         const int64_t n = std::min(Sk, i0 + m + offset), n2 = round_even(n);
         gemm(m, n, D, qp + i0 * Q.ss, Q.ss, kt.data(), Sk, s.data(), n, false);
         for (int64_t r = 0; r < m; ++r) {
-          float* row = s.data() + r * n;
+          const float* row = s.data() + r * n;
           const int64_t seen = i0 + r + offset + 1;
-          const float mx = scale_and_max(row, seen, scale);
-          const float sum = exp_and_sum(row, seen, mx);
+          const float mx = max_scaled(row, seen, scale);
           bf16* prow = pb.data() + r * n2;
-          scale_row_to(row, seen, 1.f / sum, prow);  // P, rounded to bf16 for P V
+          const float sum = exp_sum_to(row, seen, scale, mx, prow);  // e = exp(s·scale − max), bf16
           std::fill(prow + seen, prow + n2, bf16(0.f));
+          inv_sum[r] = 1.f / sum;
           lp[i0 + r] = mx + std::log(sum);
         }
-        gemm(m, D, n2, pb.data(), n2, vp.data(), D, o.data(), D, false);
-        moe_lab_cpu::to_bf16(o.data(), op + i0 * D, m * D);
+        gemm(m, D, n2, pb.data(), n2, vp.data(), D, o.data(), D, false);  // (Σ e v), unnormalised
+        for (int64_t r = 0; r < m; ++r) scale_row_to(o.data() + r * D, D, inv_sum[r], op + (i0 + r) * D);
       }
     }
     at::native::cpublas::brgemm_release(true);

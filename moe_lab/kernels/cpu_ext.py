@@ -153,6 +153,13 @@ def available() -> bool:
     return True
 
 
+def loaded() -> bool:
+    """Whether the kernels are already loaded in this process (never builds or loads them):
+    for callers that use them only where something else has paid for them, e.g. the
+    reference router's top-k."""
+    return _ext is not None
+
+
 def main() -> int:
     """Build ahead (``make install``); a failure is reported, not fatal: the plain-PyTorch
     paths still work."""

@@ -29,6 +29,7 @@ at::Tensor permute(const at::Tensor& x, const at::Tensor& row_id_map, const c10:
                    int64_t n_rows);
 at::Tensor unpermute(const at::Tensor& y, const at::Tensor& row_id_map, const c10::optional<at::Tensor>& weights);
 at::Tensor unpermute_weight_grad(const at::Tensor& y, const at::Tensor& row_id_map, const at::Tensor& dout);
+at::Tensor topk_lowest_index(const at::Tensor& values, int64_t k);
 
 // cpu_optim.cpp: the global gradient norm, the clip factor and AdamW in one call.
 at::Tensor clip_adamw_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -73,4 +74,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("permute", &permute, "y[row_id_map[t, j]] = x[t] (* w[t, j]); unmapped rows zero");
   m.def("unpermute", &unpermute, "out[t] = sum_j w[t, j] * y[row_id_map[t, j]], in float32");
   m.def("unpermute_weight_grad", &unpermute_weight_grad, "dw[t, j] = <dout[t], y[row_id_map[t, j]]>");
+  m.def("topk_lowest_index", &topk_lowest_index, "[T, k] int64: each row's top k, highest first, ties to the lower index");
 }

@@ -15,6 +15,8 @@
 //                slot) maps to are zero.
 //   unpermute:   out[t] = Σ_j w[t, j] · y[row_id_map[t, j]], summed in float32, one rounding.
 //   weight grad: dw[t, j] = <dout[t], y[row_id_map[t, j]]>, in float32.
+//   top-k:       the router's choice before all of this: per token the k highest scores,
+//                highest first, ties to the lower expert index (one pass over each row).
 //
 // Every loop over tokens gathers (each token reads its own k rows), so no two cores write
 // the same row and the results do not depend on the number of cores. Indices are checked
@@ -254,4 +256,55 @@ at::Tensor unpermute_weight_grad(const at::Tensor& y_in, const at::Tensor& map_i
     });
   });
   return dw;
+}
+
+namespace {
+
+// A float32's order as a signed integer, the order of moe_lab.moe.router.topk_lowest_index:
+// -0.0 counts as +0.0, a larger float is a larger integer (a negative float's magnitude bits
+// flipped), a NaN with the sign bit clear ranks above +inf and one with it set below -inf.
+inline int32_t monotone(float x) {
+  x = x + 0.0f;  // -0.0 + 0.0 = +0.0 (no -ffast-math here, so this is not folded away)
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits < 0 ? (bits ^ 0x7FFFFFFF) : bits;
+}
+
+}  // namespace
+
+// [T, k] int64: each row's k highest values' indices, highest first, equal values to the lower
+// index. A running top-k per row (insertion into k slots), rows spread over the cores.
+at::Tensor topk_lowest_index(const at::Tensor& values_in, int64_t k) {
+  const char* who = "cpu topk_lowest_index";
+  TORCH_CHECK(values_in.device().is_cpu(), who, ": values must be on the CPU, got ", values_in.device());
+  TORCH_CHECK(values_in.dim() == 2 && values_in.scalar_type() == at::kFloat, who,
+              ": values must be [T, n] float32, got shape ", values_in.sizes(), " ", values_in.scalar_type());
+  const int64_t rows = values_in.size(0), n = values_in.size(1);
+  TORCH_CHECK(k >= 0 && k <= n, who, ": k must be in [0, n = ", n, "], got ", k);
+  const at::Tensor values = values_in.contiguous();
+  at::Tensor out = at::empty({rows, k}, values.options().dtype(at::kLong));
+  if (rows == 0 || k == 0) return out;
+  const float* v = values.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / n), [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> key(k);
+    std::vector<int64_t> idx(k);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = v + r * n;
+      int64_t filled = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const int32_t kj = monotone(row[j]);
+        if (filled == k && kj <= key[k - 1]) continue;  // an equal value came from a lower index
+        int64_t p = filled < k ? filled++ : k - 1;
+        for (; p > 0 && key[p - 1] < kj; --p) {  // strictly smaller moves down: ties keep order
+          key[p] = key[p - 1];
+          idx[p] = idx[p - 1];
+        }
+        key[p] = kj;
+        idx[p] = j;
+      }
+      std::copy(idx.begin(), idx.end(), o + r * k);
+    }
+  });
+  return out;
 }

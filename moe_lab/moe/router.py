@@ -80,10 +80,30 @@ def topk_lowest_index(values: Tensor, k: int) -> Tensor:
     expert index in the low bits — so no two keys are equal and ``torch.topk``'s order among
     equal values never matters. Packing value and index into one key is how GPU top-k
     kernels make ties deterministic; it is also a top-k, not a sort, so it stays cheap.
+    On a CPU where moe_lab's C++ kernels are already loaded (the ``openmp`` expert backend
+    loads them), a 2-D float32 top-k runs as their one-pass kernel instead
+    (`moe_lab.kernels.cpu_permute.topk_lowest_index`, the same indices; `topk_by_unique_keys`
+    is the PyTorch form).
     """
     n = values.shape[-1]
     if values.dtype != torch.float32 or n == 0:
         return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    if values.dim() == 2 and values.device.type == "cpu" and _cpu_kernels_loaded():
+        from moe_lab.kernels.cpu_permute import topk_lowest_index as cpu_topk_lowest_index
+
+        return cpu_topk_lowest_index(values, k)
+    return topk_by_unique_keys(values, k)
+
+
+def _cpu_kernels_loaded() -> bool:
+    from moe_lab.kernels import cpu_ext
+
+    return cpu_ext.loaded()
+
+
+def topk_by_unique_keys(values: Tensor, k: int) -> Tensor:
+    """`topk_lowest_index` for float32 in PyTorch ops (the reference; any device, any rank)."""
+    n = values.shape[-1]
     bits = (values + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     shift = max(1, (n - 1).bit_length())
