@@ -167,6 +167,22 @@ def test_summary_medians_spread_and_speedups():
     assert naive["speedup"] == pytest.approx(1.0)
 
 
+def test_loss_gap_pairs_seeds_at_the_same_step():
+    def curved(stack, seed, losses):
+        run = _run(stack, seed, 1.0)
+        run.curve = [{"step": 10 * (i + 1), "time_s": float(i), "eval_loss": v} for i, v in enumerate(losses)]
+        return run
+
+    runs = [curved("naive", 0, [3.0, 2.0, 1.5]), curved("optimised", 0, [3.1, 2.2]),  # stopped early
+            curved("naive", 1, [3.0, 2.5, 1.0]), curved("optimised", 1, [2.9, 2.4, float("nan")]),
+            curved("optimised", 2, [1.0, 1.0, 1.0])]  # no naive run of seed 2: not paired
+    rows = ttt.loss_gap(runs)
+    assert [(r["stack"], r["step"], r["n"]) for r in rows] == [("optimised", 10, 2), ("optimised", 20, 2)]
+    assert rows[0]["mean_gap"] == pytest.approx(0.0) and rows[0]["se"] == pytest.approx(0.1)
+    assert rows[1]["mean_gap"] == pytest.approx(0.05) and rows[1]["se"] == pytest.approx(0.15)
+    assert ttt.loss_gap([curved("naive", 0, [1.0])]) == []
+
+
 def test_compare_alternates_the_order(monkeypatch):
     calls = []
     monkeypatch.setattr(ttt, "time_to_train",

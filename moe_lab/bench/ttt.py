@@ -848,6 +848,37 @@ def summarise(runs: Sequence[TTTRun], baseline: str = "naive") -> list[dict]:
     return rows
 
 
+def loss_gap(runs: Sequence[TTTRun], baseline: str = "naive") -> list[dict]:
+    """The same-step comparison of each stack with ``baseline``: at every evaluated step that
+    the baseline's run of the same seed evaluated too, the mean over seeds of (this stack's
+    eval loss − the baseline's), its standard error and the number of seeds ``n``.
+
+    Steps to target is a coarse, noisy statistic: near the target the loss falls by about a
+    thousandth per step while a run's eval loss at a given step moves by a few hundredths from
+    run to run, so the crossing lands tens of steps either way. The loss at the same step,
+    paired by seed, tells a systematic difference (a gap that stays away from 0 by several
+    standard errors, step after step) from that noise. Runs stop at the target, so the late
+    steps have fewer seeds; steps with fewer than two are left out."""
+    base = {r.seed: {p["step"]: p["eval_loss"] for p in r.curve} for r in runs if r.stack == baseline}
+    rows = []
+    for name in dict.fromkeys(r.stack for r in runs if r.stack != baseline):
+        gaps: dict[int, list[float]] = {}
+        for r in runs:
+            if r.stack != name or r.seed not in base:
+                continue
+            for p in r.curve:
+                theirs = base[r.seed].get(p["step"])
+                if theirs is not None and math.isfinite(theirs) and math.isfinite(p["eval_loss"]):
+                    gaps.setdefault(p["step"], []).append(p["eval_loss"] - theirs)
+        for step in sorted(gaps):
+            d = gaps[step]
+            if len(d) >= 2:
+                rows.append({"stack": name, "step": step, "n": len(d), "mean_gap": statistics.fmean(d),
+                             "se": statistics.stdev(d) / math.sqrt(len(d)),
+                             "sd": statistics.stdev(d)})
+    return rows
+
+
 # --------------------------------------------------------------------------------------
 # Choosing the router honestly; the ladder of step throughput
 # --------------------------------------------------------------------------------------
@@ -1163,17 +1194,21 @@ def run(args: argparse.Namespace) -> dict:
                               max_seconds=args.max_seconds, progress=args.progress)
     summary = summarise(runs)
     record_summary(summary, cfg, args.notebook, profile=args.profile, deterministic=deterministic)
+    gaps = loss_gap(runs)
     if router_times:
         for name, ms in router_times.items():
             ledger.record(args.notebook, f"router:{name}", "router_fwd_bwd_ms", ms, "ms",
                           tokens=cfg.tokens_per_step, preset=cfg.preset)
     result: dict = {"hardware": capabilities().hardware_label(), "config": asdict(cfg),
                     "optimised": {"stack": best.describe(), "notes": list(best.notes)},
-                    "notes": notes, "rows": summary}
+                    "notes": notes, "rows": summary, "loss_gap": gaps}
     if getattr(args, "json", False):  # the curves only where a program reads them
         result["runs"] = [{k: v for k, v in r.to_dict().items() if k != "train_curve"}
                           for r in runs]
     else:
+        result["loss_gap"] = [f"{g['stack']} - naive eval loss at step {g['step']}: "
+                              f"{g['mean_gap']:+.4f} (standard error {g['se']:.4f}, {g['n']} seeds)"
+                              for g in gaps]
         result["runs"] = [f"{r.stack} seed {r.seed}: " + (
             f"{r.time_to_target_s:.1f} s, {r.steps} steps" if r.reached else
             f"not reached in {r.steps} steps (eval loss {r.final_eval_loss:.3f})")
@@ -1203,7 +1238,7 @@ def run(args: argparse.Namespace) -> dict:
 __all__ = [
     "DESCRIPTION", "LADDER_METRIC", "NAIVE", "PROFILES", "Stack", "TTTConfig", "TTTRun",
     "add_arguments", "build_model", "compare_stacks", "deterministic_algorithms", "eval_set",
-    "gb300_projection", "ladder",
+    "gb300_projection", "ladder", "loss_gap",
     "race", "stack_ceilings",
     "ladder_throughput", "make_trainer", "mfu_rows", "optimised_stack", "pick_router_impl",
     "record_ladder", "record_summary", "run", "speedup_bound", "summarise", "time_to_train",
