@@ -125,6 +125,11 @@ def _unpermute_backward(ctx, dout: Tensor):
     return dy, None, dw
 
 
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+# the router's top-k: indices only, no autograd
 @torch.library.custom_op("moe_lab::cpu_topk_lowest_index", mutates_args=())
 def _topk_op(values: Tensor, k: int) -> Tensor:
     return extension().topk_lowest_index(values, k)
@@ -133,10 +138,6 @@ def _topk_op(values: Tensor, k: int) -> Tensor:
 @_topk_op.register_fake
 def _(values: Tensor, k: int) -> Tensor:
     return values.new_empty((values.shape[0], k), dtype=torch.int64)
-
-
-_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
-_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
 # --------------------------------------------------------------------------------------
