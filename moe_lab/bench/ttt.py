@@ -36,7 +36,9 @@ package, never a code path of its own:
   `moe_lab.kernels.cpu_optim` — and statistics on the device); on a CPU moe_lab's fused
   attention kernel (`moe_lab.kernels.cpu_attention`) and, with bf16 matmul instructions,
   BF16 autocast (FP32 master weights, router, softmax and loss; expert groups padded
-  to 64 rows so the bf16 GEMM kernels compiled per row count are reused); ``torch.compile``
+  to a multiple of 16 rows, so that the bf16 GEMM kernels compiled per block height — the
+  expert kernel runs blocks of 32 rows forward and 64 backward — are a handful, reused every
+  step); ``torch.compile``
   of the model on a CPU, its evaluations compiled too (an evaluation that reaches the target
   is confirmed by the plain FP32 one before the clock stops), the whole step captured as a
   CUDA graph on a GPU; MXFP8 only where the GPU has
@@ -279,7 +281,7 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     return Stack("optimised", dispatcher="dropless", expert_backend=backend, router_impl=router,
                  router_dtype="fp32", sync_free=True, compile=compile, graphed=False,
                  mxfp8=(), amp=amp, fp32_logits=bool(amp), attention_impl=attention,
-                 row_align=64 if amp else 1,
+                 row_align=16 if amp else 1,
                  compiled_eval=compile, notes=tuple(notes))
 
 
