@@ -24,9 +24,10 @@
 // gradient stay in float32, P and dS are rounded to bfloat16 for the products that take them,
 // dK and dV accumulate in float32 over the blocks. The bf16 forward rounds P unnormalised
 // (exp(s − max), in the same pass as the exp) and scales P V's [rows, D] output by 1/sum
-// instead of the [rows, keys] P, as a flash attention does: one pass over the scores fewer. Those GEMMs read B in pairs (rows 2p and
-// 2p + 1 of the reduction dimension interleaved), so each head's Kᵀ, Vᵀ, K and V are repacked
-// once, and each block's dO and Q; a reduction of odd length is padded with a zero row.
+// instead of the [rows, keys] P, as a flash attention does: one pass over the scores fewer.
+// Those GEMMs read B in pairs (rows 2p and 2p + 1 of the reduction dimension interleaved), so
+// each head's Kᵀ, Vᵀ, K and V are repacked once, and each block's dO and Q; a reduction of
+// odd length is padded with a zero row.
 
 #include <torch/extension.h>
 #include <ATen/cpu/vec/vec.h>
