@@ -224,24 +224,34 @@ def test_topk_lowest_index_does_not_depend_on_the_thread_count():
     assert torch.equal(one, cp.topk_lowest_index(x, 4))
 
 
-def test_the_router_takes_the_kernel_once_loaded_and_compiles_through_it():
+def test_the_router_takes_the_kernel_once_loaded_and_compiles_through_it(monkeypatch):
     from moe_lab.kernels import cpu_ext
     from moe_lab.moe import router
 
     cp.extension()  # loaded
     assert cpu_ext.loaded()
+    calls = []
+    kernel = cp.topk_lowest_index
+    monkeypatch.setattr(cp, "topk_lowest_index", lambda v, k: calls.append(tuple(v.shape)) or kernel(v, k))
     x = _scores(512, 16, seed=5).requires_grad_()
     ids = router.topk_lowest_index(x, 4)
+    assert calls == [(512, 16)]  # the kernel, not the PyTorch form
     assert torch.equal(ids, router.topk_by_unique_keys(x, 4))
     compiled = torch.compile(router.topk_lowest_index, fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(x, 4), ids)
+    with torch.profiler.profile() as prof:
+        assert torch.equal(compiled(x, 4), ids)
+    assert any("cpu_topk_lowest_index" in e.key for e in prof.key_averages())
     y = x.gather(1, ids).sum()  # the values keep their gradient through the gather
     y.backward()
     assert x.grad.sum() == 512 * 4
-    # float64, other ranks and other devices keep the PyTorch forms
+    # float64 and other ranks keep the PyTorch forms, as does a process without the kernels
+    calls.clear()
     assert torch.equal(router.topk_lowest_index(x.detach().double(), 4), ids)
     cube = _scores(24, 16, seed=6).view(2, 12, 16)
     assert torch.equal(router.topk_lowest_index(cube, 4), router.topk_by_unique_keys(cube, 4))
+    monkeypatch.setattr(router, "_cpu_kernels_loaded", lambda: False)
+    assert torch.equal(router.topk_lowest_index(x, 4), ids)
+    assert calls == []
 
 
 def test_topk_lowest_index_bad_input():
