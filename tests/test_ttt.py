@@ -38,6 +38,8 @@ def test_stack_validates_its_choices():
         Stack("x", sync_free=True, compiled_eval=True)
     with pytest.raises(ValueError, match="fp32_logits"):
         Stack("x", sync_free=True, fp32_logits=True)  # nothing to keep in FP32 without amp
+    with pytest.raises(ValueError, match="cpp_wrapper"):
+        Stack("x", sync_free=True, cpp_wrapper=True)  # an option of torch.compile
     assert "naive dispatch" in NAIVE.describe() and "FP64" in NAIVE.describe()
 
 
@@ -51,9 +53,11 @@ def test_optimised_stack_on_a_cpu():
     assert (best.dispatcher, best.expert_backend, best.router_dtype) == ("dropless", grouped, "fp32")
     assert best.sync_free and best.compile and not best.graphed and best.mxfp8 == ()
     assert best.compiled_eval and "confirmed in FP32" in best.describe()
+    assert best.cpp_wrapper and "C++ wrapper" in best.describe() and best.row_align == 1
     assert any("emulated" in note for note in best.notes)  # MXFP8 left off, and why
     eager = ttt.optimised_stack("cpu", compile=False, router_impl="compiled")
     assert not eager.compile and eager.router_impl == "compiled" and not eager.compiled_eval
+    assert not eager.cpp_wrapper and "C++ wrapper" not in eager.describe()
     # BF16 autocast exactly where the CPU has bf16 matmul instructions, attention core in FP32
     assert best.amp == ("bf16" if native_bf16_cpu() else "")
     assert best.fp32_logits == bool(best.amp)  # BF16 everywhere but the logits
@@ -87,6 +91,50 @@ def test_ladder_adds_one_technique_per_rung(compile_, amp):
     for before, after in zip(stacks, stacks[1:]):
         changed = [f for f in fields if getattr(before, f) != getattr(after, f)]
         assert len(changed) == 1, (before, after)
+
+
+def _fp32_head(h, w):
+    # an FP32 region inside the autocast forward, as the router and the logits are
+    with torch.autocast("cpu", enabled=False):
+        return torch.nn.functional.linear(h.float(), w.float())
+
+
+@pytest.mark.parametrize("default", ["same_as_forward", "off"])
+def test_compiled_backward_follows_the_forward_autocast_whatever_the_default(default):
+    # The backward of a compiled FP32 region under BF16 autocast runs its GEMMs in BF16 (the
+    # stack's documented choice), even where PyTorch's default says otherwise; eager autograd
+    # runs them in FP32.
+    import torch._functorch.config as functorch_config
+
+    with functorch_config.patch(backward_pass_autocast=default):
+        _check_compiled_backward_autocast(default)
+
+
+def _check_compiled_backward_autocast(default: str) -> None:
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 32, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(48, 32, generator=g, requires_grad=True)
+    dout = torch.randn(64, 48, generator=g)
+
+    def w_grad(fn):
+        w.grad = None
+        fn(h, w).backward(dout)
+        return w.grad.double()
+
+    eager = w_grad(ttt._autocast_forward(_fp32_head, "cpu", "bf16"))
+    compiled = w_grad(ttt._autocast_forward(torch.compile(_fp32_head), "cpu", "bf16"))
+    exact = dout.double().t() @ h.detach().double()
+    # the reference of a BF16 backward: the same GEMM with its operands rounded to bfloat16
+    bf16 = dout.bfloat16().double().t() @ h.detach().double()
+    assert torch.allclose(eager, exact, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(compiled, exact, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(compiled, bf16, rtol=1e-2, atol=1e-2)
+    assert (compiled - bf16).abs().max() < (compiled - exact).abs().max()
+    assert functorch_config.backward_pass_autocast == default  # pinned per call, then restored
+    torch._dynamo.reset()
 
 
 def test_ttt_config_validates():

@@ -35,12 +35,12 @@ package, never a code path of its own:
   of `moe_lab.step` (fused AdamW — on a CPU the norm, the clip and AdamW as one call of
   `moe_lab.kernels.cpu_optim` — and statistics on the device); on a CPU moe_lab's fused
   attention kernel (`moe_lab.kernels.cpu_attention`) and, with bf16 matmul instructions,
-  BF16 autocast (FP32 master weights, router, softmax and loss; expert groups padded
-  to a multiple of 16 rows, so that the bf16 GEMM kernels compiled per block height — the
-  expert kernel runs blocks of 32 rows forward and 64 backward — are a handful, reused every
-  step); ``torch.compile``
-  of the model on a CPU, its evaluations compiled too (an evaluation that reaches the target
-  is confirmed by the plain FP32 one before the clock stops), the whole step captured as a
+  BF16 autocast (FP32 master weights, router, softmax and loss; expert groups not padded:
+  the expert kernel runs blocks of 32 rows forward and 64 backward, so a group's row count
+  only sets the height of its last block); ``torch.compile``
+  of the model on a CPU with Inductor's C++ wrapper, its evaluations compiled too (an
+  evaluation that reaches the target is confirmed by the plain FP32 one before the clock
+  stops), the whole step captured as a
   CUDA graph on a GPU; MXFP8 only where the GPU has
   MX tensor cores and Transformer Engine runs them — elsewhere it is emulated, slower, and
   left off.
@@ -98,8 +98,17 @@ class Stack:
     dropless layout to a multiple of that many rows (``SwiGLUExperts.row_align``);
     ``compiled_eval`` (with ``compile``) runs the evaluations through a ``torch.compile`` of
     the model under the stack's autocast, and confirms an evaluation that reaches the
-    target with the plain FP32 one before the clock stops (`race`). ``notes`` say why a
-    choice was made or left out on this machine.
+    target with the plain FP32 one before the clock stops (`race`); ``cpp_wrapper`` (with
+    ``compile``) has Inductor write each compiled graph's launcher — the code that calls
+    its kernels and GEMMs in turn and manages its buffers — in C++ instead of Python
+    (``torch.compile(options={"cpp_wrapper": True})``). ``notes`` say why a choice was
+    made or left out on this machine.
+
+    Under ``compile`` and ``amp`` the backward graph is traced under the forward's autocast
+    (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``, pinned here
+    because PyTorch means to change its default): the backward GEMMs of the regions that
+    the forward keeps in FP32 (the router, the logits) run in the autocast dtype, as every
+    other backward GEMM does. Eager autograd would run them in FP32.
     """
 
     name: str
@@ -116,6 +125,7 @@ class Stack:
     attention_impl: str = "sdpa"
     row_align: int = 1
     compiled_eval: bool = False
+    cpp_wrapper: bool = False
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -148,6 +158,8 @@ class Stack:
             raise ValueError("Stack: fp32_logits keeps the logits in FP32 under autocast; set amp")
         if self.compiled_eval and not self.compile:
             raise ValueError("Stack: compiled_eval evaluates through torch.compile; set compile=True")
+        if self.cpp_wrapper and not self.compile:
+            raise ValueError("Stack: cpp_wrapper is an option of torch.compile; set compile=True")
 
     def describe(self) -> str:
         """One line: what this stack runs."""
@@ -163,7 +175,7 @@ class Stack:
         if self.row_align > 1:
             parts.append(f"expert groups padded to {self.row_align} rows")
         if self.compile:
-            parts.append("torch.compile")
+            parts.append("torch.compile" + (" (C++ wrapper)" if self.cpp_wrapper else ""))
         if self.compiled_eval:
             parts.append("evaluation compiled" + (f" in {self.amp.upper()}" if self.amp else "")
                          + " (the crossing confirmed in FP32)")
@@ -181,14 +193,31 @@ def _autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = 
     """``fn(x, y)`` under ``torch.autocast(device_type, amp)``. The cast cache (each weight
     cast once per forward, reused by its backward) is on, except under a CUDA graph, where
     a cached cast would be a capture-time copy of the weights. Off, it cost ~25% of a
-    BF16 step on a CPU (every use of a weight casts it anew)."""
+    BF16 step on a CPU (every use of a weight casts it anew).
+
+    A ``torch.compile``d ``fn`` traces its backward graph here, during the forward: with
+    ``backward_pass_autocast`` pinned to ``"same_as_forward"`` (see `Stack`), whatever
+    PyTorch's default."""
+    import torch._functorch.config as functorch_config
+
     dtype = {"bf16": torch.bfloat16}[amp]
 
     def forward(x, y=None):
-        with torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed):
+        with (torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed),
+              functorch_config.patch(backward_pass_autocast=BACKWARD_PASS_AUTOCAST)):
             return fn(x, y)
 
     return forward
+
+
+# How a compiled model's backward graph treats the forward's autocast (see `Stack`).
+BACKWARD_PASS_AUTOCAST = "same_as_forward"
+
+
+def _compile(model: torch.nn.Module, stack: Stack, **kwargs) -> Callable:
+    """``torch.compile(model)`` with the stack's Inductor options (``cpp_wrapper``)."""
+    options = {"cpp_wrapper": True} if stack.cpp_wrapper else None
+    return torch.compile(model, options=options, **kwargs)
 
 
 NAIVE = Stack("naive", notes=("the loop over experts, FP64 router, stock AdamW, statistics "
@@ -271,8 +300,12 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
               "moe_lab's kernel; PyTorch's attention core stays FP32, whose CPU backward is "
               "faster); the logits in FP32 keep BF16 from costing steps to the target"
               if amp else "FP32: this CPU has no bf16 matmul instructions (bf16 would be emulated)"),
-             ("torch.compile of the model (its compile time is initialisation, reported as "
-              "init_s)" if compile else "eager: torch.compile off"),
+             ("torch.compile of the model with Inductor's C++ wrapper (each compiled graph's "
+              "kernels and GEMMs called from C++, not one by one from Python; the compile time "
+              "is initialisation, reported as init_s)" if compile else "eager: torch.compile off"),
+             ("the backward traced under the forward's BF16 autocast, so the FP32 router's and "
+              "logits' gradients come from BF16 GEMMs like every other layer's"
+              if compile and amp else ""),
              ("evaluation through a torch.compile of the model" + (" under BF16 autocast" if amp
               else "") + "; an evaluation that reaches the target is confirmed by the plain "
               "FP32 one, which the naive stack uses, before the clock stops"
@@ -281,8 +314,8 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     return Stack("optimised", dispatcher="dropless", expert_backend=backend, router_impl=router,
                  router_dtype="fp32", sync_free=True, compile=compile, graphed=False,
                  mxfp8=(), amp=amp, fp32_logits=bool(amp), attention_impl=attention,
-                 row_align=16 if amp else 1,
-                 compiled_eval=compile, notes=tuple(notes))
+                 row_align=1,
+                 compiled_eval=compile, cpp_wrapper=compile, notes=tuple(n for n in notes if n))
 
 
 def ladder(device: torch.device | str | None = None, *, compile: bool | None = None,
@@ -582,7 +615,7 @@ class _SyncFreeTrainer(_Trainer):
         example = _random_batch(model_cfg, cfg.batch_size, device, cfg.seed)
         forward = None
         if stack.compile:
-            forward = torch.compile(self.model)
+            forward = _compile(self.model, stack)
         if stack.amp:
             forward = _autocast_forward(self.model if forward is None else forward, device.type,
                                         stack.amp, graphed=stack.graphed and device.type == "cuda")
@@ -591,7 +624,7 @@ class _SyncFreeTrainer(_Trainer):
             out.loss.backward()
             self.model.zero_grad(set_to_none=True)
         if stack.compiled_eval:
-            eval_forward = torch.compile(self.model, dynamic=False)
+            eval_forward = _compile(self.model, stack, dynamic=False)
             if stack.amp:
                 eval_forward = _autocast_forward(eval_forward, device.type, stack.amp)
             self.eval_forward = eval_forward
