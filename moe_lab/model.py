@@ -90,7 +90,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention; ``attention_impl`` names the core (see
-    ``moe_lab.attention.ATTENTION_IMPLS``)."""
+    ``moe_lab.attention.ATTENTION_IMPLS``). With ``cpu_fused`` and a bfloat16 QKV projection
+    (BF16 autocast), as many key/value heads as query heads and an even head_dim, the
+    rotary embedding runs inside the kernel on the projection's packed output
+    (`moe_lab.kernels.cpu_attention.rope_causal_attention`): the same arithmetic without the
+    layout passes around it (``fuse_rope = False`` keeps them, to compare)."""
 
     def __init__(self, cfg: ModelConfig, attention_impl: str = "sdpa") -> None:
         super().__init__()
@@ -101,6 +105,7 @@ class Attention(nn.Module):
             )
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim_head
         self.attention_impl = attention_impl
+        self.fuse_rope = True
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head,
                              bias=False)
         self.out = nn.Linear(cfg.n_heads * cfg.dim_head, cfg.d_model, bias=False)
@@ -110,7 +115,16 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split(
+        qkv = self.qkv(x)
+        if self.attention_impl == "cpu_fused" and self.fuse_rope:
+            from moe_lab.kernels import cpu_attention
+
+            if cpu_attention.rope_fusable(qkv, self.n_heads, self.kv_heads):
+                # the rotary embedding inside the kernel, which reads q, k, v where the
+                # projection wrote them and writes the heads side by side for self.out
+                return self.out(cpu_attention.rope_causal_attention(qkv, self.cos, self.sin,
+                                                                    self.n_heads))
+        q, k, v = qkv.split(
             [self.n_heads * self.head_dim, self.kv_heads * self.head_dim,
              self.kv_heads * self.head_dim], dim=-1,
         )

@@ -323,3 +323,169 @@ def test_model_trains_with_it_like_with_sdpa():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-5)
+
+
+# ------------------------------------------------------------------ RoPE fused, packed QKV
+
+
+def rope_reference(qkv, cos, sin, heads):
+    """apply_rope on the [b, h, s, d] views of a packed qkv, then the float64 reference."""
+    from moe_lab.model import apply_rope
+
+    b, s, width = qkv.shape
+    d = width // (3 * heads)
+    q, k, v = (t.view(b, s, heads, d).transpose(1, 2) for t in qkv.split(heads * d, dim=-1))
+    out = reference(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    return out.transpose(1, 2).reshape(b, s, heads * d)
+
+
+def packed(b, s, heads, d, seed=0):
+    from moe_lab.model import rope_cache
+
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, s, 3 * heads * d, generator=g).bfloat16()
+    cos, sin = rope_cache(max(s, 1) + 3, d)  # a longer cache, as a model's for seq_len
+    return qkv, cos, sin
+
+
+ROPE_SHAPES = {
+    "model": (2, 128, 4, 32),
+    "odd length, odd block": (1, 37, 3, 16),
+    "one position": (2, 1, 2, 8),
+    "longer than four blocks": (1, 200, 2, 64),
+    "head_dim 2": (1, 33, 2, 2),
+}
+
+
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES.values()), ids=list(ROPE_SHAPES))
+def test_rope_attention_matches_rope_then_attention(shape):
+    b, s, heads, d = shape
+    qkv, cos, sin = packed(*shape)
+    qkv.requires_grad_()
+    out = cpu_attention.rope_causal_attention(qkv, cos, sin, heads)
+    assert out.shape == (b, s, heads * d) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+    (dqkv,) = torch.autograd.grad(out, qkv, grad)
+    assert dqkv.shape == qkv.shape and dqkv.dtype == torch.bfloat16
+    # against the float64 reference (the rotation itself in float64 on the same inputs)
+    q64 = qkv.detach().double().requires_grad_()
+    ref = rope_reference(q64, cos.double(), sin.double(), heads)
+    (ref_grad,) = torch.autograd.grad(ref, q64, grad.double())
+    bf16_close(out, ref)
+    bf16_close(dqkv, ref_grad)
+    # and against the unfused bf16 path of the model (apply_rope, then the kernel): the same
+    # forward bits; gradients one rounding apart (dq, dk rounded before their rotary gradient)
+    from moe_lab.model import apply_rope
+
+    q16 = qkv.detach().clone().requires_grad_()
+    qv, kv, vv = (t.view(b, s, heads, d).transpose(1, 2) for t in q16.split(heads * d, dim=-1))
+    unfused = cpu_attention.causal_attention(apply_rope(qv, cos, sin), apply_rope(kv, cos, sin), vv)
+    unfused = unfused.transpose(1, 2).reshape(b, s, heads * d)
+    assert torch.equal(out, unfused)
+    (unfused_grad,) = torch.autograd.grad(unfused, q16, grad)
+    bf16_close(dqkv, unfused_grad.double(), frac=1e-2)
+
+
+def test_rope_attention_fallback_path_agrees():
+    # the ATen path (a CPU without bf16 GEMMs, forced here): the same computation
+    qkv, cos, sin = packed(2, 45, 2, 16, seed=1)
+    ext = cpu_ext.extension()
+    fused_out, fused_lse = ext.rope_attention_forward(qkv, cos, sin, 2, True)
+    plain_out, plain_lse = ext.rope_attention_forward(qkv, cos, sin, 2, False)
+    assert torch.equal(fused_out, plain_out)
+    torch.testing.assert_close(fused_lse, plain_lse)
+    dout = torch.randn(fused_out.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+    fused = ext.rope_attention_backward(dout, qkv, cos, sin, fused_out, fused_lse, 2, True)
+    plain = ext.rope_attention_backward(dout, qkv, cos, sin, plain_out, plain_lse, 2, False)
+    bf16_close(fused, plain.double(), frac=1e-2)
+
+
+def test_rope_attention_non_contiguous_empty_and_threads():
+    g = torch.Generator().manual_seed(3)
+    from moe_lab.model import rope_cache
+
+    cos, sin = rope_cache(40, 16)
+    wide = torch.randn(2, 40, 3 * 2 * 16 + 5, generator=g).bfloat16()
+    qkv = wide[..., 1:97]  # rows on an odd element, a row stride of 101
+    assert not qkv.is_contiguous() and qkv.data_ptr() % 4 == 2
+    out = cpu_attention.rope_causal_attention(qkv, cos, sin, 2)
+    assert torch.equal(out, cpu_attention.rope_causal_attention(qkv.contiguous(), cos, sin, 2))
+    # no sequences, no positions
+    for shape in ((0, 8, 96), (2, 0, 96)):
+        empty = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+        out = cpu_attention.rope_causal_attention(empty, cos, sin, 2)
+        assert out.shape == (*shape[:2], 32)
+        (grad,) = torch.autograd.grad(out.float().sum(), empty)
+        assert grad.shape == shape
+    # one thread or two: each (batch, head) is one thread's, the same bits
+    qkv = qkv.contiguous().requires_grad_()
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = cpu_attention.rope_causal_attention(qkv, cos, sin, 2)
+            results.append((out, *torch.autograd.grad(out.float().square().sum(), qkv)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_rope_attention_ops_check_sync_free_and_compile():
+    qkv, cos, sin = packed(1, 33, 2, 8, seed=4)
+    out, lse = torch.ops.moe_lab.cpu_rope_attention(qkv, cos, sin, 2)
+    torch.library.opcheck(torch.ops.moe_lab.cpu_rope_attention.default,
+                          (qkv.clone().requires_grad_(), cos, sin, 2))
+    torch.library.opcheck(torch.ops.moe_lab.cpu_rope_attention_backward.default,
+                          (torch.randn_like(out), qkv, cos, sin, out, lse, 2))
+    x = qkv.clone().requires_grad_()
+
+    def step(x):
+        return cpu_attention.rope_causal_attention(x, cos, sin, 2).float().square().sum()
+
+    assert_sync_free(step, x)
+    compiled = torch.compile(step, fullgraph=True)
+    assert torch.equal(compiled(x), step(x))
+    assert torch.equal(torch.autograd.grad(compiled(x), x)[0], torch.autograd.grad(step(x), x)[0])
+
+
+def test_rope_attention_bad_inputs_raise_clear_errors():
+    qkv, cos, sin = packed(1, 8, 2, 8)
+    f = cpu_attention.rope_causal_attention
+    with pytest.raises(ValueError, match="bfloat16"):
+        f(qkv.float(), cos, sin, 2)
+    with pytest.raises(ValueError, match="3 \\* heads \\* head_dim"):
+        f(qkv, cos, sin, 5)
+    with pytest.raises(ValueError, match="even head_dim"):
+        f(qkv[..., :42], cos, sin, 2)  # head_dim 7
+    with pytest.raises(ValueError, match="cos must be"):
+        f(qkv, cos[:4], sin, 2)
+    with pytest.raises(ValueError, match="sin must be"):
+        f(qkv, cos, sin[:, :3], 2)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        f(qkv.to("meta"), cos, sin, 2)
+    with pytest.raises(RuntimeError, match="dout and out must be bfloat16"):
+        out, lse = torch.ops.moe_lab.cpu_rope_attention(qkv, cos, sin, 2)
+        torch.ops.moe_lab.cpu_rope_attention_backward(out.float(), qkv, cos, sin, out, lse, 2)
+
+
+def test_model_takes_the_rope_path_under_bf16_autocast():
+    from moe_lab.config import preset
+    from moe_lab.model import MoETransformer
+
+    cfg = preset("tiny")
+    x = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(6))
+    torch.manual_seed(0)
+    model = MoETransformer(cfg, dispatcher="dropless", attention_impl="cpu_fused")
+    with torch.profiler.profile() as prof, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x[:, :-1], x[:, 1:])
+    out.loss.backward()
+    names = {e.name for e in prof.events()}
+    assert "moe_lab::cpu_rope_attention" in names and "moe_lab::cpu_causal_attention" not in names
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    # FP32 (no autocast) keeps the [b, h, s, d] kernel
+    with torch.profiler.profile() as prof:
+        model(x[:, :-1], x[:, 1:])
+    names = {e.name for e in prof.events()}
+    assert "moe_lab::cpu_causal_attention" in names and "moe_lab::cpu_rope_attention" not in names

@@ -34,6 +34,13 @@ by ``1/sum`` instead (what a flash attention does), one pass over the scores few
 0.497 ms (interleaved medians; the outputs move by bfloat16 roundings).
 `tests/test_cpu_attention.py` checks both against the float64 reference.
 
+`rope_causal_attention` is the entry the model uses under BF16 autocast: it takes the QKV
+projection's output as it is (``[batch, seq, 3 · heads · head_dim]``), applies the rotary
+embedding to q and k inside the kernel, and writes the output with the heads side by side,
+as the output projection reads it — and in the backward the gradient of that packed tensor.
+The layout changes around the attention (split, rotate, transpose into heads, and back, in
+both passes) were Inductor kernels of their own in the compiled step.
+
 Both passes are ``torch.library`` custom ops with fake implementations, so the sync
 detector and ``torch.compile`` trace through them (Inductor calls them as opaque kernels).
 Built with the rest of moe_lab's CPU kernels (`moe_lab.kernels.cpu_ext`).
@@ -88,6 +95,90 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
 _attention.register_autograd(_backward, setup_context=_setup)
 
 
+@torch.library.custom_op("moe_lab::cpu_rope_attention", mutates_args=())
+def _rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    out, lse = extension().rope_attention_forward(qkv, cos, sin, heads, True)
+    return out, lse
+
+
+@_rope_attention.register_fake
+def _(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    b, s, width = qkv.shape
+    return qkv.new_empty(b, s, width // 3), qkv.new_empty(b, heads, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("moe_lab::cpu_rope_attention_backward", mutates_args=())
+def _rope_attention_backward(dout: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor,
+                             lse: Tensor, heads: int) -> Tensor:
+    return extension().rope_attention_backward(dout, qkv, cos, sin, out, lse, heads, True)
+
+
+@_rope_attention_backward.register_fake
+def _(dout: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor,
+      heads: int) -> Tensor:
+    return qkv.new_empty(qkv.shape)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    qkv, cos, sin, heads = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, cos, sin, out, lse)
+    ctx.heads = heads
+    ctx.mark_non_differentiable(lse)
+
+
+def _rope_backward(ctx, dout: Tensor, _dlse: Tensor | None):
+    qkv, cos, sin, out, lse = ctx.saved_tensors
+    return (_rope_attention_backward(dout.to(qkv.dtype), qkv, cos, sin, out, lse, ctx.heads),
+            None, None, None)
+
+
+_rope_attention.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+def rope_fusable(qkv: Tensor, heads: int, kv_heads: int) -> bool:
+    """Whether `rope_causal_attention` takes this QKV projection output: bfloat16 on the CPU
+    (the model under BF16 autocast), as many key/value heads as query heads, an even
+    head_dim. Shapes and dtypes only, so ``torch.compile`` decides it while tracing."""
+    return (qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16 and qkv.dim() == 3
+            and heads == kv_heads and heads > 0 and qkv.shape[-1] % (3 * heads) == 0
+            and (qkv.shape[-1] // (3 * heads)) % 2 == 0)
+
+
+def rope_causal_attention(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
+    """Causal attention straight from the packed QKV projection output, with the rotary
+    embedding of `moe_lab.model.apply_rope` applied to q and k inside the kernel.
+
+    ``qkv: [batch, seq, 3 · heads · head_dim]`` bfloat16 (the q, k and v heads in that
+    order, as ``moe_lab.model.Attention.qkv`` makes them), ``cos``/``sin``: ``[>= seq,
+    head_dim / 2]`` float32 (`moe_lab.model.rope_cache`). Returns ``[batch, seq, heads ·
+    head_dim]`` bfloat16, the heads side by side as the output projection takes them; the
+    backward returns the gradient of ``qkv`` in the same packed layout.
+
+    The same arithmetic as ``apply_rope`` then `causal_attention` on the ``[batch, heads,
+    seq, head_dim]`` views (the rotated q and k rounded to bfloat16 once, as there), with
+    the layout changes around them gone: the kernel reads q, k and v where the projection
+    wrote them and writes the output and the gradients where the next GEMM reads them. The
+    gradients of q and k leave the kernel after the rotary gradient, rounded once (the
+    unfused path rounds dq and dk, then their rotary gradients)."""
+    if qkv.device.type != "cpu":
+        raise ValueError(f"cpu_fused attention runs on the CPU, got qkv on {qkv.device}")
+    if qkv.dtype != torch.bfloat16 or qkv.dim() != 3:
+        raise ValueError(f"qkv must be a bfloat16 [batch, seq, 3 * heads * head_dim] tensor, got "
+                         f"{qkv.dtype} of shape {tuple(qkv.shape)}")
+    if heads < 1 or qkv.shape[-1] % (3 * heads) or (qkv.shape[-1] // (3 * heads)) % 2:
+        raise ValueError(f"qkv's last dimension ({qkv.shape[-1]}) must be 3 * heads * head_dim "
+                         f"with heads = {heads} and an even head_dim")
+    half = qkv.shape[-1] // (3 * heads) // 2
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[0] < qkv.shape[1] or t.shape[1] != half:
+            raise ValueError(f"{name} must be [>= seq, head_dim / 2] = [>= {qkv.shape[1]}, {half}], "
+                             f"got {tuple(t.shape)}")
+    with torch.autocast("cpu", enabled=False):
+        out, _ = _rope_attention(qkv, cos.float(), sin.float(), heads)
+    return out
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """``softmax(q kᵀ / √d + causal mask) v`` for ``q: [batch, heads, seq_q, d]`` and
     ``k, v: [batch, heads, seq_k, d]`` (``seq_q <= seq_k``; query ``i`` sees keys up to
@@ -117,4 +208,4 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out.to(q.dtype)
 
 
-__all__ = ["available", "bf16_gemms", "causal_attention"]
+__all__ = ["available", "bf16_gemms", "causal_attention", "rope_causal_attention", "rope_fusable"]

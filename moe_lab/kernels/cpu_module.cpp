@@ -21,6 +21,11 @@ std::vector<at::Tensor> causal_attention_forward(const at::Tensor& q, const at::
 std::vector<at::Tensor> causal_attention_backward(const at::Tensor& dout, const at::Tensor& q,
                                                   const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& out, const at::Tensor& lse);
+std::vector<at::Tensor> rope_attention_forward(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                               int64_t heads, bool fused);
+at::Tensor rope_attention_backward(const at::Tensor& dout, const at::Tensor& qkv, const at::Tensor& cos,
+                                   const at::Tensor& sin, const at::Tensor& out, const at::Tensor& lse, int64_t heads,
+                                   bool fused);
 bool bf16_gemms();
 
 // cpu_permute.cpp: the dropless layout's token permutation.
@@ -66,6 +71,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal softmax(q k^T / sqrt(d)) v per (batch, head), float32: {out, lse}");
   m.def("causal_attention_backward", &causal_attention_backward,
         "backward of causal_attention_forward: {dq, dk, dv}");
+  m.def("rope_attention_forward", &rope_attention_forward,
+        "causal attention of a packed [B, S, 3HD] bfloat16 QKV with RoPE on q and k: {out [B, S, HD], lse}");
+  m.def("rope_attention_backward", &rope_attention_backward,
+        "backward of rope_attention_forward: dqkv [B, S, 3HD]");
   m.def("bf16_gemms", &bf16_gemms, "whether ATen's bfloat16 GEMMs run on this CPU");
   m.def("clip_adamw_", &clip_adamw_, "global gradient norm, clip factor and AdamW step over all tensors");
   m.def("round_bf16", &round_bf16, "float32 -> bfloat16 as the kernels round (nearest even)");
