@@ -4,6 +4,7 @@ the summary over seeds, the ladder into the ledger, MFU and the GB300 projection
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from dataclasses import replace
 
@@ -400,13 +401,20 @@ def test_deterministic_algorithms_sets_and_restores():
     assert det.fill_uninitialized_memory is fill
 
 
-def test_compiled_stack_is_bit_reproducible_in_deterministic_mode():
+@pytest.mark.parametrize("mode", [True, False], ids=["deterministic mode", "as raced"])
+def test_compiled_stack_is_bit_reproducible(mode):
     # The small preset at batch 16: enough scattered rows per step for the threads' atomic
-    # adds to land in a different order from run to run without the mode (2 of 2 such runs
-    # differed after 5 steps on the reference machine; the tiny preset's did not).
+    # adds to land in a different order from run to run where Inductor generates the scatter
+    # (2 of 2 such runs differed after 5 steps on the reference machine while the embedding's
+    # gradient was one; the tiny preset's did not). With moe_lab's kernels the optimised
+    # stack has no such scatter left, so it reproduces as raced too.
+    from moe_lab.kernels import cpu_ext
+
+    if not mode and not cpu_ext.available():
+        pytest.skip("without moe_lab's kernels the combine is a scatter-add")
     cfg = replace(ttt.PROFILES["full"], target_loss=0.01, max_steps=5, eval_every=5)
     best = ttt.optimised_stack("cpu", amp="bf16")
-    with ttt.deterministic_algorithms():
+    with ttt.deterministic_algorithms() if mode else contextlib.nullcontext():
         a, b = (ttt.time_to_train(best, cfg) for _ in range(2))
     assert [p["eval_loss"] for p in a.curve] == [p["eval_loss"] for p in b.curve]
     assert [r["loss"] for r in a.train_curve] == [r["loss"] for r in b.train_curve]

@@ -786,10 +786,13 @@ def deterministic_algorithms():
     """Run the enclosed training bit for bit the same every time (on a CPU, for a fixed
     thread count).
 
-    Without it, the compiled stacks are not: Inductor's CPU code adds scattered values — the
-    embedding's gradient, the combine's ``index_add`` — with atomic adds, in whatever order
-    the threads get there, so two runs of one seed part at the last bits after a few steps
-    and, at a target on the flat part of the loss curve, can reach it tens of steps apart.
+    Without it, a compiled stack is not wherever Inductor generates a scatter (the combine's
+    ``index_add`` without moe_lab's kernels, the embedding's gradient before it became the
+    opaque `moe_lab.model.embedding_grad`): Inductor's CPU code adds scattered values with
+    atomic adds, in whatever order the threads get there, so two runs of one seed part at
+    the last bits after a few steps and, at a target on the flat part of the loss curve, can
+    reach it tens of steps apart. The optimised CPU stack with moe_lab's kernels has no such
+    scatter left: two 10-seed races gave the same eval curves bit for bit without the mode.
     ``torch.use_deterministic_algorithms(True)`` (warnings only) makes Inductor call ATen's
     ordered kernels there instead; it must be on when the model compiles and while it runs
     (Dynamo recompiles when it changes). Uninitialised memory is left as it is (PyTorch
