@@ -487,8 +487,8 @@ inline void rope_grad_row(const float* dy, const float* c, const float* s, int64
 }
 #endif
 
-struct Packed {  // a [B, S, 3·H·D] QKV tensor: rows of 3·H·D, heads of D within
-  int64_t B, S, H, D, sb, ss;
+struct Packed {  // the shape of a [B, S, 3·H·D] QKV tensor: rows of 3·H·D, heads of D within
+  int64_t B, S, H, D;
 };
 
 Packed check_packed(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, const char* who) {
@@ -506,7 +506,19 @@ Packed check_packed(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
                 who, ": cos and sin must be float32 [>= seq, head_dim / 2] = [>= ", qkv.size(1), ", ", D / 2,
                 "], got ", t->scalar_type(), " ", t->sizes());
   }
-  return {qkv.size(0), qkv.size(1), H, D, qkv.stride(0), qkv.stride(1)};
+  return {qkv.size(0), qkv.size(1), H, D};
+}
+
+// Head h's q and k rows of one sequence (rows of the packed QKV from row0, row stride ss),
+// rotated into qr and kr ([S, D] each): the forward and the backward both call this, so the
+// backward recomputes the forward's rotated values bit for bit.
+void rotate_head(const bf16* row0, int64_t ss, int64_t h, const Packed& P, const float* cos, const float* sin,
+                 bf16* qr, bf16* kr, float* xf) {
+  const int64_t half = P.D / 2;
+  for (int64_t t = 0; t < P.S; ++t) {
+    rope_row(row0 + t * ss + h * P.D, cos + t * half, sin + t * half, half, qr + t * P.D, xf);
+    rope_row(row0 + t * ss + (P.H + h) * P.D, cos + t * half, sin + t * half, half, kr + t * P.D, xf);
+  }
 }
 
 // Rows contiguous, row and batch strides even and the data on a 32-bit boundary (pack_transposed
@@ -567,7 +579,7 @@ std::vector<at::Tensor> rope_attention_forward(const at::Tensor& qkv_in, const a
     return {merge_heads(res[0]), res[1]};
   }
   const at::Tensor qkv = packed_rows(qkv_in), cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const int64_t B = P.B, S = P.S, H = P.H, D = P.D, half = D / 2, ss = qkv.stride(1), sb = qkv.stride(0);
+  const int64_t B = P.B, S = P.S, H = P.H, D = P.D, ss = qkv.stride(1), sb = qkv.stride(0);
   at::Tensor out = at::empty({B, S, H * D}, qkv.options());
   at::Tensor lse = at::empty({B, H, S}, qkv.options().dtype(at::kFloat));
   if (out.numel() == 0) return {out, lse};
@@ -584,10 +596,7 @@ std::vector<at::Tensor> rope_attention_forward(const at::Tensor& qkv_in, const a
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const bf16* row0 = X + b * sb;
-      for (int64_t t = 0; t < S; ++t) {
-        rope_row(row0 + t * ss + h * D, C + t * half, Sn + t * half, half, qr.data() + t * D, xf.data());
-        rope_row(row0 + t * ss + (H + h) * D, C + t * half, Sn + t * half, half, kr.data() + t * D, xf.data());
-      }
+      rotate_head(row0, ss, h, P, C, Sn, qr.data(), kr.data(), xf.data());
       head_forward_bf16(qr.data(), D, kr.data(), D, row0 + (2 * H + h) * D, ss, S, S, D, O + b * S * H * D + h * D,
                         H * D, L + bh * S, w);
     }
@@ -641,10 +650,7 @@ at::Tensor rope_attention_backward(const at::Tensor& dout_in, const at::Tensor& 
     for (int64_t bh = 0; bh < B * H; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const bf16* row0 = X + b * sb;
-      for (int64_t t = 0; t < S; ++t) {  // the forward's rotated q and k, bit for bit
-        rope_row(row0 + t * ss + h * D, C + t * half, Sn + t * half, half, qr.data() + t * D, xf.data());
-        rope_row(row0 + t * ss + (H + h) * D, C + t * half, Sn + t * half, half, kr.data() + t * D, xf.data());
-      }
+      rotate_head(row0, ss, h, P, C, Sn, qr.data(), kr.data(), xf.data());  // the forward's, bit for bit
       head_backward_bf16(qr.data(), D, kr.data(), D, row0 + (2 * H + h) * D, ss, G + b * gb + h * D, gs,
                          Ot + b * ob + h * D, os, L + bh * S, S, S, D, dq_acc.data(), dk_acc.data(), dv_acc.data(), w);
       bf16* dst = DX + b * S * ld;
