@@ -12,8 +12,8 @@ import sys
 
 COMMAND_MODULES = (
     "moe_lab.perf.cli",  # env, flops
-    "moe_lab.train",  # train
-    "moe_lab.workbook",  # workbook
+    "moe_lab.training.cli",  # train
+    "moe_lab.lab.workbook",  # workbook
     "moe_lab.bench.cli",  # bench NAME
     "moe_lab.sim.cli",  # sim pipeline|fabric
 )

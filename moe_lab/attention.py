@@ -4,9 +4,14 @@
 (``k``/``v`` may have fewer heads than ``q``: grouped-query attention) returns
 ``[batch, heads, seq, head_dim]``. ``reference`` is the textbook definition
 (softmax(QKᵀ/√d + causal mask)·V, computed in float32); ``sdpa`` is PyTorch's fused
-``scaled_dot_product_attention``; ``sdpa_fp32`` the same with the core in float32;
-``cpu_fused`` is moe_lab's own CPU kernel (`moe_lab.kernels.cpu_attention`: one core per
-batch and head, causal blocks skipped, float32).
+``scaled_dot_product_attention``; ``sdpa_fp32`` the same with the core in float32. A plug-in may register more
+(``moe_lab.cpu`` adds ``cpu_fused``), each tested against ``reference``.
+
+An implementation may also come in a *packed* form (`PACKED_ATTENTION_IMPLS`, under the same
+name): it takes the QKV projection's output ``[batch, seq, (heads + 2·kv_heads)·head_dim]``
+as it is, applies the rotary embedding itself and returns ``[batch, seq, heads·head_dim]``,
+ready for the output projection — the split, rotation and transposes around the core fused
+into it. The model uses it where ``accepts`` says it applies.
 
 MXFP8 attention (NVIDIA's MoE recipe moves attention's two batched matmuls to MXFP8):
 each matmul's operands are blocked along *its* reduction dimension — Q and K along
@@ -17,7 +22,7 @@ operand, then the float32 reference computation (head_dim and key length are pad
 with zeros to a multiple of 32 where needed; zeros change no block's scale and no dot
 product). Its backward is straight-through and in float32: the gradient GEMMs are not
 emulated in MXFP8 here. ``mxfp8_triton`` runs the forward as one Triton flash-attention
-pass on MX inputs (`moe_lab.kernels.attention`), quantizing Q, K, V with the Triton
+pass on MX inputs (`moe_lab.kernels.mx_attention`), quantizing Q, K, V with the Triton
 quantizer (`moe_lab.kernels.mx`) and P inside the kernel, and differentiates through the
 reference emulation (recomputed in the backward).
 """
@@ -26,23 +31,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from moe_lab.registry import Registry
+
 Tensor = torch.Tensor
-ATTENTION_IMPLS: dict[str, Callable[..., Tensor]] = {}
+# name -> fn(q, k, v) -> out, all [batch, heads, seq, head_dim] (k, v may have fewer heads)
+ATTENTION_IMPLS: Registry[Callable[..., Tensor]] = Registry("attention")
+register_attention = ATTENTION_IMPLS.register
 
 
-def register_attention(name: str) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
-    def add(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        ATTENTION_IMPLS[name] = fn
-        return fn
+class PackedAttention(Protocol):
+    """Causal attention over the packed QKV projection, RoPE applied inside."""
 
-    return add
+    def accepts(self, qkv: Tensor, heads: int, kv_heads: int) -> bool:
+        """Whether this input can take the packed path (else the model splits and rotates)."""
+
+    def __call__(self, qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
+        """``qkv: [B, S, (heads + 2·kv_heads)·D]``, ``cos, sin: [>= S, D/2]`` →
+        ``[B, S, heads·D]``."""
 
 
-def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+# name (an ATTENTION_IMPLS name) -> its packed form; empty in the core.
+PACKED_ATTENTION_IMPLS: Registry[PackedAttention] = Registry("packed attention")
+
+
+def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"k heads ({k.shape[1]}) must divide q heads ({q.shape[1]})")
     rep = q.shape[1] // k.shape[1]
@@ -55,7 +72,7 @@ def _expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 @register_attention("reference")
 def reference_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """softmax(QKᵀ/√d + causal mask)·V in float32, cast back to ``q.dtype``."""
-    k, v = _expand_kv(q, k, v)
+    k, v = expand_kv(q, k, v)
     t_q, t_k = q.shape[-2], k.shape[-2]
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
@@ -66,7 +83,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 @register_attention("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """PyTorch's fused attention (flash / memory-efficient / math, whichever applies)."""
-    k, v = _expand_kv(q, k, v)
+    k, v = expand_kv(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -76,23 +93,10 @@ def sdpa_fp32_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     to ``q.dtype``). For bf16 autocast on a CPU, where PyTorch's bf16 flash-attention
     backward runs several times slower than its float32 one while the projections around it
     gain from bf16."""
-    k, v = _expand_kv(q, k, v)
+    k, v = expand_kv(q, k, v)
     with torch.autocast(q.device.type, enabled=False):
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     return out.to(q.dtype)
-
-
-@register_attention("cpu_fused")
-def cpu_fused_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """moe_lab's fused causal attention for the CPU (`moe_lab.kernels.cpu_attention`): one
-    core per (batch, head), the causal blocks above the diagonal skipped; bfloat16 inputs
-    take bfloat16 GEMMs with float32 accumulation and softmax, anything else computes in
-    float32 (output cast back to ``q.dtype``). Needs the C++ CPU kernels
-    (`moe_lab.kernels.cpu_ext.available`)."""
-    from moe_lab.kernels.cpu_attention import causal_attention as fused
-
-    k, v = _expand_kv(q, k, v)
-    return fused(q, k, v)
 
 
 MX_OPERANDS = ("q", "k", "p", "v")
@@ -122,7 +126,7 @@ def mxfp8_reference_attention(
     unknown = set(quantize) - set(MX_OPERANDS)
     if unknown:
         raise ValueError(f"quantize must name operands from {MX_OPERANDS}, got {sorted(unknown)}")
-    k, v = _expand_kv(q, k, v)
+    k, v = expand_kv(q, k, v)
     qf, kf, vf = q.float(), k.float(), v.float()
     if "q" in quantize:
         qf = _fake_mx(qf, -1, scale_mode)
@@ -151,7 +155,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        from moe_lab.kernels.attention import mx_attention_forward, quantize_qkv
+        from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
 
         ctx.save_for_backward(q, k, v)
         up = [x.float() if x.dtype == torch.float16 else x for x in (q, k, v)]
@@ -174,11 +178,10 @@ def mxfp8_triton_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, impl: str = "sdpa") -> Tensor:
     """Causal attention by the implementation named ``impl`` (see ``ATTENTION_IMPLS``)."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention impl must be one of {sorted(ATTENTION_IMPLS)}, got {impl!r}")
+    fn = ATTENTION_IMPLS.lookup(impl, "attention impl")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "q, k, v must be [batch, heads, seq, head_dim], got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    return ATTENTION_IMPLS[impl](q, k, v)
+    return fn(q, k, v)

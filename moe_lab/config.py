@@ -8,9 +8,10 @@ field's name and the range that was expected, not deep inside a forward pass.
 Presets:
 - ``tiny``  — CI smoke size: a training step takes milliseconds on a CPU.
 - ``small`` — a real CPU run: minutes to a visibly falling loss.
-- ``gpt_oss_20b`` and ``deepseek_v3`` — the published shapes (see
-  ``shared/background/FACTS.md``: the models' public configs). They drive the FLOPs
-  model, kernel shapes and the simulators; they are never trained here.
+- ``gpt_oss_20b`` and ``deepseek_v3`` — the published shapes (the models' public configs:
+  Hugging Face's ``openai/gpt-oss-20b`` config and DeepSeek-V3's
+  ``inference/configs/config_671B.json``). They drive the FLOPs model, kernel shapes and
+  the simulators; they are never trained here.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ def _small() -> ModelConfig:
 
 
 def _gpt_oss_20b() -> ModelConfig:
-    # Shapes from the published Hugging Face config of openai/gpt-oss-20b (FACTS.md).
+    # Shapes from the published Hugging Face config of openai/gpt-oss-20b.
     return ModelConfig(
         name="gpt_oss_20b", vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64,
         n_kv_heads=8, head_dim=64, d_ff=2880, n_dense_layers=0, seq_len=4096,
@@ -254,7 +255,7 @@ def _gpt_oss_20b() -> ModelConfig:
 
 
 def _deepseek_v3() -> ModelConfig:
-    # Shapes from DeepSeek-V3's published inference/configs/config_671B.json (FACTS.md).
+    # Shapes from DeepSeek-V3's published inference/configs/config_671B.json.
     return ModelConfig(
         name="deepseek_v3", vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128,
         d_ff=18_432, n_dense_layers=3, seq_len=4096, mtp_layers=1, attention="mla",

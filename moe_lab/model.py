@@ -14,64 +14,45 @@ the model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe_lab.attention import causal_attention
+from moe_lab.attention import ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS, causal_attention
 from moe_lab.config import ModelConfig
 from moe_lab.moe.experts import SwiGLU
-from moe_lab.moe.layer import MoELayer, MoEStats, _autocast_enabled
+from moe_lab.moe.layer import MoELayer, MoEStats, autocast_enabled
+from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("moe_lab::embedding_grad", mutates_args=())
-def embedding_grad(grad: Tensor, idx: Tensor, num_weights: int) -> Tensor:
-    """The weight gradient of ``F.embedding(idx, weight)`` for an output gradient ``grad``
-    (``[*idx.shape, dim]``): ``[num_weights, dim]``, each token's row of ``grad`` added to
-    row ``idx`` — ATen's own kernel, as eager autograd runs it.
-
-    An opaque op, so that ``torch.compile`` keeps it: Inductor would otherwise generate the
-    scatter itself, on a CPU as one atomic add per element (about 0.48 ms against ATen's
-    0.13 ms at the small preset's 2,048 tokens of width 128 into 256 rows, on 2 cores) and,
-    with the adds racing, not bit for bit the same from run to run."""
-    return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, -1, False)
+# name -> fn(module: nn.Embedding, idx) -> [*idx.shape, dim]; a plug-in may add variants (an
+# embedding whose weight gradient is one opaque op, for example), each the same function.
+EMBEDDING_IMPLS: Registry[Callable[[nn.Embedding, Tensor], Tensor]] = Registry("embedding")
+EMBEDDING_IMPLS.register("reference", lambda module, idx: module(idx))
 
 
-@embedding_grad.register_fake
-def _(grad: Tensor, idx: Tensor, num_weights: int) -> Tensor:
-    return grad.new_empty(num_weights, grad.shape[-1])
+@dataclass(frozen=True)
+class ModelImpls:
+    """The implementation names a model is built with, one per registry:
+    ``dispatcher`` (`moe_lab.moe.dispatch.DISPATCHERS`), ``expert_backend``
+    (`moe_lab.moe.experts.EXPERT_BACKENDS`), ``router_impl`` (`moe_lab.moe.router.ROUTER_IMPLS`),
+    ``attention_impl`` (`moe_lab.attention.ATTENTION_IMPLS`) and ``embedding_impl``
+    (`EMBEDDING_IMPLS`). ``MoETransformer(cfg, **dataclasses.asdict(impls))`` or
+    ``impls.build(cfg)``."""
 
+    dispatcher: str = "naive"
+    expert_backend: str = "loop"
+    router_impl: str = "reference"
+    attention_impl: str = "sdpa"
+    embedding_impl: str = "reference"
 
-class _Embedding(torch.autograd.Function):
-    """``F.embedding(idx, weight)`` whose backward is `embedding_grad`."""
-
-    @staticmethod
-    def forward(weight: Tensor, idx: Tensor) -> Tensor:
-        return F.embedding(idx, weight)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        weight, idx = inputs
-        ctx.save_for_backward(idx)
-        ctx.num_weights = weight.shape[0]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (idx,) = ctx.saved_tensors
-        return embedding_grad(grad.contiguous(), idx, ctx.num_weights), None
-
-
-def embed(module: nn.Embedding, idx: Tensor) -> Tensor:
-    """``module(idx)``; for a plain embedding (no padding index, max norm or sparse
-    gradient) with its weight gradient from `embedding_grad`."""
-    if (type(module) is nn.Embedding and module.padding_idx is None and module.max_norm is None
-            and not module.sparse):
-        return _Embedding.apply(module.weight, idx)
-    return module(idx)
+    def build(self, cfg: ModelConfig) -> MoETransformer:
+        return MoETransformer(cfg, **asdict(self))
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float = 10_000.0) -> tuple[Tensor, Tensor]:
@@ -90,11 +71,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention; ``attention_impl`` names the core (see
-    ``moe_lab.attention.ATTENTION_IMPLS``). With ``cpu_fused`` and a bfloat16 QKV projection
-    (BF16 autocast), as many key/value heads as query heads and an even head_dim, the
-    rotary embedding runs inside the kernel on the projection's packed output
-    (`moe_lab.kernels.cpu_attention.rope_causal_attention`): the same arithmetic without the
-    layout passes around it (``fuse_rope = False`` keeps them, to compare)."""
+    ``moe_lab.attention.ATTENTION_IMPLS``). Where that name also has a packed variant
+    (``moe_lab.attention.PACKED_ATTENTION_IMPLS``) that accepts the projection's output, the
+    rotary embedding and the split into heads run inside it: the same function without the
+    layout passes around the core (``fuse_rope = False`` keeps them, to compare)."""
 
     def __init__(self, cfg: ModelConfig, attention_impl: str = "sdpa") -> None:
         super().__init__()
@@ -104,6 +84,7 @@ class Attention(nn.Module):
                 f"(preset {cfg.name!r} is for the FLOPs model and simulators)"
             )
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim_head
+        ATTENTION_IMPLS.check(attention_impl, "attention_impl")
         self.attention_impl = attention_impl
         self.fuse_rope = True
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head,
@@ -116,14 +97,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x)
-        if self.attention_impl == "cpu_fused" and self.fuse_rope:
-            from moe_lab.kernels import cpu_attention
-
-            if cpu_attention.rope_fusable(qkv, self.n_heads, self.kv_heads):
-                # the rotary embedding inside the kernel, which reads q, k, v where the
-                # projection wrote them and writes the heads side by side for self.out
-                return self.out(cpu_attention.rope_causal_attention(qkv, self.cos, self.sin,
-                                                                    self.n_heads))
+        packed = PACKED_ATTENTION_IMPLS.get(self.attention_impl) if self.fuse_rope else None
+        if packed is not None and packed.accepts(qkv, self.n_heads, self.kv_heads):
+            # q, k, v read where the projection wrote them, the heads written side by side
+            return self.out(packed(qkv, self.cos, self.sin, self.n_heads))
         q, k, v = qkv.split(
             [self.n_heads * self.head_dim, self.kv_heads * self.head_dim,
              self.kv_heads * self.head_dim], dim=-1,
@@ -170,11 +147,13 @@ class MoETransformer(nn.Module):
     def __init__(
         self, cfg: ModelConfig, dispatcher: str = "naive", attention_impl: str = "sdpa",
         expert_backend: str = "loop", router_impl: str = "reference",
+        embedding_impl: str = "reference",
     ) -> None:
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
+        self.embedding_impl = EMBEDDING_IMPLS.check(embedding_impl, "embedding_impl")
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
             Block(cfg, i >= cfg.n_dense_layers, dispatcher, attention_impl, expert_backend,
@@ -201,26 +180,17 @@ class MoETransformer(nn.Module):
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
 
     def set_dispatcher(self, name: str, expert_backend: str | None = None) -> None:
-        """Switch every MoE layer to dispatcher ``name`` (weights unchanged)."""
-        from moe_lab.moe.dispatch import DISPATCHERS
-        from moe_lab.moe.experts import EXPERT_BACKENDS
-
-        if name not in DISPATCHERS:
-            raise ValueError(f"dispatcher must be one of {sorted(DISPATCHERS)}, got {name!r}")
-        if expert_backend is not None and expert_backend not in EXPERT_BACKENDS:
-            raise ValueError(
-                f"expert_backend must be one of {EXPERT_BACKENDS}, got {expert_backend!r}")
+        """Switch every MoE layer to dispatcher ``name`` (and, given, ``expert_backend``);
+        weights unchanged."""
         for layer in self.moe_layers:
-            layer.dispatcher = name
-            if expert_backend is not None:
-                layer.experts.backend = expert_backend
+            layer.set_dispatcher(name, expert_backend)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> ModelOutput:
         if idx.dim() != 2 or idx.dtype != torch.int64:
             raise ValueError(f"idx must be [batch, seq] int64, got {tuple(idx.shape)} {idx.dtype}")
         if idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds cfg.seq_len={self.cfg.seq_len}")
-        x = embed(self.embed, idx)
+        x = EMBEDDING_IMPLS[self.embedding_impl](self.embed, idx)
         stats: list[MoEStats] = []
         for block in self.blocks:
             x, s = block(x)
@@ -241,7 +211,7 @@ class MoETransformer(nn.Module):
         hundredth or two, which near convergence is as large as the signal the loss still has
         to learn from. It is ~3% of the small preset's matmul FLOPs."""
         device_type = h.device.type
-        if self.fp32_logits and type(self.lm_head) is nn.Linear and _autocast_enabled(device_type):
+        if self.fp32_logits and type(self.lm_head) is nn.Linear and autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):
                 return F.linear(h.float(), self.lm_head.weight.float())
         return self.lm_head(h)

@@ -230,7 +230,7 @@ def section_attention(torch, dev, rep: Report, shapes: dict, time_fn) -> None:
     import torch.nn.functional as F
 
     from moe_lab.attention import mxfp8_reference_attention
-    from moe_lab.kernels.attention import mx_attention_forward, quantize_qkv
+    from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
 
     for label, (B, H, T, D) in shapes.items():
         q, k, v = (torch.randn(B, H, T, D, device=dev) for _ in range(3))
@@ -312,11 +312,11 @@ def section_router(torch, dev, rep: Report, shapes: dict, time_fn) -> None:
 
 
 def section_graphs(torch, dev, rep: Report, quick: bool) -> None:
-    from moe_lab import graphs
+    from moe_lab.training import graphs
 
     fn = getattr(graphs, "graphed_vs_eager", None)
     if fn is None:
-        raise RuntimeError("moe_lab.graphs has no graphed_vs_eager()")
+        raise RuntimeError("moe_lab.training.graphs has no graphed_vs_eager()")
     result = fn("small", batch_size=2 if quick else 4, steps=3 if quick else 20)
     rep.check("graphed step loss vs eager", "small", float(result.get("loss_rel_diff", float("nan"))), 1e-3)
     rep.timed("training step (small)", **{k: v for k, v in result.items() if k != "loss_rel_diff"})

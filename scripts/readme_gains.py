@@ -5,7 +5,7 @@
     python scripts/readme_gains.py --ledger build/results/ledger.jsonl --results results
 
 One row per workbook notebook: its headline figure (chosen as the site's index chooses it,
-`moe_lab.site.HEADLINES`) as measured on a CPU, the machine and date, and the command that
+`moe_lab.lab.site.HEADLINES`) as measured on a CPU, the machine and date, and the command that
 reproduces it. Then, for every ``results/<gpu>/`` folder: the same table from its
 ``ledger.jsonl`` when the workbook was run there with ``MOE_LAB_RESULTS_DIR=results/<gpu>``,
 and the benchmarks of ``scripts/gpu_check.py`` from its ``bench.json``.
@@ -21,20 +21,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from moe_lab.lab.notebook_files import NOTEBOOK_PATTERN  # noqa: E402  (after the path is set)
+from moe_lab.lab.site import headline_rows, on_cpu_or_machine_free  # noqa: E402
+from moe_lab.perf.ledger import read  # noqa: E402
+
 
 def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def notebooks_in(folder: Path) -> list[str]:
-    from moe_lab.site import NOTEBOOK_PATTERN
-
     return sorted(p.stem for p in folder.glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
 
 
 def ledger_table(records: list[dict], notebooks: list[str], hardware=None) -> list[str]:
-    from moe_lab.site import headline_rows
-
     lines = ["| notebook | headline | figure | measured on | reproduce |",
              "|---|---|---:|---|---|"]
     for row in headline_rows(records, notebooks, hardware):
@@ -66,9 +66,6 @@ def gpu_check_table(folder: Path) -> list[str]:
 
 
 def gains_markdown(ledger: Path | None, results: Path, notebooks: list[str]) -> str:
-    from moe_lab.perf.ledger import read
-    from moe_lab.site import on_cpu_or_machine_free
-
     records = read(ledger) if ledger is not None else read()
     out = ["### Measured on a CPU (simulations and counts included)", "",
            *ledger_table(records, notebooks, on_cpu_or_machine_free)]

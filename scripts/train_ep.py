@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from moe_lab.dist.launch import init_from_env
     from moe_lab.model import MoETransformer
     from moe_lab.moe.layer import MoELayer
-    from moe_lab.train import TrainConfig, lr_at
+    from moe_lab.training.loop import TrainConfig, lr_at
 
     args = parse_args(argv)
     rank, world, device = init_from_env(collective_timeout_s=args.timeout)

@@ -29,3 +29,14 @@ def _session_results_dir(tmp_path_factory: pytest.TempPathFactory):
 def _seed() -> None:
     """The same random numbers in every test, whatever ran before it."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def cpu_plugin() -> None:
+    """The CPU plug-in's names registered (``moe_lab.cpu.register``); skipped where there is
+    no C++ compiler at all. A compiler that fails to build the kernels fails the test."""
+    import moe_lab.cpu
+
+    if moe_lab.cpu.build.compiler() is None:
+        pytest.skip("no C++ compiler: moe_lab's CPU kernels cannot be built")
+    assert moe_lab.cpu.register(), moe_lab.cpu.unavailable_reason()

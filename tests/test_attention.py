@@ -16,7 +16,7 @@ from moe_lab.attention import (
     causal_attention,
     mxfp8_reference_attention,
 )
-from moe_lab.kernels.attention import mx_attention_forward, quantize_qkv
+from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
 from moe_lab.quant.mx import quantize
 
 # (batch, q heads, kv heads, seq, head_dim): head_dim 16 is the tiny preset's (padded to

@@ -8,15 +8,10 @@ import torch
 from moe_lab import preset
 from moe_lab.config import MoEConfig
 from moe_lab.model import MoETransformer
-from moe_lab.moe.balance import (
-    ExpertBiasBalancer,
-    compare_balancing,
-    load_imbalance,
-    update_expert_bias,
-)
+from moe_lab.moe.balance import ExpertBiasBalancer, load_imbalance, update_expert_bias
 from moe_lab.moe.layer import MoELayer
 from moe_lab.moe.router import Router
-from moe_lab.sync import count_syncs
+from moe_lab.training.sync import count_syncs
 
 
 def cfg(**kw) -> MoEConfig:
@@ -100,7 +95,7 @@ def test_balancer_counts_training_forwards_only_and_updates_after_each_step():
 
 
 def test_balancer_as_a_train_callback_moves_the_biases():
-    from moe_lab.train import TrainConfig, train
+    from moe_lab.training.loop import TrainConfig, train
 
     with ExpertBiasBalancer(rate=0.01) as balancer:
         result = train(preset("tiny"), TrainConfig(steps=3, batch_size=2, eval_every=0,
@@ -112,6 +107,8 @@ def test_balancer_as_a_train_callback_moves_the_biases():
 
 
 def test_compare_balancing_returns_three_runs_of_records():
+    from moe_lab.training.balancing import compare_balancing
+
     runs = compare_balancing(preset("tiny", n_layers=1), steps=3, batch_size=2)
     assert list(runs) == ["none", "aux loss", "bias"]
     for records in runs.values():

@@ -47,14 +47,14 @@ def test_kinds():
 
 
 def test_events_are_summed_by_phase_and_kind():
-    fwd = Event("moe_lab.step.forward", 100.0)
+    fwd = Event("moe_lab.training.forward", 100.0)
     matmul = Event("aten::matmul", 10.0, fwd)
     events = [
         fwd, matmul,
         Event("aten::mm", 3000.0, matmul),  # two levels below its phase: still the forward's
-        Event("moe_lab.step.backward", 50.0),
-        Event("aten::mm", 1000.0, Event("autograd::engine", 0.0, Event("moe_lab.step.backward", 0.0))),
-        Event("aten::_fused_adamw_", 400.0, Event("moe_lab.step.optimizer", 0.0)),
+        Event("moe_lab.training.backward", 50.0),
+        Event("aten::mm", 1000.0, Event("autograd::engine", 0.0, Event("moe_lab.training.backward", 0.0))),
+        Event("aten::_fused_adamw_", 400.0, Event("moe_lab.training.optimizer", 0.0)),
         Event("aten::copy_", 200.0),  # outside every phase: the rest of the step
     ]
     result = breakdown_from_events(events, wall_s=0.006, steps=2)  # 3 ms per step on the clock

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from moe_lab.attention import causal_attention
-from moe_lab.kernels import cpu_attention, cpu_ext
-from moe_lab.sync import assert_sync_free
+from moe_lab.cpu import attention as cpu_attention
+from moe_lab.cpu import build as cpu_ext
+from moe_lab.training.sync import assert_sync_free
 
-pytestmark = pytest.mark.skipif(cpu_ext.compiler() is None,
-                                reason="no C++ compiler: the CPU kernels cannot be built")
+pytestmark = [pytest.mark.skipif(cpu_ext.compiler() is None,
+                                reason="no C++ compiler: the CPU kernels cannot be built"),
+              pytest.mark.usefixtures("cpu_plugin")]
 
 
 def reference(q, k, v):

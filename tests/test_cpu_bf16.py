@@ -4,10 +4,11 @@ the same bits as PyTorch's cast, on the AVX512_BF16 instructions or on ATen's co
 import pytest
 import torch
 
-from moe_lab.kernels import cpu_ext
+from moe_lab.cpu import build as cpu_ext
 
-pytestmark = pytest.mark.skipif(cpu_ext.compiler() is None,
-                                reason="no C++ compiler: the CPU kernels cannot be built")
+pytestmark = [pytest.mark.skipif(cpu_ext.compiler() is None,
+                                reason="no C++ compiler: the CPU kernels cannot be built"),
+              pytest.mark.usefixtures("cpu_plugin")]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from moe_lab.kernels import cpu_grouped
-from moe_lab.sync import assert_sync_free
+from moe_lab.cpu import grouped as cpu_grouped
+from moe_lab.training.sync import assert_sync_free
 
-pytestmark = pytest.mark.skipif(cpu_grouped.compiler() is None,
-                                reason="no C++ compiler: the CPU grouped GEMM cannot be built")
+pytestmark = [pytest.mark.skipif(cpu_grouped.compiler() is None,
+                                reason="no C++ compiler: the CPU grouped GEMM cannot be built"),
+              pytest.mark.usefixtures("cpu_plugin")]
 
 
 def reference(x, w, ends):

@@ -3,12 +3,17 @@
 import pytest
 import torch
 
-from moe_lab.kernels import cpu_ext, cpu_optim
-from moe_lab.step import SyncFreeStep, make_optimizer, random_batch
-from moe_lab.sync import SyncError
+import moe_lab.cpu
+from moe_lab.cpu import build as cpu_ext
+from moe_lab.cpu import optim as cpu_optim
+from moe_lab.training.build import random_batch
+from moe_lab.training.optim import make_optimizer
+from moe_lab.training.steps import SyncFreeStep
+from moe_lab.training.sync import SyncError
 
-pytestmark = pytest.mark.skipif(cpu_ext.compiler() is None,
-                                reason="no C++ compiler: the CPU kernels cannot be built")
+pytestmark = [pytest.mark.skipif(cpu_ext.compiler() is None,
+                                reason="no C++ compiler: the CPU kernels cannot be built"),
+              pytest.mark.usefixtures("cpu_plugin")]
 
 # sizes with vector tails, a tensor larger than one chunk (2^15), a scalar
 SHAPES = [(300, 7), (3, 128, 129), (5,), (1,), (64, 64)]
@@ -128,12 +133,12 @@ def test_sync_free_step_uses_it_and_stays_certified():
 
     cfg = preset("tiny", n_layers=1, seq_len=32)
     runs = []
-    for use in (True, False):
+    assert moe_lab.cpu.register()
+    for clip_step in ("cpu_one_call", "torch"):
         torch.manual_seed(0)
         model = MoETransformer(cfg, dispatcher="dropless", expert_backend="torch")
-        step = SyncFreeStep(model, make_optimizer(model), random_batch(cfg, 2))
-        assert step.cpu_clip_adamw == cpu_ext.available()
-        step.cpu_clip_adamw = use and step.cpu_clip_adamw
+        step = SyncFreeStep(model, make_optimizer(model), random_batch(cfg, 2), clip_step=clip_step)
+        assert (step.clip is not None) == (clip_step == "cpu_one_call")
         gen = torch.Generator().manual_seed(4)
         for _ in range(3):
             step(random_batch(cfg, 2, generator=gen))

@@ -1,4 +1,4 @@
-"""The CPU token permutation (moe_lab.kernels.cpu_permute) against the plain-PyTorch
+"""The CPU token permutation (moe_lab.cpu.permute) against the plain-PyTorch
 references of moe_lab.kernels.permute: the counting-sort row-id map equals a stable argsort,
 permute equals ``index_copy`` bit for bit, unpermute equals the weighted ``index_select``
 sum, gradients match autograd on the references; bad maps raise instead of touching memory."""
@@ -9,12 +9,13 @@ import pytest
 import torch
 from test_permute import topk  # the Triton kernels' routings generator: distinct experts per token
 
-from moe_lab.kernels import cpu_permute as cp
-from moe_lab.kernels.cpu_ext import compiler
+from moe_lab.cpu import permute as cp
+from moe_lab.cpu.build import compiler
 from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference, unpermute_reference
 
-pytestmark = pytest.mark.skipif(compiler() is None,
-                                reason="no C++ compiler: moe_lab's CPU kernels cannot be built")
+pytestmark = [pytest.mark.skipif(compiler() is None,
+                                reason="no C++ compiler: moe_lab's CPU kernels cannot be built"),
+              pytest.mark.usefixtures("cpu_plugin")]
 
 
 ROUTINGS = {
@@ -224,34 +225,42 @@ def test_topk_lowest_index_does_not_depend_on_the_thread_count():
     assert torch.equal(one, cp.topk_lowest_index(x, 4))
 
 
-def test_the_router_takes_the_kernel_once_loaded_and_compiles_through_it(monkeypatch):
-    from moe_lab.kernels import cpu_ext
+def test_the_cpu_topk_router_takes_the_kernel_and_the_reference_never_does(monkeypatch):
+    import moe_lab.cpu
+    from moe_lab.config import MoEConfig
     from moe_lab.moe import router
 
-    cp.extension()  # loaded
-    assert cpu_ext.loaded()
+    assert moe_lab.cpu.register()
     calls = []
     kernel = cp.topk_lowest_index
     monkeypatch.setattr(cp, "topk_lowest_index", lambda v, k: calls.append(tuple(v.shape)) or kernel(v, k))
     x = _scores(512, 16, seed=5).requires_grad_()
-    ids = router.topk_lowest_index(x, 4)
+    ids = cp.router_topk(x, 4)
     assert calls == [(512, 16)]  # the kernel, not the PyTorch form
     assert torch.equal(ids, router.topk_by_unique_keys(x, 4))
-    compiled = torch.compile(router.topk_lowest_index, fullgraph=True, dynamic=False)
+    compiled = torch.compile(cp.router_topk, fullgraph=True, dynamic=False)
     with torch.profiler.profile() as prof:
         assert torch.equal(compiled(x, 4), ids)
     assert any("cpu_topk_lowest_index" in e.key for e in prof.key_averages())
     y = x.gather(1, ids).sum()  # the values keep their gradient through the gather
     y.backward()
     assert x.grad.sum() == 512 * 4
-    # float64 and other ranks keep the PyTorch forms, as does a process without the kernels
+    # float64 and other ranks keep the PyTorch forms
     calls.clear()
-    assert torch.equal(router.topk_lowest_index(x.detach().double(), 4), ids)
+    assert torch.equal(cp.router_topk(x.detach().double(), 4), ids)
     cube = _scores(24, 16, seed=6).view(2, 12, 16)
-    assert torch.equal(router.topk_lowest_index(cube, 4), router.topk_by_unique_keys(cube, 4))
-    monkeypatch.setattr(router, "_cpu_kernels_loaded", lambda: False)
-    assert torch.equal(router.topk_lowest_index(x, 4), ids)
+    assert torch.equal(cp.router_topk(cube, 4), router.topk_by_unique_keys(cube, 4))
     assert calls == []
+    # the registered router: the reference chain with this top-k, the same routing; the
+    # reference router stays pure PyTorch with the plug-in loaded
+    cfg = MoEConfig(d_model=16, n_experts=16, top_k=4, n_groups=4, topk_groups=2, d_expert=8)
+    tokens, weight = torch.randn(64, 16), torch.randn(16, 16)
+    ref = router.ROUTER_IMPLS["reference"](tokens, weight, cfg)
+    assert calls == []
+    mine = router.ROUTER_IMPLS["cpu_topk"](tokens, weight, cfg)
+    assert calls == [(64, 4), (64, 16)]  # the groups, then the experts
+    assert torch.equal(mine.topk_ids, ref.topk_ids)
+    assert torch.equal(mine.topk_weights, ref.topk_weights)
 
 
 def test_topk_lowest_index_bad_input():

@@ -8,7 +8,7 @@ import torch
 from moe_lab import MoELayer
 from moe_lab.config import MoEConfig
 from moe_lab.moe.dispatch import capacity_positions, expert_capacity, sort_by_expert
-from moe_lab.sync import assert_sync_free, count_syncs
+from moe_lab.training.sync import assert_sync_free, count_syncs
 
 BACKENDS = ["loop", "torch", "openmp", "triton"]
 
@@ -28,12 +28,13 @@ def pair(c, dispatcher, backend="loop", dtype=torch.float32):
 
 def skip_missing(backend):
     if backend == "openmp":
-        from moe_lab.kernels import cpu_grouped
+        import moe_lab.cpu
 
         # Skipped only where there is no compiler at all; a compiler that fails to build
         # the kernel fails the test.
-        if cpu_grouped.compiler() is None:
+        if moe_lab.cpu.build.compiler() is None:
             pytest.skip("no C++ compiler: the openmp backend cannot be built here")
+        assert moe_lab.cpu.register(), moe_lab.cpu.unavailable_reason()
     if backend == "triton":
         pytest.importorskip("moe_lab.kernels.grouped_gemm")
         pytest.importorskip("moe_lab.kernels.permute")
@@ -191,53 +192,11 @@ def test_bad_backend_is_refused():
         MoELayer(cfg(), "dropless", "cuda-magic")
 
 
-ALIGN_BACKENDS = ["loop", "torch", "openmp"]  # triton has its own permute kernels (row_align not used)
-
-
-@pytest.mark.parametrize("backend", ALIGN_BACKENDS)
-@pytest.mark.parametrize("case", ["default", "zero tokens", "one expert", "top_k = n_experts",
-                                  "shared expert"])
-@pytest.mark.parametrize("align", [4, 64])
-def test_aligned_dropless_equals_naive(case, backend, align):
-    c, tokens = CASES[case]
-    ref, fast = pair(c, "dropless", backend)
-    fast.experts.row_align = align
-    x = torch.randn(tokens, c.d_model)
-    grad = torch.randn(tokens, c.d_model)
-    grads = []
-    for layer in (ref, fast):
-        xi = x.clone().requires_grad_()
-        y, s = layer(xi)
-        y.backward(grad)
-        grads.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
-    for g_ref, g in zip(*grads, strict=True):
-        if g_ref is None:  # an expert bias without gradient
-            assert g is None
-            continue
-        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
-
-
-def test_aligned_layout_pads_each_group_and_keeps_the_rows():
-    from moe_lab.moe.dispatch import _aligned_layout
-
-    ids = torch.tensor([[2, 0], [2, 1], [2, 0]])  # expert 0: 2 rows, 1: 1 row, 2: 3 rows, 3: none
-    order, offsets = sort_by_expert(ids, 4)
-    x = torch.arange(3.0).unsqueeze(1)  # token t holds the value t
-    x_pad, dest, padded = _aligned_layout(x, order // 2, order, ids, offsets, align=4)
-    assert padded.tolist() == [0, 4, 8, 12, 12]
-    assert x_pad.shape[0] == 6 + 4 * 3  # static: T·k + E·(align − 1)
-    assert dest.tolist() == [0, 1, 4, 8, 9, 10]
-    assert x_pad[dest].squeeze(1).tolist() == (order // 2).float().tolist()
-    pad_rows = torch.ones(x_pad.shape[0], dtype=torch.bool)
-    pad_rows[dest] = False
-    assert torch.all(x_pad[pad_rows] == 0)
-
-
-def test_aligned_dropless_is_sync_free_and_checks_its_argument():
-    _, layer = pair(cfg(), "dropless", "torch")
-    layer.experts.row_align = 16
-    x = torch.randn(40, 32, requires_grad=True)
-    assert_sync_free(layer, x)
-    layer.experts.row_align = 0
-    with pytest.raises(ValueError, match="row_align"):
-        layer(x)
+def test_experts_take_their_backend_and_permutation_from_the_registry():
+    layer = MoELayer(cfg(), "dropless", "triton")
+    assert layer.experts.backend == "triton" and layer.experts.permutation == "triton"
+    layer.set_dispatcher("dropless", "torch")
+    assert layer.experts.backend == "torch" and layer.experts.permutation == "torch"
+    with pytest.raises(ValueError, match="dispatcher must be one of"):
+        layer.set_dispatcher("teleport")
+    assert layer.dispatcher == "dropless"

@@ -6,7 +6,8 @@ import pytest
 
 from moe_lab.dist import netem
 from moe_lab.dist.launch import run_ranks, whoami
-from moe_lab.dist.overlap import RUNS, Event, Timeline, exposed_time, overlap_check_rank, plot_timeline
+from moe_lab.dist.overlap import RUNS, a2a_bandwidth, exposed_time, overlap_check_rank
+from moe_lab.dist.timeline import Event, Timeline, plot_timeline
 
 CFG = dict(d_model=32, n_experts=8, top_k=2, d_expert=48, n_shared_experts=1)
 
@@ -66,8 +67,6 @@ def test_emulated_link_carries_the_ranks_and_is_torn_down():
 def test_emulated_link_enforces_its_rate_with_jumbo_frames():
     # A hard bound, not a timing race: whatever the machine's load, bytes cannot cross a
     # 100 Mbit/s link faster than 12.5 MB/s (plus one token bucket's burst per direction).
-    from moe_lab.dist.overlap import a2a_bandwidth
-
     ok, why = netem.available()
     if not ok:
         pytest.skip(f"emulated link unavailable here: {why}")

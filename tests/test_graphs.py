@@ -7,26 +7,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moe_lab.graphs as graphs
+import moe_lab.training.graphs as graphs
 from moe_lab import preset
-from moe_lab.exercises import ExerciseError, not_done, solution
-from moe_lab.exercises.cuda_graphs import (
+from moe_lab.lab.exercises import ExerciseError, not_done, solution
+from moe_lab.lab.exercises.nb06_cuda_graphs import (
     check_pool_pages,
     check_sync_free_dispatch,
     dispatch_with_sync,
 )
-from moe_lab.graphs import (
-    CAPTURE_BREAKERS,
+from moe_lab.model import MoETransformer
+from moe_lab.training.build import build_model, random_batch
+from moe_lab.training.capture_breakers import CAPTURE_BREAKERS, capture_gallery
+from moe_lab.training.graphs import (
     EAGER_MODE,
     GraphedStep,
     NotCapturableError,
     capture_advice,
-    capture_gallery,
     graphed_vs_eager,
 )
-from moe_lab.model import MoETransformer
-from moe_lab.step import StepConfig, SyncFreeStep, build_model, make_optimizer, random_batch
-from moe_lab.sync import SyncError
+from moe_lab.training.optim import make_optimizer
+from moe_lab.training.steps import StepConfig, SyncFreeStep
+from moe_lab.training.sync import SyncError
 
 TINY = preset("tiny")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -19,7 +19,7 @@ from moe_lab.kernels.grouped_gemm import (
     grouped_gemm_swiglu,
 )
 from moe_lab.moe.experts import swiglu
-from moe_lab.sync import SyncError, assert_sync_free, count_syncs
+from moe_lab.training.sync import SyncError, assert_sync_free, count_syncs
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Row counts per expert, and padding rows after them: experts with no rows, every row in

@@ -72,7 +72,7 @@ def test_backward_is_counted_when_fn_runs_it():
 
 
 def test_custom_op_is_one_kernel_plus_its_fills():
-    from moe_lab.kernels.router import fused_route_from_logits
+    from moe_lab.kernels.fused_router import fused_route_from_logits
 
     c = MoEConfig(d_model=8, n_experts=16, top_k=4, d_expert=8)
     logits = torch.randn(32, 16)

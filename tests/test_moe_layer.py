@@ -157,7 +157,7 @@ def test_model_forward_backward_tiny():
 
 
 def test_naive_layer_syncs_once_per_expert_and_fails_the_certificate():
-    from moe_lab.sync import SyncError, assert_sync_free, count_syncs
+    from moe_lab.training.sync import SyncError, assert_sync_free, count_syncs
 
     c = cfg(n_experts=6)
     layer = MoELayer(c)

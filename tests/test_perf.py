@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import moe_lab.perf as perf
-from moe_lab.exercises import ExerciseError, not_done, solution
-from moe_lab.exercises import lab_bench as ex
+from moe_lab.lab.exercises import ExerciseError, not_done, solution
+from moe_lab.lab.exercises import nb00_lab_bench as ex
 from moe_lab.perf import ceilings, hardware, mlperf
 from moe_lab.perf.bench import MIN_ADAPTIVE_REPEAT, BenchResult, Comparison, bench, compare
 

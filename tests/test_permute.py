@@ -21,7 +21,7 @@ from moe_lab.kernels.permute import (
     unpermute,
     unpermute_reference,
 )
-from moe_lab.sync import assert_sync_free, count_syncs
+from moe_lab.training.sync import assert_sync_free, count_syncs
 
 
 @pytest.fixture(autouse=True)

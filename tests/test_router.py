@@ -264,7 +264,7 @@ def test_routing_agreement_ignores_order_within_a_token():
 def test_router_benchmark_module_contract_and_ledger():
     import argparse
 
-    from moe_lab.bench import router as bench
+    from moe_lab.bench import router_bench as bench
     from moe_lab.perf import ledger
 
     parser = argparse.ArgumentParser()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_lab.config import MoEConfig
-from moe_lab.kernels.router import (
+from moe_lab.kernels.fused_router import (
     check_finite_logits,
     fused_route,
     fused_route_from_logits,
@@ -20,7 +20,7 @@ from moe_lab.kernels.router import (
 )
 from moe_lab.moe.layer import MoELayer
 from moe_lab.moe.router import Router, route, route_from_logits
-from moe_lab.sync import assert_sync_free, count_syncs
+from moe_lab.training.sync import assert_sync_free, count_syncs
 
 NEG_INF = float("-inf")
 

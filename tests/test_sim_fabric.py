@@ -1,4 +1,4 @@
-"""The fabric simulator: closed forms (balls into bins, fair sharing), routing, incast."""
+"""The fabric simulator: topology, traffic, routing, balls into bins, incast, the CLI."""
 
 from __future__ import annotations
 
@@ -10,15 +10,30 @@ import math
 import numpy as np
 import pytest
 
-from moe_lab.sim import fabric as fb
 from moe_lab.sim.cli import register
+from moe_lab.sim.fabric import (
+    BurstModel,
+    LeafSpine,
+    expected_empty_bins,
+    expected_max_load,
+    expected_pair_collisions,
+    route,
+    simulate,
+)
+from moe_lab.sim.traffic import (
+    check_traffic,
+    incast_traffic,
+    moe_traffic,
+    traffic_from_expert_loads,
+    uniform_traffic,
+)
 
 # ---------------------------------------------------------------------------- topology, traffic
 
 
 def test_uplinks_carry_the_leaf_bandwidth_over_the_oversubscription():
     for oversub in (1.0, 2.0, 3.0):
-        topo = fb.LeafSpine(8, 4, 4, link_gbps=400.0, oversubscription=oversub)
+        topo = LeafSpine(8, 4, 4, link_gbps=400.0, oversubscription=oversub)
         assert topo.n_spine * topo.uplink_bytes_per_s * oversub == pytest.approx(
             topo.hosts_per_leaf * topo.link_bytes_per_s
         )
@@ -32,41 +47,41 @@ def test_uplinks_carry_the_leaf_bandwidth_over_the_oversubscription():
 )
 def test_bad_topology(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
-        fb.LeafSpine(**kwargs)
+        LeafSpine(**kwargs)
 
 
 def test_negative_traffic_is_rejected_naming_the_entry():
-    traffic = fb.uniform_traffic(16, 1e6)
+    traffic = uniform_traffic(16, 1e6)
     traffic[3, 5] = -2.0
     with pytest.raises(ValueError, match=r"-2\.0 at \[3, 5\]"):
-        fb.simulate(fb.LeafSpine(4, 4, 4), traffic)
+        simulate(LeafSpine(4, 4, 4), traffic)
     with pytest.raises(ValueError, match="square"):
-        fb.check_traffic(np.ones((4, 5)))
+        check_traffic(np.ones((4, 5)))
     with pytest.raises(ValueError, match="finite"):
-        fb.check_traffic(np.full((4, 4), np.nan))
+        check_traffic(np.full((4, 4), np.nan))
     with pytest.raises(ValueError, match="16 hosts"):
-        fb.simulate(fb.LeafSpine(4, 4, 4), fb.uniform_traffic(8, 1e6))
+        simulate(LeafSpine(4, 4, 4), uniform_traffic(8, 1e6))
 
 
 def test_moe_traffic_conserves_token_bytes_and_skew_heats_one_receiver():
     n, tokens, k, width = 32, 512, 8, 100.0
     rng = np.random.default_rng(0)
-    flat = fb.moe_traffic(n, tokens_per_gpu=tokens, top_k=k, bytes_per_token=width, rng=rng)
-    skewed = fb.moe_traffic(n, tokens_per_gpu=tokens, top_k=k, bytes_per_token=width,
+    flat = moe_traffic(n, tokens_per_gpu=tokens, top_k=k, bytes_per_token=width, rng=rng)
+    skewed = moe_traffic(n, tokens_per_gpu=tokens, top_k=k, bytes_per_token=width,
                             zipf_s=1.2, rng=rng)
     for matrix in (flat, skewed):
         np.testing.assert_allclose(matrix.sum(axis=1), tokens * k * width)
     assert skewed.sum(axis=0).max() > 3 * flat.sum(axis=0).max()
     with pytest.raises(ValueError, match="experts_per_gpu"):
-        fb.traffic_from_expert_loads(np.ones((4, 10)), 2, 1.0)
+        traffic_from_expert_loads(np.ones((4, 10)), 2, 1.0)
 
 
 # ---------------------------------------------------------------------------- routing
 
 
 def test_ecmp_paths_go_up_and_down_the_same_spine():
-    topo = fb.LeafSpine(4, 4, 4)
-    flows = fb.route(topo, fb.uniform_traffic(16, 1.0), "ecmp", np.random.default_rng(1))
+    topo = LeafSpine(4, 4, 4)
+    flows = route(topo, uniform_traffic(16, 1.0), "ecmp", np.random.default_rng(1))
     inter = flows.spine >= 0
     assert inter.sum() == 16 * 12  # every pair on different leaves
     np.testing.assert_array_equal(
@@ -82,12 +97,12 @@ def test_ecmp_paths_go_up_and_down_the_same_spine():
 
 
 def test_adaptive_routing_loads_every_uplink_of_a_leaf_equally():
-    topo = fb.LeafSpine(4, 4, 4)
-    traffic = fb.moe_traffic(16, zipf_s=1.0, tokens_per_gpu=64, rng=np.random.default_rng(2))
-    flows = fb.route(topo, traffic, "adaptive")
+    topo = LeafSpine(4, 4, 4)
+    traffic = moe_traffic(16, zipf_s=1.0, tokens_per_gpu=64, rng=np.random.default_rng(2))
+    flows = route(topo, traffic, "adaptive")
     up = flows.link_bytes[2 * 16 : 2 * 16 + 16].reshape(4, 4)  # [leaf, spine]
     np.testing.assert_allclose(up, up[:, :1] * np.ones((1, 4)))
-    ecmp = fb.route(topo, traffic, "ecmp", np.random.default_rng(2))
+    ecmp = route(topo, traffic, "ecmp", np.random.default_rng(2))
     assert up.sum() == pytest.approx(ecmp.link_bytes[2 * 16 : 2 * 16 + 16].sum())
 
 
@@ -106,20 +121,20 @@ def _brute_force_balls(n_balls: int, n_bins: int) -> tuple[float, float]:
 @pytest.mark.parametrize(("n", "m"), [(1, 3), (4, 3), (5, 4), (6, 2), (3, 5)])
 def test_balls_into_bins_closed_forms_are_exact(n, m):
     mean_max, mean_empty = _brute_force_balls(n, m)
-    assert fb.expected_max_load(n, m) == pytest.approx(mean_max, rel=1e-9)
-    assert fb.expected_empty_bins(n, m) == pytest.approx(mean_empty, rel=1e-9)
+    assert expected_max_load(n, m) == pytest.approx(mean_max, rel=1e-9)
+    assert expected_empty_bins(n, m) == pytest.approx(mean_empty, rel=1e-9)
 
 
 @pytest.mark.parametrize(("hosts_per_leaf", "n_spine"), [(2, 8), (4, 8), (8, 8)])
 def test_ecmp_collisions_match_balls_into_bins(hosts_per_leaf, n_spine):
     """Two leaves: leaf 0's flows to leaf 1 are balls, its uplinks bins."""
-    topo = fb.LeafSpine(hosts_per_leaf, 2, n_spine)
-    traffic = fb.uniform_traffic(topo.n_hosts, 1.0)
+    topo = LeafSpine(hosts_per_leaf, 2, n_spine)
+    traffic = uniform_traffic(topo.n_hosts, 1.0)
     n_balls = hosts_per_leaf * hosts_per_leaf
     trials = 600
     maxima, empties, pairs = [], [], []
     for seed in range(trials):
-        flows = fb.route(topo, traffic, "ecmp", np.random.default_rng(seed))
+        flows = route(topo, traffic, "ecmp", np.random.default_rng(seed))
         from_leaf0 = (flows.spine >= 0) & (topo.leaf_of(flows.src) == 0)
         counts = np.bincount(flows.spine[from_leaf0], minlength=n_spine)
         assert counts.sum() == n_balls
@@ -127,91 +142,34 @@ def test_ecmp_collisions_match_balls_into_bins(hosts_per_leaf, n_spine):
         empties.append((counts == 0).sum())
         pairs.append((counts * (counts - 1) / 2).sum())
     for sample, want in (
-        (maxima, fb.expected_max_load(n_balls, n_spine)),
-        (empties, fb.expected_empty_bins(n_balls, n_spine)),
-        (pairs, fb.expected_pair_collisions(n_balls, n_spine)),
+        (maxima, expected_max_load(n_balls, n_spine)),
+        (empties, expected_empty_bins(n_balls, n_spine)),
+        (pairs, expected_pair_collisions(n_balls, n_spine)),
     ):
         sample = np.asarray(sample, dtype=float)
         stderr = sample.std(ddof=1) / math.sqrt(trials) + 1e-12
         assert abs(sample.mean() - want) < 4.5 * stderr + 1e-9, (sample.mean(), want)
 
 
-# ---------------------------------------------------------------------------- rates and times
-
-
-def test_max_min_rates_on_the_textbook_example():
-    # Links of capacity 1 and 2; flow 0 crosses both, flow 1 only link 0, flow 2 only link 1.
-    links = np.array([[0, 1], [0, -1], [1, -1]])
-    rates = fb.max_min_rates(links, np.array([1.0, 2.0]))
-    np.testing.assert_allclose(rates, [0.5, 0.5, 1.5])
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_max_min_rates_are_feasible_and_every_flow_has_a_bottleneck(seed):
-    rng = np.random.default_rng(seed)
-    n_links, n_flows = 12, 40
-    cap = rng.uniform(1.0, 5.0, n_links)
-    links = np.stack([rng.choice(n_links, size=3, replace=False) for _ in range(n_flows)])
-    links[rng.random(n_flows) < 0.3, 2] = -1
-    rates = fb.max_min_rates(links, cap)
-    load = np.zeros(n_links)
-    for f in range(n_flows):
-        for link in links[f][links[f] >= 0]:
-            load[link] += rates[f]
-    assert np.all(load <= cap * (1 + 1e-9))
-    for f in range(n_flows):
-        # Max-min: some link on the flow's path is full and no flow on it is faster.
-        ok = False
-        for link in links[f][links[f] >= 0]:
-            full = load[link] >= cap[link] * (1 - 1e-9)
-            others = [rates[g] for g in range(n_flows) if link in links[g]]
-            if full and rates[f] >= max(others) - 1e-9:
-                ok = True
-        assert ok, f"flow {f} has no bottleneck"
-
-
-def test_one_link_fluid_completion_is_processor_sharing():
-    sizes = np.array([5.0, 1.0, 3.0, 3.0, 8.0])
-    links = np.zeros((sizes.size, 1), dtype=np.int64)
-    got = fb.fluid_completion_times(sizes, links, np.array([2.0]), rel_tol=1e-12,
-                                    step_quantile=0.0)
-    order = np.sort(sizes)
-    n = sizes.size
-    expect_sorted = [(order[:i].sum() + (n - i) * order[i]) / 2.0 for i in range(n)]
-    np.testing.assert_allclose(np.sort(got), expect_sorted, rtol=1e-9)
-
-
-def test_epoch_stepping_stays_close_to_the_exact_fluid_simulation():
-    topo = fb.LeafSpine(4, 4, 4)
-    traffic = fb.moe_traffic(16, zipf_s=1.0, tokens_per_gpu=256, rng=np.random.default_rng(1))
-    flows = fb.route(topo, traffic, "ecmp", np.random.default_rng(1))
-    exact = fb.fluid_completion_times(flows.nbytes, flows.rate_links, flows.rate_capacity,
-                                      rel_tol=1e-9, step_quantile=0.0)
-    fast = fb.fluid_completion_times(flows.nbytes, flows.rate_links, flows.rate_capacity)
-    for q in (50, 90, 99, 100):
-        assert np.percentile(fast, q) == pytest.approx(np.percentile(exact, q), rel=0.05)
-    assert np.mean(np.abs(fast - exact) / exact) < 0.05
-
-
 # ---------------------------------------------------------------------------- the figures
 
 
 def test_adaptive_routing_reaches_line_rate_on_uniform_traffic_and_ecmp_does_not():
-    topo = fb.LeafSpine(8, 8, 8)
-    traffic = fb.uniform_traffic(64, 2**20)
-    adaptive = fb.simulate(topo, traffic, routing="adaptive")
+    topo = LeafSpine(8, 8, 8)
+    traffic = uniform_traffic(64, 2**20)
+    adaptive = simulate(topo, traffic, routing="adaptive")
     assert adaptive.algbw_fraction >= 0.9
     assert adaptive.efficiency == pytest.approx(1.0, rel=0.01)
     for seed in range(3):
-        ecmp = fb.simulate(topo, traffic, routing="ecmp", rng=np.random.default_rng(seed))
+        ecmp = simulate(topo, traffic, routing="ecmp", rng=np.random.default_rng(seed))
         assert ecmp.algbw_fraction < adaptive.algbw_fraction - 0.05
         assert ecmp.uplink_max_over_mean > 1.1
 
 
 def test_oversubscribed_uplinks_set_the_pace():
-    topo = fb.LeafSpine(8, 8, 8, oversubscription=2.0)
-    traffic = fb.uniform_traffic(64, 2**20)
-    result = fb.simulate(topo, traffic, routing="adaptive")
+    topo = LeafSpine(8, 8, 8, oversubscription=2.0)
+    traffic = uniform_traffic(64, 2**20)
+    result = simulate(topo, traffic, routing="adaptive")
     # Each leaf sends 8 x 56 MiB over uplinks of half its NIC capacity.
     want_time = 8 * 56 * 2**20 / (8 * topo.link_bytes_per_s / 2)
     assert result.makespan == pytest.approx(want_time, rel=0.02)
@@ -219,22 +177,22 @@ def test_oversubscribed_uplinks_set_the_pace():
 
 
 def test_pacing_removes_incast_drops_and_cuts_the_tail():
-    topo = fb.LeafSpine(8, 8, 8)
-    traffic = fb.incast_traffic(64, 32, 256 * 1024, rng=np.random.default_rng(0))
+    topo = LeafSpine(8, 8, 8)
+    traffic = incast_traffic(64, 32, 256 * 1024, rng=np.random.default_rng(0))
     for routing in ("ecmp", "adaptive"):
-        paced = fb.simulate(topo, traffic, routing=routing, pacing=True)
-        unpaced = fb.simulate(topo, traffic, routing=routing, pacing=False)
+        paced = simulate(topo, traffic, routing=routing, pacing=True)
+        unpaced = simulate(topo, traffic, routing=routing, pacing=False)
         assert paced.dropped_bytes.sum() == 0 and unpaced.dropped_bytes.sum() > 0
         assert unpaced.fct_percentile(99) > paced.fct_percentile(99) * 2
         assert unpaced.to_dict()["flows_with_timeout"] == 32
 
 
 def test_a_deep_enough_buffer_absorbs_the_burst():
-    topo = fb.LeafSpine(8, 8, 8)
-    traffic = fb.incast_traffic(64, 8, 256 * 1024, rng=np.random.default_rng(0))
-    deep = fb.BurstModel(buffer_kb=64 * 1024)
-    unpaced = fb.simulate(topo, traffic, routing="adaptive", pacing=False, burst=deep)
-    paced = fb.simulate(topo, traffic, routing="adaptive", pacing=True, burst=deep)
+    topo = LeafSpine(8, 8, 8)
+    traffic = incast_traffic(64, 8, 256 * 1024, rng=np.random.default_rng(0))
+    deep = BurstModel(buffer_kb=64 * 1024)
+    unpaced = simulate(topo, traffic, routing="adaptive", pacing=False, burst=deep)
+    paced = simulate(topo, traffic, routing="adaptive", pacing=True, burst=deep)
     assert unpaced.dropped_bytes.sum() == 0
     # No drops: only the queue's draining time separates the two.
     assert 0 < unpaced.fct_percentile(99) - paced.fct_percentile(99) < deep.rto_us
@@ -258,11 +216,11 @@ def test_cli_fabric_json(capsys):
 
 
 def test_an_overflowing_uplink_times_out_the_flows_that_cross_it():
-    topo = fb.LeafSpine(8, 4, 8, oversubscription=4.0)
-    traffic = fb.uniform_traffic(32, 2**20)
-    tight = fb.BurstModel(buffer_kb=16)
+    topo = LeafSpine(8, 4, 8, oversubscription=4.0)
+    traffic = uniform_traffic(32, 2**20)
+    tight = BurstModel(buffer_kb=16)
     for routing in ("ecmp", "adaptive"):
-        result = fb.simulate(topo, traffic, routing=routing, pacing=False, burst=tight)
+        result = simulate(topo, traffic, routing=routing, pacing=False, burst=tight)
         inter = topo.leaf_of(result.flows.src) != topo.leaf_of(result.flows.dst)
         assert result.dropped_bytes[2 * 32 :].sum() > 0  # the uplinks overflow
         assert result.dropped_bytes[: 2 * 32].sum() == 0  # the NICs do not

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from moe_lab import site
+from moe_lab.lab import site, workbook
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,8 +195,6 @@ def test_readme_gains_table(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_the_workbook_builds_the_site(tmp_path):
-    from moe_lab import workbook
-
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "moe-lab"\nversion = "0"\n')
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()

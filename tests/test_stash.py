@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lab import preset
-from moe_lab.exercises.cuda_graphs import worst_routing
+from moe_lab.lab.exercises.nb06_cuda_graphs import worst_routing
 from moe_lab.moe.stash import (
     PagedStash,
     max_pages,
@@ -21,8 +21,9 @@ from moe_lab.moe.stash import (
     pages_per_expert,
     simulate_expert_parallel,
 )
-from moe_lab.step import StepConfig, SyncFreeStep, build_model, random_batch
-from moe_lab.sync import assert_sync_free, count_syncs
+from moe_lab.training.build import build_model, random_batch
+from moe_lab.training.steps import StepConfig, SyncFreeStep
+from moe_lab.training.sync import assert_sync_free, count_syncs
 
 TINY = preset("tiny")
 

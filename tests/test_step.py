@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,20 +14,12 @@ import torch
 from moe_lab import preset
 from moe_lab.model import MoETransformer
 from moe_lab.perf.host_overhead import count_ops, overhead_sweep, shrunk_config
-from moe_lab.step import (
-    LADDER,
-    StepConfig,
-    SyncFreeStep,
-    build_model,
-    build_sync_free,
-    ladder_step,
-    lr_schedule,
-    make_optimizer,
-    random_batch,
-    train_sync_free,
-)
-from moe_lab.sync import SyncError, count_syncs
-from moe_lab.train import TrainConfig, lr_at, train
+from moe_lab.training.build import build_model, build_sync_free, random_batch
+from moe_lab.training.ladder import LADDER, ladder_step
+from moe_lab.training.loop import TrainConfig, lr_at, train
+from moe_lab.training.optim import lr_schedule, make_optimizer
+from moe_lab.training.steps import StepConfig, SyncFreeStep
+from moe_lab.training.sync import SyncError, count_syncs
 
 TINY = preset("tiny")
 SMALL = preset("small")
@@ -42,7 +35,7 @@ def test_whole_step_is_certified_sync_free(model_cfg):
 
 
 def test_gpu_configuration_is_certified_on_the_cpu():
-    pytest.importorskip("moe_lab.kernels.router")
+    pytest.importorskip("moe_lab.kernels.fused_router")
     step = build_sync_free(SMALL, 2, expert_backend="triton", router_impl="triton")
     step.certify()  # fake tensors: the Triton kernels never launch here
 
@@ -150,13 +143,14 @@ def test_refuses_a_host_lr_and_a_wrong_batch():
 
 
 def test_matches_the_naive_trainer():
-    """Same seeds, batches and schedule as moe_lab.train: the same losses and grad norms
-    (dropless vs naive dispatch and fused vs single-tensor AdamW agree to rounding)."""
+    """The same loop with the eager and the sync-free step (same seeds, batches and
+    schedule): the same losses and grad norms (fused vs single-tensor AdamW agree to
+    rounding)."""
     model_cfg = preset("tiny", n_layers=1, seq_len=32)
     tcfg = TrainConfig(steps=4, batch_size=2, warmup_steps=2, eval_every=0, progress=False,
                        dispatcher="dropless", expert_backend="torch")
     naive = train(model_cfg, tcfg).history
-    fast = train_sync_free(model_cfg, tcfg, read_every=1, graphed=False)
+    fast = train(model_cfg, replace(tcfg, step="sync_free", read_every=1)).history
     assert [r["step"] for r in fast] == [1, 2, 3, 4]
     for a, b in zip(naive, fast, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
@@ -192,7 +186,7 @@ def test_expert_bias_balancing_matches_the_naive_trainer_and_stays_sync_free():
     tcfg = TrainConfig(steps=3, batch_size=2, warmup_steps=1, eval_every=0, progress=False,
                        dispatcher="dropless", expert_backend="torch", expert_bias_rate=1e-2)
     naive = train(model_cfg, tcfg)
-    fast = train_sync_free(model_cfg, tcfg, read_every=1, graphed=False)
+    fast = train(model_cfg, replace(tcfg, step="sync_free", read_every=1)).history
     for a, b in zip(naive.history, fast, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["tokens_per_expert"] == a["tokens_per_expert"]
@@ -201,9 +195,10 @@ def test_expert_bias_balancing_matches_the_naive_trainer_and_stays_sync_free():
 
 def test_graphed_training_loop_runs_on_the_cpu():
     model_cfg = preset("tiny", n_layers=1, seq_len=32)
-    tcfg = TrainConfig(steps=4, batch_size=2, warmup_steps=2, eval_every=0, progress=False)
-    eager = train_sync_free(model_cfg, tcfg, read_every=3, graphed=False)
-    graphed = train_sync_free(model_cfg, tcfg, read_every=3, graphed=True)
+    tcfg = TrainConfig(steps=4, batch_size=2, warmup_steps=2, eval_every=0, progress=False,
+                       dispatcher="dropless", expert_backend="torch", read_every=3)
+    eager = train(model_cfg, replace(tcfg, step="sync_free")).history
+    graphed = train(model_cfg, replace(tcfg, step="graphed")).history
     assert [r["loss"] for r in graphed] == [r["loss"] for r in eager]
     assert [r["steps"] for r in eager] == [3, 1]  # the last, shorter window is read too
 
@@ -282,3 +277,44 @@ def test_bench_step_module_follows_the_contract():
     bench_step.add_arguments(parser)
     args = parser.parse_args(["--preset", "tiny", "--no-compile"])
     assert args.preset == "tiny" and args.no_compile
+
+
+# ------------------------------------------------------------------------------ the clip-step registry
+
+
+def test_a_registered_clip_step_replaces_torchs_path(monkeypatch):
+    from moe_lab.training.optim import CLIP_STEPS
+
+    calls = []
+
+    def factory(optimizer):
+        def step(max_norm, grad_scale, skip):
+            calls.append(max_norm)
+            if len(calls) > 1:
+                return None  # does not apply at this step: torch's path runs instead
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None])
+            grad_scale.copy_(((norm + 1e-6) / max_norm).clamp(min=1.0))
+            optimizer.step()
+            return norm
+
+        return step
+
+    monkeypatch.setitem(CLIP_STEPS, "test_clip", factory)
+    cfg = StepConfig(read_every=1, grad_clip=0.5)
+    ours = build_sync_free(TINY, 2, cfg=cfg)
+    ours.clip = factory(ours.optimizer)
+    theirs = build_sync_free(TINY, 2, cfg=cfg)
+    assert theirs.clip_step == "torch" and theirs.clip is None  # torch's path: nothing to replace
+    gen = torch.Generator().manual_seed(5)
+    for batch in [random_batch(TINY, 2, generator=gen) for _ in range(2)]:
+        a, b = ours(batch), theirs(batch)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert calls == [0.5, 0.5]
+    for p, q in zip(ours.model.parameters(), theirs.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    model, optimizer = build_model(TINY)
+    step = SyncFreeStep(model, optimizer, random_batch(TINY, 2), clip_step="test_clip")
+    assert step.clip is not None
+    with pytest.raises(ValueError, match="clip_step must be one of"):
+        SyncFreeStep(model, optimizer, random_batch(TINY, 2), clip_step="teleport")

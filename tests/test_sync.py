@@ -1,4 +1,4 @@
-"""Tests for moe_lab.sync: which operators count as host syncs, and the fake-tensor check."""
+"""Tests for moe_lab.training.sync: which operators count as host syncs, and the fake-tensor check."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_lab.sync import SYNC_OPS, SyncError, assert_sync_free, count_syncs
+from moe_lab.training.sync import SYNC_OPS, SyncError, assert_sync_free, count_syncs
 
 ITEM = "aten._local_scalar_dense.default"
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from moe_lab import preset
-from moe_lab.train import TrainConfig, load_checkpoint, lr_at, save_checkpoint, train
+from moe_lab.training.checkpoint import load_checkpoint, save_checkpoint
+from moe_lab.training.loop import TrainConfig, lr_at, train
 
 TINY = preset("tiny", n_layers=1, seq_len=32)
 
@@ -114,7 +115,7 @@ def test_evaluate_builds_no_autograd_graph():
     from moe_lab.config import preset
     from moe_lab.data import SyntheticCorpus
     from moe_lab.model import MoETransformer
-    from moe_lab.train import evaluate
+    from moe_lab.training.loop import evaluate
 
     cfg = preset("tiny")
     model = MoETransformer(cfg)
@@ -126,3 +127,32 @@ def test_evaluate_builds_no_autograd_graph():
     handle.remove()
     assert seen == [False] and model.training  # no graph; the mode is restored
     assert "all" in result and all(v == v and abs(v) < float("inf") for v in result.values())
+
+
+def test_resume_with_the_sync_free_step_reproduces_the_run(tmp_path):
+    path = tmp_path / "ck.pt"
+    kw = dict(seed=5, dispatcher="dropless", expert_backend="torch", step="sync_free",
+              read_every=2, eval_every=6)
+    full = train(TINY, cfg(**kw))
+    assert [h["step"] for h in full.history] == [2, 4, 6, 8, 10, 12] and full.steps == 12
+    interrupted = cfg(**kw, checkpoint_path=str(path), checkpoint_every=4)
+    train(TINY, interrupted, stop_after=6)
+    resumed = train(TINY, interrupted, resume=True)
+    assert resumed.losses() == full.losses() and resumed.evals == full.evals
+    for p, q in zip(resumed.model.parameters(), full.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_the_trainer_advances_one_step_at_a_time():
+    from moe_lab.training.loop import Trainer
+
+    c = cfg(seed=3, steps=4)
+    trainer = Trainer(TINY, c)
+    records = [trainer.advance() for _ in range(4)]
+    assert trainer.steps_done == 4 and len(trainer.step_times) == 4
+    assert [r["loss"] for r in records] == train(TINY, c).losses()  # the loop is this
+    assert set(trainer.evaluate()) >= {"all", *trainer.domains}
+    with pytest.raises(ValueError, match="step"):
+        cfg(step="teleport")
+    with pytest.raises(ValueError, match="compiled_eval"):
+        cfg(compiled_eval=True)

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from moe_lab.bench import ttt
-from moe_lab.bench.ttt import NAIVE, Stack, TTTConfig, TTTRun
+from moe_lab.bench.ttt import NAIVE, Stack, TTTConfig, TTTRun, racing
+from moe_lab.model import ModelImpls
+from moe_lab.training.build import autocast_forward
+from moe_lab.training.loop import Trainer
 
 # A contest that runs in a fraction of a second: tiny preset, two sequences per step.
 MICRO = TTTConfig(preset="tiny", target_loss=5.5, batch_size=2, max_steps=6, warmup_steps=1,
@@ -30,43 +33,54 @@ def ledger_dir(tmp_path, monkeypatch):
 
 def test_stack_validates_its_choices():
     with pytest.raises(ValueError, match="dispatcher"):
-        Stack("x", dispatcher="teleport")
+        Stack("x", ModelImpls(dispatcher="teleport"))
+    with pytest.raises(ValueError, match="embedding_impl"):
+        Stack("x", ModelImpls(embedding_impl="teleport"))
     with pytest.raises(ValueError, match="router_dtype"):
-        Stack("x", router_impl="triton", router_dtype="fp64")
+        Stack("x", ModelImpls(router_impl="triton"), router_dtype="fp64")
     with pytest.raises(ValueError, match="sync_free"):
-        Stack("x", compile=True)
+        Stack("x", compile="default")
+    with pytest.raises(ValueError, match="step"):
+        Stack("x", step="teleport")
+    with pytest.raises(ValueError, match="clip_step"):
+        Stack("x", step="sync_free", clip_step="teleport")
     with pytest.raises(ValueError, match="compiled_eval"):
-        Stack("x", sync_free=True, compiled_eval=True)
+        Stack("x", step="sync_free", compiled_eval=True)
     with pytest.raises(ValueError, match="fp32_logits"):
-        Stack("x", sync_free=True, fp32_logits=True)  # nothing to keep in FP32 without amp
-    with pytest.raises(ValueError, match="cpp_wrapper"):
-        Stack("x", sync_free=True, cpp_wrapper=True)  # an option of torch.compile
+        Stack("x", step="sync_free", fp32_logits=True)  # nothing to keep in FP32 without amp
+    with pytest.raises(ValueError, match="compile"):
+        Stack("x", step="sync_free", compile="cpp")  # a name of COMPILE_MODES
     assert "naive dispatch" in NAIVE.describe() and "FP64" in NAIVE.describe()
+    assert not NAIVE.sync_free and Stack("x", step="graphed").graphed
 
 
 def test_optimised_stack_on_a_cpu():
-    from moe_lab.kernels import cpu_ext
     from moe_lab.perf.capabilities import native_bf16_cpu
 
     best = ttt.optimised_stack("cpu")
-    kernels = cpu_ext.available()
+    kernels = ttt.cpu_plugin_status() is None  # the CPU plug-in's C++ kernels built here
+    impls = best.impls
     grouped = "openmp" if kernels else "torch"
-    assert (best.dispatcher, best.expert_backend, best.router_dtype) == ("dropless", grouped, "fp32")
-    assert best.sync_free and best.compile and not best.graphed and best.mxfp8 == ()
+    assert (impls.dispatcher, impls.expert_backend, best.router_dtype) == ("dropless", grouped, "fp32")
+    assert impls.router_impl == ("cpu_topk" if kernels else "reference")
+    assert best.clip_step == ("cpu_one_call" if kernels else "torch")
+    assert impls.embedding_impl == "opaque_grad"  # registered even without a compiler
+    assert best.step == "sync_free" and best.compile and not best.graphed and best.mxfp8 == ()
     assert best.compiled_eval and "confirmed in FP32" in best.describe()
-    assert best.cpp_wrapper and "C++ wrapper" in best.describe() and best.row_align == 1
+    assert best.compile == "cpp_wrapper" and "C++ wrapper" in best.describe()
     assert any("emulated" in note for note in best.notes)  # MXFP8 left off, and why
+    assert kernels or any("CPU plug-in is unavailable" in note for note in best.notes)
     eager = ttt.optimised_stack("cpu", compile=False, router_impl="compiled")
-    assert not eager.compile and eager.router_impl == "compiled" and not eager.compiled_eval
-    assert not eager.cpp_wrapper and "C++ wrapper" not in eager.describe()
+    assert not eager.compile and eager.impls.router_impl == "compiled" and not eager.compiled_eval
+    assert "C++ wrapper" not in eager.describe()
     # BF16 autocast exactly where the CPU has bf16 matmul instructions, attention core in FP32
     assert best.amp == ("bf16" if native_bf16_cpu() else "")
     assert best.fp32_logits == bool(best.amp)  # BF16 everywhere but the logits
-    assert ttt.build_model(best, MICRO).fp32_logits == best.fp32_logits
-    assert best.attention_impl == ("cpu_fused" if kernels else "sdpa_fp32" if best.amp else "sdpa")
+    assert ttt.stack_model(best, MICRO).fp32_logits == best.fp32_logits
+    assert impls.attention_impl == ("cpu_fused" if kernels else "sdpa_fp32" if best.amp else "sdpa")
     fp32 = ttt.optimised_stack("cpu", amp="")
     assert fp32.amp == "" and "BF16" not in fp32.describe()
-    assert fp32.attention_impl == ("cpu_fused" if kernels else "sdpa")
+    assert fp32.impls.attention_impl == ("cpu_fused" if kernels else "sdpa")
     forced = ttt.optimised_stack("cpu", amp="bf16")
     assert forced.amp == "bf16" and "BF16 autocast" in forced.describe()
     with pytest.raises(ValueError, match="amp"):
@@ -74,7 +88,29 @@ def test_optimised_stack_on_a_cpu():
     with pytest.raises(ValueError, match="sync_free"):
         Stack("x", amp="bf16")
     with pytest.raises(ValueError, match="amp"):
-        Stack("x", sync_free=True, amp="fp16")
+        Stack("x", step="sync_free", amp="fp16")
+
+
+def test_without_the_cpu_plugin_the_core_names_are_used(monkeypatch):
+    # As on a machine without a C++ compiler: the plug-in's kernels' names are absent.
+    from moe_lab.attention import ATTENTION_IMPLS
+    from moe_lab.bench.ttt import stacks
+    from moe_lab.moe.experts import EXPERT_BACKENDS
+    from moe_lab.moe.router import ROUTER_IMPLS
+    from moe_lab.training.optim import CLIP_STEPS
+
+    monkeypatch.setattr(stacks, "cpu_plugin_status", lambda: "no C++ compiler (test)")
+    for registry, name in ((EXPERT_BACKENDS, "openmp"), (ATTENTION_IMPLS, "cpu_fused"),
+                           (ROUTER_IMPLS, "cpu_topk"), (CLIP_STEPS, "cpu_one_call")):
+        monkeypatch.delitem(registry, name, raising=False)
+    best = ttt.optimised_stack("cpu", amp="bf16")
+    assert best.impls.expert_backend == ("torch" if hasattr(torch, "_grouped_mm") else "loop")
+    assert (best.impls.attention_impl, best.impls.router_impl) == ("sdpa_fp32", "reference")
+    assert best.clip_step == "torch"
+    assert sum("no C++ compiler (test)" in note for note in best.notes) >= 3  # labelled
+    assert ttt.optimised_stack("cpu", amp="").impls.attention_impl == "sdpa"
+    rungs = ttt.ladder("cpu", compile=False, amp="")
+    assert [label for label, _ in rungs][-1] == "+ sync-free step"
 
 
 @pytest.mark.parametrize("amp", ["", "bf16"])
@@ -85,12 +121,17 @@ def test_ladder_adds_one_technique_per_rung(compile_, amp):
     assert stacks[0] == NAIVE
     best = ttt.optimised_stack("cpu", compile=compile_, amp=amp)
     assert replace(stacks[-1], notes=()) == replace(best, notes=())
-    fused = best.attention_impl == "cpu_fused"  # a rung of its own where the kernels build
+    fused = best.impls.attention_impl == "cpu_fused"  # a rung of its own where the kernels build
     assert len(rungs) == 4 + fused + compile_ + bool(amp)
-    fields = ("dispatcher", "router_dtype", "sync_free", "compile", "amp") + (
-        ("attention_impl",) if fused else ())
+
+    def techniques(stack):
+        return {"dispatcher": stack.impls.dispatcher, "router_dtype": stack.router_dtype,
+                "sync_free": stack.sync_free, "compile": stack.compile, "amp": stack.amp,
+                **({"attention": stack.impls.attention_impl} if fused else {})}
+
     for before, after in zip(stacks, stacks[1:]):
-        changed = [f for f in fields if getattr(before, f) != getattr(after, f)]
+        a, b = techniques(before), techniques(after)
+        changed = [f for f in a if a[f] != b[f]]
         assert len(changed) == 1, (before, after)
 
 
@@ -125,8 +166,8 @@ def _check_compiled_backward_autocast(default: str) -> None:
         fn(h, w).backward(dout)
         return w.grad.double()
 
-    eager = w_grad(ttt._autocast_forward(_fp32_head, "cpu", "bf16"))
-    compiled = w_grad(ttt._autocast_forward(torch.compile(_fp32_head), "cpu", "bf16"))
+    eager = w_grad(autocast_forward(_fp32_head, "cpu", "bf16"))
+    compiled = w_grad(autocast_forward(torch.compile(_fp32_head), "cpu", "bf16"))
     exact = dout.double().t() @ h.detach().double()
     # the reference of a BF16 backward: the same GEMM with its operands rounded to bfloat16
     bf16 = dout.bfloat16().double().t() @ h.detach().double()
@@ -152,8 +193,8 @@ def test_ttt_config_validates():
 
 
 def test_every_stack_starts_from_the_same_weights():
-    naive = ttt.build_model(NAIVE, MICRO)
-    best = ttt.build_model(ttt.optimised_stack("cpu", compile=False), MICRO)
+    naive = ttt.stack_model(NAIVE, MICRO)
+    best = ttt.stack_model(ttt.optimised_stack("cpu", compile=False), MICRO)
     a, b = naive.state_dict(), best.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -234,14 +275,14 @@ def test_loss_gap_pairs_seeds_at_the_same_step():
 
 def test_compare_alternates_the_order(monkeypatch):
     calls = []
-    monkeypatch.setattr(ttt, "time_to_train",
+    monkeypatch.setattr(racing, "time_to_train",
                         lambda stack, cfg, **kw: calls.append((stack.name, cfg.seed)) or
                         _run(stack.name, cfg.seed, 1.0))
     b = replace(NAIVE, name="b")
     ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1, 2], interleave=False)
     assert calls == [("naive", 0), ("b", 0), ("b", 1), ("naive", 1), ("naive", 2), ("b", 2)]
     raced = []
-    monkeypatch.setattr(ttt, "race", lambda stacks, cfg, **kw: raced.append(
+    monkeypatch.setattr(racing, "race", lambda stacks, cfg, **kw: raced.append(
         [s.name for s in stacks]) or [_run(s.name, cfg.seed, 1.0) for s in stacks])
     runs = ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1])  # a CPU: interleaved
     assert raced == [["naive", "b"], ["b", "naive"]]
@@ -275,7 +316,9 @@ def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monke
     assert point["eval_loss"] <= MICRO.target_loss
     assert point["compiled_eval_loss"] == pytest.approx(point["eval_loss"], rel=1e-2)
     # the compiled evaluation claims the target; FP32 disagrees, so training goes on
-    monkeypatch.setattr(ttt._SyncFreeTrainer, "evaluate", lambda self, batch, domains: 0.0)
+    plain = Trainer.evaluate
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, compiled=True: (
+        {"all": 0.0} if compiled and self.eval_forward is not None else plain(self, compiled)))
     run = ttt.time_to_train(best, replace(MICRO, target_loss=0.01))
     assert not run.reached and run.steps == MICRO.max_steps
     assert [p["compiled_eval_loss"] for p in run.curve] == [0.0, 0.0]
@@ -286,8 +329,8 @@ def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monke
 
 
 def test_ladder_throughput_into_the_ledger_and_the_waterfall(ledger_dir):
+    from moe_lab.lab.waterfall import waterfalls_from_ledger
     from moe_lab.perf.ledger import read
-    from moe_lab.waterfall import waterfalls_from_ledger
 
     rungs = ttt.ladder("cpu", compile=False)[:2]
     rows = ttt.ladder_throughput(rungs, MICRO, min_time_s=0.0, warmup=1)
@@ -406,12 +449,10 @@ def test_compiled_stack_is_bit_reproducible(mode):
     # The small preset at batch 16: enough scattered rows per step for the threads' atomic
     # adds to land in a different order from run to run where Inductor generates the scatter
     # (2 of 2 such runs differed after 5 steps on the reference machine while the embedding's
-    # gradient was one; the tiny preset's did not). With moe_lab's kernels the optimised
-    # stack has no such scatter left, so it reproduces as raced too.
-    from moe_lab.kernels import cpu_ext
-
-    if not mode and not cpu_ext.available():
-        pytest.skip("without moe_lab's kernels the combine is a scatter-add")
+    # gradient was not one opaque op; the tiny preset's did not). With the CPU plug-in's
+    # kernels the optimised stack has no such scatter left, so it reproduces as raced too.
+    if not mode and ttt.cpu_plugin_status() is not None:
+        pytest.skip("without the CPU plug-in's kernels the combine is a scatter-add")
     cfg = replace(ttt.PROFILES["full"], target_loss=0.01, max_steps=5, eval_every=5)
     best = ttt.optimised_stack("cpu", amp="bf16")
     with ttt.deterministic_algorithms() if mode else contextlib.nullcontext():

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from moe_lab.waterfall import (  # noqa: E402
+from moe_lab.lab.waterfall import (  # noqa: E402
     LADDER_METRIC,
     Rung,
     Waterfall,

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from moe_lab import workbook
+from moe_lab.lab import workbook
 from moe_lab.perf.ledger import read
 
 PARAMETERS = 'PROFILE = "full"\nSEED = 0\nSOLUTIONS = False\n'

@@ -9,7 +9,7 @@ BENCHMARKS = {
     # name -> module (imported only when that benchmark is asked for)
     "moe-layer": "moe_lab.bench.moe_layer",
     "mxfp8": "moe_lab.bench.mxfp8",
-    "router": "moe_lab.bench.router",
+    "router": "moe_lab.bench.router_bench",
     "step": "moe_lab.bench.step",
     "ep": "moe_lab.bench.ep",
     "time-to-train": "moe_lab.bench.ttt",

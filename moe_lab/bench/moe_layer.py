@@ -3,7 +3,8 @@
 Providers: ``naive`` (the loop over experts), ``capacity`` at capacity factors 1.0 and 1.25,
 ``dropless`` with each expert backend that runs compiled on this device (the Triton grouped
 GEMM only where Triton compiles; under the interpreter it is checked in the tests, not
-timed), and Hugging Face ``transformers``' Mixtral block with each of its experts
+timed; on a CPU ``openmp``, the CPU plug-in's grouped GEMM, where `moe_lab.cpu` builds), and
+Hugging Face ``transformers``' Mixtral block with each of its experts
 implementations (``eager``, ``batched_mm``, ``grouped_mm``) when ``transformers`` is
 installed. All providers share one set of weights and one input; their outputs are checked
 against the naive layer before anything is timed. Timings are interleaved (``compare``) so
@@ -19,6 +20,7 @@ import argparse
 
 import torch
 
+import moe_lab.cpu
 from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 
@@ -84,13 +86,11 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
     else:
         providers["dropless torch"] = clone("dropless", "torch")
     if device == "cpu":
-        from moe_lab.kernels import cpu_grouped
-
-        if cpu_grouped.available():
+        if moe_lab.cpu.register():
             providers["dropless openmp"] = clone("dropless", "openmp")
         else:
-            notes.append("dropless openmp: moe_lab's CPU grouped GEMM did not build here "
-                         "(it needs a C++ compiler with OpenMP)")
+            notes.append("dropless openmp: the CPU plug-in's grouped GEMM is not available "
+                         f"here ({moe_lab.cpu.unavailable_reason()})")
     if capabilities().triton_mode == "compiled":
         providers["dropless triton"] = clone("dropless", "triton")
     else:
@@ -144,7 +144,7 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
     Runs on the GPU in bf16 where there is one, else on the CPU in fp32. ``only`` limits
     the providers (``naive`` is always timed: the ratios are to it)."""
     from moe_lab.perf import compare
-    from moe_lab.sync import count_syncs
+    from moe_lab.training.sync import count_syncs
 
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
@@ -239,11 +239,8 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
 def floor_backends(device: str) -> list[str]:
     """The grouped-GEMM expert backends that run here (the floor comparison's subjects)."""
     backends = ["torch"] if hasattr(torch, "_grouped_mm") else []
-    if device == "cpu":
-        from moe_lab.kernels import cpu_grouped
-
-        if cpu_grouped.available():
-            backends.append("openmp")
+    if device == "cpu" and moe_lab.cpu.register():
+        backends.append("openmp")
     return backends
 
 

@@ -78,8 +78,8 @@ def _row(what: str, provider: str, value: float, unit: str, kind: str, note: str
 
 def run(args: argparse.Namespace) -> dict:
     from moe_lab.attention import causal_attention
-    from moe_lab.kernels.attention import mx_attention_forward, quantize_qkv
     from moe_lab.kernels.mx import mx_quantize
+    from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
     from moe_lab.perf import bench, capabilities
     from moe_lab.perf.ceilings import copy_bandwidth
     from moe_lab.perf.hardware import gpu_spec, roofline

@@ -2,16 +2,16 @@
 
 Providers, all on the same preset, batch and initial weights:
 
-- ``naive`` — the loop of `moe_lab.train` (naive dispatcher, statistics read every step,
-  the stock AdamW): the starting point;
-- ``eager`` — `moe_lab.step.SyncFreeStep`;
+- ``naive`` — the naive loop's step (`moe_lab.training.steps.EagerStep`: naive dispatcher,
+  statistics read every step, the stock AdamW): the starting point;
+- ``eager`` — `moe_lab.training.steps.SyncFreeStep`;
 - ``compiled`` — the same step with the model under ``torch.compile`` (skipped with
   ``--no-compile``: compiling takes a minute or more on a small CPU);
-- ``graphed`` — `moe_lab.graphs.GraphedStep`, only where CUDA exists.
+- ``graphed`` — `moe_lab.training.graphs.GraphedStep`, only where CUDA exists.
 
 Per provider: median iteration time, tokens/s, speed-up over ``eager``, ATen operators per
 iteration (`moe_lab.perf.host_overhead.count_ops`) and host syncs per iteration
-(`moe_lab.sync.count_syncs`). Memory of the experts' saved activations with a paged stash
+(`moe_lab.training.sync.count_syncs`). Memory of the experts' saved activations with a paged stash
 (`moe_lab.moe.stash.PagedStash`) against their exact size and against the worst-case static
 buffer; on CUDA also the peak memory of a step with and without the stash. Everything goes
 into the ledger.
@@ -24,14 +24,22 @@ import time
 
 import torch
 
+from moe_lab.config import preset as get_preset
+from moe_lab.moe.stash import PagedStash
+from moe_lab.perf import capabilities, compare, ledger
+from moe_lab.perf.host_overhead import count_ops
+from moe_lab.training.build import build_model, random_batch
+from moe_lab.training.graphs import GraphedStep
+from moe_lab.training.ladder import ladder_step
+from moe_lab.training.steps import StepConfig, SyncFreeStep
+from moe_lab.training.sync import count_syncs
+
 DESCRIPTION = "one training step: naive / sync-free eager / compiled / CUDA-graphed; syncs, ops, memory"
 
 MIN_TIME = {"smoke": 0.3, "full": 2.0}
 
 
 def _naive_step(model_cfg, batch):
-    from moe_lab.step import ladder_step
-
     return ladder_step(model_cfg, batch, 0)
 
 
@@ -39,9 +47,6 @@ def stash_memory(model_cfg, batch_size: int, page_rows: int = 32, capacity_facto
                  device: torch.device | str = "cpu") -> dict:
     """Bytes of the experts' saved activations for one step: exact (eager), the paged pool,
     and the worst-case static buffer; and the saving of the pool against the worst case."""
-    from moe_lab.moe.stash import PagedStash
-    from moe_lab.step import build_model, random_batch
-
     model, _ = build_model(model_cfg, device=device)
     batch = random_batch(model_cfg, batch_size, device)
     stash = PagedStash(page_rows, capacity_factor).attach(model, batch)
@@ -55,9 +60,6 @@ def stash_memory(model_cfg, batch_size: int, page_rows: int = 32, capacity_facto
 def cuda_peak_memory(model_cfg, batch_size: int, page_rows: int = 32,
                      capacity_factor: float = 1.25) -> dict:
     """Peak CUDA memory of one eager sync-free step, without and with the paged stash."""
-    from moe_lab.moe.stash import PagedStash
-    from moe_lab.step import StepConfig, SyncFreeStep, build_model, random_batch
-
     out = {}
     for name in ("no_stash", "stash"):
         model, optimizer = build_model(model_cfg, device="cuda")
@@ -80,13 +82,6 @@ def run_step_bench(preset: str = "small", batch_size: int = 2, min_time_s: float
                    compile: bool = True, seed: int = 0) -> dict:
     """Time every provider on this machine; returns ``{"rows": [...], "memory": {...},
     "notes": [...], ...}``."""
-    from moe_lab.config import preset as get_preset
-    from moe_lab.graphs import GraphedStep
-    from moe_lab.perf import capabilities, compare
-    from moe_lab.perf.host_overhead import count_ops
-    from moe_lab.step import SyncFreeStep, build_model, random_batch
-    from moe_lab.sync import count_syncs
-
     caps = capabilities()
     device = torch.device("cuda" if caps.device == "cuda" else "cpu")
     model_cfg = get_preset(preset)
@@ -163,8 +158,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from moe_lab.perf import ledger
-
     if args.batch_size <= 0:
         raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
     result = run_step_bench(args.preset, args.batch_size, MIN_TIME[args.profile],

@@ -4,6 +4,8 @@
   a process group, tokens moved by two all-to-alls (dropless, or budgeted and sync-free);
 - ``overlap`` — a chunked step that overlaps one chunk's all-to-all with another's expert
   compute (async work handles, optional delayed weight gradients), timed per chunk;
+- ``timeline`` — the per-chunk events such a step records (`Timeline`) and their Gantt
+  chart (`plot_timeline`);
 - ``launch`` — start ranks from Python or a notebook (`run_ranks`) or under torchrun
   (`init_from_env`), with timeouts so a dead or hung rank fails the job loudly;
 - ``netem`` — an emulated network link (namespaces, veth, a rate limit) so that
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ep", "overlap", "launch", "netem"]
+__all__ = ["ep", "overlap", "timeline", "launch", "netem"]
 
 
 def __getattr__(name: str):

@@ -238,8 +238,7 @@ class EPMoELayer(MoELayer):
         self.on_overflow = on_overflow
         self.budget_multiple = budget_multiple
         # This rank's shard replaces the full set the parent built.
-        self.experts = SwiGLUExperts(self.n_local, cfg.d_model, cfg.d_expert)
-        self.experts.backend = expert_backend
+        self.experts = SwiGLUExperts(self.n_local, cfg.d_model, cfg.d_expert, expert_backend)
 
     @classmethod
     def from_layer(cls, layer: MoELayer, group=None, **kwargs) -> EPMoELayer:

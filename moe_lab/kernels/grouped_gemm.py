@@ -35,7 +35,7 @@ own cast truncates). Under ``TRITON_INTERPRET=1`` this is what makes the CPU giv
 GPU's answer.
 
 Each launch is a ``torch.library.custom_op`` with a fake implementation (the output shape
-follows from the input shapes), so ``FakeTensorMode`` — `moe_lab.sync.assert_sync_free` —
+follows from the input shapes), so ``FakeTensorMode`` — `moe_lab.training.sync.assert_sync_free` —
 and ``torch.compile`` can trace through a kernel they cannot run.
 """
 

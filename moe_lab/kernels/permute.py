@@ -21,7 +21,7 @@ j]]``, accumulating in float32. Each is the other's transpose, so each one's bac
 the other: permute's is an unweighted unpermute, unpermute's (with respect to ``y``) a
 permute scaled by the weights, and its gradient with respect to the weights is a row dot
 product ``<dout[t], y[row_id_map[t, j]]>``. Every launch is a ``torch.library.custom_op``
-with a fake implementation, so ``FakeTensorMode`` (`moe_lab.sync.assert_sync_free`) and
+with a fake implementation, so ``FakeTensorMode`` (`moe_lab.training.sync.assert_sync_free`) and
 ``torch.compile`` can trace through kernels they cannot run; the torch glue between the
 launches (sums, cumulative sums) stays visible to them.
 """

@@ -14,8 +14,9 @@ is differentiated and nothing is read back to the host: the loads are the router
 ``--moe-router-enable-expert-bias`` with ``--moe-router-bias-update-rate``.)
 
 `update_expert_bias` is the update. `ExpertBiasBalancer` applies it inside
-`moe_lab.train.train` through its ``callback``; `compare_balancing` trains the same model
-three ways — no balancing, an auxiliary loss, the bias — and returns what each did.
+`moe_lab.training.loop.train` through its ``callback``
+(`moe_lab.training.balancing.compare_balancing` trains the same model three ways — no
+balancing, an auxiliary loss, the bias — and returns what each did).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from moe_lab.config import ModelConfig
 from moe_lab.moe.layer import MoELayer
 from moe_lab.moe.router import Router
 
@@ -90,7 +90,7 @@ def load_imbalance(tokens_per_expert: Tensor) -> Tensor:
 
 
 class ExpertBiasBalancer:
-    """Aux-loss-free balancing for `moe_lab.train.train`, as its ``callback``::
+    """Aux-loss-free balancing for `moe_lab.training.loop.train`, as its ``callback``::
 
         with ExpertBiasBalancer(rate=1e-3) as balancer:
             result = train(model_cfg, cfg, callback=balancer)
@@ -137,53 +137,3 @@ class ExpertBiasBalancer:
             update_expert_bias(layers, [self._loads[id(layer)] for layer in layers], self.rate)
             self.updates += 1
         self._loads.clear()
-
-
-def compare_balancing(
-    model_cfg: ModelConfig,
-    steps: int,
-    *,
-    batch_size: int = 8,
-    seed: int = 0,
-    aux_loss_coef: float = 0.01,
-    bias_rate: float = 0.01,
-    dispatcher: str = "naive",
-    expert_backend: str = "loop",
-    router_impl: str = "reference",
-    progress: bool = False,
-) -> dict[str, list[dict]]:
-    """Train ``model_cfg`` three times on the same data — ``"none"`` (no balancing),
-    ``"aux loss"`` (``aux_loss_coef``), ``"bias"`` (aux-loss-free, ``bias_rate``) — and
-    return, per run, one record per step: ``loss`` (the language-model loss, comparable
-    across runs), ``imbalance`` (max/mean load, averaged over the MoE layers) and
-    ``max_share`` (the busiest expert's share of the routed slots, averaged likewise)."""
-    from moe_lab.data import load_corpus
-    from moe_lab.train import TrainConfig, train
-
-    if not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    corpus = load_corpus("synthetic", seq_len=model_cfg.seq_len, seed=seed)
-    runs = {"none": (0.0, None), "aux loss": (aux_loss_coef, None), "bias": (0.0, bias_rate)}
-    out: dict[str, list[dict]] = {}
-    for name, (coef, rate) in runs.items():
-        cfg = model_cfg.replace(moe={"aux_loss_coef": coef})
-        train_cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, eval_every=0,
-                                warmup_steps=max(1, steps // 10), dispatcher=dispatcher,
-                                expert_backend=expert_backend, router_impl=router_impl,
-                                progress=progress)
-        if rate is None:
-            result = train(cfg, train_cfg, corpus=corpus)
-        else:
-            with ExpertBiasBalancer(rate) as balancer:
-                result = train(cfg, train_cfg, corpus=corpus, callback=balancer)
-        records = []
-        for h in result.history:
-            counts = torch.tensor(h["tokens_per_expert"], dtype=torch.float64)  # [layers, E]
-            records.append({
-                "step": h["step"],
-                "loss": h["lm_loss"],
-                "imbalance": float(load_imbalance(counts).mean()),
-                "max_share": float((counts.amax(-1) / counts.sum(-1).clamp_min(1)).mean()),
-            })
-        out[name] = records
-    return out

@@ -21,33 +21,30 @@ an expert chosen more than ``C`` times drops the rest — those tokens skip the 
 computes the per-expert offsets on the device with a prefix sum, runs all experts as one
 grouped GEMM over those offsets, and scatters the weighted results back. Every buffer is
 ``tokens · top_k`` rows — a bound known from shapes alone — so nothing is dropped and the
-host never waits. With the ``openmp`` expert backend on a CPU the sort and the two moves run
-as moe_lab's C++ kernels (`moe_lab.kernels.cpu_permute`: a counting sort, then one pass per
-move), with the ``triton`` backend as the Triton kernels of `moe_lab.kernels.permute`.
+host never waits. How the tokens are sorted into expert order and brought back is a *token
+permutation* (`PERMUTATIONS`): ``torch`` is the reference chain above (argsort, gather,
+scatter-add); ``triton`` is one Triton kernel per move (`moe_lab.kernels.permute`); a plug-in
+may add more. The experts' backend names the permutation it pairs with.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from moe_lab.moe.experts import SwiGLUExperts
 from moe_lab.moe.router import tokens_per_expert_from_ids
+from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
 # name -> fn(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped_tokens: Tensor[] int64)
-DISPATCHERS: dict[str, Callable[..., tuple[Tensor, Tensor]]] = {}
-
-
-def register_dispatcher(name: str):
-    def add(fn):
-        DISPATCHERS[name] = fn
-        return fn
-
-    return add
+DISPATCHERS: Registry[Callable[..., tuple[Tensor, Tensor]]] = Registry("dispatcher")
+register_dispatcher = DISPATCHERS.register
 
 
 @register_dispatcher("naive")
@@ -134,64 +131,64 @@ def sort_by_expert(topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
     return order, offsets
 
 
+@dataclass(frozen=True)
+class TokenPermutation:
+    """The dropless layout's two moves.
+
+    ``permute(x, topk_ids, n_experts) -> (x_sorted, offsets, layout)``: ``x: [T, d]``,
+    ``topk_ids: [T, k]``; ``x_sorted: [T·k, d]``, row ``i`` the token of the ``i``-th
+    assignment in expert order; ``offsets: [n_experts + 1] int32`` on the device; ``layout``
+    whatever ``unpermute`` needs. ``unpermute(y_sorted, layout, topk_weights) -> [T, d]``:
+    ``out[t] = Σ_j topk_weights[t, j] · y_sorted[row of (t, j)]``. Both without a host sync.
+    """
+
+    permute: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, Any]]
+    unpermute: Callable[[Tensor, Any, Tensor], Tensor]
+
+
+# name -> TokenPermutation; each is tested against "torch".
+PERMUTATIONS: Registry[TokenPermutation] = Registry("token permutation")
+
+
+def _torch_permute(x: Tensor, topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Any]:
+    order, offsets = sort_by_expert(topk_ids, n_experts)
+    token_of = order // topk_ids.shape[1]  # the token behind each sorted row
+    return x.index_select(0, token_of), offsets, (order, token_of)
+
+
+def _torch_unpermute(y_sorted: Tensor, layout: tuple[Tensor, Tensor], topk_weights: Tensor) -> Tensor:
+    order, token_of = layout
+    weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_sorted.dtype)
+    out = y_sorted.new_zeros(topk_weights.shape[0], y_sorted.shape[1])
+    return out.index_add_(0, token_of, y_sorted * weight)
+
+
+def _triton_permute(x: Tensor, topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Any]:
+    # Imported on first use: importing the layer does not import Triton.
+    from moe_lab.kernels.permute import make_row_id_map, permute
+
+    row_id_map, offsets = make_row_id_map(topk_ids, n_experts)
+    return permute(x, row_id_map, topk_ids.numel()), offsets, row_id_map
+
+
+def _triton_unpermute(y_sorted: Tensor, row_id_map: Tensor, topk_weights: Tensor) -> Tensor:
+    from moe_lab.kernels.permute import unpermute
+
+    return unpermute(y_sorted, row_id_map, topk_weights.to(y_sorted.dtype))
+
+
+PERMUTATIONS.register("torch", TokenPermutation(_torch_permute, _torch_unpermute))
+PERMUTATIONS.register("triton", TokenPermutation(_triton_permute, _triton_unpermute))
+
+
 @register_dispatcher("dropless")
 def dropless_dispatch(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts, cfg=None
 ) -> tuple[Tensor, Tensor]:
-    """Permute → grouped GEMM over device offsets → weighted unpermute. Never drops."""
-    tokens, k = topk_ids.shape
-    if experts.backend == "triton":
-        from moe_lab.kernels.permute import make_row_id_map, permute, unpermute
-
-        row_id_map, offsets = make_row_id_map(topk_ids, experts.n_experts)
-        x_sorted = permute(x, row_id_map, tokens * k)
-        y_sorted = experts.grouped_forward(x_sorted, offsets)
-        out = unpermute(y_sorted, row_id_map, topk_weights.to(y_sorted.dtype))
-        return out, torch.zeros((), dtype=torch.int64, device=x.device)
-    align = getattr(experts, "row_align", 1)
-    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
-        raise ValueError(f"experts.row_align must be a positive integer, got {align!r}")
-    if experts.backend == "openmp" and x.device.type == "cpu":
-        # The same layout in one C++ pass each way (a counting sort, a copy per token row,
-        # a weighted gather-sum back), instead of the argsort / gather / scatter-add chain.
-        from moe_lab.kernels import cpu_permute
-
-        row_id_map, offsets = cpu_permute.make_row_id_map(topk_ids, experts.n_experts, align=align)
-        n_rows = cpu_permute.permuted_rows(tokens, k, experts.n_experts, align)
-        y_sorted = experts.grouped_forward(cpu_permute.permute(x, row_id_map, n_rows), offsets)
-        out = cpu_permute.unpermute(y_sorted, row_id_map, topk_weights)
-        return out, torch.zeros((), dtype=torch.int64, device=x.device)
-    order, offsets = sort_by_expert(topk_ids, experts.n_experts)
-    token_of = order // k  # the token behind each sorted row
-    if align == 1:
-        y_sorted = experts.grouped_forward(x.index_select(0, token_of), offsets)
-    else:
-        x_pad, dest, padded = _aligned_layout(x, token_of, order, topk_ids, offsets, align)
-        y_sorted = experts.grouped_forward(x_pad, padded).index_select(0, dest)
-    weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_sorted.dtype)
-    out = torch.zeros_like(x).index_add_(0, token_of, y_sorted * weight)
+    """Permute (the experts' paired `TokenPermutation`) → grouped GEMM over device offsets →
+    weighted unpermute. Never drops."""
+    moves = PERMUTATIONS.lookup(experts.permutation, "the experts' permutation")
+    x_sorted, offsets, layout = moves.permute(x, topk_ids, experts.n_experts)
+    y_sorted = experts.grouped_forward(x_sorted, offsets)
+    out = moves.unpermute(y_sorted, layout, topk_weights)
     return out, torch.zeros((), dtype=torch.int64, device=x.device)
-
-
-def _aligned_layout(x: Tensor, token_of: Tensor, order: Tensor, topk_ids: Tensor, offsets: Tensor,
-                    align: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The sorted rows with every expert's group padded with zero rows to a multiple of
-    ``align``: ``(x_pad, dest, padded_offsets)``; sorted row ``i`` sits at ``x_pad[dest[i]]``.
-
-    Why: a CPU's bf16 GEMM (oneDNN) compiles a kernel for every new row count it meets, and
-    dropless routing makes new per-expert counts every step — padded, the counts fall on a
-    few multiples of ``align`` and the compiled kernels are reused (Megatron-Core pads expert
-    groups the same way for FP8 GEMMs, which need aligned rows). The buffer has a static
-    size, ``T·k + E·(align − 1)`` rows, so there is no host sync; padding rows are zeros,
-    their outputs are never read, and the trailing rows past the last group are not computed.
-    """
-    n_experts = offsets.shape[0] - 1
-    counts = offsets[1:] - offsets[:-1]
-    padded_counts = (counts + (align - 1)) // align * align
-    padded = F.pad(padded_counts.cumsum(0), (1, 0)).to(offsets.dtype)
-    expert_of = topk_ids.reshape(-1).index_select(0, order)
-    shift = (padded[:-1] - offsets[:-1]).to(torch.int64)  # [E]: where each group moves
-    dest = torch.arange(order.shape[0], device=x.device) + shift.index_select(0, expert_of)
-    rows = order.shape[0] + n_experts * (align - 1)
-    x_pad = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x.index_select(0, token_of))
-    return x_pad, dest, padded

@@ -15,32 +15,43 @@ tokens in the autocast dtype when autocast is on.
 along the reduction dim first (emulated: quantize → dequantize → matmul), see
 ``moe_lab.quant``.
 
-Four ways to run all experts over tokens already grouped by expert
-(``grouped_forward(x, offsets)``, rows ``offsets[e]:offsets[e+1]`` belong to expert ``e``),
-selected by ``backend``:
+Ways to run all experts over tokens already grouped by expert
+(``grouped_forward(x, offsets)``, rows ``offsets[e]:offsets[e+1]`` belong to expert ``e``) are
+*expert backends*, registered by name in `EXPERT_BACKENDS` and given to the experts when
+they are built:
 
 - ``loop`` — the reference: every expert on every row, each row keeping its own expert's
   result. ``n_experts`` times the work, but plainly right and free of host syncs (a loop that
   slices each expert's rows would need their count on the host).
 - ``torch`` — ``torch._grouped_mm``: one grouped GEMM over the offsets, wrapped as the
   custom op ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it.
-- ``openmp`` — on a CPU only: moe_lab's C++ kernels that hand each core whole experts, each
-  expert's two GEMMs and SwiGLU run back to back on its core (``moe_lab.kernels.cpu_grouped``;
-  built on first use, needs a C++ compiler).
 - ``triton`` — moe_lab's own Triton grouped GEMM with SwiGLU fused into the first GEMM's
   epilogue (``moe_lab.kernels.grouped_gemm``).
+
+A plug-in may register more (``moe_lab.cpu`` adds ``openmp``). Each backend also names the
+token permutation it pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`), which the dropless
+dispatcher uses to sort the tokens into expert order and back.
+
+What the experts save for backward is kept by autograd, or by an *activation store* given
+with `SwiGLUExperts.use_activation_store` (the paged stash of `moe_lab.moe.stash`), which
+runs the expert compute under its saved-tensor hooks.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe_lab.quant.mx import fake_quantize
+from moe_lab.registry import Registry
+
 Tensor = torch.Tensor
-EXPERT_BACKENDS = ("loop", "torch", "openmp", "triton")
 
 
 # torch._grouped_mm as a custom op: its own meta function accepts only bf16 (the CUDA
@@ -93,20 +104,14 @@ def register_grouped_mm_autograd(forward_op, wgrad_op) -> None:
 register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)
 
 
-def _fake_quantize(t: Tensor, dim: int, quantize_grad: bool = True) -> Tensor:
-    from moe_lab.quant.mx import fake_quantize
-
-    return fake_quantize(t, dim=dim, quantize_grad=quantize_grad)
-
-
 class _SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` with a backward that writes both halves' gradients into one
     ``[..., 2f]`` buffer.
 
     Autograd's own graph for ``h.chunk(2)`` → ``silu`` → ``*`` joins the two halves'
     gradients with a ``cat`` at the end of the backward, a full extra pass over ``[M, 2f]``
-    that on a CPU cost about as much as the rest of the SwiGLU forward and backward together
-    (2.4 ms of 5.1 ms at ``[2048, 1024]`` fp32). Same formulas as autograd's
+    that costs about as much as the rest of the SwiGLU forward and backward together.
+    Same formulas as autograd's
     (``silu_backward`` for the gate), so the gradients agree bit for bit. Used in eager mode
     only: under ``torch.compile`` Inductor fuses the plain expression itself.
     """
@@ -140,102 +145,151 @@ def swiglu(h: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-class SwiGLUExperts(nn.Module):
-    """``n_experts`` SwiGLU FFNs ``d_model -> d_expert -> d_model`` in two stacked weights."""
+@dataclass(frozen=True)
+class ExpertBackend:
+    """One way to run the experts over expert-sorted rows.
 
-    def __init__(self, n_experts: int, d_model: int, d_expert: int) -> None:
+    ``mlp(experts, x, offsets) -> y``: ``x: [M, d_model]`` sorted by expert,
+    ``offsets: [n_experts + 1] int32`` on x's device (``offsets[-1] <= M``); rows past
+    ``offsets[-1]`` belong to no expert and their output is undefined. No host sync.
+    ``permutation``: the name of the token permutation it pairs with
+    (`moe_lab.moe.dispatch.PERMUTATIONS`)."""
+
+    mlp: Callable[[SwiGLUExperts, Tensor, Tensor], Tensor]
+    permutation: str = "torch"
+
+
+# name -> ExpertBackend; each is tested against "loop" (tests/test_dispatch.py).
+EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend")
+
+
+class ActivationStore(Protocol):
+    """Where the experts' saved activations live until backward (see `SwiGLUExperts`)."""
+
+    def run(self, compute: Callable[[], Tensor], x: Tensor, offsets: Tensor) -> Tensor:
+        """``compute()`` (the expert MLP on ``x`` grouped by ``offsets``), with its saved
+        activations kept by this store."""
+
+
+class SwiGLUExperts(nn.Module):
+    """``n_experts`` SwiGLU FFNs ``d_model -> d_expert -> d_model`` in two stacked weights,
+    run by the expert backend named ``backend`` (`EXPERT_BACKENDS`)."""
+
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop") -> None:
         super().__init__()
         self.n_experts, self.d_model, self.d_expert = n_experts, d_model, d_expert
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.quant: str | None = None
-        self.backend = "loop"
-        # Rows of each expert's group rounded up to a multiple of this in the dropless
-        # layout (1: packed). See `moe_lab.moe.dispatch.dropless_dispatch`.
-        self.row_align = 1
+        self.use_backend(backend)
+        self.activation_store: ActivationStore | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w_gate_up, std=1 / math.sqrt(self.d_model))
         nn.init.normal_(self.w_down, std=1 / math.sqrt(self.d_expert))
 
-    def _mm(self, x: Tensor, w: Tensor) -> Tensor:
-        # x: [n, K], w: [K, N]; the reduction dim is x's last and w's first.
-        x, w = self._quantized(x, w, 0)
-        return x @ w.to(x.dtype)
+    @property
+    def backend(self) -> str:
+        """The expert backend's name (set with `use_backend`)."""
+        return self._backend_name
 
-    def _quantized(self, x: Tensor, w: Tensor, w_dim: int) -> tuple[Tensor, Tensor]:
+    @property
+    def permutation(self) -> str:
+        """The token permutation the backend pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`)."""
+        return self._backend.permutation
+
+    def use_backend(self, name: str) -> None:
+        """Run the experts with the backend registered as ``name`` from now on."""
+        self._backend = EXPERT_BACKENDS.lookup(name, "expert_backend")
+        self._backend_name = name
+
+    def use_activation_store(self, store: ActivationStore | None) -> None:
+        """Keep the saved activations of `grouped_forward` in ``store`` (None: autograd's)."""
+        self.activation_store = store
+
+    def quantized(self, x: Tensor, w: Tensor, w_dim: int) -> tuple[Tensor, Tensor]:
+        """``(x, w)`` as the expert GEMMs take them: with ``quant = "mxfp8"`` both quantized
+        along the reduction dim (``x``'s last, ``w``'s ``w_dim``), else unchanged."""
         if self.quant == "mxfp8":
             # Activations' gradients are quantized (they feed the next GEMM); the weights'
             # gradient goes to the optimizer in full precision, as the recipe does.
-            return _fake_quantize(x, -1), _fake_quantize(w, w_dim, quantize_grad=False)
+            return (fake_quantize(x, dim=-1, quantize_grad=True),
+                    fake_quantize(w, dim=w_dim, quantize_grad=False))
         if self.quant is not None:
             raise ValueError(f"SwiGLUExperts.quant must be None or 'mxfp8', got {self.quant!r}")
         return x, w
 
+    def _mm(self, x: Tensor, w: Tensor) -> Tensor:
+        # x: [n, K], w: [K, N]; the reduction dim is x's last and w's first.
+        x, w = self.quantized(x, w, 0)
+        return x @ w.to(x.dtype)
+
     def grouped_forward(self, x: Tensor, offsets: Tensor) -> Tensor:
-        """All experts over rows grouped by expert.
+        """All experts over rows grouped by expert (see `ExpertBackend`): ``x: [M, d_model]``,
+        ``offsets: [n_experts + 1] int32`` → ``[M, d_model]``. No host sync in any backend."""
+        if self.activation_store is None:
+            return self._backend.mlp(self, x, offsets)
+        return self.activation_store.run(lambda: self._backend.mlp(self, x, offsets), x, offsets)
 
-        ``x: [M, d_model]``; ``offsets: [n_experts + 1] int32`` on x's device, with
-        ``offsets[-1] <= M``. Returns ``[M, d_model]``; rows past ``offsets[-1]`` belong to
-        no expert and their output is undefined (the aligned dropless layout never reads
-        them).
-        No host sync in any backend.
-        """
-        if self.backend not in EXPERT_BACKENDS:
-            raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {self.backend!r}")
-        if self.backend == "loop":
-            return self._loop_forward(x, offsets)
-        if self.backend in ("torch", "openmp"):
-            if self.backend == "openmp":
-                from moe_lab.kernels.cpu_grouped import expert_mlp
-                from moe_lab.kernels.cpu_grouped import grouped_mm as mm
-
-                if x.device.type != "cpu":
-                    raise ValueError(f"expert backend 'openmp' runs on the CPU, got tokens on "
-                                     f"{x.device}; use expert_backend='torch' or 'triton'")
-                if self.quant is None:  # both GEMMs and the SwiGLU per expert, on one core
-                    # the weights as they are: the kernel casts them (or, fp32 with bf16
-                    # tokens, rounds them as it repacks them and returns fp32 gradients)
-                    return expert_mlp(x, self.w_gate_up, self.w_down, offsets[1:])
-            else:
-                mm = grouped_mm
-                if x.is_cuda and x.dtype != torch.bfloat16:
-                    raise ValueError(
-                        f"expert backend 'torch' on CUDA needs bfloat16 (torch._grouped_mm's CUDA "
-                        f"kernel), got {x.dtype}; use .bfloat16() or expert_backend='triton'")
-            xq, w1 = self._quantized(x, self.w_gate_up, 1)
-            h = swiglu(mm(xq, w1.to(x.dtype), offsets[1:]))
-            hq, w2 = self._quantized(h, self.w_down, 1)
-            return mm(hq, w2.to(x.dtype), offsets[1:])
-        from moe_lab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_swiglu
-
-        xq, w1 = self._quantized(x, self.w_gate_up, 1)
-        h = grouped_gemm_swiglu(xq, w1.to(xq.dtype), offsets)
-        hq, w2 = self._quantized(h, self.w_down, 1)
-        return grouped_gemm(hq, w2.to(hq.dtype), offsets)
-
-    def _loop_forward(self, x: Tensor, offsets: Tensor) -> Tensor:
-        rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
-        row_expert = torch.searchsorted(offsets[1:], rows, right=True)  # [M]
-        out = x.new_zeros(x.shape[0], self.d_model)
-        for e in range(self.n_experts):
-            mine = (row_expert == e).unsqueeze(-1)
-            out = torch.where(mine, self.forward_expert(e, x), out)
-        return out
+    def grouped_two_gemms(self, x: Tensor, offsets: Tensor,
+                          mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        """``mm(swiglu(mm(x, W_gate_up)), W_down)`` with ``mm(x, w, ends)`` a grouped GEMM over
+        the groups' row ends ``offsets[1:]`` (quantized operands where ``quant`` says)."""
+        xq, w1 = self.quantized(x, self.w_gate_up, 1)
+        h = swiglu(mm(xq, w1.to(x.dtype), offsets[1:]))
+        hq, w2 = self.quantized(h, self.w_down, 1)
+        return mm(hq, w2.to(x.dtype), offsets[1:])
 
     def batched_forward(self, x: Tensor) -> Tensor:
         """``x: [n_experts, capacity, d_model]`` → same shape: expert ``e`` on ``x[e]``
         (the capacity dispatcher's padded buffers; one batched matmul per weight)."""
-        xq, w1 = self._quantized(x, self.w_gate_up, 1)
+        xq, w1 = self.quantized(x, self.w_gate_up, 1)
         h = swiglu(torch.bmm(xq, w1.to(xq.dtype)))
-        hq, w2 = self._quantized(h, self.w_down, 1)
+        hq, w2 = self.quantized(h, self.w_down, 1)
         return torch.bmm(hq, w2.to(hq.dtype))
 
     def forward_expert(self, expert: int, x: Tensor) -> Tensor:
         """Expert ``expert`` on its tokens ``x: [n, d_model]`` → ``[n, d_model]``."""
         h = swiglu(self._mm(x, self.w_gate_up[expert]))
         return self._mm(h, self.w_down[expert])
+
+    def extra_repr(self) -> str:
+        return (f"n_experts={self.n_experts}, d_model={self.d_model}, d_expert={self.d_expert}, "
+                f"backend={self.backend!r}")
+
+
+def _loop_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
+    # Every expert on every row; each row keeps its own expert's result.
+    rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+    row_expert = torch.searchsorted(offsets[1:], rows, right=True)  # [M]
+    out = x.new_zeros(x.shape[0], experts.d_model)
+    for e in range(experts.n_experts):
+        mine = (row_expert == e).unsqueeze(-1)
+        out = torch.where(mine, experts.forward_expert(e, x), out)
+    return out
+
+
+def _torch_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        raise ValueError(f"expert backend 'torch' on CUDA needs bfloat16 (torch._grouped_mm's CUDA "
+                         f"kernel), got {x.dtype}; use .bfloat16() or expert_backend='triton'")
+    return experts.grouped_two_gemms(x, offsets, grouped_mm)
+
+
+def _triton_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
+    # Imported on first use: importing the layer does not import Triton.
+    from moe_lab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_swiglu
+
+    xq, w1 = experts.quantized(x, experts.w_gate_up, 1)
+    h = grouped_gemm_swiglu(xq, w1.to(xq.dtype), offsets)
+    hq, w2 = experts.quantized(h, experts.w_down, 1)
+    return grouped_gemm(hq, w2.to(hq.dtype), offsets)
+
+
+EXPERT_BACKENDS.register("loop", ExpertBackend(_loop_backend))
+EXPERT_BACKENDS.register("torch", ExpertBackend(_torch_backend))
+EXPERT_BACKENDS.register("triton", ExpertBackend(_triton_backend, permutation="triton"))
 
 
 class SwiGLU(nn.Module):

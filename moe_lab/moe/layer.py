@@ -3,7 +3,8 @@
 ``y, stats = MoELayer(cfg, dispatcher="naive")(x)`` with ``x: [tokens, d_model]`` or
 ``[batch, seq, d_model]``. The dispatcher is chosen by name from
 ``moe_lab.moe.dispatch.DISPATCHERS`` (``naive``, ``capacity``, ``dropless``) and the
-dropless dispatcher's grouped GEMM by ``expert_backend`` (``loop``, ``torch``, ``triton``);
+dropless dispatcher's grouped GEMM by ``expert_backend`` (``loop``, ``torch``, ``triton``,
+and any a plug-in registered in ``moe_lab.moe.experts.EXPERT_BACKENDS``);
 every combination computes the same function (up to dropped tokens, which
 ``stats.dropped_tokens`` counts) and is tested against ``naive``.
 """
@@ -18,13 +19,13 @@ import torch.nn as nn
 
 from moe_lab.config import MoEConfig
 from moe_lab.moe.dispatch import DISPATCHERS
-from moe_lab.moe.experts import EXPERT_BACKENDS, SwiGLU, SwiGLUExperts
+from moe_lab.moe.experts import SwiGLU, SwiGLUExperts
 from moe_lab.moe.router import Router, RouterOutput
 
 Tensor = torch.Tensor
 
 
-def _autocast_enabled(device_type: str) -> bool:
+def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for ``device_type`` (devices autocast does not know, such as
     ``meta``, never are)."""
     try:
@@ -56,25 +57,25 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(cfg, MoEConfig):
             raise ValueError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
-        if dispatcher not in DISPATCHERS:
-            raise ValueError(
-                f"dispatcher must be one of {sorted(DISPATCHERS)}, got {dispatcher!r}"
-            )
-        if expert_backend not in EXPERT_BACKENDS:
-            raise ValueError(
-                f"expert_backend must be one of {EXPERT_BACKENDS}, got {expert_backend!r}"
-            )
         self.cfg = cfg
-        self.dispatcher = dispatcher
+        self.dispatcher = DISPATCHERS.check(dispatcher, "dispatcher")
         self.router = Router(cfg, impl=router_impl)
-        self.experts = SwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert)
-        # Used by the dropless dispatcher's grouped GEMM (naive and capacity ignore it).
-        self.experts.backend = expert_backend
+        # The backend runs the dropless dispatcher's grouped GEMM (naive and capacity call
+        # the experts one by one or batched).
+        self.experts = SwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert, expert_backend)
         self.shared = (
             SwiGLU(cfg.d_model, cfg.d_expert * cfg.n_shared_experts)
             if cfg.n_shared_experts
             else None
         )
+
+    def set_dispatcher(self, dispatcher: str, expert_backend: str | None = None) -> None:
+        """Switch to ``dispatcher`` (and, given, the experts to ``expert_backend``); the
+        weights stay."""
+        DISPATCHERS.check(dispatcher, "dispatcher")
+        if expert_backend is not None:
+            self.experts.use_backend(expert_backend)
+        self.dispatcher = dispatcher
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
         if x.dim() not in (2, 3) or x.shape[-1] != self.cfg.d_model:
@@ -86,7 +87,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
         w = self.experts.w_gate_up
         device_type = x.device.type
-        autocast = _autocast_enabled(device_type)
+        autocast = autocast_enabled(device_type)
         compute_dtype = torch.get_autocast_dtype(device_type) if autocast else w.dtype
         if x.dtype not in (w.dtype, compute_dtype) or x.device != w.device:
             raise ValueError(

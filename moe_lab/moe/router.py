@@ -13,7 +13,7 @@ This module is the *reference*: the unfused chain, written the way frameworks wr
 each step one or more full passes over a ``[tokens, n_experts]`` tensor. It runs in
 float32 or float64 (``MoEConfig.router_dtype``); routers are kept in high precision
 because the weights they produce multiply the experts' outputs directly. The fused
-router (`moe_lab.kernels.router`) and a ``torch.compile`` of this chain are registered
+router (`moe_lab.kernels.fused_router`) and a ``torch.compile`` of this chain are registered
 beside it in ``ROUTER_IMPLS`` and tested against it.
 
 Shapes: ``x: [tokens, d_model]`` → ``topk_ids: [tokens, top_k] int64``,
@@ -33,41 +33,29 @@ Defined behaviour, kept by every implementation:
 - **NaN logits** propagate: the token's scores, and through them the weights or the
   auxiliary statistics, become NaN, so the loss shows it; the ids stay valid indices, but
   which ones is not specified. Nothing is checked on the host (that would be a sync);
-  `moe_lab.kernels.router.check_finite_logits` is the explicit, syncing check.
+  `moe_lab.kernels.fused_router.check_finite_logits` is the explicit, syncing check.
 
 Every step here is sync-free: counts come from ``scatter_add_``, not ``bincount``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
+from moe_lab.moe.routing import DTYPES, RouterOutput, check_seq_len, gate_logits
+from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-@dataclass
-class RouterOutput:
-    topk_ids: Tensor  # [T, k] int64, ordered by score (highest first)
-    topk_weights: Tensor  # [T, k] router dtype (float32 for the fused router)
-    scores: Tensor | None  # [T, E] after the score function; None where not materialised
-    logits: Tensor  # [T, E] router dtype
-    tokens_per_expert: Tensor  # [E] int64
-    aux_loss: Tensor  # [] switch (global) load-balancing loss, unscaled by the coefficient
-    z_loss: Tensor  # [] router z-loss, unscaled
-    seq_aux_loss: Tensor | None = None  # [] sequence-level aux loss when seq_len was given
-
-    @property
-    def routing_map(self) -> Tensor:
-        """``[T, E]`` bool: ``True`` where the token was routed to the expert (built on use)."""
-        tokens, n_experts = self.logits.shape
-        out = torch.zeros(tokens, n_experts, dtype=torch.bool, device=self.topk_ids.device)
-        return out.scatter_(1, self.topk_ids, True)
+__all__ = [
+    "DTYPES", "ROUTER_IMPLS", "Router", "RouterOutput", "check_seq_len", "compiled_route",
+    "fused_route", "gate_logits", "group_limited_mask", "route", "route_from_logits",
+    "router_z_loss", "routing_agreement", "sequence_aux_loss", "switch_aux_loss",
+    "tokens_per_expert_from_ids", "topk_by_unique_keys", "topk_lowest_index",
+]
 
 
 def topk_lowest_index(values: Tensor, k: int) -> Tensor:
@@ -80,25 +68,11 @@ def topk_lowest_index(values: Tensor, k: int) -> Tensor:
     expert index in the low bits — so no two keys are equal and ``torch.topk``'s order among
     equal values never matters. Packing value and index into one key is how GPU top-k
     kernels make ties deterministic; it is also a top-k, not a sort, so it stays cheap.
-    On a CPU where moe_lab's C++ kernels are already loaded (the ``openmp`` expert backend
-    loads them), a 2-D float32 top-k runs as their one-pass kernel instead
-    (`moe_lab.kernels.cpu_permute.topk_lowest_index`, the same indices; `topk_by_unique_keys`
-    is the PyTorch form).
     """
     n = values.shape[-1]
     if values.dtype != torch.float32 or n == 0:
         return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-    if values.dim() == 2 and values.device.type == "cpu" and _cpu_kernels_loaded():
-        from moe_lab.kernels.cpu_permute import topk_lowest_index as cpu_topk_lowest_index
-
-        return cpu_topk_lowest_index(values, k)
     return topk_by_unique_keys(values, k)
-
-
-def _cpu_kernels_loaded() -> bool:
-    from moe_lab.kernels import cpu_ext
-
-    return cpu_ext.loaded()
 
 
 def topk_by_unique_keys(values: Tensor, k: int) -> Tensor:
@@ -114,7 +88,8 @@ def topk_by_unique_keys(values: Tensor, k: int) -> Tensor:
 
 
 def group_limited_mask(scores: Tensor, n_groups: int, topk_groups: int,
-                       lowest_index_ties: bool = True) -> Tensor:
+                       lowest_index_ties: bool = True,
+                       topk: Callable[[Tensor, int], Tensor] = topk_lowest_index) -> Tensor:
     """Boolean ``[T, E]`` mask of the experts inside each token's ``topk_groups`` best groups.
 
     A group's score is the sum of its two best expert scores (one if a group has one expert);
@@ -127,7 +102,7 @@ def group_limited_mask(scores: Tensor, n_groups: int, topk_groups: int,
     # The sum of the two best values does not depend on which of two equal values is first.
     group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, G]
     if lowest_index_ties:
-        best_groups = topk_lowest_index(group_scores, topk_groups)  # [T, g]
+        best_groups = topk(group_scores, topk_groups)  # [T, g]
     else:
         best_groups = group_scores.topk(topk_groups, dim=-1).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
@@ -188,15 +163,6 @@ def sequence_aux_loss(scores: Tensor, topk_ids: Tensor, top_k: int, seq_len: int
     return n_experts * (f * p).sum(dim=-1).mean()
 
 
-def check_seq_len(tokens: int, seq_len: int | None) -> None:
-    if seq_len is None:
-        return
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
-    if tokens % seq_len:
-        raise ValueError(f"tokens={tokens} must be a multiple of seq_len={seq_len}")
-
-
 def router_z_loss(logits: Tensor) -> Tensor:
     """ST-MoE's z-loss: the mean squared log-sum-exp of each token's logits."""
     if logits.shape[0] == 0:
@@ -211,13 +177,16 @@ def route_from_logits(
     *,
     seq_len: int | None = None,
     lowest_index_ties: bool = True,
+    topk: Callable[[Tensor, int], Tensor] = topk_lowest_index,
 ) -> RouterOutput:
     """The reference chain after the gating matmul. ``logits: [tokens, n_experts]`` float32 or
     float64; the chain computes in that dtype.
 
     ``lowest_index_ties=False`` takes ``torch.topk`` for the groups and the experts, as
     frameworks do (equal scores in no fixed order): the same function on data without
-    ties, used to time the chain the way frameworks run it.
+    ties, used to time the chain the way frameworks run it. ``topk`` is the lowest-index
+    top-k used otherwise (`topk_lowest_index`; a plug-in may pass a faster one giving the same
+    indices).
     """
     if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
         raise ValueError(
@@ -235,10 +204,11 @@ def route_from_logits(
     # A -inf logit marks the expert unavailable, whatever its bias.
     selection = selection.masked_fill(logits == float("-inf"), float("-inf"))
     if cfg.n_groups > 1:
-        mask = group_limited_mask(selection, cfg.n_groups, cfg.topk_groups, lowest_index_ties)
+        mask = group_limited_mask(selection, cfg.n_groups, cfg.topk_groups, lowest_index_ties,
+                                  topk)
         selection = selection.masked_fill(~mask, float("-inf"))
     if lowest_index_ties:
-        topk_ids = topk_lowest_index(selection, cfg.top_k)  # [T, k]
+        topk_ids = topk(selection, cfg.top_k)  # [T, k]
     else:
         topk_ids = selection.topk(cfg.top_k, dim=-1, sorted=True).indices
     topk_weights = scores.gather(1, topk_ids)
@@ -254,11 +224,6 @@ def route_from_logits(
     return RouterOutput(topk_ids, topk_weights, scores, logits, tokens_per_expert, aux, z, seq_aux)
 
 
-def gate_logits(x: Tensor, gate_weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x · gate_weightᵀ`` computed in ``dtype``: ``[tokens, n_experts]``."""
-    return x.to(dtype) @ gate_weight.to(dtype).t()
-
-
 def _check_x(x: Tensor, cfg: MoEConfig) -> None:
     if x.dim() != 2 or x.shape[1] != cfg.d_model:
         raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
@@ -271,12 +236,14 @@ def route(
     expert_bias: Tensor | None = None,
     *,
     seq_len: int | None = None,
+    topk: Callable[[Tensor, int], Tensor] = topk_lowest_index,
 ) -> RouterOutput:
     """The reference routing chain. ``gate_weight: [n_experts, d_model]``; ``seq_len`` (the
-    tokens are whole sequences of that length, in order) adds ``seq_aux_loss``."""
+    tokens are whole sequences of that length, in order) adds ``seq_aux_loss``; ``topk`` as
+    in `route_from_logits`."""
     _check_x(x, cfg)
     logits = gate_logits(x, gate_weight, DTYPES[cfg.router_dtype])  # [T, E]
-    return route_from_logits(logits, cfg, expert_bias, seq_len=seq_len)
+    return route_from_logits(logits, cfg, expert_bias, seq_len=seq_len, topk=topk)
 
 
 # torch.compile of the chain after the matmul: the fair fused baseline on a CPU, where
@@ -316,16 +283,20 @@ def fused_route(
     *,
     seq_len: int | None = None,
 ) -> RouterOutput:
-    """The fused Triton router (``ROUTER_IMPLS["triton"]``); see `moe_lab.kernels.router`.
+    """The fused Triton router (``ROUTER_IMPLS["triton"]``); see `moe_lab.kernels.fused_router`.
     Imported on first use, so that importing this module does not import Triton."""
-    from moe_lab.kernels.router import fused_route as fused
+    from moe_lab.kernels.fused_router import fused_route as fused
 
     return fused(x, gate_weight, cfg, expert_bias, seq_len=seq_len)
 
 
 # name -> fn(x, gate_weight, cfg, expert_bias, *, seq_len=None) -> RouterOutput; each is
-# tested against "reference" (tests/test_router.py, tests/test_router_kernel.py).
-ROUTER_IMPLS = {"reference": route, "compiled": compiled_route, "triton": fused_route}
+# tested against "reference" (tests/test_router.py, tests/test_router_kernel.py). A plug-in
+# may register more; "reference" is always the pure PyTorch chain above.
+ROUTER_IMPLS: Registry[Callable[..., RouterOutput]] = Registry("router impl")
+ROUTER_IMPLS.register("reference", route)
+ROUTER_IMPLS.register("compiled", compiled_route)
+ROUTER_IMPLS.register("triton", fused_route)
 
 
 class Router(nn.Module):
@@ -337,8 +308,7 @@ class Router(nn.Module):
 
     def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
         super().__init__()
-        if impl not in ROUTER_IMPLS:
-            raise ValueError(f"router impl must be one of {sorted(ROUTER_IMPLS)}, got {impl!r}")
+        ROUTER_IMPLS.check(impl, "router impl")
         if impl == "triton" and cfg.router_dtype != "fp32":
             raise ValueError(
                 f"router impl 'triton' computes in float32: MoEConfig.router_dtype must be "

@@ -29,7 +29,8 @@ The pool costs ``capacity_factor · tokens · top_k`` rows (+ one partly filled 
 expert) per stashed tensor instead of the worst case; restoring gathers the same rows back,
 so the saved activations round-trip bit for bit.
 
-`PagedStash.attach(model, example_batch)` wraps each MoE layer's expert compute in
+`PagedStash.attach(model, example_batch)` gives each MoE layer's experts an activation store
+(`moe_lab.moe.experts.SwiGLUExperts.use_activation_store`) that runs their compute under
 ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor with one row per sorted
 assignment goes into the pool; weights and offsets are kept as they are. A first forward
 pass on the example batch plans the pools (one per activation width and dtype).
@@ -40,7 +41,6 @@ skews, for one device of an expert-parallel group.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -162,6 +162,18 @@ class _Stashed:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class _LayerStore:
+    """One MoE layer's activation store: the experts' compute, paged by ``stash``."""
+
+    stash: PagedStash
+    layer: int
+    top_k: int
+
+    def run(self, compute, x: Tensor, offsets: Tensor) -> Tensor:
+        return self.stash.run_paged(compute, self.layer, self.top_k, x, offsets)
+
+
 class PagedStash(nn.Module):
     """A device page pool for the activations the MoE experts save for backward.
 
@@ -169,7 +181,7 @@ class PagedStash(nn.Module):
     then every training forward pass pages the experts' saved activations into fixed pools
     (buffers ``pool{i}: [n_pages + 1, page_rows, width]``, the last page a trash page),
     and backward reads them back. Call `reset` at the start of each step (the
-    `moe_lab.step.SyncFreeStep` does). ``overflow`` (``[]`` bool buffer) is raised when a
+    `moe_lab.training.steps.SyncFreeStep` does). ``overflow`` (``[]`` bool buffer) is raised when a
     step needed more pages than a pool holds; those rows went to the trash page, so the
     step must be repeated with the stash `disabled` (or skipped).
 
@@ -213,9 +225,7 @@ class PagedStash(nn.Module):
                                  f"{layer.dispatcher!r}; paging needs the dropless dispatcher's "
                                  "expert-sorted rows and offsets")
             experts = layer.experts
-            original = type(experts).grouped_forward.__get__(experts)
-            experts.grouped_forward = functools.partial(
-                self._paged_grouped_forward, original, index, layer.cfg.top_k)
+            experts.use_activation_store(_LayerStore(self, index, layer.cfg.top_k))
             self._attached.append(experts)
         self._model_ref = weakref.ref(model)  # not a submodule: the stash does not own the model
         self._planning = []
@@ -228,9 +238,10 @@ class PagedStash(nn.Module):
         return self
 
     def detach(self) -> None:
-        """Unwrap the experts (the pools stay allocated until the stash is dropped)."""
+        """Give the experts back to autograd's saving (the pools stay allocated until the
+        stash is dropped)."""
         for experts in self._attached:
-            experts.__dict__.pop("grouped_forward", None)
+            experts.use_activation_store(None)
         self._attached = []
 
     def check_attached(self, model: nn.Module) -> None:
@@ -295,10 +306,11 @@ class PagedStash(nn.Module):
         dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
         return pool.view(-1, pool.shape[-1]).index_select(0, dest).view(handle.shape)
 
-    def _paged_grouped_forward(self, original, layer: int, top_k: int, x: Tensor,
-                               offsets: Tensor) -> Tensor:
+    def run_paged(self, compute, layer: int, top_k: int, x: Tensor, offsets: Tensor) -> Tensor:
+        """``compute()`` — layer ``layer``'s expert MLP on ``x`` grouped by ``offsets`` — with
+        its saved activations paged (planned, during `attach`)."""
         if not self.enabled or (self._planning is None and not self.pool_keys):
-            return original(x, offsets)
+            return compute()
         rows = x.shape[0]
 
         def pageable(t: Tensor) -> bool:
@@ -324,7 +336,7 @@ class PagedStash(nn.Module):
                 return self.restore(t) if isinstance(t, _Stashed) else t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            return original(x, offsets)
+            return compute()
 
     # -- what it costs ---------------------------------------------------------------------
 

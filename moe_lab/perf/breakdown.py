@@ -6,9 +6,8 @@ every recorded operation's *self* time — the time in it and not in an operatio
 twice over:
 
 - by **phase**: the forward, the backward and the optimizer (gradient clipping included),
-  from the ranges the trainers open with `phase` (`moe_lab.step.SyncFreeStep`,
-  `moe_lab.bench.ttt`'s loop trainer); anything else — copying the batch in, the running
-  statistics — is ``"rest of the step"``;
+  from the ranges the training steps open with `phase` (`moe_lab.training.steps`); anything
+  else — copying the batch in, the running statistics — is ``"rest of the step"``;
 - by **kind**: the matmuls (the BLAS/oneDNN GEMM calls), the attention core, the rest of
   moe_lab's expert kernel (SwiGLU, zeroing; its GEMMs count as matmuls), what a
   ``torch.compile``'d graph runs itself (Inductor's fused elementwise kernels and its
@@ -32,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-PHASE_PREFIX = "moe_lab.step."
+PHASE_PREFIX = "moe_lab.training."
 PHASES = ("forward", "backward", "optimizer")
 REST = "rest of the step"
 

@@ -96,7 +96,7 @@ def overhead_sweep(widths: Sequence[int] = (256, 128, 64, 32, 16), preset: str =
     ``compute_ops`` per iteration, and ``floor_ms = ops × per_op_s`` (``per_op_s`` from
     `dispatch_cost` when not given) with ``floor_frac = floor_ms / iteration_ms``."""
     from moe_lab.perf import bench
-    from moe_lab.step import build_sync_free, random_batch
+    from moe_lab.training.build import build_sync_free, random_batch
 
     per_op_s = dispatch_cost() if per_op_s is None else per_op_s
     rows = []
@@ -125,7 +125,9 @@ def compiled_vs_eager(preset: str = "tiny", batch_size: int = 2, d_model: int | 
     Compilation happens once, on the first call, and is reported separately
     (``compile_s``): on a 2-core CPU it takes a minute or more."""
     from moe_lab.perf import compare
-    from moe_lab.step import SyncFreeStep, build_model, make_optimizer, random_batch
+    from moe_lab.training.build import build_model, random_batch
+    from moe_lab.training.optim import make_optimizer
+    from moe_lab.training.steps import SyncFreeStep
 
     cfg = shrunk_config(preset, d_model) if d_model else _preset(preset)
     model, optimizer = build_model(cfg)

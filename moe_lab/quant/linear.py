@@ -290,7 +290,7 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
     """
     import math
 
-    from moe_lab.attention import ATTENTION_IMPLS, _expand_kv, mxfp8_reference_attention
+    from moe_lab.attention import ATTENTION_IMPLS, expand_kv, mxfp8_reference_attention
     from moe_lab.quant.mx import mx_error_stats
 
     rows: list[dict] = []
@@ -312,7 +312,7 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
             original = block.attention_impl
 
             def recording(q, k, v, layer=f"attention{i}.core", original=original):
-                ke, ve = _expand_kv(q, k, v)
+                ke, ve = expand_kv(q, k, v)
                 add(layer, "q", q, -1)
                 add(layer, "k", k, -1)
                 add(layer, "v", v, -2)

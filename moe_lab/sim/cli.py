@@ -13,7 +13,19 @@ import argparse
 import json
 from typing import Any
 
+import numpy as np
+
 from moe_lab.config import PRESETS, preset
+from moe_lab.sim import fabric
+from moe_lab.sim.layout import Layout, check_layout, parse_layout
+from moe_lab.sim.layout_search import (
+    even_layout,
+    layer_costs,
+    layout_report,
+    search_layout,
+    simulate_layout,
+)
+from moe_lab.sim.traffic import incast_traffic, moe_traffic, uniform_traffic
 
 
 def pipeline_report(
@@ -29,23 +41,21 @@ def pipeline_report(
 ) -> dict[str, Any]:
     """The ``sim pipeline`` answer as a dict: per layout, its string, rank loads,
     imbalance and the simulated step (makespan in GFLOP/token units, bubble)."""
-    from moe_lab.sim import pipeline as pl
-
     cfg = preset(preset_name)
-    costs = pl.layer_costs(cfg, seq_len, logits_scale=logits_scale)
-    layouts: dict[str, pl.Layout] = {}
+    costs = layer_costs(cfg, seq_len, logits_scale=logits_scale)
+    layouts: dict[str, Layout] = {}
     if layout is not None:
-        given = pl.parse_layout(layout, n_ranks)
+        given = parse_layout(layout, n_ranks)
         if given.n_chunks != n_chunks and n_chunks != 1:
             raise ValueError(
                 f"--layout has {given.n_chunks} chunks per rank but --vpp is {n_chunks}"
             )
         n_chunks = given.n_chunks
-        pl.check_layout(given, cfg)
+        check_layout(given, cfg)
         layouts["given"] = given
     if n_ranks * n_chunks <= cfg.n_layers:
-        layouts["even"] = pl.even_layout(cfg, n_ranks, n_chunks)
-    layouts["searched"] = pl.search_layout(
+        layouts["even"] = even_layout(cfg, n_ranks, n_chunks)
+    layouts["searched"] = search_layout(
         cfg, costs, n_ranks, n_chunks, n_microbatches=n_microbatches if n_chunks > 1 else None
     )
     schedule = "1f1b" if n_chunks == 1 else "interleaved"
@@ -62,8 +72,8 @@ def pipeline_report(
         "layouts": {},
     }
     for name, lay in layouts.items():
-        report = pl.layout_report(lay, cfg, costs)
-        step = pl.simulate_layout(lay, cfg, costs, n_microbatches, delay_wgrad=delay_wgrad)
+        report = layout_report(lay, cfg, costs)
+        step = simulate_layout(lay, cfg, costs, n_microbatches, delay_wgrad=delay_wgrad)
         report.update(
             makespan=step.makespan,
             bubble_fraction=step.bubble_fraction,
@@ -113,26 +123,22 @@ def fabric_report(
     seed: int = 0,
 ) -> dict[str, Any]:
     """The ``sim fabric`` answer as a dict: one entry per routing × pacing."""
-    import numpy as np
-
-    from moe_lab.sim import fabric as fb
-
-    topo = fb.LeafSpine(hosts_per_leaf, n_leaf, n_spine, link_gbps, oversubscription)
+    topo = fabric.LeafSpine(hosts_per_leaf, n_leaf, n_spine, link_gbps, oversubscription)
     rng = np.random.default_rng(seed)
     nbytes = mb_per_pair * 2**20
     if traffic == "uniform":
-        matrix = fb.uniform_traffic(topo.n_hosts, nbytes)
+        matrix = uniform_traffic(topo.n_hosts, nbytes)
     elif traffic == "moe":
-        matrix = fb.moe_traffic(topo.n_hosts, zipf_s=zipf_s, rng=rng)
+        matrix = moe_traffic(topo.n_hosts, zipf_s=zipf_s, rng=rng)
     elif traffic == "incast":
-        matrix = fb.incast_traffic(topo.n_hosts, n_senders, nbytes, rng=rng)
+        matrix = incast_traffic(topo.n_hosts, n_senders, nbytes, rng=rng)
     else:
         raise ValueError(f"traffic must be one of ('uniform', 'moe', 'incast'), got {traffic!r}")
     runs = []
     for routing in routings:
         for pacing in pacings:
-            result = fb.simulate(topo, matrix, routing=routing, pacing=pacing,
-                                 rng=np.random.default_rng(seed + 1))
+            result = fabric.simulate(topo, matrix, routing=routing, pacing=pacing,
+                                     rng=np.random.default_rng(seed + 1))
             runs.append(result.to_dict())
     return {
         "topology": {

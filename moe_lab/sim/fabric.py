@@ -28,16 +28,16 @@ The model, step by step (each a documented approximation):
 1. *Topology* (:class:`LeafSpine`): directed links host→leaf, leaf→host, leaf→spine,
    spine→leaf; host links run at ``link_gbps``; each leaf's ``n_spine`` uplinks together
    carry ``hosts_per_leaf × link_gbps / oversubscription``.
-2. *Traffic*: a GPU × GPU matrix of bytes (:func:`uniform_traffic`,
-   :func:`moe_traffic` with Zipf-skewed expert popularity, :func:`incast_traffic`); each
-   non-zero off-diagonal entry is one flow, all starting at time 0.
+2. *Traffic* (:mod:`moe_lab.sim.traffic`): a GPU × GPU matrix of bytes (uniform, MoE
+   dispatch with Zipf-skewed expert popularity, incast); each non-zero off-diagonal entry
+   is one flow, all starting at time 0.
 3. *Routing* (:func:`route`): ECMP picks one spine per flow uniformly at random (a hash);
    adaptive routing splits each flow equally over the spines, modelled as each leaf's
    uplinks acting as one link of ``n_spine`` times the capacity.
-4. *Rates*: max-min fair (:func:`max_min_rates`, progressive filling: raise every rate
-   together until a link fills, freeze the flows through it, repeat) — what a fair
-   congestion control converges to. *Completion times*: a fluid simulation re-allocates
-   the rates each time flows finish (:func:`fluid_completion_times`).
+4. *Rates* (:mod:`moe_lab.sim.fair_share`): max-min fair (progressive filling: raise
+   every rate together until a link fills, freeze the flows through it, repeat) — what a
+   fair congestion control converges to. *Completion times*: a fluid simulation
+   re-allocates the rates each time flows finish.
 5. *Burst* (unpaced only, :class:`BurstModel`): before congestion control reacts
    (``reaction_us``), each sender splits its line rate evenly over its flows (a flow
    shorter than the window sends all of it); queues grow at every link that receives
@@ -48,7 +48,8 @@ The model, step by step (each a documented approximation):
    start at their fair rates, so no queue builds. No PFC, no ECN marking dynamics, no
    packet-level reordering cost: first-order effects only.
 
-Figures are projections ("simulated"), not measurements.
+Figures are projections ("simulated"), not measurements; they are drawn by
+:mod:`moe_lab.sim.fabric_figures`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from moe_lab.sim.fair_share import fluid_completion_times
+from moe_lab.sim.traffic import check_traffic
 
 ROUTINGS = ("ecmp", "adaptive")
 
@@ -145,125 +149,6 @@ class LeafSpine:
     def replace(self, **changes: Any) -> LeafSpine:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-# ---------------------------------------------------------------------------- traffic
-
-
-def check_traffic(traffic: np.ndarray, n_hosts: int | None = None) -> np.ndarray:
-    """``traffic`` as a float ``[n, n]`` array of bytes; ``ValueError`` if it is not one."""
-    arr = np.asarray(traffic, dtype=float)
-    if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
-        raise ValueError(f"traffic must be a square [n_gpus, n_gpus] matrix, got shape {arr.shape}")
-    if n_hosts is not None and arr.shape[0] != n_hosts:
-        raise ValueError(
-            f"traffic is {arr.shape[0]} × {arr.shape[0]} but the fabric has {n_hosts} hosts"
-        )
-    if not np.all(np.isfinite(arr)):
-        raise ValueError("traffic must hold finite byte counts, got NaN or inf")
-    if np.any(arr < 0):
-        i, j = np.argwhere(arr < 0)[0]
-        raise ValueError(
-            f"traffic must be >= 0 bytes everywhere, got {float(arr[i, j])!r} at [{i}, {j}]"
-        )
-    return arr
-
-
-def uniform_traffic(n_gpus: int, bytes_per_pair: float) -> np.ndarray:
-    """Every GPU sends ``bytes_per_pair`` to every other GPU: ``[n_gpus, n_gpus]``."""
-    if not isinstance(n_gpus, int) or n_gpus < 2:
-        raise ValueError(f"n_gpus must be an integer >= 2, got {n_gpus!r}")
-    if not bytes_per_pair > 0:
-        raise ValueError(f"bytes_per_pair must be > 0, got {bytes_per_pair!r}")
-    out = np.full((n_gpus, n_gpus), float(bytes_per_pair))
-    np.fill_diagonal(out, 0.0)
-    return out
-
-
-def zipf_expert_probs(n_experts: int, s: float, rng: np.random.Generator) -> np.ndarray:
-    """Expert popularity ∝ 1 / rank^s, the ranks shuffled over the experts (``s = 0``: uniform)."""
-    if not isinstance(n_experts, int) or n_experts < 1:
-        raise ValueError(f"n_experts must be a positive integer, got {n_experts!r}")
-    if not (isinstance(s, (int, float)) and s >= 0):
-        raise ValueError(f"zipf exponent s must be >= 0, got {s!r}")
-    weights = 1.0 / np.arange(1, n_experts + 1) ** float(s)
-    weights = weights[rng.permutation(n_experts)]
-    return weights / weights.sum()
-
-
-def traffic_from_expert_loads(
-    tokens: np.ndarray, experts_per_gpu: int, bytes_per_token: float
-) -> np.ndarray:
-    """GPU × GPU bytes of one dispatch from per-source expert loads.
-
-    ``tokens[g, e]``: token copies GPU ``g`` sends to expert ``e``; expert ``e`` lives on
-    GPU ``e // experts_per_gpu``. Traffic a GPU sends to itself stays on the diagonal (it
-    never enters the network).
-    """
-    loads = np.asarray(tokens, dtype=float)
-    if loads.ndim != 2:
-        raise ValueError(f"tokens must be [n_gpus, n_experts], got shape {loads.shape}")
-    if np.any(loads < 0):
-        raise ValueError("tokens must be >= 0 everywhere")
-    n_gpus, n_experts = loads.shape
-    if not isinstance(experts_per_gpu, int) or experts_per_gpu < 1:
-        raise ValueError(f"experts_per_gpu must be a positive integer, got {experts_per_gpu!r}")
-    if n_experts != n_gpus * experts_per_gpu:
-        raise ValueError(
-            f"tokens has {n_experts} experts; expected n_gpus × experts_per_gpu = "
-            f"{n_gpus} × {experts_per_gpu} = {n_gpus * experts_per_gpu}"
-        )
-    per_gpu = loads.reshape(n_gpus, n_gpus, experts_per_gpu).sum(axis=2)
-    return per_gpu * float(bytes_per_token)
-
-
-def moe_traffic(
-    n_gpus: int,
-    *,
-    experts_per_gpu: int = 4,
-    tokens_per_gpu: int = 4096,
-    top_k: int = 8,
-    bytes_per_token: float = 7168 * 2,
-    zipf_s: float = 0.0,
-    rng: np.random.Generator | None = None,
-) -> np.ndarray:
-    """The dispatch all-to-all of one MoE layer with Zipf-skewed expert popularity.
-
-    Each GPU routes ``tokens_per_gpu × top_k`` token copies; the expert of each copy is
-    drawn from :func:`zipf_expert_probs` (a multinomial draw: the top-k of one token may
-    repeat an expert here, a negligible difference for the byte counts). Default sizes:
-    DeepSeek-V3's hidden 7168 in bf16 per token copy.
-    """
-    rng = rng if rng is not None else np.random.default_rng(0)
-    n_experts = n_gpus * experts_per_gpu
-    probs = zipf_expert_probs(n_experts, zipf_s, rng)
-    tokens = rng.multinomial(tokens_per_gpu * top_k, probs, size=n_gpus)
-    return traffic_from_expert_loads(tokens, experts_per_gpu, bytes_per_token)
-
-
-def incast_traffic(
-    n_gpus: int,
-    n_senders: int,
-    bytes_per_sender: float,
-    *,
-    receiver: int = 0,
-    background_bytes: float = 0.0,
-    rng: np.random.Generator | None = None,
-) -> np.ndarray:
-    """``n_senders`` GPUs (chosen at random) each send ``bytes_per_sender`` to ``receiver``,
-    on top of an optional uniform all-to-all of ``background_bytes`` per pair."""
-    if not isinstance(n_senders, int) or not 1 <= n_senders < n_gpus:
-        raise ValueError(f"n_senders must be in [1, n_gpus - 1 = {n_gpus - 1}], got {n_senders!r}")
-    if not 0 <= receiver < n_gpus:
-        raise ValueError(f"receiver must be in [0, {n_gpus - 1}], got {receiver!r}")
-    rng = rng if rng is not None else np.random.default_rng(0)
-    out = uniform_traffic(n_gpus, background_bytes) if background_bytes > 0 else np.zeros(
-        (n_gpus, n_gpus)
-    )
-    others = np.delete(np.arange(n_gpus), receiver)
-    senders = rng.choice(others, size=n_senders, replace=False)
-    out[senders, receiver] += float(bytes_per_sender)
-    return out
 
 
 # ---------------------------------------------------------------------------- routing
@@ -367,148 +252,6 @@ def route(
         rate_links=rate_links,
         rate_capacity=rate_capacity,
     )
-
-
-# ---------------------------------------------------------------------------- rates
-
-
-class _Incidence:
-    """Flow-link incidence in both directions, built once and reused by every water-fill.
-
-    ``padded[f]``: the links of flow ``f`` (``n_links`` pads a missing hop); the flows of
-    link ``l`` are ``by_link[starts[l]:starts[l + 1]]``.
-    """
-
-    def __init__(self, flow_links: np.ndarray, capacity: np.ndarray) -> None:
-        links = np.asarray(flow_links, dtype=np.int64)
-        cap = np.asarray(capacity, dtype=float)
-        if links.ndim != 2:
-            raise ValueError(f"flow_links must be [n_flows, hops], got shape {links.shape}")
-        if cap.ndim != 1 or cap.size == 0 or np.any(~(cap > 0)):
-            raise ValueError("capacity must be a non-empty vector of positive numbers")
-        self.n_links = cap.size
-        if links.size and np.any(links >= self.n_links):
-            raise ValueError(
-                f"flow_links refers to link {int(links.max())}; only {self.n_links} exist"
-            )
-        valid = links >= 0
-        if links.shape[0] and np.any(~valid.any(axis=1)):
-            raise ValueError("every flow must cross at least one link")
-        self.capacity = cap
-        self.padded = np.where(valid, links, self.n_links)
-        flow_of = np.repeat(np.arange(links.shape[0]), links.shape[1])[valid.ravel()]
-        link_of = links.ravel()[valid.ravel()]
-        order = np.argsort(link_of, kind="stable")
-        self.by_link = flow_of[order]
-        self.starts = np.searchsorted(link_of[order], np.arange(self.n_links + 1))
-
-    def rates(self, active: np.ndarray, rel_tol: float) -> np.ndarray:
-        """Max-min fair rates of the flows where ``active`` is True (0 for the others)."""
-        n_flows = self.padded.shape[0]
-        rate = np.zeros(n_flows)
-        free = active.copy()
-        counts = np.bincount(self.padded[free].ravel(), minlength=self.n_links + 1)
-        counts = counts[: self.n_links].astype(float)
-        residual = self.capacity.copy()
-        share = np.empty(self.n_links)
-        level = 0.0
-        while True:
-            live = counts > 0
-            if not live.any():
-                break
-            share.fill(np.inf)
-            np.divide(residual, counts, out=share, where=live)
-            inc = float(share.min())
-            level += inc
-            residual -= inc * counts
-            full = np.flatnonzero(share <= inc * (1.0 + rel_tol))
-            if full.size == 1:
-                link = full[0]
-                members = self.by_link[self.starts[link] : self.starts[link + 1]]
-                members = members[free[members]]
-            else:
-                members = np.concatenate(
-                    [self.by_link[self.starts[link] : self.starts[link + 1]] for link in full]
-                )
-                # A flow through two links that fill together is counted once.
-                members = np.unique(members[free[members]])
-            free[members] = False
-            rate[members] = level
-            hit = self.padded[members].ravel()
-            counts -= np.bincount(hit, minlength=self.n_links + 1)[: self.n_links]
-            residual[full] = 0.0
-            counts[full] = 0.0
-        return rate
-
-
-def max_min_rates(
-    flow_links: np.ndarray, capacity: np.ndarray, *, rel_tol: float = 1e-9
-) -> np.ndarray:
-    """Max-min fair rates by progressive filling.
-
-    Args:
-        flow_links: ``[n_flows, hops]`` link indices per flow, ``-1`` for "no link".
-        capacity: ``[n_links]`` capacities (the rates come back in the same unit).
-        rel_tol: links whose fair share is within this factor of the smallest fill in the
-            same round (1e-9: exact up to rounding; larger merges rounds, for speed).
-
-    Every unfrozen flow's rate rises together until some link is full; the flows through
-    it are frozen at that rate; repeat. The result is the allocation in which no flow can
-    go faster without slowing a flow that is no faster than it.
-    """
-    inc = _Incidence(flow_links, capacity)
-    return inc.rates(np.ones(inc.padded.shape[0], dtype=bool), rel_tol)
-
-
-def fluid_completion_times(
-    nbytes: np.ndarray,
-    flow_links: np.ndarray,
-    capacity: np.ndarray,
-    *,
-    rel_tol: float = 0.01,
-    step_quantile: float = 0.1,
-) -> np.ndarray:
-    """Completion time of every flow (all starting at 0) under max-min fair sharing.
-
-    A fluid simulation in epochs: compute the max-min rates of the unfinished flows,
-    advance time, re-allocate. Each epoch runs until the ``step_quantile`` quantile of the
-    unfinished flows' finishing times at the current rates (at least the next completion),
-    so the epochs stay few (about ``log(n_flows) / -log(1 - step_quantile)``). A flow that
-    finishes inside an epoch does so at the epoch's rates, not at the rates the flows
-    finishing before it would have left it (a few per cent on the percentiles with the
-    defaults; ``test_sim_fabric`` holds it to 5 %). ``step_quantile=0`` with a tiny
-    ``rel_tol`` is exact: one epoch per completion.
-    """
-    size = np.asarray(nbytes, dtype=float)
-    links = np.asarray(flow_links, dtype=np.int64)
-    if size.ndim != 1 or links.ndim != 2 or links.shape[0] != size.size:
-        raise ValueError(
-            f"nbytes [{size.size}] and flow_links {links.shape} must describe the same flows"
-        )
-    if np.any(~np.isfinite(size)) or np.any(size < 0):
-        raise ValueError("nbytes must be finite and >= 0 for every flow")
-    if not 0 <= step_quantile < 1:
-        raise ValueError(f"step_quantile must be in [0, 1), got {step_quantile!r}")
-    incidence = _Incidence(links, capacity)
-    done = np.zeros(size.size)
-    remaining = size.copy()
-    active = remaining > 0
-    now = 0.0
-    while active.any():
-        idx = np.flatnonzero(active)
-        rates = incidence.rates(active, rel_tol)[idx]
-        to_finish = remaining[idx] / rates
-        step = max(
-            float(to_finish.min()) * (1.0 + rel_tol),
-            float(np.quantile(to_finish, step_quantile)),
-        )
-        finishing = to_finish <= step
-        done[idx[finishing]] = now + to_finish[finishing]
-        active[idx[finishing]] = False
-        keep = idx[~finishing]
-        remaining[keep] -= rates[~finishing] * step
-        now += step
-    return done
 
 
 # ---------------------------------------------------------------------------- burst model
@@ -790,96 +533,3 @@ def expected_max_load(n_balls: int, n_bins: int) -> float:
         if p_le > 1.0 - 1e-12:
             break
     return expected
-
-
-# ---------------------------------------------------------------------------- figures
-
-
-def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = None) -> Any:
-    """Draw the leaf-spine fabric with each leaf-spine link coloured by its load.
-
-    Line width and colour: bytes on the link over the mean uplink bytes (hot = red).
-    Returns the matplotlib axes.
-    """
-    import matplotlib.pyplot as plt
-    from matplotlib import cm
-    from matplotlib.colors import Normalize
-
-    topo = result.topology
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 4))
-    A, S = topo.n_leaf, topo.n_spine
-    spine_x = np.linspace(0, 1, S + 2)[1:-1]
-    leaf_x = np.linspace(0, 1, A + 2)[1:-1]
-    up = result.flows.link_bytes[topo.leaf_up(np.repeat(np.arange(A), S), np.tile(np.arange(S), A))]
-    down = result.flows.link_bytes[
-        topo.spine_down(np.tile(np.arange(S), A), np.repeat(np.arange(A), S))
-    ]
-    load = (up + down) / 2
-    mean = load.mean() if load.mean() > 0 else 1.0
-    rel = load / mean
-    # Centred on the mean; the scale stretches to the largest deviation so hot links show.
-    spread = max(0.25, float(np.abs(rel - 1.0).max()))
-    norm = Normalize(vmin=1.0 - spread, vmax=1.0 + spread)
-    cmap = plt.get_cmap("coolwarm")
-    for idx in range(A * S):
-        a, s = divmod(idx, S)
-        ax.plot([leaf_x[a], spine_x[s]], [0.35, 0.9], color=cmap(norm(rel[idx])),
-                linewidth=0.4 + 2.6 * max(rel[idx], 0.0) / norm.vmax, zorder=1)
-    ax.scatter(spine_x, np.full(S, 0.9), s=160, marker="s", color="#444", zorder=2)
-    ax.scatter(leaf_x, np.full(A, 0.35), s=120, marker="s", color="#777", zorder=2)
-    hpl = topo.hosts_per_leaf
-    for a in range(A):
-        xs = leaf_x[a] + (np.arange(hpl) - (hpl - 1) / 2) * (0.8 / (A + 1)) / max(hpl, 1)
-        ax.scatter(xs, np.full(hpl, 0.08), s=8, color="#2a9d8f", zorder=2)
-        for x in xs:
-            ax.plot([x, leaf_x[a]], [0.08, 0.35], color="#bbb", linewidth=0.4, zorder=0)
-    ax.text(0.0, 0.9, "spines", va="center", fontsize=8)
-    ax.text(0.0, 0.35, "leaves", va="center", fontsize=8)
-    ax.text(0.0, 0.08, "GPUs", va="center", fontsize=8)
-    ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(0, 1)
-    ax.axis("off")
-    plt.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.03,
-                 label="uplink load / mean")
-    ax.set_title(title or f"{result.routing}: uplink loads (simulated)", fontsize=9)
-    return ax
-
-
-def fabric_figure(
-    zipf_s: float = 0.0,
-    oversubscription: float = 1.0,
-    n_spine: int = 8,
-    adaptive: int = 0,
-    pacing: int = 1,
-    hosts_per_leaf: int = 8,
-    n_leaf: int = 8,
-    seed: int = 0,
-) -> Any:
-    """The explorer's figure: one MoE dispatch all-to-all (Zipf skew ``zipf_s`` over the
-    experts) on a leaf-spine fabric — the topology with its uplink loads, and the
-    distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches."""
-    import matplotlib.pyplot as plt
-
-    topo = LeafSpine(hosts_per_leaf, n_leaf, n_spine, 400.0, max(1.0, oversubscription))
-    rng = np.random.default_rng(seed)
-    traffic = moe_traffic(topo.n_hosts, tokens_per_gpu=512, zipf_s=zipf_s, rng=rng)
-    result = simulate(topo, traffic, routing="adaptive" if adaptive else "ecmp",
-                      pacing=bool(pacing), rng=rng)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8),
-                                      gridspec_kw={"width_ratios": [1.6, 1]})
-    plot_topology(result, ax=left)
-    fct_us = np.sort(result.fct) * 1e6
-    right.plot(fct_us, np.arange(1, fct_us.size + 1) / fct_us.size, drawstyle="steps-post")
-    right.axvline(result.fct_percentile(99), color="tab:red", ls="--", lw=1,
-                  label=f"p99 {result.fct_percentile(99):,.0f} us")
-    right.set_xscale("log")
-    right.set_xlabel("flow completion time (us, simulated)")
-    right.set_ylabel("fraction of flows")
-    right.legend(fontsize=8)
-    right.set_title(f"bandwidth {result.algbw_fraction:.0%} of link, efficiency "
-                    f"{result.efficiency:.0%}", fontsize=9)
-    fig.suptitle(f"{topo.n_hosts} GPUs, {result.routing}, pacing {'on' if pacing else 'off'}, "
-                 f"zipf s={zipf_s:g}, oversubscription {topo.oversubscription:g}:1", fontsize=10)
-    fig.tight_layout()
-    return fig

@@ -1,0 +1,91 @@
+"""Exercises of notebook 04 (fused router): group-limited selection, bytes of the unfused chain."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
+from moe_lab.moe.router import group_limited_mask
+
+
+@reference_solution("group_limited_selection")
+def group_limited_selection(scores: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """``scores: [tokens, n_experts]`` → ``[tokens, n_experts]`` bool, True for the experts of
+    each token's ``topk_groups`` best groups (a group's score: the sum of its top-2)."""
+    return group_limited_mask(scores, n_groups, topk_groups)
+
+
+def first_steps_of_the_chain(logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The first kernels of the unfused chain: score, bias for selection, -inf mask."""
+    scores = logits.sigmoid()
+    selection = scores + bias
+    return selection.masked_fill(logits == float("-inf"), float("-inf"))
+
+
+@reference_solution("first_steps_bytes")
+def first_steps_bytes(tokens: int, n_experts: int, itemsize: int) -> int:
+    """Bytes read and written by `first_steps_of_the_chain` on ``[tokens, n_experts]`` logits
+    of ``itemsize`` bytes per element (the bias ``[n_experts]`` in the same dtype)."""
+    te = tokens * n_experts
+    sigmoid = 2 * te * itemsize  # read logits, write scores
+    add = 2 * te * itemsize + n_experts * itemsize  # read scores and bias, write selection
+    eq = te * itemsize + te  # read logits, write a bool mask
+    masked_fill = te * itemsize + te + te * itemsize  # read selection and mask, write
+    return sigmoid + add + eq + masked_fill
+
+
+def check_group_limited_selection(fn) -> None:
+    """Raises ExerciseError unless ``fn`` picks the right groups' experts on random scores,
+    as a bool ``[tokens, n_experts]`` mask, without a host sync."""
+    g = torch.Generator().manual_seed(4)
+    cases = [(64, 256, 8, 4), (40, 16, 4, 2), (30, 12, 4, 1), (25, 8, 8, 3), (0, 16, 4, 2)]
+    for tokens, n_experts, n_groups, topk_groups in cases:
+        scores = torch.rand(tokens, n_experts, generator=g)
+        got = call_answer(fn, scores.clone(), n_groups, topk_groups)
+        want = group_limited_selection(scores, n_groups, topk_groups)
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            raise ExerciseError(f"expected a tensor of shape {tuple(want.shape)}, got "
+                                f"{getattr(got, 'shape', type(got).__name__)}")
+        if got.dtype != torch.bool:
+            raise ExerciseError(f"expected a bool mask, got dtype {got.dtype}")
+        if not torch.equal(got, want):
+            bad = int((got != want).any(-1).sum())
+            raise ExerciseError(
+                f"{bad} of {tokens} tokens get the wrong experts ({n_experts} experts in "
+                f"{n_groups} groups, best {topk_groups} kept). Hint: view the scores as "
+                "[tokens, groups, experts per group], score each group by the sum of its two "
+                "best experts, keep the best groups, and expand the group mask back")
+        per_token = got.view(tokens, n_groups, n_experts // n_groups).any(-1).sum(-1)
+        if tokens and not bool((per_token == topk_groups).all()):
+            raise ExerciseError(f"each token must keep exactly {topk_groups} groups")
+    from moe_lab.training.sync import count_syncs
+
+    _, syncs = count_syncs(fn, torch.rand(32, 64, generator=g), 8, 4)
+    if sum(syncs.values()):
+        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; build the "
+                            "mask with scatter_ or a comparison, not with nonzero or a loop")
+    print("✓ group_limited_selection is correct and sync-free")
+
+
+def check_first_steps_bytes(fn) -> None:
+    """Raises ExerciseError unless ``fn(tokens, n_experts, itemsize)`` predicts the bytes
+    that `moe_lab.perf.kernels.count_kernels` measures for `first_steps_of_the_chain`."""
+    from moe_lab.perf.kernels import count_kernels
+
+    for tokens, n_experts, dtype in [(1024, 256, torch.float64), (1024, 256, torch.float32),
+                                     (300, 8, torch.float64), (7, 3, torch.float32)]:
+        logits = torch.randn(tokens, n_experts, dtype=dtype)
+        bias = torch.randn(n_experts, dtype=dtype)
+        measured = count_kernels(first_steps_of_the_chain, logits, bias)
+        itemsize = logits.element_size()
+        got = call_answer(fn, tokens, n_experts, itemsize)
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            raise ExerciseError(f"return a number of bytes, got {type(got).__name__}")
+        if got != measured.bytes:
+            per_op = ", ".join(f"{name}: {calls} call" for name, (calls, _) in
+                               measured.by_name().items())
+            raise ExerciseError(
+                f"[{tokens}, {n_experts}] {dtype}: you predict {got:,} bytes, the chain moves "
+                f"{measured.bytes:,} in {measured.ops} kernels ({per_op}). Count, for each "
+                "kernel, every tensor it reads and the one it writes; a bool is 1 byte")
+    print("✓ first_steps_bytes matches the measured bytes")

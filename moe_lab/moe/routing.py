@@ -1,0 +1,47 @@
+"""What every router implementation takes and returns: the contract that the reference chain
+(`moe_lab.moe.router`), its compiled form and the fused Triton router
+(`moe_lab.kernels.fused_router`) share, kept apart so that a kernel can return the same
+output without importing the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class RouterOutput:
+    topk_ids: Tensor  # [T, k] int64, ordered by score (highest first)
+    topk_weights: Tensor  # [T, k] router dtype (float32 for the fused router)
+    scores: Tensor | None  # [T, E] after the score function; None where not materialised
+    logits: Tensor  # [T, E] router dtype
+    tokens_per_expert: Tensor  # [E] int64
+    aux_loss: Tensor  # [] switch (global) load-balancing loss, unscaled by the coefficient
+    z_loss: Tensor  # [] router z-loss, unscaled
+    seq_aux_loss: Tensor | None = None  # [] sequence-level aux loss when seq_len was given
+
+    @property
+    def routing_map(self) -> Tensor:
+        """``[T, E]`` bool: ``True`` where the token was routed to the expert (built on use)."""
+        tokens, n_experts = self.logits.shape
+        out = torch.zeros(tokens, n_experts, dtype=torch.bool, device=self.topk_ids.device)
+        return out.scatter_(1, self.topk_ids, True)
+
+
+def check_seq_len(tokens: int, seq_len: int | None) -> None:
+    if seq_len is None:
+        return
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
+    if tokens % seq_len:
+        raise ValueError(f"tokens={tokens} must be a multiple of seq_len={seq_len}")
+
+
+def gate_logits(x: Tensor, gate_weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x · gate_weightᵀ`` computed in ``dtype``: ``[tokens, n_experts]``."""
+    return x.to(dtype) @ gate_weight.to(dtype).t()

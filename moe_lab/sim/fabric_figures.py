@@ -1,0 +1,101 @@
+"""Figures of the fabric simulator: the leaf-spine topology with its link loads, and the
+explorer's figure (topology and flow completion times of one MoE dispatch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moe_lab.sim.fabric import FabricResult, LeafSpine, simulate
+from moe_lab.sim.traffic import moe_traffic
+
+
+def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = None) -> Any:
+    """Draw the leaf-spine fabric with each leaf-spine link coloured by its load.
+
+    Line width and colour: bytes on the link over the mean uplink bytes (hot = red).
+    Returns the matplotlib axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib import cm
+    from matplotlib.colors import Normalize
+
+    topo = result.topology
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4))
+    A, S = topo.n_leaf, topo.n_spine
+    spine_x = np.linspace(0, 1, S + 2)[1:-1]
+    leaf_x = np.linspace(0, 1, A + 2)[1:-1]
+    up = result.flows.link_bytes[topo.leaf_up(np.repeat(np.arange(A), S), np.tile(np.arange(S), A))]
+    down = result.flows.link_bytes[
+        topo.spine_down(np.tile(np.arange(S), A), np.repeat(np.arange(A), S))
+    ]
+    load = (up + down) / 2
+    mean = load.mean() if load.mean() > 0 else 1.0
+    rel = load / mean
+    # Centred on the mean; the scale stretches to the largest deviation so hot links show.
+    spread = max(0.25, float(np.abs(rel - 1.0).max()))
+    norm = Normalize(vmin=1.0 - spread, vmax=1.0 + spread)
+    cmap = plt.get_cmap("coolwarm")
+    for idx in range(A * S):
+        a, s = divmod(idx, S)
+        ax.plot([leaf_x[a], spine_x[s]], [0.35, 0.9], color=cmap(norm(rel[idx])),
+                linewidth=0.4 + 2.6 * max(rel[idx], 0.0) / norm.vmax, zorder=1)
+    ax.scatter(spine_x, np.full(S, 0.9), s=160, marker="s", color="#444", zorder=2)
+    ax.scatter(leaf_x, np.full(A, 0.35), s=120, marker="s", color="#777", zorder=2)
+    hpl = topo.hosts_per_leaf
+    for a in range(A):
+        xs = leaf_x[a] + (np.arange(hpl) - (hpl - 1) / 2) * (0.8 / (A + 1)) / max(hpl, 1)
+        ax.scatter(xs, np.full(hpl, 0.08), s=8, color="#2a9d8f", zorder=2)
+        for x in xs:
+            ax.plot([x, leaf_x[a]], [0.08, 0.35], color="#bbb", linewidth=0.4, zorder=0)
+    ax.text(0.0, 0.9, "spines", va="center", fontsize=8)
+    ax.text(0.0, 0.35, "leaves", va="center", fontsize=8)
+    ax.text(0.0, 0.08, "GPUs", va="center", fontsize=8)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(0, 1)
+    ax.axis("off")
+    plt.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.03,
+                 label="uplink load / mean")
+    ax.set_title(title or f"{result.routing}: uplink loads (simulated)", fontsize=9)
+    return ax
+
+
+def fabric_figure(
+    zipf_s: float = 0.0,
+    oversubscription: float = 1.0,
+    n_spine: int = 8,
+    adaptive: int = 0,
+    pacing: int = 1,
+    hosts_per_leaf: int = 8,
+    n_leaf: int = 8,
+    seed: int = 0,
+) -> Any:
+    """The explorer's figure: one MoE dispatch all-to-all (Zipf skew ``zipf_s`` over the
+    experts) on a leaf-spine fabric — the topology with its uplink loads, and the
+    distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches."""
+    import matplotlib.pyplot as plt
+
+    topo = LeafSpine(hosts_per_leaf, n_leaf, n_spine, 400.0, max(1.0, oversubscription))
+    rng = np.random.default_rng(seed)
+    traffic = moe_traffic(topo.n_hosts, tokens_per_gpu=512, zipf_s=zipf_s, rng=rng)
+    result = simulate(topo, traffic, routing="adaptive" if adaptive else "ecmp",
+                      pacing=bool(pacing), rng=rng)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8),
+                                      gridspec_kw={"width_ratios": [1.6, 1]})
+    plot_topology(result, ax=left)
+    fct_us = np.sort(result.fct) * 1e6
+    right.plot(fct_us, np.arange(1, fct_us.size + 1) / fct_us.size, drawstyle="steps-post")
+    right.axvline(result.fct_percentile(99), color="tab:red", ls="--", lw=1,
+                  label=f"p99 {result.fct_percentile(99):,.0f} us")
+    right.set_xscale("log")
+    right.set_xlabel("flow completion time (us, simulated)")
+    right.set_ylabel("fraction of flows")
+    right.legend(fontsize=8)
+    right.set_title(f"bandwidth {result.algbw_fraction:.0%} of link, efficiency "
+                    f"{result.efficiency:.0%}", fontsize=9)
+    fig.suptitle(f"{topo.n_hosts} GPUs, {result.routing}, pacing {'on' if pacing else 'off'}, "
+                 f"zipf s={zipf_s:g}, oversubscription {topo.oversubscription:g}:1", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,276 @@
+"""Pipeline layouts: which layers each pipeline stage holds, written as Megatron strings.
+
+Pipeline parallelism cuts the model's layers into *stages*, one per group of GPUs (a
+*rank* of the pipeline). Layouts are written the way Megatron-Core's
+``--pipeline-model-parallel-layout`` writes them. The grammar (a superset of Megatron's:
+groups may nest, ``*`` may follow any item)::
+
+    layout := item*                 # whitespace and ',' are cosmetic and ignored
+    item   := atom ('*' count)?     # count >= 1: repeat the atom count times
+    atom   := 'E' | 't' | 'm' | 'L' | '|' | '(' item+ ')'
+
+``E`` is the embedding, ``t`` a transformer layer (the first ``n_dense_layers`` are dense,
+the rest MoE), ``m`` a multi-token-prediction layer, ``L`` the loss with its logits GEMM,
+``|`` ends a stage. After expansion the string splits at ``|`` into ``p * v`` virtual
+stages in pipeline order; virtual stage ``k`` lives on rank ``k % p`` as its chunk
+``k // p`` (Megatron's convention). ``"Et*3|(tt|)*29,m|L"`` is DeepSeek-V3 on 16 ranks
+with 2 chunks each: ``Ettt``, 29 stages of ``tt``, then ``m`` and ``L`` on their own.
+
+What each stage costs and how to find a balanced layout is :mod:`moe_lab.sim.layout_search`;
+how the stages take turns on micro-batches is :mod:`moe_lab.sim.schedule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from moe_lab.config import ModelConfig
+
+LAYER_CHARS = {"E": "embedding", "t": "transformer", "m": "mtp", "L": "logits"}
+LAYER_KINDS = ("embedding", "dense", "moe", "mtp", "logits")
+MAX_LAYOUT_ITEMS = 100_000  # a typo like "t*99999999" fails fast instead of eating memory
+
+
+class _LayoutParser:
+    """Recursive descent over the grammar in the module docstring; positions are 0-based."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    def fail(self, pos: int, problem: str) -> NoReturn:
+        shown = self.text[:pos] + " <here> " + self.text[pos:]
+        raise ValueError(f"layout {self.text!r}: {problem} at position {pos} ({shown!r})")
+
+    def skip_cosmetic(self) -> None:
+        while self.pos < len(self.text) and self.text[self.pos] in ", \t\n":
+            self.pos += 1
+
+    def parse(self) -> list[str]:
+        return self.items(open_pos=None)
+
+    def items(self, open_pos: int | None) -> list[str]:
+        out: list[str] = []
+        while True:
+            self.skip_cosmetic()
+            if self.pos >= len(self.text):
+                if open_pos is not None:
+                    self.fail(open_pos, "'(' is never closed")
+                return out
+            ch = self.text[self.pos]
+            if ch == ")":
+                if open_pos is None:
+                    self.fail(self.pos, "')' without a matching '('")
+                if not out:
+                    self.fail(self.pos, "empty group '()'")
+                return out
+            start = self.pos
+            atom = self.atom()
+            out.extend(atom * self.count())
+            if len(out) > MAX_LAYOUT_ITEMS:
+                self.fail(start, f"the layout expands to more than {MAX_LAYOUT_ITEMS} items")
+
+    def atom(self) -> list[str]:
+        ch = self.text[self.pos]
+        if ch in LAYER_CHARS or ch == "|":
+            self.pos += 1
+            return [ch]
+        if ch == "(":
+            open_pos = self.pos
+            self.pos += 1
+            inner = self.items(open_pos)
+            self.pos += 1  # the ')' that items() stopped at
+            return inner
+        if ch == "*":
+            self.fail(self.pos, "'*' must follow a layer, '|' or a ')'")
+        self.fail(
+            self.pos,
+            f"unknown character {ch!r} (expected one of E t m L | ( ) * digits ,)",
+        )
+
+    def count(self) -> int:
+        if self.pos >= len(self.text) or self.text[self.pos] != "*":
+            return 1
+        star = self.pos
+        self.pos += 1
+        start = self.pos
+        while self.pos < len(self.text) and self.text[self.pos].isdigit():
+            self.pos += 1
+        if start == self.pos:
+            self.fail(start, "expected a repeat count (digits) after '*'")
+        value = int(self.text[start : self.pos])
+        if value < 1:
+            self.fail(star, f"repeat count must be >= 1, got {value}")
+        return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Layers cut into pipeline stages.
+
+    ``stages[k]`` is virtual stage ``k`` in pipeline order, written as its layer characters
+    (``"Ettt"``); it lives on rank ``k % n_ranks`` as that rank's chunk ``k // n_ranks``.
+    """
+
+    stages: tuple[str, ...]
+    n_ranks: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_ranks, int) or self.n_ranks < 1:
+            raise ValueError(f"Layout.n_ranks must be a positive integer, got {self.n_ranks!r}")
+        if not self.stages or len(self.stages) % self.n_ranks:
+            raise ValueError(
+                f"Layout has {len(self.stages)} virtual stages; that must be a positive "
+                f"multiple of n_ranks={self.n_ranks}"
+            )
+        for k, stage in enumerate(self.stages):
+            bad = set(stage) - set(LAYER_CHARS)
+            if bad:
+                raise ValueError(
+                    f"Layout stage {k} {stage!r} holds {sorted(bad)}; expected only "
+                    f"{sorted(LAYER_CHARS)}"
+                )
+
+    @property
+    def n_chunks(self) -> int:
+        """Virtual stages per rank (Megatron's VPP size)."""
+        return len(self.stages) // self.n_ranks
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that runs virtual stage ``stage``."""
+        return stage % self.n_ranks
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The virtual stages of ``rank``, chunk 0 first."""
+        return [c * self.n_ranks + rank for c in range(self.n_chunks)]
+
+    def layers(self) -> str:
+        """All layer characters in pipeline order (the stages concatenated)."""
+        return "".join(self.stages)
+
+    def __str__(self) -> str:
+        return format_layout(self)
+
+
+def parse_layout(text: str, n_ranks: int | None = None) -> Layout:
+    """Parse a Megatron-style layout string (grammar in the module docstring).
+
+    ``n_ranks`` is the pipeline size; the number of virtual stages must be a multiple of
+    it. Default: one chunk per rank (``n_ranks`` = number of stages).
+
+    Raises:
+        ValueError: naming the position of a syntax error, or a stage count that
+            ``n_ranks`` does not divide.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"layout must be a string, got {type(text).__name__}")
+    tokens = _LayoutParser(text).parse()
+    if not tokens:
+        raise ValueError(f"layout {text!r} holds no layers")
+    stages = tuple("".join(tokens).split("|"))
+    if n_ranks is None:
+        n_ranks = len(stages)
+    if not isinstance(n_ranks, int) or n_ranks < 1:
+        raise ValueError(f"n_ranks must be a positive integer, got {n_ranks!r}")
+    if len(stages) % n_ranks:
+        raise ValueError(
+            f"layout {text!r} has {len(stages)} stages, which n_ranks={n_ranks} does not "
+            f"divide (expected a multiple of {n_ranks}: n_ranks x virtual stages per rank)"
+        )
+    return Layout(stages, n_ranks)
+
+
+def _format_stage(stage: str) -> str:
+    out = []
+    i = 0
+    while i < len(stage):
+        j = i
+        while j < len(stage) and stage[j] == stage[i]:
+            j += 1
+        run = j - i
+        literal = stage[i] * run
+        starred = f"{stage[i]}*{run}"
+        out.append(starred if len(starred) < len(literal) else literal)
+        i = j
+    return "".join(out)
+
+
+def format_layout(layout: Layout | Sequence[str]) -> str:
+    """The compact layout string: ``parse_layout(format_layout(x)).stages == x.stages``.
+
+    Runs of a layer become ``t*4`` where that is shorter; runs of identical stages
+    become ``(tt|)*29`` followed by a cosmetic comma, as in Megatron's documentation.
+    """
+    stages = list(layout.stages if isinstance(layout, Layout) else layout)
+    if not stages:
+        raise ValueError("format_layout needs at least one stage, got none")
+    runs: list[tuple[str, int]] = []
+    for stage in stages:
+        if runs and runs[-1][0] == stage:
+            runs[-1] = (stage, runs[-1][1] + 1)
+        else:
+            runs.append((stage, 1))
+    out = ""
+    for index, (stage, n) in enumerate(runs):
+        text = _format_stage(stage)
+        last = index == len(runs) - 1
+        # n copies, each followed by '|' except after the very last stage of the layout.
+        n_sep = n if not last else n - 1
+        plain = "|".join([text] * n) + ("|" if not last else "")
+        grouped = None
+        if n_sep >= 2:
+            grouped = f"({text}|)*{n_sep}"
+            if last:
+                grouped += f",{text}" if text else ""
+            else:
+                grouped += ","
+        if grouped is not None and len(grouped) < len(plain):
+            out += grouped
+        else:
+            out += plain
+    return out
+
+
+def model_layer_kinds(cfg: ModelConfig) -> list[str]:
+    """The layer kinds of ``cfg`` in pipeline order: embedding, dense…, moe…, mtp…, logits."""
+    return (
+        ["embedding"]
+        + ["dense"] * cfg.n_dense_layers
+        + ["moe"] * cfg.n_moe_layers
+        + ["mtp"] * cfg.mtp_layers
+        + ["logits"]
+    )
+
+
+def model_layer_chars(cfg: ModelConfig) -> str:
+    """``cfg``'s layers as layout characters: ``"E" + "t" * n_layers + "m" * mtp + "L"``."""
+    return "E" + "t" * cfg.n_layers + "m" * cfg.mtp_layers + "L"
+
+
+def check_layout(layout: Layout, cfg: ModelConfig) -> None:
+    """Raise ``ValueError`` unless ``layout`` places every layer of ``cfg`` exactly once.
+
+    Expected: ``E`` first, ``L`` last, ``n_layers`` transformer layers, ``mtp_layers``
+    MTP layers after the last transformer layer.
+    """
+    layers = layout.layers()
+    expected = model_layer_chars(cfg)
+    counts = {c: layers.count(c) for c in LAYER_CHARS}
+    wanted = {c: expected.count(c) for c in LAYER_CHARS}
+    problems = [
+        f"{counts[c]} × {c!r} ({LAYER_CHARS[c]}), expected {wanted[c]}"
+        for c in LAYER_CHARS
+        if counts[c] != wanted[c]
+    ]
+    if problems:
+        raise ValueError(
+            f"layout {format_layout(layout)!r} does not cover the layers of "
+            f"{cfg.name!r}: " + "; ".join(problems)
+        )
+    if layers != expected:
+        raise ValueError(
+            f"layout {format_layout(layout)!r} has the right layers in the wrong order: "
+            f"expected 'E' first, then the transformer layers, then 'm', then 'L' last"
+        )

@@ -1,0 +1,392 @@
+"""Pipeline schedules, simulated: GPipe, 1F1B and interleaved 1F1B, bubbles and imbalance.
+
+Pipeline parallelism cuts the model's layers into *stages*, one per group of GPUs (a
+*rank* of the pipeline), and streams micro-batches through them: rank 0 runs the forward
+pass of micro-batch 0 and hands the activations to rank 1, then starts micro-batch 1, and
+so on; backward passes flow the other way. Two things waste time. The **bubble**: at the
+start and the end of a step some ranks have nothing to do yet (or any more); for the 1F1B
+schedule with ``p`` equal stages and ``m`` micro-batches it is the fraction
+``(p - 1) / (m + p - 1)`` of the step. **Imbalance**: the pipeline runs at the pace of its
+slowest stage, so a stage with more work than the others stalls everyone; we measure it
+as ``(max - mean) / mean`` of the per-rank work. Interleaving (each rank holds ``v``
+*virtual* stages, "chunks") divides the bubble by about ``v``; splitting the backward pass
+into the input gradient (B, on the critical path) and the weight gradient (W, which
+nothing downstream waits for) lets W fill the holes, as zero-bubble schedules do.
+
+This module is an honest discrete-event simulation, not a formula: every rank executes
+its operations in its schedule's order, and an operation starts when its rank is free and
+its dependency is done (the previous stage's forward of the same micro-batch, the next
+stage's backward, plus an optional point-to-point latency between ranks). The closed
+forms above come *out* of the simulation and the tests hold it to them.
+
+The simulation takes one cost per virtual stage; virtual stage ``k`` lives on rank
+``k % p`` as its chunk ``k // p`` (Megatron's convention, :mod:`moe_lab.sim.layout`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+OP_KINDS = ("F", "B", "W")
+
+
+def bubble_1f1b(n_ranks: int, n_microbatches: int) -> float:
+    """Closed-form bubble fraction of 1F1B (and GPipe) with equal stages: (p-1)/(m+p-1)."""
+    return (n_ranks - 1) / (n_microbatches + n_ranks - 1)
+
+
+def bubble_interleaved(n_ranks: int, n_microbatches: int, n_chunks: int) -> float:
+    """Closed-form bubble fraction of interleaved 1F1B: (p-1)/(v·m+p-1)."""
+    return (n_ranks - 1) / (n_chunks * n_microbatches + n_ranks - 1)
+
+
+Op = tuple[str, int, int]  # (kind "F"/"B"/"W", micro-batch, chunk)
+
+
+def schedule_order(
+    schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int = 1
+) -> list[list[Op]]:
+    """Each rank's forward/backward operations in execution order.
+
+    ``gpipe``: all forwards, then all backwards. ``1f1b``: rank ``r`` runs ``p - r - 1``
+    warm-up forwards, then alternates one forward and one backward, then drains the
+    backwards. ``interleaved``: Megatron's interleaved 1F1B over ``n_chunks`` chunks per
+    rank; micro-batches go in groups of ``p`` through chunk 0, then chunk 1, ...;
+    warm-up ``2(p - r - 1) + (v - 1)p`` forwards. (W operations, when the weight gradient is
+    delayed, are not in these lists: the simulator slots them in.)
+    """
+    _check_schedule_args(schedule, n_ranks, n_microbatches, n_chunks)
+    p, m, v = n_ranks, n_microbatches, n_chunks
+    orders: list[list[Op]] = []
+    for r in range(p):
+        if schedule == "gpipe":
+            ops = [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+        elif schedule == "1f1b":
+            warm = min(p - r - 1, m)
+            ops = [("F", i, 0) for i in range(warm)]
+            for i in range(m - warm):
+                ops += [("F", warm + i, 0), ("B", i, 0)]
+            ops += [("B", i, 0) for i in range(m - warm, m)]
+        else:
+            fwd = [
+                (i, c)
+                for g in range(0, m, p)
+                for c in range(v)
+                for i in range(g, min(g + p, m))
+            ]
+            bwd = [
+                (i, v - 1 - c)
+                for g in range(0, m, p)
+                for c in range(v)
+                for i in range(g, min(g + p, m))
+            ]
+            total = m * v
+            warm = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
+            ops = [("F", i, c) for i, c in fwd[:warm]]
+            for k in range(total - warm):
+                ops += [("F", *fwd[warm + k]), ("B", *bwd[k])]
+            ops += [("B", i, c) for i, c in bwd[total - warm :]]
+        orders.append(ops)
+    return orders
+
+
+def _check_schedule_args(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    for name, value in (
+        ("n_ranks", n_ranks),
+        ("n_microbatches", n_microbatches),
+        ("n_chunks", n_chunks),
+    ):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if schedule != "interleaved" and n_chunks != 1:
+        raise ValueError(
+            f"schedule {schedule!r} runs one chunk per rank, got n_chunks={n_chunks} "
+            "(use schedule='interleaved')"
+        )
+    if schedule == "interleaved" and n_chunks > 1 and n_microbatches % n_ranks:
+        raise ValueError(
+            f"interleaved 1F1B takes micro-batches in groups of n_ranks={n_ranks}; "
+            f"n_microbatches={n_microbatches} must be a multiple of it"
+        )
+
+
+def stage_imbalance(loads: Sequence[float]) -> float:
+    """``(max - mean) / mean`` of the per-rank work: 0 is perfect balance."""
+    arr = np.asarray(loads, dtype=float)
+    if arr.size == 0 or arr.mean() <= 0:
+        raise ValueError(f"loads must be non-empty with a positive mean, got {arr.tolist()}")
+    return float((arr.max() - arr.mean()) / arr.mean())
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """One simulated step: the timeline and its figures.
+
+    ``ops`` holds one row per operation: rank, kind ("F", "B" or "W"), micro-batch, chunk,
+    start, end. ``busy[r]`` is rank ``r``'s total compute time; the bubble is the idle
+    share of ``n_ranks × makespan``.
+    """
+
+    schedule: str
+    n_ranks: int
+    n_chunks: int
+    n_microbatches: int
+    delay_wgrad: bool
+    rank: np.ndarray
+    kind: np.ndarray
+    microbatch: np.ndarray
+    chunk: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    makespan: float
+    busy: np.ndarray
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of ``n_ranks × makespan`` (warm-up, drain and waiting on slow stages)."""
+        return float(1.0 - self.busy.sum() / (self.n_ranks * self.makespan))
+
+    @property
+    def imbalance(self) -> float:
+        """``(max - mean) / mean`` of the ranks' busy time."""
+        return stage_imbalance(self.busy)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures (not the timeline) as plain JSON-able values."""
+        return {
+            "schedule": self.schedule,
+            "n_ranks": self.n_ranks,
+            "n_chunks": self.n_chunks,
+            "n_microbatches": self.n_microbatches,
+            "delay_wgrad": self.delay_wgrad,
+            "makespan": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "imbalance": self.imbalance,
+            "busy": self.busy.tolist(),
+            "n_ops": int(self.rank.size),
+        }
+
+
+def _as_costs(name: str, values: Sequence[float] | None, n: int, default: np.ndarray) -> np.ndarray:
+    if values is None:
+        return default.copy()
+    arr = np.asarray(values, dtype=float).reshape(-1)
+    if arr.size != n:
+        raise ValueError(f"{name} must hold one cost per virtual stage ({n}), got {arr.size}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {arr.tolist()}")
+    return arr
+
+
+def simulate(
+    forward: Sequence[float],
+    backward: Sequence[float] | None = None,
+    wgrad: Sequence[float] | None = None,
+    *,
+    n_microbatches: int,
+    n_ranks: int | None = None,
+    schedule: str | None = None,
+    delay_wgrad: bool = False,
+    p2p_latency: float = 0.0,
+    max_deferred_wgrad: int | None = None,
+) -> PipelineResult:
+    """Simulate one training step of a pipeline, event by event.
+
+    Args:
+        forward: forward time of one micro-batch on each virtual stage, ``[p * v]`` in
+            pipeline order (virtual stage ``k`` on rank ``k % p``).
+        backward: input-gradient time B per virtual stage; default = ``forward``.
+        wgrad: weight-gradient time W per virtual stage; default = ``forward``.
+        n_microbatches: micro-batches per step, ``m`` >= 1.
+        n_ranks: pipeline ranks ``p``; default ``len(forward)`` (one chunk each).
+        schedule: "gpipe", "1f1b" or "interleaved"; default "1f1b" for one chunk per
+            rank, "interleaved" otherwise.
+        delay_wgrad: split each backward into B then W and defer W: a rank runs a pending
+            W whenever its next F/B is not ready yet (or the backlog exceeds
+            ``max_deferred_wgrad``), and drains the rest at the end. Without it, B and W
+            run as one backward operation.
+        p2p_latency: added to a dependency that crosses ranks (send/recv time).
+        max_deferred_wgrad: with ``delay_wgrad``, the most W operations a rank may hold
+            back (each keeps a layer's activations and output gradient alive); ``p - 1``
+            matches zero-bubble H1's memory, ``None`` is unlimited.
+
+    Every rank executes its schedule's operations in order; an operation starts at the
+    first moment its rank is free and its dependency has arrived.
+    """
+    f = np.asarray(forward, dtype=float).reshape(-1)
+    n_vs = f.size
+    if n_vs == 0:
+        raise ValueError("forward must hold at least one virtual stage, got none")
+    if n_ranks is None:
+        n_ranks = n_vs
+    if not isinstance(n_ranks, int) or n_ranks < 1 or n_vs % n_ranks:
+        raise ValueError(
+            f"n_ranks must be a positive integer dividing the {n_vs} virtual stages, "
+            f"got {n_ranks!r}"
+        )
+    f = _as_costs("forward", f, n_vs, f)
+    b = _as_costs("backward", backward, n_vs, f)
+    w = _as_costs("wgrad", wgrad, n_vs, f)
+    p, v = n_ranks, n_vs // n_ranks
+    if schedule is None:
+        schedule = "1f1b" if v == 1 else "interleaved"
+    if not (isinstance(p2p_latency, (int, float)) and p2p_latency >= 0):
+        raise ValueError(f"p2p_latency must be a number >= 0, got {p2p_latency!r}")
+    if max_deferred_wgrad is not None and (
+        not isinstance(max_deferred_wgrad, int) or max_deferred_wgrad < 0
+    ):
+        raise ValueError(
+            f"max_deferred_wgrad must be None or an integer >= 0, got {max_deferred_wgrad!r}"
+        )
+    order = schedule_order(schedule, p, n_microbatches, v)
+    m = n_microbatches
+    last = n_vs - 1
+
+    end: dict[tuple[str, int, int], float] = {}
+
+    def arrival(kind: str, mb: int, vs: int) -> float:
+        if kind == "F":
+            dep = ("F", mb, vs - 1) if vs > 0 else None
+        elif kind == "B":
+            dep = ("B", mb, vs + 1) if vs < last else ("F", mb, vs)
+        else:
+            dep = ("B", mb, vs)
+        if dep is None:
+            return 0.0
+        done = end.get(dep)
+        if done is None:
+            return math.inf
+        crosses = dep[2] % p != vs % p
+        return done + (p2p_latency if crosses else 0.0)
+
+    free_at = [0.0] * p
+    ptr = [0] * p
+    pending: list[deque[Op]] = [deque() for _ in range(p)]
+    rows: list[tuple[int, str, int, int, float, float]] = []
+    events = [0.0]
+    scale = float(f.sum() + b.sum() + w.sum()) * m + 1.0
+    eps = 1e-12 * scale
+    while events:
+        t = heapq.heappop(events)
+        while events and events[0] <= t + eps:
+            heapq.heappop(events)
+        progressed = True
+        while progressed:
+            progressed = False
+            for r in range(p):
+                if free_at[r] > t + eps:
+                    continue
+                choice: Op | None = None
+                if max_deferred_wgrad is not None and len(pending[r]) > max_deferred_wgrad:
+                    choice = pending[r].popleft()
+                elif ptr[r] < len(order[r]):
+                    kind, mb, c = order[r][ptr[r]]
+                    if arrival(kind, mb, c * p + r) <= t + eps:
+                        choice = (kind, mb, c)
+                        ptr[r] += 1
+                    elif pending[r]:
+                        choice = pending[r].popleft()
+                elif pending[r]:
+                    choice = pending[r].popleft()
+                if choice is None:
+                    continue
+                kind, mb, c = choice
+                vs = c * p + r
+                if kind == "F":
+                    duration = f[vs]
+                elif kind == "B":
+                    duration = b[vs] if delay_wgrad else b[vs] + w[vs]
+                else:
+                    duration = w[vs]
+                stop = t + float(duration)
+                end[(kind, mb, vs)] = stop
+                free_at[r] = stop
+                rows.append((r, kind, mb, c, t, stop))
+                if kind == "B" and delay_wgrad:
+                    pending[r].append(("W", mb, c))
+                heapq.heappush(events, stop)
+                if p2p_latency:
+                    heapq.heappush(events, stop + p2p_latency)
+                progressed = True
+    unfinished = [r for r in range(p) if ptr[r] < len(order[r]) or pending[r]]
+    if unfinished:
+        raise RuntimeError(
+            f"schedule {schedule!r} deadlocked with p={p}, v={v}, m={m}: ranks {unfinished} "
+            "wait for operations that never run"
+        )
+    arr = np.array([row[4:] for row in rows], dtype=float)
+    ranks = np.array([row[0] for row in rows], dtype=np.int64)
+    busy = np.bincount(ranks, weights=arr[:, 1] - arr[:, 0], minlength=p)
+    return PipelineResult(
+        schedule=schedule,
+        n_ranks=p,
+        n_chunks=v,
+        n_microbatches=m,
+        delay_wgrad=delay_wgrad,
+        rank=ranks,
+        kind=np.array([row[1] for row in rows]),
+        microbatch=np.array([row[2] for row in rows], dtype=np.int64),
+        chunk=np.array([row[3] for row in rows], dtype=np.int64),
+        start=arr[:, 0],
+        end=arr[:, 1],
+        makespan=float(arr[:, 1].max()),
+        busy=busy,
+    )
+
+
+_OP_COLOURS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}
+
+
+def plot_gantt(
+    result: PipelineResult, ax: Any = None, *, title: str | None = None, labels: bool = True
+) -> Any:
+    """Draw ``result`` as a Gantt chart: one row per rank, F blue, B green, W orange.
+
+    Chunks after the first are drawn lighter. Returns the matplotlib axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.45 * result.n_ranks + 1.2))
+    for kind, colour in _OP_COLOURS.items():
+        for c in range(result.n_chunks):
+            sel = (result.kind == kind) & (result.chunk == c)
+            if not sel.any():
+                continue
+            alpha = 1.0 - 0.45 * c / max(result.n_chunks - 1, 1)
+            for r in np.unique(result.rank[sel]):
+                rs = sel & (result.rank == r)
+                bars = list(zip(result.start[rs], result.end[rs] - result.start[rs], strict=True))
+                ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=colour, alpha=alpha,
+                               edgecolor="white", linewidth=0.5)
+    if labels and result.rank.size <= 600:
+        width = result.makespan
+        for r, mb, s, e in zip(result.rank, result.microbatch, result.start, result.end,
+                               strict=True):
+            if (e - s) > 0.012 * width:
+                ax.text((s + e) / 2, r, str(mb), ha="center", va="center", fontsize=6,
+                        color="white")
+    ax.set_yticks(range(result.n_ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(result.n_ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, result.makespan * 1.01)
+    ax.set_xlabel("simulated time (work units)")
+    kinds_present = [k for k in OP_KINDS if (result.kind == k).any()]
+    ax.legend(handles=[Patch(color=_OP_COLOURS[k], label=k) for k in kinds_present],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.set_title(title or (
+        f"{result.schedule}, p={result.n_ranks}, v={result.n_chunks}, m={result.n_microbatches}"
+        f" — bubble {result.bubble_fraction:.1%} (simulated)"
+    ), fontsize=9)
+    return ax

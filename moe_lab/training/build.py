@@ -1,0 +1,157 @@
+"""Building what a training run trains: the model and its optimizer, random batches, and the
+forward a step calls (under autocast, compiled or not).
+
+`build_model` is the one place a model is built for training: seeded, so every stack and
+every step kind starts from the same weights; its implementations named by a
+`moe_lab.model.ModelImpls`; its optimizer the one its step kind takes
+(`moe_lab.training.optim.stock_optimizer` for the eager step,
+`moe_lab.training.optim.make_optimizer` for the sync-free and graphed ones).
+
+`step_forward` wraps the model for the step: ``torch.compile`` with the options of a
+`COMPILE_MODES` name, and ``torch.autocast`` for an `AMP_DTYPES` name. Under ``compile``
+and ``amp`` the backward graph is traced under the forward's autocast
+(``torch._functorch.config.backward_pass_autocast = "same_as_forward"``, pinned here
+because PyTorch means to change its default): the backward GEMMs of the regions that the
+forward keeps in FP32 (the router, the logits) run in the autocast dtype, as every other
+backward GEMM does. Eager autograd would run them in FP32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+import torch._functorch.config as functorch_config
+
+from moe_lab.config import ModelConfig
+from moe_lab.data import Batch
+from moe_lab.model import ModelImpls, MoETransformer
+from moe_lab.moe.router import ROUTER_IMPLS
+from moe_lab.quant.linear import apply_mxfp8
+from moe_lab.training.optim import make_optimizer, stock_optimizer
+from moe_lab.training.steps import StepConfig, SyncFreeStep
+
+Tensor = torch.Tensor
+
+#: The step kinds a training loop plugs in: the naive eager step, the sync-free step, and
+#: the sync-free step captured as a CUDA graph (run eagerly, labelled, without CUDA).
+STEP_KINDS = ("eager", "sync_free", "graphed")
+
+#: Autocast dtypes of the forward ("": none).
+AMP_DTYPES = ("", "bf16")
+
+#: ``torch.compile`` of the model: "" (eager), "default", or "cpp_wrapper" (Inductor writes
+#: each compiled graph's launcher — the code that calls its kernels and GEMMs in turn and
+#: manages its buffers — in C++ instead of Python).
+COMPILE_MODES: dict[str, dict | None] = {"": None, "default": {}, "cpp_wrapper": {"cpp_wrapper": True}}
+
+# How a compiled model's backward graph treats the forward's autocast (see the module docstring).
+BACKWARD_PASS_AUTOCAST = "same_as_forward"
+
+
+def default_impls(device: torch.device | str) -> ModelImpls:
+    """The sync-free MoE implementations that run fastest on ``device`` in the core: on CUDA
+    the Triton grouped GEMM and the fused Triton router (compiled there); on a CPU the
+    ``torch._grouped_mm`` backend and the reference router (Triton is interpreted on a CPU:
+    correct, far too slow to train with). All of them are sync-free."""
+    if torch.device(device).type == "cuda":
+        router = "triton" if "triton" in ROUTER_IMPLS else "reference"
+        return ModelImpls(dispatcher="dropless", expert_backend="triton", router_impl=router)
+    backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
+    return ModelImpls(dispatcher="dropless", expert_backend=backend)
+
+
+def build_model(model_cfg: ModelConfig, impls: ModelImpls | None = None, *,
+                step: str = "sync_free", device: torch.device | str = "cpu", seed: int = 0,
+                lr: float = 3e-3, weight_decay: float = 0.1, fp32_logits: bool = False,
+                mxfp8: Sequence[str] = (), **names: str,
+                ) -> tuple[MoETransformer, torch.optim.Optimizer]:
+    """A fresh model and the optimizer its ``step`` kind takes (`STEP_KINDS`).
+
+    The model is seeded with ``seed`` just before it is built (every caller with the same
+    seed gets the same weights), built with ``impls`` — by default `ModelImpls` (the naive
+    ones) for the eager step and `default_impls` of ``device`` for the others; ``names``
+    override single fields, e.g. ``expert_backend="loop"`` — and moved to ``device``.
+    ``fp32_logits`` keeps the logits in FP32 under autocast
+    (`moe_lab.model.MoETransformer.fp32_logits`); ``mxfp8`` names the parts run in emulated
+    MXFP8 (`moe_lab.quant.linear.apply_mxfp8`)."""
+    if step not in STEP_KINDS:
+        raise ValueError(f"step must be one of {STEP_KINDS}, got {step!r}")
+    if impls is None:
+        impls = ModelImpls() if step == "eager" else default_impls(device)
+    impls = replace(impls, **names) if names else impls
+    torch.manual_seed(seed)
+    model = impls.build(model_cfg).to(device)
+    model.fp32_logits = fp32_logits
+    if mxfp8:
+        apply_mxfp8(model, tuple(mxfp8))
+    make = stock_optimizer if step == "eager" else make_optimizer
+    return model, make(model, lr=lr, weight_decay=weight_decay)
+
+
+def random_batch(model_cfg: ModelConfig, batch_size: int, device: torch.device | str = "cpu",
+                 generator: torch.Generator | None = None) -> Batch:
+    """A `moe_lab.data.Batch` of uniformly random bytes (``y`` is ``x`` shifted by one):
+    for timing, warming up and certificates, where the text does not matter."""
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len + 1),
+                           generator=generator)
+    return Batch(tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device),
+                 torch.zeros(batch_size, dtype=torch.int64, device=device))
+
+
+def build_sync_free(model_cfg: ModelConfig, batch_size: int, *, device: torch.device | str = "cpu",
+                    seed: int = 0, cfg: StepConfig | None = None, weight_decay: float = 0.1,
+                    **names: str) -> SyncFreeStep:
+    """`build_model` (``names`` override `default_impls`) and a `SyncFreeStep` around it,
+    its static inputs shaped by a random batch of ``batch_size`` sequences."""
+    cfg = cfg or StepConfig()
+    model, optimizer = build_model(model_cfg, device=device, seed=seed, lr=cfg.lr,
+                                   weight_decay=weight_decay, **names)
+    example = random_batch(model_cfg, batch_size, device, torch.Generator().manual_seed(seed))
+    return SyncFreeStep(model, optimizer, example, cfg)
+
+
+def autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = False) -> Callable:
+    """``fn(x, y)`` under ``torch.autocast(device_type, amp)``. The cast cache (each weight
+    cast once per forward, reused by its backward) is on, except under a CUDA graph, where
+    a cached cast would be a capture-time copy of the weights; off, every use of a weight
+    casts it anew.
+
+    A ``torch.compile``d ``fn`` traces its backward graph here, during the forward: with
+    ``backward_pass_autocast`` pinned to ``"same_as_forward"``, whatever PyTorch's default."""
+    if amp not in AMP_DTYPES or not amp:
+        raise ValueError(f"amp must be one of {AMP_DTYPES[1:]}, got {amp!r}")
+    dtype = {"bf16": torch.bfloat16}[amp]
+
+    def forward(x, y=None):
+        with (torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed),
+              functorch_config.patch(backward_pass_autocast=BACKWARD_PASS_AUTOCAST)):
+            return fn(x, y)
+
+    return forward
+
+
+def step_forward(model: torch.nn.Module, *, compile: str = "", amp: str = "",
+                 graphed: bool = False, dynamic: bool | None = None) -> Callable | None:
+    """The forward a step calls in place of ``model``: compiled with the options of
+    ``COMPILE_MODES[compile]`` (``dynamic`` as ``torch.compile``'s), under ``amp``
+    autocast (without the cast cache when ``graphed`` on CUDA); ``None`` when neither
+    applies (the step calls the model)."""
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {sorted(COMPILE_MODES)}, got {compile!r}")
+    forward = None
+    if compile:
+        forward = torch.compile(model, options=COMPILE_MODES[compile] or None, dynamic=dynamic)
+    if amp:
+        device_type = next(model.parameters()).device.type
+        forward = autocast_forward(model if forward is None else forward, device_type, amp,
+                                   graphed=graphed and device_type == "cuda")
+    return forward
+
+
+__all__ = ["AMP_DTYPES", "BACKWARD_PASS_AUTOCAST", "COMPILE_MODES", "STEP_KINDS",
+           "autocast_forward", "build_model", "build_sync_free", "default_impls", "random_batch",
+           "step_forward"]

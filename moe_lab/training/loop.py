@@ -1,0 +1,377 @@
+"""The training loop: one `Trainer` advanced step by step, with a pluggable step.
+
+``train(model_cfg, TrainConfig(...))`` trains an ``MoETransformer`` on a corpus (the
+synthetic multi-domain corpus by default, or any UTF-8 text file) and returns a
+`TrainResult`. ``TrainConfig.step`` names the step it plugs in (`STEP_KINDS`):
+
+- ``"eager"`` — `moe_lab.training.steps.EagerStep`, the naive stack's: the stock AdamW,
+  the learning rate set from the host, and every statistic read back after every step, so
+  ``history`` holds one record per step (loss, learning rate, gradient norm, tokens per
+  expert and load imbalance of every MoE layer, dropped tokens, step time);
+- ``"sync_free"`` — `moe_lab.training.steps.SyncFreeStep`: nothing read back but one window
+  of statistics every ``read_every`` steps, so ``history`` holds one record per window;
+- ``"graphed"`` — that step captured as a CUDA graph (`moe_lab.training.graphs.GraphedStep`;
+  without CUDA it runs eagerly and says so).
+
+Every ``eval_every`` steps the eval loss per domain on a fixed eval set goes to ``evals``.
+
+A `Trainer` holds everything one run needs — the model and its optimizer
+(`moe_lab.training.build.build_model`), the step, the data stream, the eval set, and the
+compiled or autocast forwards of ``compile``, ``amp`` and ``compiled_eval`` — and
+`Trainer.advance` trains on the next batch. `train` is the loop over it with evaluation,
+callback and checkpoints; the time-to-train race (`moe_lab.bench.ttt.race`) advances one
+`Trainer` per stack in lockstep.
+
+Runs are deterministic under a seed on the CPU: the model is initialised, and batches
+drawn, from generators seeded from ``TrainConfig.seed``. A checkpoint
+(`moe_lab.training.checkpoint`) holds the model, the optimiser, the step's device state,
+the data generator's state and the history, so a resumed run continues the uninterrupted
+loss curve exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from moe_lab.config import ModelConfig
+from moe_lab.data import Batch, load_corpus
+from moe_lab.model import ModelImpls, MoETransformer
+from moe_lab.training.build import (
+    AMP_DTYPES,
+    COMPILE_MODES,
+    STEP_KINDS,
+    build_model,
+    random_batch,
+    step_forward,
+)
+from moe_lab.training.checkpoint import load_checkpoint, save_checkpoint
+from moe_lab.training.graphs import GraphedStep
+from moe_lab.training.optim import warmup_cosine
+from moe_lab.training.steps import EagerStep, StepConfig, SyncFreeStep
+
+Tensor = torch.Tensor
+
+__all__ = ["TrainConfig", "TrainResult", "Trainer", "evaluate", "lr_at", "train"]
+
+
+@dataclass
+class TrainConfig:
+    """One training run: schedule, optimiser, data, evaluation, model implementations,
+    step, checkpoints.
+
+    ``dispatcher`` … ``embedding_impl`` name the model's implementations (`impls`);
+    ``step`` the step kind (`STEP_KINDS`), ``read_every`` how often a sync-free step reads
+    its statistics, ``clip_step`` its clip + optimizer update
+    (`moe_lab.training.optim.CLIP_STEPS`); ``amp`` runs the forward under autocast in that
+    dtype (`AMP_DTYPES`) and ``fp32_logits`` keeps the logits in FP32 there; ``compile``
+    wraps the model in ``torch.compile`` (`COMPILE_MODES`) and ``compiled_eval`` evaluates
+    through a second, static-shape compile; ``mxfp8`` names the parts run in emulated MXFP8
+    (``("attention",)``, ``("experts",)`` or both); ``expert_bias_rate`` > 0 balances the
+    experts without an auxiliary loss (bias += rate · sign(mean − load)).
+    """
+
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_per_domain: int = 8
+    dispatcher: str = "naive"
+    expert_backend: str = "loop"
+    router_impl: str = "reference"
+    attention_impl: str = "sdpa"
+    embedding_impl: str = "reference"
+    step: str = "eager"
+    read_every: int = 10
+    clip_step: str = "torch"
+    amp: str = ""
+    fp32_logits: bool = False
+    compile: str = ""
+    compiled_eval: bool = False
+    expert_bias_rate: float = 0.0
+    mxfp8: tuple[str, ...] = ()
+    corpus: str = "synthetic"
+    checkpoint_path: str | None = None
+    checkpoint_every: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_per_domain", "read_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.expert_bias_rate < 0:
+            raise ValueError(f"TrainConfig.expert_bias_rate must be >= 0, got {self.expert_bias_rate!r}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"TrainConfig.grad_clip must be > 0, got {self.grad_clip!r}")
+        if self.checkpoint_every and not self.checkpoint_path:
+            raise ValueError("TrainConfig.checkpoint_every needs checkpoint_path")
+        for name, allowed in (("step", STEP_KINDS), ("amp", AMP_DTYPES),
+                              ("compile", tuple(COMPILE_MODES))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainConfig.{name} must be one of {list(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        if self.fp32_logits and not self.amp:
+            raise ValueError("TrainConfig.fp32_logits keeps the logits in FP32 under autocast; "
+                             "set amp")
+        if self.compiled_eval and not self.compile:
+            raise ValueError("TrainConfig.compiled_eval evaluates through torch.compile; "
+                             "set compile")
+
+    @property
+    def impls(self) -> ModelImpls:
+        """The model's implementation names."""
+        return ModelImpls(dispatcher=self.dispatcher, expert_backend=self.expert_backend,
+                          router_impl=self.router_impl, attention_impl=self.attention_impl,
+                          embedding_impl=self.embedding_impl)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+
+
+@dataclass
+class TrainResult:
+    model: MoETransformer
+    history: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    domains: list[str] = field(default_factory=list)
+    tokens_per_s: float = float("nan")
+    steps: int = 0  # training steps taken, resumed ones included
+
+    def losses(self) -> list[float]:
+        return [h["loss"] for h in self.history]
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, eval_batch, domains: list[str],
+             forward: Callable | None = None) -> dict[str, float]:
+    """Mean next-token loss per domain (and ``"all"``) on a fixed eval batch (no autograd
+    graph: nothing is kept for a backward that never comes). ``forward`` (default: the
+    model itself) runs the model, e.g. its ``torch.compile`` under autocast; the model is put
+    in eval mode around it either way."""
+    was_training = model.training
+    model.eval()
+    logits = (model if forward is None else forward)(eval_batch.x).logits
+    per_token = torch.nn.functional.cross_entropy(
+        logits.float().transpose(1, 2), eval_batch.y, reduction="none"
+    )
+    per_seq = per_token.mean(dim=1)
+    result = {"all": per_seq.mean().item()}
+    for d, name in enumerate(domains):
+        mask = eval_batch.domain == d
+        if mask.any():
+            result[name] = per_seq[mask].mean().item()
+    model.train(was_training)
+    return result
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    if device.type == "cpu":
+        return batch
+    return Batch(batch.x.to(device), batch.y.to(device), batch.domain.to(device))
+
+
+class Trainer:
+    """One training run, advanced a step at a time: ``trainer.advance()`` trains on the next
+    batch of the data stream and returns the statistics the step read (or ``None``).
+
+    Built from ``cfg`` (`TrainConfig`): the model and its optimizer (`build_model`, seeded
+    with ``cfg.seed``), the data generator (seeded with ``cfg.seed + 1``), the fixed eval
+    set, the forwards of ``compile``/``amp``/``compiled_eval``, and the step. With
+    ``compile`` one forward and backward on random tokens compile the model here, before any
+    training step (the weights do not move, the gradients are dropped); with ``warm_eval``
+    the compiled evaluation is compiled here too, on random tokens of the eval set's shape.
+    ``checkpoint`` (a `state`) resumes a run: the model, optimizer, data stream and RNG are
+    restored before the step is built, the step's device state after.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig | None = None, *, corpus=None,
+                 device: torch.device | str | None = None, checkpoint: dict | None = None,
+                 warm_eval: bool = False) -> None:
+        cfg = cfg or TrainConfig()
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.device = torch.device(device or "cpu")
+        if corpus is None:
+            corpus = load_corpus(cfg.corpus, seq_len=model_cfg.seq_len, seed=cfg.seed)
+        self.corpus = corpus
+        self.model, self.optimizer = build_model(
+            model_cfg, cfg.impls, step=cfg.step, device=self.device, seed=cfg.seed, lr=cfg.lr,
+            weight_decay=cfg.weight_decay, fp32_logits=cfg.fp32_logits, mxfp8=cfg.mxfp8)
+        self.model.train()
+        self.data_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.eval_batch = _to(corpus.fixed_eval_set(cfg.eval_per_domain), self.device)
+        self.domains = list(corpus.domains)
+        self.steps_done = 0
+        self.step_times: list[float] = []  # seconds per `advance`, batch drawing included
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        example = random_batch(model_cfg, cfg.batch_size, self.device,
+                               torch.Generator().manual_seed(cfg.seed + 7))
+        self.forward = step_forward(self.model, compile=cfg.compile, amp=cfg.amp,
+                                    graphed=cfg.step == "graphed")
+        if cfg.compile:
+            self.forward(example.x, example.y).loss.backward()
+            self.model.zero_grad(set_to_none=True)
+        self.eval_forward = (step_forward(self.model, compile=cfg.compile, amp=cfg.amp,
+                                          dynamic=False) if cfg.compiled_eval else None)
+        if self.eval_forward is not None and warm_eval:
+            shape = tuple(self.eval_batch.x.shape)
+            warm = torch.randint(0, model_cfg.vocab_size, shape,
+                                 generator=torch.Generator().manual_seed(cfg.seed + 11))
+            warm = warm.to(self.device)
+            evaluate(self.model, Batch(warm, warm, torch.zeros(shape[0], dtype=torch.long,
+                                                               device=self.device)),
+                     [], forward=self.eval_forward)
+        self.step = self._make_step(example)
+        if checkpoint is not None:
+            if self.step.state is not None:
+                self.step.state.load_state_dict(checkpoint["step_state"])
+            self.step.host_steps = self.steps_done
+
+    def _make_step(self, example: Batch) -> EagerStep | SyncFreeStep | GraphedStep:
+        cfg = self.cfg
+        step_cfg = StepConfig.from_train_config(cfg)
+        if cfg.step == "eager":
+            return EagerStep(self.model, self.optimizer, step_cfg, forward=self.forward)
+        if cfg.step == "graphed":
+            return GraphedStep(self.model, self.optimizer, example, step_cfg, forward=self.forward,
+                               clip_step=cfg.clip_step, quiet=not cfg.progress)
+        return SyncFreeStep(self.model, self.optimizer, example, step_cfg, forward=self.forward,
+                            clip_step=cfg.clip_step)
+
+    def next_batch(self) -> Batch:
+        """The next training batch of the stream, on the model's device."""
+        batch = self.corpus.sample(self.cfg.batch_size, generator=self.data_gen, split="train")
+        return _to(batch, self.device)
+
+    def train_on(self, batch: Batch) -> dict | None:
+        """One training step on ``batch``; the statistics the step read, or ``None``."""
+        record = self.step(batch)
+        self.steps_done += 1
+        return record
+
+    def advance(self) -> dict | None:
+        """One training step on the next batch of the stream (timed into ``step_times``)."""
+        t0 = time.perf_counter()
+        record = self.train_on(self.next_batch())
+        self.step_times.append(time.perf_counter() - t0)
+        return record
+
+    def flush(self) -> dict | None:
+        """The statistics the step still holds (a sync-free step's open window), or ``None``."""
+        return self.step.flush()
+
+    def evaluate(self, compiled: bool = True) -> dict[str, float]:
+        """The eval loss per domain (`evaluate`), through the compiled evaluation where there
+        is one and ``compiled``, else the plain FP32 one."""
+        forward = self.eval_forward if compiled else None
+        return evaluate(self.model, self.eval_batch, self.domains, forward=forward)
+
+    def sync(self) -> None:
+        """Wait for the device (CUDA) to finish the steps queued so far."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def state(self, history: list[dict], evals: list[dict]) -> dict:
+        """A checkpoint of the run so far (`moe_lab.training.checkpoint.save_checkpoint`)."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "data_gen": self.data_gen.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "model_cfg": self.model_cfg.to_dict(),
+            "history": history,
+            "evals": evals,
+            "step": self.steps_done,
+        }
+        if self.step.state is not None:
+            state["step_state"] = self.step.state.state_dict()
+        return state
+
+    def _restore(self, state: dict) -> None:
+        if state["model_cfg"] != self.model_cfg.to_dict():
+            raise ValueError("checkpoint was written for a different model config")
+        self.model.load_state_dict(state["model"])
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        if isinstance(lr, Tensor):  # a device lr shared by every group stays that tensor
+            lr.copy_(self.optimizer.param_groups[0]["lr"])
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.data_gen.set_state(state["data_gen"])
+        torch.set_rng_state(state["torch_rng"])
+        self.steps_done = state["step"]
+
+
+def train(
+    model_cfg: ModelConfig,
+    cfg: TrainConfig | None = None,
+    *,
+    corpus=None,
+    resume: bool = False,
+    stop_after: int | None = None,
+    callback=None,
+    device: torch.device | str | None = None,
+) -> TrainResult:
+    """Train a fresh model (or resume from ``cfg.checkpoint_path`` when ``resume``).
+
+    ``stop_after`` ends the run early after that many total steps (the schedule still
+    spans ``cfg.steps``): used to simulate an interrupted run. ``callback(step, record)``
+    is called after every step (``record`` is ``None`` where the step read nothing).
+    A sync-free step's last, shorter window of statistics is read at the end.
+    """
+    cfg = cfg or TrainConfig()
+    checkpoint = None
+    if resume:
+        if not cfg.checkpoint_path:
+            raise ValueError("resume=True needs TrainConfig.checkpoint_path")
+        checkpoint = load_checkpoint(cfg.checkpoint_path)
+    trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device, checkpoint=checkpoint)
+    result = TrainResult(model=trainer.model, domains=trainer.domains)
+    if checkpoint is not None:
+        result.history, result.evals = checkpoint["history"], checkpoint["evals"]
+    start = trainer.steps_done
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    bar = tqdm(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
+               initial=start, total=end)
+    for step in bar:
+        record = trainer.advance()
+        if record is not None:
+            result.history.append(record)
+            if cfg.progress:
+                bar.set_postfix(loss=f"{record['loss']:.3f}")
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            result.evals.append({"step": step + 1, **trainer.evaluate()})
+        if callback is not None:
+            callback(step, record)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            save_checkpoint(cfg.checkpoint_path, trainer.state(result.history, result.evals))
+    bar.close()
+    result.steps = trainer.steps_done
+    last = trainer.flush()
+    if last is not None:
+        result.history.append(last)
+    times = trainer.step_times
+    if times:
+        tokens_per_step = cfg.batch_size * model_cfg.seq_len
+        result.tokens_per_s = tokens_per_step / (sorted(times)[len(times) // 2])
+    return result

@@ -1,0 +1,121 @@
+"""The optimizers, the learning-rate schedule, and the registry of clip-and-step variants.
+
+Two AdamWs train the same parameter groups (weight decay on matrices except the
+embedding): `stock_optimizer`, the naive loop's — its step count on the host, its learning
+rate a Python float set before every step, one parameter at a time (``foreach=False``) —
+and `make_optimizer`, the one a CUDA graph can hold — ``fused=True, capturable=True``, the
+step counts and the learning rate on the device.
+
+The schedule is linear warm-up then cosine decay, written twice on purpose: `warmup_cosine`
+on the host (the naive loop sets a float) and `lr_schedule` on the device (the sync-free
+step rewrites the optimizer's learning-rate tensor in place, so no host value changes from
+step to step and a captured graph replays the schedule).
+
+`CLIP_STEPS` names how the sync-free step clips the gradients and updates the parameters.
+``"torch"`` is the step's own path (`moe_lab.training.steps.SyncFreeStep`): the global norm
+with ``torch.nn.utils.get_total_norm``, the clip folded into the fused AdamW as its
+``grad_scale`` divisor. A plug-in may register a faster one under another name (the CPU
+plug-in's ``"cpu_one_call"``: the norm, the factor and AdamW in one call). An entry is a
+factory ``factory(optimizer) -> fn | None``: ``None`` when it cannot drive this optimizer
+(the step then takes torch's path); else ``fn(max_norm, grad_scale, skip) -> norm | None``
+computes the global gradient norm, sets ``grad_scale`` to ``max(1, norm / max_norm)``, runs
+the optimizer update (skipped on the device where ``skip == 1``) and returns the norm — or
+returns ``None`` when it does not apply at this step (e.g. step hooks are registered), and
+the step takes torch's path for that step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from moe_lab.registry import Registry
+
+if TYPE_CHECKING:
+    from moe_lab.training.steps import StepConfig
+
+Tensor = torch.Tensor
+
+ClipStep = Callable[[float, Tensor, Tensor], "Tensor | None"]
+
+CLIP_STEPS: Registry[Callable[[torch.optim.Optimizer], ClipStep | None]] = Registry(
+    "clip + optimizer step")
+
+
+@CLIP_STEPS.register("torch")
+def torch_clip_step(optimizer: torch.optim.Optimizer) -> ClipStep | None:
+    """torch's path, which `SyncFreeStep` runs itself (the norm over the model's parameters,
+    then the fused AdamW): nothing to substitute, so ``None``."""
+    return None
+
+
+def warmup_cosine(step: int, lr: float, warmup_steps: int, total_steps: int,
+                  min_lr_ratio: float) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to
+    ``lr * min_lr_ratio`` at ``total_steps`` (``step`` counts from 0)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    floor = lr * min_lr_ratio
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def lr_schedule(step: Tensor, cfg: StepConfig) -> Tensor:
+    """`warmup_cosine` of ``cfg`` (a `moe_lab.training.steps.StepConfig`) computed on the
+    device: ``step: []`` (optimizer steps taken so far, any dtype) → the learning rate,
+    ``[]`` float32."""
+    lr, warmup_steps, min_lr_ratio = cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio
+    total_steps = cfg.total_steps
+    s = step.double()  # one scalar: float64 costs nothing and keeps the cosine's tail exact
+    floor = lr * min_lr_ratio
+    span = max(1, total_steps - warmup_steps)
+    progress = ((s - warmup_steps) / span).clamp(0.0, 1.0)
+    decay = floor + 0.5 * (lr - floor) * (1.0 + torch.cos(progress * math.pi))
+    if warmup_steps == 0:
+        return decay.float()
+    warm = lr * (s + 1.0) / warmup_steps
+    return torch.where(s < warmup_steps, warm, decay).float()
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: weight decay on matrices except the embedding, none elsewhere."""
+    params = list(model.named_parameters())
+    if not params:
+        raise ValueError("the model has no parameters")
+    decay = [p for n, p in params if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in params if p.dim() < 2 or "embed" in n]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def stock_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """The naive loop's AdamW: a Python learning rate, the step count on the host, one
+    parameter at a time (``foreach=False``)."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas,
+                             foreach=False)
+
+
+def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW that a graph can hold: ``fused=True, capturable=True`` and the learning rate a
+    0-dim tensor on the parameters' device, shared by every parameter group (the schedule
+    writes it in place).
+
+    The fused kernel keeps each parameter's step count on the device and also takes a
+    ``found_inf`` flag on the device that turns the whole update into a no-op — what the
+    paged stash uses to drop an overflowed step without asking the host.
+    """
+    groups = param_groups(model, weight_decay)
+    device = next(model.parameters()).device
+    lr_t = torch.tensor(float(lr), dtype=torch.float32, device=device)
+    return torch.optim.AdamW(groups, lr=lr_t, betas=betas, fused=True, capturable=True)
+
+
+__all__ = ["CLIP_STEPS", "lr_schedule", "make_optimizer", "param_groups", "stock_optimizer",
+           "torch_clip_step", "warmup_cosine"]

@@ -1,0 +1,517 @@
+"""The training steps a loop can plug in: the naive eager step, and the sync-free one.
+
+`EagerStep` is the naive stack's step, kept as notebook 01 trains: the learning rate set from
+the host, the stock AdamW stepping parameter by parameter, ``clip_grad_norm_``, and every
+statistic (loss, gradient norm, tokens per expert, dropped tokens) read back to the host
+after every step.
+
+A CUDA graph records a sequence of kernels once and replays it with one launch. It can hold
+a whole training iteration only if nothing in the iteration needs the host: no value read
+back (``.item()``, ``.tolist()``, ``if loss > x:``), no output whose size depends on the
+data (``nonzero``, ``x[mask]``), no host-side number that changes from step to step. The
+eager step breaks all three rules on purpose; `SyncFreeStep` is the step with each of them
+fixed:
+
+- **dropless dispatch** — tokens reach their experts by a sort and a grouped GEMM over
+  offsets kept on the device (notebook 03), not by ``torch.where`` per expert;
+- **a capturable optimizer** — AdamW with ``fused=True, capturable=True``
+  (`moe_lab.training.optim.make_optimizer`): its step count lives on the device, and the
+  learning rate is a device tensor that the schedule (`moe_lab.training.optim.lr_schedule`)
+  rewrites in place; the stock AdamW keeps the step count on the host and reads it every step;
+- **clipping without a host read** — the global gradient norm stays a tensor (the
+  ``error_if_nonfinite=True`` check of ``clip_grad_norm_`` would read it, so it is off: a
+  non-finite norm shows in the statistics instead). With a fused optimizer the clip is not
+  even a pass of its own: the fused AdamW divides every gradient by its ``grad_scale`` tensor
+  as it reads it (the hook AMP's loss scaling uses), so the step sets
+  ``grad_scale = max(1, norm / max_norm)``: two passes over the gradients (the norm, the
+  update) instead of three (the norm, the multiply, the update). A registered clip step
+  (``clip_step``, `moe_lab.training.optim.CLIP_STEPS`) may do both in one call;
+- **statistics on the device** — loss, gradient norm, tokens per expert and imbalance
+  are summed into device buffers (`StepState`) and read back in *one* copy every
+  ``read_every`` steps (`SyncFreeStep.read_stats`);
+- **static inputs** — every batch is copied into the same two device buffers, so a
+  captured graph always reads its inputs from the same addresses.
+
+The auxiliary loss already comes from device-side counts (the router counts with
+``scatter_add_``). `SyncFreeStep.certify` runs the *whole* step — forward, backward,
+clipping, the learning-rate update and the optimizer — under
+`moe_lab.training.sync.assert_sync_free` on fake tensors, so a CPU proves what a GPU will do.
+
+Every step is called with a batch and returns the statistics it read (a dict) or ``None``;
+``flush()`` reads what is still accumulated; ``host_steps`` counts the steps taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from moe_lab.model import MoETransformer
+from moe_lab.moe.balance import update_expert_bias
+from moe_lab.perf.breakdown import phase
+from moe_lab.training.optim import CLIP_STEPS, lr_schedule, warmup_cosine
+from moe_lab.training.sync import assert_sync_free
+
+Tensor = torch.Tensor
+
+__all__ = ["EagerStep", "StepConfig", "StepState", "SyncFreeStep"]
+
+
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The schedule and the bookkeeping of `SyncFreeStep`.
+
+    ``lr`` … ``total_steps``: linear warm-up to ``lr``, then cosine decay to
+    ``lr · min_lr_ratio`` at ``total_steps`` (`lr_at` on the host,
+    `moe_lab.training.optim.lr_schedule` on the device). ``grad_clip``:
+    the global norm gradients are clipped to. ``read_every``: statistics are copied to
+    the host once every that many steps. ``expert_bias_rate`` > 0 moves each router's
+    expert bias after the optimizer step (aux-loss-free balancing,
+    `moe_lab.moe.balance.update_expert_bias`, from the device-side counts).
+    ``overflow_policy`` (with a paged stash only):
+    ``"rerun"`` reads the stash's overflow flag after every step and repeats an overflowed
+    step without stashing (one read of one flag per step, after the step is queued);
+    ``"skip"`` reads nothing — an overflowed step updates nothing and is counted in the
+    statistics as skipped.
+    """
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    total_steps: int = 200
+    grad_clip: float = 1.0
+    read_every: int = 10
+    overflow_policy: str = "rerun"
+    expert_bias_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("total_steps", "read_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"StepConfig.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(
+                f"StepConfig.warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
+        if not self.lr > 0:
+            raise ValueError(f"StepConfig.lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"StepConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"StepConfig.grad_clip must be > 0, got {self.grad_clip!r}")
+        if not self.expert_bias_rate >= 0:
+            raise ValueError(
+                f"StepConfig.expert_bias_rate must be >= 0, got {self.expert_bias_rate!r}")
+        if self.overflow_policy not in ("rerun", "skip"):
+            raise ValueError(
+                f"StepConfig.overflow_policy must be 'rerun' or 'skip', got {self.overflow_policy!r}")
+
+    @classmethod
+    def from_train_config(cls, cfg, read_every: int | None = None) -> StepConfig:
+        """The schedule of a `moe_lab.training.loop.TrainConfig` (and its ``read_every``)."""
+        return cls(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
+                   total_steps=cfg.steps, grad_clip=cfg.grad_clip,
+                   read_every=cfg.read_every if read_every is None else read_every,
+                   expert_bias_rate=cfg.expert_bias_rate)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (from 0), on the host."""
+        return warmup_cosine(step, self.lr, self.warmup_steps, self.total_steps,
+                             self.min_lr_ratio)
+
+
+# The scalar accumulators, in the order `read_stats` unpacks them.
+_SCALARS = ("steps", "skipped", "loss", "lm_loss", "aux_loss", "grad_norm", "grad_norm_max")
+
+
+class StepState(nn.Module):
+    """Everything the training loop keeps between steps, as device buffers.
+
+    ``x``, ``y``: ``[batch, seq]`` int64, the static inputs every batch is copied into;
+    ``step``: ``[]`` float32, optimizer steps taken (drives the schedule); ``lr``: the
+    optimizer's own learning-rate tensor; ``skip``: ``[]`` float32, 1.0 while the current
+    step must not update anything (a paged-stash overflow); ``grad_scale``: ``[]`` float32,
+    what a fused optimizer divides the gradients by (the clip, `SyncFreeStep`); ``scalars``: ``[7]`` float64
+    sums over the current window (see ``_SCALARS``); ``tokens_per_expert``: ``[L, E]``
+    float64 sums; ``imbalance``: ``[L]`` float64 sums of max/mean load.
+
+    A module so that `moe_lab.training.sync.assert_sync_free` swaps these buffers for fake ones
+    together with the model's parameters.
+    """
+
+    def __init__(self, example_batch, lr: Tensor, n_moe_layers: int, n_experts: int) -> None:
+        super().__init__()
+        device = lr.device
+        self.register_buffer("x", torch.zeros_like(example_batch.x, device=device))
+        self.register_buffer("y", torch.zeros_like(example_batch.y, device=device))
+        self.register_buffer("step", torch.zeros((), dtype=torch.float32, device=device))
+        self.register_buffer("lr", lr)
+        self.register_buffer("skip", torch.zeros((), dtype=torch.float32, device=device))
+        self.register_buffer("grad_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("scalars", torch.zeros(len(_SCALARS), dtype=torch.float64,
+                                                    device=device))
+        self.register_buffer("tokens_per_expert", torch.zeros(n_moe_layers, n_experts,
+                                                              dtype=torch.float64, device=device))
+        self.register_buffer("imbalance", torch.zeros(n_moe_layers, dtype=torch.float64,
+                                                      device=device))
+
+    def zero_window(self) -> None:
+        self.scalars.zero_()
+        self.tokens_per_expert.zero_()
+        self.imbalance.zero_()
+
+
+def _shared_lr(optimizer: torch.optim.Optimizer) -> Tensor:
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    if not all(isinstance(lr, Tensor) for lr in lrs):
+        raise ValueError(
+            "optimizer: every param group's lr must be a device tensor, so that the schedule "
+            f"needs no host value; got {[type(lr).__name__ for lr in lrs]}. Build the optimizer "
+            "with moe_lab.training.optim.make_optimizer")
+    if any(lr is not lrs[0] for lr in lrs):
+        raise ValueError("optimizer: every param group must share one lr tensor "
+                         "(moe_lab.training.optim.make_optimizer builds it so)")
+    for i, g in enumerate(optimizer.param_groups):
+        if not (g.get("capturable") or g.get("fused")):
+            raise ValueError(
+                f"optimizer: param group {i} has capturable=False and fused=False: its step "
+                "count lives on the host and is read every step. Use "
+                "moe_lab.training.optim.make_optimizer (fused=True, capturable=True)")
+    return lrs[0]
+
+
+@contextlib.contextmanager
+def _optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
+    """Point ``optimizer`` at the fake twins of its parameters (and of its state, its lr,
+    its ``found_inf`` and its ``grad_scale``) while `assert_sync_free` runs the step; restore on exit.
+
+    `assert_sync_free` swaps the parameters of the modules it is given for fake tensors,
+    but an optimizer holds its own references to the real ones: without this the certified
+    step would update (or, with no gradients, silently skip) the real parameters, and the
+    optimizer would not be certified at all. ``from_tensor`` memoises, so each parameter
+    maps to the very fake twin the model now holds.
+    """
+    fake = next((p for p in model.parameters() if isinstance(p, FakeTensor)), None)
+    if fake is None:
+        raise RuntimeError("_optimizer_on_fake_params: the model's parameters are not fake; "
+                           "call it inside assert_sync_free")
+    mode = fake.fake_mode
+
+    def to_fake(value):
+        return mode.from_tensor(value) if isinstance(value, Tensor) else value
+
+    saved_groups = [dict(g) for g in optimizer.param_groups]
+    saved_state = optimizer.state
+    saved_attrs = {name: getattr(optimizer, name) for name in ("found_inf", "grad_scale")
+                   if hasattr(optimizer, name)}
+    try:
+        state = defaultdict(dict)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p in saved_state:
+                    state[to_fake(p)] = {k: to_fake(v) for k, v in saved_state[p].items()}
+            group["params"] = [to_fake(p) for p in group["params"]]
+            group["lr"] = to_fake(group["lr"])
+        optimizer.state = state
+        for name, value in saved_attrs.items():
+            if value is not None:
+                setattr(optimizer, name, to_fake(value))
+        yield
+    finally:
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            group.clear()
+            group.update(saved)
+        optimizer.state = saved_state
+        for name in ("found_inf", "grad_scale"):
+            if name in saved_attrs:
+                setattr(optimizer, name, saved_attrs[name])
+            elif hasattr(optimizer, name):
+                delattr(optimizer, name)
+
+
+# --------------------------------------------------------------------------------------
+# The step
+# --------------------------------------------------------------------------------------
+
+
+class SyncFreeStep:
+    """One training iteration of an `MoETransformer` that never waits for the device.
+
+    ``step = SyncFreeStep(model, optimizer, example_batch)``; then ``stats = step(batch)``
+    copies the batch into the static inputs, runs forward, backward, clipping, the
+    learning-rate update and the optimizer, and returns ``None`` — or, every
+    ``cfg.read_every`` steps, the statistics of the last window (`read_stats`, the only
+    host read). ``optimizer`` must keep its learning rate in a device tensor and its step
+    count on the device (`make_optimizer`). ``forward`` replaces the call of the model in
+    the forward pass (e.g. ``torch.compile(model)``); the certificate always checks
+    ``model``. ``stash`` (a `moe_lab.moe.stash.PagedStash` attached to the model) pages the
+    experts' saved activations; see ``StepConfig.overflow_policy``.
+
+    `certify` proves the whole step sync-free (`moe_lab.training.sync.assert_sync_free`).
+    `moe_lab.training.graphs.GraphedStep` captures `run` in a CUDA graph. ``clip_step`` names
+    the clip + optimizer update (`moe_lab.training.optim.CLIP_STEPS`), looked up once here.
+    """
+
+    def __init__(self, model: MoETransformer, optimizer: torch.optim.Optimizer, example_batch,
+                 cfg: StepConfig | None = None, *, forward: Callable | None = None,
+                 stash=None, clip_step: str = "torch") -> None:
+        if not isinstance(model, MoETransformer):
+            raise ValueError(f"model must be an MoETransformer, got {type(model).__name__}")
+        self.cfg = cfg or StepConfig()
+        self.model = model
+        self.optimizer = optimizer
+        self.forward = forward if forward is not None else model
+        lr = _shared_lr(optimizer)
+        param = next(model.parameters())
+        if lr.device != param.device:
+            raise ValueError(f"optimizer lr is on {lr.device} but the model on {param.device}")
+        x, y = example_batch.x, example_batch.y
+        if x.dim() != 2 or x.shape != y.shape or x.dtype != torch.int64:
+            raise ValueError(f"example_batch.x and .y must be [batch, seq] int64 of one shape, "
+                             f"got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
+        n_experts = model.cfg.moe.n_experts
+        self.state = StepState(example_batch, lr, len(model.moe_layers), n_experts)
+        # A fused optimizer clips for free: it divides the gradients by ``grad_scale`` as it
+        # reads them. Any other optimizer gets clip_grad_norm_'s in-place multiply.
+        self.fused_clip = all(g.get("fused") for g in optimizer.param_groups)
+        # A registered clip + optimizer step (CLIP_STEPS) replaces torch's path where it can
+        # drive this optimizer; decided once here, as fused_clip is.
+        self.clip_step = clip_step
+        clip_factory = CLIP_STEPS.lookup(clip_step, "clip_step")
+        self.clip = clip_factory(optimizer) if self.fused_clip else None
+        if self.fused_clip:
+            optimizer.grad_scale = self.state.grad_scale
+        self.stash = stash
+        if stash is not None:
+            stash.check_attached(model)
+            # The fused AdamW skips its whole update on the device when this flag is 1.
+            optimizer.found_inf = self.state.skip
+        self.host_steps = 0  # a Python count: when to read, without asking the device
+        self.reruns = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.x.device
+
+    @property
+    def batch_shape(self) -> tuple[int, int]:
+        return tuple(self.state.x.shape)
+
+    # -- the device work ---------------------------------------------------------------
+
+    def load(self, batch) -> None:
+        """Copy ``batch.x`` and ``batch.y`` into the static inputs (same shape required)."""
+        if tuple(batch.x.shape) != self.batch_shape or tuple(batch.y.shape) != self.batch_shape:
+            raise ValueError(f"batch must be [batch, seq] = {self.batch_shape} like the example "
+                             f"batch, got x {tuple(batch.x.shape)} and y {tuple(batch.y.shape)}")
+        self.state.x.copy_(batch.x, non_blocking=True)
+        self.state.y.copy_(batch.y, non_blocking=True)
+
+    def run(self, zero_grad: bool = True) -> None:
+        """Forward, backward, clip, schedule, optimizer, statistics — all on the device.
+
+        ``zero_grad=False`` leaves the gradients as they are: a captured graph sets them to
+        ``None`` once before capture, and its backward then writes them afresh each replay.
+        """
+        st, cfg = self.state, self.cfg
+        if zero_grad:
+            with phase("optimizer"):
+                self.optimizer.zero_grad(set_to_none=True)
+        if self.stash is not None:
+            self.stash.reset()
+        st.lr.copy_(lr_schedule(st.step, cfg))
+        with phase("forward"):
+            out = self.forward(st.x, st.y)
+        with phase("backward"):
+            out.loss.backward()
+        with phase("optimizer"):
+            if self.stash is not None:
+                st.skip.copy_(self.stash.overflow)
+            grad_norm = None
+            if self.clip is not None:
+                grad_norm = self.clip(cfg.grad_clip, st.grad_scale, st.skip)
+            if grad_norm is None:
+                if self.fused_clip:
+                    # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the
+                    # fused AdamW as a divisor while it reads each gradient
+                    grad_norm = torch.nn.utils.get_total_norm(
+                        [p.grad for p in self.model.parameters() if p.grad is not None])
+                    st.grad_scale.copy_(((grad_norm + 1e-6) / cfg.grad_clip).clamp(min=1.0))
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        self.model.parameters(), cfg.grad_clip, error_if_nonfinite=False)
+                self.optimizer.step()
+        keep = 1.0 - st.skip  # 0.0 for a step the optimizer skipped
+        st.step.add_(keep)
+        keep64 = keep.double()
+        values = torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach(),
+                              grad_norm.detach()]).double()
+        st.scalars[:2].add_(torch.stack([keep64, st.skip.double()]))
+        st.scalars[2:6].add_(values * keep64)
+        st.scalars[6].copy_(torch.maximum(st.scalars[6], values[3] * keep64))
+        if out.moe_stats:
+            counts = torch.stack([s.tokens_per_expert for s in out.moe_stats]).double()
+            imbalance = torch.stack([s.imbalance for s in out.moe_stats]).double()
+            st.tokens_per_expert.add_(counts * keep64)
+            st.imbalance.add_(imbalance * keep64)
+            if cfg.expert_bias_rate:
+                # A skipped step's loads are all zero: sign(mean - load) = 0, no move.
+                update_expert_bias(self.model, counts * keep64, cfg.expert_bias_rate)
+
+    def read_stats(self) -> dict:
+        """Copy the window's statistics to the host — one transfer, the step's only sync —
+        and start a new window. Means are over the steps that updated the model."""
+        st = self.state
+        packed = torch.cat([st.scalars, st.lr.double().reshape(1), st.step.double().reshape(1),
+                            st.tokens_per_expert.reshape(-1), st.imbalance]).tolist()
+        st.zero_window()
+        n_layers, n_experts = st.tokens_per_expert.shape
+        scalars = dict(zip(_SCALARS, packed[: len(_SCALARS)], strict=True))
+        lr, total = packed[len(_SCALARS): len(_SCALARS) + 2]
+        rest = packed[len(_SCALARS) + 2:]
+        n = max(scalars["steps"], 1.0)
+        counts = [[int(round(c)) for c in rest[i * n_experts:(i + 1) * n_experts]]
+                  for i in range(n_layers)]
+        return {
+            "step": int(round(total)),
+            "steps": int(round(scalars["steps"])),
+            "skipped": int(round(scalars["skipped"])),
+            "loss": scalars["loss"] / n,
+            "lm_loss": scalars["lm_loss"] / n,
+            "aux_loss": scalars["aux_loss"] / n,
+            "grad_norm": scalars["grad_norm"] / n,
+            "grad_norm_max": scalars["grad_norm_max"],
+            "lr": lr,
+            "tokens_per_expert": counts,
+            "imbalance": [v / n for v in rest[n_layers * n_experts:]],
+            "reruns": self.reruns,
+        }
+
+    def flush(self) -> dict | None:
+        """The statistics of a window still open (fewer than ``read_every`` steps since the
+        last read), or ``None``."""
+        return self.read_stats() if self.host_steps % self.cfg.read_every else None
+
+    # -- the host side -----------------------------------------------------------------
+
+    def finish(self) -> dict | None:
+        """After a step was launched: re-run it without stashing if the paged stash
+        overflowed (policy ``"rerun"``), count it, and every ``read_every`` steps read."""
+        if self.stash is not None and self.cfg.overflow_policy == "rerun":
+            if bool(self.stash.overflow):  # one flag, read after the whole step is queued
+                self.rerun_without_stash()
+        self.host_steps += 1
+        if self.host_steps % self.cfg.read_every == 0:
+            return self.read_stats()
+        return None
+
+    def rerun_without_stash(self) -> None:
+        """Repeat the step eagerly with stashing off. The overflowed run updated nothing
+        (the optimizer saw ``found_inf = 1``), so this is the step the data asked for."""
+        self.reruns += 1
+        with self.stash.disabled():
+            self.run(zero_grad=True)
+
+    def launch(self, batch) -> None:
+        """Copy ``batch`` into the static inputs and run the step (no host read)."""
+        self.load(batch)
+        self.run()
+
+    def __call__(self, batch) -> dict | None:
+        self.launch(batch)
+        return self.finish()
+
+    # -- the certificate ---------------------------------------------------------------
+
+    def certify(self) -> None:
+        """Run the whole step — forward, backward, clipping, schedule, optimizer and the
+        statistics — on fake tensors under `moe_lab.training.sync.assert_sync_free`; raise its
+        ``SyncError`` at the first host sync. Nothing real is touched: the parameters,
+        optimizer state and buffers keep their values."""
+        modules = [self.model, self.state]
+        if self.stash is not None:
+            modules.append(self.stash)
+        assert_sync_free(self._certified_run, *modules, backward=False)
+
+    def _certified_run(self, *_modules: nn.Module) -> None:
+        # The modules arrive as arguments only so that assert_sync_free swaps their tensors.
+        # The model itself is certified, not a compiled wrapper of it.
+        forward, self.forward = self.forward, self.model
+        try:
+            with _optimizer_on_fake_params(self.optimizer, self.model):
+                self.run()
+        finally:
+            self.forward = forward
+
+
+class EagerStep:
+    """The naive loop's training step: ``record = step(batch)`` after every step.
+
+    The learning rate of step ``host_steps`` (`StepConfig.lr_at`) is set as a Python float on
+    every parameter group; ``optimizer`` is any torch optimizer (the naive stack's is
+    `moe_lab.training.optim.stock_optimizer`); the gradients are clipped with
+    ``clip_grad_norm_``; with ``cfg.expert_bias_rate`` the routers' biases move after the
+    optimizer step. Then every statistic is read back to the host — a sync per value, the
+    naive stack's habit — into the record: ``step`` (from 0), ``loss``, ``lm_loss``,
+    ``aux_loss``, ``lr``, ``grad_norm``, ``tokens_per_expert`` and ``imbalance`` (max/mean)
+    per MoE layer, ``dropped_tokens`` and ``step_time_s``. ``forward`` replaces the call of
+    the model (a compiled or autocast forward).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 cfg: StepConfig | None = None, *, forward: Callable | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.cfg = cfg or StepConfig()
+        self.forward = forward if forward is not None else model
+        self.host_steps = 0
+        self.state = None  # no device state: everything is read back every step
+
+    def __call__(self, batch) -> dict:
+        t0 = time.perf_counter()
+        cfg, step = self.cfg, self.host_steps
+        lr = cfg.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with phase("forward"):
+            out = self.forward(batch.x, batch.y)
+        with phase("optimizer"):
+            self.optimizer.zero_grad(set_to_none=True)
+        with phase("backward"):
+            out.loss.backward()
+        with phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.optimizer.step()
+        if cfg.expert_bias_rate:
+            update_expert_bias(self.model, [s.tokens_per_expert for s in out.moe_stats],
+                               cfg.expert_bias_rate)
+        counts = [s.tokens_per_expert.tolist() for s in out.moe_stats]
+        self.host_steps += 1
+        return {
+            "step": step,
+            "loss": out.loss.item(),
+            "lm_loss": out.lm_loss.item(),
+            "aux_loss": out.aux_loss.item(),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_expert": counts,
+            "imbalance": [max(c) / (sum(c) / len(c)) for c in counts],
+            "dropped_tokens": sum(int(s.dropped_tokens) for s in out.moe_stats),
+            "step_time_s": time.perf_counter() - t0,
+        }
+
+    def flush(self) -> None:
+        """Nothing accumulates between steps: every record was returned."""
+        return None
