@@ -36,6 +36,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
@@ -103,8 +104,6 @@ MX_OPERANDS = ("q", "k", "p", "v")
 
 
 def _fake_mx(x: Tensor, dim: int, scale_mode: str) -> Tensor:
-    from moe_lab.quant.mx import fake_quantize
-
     return fake_quantize(x, dim=dim, scale_mode=scale_mode, pad=True, quantize_grad=False)
 
 
@@ -155,6 +154,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # Imported on first use: the reference attention (and the model) never loads Triton.
         from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
 
         ctx.save_for_backward(q, k, v)

@@ -26,7 +26,8 @@ UTF-8 file through ``TextFileCorpus``.
 Train and eval are disjoint by construction: each example line belongs to exactly one
 split, decided by a hash of its text (one line in ten goes to eval), so no problem the
 model trains on ever appears in its eval set. Sampling is deterministic given the seed
-(or a ``torch.Generator``), and cheap Python: a 32 x 128 batch takes a few milliseconds.
+(or a ``torch.Generator``), and cheap Python: sampling a batch costs far less than a
+training step on it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def test_deepseek_v3_seed_tflops_per_gpu_within_5_percent():
 
 
 def test_deepseek_v3_breakdown_matches_megatron_style_count():
-    # FACTS.md: MLP ~147, attention projections ~70, core ~31, logits ~11 (with MTP);
+    # A Megatron-style count: MLP ~147, attention projections ~70, core ~31, logits ~11 (with MTP);
     # ~260 total, ~250 without MTP.
     b = flops.flops_breakdown(preset("deepseek_v3"), 4096)
     assert b["mlp"] / G == pytest.approx(147, rel=0.01)

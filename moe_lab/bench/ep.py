@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import argparse
 
+from moe_lab.dist import netem
+from moe_lab.dist.launch import run_ranks
+from moe_lab.dist.overlap import overlap_rank_main
+from moe_lab.perf import ledger
+
 DESCRIPTION = ("expert-parallel layer on N gloo ranks over an emulated link: all-to-all bytes, "
                "time, exposed communication with and without overlap")
 
@@ -52,10 +57,6 @@ def run_ep_benchmark(ranks: int = 2, rate_mbit: float | None = DEFAULT_RATE_MBIT
                      timeout_s: float = 600.0) -> dict:
     """Launch ``ranks`` ranks (over the emulated link when ``rate_mbit`` is set and the
     machine allows it) and return rank 0's report, with ``link`` and ``notes`` added."""
-    from moe_lab.dist import netem
-    from moe_lab.dist.launch import run_ranks
-    from moe_lab.dist.overlap import overlap_rank_main
-
     spec = spec or spec_for("smoke", ranks)
     notes = []
     link = None
@@ -105,8 +106,6 @@ def summarize(report: dict) -> dict:
 
 def record(report: dict, notebook: str = "bench:ep") -> None:
     """Append the benchmark's figures to the ledger."""
-    from moe_lab.perf import ledger
-
     s = summarize(report)
     common = dict(ranks=report["world_size"], tokens_per_rank=report["tokens_per_rank"],
                   n_chunks=report["n_chunks"], link=report["link"], repeats=report["repeats"])

@@ -22,7 +22,10 @@ import torch
 
 import moe_lab.cpu
 from moe_lab.config import MoEConfig
+from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.layer import MoELayer
+from moe_lab.perf import capabilities, ceilings, compare, ledger
+from moe_lab.training.sync import count_syncs
 
 DESCRIPTION = "fwd+bwd of one MoE layer: naive / capacity / dropless / Hugging Face Mixtral"
 
@@ -42,6 +45,7 @@ def expert_flops(tokens: int, top_k: int, d_model: int, d_expert: int) -> float:
 
 
 def _hf_block(layer: MoELayer, implementation: str):
+    # transformers is optional (the [test] extra): imported only for this provider.
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -64,8 +68,6 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
     """name -> module taking ``x: [tokens, d]`` and returning ``(y, aux)``; and notes.
 
     ``only``: keep just these providers (``naive`` is always kept: it is the reference)."""
-    from moe_lab.perf import capabilities
-
     notes: list[str] = []
     naive = MoELayer(cfg, "naive").to(device=device, dtype=dtype)
     providers: dict[str, torch.nn.Module] = {"naive": naive}
@@ -131,8 +133,6 @@ def _step_fn(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
 
 
 def _device_dtype() -> tuple[str, torch.dtype]:
-    from moe_lab.perf import capabilities
-
     # bf16 on a GPU (what its grouped GEMMs run), fp32 on the CPU (the eager reference).
     return ("cuda", torch.bfloat16) if capabilities().device == "cuda" else ("cpu", torch.float32)
 
@@ -143,9 +143,6 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
 
     Runs on the GPU in bf16 where there is one, else on the CPU in fp32. ``only`` limits
     the providers (``naive`` is always timed: the ratios are to it)."""
-    from moe_lab.perf import compare
-    from moe_lab.training.sync import count_syncs
-
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     if tokens <= 0:
@@ -193,16 +190,13 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
 
     The ceiling (a square ``[n, n] @ [n, n]`` matmul) is timed in the same rounds as the
     expert compute (`compare`, alternating), so both see the same machine: on a shared CPU a
-    ceiling measured a minute earlier can be off by 2x either way. ``ceiling_gflops``, if
+    ceiling measured a minute earlier can be far off in either direction. ``ceiling_gflops``, if
     given, is reported alongside as the run's separately measured figure.
 
     ``ceiling_disturbed`` is True when the ceiling of these rounds cannot be right: below 3/4
     of the separately measured one, or so low that the expert compute would beat the floor
     (a ratio under 1, which no code can reach). The ratio of such a run says nothing; rerun.
     """
-    from moe_lab.moe.dispatch import sort_by_expert
-    from moe_lab.perf import ceilings, compare
-
     cfg = MoEConfig(**SHAPES[shape])
     device, dtype = _device_dtype()
     layer = MoELayer(cfg, "dropless", backend).to(device=device, dtype=dtype)
@@ -256,8 +250,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from moe_lab.perf import ceilings, ledger
-
     tokens = args.tokens or TOKENS[args.profile]
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device, dtype = _device_dtype()

@@ -26,6 +26,12 @@ import math
 
 import torch
 
+from moe_lab.attention import causal_attention
+from moe_lab.perf import bench, capabilities, ledger
+from moe_lab.perf.ceilings import copy_bandwidth
+from moe_lab.perf.hardware import gpu_spec, roofline
+from moe_lab.quant.mx import quantize
+
 DESCRIPTION = "MXFP8: quantizer bandwidth, attention bytes/time/error, GB300 projection"
 NOTEBOOK = "05_mxfp8_attention"
 
@@ -55,7 +61,8 @@ def quantizer_bytes(m: int, k: int, in_bytes: int = 2) -> int:
     return m * k * in_bytes + 2 * m * k + 2 * (m * k // 32)
 
 
-# One GPT-OSS-20B attention layer (FACTS.md): [batch, q heads, kv heads, seq, head_dim].
+# One GPT-OSS-20B attention layer (its published config): [batch, q heads, kv heads, seq,
+# head_dim].
 GPT_OSS_LAYER = (1, 64, 8, 4096, 64)
 
 
@@ -77,13 +84,10 @@ def _row(what: str, provider: str, value: float, unit: str, kind: str, note: str
 
 
 def run(args: argparse.Namespace) -> dict:
-    from moe_lab.attention import causal_attention
+    # The Triton kernels load here, not at the top: the CLI imports every benchmark module
+    # to build its parser, and that must not import Triton.
     from moe_lab.kernels.mx import mx_quantize
     from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
-    from moe_lab.perf import bench, capabilities
-    from moe_lab.perf.ceilings import copy_bandwidth
-    from moe_lab.perf.hardware import gpu_spec, roofline
-    from moe_lab.quant.mx import quantize
 
     caps = capabilities()
     mode = caps.triton_mode
@@ -166,8 +170,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _record(rows: list[dict], hardware: str) -> None:
-    from moe_lab.perf import ledger
-
     for row in rows:
         if not math.isfinite(row["value"]):
             continue

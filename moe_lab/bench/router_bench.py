@@ -16,8 +16,8 @@ of routing decisions that agree with the FP64 chain: lowering the precision move
 near-ties.
 
 Shapes: ``small`` is the tiny preset's router (8 experts, top-2, softmax); ``deepseek_v3``
-is DeepSeek-V3's (256 experts, top-8, sigmoid, 8 groups / 4 chosen, scaling 2.5; see
-``shared/background/FACTS.md``). Tokens: the seed trains 4096-token sequences, so a GPU
+is DeepSeek-V3's (256 experts, top-8, sigmoid, 8 groups / 4 chosen, scaling 2.5: DeepSeek-V3's
+published config). Tokens: the seed trains 4096-token sequences, so a GPU
 routes 4096 tokens per sequence; the CPU smoke profile scales that down to what times in
 seconds.
 """
@@ -29,6 +29,9 @@ import argparse
 import torch
 
 from moe_lab.config import MoEConfig
+from moe_lab.moe.router import route_from_logits, routing_agreement
+from moe_lab.perf import capabilities, compare, ledger
+from moe_lab.perf.kernels import count_compiled_kernels, count_kernels
 
 DESCRIPTION = "the router after the gating matmul: unfused fp64 / fp32, torch.compile, fused Triton"
 
@@ -62,9 +65,6 @@ def floor_bytes(tokens: int, cfg: MoEConfig) -> int:
 def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
     """``name -> (fn(logits, bias) -> RouterOutput, logits dtype)`` and notes. A compiled
     provider carries its ``torch.compile`` object as ``fn.compiled``."""
-    from moe_lab.moe.router import route_from_logits
-    from moe_lab.perf import capabilities
-
     notes: list[str] = []
 
     def unfused(logits, bias):
@@ -82,6 +82,8 @@ def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
     compiled_fp32.compiled = compiled  # what count_compiled_kernels reads
     providers["compiled fp32"] = (compiled_fp32, torch.float32)
     if capabilities().triton_mode == "compiled":
+        # Here, not at the top: the CLI imports this module to build its parser, and that
+        # must not import Triton.
         from moe_lab.kernels.fused_router import fused_route_from_logits
 
         def triton_fp32(logits, bias):
@@ -98,10 +100,6 @@ def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
 def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0,
               device: str | None = None) -> dict:
     """Benchmark one shape; returns ``{"rows": [...], "notes": [...], ...}``."""
-    from moe_lab.moe.router import route_from_logits, routing_agreement
-    from moe_lab.perf import capabilities, compare
-    from moe_lab.perf.kernels import count_compiled_kernels, count_kernels
-
     if not isinstance(tokens, int) or tokens <= 0:
         raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
     device = device or capabilities().device
@@ -146,8 +144,6 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0,
 
 def record(result: dict, notebook: str) -> None:
     """Append one shape's figures to the ledger."""
-    from moe_lab.perf import ledger
-
     tokens = result["tokens"]
     for row in result["rows"]:
         step = f"{row['shape']}:{row['provider']}"
@@ -168,8 +164,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from moe_lab.perf import capabilities
-
     device = capabilities().device
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     result: dict = {"device": device, "rows": [], "notes": [], "tokens": {}}

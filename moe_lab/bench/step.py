@@ -6,7 +6,7 @@ Providers, all on the same preset, batch and initial weights:
   statistics read every step, the stock AdamW): the starting point;
 - ``eager`` — `moe_lab.training.steps.SyncFreeStep`;
 - ``compiled`` — the same step with the model under ``torch.compile`` (skipped with
-  ``--no-compile``: compiling takes a minute or more on a small CPU);
+  ``--no-compile``: on a CPU, compiling costs far more than the steps it times);
 - ``graphed`` — `moe_lab.training.graphs.GraphedStep`, only where CUDA exists.
 
 Per provider: median iteration time, tokens/s, speed-up over ``eager``, ATen operators per

@@ -38,6 +38,7 @@ network namespace, and gloo talks over the emulated link instead of the loopback
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import signal
 import socket
@@ -50,6 +51,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_lab.dist.netem import IFNAME, enter_namespace
 
 __all__ = [
     "RankFailure", "RankStatus", "run_ranks", "init_from_env", "check_peers", "whoami",
@@ -93,8 +100,6 @@ class RankStatus:
 
 def default_backend() -> str:
     """``"nccl"`` when CUDA devices are present, else ``"gloo"``."""
-    import torch
-
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -106,10 +111,6 @@ PRELOAD = ["torch", "torch.distributed", "moe_lab.dist.ep", "moe_lab.dist.overla
 def _context():
     """The multiprocessing context for ranks: a fork server (fast: torch is imported once,
     and forking a process that never ran a parallel region is safe), else spawn."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -135,17 +136,12 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
     out = Path(result_dir)
     try:
         if netns is not None:
-            from moe_lab.dist.netem import enter_namespace
-
             enter_namespace(netns)
         os.environ.update(env)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)})
         if backend == "gloo":
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
-        import torch
-        import torch.distributed as dist
-
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -189,8 +185,6 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     Raises:
         RankFailure: a rank raised, died, or the deadline passed; the message names each rank.
     """
-    import torch
-
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     interactive_main = (getattr(fn, "__module__", "__main__") == "__main__"
@@ -209,8 +203,6 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             raise ValueError("the emulated link carries gloo (TCP) traffic; use backend='gloo'")
         if not link.active or link.world_size != world_size:
             raise ValueError(f"link must be an active EmulatedLink for {world_size} ranks, got {link!r}")
-        from moe_lab.dist.netem import IFNAME
-
         master_addr, port, ifname = link.master_addr, 29500, IFNAME
     else:
         master_addr, port, ifname = "127.0.0.1", _free_port(), "lo"
@@ -282,8 +274,6 @@ def _failure_message(statuses: list[RankStatus], timeout_s: float) -> str:
 def check_peers(timeout_s: float = 10.0, group=None) -> None:
     """A barrier that names the ranks that did not arrive within ``timeout_s`` (gloo's
     ``monitored_barrier``; a plain barrier on other backends)."""
-    import torch.distributed as dist
-
     if dist.get_backend(group) == "gloo":
         dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
     else:
@@ -296,9 +286,6 @@ def init_from_env(collective_timeout_s: float = 60.0, backend: str | None = None
     Picks NCCL (one GPU per local rank, with high-priority communication streams) where
     CUDA is available, gloo otherwise. Returns ``(rank, world_size, device)``.
     """
-    import torch
-    import torch.distributed as dist
-
     backend = backend or default_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = datetime.timedelta(seconds=collective_timeout_s)
@@ -322,9 +309,6 @@ def init_from_env(collective_timeout_s: float = 60.0, backend: str | None = None
 def whoami() -> dict:
     """A rank's view of the job: its rank, the world size, the backend, its address, and an
     all-reduce of ranks (``0 + 1 + ... + N-1``) to show they really talk."""
-    import torch
-    import torch.distributed as dist
-
     total = torch.tensor([dist.get_rank()])
     dist.all_reduce(total)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
@@ -342,9 +326,6 @@ def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout
     (``"raise"``), or stops answering (``"hang"``: sleeps). Before each all-reduce the others
     pass `check_peers`, so a missing rank is named. Returns the number of iterations done.
     """
-    import torch
-    import torch.distributed as dist
-
     if kind not in ("crash", "raise", "hang"):
         raise ValueError(f"kind must be 'crash', 'raise' or 'hang', got {kind!r}")
     dist.barrier()

@@ -17,11 +17,11 @@ iproute2):
   of ``rate_mbit`` in each direction: ``netem`` (rate and delay) where the kernel has it,
   else ``tbf`` (a token bucket: rate only);
 - jumbo frames (``mtu``, 9000 bytes, as data-centre fabrics use): the kernel's work per
-  packet (bridge, queue, TCP acknowledgements) runs on the same two cores as the experts,
-  and with 1,500-byte frames it took about a quarter of their time while the link was busy —
-  a cost of the emulation, not of the fabric it stands for. Measured with ``python -m
-  moe_lab bench ep``: compute during an overlapped step ran ~30% slower than alone at MTU
-  1,500 and within noise of alone at 9,000, at the same enforced rate.
+  packet (bridge, queue, TCP acknowledgements) runs on the same cores as the experts, so
+  with 1,500-byte frames a busy link slows the compute it is meant to overlap with — a cost
+  of the emulation, not of the fabric it stands for. Six times fewer packets per byte keep
+  that cost small (``python -m moe_lab bench ep`` shows it: compute during an overlapped
+  step against compute alone).
 
 Nothing is created in the machine's own namespace, and tearing down is deleting the
 namespaces (their interfaces go with them). A rank process joins its namespace with

@@ -29,6 +29,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import matplotlib.pyplot as plt
+
 from moe_lab.perf import mlperf
 from moe_lab.perf.ledger import format_value
 
@@ -249,8 +251,6 @@ def _style(kind: str, color: str) -> dict:
 def plot_waterfall(wf: Waterfall, ax=None, *, show_total: bool = True):
     """Draw ``wf`` on ``ax`` (created if not given) and return it: the baseline bar, one
     floating bar per optimisation labelled with its ratio, and the total."""
-    import matplotlib.pyplot as plt  # only drawing needs it; reading the ledger does not
-
     if ax is None:
         _, ax = plt.subplots(figsize=(1.3 * (len(wf.rungs) + 2), 3.8))
     labels, bottoms, heights, colors, notes = [], [], [], [], []
@@ -293,8 +293,6 @@ def plot_waterfall(wf: Waterfall, ax=None, *, show_total: bool = True):
 def plot_waterfalls(waterfalls: Sequence[Waterfall], *, ncols: int = 2, width: float = 6.5,
                     height: float = 4.0):
     """One panel per waterfall (so per hardware and kind); returns the figure."""
-    import matplotlib.pyplot as plt  # only drawing needs it; reading the ledger does not
-
     if not waterfalls:
         raise ValueError("waterfalls must hold at least one Waterfall, got none")
     ncols = max(1, min(ncols, len(waterfalls)))

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 PHASE_PREFIX = "moe_lab.training."
 PHASES = ("forward", "backward", "optimizer")
@@ -111,8 +112,6 @@ def step_breakdown(step: Callable[[], None], steps: int = 5, warmup: int = 2) ->
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(warmup):
         step()
     prof = profile(activities=[ProfilerActivity.CPU])

@@ -29,9 +29,9 @@ _DTYPES = {
     "float16": torch.float16,
 }
 
-# profile -> (matmul n, copy bytes, min_time_s) per device. The CPU smoke sizes take a few
-# seconds on two cores; the copies are larger than a typical last-level cache (32 MiB on
-# the 2-core CPU machines this project runs CI on).
+# profile -> (matmul n, copy bytes, min_time_s) per device. The CPU smoke sizes keep the
+# run short on a laptop CPU; every copy is larger than a typical last-level cache, so it
+# measures memory bandwidth, not cache bandwidth.
 PROFILES = {
     "smoke": {"cpu": (2048, 128 * 2**20, 0.3), "cuda": (4096, 512 * 2**20, 0.2)},
     "full": {"cpu": (4096, 512 * 2**20, 1.0), "cuda": (8192, 2 * 2**30, 0.5)},
@@ -141,7 +141,8 @@ def measure_ceilings(
 ) -> dict[str, Ceiling]:
     """This machine's ceilings: ``matmul_<dtype>`` for each of ``dtypes`` and ``copy``.
 
-    ``profile="smoke"`` takes a few seconds on a 2-core CPU; ``"full"`` uses larger sizes.
+    ``profile="smoke"`` uses sizes that keep a small CPU busy for seconds, not minutes;
+    ``"full"`` uses larger ones.
     """
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")

@@ -27,6 +27,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe_lab.config import preset as get_preset
+from moe_lab.perf.bench import bench, compare
+from moe_lab.training.build import build_model, build_sync_free, random_batch
+from moe_lab.training.optim import make_optimizer
+from moe_lab.training.steps import SyncFreeStep
+
 __all__ = ["compiled_vs_eager", "count_ops", "dispatch_cost", "overhead_sweep", "plot_overhead",
            "shrunk_config"]
 
@@ -63,8 +69,6 @@ def dispatch_cost(n_ops: int = 2000, min_time_s: float = 0.2) -> float:
     """Seconds the host spends on one trivial operator (``t.add_(1)`` on a one-element
     tensor, no allocation, no autograd): the least any operator costs here. The median of
     loops of ``n_ops`` calls, over ``moe_lab.perf.bench``."""
-    from moe_lab.perf import bench
-
     if not isinstance(n_ops, int) or n_ops <= 0:
         raise ValueError(f"n_ops must be a positive integer, got {n_ops!r}")
     t = torch.zeros(1)
@@ -80,8 +84,6 @@ def shrunk_config(preset: str, d_model: int):
     """The preset with width ``d_model`` everywhere (experts ``d_model`` wide, dense FFN
     ``4 · d_model``) and everything else — layers, experts, top-k, heads, sequence — kept,
     so the number of operators per step stays the same while the arithmetic shrinks."""
-    from moe_lab.config import preset as get_preset
-
     base = get_preset(preset)
     if d_model % base.n_heads:
         raise ValueError(f"d_model must be a multiple of n_heads={base.n_heads}, got {d_model}")
@@ -95,9 +97,6 @@ def overhead_sweep(widths: Sequence[int] = (256, 128, 64, 32, 16), preset: str =
     each width, on the CPU: ``iteration_ms`` (median, `moe_lab.perf.bench`), ``ops`` and
     ``compute_ops`` per iteration, and ``floor_ms = ops × per_op_s`` (``per_op_s`` from
     `dispatch_cost` when not given) with ``floor_frac = floor_ms / iteration_ms``."""
-    from moe_lab.perf import bench
-    from moe_lab.training.build import build_sync_free, random_batch
-
     per_op_s = dispatch_cost() if per_op_s is None else per_op_s
     rows = []
     for width in widths:
@@ -123,13 +122,8 @@ def compiled_vs_eager(preset: str = "tiny", batch_size: int = 2, d_model: int | 
     """The sync-free step with the model eager and under ``torch.compile`` (optimizer
     unchanged: one fused operator already), same weights and batch, timed interleaved.
     Compilation happens once, on the first call, and is reported separately
-    (``compile_s``): on a 2-core CPU it takes a minute or more."""
-    from moe_lab.perf import compare
-    from moe_lab.training.build import build_model, random_batch
-    from moe_lab.training.optim import make_optimizer
-    from moe_lab.training.steps import SyncFreeStep
-
-    cfg = shrunk_config(preset, d_model) if d_model else _preset(preset)
+    (``compile_s``): on a CPU it takes far longer than a step, so it stays out of the timings."""
+    cfg = shrunk_config(preset, d_model) if d_model else get_preset(preset)
     model, optimizer = build_model(cfg)
     batch = random_batch(cfg, batch_size)
     eager = SyncFreeStep(model, optimizer, batch)
@@ -149,15 +143,9 @@ def compiled_vs_eager(preset: str = "tiny", batch_size: int = 2, d_model: int | 
             "eager_ops": ops["ops"]}
 
 
-def _preset(name: str):
-    from moe_lab.config import preset
-
-    return preset(name)
-
-
 def plot_overhead(rows: list[dict], ax=None, title: str | None = None):
     """Iteration time against model width, with the host floor ``ops × cost per op``."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # here, not at the top: the CLI imports this module
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 3.8))

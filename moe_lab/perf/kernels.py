@@ -36,6 +36,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+try:
+    from torch._library.custom_ops import _maybe_get_opdef
+except ImportError:  # a torch without it: a custom op's inner calls go uncounted
+    _maybe_get_opdef = None
+
 aten = torch.ops.aten
 
 # Operators that allocate without touching the memory, or only make new metadata for the
@@ -163,9 +168,7 @@ def _estimate(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) 
 def _custom_op_body(func: torch._ops.OpOverload) -> Callable | None:
     """The Python function behind a ``torch.library.custom_op`` (None for other operators).
     Calling it directly, rather than ``func``, keeps the mode from seeing ``func`` again."""
-    try:
-        from torch._library.custom_ops import _maybe_get_opdef
-    except ImportError:  # a torch without it: the custom op's inner calls go uncounted
+    if _maybe_get_opdef is None:
         return None
     opdef = _maybe_get_opdef(func)
     return getattr(opdef, "_init_fn", None) if opdef is not None else None
@@ -335,6 +338,8 @@ def count_compiled_kernels(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     compiled here), read from the code Inductor generates for these inputs. The call that
     compiles is the one read; if ``fn`` was compiled for these inputs already, Dynamo's
     caches are reset and it compiles again (Inductor's own caches make that cheap)."""
+    # Inductor is slow to import and only this function needs it: the CLI and notebooks
+    # that count eager kernels never load it.
     from torch._inductor.utils import run_and_get_code
 
     if not callable(fn):

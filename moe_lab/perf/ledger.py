@@ -30,13 +30,19 @@ import json
 import math
 import numbers
 import os
-import platform
 import re
 import warnings
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from moe_lab.perf.capabilities import capabilities, library_versions
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: no tomllib; a [project] name line suffices.
+    tomllib = None
 
 try:
     import fcntl
@@ -67,9 +73,7 @@ def _is_moe_lab_pyproject(path: Path) -> bool:
         text = path.read_text(encoding="utf-8")
     except OSError:
         return False
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: no tomllib; a [project] name line suffices.
+    if tomllib is None:
         section = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
         return bool(section) and bool(
             re.search(rf'^name\s*=\s*["\']{PROJECT_NAME}["\']', section.group(1), re.M)
@@ -114,24 +118,11 @@ def ledger_path() -> Path:
 # ------------------------------------------------------------------------------ context
 
 
-def _fallback_hardware_label() -> str:
-    machine = platform.processor() or platform.machine() or "unknown machine"
-    return f"{machine} CPU (capabilities unavailable)"
-
-
 def _hardware_label() -> str:
-    try:
-        from moe_lab.perf.capabilities import capabilities
-    except ImportError:
-        return _fallback_hardware_label()
     return str(capabilities().hardware_label())
 
 
 def _library_versions() -> dict[str, str]:
-    try:
-        from moe_lab.perf.capabilities import library_versions
-    except ImportError:
-        return {"python": platform.python_version()}
     return {str(name): str(version) for name, version in library_versions().items()}
 
 

@@ -1,9 +1,9 @@
 """NVIDIA's MLPerf Training v6.0 results, as data.
 
 Source: NVIDIA's Developer Blog post on MLPerf Training v6.0, as reported by the Korean
-write-up this project started from (``shared/background/``; figures collected in
-``shared/background/FACTS.md``). These are published results, not measurements made
-here; anything that shows them says so and names the source.
+write-up this project started from (kept with the project's design notes, outside the
+package). These are published results, not measurements made here; anything that shows
+them says so and names the source.
 """
 
 from __future__ import annotations

@@ -32,12 +32,15 @@ GEMMs. Elsewhere ``"auto"`` falls back to the emulation and says so in the modul
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 
-from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, quantize
+from moe_lab.attention import ATTENTION_IMPLS, expand_kv, mxfp8_reference_attention
+from moe_lab.perf.capabilities import capabilities
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, mx_error_stats, quantize
 
 Tensor = torch.Tensor
 BACKENDS = ("auto", "emulated", "te")
@@ -144,8 +147,6 @@ class MXLinear(nn.Linear):
 def te_mxfp8_status() -> tuple[bool, str]:
     """Whether Transformer Engine can run MXFP8 GEMMs here, and why not if not (from the
     machine's capabilities, detected once by `moe_lab.perf.capabilities`)."""
-    from moe_lab.perf.capabilities import capabilities
-
     caps = capabilities()
     if not caps.transformer_engine:
         return False, "transformer_engine is not installed"
@@ -169,6 +170,7 @@ class TEMXFP8Linear(nn.Module):
         ok, why = te_mxfp8_status()
         if not ok:
             raise RuntimeError(f"Transformer Engine MXFP8 backend unavailable: {why}")
+        # Transformer Engine is optional (the [gpu] extra): imported only when used.
         import transformer_engine.pytorch as te
         from transformer_engine.common.recipe import MXFP8BlockScaling
 
@@ -236,8 +238,6 @@ def apply_mxfp8(
         raise ValueError(f"targets must be a non-empty subset of {TARGETS}, got {targets!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    from moe_lab.attention import ATTENTION_IMPLS
-
     if attention_impl not in ATTENTION_IMPLS:
         raise ValueError(
             f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}, got {attention_impl!r}"
@@ -288,11 +288,6 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
 
     The model runs as configured (its own attention implementation); nothing is changed.
     """
-    import math
-
-    from moe_lab.attention import ATTENTION_IMPLS, expand_kv, mxfp8_reference_attention
-    from moe_lab.quant.mx import mx_error_stats
-
     rows: list[dict] = []
 
     def add(layer: str, tensor: str, x: Tensor, dim: int) -> None:

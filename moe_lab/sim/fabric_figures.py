@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib import cm
+from matplotlib.colors import Normalize
 
 from moe_lab.sim.fabric import FabricResult, LeafSpine, simulate
 from moe_lab.sim.traffic import moe_traffic
@@ -17,10 +20,6 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
     Line width and colour: bytes on the link over the mean uplink bytes (hot = red).
     Returns the matplotlib axes.
     """
-    import matplotlib.pyplot as plt
-    from matplotlib import cm
-    from matplotlib.colors import Normalize
-
     topo = result.topology
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 4))
@@ -75,8 +74,6 @@ def fabric_figure(
     """The explorer's figure: one MoE dispatch all-to-all (Zipf skew ``zipf_s`` over the
     experts) on a leaf-spine fabric — the topology with its uplink loads, and the
     distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches."""
-    import matplotlib.pyplot as plt
-
     topo = LeafSpine(hosts_per_leaf, n_leaf, n_spine, 400.0, max(1.0, oversubscription))
     rng = np.random.default_rng(seed)
     traffic = moe_traffic(topo.n_hosts, tokens_per_gpu=512, zipf_s=zipf_s, rng=rng)

@@ -386,7 +386,7 @@ def step_figure(
     Slider-friendly: ``microbatches`` is rounded up to a multiple of ``n_ranks`` when
     ``n_chunks`` > 1; ``mxfp8_logits`` and ``delay_wgrad`` are 0/1 switches.
     """
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # only to draw: the ``sim`` command never loads it
 
     cfg = preset(preset_name)
     costs = layer_costs(cfg, logits_scale=0.5 if mxfp8_logits else 1.0)

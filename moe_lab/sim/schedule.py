@@ -354,6 +354,7 @@ def plot_gantt(
 
     Chunks after the first are drawn lighter. Returns the matplotlib axes.
     """
+    # matplotlib loads only to draw: the simulators (and the ``sim`` command) run on numpy.
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

@@ -6,6 +6,7 @@ import torch
 
 from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
 from moe_lab.moe.router import tokens_per_expert_from_ids
+from moe_lab.training.sync import count_syncs
 
 
 @reference_solution("tokens_per_expert")
@@ -38,8 +39,6 @@ def check_tokens_per_expert(fn) -> None:
         if not torch.equal(got.to(torch.int64), want):
             raise ExerciseError(f"counts differ for ids of shape {tuple(ids.shape)} with "
                                 f"{n} experts: got {got.tolist()}, expected {want.tolist()}")
-    from moe_lab.training.sync import count_syncs
-
     _, syncs = count_syncs(fn, cases[0][0], 8)
     if sum(syncs.values()):
         raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; "

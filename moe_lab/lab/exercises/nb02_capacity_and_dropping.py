@@ -24,6 +24,7 @@ import torch
 
 from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
 from moe_lab.moe import dispatch
+from moe_lab.training.sync import count_syncs
 
 
 @reference_solution("expert_capacity")
@@ -163,8 +164,6 @@ def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
         bad = (got != want).nonzero()[0].tolist()
         raise ExerciseError(f"({where}): assignment (token {bad[0]}, choice {bad[1]}) should be "
                             f"{'kept' if want[bad[0], bad[1]] else 'dropped'}{hint}")
-    from moe_lab.training.sync import count_syncs
-
     ids, n_experts, capacity = cases[1]
     _, syncs = count_syncs(fn, ids, n_experts, capacity)
     if sum(syncs.values()):

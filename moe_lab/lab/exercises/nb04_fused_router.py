@@ -6,6 +6,8 @@ import torch
 
 from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
 from moe_lab.moe.router import group_limited_mask
+from moe_lab.perf.kernels import count_kernels
+from moe_lab.training.sync import count_syncs
 
 
 @reference_solution("group_limited_selection")
@@ -58,8 +60,6 @@ def check_group_limited_selection(fn) -> None:
         per_token = got.view(tokens, n_groups, n_experts // n_groups).any(-1).sum(-1)
         if tokens and not bool((per_token == topk_groups).all()):
             raise ExerciseError(f"each token must keep exactly {topk_groups} groups")
-    from moe_lab.training.sync import count_syncs
-
     _, syncs = count_syncs(fn, torch.rand(32, 64, generator=g), 8, 4)
     if sum(syncs.values()):
         raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; build the "
@@ -70,8 +70,6 @@ def check_group_limited_selection(fn) -> None:
 def check_first_steps_bytes(fn) -> None:
     """Raises ExerciseError unless ``fn(tokens, n_experts, itemsize)`` predicts the bytes
     that `moe_lab.perf.kernels.count_kernels` measures for `first_steps_of_the_chain`."""
-    from moe_lab.perf.kernels import count_kernels
-
     for tokens, n_experts, dtype in [(1024, 256, torch.float64), (1024, 256, torch.float32),
                                      (300, 8, torch.float64), (7, 3, torch.float32)]:
         logits = torch.randn(tokens, n_experts, dtype=dtype)

@@ -8,6 +8,7 @@ import random
 
 import torch
 
+from moe_lab.dist.ep import traffic_matrix
 from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
 
 
@@ -20,8 +21,6 @@ def a2a_splits(topk_ids_per_rank: list[torch.Tensor], n_experts: int,
     owns experts ``j·E/W … (j+1)·E/W − 1``. Returns ``(input_splits, output_splits)``:
     how many rows rank ``rank`` sends to each rank, and receives from each rank.
     """
-    from moe_lab.dist.ep import traffic_matrix
-
     matrix = traffic_matrix(topk_ids_per_rank, n_experts)  # [source, destination]
     return matrix[rank].tolist(), matrix[:, rank].tolist()
 
