@@ -12,11 +12,12 @@ export TRITON_INTERPRET := 1
 endif
 export PYTHONHASHSEED := 0
 
-.PHONY: help install workbook test test-fast lab lint clean
+.PHONY: help install workbook test test-fast compile lab lint clean
 
 help:
 	@echo "make workbook   execute every notebook (PROFILE=$(PROFILE)) into build/workbook, write build/RESULTS.md"
 	@echo "make test       unit tests and every notebook executed"
+	@echo "make compile    every Triton kernel compiled for sm_90 and sm_100 (no GPU needed), into results/compile"
 	@echo "make lab        JupyterLab on notebooks/"
 
 $(BIN)/python:
@@ -49,6 +50,10 @@ test: $(VENV)/.installed-test
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# Compiles in a child process with TRITON_INTERPRET=0, whatever this Makefile exports.
+compile: $(VENV)/.installed-test
+	$(BIN)/python -m moe_lab compile --arch sm_90,sm_100
 
 lab: $(VENV)/.installed-workbook
 	cd notebooks && ../$(BIN)/jupyter lab

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "moe_lab.perf.cli",  # env, flops
+    "moe_lab.perf.cli",  # env, flops, compile
     "moe_lab.training.cli",  # train
     "moe_lab.lab.workbook",  # workbook
     "moe_lab.bench.cli",  # bench NAME

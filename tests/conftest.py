@@ -40,3 +40,19 @@ def cpu_plugin() -> None:
     if moe_lab.cpu.build.compiler() is None:
         pytest.skip("no C++ compiler: moe_lab's CPU kernels cannot be built")
     assert moe_lab.cpu.register(), moe_lab.cpu.unavailable_reason()
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the kernel tests run: CUDA when present (Triton kernels compiled), else the CPU
+    (Triton's interpreter). Tests of Triton kernels take their device from here, so that
+    ``make test`` on a CUDA machine tests every kernel compiled."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
+def interpreted() -> bool:
+    """Whether the Triton kernels run under the interpreter in this session."""
+    from moe_lab.perf.capabilities import triton_interpreted
+
+    return triton_interpreted()

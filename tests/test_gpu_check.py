@@ -1,5 +1,6 @@
 """scripts/gpu_check.py stays runnable: its --cpu-smoke mode checks every kernel (interpreted,
-tiny shapes) exactly as the GPU run does, and writes the same files."""
+tiny shapes) exactly as the GPU run does, and writes the same files; every check the README
+promises is among them."""
 
 import json
 import os
@@ -21,10 +22,20 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     checks = json.loads((out / "checks.json").read_text())
     names = {c["check"] for c in checks}
-    for expected in ("grouped_gemm float32 fwd", "grouped_gemm bfloat16 dW", "permute",
-                     "mx_quantize colwise", "mxfp8 attention vs emulation", "fused router grad",
-                     "graphed step loss vs eager"):
-        assert expected in names
-    assert all(c["ok"] for c in checks)
+    for expected in ("grouped_gemm float32 fwd", "grouped_gemm bfloat16 dW",
+                     "grouped_gemm_swiglu bfloat16 dX", "grouped_gemm_swiglu float32 dW",
+                     "permute", "permute backward dX", "unpermute backward dY",
+                     "unpermute backward d(router weights)", "mx_quantize colwise",
+                     "mxfp8 attention vs emulation", "fused router grad",
+                     "fused router counts per sequence", "fused router score sums per sequence",
+                     "fused router seq_aux_loss", "graphed step loss vs eager reference (step 1)"):
+        assert expected in names, expected
+    shapes = {c["shape"] for c in checks}
+    for expected in ("padded to 16", "float32->e5m2 floor", "bfloat16->e4m3 floor",
+                     "float32->e4m3 rceil", "seqs of 6"):  # layouts, formats, statistics
+        assert any(expected in shape for shape in shapes), expected
+    graphed = next(c for c in checks if c["check"].startswith("graphed step loss vs eager reference"))
+    assert "eager: ModelImpls(dispatcher='naive'" in graphed["reference"]  # not Triton vs Triton
+    assert all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
     env = json.loads((out / "env.json").read_text())
     assert env["torch"] and "summary.md" in {p.name for p in out.iterdir()}

@@ -3,14 +3,27 @@
 sync-free certificate.
 
 Every kernel output is allocated NaN-filled here (``poisoned_outputs``), so an element a
-kernel forgot to write fails the comparison. Under ``TRITON_INTERPRET=1`` each program
-instance is a Python round trip: shapes are small, tiles large.
+kernel forgot to write fails the comparison. Tensors live on the ``device`` fixture's
+device: on a CUDA machine the kernels run compiled, elsewhere under ``TRITON_INTERPRET=1``,
+where each program instance is a Python round trip: shapes are small, tiles large. The
+paths only a GPU takes by default (small tiles, bfloat16 tiles into ``tl.dot``) are forced
+here, and the bfloat16 path is also compiled for Hopper to check what reaches the MMA.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.grouped_gemm import (
@@ -42,15 +55,33 @@ def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gg, "_new_output", nan_output)
 
 
-def make_offsets(counts: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+def make_offsets(counts: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
 
 
-def problem(counts: list[int], pad: int, k: int, n: int, dtype=torch.float32):
-    """Fresh random ``x: [sum(counts) + pad, k]``, ``w: [E, k, n]``, offsets."""
-    x = torch.randn(sum(counts) + pad, k).to(dtype)
-    w = (torch.randn(len(counts), k, n) / k**0.5).to(dtype)
-    return x, w, make_offsets(counts)
+def problem(counts: list[int], pad: int, k: int, n: int, dtype=torch.float32,
+            device: torch.device | str = "cpu"):
+    """Fresh random ``x: [sum(counts) + pad, k]``, ``w: [E, k, n]``, offsets, on ``device``."""
+    x = torch.randn(sum(counts) + pad, k).to(device, dtype)
+    w = (torch.randn(len(counts), k, n) / k**0.5).to(device, dtype)
+    return x, w, make_offsets(counts, device)
+
+
+def force_small_tiles(monkeypatch: pytest.MonkeyPatch, blocks: tuple[int, int, int]) -> list[str]:
+    """Every launch gets ``(BLOCK_M, BLOCK_N, BLOCK_K) = blocks``: several tiles per
+    expert, several K steps and N tiles, as compiled tiles give at real sizes. Returns the
+    list the launches' kernel names are appended to."""
+    bm, bn, bk = blocks
+    config = gg.LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=2)
+    launched = []
+
+    def launch_config(kernel, m, n, k, n_experts, *, interpreted):
+        launched.append(kernel)
+        return config
+
+    monkeypatch.setattr(gg, "launch_config", launch_config)
+    return launched
 
 
 def tolerances(dtype: torch.dtype) -> dict:
@@ -68,9 +99,9 @@ def reference_grads(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(PARTITIONS))
-def test_forward_matches_loop_reference(name, dtype):
+def test_forward_matches_loop_reference(name, dtype, device):
     counts, pad = PARTITIONS[name]
-    x, w, offsets = problem(counts, pad, 48, 40, dtype)
+    x, w, offsets = problem(counts, pad, 48, 40, dtype, device)
     y = grouped_gemm(x, w, offsets)
     assert y.shape == (x.shape[0], 40) and y.dtype == dtype
     expected = grouped_gemm_reference(x.float(), w.float(), offsets)
@@ -80,9 +111,9 @@ def test_forward_matches_loop_reference(name, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["mixed", "all_in_one", "no_rows", "many_small"])
-def test_backward_matches_autograd_on_the_loop(name, dtype):
+def test_backward_matches_autograd_on_the_loop(name, dtype, device):
     counts, pad = PARTITIONS[name]
-    x, w, offsets = problem(counts, pad, 40, 24, dtype)
+    x, w, offsets = problem(counts, pad, 40, 24, dtype, device)
     x.requires_grad_(), w.requires_grad_()
     y = grouped_gemm(x, w, offsets)
     grad_out = torch.randn_like(y)
@@ -100,9 +131,9 @@ def test_backward_matches_autograd_on_the_loop(name, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["mixed", "one_expert", "only_padding"])
-def test_swiglu_fused_forward_and_backward(name, dtype):
+def test_swiglu_fused_forward_and_backward(name, dtype, device):
     counts, pad = PARTITIONS[name]
-    x, w, offsets = problem(counts, pad, 32, 2 * 24, dtype)
+    x, w, offsets = problem(counts, pad, 32, 2 * 24, dtype, device)
     x.requires_grad_(), w.requires_grad_()
     h = grouped_gemm_swiglu(x, w, offsets)
     assert h.shape == (x.shape[0], 24) and h.dtype == dtype
@@ -129,37 +160,38 @@ def test_swiglu_fused_forward_and_backward(name, dtype):
             assert err <= 1.25 * torch_err + 1e-3, (err, torch_err)
 
 
-def test_bf16_output_is_rounded_to_nearest_even_like_torch():
+def test_bf16_output_is_rounded_to_nearest_even_like_torch(device):
     # y = a + b summed exactly in fp32, then rounded once to bf16 on the store: the result
     # must be torch's round-to-nearest-even, ties included (the interpreter's own cast
     # truncates, so the kernel rounds in integers).
     a = torch.randn(64).bfloat16()
     b = (a.float() * torch.randint(1, 256, (64,)) * 2.0**-9).bfloat16()  # ties and non-ties
-    x = torch.ones(3, 2, dtype=torch.bfloat16)
+    a, b = a.to(device), b.to(device)
+    x = torch.ones(3, 2, dtype=torch.bfloat16, device=device)
     w = torch.stack([a, b]).unsqueeze(0)  # [1, 2, 64]
-    y = grouped_gemm(x, w, make_offsets([3]))
+    y = grouped_gemm(x, w, make_offsets([3], device))
     expected = (a.float() + b.float()).bfloat16().expand(3, 64)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
 
 
-def test_random_partitions_fresh_each_time():
+def test_random_partitions_fresh_each_time(device):
     for _ in range(4):
         n_experts = int(torch.randint(1, 9, ()))
         counts = torch.randint(0, 40, (n_experts,))
         counts[torch.rand(n_experts) < 0.3] = 0
         pad = int(torch.randint(0, 20, ()))
-        x, w, offsets = problem(counts.tolist(), pad, 24, 16)
+        x, w, offsets = problem(counts.tolist(), pad, 24, 16, device=device)
         torch.testing.assert_close(grouped_gemm(x, w, offsets),
                                    grouped_gemm_reference(x, w, offsets), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tiles", [(16, 16, 16), (64, 64, 32)], ids=["small", "compiled"])
-def test_other_tile_sizes(monkeypatch: pytest.MonkeyPatch, tiles):
+def test_other_tile_sizes(monkeypatch: pytest.MonkeyPatch, tiles, device):
     # The interpreter picks large tiles; force small ones (several tiles per expert, several
     # K steps, several N tiles) and the compiled default.
-    monkeypatch.setattr(gg, "_blocks", lambda m, n, k, n_experts: (*tiles, 4))
+    launched = force_small_tiles(monkeypatch, tiles)
     counts, pad = PARTITIONS["many_small"]
-    x, w, offsets = problem(counts, pad, 48, 40)
+    x, w, offsets = problem(counts, pad, 48, 40, device=device)
     x.requires_grad_(), w.requires_grad_()
     y = grouped_gemm(x, w, offsets)
     grad_out = torch.randn_like(y)
@@ -169,17 +201,18 @@ def test_other_tile_sizes(monkeypatch: pytest.MonkeyPatch, tiles):
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     for mine, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
-    w2 = torch.randn(len(counts), 48, 2 * 24)
+    w2 = torch.randn(len(counts), 48, 2 * 24, device=device)
     torch.testing.assert_close(grouped_gemm_swiglu(x, w2, offsets),
                                swiglu(grouped_gemm_reference(x, w2, offsets)), rtol=1e-5, atol=1e-5)
+    assert set(launched) == set(gg.KERNELS)  # every wrapper took its tiles from launch_config
 
 
-def test_non_contiguous_inputs_and_expanded_gradient():
+def test_non_contiguous_inputs_and_expanded_gradient(device):
     counts, pad = PARTITIONS["mixed"]
     m, k, n = sum(counts) + pad, 40, 24
-    x = torch.randn(k, 2 * m)[:, ::2].t()  # [m, k], strides (2, 2m)
-    w = torch.randn(len(counts), n, k).transpose(1, 2)  # [E, k, n], column-major per expert
-    offsets = make_offsets(counts).repeat_interleave(2)[::2]  # stride 2
+    x = torch.randn(k, 2 * m, device=device)[:, ::2].t()  # [m, k], strides (2, 2m)
+    w = torch.randn(len(counts), n, k, device=device).transpose(1, 2)  # [E, k, n], column-major
+    offsets = make_offsets(counts, device).repeat_interleave(2)[::2]  # stride 2
     assert not (x.is_contiguous() or w.is_contiguous() or offsets.is_contiguous())
     torch.testing.assert_close(grouped_gemm(x, w, offsets),
                                grouped_gemm_reference(x, w, offsets), rtol=1e-5, atol=1e-5)
@@ -193,16 +226,16 @@ def test_non_contiguous_inputs_and_expanded_gradient():
     torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_m_bound_limits_the_grid_and_zeroes_the_tail():
+def test_m_bound_limits_the_grid_and_zeroes_the_tail(device):
     counts = [7, 0, 20]
-    x, w, offsets = problem(counts, 30, 32, 16)  # 57 rows, offsets[E] = 27
+    x, w, offsets = problem(counts, 30, 32, 16, device=device)  # 57 rows, offsets[E] = 27
     y = grouped_gemm(x, w, offsets, m_bound=40)
     torch.testing.assert_close(y, grouped_gemm_reference(x, w, offsets), rtol=1e-5, atol=1e-5)
     assert torch.all(y[27:] == 0)
 
 
-def test_zero_total_rows_backward():
-    x, w, offsets = problem([0, 0, 0], 0, 16, 16)
+def test_zero_total_rows_backward(device):
+    x, w, offsets = problem([0, 0, 0], 0, 16, 16, device=device)
     x.requires_grad_(), w.requires_grad_()
     y = grouped_gemm(x, w, offsets)
     assert y.shape == (0, 16)
@@ -212,12 +245,14 @@ def test_zero_total_rows_backward():
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm not in this build")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_torch_grouped_mm(dtype):
-    # torch._grouped_mm takes the cumulative *end* offsets [E] (offsets[1:]) and, on the CPU,
-    # row strides that are multiples of 16 bytes (K and N multiples of 8 for bf16). Rows
-    # past offs[-1] it leaves unwritten, so the comparison is on the experts' rows.
+def test_matches_torch_grouped_mm(dtype, device):
+    # torch._grouped_mm takes the cumulative *end* offsets [E] (offsets[1:]) and row strides
+    # that are multiples of 16 bytes (K and N multiples of 8 for bf16). Rows past
+    # offs[-1] it leaves unwritten, so the comparison is on the experts' rows.
+    if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("torch._grouped_mm on CUDA takes bfloat16 on SM 9.0 and later only")
     counts = [9, 0, 31, 24]
-    x, w, offsets = problem(counts, 0, 32, 24, dtype)
+    x, w, offsets = problem(counts, 0, 32, 24, dtype, device)
     x.requires_grad_(), w.requires_grad_()
     y = grouped_gemm(x, w, offsets)
     y_torch = torch._grouped_mm(x, w, offs=offsets[1:])
@@ -232,12 +267,12 @@ def test_matches_torch_grouped_mm(dtype):
         torch.testing.assert_close(mine.float(), theirs.float(), **tol)
 
 
-def test_sync_free_forward_and_backward():
-    x, w, offsets = problem([5, 0, 70, 13], 12, 32, 16)
+def test_sync_free_forward_and_backward(device):
+    x, w, offsets = problem([5, 0, 70, 13], 12, 32, 16, device=device)
     x.requires_grad_(), w.requires_grad_()
     out = assert_sync_free(lambda x, w, off: grouped_gemm(x, w, off), x, w, offsets)
     assert out.shape == (100, 16)
-    w2 = torch.randn(4, 32, 2 * 16, requires_grad=True)
+    w2 = torch.randn(4, 32, 2 * 16, device=device, requires_grad=True)
     out = assert_sync_free(lambda x, w, off: grouped_gemm_swiglu(x, w, off), x, w2, offsets)
     assert out.shape == (100, 16)
     # ... and in a real run, nothing is counted either.
@@ -249,14 +284,14 @@ def test_sync_free_forward_and_backward():
     assert sum(counts.values()) == 0, counts
 
 
-def test_the_loop_reference_is_not_sync_free():
-    x, w, offsets = problem([3, 4], 0, 16, 16)
+def test_the_loop_reference_is_not_sync_free(device):
+    x, w, offsets = problem([3, 4], 0, 16, 16, device=device)
     with pytest.raises(SyncError):
         assert_sync_free(grouped_gemm_reference, x, w, offsets)
 
 
-def test_torch_compile_traces_the_custom_ops():
-    x, w, offsets = problem([6, 0, 20], 4, 16, 32)
+def test_torch_compile_traces_the_custom_ops(device):
+    x, w, offsets = problem([6, 0, 20], 4, 16, 32, device=device)
     x.requires_grad_(), w.requires_grad_()
 
     def expert_ffn(x, w, off):
@@ -284,15 +319,194 @@ def test_torch_compile_traces_the_custom_ops():
         (lambda x, w, o: (x, w[:0], o[:1]), "at least one expert"),
     ],
 )
-def test_bad_arguments_raise_clear_errors(change, match):
-    x, w, offsets = problem([3, 4], 1, 16, 8)
+def test_bad_arguments_raise_clear_errors(change, match, device):
+    x, w, offsets = problem([3, 4], 1, 16, 8, device=device)
     with pytest.raises(ValueError, match=match):
         grouped_gemm(*change(x, w, offsets))
 
 
-def test_bad_m_bound_and_odd_swiglu_width():
-    x, w, offsets = problem([3, 4], 1, 16, 8)
+def test_bad_m_bound_and_odd_swiglu_width(device):
+    x, w, offsets = problem([3, 4], 1, 16, 8, device=device)
     with pytest.raises(ValueError, match="m_bound must be an int in \\[0, M = 8\\], got 9"):
         grouped_gemm(x, w, offsets, m_bound=9)
     with pytest.raises(ValueError, match="even last dim"):
         grouped_gemm_swiglu(x, w[..., :7], offsets)
+
+
+# --------------------------------------------------------------------------------------
+# The compiled path: bfloat16 tiles into tl.dot, launch configurations, compile specs
+# --------------------------------------------------------------------------------------
+
+
+def small_integers(*shape: int, device: torch.device) -> torch.Tensor:
+    """bfloat16 values in [-3, 3]: every product and every sum below is an integer exact in
+    float32, so no order of summation and no bfloat16 arithmetic flaw can change a result."""
+    return torch.randint(-3, 4, shape).to(device, torch.bfloat16)
+
+
+def interpreter_widens_bf16_dots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter holds bfloat16 tiles as their raw 16 bits and its ``tl.dot``
+    multiplies those bits as integers; make it widen them to float32 first (exact: a
+    16-bit shift), so that a bfloat16 ``tl.dot`` can run on the CPU."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    dot = builder.create_dot
+
+    def widened(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    monkeypatch.setattr(builder, "create_dot", lambda a, b, d, *args: dot(widened(a), widened(b), d, *args))
+
+
+@pytest.mark.parametrize("tiles", [None, (16, 16, 16)], ids=["default_tiles", "small_tiles"])
+def test_bf16_dot_branch_is_exact_on_small_integers(monkeypatch: pytest.MonkeyPatch, tiles, device,
+                                                    interpreted):
+    # Compiled, bf16 tiles go to tl.dot as bf16 (DOT_BF16); the interpreter never takes that
+    # branch by itself (its bf16 dot is wrong), so here it is forced, with the interpreter's
+    # dot fixed for bf16 tiles, on inputs whose products and sums are exact. Forward, dX,
+    # dW: the fp32 reference rounded once, bit for bit; the fused SwiGLU (a sigmoid, not
+    # exact) within one bf16 rounding.
+    if interpreted:
+        interpreter_widens_bf16_dots(monkeypatch)
+    chosen = []
+
+    def dot_bf16(dtype, interpreted):
+        chosen.append(dtype == torch.bfloat16)
+        return dtype == torch.bfloat16
+
+    monkeypatch.setattr(gg, "_dot_bf16", dot_bf16)
+    if tiles:
+        force_small_tiles(monkeypatch, tiles)
+    counts, pad = PARTITIONS["many_small"]
+    m, k, n = sum(counts) + pad, 48, 40
+    offsets = make_offsets(counts, device)
+    x = small_integers(m, k, device=device).requires_grad_()
+    w = small_integers(len(counts), k, n, device=device).requires_grad_()
+    grad_out = small_integers(m, n, device=device)
+    y = grouped_gemm(x, w, offsets)
+    dx, dw = torch.autograd.grad(y, (x, w), grad_out)
+    expected, (rdx, rdw) = reference_grads(lambda a, b: grouped_gemm_reference(a, b, offsets),
+                                           [x, w], grad_out)
+    for mine, exact in ((y, expected), (dx, rdx), (dw, rdw)):
+        assert torch.equal(mine, exact.bfloat16())
+
+    w2 = small_integers(len(counts), k, 2 * n, device=device)
+    h = grouped_gemm_swiglu(x.detach(), w2, offsets)
+    dh = small_integers(m, n, device=device)
+    dpre = gg._grouped_gemm_swiglu_bwd_op(x.detach(), w2, offsets, dh, m)
+    pre = grouped_gemm_reference(x.detach().float(), w2.float(), offsets)
+    expected_h, (expected_dpre,) = reference_grads(swiglu, [pre], dh)
+    one_rounding = {"rtol": 2**-7, "atol": 1e-6}
+    torch.testing.assert_close(h.float(), expected_h.bfloat16().float(), **one_rounding)
+    torch.testing.assert_close(dpre.float(), expected_dpre.bfloat16().float(), **one_rounding)
+    assert chosen and all(chosen), "every launch must have taken the bf16 tl.dot branch"
+
+
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_lab.perf.compile_worker import triton_signature
+
+specs = []
+{setup}
+out = {{}}
+for spec in specs:
+    module, name = spec.kernel.split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    signature, constexprs, attrs, _ = triton_signature(kernel, spec.kernel, spec.signature, spec.constexprs)
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", {arch}, 32),
+        options={{"num_warps": spec.config.num_warps, "num_stages": spec.config.num_stages}},
+    )
+    out[spec.label] = {{"ptx": compiled.asm["ptx"], "ttir": compiled.asm["ttir"]}}
+with open(sys.argv[1], "w") as f:
+    json.dump(out, f)
+"""
+
+
+def compile_for_gpu(setup: str, tmp_path, arch: int = 90) -> dict[str, dict[str, str]]:
+    """Compile the `CompileSpec` list that ``setup`` (Python source) leaves in ``specs`` for
+    ``sm_<arch>`` as the compile report does (`moe_lab.perf.compile_worker.triton_signature`:
+    a launch's specializations), in a process where Triton compiles (``TRITON_INTERPRET=0``:
+    no GPU needed, ptxas comes with Triton). Returns ``{label: {"ptx": ..., "ttir": ...}}``."""
+    out = tmp_path / "compiled.json"
+    code = _COMPILE.format(setup=textwrap.dedent(setup), arch=arch)
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def tile_offsets_are_int64(ttir: str) -> bool:
+    """Every ``tt.addptr`` on a 2-D tile of pointers takes int64 offsets."""
+    tiles = re.findall(r"tt\.addptr .*: tensor<\d+x\d+x!tt\.ptr<\w+>>, tensor<\d+x\d+x(\w+)>", ttir)
+    return bool(tiles) and set(tiles) == {"i64"}
+
+
+def test_bf16_tiles_reach_the_hopper_tensor_cores_as_bf16(tmp_path):
+    # The bf16 specs of every kernel, compiled for sm_90: tl.dot takes bf16 tiles (not
+    # widened to fp32 on the way), wgmma multiplies bf16 x bf16, and every tile address
+    # is computed in int64.
+    compiled = compile_for_gpu("""
+        from moe_lab.kernels import grouped_gemm
+        specs = [s for s in grouped_gemm.compile_specs() if "bf16, DeepSeek-V3" in s.label]
+    """, tmp_path)
+    assert len(compiled) == 5, list(compiled)  # forward, dX, SwiGLU forward and backward, dW
+    for label, asm in compiled.items():
+        dots = re.findall(r"tt\.dot .*: tensor<\w+> \* tensor<\w+>", asm["ttir"])
+        assert dots and all(d.count("xbf16>") == 2 for d in dots), (label, dots)
+        if "backward" not in label:  # the SwiGLU backward widens dh (epilogue data), no more
+            assert "arith.extf" not in asm["ttir"], label
+        wgmma = re.findall(r"wgmma\.mma_async\S*", asm["ptx"])
+        assert wgmma and all(op.endswith(".bf16.bf16") for op in wgmma), (label, set(wgmma))
+        assert tile_offsets_are_int64(asm["ttir"]), label
+
+
+def checked_compile_specs(module) -> list:
+    """``module.compile_specs()``, checked to name every ``@triton.jit`` kernel of the module
+    (``*_kernel``) and, per spec, every kernel parameter: runtime ones typed in the
+    signature or, for a unit stride, the constant 1 (as Triton's launcher passes it),
+    constexpr ones valued, the launch config's blocks among them."""
+    specs = module.compile_specs()
+    kernels = {name: obj for name, obj in vars(module).items()
+               if name.endswith("_kernel") and hasattr(obj, "fn")}
+    assert {s.kernel for s in specs} == {f"{module.__name__}:{name}" for name in kernels}
+    for spec in specs:
+        params = inspect.signature(kernels[spec.kernel.split(":")[1]].fn).parameters.values()
+        constexpr = {p.name for p in params if "constexpr" in str(p.annotation)}
+        unit = {name for name in spec.constexprs if name not in constexpr}
+        assert set(spec.signature) == {p.name for p in params} - constexpr - unit, spec.label
+        assert set(spec.constexprs) >= constexpr and all(spec.constexprs[n] == 1 for n in unit)
+        assert spec.config.blocks.items() <= spec.constexprs.items(), spec.label
+    return specs
+
+
+def test_compile_specs_cover_every_kernel_argument_and_both_models():
+    specs = checked_compile_specs(gg)
+    for spec in specs:
+        assert spec.constexprs["DOT_BF16"] == ("*bf16" in spec.signature.values()), spec.label
+    labels = " | ".join(s.label for s in specs)
+    paths = ("forward (down projection)", "dX = dY·Wᵀ", "SwiGLU forward", "SwiGLU backward", "dW")
+    for model in ("DeepSeek-V3", "GPT-OSS-20B"):
+        for dtype in ("bf16", "fp32"):
+            for what in paths:
+                assert re.search(f"{re.escape(what)}[^|]*{dtype}, {model}", labels), (what, dtype, model)
+
+
+def test_launch_config_compiled_and_interpreted():
+    compiled = gg.launch_config("gemm", 65536, 7168, 2048, 256, interpreted=False)
+    assert compiled.num_stages >= 2 and set(compiled.blocks) == {"BLOCK_M", "BLOCK_N", "BLOCK_K"}
+    interpreted = gg.launch_config("dw", 100, 40, 48, 4, interpreted=True)
+    assert interpreted.blocks == {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
+    with pytest.raises(ValueError, match="kernel must be one of \\('gemm', 'swiglu', 'dw'\\), got 'mlp'"):
+        gg.launch_config("mlp", 1, 1, 1, 1, interpreted=False)
+    assert gg._dot_bf16(torch.bfloat16, interpreted=False)
+    assert not gg._dot_bf16(torch.bfloat16, interpreted=True)
+    assert not gg._dot_bf16(torch.float32, interpreted=False)

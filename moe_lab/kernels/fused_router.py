@@ -35,6 +35,12 @@ forward's autograd formula is registered with ``register_autograd``. On a GPU th
 are compiled; on a CPU they run under Triton's interpreter (for the tests — it is far too
 slow to time). Atomic float adds make the statistics' last bits depend on the order
 programs finish on a GPU; the ids, weights and counts do not.
+
+`launch_config` chooses each launch's tokens per program, warps and stages (the wrappers
+call it at launch time); `compile_specs` describes what a CUDA launch compiles at
+DeepSeek-V3's and GPT-OSS-20B's shapes, for `moe_lab.perf.compile_report`. There is no
+``tl.dot`` here: compiled, the router runs on the CUDA cores (exponentials, lane shuffles
+for the reductions, atomics for the statistics), with no tensor-core instructions.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.config import MoEConfig
+from moe_lab.config import MoEConfig, preset
+from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args
 from moe_lab.moe.routing import RouterOutput, check_seq_len, gate_logits
 
 Tensor = torch.Tensor
@@ -243,12 +250,43 @@ def _layout(n_experts: int, n_groups: int) -> tuple[int, int, int]:
     return per_group, triton.next_power_of_2(n_groups), triton.next_power_of_2(per_group)
 
 
-def _block_t(tokens: int, width: int) -> int:
-    """Tokens per program. ``width`` is the padded ``E``. Under the interpreter each program
-    is a Python round trip, so blocks are large; compiled, a block's tiles live in registers."""
-    if _interpreted():
-        return max(2, min(triton.next_power_of_2(max(tokens, 1)), max(2, 65536 // width)))
-    return max(2, min(64, 2048 // width))
+def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bool,
+                  block_t: int | None = None) -> LaunchConfig:
+    """Blocks, warps and stages of a forward or backward router launch over ``tokens`` rows
+    of ``n_experts`` logits in ``n_groups`` groups.
+
+    Blocks: ``GP`` and ``EGP``, the groups and the experts per group padded to powers of two
+    (the register tile of one token is ``[GP, EGP]``; either is 1 for one group or one expert
+    per group), and ``BLOCK_T`` tokens per program — ``block_t`` when given, else: under the
+    interpreter as many as fit 64K tile elements (each program is a Python round trip);
+    compiled, a ``[BLOCK_T, GP, EGP]`` tile of about 2K elements (16 per thread of 4 warps:
+    the kernel keeps several such tiles live, logits, scores and masks, in registers).
+    ``num_stages`` is Triton's default: the kernel has no loop that loads, so there is
+    nothing to pipeline. The wrappers call this at launch time, `compile_specs` at the
+    DeepSeek-V3 and GPT-OSS-20B shapes."""
+    _, gp, egp = _layout(n_experts, n_groups)
+    width = gp * egp
+    if block_t is None:
+        if interpreted:
+            block_t = max(2, min(triton.next_power_of_2(max(tokens, 1)), 65536 // width))
+        else:
+            block_t = max(2, min(64, 2048 // width))
+    return LaunchConfig({"BLOCK_T": block_t, "GP": gp, "EGP": egp}, num_warps=4, num_stages=3)
+
+
+def _fwd_constexprs(top_k: int, softmax: bool, n_experts: int, n_groups: int, topk_groups: int,
+                    renormalize: bool, has_bias: bool) -> dict[str, object]:
+    """The forward kernel's constexprs other than the blocks (shared by launch and spec)."""
+    per_group = n_experts // n_groups
+    return dict(TOP_K=top_k, KP=triton.next_power_of_2(top_k), TOPK_GROUPS=topk_groups,
+                SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=n_groups > 1, PAIR=per_group > 1,
+                RENORM=renormalize and top_k > 1)
+
+
+def _bwd_constexprs(top_k: int, softmax: bool, renormalize: bool) -> dict[str, object]:
+    """The backward kernel's constexprs other than the blocks (shared by launch and spec)."""
+    return dict(TOP_K=top_k, KP=triton.next_power_of_2(top_k), SOFTMAX=softmax,
+                RENORM=renormalize and top_k > 1)
 
 
 def _n_seqs(tokens: int, seq_len: int) -> int:
@@ -258,7 +296,7 @@ def _n_seqs(tokens: int, seq_len: int) -> int:
 @torch.library.custom_op("moe_lab::fused_router", mutates_args=())
 def _fused_router_op(
     logits: Tensor, expert_bias: Tensor | None, top_k: int, softmax: bool, n_groups: int,
-    topk_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
+    topk_groups: int, renormalize: bool, scaling_factor: float, seq_len: int, block_t: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     tokens, n_experts = logits.shape
     dev = logits.device
@@ -269,23 +307,22 @@ def _fused_router_op(
     prob_sums = torch.zeros((n_seqs, n_experts), dtype=torch.float32, device=dev)
     z_sum = torch.zeros((1,), dtype=torch.float32, device=dev)
     if tokens:
-        per_group, gp, egp = _layout(n_experts, n_groups)
-        block_t = _block_t(tokens, gp * egp)
-        _router_fwd_kernel[(triton.cdiv(tokens, block_t),)](
+        config = launch_config(tokens, n_experts, n_groups, interpreted=_interpreted(),
+                               block_t=block_t or None)
+        _router_fwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
             logits, expert_bias if expert_bias is not None else logits, ids, weights, counts,
-            prob_sums, z_sum, tokens, n_experts, per_group, n_groups, seq_len or tokens,
-            *logits.stride(), float(scaling_factor),
-            TOP_K=top_k, KP=triton.next_power_of_2(top_k), TOPK_GROUPS=topk_groups,
-            SOFTMAX=softmax, HAS_BIAS=expert_bias is not None, GROUPED=n_groups > 1,
-            PAIR=per_group > 1, RENORM=renormalize and top_k > 1,
-            BLOCK_T=block_t, GP=gp, EGP=egp,
+            prob_sums, z_sum, tokens, n_experts, n_experts // n_groups, n_groups,
+            seq_len or tokens, *logits.stride(), float(scaling_factor),
+            **_fwd_constexprs(top_k, softmax, n_experts, n_groups, topk_groups, renormalize,
+                              expert_bias is not None),
+            **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return ids, weights, counts, prob_sums, z_sum
 
 
 @_fused_router_op.register_fake
 def _(logits, expert_bias, top_k, softmax, n_groups, topk_groups, renormalize, scaling_factor,
-      seq_len):
+      seq_len, block_t):
     tokens, n_experts = logits.shape
     n_seqs = _n_seqs(tokens, seq_len)
     return (logits.new_empty((tokens, top_k), dtype=torch.int64),
@@ -299,34 +336,35 @@ def _(logits, expert_bias, top_k, softmax, n_groups, topk_groups, renormalize, s
 def _fused_router_bwd_op(
     logits: Tensor, ids: Tensor, grad_weights: Tensor, grad_prob_sums: Tensor, grad_z_sum: Tensor,
     softmax: bool, n_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
+    block_t: int,
 ) -> Tensor:
     tokens, n_experts = logits.shape
     top_k = ids.shape[1]
     grad_logits = torch.empty((tokens, n_experts), dtype=torch.float32, device=logits.device)
     if tokens:
-        per_group, gp, egp = _layout(n_experts, n_groups)
-        block_t = _block_t(tokens, gp * egp)
-        _router_bwd_kernel[(triton.cdiv(tokens, block_t),)](
+        config = launch_config(tokens, n_experts, n_groups, interpreted=_interpreted(),
+                               block_t=block_t or None)
+        _router_bwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
             logits, ids, grad_weights, grad_prob_sums, grad_z_sum, grad_logits,
-            tokens, n_experts, per_group, n_groups, seq_len or tokens,
+            tokens, n_experts, n_experts // n_groups, n_groups, seq_len or tokens,
             *logits.stride(), *grad_logits.stride(), float(scaling_factor),
-            TOP_K=top_k, KP=triton.next_power_of_2(top_k), SOFTMAX=softmax,
-            RENORM=renormalize and top_k > 1, BLOCK_T=block_t, GP=gp, EGP=egp,
+            **_bwd_constexprs(top_k, softmax, renormalize),
+            **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return grad_logits
 
 
 @_fused_router_bwd_op.register_fake
 def _(logits, ids, grad_weights, grad_prob_sums, grad_z_sum, softmax, n_groups, renormalize,
-      scaling_factor, seq_len):
+      scaling_factor, seq_len, block_t):
     return logits.new_empty(logits.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    logits, _, _, softmax, n_groups, _, renormalize, scaling_factor, seq_len = inputs
+    logits, _, _, softmax, n_groups, _, renormalize, scaling_factor, seq_len, block_t = inputs
     ids = output[0]
     ctx.save_for_backward(logits, ids)
-    ctx.args = (softmax, n_groups, renormalize, scaling_factor, seq_len)
+    ctx.args = (softmax, n_groups, renormalize, scaling_factor, seq_len, block_t)
     ctx.n_seqs = output[3].shape[0]
 
 
@@ -342,7 +380,7 @@ def _backward(ctx, d_ids, d_weights, d_counts, d_prob_sums, d_z_sum):
     grad = _fused_router_bwd_op(logits, ids, d_weights.float().contiguous(),
                                 d_prob_sums.float().contiguous(), d_z_sum.float().contiguous(),
                                 *ctx.args)
-    return grad, None, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None, None
 
 
 _fused_router_op.register_autograd(_backward, setup_context=_setup_context)
@@ -354,7 +392,8 @@ _fused_router_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_router(
-    logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None
+    logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None,
+    block_t: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The raw kernel outputs for ``logits: [T, E]`` float32 (any strides):
     ``(topk_ids [T, k] int64, topk_weights [T, k] float32, counts [S, E] int32,
@@ -362,7 +401,11 @@ def fused_router(
     ``seq_len``), ``counts[s, e]`` the routed slots of sequence ``s`` to expert ``e``,
     ``prob_sums[s, e]`` the sum over its tokens of ``scores[t, e] / Σ_e scores[t, e]`` and
     ``z_sum`` the sum over tokens of ``logsumexp(logits[t])²``. Differentiable in ``logits``
-    through ``topk_weights``, ``prob_sums`` and ``z_sum``."""
+    through ``topk_weights``, ``prob_sums`` and ``z_sum``.
+
+    ``block_t``: tokens per program (a power of two >= 2), forward and backward; default
+    `launch_config`'s choice. Tests force it small to run the many programs a GPU launch
+    runs, with blocks that straddle sequences."""
     if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
         raise ValueError(
             f"logits must be [tokens, n_experts={cfg.n_experts}], got {tuple(logits.shape)}"
@@ -371,6 +414,9 @@ def fused_router(
         raise ValueError(f"the fused router computes in float32: logits must be float32, "
                          f"got {logits.dtype}")
     check_seq_len(logits.shape[0], seq_len)
+    if block_t is not None and (isinstance(block_t, bool) or not isinstance(block_t, int)
+                                or block_t < 2 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t must be a power of two >= 2 (tokens per program), got {block_t!r}")
     if expert_bias is not None:
         if expert_bias.shape != (cfg.n_experts,):
             raise ValueError(f"expert_bias must be [n_experts={cfg.n_experts}], got "
@@ -380,15 +426,18 @@ def fused_router(
         expert_bias = expert_bias.detach().float().contiguous()
     return _fused_router_op(logits, expert_bias, cfg.top_k, cfg.score_func == "softmax",
                             cfg.n_groups, cfg.topk_groups, cfg.renormalize,
-                            float(cfg.scaling_factor), seq_len or 0)
+                            float(cfg.scaling_factor), seq_len or 0, block_t or 0)
 
 
 def fused_route_from_logits(
-    logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None
+    logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None,
+    block_t: int | None = None,
 ) -> RouterOutput:
     """`moe_lab.moe.router.route_from_logits`, fused: one kernel, then the losses from the
-    ``[S, E]`` statistics. ``scores`` is ``None`` (never materialised)."""
-    ids, weights, counts, prob_sums, z_sum = fused_router(logits, cfg, expert_bias, seq_len=seq_len)
+    ``[S, E]`` statistics. ``scores`` is ``None`` (never materialised); ``block_t`` as in
+    `fused_router`."""
+    ids, weights, counts, prob_sums, z_sum = fused_router(logits, cfg, expert_bias, seq_len=seq_len,
+                                                          block_t=block_t)
     tokens, n_experts, k = logits.shape[0], cfg.n_experts, cfg.top_k
     tokens_per_expert = counts.sum(dim=0)  # int64
     if tokens == 0:
@@ -419,6 +468,63 @@ def fused_route(
                          f"'fp32', got {cfg.router_dtype!r}")
     return fused_route_from_logits(gate_logits(x, gate_weight, torch.float32), cfg, expert_bias,
                                    seq_len=seq_len)
+
+
+# --------------------------------------------------------------------------------------
+# What a CUDA launch compiles (`moe_lab.perf.compile_report`)
+# --------------------------------------------------------------------------------------
+
+
+def compile_specs_for(cfg: MoEConfig, tokens: int, *, seq_len: int | None = None,
+                      model: str = "") -> list[CompileSpec]:
+    """The forward and backward kernels as a CUDA launch compiles them for ``tokens`` rows of
+    contiguous float32 logits routed by ``cfg``, with an expert bias (the `Router` module
+    always passes its buffer) and per-sequence statistics over ``seq_len`` tokens; the
+    integer arguments typed as Triton's launcher types them (an argument equal to 1, such
+    as the unit stride or ``G`` with one group, becomes a constant). ``model`` names the
+    shape in the labels."""
+
+    n_experts, n_groups, top_k = cfg.n_experts, cfg.n_groups, cfg.top_k
+    softmax = cfg.score_func == "softmax"
+    config = launch_config(tokens, n_experts, n_groups, interpreted=False)
+    groups = f"{n_groups} groups (top-{cfg.topk_groups})" if n_groups > 1 else "one group"
+    shape = (f"{model + ': ' if model else ''}{tokens} tokens, E={n_experts}, {groups}, "
+             f"top-{top_k}, {cfg.score_func}")
+    ints = dict(T=tokens, E=n_experts, EG=n_experts // n_groups, G=n_groups,
+                SEQ_LEN=seq_len or tokens, s_lt=n_experts, s_le=1)
+    fwd_ints, fwd_constants = int_args(**ints)
+    bwd_ints, bwd_constants = int_args(**ints, s_dt=n_experts, s_de=1)
+    return [
+        CompileSpec(
+            "moe_lab.kernels.fused_router:_router_fwd_kernel",
+            f"fused router forward (scores, top-k, statistics), fp32 logits, {shape}",
+            {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
+             "counts_ptr": "*i32", "psum_ptr": "*fp32", "zsum_ptr": "*fp32", **fwd_ints,
+             "scaling": "fp32"},
+            {**fwd_constants, **config.blocks,
+             **_fwd_constexprs(top_k, softmax, n_experts, n_groups, cfg.topk_groups,
+                               cfg.renormalize, True)},
+            config),
+        CompileSpec(
+            "moe_lab.kernels.fused_router:_router_bwd_kernel",
+            f"fused router backward (recomputed scores), fp32 logits, {shape}",
+            {"logits_ptr": "*fp32", "ids_ptr": "*i64", "dw_ptr": "*fp32", "dpsum_ptr": "*fp32",
+             "dz_ptr": "*fp32", "dl_ptr": "*fp32", **bwd_ints, "scaling": "fp32"},
+            {**bwd_constants, **config.blocks,
+             **_bwd_constexprs(top_k, softmax, cfg.renormalize)},
+            config),
+    ]
+
+
+def compile_specs() -> list[CompileSpec]:
+    """`compile_specs_for` DeepSeek-V3's router (256 experts in 8 groups, top-4 groups,
+    top-8, sigmoid) and GPT-OSS-20B's (32 experts, one group, top-4, softmax), at 8192
+    tokens per GPU in sequences of the preset's length."""
+    specs = []
+    for name, model in SPEC_PRESETS.items():
+        cfg = preset(name)
+        specs += compile_specs_for(cfg.moe, SPEC_TOKENS, seq_len=cfg.seq_len, model=model)
+    return specs
 
 
 def check_finite_logits(logits: Tensor) -> None:

@@ -27,12 +27,19 @@ gradient from the epilogue, rather than saving ``[M, 2F]`` in the forward: one e
 buys the memory of the layer's largest activation (the trade activation recomputation
 makes everywhere in large-model training).
 
-Arithmetic is float32: tiles are loaded, upcast to float32 and accumulated in float32
-(on a GPU, bfloat16 tiles go to the tensor cores as bfloat16 — a product of two bfloat16
-is exact in float32, so the sum is the same up to order), and the result is cast on the
-store, rounding to nearest even (done in integers for bfloat16, because the interpreter's
-own cast truncates). Under ``TRITON_INTERPRET=1`` this is what makes the CPU give the
-GPU's answer.
+Products accumulate in float32. Compiled, bfloat16 tiles go from memory to the tensor
+cores as bfloat16 (``DOT_BF16``); under ``TRITON_INTERPRET=1``, whose ``tl.dot`` multiplies
+a bfloat16 tile's raw 16-bit patterns as integers, the same values are multiplied as
+float32 — a product of two bfloat16 is exact in float32, so both give the same sums up to
+order. The result is cast on the store,
+rounding to nearest even (in integers for bfloat16, because the interpreter's own cast
+truncates), so the CPU gives the GPU's answer. Every index that multiplies a stride is
+int64: one DeepSeek-V3 layer's expert weights, ``[256, 7168, 2048]``, hold 3.8·10⁹
+elements, past int32's 2.1·10⁹, and so can any operand view with a large stride.
+
+Block sizes, warps and stages come from one function, `launch_config`, which the wrappers
+call at launch time and `compile_specs` at the DeepSeek-V3 and GPT-OSS-20B shapes, for the
+compile report (`moe_lab.perf.compile_report`) to build for Hopper and Blackwell.
 
 Each launch is a ``torch.library.custom_op`` with a fake implementation (the output shape
 follows from the input shapes), so ``FakeTensorMode`` — `moe_lab.training.sync.assert_sync_free` —
@@ -42,6 +49,9 @@ and ``torch.compile`` can trace through a kernel they cannot run.
 import torch
 import triton
 import triton.language as tl
+
+from moe_lab.config import preset
+from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
 
 Tensor = torch.Tensor
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -91,10 +101,16 @@ def cast_for_store(x, ptr):
 
 @triton.jit
 def _mma(acc, a, b, DOT_BF16: tl.constexpr):
-    """``acc + a @ b`` in float32, for float32 tiles ``a``, ``b`` holding the input values."""
-    if DOT_BF16:  # bf16 values: exact in bf16, tensor cores, fp32 accumulation
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    return tl.dot(a, b, acc, input_precision="ieee")
+    """``acc + a @ b``, accumulated in float32, for tiles ``a``, ``b`` as loaded.
+
+    ``DOT_BF16`` (bfloat16 inputs, compiled): the bfloat16 tiles go to the tensor cores as
+    they are. Otherwise the tiles are float32 values (float32 inputs, or bfloat16 ones under
+    the interpreter, whose ``tl.dot`` cannot take bfloat16) multiplied at IEEE float32
+    precision: each product of two bfloat16 values is exact in float32, so both paths give
+    the same sums up to their order."""
+    if DOT_BF16:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -111,7 +127,7 @@ def _grouped_gemm_kernel(
     if seg > E:  # past the last tile: no work
         return
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < row_end
     y_ptrs = y_ptr + rows[:, None] * s_ym + cols[None, :] * s_yn
     y_mask = row_ok[:, None] & (cols[None, :] < N)
@@ -122,11 +138,11 @@ def _grouped_gemm_kernel(
     w_ptr += seg.to(tl.int64) * s_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         a = tl.load(x_ptr + rows[:, None] * s_xm + ks[None, :] * s_xk,
-                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
         b = tl.load(w_ptr + ks[:, None] * s_wk + cols[None, :] * s_wn,
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0).to(tl.float32)
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
         acc = _mma(acc, a, b, DOT_BF16)
     tl.store(y_ptrs, cast_for_store(acc, y_ptr), mask=y_mask)
 
@@ -147,27 +163,27 @@ def _grouped_gemm_swiglu_kernel(
     if seg > E:
         return
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_ok = rows < row_end
     mask = row_ok[:, None] & (cols[None, :] < F)
     out_ptrs = out_ptr + rows[:, None] * s_om + cols[None, :] * s_on
+    up_out_ptrs = out_ptr + rows[:, None] * s_om + (cols + F)[None, :] * s_on  # backward: dup
     if seg == E:  # padding rows
         zero = cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), out_ptr)
         tl.store(out_ptrs, zero, mask=mask)
         if BACKWARD:
-            tl.store(out_ptrs + F * s_on, zero, mask=mask)
+            tl.store(up_out_ptrs, zero, mask=mask)
         return
     w_ptr += seg.to(tl.int64) * s_we
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         a = tl.load(x_ptr + rows[:, None] * s_xm + ks[None, :] * s_xk,
-                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)
-        w_ptrs = w_ptr + ks[:, None] * s_wk + cols[None, :] * s_wn
+                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
         w_mask = (ks[:, None] < K) & (cols[None, :] < F)
-        bg = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
-        bu = tl.load(w_ptrs + F * s_wn, mask=w_mask, other=0.0).to(tl.float32)
+        bg = tl.load(w_ptr + ks[:, None] * s_wk + cols[None, :] * s_wn, mask=w_mask, other=0.0)
+        bu = tl.load(w_ptr + ks[:, None] * s_wk + (cols + F)[None, :] * s_wn, mask=w_mask, other=0.0)
         gate = _mma(gate, a, bg, DOT_BF16)
         up = _mma(up, a, bu, DOT_BF16)
     sig = tl.sigmoid(gate)
@@ -177,7 +193,7 @@ def _grouped_gemm_swiglu_kernel(
                      mask=mask, other=0.0).to(tl.float32)
         dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
         tl.store(out_ptrs, cast_for_store(dgate, out_ptr), mask=mask)
-        tl.store(out_ptrs + F * s_on, cast_for_store(dh * silu, out_ptr), mask=mask)
+        tl.store(up_out_ptrs, cast_for_store(dh * silu, out_ptr), mask=mask)
     else:
         tl.store(out_ptrs, cast_for_store(silu * up, out_ptr), mask=mask)
 
@@ -195,16 +211,16 @@ def _grouped_gemm_dw_kernel(
     e = tl.program_id(0)
     start = tl.minimum(tl.maximum(tl.load(offsets_ptr + e), 0), M_ROWS)
     end = tl.minimum(tl.maximum(tl.load(offsets_ptr + e + 1), start), M_ROWS)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    ns = (tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for m0 in range(start, end, BLOCK_M):  # no rows: no iterations, dW[e] = 0
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < end
         a = tl.load(x_ptr + rows[:, None] * s_xm + ks[None, :] * s_xk,
-                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
         g = tl.load(dy_ptr + rows[:, None] * s_ym + ns[None, :] * s_yn,
-                    mask=row_ok[:, None] & (ns[None, :] < N), other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & (ns[None, :] < N), other=0.0)
         acc = _mma(acc, tl.trans(a), g, DOT_BF16)
     dw_ptrs = dw_ptr + e.to(tl.int64) * s_we + ks[:, None] * s_wk + ns[None, :] * s_wn
     tl.store(dw_ptrs, cast_for_store(acc, dw_ptr), mask=(ks[:, None] < K) & (ns[None, :] < N))
@@ -222,21 +238,121 @@ def _interpreted() -> bool:
     return triton_interpreted()
 
 
-def _blocks(m: int, n: int, k: int, n_experts: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)``. Under the interpreter each program costs
-    a Python round trip, so tiles are as large as the problem allows (rows per expert
-    for ``BLOCK_M``); compiled, a standard 64 x 64 x 32 tile (not tuned here)."""
-    if _interpreted():
-        bm = min(128, max(16, triton.next_power_of_2(max(1, m // max(1, n_experts)))))
-        bn = min(128, max(16, triton.next_power_of_2(n)))
-        bk = min(128, max(16, triton.next_power_of_2(k)))
-        return bm, bn, bk, 4
-    return 64, 64, 32, 4
+# Which kernel a launch runs, as `launch_config` and `compile_specs` name it: "gemm" (the
+# forward, and dX = the same kernel fed Wᵀ), "swiglu" (the fused forward and its backward),
+# "dw" (the weight gradient).
+KERNELS = ("gemm", "swiglu", "dw")
 
 
-def _dot_bf16(dtype: torch.dtype) -> bool:
-    # The interpreter computes bf16 dots wrongly; it gets float32 tiles of the same values.
-    return dtype == torch.bfloat16 and not _interpreted()
+def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
+                  interpreted: bool) -> LaunchConfig:
+    """Tiles, warps and stages of one launch: ``kernel`` (one of `KERNELS`) over ``m``
+    routed rows, ``n`` output columns (``F`` for "swiglu"), reduction depth ``k``.
+
+    The wrappers call this at launch time and `compile_specs` at the DeepSeek-V3 and
+    GPT-OSS-20B shapes. Under the interpreter each program costs a Python round trip, so
+    tiles are as large as the problem allows (rows per expert for ``BLOCK_M``). Compiled, a
+    64 x 64 output tile, 32 deep in the reduction, 4 warps and Triton's default 3 stages,
+    for every shape (not tuned here): ``BLOCK_M x BLOCK_N`` over ``BLOCK_K`` for "gemm"
+    and "swiglu", ``BLOCK_K x BLOCK_N`` over ``BLOCK_M`` rows for "dw". A warpgroup MMA
+    (Hopper's ``wgmma``, Blackwell's ``tcgen05.mma``) needs 64 output rows per 4 warps;
+    with fewer, Triton falls back to Ampere's ``mma.sync``.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if interpreted:
+        blocks = {
+            "BLOCK_M": min(128, max(16, triton.next_power_of_2(max(1, m // max(1, n_experts))))),
+            "BLOCK_N": min(128, max(16, triton.next_power_of_2(n))),
+            "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))),
+        }
+        return LaunchConfig(blocks, num_warps=4, num_stages=1)
+    if kernel == "dw":  # the output tile is [BLOCK_K, BLOCK_N], the reduction runs over rows
+        return LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3)
+    return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3)
+
+
+def _block_e(n_experts: int) -> int:
+    """``BLOCK_E`` of the tile schedule: a power of two holding the ``E + 1`` segments."""
+    return triton.next_power_of_2(n_experts + 1)
+
+
+def _dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
+    """Whether bfloat16 tiles go to ``tl.dot`` as bfloat16 (``DOT_BF16``): compiled, yes;
+    the interpreter's ``tl.dot`` multiplies bfloat16 bit patterns as integers, so it gets
+    float32 tiles of the same values."""
+    return dtype == torch.bfloat16 and not interpreted
+
+
+# The shapes `compile_specs` describes: each preset's experts at a realistic load per GPU.
+SPEC_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # Triton's name: torch's dtype
+
+
+def _spec(kernel: str, label: str, dtype: str, pointers: tuple[str, ...], cfg: LaunchConfig,
+          ints: dict[str, int], **constexprs) -> CompileSpec:
+    """A `CompileSpec` of ``kernel`` in this module: ``pointers`` to ``dtype`` tensors (and
+    ``offsets_ptr`` to int32), ``ints`` typed as a launch types them, ``cfg``'s blocks and
+    ``DOT_BF16`` as the wrapper picks it, besides ``constexprs``."""
+    signature, constants = int_args(**ints)
+    return CompileSpec(
+        f"{__name__}:{kernel}", label,
+        {**{p: f"*{dtype}" for p in pointers}, "offsets_ptr": "*i32", **signature},
+        {**constants, **cfg.blocks, "DOT_BF16": _dot_bf16(SPEC_DTYPES[dtype], interpreted=False),
+         **constexprs},
+        cfg,
+    )
+
+
+def compile_specs() -> list[CompileSpec]:
+    """What a CUDA launch compiles for one MoE layer's experts (SwiGLU up/gate, down
+    projection) at DeepSeek-V3's and GPT-OSS-20B's shapes, forward and backward, in
+    bfloat16 (the training dtype) and float32, with contiguous tensors as the layer passes
+    them. dX = dY·Wᵀ runs the forward kernel on a transposed view of ``W``: its unit stride
+    sits on the other axis, so Triton compiles it separately, and so does this list."""
+    specs = []
+    for name, model in SPEC_PRESETS.items():
+        moe = preset(name).moe
+        n_experts, d, f = moe.n_experts, moe.d_model, moe.d_expert
+        m = SPEC_TOKENS * moe.top_k
+        shape = (f"{model}: E={n_experts}, d_model={d}, d_expert={f}, "
+                 f"{SPEC_TOKENS} tokens x top-{moe.top_k} = {m} rows")
+        block_e = _block_e(n_experts)
+        for dtype in SPEC_DTYPES:
+            at = f"{dtype}, {shape}"
+            # y = x @ w[e] with x: [M, K], w: [E, K, N], y: [M, N] and their strides.
+            gemms = [
+                ("grouped GEMM forward (down projection)", d, f, (f, 1), (f * d, d, 1), (d, 1)),
+                ("grouped GEMM dX = dY·Wᵀ (the forward kernel on a transposed W; down projection)",
+                 f, d, (d, 1), (f * d, 1, d), (f, 1)),
+                ("grouped GEMM dX = dY·Wᵀ (the forward kernel on a transposed W; up/gate projection)",
+                 d, 2 * f, (2 * f, 1), (2 * f * d, 1, 2 * f), (d, 1)),
+            ]
+            for what, n, k, x, w, y in gemms:
+                specs.append(_spec(
+                    "_grouped_gemm_kernel", f"{what}, {at}", dtype, ("x_ptr", "w_ptr", "y_ptr"),
+                    launch_config("gemm", m, n, k, n_experts, interpreted=False),
+                    dict(M_ROWS=m, N=n, K=k, E=n_experts, s_xm=x[0], s_xk=x[1],
+                         s_we=w[0], s_wk=w[1], s_wn=w[2], s_ym=y[0], s_yn=y[1]),
+                    BLOCK_E=block_e))
+            for backward in (False, True):
+                out_cols = 2 * f if backward else f
+                what = ("backward: recomputed pre-activation, dgate/dup epilogue" if backward
+                        else "forward")
+                specs.append(_spec(
+                    "_grouped_gemm_swiglu_kernel", f"grouped GEMM + SwiGLU {what} (up/gate projection), {at}",
+                    dtype, ("x_ptr", "w_ptr", "out_ptr", "dh_ptr"),
+                    launch_config("swiglu", m, f, d, n_experts, interpreted=False),
+                    dict(M_ROWS=m, F=f, K=d, E=n_experts, s_xm=d, s_xk=1, s_we=2 * f * d, s_wk=2 * f,
+                         s_wn=1, s_om=out_cols, s_on=1, s_dm=f, s_dn=1),
+                    BLOCK_E=block_e, BACKWARD=backward))
+            # dW[e] = X_eᵀ·dY_e: down projection (x = h: [M, F], dy: [M, d]), up/gate (x, dpre)
+            for what, k, n in (("down projection", f, d), ("up/gate projection", d, 2 * f)):
+                specs.append(_spec(
+                    "_grouped_gemm_dw_kernel", f"grouped GEMM dW = Xᵀ·dY per expert ({what}), {at}",
+                    dtype, ("x_ptr", "dy_ptr", "dw_ptr"),
+                    launch_config("dw", m, n, k, n_experts, interpreted=False),
+                    dict(M_ROWS=m, N=n, K=k, s_xm=k, s_xk=1, s_ym=n, s_yn=1, s_we=k * n, s_wk=n, s_wn=1)))
+    return merge_specs(specs)
 
 
 def _new_output(shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -252,14 +368,15 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
     y = _new_output((m, n), x)
     y[m_bound:].zero_()  # rows past the static bound: a plain memset, sized on the host
     if m_bound and n:
-        bm, bn, bk, warps = _blocks(m_bound, n, k, n_experts)
-        grid = (triton.cdiv(m_bound, bm) + n_experts, triton.cdiv(n, bn))
+        interpreted = _interpreted()
+        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=interpreted)
+        grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
+                triton.cdiv(n, cfg.blocks["BLOCK_N"]))
         _grouped_gemm_kernel[grid](
             x, w, y, offsets, m_bound, n, k, n_experts,
             *x.stride(), *w.stride(), *y.stride(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            BLOCK_E=triton.next_power_of_2(n_experts + 1), DOT_BF16=_dot_bf16(x.dtype),
-            num_warps=warps,
+            **cfg.blocks, BLOCK_E=_block_e(n_experts), DOT_BF16=_dot_bf16(x.dtype, interpreted),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
 
@@ -274,12 +391,14 @@ def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) ->
     k, n, n_experts = x.shape[1], dy.shape[1], offsets.shape[0] - 1
     dw = _new_output((n_experts, k, n), x)
     if k and n:
-        bm, bn, bk, warps = _blocks(m_bound, n, k, n_experts)
-        grid = (n_experts, triton.cdiv(k, bk), triton.cdiv(n, bn))
+        interpreted = _interpreted()
+        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=interpreted)
+        grid = (n_experts, triton.cdiv(k, cfg.blocks["BLOCK_K"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
         _grouped_gemm_dw_kernel[grid](
             x, dy, dw, offsets, m_bound, n, k,
             *x.stride(), *dy.stride(), *dw.stride(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_BF16=_dot_bf16(x.dtype), num_warps=warps,
+            **cfg.blocks, DOT_BF16=_dot_bf16(x.dtype, interpreted),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw
 
@@ -295,15 +414,16 @@ def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int, out: Ten
     n_experts, f = w.shape[0], w.shape[2] // 2
     out[m_bound:].zero_()
     if m_bound and f:
-        bm, bn, bk, warps = _blocks(m_bound, f, k, n_experts)
-        grid = (triton.cdiv(m_bound, bm) + n_experts, triton.cdiv(f, bn))
+        interpreted = _interpreted()
+        cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=interpreted)
+        grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
+                triton.cdiv(f, cfg.blocks["BLOCK_N"]))
         dh_arg = out if dh is None else dh  # unused by the forward
         _grouped_gemm_swiglu_kernel[grid](
             x, w, out, dh_arg, offsets, m_bound, f, k, n_experts,
             *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            BLOCK_E=triton.next_power_of_2(n_experts + 1), DOT_BF16=_dot_bf16(x.dtype),
-            BACKWARD=dh is not None, num_warps=warps,
+            **cfg.blocks, BLOCK_E=_block_e(n_experts), DOT_BF16=_dot_bf16(x.dtype, interpreted),
+            BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
 

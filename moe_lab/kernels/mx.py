@@ -31,10 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lab.kernels.launch import CompileSpec, LaunchConfig, int_args
 from moe_lab.perf.capabilities import triton_interpreted
 from moe_lab.quant.mx import (
     BLOCK_SIZE,
     E4M3,
+    E5M2,
     E8M0,
     SCALE_MODES,
     MXTensor,
@@ -110,7 +112,11 @@ def _mx_quantize_kernel(
 ):
     # x: [B, M, K] (any strides); row data [B, M, K_PAD] u8, row scales [B, M, K_PAD/32];
     # col data [B, K, M_PAD] u8 (transposed), col scales [B, K, M_PAD/32].
-    pid_m, pid_k, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # Offsets in int64: an expert-weight stack ([256, 7168, 2048] is 3.7e9 elements) and its
+    # codes pass 2^31 elements, where int32 offset arithmetic would wrap around.
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    pid_b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (offs_m[:, None] < M) & (offs_k[None, :] < K)
@@ -160,14 +166,33 @@ def _mx_quantize_kernel(
         tl.store(s_out, scale.to(tl.uint8), mask=s_ok)
 
 
-def _block_shape(m: int, k: int) -> tuple[int, int, int]:
-    """Tile sizes and warps: large tiles under the interpreter (each program instance costs
-    a Python round trip), 64 x 128 compiled (registers)."""
-    if triton_interpreted():
+def _format_constexprs(dtype: torch.dtype, rowwise: bool, colwise: bool,
+                       elem_dtype: torch.dtype, scale_mode: str) -> dict[str, object]:
+    """The kernel's constexprs besides the tile: input width, which copies, element format,
+    scale rule."""
+    fmt = elem_format(elem_dtype)
+    return {
+        "IS_BF16": dtype == torch.bfloat16, "ROWWISE": rowwise, "COLWISE": colwise,
+        "MX_BLOCK": BLOCK_SIZE, "EMAX_POW2": fmt.emax_pow2, "RCEIL": scale_mode == "rceil",
+        "MBITS": fmt.mbits, "BIAS": fmt.bias, "MAX_CODE": fmt.max_code, "NAN_CODE": fmt.nan_code,
+    }
+
+
+def launch_config(m: int, k: int, interpreted: bool) -> LaunchConfig:
+    """Tile and warps for quantizing an ``[m, k]`` slice (``m``, ``k`` as the grid covers them).
+
+    Interpreted: large tiles, since each program instance costs a Python round trip.
+    Compiled: 8,192 elements per tile, ``BLOCK_K`` no wider than ``k`` rounds up to (so a
+    64-wide head_dim does not leave half the tile masked) and ``BLOCK_M`` taking the rest;
+    8 warps, 32 elements a thread (at 64 a thread, 4 warps, making both copies spills
+    registers). One tile per program and no loop, so nothing to pipeline: one stage.
+    """
+    if interpreted:
         bm = min(128, max(32, triton.next_power_of_2(m)))
         bk = min(256, max(32, triton.next_power_of_2(k)))
-        return bm, bk, 4
-    return 64, 128, 4
+        return LaunchConfig({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=4, num_stages=1)
+    bk = min(128, max(32, triton.next_power_of_2(k)))
+    return LaunchConfig({"BLOCK_M": 8192 // bk, "BLOCK_K": bk}, num_warps=8, num_stages=1)
 
 
 def mx_quantize(
@@ -209,12 +234,12 @@ def mx_quantize(
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     if not (rowwise or colwise):
         raise ValueError("at least one of rowwise and colwise must be True, got both False")
+    elem_format(elem_dtype)  # raises on an unsupported element dtype
     if x.device.type != "cuda" and not triton_interpreted():
         raise ValueError(
             f"x must be on a CUDA device for compiled Triton, got {x.device} "
             "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
         )
-    fmt = elem_format(elem_dtype)
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(0) if squeeze else x
     nb, m, k = x3.shape
@@ -235,16 +260,15 @@ def mx_quantize(
     if x3.numel():
         # Read raw bits: float32 as int32, bfloat16 as int16 (widened in the kernel).
         bits = x3.view(torch.int16) if x.dtype == torch.bfloat16 else x3.view(torch.int32)
-        bm, bk, warps = _block_shape(m_pad if colwise else m, k_pad if rowwise else k)
-        grid = (triton.cdiv(m_pad if colwise else m, bm),
-                triton.cdiv(k_pad if rowwise else k, bk), nb)
+        grid_m, grid_k = m_pad if colwise else m, k_pad if rowwise else k
+        cfg = launch_config(grid_m, grid_k, triton_interpreted())
+        grid = (triton.cdiv(grid_m, cfg.blocks["BLOCK_M"]),
+                triton.cdiv(grid_k, cfg.blocks["BLOCK_K"]), nb)
         _mx_quantize_kernel[grid](
             bits, row_data, row_scale, col_data, col_scale,
             m, k, m_pad, k_pad, *bits.stride(),
-            IS_BF16=x.dtype == torch.bfloat16, ROWWISE=rowwise, COLWISE=colwise,
-            BLOCK_M=bm, BLOCK_K=bk, MX_BLOCK=BLOCK_SIZE,
-            EMAX_POW2=fmt.emax_pow2, RCEIL=scale_mode == "rceil", MBITS=fmt.mbits,
-            BIAS=fmt.bias, MAX_CODE=fmt.max_code, NAN_CODE=fmt.nan_code, num_warps=warps,
+            **_format_constexprs(x.dtype, rowwise, colwise, elem_dtype, scale_mode),
+            **cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     row = col = None
     if rowwise:
@@ -259,3 +283,47 @@ def mx_quantize(
             data, scale = data[0], scale[0]
         col = MXTensor(data, scale, elem_dtype, BLOCK_SIZE, x.dim() - 2, x.shape, scale_mode)
     return row, col
+
+
+def compile_specs() -> list[CompileSpec]:
+    """`_mx_quantize_kernel` as a CUDA launch of `mx_quantize` compiles it at DeepSeek-V3's and
+    GPT-OSS-20B's shapes, contiguous input: every input dtype (bf16, fp32), element format
+    (E4M3, E5M2), scale rule (rceil, floor) and copy (row+col, row only as `quantize_qkv`
+    does Q and K, column only as it does V) at least once."""
+    from moe_lab.config import preset
+
+    ds, oss = preset("deepseek_v3"), preset("gpt_oss_20b")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    t, e = ds.seq_len, ds.moe.n_experts
+    cases = [  # label, input dtype, [B, M, K], rowwise, colwise, element dtype, scale rule
+        (f"DeepSeek-V3 activations [{t}, {ds.d_model}]", bf16, (1, t, ds.d_model),
+         True, True, E4M3, "rceil"),
+        (f"DeepSeek-V3 expert weights [{e}, {ds.d_model}, {ds.moe.d_expert}]", fp32,
+         (e, ds.d_model, ds.moe.d_expert), True, True, E4M3, "rceil"),
+        (f"GPT-OSS-20B output gradient [{oss.seq_len}, {oss.d_model}]", bf16,
+         (1, oss.seq_len, oss.d_model), True, True, E5M2, "floor"),
+        (f"GPT-OSS-20B attention Q rows [{oss.n_heads * oss.seq_len}, {oss.dim_head}]", bf16,
+         (1, oss.n_heads * oss.seq_len, oss.dim_head), True, False, E4M3, "rceil"),
+        (f"GPT-OSS-20B attention V [{oss.kv_heads}, {oss.seq_len}, {oss.dim_head}]", bf16,
+         (oss.kv_heads, oss.seq_len, oss.dim_head), False, True, E4M3, "rceil"),
+    ]
+    specs = []
+    for label, dtype, (_batch, m, k), rowwise, colwise, elem_dtype, scale_mode in cases:
+        m_pad, k_pad = padded_size(m), padded_size(k)
+        ints, ones = int_args(M=m, K=k, M_PAD=m_pad, K_PAD=k_pad, stride_xb=m * k,
+                                   stride_xm=k, stride_xk=1)
+        cfg = launch_config(m_pad if colwise else m, k_pad if rowwise else k, interpreted=False)
+        copies = "row+col" if rowwise and colwise else "row-wise" if rowwise else "column-wise"
+        fmt = "E4M3" if elem_dtype == E4M3 else "E5M2"
+        specs.append(CompileSpec(
+            kernel="moe_lab.kernels.mx:_mx_quantize_kernel",
+            label=f"MX quantizer, {label} {'bf16' if dtype == bf16 else 'fp32'}, {copies}, "
+                  f"{fmt} {scale_mode}",
+            signature={"x_ptr": "*i16" if dtype == bf16 else "*i32", "row_data_ptr": "*u8",
+                       "row_scale_ptr": "*u8", "col_data_ptr": "*u8", "col_scale_ptr": "*u8",
+                       **ints},
+            constexprs={**ones, **_format_constexprs(dtype, rowwise, colwise, elem_dtype,
+                                                     scale_mode), **cfg.blocks},
+            config=cfg,
+        ))
+    return specs

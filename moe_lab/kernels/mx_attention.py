@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lab.kernels.launch import CompileSpec, LaunchConfig, int_args
 from moe_lab.kernels.mx import fp8_code, mx_scale_byte
 from moe_lab.perf.capabilities import triton_interpreted
-from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor, padded_size
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
@@ -77,7 +78,10 @@ def _mx_attention_fwd_kernel(
     # q codes [B, H, T_Q, D_PAD] u8, q scales [B, H, T_Q, D_PAD/32] u8 (k likewise, H_kv heads);
     # v codes [B, H_kv, T_K_PAD, D] u8 blocked along keys, v scales [B, H_kv, T_K_PAD/32, D];
     # o [B, H, T_Q, D] float32. N_DB: head-dim blocks, rounded up to a power of two.
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    # Offsets in int64: [B, H, T, d] passes 2^31 elements at a few dozen sequences of 4,096
+    # tokens with 128 heads, where int32 offset arithmetic would wrap around.
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, pid_bh % H
     hk = h // KV_GROUP
     q_ptr += b * s_qb + h * s_qh
@@ -87,11 +91,11 @@ def _mx_attention_fwd_kernel(
     v_ptr += b * s_vb + hk * s_vh
     vs_ptr += b * s_vsb + hk * s_vsh
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    db = tl.arange(0, N_DB)
-    c = tl.arange(0, MX)
-    offs_d = tl.arange(0, BLOCK_D)
+    db = tl.arange(0, N_DB).to(tl.int64)
+    c = tl.arange(0, MX).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
     N_KB: tl.constexpr = BLOCK_N // MX
-    kb = tl.arange(0, N_KB)
+    kb = tl.arange(0, N_KB).to(tl.int64)
 
     # Q as [N_DB, BLOCK_M, 32] FP8 values and [N_DB, BLOCK_M, 1] scales.
     rows = offs_m[None, :, None]
@@ -151,15 +155,15 @@ def _mx_attention_fwd_kernel(
                 shift = tl.where(p_scale_byte == 0, 0, shift)
             p_codes = fp8_code(p_bits, shift[:, :, None], (p_scale_byte == 255)[:, :, None],
                                3, 7, 0x7E, 0x7F)  # E4M3: 3 mantissa bits, bias 7
-            p_vals = decode_e4m3(p_codes)
-            p_scale = decode_e8m0(p_scale_byte)
+            p_vals = tl.permute(decode_e4m3(p_codes), (1, 0, 2)).to(DOT_DTYPE)
+            p_scale = tl.permute(decode_e8m0(p_scale_byte), (1, 0))[:, :, None]
+            # [N_KB, BLOCK_M, BLOCK_D]: exact E4M3 values in, float32 sums out.
+            pv = tl.dot(p_vals, decode_e4m3(v_codes).to(DOT_DTYPE)) * p_scale
         else:
-            p_vals = p3
-            p_scale = tl.full((BLOCK_M, N_KB), 1.0, tl.float32)
-        p_vals = tl.permute(p_vals, (1, 0, 2)).to(DOT_DTYPE)
-        p_scale = tl.permute(p_scale, (1, 0))[:, :, None]  # [N_KB, BLOCK_M, 1]
-        pv = tl.dot(p_vals, decode_e4m3(v_codes).to(DOT_DTYPE))  # [N_KB, BLOCK_M, BLOCK_D]
-        acc += tl.sum(pv * p_scale * v_scale, axis=0)
+            # P stays float32 all the way into an IEEE float32 dot: a float16 or TF32
+            # tensor-core dot would round it to 11 significant bits on the way in.
+            pv = tl.dot(tl.permute(p3, (1, 0, 2)), decode_e4m3(v_codes), input_precision="ieee")
+        acc += tl.sum(pv * v_scale, axis=0)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -183,6 +187,35 @@ def _check_mx(name: str, mx: MXTensor, dim: int) -> None:
         )
 
 
+def _mode_constexprs(quantize_p: bool, scale_mode: str, interpreted: bool) -> dict[str, object]:
+    """The kernel's constexprs besides the tile. ``DOT_DTYPE``: what decoded FP8 values enter
+    ``tl.dot`` as — float16 compiled (exact for E4M3, and the tensor cores take it), float32
+    under the interpreter (which computes half precision wrongly)."""
+    return {"MX": BLOCK_SIZE, "QUANT_P": quantize_p, "RCEIL": scale_mode == "rceil",
+            "DOT_DTYPE": tl.float32 if interpreted else tl.float16}
+
+
+def launch_config(t_q: int, t_k: int, d: int, interpreted: bool) -> LaunchConfig:
+    """Tiles and warps for ``t_q`` queries over ``t_k`` keys at head_dim ``d``.
+
+    ``BLOCK_D`` (the output's columns) and ``N_DB`` (head-dim blocks of 32 in a Q/K row) are
+    ``d`` and its padding rounded up to powers of two, as ``tl.arange`` needs. Interpreted:
+    one tile as large as the problem up to 128 (each program instance costs a Python round
+    trip). Compiled: 64 queries by 64 keys up to d = 128; 32 by 32 above, since the score
+    tile is summed from ``N_DB`` partial products held at once (``[N_DB, BLOCK_M,
+    BLOCK_N]``, 8 blocks at d = 192) and the accumulator is ``BLOCK_D`` = 256 wide there.
+    """
+    head = {"BLOCK_D": max(16, triton.next_power_of_2(d)),
+            "N_DB": triton.next_power_of_2(padded_size(d) // BLOCK_SIZE)}
+    if interpreted:
+        block_n = min(128, max(32, triton.next_power_of_2(t_k)))
+        block_m = min(block_n, max(16, triton.next_power_of_2(t_q)))
+        return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": block_n, **head}, num_warps=4,
+                            num_stages=1)
+    block = 64 if d <= 128 else 32
+    return LaunchConfig({"BLOCK_M": block, "BLOCK_N": block, **head}, num_warps=4, num_stages=3)
+
+
 def mx_attention_forward(
     q: MXTensor,
     k: MXTensor,
@@ -198,7 +231,9 @@ def mx_attention_forward(
         k: MXTensor of ``[B, H_kv, T_k, d]`` blocked along head_dim; ``H_kv`` divides ``H``.
         v: MXTensor of ``[B, H_kv, T_k, d]`` blocked along the keys (``dim=2``).
         quantize_p: quantize the probabilities to MXFP8 along the keys (the recipe);
-            ``False`` keeps them float32 (to study where the error comes from).
+            ``False`` keeps them float32 into an IEEE float32 ``P·V`` dot, compiled as
+            interpreted (to study where the error comes from; slow on a GPU, no tensor
+            cores).
         scale_mode: the scale rule for the probabilities (``"rceil"`` or ``"floor"``).
 
     Returns:
@@ -232,28 +267,21 @@ def mx_attention_forward(
     out = torch.empty((bq, h, t_q, d), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
-    d_pad = q.data.shape[3]
     t_k_pad = v.data.shape[2]
-    if triton_interpreted():
-        block_m = block_n = min(128, max(32, triton.next_power_of_2(t_k)))
-        block_m = min(block_m, max(16, triton.next_power_of_2(t_q)))
-        dot_dtype = tl.float32
-    else:
-        block_m, block_n, dot_dtype = 64, 64, tl.float16
-    n_db = triton.next_power_of_2(d_pad // BLOCK_SIZE)
+    interpreted = triton_interpreted()
+    cfg = launch_config(t_q, t_k, d, interpreted)
     u8 = torch.uint8
     qd, qs = q.data.view(u8), q.scale.view(u8)
     kd, ks = k.data.view(u8), k.scale.view(u8)
     vd, vs = v.data.view(u8), v.scale.view(u8)
-    grid = (triton.cdiv(t_q, block_m), bq * h)
+    grid = (triton.cdiv(t_q, cfg.blocks["BLOCK_M"]), bq * h)
     _mx_attention_fwd_kernel[grid](
         qd, qs, kd, ks, vd, vs, out,
-        h, h // h_kv, t_q, t_k, t_k_pad, d, d_pad, LOG2E / math.sqrt(d),
+        h, h // h_kv, t_q, t_k, t_k_pad, d, padded_size(d), LOG2E / math.sqrt(d),
         *qd.stride(), *qs.stride(), *kd.stride(), *ks.stride(),
         *vd.stride(), *vs.stride(), *out.stride(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        N_DB=n_db, MX=BLOCK_SIZE, QUANT_P=quantize_p, RCEIL=scale_mode == "rceil",
-        DOT_DTYPE=dot_dtype, num_warps=4,
+        **_mode_constexprs(quantize_p, scale_mode, interpreted), **cfg.blocks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -288,3 +316,56 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
             raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got {tuple(x.shape)}")
     return rows(q), rows(k), keys(v)
 
+
+
+def compile_specs() -> list[CompileSpec]:
+    """`_mx_attention_fwd_kernel` as a CUDA launch of `mx_attention_forward` on
+    `quantize_qkv`'s layouts compiles it, at a sequence of each preset's ``seq_len``.
+
+    moe_lab's attention is grouped-query attention with one head_dim for Q, K and V, so
+    GPT-OSS-20B runs at its own (64 heads, 8 KV heads, d = 64) and DeepSeek-V3's preset as
+    moe_lab's model would run it (128 heads, d = 192: its MLA uses 192 for Q/K but 128 for
+    V, which this kernel does not take); d = 128 at 128 heads is the MLA value head_dim.
+    The probabilities' variants (floor rule, unquantized) at GPT-OSS-20B's shape.
+    """
+    from moe_lab.config import preset
+
+    ds, oss = preset("deepseek_v3"), preset("gpt_oss_20b")
+    cases = [  # label, heads, kv heads, seq, head_dim, quantize_p, scale rule
+        ("GPT-OSS-20B", oss.n_heads, oss.kv_heads, oss.seq_len, oss.dim_head, True, "rceil"),
+        ("DeepSeek-V3 as MHA", ds.n_heads, ds.kv_heads, ds.seq_len, ds.dim_head, True, "rceil"),
+        ("DeepSeek-V3 MLA value head_dim", ds.n_heads, ds.kv_heads, ds.seq_len, ds.v_head_dim,
+         True, "rceil"),
+        ("GPT-OSS-20B", oss.n_heads, oss.kv_heads, oss.seq_len, oss.dim_head, True, "floor"),
+        ("GPT-OSS-20B", oss.n_heads, oss.kv_heads, oss.seq_len, oss.dim_head, False, "rceil"),
+    ]
+    specs = []
+    for name, h, h_kv, t, d, quantize_p, scale_mode in cases:
+        d_pad, t_pad = padded_size(d), padded_size(t)
+        n_ds = d_pad // BLOCK_SIZE
+        # Strides of quantize_qkv's outputs for one sequence: Q, K codes and scales and the
+        # output contiguous; V's codes and scales stored transposed ([.., d, T], key-major).
+        ints, ones = int_args(
+            H=h, KV_GROUP=h // h_kv, T_Q=t, T_K=t, T_K_PAD=t_pad, D=d, D_PAD=d_pad,
+            s_qb=h * t * d_pad, s_qh=t * d_pad, s_qt=d_pad, s_qd=1,
+            s_qsb=h * t * n_ds, s_qsh=t * n_ds, s_qst=n_ds, s_qsd=1,
+            s_kb=h_kv * t * d_pad, s_kh=t * d_pad, s_kt=d_pad, s_kd=1,
+            s_ksb=h_kv * t * n_ds, s_ksh=t * n_ds, s_kst=n_ds, s_ksd=1,
+            s_vb=h_kv * t_pad * d, s_vh=t_pad * d, s_vt=1, s_vd=t_pad,
+            s_vsb=h_kv * t_pad // BLOCK_SIZE * d, s_vsh=t_pad // BLOCK_SIZE * d, s_vst=1,
+            s_vsd=t_pad // BLOCK_SIZE,
+            s_ob=h * t * d, s_oh=t * d, s_ot=d, s_od=1,
+        )
+        cfg = launch_config(t, t, d, interpreted=False)
+        p = f"P {scale_mode}" if quantize_p else "P float32"
+        specs.append(CompileSpec(
+            kernel="moe_lab.kernels.mx_attention:_mx_attention_fwd_kernel",
+            label=f"MXFP8 attention fwd, {name}: {h} heads ({h_kv} KV), seq {t}, d={d}, {p}",
+            signature={**{n: "*u8" for n in ("q_ptr", "qs_ptr", "k_ptr", "ks_ptr", "v_ptr",
+                                              "vs_ptr")},
+                       "o_ptr": "*fp32", "sm_scale_log2": "fp32", **ints},
+            constexprs={**ones, **_mode_constexprs(quantize_p, scale_mode, interpreted=False),
+                        **cfg.blocks},
+            config=cfg,
+        ))
+    return specs

@@ -24,13 +24,21 @@ product ``<dout[t], y[row_id_map[t, j]]>``. Every launch is a ``torch.library.cu
 with a fake implementation, so ``FakeTensorMode`` (`moe_lab.training.sync.assert_sync_free`) and
 ``torch.compile`` can trace through kernels they cannot run; the torch glue between the
 launches (sums, cumulative sums) stays visible to them.
+
+Every index that multiplies a stride is int64 (a DeepSeek-V3 permuted buffer, 65,536 rows
+of 7,168, is already 4.7·10⁸ elements; a view with a large stride passes 2³¹ sooner).
+Block sizes and warps come from one function, `launch_config`, which the wrappers call at
+launch time and `compile_specs` at the DeepSeek-V3 and GPT-OSS-20B shapes, for the compile
+report (`moe_lab.perf.compile_report`) to build for Hopper and Blackwell.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from moe_lab.config import preset
 from moe_lab.kernels.grouped_gemm import cast_for_store
+from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
 from moe_lab.kernels.permute_args import (  # noqa: F401 (KERNEL_DTYPES, permuted_rows: public here too)
     KERNEL_DTYPES,
     check_map,
@@ -54,7 +62,7 @@ def _expert_histogram_kernel(ids_ptr, counts_ptr, N_ENTRIES, E,
                              BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     # ids: [N_ENTRIES] expert ids (flattened topk_ids); counts: [cdiv(N_ENTRIES, BLOCK), E]
     # int32, counts[b, e] = entries of block b routed to expert e. Grid: (n_blocks,).
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + i, mask=i < N_ENTRIES, other=-1)
     experts = tl.arange(0, BLOCK_E)
@@ -67,7 +75,7 @@ def _row_id_map_kernel(ids_ptr, base_ptr, map_ptr, N_ENTRIES, E,
                        BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     # ids: [N_ENTRIES]; base: [n_blocks, E] int32, first destination row of block b's
     # entries for expert e; map: [N_ENTRIES] int32. Grid: (n_blocks,).
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     ok = i < N_ENTRIES
     ids = tl.load(ids_ptr + i, mask=ok, other=-1)
@@ -88,7 +96,7 @@ def _permute_kernel(
     # y: [N_ROWS, D]; y[row_id_map[t, j]] = x[t] (· weights[t, j]).
     # Grid: (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)).
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
     t_ok, d_ok = t < T, d < D
     x = tl.load(x_ptr + t[:, None] * s_xt + d[None, :] * s_xd,
                 mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -113,7 +121,7 @@ def _unpermute_kernel(
     # out: [T, D], out[t] = Σ_j (weights[t, j] ·) y[row_id_map[t, j]], summed in float32.
     # Grid: (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D)).
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
     t_ok, d_ok = t < T, d < D
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     for j in range(TOP_K):
@@ -144,7 +152,7 @@ def _unpermute_weight_grad_kernel(
     ok = t_ok & (row >= 0) & (row < N_ROWS)
     acc = tl.zeros((BLOCK_T,), tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
+        d = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)
         d_ok = d < D
         g = tl.load(dout_ptr + t[:, None] * s_gt + d[None, :] * s_gd,
                     mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -166,20 +174,91 @@ def _interpreted() -> bool:
     return triton_interpreted()
 
 
-def _map_block(n_entries: int, n_experts: int) -> int:
-    """Entries per program of the row-id-map kernels; the one-hot tile is BLOCK x BLOCK_E.
-    Large under the interpreter (each program is a Python round trip), modest compiled."""
-    block_e = triton.next_power_of_2(n_experts)
-    if _interpreted():
-        return min(triton.next_power_of_2(max(n_entries, 16)), max(16, 65536 // block_e))
-    return max(16, min(128, 8192 // block_e))
+# Which kernels a launch configuration is for: "map" (the expert histogram and the row-id
+# map, which must cut the entries into the same blocks), "rows" (permute, unpermute and
+# unpermute's weight gradient: row copies and row dot products).
+KERNELS = ("map", "rows")
 
 
-def _row_blocks(tokens: int, d: int) -> tuple[int, int]:
-    """``(BLOCK_T, BLOCK_D)`` of the row-copy kernels."""
-    if _interpreted():
-        return min(128, max(16, triton.next_power_of_2(tokens))), min(256, max(16, triton.next_power_of_2(d)))
-    return 16, min(256, max(16, triton.next_power_of_2(d)))
+def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> LaunchConfig:
+    """Blocks, warps and stages of one launch of ``kernel`` (one of `KERNELS`).
+
+    "map": ``n`` entries (``T·k``) over ``width`` experts; blocks ``BLOCK`` entries per
+    program and ``BLOCK_E``, the one-hot tile's expert axis: a power of two >= E, and at
+    least 2, so that one expert (``E = 1``) does not make a one-wide tile. "rows": ``n``
+    tokens of ``width`` features; blocks ``BLOCK_T`` tokens by ``BLOCK_D`` features.
+
+    Under the interpreter each program is a Python round trip, so blocks are large;
+    compiled, a one-hot tile of about 8K elements and 16-token row tiles, 4 warps. The
+    wrappers call this at launch time and `compile_specs` at the DeepSeek-V3 and
+    GPT-OSS-20B shapes.
+    """
+    if kernel == "map":
+        block_e = max(2, triton.next_power_of_2(width))
+        if interpreted:
+            block = min(triton.next_power_of_2(max(n, 16)), max(16, 65536 // block_e))
+        else:
+            block = max(16, min(128, 8192 // block_e))
+        return LaunchConfig({"BLOCK": block, "BLOCK_E": block_e}, num_warps=4,
+                            num_stages=1 if interpreted else 3)
+    if kernel == "rows":
+        block_d = min(256, max(16, triton.next_power_of_2(width)))
+        block_t = min(128, max(16, triton.next_power_of_2(n))) if interpreted else 16
+        return LaunchConfig({"BLOCK_T": block_t, "BLOCK_D": block_d}, num_warps=4,
+                            num_stages=1 if interpreted else 3)
+    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def compile_specs() -> list[CompileSpec]:
+    """What a CUDA launch compiles for one MoE layer's dispatch and combine at DeepSeek-V3's
+    and GPT-OSS-20B's shapes: the histogram and row-id map over int64 router ids, permute
+    (forward: no weights; unpermute's backward: weighted), unpermute (weighted forward;
+    permute's backward: unweighted) and unpermute's weight gradient, for bfloat16 token rows
+    and float32 router weights, contiguous as the dropless layer passes them."""
+    specs = []
+    for name, model in SPEC_PRESETS.items():
+        moe = preset(name).moe
+        tokens, top_k, n_experts, d = SPEC_TOKENS, moe.top_k, moe.n_experts, moe.d_model
+        n_rows = tokens * top_k
+        at = (f"{model}: E={n_experts}, top-{top_k}, d_model={d}, "
+              f"{tokens} tokens x top-{top_k} = {n_rows} rows")
+        cfg = launch_config("map", n_rows, n_experts, interpreted=False)
+        ints, constants = int_args(N_ENTRIES=n_rows, E=n_experts)
+        specs += [
+            CompileSpec(f"{__name__}:_expert_histogram_kernel",
+                        f"expert histogram per block of routed ids, int64 ids, {at}",
+                        {"ids_ptr": "*i64", "counts_ptr": "*i32", **ints},
+                        {**constants, **cfg.blocks}, cfg),
+            CompileSpec(f"{__name__}:_row_id_map_kernel",
+                        f"row-id map (rank within block + base), int64 ids, {at}",
+                        {"ids_ptr": "*i64", "base_ptr": "*i32", "map_ptr": "*i32", **ints},
+                        {**constants, **cfg.blocks}, cfg),
+        ]
+        cfg = launch_config("rows", tokens, d, interpreted=False)
+        rows = dict(T=tokens, D=d, N_ROWS=n_rows, TOP_K=top_k, s_mt=top_k, s_mk=1, s_wt=top_k, s_wk=1)
+        for weighted in (False, True):
+            w_type = "*fp32" if weighted else "*i32"  # unweighted: the map stands in, unread
+            # (kernel, what, source and destination pointers, their [rows, d] strides)
+            copies = (
+                ("permute", "weighted (unpermute's backward)" if weighted else "forward",
+                 "x_ptr", "y_ptr", ("s_xt", "s_xd", "s_yr", "s_yd")),
+                ("unpermute", "weighted forward" if weighted else "unweighted (permute's backward)",
+                 "y_ptr", "out_ptr", ("s_yr", "s_yd", "s_ot", "s_od")),
+            )
+            for kernel, what, src, dst, strides in copies:
+                ints, constants = int_args(**rows, **dict(zip(strides, (d, 1, d, 1), strict=True)))
+                specs.append(CompileSpec(
+                    f"{__name__}:_{kernel}_kernel", f"{kernel} {what}, bf16 rows, {at}",
+                    {src: "*bf16", "map_ptr": "*i32", "w_ptr": w_type, dst: "*bf16", **ints},
+                    {**constants, **cfg.blocks, "HAS_WEIGHTS": weighted}, cfg))
+        ints, constants = int_args(T=tokens, D=d, N_ROWS=n_rows, TOP_K=top_k,
+                                   s_yr=d, s_yd=1, s_mt=top_k, s_mk=1, s_gt=d, s_gd=1)
+        specs.append(CompileSpec(
+            f"{__name__}:_unpermute_weight_grad_kernel",
+            f"unpermute weight gradient <dout[t], y[row]>, bf16 rows, fp32 out, {at}",
+            {"y_ptr": "*bf16", "map_ptr": "*i32", "dout_ptr": "*bf16", "dw_ptr": "*fp32", **ints},
+            {**constants, **cfg.blocks}, cfg))
+    return merge_specs(specs)
 
 
 def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -188,14 +267,28 @@ def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _map_config(n_entries: int, n_experts: int) -> LaunchConfig:
+    return launch_config("map", n_entries, n_experts, interpreted=_interpreted())
+
+
+def _rows_config(tokens: int, d: int) -> LaunchConfig:
+    return launch_config("rows", tokens, d, interpreted=_interpreted())
+
+
+def _rows_grid(tokens: int, d: int, cfg: LaunchConfig) -> tuple[int, int]:
+    return triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), triton.cdiv(d, cfg.blocks["BLOCK_D"])
+
+
 @torch.library.custom_op("moe_lab::expert_block_histogram", mutates_args=())
 def _expert_block_histogram_op(ids: Tensor, n_experts: int, block: int) -> Tensor:
     n = ids.shape[0]
     n_blocks = triton.cdiv(n, block)
     counts = _new_output((n_blocks, n_experts), torch.int32, ids.device)
     if n_blocks:
+        cfg = _map_config(n, n_experts)
         _expert_histogram_kernel[(n_blocks,)](
-            ids, counts, n, n_experts, BLOCK=block, BLOCK_E=triton.next_power_of_2(n_experts),
+            ids, counts, n, n_experts, BLOCK=block, BLOCK_E=cfg.blocks["BLOCK_E"],
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return counts
 
@@ -210,9 +303,10 @@ def _row_id_map_op(ids: Tensor, base: Tensor, block: int) -> Tensor:
     n, n_experts = ids.shape[0], base.shape[1]
     row_id_map = _new_output((n,), torch.int32, ids.device)
     if n:
+        cfg = _map_config(n, n_experts)
         _row_id_map_kernel[(triton.cdiv(n, block),)](
-            ids, base, row_id_map, n, n_experts,
-            BLOCK=block, BLOCK_E=triton.next_power_of_2(n_experts),
+            ids, base, row_id_map, n, n_experts, BLOCK=block, BLOCK_E=cfg.blocks["BLOCK_E"],
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return row_id_map
 
@@ -231,12 +325,13 @@ def _permute_op(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: i
     else:
         y = torch.zeros((n_rows, d), dtype=x.dtype, device=x.device)
     if tokens and d and top_k:
-        bt, bd = _row_blocks(tokens, d)
+        cfg = _rows_config(tokens, d)
         w_arg = row_id_map if weights is None else weights  # unused without weights
-        _permute_kernel[(triton.cdiv(tokens, bt), triton.cdiv(d, bd))](
+        _permute_kernel[_rows_grid(tokens, d, cfg)](
             x, row_id_map, w_arg, y, tokens, d, n_rows, top_k,
             *x.stride(), *row_id_map.stride(), *w_arg.stride(), *y.stride(),
-            BLOCK_T=bt, BLOCK_D=bd, HAS_WEIGHTS=weights is not None,
+            **cfg.blocks, HAS_WEIGHTS=weights is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
 
@@ -251,12 +346,13 @@ def _unpermute_op(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tens
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
     out = _new_output((tokens, d), y.dtype, y.device)
     if tokens and d:
-        bt, bd = _row_blocks(tokens, d)
+        cfg = _rows_config(tokens, d)
         w_arg = row_id_map if weights is None else weights
-        _unpermute_kernel[(triton.cdiv(tokens, bt), triton.cdiv(d, bd))](
+        _unpermute_kernel[_rows_grid(tokens, d, cfg)](
             y, row_id_map, w_arg, out, tokens, d, n_rows, top_k,
             *y.stride(), *row_id_map.stride(), *w_arg.stride(), *out.stride(),
-            BLOCK_T=bt, BLOCK_D=bd, HAS_WEIGHTS=weights is not None,
+            **cfg.blocks, HAS_WEIGHTS=weights is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
 
@@ -271,10 +367,11 @@ def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Te
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
     dw = _new_output((tokens, top_k), torch.float32, y.device)
     if tokens and top_k:
-        bt, bd = _row_blocks(tokens, d)
-        _unpermute_weight_grad_kernel[(triton.cdiv(tokens, bt), top_k)](
+        cfg = _rows_config(tokens, d)
+        _unpermute_weight_grad_kernel[(triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), top_k)](
             y, row_id_map, dout, dw, tokens, d, n_rows, top_k,
-            *y.stride(), *row_id_map.stride(), *dout.stride(), BLOCK_T=bt, BLOCK_D=bd,
+            *y.stride(), *row_id_map.stride(), *dout.stride(),
+            **cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw
 
@@ -359,7 +456,7 @@ def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tupl
     flat = topk_ids.reshape(-1).contiguous()
     torch._assert_async(((flat >= 0) & (flat < n_experts)).all(),
                         f"topk_ids must hold expert ids in [0, n_experts = {n_experts})")
-    block = _map_block(flat.shape[0], n_experts)
+    block = _map_config(flat.shape[0], n_experts).blocks["BLOCK"]
     block_counts = _expert_block_histogram_op(flat, n_experts, block)  # [n_blocks, E]
     counts = block_counts.sum(0, dtype=torch.int32)  # [E] tokens per expert
     if align > 1:

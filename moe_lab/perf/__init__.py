@@ -12,6 +12,9 @@ on first use.
 - ``mlperf`` — the MLPerf Training v6.0 results as data
 - ``ledger`` — the results ledger every reported figure goes into
 - ``breakdown`` — where a training step's time goes (profiled, by phase and kind)
+- ``compile_report`` — every Triton kernel compiled for sm_90 and sm_100 without a GPU
+  (registers, spills, shared memory, occupancy, tensor-core instructions, async copies);
+  ``compile_worker`` runs the compiles in a child process, ``compile_reading`` reads them
 """
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
-"""The ``env`` and ``flops`` commands of ``python -m moe_lab``.
+"""The ``env``, ``flops`` and ``compile`` commands of ``python -m moe_lab``.
 
 ``env``: what this machine is (`moe_lab.perf.capabilities`). ``flops``: training FLOPs
 per token of a preset, broken down, and the TFLOPS per GPU a token rate implies.
+``compile``: every Triton kernel compiled for sm_90 and sm_100 and read
+(`moe_lab.perf.compile_report`); no GPU needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import sys
 
+from moe_lab import jsonout
 from moe_lab.config import PRESETS, preset
 
 
@@ -49,7 +54,7 @@ def flops_command(args: argparse.Namespace) -> int:
     """Print the FLOPs report for ``--preset`` at ``--seq-len``."""
     report = flops_report(args.preset, args.seq_len, args.tokens_per_s, not args.no_mtp)
     if args.json:
-        print(json.dumps(report))
+        print(jsonout.dumps(report))
         return 0
     print(f"{report['preset']} at seq_len {report['seq_len']}"
           f"{'' if report['include_mtp'] else ' (without MTP)'}: "
@@ -62,6 +67,30 @@ def flops_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def compile_command(args: argparse.Namespace) -> int:
+    """Compile every kernel module's specs for ``--arch``; print the table (or one JSON
+    object), write ``<arch>.json`` and ``summary.md`` into ``--out``, append the figures to
+    the ledger. Exit status 1 when a row failed or its two accounts of a figure disagree."""
+    from moe_lab.perf import compile_report
+
+    modules = None
+    if args.modules:
+        modules = [m if "." in m else f"moe_lab.kernels.{m}" for m in args.modules.split(",")]
+    report = compile_report.compile_report(compile_report.parse_archs(args.arch), modules)
+    rows = report["rows"]
+    if args.out is not None or modules is None:
+        out = args.out if args.out is not None else compile_report.default_out_dir()
+        for path in compile_report.write_results(report, out):
+            print(f"wrote {path}", file=sys.stderr)
+    compile_report.record(rows)
+    print(json.dumps(report) if args.json else compile_report.format_table(rows))
+    bad = [row for row in rows if row.get("error") or not row.get("agree", True)]
+    for row in bad:
+        why = row.get("error") or f"cuobjdump and ptxas/metadata disagree: {row['checks']}"
+        print(f"{row['kernel']} [{row.get('arch')}]: {why.splitlines()[0]}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -70,14 +99,17 @@ def _positive_int(text: str) -> int:
 
 
 def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the ``env`` and ``flops`` commands to ``python -m moe_lab``."""
+    """Add the ``env``, ``flops`` and ``compile`` commands to ``python -m moe_lab``."""
     env = subparsers.add_parser("env", help="capabilities of this machine (detected once)")
     env.add_argument("--json", action="store_true", help="print one JSON object")
     env.set_defaults(func=env_command)
@@ -91,3 +123,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fl.add_argument("--no-mtp", action="store_true", help="leave multi-token prediction out")
     fl.add_argument("--json", action="store_true", help="print one JSON object")
     fl.set_defaults(func=flops_command)
+
+    co = subparsers.add_parser("compile", help="compile every Triton kernel for sm_90/sm_100 and report "
+                               "registers, spills, shared memory, occupancy, tensor cores, async copies")
+    co.add_argument("--arch", default="sm_90,sm_100", help="comma-separated targets (default: sm_90,sm_100)")
+    co.add_argument("--modules", default=None,
+                    help="comma-separated kernel modules (default: all, written to results/compile)")
+    co.add_argument("--out", default=None, help="directory for <arch>.json and summary.md")
+    co.add_argument("--json", action="store_true", help="print one JSON object")
+    co.set_defaults(func=compile_command)

@@ -7,6 +7,10 @@ third parties publish them, collected in the project's background notes
 this table must be labelled as such. What this machine can really do is measured by
 `moe_lab.perf.ceilings`.
 
+`SM_LIMITS` holds what one SM of compute capability 9.0 (Hopper) and 10.0 (Blackwell) can
+keep resident — registers, warps, blocks, shared memory — from NVIDIA's programming guide;
+`moe_lab.perf.compile_report` computes a compiled kernel's theoretical occupancy from them.
+
 The roofline model: a kernel that performs ``intensity`` FLOPs for every byte it moves
 between memory and the chip can go no faster than ``min(peak_flops, bandwidth *
 intensity)``. Below the ridge point ``peak_flops / bandwidth`` it is memory-bound; above,
@@ -127,3 +131,64 @@ def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2.0) -> 
     if not bytes_per_element > 0:
         raise ValueError(f"bytes_per_element must be > 0, got {bytes_per_element!r}")
     return 2.0 * m * n * k / ((m * k + k * n + m * n) * bytes_per_element)
+
+
+@dataclass(frozen=True)
+class SMLimits:
+    """What one streaming multiprocessor (SM) of a compute capability can hold at once: the
+    limits a kernel's theoretical occupancy is computed from (`moe_lab.perf.compile_reading`).
+
+    ``arch``: the compile target (``"sm_90"``); ``gpu``: the table row (`GPUS`) it stands for
+    in reports. Per SM: ``registers_per_sm`` 32-bit registers, ``max_warps_per_sm`` and
+    ``max_blocks_per_sm`` resident warps and thread blocks, ``shared_per_sm`` bytes of shared
+    memory, of which one block may use ``max_shared_per_block``; the difference,
+    ``reserved_shared_per_block``, is kept by the system for every resident block. The
+    allocation units round a block's request up: registers are handed out per warp in
+    units of ``register_alloc_unit``, shared memory in units of ``shared_alloc_unit`` bytes.
+    """
+
+    arch: str
+    gpu: str
+    registers_per_sm: int
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
+    shared_per_sm: int
+    max_shared_per_block: int
+    register_alloc_unit: int
+    shared_alloc_unit: int
+    source: str
+
+    @property
+    def reserved_shared_per_block(self) -> int:
+        return self.shared_per_sm - self.max_shared_per_block
+
+    @property
+    def capability(self) -> int:
+        """The compute capability as Triton's ``GPUTarget`` takes it: ``"sm_90"`` → 90."""
+        return int(self.arch.removeprefix("sm_"))
+
+
+_KIB = 1024
+_SM_LIMITS_SOURCE = (
+    "NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' "
+    "(registers, resident warps and blocks, shared memory per SM and per block; the 1 KB "
+    "difference is reserved for system use per block); allocation units as NVIDIA's CUDA "
+    "Occupancy Calculator applies them"
+)
+
+SM_LIMITS: dict[str, SMLimits] = {
+    limits.arch: limits
+    for limits in (
+        SMLimits("sm_90", "H200 SXM", 65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128,
+                 f"compute capability 9.0: {_SM_LIMITS_SOURCE}"),
+        SMLimits("sm_100", "B200", 65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128,
+                 f"compute capability 10.0: {_SM_LIMITS_SOURCE}"),
+    )
+}
+
+
+def sm_limits(arch: str) -> SMLimits:
+    """The per-SM limits of ``arch`` (``"sm_90"``, ``"sm_100"``)."""
+    if arch not in SM_LIMITS:
+        raise ValueError(f"arch must be one of {sorted(SM_LIMITS)}, got {arch!r}")
+    return SM_LIMITS[arch]
