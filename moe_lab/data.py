@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 import torch
 
+from moe_lab.memory import check_fits
+
 __all__ = [
     "DOMAINS",
     "MARKOV",
@@ -217,6 +219,16 @@ def _check_positive(owner: str, name: str, value: object) -> int:
     return value
 
 
+def _check_batch(owner: str, batch_size: object, seq_len: int) -> int:
+    """``batch_size`` if it is a positive integer whose rows fit in memory (two int64
+    tensors of ``batch_size × seq_len`` tokens, ``x`` and ``y``): checked before any row
+    is drawn, so a typo is refused at once rather than by the allocator."""
+    _check_positive(owner, "batch_size", batch_size)
+    check_fits(f"{owner} batch_size={batch_size} (x seq_len {seq_len})",
+               16 * batch_size * seq_len, "use a smaller batch_size")
+    return batch_size  # type: ignore[return-value]
+
+
 def _check_split(owner: str, split: object) -> str:
     if split not in SPLITS:
         raise ValueError(f"{owner} split must be one of {SPLITS}, got {split!r}")
@@ -318,7 +330,7 @@ class SyntheticCorpus:
         taken from it); without, on the corpus seed and how many batches of this split
         were drawn before.
         """
-        _check_positive("SyntheticCorpus.sample", "batch_size", batch_size)
+        _check_batch("SyntheticCorpus.sample", batch_size, self.seq_len)
         _check_split("SyntheticCorpus.sample", split)
         _check_generator("SyntheticCorpus.sample", generator)
         if generator is None:
@@ -431,7 +443,7 @@ class TextFileCorpus:
         split: str = "train",
     ) -> Batch:
         """``batch_size`` windows at uniformly random offsets within ``split``."""
-        _check_positive("TextFileCorpus.sample", "batch_size", batch_size)
+        _check_batch("TextFileCorpus.sample", batch_size, self.seq_len)
         _check_split("TextFileCorpus.sample", split)
         _check_generator("TextFileCorpus.sample", generator)
         g = self._generators[split] if generator is None else generator
@@ -477,6 +489,6 @@ def load_corpus(
         return SyntheticCorpus(seq_len, seed=seed)
     if isinstance(name_or_path, str) and not Path(name_or_path).exists():
         raise FileNotFoundError(
-            f"load_corpus: '{name_or_path}' is neither \"synthetic\" nor an existing file"
+            f"corpus '{name_or_path}' is neither \"synthetic\" nor an existing file"
         )
     return TextFileCorpus(name_or_path, seq_len, seed=seed)

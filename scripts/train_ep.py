@@ -19,7 +19,6 @@ data parallelism). For multi-node runs see ``scripts/slurm/train_ep.sbatch``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_lab  # noqa: E402,F401  (sets TRITON_INTERPRET before torch where there is no CUDA)
+from moe_lab.jsonout import dumps  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
@@ -51,7 +51,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON summary line")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad values before any process group forms: one line on stderr, exit 1 (on
+    every rank, so no rank waits for a peer that has left)."""
+    import math
+
+    from moe_lab.training.loop import MAX_SEED
+
+    for name in ("steps", "batch_size", "log_every"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer, "
+                             f"got {getattr(args, name)}")
+    for name in ("lr", "capacity_factor", "timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number > 0, "
+                             f"got {value}")
+    if args.ep_size < 0:
+        raise SystemExit(f"error: --ep-size must be >= 0 (0: all ranks), got {args.ep_size}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise SystemExit(f"error: --seed must be an integer in [0, {MAX_SEED}], got {args.seed}")
 
 
 def build_groups(ep_size: int):
@@ -144,7 +168,7 @@ def main(argv=None) -> int:
         "reruns": sum(h["reruns"] for h in history),
     }
     if rank == 0:
-        print(json.dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()),
+        print(dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()),
               flush=True)
     # Every rank reaches this barrier before any tears its sockets down: a rank that closes
     # its gloo pairs while a peer is still inside a collective can abort that peer.

@@ -321,3 +321,9 @@ def test_generator_stuck_outside_a_split_raises_instead_of_looping(monkeypatch):
     assert corpus.sample(1, split="eval").x.shape == (1, 32)
     with pytest.raises(RuntimeError, match="outside the 'train' split"):
         corpus.sample(1)
+
+
+def test_a_batch_too_large_for_memory_is_refused_before_any_row_is_drawn():
+    corpus = SyntheticCorpus(seq_len=64)
+    with pytest.raises(ValueError, match=r"SyntheticCorpus.sample batch_size=1000000000000 .* GiB"):
+        corpus.sample(10**12)

@@ -156,3 +156,49 @@ def test_the_trainer_advances_one_step_at_a_time():
         cfg(step="teleport")
     with pytest.raises(ValueError, match="compiled_eval"):
         cfg(compiled_eval=True)
+
+
+def test_a_save_removes_the_temporaries_of_interrupted_saves(tmp_path):
+    path = tmp_path / "ck.pt"
+    stale = tmp_path / ".ck.pt.x1y2z3.tmp"  # what a process killed mid-save leaves
+    stale.write_bytes(b"half a checkpoint")
+    other = tmp_path / ".other.pt.abc.tmp"  # another checkpoint's: not ours to remove
+    other.write_bytes(b"")
+    save_checkpoint(path, {"step": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.abc.tmp", "ck.pt"]
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step_and_checkpoint(tmp_path):
+    from moe_lab.training.loop import TrainingDiverged
+
+    path = tmp_path / "ck.pt"
+    with pytest.raises(TrainingDiverged, match=r"at step 2 .*ck.pt' \(step 1\)") as stop:
+        train(TINY, cfg(lr=1e30, warmup_steps=0, checkpoint_path=str(path), checkpoint_every=1))
+    assert stop.value.step == 2 and stop.value.last_checkpoint == (str(path), 1)
+    assert load_checkpoint(path)["step"] == 1  # the NaN weights were never saved
+
+
+def test_the_checkpoint_records_the_run_settings_and_resume_compares_them(tmp_path):
+    path = tmp_path / "ck.pt"
+    train(TINY, cfg(checkpoint_path=str(path), checkpoint_every=4), stop_after=4)
+    assert load_checkpoint(path)["settings"]["lr"] == cfg().lr
+    with pytest.raises(ValueError, match=r"other settings: batch_size 4 \(now 2\)"):
+        train(TINY, cfg(checkpoint_path=str(path), batch_size=2), resume=True)
+    resumed = train(TINY, cfg(checkpoint_path=str(path), batch_size=2), resume=True, override=True)
+    assert resumed.steps == 12
+    with pytest.raises(ValueError, match="override=True"):
+        train(TINY, cfg(), override=True)
+
+
+@pytest.mark.parametrize("field, value", [("lr", float("inf")), ("lr", float("nan")),
+                                          ("seed", 2**70), ("seed", -1)])
+def test_non_finite_lr_and_out_of_range_seeds_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        cfg(**{field: value})
+
+
+def test_a_batch_too_large_for_memory_is_refused_before_anything_is_built():
+    from moe_lab.training.loop import Trainer
+
+    with pytest.raises(ValueError, match="batch_size=1000000000000 .* GiB"):
+        Trainer(TINY, cfg(batch_size=10**12))

@@ -409,12 +409,18 @@ def _args(*argv):
     return parser.parse_args(list(argv))
 
 
-def test_cli_arguments():
+def test_cli_arguments(tmp_path):
     args = _args("--profile", "full", "--seeds", "3", "--target", "1.25")
     cfg = ttt.config_from_args(args)
     assert (cfg.preset, cfg.target_loss, args.seeds) == ("small", 1.25, 3)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("some text\n", encoding="utf-8")
     with pytest.raises(ValueError, match="--target"):
-        ttt.config_from_args(_args("--corpus", "notes.txt"))
+        ttt.config_from_args(_args("--corpus", str(notes)))
+    with pytest.raises(ValueError, match=r"--corpus '.*missing.txt' is not a file"):
+        ttt.config_from_args(_args("--corpus", str(tmp_path / "missing.txt"), "--target", "1"))
+    with pytest.raises(ValueError, match="--seeds must be a positive integer, got 0"):
+        ttt.config_from_args(_args("--seeds", "0"))
 
 
 def test_cli_run(ledger_dir):

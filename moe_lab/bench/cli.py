@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
+import sys
 
 from moe_lab.bench import BENCHMARKS
+from moe_lab.jsonout import dumps
 
 
 def _format(result: dict) -> str:
@@ -24,8 +25,12 @@ def _format(result: dict) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[args.benchmark])
-    result = module.run(args)
-    print(json.dumps(result, default=str) if args.json else _format(result))
+    try:
+        result = module.run(args)
+    except OSError as exc:  # a missing or unreadable input file: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(dumps(result, default=str) if args.json else _format(result))
     return 0
 
 

@@ -17,11 +17,13 @@ is Mixtral-like (8 experts, top-2, expert width 2·d_model).
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
 import moe_lab.cpu
 from moe_lab.config import MoEConfig
+from moe_lab.memory import check_fits
 from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.layer import MoELayer
 from moe_lab.perf import capabilities, ceilings, compare, ledger
@@ -250,9 +252,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    tokens = args.tokens or TOKENS[args.profile]
+    if args.tokens is not None and args.tokens <= 0:
+        raise ValueError(f"--tokens must be a positive integer, got {args.tokens}")
+    if not math.isfinite(args.min_time) or args.min_time < 0:
+        raise ValueError(f"--min-time must be a finite number of seconds >= 0, got {args.min_time}")
+    tokens = TOKENS[args.profile] if args.tokens is None else args.tokens
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device, dtype = _device_dtype()
+    # A lower bound: the input and its gradient, and each token's top-k expert activations.
+    widest = max(SHAPES[s]["top_k"] * SHAPES[s]["d_expert"] + 2 * SHAPES[s]["d_model"]
+                 for s in shapes)
+    check_fits(f"--tokens {tokens}", tokens * widest * 4, "use fewer --tokens", device)
     ceiling = ceilings.matmul_peak(dtype, n=1024 if args.profile == "smoke" else 2048, device=device)
     result: dict = {"tokens": tokens, "matmul_ceiling_gflops": ceiling.giga, "rows": [],
                     "notes": [], "floor": []}

@@ -7,6 +7,7 @@
   atomic writes, the HTML export
 - `plots`, `dispatch_plots`, `waterfall` — the notebooks' figures
 - `widgets` — ipywidgets explorers (static figures when headless)
+- `profiles` — the workbook's profiles (``smoke``, ``full``), checked by every notebook
 - `exercises` — the learner's checks, one module per notebook (``nb04_fused_router``, ...)
 
 Nothing here is imported by ``import moe_lab``, and this package imports none of its

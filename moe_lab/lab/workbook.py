@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from moe_lab.lab.notebook_files import NOTEBOOK_PATTERN, export_html, write_text_atomically
+from moe_lab.lab.profiles import PROFILES
 from moe_lab.lab.site import build_site
 from moe_lab.perf.capabilities import capabilities, library_versions
 from moe_lab.perf.ledger import (
@@ -38,7 +39,6 @@ from moe_lab.perf.ledger import (
     results_table_markdown,
 )
 
-PROFILES = ("smoke", "full")
 KERNEL_NAME = "python3"
 
 

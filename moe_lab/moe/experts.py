@@ -302,3 +302,83 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(swiglu(self.gate_up(x)))
+
+
+def clamped_swiglu(h: Tensor, alpha: float, limit: float) -> Tensor:
+    """``[..., 2f] -> [..., f]``: GPT-OSS's gated unit, ``(clamp(up, ±limit) + 1) ·
+    g·sigmoid(alpha·g)`` with ``g = min(gate, limit)`` and gate and up the two halves.
+
+    The clamp bounds the activations (the model was trained with it, so it is part of the
+    function); ``g·sigmoid(alpha·g)`` is a sharpened SiLU and the ``+ 1`` on ``up`` is a
+    residual-like offset, both as GPT-OSS defines them."""
+    if h.shape[-1] % 2:
+        raise ValueError(f"clamped_swiglu: the last dim of h holds gate and up halves and must be "
+                         f"even, got shape {tuple(h.shape)}")
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class ClampedSwiGLUExperts(SwiGLUExperts):
+    """GPT-OSS's experts: `SwiGLUExperts` with biases on both GEMMs (``b_gate_up: [E, 2f]``,
+    ``b_down: [E, d_model]``) and `clamped_swiglu` as the gated unit.
+
+    Same weight layout as the reference (gate columns first), so every backend that runs
+    the experts through `forward_expert`, `grouped_two_gemms` or `batched_forward` runs
+    this variant too: ``loop`` and ``torch``. Backends that fuse plain SwiGLU into a
+    kernel (``triton``) or bring their own MLP (a plug-in's) are refused by name.
+    """
+
+    BACKENDS = ("loop", "torch")
+
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop",
+                 alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__(n_experts, d_model, d_expert, backend)
+        if not alpha > 0 or not limit > 0:
+            raise ValueError(f"ClampedSwiGLUExperts: alpha and limit must be > 0, got alpha={alpha!r}, "
+                             f"limit={limit!r}")
+        self.alpha, self.limit = float(alpha), float(limit)
+        self.b_gate_up = nn.Parameter(torch.zeros(n_experts, 2 * d_expert))
+        self.b_down = nn.Parameter(torch.zeros(n_experts, d_model))
+
+    def use_backend(self, name: str) -> None:
+        if name not in self.BACKENDS:
+            raise ValueError(f"expert_backend for ClampedSwiGLUExperts must be one of "
+                             f"{self.BACKENDS} (biases and the clamped unit are not fused into "
+                             f"the others), got {name!r}")
+        super().use_backend(name)
+
+    def _unit(self, h: Tensor) -> Tensor:
+        return clamped_swiglu(h, self.alpha, self.limit)
+
+    def forward_expert(self, expert: int, x: Tensor) -> Tensor:
+        h = self._unit(self._mm(x, self.w_gate_up[expert]) + self.b_gate_up[expert].to(x.dtype))
+        return self._mm(h, self.w_down[expert]) + self.b_down[expert].to(x.dtype)
+
+    def grouped_two_gemms(self, x: Tensor, offsets: Tensor,
+                          mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+        # Rows past offsets[-1] belong to no expert (their output is undefined): clamp the
+        # index so they read some expert's bias rather than out of range.
+        row_expert = torch.searchsorted(offsets[1:], rows, right=True).clamp_max(self.n_experts - 1)
+        xq, w1 = self.quantized(x, self.w_gate_up, 1)
+        h = self._unit(mm(xq, w1.to(x.dtype), offsets[1:]) + self.b_gate_up.to(x.dtype)[row_expert])
+        hq, w2 = self.quantized(h, self.w_down, 1)
+        return mm(hq, w2.to(x.dtype), offsets[1:]) + self.b_down.to(x.dtype)[row_expert]
+
+    def batched_forward(self, x: Tensor) -> Tensor:
+        xq, w1 = self.quantized(x, self.w_gate_up, 1)
+        h = self._unit(torch.bmm(xq, w1.to(xq.dtype)) + self.b_gate_up.to(xq.dtype).unsqueeze(1))
+        hq, w2 = self.quantized(h, self.w_down, 1)
+        return torch.bmm(hq, w2.to(hq.dtype)) + self.b_down.to(hq.dtype).unsqueeze(1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, alpha={self.alpha}, limit={self.limit}"
+
+
+# The expert kinds a layer can be built with: name -> class taking
+# (n_experts, d_model, d_expert, backend, **options). "swiglu" is the reference.
+EXPERT_KINDS: Registry[type[SwiGLUExperts]] = Registry("expert kind")
+EXPERT_KINDS.register("swiglu", SwiGLUExperts)
+EXPERT_KINDS.register("clamped_swiglu", ClampedSwiGLUExperts)

@@ -4,7 +4,10 @@ A training checkpoint (`moe_lab.training.loop.Trainer.state`) holds the model, t
 the step's own device state where it has one, the data generator's state, torch's RNG and
 the history, so a resumed run continues the uninterrupted loss curve exactly. It is written
 to a temporary file in the same folder and renamed over the old one (``os.replace``), so a
-crash mid-write leaves the previous checkpoint intact; it is read with ``weights_only=True``.
+crash mid-write leaves the previous checkpoint intact; the temporary files such a crash
+leaves behind are removed at the next save of that checkpoint. It is read with
+``weights_only=True``: a file that is not a checkpoint (empty, truncated, anything else)
+is refused with a ``ValueError`` saying so.
 """
 
 from __future__ import annotations
@@ -15,14 +18,52 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["check_checkpoint_path", "load_checkpoint", "save_checkpoint"]
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+_TEMP_SUFFIX = ".tmp"
+
+
+def check_checkpoint_path(path: str | os.PathLike) -> Path:
+    """``path`` as a `Path` if a checkpoint can be written there; else a ``ValueError``
+    naming it (a directory, a folder that is a file, a folder that cannot be written).
+
+    Called before a run starts, so that a bad path costs nothing rather than the training
+    done before the first save."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint path '{path}' is a directory; expected a file name "
+                         f"such as '{path / 'checkpoint.pt'}'")
+    folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint path '{path}': '{folder}' is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"checkpoint path '{path}': the folder '{folder}' is not writable")
+    return path
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary files that interrupted saves of ``path`` left in its folder."""
+    for stale in path.parent.glob(f"{_temp_prefix(path)}*{_TEMP_SUFFIX}"):
+        try:
+            stale.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file beside it, then rename."""
+    """Write ``state`` to ``path`` atomically: a temporary file beside it, then rename.
+
+    Temporary files of earlier saves of ``path`` that never finished (a killed process)
+    are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=_TEMP_SUFFIX)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -36,8 +77,28 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """The state written by `save_checkpoint` (tensors on the CPU)."""
+    """The state written by `save_checkpoint` (tensors on the CPU).
+
+    A missing file raises ``FileNotFoundError``; a file that torch cannot read as a
+    checkpoint of plain tensors and containers (empty, truncated, another format, or
+    pickled code) raises ``ValueError`` naming the file and its size."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+        what = "is a directory, not a file" if path.is_dir() else "not found"
+        raise FileNotFoundError(f"checkpoint {what}: {path}")
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"checkpoint '{path}' is empty (0 bytes); expected a file written "
+                         "by moe_lab's save_checkpoint")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch reports each kind of bad file differently
+        # torch's own message for a pickle it refuses advises weights_only=False, i.e.
+        # running code from the file: not advice to pass on about an unknown file.
+        raise ValueError(f"checkpoint '{path}' ({size} bytes) is not a readable checkpoint: "
+                         "truncated, or not written by moe_lab's save_checkpoint "
+                         f"({type(exc).__name__})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint '{path}' holds a {type(state).__name__}, expected the "
+                         "dict written by save_checkpoint")
+    return state

@@ -26,11 +26,15 @@ Runs are deterministic under a seed on the CPU: the model is initialised, and ba
 drawn, from generators seeded from ``TrainConfig.seed``. A checkpoint
 (`moe_lab.training.checkpoint`) holds the model, the optimiser, the step's device state,
 the data generator's state and the history, so a resumed run continues the uninterrupted
-loss curve exactly.
+loss curve exactly; it also records the run's `RUN_SETTINGS`, and `train` refuses to resume
+it with others unless asked to (``override``). A run with a checkpoint path is saved when it
+completes, and every ``checkpoint_every`` steps if that is set. A non-finite training loss
+stops the run (`TrainingDiverged`) rather than train on numbers that are no longer numbers.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ from tqdm.auto import tqdm
 
 from moe_lab.config import ModelConfig
 from moe_lab.data import Batch, load_corpus
+from moe_lab.memory import check_fits
 from moe_lab.model import ModelImpls, MoETransformer
 from moe_lab.training.build import (
     AMP_DTYPES,
@@ -49,14 +54,27 @@ from moe_lab.training.build import (
     random_batch,
     step_forward,
 )
-from moe_lab.training.checkpoint import load_checkpoint, save_checkpoint
+from moe_lab.training.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
 from moe_lab.training.graphs import GraphedStep
 from moe_lab.training.optim import warmup_cosine
 from moe_lab.training.steps import EagerStep, StepConfig, SyncFreeStep
 
 Tensor = torch.Tensor
 
-__all__ = ["TrainConfig", "TrainResult", "Trainer", "evaluate", "lr_at", "train"]
+__all__ = ["RUN_SETTINGS", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged",
+           "TrainingInterrupted", "check_batch_fits", "evaluate", "lr_at", "train"]
+
+#: The `TrainConfig` fields that change what a run computes: a checkpoint records them, and
+#: resuming with other values is refused unless asked for (``train(..., override=True)``).
+#: The others choose how it is computed (implementations, compilation), what is measured
+#: (evaluation, statistics) or where it is saved.
+RUN_SETTINGS = ("steps", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "weight_decay",
+                "grad_clip", "seed", "dispatcher", "step", "amp", "fp32_logits",
+                "expert_bias_rate", "mxfp8", "corpus")
+
+#: The largest seed: every generator derived from it (``seed + k``, ``seed * 2 + k``) stays a
+#: valid 64-bit torch seed.
+MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -113,8 +131,12 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
+        if (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"TrainConfig.seed must be an integer in [0, {MAX_SEED}], "
+                             f"got {self.seed!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.expert_bias_rate < 0:
@@ -134,6 +156,11 @@ class TrainConfig:
         if self.compiled_eval and not self.compile:
             raise ValueError("TrainConfig.compiled_eval evaluates through torch.compile; "
                              "set compile")
+
+    def run_settings(self) -> dict:
+        """The `RUN_SETTINGS` of this run (what a checkpoint records and a resume compares)."""
+        return {name: (list(v) if isinstance(v := getattr(self, name), tuple) else v)
+                for name in RUN_SETTINGS}
 
     @property
     def impls(self) -> ModelImpls:
@@ -184,6 +211,18 @@ def evaluate(model: MoETransformer, eval_batch, domains: list[str],
     return result
 
 
+def check_batch_fits(model_cfg: ModelConfig, batch_size: int,
+                     device: torch.device | str = "cpu") -> None:
+    """Refuse (``ValueError``) a ``batch_size`` whose training step cannot fit in the memory
+    of ``device``: a lower bound, the FP32 logits, their gradient and softmax
+    (``3 × 4 × vocab_size`` bytes per token) and the int64 tokens and targets (16 bytes),
+    checked before the corpus, the model or any batch is built."""
+    tokens = batch_size * model_cfg.seq_len
+    check_fits(f"batch_size={batch_size} ({tokens:,} tokens of {model_cfg.name})",
+               tokens * (12 * model_cfg.vocab_size + 16),
+               "use a smaller batch size (--batch-size)", device)
+
+
 def _to(batch: Batch, device: torch.device) -> Batch:
     if device.type == "cpu":
         return batch
@@ -210,6 +249,7 @@ class Trainer:
         cfg = cfg or TrainConfig()
         self.model_cfg, self.cfg = model_cfg, cfg
         self.device = torch.device(device or "cpu")
+        check_batch_fits(model_cfg, cfg.batch_size, self.device)
         if corpus is None:
             corpus = load_corpus(cfg.corpus, seq_len=model_cfg.seq_len, seed=cfg.seed)
         self.corpus = corpus
@@ -299,6 +339,7 @@ class Trainer:
             "data_gen": self.data_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
             "model_cfg": self.model_cfg.to_dict(),
+            "settings": self.cfg.run_settings(),
             "history": history,
             "evals": evals,
             "step": self.steps_done,
@@ -322,29 +363,96 @@ class Trainer:
         self.steps_done = state["step"]
 
 
+class TrainingDiverged(RuntimeError):
+    """The training loss became non-finite (NaN or infinite): the run stops there rather than
+    train on, and save, weights that are no longer numbers. ``step`` is the number of steps
+    taken when it was read, ``last_checkpoint`` ``(path, step)`` of the last checkpoint
+    written or resumed from, or ``None``."""
+
+    def __init__(self, message: str, step: int, last_checkpoint: tuple[str, int] | None) -> None:
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `train`: a ``KeyboardInterrupt`` that says where the run stood —
+    ``step`` steps taken — and ``last_checkpoint``, ``(path, step)`` or ``None``."""
+
+    def __init__(self, message: str, step: int, last_checkpoint: tuple[str, int] | None) -> None:
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
+
+
+def _where_to_resume(last_checkpoint: tuple[str, int] | None) -> str:
+    if last_checkpoint is None:
+        return "no checkpoint was written (--checkpoint PATH keeps one)"
+    path, step = last_checkpoint
+    return f"the last checkpoint is '{path}' (step {step})"
+
+
+def _check_resume(checkpoint: dict, cfg: TrainConfig, override: bool) -> None:
+    """Refuse a checkpoint that is not a training checkpoint, has nothing left to train
+    under ``cfg``, or was written with other `RUN_SETTINGS` (unless ``override``)."""
+    path = cfg.checkpoint_path
+    missing = [k for k in ("model", "optimizer", "data_gen", "torch_rng", "model_cfg", "history",
+                           "evals", "step") if k not in checkpoint]
+    if missing:
+        raise ValueError(f"checkpoint '{path}' is not a training checkpoint: it has no "
+                         f"{', '.join(missing)}")
+    done = checkpoint["step"]
+    if done >= cfg.steps:
+        raise ValueError(f"checkpoint '{path}' is at step {done}, and steps={cfg.steps}: nothing "
+                         f"left to train; give more steps (--steps) to continue the run")
+    if override or "settings" not in checkpoint:  # checkpoints written before settings were
+        return
+    saved, now = checkpoint["settings"], cfg.run_settings()
+    differ = [f"{k} {saved[k]!r} (now {now[k]!r})" for k in RUN_SETTINGS
+              if k in saved and saved[k] != now[k]]
+    if differ:
+        raise ValueError(f"checkpoint '{path}' was written with other settings: "
+                         f"{', '.join(differ)}; resume with the same ones, or continue with "
+                         "the new ones on purpose (--override, override=True)")
+
+
 def train(
     model_cfg: ModelConfig,
     cfg: TrainConfig | None = None,
     *,
     corpus=None,
     resume: bool = False,
+    override: bool = False,
     stop_after: int | None = None,
     callback=None,
     device: torch.device | str | None = None,
 ) -> TrainResult:
     """Train a fresh model (or resume from ``cfg.checkpoint_path`` when ``resume``).
 
-    ``stop_after`` ends the run early after that many total steps (the schedule still
-    spans ``cfg.steps``): used to simulate an interrupted run. ``callback(step, record)``
-    is called after every step (``record`` is ``None`` where the step read nothing).
-    A sync-free step's last, shorter window of statistics is read at the end.
+    With ``cfg.checkpoint_path`` the run is saved every ``cfg.checkpoint_every`` steps
+    (if > 0) and when it completes; the path is checked before anything is trained. A
+    resumed run must have steps left, and the `RUN_SETTINGS` it was saved with unless
+    ``override``. ``stop_after`` ends the run early after that many total steps (the
+    schedule still spans ``cfg.steps``, and no final checkpoint is written): used to
+    simulate an interrupted run. ``callback(step, record)`` is called after every step
+    (``record`` is ``None`` where the step read nothing). A sync-free step's last, shorter
+    window of statistics is read at the end.
+
+    A non-finite training loss raises `TrainingDiverged`, Ctrl-C `TrainingInterrupted`;
+    both name the step and the last checkpoint.
     """
     cfg = cfg or TrainConfig()
     checkpoint = None
+    last_checkpoint: tuple[str, int] | None = None
+    if override and not resume:
+        raise ValueError("override=True (--override) applies to a resumed run: add resume=True "
+                         "(--resume)")
+    if cfg.checkpoint_path:
+        check_checkpoint_path(cfg.checkpoint_path)
     if resume:
         if not cfg.checkpoint_path:
             raise ValueError("resume=True needs TrainConfig.checkpoint_path")
         checkpoint = load_checkpoint(cfg.checkpoint_path)
+        _check_resume(checkpoint, cfg, override)
+        last_checkpoint = (str(cfg.checkpoint_path), checkpoint["step"])
     trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device, checkpoint=checkpoint)
     result = TrainResult(model=trainer.model, domains=trainer.domains)
     if checkpoint is not None:
@@ -353,23 +461,48 @@ def train(
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = tqdm(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
                initial=start, total=end)
-    for step in bar:
-        record = trainer.advance()
-        if record is not None:
-            result.history.append(record)
-            if cfg.progress:
-                bar.set_postfix(loss=f"{record['loss']:.3f}")
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            result.evals.append({"step": step + 1, **trainer.evaluate()})
-        if callback is not None:
-            callback(step, record)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint(cfg.checkpoint_path, trainer.state(result.history, result.evals))
-    bar.close()
-    result.steps = trainer.steps_done
-    last = trainer.flush()
-    if last is not None:
-        result.history.append(last)
+
+    def check_finite(record: dict) -> None:
+        if not math.isfinite(record["loss"]):
+            n, window = trainer.steps_done, record.get("steps", 1)
+            where = f"step {n}" if window <= 1 else f"steps {n - window + 1}-{n}"
+            raise TrainingDiverged(
+                f"training diverged: the loss is {record['loss']} at {where} (lr {cfg.lr:g}); "
+                f"{_where_to_resume(last_checkpoint)}", n, last_checkpoint)
+
+    def save() -> None:
+        nonlocal last_checkpoint
+        save_checkpoint(cfg.checkpoint_path, trainer.state(result.history, result.evals))
+        last_checkpoint = (str(cfg.checkpoint_path), trainer.steps_done)
+
+    try:
+        for step in bar:
+            record = trainer.advance()
+            if record is not None:
+                check_finite(record)
+                result.history.append(record)
+                if cfg.progress:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}")
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                result.evals.append({"step": step + 1, **trainer.evaluate()})
+            if callback is not None:
+                callback(step, record)
+            if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
+                    and step + 1 < cfg.steps):
+                save()
+        result.steps = trainer.steps_done
+        last = trainer.flush()
+        if last is not None:
+            check_finite(last)
+            result.history.append(last)
+        if cfg.checkpoint_path and trainer.steps_done == cfg.steps:
+            save()  # the completed run, its last statistics read and checked
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(
+            f"interrupted after step {trainer.steps_done}; {_where_to_resume(last_checkpoint)}",
+            trainer.steps_done, last_checkpoint) from None
+    finally:
+        bar.close()
     times = trainer.step_times
     if times:
         tokens_per_step = cfg.batch_size * model_cfg.seq_len

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import moe_lab.bench.ttt.report as report
 from moe_lab.bench.ttt.contest import PROFILES, TTTConfig
@@ -51,7 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TTTConfig:
     cfg = PROFILES[args.profile]
     changes: dict = {}
+    if args.seeds <= 0:
+        raise ValueError(f"--seeds must be a positive integer, got {args.seeds}")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        raise ValueError(f"--max-seconds must be a number of seconds > 0, got {args.max_seconds}")
     if args.corpus != "synthetic":
+        if not Path(args.corpus).is_file():
+            raise ValueError(f"--corpus '{args.corpus}' is not a file; expected 'synthetic' or the "
+                             "path of a UTF-8 text file")
         if args.target is None:
             raise ValueError("--corpus FILE needs --target (nats per byte): the synthetic "
                              "targets mean nothing on other text; a short run's final eval "

@@ -1,0 +1,27 @@
+"""Bridges to Hugging Face ``transformers`` MoE blocks.
+
+Each ``from_hf_<family>(block)`` builds a moe_lab ``MoELayer`` that computes the same
+function as the Hugging Face block — same router, same experts, same weights (copied) — but
+with moe_lab's dispatchers (by default the dropless, sync-free one) and expert backends.
+`patch_hf_model` swaps every MoE block of a Hugging Face model for such a layer, in place,
+so a user can train or benchmark a real model architecture on moe_lab's kernels.
+
+Families: Mixtral (softmax top-k, renormalised), Qwen3-MoE (softmax top-k, optionally
+renormalised), DeepSeek-V3 (group-limited sigmoid routing with a selection-only correction
+bias, routed scaling factor, shared experts) and GPT-OSS (router bias, expert biases and a
+clamped SwiGLU: `moe_lab.moe.experts.ClampedSwiGLUExperts`). OLMoE's block is Qwen3-MoE's.
+
+``transformers`` is a test extra, not a dependency: nothing here imports it; the blocks are
+read through their attributes and recognised by their class names.
+"""
+
+from moe_lab.interop.deepseek_v3 import from_hf_deepseek_v3
+from moe_lab.interop.gpt_oss import BiasedRouter, GptOssMoELayer, from_hf_gpt_oss
+from moe_lab.interop.mixtral import from_hf_mixtral
+from moe_lab.interop.patch import HF_MOE_BLOCKS, HFMoEAdapter, patch_hf_model
+from moe_lab.interop.qwen3_moe import from_hf_qwen3_moe
+
+__all__ = [
+    "HF_MOE_BLOCKS", "BiasedRouter", "GptOssMoELayer", "HFMoEAdapter", "from_hf_deepseek_v3",
+    "from_hf_gpt_oss", "from_hf_mixtral", "from_hf_qwen3_moe", "patch_hf_model",
+]

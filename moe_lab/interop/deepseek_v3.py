@@ -1,0 +1,53 @@
+"""DeepSeek-V3: sigmoid scores; a per-expert correction bias added for *selection only*
+(aux-loss-free balancing); group-limited selection (the ``topk_group`` groups with the best
+sum of their two best biased scores); the chosen unbiased scores optionally renormalised,
+then multiplied by the routed scaling factor; plus shared experts every token passes
+through."""
+
+from __future__ import annotations
+
+import torch
+
+import moe_lab.interop.hf_blocks as hf
+from moe_lab.config import MoEConfig
+from moe_lab.moe.layer import MoELayer
+
+
+def from_hf_deepseek_v3(block: torch.nn.Module, dispatcher: str = "dropless",
+                        expert_backend: str = "torch", router_impl: str = "reference") -> MoELayer:
+    """A ``MoELayer`` equal to the Hugging Face ``DeepseekV3MoE`` block ``block`` (router gate,
+    correction bias, routed and shared experts copied): ``layer(x)[0]`` equals ``block(x)``
+    for ``x: [batch, seq, hidden]`` to float32 tolerance.
+
+    The shared experts become moe_lab's shared SwiGLU of width
+    ``moe_intermediate_size · n_shared_experts``, which is how DeepSeek-V3 sizes them.
+    """
+    hf.require_attrs(block, "DeepseekV3MoE", "gate", "experts", "shared_experts")
+    gate, shared = block.gate, block.shared_experts
+    hf.require_attrs(gate, "DeepseekV3TopkRouter", "weight", "top_k", "num_group", "topk_group",
+                  "norm_topk_prob", "routed_scaling_factor", "e_score_correction_bias")
+    hf.require_attrs(shared, "DeepseekV3MLP", "gate_proj", "up_proj", "down_proj")
+    hf.require_silu(block.experts)
+    hf.require_silu(shared)
+    top_k, renormalize = int(gate.top_k), bool(gate.norm_topk_prob)
+    hf.require_renormalized_top1(top_k, renormalize)
+    n_experts, two_i, hidden = block.experts.gate_up_proj.shape
+    d_expert = two_i // 2
+    d_shared = shared.gate_proj.weight.shape[0]
+    if d_shared % d_expert:
+        raise ValueError(f"block.shared_experts width {d_shared} must be a multiple of the routed "
+                         f"experts' width {d_expert} (moe_intermediate_size · n_shared_experts)")
+    cfg = MoEConfig(
+        d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=d_expert,
+        n_shared_experts=d_shared // d_expert, score_func="sigmoid", renormalize=renormalize,
+        scaling_factor=float(gate.routed_scaling_factor), n_groups=int(gate.num_group),
+        topk_groups=int(gate.topk_group), aux_loss_coef=0.0,
+    )
+    layer = hf.stacked_swiglu_layer(cfg, block.experts, gate.weight, dispatcher, expert_backend,
+                                 router_impl)
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(gate.e_score_correction_bias)
+        # moe_lab's shared SwiGLU holds gate and up in one [2·I, H] linear, gate rows first.
+        layer.shared.gate_up.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
+        layer.shared.down.weight.copy_(shared.down_proj.weight)
+    return layer

@@ -1,0 +1,103 @@
+"""GPT-OSS: a router with a bias (top-k of the biased logits, softmax over the chosen ones)
+and experts with biases on both GEMMs and a clamped SwiGLU
+(`moe_lab.moe.experts.ClampedSwiGLUExperts`).
+
+Softmax over the top-k logits equals softmax over all experts followed by renormalising the
+chosen weights (the other experts' terms cancel), so moe_lab's softmax chain with
+``renormalize=True`` computes it; only the logits gain the bias, which `BiasedRouter` adds.
+Hugging Face stores ``gate_up_proj: [E, H, 2·I]`` applied as ``x · W`` with gate and up
+*interleaved* (gate in the even columns); moe_lab keeps the gate columns first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from moe_lab.config import MoEConfig
+from moe_lab.interop.hf_blocks import require_attrs, require_renormalized_top1
+from moe_lab.moe.experts import ClampedSwiGLUExperts
+from moe_lab.moe.layer import MoELayer
+from moe_lab.moe.router import (
+    DTYPES,
+    Router,
+    RouterOutput,
+    compiled_route_from_logits,
+    gate_logits,
+    route_from_logits,
+)
+
+Tensor = torch.Tensor
+
+
+class BiasedRouter(Router):
+    """`Router` with a learned per-expert bias on the logits (``bias: [n_experts]``), before
+    the score function — unlike ``expert_bias``, which shifts selection only.
+
+    Runs the reference chain or its compiled form (``impl`` "reference" or "compiled"); the
+    fused Triton router has no logit bias and is refused.
+    """
+
+    IMPLS = ("reference", "compiled")
+
+    def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
+        if impl not in self.IMPLS:
+            raise ValueError(f"router_impl for a biased router must be one of {self.IMPLS}, "
+                             f"got {impl!r}")
+        super().__init__(cfg, impl)
+        self.bias = nn.Parameter(torch.zeros(cfg.n_experts))
+
+    def forward(self, x: Tensor, seq_len: int | None = None) -> RouterOutput:
+        if x.dim() != 2 or x.shape[1] != self.cfg.d_model:
+            raise ValueError(f"x must be [tokens, d_model={self.cfg.d_model}], got {tuple(x.shape)}")
+        dtype = DTYPES[self.cfg.router_dtype]
+        logits = gate_logits(x, self.weight, dtype) + self.bias.to(dtype)
+        chain = route_from_logits if self.impl == "reference" else compiled_route_from_logits
+        return chain(logits, self.cfg, self.expert_bias, seq_len=seq_len)
+
+
+class GptOssMoELayer(MoELayer):
+    """`MoELayer` with GPT-OSS's parts: a `BiasedRouter` and `ClampedSwiGLUExperts`
+    (``alpha``, ``limit``: the clamped unit's constants). Expert backends ``loop`` and
+    ``torch``; every dispatcher."""
+
+    def __init__(self, cfg: MoEConfig, dispatcher: str = "dropless", expert_backend: str = "torch",
+                 router_impl: str = "reference", alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__(cfg, dispatcher=dispatcher, expert_backend="loop")
+        self.router = BiasedRouter(cfg, impl=router_impl)
+        self.experts = ClampedSwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert,
+                                            expert_backend, alpha=alpha, limit=limit)
+
+
+def _gate_first(w: Tensor) -> Tensor:
+    """``[..., 2I]`` with gate and up interleaved → gate columns first, then up."""
+    return torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1)
+
+
+def from_hf_gpt_oss(block: torch.nn.Module, dispatcher: str = "dropless",
+                    expert_backend: str = "torch", router_impl: str = "reference") -> GptOssMoELayer:
+    """A `GptOssMoELayer` equal to the Hugging Face ``GptOssMLP`` block ``block`` (router
+    weight and bias, expert weights and biases copied): ``layer(x)[0]`` equals
+    ``block(x)[0]`` for ``x: [batch, seq, hidden]`` to float32 tolerance, and
+    ``layer(x)[1].routing.topk_weights`` equals the block's router scores."""
+    require_attrs(block, "GptOssMLP", "router", "experts")
+    router, experts = block.router, block.experts
+    require_attrs(router, "GptOssTopKRouter", "weight", "bias", "top_k")
+    require_attrs(experts, "GptOssExperts", "gate_up_proj", "gate_up_proj_bias", "down_proj",
+                  "down_proj_bias", "alpha", "limit")
+    top_k = int(router.top_k)
+    require_renormalized_top1(top_k, True)
+    n_experts, hidden, two_i = experts.gate_up_proj.shape
+    cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
+                    score_func="softmax", renormalize=True, aux_loss_coef=0.0)
+    layer = GptOssMoELayer(cfg, dispatcher, expert_backend, router_impl,
+                           alpha=float(experts.alpha), limit=float(experts.limit))
+    layer.to(device=experts.gate_up_proj.device, dtype=experts.gate_up_proj.dtype)
+    with torch.no_grad():
+        layer.router.weight.copy_(router.weight)
+        layer.router.bias.copy_(router.bias)
+        layer.experts.w_gate_up.copy_(_gate_first(experts.gate_up_proj))
+        layer.experts.b_gate_up.copy_(_gate_first(experts.gate_up_proj_bias))
+        layer.experts.w_down.copy_(experts.down_proj)
+        layer.experts.b_down.copy_(experts.down_proj_bias)
+    return layer
