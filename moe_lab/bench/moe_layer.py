@@ -21,7 +21,6 @@ import math
 
 import torch
 
-import moe_lab.cpu
 from moe_lab.config import MoEConfig
 from moe_lab.memory import check_fits
 from moe_lab.moe.dispatch import sort_by_expert
@@ -90,11 +89,11 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
     else:
         providers["dropless torch"] = clone("dropless", "torch")
     if device == "cpu":
-        if moe_lab.cpu.register():
+        why = _cpu_plugin_status()
+        if why is None:
             providers["dropless openmp"] = clone("dropless", "openmp")
         else:
-            notes.append("dropless openmp: the CPU plug-in's grouped GEMM is not available "
-                         f"here ({moe_lab.cpu.unavailable_reason()})")
+            notes.append(f"dropless openmp: the CPU plug-in's grouped GEMM is not available here ({why})")
     if capabilities().triton_mode == "compiled":
         providers["dropless triton"] = clone("dropless", "triton")
     else:
@@ -235,9 +234,16 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
 def floor_backends(device: str) -> list[str]:
     """The grouped-GEMM expert backends that run here (the floor comparison's subjects)."""
     backends = ["torch"] if hasattr(torch, "_grouped_mm") else []
-    if device == "cpu" and moe_lab.cpu.register():
+    if device == "cpu" and _cpu_plugin_status() is None:
         backends.append("openmp")
     return backends
+
+
+def _cpu_plugin_status() -> str | None:
+    # Imported on use: the plug-in's ops load torch._dynamo, a second of every CLI start-up.
+    from moe_lab import cpu
+
+    return cpu.status()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

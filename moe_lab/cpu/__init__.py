@@ -73,6 +73,13 @@ def register() -> bool:
         return True
 
 
+def status() -> str | None:
+    """`register` the plug-in; ``None`` when its kernels are available here, else why not."""
+    if register():
+        return None
+    return unavailable_reason() or "the CPU plug-in's kernels are unavailable"
+
+
 def available() -> bool:
     """Whether the C++ kernels are built or can be built here (builds them if need be)."""
     return build.available()
@@ -87,4 +94,4 @@ def unavailable_reason() -> str | None:
     return None
 
 
-__all__ = ["NAMES", "available", "register", "unavailable_reason"]
+__all__ = ["NAMES", "available", "register", "status", "unavailable_reason"]

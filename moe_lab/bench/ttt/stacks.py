@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_lab import cpu as cpu_plugin
 from moe_lab.attention import ATTENTION_IMPLS
 from moe_lab.config import ROUTER_DTYPES
 from moe_lab.model import EMBEDDING_IMPLS, ModelImpls
@@ -148,9 +147,10 @@ def device_of(device: torch.device | str | None) -> torch.device:
 def cpu_plugin_status() -> str | None:
     """Register the CPU plug-in's implementations (idempotent): ``None`` when its kernels
     are available, else why they are not."""
-    if cpu_plugin.register():
-        return None
-    return cpu_plugin.unavailable_reason() or "the CPU plug-in's kernels are unavailable"
+    # Imported on use: the plug-in's ops load torch._dynamo, a second of every CLI start-up.
+    from moe_lab import cpu
+
+    return cpu.status()
 
 
 def _cpu_router() -> str:
