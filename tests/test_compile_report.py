@@ -25,8 +25,12 @@ from moe_lab.perf import compile_reading as reading
 from moe_lab.perf import compile_report
 from moe_lab.perf.hardware import SM_LIMITS, sm_limits
 
-KERNEL_MODULES = ("moe_lab.kernels.fused_router", "moe_lab.kernels.grouped_gemm", "moe_lab.kernels.mx",
-                  "moe_lab.kernels.mx_attention", "moe_lab.kernels.permute")
+# Every module of moe_lab.kernels that holds a @triton.jit kernel (read from the sources, so
+# a new kernel file is compiled here without being listed).
+KERNEL_MODULES = tuple(sorted(
+    f"moe_lab.kernels.{path.stem}"
+    for path in (Path(__file__).resolve().parents[1] / "moe_lab" / "kernels").glob("*.py")
+    if re.search(r"^@triton\.jit", path.read_text(encoding="utf-8"), re.MULTILINE)))
 ARCHS = ("sm_90", "sm_100")
 
 # `cuobjdump -res-usage` of a 64x64x32 bf16 tl.dot kernel compiled for sm_90 by Triton 3.7.1.
@@ -278,3 +282,10 @@ def test_full_report_every_kernel_compiles(tmp_path):
     assert not failed and result.returncode == 0, failed
     assert {row["kernel"].partition(":")[0] for row in report["rows"]} == set(KERNEL_MODULES)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sm_100.json", "sm_90.json", "summary.md"]
+
+
+def test_the_kernel_list_holds_every_kernel_file():
+    assert {"moe_lab.kernels.fused_router", "moe_lab.kernels.grouped_gemm", "moe_lab.kernels.mx",
+            "moe_lab.kernels.mx_attention", "moe_lab.kernels.mx_gemm",
+            "moe_lab.kernels.permute"} <= set(KERNEL_MODULES)
+    assert "moe_lab.kernels.launch" not in KERNEL_MODULES

@@ -1,0 +1,223 @@
+"""MXFP8 GEMM on block-scaled tensor cores: ``C = dequant(A) · dequant(B)ᵀ`` through ``tl.dot_scaled``.
+
+An MXFP8 operand is two arrays: E4M3 element codes and, for every run of 32 consecutive
+elements along the reduction dimension K, one E8M0 scale byte (a bare power of two,
+``2^(byte - 127)``). Blackwell's block-scaled MMA (``tcgen05.mma … kind::mxf8f6f4
+.block_scale``) takes both as they are stored: the FP8 tiles go to the tensor core
+unchanged, the scale bytes of the two operands are staged beside the accumulator in tensor
+memory, and the instruction computes, in effect, for each 32-wide slice of K the sum of the
+32 FP8 × FP8 products times ``2^(a_scale + b_scale - 254)`` — applying a scale is adding
+exponents, not a multiply — into the fp32 accumulator. Nothing is dequantized in
+registers, so the operands travel at 8.25 bits per value and the MMA runs at FP8 rate.
+Hopper has no such instruction: compiled for sm_90, the same ``tl.dot_scaled`` becomes
+an ordinary bf16 ``wgmma`` (``m64n128k16 f32.bf16.bf16`` in the PTX): Triton converts the
+E4M3 tiles to bf16 and applies the scales before the MMA, in CUDA cores. The compile
+report (``python -m moe_lab compile --modules moe_lab.kernels.mx_gemm``) shows both.
+
+The kernel has two inner products, chosen by the constexpr ``SCALED_DOT``:
+
+* ``True`` (compiled): ``tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)``.
+* ``False`` (Triton's interpreter, which cannot run ``tl.dot_scaled`` and rounds bf16
+  and float8 casts unlike a GPU): the same tile math decomposed — E4M3 codes and E8M0
+  scale bytes decoded to fp32 by assembling their bit patterns in integer arithmetic
+  (exact: an E4M3 value times a power of two is an fp32 value, up to fp32's own
+  overflow and subnormal range, exactly as `moe_lab.quant.mx.MXTensor.dequantize`
+  computes it), multiplied, and summed by ``tl.dot`` in IEEE fp32. The tiling, the masks
+  and the scale indexing are the same code in both, so the CPU checks them against the
+  reference `mx_gemm_reference`.
+
+Layout (both operands row-major along K, as `moe_lab.quant.mx.quantize(x, dim=-1)` stores
+them): ``a: [M, K]`` E4M3, ``a_scale: [M, K/32]`` E8M0; ``b: [N, K]`` E4M3 (a weight
+``[out, in]``, like ``nn.Linear``), ``b_scale: [N, K/32]``; ``c: [M, N]`` fp32 or bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_lab.kernels.grouped_gemm import cast_for_store
+from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
+
+Tensor = torch.Tensor
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def e4m3_to_fp32(code):
+    """E4M3 byte (uint8) → its fp32 value, by building the fp32 bit pattern: sign, exponent
+    rebiased from 7 to 127, mantissa moved up 20 bits; subnormals are ``m · 2^-9`` (exact);
+    ``S.1111.111`` is NaN."""
+    c = code.to(tl.int32)
+    sign = (c >> 7) << 31
+    exp = (c >> 3) & 0xF
+    man = c & 0x7
+    normal = (sign | ((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    subnormal = man.to(tl.float32) * 0.001953125  # 2^-9
+    subnormal = tl.where(sign != 0, -subnormal, subnormal)
+    value = tl.where(exp == 0, subnormal, normal)
+    return tl.where((exp == 0xF) & (man == 0x7), float("nan"), value)
+
+
+@triton.jit
+def e8m0_to_fp32(byte):
+    """E8M0 byte (uint8) → ``2^(byte - 127)`` as fp32: the byte is the fp32 exponent field,
+    except 0 (``2^-127``, an fp32 subnormal: bit 22) and 0xFF (NaN)."""
+    s = byte.to(tl.int32)
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    return tl.where(s == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _mx_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,  # u8 [M, K], u8 [M, K/32], u8 [N, K], u8 [N, K/32], [M, N]
+    M, N, K,  # K a multiple of 32; all tensors contiguous
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rs = tl.arange(0, BLOCK_K // 32)
+    n_scales = K // 32
+    m_in, n_in = rm < M, rn < N
+    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks, ss = k0 + rk, k0 // 32 + rs
+        # Masked codes and scale bytes read as 0: a zero element contributes nothing.
+        a = tl.load(a_ptr + rm64[:, None] * K + ks[None, :], mask=m_in[:, None] & (ks < K)[None, :], other=0)
+        b = tl.load(b_ptr + rn64[None, :] * K + ks[:, None], mask=n_in[None, :] & (ks < K)[:, None], other=0)
+        a_s = tl.load(a_scale_ptr + rm64[:, None] * n_scales + ss[None, :],
+                      mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_M, BLOCK_K/32]
+        b_s = tl.load(b_scale_ptr + rn64[:, None] * n_scales + ss[None, :],
+                      mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_N, BLOCK_K/32]
+        if SCALED_DOT:
+            acc = tl.dot_scaled(a.to(tl.float8e4nv, bitcast=True), a_s, "e4m3",
+                                b.to(tl.float8e4nv, bitcast=True), b_s, "e4m3", acc)
+        else:
+            # Each scale broadcast over its 32 codes: [BM, BK/32] -> [BM, BK/32, 32] -> [BM, BK].
+            a_f = tl.reshape(tl.reshape(e4m3_to_fp32(a), (BLOCK_M, BLOCK_K // 32, 32))
+                             * e8m0_to_fp32(a_s)[:, :, None], (BLOCK_M, BLOCK_K))
+            b_t = tl.trans(b)  # [BN, BK]
+            b_f = tl.reshape(tl.reshape(e4m3_to_fp32(b_t), (BLOCK_N, BLOCK_K // 32, 32))
+                             * e8m0_to_fp32(b_s)[:, :, None], (BLOCK_N, BLOCK_K))
+            acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
+    c_ptrs = c_ptr + rm64[:, None] * N + rn64[None, :]
+    tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
+
+
+def launch_config(m: int, n: int, k: int, interpreted: bool) -> LaunchConfig:
+    """Tiles for an ``[M, N, K]`` MXFP8 GEMM. Compiled: 128×128×128 (four scale bytes per
+    row per step), 8 warps, 3 stages — the shape ``tcgen05.mma`` block-scaled wants (M=128
+    per CTA) and that keeps the FP8 tiles (16 KB each per stage) in shared memory.
+    Interpreted: the interpreter pays per program, so blocks as large as the problem allows."""
+    if interpreted:
+        return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64 if k >= 64 else 32},
+                            num_warps=4, num_stages=1)
+    return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3)
+
+
+def _check_operand(name: str, codes: Tensor, scales: Tensor) -> None:
+    if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{name} and {name}_scale must be torch.Tensors, got "
+                        f"{type(codes).__name__} and {type(scales).__name__}")
+    if codes.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, K], got shape {tuple(codes.shape)}")
+    if codes.dtype != E4M3:
+        raise ValueError(f"{name}.dtype must be {E4M3} (E4M3 codes), got {codes.dtype}")
+    if scales.dtype not in (E8M0, torch.uint8):
+        raise ValueError(f"{name}_scale.dtype must be {E8M0} or torch.uint8 (E8M0 bytes), got {scales.dtype}")
+    rows, k = codes.shape
+    if k == 0 or k % BLOCK_SIZE:
+        raise ValueError(f"{name}'s K = {k} must be a positive multiple of {BLOCK_SIZE}")
+    if tuple(scales.shape) != (rows, k // BLOCK_SIZE):
+        raise ValueError(f"{name}_scale must have shape {(rows, k // BLOCK_SIZE)} (one byte per "
+                         f"{BLOCK_SIZE} elements of {name}'s rows), got {tuple(scales.shape)}")
+
+
+def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+            out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """``dequant(a) · dequant(b)ᵀ`` from MXFP8 operands blocked along K.
+
+    Args:
+        a: ``[M, K]`` ``torch.float8_e4m3fn``; ``a_scale``: ``[M, K/32]`` E8M0
+            (``torch.float8_e8m0fnu`` or its bytes as ``torch.uint8``).
+        b: ``[N, K]`` E4M3; ``b_scale``: ``[N, K/32]`` E8M0.
+        out_dtype: ``torch.float32`` or ``torch.bfloat16`` (accumulation is fp32 either way;
+            bf16 is rounded to nearest even by hand, the same compiled and interpreted).
+
+    Returns ``[M, N]`` ``out_dtype``. Compiled on CUDA through ``tl.dot_scaled``; under
+    ``TRITON_INTERPRET=1`` through the decomposed ("emulated") path.
+    """
+    from moe_lab.perf.capabilities import triton_interpreted
+
+    _check_operand("a", a, a_scale)
+    _check_operand("b", b, b_scale)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    devices = {t.device for t in (a, a_scale, b, b_scale)}
+    if len(devices) != 1:
+        raise ValueError(f"a, a_scale, b, b_scale must be on one device, got {sorted(map(str, devices))}")
+    interpreted = triton_interpreted()
+    device = a.device
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"inputs must be on a CUDA device for compiled Triton, got {device} "
+                         "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)")
+    (m, k), n = a.shape, b.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return c
+    cfg = launch_config(m, n, k, interpreted)
+    grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+    _mx_gemm_kernel[grid](
+        a.contiguous().view(torch.uint8), a_scale.contiguous().view(torch.uint8),
+        b.contiguous().view(torch.uint8), b_scale.contiguous().view(torch.uint8), c,
+        m, n, k, **cfg.blocks, SCALED_DOT=not interpreted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return c
+
+
+def mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> Tensor:
+    """The definition, in float64: each operand dequantized exactly as
+    `moe_lab.quant.mx.MXTensor.dequantize` does (fp32), then multiplied in float64."""
+    def dequant(codes: Tensor, scales: Tensor) -> Tensor:
+        mx = MXTensor(codes, scales.view(E8M0), E4M3, BLOCK_SIZE, 1, codes.shape, "rceil")
+        return mx.dequantize(torch.float32).double()
+
+    return dequant(a, a_scale) @ dequant(b, b_scale).T
+
+
+def compile_specs() -> list[CompileSpec]:
+    """`_mx_gemm_kernel` as a CUDA launch of `mx_gemm` compiles it (``SCALED_DOT=True``) for
+    an MoE layer's expert GEMMs at DeepSeek-V3's and GPT-OSS-20B's shapes: the up/gate
+    projection ``[tokens·top_k, d_model] · [2·d_expert, d_model]ᵀ`` and the down projection
+    ``[tokens·top_k, d_expert] · [d_model, d_expert]ᵀ``, bf16 output."""
+    from moe_lab.config import preset
+
+    specs = []
+    for name, model in SPEC_PRESETS.items():
+        moe = preset(name).moe
+        d, f, m = moe.d_model, moe.d_expert, SPEC_TOKENS * moe.top_k
+        for what, n, k in (("up/gate projection", 2 * f, d), ("down projection", d, f)):
+            ints, ones = int_args(M=m, N=n, K=k)
+            cfg = launch_config(m, n, k, interpreted=False)
+            specs.append(CompileSpec(
+                kernel="moe_lab.kernels.mx_gemm:_mx_gemm_kernel",
+                label=f"MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
+                      f"[{m}, {k}] x [{n}, {k}]^T, bf16 out",
+                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
+                           "c_ptr": "*bf16", **ints},
+                constexprs={**ones, **cfg.blocks, "SCALED_DOT": True},
+                config=cfg,
+            ))
+    return merge_specs(specs)
+
+
+__all__ = ["OUT_DTYPES", "compile_specs", "launch_config", "mx_gemm", "mx_gemm_reference"]
