@@ -76,7 +76,7 @@ def force_small_tiles(monkeypatch: pytest.MonkeyPatch, blocks: tuple[int, int, i
     config = gg.LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=2)
     launched = []
 
-    def launch_config(kernel, m, n, k, n_experts, *, interpreted):
+    def launch_config(kernel, m, n, k, n_experts, *, interpreted, dtype):
         launched.append(kernel)
         return config
 
@@ -456,7 +456,8 @@ def test_bf16_tiles_reach_the_hopper_tensor_cores_as_bf16(tmp_path):
     # is computed in int64.
     compiled = compile_for_gpu("""
         from moe_lab.kernels import grouped_gemm
-        specs = [s for s in grouped_gemm.compile_specs() if "bf16, DeepSeek-V3" in s.label]
+        specs = [s for s in grouped_gemm.compile_specs()
+                 if s.label.startswith("[chosen") and "bf16, DeepSeek-V3" in s.label.split(" | ")[0]]
     """, tmp_path)
     assert len(compiled) == 5, list(compiled)  # forward, dX, SwiGLU forward and backward, dW
     for label, asm in compiled.items():
@@ -507,6 +508,102 @@ def test_launch_config_compiled_and_interpreted():
     assert interpreted.blocks == {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
     with pytest.raises(ValueError, match="kernel must be one of \\('gemm', 'swiglu', 'dw'\\), got 'mlp'"):
         gg.launch_config("mlp", 1, 1, 1, 1, interpreted=False)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        gg.choose_config("gemm", 1, 1, 1, 1, torch.float16)
     assert gg._dot_bf16(torch.bfloat16, interpreted=False)
     assert not gg._dot_bf16(torch.bfloat16, interpreted=True)
     assert not gg._dot_bf16(torch.float32, interpreted=False)
+
+
+@pytest.mark.parametrize(("kernel", "m", "n", "k", "n_experts", "dtype", "expected"), [
+    # bf16, DeepSeek-V3: 65536 rows / 256 experts = 256 rows per expert (few), N = 7168 (wide)
+    ("gemm", 65536, 7168, 2048, 256, torch.bfloat16, (64, 128, 64, 4, 3)),
+    ("gemm", 65536, 256, 2048, 256, torch.bfloat16, (64, 64, 32, 4, 3)),
+    # bf16, GPT-OSS-20B: 32768 rows / 32 experts = 1024 rows per expert (many)
+    ("gemm", 32768, 2880, 2880, 32, torch.bfloat16, (128, 128, 64, 8, 3)),
+    ("gemm", 32768, 512, 2880, 32, torch.bfloat16, (128, 64, 64, 4, 3)),
+    ("gemm", 32768, 2880, 2880, 32, torch.float32, (64, 64, 32, 4, 3)),
+    ("swiglu", 65536, 2048, 7168, 256, torch.bfloat16, (64, 64, 32, 4, 3)),
+    ("swiglu", 32768, 2880, 2880, 32, torch.bfloat16, (128, 64, 64, 8, 3)),
+    ("swiglu", 32768, 2880, 2880, 32, torch.float32, (64, 64, 16, 8, 3)),
+    ("dw", 65536, 7168, 2048, 256, torch.bfloat16, (64, 128, 64, 4, 3)),
+    ("dw", 32768, 5760, 2880, 32, torch.bfloat16, (64, 128, 128, 8, 3)),
+    ("dw", 32768, 5760, 2880, 32, torch.float32, (32, 64, 64, 4, 3)),
+    # the thresholds: MANY_ROWS rows per expert, WIDE_N columns
+    ("gemm", 511 * 8, 1023, 64, 8, torch.bfloat16, (64, 64, 32, 4, 3)),
+    ("gemm", 512 * 8, 1024, 64, 8, torch.bfloat16, (128, 128, 64, 8, 3)),
+])
+def test_the_rule_picks_what_its_docstring_says(kernel, m, n, k, n_experts, dtype, expected):
+    cfg = gg.launch_config(kernel, m, n, k, n_experts, interpreted=False, dtype=dtype)
+    b = cfg.blocks
+    assert (b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"], cfg.num_warps, cfg.num_stages) == expected
+    assert cfg in gg.TILE_SPACE[kernel]
+
+
+def test_every_chosen_config_is_in_the_space_and_fits_the_tensor_cores():
+    for kernel in gg.KERNELS:
+        space = gg.TILE_SPACE[kernel]
+        assert 2 <= len(space) <= 6 and len(set(map(repr, space))) == len(space), kernel
+        assert all(cfg.num_stages >= 2 for cfg in space), kernel  # the loads are pipelined
+        for m, n, k, e in ((65536, 7168, 2048, 256), (32768, 2880, 2880, 32), (40, 24, 48, 6),
+                           (1, 1, 1, 1), (1 << 20, 64, 64, 1)):
+            for dtype in gg.KERNEL_DTYPES:
+                cfg = gg.choose_config(kernel, m, n, k, e, dtype)
+                assert cfg in space, (kernel, m, n, k, e, dtype)
+                if dtype == torch.bfloat16:  # a warpgroup MMA: 64 output rows per 4 warps
+                    rows = cfg.blocks["BLOCK_K" if kernel == "dw" else "BLOCK_M"]
+                    assert rows >= 16 * cfg.num_warps, (kernel, cfg)
+
+
+def test_compile_specs_cover_the_space_with_the_chosen_first():
+    specs = gg.compile_specs()
+    kernel_of = {"_grouped_gemm_kernel": "gemm", "_grouped_gemm_swiglu_kernel": "swiglu",
+                 "_grouped_gemm_dw_kernel": "dw"}
+    seen = {kernel: set() for kernel in gg.KERNELS}
+    for spec in specs:
+        seen[kernel_of[spec.kernel.split(":")[1]]].add(repr(spec.config))
+        assert all(part.startswith(("[chosen ", "[candidate ")) for part in spec.label.split(" | "))
+        assert gg.describe(spec.config) in spec.label.split(" | ")[0]
+    for kernel in gg.KERNELS:
+        assert seen[kernel] == {repr(cfg) for cfg in gg.TILE_SPACE[kernel]}, kernel
+    first = [s.label.startswith("[chosen") for s in specs]
+    assert first == sorted(first, reverse=True)  # every chosen spec before every candidate
+    # each (path, dtype, model) has exactly one chosen config, the one launch_config picks
+    chosen = [part for s in specs for part in s.label.split(" | ") if part.startswith("[chosen")]
+    whats = [part.split("] ", 1)[1] for part in chosen]
+    assert len(whats) == len(set(whats)) == 2 * 2 * 7  # models x dtypes x paths
+
+
+@pytest.mark.parametrize(("kernel", "index"), [
+    (kernel, index) for kernel in gg.KERNELS for index in range(len(gg.TILE_SPACE[kernel]))])
+def test_wrappers_run_correctly_at_each_config_of_the_space(monkeypatch: pytest.MonkeyPatch,
+                                                            kernel, index, device):
+    # The interpreter normally sizes its own tiles; force one config of the space on every
+    # launch of that kernel (others keep theirs): several tiles per expert at 128 rows too.
+    config = gg.TILE_SPACE[kernel][index]
+    real = gg.launch_config
+    used = []
+
+    def launch_config(name, m, n, k, n_experts, *, interpreted, dtype):
+        if name == kernel:
+            used.append(name)
+            return config
+        return real(name, m, n, k, n_experts, interpreted=interpreted, dtype=dtype)
+
+    monkeypatch.setattr(gg, "launch_config", launch_config)
+    counts, pad = [150, 0, 7, 70], 5
+    x, w, offsets = problem(counts, pad, 72, 136, device=device)
+    x.requires_grad_(), w.requires_grad_()
+    if kernel == "swiglu":
+        w = (torch.randn(len(counts), 72, 2 * 136) / 72**0.5).to(device).requires_grad_()
+        fn, ref = grouped_gemm_swiglu, (lambda a, b: swiglu(grouped_gemm_reference(a, b, offsets)))
+    else:
+        fn, ref = grouped_gemm, (lambda a, b: grouped_gemm_reference(a, b, offsets))
+    y = fn(x, w, offsets)
+    grad_out = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, w), grad_out)
+    expected, ref_grads = reference_grads(ref, [x, w], grad_out)
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    for mine, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-4)
+    assert used  # the forced config was launched

@@ -39,7 +39,9 @@ elements, past int32's 2.1·10⁹, and so can any operand view with a large stri
 
 Block sizes, warps and stages come from one function, `launch_config`, which the wrappers
 call at launch time and `compile_specs` at the DeepSeek-V3 and GPT-OSS-20B shapes, for the
-compile report (`moe_lab.perf.compile_report`) to build for Hopper and Blackwell.
+compile report (`moe_lab.perf.compile_report`) to build for Hopper and Blackwell. Compiled,
+it picks per shape from a small space of tiles per kernel (`TILE_SPACE`, by the rule of
+`choose_config`), and `compile_specs` lists every config of the space, the chosen one first.
 
 Each launch is a ``torch.library.custom_op`` with a fake implementation (the output shape
 follows from the input shapes), so ``FakeTensorMode`` — `moe_lab.training.sync.assert_sync_free` —
@@ -244,19 +246,90 @@ def _interpreted() -> bool:
 KERNELS = ("gemm", "swiglu", "dw")
 
 
+def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> LaunchConfig:
+    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
+                        num_stages=stages)
+
+
+# The compiled tile space of each kernel: a few configs, every one compiled and reported by
+# `compile_specs`; `choose_config` picks one per shape. For "gemm" and "swiglu" the output
+# tile is BLOCK_M x BLOCK_N over BLOCK_K; for "dw" it is BLOCK_K x BLOCK_N over BLOCK_M rows.
+# A warpgroup MMA (Hopper's ``wgmma``, Blackwell's ``tcgen05.mma``) takes 64 output rows per
+# 4 warps, so every bf16 tile gives each 4 warps at least 64 rows; a 64-deep bf16 K step
+# is one 128-byte line per row, the widest swizzle for the asynchronous copies. The report
+# compiles every config in both dtypes; the bf16 tiles spill in float32 (on the CUDA
+# cores), which is why the rule never picks them for float32.
+TILE_SPACE: dict[str, tuple[LaunchConfig, ...]] = {
+    "gemm": (
+        _config(64, 64, 32, 4, 3),    # float32 (CUDA cores), or a narrow N
+        _config(64, 128, 64, 4, 3),   # bf16, few rows per expert, wide N
+        _config(128, 128, 64, 8, 3),  # bf16, many rows per expert, wide N
+        _config(128, 64, 64, 4, 3),   # bf16, many rows per expert, narrow N
+    ),
+    "swiglu": (  # two accumulators (gate, up) per output tile
+        _config(64, 64, 32, 4, 3),    # bf16, few rows per expert
+        _config(128, 64, 64, 8, 3),   # bf16, many rows per expert
+        _config(64, 64, 16, 8, 3),    # float32: 8 warps, a 16-deep K step (no spills)
+    ),
+    "dw": (
+        _config(32, 64, 64, 4, 3),    # float32 (CUDA cores)
+        _config(64, 128, 64, 4, 3),   # bf16, few rows per expert (a short reduction)
+        _config(64, 128, 128, 8, 3),  # bf16, many rows per expert
+    ),
+}
+# From this many routed rows per expert on, a 128-row tile is chosen: below it, an expert's
+# last, partial tile would leave up to half of a 128-row tile idle.
+MANY_ROWS = 512
+# From this many output columns on, a 128-wide tile is chosen: each loaded x tile then
+# feeds twice the columns.
+WIDE_N = 1024
+
+
+def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
+                  dtype: torch.dtype) -> LaunchConfig:
+    """The compiled config of ``kernel`` at one shape, from `TILE_SPACE` by a fixed rule
+    (a reasoned default, not a measurement; no GPU has timed the space yet).
+
+    float32 runs on the CUDA cores (IEEE products, no tensor cores), where a larger tile
+    only adds registers: the first "gemm" and "dw" configs, and for "swiglu" 64 x 64 x 16 on
+    8 warps (its backward holds two float32 accumulators and their operand slices: with 4
+    warps or a 32-deep K step it spills). bfloat16, with ``r = m //
+    n_experts`` routed rows per expert: "gemm" takes 128 rows when ``r >= MANY_ROWS`` (a
+    partial last tile per expert then wastes little) and 128 columns when ``n >= WIDE_N``
+    (each x tile feeds more columns); "swiglu" takes 128 rows when ``r >= MANY_ROWS`` (its
+    columns stay 64: it holds two accumulators); "dw", whose loop runs over the ``r`` rows,
+    takes the 128-deep tile on 8 warps when ``r >= MANY_ROWS`` and otherwise the 64-deep
+    one. ``k`` does not enter the rule: every config streams K in steps.
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dtype must be one of {[str(d) for d in KERNEL_DTYPES]}, got {dtype}")
+    space = TILE_SPACE[kernel]
+    many_rows = m // max(1, n_experts) >= MANY_ROWS
+    if kernel == "gemm":
+        if dtype == torch.float32:
+            return space[0]
+        if n >= WIDE_N:
+            return space[2 if many_rows else 1]
+        return space[3 if many_rows else 0]
+    if kernel == "swiglu":
+        return space[2] if dtype == torch.float32 else space[1 if many_rows else 0]
+    if dtype == torch.float32:
+        return space[0]
+    return space[2 if many_rows else 1]
+
+
 def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
-                  interpreted: bool) -> LaunchConfig:
+                  interpreted: bool, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
     """Tiles, warps and stages of one launch: ``kernel`` (one of `KERNELS`) over ``m``
-    routed rows, ``n`` output columns (``F`` for "swiglu"), reduction depth ``k``.
+    routed rows, ``n`` output columns (``F`` for "swiglu"), reduction depth ``k``, in
+    ``dtype``.
 
     The wrappers call this at launch time and `compile_specs` at the DeepSeek-V3 and
     GPT-OSS-20B shapes. Under the interpreter each program costs a Python round trip, so
-    tiles are as large as the problem allows (rows per expert for ``BLOCK_M``). Compiled, a
-    64 x 64 output tile, 32 deep in the reduction, 4 warps and Triton's default 3 stages,
-    for every shape (not tuned here): ``BLOCK_M x BLOCK_N`` over ``BLOCK_K`` for "gemm"
-    and "swiglu", ``BLOCK_K x BLOCK_N`` over ``BLOCK_M`` rows for "dw". A warpgroup MMA
-    (Hopper's ``wgmma``, Blackwell's ``tcgen05.mma``) needs 64 output rows per 4 warps;
-    with fewer, Triton falls back to Ampere's ``mma.sync``.
+    tiles are as large as the problem allows (rows per expert for ``BLOCK_M``). Compiled,
+    `choose_config` picks from `TILE_SPACE` by the shape and dtype.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -267,9 +340,15 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
             "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))),
         }
         return LaunchConfig(blocks, num_warps=4, num_stages=1)
-    if kernel == "dw":  # the output tile is [BLOCK_K, BLOCK_N], the reduction runs over rows
-        return LaunchConfig({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=3)
-    return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3)
+    return choose_config(kernel, m, n, k, n_experts, dtype)
+
+
+def describe(cfg: LaunchConfig) -> str:
+    """A config as the report's labels show it: ``"64x128x64 (M x N x K blocks), 4 warps,
+    3 stages"``."""
+    b = cfg.blocks
+    return (f"{b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']} (M x N x K blocks), "
+            f"{cfg.num_warps} warps, {cfg.num_stages} stages")
 
 
 def _block_e(n_experts: int) -> int:
@@ -303,13 +382,39 @@ def _spec(kernel: str, label: str, dtype: str, pointers: tuple[str, ...], cfg: L
     )
 
 
+def _space_specs(kernel: str, fn: str, what: str, dtype: str, pointers: tuple[str, ...],
+                 shape: tuple[int, int, int, int], ints: dict[str, int],
+                 **constexprs) -> tuple[CompileSpec, list[CompileSpec]]:
+    """The spec of the config `launch_config` chooses at ``shape = (m, n, k, n_experts)``,
+    labelled "[chosen …]", and one per other config of ``kernel``'s `TILE_SPACE`,
+    labelled "[candidate …]"."""
+    chosen = launch_config(kernel, *shape, interpreted=False, dtype=SPEC_DTYPES[dtype])
+    # The space is the tensor-core path's (bfloat16); float32 runs on the CUDA cores with the
+    # one config the rule gives it, so only that one is compiled (bf16-sized tiles would
+    # only show float32 spilling where no launch puts it).
+    space = TILE_SPACE[kernel] if dtype == "bf16" else (chosen,)
+    specs = [_spec(fn, f"[{'chosen' if cfg == chosen else 'candidate'} {describe(cfg)}] {what}",
+                   dtype, pointers, cfg, ints, **constexprs)
+             for cfg in space]
+    first = space.index(chosen)
+    return specs[first], specs[:first] + specs[first + 1:]
+
+
 def compile_specs() -> list[CompileSpec]:
     """What a CUDA launch compiles for one MoE layer's experts (SwiGLU up/gate, down
     projection) at DeepSeek-V3's and GPT-OSS-20B's shapes, forward and backward, in
     bfloat16 (the training dtype) and float32, with contiguous tensors as the layer passes
-    them. dX = dY·Wᵀ runs the forward kernel on a transposed view of ``W``: its unit stride
-    sits on the other axis, so Triton compiles it separately, and so does this list."""
-    specs = []
+    them: first the config `launch_config` chooses at each shape ("[chosen …]" in the
+    label), then, in bfloat16, every other config of the kernel's `TILE_SPACE`
+    ("[candidate …]"), so the report compiles the whole space. dX = dY·Wᵀ runs the forward
+    kernel on a transposed view of ``W``: its unit stride sits on the other axis, so Triton
+    compiles it separately, and so does this list."""
+    chosen, candidates = [], []
+
+    def add(pair: tuple[CompileSpec, list[CompileSpec]]) -> None:
+        chosen.append(pair[0])
+        candidates.extend(pair[1])
+
     for name, model in SPEC_PRESETS.items():
         moe = preset(name).moe
         n_experts, d, f = moe.n_experts, moe.d_model, moe.d_expert
@@ -328,9 +433,9 @@ def compile_specs() -> list[CompileSpec]:
                  d, 2 * f, (2 * f, 1), (2 * f * d, 1, 2 * f), (d, 1)),
             ]
             for what, n, k, x, w, y in gemms:
-                specs.append(_spec(
-                    "_grouped_gemm_kernel", f"{what}, {at}", dtype, ("x_ptr", "w_ptr", "y_ptr"),
-                    launch_config("gemm", m, n, k, n_experts, interpreted=False),
+                add(_space_specs(
+                    "gemm", "_grouped_gemm_kernel", f"{what}, {at}", dtype, ("x_ptr", "w_ptr", "y_ptr"),
+                    (m, n, k, n_experts),
                     dict(M_ROWS=m, N=n, K=k, E=n_experts, s_xm=x[0], s_xk=x[1],
                          s_we=w[0], s_wk=w[1], s_wn=w[2], s_ym=y[0], s_yn=y[1]),
                     BLOCK_E=block_e))
@@ -338,21 +443,21 @@ def compile_specs() -> list[CompileSpec]:
                 out_cols = 2 * f if backward else f
                 what = ("backward: recomputed pre-activation, dgate/dup epilogue" if backward
                         else "forward")
-                specs.append(_spec(
-                    "_grouped_gemm_swiglu_kernel", f"grouped GEMM + SwiGLU {what} (up/gate projection), {at}",
-                    dtype, ("x_ptr", "w_ptr", "out_ptr", "dh_ptr"),
-                    launch_config("swiglu", m, f, d, n_experts, interpreted=False),
+                add(_space_specs(
+                    "swiglu", "_grouped_gemm_swiglu_kernel",
+                    f"grouped GEMM + SwiGLU {what} (up/gate projection), {at}",
+                    dtype, ("x_ptr", "w_ptr", "out_ptr", "dh_ptr"), (m, f, d, n_experts),
                     dict(M_ROWS=m, F=f, K=d, E=n_experts, s_xm=d, s_xk=1, s_we=2 * f * d, s_wk=2 * f,
                          s_wn=1, s_om=out_cols, s_on=1, s_dm=f, s_dn=1),
                     BLOCK_E=block_e, BACKWARD=backward))
             # dW[e] = X_eᵀ·dY_e: down projection (x = h: [M, F], dy: [M, d]), up/gate (x, dpre)
             for what, k, n in (("down projection", f, d), ("up/gate projection", d, 2 * f)):
-                specs.append(_spec(
-                    "_grouped_gemm_dw_kernel", f"grouped GEMM dW = Xᵀ·dY per expert ({what}), {at}",
-                    dtype, ("x_ptr", "dy_ptr", "dw_ptr"),
-                    launch_config("dw", m, n, k, n_experts, interpreted=False),
+                add(_space_specs(
+                    "dw", "_grouped_gemm_dw_kernel",
+                    f"grouped GEMM dW = Xᵀ·dY per expert ({what}), {at}",
+                    dtype, ("x_ptr", "dy_ptr", "dw_ptr"), (m, n, k, n_experts),
                     dict(M_ROWS=m, N=n, K=k, s_xm=k, s_xk=1, s_ym=n, s_yn=1, s_we=k * n, s_wk=n, s_wn=1)))
-    return merge_specs(specs)
+    return merge_specs(chosen + candidates)
 
 
 def _new_output(shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -369,7 +474,8 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
     y[m_bound:].zero_()  # rows past the static bound: a plain memset, sized on the host
     if m_bound and n:
         interpreted = _interpreted()
-        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=interpreted)
+        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=interpreted,
+                            dtype=x.dtype)
         grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
                 triton.cdiv(n, cfg.blocks["BLOCK_N"]))
         _grouped_gemm_kernel[grid](
@@ -392,7 +498,8 @@ def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) ->
     dw = _new_output((n_experts, k, n), x)
     if k and n:
         interpreted = _interpreted()
-        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=interpreted)
+        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=interpreted,
+                            dtype=x.dtype)
         grid = (n_experts, triton.cdiv(k, cfg.blocks["BLOCK_K"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
         _grouped_gemm_dw_kernel[grid](
             x, dy, dw, offsets, m_bound, n, k,
@@ -415,7 +522,8 @@ def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int, out: Ten
     out[m_bound:].zero_()
     if m_bound and f:
         interpreted = _interpreted()
-        cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=interpreted)
+        cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=interpreted,
+                            dtype=x.dtype)
         grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
                 triton.cdiv(f, cfg.blocks["BLOCK_N"]))
         dh_arg = out if dh is None else dh  # unused by the forward
