@@ -14,13 +14,14 @@ one place where that is checked and where the workbook's GPU speed figures come 
     fused SwiGLU (packed and padded expert segments), the row-id map, permute and unpermute
     (padded too; the router weights' gradient included), the MX quantizer bit for bit
     (bfloat16 and float32 input, E4M3 and E5M2, ``rceil`` and ``floor`` scales), MXFP8
-    attention, and the fused router (its per-sequence statistics included);
+    attention and the MXFP8 GEMM (both through ``tl.dot_scaled``), and the fused router
+    (its per-sequence statistics included);
 (b) the training step captured as a CUDA graph and replayed, its losses checked against the
     eager step over the reference implementations (naive dispatch, a loop over experts,
     the reference router) from the same weights on the same batches;
 (c) benchmarks with CUDA events (warm-up, median): grouped GEMM vs ``torch._grouped_mm``,
     fused FP32 router vs unfused FP64, quantizer GB/s vs the measured copy bandwidth,
-    MXFP8 attention vs bf16 SDPA, graphed vs eager step;
+    MXFP8 attention vs bf16 SDPA, MXFP8 GEMM vs bf16 matmul, graphed vs eager step;
 (d) writes ``results/<gpu-name>/{env,checks,bench}.json`` and ``summary.md`` (GPU name,
     driver, torch and Triton versions included), and a copy under ``$OUT`` when set.
 
@@ -305,8 +306,37 @@ def section_attention(torch, dev, rep: Report, shapes: dict, time_fn) -> None:
         rep.timed("attention fwd", shape=f"{B}x{H}x{T}x{D}", mxfp8_triton_ms=t_mx * 1e3,
                   bf16_sdpa_ms=t_bf * 1e3, mxfp8_tflops=flops / t_mx / 1e12,
                   sdpa_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
-                  note="the kernel scales each 32-block inside the tile loop; native MX matrix "
-                       "units (tl.dot_scaled) exist on SM100+ only")
+                  note="QK^T and PV through tl.dot_scaled: block-scaled tcgen05.mma on sm_100, "
+                       "upcast to bf16 wgmma on sm_90")
+
+
+def section_mx_gemm(torch, dev, rep: Report, shapes: dict, time_fn) -> None:
+    """The MXFP8 GEMM (`moe_lab.kernels.mx_gemm`, ``tl.dot_scaled``) against its float64
+    reference on operands quantized by the reference quantizer, fp32 and bf16 out; timed
+    against a bf16 ``torch.matmul`` of the same shape. Block-scaled MMA is native on sm_100;
+    on sm_90 Triton upcasts the tiles to bf16 (the compile report shows which)."""
+    from moe_lab.kernels.mx_gemm import mx_gemm, mx_gemm_reference
+    from moe_lab.quant.mx import quantize
+
+    for label, (M, N, K) in shapes.items():
+        g = torch.Generator(device=dev).manual_seed(M + N + K)
+        a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (N, K)))
+        want = mx_gemm_reference(a.data, a.scale, b.data, b.scale)
+        for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            with poisoned_outputs(torch):
+                got = mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype)
+            rep.check(f"mx_gemm {str(out_dtype)[6:]} out vs float64", label, rel_error(got, want), tol)
+    if time_fn is not None:
+        M, N, K = list(shapes.values())[-1]
+        x, w = torch.randn(M, K, device=dev), torch.randn(N, K, device=dev)
+        a, b = quantize(x), quantize(w)
+        xb, wb = x.bfloat16(), w.bfloat16()
+        t_mx = time_fn(lambda: mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype=torch.bfloat16))
+        t_bf = time_fn(lambda: xb @ wb.T)
+        flops = 2 * M * N * K
+        rep.timed("MXFP8 GEMM", shape=f"{M}x{N}x{K}", mx_gemm_ms=t_mx * 1e3, bf16_matmul_ms=t_bf * 1e3,
+                  mx_tflops=flops / t_mx / 1e12, bf16_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
+                  note="tl.dot_scaled: block-scaled tcgen05.mma on sm_100; upcast to bf16 wgmma on sm_90")
 
 
 def section_grouped_gemm_bench(torch, dev, rep: Report, time_fn, E: int, M: int, K: int, N: int) -> None:
@@ -466,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     pm_shapes = {"T=64 k=2 E=8 d=64": (64, 2, 8, 64)}
     mx_shapes = {"128x256": (128, 256), "96x320": (96, 320)}  # 320: a second K tile
     at_shapes = {"1x2x64x32": (1, 2, 64, 32)}
+    mg_shapes = {"M=96 N=80 K=96": (96, 80, 96)}  # ragged against the tiles
     # router: tokens, sequence length (not a multiple of a program's tokens), MoEConfig fields
     rt_shapes = {
         "T=64 E=16 top4 g4/2 sigmoid, seqs of 16": (64, 16, dict(
@@ -479,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         pm_shapes["dsv3 T=4096 k=8 E=256 d=7168"] = (4096, 8, 256, 7168)
         mx_shapes["dsv3 8192x7168"] = (8192, 7168)
         at_shapes["4x16x4096x128"] = (4, 16, 4096, 128)
+        mg_shapes["dsv3 up/gate 8192x4096x7168"] = (8192, 4096, 7168)
         rt_shapes["gpt-oss T=8190 E=32 top4 softmax, seqs of 1365"] = (8190, 1365, dict(
             d_model=2880, n_experts=32, top_k=4))
         rt_shapes["dsv3 T=16380 E=256 top8 g8/4, seqs of 4095"] = (16380, 4095, dict(
@@ -490,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         ("permute", lambda: section_permute(torch, dev, rep, pm_shapes)),
         ("MX quantizer", lambda: section_mx(torch, dev, rep, mx_shapes, time_fn, copy_gbps)),
         ("MXFP8 attention", lambda: section_attention(torch, dev, rep, at_shapes, time_fn)),
+        ("MXFP8 GEMM", lambda: section_mx_gemm(torch, dev, rep, mg_shapes, time_fn)),
         ("fused router", lambda: section_router(torch, dev, rep, rt_shapes, time_fn)),
         ("CUDA graph step", lambda: section_graphs(torch, dev, rep, small, time_fn)),
     ]

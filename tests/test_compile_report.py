@@ -244,7 +244,8 @@ def _fake_report(archs, modules=None, select=None, cubin_dir=None) -> dict:
            "stack_bytes": 0, "local_bytes": 0, "shared_static": 0, "shared_dynamic": 0, "shared_bytes": 0,
            "blocks_per_sm": 16, "warps_per_sm": 64, "occupancy": 1.0, "limiter": "warps",
            "mma_class": "none", "mma_kinds": [], "async_copy": "none",
-           "copies": {"max_pending_groups": 0}, "loop": [], "compile_s": 0.1, "agree": True, "error": None}
+           "copies": {"max_pending_groups": 0}, "loop": [], "compile_s": 0.1, "agree": True, "error": None,
+           "has_dot": False, "note": ""}
     return {"archs": list(archs), "triton": triton.__version__, "compiled_on": "test",
             "limits": {"sm_90": {"gpu": "H200 SXM", "registers_per_sm": 65536, "max_warps_per_sm": 64,
                                  "max_blocks_per_sm": 32, "shared_per_sm": 228 * 1024}},
@@ -282,6 +283,34 @@ def test_full_report_every_kernel_compiles(tmp_path):
     assert not failed and result.returncode == 0, failed
     assert {row["kernel"].partition(":")[0] for row in report["rows"]} == set(KERNEL_MODULES)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sm_100.json", "sm_90.json", "summary.md"]
+    # The targets: a GEMM-like kernel on the tensor cores of each arch, fed by async copies
+    # pipelined over >= 2 stages, nothing spilled — or its spec says why not.
+    unexplained = [(row["label"][:80], row["arch"], compile_report.off_target(row))
+                   for row in report["rows"] if compile_report.off_target(row) and not row["note"]]
+    assert not unexplained, unexplained
+    for row in report["rows"]:
+        if row["has_dot"] and row["mma_kinds"]:
+            assert row["mma_class"] == {"sm_90": "wgmma", "sm_100": "tcgen05.mma"}[row["arch"]], row["label"]
+            assert row["num_stages"] >= 2 and row["copies"]["max_pending_groups"] >= 1, row["label"]
+    # Native MXFP8: the GEMM and the recipe's attention (P quantized) on block-scaled MMA.
+    blackwell = [row for row in report["rows"] if row["arch"] == "sm_100"]
+    for module in ("moe_lab.kernels.mx_gemm", "moe_lab.kernels.mx_attention"):
+        rows = [row for row in blackwell if row["kernel"].startswith(module + ":")
+                and row["constexprs"].get("QUANT_P", True)]
+        assert rows and all(row["block_scaled"] for row in rows), module
+    assert "## Off target, and why" in (tmp_path / "summary.md").read_text()
+
+
+def test_off_target_rows_name_their_misses():
+    row = {"spill_bytes": 40, "has_dot": True, "mma_kinds": [], "async_copy": "none"}
+    assert compile_report.off_target(row) == ["40 B spilled", "no tensor cores"]
+    assert compile_report.off_target({**row, "spill_bytes": 0, "mma_kinds": ["wgmma"]}) == ["no async copy"]
+    assert compile_report.off_target({**row, "error": "boom"}) == []
+    listed = compile_report.exceptions_markdown([{**row, "kernel": "m.k:_k", "label": "x", "arch": "sm_90",
+                                                  "note": "by design"}])
+    assert listed.startswith("- by design\n  - k:_k — x [sm_90]: 40 B spilled, no tensor cores")
+    assert "no reason recorded" in compile_report.exceptions_markdown(
+        [{**row, "kernel": "m.k:_k", "label": "x", "arch": "sm_90", "note": ""}])
 
 
 def test_the_kernel_list_holds_every_kernel_file():

@@ -26,7 +26,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
                      "grouped_gemm_swiglu bfloat16 dX", "grouped_gemm_swiglu float32 dW",
                      "permute", "permute backward dX", "unpermute backward dY",
                      "unpermute backward d(router weights)", "mx_quantize colwise",
-                     "mxfp8 attention vs emulation", "fused router grad",
+                     "mxfp8 attention vs emulation", "mx_gemm float32 out vs float64",
+                     "mx_gemm bfloat16 out vs float64", "fused router grad",
                      "fused router counts per sequence", "fused router score sums per sequence",
                      "fused router seq_aux_loss", "graphed step loss vs eager reference (step 1)"):
         assert expected in names, expected

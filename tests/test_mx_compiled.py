@@ -73,13 +73,14 @@ def test_every_address_offset_is_64_bit(ttir, module):
 
 
 def test_unquantized_p_enters_an_ieee_float32_dot(ttir):
-    # The P·V dot takes float32 operands without a TF32 (or float16) rounding on the way in;
-    # the QKᵀ dot takes exact E4M3 values as float16.
-    dots = re.findall(r"tt\.dot [^:]*: (tensor<\S+>) \* (tensor<\S+>)", ttir[mx_attention.__name__])
-    lines = [line for line in ttir[mx_attention.__name__].splitlines() if "tt.dot " in line]
-    assert len(dots) == len(lines) == 2, lines
-    float32 = [line for line, (a, b) in zip(lines, dots, strict=True)
-               if a.endswith("xf32>") and b.endswith("xf32>")]
-    assert len(float32) == 1, lines
-    precision = re.search(r"inputPrecision = (\w+)", float32[0])
-    assert precision is None or precision.group(1) == "ieee", float32[0]
+    # QKᵀ is one block-scaled dot of E4M3 codes; P·V takes float32 operands (P as computed,
+    # V dequantized) without a TF32 (or float16) rounding on the way in.
+    module = ttir[mx_attention.__name__]
+    assert len(re.findall(r"tt\.dot_scaled .* lhs = e4m3 rhs = e4m3", module)) == 1, module[:2000]
+    dots = re.findall(r"tt\.dot [^:]*: (tensor<\S+>) \* (tensor<\S+>)", module)
+    lines = [line for line in module.splitlines() if "tt.dot " in line]
+    assert len(dots) == len(lines) == 1, lines
+    (a, b), line = dots[0], lines[0]
+    assert a.endswith("xf32>") and b.endswith("xf32>"), line
+    precision = re.search(r"inputPrecision = (\w+)", line)
+    assert precision is None or precision.group(1) == "ieee", line

@@ -163,3 +163,57 @@ def test_compiled_spec_is_block_scaled_tcgen05_on_blackwell_and_wgmma_on_hopper(
     assert hopper["mma_class"] == "wgmma" and not hopper["block_scaled"], hopper["mma_kinds"]
     assert all("bf16.bf16" in kind for kind in hopper["mma_kinds"])
     assert blackwell["spill_bytes"] == 0 and hopper["spill_bytes"] == 0
+
+
+# ------------------------------------------------------------------ grouped over experts
+
+
+def _grouped_operands(gen, counts, n, k, device):
+    from moe_lab.quant.mx import quantize
+
+    m = sum(counts)
+    a = quantize(torch.randn(m, k, generator=gen) * 3, dim=-1, scale_mode="rceil")
+    b = quantize(torch.randn(len(counts), n, k, generator=gen), dim=-1, scale_mode="rceil")
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    return [t.to(device) for t in (a.data, a.scale, b.data, b.scale, offsets)]
+
+
+@pytest.mark.parametrize("counts", [
+    [5, 0, 37, 1],          # an empty expert, ragged segments
+    [0, 0, 70, 0],          # one expert takes every row
+    [33],                   # one expert
+    [0, 0, 0],              # no rows at all
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mx_gemm_matches_its_reference(counts, out_dtype, device):
+    from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
+
+    gen = torch.Generator().manual_seed(sum(counts) + len(counts))
+    a, a_s, b, b_s, offsets = _grouped_operands(gen, counts, 48, 96, device)
+    got = grouped_mx_gemm(a, a_s, b, b_s, offsets, out_dtype=out_dtype)
+    want = grouped_mx_gemm_reference(a, a_s, b, b_s, offsets)
+    assert got.shape == want.shape and got.dtype == out_dtype
+    tol = {"rtol": 1e-6, "atol": 1e-5} if out_dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_grouped_mx_gemm_padding_rows_special_values_and_errors(device):
+    from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
+
+    gen = torch.Generator().manual_seed(7)
+    a, a_s, b, b_s, offsets = _grouped_operands(gen, [10, 20, 6], 40, 64, device)
+    offsets[-1] = 30  # rows 30..35 belong to no expert: zeros
+    a_s = a_s.clone()
+    a_s.view(torch.uint8)[3, 1] = 0xFF  # a NaN scale: that row's outputs are NaN, no other row's
+    got = grouped_mx_gemm(a, a_s, b, b_s, offsets)
+    assert torch.equal(got[30:], torch.zeros_like(got[30:]))
+    assert torch.isnan(got[3]).all() and not torch.isnan(got[torch.arange(36, device=device) != 3]).any()
+    want = grouped_mx_gemm_reference(a, a_s, b, b_s, offsets)
+    keep = torch.arange(36, device=device) != 3
+    torch.testing.assert_close(got[keep].double(), want[keep], rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="offsets must be an int32 tensor of shape"):
+        grouped_mx_gemm(a, a_s, b, b_s, offsets.long())
+    with pytest.raises(ValueError, match="b must be a 3-D"):
+        grouped_mx_gemm(a, a_s, b[0], b_s, offsets)
+    with pytest.raises(ValueError, match="a and b must share K"):
+        grouped_mx_gemm(a[:, :32], a_s[:, :1], b, b_s, offsets)

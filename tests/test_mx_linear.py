@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from moe_lab.quant.linear import (
     MXLinear,
+    TritonMXLinear,
     apply_mxfp8,
     make_mxfp8_linear,
     te_mxfp8_status,
@@ -205,3 +206,91 @@ def test_per_layer_error_stats_on_the_model():
         assert torch.equal(model(idx).logits, before)
     floor = mx_layer_error_stats(model, idx, scale_mode="floor")
     assert sum(r["saturated"] for r in floor) > 0  # the OCP rule clips some maxima
+
+
+# ------------------------------------------------------------------ Triton (tl.dot_scaled)
+
+
+def _pair(in_f: int, out_f: int, dtype: torch.dtype, device, gen: torch.Generator):
+    ref = MXLinear(in_f, out_f, dtype=dtype, device=device)
+    with torch.no_grad():
+        ref.weight.copy_((torch.randn(out_f, in_f, generator=gen)
+                          * torch.randn(out_f, 1, generator=gen).mul(2).exp2() * 0.1).to(dtype))
+        ref.bias.copy_(torch.randn(out_f, generator=gen).to(dtype))
+    tri = TritonMXLinear(in_f, out_f, dtype=dtype, device=device)
+    tri.load_state_dict(ref.state_dict())
+    return ref, tri
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [21, 64, 1])
+def test_triton_backend_equals_the_emulated_recipe(dtype, tokens, device):
+    # Same quantizer bits (the kernel is bit-identical to the reference), same exact
+    # products: the three GEMMs agree up to float32 summation order.
+    gen = torch.Generator().manual_seed(tokens)
+    ref, tri = _pair(64, 96, dtype, device, gen)
+    x = torch.randn(tokens, 64, generator=gen).to(device, dtype)
+    g = torch.randn(tokens, 96, generator=gen).to(device, dtype)
+    outs = []
+    for lin in (ref, tri):
+        xi = x.clone().requires_grad_()
+        y = lin(xi)
+        y.backward(g)
+        outs.append((y.detach(), xi.grad, lin.weight.grad, lin.bias.grad))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    for name, want, got in zip(("y", "dx", "dw", "db"), *outs, strict=True):
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_triton_backend_edge_cases(device):
+    gen = torch.Generator().manual_seed(5)
+    ref, tri = _pair(32, 64, torch.float32, device, gen)
+    # Non-contiguous and batched input.
+    x = torch.randn(2, 64, 5, generator=gen).to(device).transpose(1, 2)[..., :32]
+    torch.testing.assert_close(tri(x), ref(x), rtol=1e-5, atol=1e-5)
+    # No tokens: an empty output, a zero weight gradient.
+    empty = torch.randn(0, 32, device=device, requires_grad=True)
+    out = tri(empty)
+    out.sum().backward()
+    assert out.shape == (0, 64) and torch.equal(tri.weight.grad, torch.zeros_like(tri.weight))
+    # A NaN input stays in its token's row.
+    x = torch.randn(4, 32, generator=gen).to(device)
+    x[2, 7] = float("nan")
+    y = tri(x)
+    assert torch.isnan(y[2]).all() and not torch.isnan(y[[0, 1, 3]]).any()
+    with pytest.raises(ValueError, match="last dim must be in_features=32"):
+        tri(torch.randn(4, 48, device=device))
+    with pytest.raises(ValueError, match="x.dtype must be"):
+        tri(torch.randn(4, 32, device=device, dtype=torch.float64))
+    assert make_mxfp8_linear(nn.Linear(32, 32), backend="triton").backend == "triton"
+
+
+def _caps(**fields):
+    from moe_lab.perf.capabilities import Capabilities
+
+    base = dict(device="cuda", device_name="NVIDIA B200", n_threads=16, cuda_capability=(10, 0),
+                n_devices=1, triton_mode="compiled", transformer_engine=False, native_mxfp8=True,
+                has_grouped_mm=True)
+    return Capabilities(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields, native, backend, targets", [
+    ({}, True, "triton", ("attention",)),  # Blackwell, compiled Triton, no TE
+    ({"cuda_capability": (9, 0), "native_mxfp8": False, "device_name": "NVIDIA H200"}, False,
+     "emulated", ()),  # Hopper: tl.dot_scaled would upcast, MXFP8 stays off
+    ({"device": "cpu", "cuda_capability": None, "triton_mode": "interpreted", "native_mxfp8": False},
+     False, "emulated", ()),
+])
+def test_auto_picks_the_triton_gemm_only_where_it_is_native(monkeypatch, fields, native, backend, targets):
+    from moe_lab.bench.ttt import stacks
+    from moe_lab.quant import linear
+
+    caps = _caps(**fields)
+    monkeypatch.setattr(linear, "capabilities", lambda: caps)
+    monkeypatch.setattr(stacks, "capabilities", lambda: caps)
+    ok, why = linear.triton_mxfp8_status()
+    assert ok == native and why
+    assert make_mxfp8_linear(nn.Linear(32, 32), backend="auto").backend == backend
+    chosen, note = stacks._mxfp8_targets(torch.device(caps.device))
+    assert chosen == targets and ("tl.dot_scaled" in note) == native

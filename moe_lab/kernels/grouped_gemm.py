@@ -379,7 +379,14 @@ def _spec(kernel: str, label: str, dtype: str, pointers: tuple[str, ...], cfg: L
         {**constants, **cfg.blocks, "DOT_BF16": _dot_bf16(SPEC_DTYPES[dtype], interpreted=False),
          **constexprs},
         cfg,
+        FP32_NOTE if dtype == "fp32" else "",
     )
+
+
+# Why the float32 rows show no tensor cores: by design, not by accident.
+FP32_NOTE = ("float32 is the exact path: its products are IEEE float32 on the CUDA cores "
+             "(`input_precision=\"ieee\"`; a TF32 tensor-core dot would round the inputs to 11 "
+             "significant bits); training on a GPU runs the experts in bfloat16.")
 
 
 def _space_specs(kernel: str, fn: str, what: str, dtype: str, pointers: tuple[str, ...],

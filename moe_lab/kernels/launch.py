@@ -44,7 +44,9 @@ class CompileSpec:
     experts, bf16"``); ``signature``: every non-constexpr argument's Triton type (``"*bf16"``,
     ``"*fp32"``, ``"i32"``, ``"i64"``, ``"fp32"``), as ``triton.compiler.ASTSource`` takes it;
     ``constexprs``: every constexpr argument's value (the ``launch_config`` blocks among
-    them); ``config``: the `LaunchConfig` the wrapper would pick at this shape.
+    them); ``config``: the `LaunchConfig` the wrapper would pick at this shape; ``note``:
+    why this compilation may miss the report's targets (spilled bytes, no tensor cores),
+    when it does by design — the report prints it beside each row off target.
     """
 
     kernel: str
@@ -52,6 +54,7 @@ class CompileSpec:
     signature: dict[str, str]
     constexprs: dict[str, object]
     config: LaunchConfig
+    note: str = ""
 
     def __post_init__(self) -> None:
         if ":" not in self.kernel:
@@ -91,7 +94,7 @@ def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
         if key in merged:
             first = merged[key]
             merged[key] = CompileSpec(first.kernel, f"{first.label} | {spec.label}", first.signature,
-                                      first.constexprs, first.config)
+                                      first.constexprs, first.config, first.note or spec.note)
         else:
             merged[key] = spec
     return list(merged.values())

@@ -182,17 +182,21 @@ def launch_config(m: int, k: int, interpreted: bool) -> LaunchConfig:
     """Tile and warps for quantizing an ``[m, k]`` slice (``m``, ``k`` as the grid covers them).
 
     Interpreted: large tiles, since each program instance costs a Python round trip.
-    Compiled: 8,192 elements per tile, ``BLOCK_K`` no wider than ``k`` rounds up to (so a
-    64-wide head_dim does not leave half the tile masked) and ``BLOCK_M`` taking the rest;
-    8 warps, 32 elements a thread (at 64 a thread, 4 warps, making both copies spills
-    registers). One tile per program and no loop, so nothing to pipeline: one stage.
+    Compiled: 2,048 elements per tile, ``BLOCK_K`` no wider than ``k`` rounds up to (so a
+    64-wide head_dim does not leave half the tile masked) and at most 64, ``BLOCK_M`` taking
+    the rest; 8 warps, 8 elements a thread. The kernel only moves bytes, so what matters is
+    how many loads an SM keeps in flight, and every element a thread owns holds several
+    integer temporaries on its way to two codes: at 32 elements a thread the tile used every
+    register a thread may have, which left room for one block per SM; at 8, several blocks
+    fit (`python -m moe_lab compile` shows registers and blocks per SM). One tile per
+    program and no loop, so nothing to pipeline: one stage.
     """
     if interpreted:
         bm = min(128, max(32, triton.next_power_of_2(m)))
         bk = min(256, max(32, triton.next_power_of_2(k)))
         return LaunchConfig({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=4, num_stages=1)
-    bk = min(128, max(32, triton.next_power_of_2(k)))
-    return LaunchConfig({"BLOCK_M": 8192 // bk, "BLOCK_K": bk}, num_warps=8, num_stages=1)
+    bk = min(64, max(32, triton.next_power_of_2(k)))
+    return LaunchConfig({"BLOCK_M": 2048 // bk, "BLOCK_K": bk}, num_warps=8, num_stages=1)
 
 
 def mx_quantize(

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.grouped_gemm import cast_for_store
+from moe_lab.kernels.grouped_gemm import _block_e, _tile_schedule, cast_for_store
 from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
 
@@ -71,6 +71,30 @@ def e8m0_to_fp32(byte):
 
 
 @triton.jit
+def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+           SCALED_DOT: tl.constexpr):
+    """``acc + dequant(a) · dequant(b)`` for one tile: ``a`` ``[M, K]`` and ``b`` ``[K, N]``
+    E4M3 bytes (uint8), ``a_scale`` ``[M, K/32]`` and ``b_scale`` ``[N, K/32]`` E8M0 bytes
+    (both operands blocked along K), ``acc`` ``[M, N]`` fp32.
+
+    ``SCALED_DOT=True``: one ``tl.dot_scaled`` (block-scaled ``tcgen05.mma`` on sm_100).
+    ``False``: the same product decomposed for Triton's interpreter — codes and scales
+    decoded exactly to fp32, each scale broadcast over its 32 codes, an IEEE fp32 ``tl.dot``.
+    """
+    if SCALED_DOT:
+        acc = tl.dot_scaled(a.to(tl.float8e4nv, bitcast=True), a_scale, "e4m3",
+                            b.to(tl.float8e4nv, bitcast=True), b_scale, "e4m3", acc)
+    else:
+        # [M, K] -> [M, K/32, 32] times [M, K/32, 1] -> [M, K]; b likewise as [N, K].
+        a_f = tl.reshape(tl.reshape(e4m3_to_fp32(a), (M, K // 32, 32))
+                         * e8m0_to_fp32(a_scale)[:, :, None], (M, K))
+        b_f = tl.reshape(tl.reshape(e4m3_to_fp32(tl.trans(b)), (N, K // 32, 32))
+                         * e8m0_to_fp32(b_scale)[:, :, None], (N, K))
+        acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,  # u8 [M, K], u8 [M, K/32], u8 [N, K], u8 [N, K/32], [M, N]
     M, N, K,  # K a multiple of 32; all tensors contiguous
@@ -95,30 +119,61 @@ def _mx_gemm_kernel(
                       mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_M, BLOCK_K/32]
         b_s = tl.load(b_scale_ptr + rn64[:, None] * n_scales + ss[None, :],
                       mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_N, BLOCK_K/32]
-        if SCALED_DOT:
-            acc = tl.dot_scaled(a.to(tl.float8e4nv, bitcast=True), a_s, "e4m3",
-                                b.to(tl.float8e4nv, bitcast=True), b_s, "e4m3", acc)
-        else:
-            # Each scale broadcast over its 32 codes: [BM, BK/32] -> [BM, BK/32, 32] -> [BM, BK].
-            a_f = tl.reshape(tl.reshape(e4m3_to_fp32(a), (BLOCK_M, BLOCK_K // 32, 32))
-                             * e8m0_to_fp32(a_s)[:, :, None], (BLOCK_M, BLOCK_K))
-            b_t = tl.trans(b)  # [BN, BK]
-            b_f = tl.reshape(tl.reshape(e4m3_to_fp32(b_t), (BLOCK_N, BLOCK_K // 32, 32))
-                             * e8m0_to_fp32(b_s)[:, :, None], (BLOCK_N, BLOCK_K))
-            acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
+        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, SCALED_DOT)
     c_ptrs = c_ptr + rm64[:, None] * N + rn64[None, :]
     tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
 
+@triton.jit
+def _grouped_mx_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, offsets_ptr,
+    M_ROWS, N, K, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    SCALED_DOT: tl.constexpr,
+):
+    # a: u8 [M_ROWS, K] rows grouped by expert (offsets: [E + 1] int32), a_scale: u8 [M_ROWS, K/32];
+    # b: u8 [E, N, K] (each expert's weight [out, in]), b_scale: u8 [E, N, K/32]; c: [M_ROWS, N].
+    # Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(N, BLOCK_N)); tiles as the grouped GEMM's.
+    seg, row0, row_end = _tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    if seg > E:  # past the last tile: no work
+        return
+    rm = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    m_in, n_in = rm < row_end, rn < N
+    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
+    if seg == E:  # rows past the last expert's: zeros
+        tl.store(c_ptrs, cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), c_ptr),
+                 mask=m_in[:, None] & n_in[None, :])
+        return
+    n_scales = K // 32
+    b_ptr += seg.to(tl.int64) * N * K
+    b_scale_ptr += seg.to(tl.int64) * N * n_scales
+    rk = tl.arange(0, BLOCK_K)
+    rs = tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks, ss = k0 + rk, k0 // 32 + rs
+        a = tl.load(a_ptr + rm[:, None] * K + ks[None, :], mask=m_in[:, None] & (ks < K)[None, :], other=0)
+        b = tl.load(b_ptr + rn[None, :] * K + ks[:, None], mask=n_in[None, :] & (ks < K)[:, None], other=0)
+        a_s = tl.load(a_scale_ptr + rm[:, None] * n_scales + ss[None, :],
+                      mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)
+        b_s = tl.load(b_scale_ptr + rn[:, None] * n_scales + ss[None, :],
+                      mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)
+        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, SCALED_DOT)
+    tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
+
+
 def launch_config(m: int, n: int, k: int, interpreted: bool) -> LaunchConfig:
-    """Tiles for an ``[M, N, K]`` MXFP8 GEMM. Compiled: 128×128×128 (four scale bytes per
-    row per step), 8 warps, 3 stages — the shape ``tcgen05.mma`` block-scaled wants (M=128
-    per CTA) and that keeps the FP8 tiles (16 KB each per stage) in shared memory.
-    Interpreted: the interpreter pays per program, so blocks as large as the problem allows."""
+    """Tiles for an ``[M, N, K]`` MXFP8 GEMM (one or grouped). Compiled: 128×128×64 (two
+    scale bytes per row per step), 8 warps, 3 stages — 128 rows is the M of one block-scaled
+    ``tcgen05.mma`` per CTA, and the FP8 tiles (8 KB each per stage) stay in shared memory.
+    At ``BLOCK_K`` 128 Hopper's upcast path (bf16 copies of both FP8 tiles in registers)
+    spills in the grouped kernel. Interpreted: the interpreter pays per program, so blocks as
+    large as the problem allows."""
     if interpreted:
         return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64 if k >= 64 else 32},
                             num_warps=4, num_stages=1)
-    return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3)
+    return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)
 
 
 def _check_operand(name: str, codes: Tensor, scales: Tensor) -> None:
@@ -184,6 +239,77 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     return c
 
 
+def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offsets: Tensor,
+                    out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """Per expert ``e``: ``dequant(a[offsets[e]:offsets[e+1]]) · dequant(b[e])ᵀ``, one launch
+    with no host sync — the MoE layer's expert GEMM with both operands in MXFP8.
+
+    Args:
+        a: ``[M, K]`` E4M3 rows sorted by expert; ``a_scale``: ``[M, K/32]`` E8M0 (or uint8).
+        b: ``[E, N, K]`` E4M3, each expert's weight as ``[out, in]`` blocked along ``in``;
+            ``b_scale``: ``[E, N, K/32]``.
+        offsets: ``[E + 1]`` int32 on the device, non-decreasing: expert ``e`` owns rows
+            ``offsets[e]:offsets[e+1]``; rows from ``offsets[E]`` on come out as zeros.
+        out_dtype: ``torch.float32`` or ``torch.bfloat16``.
+
+    Returns ``[M, N]`` ``out_dtype``: compiled through ``tl.dot_scaled`` (block-scaled
+    ``tcgen05.mma`` on Blackwell), interpreted through the decomposed path.
+    """
+    from moe_lab.perf.capabilities import triton_interpreted
+
+    if not isinstance(b, torch.Tensor) or b.dim() != 3:
+        raise ValueError(f"b must be a 3-D [E, N, K] tensor, got {getattr(b, 'shape', type(b).__name__)}")
+    if not isinstance(b_scale, torch.Tensor) or b_scale.dim() != 3:
+        raise ValueError(f"b_scale must be a 3-D [E, N, K/32] tensor, got "
+                         f"{getattr(b_scale, 'shape', type(b_scale).__name__)}")
+    n_experts, n, k = b.shape
+    _check_operand("a", a, a_scale)
+    _check_operand("b", b.reshape(n_experts * n, k), b_scale.reshape(n_experts * n, -1))
+    if a.shape[1] != k:
+        raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or tuple(offsets.shape) != (
+            n_experts + 1,):
+        raise ValueError(f"offsets must be an int32 tensor of shape ({n_experts + 1},) (one more than "
+                         f"b's experts), got {getattr(offsets, 'dtype', None)} "
+                         f"{tuple(getattr(offsets, 'shape', ()))}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    devices = {t.device for t in (a, a_scale, b, b_scale, offsets)}
+    if len(devices) != 1:
+        raise ValueError(f"a, a_scale, b, b_scale, offsets must be on one device, got "
+                         f"{sorted(map(str, devices))}")
+    interpreted = triton_interpreted()
+    if a.device.type != "cuda" and not interpreted:
+        raise ValueError(f"inputs must be on a CUDA device for compiled Triton, got {a.device} "
+                         "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)")
+    m = a.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    cfg = launch_config(m, n, k, interpreted)
+    grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+    u8 = torch.uint8
+    _grouped_mx_gemm_kernel[grid](
+        a.contiguous().view(u8), a_scale.contiguous().view(u8), b.contiguous().view(u8),
+        b_scale.contiguous().view(u8), c, offsets.contiguous(), m, n, k, n_experts,
+        **cfg.blocks, BLOCK_E=_block_e(n_experts), SCALED_DOT=not interpreted,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return c
+
+
+def grouped_mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
+                              offsets: Tensor) -> Tensor:
+    """The definition, in float64, one expert at a time (reads ``offsets`` on the host)."""
+    bounds = [min(max(int(v), 0), a.shape[0]) for v in offsets.tolist()]
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    for e in range(b.shape[0]):
+        lo, hi = bounds[e], max(bounds[e], bounds[e + 1])
+        if hi > lo:
+            out[lo:hi] = mx_gemm_reference(a[lo:hi], a_scale[lo:hi], b[e], b_scale[e])
+    return out
+
+
 def mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> Tensor:
     """The definition, in float64: each operand dequantized exactly as
     `moe_lab.quant.mx.MXTensor.dequantize` does (fp32), then multiplied in float64."""
@@ -195,10 +321,11 @@ def mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) ->
 
 
 def compile_specs() -> list[CompileSpec]:
-    """`_mx_gemm_kernel` as a CUDA launch of `mx_gemm` compiles it (``SCALED_DOT=True``) for
-    an MoE layer's expert GEMMs at DeepSeek-V3's and GPT-OSS-20B's shapes: the up/gate
-    projection ``[tokens·top_k, d_model] · [2·d_expert, d_model]ᵀ`` and the down projection
-    ``[tokens·top_k, d_expert] · [d_model, d_expert]ᵀ``, bf16 output."""
+    """`_mx_gemm_kernel` and `_grouped_mx_gemm_kernel` as CUDA launches of `mx_gemm` and
+    `grouped_mx_gemm` compile them (``SCALED_DOT=True``) for an MoE layer's expert GEMMs at
+    DeepSeek-V3's and GPT-OSS-20B's shapes: the up/gate projection ``[tokens·top_k, d_model]
+    · [2·d_expert, d_model]ᵀ`` and the down projection ``[tokens·top_k, d_expert] ·
+    [d_model, d_expert]ᵀ`` (as one GEMM, and split over the experts), bf16 output."""
     from moe_lab.config import preset
 
     specs = []
@@ -217,7 +344,18 @@ def compile_specs() -> list[CompileSpec]:
                 constexprs={**ones, **cfg.blocks, "SCALED_DOT": True},
                 config=cfg,
             ))
+            ints, ones = int_args(M_ROWS=m, N=n, K=k, E=moe.n_experts)
+            specs.append(CompileSpec(
+                kernel="moe_lab.kernels.mx_gemm:_grouped_mx_gemm_kernel",
+                label=f"grouped MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
+                      f"[{m}, {k}] x {moe.n_experts} x [{n}, {k}]^T, bf16 out",
+                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
+                           "c_ptr": "*bf16", "offsets_ptr": "*i32", **ints},
+                constexprs={**ones, **cfg.blocks, "BLOCK_E": _block_e(moe.n_experts), "SCALED_DOT": True},
+                config=cfg,
+            ))
     return merge_specs(specs)
 
 
-__all__ = ["OUT_DTYPES", "compile_specs", "launch_config", "mx_gemm", "mx_gemm_reference"]
+__all__ = ["OUT_DTYPES", "compile_specs", "grouped_mx_gemm", "grouped_mx_gemm_reference", "launch_config",
+           "mx_dot", "mx_gemm", "mx_gemm_reference"]

@@ -186,3 +186,54 @@ def plot_tile_schedule(offsets: torch.Tensor, block_m: int, m_rows: int, ax=None
     for side in ("top", "right", "left", "bottom"):
         ax.spines[side].set_visible(False)
     return ax
+
+
+def pipeline_schedule(steps: int, load: float, mma: float,
+                      stages: int) -> list[tuple[float, float, float, float]]:
+    """When each step of a GEMM tile's ``K`` loop loads and multiplies, with ``stages`` shared
+    memory buffers (Triton's ``num_stages``): a toy model for the picture, not a GPU's timing.
+
+    A load takes ``load`` (its latency: loads overlap one another), an MMA takes ``mma``, the
+    MMAs run one after another, each once its own operands have arrived. Load ``k`` is issued
+    in order and only when its buffer is free — once MMA ``k - stages`` has finished with it
+    — so ``stages=1`` serialises everything and more stages keep copies in flight while the
+    tensor cores work. Returns ``(load_start, load_end, mma_start, mma_end)`` per step.
+    """
+    for name, value in (("steps", steps), ("stages", stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    for name, value in (("load", load), ("mma", mma)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    out: list[tuple[float, float, float, float]] = []
+    for k in range(steps):
+        issue = out[k - 1][0] if k else 0.0
+        if k >= stages:
+            issue = max(issue, out[k - stages][3])
+        arrived = issue + load
+        start = max(arrived, out[k - 1][3] if k else 0.0)
+        out.append((issue, arrived, start, start + mma))
+    return out
+
+
+def plot_pipeline(load: float, mma: float, stages: Sequence[int] = (1, 2, 4), steps: int = 8, ax=None):
+    """A Gantt chart of `pipeline_schedule` for each number of ``stages``: loads in grey,
+    MMAs in blue, one pair of rows per choice (a toy model; time in units of one MMA)."""
+    ax = _ax(ax, figsize=(8, 0.9 + 0.9 * len(stages)))
+    labels = []
+    for i, s in enumerate(stages):
+        sched = pipeline_schedule(steps, load, mma, s)
+        y = 2 * (len(stages) - 1 - i)
+        for k, (l0, l1, m0, m1) in enumerate(sched):
+            ax.add_patch(Rectangle((l0, y + 1 + 0.1 + 0.6 * (k % 2) / 2), l1 - l0, 0.3, color="0.6"))
+            ax.add_patch(Rectangle((m0, y + 0.15), m1 - m0, 0.7, color="tab:blue"))
+            ax.text((m0 + m1) / 2, y + 0.5, str(k), ha="center", va="center", color="white", fontsize=7)
+        labels += [(y + 0.5, f"stages={s}: MMA"), (y + 1.5, f"stages={s}: loads")]
+        ax.text(sched[-1][3] + 0.2, y + 0.5, f"{sched[-1][3] / steps:.2f} per step", va="center", fontsize=8)
+    end = max(pipeline_schedule(steps, load, mma, s)[-1][3] for s in stages)
+    ax.set_xlim(0, end * 1.18)
+    ax.set_ylim(0, 2 * len(stages))
+    ax.set_yticks([y for y, _ in labels], [name for _, name in labels], fontsize=8)
+    ax.set_xlabel("time (one MMA = 1; a toy model, not measured)")
+    ax.set_title(f"a tile's K loop: a load takes {load:g}x an MMA")
+    return ax

@@ -261,6 +261,36 @@ def format_rows_with_loop(rows: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
+def off_target(row: dict[str, Any]) -> list[str]:
+    """What keeps a row off the report's targets: spilled bytes, a GEMM-like kernel (one
+    with a ``tl.dot``) on CUDA cores, no async copy feeding its MMAs; empty when on target
+    or failed."""
+    if row.get("error"):
+        return []
+    misses = []
+    if row["spill_bytes"]:
+        misses.append(f"{row['spill_bytes']} B spilled")
+    if row.get("has_dot") and not row["mma_kinds"]:
+        misses.append("no tensor cores")
+    if row["mma_kinds"] and row["async_copy"] == "none":
+        misses.append("no async copy")
+    return misses
+
+
+def exceptions_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows off target grouped under the reason their specs give (``note``), as a list."""
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        misses = off_target(row)
+        if misses:
+            reason = row.get("note") or "**no reason recorded**"
+            groups.setdefault(reason, []).append(
+                f"  - {_short_kernel(row)} — {row['label'][:110]} [{row['arch']}]: {', '.join(misses)}")
+    if not groups:
+        return "Every row meets the targets (no spills; tensor cores and async copies for every GEMM).\n"
+    return "\n".join(f"- {reason}\n" + "\n".join(items) for reason, items in groups.items()) + "\n"
+
+
 def summary_markdown(report: dict[str, Any]) -> str:
     """``results/compile/summary.md``: what was compiled, with what, and the table."""
     limits = "; ".join(f"{arch}: {lim['gpu']}, {lim['registers_per_sm']:,} registers, "
@@ -282,6 +312,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
         "'group(s) in flight' is the largest N of `cp.async.wait_group N`.\n\n"
         + (f"**{errors} row(s) failed** (see ERROR).\n\n" if errors else "")
         + format_markdown(report["rows"])
+        + "\n## Off target, and why\n\n" + exceptions_markdown(report["rows"])
     )
 
 

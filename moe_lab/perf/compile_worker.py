@@ -115,7 +115,7 @@ def identity(spec: CompileSpec, arch: str) -> dict[str, Any]:
     return {
         "kernel": spec.kernel, "label": spec.label, "arch": arch, "gpu": sm_limits(arch).gpu,
         "blocks": dict(spec.config.blocks), "num_warps": spec.config.num_warps,
-        "num_stages": spec.config.num_stages,
+        "num_stages": spec.config.num_stages, "note": spec.note,
         "constexprs": {k: v if isinstance(v, SCALARS) else str(v) for k, v in spec.constexprs.items()},
     }
 
@@ -176,6 +176,9 @@ def compile_spec(fn, spec: CompileSpec, arch: str, cubin_dir: str | None = None)
         "mma_kinds": mma["kinds"],
         "mma_count": mma["count"],
         "block_scaled": mma["block_scaled"],
+        # A matrix product in the kernel's Triton IR (``tt.dot`` or ``tt.dot_scaled``): what
+        # makes it GEMM-like, whatever instruction it became.
+        "has_dot": "tt.dot" in compiled.asm["ttir"],
         "async_copy": copies["kind"],
         "copies": copies,
         "loop": reading.loop_sketch(ptx),
@@ -291,7 +294,7 @@ def _collect(job: dict[str, Any]) -> tuple[list[tuple[Any, CompileSpec]], list[d
         raw = job["spec"]
         try:
             spec = CompileSpec(raw["kernel"], raw["label"], raw["signature"], raw["constexprs"],
-                               LaunchConfig(**raw["config"]))
+                               LaunchConfig(**raw["config"]), raw.get("note", ""))
             return [(inline_kernel(job["inline"]) if job.get("inline") else None, spec)], []
         except Exception as exc:  # a kernel that cannot be rebuilt is a row of the report, not its end
             return [], [error_row(raw["kernel"], raw["label"], None, f"{type(exc).__name__}: {exc}")]

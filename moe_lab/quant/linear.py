@@ -43,7 +43,7 @@ from moe_lab.perf.capabilities import capabilities
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, mx_error_stats, quantize
 
 Tensor = torch.Tensor
-BACKENDS = ("auto", "emulated", "te")
+BACKENDS = ("auto", "emulated", "triton", "te")
 TARGETS = ("attention", "experts")
 ATTENTION_CLASS = "Attention"
 EXPERTS_CLASS = "SwiGLUExperts"
@@ -141,6 +141,102 @@ class MXLinear(nn.Linear):
         return f"{super().extra_repr()}, mxfp8=emulated, scale_mode={self.scale_mode}"
 
 
+# ------------------------------------------------------------------ Triton: tl.dot_scaled
+
+
+def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True, cols: bool = True):
+    """The Triton quantizer's copies of a 2-D ``x`` as `moe_lab.kernels.mx_gemm.mx_gemm`
+    takes its operands — each ``(codes [R, K], scale bytes [R, K/32])`` blocked along its last
+    dim: the row-wise copy of ``x`` and the column-wise one transposed (``[K_x, M32]``,
+    zero rows padded to a multiple of 32)."""
+    from moe_lab.kernels.mx import mx_quantize
+
+    row, col = mx_quantize(x, rowwise=rows, colwise=cols, scale_mode=scale_mode, pad=True)
+    as_rows = None if row is None else (row.data, row.scale)
+    as_cols = None if col is None else (col.data.transpose(-1, -2), col.scale.transpose(-1, -2))
+    return as_rows, as_cols
+
+
+class _TritonMXLinearFunction(torch.autograd.Function):
+    """`_MXLinearFunction`'s recipe with Triton kernels: every operand quantized by
+    `moe_lab.kernels.mx.mx_quantize` (row- and column-wise copies from one read), every GEMM
+    an `moe_lab.kernels.mx_gemm.mx_gemm` (``tl.dot_scaled``) accumulating in float32."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
+        from moe_lab.kernels.mx_gemm import mx_gemm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        (xr, xs), x_cols = _mx_operands(x2, scale_mode)
+        (wr, ws), w_cols = _mx_operands(weight, scale_mode)
+        ctx.save_for_backward(*x_cols, *w_cols)
+        ctx.has_bias, ctx.scale_mode, ctx.x_shape = bias is not None, scale_mode, x.shape
+        ctx.dtypes = (x.dtype, weight.dtype)
+        y = mx_gemm(xr, xs, wr, ws)  # [M, K]·[N, K]ᵀ: both blocked along K
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        from moe_lab.kernels.mx_gemm import mx_gemm
+
+        x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors  # both column-wise, transposed
+        x_dtype, w_dtype = ctx.dtypes
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if g2.dtype not in (torch.float32, torch.bfloat16):
+            g2 = g2.float()
+        g_rows, g_cols = _mx_operands(g2, ctx.scale_mode, rows=ctx.needs_input_grad[0],
+                                      cols=ctx.needs_input_grad[1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dgrad [M, K] = dY [M, N] · W [N, K]: reduces over N — dY row-wise, W column-wise.
+            grad_x = mx_gemm(*g_rows, w_codes, w_scale).to(x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            # wgrad [N, K] = dYᵀ · X: reduces over the tokens — both column-wise.
+            if x_codes.shape[1]:
+                grad_w = mx_gemm(*g_cols, x_codes, x_scale).to(w_dtype)
+            else:  # no tokens: nothing to reduce
+                grad_w = torch.zeros(g2.shape[1], x_codes.shape[0], dtype=w_dtype, device=g2.device)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.float().sum(0).to(w_dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class TritonMXLinear(MXLinear):
+    """`MXLinear` with its GEMMs on block-scaled tensor cores: the Triton quantizer and the
+    ``tl.dot_scaled`` GEMM (native MXFP8 on Blackwell; upcast to bf16 on Hopper; the
+    decomposed, exactly equivalent path under Triton's interpreter). Same recipe, same
+    parameters; its products differ from the emulation's only in summation order."""
+
+    backend = "triton"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
+            )
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"x.dtype must be torch.float32 or torch.bfloat16, got {x.dtype}")
+        return _TritonMXLinearFunction.apply(x, self.weight, self.bias, self.scale_mode)
+
+    def extra_repr(self) -> str:
+        return f"{nn.Linear.extra_repr(self)}, mxfp8=triton tl.dot_scaled, scale_mode={self.scale_mode}"
+
+
+def triton_mxfp8_status() -> tuple[bool, str]:
+    """Whether the Triton MXFP8 GEMM runs natively here (compiled Triton on an SM 10.0+ GPU),
+    and why not if not."""
+    caps = capabilities()
+    if caps.device != "cuda" or caps.triton_mode != "compiled":
+        return False, "Triton does not compile for a GPU here"
+    if not caps.native_mxfp8:
+        major, minor = caps.cuda_capability
+        return False, (f"{caps.device_name} is SM {major}.{minor}: tl.dot_scaled upcasts to bf16 "
+                       "below SM 10.0")
+    return True, "compiled Triton on an SM 10.0+ GPU: tl.dot_scaled is block-scaled tcgen05.mma"
+
+
 # ------------------------------------------------------------------ Transformer Engine
 
 
@@ -201,12 +297,16 @@ class TEMXFP8Linear(nn.Module):
 
 def make_mxfp8_linear(linear: nn.Linear, backend: str = "auto") -> nn.Module:
     """The MXFP8 version of ``linear``: `TEMXFP8Linear` (``"te"``, or ``"auto"`` where
-    `te_mxfp8_status` says yes) or the emulating `MXLinear` (``"emulated"``, or ``"auto"``
-    elsewhere). ``backend="te"`` where TE cannot run raises ``RuntimeError`` with why."""
+    `te_mxfp8_status` says yes), `TritonMXLinear` (``"triton"``, or ``"auto"`` where
+    Transformer Engine cannot run but `triton_mxfp8_status` says the Triton GEMM is native)
+    or the emulating `MXLinear` (``"emulated"``, or ``"auto"`` elsewhere). ``backend="te"``
+    where TE cannot run raises ``RuntimeError`` with why."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "te" or (backend == "auto" and te_mxfp8_status()[0]):
         return TEMXFP8Linear(linear)
+    if backend == "triton" or (backend == "auto" and triton_mxfp8_status()[0]):
+        return TritonMXLinear.from_linear(linear)
     return MXLinear.from_linear(linear)
 
 
