@@ -6,12 +6,21 @@ GEMM only where Triton compiles; under the interpreter it is checked in the test
 timed; on a CPU ``openmp``, the CPU plug-in's grouped GEMM, where `moe_lab.cpu` builds), and
 Hugging Face ``transformers``' Mixtral block with each of its experts
 implementations (``eager``, ``batched_mm``, ``grouped_mm``) when ``transformers`` is
-installed. All providers share one set of weights and one input; their outputs are checked
-against the naive layer before anything is timed. Timings are interleaved (``compare``) so
+installed, and the fused dispatchers (``fused``, ``fused_atomic``: gather prologue and
+weighted-scatter epilogue, `moe_lab.kernels.fused_moe`) where Triton compiles. All
+providers share one set of weights and one input; their outputs are checked against the
+naive layer before anything is timed. Timings are interleaved (``compare``) so
 every provider sees the same machine noise.
 
 Shapes: ``fine`` is DeepSeek-like (64 experts, top-8, expert width d_model/2); ``coarse``
 is Mixtral-like (8 experts, top-2, expert width 2·d_model).
+
+``fusion_report`` adds what fusing memory-bound work into the grouped GEMMs buys: bytes and
+launches per MoE layer for each fusion at DeepSeek-V3's and GPT-OSS-20B's shapes, counted
+(`moe_lab.perf.fusion`), their projected memory time at H200 and GB300 bandwidth (a
+projection), and, measured here, the interleaved timing of the unfused chain's stages at
+the fine shape: on a CPU the fused Triton kernels only run interpreted, so what is timed
+is how much of the chain the fusions remove (permute, SwiGLU, weighted unpermute).
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ SHAPES = {
 }
 TOKENS = {"smoke": 1024, "full": 4096}
 PROVIDERS = ("naive", "capacity cf1.0", "capacity cf1.25", "dropless loop", "dropless torch",
-             "dropless openmp", "dropless triton", "hf eager", "hf batched_mm", "hf grouped_mm")
+             "dropless openmp", "dropless triton", "fused", "fused_atomic", "hf eager", "hf batched_mm",
+             "hf grouped_mm")
 
 
 def expert_flops(tokens: int, top_k: int, d_model: int, d_expert: int) -> float:
@@ -96,8 +106,11 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
             notes.append(f"dropless openmp: the CPU plug-in's grouped GEMM is not available here ({why})")
     if capabilities().triton_mode == "compiled":
         providers["dropless triton"] = clone("dropless", "triton")
+        providers["fused"] = clone("fused")
+        providers["fused_atomic"] = clone("fused_atomic")
     else:
-        notes.append("dropless triton: Triton is interpreted here; checked in tests, not timed")
+        notes.append("dropless triton, fused, fused_atomic: Triton is interpreted here; checked in "
+                     "tests, not timed")
     if include_hf:
         try:
             for impl in ("eager", "batched_mm", "grouped_mm"):
@@ -246,6 +259,108 @@ def _cpu_plugin_status() -> str | None:
     return cpu.status()
 
 
+CHAIN_STAGES = ("permute", "GEMM1", "SwiGLU", "GEMM2", "weighted unpermute")
+# The stages each fusion removes from the chain (the SwiGLU epilogue, the gather prologue,
+# the scatter epilogue); the GEMMs stay.
+REMOVED_BY = {"SwiGLU": "swiglu_epilogue", "permute": "gather_prologue",
+              "weighted unpermute": "scatter_epilogue"}
+
+
+def chain_stage_timing(shape: str = "fine", tokens: int = 1024, min_time_s: float = 0.3,
+                       seed: int = 0) -> dict:
+    """Forward + backward of each stage of the unfused dropless chain, timed interleaved
+    (`compare`) on the same inputs: the permute (a row gather), the two grouped GEMMs,
+    SwiGLU and the weighted unpermute (an ``index_add``), in PyTorch eager on this device
+    (float32 on a CPU, bfloat16 on a GPU). Each grouped GEMM is one matmul per expert on
+    its rows, the expert bounds read to the host once before the timing: the plain
+    library GEMM, so that the copies are compared with GEMMs at this machine's speed.
+
+    Returns ``{"stages": [{"stage", "median_ms", "share", "removed_by"}], "removable_share",
+    ...}``: ``removable_share`` is the fraction of the chain's time in the stages a fusion
+    deletes — the most the fusions can save of this chain here."""
+    from moe_lab.moe.experts import swiglu
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    if tokens <= 0:
+        raise ValueError(f"tokens must be positive, got {tokens}")
+    device, dtype = _device_dtype()
+    s = SHAPES[shape]
+    e, k, d, f = s["n_experts"], s["top_k"], s["d_model"], s["d_expert"]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)]).to(device)
+    weights = torch.rand(tokens, k, generator=gen).softmax(-1).to(device, dtype)
+    x = torch.randn(tokens, d, generator=gen).to(device, dtype)
+    w1 = (torch.randn(e, d, 2 * f, generator=gen) / d**0.5).to(device, dtype).requires_grad_()
+    w2 = (torch.randn(e, f, d, generator=gen) / f**0.5).to(device, dtype).requires_grad_()
+    order, offsets = sort_by_expert(ids, e)
+    token_of = order // k
+    bounds = offsets.tolist()  # once, before the timing
+
+    def grouped_mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # unbind: one backward op for all experts (indexing w[i] would add a full-size
+        # zero tensor per expert to the weight gradient)
+        return torch.cat([a[bounds[i]:bounds[i + 1]] @ wi for i, wi in enumerate(w.unbind(0))])
+
+    xs = x.index_select(0, token_of)
+    pre = grouped_mm(xs, w1.detach())
+    h = swiglu(pre)
+    y = grouped_mm(h, w2.detach())
+    grads = {"permute": torch.randn_like(xs), "GEMM1": torch.randn_like(pre), "SwiGLU": torch.randn_like(h),
+             "GEMM2": torch.randn_like(y), "weighted unpermute": torch.randn_like(x)}
+    wflat = weights.reshape(-1).index_select(0, order).unsqueeze(1)
+
+    def stage(fn, inputs, grad):
+        def run() -> None:
+            leaves = [t.detach().requires_grad_() for t in inputs]
+            fn(*leaves).backward(grad)
+        return run
+
+    stages = {
+        "permute": stage(lambda a: a.index_select(0, token_of), [x], grads["permute"]),
+        "GEMM1": stage(grouped_mm, [xs, w1], grads["GEMM1"]),
+        "SwiGLU": stage(swiglu, [pre], grads["SwiGLU"]),
+        "GEMM2": stage(grouped_mm, [h, w2], grads["GEMM2"]),
+        "weighted unpermute": stage(
+            lambda a, wt: a.new_zeros(tokens, d).index_add(0, token_of, a * wt), [y, wflat],
+            grads["weighted unpermute"]),
+    }
+    timings = compare(stages, min_time_s=min_time_s)
+    total = sum(t.median_s for t in timings.values())
+    rows = [{"stage": name, "median_ms": t.median_s * 1e3, "share": t.median_s / total,
+             "removed_by": REMOVED_BY.get(name, "")} for name, t in timings.items()]
+    return {"shape": shape, "tokens": tokens, "device": device, "dtype": str(dtype).replace("torch.", ""),
+            "stages": rows, "removable_share": sum(r["share"] for r in rows if r["removed_by"]),
+            "chain_ms": total * 1e3}
+
+
+def fusion_report(tokens: int = 1024, min_time_s: float = 0.3, notebook: str = "bench:moe-layer",
+                  record: bool = True) -> dict:
+    """Bytes and launches per MoE layer, unfused and each fusion, at DeepSeek-V3's and
+    GPT-OSS-20B's shapes (`moe_lab.perf.fusion.fusion_table`; the projected milliseconds at
+    H200 and GB300 bandwidth are projections), and `chain_stage_timing` at the fine shape,
+    measured here. With ``record`` the counts and the timing go to the ledger."""
+    from moe_lab.perf.fusion import fusion_table
+
+    table = fusion_table()
+    timing = chain_stage_timing("fine", tokens, min_time_s)
+    if record:
+        for row in table:
+            step = f"fusion:{row['preset']}:{row['variant']}"
+            ledger.record(notebook, step, "bytes_per_layer", row["bytes"], "B", counted=True,
+                          ep=row["ep"], tokens=row["tokens"])
+            ledger.record(notebook, step, "launches_per_layer", row["launches"], "launches", counted=True)
+        for row in timing["stages"]:
+            ledger.record(notebook, f"fusion:fine:chain {row['stage']}", "median_ms", row["median_ms"], "ms",
+                          tokens=tokens)
+        ledger.record(notebook, "fusion:fine:chain", "removable_share", timing["removable_share"], "fraction",
+                      tokens=tokens)
+    return {"table": table, "chain_timing": timing,
+            "note": ("bytes and launches counted from the tensors each launch reads and writes "
+                     "(moe_lab.perf.fusion); projected_ms_* = bytes / HBM bandwidth from datasheet "
+                     "figures, a projection, not a measurement; chain_timing measured on this machine")}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="all", choices=["all", *SHAPES])
     parser.add_argument("--profile", default="smoke", choices=list(TOKENS))
@@ -296,4 +411,5 @@ def run(args: argparse.Namespace) -> dict:
             continue
         ledger.record(args.notebook, f"{f['shape']}:dropless {f['backend']} experts", "ratio_to_floor",
                       f["ratio_to_floor"], "x", tokens=tokens)
+    result["fusion"] = fusion_report(tokens, args.min_time, args.notebook)
     return result

@@ -25,6 +25,11 @@ host never waits. How the tokens are sorted into expert order and brought back i
 permutation* (`PERMUTATIONS`): ``torch`` is the reference chain above (argsort, gather,
 scatter-add); ``triton`` is one Triton kernel per move (`moe_lab.kernels.permute`); a plug-in
 may add more. The experts' backend names the permutation it pairs with.
+
+``fused`` and ``fused_atomic`` are dropless with the two moves folded into the grouped
+GEMMs (`moe_lab.kernels.fused_moe`): the first GEMM gathers its rows through the row-id map
+and the second weights its rows and scatters them to their tokens — deterministically
+(a token-major store, then a sum over the top-k) or with float32 atomics.
 """
 
 from __future__ import annotations
@@ -192,3 +197,33 @@ def dropless_dispatch(
     y_sorted = experts.grouped_forward(x_sorted, offsets)
     out = moves.unpermute(y_sorted, layout, topk_weights)
     return out, torch.zeros((), dtype=torch.int64, device=x.device)
+
+
+def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    def fused_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
+                       cfg=None) -> tuple[Tensor, Tensor]:
+        # Imported on first use: importing the layer does not import Triton.
+        from moe_lab.kernels.fused_moe import fused_moe_mlp
+        from moe_lab.kernels.permute import make_row_id_map
+
+        if type(experts) is not SwiGLUExperts or experts.quant is not None:
+            raise ValueError("the fused dispatchers fuse plain SwiGLU experts without quantization "
+                             f"(got {type(experts).__name__}, quant={experts.quant!r}); use 'dropless'")
+        if experts.activation_store is not None:
+            raise ValueError("the fused dispatchers keep their saved activations with autograd; an "
+                             "activation store (the paged stash) works with 'dropless'")
+        row_id_map, offsets = make_row_id_map(topk_ids, experts.n_experts)
+        out = fused_moe_mlp(x, experts.w_gate_up.to(x.dtype), experts.w_down.to(x.dtype), row_id_map,
+                            offsets, topk_weights, scatter=scatter)
+        return out, torch.zeros((), dtype=torch.int64, device=x.device)
+
+    fused_dispatch.__doc__ = (
+        "Dropless with the permute and the combine fused into the grouped GEMMs "
+        f"(`moe_lab.kernels.fused_moe`): a gather prologue and a {scatter} weighted-scatter "
+        "epilogue, so neither the permuted tokens nor the expert-ordered output is written. "
+        "Triton only (the experts' backend is not used). Never drops.")
+    return fused_dispatch
+
+
+DISPATCHERS.register("fused", _fused("deterministic"))
+DISPATCHERS.register("fused_atomic", _fused("atomic"))

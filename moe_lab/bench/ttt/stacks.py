@@ -26,6 +26,7 @@ from moe_lab.moe.experts import EXPERT_BACKENDS
 from moe_lab.moe.router import ROUTER_IMPLS, Router
 from moe_lab.perf import compare
 from moe_lab.perf.capabilities import capabilities, is_cuda, native_bf16_cpu
+from moe_lab.quant.linear import triton_mxfp8_status
 from moe_lab.training.build import AMP_DTYPES, COMPILE_MODES, STEP_KINDS
 from moe_lab.training.optim import CLIP_STEPS
 
@@ -111,6 +112,8 @@ class Stack:
         parts = [f"{impls.dispatcher} dispatch"]
         if impls.dispatcher == "dropless":
             parts[0] += f" ({impls.expert_backend} grouped GEMM)"
+        elif impls.dispatcher.startswith("fused"):
+            parts[0] += " (grouped GEMMs with gather prologue and scatter epilogue)"
         parts.append(f"{impls.router_impl} router {self.router_dtype.upper()}")
         parts.append("sync-free step" if self.sync_free else "eager step (stock AdamW)")
         if self.clip_step != "torch":
@@ -163,8 +166,12 @@ def _mxfp8_targets(device: torch.device) -> tuple[tuple[str, ...], str]:
     caps = capabilities()
     if device.type == "cuda" and caps.native_mxfp8 and caps.transformer_engine:
         return ("attention",), "MXFP8 attention projections through Transformer Engine (native)"
+    if device.type == "cuda" and triton_mxfp8_status()[0]:
+        return ("attention",), ("MXFP8 attention projections through the Triton quantizer and "
+                                "tl.dot_scaled GEMM (block-scaled tcgen05.mma; checked by "
+                                "scripts/gpu_check.py, not yet run on a Blackwell GPU here)")
     if device.type == "cuda" and caps.native_mxfp8:
-        return (), "MXFP8 off: Transformer Engine is not installed, so it would be emulated"
+        return (), "MXFP8 off: neither Transformer Engine nor compiled Triton, so it would be emulated"
     return (), ("MXFP8 off: no MX tensor cores here, so it would be emulated "
                 "(quantize-dequantize around fp32 matmuls) — slower, not faster")
 
@@ -173,9 +180,11 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
                     router_impl: str | None = None, amp: str | None = None) -> Stack:
     """The fastest sync-free stack this ``device`` runs.
 
-    On a GPU: the Triton grouped GEMM and the fused Triton router where Triton compiles, the
-    whole step captured as a CUDA graph, FP32 (BF16 there is the next step, not yet
-    validated on a GPU in this workbook), MXFP8 where native.
+    On a GPU: the Triton grouped GEMM and the fused Triton router where Triton compiles,
+    with the permute and the combine fused into the grouped GEMMs (the ``fused``
+    dispatcher, `moe_lab.kernels.fused_moe`), the whole step captured as a CUDA graph,
+    FP32 (BF16 there is the next step, not yet validated on a GPU in this workbook), MXFP8
+    where native.
 
     On a CPU the CPU plug-in is registered (`cpu_plugin_status`) and its names are used
     where they are registered — the OpenMP grouped GEMM (``"openmp"``), the fused attention
@@ -199,16 +208,24 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
         compiled = capabilities().triton_mode == "compiled"
         backend = "triton" if compiled else "torch"
         router = router_impl or ("triton" if compiled else "reference")
-        return Stack("optimised", ModelImpls(dispatcher="dropless", expert_backend=backend,
+        # The fused dispatcher folds the permute and the combine into the grouped GEMMs
+        # (moe_lab.kernels.fused_moe); it is Triton only, so it needs Triton compiled.
+        dispatcher = "fused" if compiled else "dropless"
+        dispatch_note = ("fused dispatch: the permute and the weighted combine folded into the "
+                         "grouped GEMMs (gather prologue, deterministic scatter epilogue)" if compiled
+                         else "dropless dispatch: the fused grouped GEMMs need Triton compiled")
+        return Stack("optimised", ModelImpls(dispatcher=dispatcher, expert_backend=backend,
                                              router_impl=router),
                      router_dtype="fp32", step="graphed", mxfp8=mxfp8,
                      notes=(f"{backend} grouped GEMM and {router} router (Triton compiles here)",
-                            "the whole step captured as one CUDA graph", mx_note))
+                            dispatch_note, "the whole step captured as one CUDA graph", mx_note))
     compile = True if compile is None else bool(compile)
     amp = ("bf16" if native_bf16_cpu() else "") if amp is None else amp
     reason = cpu_plugin_status()
     unavailable = f"the CPU plug-in is unavailable here: {reason}"
     interpreted = "Triton runs interpreted on a CPU (correct, far too slow)"
+    interpreted += ("; the fused grouped GEMMs (gather prologue, scatter epilogue) are Triton "
+                    "only, so the CPU keeps the unfused dropless chain")
     if "openmp" in EXPERT_BACKENDS:
         backend, why = "openmp", ("the CPU plug-in's OpenMP grouped GEMM (each core takes whole "
                                   f"experts) and C++ token permutation; {interpreted}")
@@ -266,10 +283,11 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
     The rungs: the naive stack; + dropless dispatch with a grouped GEMM; + the router in
     FP32 (``router_impl``: fused where Triton compiles, on a CPU the winner of
     `pick_router_impl`); + the sync-free step (with the stack's clip step); + the CPU
-    plug-in's fused attention (where it builds); + BF16 autocast (CPU, where it pays; ``amp``
-    as in `optimised_stack`); + ``torch.compile`` (CPU, where on: the router chain is then
-    compiled with the model, and the embedding's gradient is one opaque op) or the CUDA
-    graph (GPU); + MXFP8, where native. The last rung is `optimised_stack`.
+    plug-in's fused attention (where it builds); + the fused dispatcher (GPU, where Triton
+    compiles); + BF16 autocast (CPU, where it pays; ``amp`` as in `optimised_stack`);
+    + ``torch.compile`` (CPU, where on: the router chain is then compiled with the model,
+    and the embedding's gradient is one opaque op) or the CUDA graph (GPU); + MXFP8, where
+    native. The last rung is `optimised_stack`.
     """
     device = device_of(device)
     compile = True if compile is None else bool(compile)
@@ -285,11 +303,15 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
     dropless = with_impls(NAIVE, "dropless", dispatcher="dropless",
                           expert_backend=best.impls.expert_backend)
     rungs.append((f"+ dropless, {best.impls.expert_backend} grouped GEMM", dropless))
-    fp32 = replace(with_impls(dropless, "fp32 router", router_impl=eager_router),
-                   router_dtype="fp32")
+    # One replace: a Triton router checks that its stack's router dtype is FP32.
+    fp32 = replace(dropless, name="fp32 router", impls=replace(dropless.impls, router_impl=eager_router),
+                   router_dtype="fp32", notes=())
     rungs.append((f"+ FP32 router ({eager_router})", fp32))
     last = replace(fp32, name="sync-free", step="sync_free", clip_step=best.clip_step)
     rungs.append(("+ sync-free step", last))
+    if best.impls.dispatcher != last.impls.dispatcher:
+        last = with_impls(last, "fused", dispatcher=best.impls.dispatcher)
+        rungs.append(("+ permute/combine fused into the grouped GEMMs", last))
     if best.impls.attention_impl == "cpu_fused":
         last = with_impls(last, "fused attention", attention_impl="cpu_fused")
         rungs.append(("+ fused CPU attention", last))

@@ -1,0 +1,220 @@
+"""What fusing memory-bound work into the grouped GEMMs buys, counted: bytes and launches per MoE layer.
+
+Each variant of one MoE layer's expert path (forward and backward, the routing itself left
+out: it is the same in every variant) is a list of kernel launches, and each launch is
+charged the bytes of the tensors it reads and writes, once each — an ideal cache for its
+own operands, no cache between launches. That is the model behind every "fusion saves a
+round trip" argument, and what `moe_lab.kernels.fused_moe` changes:
+
+``unfused``
+    permute → GEMM1 → SwiGLU → GEMM2 → weighted unpermute, and their backward.
+``swiglu_epilogue``
+    SwiGLU in GEMM1's epilogue (`moe_lab.kernels.grouped_gemm`, what the ``triton``
+    expert backend runs): the ``[T·k, 2F]`` pre-activation is never written; the backward
+    recomputes it.
+``gather_prologue``
+    + GEMM1 (and its backward's recompute and weight gradient) read the token rows through
+    the row source, so the permuted copy of ``x`` is never written (the row source, one
+    int32 per row, is built instead); the first GEMM's dX is scattered back to the tokens by
+    its epilogue.
+``scatter_epilogue``
+    + GEMM2 weights its rows and stores them token-major, one sum over the top-k follows
+    (deterministic); its backward gathers ``dout`` in its prologue, so the weighted
+    permuted gradient and the saved expert output never exist.
+``scatter_atomic``
+    the same with float32 atomics into ``[T, d]`` (a zeroed accumulator; bfloat16 output
+    needs one cast): no ``[T·k, d]`` buffer at all. Atomic traffic is charged at 4 bytes
+    per contribution (reductions are done in L2; DRAM sees at most that).
+``mxfp8_epilogue``
+    forward of the MXFP8 recipe only: GEMM1 writes ``h`` as E4M3 codes + E8M0 scales
+    (1 + 1/32 bytes per value) from its epilogue, against ``mxfp8_unfused``, where GEMM1
+    writes bfloat16 ``h`` and a quantizer pass reads it and writes the codes.
+
+Gathered reads are charged as many bytes as the rows they read (a token row read by ``k``
+tiles counts ``k`` times), the conservative choice. Weights are counted once per GEMM that
+reads or writes them, for the experts on one GPU: ``E / ep`` of them under expert
+parallelism ``ep`` (default 8, the size the DeepEP and HybridEP figures in the seed's
+sources are quoted at; an assumption, stated in every table), each GPU receiving on
+average ``tokens · k`` routed rows. Activation bytes, the part fusion changes, are
+reported apart from weight bytes. The projected
+time is bytes over HBM bandwidth (`moe_lab.perf.hardware`): the memory-time floor of the
+layer if every launch ran at full bandwidth — a projection from datasheet figures, not a
+measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VARIANTS = ("unfused", "swiglu_epilogue", "gather_prologue", "scatter_epilogue", "scatter_atomic")
+MX_VARIANTS = ("mxfp8_unfused", "mxfp8_epilogue")
+LABELS = {
+    "unfused": "unfused chain",
+    "swiglu_epilogue": "+ SwiGLU epilogue",
+    "gather_prologue": "+ gather prologue",
+    "scatter_epilogue": "+ scatter epilogue (deterministic)",
+    "scatter_atomic": "+ scatter epilogue (fp32 atomics)",
+    "mxfp8_unfused": "MXFP8 fwd: GEMM1 + quantizer pass",
+    "mxfp8_epilogue": "MXFP8 fwd: quantize epilogue",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``name``, bytes read and written, ``phase`` ("fwd" or "bwd"),
+    and whether the bytes are weights (``weights``) or activations."""
+
+    name: str
+    read: float
+    written: float
+    phase: str
+    weights: float = 0.0  # of read + written, the bytes that are expert weights or their grads
+
+    @property
+    def bytes(self) -> float:
+        return self.read + self.written
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer's expert path: ``tokens`` on the GPU, ``top_k``, ``n_experts``,
+    ``d`` (d_model), ``f`` (d_expert), ``b`` bytes per activation/weight element."""
+
+    tokens: int
+    top_k: int
+    n_experts: int
+    d: int
+    f: int
+    b: int = 2
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+
+def launches(variant: str, s: Shape) -> list[Launch]:
+    """The launches of ``variant`` (one of `VARIANTS` or `MX_VARIANTS`) at shape ``s``."""
+    t, r, e, d, f, b = s.tokens, s.rows, s.n_experts, s.d, s.f, s.b
+    map_b, src_b, wt_b = t * s.top_k * 4, r * 4, t * s.top_k * 4  # row-id map, row source, weights
+    w1, w2 = e * d * 2 * f * b, e * f * d * b
+    if variant in MX_VARIANTS:
+        mx = r * f + r * f // 32  # codes + scales
+        if variant == "mxfp8_unfused":
+            return [Launch("GEMM1+SwiGLU (writes bf16 h)", r * d * b + w1, r * f * b, "fwd", w1),
+                    Launch("MXFP8 quantizer", r * f * b, mx, "fwd")]
+        return [Launch("GEMM1+SwiGLU+MXFP8 epilogue", r * d * b + w1, mx, "fwd", w1)]
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS + MX_VARIANTS}, got {variant!r}")
+    level = VARIANTS.index(variant)
+    swiglu_fused, gather, scatter = level >= 1, level >= 2, level >= 3
+    atomic = variant == "scatter_atomic"
+    out: list[Launch] = []
+    add = out.append
+    # ---- forward
+    if gather:
+        add(Launch("row source (fill)", 0, src_b, "fwd"))
+        add(Launch("row source (scatter)", map_b, src_b, "fwd"))
+        x_in = r * d * b + src_b  # gathered token rows
+    else:
+        add(Launch("permute", t * d * b + map_b, r * d * b, "fwd"))
+        x_in = r * d * b
+    if swiglu_fused:
+        add(Launch("GEMM1" + (" (gather)" if gather else "") + "+SwiGLU", x_in + w1, r * f * b, "fwd", w1))
+    else:
+        add(Launch("GEMM1", x_in + w1, r * 2 * f * b, "fwd", w1))
+        add(Launch("SwiGLU", r * 2 * f * b, r * f * b, "fwd"))
+    if atomic:
+        add(Launch("zero fp32 accumulator", 0, t * d * 4, "fwd"))
+        add(Launch("GEMM2+weighted atomic scatter", r * f * b + w2 + src_b + wt_b, r * d * 4, "fwd", w2))
+        if b != 4:
+            add(Launch("cast fp32 -> output", t * d * 4, t * d * b, "fwd"))
+    elif scatter:
+        add(Launch("GEMM2+weighted scatter (token-major)", r * f * b + w2 + src_b + wt_b, r * d * b, "fwd",
+                   w2))
+        add(Launch("sum over top-k", r * d * b, t * d * b, "fwd"))
+    else:
+        add(Launch("GEMM2", r * f * b + w2, r * d * b, "fwd", w2))
+        add(Launch("unpermute (weighted)", r * d * b + map_b + wt_b, t * d * b, "fwd"))
+    # ---- backward of the combine and GEMM2
+    if scatter:
+        n_tiles = max(1, -(-f // 64))
+        add(Launch("dout gather·W2ᵀ, dh + dweight epilogue",
+                   r * d * b + src_b + wt_b + w2 + r * f * b, r * f * b + r * n_tiles * 4, "bwd", w2))
+        add(Launch("dweights: sum partials + index_copy", r * n_tiles * 4 + src_b, wt_b, "bwd"))
+        add(Launch("dW2 (gathered weighted dout)", r * f * b + r * d * b + src_b + wt_b, w2, "bwd", w2))
+    else:
+        add(Launch("unpermute bwd: weighted permute", t * d * b + map_b + wt_b, r * d * b, "bwd"))
+        add(Launch("unpermute bwd: dweights", r * d * b + t * d * b + map_b, wt_b, "bwd"))
+        add(Launch("GEMM2 dX", r * d * b + w2, r * f * b, "bwd", w2))
+        add(Launch("GEMM2 dW", r * f * b + r * d * b, w2, "bwd", w2))
+    # ---- backward of SwiGLU and GEMM1
+    if swiglu_fused:
+        add(Launch("GEMM1 recompute+SwiGLU bwd" + (" (gather)" if gather else ""),
+                   x_in + w1 + r * f * b, r * 2 * f * b, "bwd", w1))
+    else:
+        add(Launch("SwiGLU bwd", r * 2 * f * b + r * f * b, r * 2 * f * b, "bwd"))
+    if gather:
+        add(Launch("GEMM1 dX+scatter (token-major)", r * 2 * f * b + w1 + src_b, r * d * b, "bwd", w1))
+        add(Launch("dx: sum over top-k", r * d * b, t * d * b, "bwd"))
+        add(Launch("GEMM1 dW (gather)", x_in + r * 2 * f * b, w1, "bwd", w1))
+    else:
+        add(Launch("GEMM1 dX", r * 2 * f * b + w1, r * d * b, "bwd", w1))
+        add(Launch("GEMM1 dW", r * d * b + r * 2 * f * b, w1, "bwd", w1))
+        add(Launch("permute bwd: unpermute", r * d * b + map_b, t * d * b, "bwd"))
+    return out
+
+
+def summary(variant: str, s: Shape) -> dict:
+    """Totals of `launches`: bytes (all, activations, weights; forward and backward), launches."""
+    ls = launches(variant, s)
+    total = sum(x.bytes for x in ls)
+    weights = sum(x.weights for x in ls)
+    return {"variant": variant, "label": LABELS[variant], "launches": len(ls),
+            "launches_fwd": sum(x.phase == "fwd" for x in ls), "bytes": total,
+            "activation_bytes": total - weights, "weight_bytes": weights,
+            "bytes_fwd": sum(x.bytes for x in ls if x.phase == "fwd")}
+
+
+DEFAULT_EP = 8
+
+
+def preset_shape(name: str, tokens: int | None = None, ep: int = DEFAULT_EP) -> Shape:
+    """A `moe_lab.config.preset`'s MoE layer on one GPU: ``tokens`` per GPU (default
+    `moe_lab.kernels.launch.SPEC_TOKENS`, the compile report's load), its ``E / ep``
+    local experts, bfloat16."""
+    from moe_lab.config import preset
+    from moe_lab.kernels.launch import SPEC_TOKENS
+
+    m = preset(name).moe
+    if ep < 1 or m.n_experts % ep:
+        raise ValueError(f"ep must divide n_experts = {m.n_experts}, got {ep}")
+    return Shape(SPEC_TOKENS if tokens is None else tokens, m.top_k, m.n_experts // ep, m.d_model,
+                 m.d_expert)
+
+
+def fusion_table(presets: tuple[str, ...] = ("deepseek_v3", "gpt_oss_20b"),
+                 gpus: tuple[str, ...] = ("H200", "GB300"), tokens: int | None = None,
+                 ep: int = DEFAULT_EP) -> list[dict]:
+    """One row per (preset, variant): `summary` plus ``saved_vs_unfused`` (fraction of the
+    unfused chain's bytes) and the projected memory time ``projected_ms_<gpu>`` = bytes /
+    HBM bandwidth (a projection from the datasheet bandwidth, not a measurement)."""
+    from moe_lab.perf.hardware import gpu_spec
+
+    rows = []
+    for name in presets:
+        s = preset_shape(name, tokens, ep)
+        base = summary("unfused", s)["bytes"]
+        mx_base = summary("mxfp8_unfused", s)["bytes"]
+        for variant in VARIANTS + MX_VARIANTS:
+            row = {"preset": name, "tokens": s.tokens, "ep": ep, "local_experts": s.n_experts,
+                   **summary(variant, s)}
+            ref = mx_base if variant in MX_VARIANTS else base
+            row["saved_vs_unfused"] = 1.0 - row["bytes"] / ref
+            for gpu in gpus:
+                row[f"projected_ms_{gpu}"] = row["bytes"] / gpu_spec(gpu).bandwidth * 1e3
+            rows.append(row)
+    return rows
+
+
+__all__ = ["LABELS", "MX_VARIANTS", "VARIANTS", "Launch", "Shape", "fusion_table", "launches",
+           "preset_shape", "summary", "DEFAULT_EP"]
