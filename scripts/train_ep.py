@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 scripts/train_ep.py --preset small
     torchrun --standalone --nproc_per_node=4 scripts/train_ep.py --preset tiny --steps 100
+    torchrun --standalone --nproc_per_node=2 scripts/train_ep.py --schedule 1f1b --microbatches 4
 
 CPU ranks talk through gloo, GPU ranks through NCCL (picked automatically; one GPU per
 local rank). Every rank builds the same model from the same seed, then keeps only its
@@ -14,6 +15,14 @@ the update is that of the mean loss over all ranks' tokens.
 ``--ep-size`` smaller than the world size makes several EP groups of consecutive ranks;
 the copies of each expert shard are then averaged over the ranks that hold them (expert
 data parallelism). For multi-node runs see ``scripts/slurm/train_ep.sbatch``.
+
+``--schedule 1f1b`` splits each rank's batch into ``--microbatches`` micro-batches and runs
+them as the steady state of a 1F1B pipeline does (`moe_lab.dist.merged_model`): the forward
+of micro-batch ``i+1`` merged, block by block, with the backward of micro-batch ``i``, so that
+each one's expert-parallel all-to-alls travel while the other computes (``--chunks`` > 1
+also chunk-pipelines each MoE layer). The default ``--schedule plain`` runs the whole batch
+through autograd at once. The update is the same up to float32 rounding and the auxiliary
+losses, which 1f1b computes per micro-batch (as gradient accumulation does).
 """
 
 from __future__ import annotations
@@ -46,6 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capacity-factor", type=float, default=1.5, help="budget mode: rows per rank "
                    "pair = capacity_factor x the average")
     p.add_argument("--ep-size", type=int, default=0, help="ranks per EP group (0: all)")
+    p.add_argument("--schedule", default="plain", choices=["plain", "1f1b"],
+                   help="plain: the batch through autograd at once; 1f1b: micro-batches, the "
+                   "forward of one merged with the backward of the previous (dropless mode)")
+    p.add_argument("--microbatches", type=int, default=2, help="1f1b: micro-batches per step "
+                   "(must divide --batch-size)")
+    p.add_argument("--chunks", type=int, default=1, help="1f1b: chunks per MoE layer and micro-batch")
     p.add_argument("--expert-backend", default=None, choices=["loop", "torch", "triton"],
                    help="grouped GEMM (default: torch on CPU, triton on GPU)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
@@ -63,7 +78,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     from moe_lab.training.loop import MAX_SEED
 
-    for name in ("steps", "batch_size", "log_every"):
+    for name in ("steps", "batch_size", "log_every", "microbatches", "chunks"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer, "
                              f"got {getattr(args, name)}")
@@ -74,6 +89,13 @@ def check_args(args: argparse.Namespace) -> None:
                              f"got {value}")
     if args.ep_size < 0:
         raise SystemExit(f"error: --ep-size must be >= 0 (0: all ranks), got {args.ep_size}")
+    if args.schedule == "1f1b":
+        if args.mode != "dropless":
+            raise SystemExit("error: --schedule 1f1b schedules the dropless exchange; got --mode "
+                             f"{args.mode}")
+        if args.microbatches < 2 or args.batch_size % args.microbatches:
+            raise SystemExit(f"error: --microbatches must be >= 2 and divide --batch-size="
+                             f"{args.batch_size}, got {args.microbatches}")
     if not 0 <= args.seed <= MAX_SEED:
         raise SystemExit(f"error: --seed must be an integer in [0, {MAX_SEED}], got {args.seed}")
 
@@ -105,6 +127,7 @@ def main(argv=None) -> int:
     from moe_lab.data import SyntheticCorpus
     from moe_lab.dist.ep import EPMoELayer, clip_grad_norm_ep, from_layer, sync_gradients
     from moe_lab.dist.launch import init_from_env
+    from moe_lab.dist.merged_model import MergedModelStep
     from moe_lab.model import MoETransformer
     from moe_lab.moe.layer import MoELayer
     from moe_lab.training.loop import TrainConfig, lr_at
@@ -134,26 +157,32 @@ def main(argv=None) -> int:
     corpus = SyntheticCorpus(seq_len=cfg.seq_len, seed=args.seed)
     data_gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batches
     tokens_per_step = args.batch_size * cfg.seq_len * world
+    merged = MergedModelStep(model, args.chunks) if args.schedule == "1f1b" else None
     history, times = [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
         batch = corpus.sample(args.batch_size, generator=data_gen)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, schedule)
-        out = model(batch.x.to(device), batch.y.to(device))
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        if merged is not None:
+            loss = merged.step(batch.x.to(device), batch.y.to(device), args.microbatches)
+            reruns = 0
+            a2a = sum(e.nbytes for t in merged.timelines for e in t.events if e.phase == "fwd")
+        else:
+            out = model(batch.x.to(device), batch.y.to(device))
+            out.loss.backward()
+            loss = out.loss.detach().clone()
+            reruns = sum(getattr(s, "reruns", 0) for s in out.moe_stats)
+            a2a = sum(getattr(s, "a2a_bytes", 0) for s in out.moe_stats)
         sync_gradients(model, None, dp_group)
         clip_grad_norm_ep(model, 1.0, ep_group)
         optimizer.step()
-        loss = out.loss.detach().clone()
         dist.all_reduce(loss)
         loss = float(loss) / world
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        reruns = sum(getattr(s, "reruns", 0) for s in out.moe_stats)
-        a2a = sum(getattr(s, "a2a_bytes", 0) for s in out.moe_stats)
         history.append({"step": step, "loss": loss, "reruns": reruns, "a2a_bytes": a2a})
         if rank == 0 and not args.json and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss:.4f}  {tokens_per_step / times[-1]:,.0f} tok/s  "
@@ -161,7 +190,8 @@ def main(argv=None) -> int:
     steady = sorted(times[1:] or times)
     summary = {
         "preset": args.preset, "world_size": world, "ep_size": ep_size, "backend": dist.get_backend(),
-        "device": device.type, "mode": args.mode, "steps": args.steps,
+        "device": device.type, "mode": args.mode, "steps": args.steps, "schedule": args.schedule,
+        "microbatches": args.microbatches if merged is not None else 1,
         "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
         "tokens_per_s": tokens_per_step / steady[len(steady) // 2],
         "a2a_bytes_per_step_rank0": history[-1]["a2a_bytes"],

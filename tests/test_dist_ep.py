@@ -115,5 +115,39 @@ def test_train_ep_script_under_torchrun():
     assert s["a2a_bytes_per_step_rank0"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_train_ep_script_runs_the_merged_1f1b_schedule():
+    result = run_torchrun(ROOT / "scripts" / "train_ep.py", 2, "--preset", "tiny", "--steps", "8",
+                          "--batch-size", "4", "--schedule", "1f1b", "--microbatches", "2", "--json",
+                          timeout_s=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert summary, result.stdout[-2000:]
+    import json
+
+    s = json.loads(summary[-1])
+    assert s["schedule"] == "1f1b" and s["microbatches"] == 2 and s["world_size"] == 2
+    assert s["final_loss"] < s["first_loss"]
+    assert s["a2a_bytes_per_step_rank0"] > 0
+
+
+def test_train_ep_script_refuses_bad_schedule_arguments():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_ep", ROOT / "scripts" / "train_ep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for argv, words in ((["--schedule", "1f1b", "--mode", "budget"], ["--schedule 1f1b", "dropless"]),
+                        (["--schedule", "1f1b", "--microbatches", "3"], ["--microbatches", "got 3"]),
+                        (["--chunks", "0"], ["--chunks", "got 0"])):
+        with pytest.raises(SystemExit) as stop:
+            script.parse_args(argv)
+        message = str(stop.value.code)
+        assert message.startswith("error:") and all(w in message for w in words), message
+    args = script.parse_args(["--schedule", "1f1b", "--microbatches", "4"])
+    assert (args.schedule, args.microbatches, args.chunks) == ("1f1b", 4, 1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

@@ -4,6 +4,11 @@
   a process group, tokens moved by two all-to-alls (dropless, or budgeted and sync-free);
 - ``overlap`` — a chunked step that overlaps one chunk's all-to-all with another's expert
   compute (async work handles, optional delayed weight gradients), timed per chunk;
+- ``merged`` — 1F1B merging: the forward of one micro-batch and the backward of another run
+  as one plan of named stages, each one's all-to-all in flight while the other computes
+  (`MergedStep`, the four schedules, `measure_schedules`, `simulate_plan`);
+- ``merged_model`` — a whole model trained on merged 1F1B units, block by block
+  (`MergedModelStep`, used by ``scripts/train_ep.py --schedule 1f1b``);
 - ``timeline`` — the per-chunk events such a step records (`Timeline`) and their Gantt
   chart (`plot_timeline`);
 - ``launch`` — start ranks from Python or a notebook (`run_ranks`) or under torchrun
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ep", "overlap", "timeline", "launch", "netem"]
+__all__ = ["ep", "overlap", "merged", "merged_model", "timeline", "launch", "netem"]
 
 
 def __getattr__(name: str):

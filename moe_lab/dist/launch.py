@@ -105,7 +105,7 @@ def default_backend() -> str:
 
 # Modules the fork server imports once, so that every rank forked from it starts with torch
 # already loaded (a fresh interpreter per rank spends seconds importing torch).
-PRELOAD = ["torch", "torch.distributed", "moe_lab.dist.ep", "moe_lab.dist.overlap"]
+PRELOAD = ["torch", "torch.distributed", "moe_lab.dist.ep", "moe_lab.dist.overlap", "moe_lab.dist.merged"]
 
 
 def _context():

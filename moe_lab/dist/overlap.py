@@ -160,6 +160,7 @@ class _Chunk:
     y_back: Tensor | None = None
     w_leaf: Tensor | None = None
     out: Tensor | None = None
+    aux: Tensor | None = None  # the chunk's weighted auxiliary + z losses (for aux_scale)
 
 
 class ChunkedStep:
@@ -168,8 +169,8 @@ class ChunkedStep:
 
     ``run(x, grad_out, schedule=..., delay_wgrad=..., replay=...)`` returns ``(y, dx,
     Timeline)``; parameter gradients accumulate into ``layer``'s ``.grad`` as
-    ``backward()`` would (the output's gradient only: the auxiliary losses are not
-    back-propagated here). The experts run on ``moe_lab::grouped_mm`` whatever the layer's
+    ``backward()`` would (the output's gradient only, unless ``aux_scale`` is set: then the
+    chunk's auxiliary losses too). The experts run on ``moe_lab::grouped_mm`` whatever the layer's
     expert backend (on CUDA that means bf16, ``torch._grouped_mm``'s restriction there).
     """
 
@@ -185,6 +186,10 @@ class ChunkedStep:
             raise ValueError(f"n_chunks must be a positive integer, got {n_chunks!r}")
         self.layer, self.n_chunks = layer, n_chunks
         self.cache: dict = {}
+        # None: only the output's gradient is back-propagated. A number: the chunk's
+        # auxiliary and z losses (weighted by the config's coefficients) are also part of
+        # the loss, with this factor (a training step: 1 / micro-batches).
+        self.aux_scale: float | None = None
 
     # ------------------------------------------------------------------ stages
     def _route(self, x: Tensor, rows: slice) -> _Chunk:
@@ -197,8 +202,11 @@ class ChunkedStep:
             token_of = order // k
             send = xc.index_select(0, token_of)
             w_sorted = routing.topk_weights.reshape(-1).index_select(0, order)
+            aux = None
+            if self.aux_scale is not None:
+                aux = routing.aux_loss * layer.cfg.aux_loss_coef + routing.z_loss * layer.cfg.z_loss_coef
         counts = routing.tokens_per_expert.view(layer.ep_size, layer.n_local)
-        return _Chunk(rows, xc, token_of, send, w_sorted, counts)
+        return _Chunk(rows, xc, token_of, send, w_sorted, counts, aux=aux)
 
     def _shared_fwd(self, c: _Chunk) -> None:
         if self.layer.shared is not None:
@@ -266,7 +274,11 @@ class ChunkedStep:
         c.wgrad_inputs = ()
 
     def _route_bwd(self, c: _Chunk, dsend: Tensor) -> None:
-        torch.autograd.backward([c.send, c.w_sorted], [dsend, c.w_leaf.grad])
+        tensors, grads = [c.send, c.w_sorted], [dsend, c.w_leaf.grad]
+        if c.aux is not None and c.aux.requires_grad:
+            tensors.append(c.aux)
+            grads.append(torch.full_like(c.aux, self.aux_scale))
+        torch.autograd.backward(tensors, grads)
 
     # ---------------------------------------------------------------- the step
     def run(self, x: Tensor, grad_out: Tensor, schedule: str = "overlap", delay_wgrad: bool = False,

@@ -82,11 +82,15 @@ _COLORS = {
 }
 
 
-def plot_timeline(timelines: dict[str, Timeline | dict], ax=None, title: str | None = None):
+def plot_timeline(timelines: dict[str, Timeline | dict], ax=None, title: str | None = None,
+                  unit: str = "ms"):
     """A Gantt chart: for each labelled step, a compute lane and a communication lane; each
-    bar is one stage of one chunk (numbered). Measured events, drawn to the same time scale."""
+    bar is one stage of one chunk (numbered), backward stages hatched (in a 1F1B-merged
+    step: the other micro-batch). Events drawn to the same time scale."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    k = 1e3 if unit == "ms" else 1.0
 
     items = [(label, t if isinstance(t, Timeline) else Timeline.from_dict(t))
              for label, t in timelines.items()]
@@ -103,14 +107,14 @@ def plot_timeline(timelines: dict[str, Timeline | dict], ax=None, title: str | N
                     continue
                 color = _COLORS.get(e.name, "#999999")
                 used[e.name] = color
-                ax.barh(y, e.duration * 1e3, left=e.start * 1e3, height=0.8, color=color,
-                        edgecolor="black", linewidth=0.3)
-                if e.chunk >= 0 and e.duration * 1e3 > tl.step_s * 1e3 / 60:
-                    ax.text((e.start + e.duration / 2) * 1e3, y, str(e.chunk), ha="center",
+                ax.barh(y, e.duration * k, left=e.start * k, height=0.8, color=color,
+                        edgecolor="black", linewidth=0.3, hatch="///" if e.phase == "bwd" else None)
+                if e.chunk >= 0 and e.duration > tl.step_s / 60:
+                    ax.text((e.start + e.duration / 2) * k, y, str(e.chunk), ha="center",
                             va="center", fontsize=7)
-        ax.axvline(tl.step_s * 1e3, ymin=0, ymax=1, color="gray", linewidth=0.5, linestyle=":")
+        ax.axvline(tl.step_s * k, ymin=0, ymax=1, color="gray", linewidth=0.5, linestyle=":")
     ax.set_yticks(yticks, ylabels)
-    ax.set_xlabel("time since the step began (ms)")
+    ax.set_xlabel(f"time since the step began ({unit})")
     ax.legend(handles=[Patch(color=c, label=n) for n, c in used.items()], fontsize=7, ncol=4,
               loc="upper center", bbox_to_anchor=(0.5, -0.25))
     if title:

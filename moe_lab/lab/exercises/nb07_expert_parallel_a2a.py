@@ -1,5 +1,6 @@
 """Exercises of notebook 07 (expert parallelism): the all-to-all's split sizes from a routing
-map, and the exposed communication a chunked pipeline leaves, predicted from chunk timings."""
+map, the exposed communication a chunked pipeline leaves, predicted from chunk timings, and
+the order of the stages of a 1F1B-merged step, checked on its event log."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import random
 import torch
 
 from moe_lab.dist.ep import traffic_matrix
-from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
+from moe_lab.dist.merged import MODEL_COSTS, PlanError, Stage, check_plan, plan, simulate_plan, stage_graph
+from moe_lab.lab.exercises import ExerciseError, call_answer, exercise, reference_solution
 
 
 @reference_solution("a2a_splits")
@@ -41,6 +43,7 @@ def predict_exposed(comm_s: list[float], compute_s: list[float]) -> float:
     return cpu_free - sum(compute_s)
 
 
+@exercise("a2a_splits")
 def check_a2a_splits(fn) -> None:
     """Raises ExerciseError unless ``fn`` gives every rank's input and output splits,
     including ranks that receive nothing."""
@@ -75,6 +78,7 @@ def check_a2a_splits(fn) -> None:
     print("✓ a2a_splits gives every rank's input and output splits")
 
 
+@exercise("predict_exposed")
 def check_predict_exposed(fn) -> None:
     """Raises ExerciseError unless ``fn`` predicts the pipeline's exposed time, on hand-made
     and random chunk timings."""
@@ -100,3 +104,49 @@ def check_predict_exposed(fn) -> None:
                 "arrived (the link sends one chunk after another from t=0) and the previous chunk "
                 "is computed; exposed = step time − total compute.")
     print("✓ predict_exposed models the pipeline")
+
+
+@reference_solution("merged_order")
+def merged_order(stages: dict[str, Stage]) -> list[str]:
+    """An order of the stages of one merged 1F1B unit (one chunk: micro-batch ``F``'s forward
+    and micro-batch ``B``'s backward of one MoE layer) in which no collective is waited on
+    before it can have finished: every all-to-all is started early and has compute of the
+    *other* micro-batch (or work nothing waits for) between its start and its use.
+    ``stages``: `moe_lab.dist.merged.stage_graph(1)`, names to `Stage` (``lane``, ``deps``)."""
+    return plan("1f1b", 1)
+
+
+def _describe_stages(stages: dict[str, Stage]) -> str:
+    return "; ".join(f"{name} ({s.lane}, after {', '.join(s.deps) or 'nothing'})"
+                     for name, s in stages.items())
+
+
+@exercise("merged_order")
+def check_merged_order(fn) -> None:
+    """Raises ExerciseError unless ``fn(stages)`` returns an order of every stage of
+    ``stage_graph(1)``, each after its dependencies, whose event log on the model machine
+    (`moe_lab.dist.merged.simulate_plan`: one processor, one link carrying the collectives
+    one after another, costs `MODEL_COSTS`) has no wait on a collective that had not
+    finished."""
+    stages = stage_graph(1)
+    order = call_answer(fn, dict(stages))
+    try:
+        order = [str(name) for name in order]
+    except TypeError:
+        raise ExerciseError(f"return a list of stage names, got {order!r}") from None
+    try:
+        check_plan(order, stages)
+    except PlanError as exc:
+        raise ExerciseError(f"{exc}. The stages: {_describe_stages(stages)}") from None
+    log, _ = simulate_plan(order, stages)
+    early = [e for e in log if e["op"] == "wait" and e["idle"] > 1e-9 and e["stage"] != "F.counts"]
+    if early:
+        e = early[0]
+        raise ExerciseError(
+            f"{e['stage']} is waited on at t={e['t']:g} but cannot finish before t={e['finish']:g} "
+            f"(costs: {', '.join(f'{k} {v:g}' for k, v in MODEL_COSTS.items())}; the link carries "
+            "one collective at a time, in the order they were started). Start each all-to-all "
+            "as soon as its input exists, and put compute of the other micro-batch, or work "
+            "nothing waits for (shared experts, weight gradients), between it and its use.")
+    print("✓ merged_order: every collective has finished by the time it is used "
+          f"({sum(1 for e in log if e['op'] == 'wait') - 1} waits, no idle time)")
