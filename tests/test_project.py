@@ -72,6 +72,15 @@ def test_notebook_is_committed_without_outputs(path):
         f"{path.name}: cells {dirty} hold outputs or execution counts; "
         "clear them (Kernel > Restart and Clear Outputs) before committing"
     )
+    # nbformat 4.5 gives every cell an id (a cell added by a script must get one too).
+    ids = [cell.get("id") for cell in _raw_cells(path)]
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: cells without an id or sharing one"
+
+
+def _raw_cells(path) -> list[dict]:
+    import json
+
+    return json.loads(path.read_text(encoding="utf-8"))["cells"]
 
 
 def _is_literal(node: ast.AST) -> bool:

@@ -48,6 +48,44 @@ def test_describe_a_real_notebook():
     assert len(learn) >= 3
 
 
+@pytest.mark.parametrize("name", ["00_lab_bench", "04_fused_router", "05_mxfp8_attention",
+                                  "07_expert_parallel_a2a", "08_pipeline_layout"])
+def test_learn_bullets_are_whole_where_the_source_wraps(name):
+    _, _, learn = site.describe_notebook(ROOT / "notebooks" / f"{name}.ipynb")
+    assert learn and all(item.rstrip().endswith((";", ".", ":")) for item in learn), learn
+
+
+def test_bullets_join_wrapped_lines_and_keep_nested_ones():
+    lines = ["**You will learn**", "- one bullet that", "  wraps here;", "- a parent:",
+             "  - a child", "- last."]
+    assert site._bullets(lines) == ["one bullet that wraps here;", "a parent:\n  - a child", "last."]
+
+
+def test_formulas_become_mathml_outside_code():
+    html_text = site._inline_markdown("bubble $(p-1)/(m+p-1)$, `$HOME` and $$y = x^2$$, costs $5")
+    assert "<math" in html_text and 'display="block"' in html_text
+    assert "<code>$HOME</code>" in html_text and "$5" in html_text
+    assert "$(p" not in html_text and "http" not in html_text
+
+
+def test_third_party_noise_is_left_out_and_our_warnings_kept():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stderr", text=(
+        "Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load\n"
+        "W1201 torch/utils/_pytree.py:630] <enum 'K'> is an Enum subclass and is now natively "
+        "supported. Calling register_constant() on Enum subclasses is deprecated and will be an "
+        "error in a future release.\n"
+        "moe_lab/kernels/mx.py:10: UserWarning: MXFP8 is emulated here\n")),
+        nbformat.v4.new_output("stream", name="stderr", text="Failed to load /y/torchao/a.so: x\n"),
+        nbformat.v4.new_output("display_data", data={site.WIDGET_MIME: {"model_id": "m"},
+                                                     "text/plain": "VBox()"})]
+    prepared, _ = site.prepare_for_site(nb)
+    out, widget = prepared.cells[0].outputs
+    assert out["text"] == "moe_lab/kernels/mx.py:10: UserWarning: MXFP8 is emulated here\n"
+    assert widget["data"] == {"text/html": site.WIDGET_PLACEHOLDER}
+    assert len(nb.cells[0].outputs) == 3  # the notebook itself is not changed
+
+
 # ------------------------------------------------------------------------------ headlines
 
 
@@ -124,7 +162,9 @@ def built(tmp_path_factory):
     (workbook / "scratch.ipynb").write_text("{}")  # not part of the workbook
     ledger = root / "results" / "ledger.jsonl"
     ledger.parent.mkdir()
-    ledger.write_text(json.dumps(_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs")) + "\n")
+    ledger.write_text(json.dumps(_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs")) + "\n"
+                      + json.dumps(_rec("01_naive_moe", "naive", "syncs_per_step", 7, "syncs",
+                                        time="2026-11-30T10:00:00", source="lab")) + "\n")
     index = site.build_site(workbook, root / "site", ledger)
     return root, index
 
@@ -137,6 +177,8 @@ def test_index_lists_every_notebook_with_its_headline(built):
     assert "This notebook teaches <em>one</em> thing with <code>code</code>." in page
     assert "<li>the first lesson;</li>" in page
     assert "24 syncs" in page and "cpu:test x2" in page
+    assert "7 syncs" not in page  # a hand-run (Lab) record never reaches the site
+    assert page.count(">01<") == 0  # the number once: the title already starts with it
     assert "No figure in the ledger yet" in page  # notebook 10 has none
     assert "a cell failed" in page  # notebook 10 raised
     assert "scratch" not in page
@@ -151,6 +193,13 @@ def test_site_opens_without_a_server(built):
         assert (root / "site" / link).is_file()
         assert "<html" in (root / "site" / link).read_text()
     assert "http" not in page and "<script" not in page and "<link" not in page
+    first, last = ((root / "site" / link).read_text() for link in links)
+    for text in (first, last):  # nothing fetched: no script, stylesheet or font from anywhere
+        assert not re.search(r"<script[^>]+src=|<link[^>]+href=\"?https?:", text)
+        assert "cdnjs" not in text and "mathjax" not in text.lower()
+        assert text.count('href="index.html"') == 2  # the navigation bar, top and bottom
+    assert re.search(r'<a (?=[^>]*rel="next")(?=[^>]*href="10_time_to_train.html")', first)
+    assert re.search(r'<a (?=[^>]*rel="prev")(?=[^>]*href="01_naive_moe.html")', last)
 
 
 def test_build_site_needs_a_folder(tmp_path):

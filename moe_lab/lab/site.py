@@ -6,10 +6,15 @@ and writes ``build/site/index.html``: per notebook its title, what it teaches (t
 paragraph of its first markdown cell and its "you will learn" bullets), its headline
 figure read from the results ledger (with the hardware and date it was measured on), and a
 link. Everything is a plain file linked by relative paths, so the site opens from disk in
-any browser, with no server. The index carries its style inline and loads nothing from the
-network; the notebook pages are nbconvert's, whose own styles are inlined too (they may ask
-a CDN for MathJax to typeset formulas; without a network formulas show as TeX source and
-everything else reads the same).
+any browser, with no server and no network: every page carries its style inline, formulas
+are converted to MathML when the page is written (`latex2mathml`; browsers render MathML
+natively, so no MathJax is loaded), and the pages load no script from anywhere — nbconvert's
+require.js, MathJax, Mermaid and widget-manager tags are left out of the template. A widget
+has no live state in a headless run: the explorers draw a static figure there instead.
+Every page links to the previous and next notebook and to the index. Known third-party
+noise on stderr (torchao failing to load a compiled extension, torch's deprecation notes)
+is left out of the pages; moe_lab's own warnings are kept. Records of hand-run notebooks
+(`moe_lab.perf.ledger.lab_session`) never reach the headlines.
 
 The headline figure of each notebook is chosen by `HEADLINES` (a table, one entry per
 notebook, in order of preference) or, overriding it, by a ledger record carrying the extra
@@ -20,17 +25,18 @@ which prints the README's gains table from the same choice.
 
 from __future__ import annotations
 
+import copy
 import html
 import os
-import shutil
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from moe_lab.lab.notebook_files import NOTEBOOK_PATTERN, export_html, write_text_atomically
+from moe_lab.lab.notebook_files import NOTEBOOK_PATTERN, write_text_atomically
 from moe_lab.perf.capabilities import capabilities
-from moe_lab.perf.ledger import format_value, latest, read
+from moe_lab.perf.ledger import format_value, latest, read, workbook_records
 
 # --------------------------------------------------------------------------------------
 # Which figure is each notebook's headline
@@ -82,9 +88,11 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         # Quality first: measured the same way on every machine (a CPU runs the quantizer
         # kernel interpreted, so its bandwidth there says nothing about the format).
         Headline("eval_loss_gap[MXFP8 attention vs baseline]",
-                 "eval loss of a model trained with MXFP8 attention vs the bf16 baseline",
+                 "eval loss of a model trained with MXFP8 attention (emulated) vs the baseline "
+                 "attention in the model's dtype (fp32 on a CPU)",
                  "quality"),
-        Headline("quantizer_bandwidth", "MX quantizer bandwidth", "quantizer"),),
+        Headline("quantizer_bandwidth", "MX quantizer bandwidth (Triton interpreted where there is "
+                 "no GPU: the interpreter's speed, not the format's)", "quantizer"),),
     "06_cuda_graphs": (
         Headline("speedup", "whole training step, CUDA graph vs eager (small preset)",
                  "small: graphed vs eager"),
@@ -273,8 +281,28 @@ def describe_notebook(notebook) -> tuple[str, str, list[str]]:
     if current:
         paragraphs.append(" ".join(current))
     summary = next((p for p in paragraphs if not p.startswith(("-", "*", "**"))), "")
-    learn = [line.strip()[2:].strip() for line in lines if line.strip().startswith(("- ", "* "))]
-    return title, summary, learn
+    return title, summary, _bullets(lines)
+
+
+def _bullets(lines: Sequence[str]) -> list[str]:
+    """The top-level bullets of ``lines``, each whole: a line that continues a bullet where
+    the source wraps is joined to it, and a nested bullet stays nested (as Markdown)."""
+    items: list[str] = []
+    open_item = False
+    for line in lines:
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            open_item = False  # a blank line or a heading ends the list item
+            continue
+        bullet = stripped.startswith(("- ", "* "))
+        if bullet and not line[:1].isspace():
+            items.append(stripped[2:].strip())
+            open_item = True
+        elif open_item and bullet:
+            items[-1] += "\n  - " + stripped[2:].strip()
+        elif open_item:
+            items[-1] += " " + stripped
+    return items
 
 
 def _status(nb) -> str:
@@ -293,25 +321,177 @@ def _status(nb) -> str:
 # --------------------------------------------------------------------------------------
 
 
+# Inline code and fenced code keep their dollars; ``$$…$$`` is display math, ``$…$`` inline
+# math (no space inside the delimiters, no digit after the closing one: "$5" is money).
+_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+_MATH = re.compile(r"(?<!\\)\$\$(.+?)\$\$|(?<![\\$])\$(?![\s$])([^$\n]+?)(?<![\s\\])\$(?!\d)", re.S)
+_TOKEN = "MOELABMATH{}X"
+
+
+def latex_to_mathml(tex: str, display: bool = False) -> str:
+    """One formula as MathML (rendered natively by browsers; no script, no network). Without
+    ``latex2mathml`` (the ``lab`` extra) the TeX is shown as code, and a warning says so."""
+    try:
+        from latex2mathml.converter import convert  # the lab/test extras; only the site needs it
+    except ImportError:
+        import warnings
+
+        warnings.warn("latex2mathml is not installed (pip install -e '.[lab]'): the site shows "
+                      "formulas as TeX", stacklevel=2)
+        return f'<code class="tex">{html.escape(tex)}</code>'
+    try:
+        mathml = convert(tex.strip(), display="block" if display else "inline")
+    except Exception:  # TeX the converter does not know: shown as TeX, the page still renders
+        return f'<code class="tex">{html.escape(tex)}</code>'
+    return mathml.replace(' xmlns="http://www.w3.org/1998/Math/MathML"', "")
+
+
+def protect_math(markdown: str, formulas: list[str]) -> str:
+    """``markdown`` with every formula outside code replaced by a placeholder (letters and
+    digits only, which Markdown leaves alone); the formula's MathML goes to ``formulas``.
+    `restore_math` puts it back into the HTML."""
+    out, last = [], 0
+    for code in [*_CODE.finditer(markdown), None]:
+        end = code.start() if code is not None else len(markdown)
+        text = markdown[last:end]
+
+        def swap(match: re.Match) -> str:
+            display = match.group(1) is not None
+            formulas.append(latex_to_mathml(match.group(1) if display else match.group(2), display))
+            return _TOKEN.format(len(formulas) - 1)
+
+        out.append(_MATH.sub(swap, text))
+        if code is not None:
+            out.append(code.group(0))
+            last = code.end()
+    return "".join(out)
+
+
+def restore_math(html_text: str, formulas: Sequence[str]) -> str:
+    """Put the MathML of `protect_math`'s placeholders into ``html_text``."""
+    return re.sub(r"MOELABMATH(\d+)X", lambda m: formulas[int(m.group(1))], html_text)
+
+
 def _inline_markdown(text: str) -> str:
-    """Markdown of one paragraph or bullet as HTML (mistune, nbconvert's own renderer)."""
+    """Markdown of one paragraph or bullet as HTML (mistune, nbconvert's own renderer), its
+    formulas as MathML."""
     import mistune  # nbconvert's renderer, installed with it; only the index needs it
 
-    rendered = mistune.html(text).strip()
+    formulas: list[str] = []
+    rendered = mistune.html(protect_math(text, formulas)).strip()
     if rendered.startswith("<p>") and rendered.endswith("</p>") and rendered.count("<p>") == 1:
         rendered = rendered[3:-4]
-    return rendered
+    return restore_math(rendered, formulas)
 
 
-def export_page(notebook: Path, target: Path) -> Path:
-    """Render one executed notebook to ``target`` (reusing an HTML export beside it when it
-    is at least as new as the notebook)."""
-    beside = notebook.with_suffix(".html")
-    if beside.exists() and beside.stat().st_mtime >= notebook.stat().st_mtime:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(beside, target)
-        return target
-    export_html(notebook, target)
+# stderr lines that third-party libraries print and the pages leave out: what they say is
+# not about this notebook (a compiled extension for another Python, a deprecation inside a
+# library). Each pattern names its library, so moe_lab's own warnings always show.
+THIRD_PARTY_NOISE = (
+    re.compile(r"^Failed to load \S*torchao\S*\.so\b"),
+    re.compile(r"torch/utils/_pytree\.py:\d+\].*register_constant\(\) on Enum subclasses is deprecated"),
+    re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
+)
+
+
+def _without_noise(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not any(p.search(line) for p in THIRD_PARTY_NOISE))
+
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+WIDGET_PLACEHOLDER = (
+    '<div class="moe-widget-placeholder" style="border:1px dashed #999;padding:.6em 1em;'
+    'color:#444;background:#fafafa">An interactive explorer: its controls work in JupyterLab '
+    "(<code>make lab</code>). Run headless, as the workbook does, the notebook draws the "
+    "explorer's figure at its default settings instead.</div>")
+
+
+def prepare_for_site(nb) -> tuple:
+    """A copy of the executed notebook ``nb`` ready to export: formulas of markdown cells
+    and Markdown outputs replaced by placeholders (their MathML returned beside), known
+    third-party stderr noise dropped (a stream left empty is dropped too), and a live
+    widget's output replaced by a note saying where its controls work."""
+    nb = copy.deepcopy(nb)
+    formulas: list[str] = []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = protect_math(cell.source, formulas)
+            continue
+        if cell.cell_type != "code":
+            continue
+        outputs = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                out["text"] = _without_noise(out.get("text", ""))
+                if not out["text"].strip():
+                    continue
+            data = out.get("data", {})
+            if WIDGET_MIME in data:  # a live widget: no widget manager is loaded, say so
+                out["data"] = {"text/html": WIDGET_PLACEHOLDER}
+                outputs.append(out)
+                continue
+            if "text/markdown" in data:
+                data["text/markdown"] = protect_math(data["text/markdown"], formulas)
+            outputs.append(out)
+        cell.outputs = outputs
+    return nb, formulas
+
+
+# nbconvert's lab template without the tags that fetch scripts (require.js, MathJax,
+# Mermaid, the widget manager), with a navigation bar at the top and the bottom.
+_PAGE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block html_head_css -%}<style>{{ resources.moe_nav_css }}</style>{%- endblock html_head_css -%}
+{%- block body_header -%}{{ super() }}{{ resources.moe_nav }}{%- endblock body_header -%}
+{% block body_footer %}{{ resources.moe_nav }}{{ super() }}{% endblock body_footer %}
+"""
+
+_NAV_CSS = """
+nav.moe-nav { display: flex; gap: 1.2rem; justify-content: space-between; align-items: center;
+  max-width: 1100px; margin: .6rem auto; padding: .5rem 1rem; font: 14px/1.4 system-ui, sans-serif;
+  background: #f4f6f8; border: 1px solid #dde; border-radius: 6px; }
+nav.moe-nav a { color: #0b5cad; text-decoration: none; }
+nav.moe-nav a:hover { text-decoration: underline; }
+nav.moe-nav .none { color: #999; }
+math { font-size: 1.1em; }
+math[display="block"] { margin: .6em 0; }
+"""
+
+
+def navigation(prev: tuple[str, str] | None, nxt: tuple[str, str] | None) -> str:
+    """The bar every page carries: ``(href, title)`` of the previous and next notebook
+    (``None`` at either end) and the index."""
+    esc = html.escape
+    left = (f'<a rel="prev" href="{esc(prev[0])}">← {esc(prev[1])}</a>' if prev
+            else '<span class="none">← (first notebook)</span>')
+    right = (f'<a rel="next" href="{esc(nxt[0])}">{esc(nxt[1])} →</a>' if nxt
+             else '<span class="none">(last notebook) →</span>')
+    return (f'<nav class="moe-nav">{left}<a rel="index" href="index.html">Index of the workbook</a>'
+            f'{right}</nav>')
+
+
+def render_page(nb, nav: str = "") -> str:
+    """One executed notebook (an nbformat node) as a page that needs no network: formulas
+    as MathML, no script tags, third-party stderr noise left out, ``nav`` at top and bottom."""
+    import jinja2
+    from nbconvert import HTMLExporter  # slow to import; only a page export needs it
+
+    prepared, formulas = prepare_for_site(nb)
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"moe_site.html.j2": _PAGE_TEMPLATE})],
+                            template_file="moe_site.html.j2")
+    body, _ = exporter.from_notebook_node(prepared, resources={"moe_nav": nav, "moe_nav_css": _NAV_CSS})
+    return restore_math(body, formulas)
+
+
+def export_page(notebook: Path, target: Path, nav: str = "") -> Path:
+    """Render one executed notebook to ``target`` with `render_page`."""
+    import nbformat
+
+    write_text_atomically(target, render_page(nbformat.read(notebook, as_version=4), nav))
     return target
 
 
@@ -322,7 +502,7 @@ main { max-width: 960px; margin: 0 auto; padding: 2rem 1.2rem 4rem; }
 h1 { font-size: 1.8rem; margin-bottom: .2rem; }
 .sub { color: #555; margin-top: 0; }
 ol.notebooks { list-style: none; padding: 0; }
-ol.notebooks li { background: #fff; border: 1px solid #ddd; border-radius: 8px;
+ol.notebooks > li { background: #fff; border: 1px solid #ddd; border-radius: 8px;
                   padding: .9rem 1.1rem; margin: .8rem 0; }
 .num { font-family: ui-monospace, monospace; color: #777; margin-right: .4rem; }
 h2 { font-size: 1.15rem; margin: 0 0 .3rem; }
@@ -330,6 +510,9 @@ h2 a { color: #0b5cad; text-decoration: none; }
 h2 a:hover { text-decoration: underline; }
 .summary { margin: .3rem 0; }
 ul.learn { margin: .2rem 0 .4rem 1.1rem; padding: 0; color: #333; font-size: .93rem; }
+ul.learn { list-style: disc; }
+ul.learn ul { margin: .1rem 0 .1rem 1.1rem; padding: 0; list-style: circle; }
+math { font-size: 1.1em; }
 .figure { margin-top: .4rem; font-size: .93rem; }
 .figure b { font-size: 1.05rem; }
 .meta { color: #666; font-size: .85rem; }
@@ -359,15 +542,21 @@ def render_index(pages: Sequence[NotebookPage], *, title: str = "moe_lab workboo
         learn_html = f'<ul class="learn">{learn}</ul>' if learn else ""
         if page.headline and page.headline.get("figure"):
             h = page.headline
+            record = h.get("record") or {}
+            where = ("simulated" if record.get("kind") == "simulated" or h["hardware"] == "simulated"
+                     else "calculated" if record.get("kind") == "calculation"
+                     else f"measured on {h['hardware']}")
             figure = (f'<div class="figure">Headline: <b>{esc(h["figure"])}</b> — '
-                      f'{esc(h["label"] or "")} <span class="meta">(measured on '
-                      f'{esc(str(h["hardware"]))}, {esc(str(h["date"]))}; reproduce: '
+                      f'{esc(h["label"] or "")} <span class="meta">({esc(where)}, '
+                      f'{esc(str(h["date"]))}; reproduce: '
                       f'<code>{esc(h["command"])}</code>)</span></div>')
         else:
             figure = ('<div class="figure meta">No figure in the ledger yet: run '
                       f'<code>{esc(workbook_command(page.name))}</code>.</div>')
+        number = ("" if (page.title or "").startswith(page.number)
+                  else f'<span class="num">{esc(page.number)}</span>')
         items.append(
-            f'<li id="{esc(page.name)}"><h2><span class="num">{esc(page.number)}</span>'
+            f'<li id="{esc(page.name)}"><h2>{number}'
             f'{heading}{status}</h2><p class="summary">{_inline_markdown(page.summary)}</p>'
             f'{learn_html}{figure}</li>')
     machine_html = f"<p class=\"sub\">Executed on {esc(machine)}.</p>" if machine else ""
@@ -401,23 +590,32 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
                          f"{str(source)!r}")
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
-    records = read(ledger_path) if ledger_path is not None else read()
+    records = workbook_records(read(ledger_path) if ledger_path is not None else read())
     notebooks = sorted(p for p in source.iterdir() if p.is_file() and NOTEBOOK_PATTERN.match(p.name))
-    pages = []
+    described = []
     for path in notebooks:
-        number = NOTEBOOK_PATTERN.match(path.name).group(1)
         try:
             nb = nbformat.read(path, as_version=4)
-            title_, summary, learn = describe_notebook(nb)
-            status = _status(nb)
+            described.append((path, nb, *describe_notebook(nb), _status(nb)))
         except Exception:  # an unreadable notebook is still listed
-            title_, summary, learn, status = path.stem, "", [], "not executed"
+            described.append((path, None, path.stem, "", [], "not executed"))
+    pages = []
+    for i, (path, nb, title_, summary, learn, status) in enumerate(described):
+        number = NOTEBOOK_PATTERN.match(path.name).group(1)
+        prev = described[i - 1] if i > 0 else None
+        nxt = described[i + 1] if i + 1 < len(described) else None
+        nav = navigation(prev and (f"{prev[0].stem}.html", prev[2] or prev[0].stem),
+                         nxt and (f"{nxt[0].stem}.html", nxt[2] or nxt[0].stem))
         href = ""
         try:
-            export_page(path, target / f"{path.stem}.html")
-            href = f"{path.stem}.html"
-        except Exception:
-            href = ""
+            if nb is not None:
+                write_text_atomically(target / f"{path.stem}.html", render_page(nb, nav))
+                href = f"{path.stem}.html"
+        except Exception as exc:  # listed without a link; say why on the build's stderr
+            import sys
+
+            print(f"site: {path.name} could not be rendered: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
         rows = headline_rows(records, [path.stem])
         pages.append(NotebookPage(name=path.stem, number=number, title=title_, summary=summary,
                                   learn=learn, href=href, status=status,
@@ -433,7 +631,8 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     return index
 
 
-__all__ = ["HEADLINES", "MACHINE_FREE_KINDS", "Headline", "NotebookPage", "build_site", "describe_notebook",
-           "export_page", "find_headline", "format_figure", "headline_rows",
-           "on_cpu_or_machine_free", "render_index",
+__all__ = ["HEADLINES", "MACHINE_FREE_KINDS", "THIRD_PARTY_NOISE", "Headline", "NotebookPage",
+           "build_site", "describe_notebook", "export_page", "find_headline", "format_figure",
+           "headline_rows", "latex_to_mathml", "navigation", "on_cpu_or_machine_free",
+           "prepare_for_site", "protect_math", "render_index", "render_page", "restore_math",
            "workbook_command"]

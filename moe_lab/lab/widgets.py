@@ -65,11 +65,31 @@ def routing_figure(n_experts: int = 16, top_k: int = 2, skew: float = 1.0,
     return fig
 
 
-def explorer(figure_fn: Callable, **sliders):
-    """Sliders bound to ``figure_fn``; a static figure (default values) when headless.
+def _control(w, name: str, default, opts: dict):
+    """One control for ``name``: a checkbox for a bool, else an int or float slider. The
+    label is the whole name (or ``opts["label"]``) on its own line above the control, so no
+    label is cut however many controls there are; ``opts["tooltip"]`` is shown on hover."""
+    opts = dict(opts)
+    label = opts.pop("label", name.replace("_", " "))
+    tooltip = opts.pop("tooltip", label)
+    if isinstance(default, bool):
+        control = w.Checkbox(value=default, description=label, indent=False, tooltip=tooltip,
+                             layout=w.Layout(width="auto"))
+        return control
+    cls = w.IntSlider if isinstance(default, int) else w.FloatSlider
+    slider = cls(value=default, continuous_update=False, tooltip=tooltip,
+                 layout=w.Layout(width="95%"), **opts)
+    return slider
 
-    ``sliders``: name -> (default, ipywidgets widget factory args) e.g.
-    ``n_experts=(16, dict(min=2, max=64, step=2))``; ints give IntSlider, floats FloatSlider.
+
+def explorer(figure_fn: Callable, **sliders) -> None:
+    """Controls bound to ``figure_fn``; a static figure (default values) when headless.
+
+    ``sliders``: name -> (default, options), e.g. ``n_experts=(16, dict(min=2, max=64,
+    step=2))``: an int gives an IntSlider, a float a FloatSlider, a bool a checkbox.
+    ``options`` may also hold ``label`` (default: the name, with spaces) and ``tooltip``.
+    The controls sit in a grid of labelled cells, two per row, above the figure.
+    Displays the explorer and returns ``None``, so a cell ending in the call shows it once.
     """
     defaults = {k: v[0] for k, v in sliders.items()}
     if headless():
@@ -79,27 +99,35 @@ def explorer(figure_fn: Callable, **sliders):
         return None
     import ipywidgets as w  # optional: without it (or a front end) the figure is static
 
-    controls = {}
+    controls, cells = {}, []
     for name, (default, opts) in sliders.items():
-        cls = w.IntSlider if isinstance(default, int) else w.FloatSlider
-        controls[name] = cls(value=default, description=name, continuous_update=False, **opts)
+        control = _control(w, name, default, opts)
+        controls[name] = control
+        if isinstance(control, w.Checkbox):
+            cells.append(w.VBox([control]))
+        else:
+            title = opts.get("label", name.replace("_", " "))
+            cells.append(w.VBox([w.Label(title, tooltip=opts.get("tooltip", title)), control]))
 
     def draw(**kw):
         fig = figure_fn(**kw)
-        plt.show(fig)
+        display(fig)
+        plt.close(fig)
 
     out = w.interactive_output(draw, controls)
-    box = w.VBox([w.HBox(list(controls.values())), out])
-    display(box)
-    return box
+    grid = w.GridBox(cells, layout=w.Layout(grid_template_columns="repeat(2, minmax(220px, 1fr))",
+                                            grid_gap="4px 24px", width="100%"))
+    display(w.VBox([grid, out]))
+    return None
 
 
-def routing_explorer():
+def routing_explorer() -> None:
     """Routing skew, top-k and number of experts → tokens per expert, imbalance, overflow."""
-    return explorer(
+    explorer(
         routing_figure,
-        n_experts=(16, dict(min=2, max=64, step=1)),
-        top_k=(2, dict(min=1, max=8, step=1)),
-        skew=(1.0, dict(min=0.0, max=3.0, step=0.1)),
-        capacity_factor=(1.0, dict(min=0.5, max=2.0, step=0.05)),
+        n_experts=(16, dict(min=2, max=64, step=1, label="experts")),
+        top_k=(2, dict(min=1, max=8, step=1, label="top-k (experts per token)")),
+        skew=(1.0, dict(min=0.0, max=3.0, step=0.1, label="popularity skew (0 = uniform)")),
+        capacity_factor=(1.0, dict(min=0.5, max=2.0, step=0.05,
+                                   label="capacity factor (x mean load)")),
     )

@@ -2,7 +2,8 @@
 
 ``python -m moe_lab workbook`` (what ``make workbook`` runs) finds ``notebooks/NN_*.ipynb``
 in the project root and executes each, in order, with papermill — parameters ``PROFILE``
-and ``SOLUTIONS``, kernel ``python3``, working directory ``notebooks/`` — into
+and ``SOLUTIONS`` (``True`` unless asked otherwise: the committed notebooks say ``False``,
+learner mode), kernel ``python3``, working directory ``notebooks/`` — into
 ``build/workbook/<name>.ipynb``, then exports ``build/workbook/<name>.html`` with
 nbconvert. The kernel inherits this process's environment, which carries
 ``MOE_LAB_PROFILE`` and ``MOE_LAB_RESULTS_DIR`` so every figure a notebook records lands in
@@ -204,7 +205,10 @@ def run_workbook(
         only: run just these notebooks (``01_naive_moe``, ``naive_moe`` or ``01``).
         html: also export each executed notebook to ``<out>/workbook/<name>.html``.
         out: the build directory; default ``<root>/build``.
-        solutions: the ``SOLUTIONS`` parameter; ``False`` leaves the exercises to you.
+        solutions: the ``SOLUTIONS`` parameter, injected into every notebook (whose own
+            default is ``False``, learner mode): ``True`` checks the reference solutions;
+            ``False`` checks your answers, reports each exercise not done yet and carries on
+            with its reference solution.
         root: the project root; default: the moe_lab checkout (see ``project_root``).
         notebooks_dir: where the notebooks are; default ``<root>/notebooks``.
         results_dir: the ledger's directory; default ``$MOE_LAB_RESULTS_DIR``, else
@@ -395,6 +399,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--no-solutions",
         dest="solutions",
         action="store_false",
-        help="run with SOLUTIONS=False: your answers to the exercises are checked",
+        help="run with SOLUTIONS=False (learner mode): your answers are checked, and each "
+        "exercise not done yet is reported and its reference solution used",
     )
     parser.set_defaults(func=run)

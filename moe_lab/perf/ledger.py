@@ -12,6 +12,14 @@ else ``<project root>/build/results/ledger.jsonl``. The project root is the near
 of the current directory holding the moe-lab ``pyproject.toml``, so a notebook executing
 with cwd ``notebooks/`` writes to the same ledger as the command line.
 
+A notebook run by hand in JupyterLab (not by the workbook runner, which sets
+``$MOE_LAB_PROFILE``, nor headless under papermill, ``$MOE_LAB_HEADLESS=1``) records to
+``lab-ledger.jsonl`` beside it instead, each record tagged ``"source": "lab"``: a learner's
+run never replaces the workbook's figures that later notebooks, ``RESULTS.md`` and the site
+read. In such a session ``read()`` returns both files, so the learner's notebooks see their
+own figures too; the site and ``RESULTS.md`` read ``ledger.jsonl`` by path, and drop any
+record tagged ``lab`` (`workbook_records`).
+
 Why appends cannot corrupt it: each record is encoded to one ``bytes`` line first and
 written with a single ``os.write`` on a descriptor opened with ``O_APPEND``. The kernel
 moves to the end of the file and writes in one step, so concurrent writers (two notebooks,
@@ -31,6 +39,7 @@ import math
 import numbers
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
@@ -52,6 +61,9 @@ except ModuleNotFoundError:  # Windows: no advisory locks; appends stay single w
 RESULTS_ENV = "MOE_LAB_RESULTS_DIR"
 PROFILE_ENV = "MOE_LAB_PROFILE"
 LEDGER_NAME = "ledger.jsonl"
+LAB_LEDGER_NAME = "lab-ledger.jsonl"
+HEADLESS_ENV = "MOE_LAB_HEADLESS"
+LAB_SOURCE = "lab"
 PROJECT_NAME = "moe-lab"
 
 # Keys every record has; ``**extra`` may add others but not replace these (bar ``profile``).
@@ -113,6 +125,28 @@ def results_dir() -> Path:
 def ledger_path() -> Path:
     """The ledger file: ``results_dir() / "ledger.jsonl"``."""
     return results_dir() / LEDGER_NAME
+
+
+def lab_ledger_path() -> Path:
+    """The ledger of hand-run notebooks: ``results_dir() / "lab-ledger.jsonl"``."""
+    return results_dir() / LAB_LEDGER_NAME
+
+
+def lab_session() -> bool:
+    """True inside a Jupyter kernel that neither the workbook runner (``$MOE_LAB_PROFILE``)
+    nor a headless run (``$MOE_LAB_HEADLESS=1``) started: a learner running cells by hand."""
+    if os.environ.get(PROFILE_ENV) or os.environ.get(HEADLESS_ENV) == "1":
+        return False
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def workbook_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` without those of hand-run notebooks (tagged ``"source": "lab"``)."""
+    return [r for r in records if r.get("source") != LAB_SOURCE]
 
 
 # ------------------------------------------------------------------------------ context
@@ -227,13 +261,16 @@ def record(
         "profile": profile,
         **extra,
     }
+    lab = lab_session()
+    if lab:  # a hand run: its own file, tagged, so it never replaces the workbook's figures
+        entry["source"] = LAB_SOURCE
     try:
         line = json.dumps(entry, allow_nan=False, ensure_ascii=False) + "\n"
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"extra fields of metric {metric!r} must be JSON-serialisable and finite: {exc}"
         ) from None
-    _append_line(ledger_path(), line.encode("utf-8"))
+    _append_line(lab_ledger_path() if lab else ledger_path(), line.encode("utf-8"))
     return entry
 
 
@@ -244,9 +281,16 @@ def read(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """All records in the ledger at ``path`` (default: ``ledger_path()``), oldest first.
 
     A missing ledger is an empty one. A line that is not a JSON object (a write torn by a
-    crash, a hand edit) is skipped with a ``LedgerWarning`` naming the file and line.
+    crash, a hand edit) is skipped with a ``LedgerWarning`` naming the file and line. With
+    no ``path`` in a hand-run Jupyter session (`lab_session`), the records of
+    ``lab-ledger.jsonl`` follow those of ``ledger.jsonl``.
     """
-    file = Path(path) if path is not None else ledger_path()
+    if path is None and lab_session():
+        return _read_file(ledger_path()) + _read_file(lab_ledger_path())
+    return _read_file(Path(path) if path is not None else ledger_path())
+
+
+def _read_file(file: Path) -> list[dict[str, Any]]:
     try:
         data = file.read_bytes()
     except FileNotFoundError:
@@ -264,7 +308,7 @@ def read(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
                 f"{file}: line {number} is not a ledger record and was skipped "
                 f"(a torn write?): {raw[:80]!r}",
                 LedgerWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             continue
         records.append(item)

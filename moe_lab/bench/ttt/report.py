@@ -3,8 +3,10 @@
 `summarise` gives each stack's median time to target, its spread and the speed-up over the
 naive stack; `loss_gap` compares the stacks' eval losses at the same step, paired by seed;
 `mfu_rows` and `stack_ceilings` put the training throughput against this machine's
-measured matmul ceiling, `speedup_bound` says what that leaves, and `gb300_projection`
-what the measured efficiency would mean on a GB300 (a projection, labelled so). The
+measured matmul ceiling, `speedup_bound` says what that leaves; `gb300_from_reported`
+projects DeepSeek-V3 on GB300 from the FLOPs model and NVIDIA's reported figures alone, and
+`gb300_projection` what an efficiency measured here would mean there (a projection,
+labelled so; notebook 10 no longer uses it: a CPU's MFU says little about a GB300). The
 `record_*` functions write the figures to the ledger (`moe_lab.perf.ledger`), the ladder in
 the form `moe_lab.lab.waterfall` draws.
 """
@@ -27,7 +29,7 @@ from moe_lab.perf.hardware import gpu_spec
 NOTEBOOK = "bench:time-to-train"
 LADDER_METRIC = "step_tokens_per_s"
 
-__all__ = ["LADDER_METRIC", "NOTEBOOK", "gb300_projection", "loss_gap", "mfu_rows",
+__all__ = ["LADDER_METRIC", "NOTEBOOK", "gb300_from_reported", "gb300_projection", "loss_gap", "mfu_rows",
            "record_ladder", "record_summary", "speedup_bound", "stack_ceilings", "summarise"]
 
 
@@ -203,6 +205,43 @@ def gb300_projection(mfu_by_stack: dict[str, float], gpu: str = "GB300",
     rows.append(row(f"{spec.name} {dtype} datasheet peak (MFU = 1)", "bound", 1.0,
                     f"{spec.source} figure; unreachable"))
     return rows
+
+
+def gb300_from_reported(gpu: str = "GB300") -> list[dict]:
+    """DeepSeek-V3 (seq 4096) on ``gpu``, from the FLOPs model and NVIDIA's reported figures.
+
+    Nothing measured here enters: the FLOPs per training token come from
+    `moe_lab.perf.flops` (DeepSeek-V3's published config), the TFLOPS per GPU before and
+    after three months of software work and the 2.02 minutes on 8,192 GB300 from the seed
+    write-up (`moe_lab.perf.mlperf`), the peaks from the datasheet table
+    (`moe_lab.perf.hardware`, third-party figures). Each row: its TFLOPS per GPU, that as a
+    share of the BF16 and of the FP8 peak (``of_bf16_peak``, ``of_fp8_peak``: MFU against
+    either; the reported run used MXFP8 for its linear layers, so neither alone is its
+    ceiling), the tokens/s per GPU the FLOPs model gives for it, the minutes the same tokens
+    on the same 8,192 GPUs would take (scaled from the reported time), and ``kind``:
+    ``"reported"``, ``"derived"`` (a reported figure passed through the FLOPs model) or
+    ``"projected bound"`` (a datasheet peak: unreachable).
+    """
+    spec = gpu_spec(gpu)
+    peak, fp8_peak = spec.peak_flops("bf16"), spec.peak_flops("mxfp8")
+    seed = mlperf.DEEPSEEK_V3_GB300
+    per_token = training_flops_per_token(preset("deepseek_v3"), seed["seq_len"])
+    reported = mlperf.result("DeepSeek-V3 671B")
+    reported_tps = seed["tokens_per_s_per_gpu"]
+
+    def row(name: str, kind: str, flops: float, tps: float | None = None) -> dict:
+        tps = flops / per_token if tps is None else tps
+        return {"name": name, "kind": kind, "tflops_per_gpu": flops / 1e12,
+                "of_bf16_peak": flops / peak, "of_fp8_peak": flops / fp8_peak,
+                "tokens_per_s_per_gpu": tps, "minutes_on_8192": reported.minutes * reported_tps / tps}
+
+    return [
+        row("reported before the software work (seed)", "derived", seed["tflops_per_gpu_before"] * 1e12),
+        row(f"reported MLPerf v6.0 result, {reported.n_gpus:,} x {reported.system} (seed)", "reported",
+            seed["tflops_per_gpu"] * 1e12, reported_tps),
+        row(f"{spec.name} BF16 datasheet peak ({spec.source})", "projected bound", peak),
+        row(f"{spec.name} FP8/MXFP8 datasheet peak ({spec.source})", "projected bound", fp8_peak),
+    ]
 
 
 def record_summary(summary: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
+from moe_lab.lab.exercises import ExerciseError, call_answer, exercise, reference_solution
 from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.training.sync import count_syncs
 
@@ -23,6 +23,7 @@ def topk_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return ids, weights / weights.sum(dim=-1, keepdim=True)
 
 
+@exercise("tokens_per_expert")
 def check_tokens_per_expert(fn) -> None:
     """Raises ExerciseError unless ``fn`` counts correctly, including empty inputs and
     experts that receive nothing."""
@@ -46,6 +47,7 @@ def check_tokens_per_expert(fn) -> None:
     print("✓ tokens_per_expert is correct and sync-free")
 
 
+@exercise("topk_routing")
 def check_topk_routing(fn) -> None:
     g = torch.Generator().manual_seed(2)
     for tokens, experts, k in [(40, 8, 2), (7, 4, 4), (25, 16, 1)]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
+from moe_lab.lab.exercises import ExerciseError, call_answer, exercise, reference_solution
 from moe_lab.moe import dispatch
 from moe_lab.training.sync import count_syncs
 
@@ -72,6 +72,7 @@ def _capacity_cases(rng: random.Random, trials: int) -> list[tuple[int, int, int
     return cases
 
 
+@exercise("expert_capacity")
 def check_expert_capacity(fn: Callable[..., int], trials: int = 40) -> None:
     """Raise `ExerciseError` unless ``fn(tokens, top_k, n_experts, capacity_factor,
     multiple)`` returns the reference capacity (an int) on every case."""
@@ -130,6 +131,7 @@ def _routing(g: torch.Generator, tokens: int, n_experts: int, top_k: int,
     return torch.multinomial(probs, top_k, replacement=False, generator=g)
 
 
+@exercise("keep_mask")
 def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(topk_ids, n_experts, capacity)`` equals the
     position policy's mask on every case, and runs without a host sync."""
@@ -171,3 +173,67 @@ def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
                             "dispatcher must stay sync-free — try a cumulative sum over a "
                             "one-hot of the expert ids")
     print("✓ keep_mask is correct and sync-free")
+
+
+@reference_solution("capacity_buffer")
+def capacity_buffer(x: torch.Tensor, topk_ids: torch.Tensor, n_experts: int,
+                    capacity_factor: float, multiple: int = 1) -> torch.Tensor:
+    """``[E, C, d]``: token rows in their expert's slots (position policy), zeros elsewhere."""
+    tokens, k = topk_ids.shape
+    capacity = dispatch.expert_capacity(tokens, k, n_experts, capacity_factor, multiple)
+    rank = dispatch.capacity_positions(topk_ids, torch.zeros(topk_ids.shape), n_experts, "position")
+    keep = rank < capacity
+    trash = n_experts * capacity  # dropped assignments go to one extra slot, then cut off
+    slot = torch.where(keep, topk_ids * capacity + rank, torch.full_like(rank, trash)).reshape(-1)
+    token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    buffer = x.new_zeros(trash + 1, x.shape[1]).index_add_(0, slot, x.index_select(0, token_of))
+    return buffer[:trash].view(n_experts, capacity, x.shape[1])
+
+
+@exercise("capacity_buffer")
+def check_capacity_buffer(fn: Callable[..., torch.Tensor]) -> None:
+    """Raise `ExerciseError` unless ``fn(x, topk_ids, n_experts, capacity_factor, multiple)``
+    builds `capacity_buffer`'s ``[E, C, d]`` buffer on every case (fractional shares, a
+    multiple, every token on one expert, room for everything, no tokens) without a host sync."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    cases = [  # tokens, experts, top-k, skew, factor, multiple
+        (40, 8, 2, 1.0, 1.0, 1), (97, 16, 4, 1.5, 1.25, 1), (50, 8, 2, 0.5, 1.0, 16),
+        (33, 4, 4, 0.0, 0.75, 1), (12, 6, 2, 0.5, 2.0, 4), (0, 8, 2, 1.0, 1.0, 1),
+    ]
+    ids_one = torch.full((25, 1), 3, dtype=torch.int64)  # every token on expert 3
+    for tokens, n_experts, top_k, skew, factor, multiple in cases + [(25, 8, 1, None, 1.5, 1)]:
+        ids = ids_one if skew is None else _routing(g, tokens, n_experts, top_k, skew)
+        x = torch.randn(ids.shape[0], 16, generator=g)
+        want = capacity_buffer(x, ids, n_experts, factor, multiple)
+        got = call_answer(fn, x.clone(), ids.clone(), n_experts, factor, multiple)
+        where = (f"{ids.shape[0]} tokens, top-{ids.shape[1]} of {n_experts} experts, capacity factor "
+                 f"{factor}, multiple {multiple}")
+        if not isinstance(got, torch.Tensor) or got.dim() != 3:
+            raise ExerciseError(f"({where}): return the [E, C, d] buffer, got "
+                                f"{getattr(got, 'shape', type(got).__name__)}")
+        if tuple(got.shape) != tuple(want.shape):
+            c = want.shape[1]
+            hint = ""
+            if got.shape[1] == c // multiple or (multiple > 1 and got.shape[1] < c):
+                hint = f" (round C up to a multiple of {multiple})"
+            elif got.shape[1] == c - 1:
+                hint = " (a fractional slot is still a slot: round the even share up)"
+            raise ExerciseError(f"({where}): buffer of shape {tuple(got.shape)}, expected "
+                                f"{tuple(want.shape)}: C = ceil(tokens · top_k · capacity_factor / "
+                                f"n_experts), a Python int from shapes{hint}")
+        if not torch.equal(got, want):
+            e, c = (got != want).any(-1).nonzero()[0].tolist()
+            hint = ""
+            kept = keep_mask(ids, n_experts, want.shape[1])
+            if int(got.ne(0).any(-1).sum()) != int(kept.sum()):
+                hint = (" — the slots hold the wrong number of rows: a dropped assignment "
+                        "(rank >= C) goes nowhere, a kept one to slot rank of its expert")
+            raise ExerciseError(f"({where}): expert {e}, slot {c} holds the wrong row{hint}; "
+                                "rank the assignments as keep_mask does (first choices first)")
+    ids = _routing(g, 64, 8, 2, 1.0)
+    _, syncs = count_syncs(fn, torch.randn(64, 16, generator=g), ids, 8, 1.0, 1)
+    if sum(syncs.values()):
+        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; C comes from "
+                            "shapes (Python numbers), the slots from a cumulative sum, the copy "
+                            "from index_add_ or scatter")
+    print("✓ capacity_buffer is correct and sync-free")

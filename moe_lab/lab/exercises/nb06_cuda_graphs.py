@@ -10,6 +10,15 @@
   simpler bound ``ceil(tokens · top_k / page_rows) + n_experts`` (one partly filled page per
   expert) is accepted as safe; anything smaller overflows on some routing, anything larger
   wastes memory.
+- ``capturable_step(model, optimizer, batch, stats)``: `step_with_syncs` below is one correct
+  training step — forward, backward, clipping, AdamW, four running statistics and a check
+  that the loss is finite — that a CUDA graph cannot hold: it makes the host wait several
+  times. The learner certifies it (`certify_step`, which runs `assert_sync_free` on the whole
+  step, optimizer included), rewrites each line the certificate flags and certifies again
+  until it passes. The statistics stay 0-dim tensors on the device, read by the host only
+  when it wants them; the finite-loss check becomes a device-side assert. Checked against
+  `step_with_syncs`: same weights and statistics after two steps, no host sync counted in
+  a real step, and the certificate.
 
 Each ``check_…`` raises `ExerciseError` when the answer is wrong, with a counterexample.
 """
@@ -23,9 +32,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from moe_lab.config import preset
 from moe_lab.lab.exercises import (
     ExerciseError,
     call_answer,
+    exercise,
     random_routing,
     reference_solution,
 )
@@ -33,7 +44,9 @@ from moe_lab.moe.dispatch import dropless_dispatch
 from moe_lab.moe.experts import SwiGLUExperts
 from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.moe.stash import max_pages, pages_per_expert
-from moe_lab.training.sync import SyncError, assert_sync_free
+from moe_lab.training.build import build_model, random_batch
+from moe_lab.training.steps import _optimizer_on_fake_params
+from moe_lab.training.sync import SyncError, assert_sync_free, count_syncs
 
 
 def dispatch_with_sync(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -70,6 +83,7 @@ def _experts(n_experts: int, d_model: int, d_expert: int) -> SwiGLUExperts:
                          backend="torch" if hasattr(torch, "_grouped_mm") else "loop")
 
 
+@exercise("sync_free_dispatch")
 def check_sync_free_dispatch(fn: Callable[..., torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(x, topk_ids, topk_weights, experts)`` equals the
     dropless dispatcher on several routings and passes ``assert_sync_free`` (forward and
@@ -141,6 +155,7 @@ def worst_routing(tokens: int, top_k: int, n_experts: int, page_rows: int) -> li
     return counts
 
 
+@exercise("pool_pages")
 def check_pool_pages(fn: Callable[[int, int, int, int], int]) -> None:
     """Raise `ExerciseError` unless ``fn(tokens, top_k, n_experts, page_rows)`` is a pool no
     routing overflows, no larger than one partly filled page per expert beyond the rows."""
@@ -173,3 +188,122 @@ def check_pool_pages(fn: Callable[[int, int, int, int], int]) -> None:
     else:
         print("✓ pool_pages: never overflows (one spare page per expert at most); the tightest "
               "pool counts the first page of an expert as costing one row")
+
+
+# ------------------------------------------------------------ a capturable training step
+
+MAX_GRAD_NORM = 1.0
+
+
+def new_stats(device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The running statistics a step adds to: 0-dim tensors on ``device``."""
+    return {"loss": torch.zeros((), device=device),  # sum of the step losses
+            "clipped": torch.zeros((), dtype=torch.int64, device=device),  # steps clipped
+            "max_load": torch.zeros((), dtype=torch.int64, device=device),  # busiest expert
+            # (layer, expert) pairs that got no token:
+            "idle_experts": torch.zeros((), dtype=torch.int64, device=device)}
+
+
+def step_with_syncs(model, optimizer, batch, stats: dict) -> dict:
+    """One training step, correct — and not capturable: the host waits for the device
+    several times."""
+    out = model(batch.x, batch.y)
+    if not torch.isfinite(out.loss):
+        raise FloatingPointError("the loss is not finite")
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    optimizer.step()
+    load = torch.stack([s.tokens_per_expert for s in out.moe_stats])  # [layers, experts]
+    stats["loss"] += out.loss.item()
+    stats["clipped"] += int(grad_norm > MAX_GRAD_NORM)
+    stats["max_load"] = torch.clamp(stats["max_load"], min=load.max().item())
+    stats["idle_experts"] += load[load == 0].numel()
+    return stats
+
+
+@reference_solution("capturable_step")
+def capturable_step(model, optimizer, batch, stats: dict) -> dict:
+    """`step_with_syncs` with nothing read on the host: the statistics are summed into
+    device tensors and the finite-loss check is a device-side assert."""
+    out = model(batch.x, batch.y)
+    torch._assert_async(torch.isfinite(out.loss), "the loss is not finite")
+    optimizer.zero_grad(set_to_none=True)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    optimizer.step()
+    load = torch.stack([s.tokens_per_expert for s in out.moe_stats])
+    stats["loss"] += out.loss.detach()
+    stats["clipped"] += grad_norm > MAX_GRAD_NORM
+    stats["max_load"] = torch.maximum(stats["max_load"], load.max())
+    stats["idle_experts"] += (load == 0).sum()
+    return stats
+
+
+def certify_step(step: Callable, model, optimizer, batch, stats: dict) -> None:
+    """Run ``step(model, optimizer, batch, stats)`` under `assert_sync_free` — forward,
+    backward, clipping, the optimizer (pointed at its parameters' fake twins) and the
+    statistics, on fake tensors, nothing real touched — and raise its ``SyncError`` at the
+    first host sync, naming the operator and the line."""
+
+    def run(model, batch, stats):
+        with _optimizer_on_fake_params(optimizer, model):
+            step(model, optimizer, batch, stats)
+
+    assert_sync_free(run, model, batch, stats, backward=False)
+
+
+def step_setup(seed: int = 0, batch_size: int = 2):
+    """A fresh tiny model, its capturable AdamW and a random batch (the same for the same
+    seed): what the check and the notebook run the steps on."""
+    cfg = preset("tiny")
+    model, optimizer = build_model(cfg, seed=seed)
+    batch = random_batch(cfg, batch_size, generator=torch.Generator().manual_seed(seed))
+    return model, optimizer, batch
+
+
+def _values(stats: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in stats.items()}
+
+
+@exercise("capturable_step")
+def check_capturable_step(fn: Callable) -> None:
+    """Raise `ExerciseError` unless two steps of ``fn`` leave the same weights and statistics
+    as two of `step_with_syncs`, a real step counts no host sync, and the whole step passes
+    `certify_step`."""
+    seed = random.randrange(2**16)
+    runs = {}
+    for name, step in (("reference", step_with_syncs), ("yours", fn)):
+        model, optimizer, batch = step_setup(seed)
+        stats = new_stats()
+        for _ in range(2):
+            got = call_answer(step, model, optimizer, batch, stats)
+            if not isinstance(got, dict) or set(got) != set(stats):
+                raise ExerciseError(f"return the stats dict (keys {sorted(stats)}), got "
+                                    f"{type(got).__name__}")
+            stats = got
+        runs[name] = (model, stats)
+    (ref_model, ref_stats), (model, stats) = runs["reference"], runs["yours"]
+    for key, value in stats.items():
+        if not isinstance(value, torch.Tensor):
+            raise ExerciseError(f"stats[{key!r}] is a {type(value).__name__}: keep every "
+                                "statistic a tensor on the device, so that the host need not read it")
+    want, got = _values(ref_stats), _values(stats)
+    for key in want:
+        if not math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-6):
+            raise ExerciseError(f"after two steps stats[{key!r}] = {got[key]:g}, expected "
+                                f"{want[key]:g}")
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        if not torch.allclose(p, q, rtol=1e-5, atol=1e-6):
+            raise ExerciseError(f"after two steps the weight {name} differs from the reference "
+                                "step's: change where the statistics are kept, not the step")
+    model, optimizer, batch = step_setup(seed)
+    _, syncs = count_syncs(fn, model, optimizer, batch, new_stats())
+    if sum(syncs.values()):
+        raise ExerciseError(f"correct, but a real step still makes the host wait: {dict(syncs)}; "
+                            "run certify_step on it to find the lines")
+    try:
+        certify_step(fn, model, optimizer, batch, new_stats())
+    except SyncError as err:
+        raise ExerciseError(f"correct, but not certified sync-free: {err}") from None
+    print("✓ capturable_step: the same training step, certified free of host syncs")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
+from moe_lab.lab.exercises import ExerciseError, call_answer, exercise, reference_solution
 from moe_lab.sim.layout_search import balanced_partition
 from moe_lab.sim.schedule import schedule_order
 
@@ -35,6 +35,7 @@ def one_f_one_b_order(rank: int, n_ranks: int, n_microbatches: int) -> list[tupl
     return ops
 
 
+@exercise("one_f_one_b_order")
 def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 30) -> None:
     """Raise `ExerciseError` unless ``fn`` gives every rank's 1F1B order on random sizes."""
     rng = np.random.default_rng()
@@ -64,6 +65,7 @@ def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 3
                     f"differs at position {first}: got {got_list[first:first + 3]}, "
                     f"expected {want[first:first + 3]}{hint}"
                 )
+    print("✓ one_f_one_b_order is correct")
 
 
 @reference_solution("balanced_cut")
@@ -72,6 +74,7 @@ def balanced_cut(costs: Sequence[float], n_stages: int) -> list[int]:
     return balanced_partition(np.asarray(costs, dtype=float), n_stages)
 
 
+@exercise("balanced_cut")
 def check_balanced_cut(fn: Callable[[Sequence[float], int], list], trials: int = 30) -> None:
     """Raise `ExerciseError` unless ``fn`` cuts random cost lists optimally."""
     rng = np.random.default_rng()
@@ -103,3 +106,4 @@ def check_balanced_cut(fn: Callable[[Sequence[float], int], list], trials: int =
                 f"balanced_cut({costs.tolist()}, {k}) returned {bounds}, whose slowest stage "
                 f"costs {worst:.3f}; the best cut {best_bounds} gets {best:.3f}"
             )
+    print("✓ balanced_cut is correct")

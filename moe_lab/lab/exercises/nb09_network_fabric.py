@@ -1,5 +1,11 @@
 """Exercises of notebook 09 (network fabric): ECMP collisions and fair sharing.
 
+- ``expected_fullest_uplink(n_flows, n_spines)``: ECMP hashes ``n_flows`` flows of a leaf
+  onto its ``n_spines`` uplinks uniformly at random; the exact expected number of flows on
+  the fullest uplink — what an all-to-all waits for. No closed form: ``E[max] = Σ_k P(max >
+  k)``, with ``P(max ≤ k)`` counted (a truncated generating function raised to the
+  ``n_spines``-th power, or a recursion over uplinks). Checked against
+  `moe_lab.sim.fabric.expected_max_load`.
 - ``expected_idle_uplinks(n_flows, n_spines)``: ECMP hashes ``n_flows`` flows of a leaf
   onto its ``n_spines`` uplinks uniformly at random; how many uplinks carry no flow at
   all, on average?
@@ -19,8 +25,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from moe_lab.lab.exercises import ExerciseError, call_answer, reference_solution
-from moe_lab.sim.fabric import expected_empty_bins
+from moe_lab.lab.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.sim.fabric import expected_empty_bins, expected_max_load
 from moe_lab.sim.fair_share import max_min_rates
 
 
@@ -30,6 +36,7 @@ def expected_idle_uplinks(n_flows: int, n_spines: int) -> float:
     return expected_empty_bins(n_flows, n_spines)
 
 
+@exercise("expected_idle_uplinks")
 def check_expected_idle_uplinks(fn: Callable[[int, int], float], trials: int = 30) -> None:
     """Raise `ExerciseError` unless ``fn`` gives the balls-into-bins expectation."""
     rng = np.random.default_rng()
@@ -52,6 +59,42 @@ def check_expected_idle_uplinks(fn: Callable[[int, int], float], trials: int = 3
                 f"expected_idle_uplinks(n_flows={n}, n_spines={s}) returned {got!r}, "
                 f"expected {want:.6g}{hint}"
             )
+    print("✓ expected_idle_uplinks is correct")
+
+
+@reference_solution("expected_fullest_uplink")
+def expected_fullest_uplink(n_flows: int, n_spines: int) -> float:
+    """Exact expected load of the fullest of ``n_spines`` uplinks under ``n_flows`` hashed
+    flows (balls into bins)."""
+    return expected_max_load(n_flows, n_spines)
+
+
+@exercise("expected_fullest_uplink")
+def check_expected_fullest_uplink(fn: Callable[[int, int], float], trials: int = 12) -> None:
+    """Raise `ExerciseError` unless ``fn`` gives the exact expected fullest uplink on small,
+    edge and random cases (to a relative 1e-6: sampling is not exact enough)."""
+    rng = np.random.default_rng()
+    cases = [(1, 8), (8, 1), (2, 2), (16, 8), (0, 4), (63, 8)]
+    cases += [(int(rng.integers(1, 120)), int(rng.integers(1, 33))) for _ in range(trials - len(cases))]
+    for n, s in cases:
+        want = expected_fullest_uplink(n, s)
+        got = call_answer(fn, n, s)
+        try:
+            ok = math.isclose(float(got), want, rel_tol=1e-6, abs_tol=1e-9)
+            near = math.isclose(float(got), want, rel_tol=0.05)
+        except (TypeError, ValueError):
+            ok = near = False
+        if ok:
+            continue
+        hint = ""
+        if near:
+            hint = (" (close: a sampled estimate is not exact — count P(max <= k) instead, "
+                    "and sum P(max > k) over k)")
+        elif s and isinstance(got, (int, float)) and math.isclose(float(got), n / s, rel_tol=1e-6):
+            hint = " (that is the mean load; the fullest uplink carries more)"
+        raise ExerciseError(f"expected_fullest_uplink(n_flows={n}, n_spines={s}) returned {got!r}, "
+                            f"expected {want:.8g}{hint}")
+    print("✓ expected_fullest_uplink is exact")
 
 
 @reference_solution("fair_share")
@@ -64,6 +107,7 @@ def fair_share(demands: Sequence[float], capacity: float) -> list[float]:
     return max_min_rates(links, np.concatenate([[capacity], want])).tolist()
 
 
+@exercise("fair_share")
 def check_fair_share(fn: Callable[[Sequence[float], float], Sequence[float]], trials: int = 30
                      ) -> None:
     """Raise `ExerciseError` unless ``fn`` water-fills random demands correctly."""
@@ -92,3 +136,4 @@ def check_fair_share(fn: Callable[[Sequence[float], float], Sequence[float]], tr
                 f"fair_share({demands.tolist()}, capacity={capacity}) returned "
                 f"{np.round(got_arr, 4).tolist()}, expected {np.round(want, 4).tolist()}{hint}"
             )
+    print("✓ fair_share is correct")
