@@ -79,6 +79,9 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("vs_naive", "dropless (torch grouped GEMM) MoE layer speed vs naive, "
                  "fine-grained experts", "fine:dropless torch"),
         Headline("vs_naive", "dropless MoE layer speed vs naive", "coarse:dropless torch"),),
+    "03_fused_grouped_gemm": (
+        Headline("removable_share", "share of the unfused expert chain's time (CPU, fine-grained "
+                 "shape) in the stages the fusions remove", "fine:chain"),),
     "04_fused_router": (
         Headline("vs_unfused_fp64", "fused FP32 Triton router vs unfused FP64, DeepSeek-V3 "
                  "shape", "deepseek_v3:triton fp32"),
