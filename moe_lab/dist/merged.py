@@ -70,7 +70,7 @@ import torch.distributed as dist
 
 from moe_lab.config import MoEConfig
 from moe_lab.dist.ep import EPMoELayer, _all_to_all, exchange_counts, from_layer
-from moe_lab.dist.overlap import ChunkedStep, _Chunk, _Clock, exposed_time
+from moe_lab.dist.overlap import ChunkedStep, _Chunk, _Clock, summarise_runs
 from moe_lab.dist.timeline import Event, Timeline
 from moe_lab.moe.layer import MoELayer
 
@@ -632,39 +632,11 @@ def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb:
         seq = real + replays
         for label in (seq if r % 2 == 0 else seq[::-1]):
             timelines[label].append(one(label))
-    order = list(timelines)
-    steps_t = torch.tensor([[t.step_s for t in timelines[k]] for k in order], dtype=torch.float64)
-    waits = torch.tensor([[t.wait_s for t in timelines[k]] for k in order], dtype=torch.float64)
-    dist.all_reduce(steps_t, op=dist.ReduceOp.MAX, group=layer.group)
-    dist.all_reduce(waits, group=layer.group)
-    waits /= layer.ep_size
-    slowest = dict(zip(order, steps_t.tolist(), strict=True))
-    median = {k: statistics.median(v) for k, v in slowest.items()}
-    exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in real}
-    exposed_replay = {}
-    for k in real:
-        chunked_ref = RUNS[k][1] and "compute only (chunked)" in median
-        ref = "compute only (chunked)" if chunked_ref else "compute only"
-        exposed_replay[k] = exposed_time(median[k], median[ref])
-
-    def versus_sequential(values: dict) -> dict:
-        base = values["sequential"]
-        return {k: (v / base if base > 0 else float("nan")) for k, v in values.items()}
-
-    chosen = {k: sorted(ts, key=lambda t: t.step_s)[len(ts) // 2] for k, ts in timelines.items()}
-    seq_t = timelines["sequential"]
-    return {
-        "n_chunks": n_chunks, "repeats": repeats, "world_size": layer.ep_size,
-        "median_s": median, "runs_s": slowest,
-        "exposed_s": exposed, "exposed_vs_sequential": versus_sequential(exposed),
-        "exposed_fraction": {k: v / median[k] for k, v in exposed.items()},
-        "exposed_replay_s": exposed_replay,
-        "exposed_replay_vs_sequential": versus_sequential(exposed_replay),
-        "timelines": chosen,
-        "a2a_bytes": seq_t[0].comm_bytes(),
-        "a2a_s": statistics.median(t.lane_time("comm") for t in seq_t),
-        "compute_s": statistics.median(t.lane_time("compute") for t in timelines["compute only"]),
-    }
+    reference = {k: "compute only (chunked)" if RUNS[k][1] and "compute only (chunked)" in timelines
+                 else "compute only" for k in real}
+    summary = summarise_runs(layer, timelines, reference, n_chunks, repeats)
+    summary["compute_s"] = statistics.median(t.lane_time("compute") for t in timelines["compute only"])
+    return summary
 
 
 def _layer_and_batches(spec: dict) -> tuple[EPMoELayer, list[Tensor]]:

@@ -418,9 +418,10 @@ def measure_overlap(layer: EPMoELayer, x: Tensor, grad_out: Tensor, n_chunks: in
 
     Every run is preceded by a barrier; a run's time is its slowest rank's. Returns
     ``{"median_s": {label: s}, "exposed_s": {label: s}, "exposed_fraction": {label: exposed /
-    step}, "hidden_fraction": {label: 1 − exposed / sequential's exposed}, "timelines":
-    {label: this rank's Timeline of the median run}, "a2a_bytes": per step, "a2a_s": comm
-    lane time of the sequential run}``.
+    step}, "exposed_vs_sequential", "exposed_replay_s", "exposed_replay_vs_sequential",
+    "timelines": {label: this rank's Timeline of the median run}, "a2a_bytes": per step,
+    "a2a_s": comm lane time of the sequential run, "runs_s", "n_chunks", "repeats",
+    "world_size"}`` (`summarise_runs`).
     """
     if "compute only" not in runs or "sequential" not in runs:
         raise ValueError(f"runs must include 'sequential' and 'compute only', got {runs}")
@@ -445,6 +446,22 @@ def measure_overlap(layer: EPMoELayer, x: Tensor, grad_out: Tensor, n_chunks: in
         rest = order[1:] if r % 2 == 0 else order[1:][::-1]
         for label in [order[0], *rest]:
             timelines[label].append(one(label))
+    real = [label for label in order if label != "compute only"]
+    return summarise_runs(layer, timelines, {k: "compute only" for k in real}, n_chunks, repeats)
+
+
+def summarise_runs(layer: EPMoELayer, timelines: dict[str, list[Timeline]], reference: dict[str, str],
+                   n_chunks: int, repeats: int) -> dict:
+    """What `measure_overlap` and `moe_lab.dist.merged.measure_schedules` report from the
+    interleaved runs of each label (call on every rank together, ``timelines`` in the same
+    order on each): a run's time is its slowest rank's; ``reference`` maps each real
+    (non-replay) label, "sequential" among them, to the compute-only replay it is measured
+    against.
+
+    Exposed communication, two ways: within each run as the time its ranks spent outside
+    compute (averaged over ranks), which a busy shared machine disturbs less, and against
+    the compute-only (replay) run. Returns the dict both document."""
+    order = list(timelines)
     steps = torch.tensor([[t.step_s for t in timelines[label]] for label in order], dtype=torch.float64)
     waits = torch.tensor([[t.wait_s for t in timelines[label]] for label in order], dtype=torch.float64)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=layer.group)
@@ -452,21 +469,13 @@ def measure_overlap(layer: EPMoELayer, x: Tensor, grad_out: Tensor, n_chunks: in
     waits /= layer.ep_size
     slowest = dict(zip(order, steps.tolist(), strict=True))
     median = {label: statistics.median(v) for label, v in slowest.items()}
-    real = [label for label in order if label != "compute only"]
-    # Exposed communication, two ways: against the compute-only (replay) run, and within
-    # each run as the time its ranks spent outside compute (averaged over ranks), which a
-    # busy shared machine disturbs less.
-    exposed_replay = {k: exposed_time(median[k], median["compute only"]) for k in real}
-    exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in real}
+    exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in reference}
+    exposed_replay = {k: exposed_time(median[k], median[ref]) for k, ref in reference.items()}
 
     def versus_sequential(values: dict) -> dict:
         base = values["sequential"]
         return {k: (v / base if base > 0 else float("nan")) for k, v in values.items()}
 
-    chosen = {}
-    for label in order:
-        ts = timelines[label]
-        chosen[label] = sorted(ts, key=lambda t: t.step_s)[len(ts) // 2]
     seq = timelines["sequential"]
     return {
         "n_chunks": n_chunks, "repeats": repeats, "world_size": layer.ep_size,
@@ -475,7 +484,8 @@ def measure_overlap(layer: EPMoELayer, x: Tensor, grad_out: Tensor, n_chunks: in
         "exposed_fraction": {k: v / median[k] for k, v in exposed.items()},
         "exposed_replay_s": exposed_replay,
         "exposed_replay_vs_sequential": versus_sequential(exposed_replay),
-        "timelines": chosen,
+        # this rank's Timeline of the median run of each label
+        "timelines": {k: sorted(ts, key=lambda t: t.step_s)[len(ts) // 2] for k, ts in timelines.items()},
         "a2a_bytes": seq[0].comm_bytes(),
         "a2a_s": statistics.median(t.lane_time("comm") for t in seq),
     }
