@@ -30,7 +30,7 @@ $(BIN)/python:
 define install_extras
 	$(BIN)/python -m pip install --quiet torch==2.13.0 triton==3.7.1
 	$(BIN)/python -m pip install --quiet -e ".[$(1)]"
-	$(BIN)/python -m moe_lab.cpu
+	$(BIN)/python -m moe_lab.workbench.cpu
 	@touch $@
 endef
 

@@ -1,41 +1,8 @@
-"""The command line: ``python -m moe_lab <command> ...``.
+"""``python -m moe_lab``: the command line, which lives in the workbench (`moe_lab.workbench.cli`)."""
 
-Each command lives beside the code it drives; a module that offers commands has a
-``register(subparsers)`` function that adds them and sets ``func`` on its parser.
-"""
-
-from __future__ import annotations
-
-import argparse
-import importlib
 import sys
 
-COMMAND_MODULES = (
-    "moe_lab.perf.cli",  # env, flops, compile
-    "moe_lab.training.cli",  # train
-    "moe_lab.lab.workbook",  # workbook
-    "moe_lab.bench.cli",  # bench NAME
-    "moe_lab.sim.cli",  # sim pipeline|fabric
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m moe_lab", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as exc:  # bad input: one clear line, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
+from moe_lab.workbench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

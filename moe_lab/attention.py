@@ -5,7 +5,7 @@
 ``[batch, heads, seq, head_dim]``. ``reference`` is the textbook definition
 (softmax(QKᵀ/√d + causal mask)·V, computed in float32); ``sdpa`` is PyTorch's fused
 ``scaled_dot_product_attention``; ``sdpa_fp32`` the same with the core in float32. A plug-in may register more
-(``moe_lab.cpu`` adds ``cpu_fused``), each tested against ``reference``.
+(``moe_lab.workbench.cpu`` adds ``cpu_fused``), each tested against ``reference``.
 
 An implementation may also come in a *packed* form (`PACKED_ATTENTION_IMPLS`, under the same
 name): it takes the QKV projection's output ``[batch, seq, (heads + 2·kv_heads)·head_dim]``
@@ -23,7 +23,7 @@ with zeros to a multiple of 32 where needed; zeros change no block's scale and n
 product). Its backward is straight-through and in float32: the gradient GEMMs are not
 emulated in MXFP8 here. ``mxfp8_triton`` runs the forward as one Triton flash-attention
 pass on MX inputs (`moe_lab.kernels.mx_attention`), quantizing Q, K, V with the Triton
-quantizer (`moe_lab.kernels.mx`) and P inside the kernel, and differentiates through the
+quantizer (`moe_lab.kernels.mx_quantize`) and P inside the kernel, and differentiates through the
 reference emulation (recomputed in the backward).
 """
 

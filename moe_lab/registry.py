@@ -4,7 +4,7 @@ Every concept with more than one implementation (dispatchers, expert backends, t
 permutations, routers, attention cores, embeddings, the optimizer's clip-and-step) keeps a
 `Registry` beside its reference: a dict from a name to the implementation. A model or a
 training stack is configured with names, never with ``if`` branches on the platform, and a
-plug-in (such as the C++ CPU kernels in ``moe_lab.cpu``) adds names from outside with
+plug-in (such as the C++ CPU kernels in ``moe_lab.workbench.cpu``) adds names from outside with
 `Registry.register` — the core never imports it.
 
 A name that is not registered is refused with the names that are, and, where a plug-in
@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 # The plug-ins that add names from outside the core, for the message of an unknown name.
-_PLUGIN_HINT = "moe_lab.cpu.register() adds the CPU plug-in's names"
+_PLUGIN_HINT = "moe_lab.workbench.cpu.register() adds the CPU plug-in's names"
 
 
 class Registry(dict, Generic[T]):

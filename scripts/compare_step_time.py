@@ -12,7 +12,7 @@ check of the script itself), and the answer is the median of the paired differen
 of a package cannot share one; paired and alternated, because a shared machine's speed drifts
 by more than the differences worth finding.
 
-The revision must have ``moe_lab.bench.ttt`` with ``optimised_stack``, ``make_trainer`` and
+The revision must have ``moe_lab.workbench.benchmarks.ttt`` with ``optimised_stack``, ``make_trainer`` and
 ``PROFILES`` (every revision since the contest exists).
 """
 
@@ -36,15 +36,15 @@ CHILD = r"""
 import json, statistics, sys, time
 import moe_lab  # noqa: F401  (first: it decides Triton's interpreter flag)
 import torch
-import moe_lab.bench.ttt as ttt
+import moe_lab.workbench.benchmarks.ttt as ttt
 
 profile, steps, compile = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 cfg = ttt.PROFILES[profile]
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 stack = ttt.optimised_stack(device, compile=None if compile else False)
 gen = torch.Generator().manual_seed(cfg.seed + 1)
-try:  # moe_lab.bench.ttt as a package: the trainer draws from the contest's corpus
-    from moe_lab.bench.ttt.contest import load_contest_corpus
+try:  # moe_lab.workbench.benchmarks.ttt as a package: the trainer draws from the contest's corpus
+    from moe_lab.workbench.benchmarks.ttt.contest import load_contest_corpus
     corpus = load_contest_corpus(cfg)
     trainer = ttt.make_trainer(stack, cfg, device, corpus=corpus)
     def one_step(batch):

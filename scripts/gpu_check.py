@@ -147,12 +147,13 @@ class Report:
 
 
 def timer(torch, cuda: bool):
-    """Median seconds of ``fn``: CUDA events via triton.testing.do_bench, else moe_lab.perf.bench."""
+    """Median seconds of ``fn``: CUDA events via triton.testing.do_bench, else
+    moe_lab.workbench.measure.timing."""
     if cuda:
         import triton.testing
 
         return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    from moe_lab.perf import bench
+    from moe_lab.workbench.measure.timing import bench
 
     return lambda fn: bench(fn, warmup=1, min_time_s=0.05).median_s
 
@@ -248,7 +249,7 @@ def section_permute(torch, dev, rep: Report, shapes: dict) -> None:
 def section_mx(torch, dev, rep: Report, shapes: dict, time_fn, copy_gbps: float | None) -> None:
     """The MX quantizer bit for bit against `moe_lab.quant.mx.quantize`: bfloat16 and float32
     input, E4M3 and E5M2 elements, ``rceil`` and ``floor`` scales, row- and column-wise."""
-    from moe_lab.kernels.mx import mx_quantize
+    from moe_lab.kernels.mx_quantize import mx_quantize
     from moe_lab.quant.mx import quantize
 
     def as_bytes(t):
@@ -425,8 +426,9 @@ def section_graphs(torch, dev, rep: Report, quick: bool, time_fn) -> None:
     from moe_lab.config import preset
     from moe_lab.model import ModelImpls
     from moe_lab.training.build import build_model, default_impls, random_batch
-    from moe_lab.training.graphs import GraphedStep, graphed_vs_eager
+    from moe_lab.training.graphs import GraphedStep
     from moe_lab.training.steps import StepConfig, SyncFreeStep
+    from moe_lab.workbench.demos.graphed_vs_eager import graphed_vs_eager
 
     model_cfg = preset("small")
     batch_size, steps = (2, 3) if quick else (4, 20)
@@ -484,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     time_fn = None if args.no_bench else timer(torch, cuda)
     copy_gbps = None
     if time_fn is not None:
-        from moe_lab.perf import ceilings
+        from moe_lab.workbench.measure import ceilings
 
         copy = ceilings.copy_bandwidth(nbytes=2**24 if small else 2**31, device=dev)
         peak = ceilings.matmul_peak(torch.bfloat16, n=512 if small else 8192, device=dev)

@@ -5,7 +5,7 @@
     python scripts/readme_gains.py --ledger build/results/ledger.jsonl --results results
 
 One row per workbook notebook: its headline figure (chosen as the site's index chooses it,
-`moe_lab.lab.site.HEADLINES`) as measured on a CPU, the machine and date, and the command that
+`moe_lab.workbench.lab.site.HEADLINES`) as measured on a CPU, the machine and date, and the command that
 reproduces it. Then, for every ``results/<gpu>/`` folder: the same table from its
 ``ledger.jsonl`` when the workbook was run there with ``MOE_LAB_RESULTS_DIR=results/<gpu>``,
 and the benchmarks of ``scripts/gpu_check.py`` from its ``bench.json``.
@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moe_lab.lab.notebook_files import NOTEBOOK_PATTERN  # noqa: E402  (after the path is set)
-from moe_lab.lab.site import headline_rows, on_cpu_or_machine_free  # noqa: E402
-from moe_lab.perf.ledger import read  # noqa: E402
+from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN  # noqa: E402  (after the path is set)
+from moe_lab.workbench.lab.site import headline_rows, on_cpu_or_machine_free  # noqa: E402
+from moe_lab.workbench.measure.ledger import read  # noqa: E402
 
 
 def _cell(text: object) -> str:

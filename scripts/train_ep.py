@@ -6,7 +6,7 @@
 
 CPU ranks talk through gloo, GPU ranks through NCCL (picked automatically; one GPU per
 local rank). Every rank builds the same model from the same seed, then keeps only its
-shard of each MoE layer's experts (`moe_lab.dist.ep.from_layer`); attention, router,
+shard of each MoE layer's experts (`moe_lab.parallel.ep.from_layer`); attention, router,
 shared expert and embeddings are replicated. Each rank draws its own batches. After each
 backward, replicated gradients are averaged over all ranks and expert gradients (already
 summed over the EP group by the all-to-all's backward) are divided by the world size, so
@@ -17,7 +17,7 @@ the copies of each expert shard are then averaged over the ranks that hold them 
 data parallelism). For multi-node runs see ``scripts/slurm/train_ep.sbatch``.
 
 ``--schedule 1f1b`` splits each rank's batch into ``--microbatches`` micro-batches and runs
-them as the steady state of a 1F1B pipeline does (`moe_lab.dist.merged_model`): the forward
+them as the steady state of a 1F1B pipeline does (`moe_lab.parallel.merged_model`): the forward
 of micro-batch ``i+1`` merged, block by block, with the backward of micro-batch ``i``, so that
 each one's expert-parallel all-to-alls travel while the other computes (``--chunks`` > 1
 also chunk-pipelines each MoE layer). The default ``--schedule plain`` runs the whole batch
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import moe_lab  # noqa: E402,F401  (sets TRITON_INTERPRET before torch where there is no CUDA)
-from moe_lab.jsonout import dumps  # noqa: E402
+from moe_lab.workbench.jsonout import dumps  # noqa: E402
 
 # isort: split
 import torch  # noqa: E402
@@ -125,12 +125,12 @@ def build_groups(ep_size: int):
 def main(argv=None) -> int:
     from moe_lab.config import preset
     from moe_lab.data import SyntheticCorpus
-    from moe_lab.dist.ep import EPMoELayer, clip_grad_norm_ep, from_layer, sync_gradients
-    from moe_lab.dist.launch import init_from_env
-    from moe_lab.dist.merged_model import MergedModelStep
     from moe_lab.model import MoETransformer
     from moe_lab.moe.layer import MoELayer
+    from moe_lab.parallel.ep import EPMoELayer, clip_grad_norm_ep, from_layer, sync_gradients
+    from moe_lab.parallel.merged_model import MergedModelStep
     from moe_lab.training.loop import TrainConfig, lr_at
+    from moe_lab.workbench.ranks.launch import init_from_env
 
     args = parse_args(argv)
     rank, world, device = init_from_env(collective_timeout_s=args.timeout)

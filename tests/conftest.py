@@ -1,18 +1,21 @@
 """Shared test setup.
 
-``import moe_lab`` comes first: on a machine without CUDA it sets ``TRITON_INTERPRET=1``
-before anything imports Triton, so kernels run under the interpreter. Every test session
+On a machine without CUDA the test session runs every Triton kernel under Triton's
+interpreter: it sets ``TRITON_INTERPRET=1`` (unless the caller set it) before any test module
+defines a kernel — the tests' own kernels and the exercises' included. Every test session
 gets its own results ledger in a temporary directory (tests never write into the user's
 ``build/``), and every test starts from ``torch.manual_seed(0)``.
 """
 
 from __future__ import annotations
 
-import moe_lab  # noqa: F401  (sets TRITON_INTERPRET=1 where there is no CUDA)
+import os
 
-# isort: split
 import pytest
 import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,13 +36,13 @@ def _seed() -> None:
 
 @pytest.fixture(scope="session")
 def cpu_plugin() -> None:
-    """The CPU plug-in's names registered (``moe_lab.cpu.register``); skipped where there is
+    """The CPU plug-in's names registered (``moe_lab.workbench.cpu.register``); skipped where there is
     no C++ compiler at all. A compiler that fails to build the kernels fails the test."""
-    import moe_lab.cpu
+    import moe_lab.workbench.cpu
 
-    if moe_lab.cpu.build.compiler() is None:
+    if moe_lab.workbench.cpu.build.compiler() is None:
         pytest.skip("no C++ compiler: moe_lab's CPU kernels cannot be built")
-    assert moe_lab.cpu.register(), moe_lab.cpu.unavailable_reason()
+    assert moe_lab.workbench.cpu.register(), moe_lab.workbench.cpu.unavailable_reason()
 
 
 @pytest.fixture(scope="session")

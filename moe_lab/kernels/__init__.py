@@ -11,5 +11,5 @@
 Each module holds its ``@triton.jit`` functions and a thin wrapper that checks shapes, dtypes
 and devices and allocates. On a GPU they run compiled; on a machine without CUDA, under
 Triton's interpreter. Nothing here is CPU-specific: moe_lab's C++ CPU kernels are a plug-in,
-``moe_lab.cpu``.
+``moe_lab.workbench.cpu``.
 """

@@ -41,7 +41,7 @@ bytes as the GEMMs themselves. Here they are folded into the GEMMs:
   than as bfloat16: about 1.03 bytes per element written instead of 2, and no separate
   quantizer pass. The codes equal `moe_lab.quant.mx.quantize` of the unfused output bit
   for bit (the epilogue rounds to the activation dtype first, then quantizes with the
-  integer arithmetic of `moe_lab.kernels.mx`). The second GEMM reads them
+  integer arithmetic of `moe_lab.kernels.mx_quantize`). The second GEMM reads them
   (`fused_moe_mlp_mxfp8`): its prologue decodes codes and scales in registers and feeds the
   tensor cores in the activation dtype — emulated MXFP8, on Hopper and Blackwell alike,
   with the weights unquantized. `fused_moe_mlp_mxfp8_native` instead quantizes the weights
@@ -81,8 +81,8 @@ from moe_lab.kernels.grouped_gemm import (
     launch_config,
 )
 from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
-from moe_lab.kernels.mx import fp8_code, mx_scale_byte
 from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32
+from moe_lab.kernels.mx_quantize import fp8_code, mx_scale_byte
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
@@ -710,8 +710,8 @@ def fused_moe_mlp_mxfp8_native(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row
     along ``F`` (its reduction dim) by the Triton quantizer; then the weighted combine
     (`moe_lab.kernels.permute.unpermute`, not fused here). ``F`` a multiple of 32. Forward
     only. In training the weights' MXFP8 copy would be made once per optimizer step."""
-    from moe_lab.kernels.mx import mx_quantize
     from moe_lab.kernels.mx_gemm import grouped_mx_gemm
+    from moe_lab.kernels.mx_quantize import mx_quantize
     from moe_lab.kernels.permute import unpermute
 
     _check(x, w_gate_up, w_down, row_id_map, offsets, topk_weights)
@@ -808,7 +808,7 @@ class Fusion:
     what: str
 
 
-# name -> Fusion; tests/test_fused_moe.py runs every entry against its unfused chain.
+# name -> Fusion; tests/lesson/kernels/test_fused_moe.py runs every entry against its unfused chain.
 FUSIONS: Registry[Fusion] = Registry("fusion")
 FUSIONS.register("gather_prologue", Fusion(
     gather_swiglu, gather_swiglu_unfused,

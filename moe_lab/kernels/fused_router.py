@@ -38,7 +38,7 @@ programs finish on a GPU; the ids, weights and counts do not.
 
 `launch_config` chooses each launch's tokens per program, warps and stages (the wrappers
 call it at launch time); `compile_specs` describes what a CUDA launch compiles at
-DeepSeek-V3's and GPT-OSS-20B's shapes, for `moe_lab.perf.compile_report`. There is no
+DeepSeek-V3's and GPT-OSS-20B's shapes, for `moe_lab.workbench.compile_report.report`. There is no
 ``tl.dot`` here: compiled, the router runs on the CUDA cores (exponentials, lane shuffles
 for the reductions, atomics for the statistics), with no tensor-core instructions.
 """
@@ -51,7 +51,7 @@ import triton.language as tl
 
 from moe_lab.config import MoEConfig, preset
 from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args
-from moe_lab.moe.routing import RouterOutput, check_seq_len, gate_logits
+from moe_lab.moe.router_output import RouterOutput, check_seq_len, gate_logits
 
 Tensor = torch.Tensor
 _TINY = torch.finfo(torch.float32).tiny
@@ -471,7 +471,7 @@ def fused_route(
 
 
 # --------------------------------------------------------------------------------------
-# What a CUDA launch compiles (`moe_lab.perf.compile_report`)
+# What a CUDA launch compiles (`moe_lab.workbench.compile_report.report`)
 # --------------------------------------------------------------------------------------
 
 

@@ -39,7 +39,7 @@ elements, past int32's 2.1·10⁹, and so can any operand view with a large stri
 
 Block sizes, warps and stages come from one function, `launch_config`, which the wrappers
 call at launch time and `compile_specs` at the DeepSeek-V3 and GPT-OSS-20B shapes, for the
-compile report (`moe_lab.perf.compile_report`) to build for Hopper and Blackwell. Compiled,
+compile report (`moe_lab.workbench.compile_report.report`) to build for Hopper and Blackwell. Compiled,
 it picks per shape from a small space of tiles per kernel (`TILE_SPACE`, by the rule of
 `choose_config`), and `compile_specs` lists every config of the space, the chosen one first.
 

@@ -3,7 +3,7 @@
 Every kernel module chooses its block sizes, warps and pipeline stages in one function of its
 own (``launch_config``) that its wrapper calls at launch time and its ``compile_specs`` calls
 to describe what a CUDA launch would run at the shapes that matter (DeepSeek-V3's and
-GPT-OSS-20B's). `moe_lab.perf.compile_report` compiles those specs for Hopper (sm_90) and
+GPT-OSS-20B's). `moe_lab.workbench.compile_report.report` compiles those specs for Hopper (sm_90) and
 Blackwell (sm_100) without a GPU and reads registers, spills, shared memory, the tensor-core
 instructions and the async copies off the result — so the report cannot drift from what runs.
 

@@ -22,10 +22,10 @@ Triton upcasts the tiles to bf16 (exact: 4 significant bits fit in 8) and runs a
 ``wgmma``. Under Triton's interpreter, which cannot run ``tl.dot_scaled``, the constexpr
 ``SCALED_DOT=False`` decomposes the same products into exactly decoded fp32 values and an
 IEEE fp32 ``tl.dot`` — same tiles, masks and scale indexing, summation order aside. The
-probabilities are quantized with the integer routines of `moe_lab.kernels.mx`, so their
+probabilities are quantized with the integer routines of `moe_lab.kernels.mx_quantize`, so their
 bits do not depend on the device's float casts. Requirements: causal, ``T_q <= T_k`` (query ``i``
 sees keys ``<= i + T_k - T_q``), Q/K head_dim padded to a multiple of 32, V padded
-along the keys to a multiple of 32 (`moe_lab.kernels.mx.mx_quantize` with ``pad=True``
+along the keys to a multiple of 32 (`moe_lab.kernels.mx_quantize.mx_quantize` with ``pad=True``
 produces exactly that). Backward is not a kernel: `moe_lab.attention` differentiates
 through the reference emulation.
 """
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from moe_lab.kernels.launch import CompileSpec, LaunchConfig, int_args
-from moe_lab.kernels.mx import fp8_code, mx_scale_byte
 from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, mx_dot
+from moe_lab.kernels.mx_quantize import fp8_code, mx_scale_byte
 from moe_lab.perf.capabilities import triton_interpreted
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor, padded_size
 
@@ -273,7 +273,7 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
 
     ``q``: ``[B, H, T_q, d]``; ``k``, ``v``: ``[B, H_kv, T_k, d]``; float32 or bfloat16.
     """
-    from moe_lab.kernels.mx import mx_quantize
+    from moe_lab.kernels.mx_quantize import mx_quantize
 
     def rows(x: Tensor) -> MXTensor:
         b, h, t, d = x.shape

@@ -29,7 +29,7 @@ Every index that multiplies a stride is int64 (a DeepSeek-V3 permuted buffer, 65
 of 7,168, is already 4.7·10⁸ elements; a view with a large stride passes 2³¹ sooner).
 Block sizes and warps come from one function, `launch_config`, which the wrappers call at
 launch time and `compile_specs` at the DeepSeek-V3 and GPT-OSS-20B shapes, for the compile
-report (`moe_lab.perf.compile_report`) to build for Hopper and Blackwell.
+report (`moe_lab.workbench.compile_report.report`) to build for Hopper and Blackwell.
 """
 
 import torch
@@ -39,7 +39,7 @@ import triton.language as tl
 from moe_lab.config import preset
 from moe_lab.kernels.grouped_gemm import cast_for_store
 from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
-from moe_lab.kernels.permute_args import (  # noqa: F401 (KERNEL_DTYPES, permuted_rows: public here too)
+from moe_lab.kernels.permute_args import (  # noqa: F401 - KERNEL_DTYPES, permuted_rows: public here too
     KERNEL_DTYPES,
     check_map,
     check_n_rows,

@@ -1,6 +1,6 @@
 """The argument checks and the buffer size the two token-permutation backends share: the
 Triton kernels (`moe_lab.kernels.permute`) and the C++ CPU kernels
-(the CPU plug-in's `moe_lab.cpu.permute`). Plain PyTorch, no Triton import: each backend adds its
+(the CPU plug-in's `moe_lab.workbench.cpu.permute`). Plain PyTorch, no Triton import: each backend adds its
 own device check on top."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ is differentiated and nothing is read back to the host: the loads are the router
 
 `update_expert_bias` is the update. `ExpertBiasBalancer` applies it inside
 `moe_lab.training.loop.train` through its ``callback``
-(`moe_lab.training.balancing.compare_balancing` trains the same model three ways — no
+(`moe_lab.workbench.demos.balancing.compare_balancing` trains the same model three ways — no
 balancing, an auxiliary loss, the bias — and returns what each did).
 """
 

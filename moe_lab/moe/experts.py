@@ -28,7 +28,7 @@ they are built:
 - ``triton`` — moe_lab's own Triton grouped GEMM with SwiGLU fused into the first GEMM's
   epilogue (``moe_lab.kernels.grouped_gemm``).
 
-A plug-in may register more (``moe_lab.cpu`` adds ``openmp``). Each backend also names the
+A plug-in may register more (``moe_lab.workbench.cpu`` adds ``openmp``). Each backend also names the
 token permutation it pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`), which the dropless
 dispatcher uses to sort the tokens into expert order and back.
 
@@ -159,7 +159,7 @@ class ExpertBackend:
     permutation: str = "torch"
 
 
-# name -> ExpertBackend; each is tested against "loop" (tests/test_dispatch.py).
+# name -> ExpertBackend; each is tested against "loop" (tests/lesson/moe/test_dispatch.py).
 EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend")
 
 

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
-from moe_lab.moe.routing import DTYPES, RouterOutput, check_seq_len, gate_logits
+from moe_lab.moe.router_output import DTYPES, RouterOutput, check_seq_len, gate_logits
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
@@ -291,7 +291,8 @@ def fused_route(
 
 
 # name -> fn(x, gate_weight, cfg, expert_bias, *, seq_len=None) -> RouterOutput; each is
-# tested against "reference" (tests/test_router.py, tests/test_router_kernel.py). A plug-in
+# tested against "reference" (tests/lesson/moe/test_router.py,
+# tests/lesson/kernels/test_router_kernel.py). A plug-in
 # may register more; "reference" is always the pure PyTorch chain above.
 ROUTER_IMPLS: Registry[Callable[..., RouterOutput]] = Registry("router impl")
 ROUTER_IMPLS.register("reference", route)

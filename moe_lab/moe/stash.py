@@ -53,7 +53,7 @@ import torch.nn.functional as F
 Tensor = torch.Tensor
 
 __all__ = [
-    "PagedStash", "StashCall", "max_pages", "page_table", "pages_per_expert", "plot_page_map",
+    "PagedStash", "StashCall", "max_pages", "page_table", "pages_per_expert",
     "simulate_expert_parallel", "expert_parallel_counts",
 ]
 
@@ -429,50 +429,3 @@ def simulate_expert_parallel(tokens_per_rank: int, n_experts: int, top_k: int, e
 # --------------------------------------------------------------------------------------
 # The picture
 # --------------------------------------------------------------------------------------
-
-
-def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None,
-                  title: str | None = None, per_row: int = 16):
-    """Draw the pool a step fills: one cell per page, coloured and labelled by its expert,
-    filled as far as the page is full; the trash page is hatched and pages past the end of
-    the pool (an overflow) are outlined in red. ``counts``: rows per expert."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
-    counts = torch.as_tensor(counts, dtype=torch.int64)
-    pages = pages_per_expert(F.pad(counts.cumsum(0), (1, 0)), page_rows)
-    used = int(pages.sum())
-    n_pages = used if n_pages is None else n_pages
-    page_expert = torch.repeat_interleave(torch.arange(len(counts)), pages).tolist()
-    page_fill = []
-    for c in counts.tolist():
-        full, rest = divmod(c, page_rows)
-        page_fill += [1.0] * full + ([rest / page_rows] if rest else [])
-    cells = max(n_pages, used) + 1  # + the trash page
-    n_rows = math.ceil(cells / per_row)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(0.55 * per_row, 0.7 + 0.6 * n_rows))
-    cmap = plt.get_cmap("tab10")
-    for p in range(cells):
-        r, c = divmod(p, per_row)
-        x, y = c, -r
-        if p < used:
-            colour = cmap(page_expert[p] % 10)
-            ax.add_patch(Rectangle((x, y), 0.92, 0.85, facecolor=colour, alpha=0.2))
-            ax.add_patch(Rectangle((x, y), 0.92 * page_fill[p], 0.85, facecolor=colour))
-            ax.text(x + 0.46, y + 0.42, f"e{page_expert[p]}", ha="center", va="center", fontsize=8)
-            if p >= n_pages:
-                ax.add_patch(Rectangle((x, y), 0.92, 0.85, fill=False, edgecolor="red", lw=2))
-        elif p < n_pages:
-            ax.add_patch(Rectangle((x, y), 0.92, 0.85, fill=False, edgecolor="0.6"))
-        if p == max(n_pages, used):
-            ax.add_patch(Rectangle((x, y), 0.92, 0.85, facecolor="0.9", hatch="xx",
-                                   edgecolor="0.5"))
-    ax.set_xlim(-0.1, per_row + 0.1)
-    ax.set_ylim(-n_rows + 0.9, 0.95)
-    ax.set_aspect("equal")
-    ax.axis("off")
-    status = f"{used} of {n_pages} pages used" + (" — OVERFLOW" if used > n_pages else "")
-    ax.set_title(title or f"page pool, {page_rows} rows per page: {status} (hatched: trash page)",
-                 fontsize=10)
-    return ax

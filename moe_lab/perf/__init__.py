@@ -1,53 +1,22 @@
-"""Measurement: timers, capabilities, ceilings, the hardware table, FLOPs/MFU, the ledger.
+"""What the hardware can do, and what a model asks of it: the capability probe, the GPUs'
+datasheet figures and the roofline, training FLOPs and MFU, the MLPerf results as data, and
+the bytes and launches that fusing moves out of an MoE layer.
 
-``from moe_lab.perf import bench, compare, capabilities, ledger`` is what a notebook needs.
-The timers and the capability report load with the package; the other submodules load
-on first use.
+- `capabilities` — this machine, probed on first use (``moe_lab.perf.capabilities``);
+- ``hardware`` — datasheet figures of H100/H200/B200/GB200/GB300, the roofline;
+- ``flops`` — training FLOPs per token, TFLOPS per GPU, MFU;
+- ``mlperf`` — NVIDIA's MLPerf Training v6.0 results as data;
+- ``fusion`` — bytes and launches per MoE layer, unfused and fused.
 
-- `bench`, `compare`, `BenchResult` — all timing (``moe_lab.perf.bench``)
-- `capabilities` — the machine, detected once (``moe_lab.perf.capabilities``)
-- ``ceilings`` — measured matmul and copy peaks of this machine
-- ``hardware`` — datasheet figures of H100/H200/B200/GB200/GB300, the roofline
-- ``flops`` — training FLOPs per token, TFLOPS per GPU, MFU
-- ``mlperf`` — the MLPerf Training v6.0 results as data
-- ``ledger`` — the results ledger every reported figure goes into
-- ``breakdown`` — where a training step's time goes (profiled, by phase and kind)
-- ``compile_report`` — every Triton kernel compiled for sm_90 and sm_100 without a GPU
-  (registers, spills, shared memory, occupancy, tensor-core instructions, async copies);
-  ``compile_worker`` runs the compiles in a child process, ``compile_reading`` reads them
+Measuring (timers, the ledger, ceilings, profiles) is the workbench's:
+`moe_lab.workbench.measure`.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
-
-# Imported eagerly, not lazily: the functions `bench` and `capabilities` share their names
-# with their submodules, and the first import of a submodule sets the package attribute to
-# the module. Binding the functions here, after those imports, keeps the names meaning
-# the functions however the submodules are imported later.
-from moe_lab.perf.bench import BenchResult, bench, compare
+# The function `capabilities` shares its name with its submodule; binding it here, after the
+# submodule's import, keeps ``moe_lab.perf.capabilities`` meaning the function however the
+# submodule is imported later. Importing it probes nothing: the probe runs on first call.
 from moe_lab.perf.capabilities import Capabilities, capabilities
 
-__all__ = [
-    "BenchResult", "Capabilities", "bench", "capabilities", "compare",
-    "breakdown", "ceilings", "flops", "hardware", "ledger", "mlperf",
-]
-
-_MODULES = ("breakdown", "ceilings", "flops", "hardware", "ledger", "mlperf")
-
-if TYPE_CHECKING:
-    from moe_lab.perf import breakdown, ceilings, flops, hardware, ledger, mlperf  # noqa: F401
-
-
-def __getattr__(name: str):
-    # Lazy submodules: `moe_lab.perf.ledger` loads only when first used.
-    if name in _MODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ = ["Capabilities", "capabilities"]

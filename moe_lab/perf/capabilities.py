@@ -107,7 +107,7 @@ def _short_cpu_name(name: str) -> str:
 
 
 # CPU flags of bf16 matmul instructions: with them a CPU's bf16 GEMMs run about twice its
-# fp32 rate (`moe_lab.perf.ceilings.matmul_peak`); without them bf16 is emulated, slower.
+# fp32 rate (`moe_lab.workbench.measure.ceilings.matmul_peak`); without them bf16 is emulated, slower.
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 

@@ -5,11 +5,11 @@ third parties publish them, collected in the project's background notes
 (``shared/background/FACTS.md``). Each row says where its numbers come from in its
 ``source`` field (``"datasheet"`` or ``"third-party"``, with a note); a figure drawn from
 this table must be labelled as such. What this machine can really do is measured by
-`moe_lab.perf.ceilings`.
+`moe_lab.workbench.measure.ceilings`.
 
 `SM_LIMITS` holds what one SM of compute capability 9.0 (Hopper) and 10.0 (Blackwell) can
 keep resident — registers, warps, blocks, shared memory — from NVIDIA's programming guide;
-`moe_lab.perf.compile_report` computes a compiled kernel's theoretical occupancy from them.
+`moe_lab.workbench.compile_report.report` computes a compiled kernel's theoretical occupancy from them.
 
 The roofline model: a kernel that performs ``intensity`` FLOPs for every byte it moves
 between memory and the chip can go no faster than ``min(peak_flops, bandwidth *
@@ -136,7 +136,7 @@ def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2.0) -> 
 @dataclass(frozen=True)
 class SMLimits:
     """What one streaming multiprocessor (SM) of a compute capability can hold at once: the
-    limits a kernel's theoretical occupancy is computed from (`moe_lab.perf.compile_reading`).
+    limits a kernel's theoretical occupancy is computed from (`moe_lab.workbench.compile_report.reading`).
 
     ``arch``: the compile target (``"sm_90"``); ``gpu``: the table row (`GPUS`) it stands for
     in reports. Per SM: ``registers_per_sm`` 32-bit registers, ``max_warps_per_sm`` and

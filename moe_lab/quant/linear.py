@@ -14,7 +14,7 @@ wgrad       M (tokens)       dY along M (column-wise), X along M (column-wise)
 ==========  ===============  ==================================================
 
 So X, W and dY are each needed in *two* MX copies, row-wise and column-wise — not one
-copy and its transpose (`moe_lab.kernels.mx` makes both in one pass). `MXLinear`
+copy and its transpose (`moe_lab.kernels.mx_quantize` makes both in one pass). `MXLinear`
 emulates this recipe exactly: each GEMM's operands are quantized to MXFP8 (E4M3,
 ``rceil`` scales, as Transformer Engine's ``MXFP8BlockScaling``) along that GEMM's
 reduction dimension, dequantized, and multiplied in float32 (tensor cores accumulate in
@@ -149,7 +149,7 @@ def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True, cols: bool = 
     takes its operands — each ``(codes [R, K], scale bytes [R, K/32])`` blocked along its last
     dim: the row-wise copy of ``x`` and the column-wise one transposed (``[K_x, M32]``,
     zero rows padded to a multiple of 32)."""
-    from moe_lab.kernels.mx import mx_quantize
+    from moe_lab.kernels.mx_quantize import mx_quantize
 
     row, col = mx_quantize(x, rowwise=rows, colwise=cols, scale_mode=scale_mode, pad=True)
     as_rows = None if row is None else (row.data, row.scale)
@@ -159,7 +159,7 @@ def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True, cols: bool = 
 
 class _TritonMXLinearFunction(torch.autograd.Function):
     """`_MXLinearFunction`'s recipe with Triton kernels: every operand quantized by
-    `moe_lab.kernels.mx.mx_quantize` (row- and column-wise copies from one read), every GEMM
+    `moe_lab.kernels.mx_quantize.mx_quantize` (row- and column-wise copies from one read), every GEMM
     an `moe_lab.kernels.mx_gemm.mx_gemm` (``tl.dot_scaled``) accumulating in float32."""
 
     @staticmethod

@@ -41,13 +41,13 @@ This module is the reference (plain PyTorch, readable as the definition):
 `quantize` → `MXTensor` → `MXTensor.dequantize`; `fake_quantize` (quantize→dequantize
 with a straight-through gradient, for training with emulated MXFP8) and `mx_error_stats`.
 It agrees bit for bit with torchao's ``to_mx`` on the CPU, except in two corners where
-torchao's CPU path is, we believe, wrong (see ``tests/test_mx.py``): floor-mode blocks
+torchao's CPU path is, we believe, wrong (see ``tests/lesson/quant/test_mx.py``): floor-mode blocks
 with scale ``2^-127`` (torchao divides by ``2^-126`` but stores ``2^-127``, halving those
 values), and rceil blocks whose ``amax / max`` lies within a few ulps above a power of two
 (torchao takes ``ceil`` of a float ``log2`` that rounds down to the integer; the exact
 rounding up used here is what the hardware's ``cvt.rp`` does). Inside a NaN-scaled block
 the element bytes differ too (here all NaN; torchao's depend on the mode); both read back
-as NaN. The Triton kernel in `moe_lab.kernels.mx` computes the same bits in integer
+as NaN. The Triton kernel in `moe_lab.kernels.mx_quantize` computes the same bits in integer
 arithmetic.
 """
 

@@ -11,7 +11,7 @@ The pipeline (notebook 08):
 - :mod:`moe_lab.sim.layout` — Megatron-style layout strings: parsing, formatting, checking
   that a layout places every layer of a model once.
 - :mod:`moe_lab.sim.schedule` — GPipe / 1F1B / interleaved 1F1B schedules as a
-  discrete-event simulation, delayed weight gradients, bubbles, the Gantt chart.
+  discrete-event simulation, delayed weight gradients, bubbles.
 - :mod:`moe_lab.sim.layout_search` — per-layer costs from the FLOPs model, stage and rank
   loads, and a layout search that balances the stages.
 
@@ -21,7 +21,6 @@ The network (notebook 09):
 - :mod:`moe_lab.sim.fair_share` — max-min fair rates and fluid flow completion times.
 - :mod:`moe_lab.sim.fabric` — a two-tier leaf-spine fabric, per-flow ECMP vs per-packet
   adaptive routing, incast with and without sender pacing, balls-into-bins closed forms.
-- :mod:`moe_lab.sim.fabric_figures` — the fabric's loads and flow completion times, drawn.
 
 Every figure these modules produce is a projection, not a measurement: record it as
 ``kind="simulated"`` in the ledger and draw it as such.
@@ -31,5 +30,5 @@ from __future__ import annotations
 
 __all__ = [
     "layout", "schedule", "layout_search",
-    "traffic", "fair_share", "fabric", "fabric_figures",
+    "traffic", "fair_share", "fabric",
 ]

@@ -49,7 +49,7 @@ The model, step by step (each a documented approximation):
    packet-level reordering cost: first-order effects only.
 
 Figures are projections ("simulated"), not measurements; they are drawn by
-:mod:`moe_lab.sim.fabric_figures`.
+:mod:`moe_lab.workbench.figures.fabric`.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_lab.config import ModelConfig, preset
+from moe_lab.config import ModelConfig
 from moe_lab.sim.layout import (
     LAYER_KINDS,
     Layout,
@@ -29,7 +29,7 @@ from moe_lab.sim.layout import (
     model_layer_chars,
     model_layer_kinds,
 )
-from moe_lab.sim.schedule import PipelineResult, plot_gantt, simulate, stage_imbalance
+from moe_lab.sim.schedule import PipelineResult, simulate, stage_imbalance
 
 
 @dataclass(frozen=True)
@@ -370,54 +370,3 @@ def simulate_layout(
         delay_wgrad=delay_wgrad,
         p2p_latency=p2p_latency,
     )
-
-
-def step_figure(
-    n_ranks: int = 8,
-    n_chunks: int = 1,
-    microbatches: int = 16,
-    mxfp8_logits: int = 0,
-    delay_wgrad: int = 0,
-    preset_name: str = "deepseek_v3",
-) -> Any:
-    """The explorer's figure: a preset's even and searched layouts on ``n_ranks`` ranks —
-    the work per rank of each, and the Gantt chart of the searched one's simulated step.
-
-    Slider-friendly: ``microbatches`` is rounded up to a multiple of ``n_ranks`` when
-    ``n_chunks`` > 1; ``mxfp8_logits`` and ``delay_wgrad`` are 0/1 switches.
-    """
-    import matplotlib.pyplot as plt  # only to draw: the ``sim`` command never loads it
-
-    cfg = preset(preset_name)
-    costs = layer_costs(cfg, logits_scale=0.5 if mxfp8_logits else 1.0)
-    n_chunks = max(1, min(n_chunks, len(model_layer_chars(cfg)) // n_ranks))
-    if n_chunks > 1:
-        microbatches = -(-microbatches // n_ranks) * n_ranks
-    searched = search_layout(cfg, costs, n_ranks, n_chunks,
-                             n_microbatches=microbatches if n_chunks > 1 else None)
-    layouts = {"searched": searched}
-    if n_ranks * n_chunks <= cfg.n_layers:
-        layouts = {"even": even_layout(cfg, n_ranks, n_chunks), **layouts}
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(10, 2.6 + 0.3 * n_ranks), gridspec_kw={"height_ratios": [1, 1.6]}
-    )
-    width = 0.8 / len(layouts)
-    notes = []
-    for i, (name, lay) in enumerate(layouts.items()):
-        report = layout_report(lay, cfg, costs)
-        step = simulate_layout(lay, cfg, costs, microbatches, delay_wgrad=bool(delay_wgrad))
-        loads = np.asarray(report["rank_loads"])
-        top.bar(np.arange(n_ranks) + (i - (len(layouts) - 1) / 2) * width, loads, width,
-                label=f"{name}: imbalance {report['imbalance']:.1%}, step {step.makespan:,.0f}")
-        notes.append(f"{name} {format_layout(lay)}")
-    top.axhline(loads.mean(), color="k", ls=":", lw=1)
-    top.set_xlabel("pipeline rank")
-    top.set_ylabel(f"forward work ({costs.unit})")
-    top.legend(fontsize=7, loc="lower right")
-    top.set_title(f"{preset_name}, logits {'MXFP8 (x0.5)' if mxfp8_logits else 'bf16'} — "
-                  "simulated, from the FLOPs model", fontsize=9)
-    plot_gantt(step, ax=bottom, labels=n_ranks * microbatches * n_chunks <= 256)
-    bottom.set_xlabel("simulated time (" + costs.unit + " of work)\n" + "\n".join(notes),
-                      fontsize=8)
-    fig.tight_layout()
-    return fig

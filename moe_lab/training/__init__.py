@@ -10,8 +10,8 @@
 - `moe_lab.training.build` — `build_model` (seeded, named implementations, the optimizer of
   the step kind), `random_batch`, and the compiled/autocast forward of a step;
 - `moe_lab.training.sync` — `count_syncs`, `assert_sync_free`, `SyncError`;
-- `moe_lab.training.checkpoint`, `moe_lab.training.ladder` (notebook 06's fixes one by
-  one), `moe_lab.training.capture_breakers` (what breaks a CUDA graph),
-  `moe_lab.training.balancing` (three ways to balance the experts, trained side by side),
-  `moe_lab.training.cli` (``python -m moe_lab train``).
+- `moe_lab.training.checkpoint`, `moe_lab.workbench.demos.ladder` (notebook 06's fixes one by
+  one), `moe_lab.workbench.demos.capture_breakers` (what breaks a CUDA graph),
+  `moe_lab.workbench.demos.balancing` (three ways to balance the experts, trained side by side),
+  `moe_lab.workbench.cli.train` (``python -m moe_lab train``).
 """

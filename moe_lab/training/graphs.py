@@ -25,11 +25,7 @@ tensors (inputs must be copied into the same static buffers before each replay).
 
 Without CUDA there is nothing to capture: `GraphedStep` runs the same step eagerly, says so
 once, and reports ``mode == "eager (no CUDA)"`` — the certificate still runs, so a CPU
-still refuses a step a GPU could not capture. `graphed_vs_eager` is the measurement a GPU
-machine runs: same model, same batches, eager and graphed, losses compared and timed.
-
-`moe_lab.training.capture_breakers` is a gallery of small snippets that break capture, each
-with the operator `assert_sync_free` names and a sync-free rewrite.
+still refuses a step a GPU could not capture.
 """
 
 from __future__ import annotations
@@ -38,21 +34,15 @@ from collections.abc import Callable
 
 import torch
 
-from moe_lab.config import preset as get_preset
-from moe_lab.perf import capabilities, compare
-from moe_lab.training.build import build_model, build_sync_free, random_batch
 from moe_lab.training.steps import StepConfig, SyncFreeStep
-from moe_lab.training.sync import SyncError, count_syncs
+from moe_lab.training.sync import SyncError
 
 Tensor = torch.Tensor
 
 EAGER_MODE = "eager (no CUDA)"
 GRAPHED_MODE = "graphed (CUDA)"
 
-__all__ = [
-    "EAGER_MODE", "GRAPHED_MODE", "GraphedStep", "NotCapturableError", "capture_advice",
-    "graphed_vs_eager", "plot_launch_timeline",
-]
+__all__ = ["EAGER_MODE", "GRAPHED_MODE", "GraphedStep", "NotCapturableError", "capture_advice"]
 
 _EAGER_NOTICE_SHOWN = False
 
@@ -280,100 +270,3 @@ def _show_once(message: str, quiet: bool) -> None:
     if not quiet and not _EAGER_NOTICE_SHOWN:
         print(message)
         _EAGER_NOTICE_SHOWN = True
-
-
-# --------------------------------------------------------------------------------------
-# The measurement a GPU machine runs
-# --------------------------------------------------------------------------------------
-
-
-def graphed_vs_eager(preset: str = "small", batch_size: int = 2, steps: int = 20, *,
-                     seed: int = 0, warmup: int = 3, min_time_s: float = 0.5,
-                     device: torch.device | str | None = None) -> dict:
-    """Train two identical models ``steps`` steps on the same random batches, one eager
-    (`SyncFreeStep`), one through `GraphedStep`; compare their losses and weights, then
-    time one iteration of each, interleaved (`moe_lab.perf.compare`).
-
-    Returns ``mode`` (what `GraphedStep` did), ``eager_ms``, ``graphed_ms``, ``speedup``
-    (eager / graphed), their IQRs, ``loss_eager``, ``loss_graphed`` (mean over the steps),
-    ``loss_abs_diff``, ``loss_rel_diff``, ``param_max_abs_diff``, ``syncs_per_step``
-    (counted on the eager step), the hardware label and the sizes. On a CPU both run
-    eagerly: the speed-up is ~1 by construction and ``mode`` says so.
-    """
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model_cfg = get_preset(preset) if isinstance(preset, str) else preset
-    cfg = StepConfig(read_every=steps, warmup_steps=min(5, steps), total_steps=max(steps, 1))
-    eager = build_sync_free(model_cfg, batch_size, device=device, seed=seed, cfg=cfg)
-    model, optimizer = build_model(model_cfg, device=device, seed=seed, lr=cfg.lr)
-    gen = torch.Generator().manual_seed(seed + 1)
-    batches = [random_batch(model_cfg, batch_size, device, gen) for _ in range(steps)]
-    graphed = GraphedStep(model, optimizer, batches[0], cfg, warmup=warmup, quiet=True)
-    stats_e = stats_g = None
-    for batch in batches:
-        stats_e = eager(batch) or stats_e
-        stats_g = graphed(batch) or stats_g
-    param_diff = max((a - b).abs().max().item()
-                     for a, b in zip(eager.model.parameters(), model.parameters(), strict=True))
-    _, syncs = count_syncs(eager.launch, batches[0])
-    cycle = iter(range(10**9))
-
-    def eager_iter() -> None:
-        eager.launch(batches[next(cycle) % steps])
-
-    def graphed_iter() -> None:
-        graphed.launch(batches[next(cycle) % steps])
-
-    timings = compare({"eager": eager_iter, "graphed": graphed_iter}, min_time_s=min_time_s)
-    e, g = timings["eager"], timings["graphed"]
-    return {
-        "preset": model_cfg.name, "batch_size": batch_size,
-        "tokens_per_step": batch_size * model_cfg.seq_len, "steps": steps,
-        "device": device.type, "hardware": capabilities().hardware_label(), "mode": graphed.mode,
-        "eager_ms": e.median_s * 1e3, "graphed_ms": g.median_s * 1e3,
-        "eager_iqr_ms": e.iqr_s * 1e3, "graphed_iqr_ms": g.iqr_s * 1e3,
-        "speedup": e.median_s / g.median_s,
-        "loss_eager": stats_e["loss"], "loss_graphed": stats_g["loss"],
-        "loss_abs_diff": abs(stats_e["loss"] - stats_g["loss"]),
-        "loss_rel_diff": abs(stats_e["loss"] - stats_g["loss"]) / max(abs(stats_e["loss"]), 1e-12),
-        "param_max_abs_diff": param_diff, "syncs_per_step": sum(syncs.values()),
-        "certified": graphed.certified,
-    }
-
-
-# --------------------------------------------------------------------------------------
-# The picture
-# --------------------------------------------------------------------------------------
-
-
-def plot_launch_timeline(n_kernels: int = 10, launch_us: float = 5.0, kernel_us: float = 2.0,
-                         graph_launch_us: float = 8.0, axes=None):
-    """A schematic (not a measurement) of one step's host launches and device kernels,
-    eager and graphed: when each kernel takes less time than a launch, the device idles
-    between kernels in eager mode; a graph launches them all at once."""
-    import matplotlib.pyplot as plt
-
-    if axes is None:
-        _, axes = plt.subplots(2, 1, figsize=(9, 3.4), sharex=True)
-    eager_end = n_kernels * launch_us + kernel_us
-    graph_end = graph_launch_us + n_kernels * kernel_us
-    for ax, title in zip(axes, ("eager: the host launches every kernel",
-                                "graphed: one launch replays them all"), strict=True):
-        ax.set_yticks([0.5, 1.5], ["device", "host"])
-        ax.set_ylim(0, 2)
-        ax.set_title(title, fontsize=10, loc="left")
-    host, device, free = [], [], 0.0
-    for i in range(n_kernels):
-        host.append((i * launch_us, launch_us * 0.9))
-        start = max((i + 1) * launch_us, free)
-        device.append((start, kernel_us * 0.95))
-        free = start + kernel_us
-    axes[0].broken_barh(host, (1.1, 0.8), color="tab:orange")
-    axes[0].broken_barh(device, (0.1, 0.8), color="tab:blue")
-    axes[1].broken_barh([(0, graph_launch_us * 0.95)], (1.1, 0.8), color="tab:orange")
-    axes[1].broken_barh([(graph_launch_us + i * kernel_us, kernel_us * 0.95)
-                         for i in range(n_kernels)], (0.1, 0.8), color="tab:blue")
-    axes[1].set_xlabel(f"time (µs), schematic: launch {launch_us:g} µs, kernel {kernel_us:g} µs "
-                       f"→ eager {eager_end:g} µs, graphed {graph_end:g} µs")
-    axes[1].set_xlim(0, max(eager_end, graph_end) * 1.02)
-    return axes
-

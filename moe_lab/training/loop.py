@@ -19,7 +19,7 @@ A `Trainer` holds everything one run needs — the model and its optimizer
 (`moe_lab.training.build.build_model`), the step, the data stream, the eval set, and the
 compiled or autocast forwards of ``compile``, ``amp`` and ``compiled_eval`` — and
 `Trainer.advance` trains on the next batch. `train` is the loop over it with evaluation,
-callback and checkpoints; the time-to-train race (`moe_lab.bench.ttt.race`) advances one
+callback and checkpoints; the time-to-train race (`moe_lab.workbench.benchmarks.ttt.race`) advances one
 `Trainer` per stack in lockstep.
 
 Runs are deterministic under a seed on the CPU: the model is initialised, and batches

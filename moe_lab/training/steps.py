@@ -55,14 +55,25 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from moe_lab.model import MoETransformer
 from moe_lab.moe.balance import update_expert_bias
-from moe_lab.perf.breakdown import phase
 from moe_lab.training.optim import CLIP_STEPS, lr_schedule, warmup_cosine
 from moe_lab.training.sync import assert_sync_free
 
 Tensor = torch.Tensor
 
-__all__ = ["EagerStep", "StepConfig", "StepState", "SyncFreeStep"]
+__all__ = ["PHASES", "EagerStep", "StepConfig", "StepState", "SyncFreeStep", "phase"]
 
+# The profiler ranges a step opens around its phases, which the workbench's profiled breakdown
+# (`moe_lab.workbench.measure.breakdown`) adds up; without a profiler running each costs a few
+# microseconds.
+PHASE_PREFIX = "moe_lab.training."
+PHASES = ("forward", "backward", "optimizer")
+
+
+def phase(name: str) -> torch.profiler.record_function:
+    """The profiler range of one phase of a training step (``with phase("forward"): ...``)."""
+    if name not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+    return torch.profiler.record_function(PHASE_PREFIX + name)
 
 
 # --------------------------------------------------------------------------------------

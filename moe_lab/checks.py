@@ -1,0 +1,75 @@
+"""Argument checks every module shares: one message per kind of mistake, naming the argument.
+
+``positive_int(batch_size, "batch_size")`` returns the value or raises ``ValueError("batch_size
+must be a positive integer, got 0")``; a dataclass checks its fields with
+``positive_ints(self, "steps", "batch_size")``, which names them ``TrainConfig.steps``. A bool is
+never an integer here (``True`` is not a batch size), and a NumPy integer is one.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def positive_int(value: object, name: str, *, or_none: bool = False) -> int | None:
+    """``value`` if it is an integer ``>= 1`` (or ``None`` where ``or_none``), else ``ValueError``."""
+    if value is None and or_none:
+        return None
+    if not _is_int(value) or value < 1:
+        either = " or None" if or_none else ""
+        raise ValueError(f"{name} must be a positive integer{either}, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(value: object, name: str) -> int:
+    """``value`` if it is an integer ``>= 0``, else ``ValueError``."""
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def int_in(value: object, name: str, low: int, high: int) -> int:
+    """``value`` if it is an integer in ``[low, high]``, else ``ValueError``."""
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def positive_number(value: object, name: str) -> float:
+    """``value`` if it is a finite real number ``> 0``, else ``ValueError``."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def positive_ints(obj: object, *fields: str) -> None:
+    """`positive_int` on each named attribute of ``obj``, named ``Type.field`` in the error."""
+    for field in fields:
+        positive_int(getattr(obj, field), f"{type(obj).__name__}.{field}")
+
+
+def non_negative_ints(obj: object, *fields: str) -> None:
+    """`non_negative_int` on each named attribute of ``obj``, named ``Type.field``."""
+    for field in fields:
+        non_negative_int(getattr(obj, field), f"{type(obj).__name__}.{field}")
+
+
+def one_of(value: object, name: str, choices: tuple | list | dict) -> object:
+    """``value`` if it is one of ``choices``, else ``ValueError`` listing them."""
+    try:
+        known = value in choices
+    except TypeError:  # an unhashable value is in no dict of names
+        known = False
+    if not known:
+        raise ValueError(f"{name} must be one of {sorted(choices, key=str)}, got {value!r}")
+    return value
+
+
+__all__ = ["int_in", "non_negative_int", "non_negative_ints", "one_of", "positive_int",
+           "positive_ints", "positive_number"]

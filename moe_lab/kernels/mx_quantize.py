@@ -1,0 +1,333 @@
+"""Triton MXFP8 quantizer: one read of a tensor, row-wise and column-wise MX copies out.
+
+A GEMM wants its operands blocked along the dimension it reduces over. A linear layer's
+forward ``Y = X Wᵀ`` reduces over the features, so it needs ``X`` in MX blocks *along
+rows*; its weight-gradient GEMM ``dW = dYᵀ X`` reduces over the tokens, so it needs ``X``
+blocked *along columns*. The two copies are not transposes of each other: each block has
+its own scale, and a value is rounded relative to the 31 neighbours it shares that scale
+with, which are different neighbours in each direction. Producing both from one read of
+``X`` halves the bytes a separate pass per direction would load — the kernel is purely
+memory bound, so that is the whole game. Here each program loads one ``[BLOCK_M, BLOCK_K]``
+tile (multiples of 32), reshapes it into ``[BLOCK_M, BLOCK_K/32, 32]`` for row blocks and
+``[BLOCK_M/32, 32, BLOCK_K]`` for column blocks, and for each computes the block maxima,
+the E8M0 scales and the FP8 codes. The column-wise copy is written transposed
+(``[K, M]``, contiguous), the layout the weight-gradient GEMM reads.
+
+Every step is integer arithmetic on the float32 bit pattern: ``|x|`` is ``bits &
+0x7FFFFFFF`` (for non-negative floats the integer order is the float order, and NaN bits
+compare above Inf, so an integer max finds NaN too); the scale comes from the block
+maximum's exponent field (``floor``) plus one when its mantissa exceeds 1.75 (``rceil``:
+448 = 1.75·2^8 and 57344 = 1.75·2^15); the FP8 code is the value's significand shifted
+right with round-to-nearest-even done by hand. No float arithmetic means no dependence on
+how a device rounds, flushes subnormals or casts to FP8 — Triton's interpreter, for one,
+rounds float8 casts wrongly when the rounding carries into the exponent — so the bits are
+the same compiled on a GPU and interpreted on a CPU, and identical to the reference
+`moe_lab.quant.mx.quantize` (which uses PyTorch's float ops and FP8 cast).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_lab.kernels.launch import CompileSpec, LaunchConfig, int_args
+from moe_lab.perf.capabilities import triton_interpreted
+from moe_lab.quant.mx import (
+    BLOCK_SIZE,
+    E4M3,
+    E5M2,
+    E8M0,
+    SCALE_MODES,
+    MXTensor,
+    elem_format,
+    padded_size,
+)
+
+Tensor = torch.Tensor
+KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def mx_scale_byte(amax_bits, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr):
+    """Biased E8M0 scale (int32 0..255) from the int32 bits of a block's ``|x|`` maximum."""
+    exp_field = amax_bits >> 23
+    unbiased = exp_field - 127 - EMAX_POW2
+    if RCEIL:
+        # ceil(log2(amax / max_pos)): one binade up when amax's mantissa exceeds 1.75.
+        unbiased += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        # The one amax whose fp32 quotient amax/max_pos rounds down onto 2^-127.
+        unbiased = tl.where(amax_bits == ((EMAX_POW2 << 23) | 0x600000) + 1, -127, unbiased)
+    unbiased = tl.minimum(tl.maximum(unbiased, -127), 127)
+    biased = unbiased + 127
+    if RCEIL:
+        biased = tl.where(amax_bits == 0x7F800000, 254, biased)
+    return tl.where(amax_bits > 0x7F800000, 255, biased)
+
+
+@triton.jit
+def fp8_code(bits, shift, nan_block, MBITS: tl.constexpr, BIAS: tl.constexpr,
+             MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
+    """FP8 byte (int32 0..255) of ``x * 2^-shift``, rounded to nearest even, saturating.
+
+    ``bits``: int32 bit patterns of float32 ``x``; ``shift``: int32, broadcastable;
+    ``nan_block``: True where the block's scale is NaN (every element becomes NaN).
+    """
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp_field = mag >> 23
+    sig = tl.where(exp_field == 0, mag & 0x7FFFFF, (mag & 0x7FFFFF) | 0x800000)
+    # x = sig * 2^e0 after the shift; sig < 2^24 converts to float exactly, and the
+    # float's exponent field is floor(log2(sig)) + 127.
+    e0 = tl.where(exp_field == 0, -126, exp_field - 127) - 23 - shift
+    lead = ((sig.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exp_v = lead + e0
+    exp_q = tl.maximum(exp_v, 1 - BIAS)  # subnormal FP8 values share the min-normal quantum
+    drop = exp_q - MBITS - e0  # bits of sig below the FP8 quantum
+    left = tl.minimum(tl.maximum(-drop, 0), 8)
+    right = tl.minimum(tl.maximum(drop, 0), 25)
+    kept = (sig << left) >> right
+    rem = sig & ((1 << right) - 1)
+    half = (1 << right) >> 1
+    round_up = (right > 0) & ((rem > half) | ((rem == half) & ((kept & 1) == 1)))
+    kept += round_up.to(tl.int32)
+    # Normal: ((biased exponent - 1) << MBITS) + kept, where kept includes the hidden
+    # bit, so a carry out of the mantissa bumps the exponent by itself.
+    code = ((exp_q + BIAS - 1) << MBITS) + kept
+    code = tl.where(sig == 0, 0, tl.minimum(code, MAX_CODE))
+    code = tl.where(exp_field == 255, MAX_CODE, code)  # Inf saturates (NaN set below)
+    code = tl.where(mag > 0x7F800000, NAN_CODE, code | sign)
+    return tl.where(nan_block, NAN_CODE, code)
+
+
+@triton.jit
+def _mx_quantize_kernel(
+    x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
+    M, K, M_PAD, K_PAD,
+    stride_xb, stride_xm, stride_xk,
+    IS_BF16: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MX_BLOCK: tl.constexpr,
+    EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+    MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr,
+):
+    # x: [B, M, K] (any strides); row data [B, M, K_PAD] u8, row scales [B, M, K_PAD/32];
+    # col data [B, K, M_PAD] u8 (transposed), col scales [B, K, M_PAD/32].
+    # Offsets in int64: an expert-weight stack ([256, 7168, 2048] is 3.7e9 elements) and its
+    # codes pass 2^31 elements, where int32 offset arithmetic would wrap around.
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_k = tl.program_id(1).to(tl.int64)
+    pid_b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    if IS_BF16:  # bf16 bits are the top half of the float32 bits
+        bits = tl.load(ptrs, mask=inside, other=0).to(tl.int32) << 16
+    else:
+        bits = tl.load(ptrs, mask=inside, other=0)
+    mag = bits & 0x7FFFFFFF
+
+    if ROWWISE:
+        n_kb: tl.constexpr = BLOCK_K // MX_BLOCK
+        amax = tl.max(tl.reshape(mag, (BLOCK_M, n_kb, MX_BLOCK)), axis=2)
+        scale = mx_scale_byte(amax, EMAX_POW2, RCEIL)
+        shift = scale - 127
+        if RCEIL:
+            shift = tl.where(scale == 0, 0, shift)
+        code = fp8_code(tl.reshape(bits, (BLOCK_M, n_kb, MX_BLOCK)), shift[:, :, None],
+                        (scale == 255)[:, :, None], MBITS, BIAS, MAX_CODE, NAN_CODE)
+        code = tl.reshape(code, (BLOCK_M, BLOCK_K))
+        out_ok = (offs_m[:, None] < M) & (offs_k[None, :] < K_PAD)
+        out = row_data_ptr + (pid_b * M + offs_m[:, None]) * K_PAD + offs_k[None, :]
+        tl.store(out, code.to(tl.uint8), mask=out_ok)
+        offs_kb = pid_k * n_kb + tl.arange(0, n_kb)
+        n_scales = K_PAD // MX_BLOCK
+        s_ok = (offs_m[:, None] < M) & (offs_kb[None, :] < n_scales)
+        s_out = row_scale_ptr + (pid_b * M + offs_m[:, None]) * n_scales + offs_kb[None, :]
+        tl.store(s_out, scale.to(tl.uint8), mask=s_ok)
+
+    if COLWISE:
+        n_mb: tl.constexpr = BLOCK_M // MX_BLOCK
+        amax = tl.max(tl.reshape(mag, (n_mb, MX_BLOCK, BLOCK_K)), axis=1)
+        scale = mx_scale_byte(amax, EMAX_POW2, RCEIL)
+        shift = scale - 127
+        if RCEIL:
+            shift = tl.where(scale == 0, 0, shift)
+        code = fp8_code(tl.reshape(bits, (n_mb, MX_BLOCK, BLOCK_K)), shift[:, None, :],
+                        (scale == 255)[:, None, :], MBITS, BIAS, MAX_CODE, NAN_CODE)
+        code = tl.reshape(code, (BLOCK_M, BLOCK_K))
+        out_ok = (offs_m[:, None] < M_PAD) & (offs_k[None, :] < K)
+        out = col_data_ptr + (pid_b * K + offs_k[None, :]) * M_PAD + offs_m[:, None]
+        tl.store(out, code.to(tl.uint8), mask=out_ok)
+        offs_mb = pid_m * n_mb + tl.arange(0, n_mb)
+        n_scales = M_PAD // MX_BLOCK
+        s_ok = (offs_mb[:, None] < n_scales) & (offs_k[None, :] < K)
+        s_out = col_scale_ptr + (pid_b * K + offs_k[None, :]) * n_scales + offs_mb[:, None]
+        tl.store(s_out, scale.to(tl.uint8), mask=s_ok)
+
+
+def _format_constexprs(dtype: torch.dtype, rowwise: bool, colwise: bool,
+                       elem_dtype: torch.dtype, scale_mode: str) -> dict[str, object]:
+    """The kernel's constexprs besides the tile: input width, which copies, element format,
+    scale rule."""
+    fmt = elem_format(elem_dtype)
+    return {
+        "IS_BF16": dtype == torch.bfloat16, "ROWWISE": rowwise, "COLWISE": colwise,
+        "MX_BLOCK": BLOCK_SIZE, "EMAX_POW2": fmt.emax_pow2, "RCEIL": scale_mode == "rceil",
+        "MBITS": fmt.mbits, "BIAS": fmt.bias, "MAX_CODE": fmt.max_code, "NAN_CODE": fmt.nan_code,
+    }
+
+
+def launch_config(m: int, k: int, interpreted: bool) -> LaunchConfig:
+    """Tile and warps for quantizing an ``[m, k]`` slice (``m``, ``k`` as the grid covers them).
+
+    Interpreted: large tiles, since each program instance costs a Python round trip.
+    Compiled: 2,048 elements per tile, ``BLOCK_K`` no wider than ``k`` rounds up to (so a
+    64-wide head_dim does not leave half the tile masked) and at most 64, ``BLOCK_M`` taking
+    the rest; 8 warps, 8 elements a thread. The kernel only moves bytes, so what matters is
+    how many loads an SM keeps in flight, and every element a thread owns holds several
+    integer temporaries on its way to two codes: at 32 elements a thread the tile used every
+    register a thread may have, which left room for one block per SM; at 8, several blocks
+    fit (`python -m moe_lab compile` shows registers and blocks per SM). One tile per
+    program and no loop, so nothing to pipeline: one stage.
+    """
+    if interpreted:
+        bm = min(128, max(32, triton.next_power_of_2(m)))
+        bk = min(256, max(32, triton.next_power_of_2(k)))
+        return LaunchConfig({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=4, num_stages=1)
+    bk = min(64, max(32, triton.next_power_of_2(k)))
+    return LaunchConfig({"BLOCK_M": 2048 // bk, "BLOCK_K": bk}, num_warps=8, num_stages=1)
+
+
+def mx_quantize(
+    x: Tensor,
+    *,
+    rowwise: bool = True,
+    colwise: bool = True,
+    elem_dtype: torch.dtype = E4M3,
+    scale_mode: str = "rceil",
+    pad: bool = False,
+) -> tuple[MXTensor | None, MXTensor | None]:
+    """MX copies of ``x`` blocked along its last dim (row-wise) and along dim -2
+    (column-wise), from one read of ``x``.
+
+    Args:
+        x: ``[M, K]`` or ``[B, M, K]``, float32 or bfloat16, any strides, on the device
+            Triton runs on (CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+        rowwise, colwise: which copies to produce (at least one).
+        elem_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        scale_mode: ``"floor"`` or ``"rceil"``.
+        pad: zero-pad ``K`` (row-wise) / ``M`` (column-wise) to a multiple of 32 instead
+            of raising.
+
+    Returns:
+        ``(row, col)``: ``row`` equals ``quantize(x, dim=-1)`` bit for bit (data
+        ``[.., M, K32]`` contiguous, scale ``[.., M, K32/32]``); ``col`` equals
+        ``quantize(x, dim=-2)`` (data ``[.., M32, K]`` viewed from column-major storage
+        ``[.., K, M32]``, scale ``[.., M32/32, K]``). ``None`` for a copy not asked for.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [M, K] or [B, M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in KERNEL_INPUT_DTYPES:
+        raise ValueError(
+            f"x.dtype must be one of {[str(d) for d in KERNEL_INPUT_DTYPES]}, got {x.dtype}"
+        )
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    if not (rowwise or colwise):
+        raise ValueError("at least one of rowwise and colwise must be True, got both False")
+    elem_format(elem_dtype)  # raises on an unsupported element dtype
+    if x.device.type != "cuda" and not triton_interpreted():
+        raise ValueError(
+            f"x must be on a CUDA device for compiled Triton, got {x.device} "
+            "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
+        )
+    squeeze = x.dim() == 2
+    x3 = x.unsqueeze(0) if squeeze else x
+    nb, m, k = x3.shape
+    m_pad, k_pad = padded_size(m), padded_size(k)
+    for flag, name, size, full in ((rowwise, "K", k, k_pad), (colwise, "M", m, m_pad)):
+        if flag and size != full and not pad:
+            raise ValueError(
+                f"x's {name} = {size} must be a multiple of {BLOCK_SIZE} for "
+                f"{'row' if name == 'K' else 'column'}-wise blocks (or pass pad=True)"
+            )
+    dev = x.device
+    row_data = torch.empty((nb, m, k_pad if rowwise else 0), dtype=torch.uint8, device=dev)
+    row_scale = torch.empty((nb, m, k_pad // BLOCK_SIZE if rowwise else 0), dtype=torch.uint8,
+                            device=dev)
+    col_data = torch.empty((nb, k, m_pad if colwise else 0), dtype=torch.uint8, device=dev)
+    col_scale = torch.empty((nb, k, m_pad // BLOCK_SIZE if colwise else 0), dtype=torch.uint8,
+                            device=dev)
+    if x3.numel():
+        # Read raw bits: float32 as int32, bfloat16 as int16 (widened in the kernel).
+        bits = x3.view(torch.int16) if x.dtype == torch.bfloat16 else x3.view(torch.int32)
+        grid_m, grid_k = m_pad if colwise else m, k_pad if rowwise else k
+        cfg = launch_config(grid_m, grid_k, triton_interpreted())
+        grid = (triton.cdiv(grid_m, cfg.blocks["BLOCK_M"]),
+                triton.cdiv(grid_k, cfg.blocks["BLOCK_K"]), nb)
+        _mx_quantize_kernel[grid](
+            bits, row_data, row_scale, col_data, col_scale,
+            m, k, m_pad, k_pad, *bits.stride(),
+            **_format_constexprs(x.dtype, rowwise, colwise, elem_dtype, scale_mode),
+            **cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    row = col = None
+    if rowwise:
+        data, scale = row_data.view(elem_dtype), row_scale.view(E8M0)
+        if squeeze:
+            data, scale = data[0], scale[0]
+        row = MXTensor(data, scale, elem_dtype, BLOCK_SIZE, x.dim() - 1, x.shape, scale_mode)
+    if colwise:
+        data = col_data.view(elem_dtype).transpose(-1, -2)
+        scale = col_scale.view(E8M0).transpose(-1, -2)
+        if squeeze:
+            data, scale = data[0], scale[0]
+        col = MXTensor(data, scale, elem_dtype, BLOCK_SIZE, x.dim() - 2, x.shape, scale_mode)
+    return row, col
+
+
+def compile_specs() -> list[CompileSpec]:
+    """`_mx_quantize_kernel` as a CUDA launch of `mx_quantize` compiles it at DeepSeek-V3's and
+    GPT-OSS-20B's shapes, contiguous input: every input dtype (bf16, fp32), element format
+    (E4M3, E5M2), scale rule (rceil, floor) and copy (row+col, row only as `quantize_qkv`
+    does Q and K, column only as it does V) at least once."""
+    from moe_lab.config import preset
+
+    ds, oss = preset("deepseek_v3"), preset("gpt_oss_20b")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    t, e = ds.seq_len, ds.moe.n_experts
+    cases = [  # label, input dtype, [B, M, K], rowwise, colwise, element dtype, scale rule
+        (f"DeepSeek-V3 activations [{t}, {ds.d_model}]", bf16, (1, t, ds.d_model),
+         True, True, E4M3, "rceil"),
+        (f"DeepSeek-V3 expert weights [{e}, {ds.d_model}, {ds.moe.d_expert}]", fp32,
+         (e, ds.d_model, ds.moe.d_expert), True, True, E4M3, "rceil"),
+        (f"GPT-OSS-20B output gradient [{oss.seq_len}, {oss.d_model}]", bf16,
+         (1, oss.seq_len, oss.d_model), True, True, E5M2, "floor"),
+        (f"GPT-OSS-20B attention Q rows [{oss.n_heads * oss.seq_len}, {oss.dim_head}]", bf16,
+         (1, oss.n_heads * oss.seq_len, oss.dim_head), True, False, E4M3, "rceil"),
+        (f"GPT-OSS-20B attention V [{oss.kv_heads}, {oss.seq_len}, {oss.dim_head}]", bf16,
+         (oss.kv_heads, oss.seq_len, oss.dim_head), False, True, E4M3, "rceil"),
+    ]
+    specs = []
+    for label, dtype, (_batch, m, k), rowwise, colwise, elem_dtype, scale_mode in cases:
+        m_pad, k_pad = padded_size(m), padded_size(k)
+        ints, ones = int_args(M=m, K=k, M_PAD=m_pad, K_PAD=k_pad, stride_xb=m * k,
+                                   stride_xm=k, stride_xk=1)
+        cfg = launch_config(m_pad if colwise else m, k_pad if rowwise else k, interpreted=False)
+        copies = "row+col" if rowwise and colwise else "row-wise" if rowwise else "column-wise"
+        fmt = "E4M3" if elem_dtype == E4M3 else "E5M2"
+        specs.append(CompileSpec(
+            kernel="moe_lab.kernels.mx_quantize:_mx_quantize_kernel",
+            label=f"MX quantizer, {label} {'bf16' if dtype == bf16 else 'fp32'}, {copies}, "
+                  f"{fmt} {scale_mode}",
+            signature={"x_ptr": "*i16" if dtype == bf16 else "*i32", "row_data_ptr": "*u8",
+                       "row_scale_ptr": "*u8", "col_data_ptr": "*u8", "col_scale_ptr": "*u8",
+                       **ints},
+            constexprs={**ones, **_format_constexprs(dtype, rowwise, colwise, elem_dtype,
+                                                     scale_mode), **cfg.blocks},
+            config=cfg,
+        ))
+    return specs

@@ -1,0 +1,526 @@
+"""Expert parallelism: the experts sharded over ranks, tokens moved by two all-to-alls.
+
+A model too big for one device keeps its experts apart: with ``W`` ranks in the
+expert-parallel (EP) group and ``E`` experts, rank ``r`` holds experts
+``r·E/W … (r+1)·E/W − 1`` and only those. Attention, the router and the shared expert are
+replicated (every rank runs them on its own tokens, as in data parallelism). Then a routed
+token must travel to the rank of each expert it chose, and its result must travel back:
+
+1. **permute** (local): sort this rank's ``T·k`` (token, expert) assignments by expert, as
+   the single-process dropless layer does. Sorted by expert is also sorted by destination
+   rank, so rank ``j``'s rows are one contiguous block.
+2. **exchange counts**: a tiny all-to-all of the ``[W, E/W]`` matrix "how many of my rows
+   go to each of your experts", so every rank learns what it will receive.
+3. **dispatch**: ``all_to_all_single`` of the permuted rows with *uneven* splits — block
+   ``j`` to rank ``j``. The received rows are grouped by source rank, then by local expert.
+4. **local experts**: regroup the received rows by local expert and run one grouped GEMM
+   (`SwiGLUExperts.grouped_forward` on this rank's shard), then undo the regrouping.
+5. **combine**: the reverse all-to-all sends every result row home, to the same place its
+   input row left from.
+6. **unpermute** (local): weight by the router and sum each token's ``k`` rows.
+
+Backward runs the same road the other way: the gradient of an all-to-all is the reverse
+all-to-all of the gradient (`AllToAll`), so autograd differentiates the layer end to end.
+
+Dropless EP needs the split sizes on the host (``all_to_all_single`` takes Python lists):
+step 2 is a device→host sync per layer. The **budgeted** mode, in the manner of NVIDIA's
+HybridEP, avoids it: every rank sends every other rank a fixed-size block of
+``B = ceil(capacity_factor · T·k / W)`` rows (padded with zeros), so every size is known from
+shapes alone. Rows beyond the budget do not fit; the counts travel with an *overflow flag*,
+and when any rank overflowed the layer either re-runs the dispatch with a budget that fits
+(``on_overflow="rerun"``: exact, and the only host read of the flag) or drops the extra
+assignments like a capacity-factor layer (``"drop"``: never reads anything on the host).
+
+Equivalence: on the same weights and tokens, every rank's output equals the single-process
+dropless layer's output for its tokens, input gradients equal, and each expert's weight
+gradient equals the single-process one (the all-to-all's backward delivers every rank's
+contribution to the expert's owner). Router and shared-expert gradients are per-rank partial
+sums (all-reduce them, as data parallelism does). The auxiliary load-balancing loss is
+computed on each rank's own tokens.
+
+gloo (CPU) supports ``all_to_all_single`` with uneven splits but not the list form with
+uneven tensors, and has no float8 type: float8 tensors travel as bytes (``.view(uint8)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_lab.config import MoEConfig
+from moe_lab.moe.dispatch import sort_by_expert
+from moe_lab.moe.experts import SwiGLUExperts
+from moe_lab.moe.layer import MoELayer, MoEStats
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "AllToAll", "all_to_all", "exchange_counts", "EPMoELayer", "EPStats", "from_layer",
+    "DISPATCH_MODES", "OVERFLOW_POLICIES", "rank_experts", "traffic_matrix", "split_sizes",
+    "ep_budget", "sync_gradients", "clip_grad_norm_ep", "ep_check_rank",
+]
+
+DISPATCH_MODES = ("dropless", "budget")
+OVERFLOW_POLICIES = ("rerun", "drop")
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
+                if hasattr(torch, n))
+
+
+# --------------------------------------------------------------------------------------
+# The all-to-all, differentiable
+# --------------------------------------------------------------------------------------
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _all_to_all(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
+                group=None, async_op: bool = False):
+    """``all_to_all_single`` that allocates its output; ``None`` splits mean equal blocks.
+
+    ``x: [rows, ...]`` → ``[sum(output_splits) or rows, ...]``. With ``async_op`` returns
+    ``(output, work)``; the output is valid after ``work.wait()``.
+    """
+    x = x.contiguous()
+    rows = x.shape[0] if output_splits is None else int(sum(output_splits))
+    out = x.new_empty((rows, *x.shape[1:]))
+    if _group_size(group) == 1:
+        out.copy_(x)
+        return (out, None) if async_op else out
+    send, recv = x, out
+    if x.dtype in _FLOAT8 and dist.get_backend(group) == "gloo":
+        send, recv = x.view(torch.uint8), out.view(torch.uint8)  # gloo has no float8 type
+    work = dist.all_to_all_single(recv, send, output_splits, input_splits, group=group,
+                                  async_op=async_op)
+    return (out, work) if async_op else out
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` as an autograd function: its backward is the reverse
+    all-to-all of the gradient (input and output splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, output_splits, input_splits, group) -> Tensor:
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: Tensor, output_splits: list[int] | None = None,
+               input_splits: list[int] | None = None, group=None) -> Tensor:
+    """Differentiable all-to-all of the rows of ``x``: ``input_splits[j]`` rows go to rank
+    ``j``, ``output_splits[i]`` rows arrive from rank ``i`` (``None``: equal blocks)."""
+    return AllToAll.apply(x, output_splits, input_splits, group)
+
+
+def exchange_counts(send_counts: Tensor, group=None) -> Tensor:
+    """``send_counts: [W, n]`` (row ``j``: what this rank sends rank ``j``) → ``[W, n]``
+    (row ``i``: what rank ``i`` sends this rank). Equal splits: no sizes needed on the host."""
+    if send_counts.dim() != 2 or send_counts.shape[0] != _group_size(group):
+        raise ValueError(f"send_counts must be [world_size={_group_size(group)}, n], "
+                         f"got {tuple(send_counts.shape)}")
+    return _all_to_all(send_counts, None, None, group)
+
+
+# --------------------------------------------------------------------------------------
+# Pure helpers (also what the notebook's exercises check)
+# --------------------------------------------------------------------------------------
+
+
+def rank_experts(n_experts: int, world_size: int, rank: int) -> range:
+    """The experts rank ``rank`` owns: a contiguous block of ``n_experts / world_size``."""
+    if n_experts % world_size:
+        raise ValueError(f"n_experts={n_experts} must be divisible by world_size={world_size}")
+    per = n_experts // world_size
+    return range(rank * per, (rank + 1) * per)
+
+
+def split_sizes(topk_ids: Tensor, n_experts: int, world_size: int) -> Tensor:
+    """``topk_ids: [T, k]`` → ``[world_size]`` int64: how many rows this rank sends each rank
+    (assignments to experts that rank owns). Sync-free."""
+    if n_experts % world_size:
+        raise ValueError(f"n_experts={n_experts} must be divisible by world_size={world_size}")
+    dest = topk_ids.reshape(-1) // (n_experts // world_size)
+    return torch.zeros(world_size, dtype=torch.int64, device=topk_ids.device).scatter_add_(
+        0, dest, torch.ones_like(dest))
+
+
+def traffic_matrix(topk_ids_per_rank: list[Tensor], n_experts: int) -> Tensor:
+    """``[W, W]`` rows each rank sends each rank in one dispatch (row: source, column:
+    destination), from every rank's routing ``topk_ids: [T_r, k]``."""
+    world = len(topk_ids_per_rank)
+    return torch.stack([split_sizes(ids, n_experts, world) for ids in topk_ids_per_rank])
+
+
+def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float,
+              multiple: int = 1) -> int:
+    """Rows per (source, destination) block in the budgeted mode:
+    ``ceil(capacity_factor · tokens · top_k / world_size)``, rounded up to ``multiple``."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    b = math.ceil(capacity_factor * tokens * top_k / world_size)
+    return max(1, -(-b // multiple) * multiple)
+
+
+# --------------------------------------------------------------------------------------
+# The layer
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class EPStats(MoEStats):
+    """`MoEStats` plus what the exchange cost. ``tokens_per_expert`` counts this rank's own
+    routing (all ``E`` experts); ``dropped_tokens`` is non-zero only with ``on_overflow="drop"``."""
+
+    overflow: Tensor | None = None  # [] bool: some rank had more rows for a rank than the budget
+    reruns: int = 0  # dispatches re-run because of an overflow
+    budget: int = 0  # rows per (source, destination) block; 0 in dropless mode
+    a2a_bytes: int = 0  # bytes this rank sent to other ranks in the forward (dispatch + combine)
+
+
+def _local_order(row_expert: Tensor) -> tuple[Tensor, Tensor]:
+    """Stable sort of received rows by local expert, and its inverse permutation."""
+    order = torch.argsort(row_expert, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return order, inverse
+
+
+class EPMoELayer(MoELayer):
+    """An `MoELayer` whose experts are sharded over the process group ``group``.
+
+    ``forward(x)`` takes this rank's tokens ``x: [tokens, d_model]`` (or ``[b, s, d]``) and
+    returns ``(y, EPStats)`` like `MoELayer`; every rank of the group must call it together.
+    ``mode="dropless"`` exchanges counts and sends exactly the routed rows;
+    ``mode="budget"`` sends fixed ``[W, B, d]`` blocks (see the module docstring) with
+    ``B = ep_budget(tokens, top_k, W, capacity_factor)``.
+
+    Build it from a single-process layer with `from_layer` (same router, shared expert and
+    this rank's slice of the experts), or fresh from a config (then seed every rank alike).
+    """
+
+    def __init__(self, cfg: MoEConfig, group=None, mode: str = "dropless",
+                 capacity_factor: float = 1.25, on_overflow: str = "rerun",
+                 expert_backend: str = "torch", router_impl: str = "reference",
+                 budget_multiple: int = 1) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: start the ranks with "
+                               "moe_lab.workbench.ranks.launch.run_ranks or torchrun first")
+        if mode not in DISPATCH_MODES:
+            raise ValueError(f"mode must be one of {DISPATCH_MODES}, got {mode!r}")
+        if on_overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}")
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+        world = dist.get_world_size(group)
+        if cfg.n_experts % world:
+            raise ValueError(f"cfg.n_experts={cfg.n_experts} must be divisible by the EP group "
+                             f"size {world}")
+        super().__init__(cfg, dispatcher="dropless", expert_backend=expert_backend,
+                         router_impl=router_impl)
+        self.dispatcher = "ep"
+        self.group = group
+        self.ep_size = world
+        self.ep_rank = dist.get_rank(group)
+        self.n_local = cfg.n_experts // world
+        self.local_experts = rank_experts(cfg.n_experts, world, self.ep_rank)
+        self.mode = mode
+        self.capacity_factor = capacity_factor
+        self.on_overflow = on_overflow
+        self.budget_multiple = budget_multiple
+        # This rank's shard replaces the full set the parent built.
+        self.experts = SwiGLUExperts(self.n_local, cfg.d_model, cfg.d_expert, expert_backend)
+
+    @classmethod
+    def from_layer(cls, layer: MoELayer, group=None, **kwargs) -> EPMoELayer:
+        """This rank's part of ``layer``: its router and shared expert, and the slice of its
+        experts this rank owns. ``kwargs`` go to the constructor (``mode``, ...); the
+        expert backend defaults to ``layer``'s."""
+        if not isinstance(layer, MoELayer):
+            raise ValueError(f"layer must be a MoELayer, got {type(layer).__name__}")
+        kwargs.setdefault("expert_backend", layer.experts.backend)
+        kwargs.setdefault("router_impl", layer.router.impl)
+        ep = cls(layer.cfg, group, **kwargs)
+        w = layer.experts.w_gate_up
+        ep.to(device=w.device, dtype=w.dtype)
+        lo, hi = ep.local_experts.start, ep.local_experts.stop
+        with torch.no_grad():
+            ep.router.load_state_dict(layer.router.state_dict())
+            if layer.shared is not None:
+                ep.shared.load_state_dict(layer.shared.state_dict())
+            ep.experts.w_gate_up.copy_(layer.experts.w_gate_up[lo:hi])
+            ep.experts.w_down.copy_(layer.experts.w_down[lo:hi])
+        ep.experts.quant = layer.experts.quant
+        ep.train(layer.training)
+        return ep
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: Tensor) -> tuple[Tensor, EPStats]:
+        if x.dim() not in (2, 3) or x.shape[-1] != self.cfg.d_model:
+            raise ValueError(f"x must be [tokens, d_model={self.cfg.d_model}] or [batch, seq, "
+                             f"d_model], got {tuple(x.shape)}")
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        if self.mode == "dropless":
+            y, info = self._dropless(tokens, routing.topk_ids, routing.topk_weights,
+                                     routing.tokens_per_expert)
+        else:
+            budget = ep_budget(tokens.shape[0], self.cfg.top_k, self.ep_size,
+                               self.capacity_factor, self.budget_multiple)
+            y, info = self._budgeted(tokens, routing.topk_ids, routing.topk_weights,
+                                     routing.tokens_per_expert, budget)
+            if self.on_overflow == "rerun" and bool(info["overflow"]):
+                # The one host read of the budgeted path, taken only to decide on a re-run
+                # (a production stack defers it to the end of the step). Every rank sees the
+                # same flag, so all re-run together, with the largest block any rank needs.
+                needed = int(info["needed"])
+                y, again = self._budgeted(tokens, routing.topk_ids, routing.topk_weights,
+                                          routing.tokens_per_expert,
+                                          -(-needed // self.budget_multiple) * self.budget_multiple)
+                again["reruns"] = 1
+                again["a2a_bytes"] += info["a2a_bytes"]
+                again["overflow"] = info["overflow"]
+                info = again
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        stats = EPStats(
+            tokens_per_expert=routing.tokens_per_expert,
+            aux_loss=(routing.aux_loss * self.cfg.aux_loss_coef).to(x.dtype),
+            z_loss=(routing.z_loss * self.cfg.z_loss_coef).to(x.dtype),
+            dropped_tokens=info["dropped"], routing=routing, overflow=info.get("overflow"),
+            reruns=info.get("reruns", 0), budget=info.get("budget", 0),
+            a2a_bytes=info["a2a_bytes"],
+        )
+        return y.reshape(shape), stats
+
+    def _row_bytes(self, x: Tensor) -> int:
+        return x.shape[-1] * x.element_size()
+
+    def _dropless(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                  tokens_per_expert: Tensor) -> tuple[Tensor, dict]:
+        k = topk_ids.shape[1]
+        world, n_local = self.ep_size, self.n_local
+        order, _ = sort_by_expert(topk_ids, self.cfg.n_experts)
+        token_of = order // k
+        x_sorted = tokens.index_select(0, token_of)  # [T·k, d], grouped by destination rank
+        send_counts = tokens_per_expert.view(world, n_local)
+        recv_counts = exchange_counts(send_counts, self.group)  # [W, E_local]
+        # all_to_all_single takes its split sizes as Python ints: the host must see them.
+        send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.group)
+        y_recv = self._experts_on_received(x_recv, recv_counts)
+        y_back = all_to_all(y_recv, send_splits, recv_splits, self.group)
+        weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_back.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, y_back * weight)
+        sent = sum(send_splits) - send_splits[self.ep_rank]
+        returned = sum(recv_splits) - recv_splits[self.ep_rank]
+        info = {"dropped": torch.zeros((), dtype=torch.int64, device=tokens.device),
+                "a2a_bytes": (sent + returned) * self._row_bytes(tokens)}
+        return out, info
+
+    def _experts_on_received(self, x_recv: Tensor, recv_counts: Tensor) -> Tensor:
+        """Rows grouped by (source rank, local expert) → local experts → same row order."""
+        world, n_local = recv_counts.shape
+        segment_expert = torch.arange(n_local, device=x_recv.device).repeat(world)
+        row_expert = torch.repeat_interleave(segment_expert, recv_counts.reshape(-1),
+                                             output_size=x_recv.shape[0])
+        order, inverse = _local_order(row_expert)
+        offsets = F.pad(recv_counts.sum(0).cumsum(0), (1, 0)).to(torch.int32)
+        y = self.experts.grouped_forward(x_recv.index_select(0, order), offsets)
+        return y.index_select(0, inverse)
+
+    def _budgeted(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                  tokens_per_expert: Tensor, budget: int) -> tuple[Tensor, dict]:
+        k = topk_ids.shape[1]
+        world, n_local = self.ep_size, self.n_local
+        rows, d = topk_ids.numel(), tokens.shape[1]
+        device = tokens.device
+        order, _ = sort_by_expert(topk_ids, self.cfg.n_experts)
+        token_of = order // k
+        counts = tokens_per_expert.view(world, n_local)
+        per_dest = counts.sum(1)  # [W]
+        dest_start = F.pad(per_dest.cumsum(0), (1, 0))[:-1]
+        row_dest = topk_ids.reshape(-1).index_select(0, order) // n_local  # [T·k], sorted
+        position = torch.arange(rows, device=device) - dest_start.index_select(0, row_dest)
+        keep = position < budget
+        trash = world * budget  # dropped rows land on one extra row that is never sent
+        slot = torch.where(keep, row_dest * budget + position, torch.full_like(position, trash))
+        send = tokens.new_zeros(trash + 1, d).index_add(0, slot, tokens.index_select(0, token_of))
+        # Rows kept per (destination, local expert): each destination's block is sorted by
+        # expert, so the kept rows are a prefix of it.
+        kept_cum = counts.cumsum(1).clamp(max=budget)
+        kept = kept_cum - F.pad(kept_cum, (1, 0))[:, :-1]
+        # The flag and the largest block this rank needs travel with the counts.
+        overflow_local = (per_dest > budget).any().to(torch.int64)
+        meta = torch.cat([kept, overflow_local.expand(world, 1), per_dest.max().expand(world, 1)], 1)
+        meta_recv = exchange_counts(meta, self.group)  # [W, E_local + 2]
+        recv_kept = meta_recv[:, :n_local]
+        x_recv = all_to_all(send[:trash], None, None, self.group)  # [W·B, d]
+        y_recv = self._experts_on_budget(x_recv, recv_kept, budget)
+        y_back = all_to_all(y_recv, None, None, self.group)
+        y_rows = torch.cat([y_back, y_back.new_zeros(1, d)]).index_select(0, slot)
+        weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_rows.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, y_rows * weight)
+        # Every rank's flag reaches every rank, so all agree on a re-run.
+        info = {"dropped": (~keep).sum(), "overflow": meta_recv[:, n_local].amax() > 0,
+                "needed": meta_recv[:, n_local + 1].amax(), "budget": budget, "reruns": 0,
+                "a2a_bytes": 2 * (world - 1) * budget * self._row_bytes(tokens)}
+        return out, info
+
+    def _experts_on_budget(self, x_recv: Tensor, recv_kept: Tensor, budget: int) -> Tensor:
+        """``x_recv: [W·B, d]``, block ``i`` from rank ``i`` holding ``recv_kept[i].sum()`` real
+        rows (by local expert) then zero padding. Padding rows are given to the last local
+        expert: zeros in, zeros out (SwiGLU(0) = 0), and no weight gradient."""
+        world, n_local = recv_kept.shape
+        within = torch.arange(budget, device=x_recv.device)
+        ends = recv_kept.cumsum(1)  # [W, E_local]
+        row_expert = torch.searchsorted(ends, within.expand(world, budget).contiguous(), right=True)
+        order, inverse = _local_order(row_expert.reshape(-1))  # padding (= n_local) sorts last
+        offsets = F.pad(recv_kept.sum(0).cumsum(0), (1, 0))
+        offsets[-1] = world * budget
+        y = self.experts.grouped_forward(x_recv.index_select(0, order), offsets.to(torch.int32))
+        return y.index_select(0, inverse)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (f"experts={c.n_experts} ({self.n_local} on rank {self.ep_rank} of {self.ep_size}), "
+                f"top_k={c.top_k}, mode={self.mode!r}, expert_backend={self.experts.backend!r}")
+
+
+def from_layer(layer: MoELayer, group=None, **kwargs) -> EPMoELayer:
+    """`EPMoELayer.from_layer`: this rank's expert-parallel part of a single-process layer."""
+    return EPMoELayer.from_layer(layer, group, **kwargs)
+
+
+def sync_gradients(model: torch.nn.Module, world_group=None, expert_dp_group=None) -> None:
+    """Make gradients those of the mean loss over all ranks, after ``loss.backward()`` on
+    each rank's own batch.
+
+    Replicated parameters (everything but EP experts): all-reduce and divide by the world
+    size, as data parallelism does. Expert shards: the all-to-all's backward already summed
+    every rank's contribution into the owner; divide by the world size too, and, where
+    several EP groups hold copies of a shard, all-reduce over ``expert_dp_group`` first.
+    """
+    world = dist.get_world_size(world_group)
+    expert_params = {id(p) for m in model.modules() if isinstance(m, EPMoELayer)
+                     for p in m.experts.parameters()}
+    replicated = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in expert_params]
+    experts = [p.grad for p in model.parameters() if p.grad is not None and id(p) in expert_params]
+    if replicated:
+        flat = torch.cat([g.reshape(-1) for g in replicated])
+        dist.all_reduce(flat, group=world_group)
+        flat /= world
+        for g, new in zip(replicated, flat.split([g.numel() for g in replicated]), strict=True):
+            g.copy_(new.view_as(g))
+    for g in experts:
+        if expert_dp_group is not None and dist.get_world_size(expert_dp_group) > 1:
+            dist.all_reduce(g, group=expert_dp_group)
+        g /= world
+
+
+def clip_grad_norm_ep(model: torch.nn.Module, max_norm: float, ep_group=None) -> Tensor:
+    """``clip_grad_norm_`` for a model with EP expert shards: the global norm counts every
+    replicated gradient once and every expert shard of the EP group once (the shards' squared
+    norms are all-reduced over ``ep_group``). Call after `sync_gradients`; returns the norm."""
+    expert_params = {id(p) for m in model.modules() if isinstance(m, EPMoELayer)
+                     for p in m.experts.parameters()}
+    grads = [(p.grad, id(p) in expert_params) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    device = grads[0][0].device
+    replicated = sum((g.float().pow(2).sum() for g, is_expert in grads if not is_expert),
+                     torch.zeros((), device=device))
+    experts = sum((g.float().pow(2).sum() for g, is_expert in grads if is_expert),
+                  torch.zeros((), device=device))
+    dist.all_reduce(experts, group=ep_group)
+    norm = (replicated + experts).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g, _ in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
+
+
+# --------------------------------------------------------------------------------------
+# A rank function for tests and the notebook: EP against the single-process layer
+# --------------------------------------------------------------------------------------
+
+
+def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
+                  cases: tuple[tuple[str, float, float], ...] = (("dropless", 0.0, 1.25),
+                                                                 ("budget", 0.0, 1.25)),
+                  expert_backend: str = "torch") -> dict:
+    """Run on every rank (inside ``run_ranks``): EP against the single-process layer.
+
+    For each ``(mode, skew, capacity_factor[, on_overflow])`` in ``cases``: builds the same
+    single-process dropless layer on every rank (seeded; ``skew`` > 0 adds that bias to
+    expert 0's selection score, so most tokens pick it — an overflow for the budgeted
+    mode), draws all ranks' tokens from one
+    seeded batch, runs the EP layer on this rank's slice, and compares its output and
+    gradients (input, this rank's expert weights, the all-reduced router weight) with the
+    single-process layer on the whole batch.
+
+    Returns ``{"rank", "routing": this rank's topk_ids (first case), "cases": [{"mode",
+    "skew", max abs errors "y", "dx", "dw_gate_up", "dw_down", "drouter", "scale",
+    "overflow", "reruns", "budget", "a2a_bytes", "dropped"}, ...]}``.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = MoEConfig(**cfg_fields)
+    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
+    experts = rank_experts(cfg.n_experts, world, rank)
+    result: dict = {"rank": rank, "cases": []}
+
+    def err(a: Tensor, b: Tensor) -> float:
+        return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+
+    for case in cases:
+        mode, skew, capacity_factor = case[:3]
+        on_overflow = case[3] if len(case) > 3 else "rerun"
+        torch.manual_seed(seed)
+        ref = MoELayer(cfg, "dropless", expert_backend)
+        with torch.no_grad():
+            ref.router.weight.normal_(0.0, 1.0)  # confident routing: near-ties are improbable
+            ref.router.expert_bias[0] = skew
+        x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
+        g_all = torch.randn_like(x_all)
+        xr = x_all.detach().requires_grad_()
+        y_ref, _ = ref(xr)
+        y_ref.backward(g_all)
+        ep = from_layer(ref, mode=mode, capacity_factor=capacity_factor, on_overflow=on_overflow)
+        ep.zero_grad(set_to_none=True)
+        x = x_all[lo:hi].detach().requires_grad_()
+        y, stats = ep(x)
+        y.backward(g_all[lo:hi])
+        router_grad = ep.router.weight.grad.clone()
+        dist.all_reduce(router_grad)
+        result.setdefault("routing", stats.routing.topk_ids)
+        result["cases"].append({
+            "mode": mode, "skew": skew, "capacity_factor": capacity_factor, "on_overflow": on_overflow,
+            "y": err(y, y_ref[lo:hi]),
+            "dx": err(x.grad, xr.grad[lo:hi]),
+            "dw_gate_up": err(ep.experts.w_gate_up.grad,
+                              ref.experts.w_gate_up.grad[experts.start:experts.stop]),
+            "dw_down": err(ep.experts.w_down.grad, ref.experts.w_down.grad[experts.start:experts.stop]),
+            "drouter": err(router_grad, ref.router.weight.grad),
+            "scale": float(y_ref.detach().abs().max()),
+            "overflow": bool(stats.overflow) if stats.overflow is not None else False,
+            "reruns": stats.reruns, "budget": stats.budget, "a2a_bytes": stats.a2a_bytes,
+            "dropped": int(stats.dropped_tokens),
+        })
+        # sync_gradients: the mean of the ranks' losses. Experts: the owner's gradient (already
+        # summed over ranks) / W; router: the all-reduced partials / W.
+        expert_grad = ep.experts.w_gate_up.grad.clone()
+        sync_gradients(torch.nn.ModuleList([ep]))
+        result["cases"][-1]["sync_gradients"] = max(
+            err(ep.experts.w_gate_up.grad, expert_grad / world),
+            err(ep.router.weight.grad, ref.router.weight.grad / world))
+    return result

@@ -1,0 +1,278 @@
+"""A whole `MoETransformer` trained on a 1F1B schedule with merged forward/backward units.
+
+`moe_lab.parallel.merged` merges two micro-batches inside one MoE layer. A model has many
+layers: in the steady state of 1F1B, the forward of micro-batch ``i+1`` runs the blocks
+``0 … L−1`` while the backward of micro-batch ``i`` runs them ``L−1 … 0``. `MergedModelStep`
+pairs them block by block, as Megatron-Core's combined 1F1B does: the forward of block ``k``
+with the backward of block ``L−1−k``. For each pair, the dense parts run as ordinary
+autograd pieces (attention and norms: forward of one, backward of the other), and the two MoE
+layers run one merged plan (`moe_lab.parallel.merged.plan`) in which each one's all-to-alls
+travel under the other's compute.
+
+One training step over ``m`` micro-batches (``m ≥ 2``) of one rank's batch::
+
+    F(0) · [F(1) + B(0)] · [F(2) + B(1)] · … · [F(m−1) + B(m−2)] · B(m−1)
+
+The warm-up forward and the cool-down backward have no partner and run chunked. The loss is
+the mean over micro-batches of each micro-batch's loss (language-model loss plus its MoE
+layers' auxiliary losses, each computed on the micro-batch's own tokens, as gradient
+accumulation does; with ``n_chunks > 1`` the auxiliary losses are taken per chunk and
+averaged over the chunks). Parameter gradients accumulate in ``.grad``; the caller averages
+replicated gradients over ranks (`moe_lab.parallel.ep.sync_gradients`) and steps the optimiser.
+
+Every block is run as a separate autograd piece (its input a fresh leaf), so that the
+backward of one block can be interleaved with the forward of another; the pieces' gradients
+are chained by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from moe_lab.model import EMBEDDING_IMPLS, MoETransformer
+from moe_lab.parallel.ep import EPMoELayer
+from moe_lab.parallel.merged import MergedStep, MicroBatch, plan
+from moe_lab.parallel.timeline import Timeline
+
+Tensor = torch.Tensor
+
+__all__ = ["MergedModelStep", "merged_model_check_rank"]
+
+
+@dataclass
+class _Pass:
+    """One micro-batch's way through the model: per block its input leaf and what its
+    backward needs."""
+
+    idx: Tensor
+    targets: Tensor
+    key: str
+    inputs: list[Tensor] = field(default_factory=list)  # leaf input of each block (and of the head)
+    pre: list = field(default_factory=list)  # per block: (a, z) of the dense part, or the block output
+    moe: list[MicroBatch | None] = field(default_factory=list)
+    embed_out: Tensor | None = None
+    loss: Tensor | None = None  # the language-model loss
+    aux: Tensor | float = 0.0  # the MoE layers' auxiliary losses
+    grad: Tensor | None = None  # gradient flowing down, into the current block's output
+
+
+class MergedModelStep:
+    """Forward + backward of ``model`` (its MoE blocks `EPMoELayer`s in ``dropless`` mode) on
+    micro-batches, on the ``schedule`` ``"1f1b"`` (merged units; with ``n_chunks > 1`` each
+    MoE layer also chunked) or ``"sequential"`` (the same pieces, every micro-batch's forward
+    and backward one after the other, every collective waited at once: the reference).
+    Every rank must call `step` together with the same number of micro-batches."""
+
+    def __init__(self, model: MoETransformer, n_chunks: int = 1, schedule: str = "1f1b") -> None:
+        if not isinstance(model, MoETransformer):
+            raise ValueError(f"model must be a MoETransformer, got {type(model).__name__}")
+        if schedule not in ("1f1b", "sequential"):
+            raise ValueError(f"schedule must be '1f1b' or 'sequential', got {schedule!r}")
+        blocks = list(model.blocks)
+        moe = [b.ffn for b in blocks if isinstance(b.ffn, EPMoELayer)]
+        if not moe:
+            raise ValueError("model has no EPMoELayer: convert its MoE layers with "
+                             "moe_lab.parallel.ep.from_layer")
+        self.model, self.n_chunks, self.schedule = model, n_chunks, schedule
+        self.steps = [MergedStep(b.ffn, n_chunks) if isinstance(b.ffn, EPMoELayer) else None for b in blocks]
+        self.timelines: list[Timeline] = []
+
+    # ------------------------------------------------------------------ pieces
+    def _embed(self, p: _Pass) -> None:
+        m = self.model
+        p.embed_out = EMBEDDING_IMPLS[m.embedding_impl](m.embed, p.idx)
+        p.inputs = [p.embed_out.detach().requires_grad_()]
+
+    def _fwd_pre(self, p: _Pass, k: int) -> MicroBatch | None:
+        block, h = self.model.blocks[k], p.inputs[k]
+        if self.steps[k] is None:  # a dense block: one autograd piece
+            out = block(h)[0]
+            p.pre.append(out)
+            p.moe.append(None)
+            p.inputs.append(out.detach().requires_grad_())
+            return None
+        a = h + block.attn(block.norm1(h))
+        z = block.norm2(a)
+        p.pre.append((a, z))
+        shape = z.shape
+        mb = self.steps[k].microbatch(z.detach().reshape(-1, shape[-1]), None, f"{p.key}/{k}")
+        p.moe.append(mb)
+        return mb
+
+    def _fwd_post(self, p: _Pass, k: int) -> None:
+        if self.steps[k] is None:
+            return
+        a, _ = p.pre[k]
+        mb = p.moe[k]
+        y = mb.y.view_as(a)
+        p.aux = p.aux + sum(c.aux.detach() for c in mb.chunks if c.aux is not None) / len(mb.chunks)
+        p.inputs.append((a.detach() + y).requires_grad_())
+
+    def _head(self, p: _Pass, n_micro: int) -> None:
+        m = self.model
+        h = p.inputs[-1]
+        logits = m._logits(m.norm(h))
+        lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), p.targets.reshape(-1))
+        p.loss = lm.detach()
+        (lm / n_micro).backward()  # the head's backward can run at once: it waits for nothing
+        p.grad = h.grad
+
+    def _bwd_post(self, p: _Pass, k: int) -> MicroBatch | None:
+        """Gradient into block ``k``'s output → the MoE micro-batch's grad_out (the residual
+        part is kept for `_bwd_pre`)."""
+        if self.steps[k] is None:
+            return None
+        mb = p.moe[k]
+        mb.grad_out = p.grad.reshape(-1, p.grad.shape[-1])
+        return mb
+
+    def _bwd_pre(self, p: _Pass, k: int) -> None:
+        h = p.inputs[k]
+        if self.steps[k] is None:
+            torch.autograd.backward([p.pre[k]], [p.grad])
+        else:
+            a, z = p.pre[k]
+            dz = p.moe[k].dx.view_as(z)
+            torch.autograd.backward([a, z], [p.grad, dz])  # residual + the MoE's input gradient
+        p.grad = h.grad
+        p.pre[k] = None
+        p.moe[k] = None
+
+    def _bwd_embed(self, p: _Pass) -> None:
+        torch.autograd.backward([p.embed_out], [p.grad])
+
+    # ------------------------------------------------------------------ MoE plans
+    def _moe(self, k_fwd: int | None, f: MicroBatch | None, k_bwd: int | None, b: MicroBatch | None) -> None:
+        sequential = self.schedule == "sequential"
+        n = self.n_chunks
+        merged = "1f1b+chunked" if n > 1 else "1f1b"
+        if f is not None and b is not None and not sequential:
+            order = plan(merged, n)
+        else:
+            order = plan("sequential" if sequential else "chunked", n, forward=f is not None,
+                         backward=b is not None)
+        step = (f or b).owner
+        self.timelines.append(step.run(order, fwd=f, bwd=b, sequential=sequential,
+                                       label=f"F{k_fwd} + B{k_bwd}"))
+
+    def _forward_block(self, p: _Pass, k: int) -> None:
+        mb = self._fwd_pre(p, k)
+        if mb is not None:
+            self._moe(k, mb, None, None)
+        self._fwd_post(p, k)
+
+    def _backward_block(self, p: _Pass, k: int) -> None:
+        mb = self._bwd_post(p, k)
+        if mb is not None:
+            self._moe(None, None, k, mb)
+        self._bwd_pre(p, k)
+
+    def _forward(self, p: _Pass, n_micro: int) -> None:
+        with torch.enable_grad():
+            self._embed(p)
+            for k in range(len(self.steps)):
+                self._forward_block(p, k)
+            self._head(p, n_micro)
+
+    def _backward(self, p: _Pass) -> None:
+        for k in reversed(range(len(self.steps))):
+            self._backward_block(p, k)
+        self._bwd_embed(p)
+
+    def _merged(self, f: _Pass, b: _Pass, n_micro: int) -> None:
+        """F's forward through blocks 0…L−1 paired with B's backward through L−1…0."""
+        n_blocks = len(self.steps)
+        with torch.enable_grad():
+            self._embed(f)
+            for k in range(n_blocks):
+                j = n_blocks - 1 - k
+                fm = self._fwd_pre(f, k)
+                bm = self._bwd_post(b, j)
+                if fm is not None or bm is not None:
+                    if fm is not None and bm is not None:
+                        self._moe(k, fm, j, bm)
+                    else:
+                        self._moe(k if fm is not None else None, fm, j if bm is not None else None, bm)
+                self._fwd_post(f, k)
+                self._bwd_pre(b, j)
+            self._head(f, n_micro)
+            self._bwd_embed(b)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, idx: Tensor, targets: Tensor, n_micro: int) -> Tensor:
+        """Forward + backward of the batch ``idx, targets: [batch, seq]`` in ``n_micro``
+        micro-batches (``batch`` divisible by it). Gradients accumulate into the model's
+        ``.grad``; returns the mean loss over micro-batches (detached)."""
+        if not isinstance(n_micro, int) or n_micro < 1:
+            raise ValueError(f"n_micro must be a positive integer, got {n_micro!r}")
+        if idx.dim() != 2 or idx.shape != targets.shape or idx.shape[0] % n_micro:
+            raise ValueError(f"idx and targets must be [batch, seq] with batch divisible by "
+                             f"n_micro={n_micro}, got {tuple(idx.shape)} and {tuple(targets.shape)}")
+        for s in self.steps:
+            if s is not None:
+                s.ops.aux_scale = 1.0 / (n_micro * self.n_chunks)
+                s.keep_for_replay = False
+        self.timelines = []
+        passes = [_Pass(i, t, f"mb{n}") for n, (i, t) in
+                  enumerate(zip(idx.chunk(n_micro), targets.chunk(n_micro), strict=True))]
+        if self.schedule == "sequential":
+            for p in passes:
+                self._forward(p, n_micro)
+                self._backward(p)
+        else:
+            self._forward(passes[0], n_micro)
+            for i in range(1, n_micro):
+                self._merged(passes[i], passes[i - 1], n_micro)
+            self._backward(passes[-1])
+        return torch.stack([p.loss + p.aux for p in passes]).mean()
+
+
+def merged_model_check_rank(preset_name: str = "tiny", batch: int = 4, n_micro: int = 2,
+                            n_chunks: int = 1, seed: int = 0) -> dict:
+    """A rank function for the tests: one training step of the ``preset_name`` model (EP over
+    all ranks) as `MergedModelStep` on ``"1f1b"`` and on ``"sequential"`` (must be bitwise
+    equal), and as plain autograd over the micro-batches (``model(x).loss / n_micro``
+    backward per micro-batch; float32 rounding). Returns ``{"bitwise", "rel", "loss"}``."""
+    import torch.distributed as dist
+
+    from moe_lab.config import preset
+    from moe_lab.data import SyntheticCorpus
+    from moe_lab.moe.layer import MoELayer
+    from moe_lab.parallel.ep import from_layer
+
+    cfg = preset(preset_name)
+    torch.manual_seed(seed)
+    model = MoETransformer(cfg, dispatcher="dropless", expert_backend="torch")
+    for block in model.blocks:
+        if isinstance(block.ffn, MoELayer):
+            block.ffn = from_layer(block.ffn)
+    data = SyntheticCorpus(seq_len=cfg.seq_len, seed=seed).sample(
+        batch, generator=torch.Generator().manual_seed(seed + 1 + dist.get_rank()))
+
+    def grads() -> list[Tensor]:
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+    results = {}
+    for schedule in ("1f1b", "sequential"):
+        model.zero_grad(set_to_none=True)
+        loss = MergedModelStep(model, n_chunks, schedule).step(data.x, data.y, n_micro)
+        results[schedule] = [loss] + grads()
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for x, y in zip(data.x.chunk(n_micro), data.y.chunk(n_micro), strict=True):
+        out = model(x, y)
+        (out.loss / n_micro).backward()
+        losses.append(out.loss.detach())
+    plain = [torch.stack(losses).mean()] + grads()
+
+    def rel(a: Tensor, b: Tensor) -> float:
+        diff, scale = float((a - b).abs().max()), float(b.abs().max())
+        return diff / scale if scale > 0 else diff
+
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(results["1f1b"], results["sequential"],
+                                                             strict=True)),
+            "rel": max(rel(a, b) for a, b in zip(results["1f1b"], plain, strict=True)),
+            "loss": float(results["1f1b"][0]), "plain_loss": float(plain[0])}

@@ -1,0 +1,16 @@
+"""Benchmarks behind ``python -m moe_lab bench <name>``.
+
+One module per benchmark. Each exposes ``DESCRIPTION``, ``add_arguments(parser)`` and
+``run(args) -> dict``; the dict is printed as one JSON object with ``--json`` and as a table
+otherwise, and every figure in it is also appended to the results ledger by the module.
+"""
+
+BENCHMARKS = {
+    # name -> module (imported only when that benchmark is asked for)
+    "moe-layer": "moe_lab.workbench.benchmarks.moe_layer",
+    "mxfp8": "moe_lab.workbench.benchmarks.mxfp8",
+    "router": "moe_lab.workbench.benchmarks.router",
+    "step": "moe_lab.workbench.benchmarks.step",
+    "ep": "moe_lab.workbench.benchmarks.ep",
+    "time-to-train": "moe_lab.workbench.benchmarks.ttt",
+}

@@ -1,0 +1,269 @@
+"""The race: stacks trained to the target in lockstep, each on its own clock.
+
+The clock starts at the first training step. What happens before — building the model,
+compiling it, capturing a CUDA graph, all on random tokens, never on training data — is
+*initialisation*, reported beside the time to target as ``init_s`` (MLPerf also keeps
+initialisation out of the timed region, within a cap). Evaluation time is inside the clock.
+
+Each stack runs in a *lane* holding its `moe_lab.training.loop.Trainer`: the race advances
+the lanes one step each in turn (`race`), each lane's clock adding up only its own steps
+and evaluations, so a burst of load from another process on a shared machine slows every
+stack alike instead of whichever ran at that moment. `compare_stacks` races every seed;
+`ladder_throughput` and `step_breakdowns` time single steps of the same trainers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+import torch.utils.deterministic as det
+
+from moe_lab.data import Batch
+from moe_lab.perf.capabilities import capabilities
+from moe_lab.training.loop import Trainer
+from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig, TTTRun, load_contest_corpus, make_trainer
+from moe_lab.workbench.benchmarks.ttt.stacks import Stack, device_of
+from moe_lab.workbench.measure.breakdown import step_breakdown
+from moe_lab.workbench.measure.timing import compare
+
+__all__ = ["compare_stacks", "deterministic_algorithms", "ladder_throughput", "race",
+           "step_breakdowns", "time_to_train"]
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    if device.type == "cpu":
+        return batch
+    return Batch(batch.x.to(device), batch.y.to(device), batch.domain.to(device))
+
+
+class _Lane:
+    """One stack's run inside `race`: its trainer (own model, data stream) and own clock."""
+
+    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device, corpus) -> None:
+        self.stack = stack
+        t0 = time.perf_counter()
+        self.trainer = make_trainer(stack, cfg, device, corpus=corpus, warm_eval=True)
+        self.init_s = time.perf_counter() - t0
+        self.clock = 0.0  # timed seconds so far (interleaved: this lane's own segments only)
+        self.eval_s = 0.0
+        self.curve: list[dict] = []
+        self.train_curve: list[dict] = []
+        self.reached = False
+        self.done = False
+        self.time_to_target: float | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.trainer.steps_done
+
+    def evaluate(self, target_loss: float) -> dict:
+        """The eval point after this step: the stack's own evaluation, and where a compiled
+        one says "reached", the plain FP32 one (the naive stack's) has the last word."""
+        loss = self.trainer.evaluate()["all"]
+        point = {"step": self.steps}
+        if loss <= target_loss and self.trainer.eval_forward is not None:
+            point["compiled_eval_loss"] = loss
+            loss = self.trainer.evaluate(compiled=False)["all"]
+        return {**point, "eval_loss": loss}
+
+
+def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus=None,
+         device: torch.device | str | None = None, max_seconds: float | None = None,
+         progress: bool = False) -> list[TTTRun]:
+    """Train every stack in ``stacks`` to the target, *in lockstep*: one step of each in turn
+    (the order flipping every step), each stack's clock adding up only its own steps and
+    evaluations. With one stack this is a plain run against the wall clock.
+
+    Interleaving needs each step finished before the next lane's begins: on a CPU steps are
+    synchronous; on CUDA the sync-free step must not be made to wait after every step, so
+    several stacks on CUDA are refused (run them one at a time, ``interleave=False`` in
+    `compare_stacks`).
+    """
+    if not stacks:
+        raise ValueError("stacks must name at least one Stack, got none")
+    device = device_of(device)
+    if len(stacks) > 1 and device.type != "cpu":
+        raise ValueError(f"race: interleaving several stacks needs a CPU (got {device}); on "
+                         "CUDA each stack runs alone so that nothing syncs its steps")
+    corpus = load_contest_corpus(cfg) if corpus is None else corpus
+    lanes = [_Lane(stack, cfg, device, corpus) for stack in stacks]
+    solo = len(lanes) == 1
+    start = time.perf_counter()
+    for step in range(cfg.max_steps):
+        active = [lane for lane in lanes if not lane.done]
+        if not active:
+            break
+        for lane in active if step % 2 == 0 else active[::-1]:
+            t0 = time.perf_counter()
+            record = lane.trainer.advance()
+            if record is not None:
+                lane.train_curve.append(record)
+            if lane.steps % cfg.eval_every == 0 or lane.steps == cfg.max_steps:
+                lane.trainer.sync()
+                t_eval = time.perf_counter()
+                point = lane.evaluate(cfg.target_loss)
+                now = time.perf_counter()
+                lane.eval_s += now - t_eval
+                lane.clock = now - start if solo else lane.clock + now - t0
+                lane.curve.append({**point, "time_s": lane.clock})
+                loss = point["eval_loss"]
+                if progress:
+                    print(f"{lane.stack.name:>10} step {lane.steps:4d}  {lane.clock:7.1f} s  "
+                          f"eval loss {loss:.3f}", flush=True)
+                if loss <= cfg.target_loss:
+                    lane.reached, lane.time_to_target, lane.done = True, lane.clock, True
+                elif max_seconds is not None and lane.clock > max_seconds:
+                    lane.done = True
+            elif not solo:
+                lane.clock += time.perf_counter() - t0
+    hardware = capabilities().hardware_label()
+    runs = []
+    for lane in lanes:
+        lane.trainer.sync()
+        if solo:
+            lane.clock = time.perf_counter() - start
+        train_s = max(lane.clock - lane.eval_s, 1e-9)
+        runs.append(TTTRun(
+            stack=lane.stack.name, description=lane.stack.describe(), seed=cfg.seed,
+            hardware=hardware, target_loss=cfg.target_loss, reached=lane.reached,
+            steps=lane.steps, time_to_target_s=lane.time_to_target, elapsed_s=lane.clock,
+            init_s=lane.init_s, train_s=train_s, eval_s=lane.eval_s,
+            tokens_per_step=cfg.tokens_per_step,
+            tokens_per_s=lane.steps * cfg.tokens_per_step / train_s,
+            final_eval_loss=lane.curve[-1]["eval_loss"] if lane.curve else float("nan"),
+            curve=lane.curve, train_curve=lane.train_curve))
+    return runs
+
+
+def time_to_train(stack: Stack, cfg: TTTConfig, *, corpus=None,
+                  device: torch.device | str | None = None, max_seconds: float | None = None,
+                  progress: bool = False) -> TTTRun:
+    """Train ``stack`` alone on ``cfg`` until the eval loss reaches ``cfg.target_loss`` (or
+    ``cfg.max_steps``, or ``max_seconds`` of timed region), against the wall clock."""
+    return race([stack], cfg, corpus=corpus, device=device, max_seconds=max_seconds,
+                progress=progress)[0]
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Run the enclosed training bit for bit the same every time (on a CPU, for a fixed
+    thread count).
+
+    Without it, a compiled stack is not wherever Inductor generates a scatter (the combine's
+    ``index_add`` without the CPU plug-in, the embedding's gradient without its
+    ``opaque_grad``): Inductor's CPU code adds scattered values with atomic adds, in whatever
+    order the threads get there, so two runs of one seed part at the last bits after a few
+    steps and, at a target on the flat part of the loss curve, can reach it tens of steps
+    apart. The optimised CPU stack with the CPU plug-in has no such scatter left.
+    ``torch.use_deterministic_algorithms(True)`` (warnings only) makes Inductor call ATen's
+    ordered kernels there instead; it must be on when the model compiles and while it runs
+    (Dynamo recompiles when it changes). Uninitialised memory is left as it is (PyTorch
+    would otherwise fill every new buffer, at a cost). Restores the previous settings on exit.
+    """
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        det.fill_uninitialized_memory = before[2]
+
+
+def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int] = (0,), *,
+                   corpus=None, device: torch.device | str | None = None,
+                   max_seconds: float | None = None, interleave: bool | None = None,
+                   progress: bool = False) -> list[TTTRun]:
+    """Every stack on every seed. ``interleave`` (default: on a CPU) races the stacks of a
+    seed in lockstep (`race`); otherwise they run one after the other, their order
+    alternating from seed to seed. Either way a slow spell of a shared machine does not
+    land on one stack only."""
+    if not stacks:
+        raise ValueError("stacks must name at least one Stack, got none")
+    if not seeds:
+        raise ValueError("seeds must hold at least one seed, got none")
+    device = device_of(device)
+    if interleave is None:
+        interleave = device.type == "cpu"
+    runs: list[TTTRun] = []
+    for i, seed in enumerate(seeds):
+        seeded = replace(cfg, seed=int(seed))
+        order = list(stacks) if i % 2 == 0 else list(reversed(stacks))
+        if interleave:
+            by_name = {r.stack: r for r in race(order, seeded, corpus=corpus, device=device,
+                                                max_seconds=max_seconds, progress=progress)}
+            runs += [by_name[stack.name] for stack in order]
+            continue
+        for stack in order:
+            runs.append(time_to_train(stack, seeded, corpus=corpus, device=device,
+                                      max_seconds=max_seconds, progress=progress))
+    return runs
+
+
+def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
+                      device: torch.device | str | None = None, min_time_s: float = 2.0,
+                      warmup: int = 2, corpus=None) -> list[dict]:
+    """Training tokens/s of one step of every rung, on the same batches, timed interleaved
+    (`moe_lab.workbench.measure.timing.compare`: round by round, so noise lands on all rungs alike).
+    Returns one
+    row per rung: label, stack, median step time, spread, tokens/s, ratio to the first."""
+    device = device_of(device)
+    corpus = load_contest_corpus(cfg) if corpus is None else corpus
+    batches = _step_batches(cfg, device, corpus)
+    providers: dict[str, Callable[[], None]] = {}
+    init_s: dict[str, float] = {}
+    for label, stack in rungs:
+        t0 = time.perf_counter()
+        trainer = make_trainer(stack, cfg, device, corpus=corpus)
+        init_s[label] = time.perf_counter() - t0
+        providers[label] = _stepper(trainer, batches)
+    timings = compare(providers, warmup=warmup, min_time_s=min_time_s)
+    first = next(iter(timings.values())).median_s
+    rows = []
+    for i, (label, stack) in enumerate(rungs):
+        t = timings[label]
+        rows.append({"rung": i, "label": label, "stack": stack.describe(),
+                     "median_ms": t.median_s * 1e3, "min_ms": t.min_s * 1e3,
+                     "max_ms": t.max_s * 1e3, "iqr_ms": t.iqr_s * 1e3, "n": t.n,
+                     "tokens_per_s": cfg.tokens_per_step / t.median_s,
+                     "vs_first": first / t.median_s, "init_s": init_s[label]})
+    return rows
+
+
+def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, warmup: int = 3,
+                    device: torch.device | str | None = None, corpus=None) -> dict[str, dict]:
+    """Where a training step of each stack spends its time, ``{stack.name: breakdown}``
+    (`moe_lab.workbench.measure.breakdown.step_breakdown`: ms per step by phase and by kind, under the
+    profiler). Each stack's trainer is built as for the race and steps on the contest's
+    training batches, ``warmup`` steps first (compiling happens when the trainer is built)."""
+    if not stacks:
+        raise ValueError("stacks must name at least one Stack, got none")
+    device = device_of(device)
+    corpus = load_contest_corpus(cfg) if corpus is None else corpus
+    batches = _step_batches(cfg, device, corpus)
+    return {stack.name: step_breakdown(
+        _stepper(make_trainer(stack, cfg, device, corpus=corpus), batches),
+        steps=steps, warmup=warmup) for stack in stacks}
+
+
+def _step_batches(cfg: TTTConfig, device: torch.device, corpus, n: int = 4) -> list:
+    """``n`` training batches of the contest (its first ones), for step-by-step measurements."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    return [_to(corpus.sample(cfg.batch_size, generator=gen, split="train"), device)
+            for _ in range(n)]
+
+
+def _stepper(trainer: Trainer, batches: Sequence) -> Callable[[], None]:
+    """One finished training step of ``trainer`` per call, cycling through ``batches``."""
+    counter = iter(range(10**9))
+
+    def one_step() -> None:
+        trainer.train_on(batches[next(counter) % len(batches)])
+        trainer.sync()
+
+    return one_step

@@ -1,0 +1,366 @@
+"""The compile report: every Triton kernel compiled for Hopper and Blackwell, without a GPU.
+
+Triton can compile for a GPU that is not there: ``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", 90, 32))`` runs the whole pipeline to PTX and a cubin with the
+``ptxas`` bundled in the Triton wheel. The report compiles each kernel module's
+``compile_specs()`` (`moe_lab.kernels.launch.CompileSpec`: a kernel at the block sizes,
+warps and stages its wrapper picks, at DeepSeek-V3's and GPT-OSS-20B's shapes) for each
+architecture and reads the result (`moe_lab.workbench.compile_report.reading`): registers per thread,
+spilled bytes, shared memory, theoretical occupancy on an H200 (sm_90) or B200 (sm_100) SM,
+the tensor-core instruction class, whether operands arrive by async copy, the loop they sit
+in, and how long a cold compile took. It is what a kernel's review reads: a GEMM whose PTX
+shows no ``wgmma``/``tcgen05.mma`` or no async copies will not reach the tensor cores' speed,
+whatever the interpreter says about its numerics.
+
+Compiling needs ``TRITON_INTERPRET=0`` *before Triton is imported*, and importing moe_lab
+on a machine without CUDA sets it to 1; so every compile runs in a child process
+(`moe_lab.workbench.compile_report.worker`), which works the same from the command line, from ``make``
+and from a notebook. Registers, stack and static shared memory are read off the cubin by
+``cuobjdump -res-usage`` and compared with ptxas's own log of the same compile (``agree``).
+
+How a spec mirrors a launch: a CUDA launch specializes the kernel on its arguments and the
+compile must see the same. Pointers are taken as 16-byte aligned (as every tensor torch
+allocates is); an integer a launch sees divisible by 16 is written ``"i32:16"`` in the spec's
+signature (the notation of Triton's ahead-of-time compiler); an integer equal to 1 (a unit
+stride) is a constexpr, as a launch makes it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.workbench.compile_report.worker import SCALARS, parse_archs
+
+DEFAULT_ARCHS = ("sm_90", "sm_100")
+LEDGER_NOTEBOOK = "compile"
+# The fields of a row a ledger record carries besides its figure (theoretical warps per SM).
+LEDGER_FIELDS = ("kernel", "label", "arch", "blocks", "num_warps", "num_stages", "registers", "spill_bytes",
+                 "shared_bytes", "blocks_per_sm", "limiter", "mma_class", "mma_kinds", "async_copy",
+                 "compile_s", "agree")
+
+
+def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Run ``request`` (`moe_lab.workbench.compile_report.worker.run_request`) in a child process with
+    ``TRITON_INTERPRET=0``, a fresh Triton cache, every kernel recompiled and ptxas's log
+    on; the child's progress lines are copied to this process's stderr as they come."""
+    import moe_lab
+
+    with tempfile.TemporaryDirectory(prefix="moe_lab_compile_") as tmp:
+        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request_path.write_text(json.dumps(request))
+        root = str(Path(moe_lab.__file__).resolve().parents[1])
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(Path(tmp) / "cache"),
+               "TRITON_ALWAYS_COMPILE": "1", "TRITON_DUMP_PTXAS_LOG": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        code = "from moe_lab.workbench.compile_report.worker import main; main()"
+        child = subprocess.Popen([sys.executable, "-c", code, str(request_path), str(result_path)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(timeout_s, child.kill)
+        timer.start()
+        tail: list[str] = []
+        try:
+            assert child.stdout is not None
+            for line in child.stdout:
+                sys.stderr.write(line)
+                tail = (tail + [line])[-40:]
+            child.wait()
+        finally:
+            timer.cancel()
+        if child.returncode != 0 or not result_path.exists():
+            raise RuntimeError(f"the compile process exited with code {child.returncode} "
+                               f"(timeout_s={timeout_s}); its last lines:\n" + "".join(tail))
+        return json.loads(result_path.read_text())
+
+
+def compile_report(archs=DEFAULT_ARCHS, modules: list[str] | None = None,
+                   select: dict[str, Any] | None = None,
+                   cubin_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The report of ``modules`` (default: every module of `moe_lab.kernels` with a
+    ``@triton.jit`` function) for ``archs``: ``{"archs", "triton", "limits", "rows",
+    "compiled_on"}``, one row per spec × arch, and an error row for what is missing or
+    fails (a module without ``compile_specs``, a launched kernel no spec covers, a failed
+    compile). ``select`` narrows each module's specs: the arguments of `module_job`.
+    ``cubin_dir``: keep the cubins there (each row's ``cubin``)."""
+    from moe_lab.perf.capabilities import capabilities
+
+    jobs = None
+    if modules is not None:
+        jobs = [{**module_job(m, **(select or {})), "coverage": True} for m in modules]
+    request = {"archs": list(parse_archs(archs)), "jobs": jobs,
+               "cubin_dir": None if cubin_dir is None else str(cubin_dir)}
+    return {**run_in_child(request), "compiled_on": capabilities().hardware_label()}
+
+
+def _is_kernel(value: object) -> bool:
+    """A ``@triton.jit`` function, compiled (`JITFunction`) or interpreted."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(value, (JITFunction, InterpretedFunction))
+
+
+def _in_package(fn) -> bool:
+    """Whether kernel ``fn`` is an attribute of a moe_lab module (the compile process can
+    import it by name; other modules, a notebook's or a test's, travel as source)."""
+    module = fn.fn.__module__
+    return module.startswith("moe_lab.") and getattr(sys.modules.get(module), fn.fn.__name__, None) is fn
+
+
+def _portable_globals(fn) -> dict[str, list]:
+    """The globals an inline kernel refers to, in a form the compile process can rebuild."""
+    out: dict[str, list] = {}
+    scope = fn.fn.__globals__
+    for name in fn.fn.__code__.co_names:
+        if name not in scope:
+            continue
+        value = scope[name]
+        if isinstance(value, types.ModuleType):
+            out[name] = ["module", value.__name__]
+        elif _is_kernel(value) and _in_package(value):
+            out[name] = ["attr", value.fn.__module__, value.fn.__name__]
+        elif isinstance(value, SCALARS):
+            out[name] = ["value", value]
+        else:
+            raise ValueError(f"global {name!r} of kernel {fn.fn.__name__!r} cannot be sent to the compile "
+                             f"process (a {type(value).__name__}); make it an argument or a constexpr")
+    return out
+
+
+def kernel_job(kernel, signature: dict[str, str], constexprs: dict[str, Any] | None = None,
+               config: LaunchConfig | None = None, label: str | None = None) -> dict[str, Any]:
+    """A compile job for one kernel (for `compile_jobs`).
+
+    ``kernel``: ``"module:function"``, or a ``@triton.jit`` function; one defined outside
+    moe_lab (in a notebook) travels to the compile process as its source, with the modules,
+    moe_lab kernels and plain values it refers to. ``signature``, ``constexprs``, ``config``:
+    as in `moe_lab.kernels.launch.CompileSpec` (``config`` default: 4 warps, 3 stages).
+    """
+    inline = None
+    if not isinstance(kernel, str):
+        if not _is_kernel(kernel):
+            raise ValueError(f"kernel must be 'module:function' or a @triton.jit function, got {kernel!r}")
+        name = kernel.fn.__name__
+        if _in_package(kernel):
+            kernel = f"{kernel.fn.__module__}:{name}"
+        else:
+            inline = {"name": name, "source": textwrap.dedent(inspect.getsource(kernel.fn)),
+                      "globals": _portable_globals(kernel)}
+            kernel = f"<inline>:{name}"
+    config = config or LaunchConfig()
+    spec = {"kernel": kernel, "label": label or kernel.partition(":")[2], "signature": dict(signature),
+            "constexprs": dict(constexprs or {}),
+            "config": {"blocks": dict(config.blocks), "num_warps": config.num_warps,
+                       "num_stages": config.num_stages}}
+    return {"spec": spec, "inline": inline}
+
+
+def module_job(module: str | types.ModuleType, kernel: str | None = None, label_contains: str | None = None,
+               limit: int | None = None, index: int | None = None) -> dict[str, Any]:
+    """A compile job for a kernel module's own ``compile_specs()`` — the kernels at the
+    configurations their wrappers pick (for `compile_jobs`) — narrowed to ``kernel`` (a
+    function name) and labels containing ``label_contains``, then to the one at ``index``
+    (negative: from the end) or the first ``limit``."""
+    name = module if isinstance(module, str) else module.__name__
+    select = {"kernel": kernel, "label_contains": label_contains, "limit": limit, "index": index}
+    return {"module": name, "select": select, "coverage": False}
+
+
+def compile_jobs(*jobs: dict[str, Any], archs=DEFAULT_ARCHS,
+                 cubin_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Compile `kernel_job`s and `module_job`s for each of ``archs`` (in one child process)
+    and return the report rows, in job order; keep the cubins in ``cubin_dir`` when given."""
+    request = {"archs": list(parse_archs(archs)), "jobs": list(jobs),
+               "cubin_dir": None if cubin_dir is None else str(cubin_dir)}
+    return run_in_child(request)["rows"]
+
+
+def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, Any] | None = None,
+                   config: LaunchConfig | None = None, archs=DEFAULT_ARCHS, label: str | None = None
+                   ) -> list[dict[str, Any]]:
+    """`compile_jobs` of one `kernel_job`: the kernel's rows for each of ``archs``."""
+    return compile_jobs(kernel_job(kernel, signature, constexprs, config, label), archs=archs)
+
+
+# ------------------------------------------------------------------------------ showing it
+
+COLUMNS = ("kernel", "arch", "regs", "spill B", "shared KB", "blocks/SM", "warps/SM", "limit",
+           "tensor cores", "async copy", "stages", "compile s")
+
+
+def _short_kernel(row: dict[str, Any]) -> str:
+    module, _, name = row["kernel"].partition(":")
+    return f"{module.rsplit('.', 1)[-1]}:{name}" if name else module
+
+
+def _mma_text(row: dict[str, Any]) -> str:
+    return "; ".join(row["mma_kinds"]) if row["mma_kinds"] else "none (CUDA cores)"
+
+
+def _copy_text(row: dict[str, Any]) -> str:
+    copies = row["copies"]
+    if row["async_copy"] == "none":
+        return "none"
+    pending = copies["max_pending_groups"]
+    return f"{row['async_copy']}" + (f", {pending} group(s) in flight" if pending else "")
+
+
+def table_cells(row: dict[str, Any], label_width: int | None = None) -> list[str]:
+    """One row of the table (`COLUMNS`), the label cut to ``label_width`` characters when
+    given; an error row says so in the third cell."""
+    label = row["label"]
+    if label_width is not None and len(label) > label_width:
+        label = label[: label_width - 1] + "…"
+    head = [f"{_short_kernel(row)} — {label}", row.get("arch") or "all"]
+    if row.get("error"):
+        return head + [f"ERROR: {row['error'].splitlines()[0][:160]}"] + [""] * (len(COLUMNS) - 3)
+    return head + [
+        str(row["registers"]), str(row["spill_bytes"]), f"{row['shared_bytes'] / 1024:.1f}",
+        str(row["blocks_per_sm"]), str(row["warps_per_sm"]), row["limiter"], _mma_text(row),
+        _copy_text(row), str(row["num_stages"]), f"{row['compile_s']:.2f}",
+    ]
+
+
+def format_table(rows: list[dict[str, Any]], label_width: int | None = 60) -> str:
+    """The rows as an aligned text table, one line per kernel × arch (labels cut to
+    ``label_width`` characters; ``None``: whole)."""
+    cells = [list(COLUMNS)] + [table_cells(row, label_width) for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
+
+
+def format_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    escape = lambda text: text.replace("|", "\\|")  # noqa: E731
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(escape(c) for c in table_cells(row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def format_rows_with_loop(rows: list[dict[str, Any]]) -> str:
+    """Each row's figures and its inner loop's PTX (the operand moves and the MMAs), for a
+    notebook."""
+    parts = []
+    for row in rows:
+        parts.append(format_table([row]).splitlines()[-1] if not row.get("error") else
+                     f"{_short_kernel(row)} [{row.get('arch')}]: ERROR {row['error']}")
+        if not row.get("error"):
+            loop = row["loop"] or ["(no loop with an MMA or an async copy)"]
+            parts.append(f"  inner loop on {row['arch']} ({row['gpu']}):")
+            parts += [f"    {line}" for line in loop]
+    return "\n".join(parts)
+
+
+def off_target(row: dict[str, Any]) -> list[str]:
+    """What keeps a row off the report's targets: spilled bytes, a GEMM-like kernel (one
+    with a ``tl.dot``) on CUDA cores, no async copy feeding its MMAs; empty when on target
+    or failed."""
+    if row.get("error"):
+        return []
+    misses = []
+    if row["spill_bytes"]:
+        misses.append(f"{row['spill_bytes']} B spilled")
+    if row.get("has_dot") and not row["mma_kinds"]:
+        misses.append("no tensor cores")
+    if row["mma_kinds"] and row["async_copy"] == "none":
+        misses.append("no async copy")
+    return misses
+
+
+def exceptions_markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows off target grouped under the reason their specs give (``note``), as a list."""
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        misses = off_target(row)
+        if misses:
+            reason = row.get("note") or "**no reason recorded**"
+            groups.setdefault(reason, []).append(
+                f"  - {_short_kernel(row)} — {row['label'][:110]} [{row['arch']}]: {', '.join(misses)}")
+    if not groups:
+        return "Every row meets the targets (no spills; tensor cores and async copies for every GEMM).\n"
+    return "\n".join(f"- {reason}\n" + "\n".join(items) for reason, items in groups.items()) + "\n"
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    """``results/compile/summary.md``: what was compiled, with what, and the table."""
+    limits = "; ".join(f"{arch}: {lim['gpu']}, {lim['registers_per_sm']:,} registers, "
+                       f"{lim['max_warps_per_sm']} warps, {lim['max_blocks_per_sm']} blocks, "
+                       f"{lim['shared_per_sm'] // 1024} KB shared per SM"
+                       for arch, lim in report["limits"].items())
+    errors = sum(1 for row in report["rows"] if row.get("error"))
+    return (
+        "# Compile report\n\n"
+        f"Every Triton kernel of moe_lab at the configurations a CUDA launch picks, compiled with "
+        f"Triton {report['triton']} for {', '.join(report['archs'])} on {report.get('compiled_on', '?')} "
+        "(`python -m moe_lab compile`; no kernel was run), each as its module's `compile_specs()` "
+        "describes the launch (pointers 16-byte aligned, integer arguments typed as the spec types "
+        "them). Registers, stack and static shared memory "
+        "from `cuobjdump -res-usage` on the cubins, checked against ptxas's log of the same compile, "
+        "which gives the spilled bytes; shared memory is static + dynamic per block; blocks and "
+        "warps per SM are the theoretical occupancy from the "
+        f"per-SM limits ({limits}); tensor cores and async copies as found in the PTX; "
+        "'group(s) in flight' is the largest N of `cp.async.wait_group N`.\n\n"
+        + (f"**{errors} row(s) failed** (see ERROR).\n\n" if errors else "")
+        + format_markdown(report["rows"])
+        + "\n## Off target, and why\n\n" + exceptions_markdown(report["rows"])
+    )
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False,
+                                     encoding="utf-8") as tmp:
+        tmp.write(text)
+    os.chmod(tmp.name, 0o644)  # a temporary file is private; the result is not
+    os.replace(tmp.name, path)
+
+
+def write_results(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write ``<arch>.json`` for each arch and ``summary.md`` into ``out_dir``, each
+    atomically (a temporary file, then a rename). Returns the paths written."""
+    out = Path(out_dir)
+    written = []
+    for arch in report["archs"]:
+        part = {**report, "archs": [arch], "limits": {arch: report["limits"][arch]},
+                "rows": [row for row in report["rows"] if row.get("arch") in (arch, None)]}
+        path = out / f"{arch}.json"
+        _write_atomic(path, json.dumps(part, indent=1) + "\n")
+        written.append(path)
+    _write_atomic(out / "summary.md", summary_markdown(report))
+    return written + [out / "summary.md"]
+
+
+def record(rows: list[dict[str, Any]], notebook: str = LEDGER_NOTEBOOK) -> int:
+    """Append one ledger record per compiled row (error rows have no figure): theoretical
+    warps per SM, with the rest of the row as extra fields. Returns the number recorded."""
+    from moe_lab.perf.capabilities import capabilities
+    from moe_lab.workbench.measure import ledger
+
+    compiled_on = capabilities().hardware_label()
+    count = 0
+    for row in rows:
+        if row.get("error"):
+            continue
+        ledger.record(notebook, f"{_short_kernel(row)} {row['label']}", "warps_per_sm", row["warps_per_sm"],
+                      "warps", hardware=f"{row['gpu']} ({row['arch']}), compiled only",
+                      compiled_on=compiled_on, **{key: row[key] for key in LEDGER_FIELDS})
+        count += 1
+    return count
+
+
+def default_out_dir() -> Path:
+    """``<project root>/results/compile`` (``./results/compile`` outside a checkout)."""
+    from moe_lab.workbench.measure.ledger import find_project_root
+
+    root = find_project_root()
+    return (root if root is not None else Path.cwd()) / "results" / "compile"

@@ -1,0 +1,355 @@
+"""The compile process of the compile report: it compiles kernels for a GPU and reads them.
+
+`moe_lab.workbench.compile_report.report` starts this in a child process whose environment says
+``TRITON_INTERPRET=0`` (so ``@triton.jit`` gives a compilable kernel even where importing
+moe_lab would choose the interpreter), with a fresh Triton cache and ``TRITON_ALWAYS_COMPILE``
+(so the compile time is a cold compile's) and ``ptxas``'s log switched on (so ptxas's own
+account of registers, stack and shared memory can be compared with ``cuobjdump``'s).
+
+A request names the kernel modules whose ``compile_specs()`` to compile, or one kernel (its
+source included when it was defined in a notebook), and the architectures. Every spec ×
+architecture gives one row: the figures, or an error row saying what failed — a module
+without ``compile_specs``, a launched kernel no spec covers, a compile that fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+from moe_lab.kernels.launch import CompileSpec, LaunchConfig
+from moe_lab.perf.hardware import SM_LIMITS, sm_limits
+from moe_lab.workbench.compile_report import reading
+
+KERNEL_PACKAGE = "moe_lab.kernels"
+SCALARS = (int, float, bool, str, type(None))
+
+
+def parse_archs(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"sm_90,sm_100"`` (or a list of names) → ``("sm_90", "sm_100")``, each checked."""
+    names = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
+    if not names:
+        raise ValueError(f"arch must name at least one of {sorted(SM_LIMITS)}, got {text!r}")
+    for name in names:
+        sm_limits(name)
+    return tuple(names)
+
+
+def triton_signature(fn, kernel: str, signature: dict[str, str], constexprs: dict[str, Any]):
+    """What ``ASTSource`` takes for ``fn``: the signature (every argument in order,
+    constexprs as ``"constexpr"``), the constexpr values (the kernel's defaults filled in),
+    the divisibility attributes (pointers, and integers written ``"i32:16"``), and the
+    names of the arguments taken as divisible by 16."""
+    params = inspect.signature(fn.fn).parameters
+    unknown = sorted((set(signature) | set(constexprs)) - set(params))
+    if unknown:
+        raise ValueError(f"CompileSpec of {kernel} names {unknown}, which are not arguments of it")
+    sig, values, attrs, divisible = {}, dict(constexprs), {}, []
+    for index, (name, param) in enumerate(params.items()):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in signature:
+            ty, _, hint = signature[name].partition(":")
+            if hint not in ("", "16"):
+                raise ValueError(f"CompileSpec.signature[{name!r}] of {kernel} must be a Triton type, "
+                                 f"optionally with ':16', got {signature[name]!r}")
+            sig[name] = ty
+            if ty.startswith("*") or hint == "16":
+                attrs[(index,)] = [["tt.divisibility", 16]]
+                divisible.append(name)
+        elif param.default is not inspect.Parameter.empty:
+            sig[name], values[name] = "constexpr", param.default
+        else:
+            raise ValueError(f"CompileSpec of {kernel} gives no type or constexpr value "
+                             f"for argument {name!r}")
+    return sig, values, attrs, divisible
+
+
+def _resource_usage(cubin: bytes, name: str) -> dict[str, int]:
+    """``cuobjdump -res-usage`` of ``cubin`` (written to a temporary file), for function ``name``."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"{name}.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", str(path)],
+                             capture_output=True, text=True, check=True).stdout
+    functions = reading.parse_res_usage(out)
+    if name not in functions:
+        raise ValueError(f"cuobjdump names functions {sorted(functions)}, not the kernel {name!r}")
+    return functions[name]
+
+
+def _loaded_figures(compiled, arch: str) -> dict[str, Any] | None:
+    """Registers and spills as the CUDA driver reports them after loading the cubin, where a
+    GPU of ``arch`` is present; ``None`` elsewhere."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        if f"sm_{major}{minor}" != arch:
+            return None
+        compiled._init_handles()
+        return {"registers": compiled.n_regs, "spills": compiled.n_spills}
+    except Exception as exc:  # a failed load is a finding of the report, not its end
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def identity(spec: CompileSpec, arch: str) -> dict[str, Any]:
+    """The fields of a row that say what was compiled, for which architecture, how."""
+    return {
+        "kernel": spec.kernel, "label": spec.label, "arch": arch, "gpu": sm_limits(arch).gpu,
+        "blocks": dict(spec.config.blocks), "num_warps": spec.config.num_warps,
+        "num_stages": spec.config.num_stages, "note": spec.note,
+        "constexprs": {k: v if isinstance(v, SCALARS) else str(v) for k, v in spec.constexprs.items()},
+    }
+
+
+def compile_spec(fn, spec: CompileSpec, arch: str, cubin_dir: str | None = None) -> dict[str, Any]:
+    """Compile ``spec`` (its kernel ``fn``, a ``@triton.jit`` function) for ``arch`` in this
+    process and read the result into one report row; keep the cubin in ``cubin_dir`` when
+    given. Triton must have been imported here with ``TRITON_INTERPRET=0`` and
+    ``TRITON_DUMP_PTXAS_LOG=1``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    limits = sm_limits(arch)
+    config = spec.config
+    sig, constexprs, attrs, divisible = triton_signature(fn, spec.kernel, spec.signature, spec.constexprs)
+    log = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):  # where Triton prints ptxas's -v log
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                  target=GPUTarget("cuda", limits.capability, 32),
+                                  options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    seconds = time.perf_counter() - start
+    meta, ptx = compiled.metadata, compiled.asm["ptx"]
+    res = _resource_usage(compiled.asm["cubin"], meta.name)
+    ptxas = reading.parse_ptxas_log(log.getvalue())
+    # On sm_90 and later ptxas places the system's reserved kilobyte in the cubin of a kernel
+    # that uses shared memory, and leaves it out of its log: the difference must be that or 0.
+    reserved = res["SHARED"] - ptxas["shared_bytes"]
+    checks = {  # [what the report shows (cuobjdump, the spec), the second account (ptxas, metadata)]
+        "registers": [res["REG"], ptxas["registers"]],
+        "stack_bytes": [res["STACK"], ptxas["stack_bytes"]],
+        "shared_reserved": [reserved, limits.reserved_shared_per_block if reserved else 0],
+        "num_warps": [config.num_warps, meta.num_warps],
+        "num_stages": [config.num_stages, meta.num_stages],
+    }
+    loaded = _loaded_figures(compiled, arch)
+    if loaded and "registers" in loaded:  # with a GPU of this arch: the driver's count too
+        checks["driver_registers"] = [res["REG"], loaded["registers"]]
+    if cubin_dir is not None:
+        cubin = Path(cubin_dir) / f"{arch}-{meta.name}-{meta.hash[:12]}.cubin"
+        cubin.parent.mkdir(parents=True, exist_ok=True)
+        cubin.write_bytes(compiled.asm["cubin"])
+    mma = reading.mma_instructions(ptx)
+    copies = reading.async_copies(ptx)
+    return {
+        **identity(spec, arch),
+        "registers": res["REG"],
+        "spill_bytes": ptxas["spill_store_bytes"],
+        "stack_bytes": res["STACK"],
+        "local_bytes": res["LOCAL"],
+        "shared_static": res["SHARED"],
+        "shared_dynamic": meta.shared,
+        "shared_bytes": res["SHARED"] + meta.shared,  # static (in the cubin) + dynamic (at launch)
+        "tmem_columns": getattr(meta, "tmem_size", 0),
+        **reading.occupancy(res["REG"], ptxas["shared_bytes"] + meta.shared, config.num_warps, limits),
+        "mma_class": mma["class"],
+        "mma_kinds": mma["kinds"],
+        "mma_count": mma["count"],
+        "block_scaled": mma["block_scaled"],
+        # A matrix product in the kernel's Triton IR (``tt.dot`` or ``tt.dot_scaled``): what
+        # makes it GEMM-like, whatever instruction it became.
+        "has_dot": "tt.dot" in compiled.asm["ttir"],
+        "async_copy": copies["kind"],
+        "copies": copies,
+        "loop": reading.loop_sketch(ptx),
+        "divisible_by_16": divisible,
+        "compile_s": round(seconds, 3),
+        "ptxas": ptxas,
+        "checks": checks,
+        "agree": all(a == b for a, b in checks.values()),
+        "loaded": loaded,
+        "cubin": str(cubin) if cubin_dir is not None else None,
+        "error": None,
+    }
+
+
+def error_row(kernel: str, label: str, arch: str | None, message: str) -> dict[str, Any]:
+    """A row that says what could not be compiled, and why."""
+    return {"kernel": kernel, "label": label, "arch": arch, "error": message}
+
+
+def jit_functions(module: types.ModuleType) -> dict[str, Any]:
+    """The ``@triton.jit`` functions ``module`` defines (not those it imports)."""
+    from triton.runtime.jit import JITFunction
+
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__}
+
+
+def kernel_modules() -> list[str]:
+    """Every module of `moe_lab.kernels` that defines a ``@triton.jit`` function."""
+    import pkgutil
+
+    package = importlib.import_module(KERNEL_PACKAGE)
+    names = sorted(f"{KERNEL_PACKAGE}.{info.name}" for info in pkgutil.iter_modules(package.__path__))
+    return [name for name in names if jit_functions(importlib.import_module(name))]
+
+
+def launched_kernels(module: types.ModuleType) -> list[str]:
+    """The module's ``@triton.jit`` functions that it launches (``name[grid](...)``), as
+    opposed to the helpers its kernels call."""
+    source = inspect.getsource(module)
+    return sorted(name for name in jit_functions(module) if re.search(rf"\b{re.escape(name)}\s*\[", source))
+
+
+def _resolve(kernel: str):
+    from triton.runtime.jit import JITFunction
+
+    module_name, _, name = kernel.partition(":")
+    fn = getattr(importlib.import_module(module_name), name, None)
+    if not isinstance(fn, JITFunction):
+        raise ValueError(f"CompileSpec.kernel {kernel!r} must name a @triton.jit function, got a "
+                         f"{type(fn).__name__} (was Triton imported with TRITON_INTERPRET=1?)")
+    return fn
+
+
+def module_specs(module_name: str, select: dict[str, Any]) -> tuple[list[CompileSpec], list[str]]:
+    """A module's ``compile_specs()`` narrowed by ``select`` (``kernel``: function name,
+    ``label_contains``; then ``index``: the one at that position, negative from the end;
+    ``limit``: the first so many), and what is missing: no ``compile_specs``, or a launched
+    kernel no spec (of all of them) covers."""
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, "compile_specs", None)):
+        return [], [f"{module_name} has no compile_specs()"]
+    specs = list(module.compile_specs())
+    wrong = [s for s in specs if not isinstance(s, CompileSpec)]
+    if wrong:
+        return [], [f"{module_name}.compile_specs() must return CompileSpec objects, got {wrong[0]!r}"]
+    covered = {s.kernel for s in specs}
+    missing = [f"{module_name}:{name} is launched but no CompileSpec covers it"
+               for name in launched_kernels(module) if f"{module_name}:{name}" not in covered]
+    if select.get("kernel"):
+        specs = [s for s in specs if s.kernel.partition(":")[2] == select["kernel"]]
+    if select.get("label_contains"):
+        specs = [s for s in specs if select["label_contains"] in s.label]
+    if select.get("index") is not None:
+        specs = specs[select["index"]:][:1] if -len(specs) <= select["index"] < len(specs) else []
+    if select.get("limit"):
+        specs = specs[: select["limit"]]
+    if not specs:
+        missing.append(f"no CompileSpec of {module_name} matches {select}")
+    return specs, missing
+
+
+def inline_kernel(inline: dict[str, Any]):
+    """Re-create a kernel defined in a notebook from its source and the globals it uses, in
+    a file of its own so that Triton can read its source back."""
+    import triton
+    import triton.language as tl
+
+    path = Path(tempfile.mkdtemp(prefix="moe_lab_inline_")) / f"{inline['name']}.py"
+    path.write_text(inline["source"])
+    module = types.ModuleType(f"moe_lab_inline_{inline['name']}")
+    module.__file__ = str(path)
+    module.__dict__.update(triton=triton, tl=tl)
+    for name, (kind, *value) in inline["globals"].items():
+        if kind == "module":
+            module.__dict__[name] = importlib.import_module(value[0])
+        elif kind == "attr":
+            module.__dict__[name] = getattr(importlib.import_module(value[0]), value[1])
+        else:
+            module.__dict__[name] = value[0]
+    sys.modules[module.__name__] = module
+    exec(compile(inline["source"], str(path), "exec"), module.__dict__)
+    return module.__dict__[inline["name"]]
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _collect(job: dict[str, Any]) -> tuple[list[tuple[Any, CompileSpec]], list[dict[str, Any]]]:
+    """One job of a request → (kernel, spec) pairs to compile, and error rows."""
+    if "spec" in job:
+        raw = job["spec"]
+        try:
+            spec = CompileSpec(raw["kernel"], raw["label"], raw["signature"], raw["constexprs"],
+                               LaunchConfig(**raw["config"]), raw.get("note", ""))
+            return [(inline_kernel(job["inline"]) if job.get("inline") else None, spec)], []
+        except Exception as exc:  # a kernel that cannot be rebuilt is a row of the report, not its end
+            return [], [error_row(raw["kernel"], raw["label"], None, f"{type(exc).__name__}: {exc}")]
+    module_name = job["module"]
+    try:
+        specs, missing = module_specs(module_name, job.get("select") or {})
+        missing = missing if job.get("coverage", True) or not specs else []
+    except Exception as exc:  # a broken module is a row of the report, not its end
+        specs, missing = [], [f"{module_name}: {type(exc).__name__}: {exc}"]
+    return [(None, spec) for spec in specs], [error_row(module_name, "(module)", None, m) for m in missing]
+
+
+def _compile_row(fn, spec: CompileSpec, arch: str, cubin_dir: str | None, count: str) -> dict[str, Any]:
+    """`compile_spec`, or an error row when it fails; a progress line either way."""
+    try:
+        row = compile_spec(fn or _resolve(spec.kernel), spec, arch, cubin_dir)
+    except Exception as exc:  # a failed compile is a row of the report, not its end
+        row = {**identity(spec, arch),
+               **error_row(spec.kernel, spec.label, arch, f"{type(exc).__name__}: {str(exc)[:2000]}")}
+        _progress(f"{count} {arch:<6} {spec.kernel} ({spec.label}): FAILED {row['error'][:300]}")
+        return row
+    _progress(f"{count} {arch:<6} {spec.kernel} ({spec.label}): {row['registers']} registers, "
+              f"{row['mma_class']}, {row['async_copy']}, {row['compile_s']:.1f} s")
+    return row
+
+
+def run_request(request: dict[str, Any]) -> dict[str, Any]:
+    """Carry out one compile request in this process, for each of its ``archs``. Its
+    ``jobs``: ``{"module": name, "select": {...}, "coverage": bool}`` (a kernel module's
+    specs, see `module_specs`; ``coverage``: report launched kernels no spec covers) or
+    ``{"spec": {...}, "inline": {...}}`` (one kernel; ``inline`` its source when it was
+    defined outside moe_lab); no ``jobs``: every kernel module, with coverage. The cubins
+    are kept in ``cubin_dir`` when the request names one."""
+    import triton
+
+    archs = parse_archs(request["archs"])
+    requested = request.get("jobs")
+    collected = [_collect(job) for job in
+                 (requested if requested is not None else [{"module": m} for m in kernel_modules()])]
+    total = sum(len(pairs) for pairs, _ in collected) * len(archs)
+    rows: list[dict[str, Any]] = []
+    number = 0
+    for pairs, errors in collected:  # rows in job order: a job's errors, then its compiles
+        rows += errors
+        for fn, spec in pairs:
+            for arch in archs:
+                number += 1
+                rows.append(_compile_row(fn, spec, arch, request.get("cubin_dir"), f"[{number}/{total}]"))
+    return {"archs": list(archs), "triton": triton.__version__,
+            "limits": {arch: dataclasses.asdict(sm_limits(arch)) for arch in archs}, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -c "…main()" REQUEST.json RESULT.json``: read a request, write the result."""
+    request_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    result = run_request(json.loads(Path(request_path).read_text()))
+    Path(result_path).write_text(json.dumps(result))

@@ -1,0 +1,97 @@
+"""The CPU plug-in: moe_lab's C++/OpenMP kernels for the laptop race and the CPU benchmarks.
+
+The core of moe_lab (model, MoE layer, Triton kernels, training step) is written for GPUs and
+runs on a CPU as it is. This package makes the CPU fast without touching it: C++ kernels that
+give each core whole experts or whole attention heads, a counting-sort token permutation, a
+one-pass router top-k and a one-call clip + AdamW, each a ``torch.library`` custom op. They
+enter the core only through its registries, by name, when `register` is called:
+
+========================  =========================================  ==============================
+registry                  name                                       implementation
+========================  =========================================  ==============================
+``EXPERT_BACKENDS``       ``openmp``                                 `moe_lab.workbench.cpu.grouped`
+``PERMUTATIONS``          ``openmp`` (paired with the backend above)  `moe_lab.workbench.cpu.permute`
+``ATTENTION_IMPLS``       ``cpu_fused`` (and its packed RoPE form)   `moe_lab.workbench.cpu.attention`
+``ROUTER_IMPLS``          ``cpu_topk`` (the reference chain, C++      `moe_lab.workbench.cpu.permute`
+                          top-k)
+``CLIP_STEPS``            ``cpu_one_call``                           `moe_lab.workbench.cpu.optim`
+``EMBEDDING_IMPLS``       ``opaque_grad`` (no C++ needed)            `moe_lab.workbench.cpu.embedding`
+========================  =========================================  ==============================
+
+The kernels are compiled on first use (`moe_lab.workbench.cpu.build`, cached per machine; ``make
+install`` builds them ahead) and need a C++ compiler with OpenMP. Without one, `register`
+returns False, the names that need the kernels stay absent, and asking for one says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+from moe_lab.attention import ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS
+from moe_lab.model import EMBEDDING_IMPLS
+from moe_lab.moe.dispatch import PERMUTATIONS, TokenPermutation
+from moe_lab.moe.experts import EXPERT_BACKENDS, ExpertBackend
+from moe_lab.moe.router import ROUTER_IMPLS, route
+from moe_lab.training.optim import CLIP_STEPS
+from moe_lab.workbench.cpu import attention, build, embedding, grouped, optim, permute
+
+_lock = threading.Lock()
+_registered: bool | None = None
+
+NAMES = {"expert backend": "openmp", "token permutation": "openmp", "attention": "cpu_fused",
+         "router impl": "cpu_topk", "clip step": "cpu_one_call"}
+
+
+def register() -> bool:
+    """Register the plug-in's implementations into the core's registries (once; later calls
+    return the first answer). Returns True when the C++ kernels are available here; False
+    when they could not be built, in which case only ``opaque_grad`` is registered and the
+    other names are marked unavailable with the reason."""
+    global _registered
+    with _lock:
+        if _registered is not None:
+            return _registered
+        EMBEDDING_IMPLS.register("opaque_grad", embedding.embed)
+        registries = [(EXPERT_BACKENDS, "openmp"), (PERMUTATIONS, "openmp"),
+                      (ATTENTION_IMPLS, "cpu_fused"), (PACKED_ATTENTION_IMPLS, "cpu_fused"),
+                      (ROUTER_IMPLS, "cpu_topk"), (CLIP_STEPS, "cpu_one_call")]
+        if not build.available():
+            reason = unavailable_reason()
+            for registry, name in registries:
+                registry.mark_unavailable(name, reason)
+            _registered = False
+            return False
+        EXPERT_BACKENDS.register("openmp", ExpertBackend(grouped.openmp_mlp, permutation="openmp"))
+        PERMUTATIONS.register("openmp", TokenPermutation(permute.permute_tokens,
+                                                         permute.unpermute_tokens))
+        ATTENTION_IMPLS.register("cpu_fused", attention.grouped_query_attention)
+        PACKED_ATTENTION_IMPLS.register("cpu_fused", attention.PackedRope())
+        ROUTER_IMPLS.register("cpu_topk", functools.partial(route, topk=permute.router_topk))
+        CLIP_STEPS.register("cpu_one_call", optim.one_call_step)
+        _registered = True
+        return True
+
+
+def status() -> str | None:
+    """`register` the plug-in; ``None`` when its kernels are available here, else why not."""
+    if register():
+        return None
+    return unavailable_reason() or "the CPU plug-in's kernels are unavailable"
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built or can be built here (builds them if need be)."""
+    return build.available()
+
+
+def unavailable_reason() -> str | None:
+    """Why the C++ kernels are not available here, or None when they are."""
+    try:
+        build.extension()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+__all__ = ["NAMES", "available", "register", "status", "unavailable_reason"]

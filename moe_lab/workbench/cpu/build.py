@@ -1,0 +1,173 @@
+"""Builds moe_lab's C++ CPU kernels once per machine and hands out the module.
+
+One extension holds them all: the grouped GEMM and fused expert MLP of the ``openmp``
+expert backend (``cpu_grouped_gemm.cpp``, wrapped by `moe_lab.workbench.cpu.grouped`), the
+fused causal attention (``cpu_attention.cpp``, wrapped by `moe_lab.workbench.cpu.attention`),
+the dropless layout's token permutation (``cpu_permute.cpp``, wrapped by
+`moe_lab.workbench.cpu.permute`) and the clipped AdamW step (``cpu_optim.cpp``, wrapped by
+`moe_lab.workbench.cpu.optim`); ``cpu_module.cpp`` binds them, ``cpu_bf16.h`` holds the
+bfloat16 GEMM helpers the attention and the expert MLP share. ``torch.utils.cpp_extension``
+compiles them on first use (about 80 s on 2 cores) and caches the result under
+``~/.cache/moe_lab/extensions`` (or ``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the
+torch version and the compiler flags: the vector instruction set ATen uses on this CPU
+(``torch.backends.cpu.get_cpu_capability()``: the kernels' elementwise loops are compiled for
+it) and whether it has AVX512_BF16 (`native_bf16`), so a cache shared by different machines
+never hands one a build it cannot run. ``make install`` builds it ahead
+(``python -m moe_lab.workbench.cpu``).
+
+It needs a C++ compiler with OpenMP, the same one ``torch.compile`` needs on a CPU. Without
+one, `available` is False, `extension` raises with the reason, and every caller has a
+plain-PyTorch path (the ``torch`` expert backend, the ``sdpa`` attention). Setting
+``MOE_LAB_NO_CPU_EXTENSION`` switches the extension off, to try those paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("cpu_grouped_gemm.cpp", "cpu_attention.cpp", "cpu_permute.cpp",
+                                         "cpu_optim.cpp", "cpu_module.cpp"))
+# Headers the sources include: not compiled on their own, but part of the cache key.
+HEADERS = (HERE / "cpu_bf16.h",)
+
+# Compiler flags for ATen's vector types (at::vec) per CPU capability, as ATen builds its
+# own kernels; anything else gets the portable scalar fallback of at::vec.
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+}
+
+_lock = threading.Lock()
+_ext = None
+_error: str | None = None
+
+
+def capability() -> str:
+    """The vector instruction set ATen dispatches to on this CPU (``"AVX512"``, ``"AVX2"``,
+    ``"DEFAULT"``, ...); the kernels are compiled for it."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has the AVX512_BF16 instructions (``avx512_bf16`` in Linux's
+    ``/proc/cpuinfo``): the kernels then round float32 to bfloat16 with them (one instruction
+    per 32 values; see ``cpu_bf16.h``). False elsewhere, where ATen's conversion serves."""
+    if capability() != "AVX512":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_bf16" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability(), [])]
+    if native_bf16():
+        flags.append("-mavx512bf16")
+    return flags
+
+
+def _name_and_dir() -> tuple[str, Path]:
+    key = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key += torch.__version__.encode() + " ".join(_flags()).encode()
+    name = f"moe_lab_cpu_kernels_{hashlib.sha1(key).hexdigest()[:12]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "moe_lab" / "extensions"
+    return name, Path(root) / name
+
+
+def extension():
+    """The built extension module; built on first use.
+
+    Raises ``RuntimeError`` naming the cause when it cannot be built (and remembers that, so
+    it is tried once per process)."""
+    global _ext, _error
+    if _ext is not None:
+        return _ext
+    with _lock:
+        if _ext is not None:
+            return _ext
+        if _error is not None:
+            raise RuntimeError(_error)
+        if os.environ.get("MOE_LAB_NO_CPU_EXTENSION"):
+            _error = ("moe_lab's CPU kernels are switched off (MOE_LAB_NO_CPU_EXTENSION is set); "
+                      "use expert_backend='torch' and attention_impl='sdpa'")
+            raise RuntimeError(_error)
+        from torch.utils.cpp_extension import load
+
+        name, build_dir = _name_and_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob(f"{name}*.so")):
+            print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, about a minute)...",
+                  file=sys.stderr, flush=True)
+        try:
+            _ext = load(name, [str(path) for path in SOURCES], extra_cflags=_flags(),
+                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # compiler missing, no OpenMP, ...
+            reason = str(exc).strip().splitlines()
+            _error = (f"moe_lab's CPU kernels could not be built ({type(exc).__name__}: "
+                      f"{reason[-1] if reason else ''}); they need a C++ compiler with OpenMP. "
+                      f"Use expert_backend='torch' and attention_impl='sdpa' instead")
+            raise RuntimeError(_error) from exc
+        return _ext
+
+
+@torch.compiler.assume_constant_result
+def bf16_gemms() -> bool:
+    """Whether ATen's bfloat16 GEMMs (oneDNN's micro-kernels for this CPU's instruction set)
+    run here: where they do, the attention and the expert MLP take bfloat16 operands as they
+    are; where not, they widen them to float32 or use ATen's GEMM. Asked of the built kernels
+    once; a constant to ``torch.compile`` (the extension's own call would break the graph)."""
+    global _bf16_gemms
+    if _bf16_gemms is None:
+        _bf16_gemms = bool(extension().bf16_gemms())
+    return _bf16_gemms
+
+
+_bf16_gemms: bool | None = None
+
+
+def compiler() -> str | None:
+    """The C++ compiler ``torch.utils.cpp_extension`` would call (``$CXX`` or ``c++``), or None."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def available() -> bool:
+    """Whether the kernels are built or can be built here (builds them if need be)."""
+    try:
+        extension()
+    except RuntimeError:
+        return False
+    return True
+
+
+def loaded() -> bool:
+    """Whether the kernels are already loaded in this process (never builds or loads them):
+    for callers that use them only where something else has paid for them, e.g. the
+    reference router's top-k."""
+    return _ext is not None
+
+
+def main() -> int:
+    """Build ahead (``make install``); a failure is reported, not fatal: the plain-PyTorch
+    paths still work."""
+    try:
+        extension()
+    except RuntimeError as exc:
+        print(f"moe_lab: {exc} (the 'torch' expert backend and 'sdpa' attention still work)",
+              file=sys.stderr)
+    else:
+        print(f"moe_lab: CPU kernels ready ({_name_and_dir()[1]}, {capability()})")
+    return 0

@@ -1,0 +1,136 @@
+"""Clipping and AdamW in one call on a CPU (``cpu_optim.cpp``, beside this file).
+
+The sync-free training step clips the gradients and steps the optimizer in three stages:
+the global gradient norm (``torch.nn.utils.get_total_norm``: one norm per tensor, then the
+norm of those), the clip factor ``max(1, (norm + 1e-6) / max_norm)``, and torch's fused
+AdamW, which divides every gradient by that factor as it reads it — one call per parameter
+group, each a loop over its tensors, with Python in between: on a CPU, more time than the
+memory it moves. `clip_adamw_` does the same with one custom op: one parallel pass over all
+the gradients for the norm, one over all the parameters for the update (the same AdamW:
+decoupled weight decay, float32 moments, the step counts and the moments in the optimizer's
+own state, so checkpoints are unchanged).
+
+`supports` says whether an optimizer can take it: a CPU AdamW as the sync-free step's
+``make_optimizer`` builds it (fused, float32, no AMSGrad, not maximising) with moe_lab's CPU kernels built.
+`has_step_hooks` says whether step hooks are registered on it (or globally): those run only in
+``optimizer.step()``, so the step keeps torch's path while there are any. The op has a fake
+implementation, so the step's sync-free certificate covers it. `one_call_step` is the entry
+the plug-in registers as the clip step ``cpu_one_call``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lab.workbench.cpu.build import available, extension
+
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("moe_lab::cpu_clip_adamw_",
+                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "grad_scale"))
+def _clip_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], steps: list[Tensor], weight_decays: list[float],
+                lr: Tensor, beta1: float, beta2: float, eps: float, max_norm: float, skip: Tensor,
+                grad_scale: Tensor) -> Tensor:
+    return extension().clip_adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, weight_decays, lr,
+                                   beta1, beta2, eps, max_norm, skip, grad_scale)
+
+
+@_clip_adamw.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, steps, weight_decays, lr, beta1, beta2, eps, max_norm,
+      skip, grad_scale):
+    return lr.new_empty(())
+
+
+def supports(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `clip_adamw_` can step ``optimizer``: a ``torch.optim.AdamW`` with ``fused=True``
+    on contiguous float32 CPU parameters, without AMSGrad or maximising, its groups sharing
+    one learning rate, betas and eps (as the sync-free step's ``make_optimizer`` builds it), and
+    moe_lab's CPU kernels here."""
+    if type(optimizer) is not torch.optim.AdamW or not optimizer.param_groups:
+        return False
+    first = optimizer.param_groups[0]
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group.get("amsgrad") or group.get("maximize"):
+            return False
+        if group["lr"] is not first["lr"] or group["betas"] != first["betas"] or group["eps"] != first["eps"]:
+            return False
+        for p in group["params"]:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+                return False
+    return available()
+
+
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` would call step hooks (its own or global ones), which
+    `clip_adamw_` does not."""
+    from torch.optim import optimizer as optim_module
+
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or optim_module._global_optimizer_pre_hooks
+                or optim_module._global_optimizer_post_hooks)
+
+
+def clip_adamw_(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tensor,
+                skip: Tensor) -> Tensor:
+    """Clip the gradients of ``optimizer``'s parameters to a global norm of ``max_norm`` and
+    take its AdamW step, as ``SyncFreeStep`` does with torch's fused AdamW: the factor
+    ``max(1, (norm + 1e-6) / max_norm)`` is written into ``grad_scale`` and every gradient is
+    divided by it as it is read (the gradients themselves are not changed). ``skip`` (a
+    one-element float32 tensor) nonzero leaves everything as it was. Parameters without a
+    gradient are left alone, as AdamW does. Returns the global norm, a 0-dim tensor.
+    """
+    if not supports(optimizer):
+        raise ValueError("clip_adamw_: optimizer must be a fused float32 CPU torch.optim.AdamW "
+                         "whose groups share lr, betas and eps (the sync-free make_optimizer), "
+                         "with moe_lab's CPU kernels built; see moe_lab.workbench.cpu.optim.supports")
+    if not max_norm > 0:
+        raise ValueError(f"clip_adamw_: max_norm must be > 0, got {max_norm!r}")
+    return step_checked(optimizer, max_norm, grad_scale, skip)
+
+
+def step_checked(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tensor,
+                 skip: Tensor) -> Tensor:
+    """`clip_adamw_` for a caller that has already checked ``supports(optimizer)`` and
+    ``max_norm > 0`` once (`one_call_step`, at construction): the per-step path,
+    without walking every parameter to check it again. The kernel still checks each tensor's
+    dtype, layout and size."""
+    params, grads, avgs, sqs, steps, decays = [], [], [], [], [], []
+    first = optimizer.param_groups[0]
+    lr, betas, eps = first["lr"], first["betas"], first["eps"]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if not state:  # as AdamW initialises it (capturable: the count a float32 tensor)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            avgs.append(state["exp_avg"])
+            sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+            decays.append(float(group["weight_decay"]))
+    if not isinstance(lr, Tensor):
+        lr = torch.tensor(float(lr), dtype=torch.float32)
+    with torch.no_grad():
+        return _clip_adamw(params, grads, avgs, sqs, steps, decays, lr, float(betas[0]),
+                           float(betas[1]), float(eps), float(max_norm), skip, grad_scale)
+
+
+def one_call_step(optimizer: torch.optim.Optimizer):
+    """The clip step ``cpu_one_call`` (``CLIP_STEPS`` of the sync-free step): for an optimizer
+    `supports` takes, ``fn(max_norm, grad_scale, skip) -> norm`` running `step_checked`, or
+    None (not applicable now) while step hooks are registered; None for any other optimizer."""
+    if not supports(optimizer):
+        return None
+
+    def step(max_norm: float, grad_scale: Tensor, skip: Tensor) -> Tensor | None:
+        if has_step_hooks(optimizer):
+            return None
+        return step_checked(optimizer, max_norm, grad_scale, skip)
+
+    return step

@@ -1,0 +1,90 @@
+"""What the Triton exercises share: where their tensors live, and launching the learner's code.
+
+A Triton exercise hands the learner's ``@triton.jit`` function to a small kernel of its
+notebook's module as a ``tl.constexpr`` argument (Triton inlines a jitted function passed
+that way), or launches the learner's kernel itself. On a GPU it is compiled; on a CPU it
+runs under Triton's interpreter (``TRITON_INTERPRET=1``, which ``import moe_lab`` sets where
+there is no CUDA), one Python call per program instance — so the checks use float32, large
+blocks and small problems.
+
+A stub holds the line ``tl.static_assert(False, "exercise not solved yet")``: compiled it
+fails at compile time, interpreted when it runs, and either way `launch_answer` turns it
+into `NotDoneError`. Any other failure of the learner's code — a compile error, a shape
+mismatch — becomes an `ExerciseError` carrying Triton's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moe_lab.workbench.exercises import NOT_DONE, ExerciseError, NotDoneError
+
+
+def kernel_device() -> torch.device:
+    """Where a Triton exercise's tensors live: the GPU when Triton compiles for it, else the
+    CPU (interpreted Triton reads and writes host memory)."""
+    from moe_lab.perf.capabilities import triton_interpreted
+
+    if torch.cuda.is_available() and not triton_interpreted():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def interpreted() -> bool:
+    """True when Triton runs under its interpreter here."""
+    from moe_lab.perf.capabilities import triton_interpreted
+
+    return triton_interpreted()
+
+
+def launch_answer(name: str, kernel, grid: Sequence[int], *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, where the kernel is the learner's or calls the
+    learner's function: an unsolved stub raises `NotDoneError`, any other failure of the
+    launch `ExerciseError` with Triton's message."""
+    try:
+        kernel[tuple(grid)](*args, **kwargs)
+    except ExerciseError:
+        raise
+    except Exception as exc:  # the interpreter's and the compiler's errors have no common base
+        text = _messages(exc)
+        if NOT_DONE in text:
+            raise NotDoneError(name, f"in {name}, replace the line `tl.static_assert(False, "
+                               f"\"{NOT_DONE}\")` with your answer and run the cell again") from None
+        raise ExerciseError(f"{name}: your Triton code failed to run:\n{_last_lines(text)}") from None
+
+
+def _messages(exc: BaseException) -> str:
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
+
+
+def _last_lines(text: str, n: int = 12) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(lines[-n:])
+
+
+def where_differs(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple | None:
+    """The first index where ``got`` and ``want`` differ beyond the tolerance (NaN equal to
+    NaN), or None."""
+    bad = ~torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    if not bool(bad.any()):
+        return None
+    return tuple(bad.nonzero()[0].tolist())
+
+
+def assert_tensor(name: str, got: object, shape: tuple[int, ...]) -> torch.Tensor:
+    """``got`` as a tensor of ``shape``, or `ExerciseError`."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(shape):
+        raise ExerciseError(f"{name}: expected a tensor of shape {tuple(shape)}, got "
+                            f"{getattr(got, 'shape', type(got).__name__)}")
+    return got
+
+
+__all__ = ["assert_tensor", "interpreted", "kernel_device", "launch_answer", "where_differs"]
+

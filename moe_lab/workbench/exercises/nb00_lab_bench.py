@@ -1,0 +1,156 @@
+"""Exercises of notebook 00 (the lab bench): counting FLOPs and reading a roofline.
+
+- ``moe_layer_training_flops(moe)``: training FLOPs (forward + backward) one token costs in
+  one MoE layer of config ``moe`` (`moe_lab.config.MoEConfig`): the router's gate
+  (``d_model x n_experts``), its ``top_k`` routed experts and every shared expert (each a
+  SwiGLU of three ``d_model x d_expert`` matrices). Checked against `moe_lab.perf.flops`
+  on random configurations and the presets.
+- ``expert_training_flops(d_model, d_expert)``: the same for one SwiGLU expert (the
+  notebook's former first exercise, kept for its check).
+- ``matmul_attainable_flops(m, n, k, bytes_per_element, peak_flops, bandwidth)``: the
+  roofline's bound for ``[m, k] @ [k, n]`` on a machine with that peak and bandwidth.
+
+Each ``check_…`` calls the learner's function on fresh random inputs and raises
+`ExerciseError` when an answer differs from the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+from moe_lab.config import MoEConfig, preset
+from moe_lab.perf.flops import FLOPS_PER_MAC, TRAIN_MULTIPLIER, moe_mlp_macs, router_macs
+from moe_lab.perf.hardware import matmul_intensity, roofline
+from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+
+
+@reference_solution("expert_training_flops")
+def expert_training_flops(d_model: int, d_expert: int) -> float:
+    """Training FLOPs per token of one SwiGLU expert: 3 matrices of ``d_model x d_expert``
+    MACs, 2 FLOPs per MAC, 3x for forward + backward."""
+    return float(3 * d_model * d_expert * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
+
+
+@reference_solution("matmul_attainable_flops")
+def matmul_attainable_flops(
+    m: int, n: int, k: int, bytes_per_element: float, peak_flops: float, bandwidth: float
+) -> float:
+    """Roofline bound of ``[m, k] @ [k, n]``: ``min(peak, bandwidth * intensity)`` with
+    intensity ``2mnk / ((mk + kn + mn) * bytes_per_element)`` FLOP/byte."""
+    return roofline(peak_flops, bandwidth, matmul_intensity(m, n, k, bytes_per_element))
+
+
+@reference_solution("moe_layer_training_flops")
+def moe_layer_training_flops(moe: MoEConfig) -> float:
+    """Training FLOPs per token of one MoE layer: the router's gate plus ``top_k`` routed and
+    every shared SwiGLU expert, 2 FLOPs per MAC, 3x for forward + backward."""
+    macs = moe.d_model * moe.n_experts + (moe.top_k + moe.n_shared_experts) * 3 * moe.d_model * moe.d_expert
+    return float(macs * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
+
+
+def _layer_configs(rng: random.Random, trials: int) -> list[MoEConfig]:
+    configs = [preset(name).moe for name in ("deepseek_v3", "gpt_oss_20b", "small", "tiny")]
+    while len(configs) < trials:
+        n_experts = rng.choice([4, 8, 16, 64, 128, 256])
+        d_model = rng.choice([64, 256, 1024, 2880, 7168])
+        configs.append(MoEConfig(d_model=d_model, n_experts=n_experts,
+                                 top_k=rng.randint(1, min(8, n_experts)),
+                                 d_expert=rng.choice([64, 512, 2048, 2880]),
+                                 n_shared_experts=rng.choice([0, 0, 1, 2])))
+    return configs
+
+
+@exercise("moe_layer_training_flops")
+def check_moe_layer_training_flops(fn: Callable[[MoEConfig], float], trials: int = 16) -> None:
+    """Raise `ExerciseError` unless ``fn(moe)`` matches `moe_lab.perf.flops`' count of one
+    MoE layer (router + routed + shared experts), on the presets and random configurations."""
+    rng = random.Random()
+    for moe in _layer_configs(rng, trials):
+        want = float((router_macs(_model_of(moe)) + moe_mlp_macs(_model_of(moe)))
+                     * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
+        got = call_answer(fn, moe)
+        if _close(got, want):
+            continue
+        routed = 3 * moe.d_model * moe.d_expert * FLOPS_PER_MAC * TRAIN_MULTIPLIER
+        router = moe.d_model * moe.n_experts * FLOPS_PER_MAC * TRAIN_MULTIPLIER
+        hint = ""
+        if _close(got, want / TRAIN_MULTIPLIER):
+            hint = " (that is the forward pass only: the backward pass costs twice as much)"
+        elif _close(got, want / FLOPS_PER_MAC):
+            hint = " (that counts MACs: one multiply-accumulate is 2 FLOPs)"
+        elif _close(got, want - router):
+            hint = " (the router's gate is a matmul too: d_model x n_experts per token)"
+        elif moe.n_shared_experts and _close(got, want - moe.n_shared_experts * routed):
+            hint = " (every token also goes through the shared experts)"
+        elif _close(got, router + (moe.n_experts + moe.n_shared_experts) * routed):
+            hint = " (a token runs through its top_k experts only, not all of them)"
+        raise ExerciseError(
+            f"moe_layer_training_flops(MoEConfig(d_model={moe.d_model}, n_experts={moe.n_experts}, "
+            f"top_k={moe.top_k}, d_expert={moe.d_expert}, n_shared_experts={moe.n_shared_experts})) "
+            f"returned {got!r}, expected {want:.6g}{hint}")
+    print("✓ moe_layer_training_flops matches moe_lab.perf.flops")
+
+
+def _model_of(moe: MoEConfig):
+    """A model config around ``moe`` (what `moe_lab.perf.flops` takes)."""
+    return preset("tiny", d_model=moe.d_model, moe=moe)
+
+
+def _close(got: object, want: float, rel: float = 1e-6) -> bool:
+    try:
+        return math.isclose(float(got), want, rel_tol=rel)
+    except (TypeError, ValueError):
+        return False
+
+
+@exercise("expert_training_flops")
+def check_expert_training_flops(fn: Callable[[int, int], float], trials: int = 20) -> None:
+    """Raise `ExerciseError` unless ``fn(d_model, d_expert)`` matches the reference."""
+    rng = random.Random()
+    for _ in range(trials):
+        d_model, d_expert = rng.randint(1, 8192), rng.randint(1, 8192)
+        want = expert_training_flops(d_model, d_expert)
+        got = call_answer(fn, d_model, d_expert)
+        if not _close(got, want):
+            hint = ""
+            if _close(got, want / TRAIN_MULTIPLIER):
+                hint = " (that is the forward pass only: the backward pass costs twice as much)"
+            elif _close(got, want / FLOPS_PER_MAC):
+                hint = " (that counts MACs: one multiply-accumulate is 2 FLOPs)"
+            elif _close(got, want * 2 / 3):
+                hint = " (SwiGLU has three matrices: gate, up and down)"
+            raise ExerciseError(
+                f"expert_training_flops(d_model={d_model}, d_expert={d_expert}) returned "
+                f"{got!r}, expected {want:.6g}{hint}"
+            )
+    print("✓ expert_training_flops is correct")
+
+
+@exercise("matmul_attainable_flops")
+def check_matmul_attainable_flops(fn: Callable[..., float], trials: int = 20) -> None:
+    """Raise `ExerciseError` unless ``fn`` matches the roofline bound on random shapes,
+    covering memory-bound (a skinny matmul) and compute-bound (a square one) cases."""
+    rng = random.Random()
+    for trial in range(trials):
+        bpe = (1.0, 2.0, 4.0)[trial % 3]
+        bandwidth = rng.uniform(1e12, 8e12)
+        if trial % 2 == 0:
+            # Skinny: a few tokens through a big weight. At most 16 FLOP/byte, so with a
+            # peak above 8 TB/s * 16 FLOP/B = 128 TFLOP/s it is always memory-bound.
+            m, n, k = rng.randint(1, 8), rng.randint(1024, 8192), rng.randint(1024, 8192)
+            peak = rng.uniform(200e12, 2500e12)
+        else:
+            m = n = k = rng.randint(2048, 8192)
+            peak = rng.uniform(50e12, 2500e12)
+        want = matmul_attainable_flops(m, n, k, bpe, peak, bandwidth)
+        got = call_answer(fn, m, n, k, bpe, peak, bandwidth)
+        if not _close(got, want):
+            bound = "memory" if want < peak else "compute"
+            raise ExerciseError(
+                f"matmul_attainable_flops(m={m}, n={n}, k={k}, bytes_per_element={bpe}, "
+                f"peak_flops={peak:.3g}, bandwidth={bandwidth:.3g}) returned {got!r}, "
+                f"expected {want:.6g} ({bound}-bound)"
+            )
+    print("✓ matmul_attainable_flops is correct")

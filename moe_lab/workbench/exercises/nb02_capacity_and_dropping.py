@@ -1,0 +1,239 @@
+"""Exercises of notebook 02 (capacity and dropping): sizing the buffers, choosing the drops.
+
+- ``expert_capacity(tokens, top_k, n_experts, capacity_factor, multiple)``: the slots each
+  expert gets, ``ceil(tokens · top_k · capacity_factor / n_experts)`` rounded up to a
+  multiple of ``multiple`` — a Python int computed from shapes, never from data.
+- ``keep_mask(topk_ids, n_experts, capacity)``: which (token, choice) assignments the
+  ``position`` drop policy keeps. Assignments are ranked per expert, every token's first
+  choice before any token's second choice, and by token order within a choice; an
+  assignment is kept when its rank is below ``capacity``. It must not sync with the host.
+
+Each ``check_…`` calls the learner's function on fresh random inputs (and awkward ones:
+no tokens, every token on one expert, ``top_k == n_experts``, room for everything) and
+raises `ExerciseError` when an answer differs from the reference in
+`moe_lab.moe.dispatch`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import torch
+
+from moe_lab.moe import dispatch
+from moe_lab.training.sync import count_syncs
+from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+
+
+@reference_solution("expert_capacity")
+def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float,
+                    multiple: int = 1) -> int:
+    """Slots per expert (a Python int): the even share of the ``tokens · top_k``
+    assignments, times ``capacity_factor``, rounded up, then up to a multiple of ``multiple``."""
+    return dispatch.expert_capacity(tokens, top_k, n_experts, capacity_factor, multiple)
+
+
+@reference_solution("keep_mask")
+def keep_mask(topk_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """``[T, k]`` bool: True where the assignment fits in its expert's ``capacity`` slots
+    under the position policy (first choices first, then token order)."""
+    rank = dispatch.capacity_positions(topk_ids, torch.zeros(topk_ids.shape), n_experts,
+                                       "position")
+    return rank < capacity
+
+
+# Random cases avoid a capacity that is an integer only up to rounding: there a different,
+# equally correct order of the float operations could round across it. (Multiplying by a
+# power of two is exact in binary floating point, so those factors need no such care.)
+_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 0.3, 1.1, 1.17, 0.9)
+_EXACT_FACTORS = (0.5, 1.0, 2.0)
+
+
+def _capacity_cases(rng: random.Random, trials: int) -> list[tuple[int, int, int, float, int]]:
+    cases = [
+        (64, 2, 8, 1.0, 1),  # exactly the even share: 16
+        (100, 2, 8, 1.25, 1),  # 31.25 -> 32
+        (100, 2, 8, 1.0, 16),  # 25 -> 32 with a multiple of 16
+        (0, 2, 8, 1.0, 1),  # no tokens: no slots
+        (7, 4, 4, 1.0, 1),  # top_k == n_experts: every expert sees every token
+        (1, 1, 64, 0.5, 1),  # less than one assignment per expert: still one slot
+        (4096, 8, 256, 1.0, 128),
+    ]
+    while len(cases) < trials:
+        tokens, n_experts = rng.randint(0, 5000), rng.choice([1, 2, 4, 8, 16, 60, 64, 256])
+        top_k = rng.randint(1, min(8, n_experts))
+        factor, multiple = rng.choice(_FACTORS), rng.choice([1, 1, 1, 4, 8, 16, 128])
+        exact = tokens * top_k * factor / n_experts
+        if abs(exact - round(exact)) < 1e-6 and factor not in _EXACT_FACTORS:
+            continue  # on an integer only up to rounding: either answer would be defensible
+        cases.append((tokens, top_k, n_experts, factor, multiple))
+    return cases
+
+
+@exercise("expert_capacity")
+def check_expert_capacity(fn: Callable[..., int], trials: int = 40) -> None:
+    """Raise `ExerciseError` unless ``fn(tokens, top_k, n_experts, capacity_factor,
+    multiple)`` returns the reference capacity (an int) on every case."""
+    rng = random.Random()
+    for tokens, top_k, n_experts, factor, multiple in _capacity_cases(rng, trials):
+        want = expert_capacity(tokens, top_k, n_experts, factor, multiple)
+        got = call_answer(fn, tokens, top_k, n_experts, factor, multiple)
+        args = (f"tokens={tokens}, top_k={top_k}, n_experts={n_experts}, "
+                f"capacity_factor={factor}, multiple={multiple}")
+        if isinstance(got, torch.Tensor):
+            raise ExerciseError(f"({args}): return a Python int, not a tensor — the capacity "
+                                "sizes buffers, so it must be known on the host without a sync")
+        try:
+            ok = int(got) == got and int(got) == want
+        except (TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            share = tokens * top_k / n_experts
+            hint = ""
+            unrounded = math.ceil(share * factor)
+            if multiple > 1 and _equals(got, unrounded):
+                hint = f" (then round up to a multiple of {multiple})"
+            elif _equals(got, math.floor(share * factor)) and unrounded != share * factor:
+                hint = " (rounded down: a fractional slot must still be a whole slot, round up)"
+            elif _equals(got, math.ceil(tokens * factor / n_experts)):
+                hint = " (every token makes top_k assignments: multiply by top_k)"
+            elif _equals(got, math.ceil(share)):
+                hint = " (the capacity factor scales the even share)"
+            raise ExerciseError(f"expert_capacity({args}) returned {got!r}, expected {want}{hint}")
+    print("✓ expert_capacity is correct")
+
+
+def _equals(got: object, value: int) -> bool:
+    try:
+        return int(got) == value
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def _token_major_keep(topk_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """The common mistake: ranking token by token (all of token 0's choices first)."""
+    flat = topk_ids.reshape(-1)
+    one_hot = torch.nn.functional.one_hot(flat, n_experts)
+    rank = (one_hot.cumsum(0) - 1).gather(1, flat.unsqueeze(1)).squeeze(1)
+    return (rank < capacity).view(topk_ids.shape)
+
+
+def _routing(g: torch.Generator, tokens: int, n_experts: int, top_k: int,
+             skew: float) -> torch.Tensor:
+    """``[tokens, top_k]`` distinct expert ids per token, popular experts first-ish."""
+    popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
+    perm = torch.randperm(n_experts, generator=g)
+    probs = popularity[perm].expand(tokens, n_experts)
+    if tokens == 0:
+        return torch.zeros(0, top_k, dtype=torch.int64)
+    return torch.multinomial(probs, top_k, replacement=False, generator=g)
+
+
+@exercise("keep_mask")
+def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
+    """Raise `ExerciseError` unless ``fn(topk_ids, n_experts, capacity)`` equals the
+    position policy's mask on every case, and runs without a host sync."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    cases = [
+        (_routing(g, 40, 8, 2, 1.0), 8, 10),
+        (_routing(g, 97, 16, 4, 1.5), 16, 20),
+        (_routing(g, 33, 4, 4, 0.0), 4, 20),  # top_k == n_experts
+        (torch.full((25, 1), 3, dtype=torch.int64), 8, 7),  # every token on one expert
+        (_routing(g, 12, 6, 2, 0.5), 6, 100),  # room for everything
+        (_routing(g, 30, 5, 2, 2.0), 5, 1),  # one slot each
+        (torch.zeros(0, 2, dtype=torch.int64), 8, 3),  # no tokens
+    ]
+    for ids, n_experts, capacity in cases:
+        want = keep_mask(ids, n_experts, capacity)
+        got = call_answer(fn, ids.clone(), n_experts, capacity)
+        where = f"topk_ids of shape {tuple(ids.shape)}, {n_experts} experts, capacity {capacity}"
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+            raise ExerciseError(f"({where}): expected a [T, k] = {tuple(want.shape)} tensor, got "
+                                f"{getattr(got, 'shape', type(got).__name__)}")
+        got = got.bool()
+        if torch.equal(got, want):
+            continue
+        hint = ""
+        if torch.equal(got, _token_major_keep(ids, n_experts, capacity)):
+            hint = (" — you ranked token by token; the position policy ranks every token's "
+                    "first choice before any second choice (slot-major), so a first choice "
+                    "is never dropped to make room for an earlier token's second choice")
+        elif int(got.sum()) != int(want.sum()):
+            hint = (f" — you keep {int(got.sum())} assignments, the policy keeps "
+                    f"{int(want.sum())}: each expert keeps min(its load, capacity)")
+        bad = (got != want).nonzero()[0].tolist()
+        raise ExerciseError(f"({where}): assignment (token {bad[0]}, choice {bad[1]}) should be "
+                            f"{'kept' if want[bad[0], bad[1]] else 'dropped'}{hint}")
+    ids, n_experts, capacity = cases[1]
+    _, syncs = count_syncs(fn, ids, n_experts, capacity)
+    if sum(syncs.values()):
+        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; the capacity "
+                            "dispatcher must stay sync-free — try a cumulative sum over a "
+                            "one-hot of the expert ids")
+    print("✓ keep_mask is correct and sync-free")
+
+
+@reference_solution("capacity_buffer")
+def capacity_buffer(x: torch.Tensor, topk_ids: torch.Tensor, n_experts: int,
+                    capacity_factor: float, multiple: int = 1) -> torch.Tensor:
+    """``[E, C, d]``: token rows in their expert's slots (position policy), zeros elsewhere."""
+    tokens, k = topk_ids.shape
+    capacity = dispatch.expert_capacity(tokens, k, n_experts, capacity_factor, multiple)
+    rank = dispatch.capacity_positions(topk_ids, torch.zeros(topk_ids.shape), n_experts, "position")
+    keep = rank < capacity
+    trash = n_experts * capacity  # dropped assignments go to one extra slot, then cut off
+    slot = torch.where(keep, topk_ids * capacity + rank, torch.full_like(rank, trash)).reshape(-1)
+    token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    buffer = x.new_zeros(trash + 1, x.shape[1]).index_add_(0, slot, x.index_select(0, token_of))
+    return buffer[:trash].view(n_experts, capacity, x.shape[1])
+
+
+@exercise("capacity_buffer")
+def check_capacity_buffer(fn: Callable[..., torch.Tensor]) -> None:
+    """Raise `ExerciseError` unless ``fn(x, topk_ids, n_experts, capacity_factor, multiple)``
+    builds `capacity_buffer`'s ``[E, C, d]`` buffer on every case (fractional shares, a
+    multiple, every token on one expert, room for everything, no tokens) without a host sync."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    cases = [  # tokens, experts, top-k, skew, factor, multiple
+        (40, 8, 2, 1.0, 1.0, 1), (97, 16, 4, 1.5, 1.25, 1), (50, 8, 2, 0.5, 1.0, 16),
+        (33, 4, 4, 0.0, 0.75, 1), (12, 6, 2, 0.5, 2.0, 4), (0, 8, 2, 1.0, 1.0, 1),
+    ]
+    ids_one = torch.full((25, 1), 3, dtype=torch.int64)  # every token on expert 3
+    for tokens, n_experts, top_k, skew, factor, multiple in cases + [(25, 8, 1, None, 1.5, 1)]:
+        ids = ids_one if skew is None else _routing(g, tokens, n_experts, top_k, skew)
+        x = torch.randn(ids.shape[0], 16, generator=g)
+        want = capacity_buffer(x, ids, n_experts, factor, multiple)
+        got = call_answer(fn, x.clone(), ids.clone(), n_experts, factor, multiple)
+        where = (f"{ids.shape[0]} tokens, top-{ids.shape[1]} of {n_experts} experts, capacity factor "
+                 f"{factor}, multiple {multiple}")
+        if not isinstance(got, torch.Tensor) or got.dim() != 3:
+            raise ExerciseError(f"({where}): return the [E, C, d] buffer, got "
+                                f"{getattr(got, 'shape', type(got).__name__)}")
+        if tuple(got.shape) != tuple(want.shape):
+            c = want.shape[1]
+            hint = ""
+            if got.shape[1] == c // multiple or (multiple > 1 and got.shape[1] < c):
+                hint = f" (round C up to a multiple of {multiple})"
+            elif got.shape[1] == c - 1:
+                hint = " (a fractional slot is still a slot: round the even share up)"
+            raise ExerciseError(f"({where}): buffer of shape {tuple(got.shape)}, expected "
+                                f"{tuple(want.shape)}: C = ceil(tokens · top_k · capacity_factor / "
+                                f"n_experts), a Python int from shapes{hint}")
+        if not torch.equal(got, want):
+            e, c = (got != want).any(-1).nonzero()[0].tolist()
+            hint = ""
+            kept = keep_mask(ids, n_experts, want.shape[1])
+            if int(got.ne(0).any(-1).sum()) != int(kept.sum()):
+                hint = (" — the slots hold the wrong number of rows: a dropped assignment "
+                        "(rank >= C) goes nowhere, a kept one to slot rank of its expert")
+            raise ExerciseError(f"({where}): expert {e}, slot {c} holds the wrong row{hint}; "
+                                "rank the assignments as keep_mask does (first choices first)")
+    ids = _routing(g, 64, 8, 2, 1.0)
+    _, syncs = count_syncs(fn, torch.randn(64, 16, generator=g), ids, 8, 1.0, 1)
+    if sum(syncs.values()):
+        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; C comes from "
+                            "shapes (Python numbers), the slots from a cumulative sum, the copy "
+                            "from index_add_ or scatter")
+    print("✓ capacity_buffer is correct and sync-free")

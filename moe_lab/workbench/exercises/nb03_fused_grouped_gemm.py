@@ -1,0 +1,177 @@
+"""Exercises of notebook 03_fused_grouped_gemm: the gather prologue's row loads, and the bytes fusion removes.
+
+- ``gather_tile`` (Triton): the prologue of a grouped GEMM that reads its A tile straight
+  from the token rows. Given the permuted rows ``rows`` of one tile (``row_end`` the end of
+  its expert's segment) and the row source ``src`` (``src[r] = t·k + j``, ``-1`` for a row
+  no (token, slot) maps to), load ``x[src[r] // TOP_K, ks]`` for every row of the tile:
+  rows past ``row_end`` and rows without a source read as zero, never as memory. Checked
+  tile by tile against `moe_lab.kernels.permute.permute_reference` (the rows the unfused
+  chain would have written), then as the prologue of a small grouped GEMM against the
+  unfused chain; ``x`` is followed in memory by NaN rows, so a row loaded through a bad
+  index shows.
+- ``permute_combine_bytes(tokens, top_k, d, bytes_per_value)``: the bytes the unfused
+  forward's two copies move — the permute (token rows in, the row-id map in, ``T·k`` rows
+  out) and the weighted unpermute (``T·k`` rows, the map and the float32 weights in, token
+  rows out) — which the gather prologue and the scatter epilogue remove. Checked against
+  `moe_lab.perf.fusion.launches` on fresh shapes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference
+from moe_lab.perf import fusion
+from moe_lab.workbench.exercises import (
+    ExerciseError,
+    call_answer,
+    exercise,
+    random_routing,
+    reference_solution,
+)
+from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
+
+# ------------------------------------------------------------- Triton: the gather prologue
+
+
+@reference_solution("gather_tile")
+@triton.jit
+def gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
+    """``[BLOCK_M, BLOCK_K]`` tile ``x[src[rows] // TOP_K, ks]`` (``x: [T, K]`` contiguous),
+    zero where ``rows >= row_end``, ``src < 0`` or ``ks >= K``."""
+    src = tl.load(src_ptr + rows, mask=rows < row_end, other=-1).to(tl.int64)
+    ok = (rows < row_end) & (src >= 0)
+    token = tl.where(ok, src // TOP_K, 0)
+    return tl.load(x_ptr + token[:, None] * K + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _gather_probe(x_ptr, src_ptr, out_ptr, offsets_ptr, M_ROWS, K, TOP_K, gather,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per (expert e, row tile, K tile): the tile of e's rows, gathered by the
+    # learner's function, stored at those permuted rows of out: [M_ROWS, K].
+    e = tl.program_id(0)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    rows = (start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    ks = (tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    tile = gather(x_ptr, src_ptr, rows, end, ks, K, TOP_K)
+    tl.store(out_ptr + rows[:, None] * K + ks[None, :], tile, mask=(rows[:, None] < end) & (ks[None, :] < K))
+
+
+@triton.jit
+def _gather_gemm(x_ptr, src_ptr, w_ptr, y_ptr, offsets_ptr, N, K, TOP_K, gather,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # y[rows of e] = gathered x rows · w[e] (w: [E, K, N], y: [M_ROWS, N], contiguous).
+    e = tl.program_id(0)
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    rows = (start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        a = gather(x_ptr, src_ptr, rows, end, ks, K, TOP_K)
+        b = tl.load(w_ptr + e.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :],
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < end) & (cols[None, :] < N))
+
+
+def _row_source(row_id_map: torch.Tensor, n_rows: int) -> torch.Tensor:
+    src = torch.full((n_rows,), -1, dtype=torch.int32)
+    src[row_id_map.reshape(-1).long()] = torch.arange(row_id_map.numel(), dtype=torch.int32)
+    return src
+
+
+@exercise("gather_tile")
+def check_gather_tile(gather: Callable, block_m: int = 16, block_k: int = 16) -> None:
+    """Raise `ExerciseError` unless ``gather`` loads the tiles of fresh routings (skewed,
+    experts left empty, segments padded to an alignment, widths not multiples of the
+    block) as the unfused permute would have written them, and unless a grouped GEMM with
+    it as its prologue equals the unfused chain."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    cases = [(37, 40, 8, 2, 1), (29, 24, 16, 4, 8), (9, 16, 4, 4, 1), (33, 8, 6, 1, 4)]
+    for tokens, k_dim, n_experts, top_k, align in cases:
+        ids = random_routing(g, tokens, n_experts, top_k)
+        row_id_map, offsets = make_row_id_map_reference(ids, n_experts, align)
+        n_rows = int(offsets[-1])
+        # x, then rows of NaN right after it: a token index past T reads NaN, not zeros.
+        memory = torch.cat([torch.randn(tokens, k_dim, generator=g), torch.full((4, k_dim), float("nan"))])
+        x = memory[:tokens]
+        src = _row_source(row_id_map, n_rows)
+        want = permute_reference(x, row_id_map, n_rows)
+        got = torch.full((n_rows, k_dim), float("nan"))
+        counts = (offsets[1:] - offsets[:-1]).tolist()
+        grid = (n_experts, max(1, triton.cdiv(max(counts), block_m)), triton.cdiv(k_dim, block_k))
+        got_d = got.to(device)
+        launch_answer("gather_tile", _gather_probe, grid, memory.to(device), src.to(device), got_d,
+                      offsets.to(device), n_rows, k_dim, top_k, gather, BLOCK_M=block_m, BLOCK_K=block_k)
+        got = got_d.cpu()
+        where = (f"{tokens} tokens of width {k_dim}, top-{top_k} of {n_experts} experts, "
+                 f"segments aligned to {align}")
+        bad = where_differs(got, want, rtol=0, atol=0)
+        if bad is not None:
+            r, c = bad
+            hint = ""
+            if torch.isnan(got[r, c]):
+                hint = (" — NaN: a row past T was loaded (a row without a source must be masked, "
+                        "src < 0) or the tile was not returned in full")
+            elif want[r].abs().sum() == 0:
+                hint = " — this row has no source (src = -1, alignment padding): it must read as zero"
+            raise ExerciseError(f"({where}): permuted row {r}, column {c} = {got[r, c].item():.6g}, "
+                                f"expected {want[r, c].item():.6g}{hint}")
+        # As a grouped GEMM's prologue: y = (gathered rows) · w[e], against the unfused chain.
+        n = 16
+        w = torch.randn(n_experts, k_dim, n, generator=g)
+        y = torch.full((n_rows, n), float("nan"), device=device)
+        launch_answer("gather_tile", _gather_gemm, grid[:2], memory.to(device), src.to(device), w.to(device),
+                      y, offsets.to(device), n, k_dim, top_k, gather, BLOCK_M=block_m, BLOCK_N=n,
+                      BLOCK_K=block_k)
+        bounds = offsets.tolist()
+        ref = torch.cat([want[bounds[e]:bounds[e + 1]] @ w[e] for e in range(n_experts)])
+        if where_differs(y.cpu(), ref, rtol=1e-4, atol=1e-4) is not None:
+            raise ExerciseError(f"({where}): the tiles are right, but a grouped GEMM using them differs from "
+                                "the unfused chain — does the tile depend on anything but its arguments?")
+    print("✓ gather_tile loads every row through the row source: a grouped GEMM with it as its "
+          "prologue equals permute → grouped GEMM")
+
+
+# ------------------------------------------------------------- the bytes fusion removes
+
+
+@reference_solution("permute_combine_bytes")
+def permute_combine_bytes(tokens: int, top_k: int, d: int, bytes_per_value: int) -> int:
+    """Forward bytes of the permute and of the weighted unpermute (int32 map, float32 weights)."""
+    rows, entries = tokens * top_k, tokens * top_k
+    permute = tokens * d * bytes_per_value + entries * 4 + rows * d * bytes_per_value
+    unpermute = rows * d * bytes_per_value + entries * 4 + entries * 4 + tokens * d * bytes_per_value
+    return permute + unpermute
+
+
+@exercise("permute_combine_bytes")
+def check_permute_combine_bytes(fn: Callable[[int, int, int, int], int]) -> None:
+    """Raise `ExerciseError` unless ``fn`` counts the forward bytes of the two copies as
+    `moe_lab.perf.fusion` does, on fresh shapes."""
+    rng = random.Random()
+    cases = [(8192, 8, 7168, 2), (8192, 4, 2880, 2), (1, 1, 1, 4)]
+    cases += [(rng.randrange(1, 5000), rng.randrange(1, 9), rng.randrange(1, 9000), rng.choice((1, 2, 4)))
+              for _ in range(5)]
+    for tokens, top_k, d, b in cases:
+        shape = fusion.Shape(tokens, top_k, 8, d, 32, b)
+        want = sum(x.bytes for x in fusion.launches("swiglu_epilogue", shape)
+                   if x.phase == "fwd" and x.name in ("permute", "unpermute (weighted)"))
+        got = call_answer(fn, tokens, top_k, d, b)
+        if got != want:
+            hint = ""
+            if isinstance(got, (int, float)) and got == want - 2 * tokens * top_k * 4 - tokens * top_k * 4:
+                hint = " — count the row-id map (int32) read by both copies and the float32 weights"
+            raise ExerciseError(f"tokens={tokens}, top_k={top_k}, d={d}, {b} B per value: got {got}, "
+                                f"expected {want}{hint}")
+    print("✓ permute_combine_bytes counts what the permute and the combine move")

@@ -1,0 +1,641 @@
+"""The workbook as a site: every executed notebook as an HTML page, and an index page.
+
+``build_site()`` reads the executed notebooks (``build/workbook/NN_*.ipynb``, written by
+``python -m moe_lab workbook``), renders each to ``build/site/NN_name.html`` with nbconvert,
+and writes ``build/site/index.html``: per notebook its title, what it teaches (the first
+paragraph of its first markdown cell and its "you will learn" bullets), its headline
+figure read from the results ledger (with the hardware and date it was measured on), and a
+link. Everything is a plain file linked by relative paths, so the site opens from disk in
+any browser, with no server and no network: every page carries its style inline, formulas
+are converted to MathML when the page is written (`latex2mathml`; browsers render MathML
+natively, so no MathJax is loaded), and the pages load no script from anywhere — nbconvert's
+require.js, MathJax, Mermaid and widget-manager tags are left out of the template. A widget
+has no live state in a headless run: the explorers draw a static figure there instead.
+Every page links to the previous and next notebook and to the index. Known third-party
+noise on stderr (torchao failing to load a compiled extension, torch's deprecation notes)
+is left out of the pages; moe_lab's own warnings are kept. Records of hand-run notebooks
+(`moe_lab.workbench.measure.ledger.lab_session`) never reach the headlines.
+
+The headline figure of each notebook is chosen by `HEADLINES` (a table, one entry per
+notebook, in order of preference) or, overriding it, by a ledger record carrying the extra
+field ``headline=True``. Among matching records a ``full``-profile figure is preferred to a
+``smoke`` one, then the newest. `headline_rows` is shared with ``scripts/readme_gains.py``,
+which prints the README's gains table from the same choice.
+"""
+
+from __future__ import annotations
+
+import copy
+import html
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moe_lab.perf.capabilities import capabilities
+from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, write_text_atomically
+from moe_lab.workbench.measure.ledger import format_value, latest, read, workbook_records
+
+# --------------------------------------------------------------------------------------
+# Which figure is each notebook's headline
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One candidate headline: the ledger record (``notebook``, ``step``, ``metric``) and
+    how to describe and reproduce it. ``step=None`` matches any step; then ``pick`` chooses
+    among the steps' newest records (``"min"`` or ``"max"`` value)."""
+
+    metric: str
+    label: str
+    step: str | None = None
+    notebook: str | None = None  # default: the notebook the entry belongs to
+    command: str | None = None  # default: the workbook command for that notebook
+    pick: str = "newest"
+
+
+def workbook_command(notebook: str, profile: str = "smoke") -> str:
+    """The command that executes ``notebook`` and records its figures."""
+    flag = "" if profile == "smoke" else f" --profile {profile}"
+    return f"python -m moe_lab workbook --only {notebook}{flag}"
+
+
+HEADLINES: dict[str, tuple[Headline, ...]] = {
+    "00_lab_bench": (
+        Headline("matmul_fp32_gflops", "fp32 matmul ceiling of this machine", "ceilings"),),
+    "01_naive_moe": (
+        Headline("syncs_per_step", "host syncs per forward + backward of the naive MoE layer",
+                 "naive"),),
+    "02_capacity_and_dropping": (
+        Headline("dropped_frac", "share of token assignments dropped at capacity factor 1.0",
+                 "capacity cf1"),
+        Headline("vs_naive", "capacity dispatch speed vs naive", "capacity cf1"),),
+    "03_dropless_sync_free": (
+        Headline("vs_naive", "dropless (CPU plug-in's openmp grouped GEMM) MoE layer speed vs naive, "
+                 "fine-grained experts", "fine:dropless openmp"),
+        Headline("vs_naive", "dropless (torch grouped GEMM) MoE layer speed vs naive, "
+                 "fine-grained experts", "fine:dropless torch"),
+        Headline("vs_naive", "dropless MoE layer speed vs naive", "coarse:dropless torch"),),
+    "03_fused_grouped_gemm": (
+        Headline("removable_share", "share of the unfused expert chain's time (CPU, fine-grained "
+                 "shape) in the stages the fusions remove", "fine:chain"),),
+    "04_fused_router": (
+        Headline("vs_unfused_fp64", "fused FP32 Triton router vs unfused FP64, DeepSeek-V3 "
+                 "shape", "deepseek_v3:triton fp32"),
+        Headline("vs_unfused_fp64", "compiled FP32 router vs unfused FP64, DeepSeek-V3 shape",
+                 "deepseek_v3:compiled fp32"),),
+    "05_mxfp8_attention": (
+        # Quality first: measured the same way on every machine (a CPU runs the quantizer
+        # kernel interpreted, so its bandwidth there says nothing about the format).
+        Headline("eval_loss_gap[MXFP8 attention vs baseline]",
+                 "eval loss of a model trained with MXFP8 attention (emulated) vs the baseline "
+                 "attention in the model's dtype (fp32 on a CPU)",
+                 "quality"),
+        Headline("quantizer_bandwidth", "MX quantizer bandwidth (Triton interpreted where there is "
+                 "no GPU: the interpreter's speed, not the format's)", "quantizer"),),
+    "06_cuda_graphs": (
+        Headline("speedup", "whole training step, CUDA graph vs eager (small preset)",
+                 "small: graphed vs eager"),
+        Headline("syncs_per_step", "host syncs per training step, certified",
+                 "sync-free step (small)"),),
+    "07_expert_parallel_a2a": (
+        Headline("exposed_vs_sequential", "exposed all-to-all time vs sequential, best "
+                 "schedule", pick="min"),
+        Headline("max_abs_difference", "expert-parallel layer vs single process, max |diff|",
+                 "ep vs single process"),),
+    "08_pipeline_layout": (
+        Headline("stage_imbalance_pp16_vpp1", "pipeline stage imbalance, searched layout "
+                 "(simulated)", "searched_mxfp8_logits"),
+        Headline("stage_imbalance_pp16_vpp2", "pipeline stage imbalance, searched layout "
+                 "(simulated)", "searched"),),
+    "09_network_fabric": (
+        Headline("a2a_bandwidth_over_link", "all-to-all bandwidth over link rate, adaptive "
+                 "routing (simulated)", "adaptive"),),
+    "10_time_to_train": (
+        Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
+                 "optimised vs naive"),
+        Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
+                 "optimised vs naive", notebook="bench:time-to-train",
+                 command=("python -m moe_lab bench time-to-train --profile full --seeds 10 --ladder "
+                          "--pick-router")),),
+}
+
+
+def _profile_rank(record: dict) -> int:
+    return 1 if record.get("profile") == "full" else 0
+
+
+def _best(records: Sequence[dict], pick: str = "newest") -> dict | None:
+    if not records:
+        return None
+    if pick in ("min", "max"):
+        newest = latest(records, keys=("notebook", "step", "metric", "hardware"))
+        choose = min if pick == "min" else max
+        return choose(newest, key=lambda r: (float(r["value"]), str(r.get("time", ""))))
+    return max(records, key=lambda r: (_profile_rank(r), str(r.get("time", ""))))
+
+
+# Figures that no machine measured: simulations and counts. A CPU table shows them too.
+MACHINE_FREE_KINDS = ("simulated", "calculation")
+
+
+def on_cpu_or_machine_free(record: dict) -> bool:
+    """True for a figure measured on a CPU, or one no machine measured (a simulation, a
+    count): what a table of "this CPU's" figures may show."""
+    hardware = str(record.get("hardware", ""))
+    return (hardware.startswith("cpu:") or hardware == "simulated"
+            or record.get("kind") in MACHINE_FREE_KINDS)
+
+
+def _matches_hardware(record: dict, hardware) -> bool:
+    if hardware is None:
+        return True
+    if callable(hardware):
+        return bool(hardware(record))
+    return str(record.get("hardware", "")).startswith(hardware)
+
+
+def find_headline(records: Iterable[dict], notebook: str,
+                  hardware=None) -> tuple[dict, Headline] | None:
+    """The headline record of ``notebook`` (and the `Headline` that chose it), or ``None``.
+
+    ``hardware``: a label prefix (``"cpu:"``: any CPU) or a predicate on the record
+    (`on_cpu_or_machine_free`); ``None`` takes every record. A record with
+    ``headline=True`` wins over the `HEADLINES` table.
+    """
+    records = [r for r in records if _matches_hardware(r, hardware)]
+    flagged = [r for r in records if r.get("notebook") == notebook and r.get("headline") is True]
+    if flagged:
+        rec = _best(flagged)
+        return rec, Headline(rec["metric"], str(rec.get("label") or rec["metric"]), rec.get("step"))
+    # Entries naming the same figure (metric and step) from different sources — a notebook
+    # and the benchmark command behind it — compete: the full-profile, then the newest, wins.
+    # Different figures keep the table's order of preference.
+    groups: dict[tuple, list[Headline]] = {}
+    for spec in HEADLINES.get(notebook, ()):
+        groups.setdefault((spec.metric, spec.step, spec.pick), []).append(spec)
+    for specs in groups.values():
+        found = []
+        for spec in specs:
+            source = spec.notebook or notebook
+            matches = [r for r in records if r.get("notebook") == source
+                       and r.get("metric") == spec.metric
+                       and (spec.step is None or r.get("step") == spec.step)]
+            rec = _best(matches, spec.pick)
+            if rec is not None:
+                found.append((rec, spec))
+        if found:
+            return max(found, key=lambda item: (_profile_rank(item[0]), str(item[0].get("time", ""))))
+    return None
+
+
+def format_figure(record: dict) -> str:
+    """``"1.420×"``, ``"0 syncs"``, ``"91.30 GFLOP/s"``: value and unit as a table shows them,
+    with the range when the record carries one (``min``, ``max``: e.g. over seeds)."""
+    value = format_value(record.get("value"))
+    unit = str(record.get("unit") or "")
+    if unit in ("x", "×"):
+        text = f"{value}×"
+    elif unit == "fraction":
+        text = f"{100 * float(record['value']):.3g}%"
+    else:
+        text = f"{value} {unit}".strip()
+    low, high = record.get("min"), record.get("max")
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)):
+        seeds = record.get("seeds")
+        over = f" over {seeds} seeds" if isinstance(seeds, int) else ""
+        text += f" (range {format_value(float(low))}–{format_value(float(high))}{over})"
+    return text
+
+
+def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
+                  hardware=None) -> list[dict]:
+    """One row per notebook: its headline figure (or ``None``), what it is, where and when
+    it was measured, and the command that reproduces it."""
+    rows = []
+    for name in notebooks:
+        found = find_headline(records, name, hardware)
+        if found is None:
+            rows.append({"notebook": name, "record": None, "label": None, "figure": None,
+                         "hardware": None, "date": None, "command": workbook_command(name)})
+            continue
+        rec, spec = found
+        profile = rec.get("profile") or "smoke"
+        command = spec.command or workbook_command(name, profile if profile == "full" else "smoke")
+        label = spec.label
+        if spec.step is None and rec.get("step"):
+            label = f"{label} ({rec['step']})"
+        rows.append({"notebook": name, "record": rec, "label": label,
+                     "figure": format_figure(rec), "hardware": rec.get("hardware"),
+                     "date": str(rec.get("time", ""))[:10], "profile": rec.get("profile"),
+                     "command": command})
+    return rows
+
+
+# --------------------------------------------------------------------------------------
+# What each notebook teaches
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class NotebookPage:
+    """One notebook of the site: its name, what it teaches, its page and its headline."""
+
+    name: str
+    number: str
+    title: str
+    summary: str
+    learn: list[str] = field(default_factory=list)
+    href: str = ""
+    status: str = "ok"  # "ok", "error" (a cell raised), "not executed"
+    headline: dict | None = None
+
+
+def describe_notebook(notebook) -> tuple[str, str, list[str]]:
+    """``(title, summary, learn)`` from the first markdown cell of ``notebook`` (a path or an
+    nbformat node): the first heading, the first paragraph after it, and the bullets of its
+    "you will learn" list."""
+    import nbformat  # slow to import (jsonschema); only reading a notebook needs it
+
+    nb = notebook if not isinstance(notebook, (str, os.PathLike)) else nbformat.read(
+        notebook, as_version=4)
+    cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
+    if cell is None:
+        return "", "", []
+    lines = cell.source.splitlines()
+    title = ""
+    for line in lines:
+        if line.lstrip().startswith("#"):
+            title = line.lstrip("# ").strip()
+            break
+    paragraphs, current = [], []
+    for line in lines:
+        if line.lstrip().startswith("#"):
+            continue
+        if not line.strip():
+            if current:
+                paragraphs.append(" ".join(current))
+                current = []
+            continue
+        current.append(line.strip())
+    if current:
+        paragraphs.append(" ".join(current))
+    summary = next((p for p in paragraphs if not p.startswith(("-", "*", "**"))), "")
+    return title, summary, _bullets(lines)
+
+
+def _bullets(lines: Sequence[str]) -> list[str]:
+    """The top-level bullets of ``lines``, each whole: a line that continues a bullet where
+    the source wraps is joined to it, and a nested bullet stays nested (as Markdown)."""
+    items: list[str] = []
+    open_item = False
+    for line in lines:
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            open_item = False  # a blank line or a heading ends the list item
+            continue
+        bullet = stripped.startswith(("- ", "* "))
+        if bullet and not line[:1].isspace():
+            items.append(stripped[2:].strip())
+            open_item = True
+        elif open_item and bullet:
+            items[-1] += "\n  - " + stripped[2:].strip()
+        elif open_item:
+            items[-1] += " " + stripped
+    return items
+
+
+def _status(nb) -> str:
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if out.get("output_type") == "error":
+                return "error"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if code and all(c.get("execution_count") is None for c in code):
+        return "not executed"
+    return "ok"
+
+
+# --------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------
+
+
+# Inline code and fenced code keep their dollars; ``$$…$$`` is display math, ``$…$`` inline
+# math (no space inside the delimiters, no digit after the closing one: "$5" is money).
+_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+_MATH = re.compile(r"(?<!\\)\$\$(.+?)\$\$|(?<![\\$])\$(?![\s$])([^$\n]+?)(?<![\s\\])\$(?!\d)", re.S)
+_TOKEN = "MOELABMATH{}X"
+
+
+def latex_to_mathml(tex: str, display: bool = False) -> str:
+    """One formula as MathML (rendered natively by browsers; no script, no network). Without
+    ``latex2mathml`` (the ``lab`` extra) the TeX is shown as code, and a warning says so."""
+    try:
+        from latex2mathml.converter import convert  # the lab/test extras; only the site needs it
+    except ImportError:
+        import warnings
+
+        warnings.warn("latex2mathml is not installed (pip install -e '.[lab]'): the site shows "
+                      "formulas as TeX", stacklevel=2)
+        return f'<code class="tex">{html.escape(tex)}</code>'
+    try:
+        mathml = convert(tex.strip(), display="block" if display else "inline")
+    except Exception:  # TeX the converter does not know: shown as TeX, the page still renders
+        return f'<code class="tex">{html.escape(tex)}</code>'
+    return mathml.replace(' xmlns="http://www.w3.org/1998/Math/MathML"', "")
+
+
+def protect_math(markdown: str, formulas: list[str]) -> str:
+    """``markdown`` with every formula outside code replaced by a placeholder (letters and
+    digits only, which Markdown leaves alone); the formula's MathML goes to ``formulas``.
+    `restore_math` puts it back into the HTML."""
+    out, last = [], 0
+    for code in [*_CODE.finditer(markdown), None]:
+        end = code.start() if code is not None else len(markdown)
+        text = markdown[last:end]
+
+        def swap(match: re.Match) -> str:
+            display = match.group(1) is not None
+            formulas.append(latex_to_mathml(match.group(1) if display else match.group(2), display))
+            return _TOKEN.format(len(formulas) - 1)
+
+        out.append(_MATH.sub(swap, text))
+        if code is not None:
+            out.append(code.group(0))
+            last = code.end()
+    return "".join(out)
+
+
+def restore_math(html_text: str, formulas: Sequence[str]) -> str:
+    """Put the MathML of `protect_math`'s placeholders into ``html_text``."""
+    return re.sub(r"MOELABMATH(\d+)X", lambda m: formulas[int(m.group(1))], html_text)
+
+
+def _inline_markdown(text: str) -> str:
+    """Markdown of one paragraph or bullet as HTML (mistune, nbconvert's own renderer), its
+    formulas as MathML."""
+    import mistune  # nbconvert's renderer, installed with it; only the index needs it
+
+    formulas: list[str] = []
+    rendered = mistune.html(protect_math(text, formulas)).strip()
+    if rendered.startswith("<p>") and rendered.endswith("</p>") and rendered.count("<p>") == 1:
+        rendered = rendered[3:-4]
+    return restore_math(rendered, formulas)
+
+
+# stderr lines that third-party libraries print and the pages leave out: what they say is
+# not about this notebook (a compiled extension for another Python, a deprecation inside a
+# library). Each pattern names its library, so moe_lab's own warnings always show.
+THIRD_PARTY_NOISE = (
+    re.compile(r"^Failed to load \S*torchao\S*\.so\b"),
+    re.compile(r"torch/utils/_pytree\.py:\d+\].*register_constant\(\) on Enum subclasses is deprecated"),
+    re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
+)
+
+
+def _without_noise(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not any(p.search(line) for p in THIRD_PARTY_NOISE))
+
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+WIDGET_PLACEHOLDER = (
+    '<div class="moe-widget-placeholder" style="border:1px dashed #999;padding:.6em 1em;'
+    'color:#444;background:#fafafa">An interactive explorer: its controls work in JupyterLab '
+    "(<code>make lab</code>). Run headless, as the workbook does, the notebook draws the "
+    "explorer's figure at its default settings instead.</div>")
+
+
+def prepare_for_site(nb) -> tuple:
+    """A copy of the executed notebook ``nb`` ready to export: formulas of markdown cells
+    and Markdown outputs replaced by placeholders (their MathML returned beside), known
+    third-party stderr noise dropped (a stream left empty is dropped too), and a live
+    widget's output replaced by a note saying where its controls work."""
+    nb = copy.deepcopy(nb)
+    formulas: list[str] = []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = protect_math(cell.source, formulas)
+            continue
+        if cell.cell_type != "code":
+            continue
+        outputs = []
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                out["text"] = _without_noise(out.get("text", ""))
+                if not out["text"].strip():
+                    continue
+            data = out.get("data", {})
+            if WIDGET_MIME in data:  # a live widget: no widget manager is loaded, say so
+                out["data"] = {"text/html": WIDGET_PLACEHOLDER}
+                outputs.append(out)
+                continue
+            if "text/markdown" in data:
+                data["text/markdown"] = protect_math(data["text/markdown"], formulas)
+            outputs.append(out)
+        cell.outputs = outputs
+    return nb, formulas
+
+
+# nbconvert's lab template without the tags that fetch scripts (require.js, MathJax,
+# Mermaid, the widget manager), with a navigation bar at the top and the bottom.
+_PAGE_TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+{% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block html_head_css -%}<style>{{ resources.moe_nav_css }}</style>{%- endblock html_head_css -%}
+{%- block body_header -%}{{ super() }}{{ resources.moe_nav }}{%- endblock body_header -%}
+{% block body_footer %}{{ resources.moe_nav }}{{ super() }}{% endblock body_footer %}
+"""
+
+_NAV_CSS = """
+nav.moe-nav { display: flex; gap: 1.2rem; justify-content: space-between; align-items: center;
+  max-width: 1100px; margin: .6rem auto; padding: .5rem 1rem; font: 14px/1.4 system-ui, sans-serif;
+  background: #f4f6f8; border: 1px solid #dde; border-radius: 6px; }
+nav.moe-nav a { color: #0b5cad; text-decoration: none; }
+nav.moe-nav a:hover { text-decoration: underline; }
+nav.moe-nav .none { color: #999; }
+math { font-size: 1.1em; }
+math[display="block"] { margin: .6em 0; }
+"""
+
+
+def navigation(prev: tuple[str, str] | None, nxt: tuple[str, str] | None) -> str:
+    """The bar every page carries: ``(href, title)`` of the previous and next notebook
+    (``None`` at either end) and the index."""
+    esc = html.escape
+    left = (f'<a rel="prev" href="{esc(prev[0])}">← {esc(prev[1])}</a>' if prev
+            else '<span class="none">← (first notebook)</span>')
+    right = (f'<a rel="next" href="{esc(nxt[0])}">{esc(nxt[1])} →</a>' if nxt
+             else '<span class="none">(last notebook) →</span>')
+    return (f'<nav class="moe-nav">{left}<a rel="index" href="index.html">Index of the workbook</a>'
+            f'{right}</nav>')
+
+
+def render_page(nb, nav: str = "") -> str:
+    """One executed notebook (an nbformat node) as a page that needs no network: formulas
+    as MathML, no script tags, third-party stderr noise left out, ``nav`` at top and bottom."""
+    import jinja2
+    from nbconvert import HTMLExporter  # slow to import; only a page export needs it
+
+    prepared, formulas = prepare_for_site(nb)
+    exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"moe_site.html.j2": _PAGE_TEMPLATE})],
+                            template_file="moe_site.html.j2")
+    body, _ = exporter.from_notebook_node(prepared, resources={"moe_nav": nav, "moe_nav_css": _NAV_CSS})
+    return restore_math(body, formulas)
+
+
+def export_page(notebook: Path, target: Path, nav: str = "") -> Path:
+    """Render one executed notebook to ``target`` with `render_page`."""
+    import nbformat
+
+    write_text_atomically(target, render_page(nbformat.read(notebook, as_version=4), nav))
+    return target
+
+
+_CSS = """
+body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0;
+       color: #1d1d1f; background: #fafafa; }
+main { max-width: 960px; margin: 0 auto; padding: 2rem 1.2rem 4rem; }
+h1 { font-size: 1.8rem; margin-bottom: .2rem; }
+.sub { color: #555; margin-top: 0; }
+ol.notebooks { list-style: none; padding: 0; }
+ol.notebooks > li { background: #fff; border: 1px solid #ddd; border-radius: 8px;
+                  padding: .9rem 1.1rem; margin: .8rem 0; }
+.num { font-family: ui-monospace, monospace; color: #777; margin-right: .4rem; }
+h2 { font-size: 1.15rem; margin: 0 0 .3rem; }
+h2 a { color: #0b5cad; text-decoration: none; }
+h2 a:hover { text-decoration: underline; }
+.summary { margin: .3rem 0; }
+ul.learn { margin: .2rem 0 .4rem 1.1rem; padding: 0; color: #333; font-size: .93rem; }
+ul.learn { list-style: disc; }
+ul.learn ul { margin: .1rem 0 .1rem 1.1rem; padding: 0; list-style: circle; }
+math { font-size: 1.1em; }
+.figure { margin-top: .4rem; font-size: .93rem; }
+.figure b { font-size: 1.05rem; }
+.meta { color: #666; font-size: .85rem; }
+.status { font-size: .8rem; padding: 0 .4rem; border-radius: 4px; margin-left: .4rem; }
+.status.error { background: #fde2e1; color: #a40e0e; }
+.status.missing { background: #eee; color: #555; }
+code { font-family: ui-monospace, monospace; font-size: .9em; background: #f0f0f0;
+       padding: 0 .2em; border-radius: 3px; }
+footer { color: #777; font-size: .85rem; margin-top: 2rem; }
+"""
+
+
+def render_index(pages: Sequence[NotebookPage], *, title: str = "moe_lab workbook",
+                 machine: str = "", generated: str = "") -> str:
+    """The index page as one self-contained HTML string (inline CSS, no scripts)."""
+    esc = html.escape
+    items = []
+    for page in pages:
+        status = ""
+        if page.status == "error":
+            status = '<span class="status error">a cell failed</span>'
+        elif page.status == "not executed":
+            status = '<span class="status missing">not executed</span>'
+        heading = (f'<a href="{esc(page.href)}">{esc(page.title or page.name)}</a>' if page.href
+                   else esc(page.title or page.name))
+        learn = "".join(f"<li>{_inline_markdown(b)}</li>" for b in page.learn)
+        learn_html = f'<ul class="learn">{learn}</ul>' if learn else ""
+        if page.headline and page.headline.get("figure"):
+            h = page.headline
+            record = h.get("record") or {}
+            where = ("simulated" if record.get("kind") == "simulated" or h["hardware"] == "simulated"
+                     else "calculated" if record.get("kind") == "calculation"
+                     else f"measured on {h['hardware']}")
+            figure = (f'<div class="figure">Headline: <b>{esc(h["figure"])}</b> — '
+                      f'{esc(h["label"] or "")} <span class="meta">({esc(where)}, '
+                      f'{esc(str(h["date"]))}; reproduce: '
+                      f'<code>{esc(h["command"])}</code>)</span></div>')
+        else:
+            figure = ('<div class="figure meta">No figure in the ledger yet: run '
+                      f'<code>{esc(workbook_command(page.name))}</code>.</div>')
+        number = ("" if (page.title or "").startswith(page.number)
+                  else f'<span class="num">{esc(page.number)}</span>')
+        items.append(
+            f'<li id="{esc(page.name)}"><h2>{number}'
+            f'{heading}{status}</h2><p class="summary">{_inline_markdown(page.summary)}</p>'
+            f'{learn_html}{figure}</li>')
+    machine_html = f"<p class=\"sub\">Executed on {esc(machine)}.</p>" if machine else ""
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        f"<title>{esc(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>\n<main>\n"
+        f"<h1>{esc(title)}</h1>\n<p class=\"sub\">How Mixture-of-Experts training is made "
+        "fast, one measured step at a time. Every figure below is read from the results "
+        "ledger; none is typed by hand.</p>\n"
+        f"{machine_html}\n<ol class=\"notebooks\">\n" + "\n".join(items) +
+        "\n</ol>\n<footer>Generated by <code>python -m moe_lab workbook</code>"
+        + (f" on {esc(generated)}" if generated else "") + ".</footer>\n</main>\n</body>\n</html>\n")
+
+
+def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str],
+               ledger_path: str | os.PathLike[str] | None = None, *,
+               title: str = "moe_lab workbook") -> Path:
+    """Render every executed notebook in ``workbook_dir`` to ``out`` and write
+    ``out/index.html``; return the index's path.
+
+    ``ledger_path``: the results ledger for the headline figures (default: the ledger's
+    usual place, `moe_lab.workbench.measure.ledger.ledger_path`). A notebook whose page cannot be
+    rendered is still listed, without a link.
+    """
+    import nbformat
+
+    source = Path(workbook_dir)
+    if not source.is_dir():
+        raise ValueError(f"workbook_dir must be a directory of executed notebooks, got "
+                         f"{str(source)!r}")
+    target = Path(out)
+    target.mkdir(parents=True, exist_ok=True)
+    records = workbook_records(read(ledger_path) if ledger_path is not None else read())
+    notebooks = sorted(p for p in source.iterdir() if p.is_file() and NOTEBOOK_PATTERN.match(p.name))
+    described = []
+    for path in notebooks:
+        try:
+            nb = nbformat.read(path, as_version=4)
+            described.append((path, nb, *describe_notebook(nb), _status(nb)))
+        except Exception:  # an unreadable notebook is still listed
+            described.append((path, None, path.stem, "", [], "not executed"))
+    pages = []
+    for i, (path, nb, title_, summary, learn, status) in enumerate(described):
+        number = NOTEBOOK_PATTERN.match(path.name).group(1)
+        prev = described[i - 1] if i > 0 else None
+        nxt = described[i + 1] if i + 1 < len(described) else None
+        nav = navigation(prev and (f"{prev[0].stem}.html", prev[2] or prev[0].stem),
+                         nxt and (f"{nxt[0].stem}.html", nxt[2] or nxt[0].stem))
+        href = ""
+        try:
+            if nb is not None:
+                write_text_atomically(target / f"{path.stem}.html", render_page(nb, nav))
+                href = f"{path.stem}.html"
+        except Exception as exc:  # listed without a link; say why on the build's stderr
+            import sys
+
+            print(f"site: {path.name} could not be rendered: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+        rows = headline_rows(records, [path.stem])
+        pages.append(NotebookPage(name=path.stem, number=number, title=title_, summary=summary,
+                                  learn=learn, href=href, status=status,
+                                  headline=rows[0] if rows[0]["record"] else None))
+    try:
+        machine = capabilities().summary()
+    except Exception:
+        machine = ""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    index = target / "index.html"
+    write_text_atomically(index, render_index(pages, title=title, machine=machine,
+                                               generated=stamp))
+    return index
+
+
+__all__ = ["HEADLINES", "MACHINE_FREE_KINDS", "THIRD_PARTY_NOISE", "Headline", "NotebookPage",
+           "build_site", "describe_notebook", "export_page", "find_headline", "format_figure",
+           "headline_rows", "latex_to_mathml", "navigation", "on_cpu_or_machine_free",
+           "prepare_for_site", "protect_math", "render_index", "render_page", "restore_math",
+           "workbook_command"]

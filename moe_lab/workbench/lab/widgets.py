@@ -1,0 +1,133 @@
+"""ipywidgets explorers. Each explorer has a pure function that computes its figure
+from the slider values; in JupyterLab the sliders redraw it, and in a headless run
+(papermill, CI: ``MOE_LAB_HEADLESS=1``, or ipywidgets missing) the figure for the default
+values is drawn as a static image instead, so the executed notebook still shows it."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import display
+
+from moe_lab.workbench.figures.charts import plot_tokens_per_expert
+
+
+def headless() -> bool:
+    """True when no live front end will render widgets."""
+    if os.environ.get("MOE_LAB_HEADLESS") == "1":
+        return True
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def simulate_routing(n_tokens: int, n_experts: int, top_k: int, skew: float,
+                     seed: int = 0) -> torch.Tensor:
+    """Expert ids ``[n_tokens, top_k]`` drawn without replacement from a Zipf-like
+    popularity ``p_e ∝ (e + 1) ** -skew`` (skew 0 = uniform)."""
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k must be in [1, n_experts={n_experts}], got {top_k}")
+    if skew < 0:
+        raise ValueError(f"skew must be >= 0, got {skew}")
+    g = torch.Generator().manual_seed(seed)
+    popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
+    probs = popularity.expand(n_tokens, n_experts)
+    return torch.multinomial(probs, top_k, replacement=False, generator=g)
+
+
+def routing_summary(expert_ids: torch.Tensor, n_experts: int, capacity_factor: float = 1.0) -> dict:
+    """Tokens per expert, imbalance (max/mean) and the assignments over capacity."""
+    counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(
+        0, expert_ids.flatten(), torch.ones(expert_ids.numel(), dtype=torch.int64))
+    capacity = math.ceil(expert_ids.numel() * capacity_factor / n_experts)
+    over = int((counts - capacity).clamp_min(0).sum())
+    return {"counts": counts, "imbalance": float(counts.max() / counts.float().mean()),
+            "capacity": capacity, "over_capacity": over,
+            "over_capacity_frac": over / max(1, expert_ids.numel())}
+
+
+def routing_figure(n_experts: int = 16, top_k: int = 2, skew: float = 1.0,
+                   n_tokens: int = 4096, capacity_factor: float = 1.0):
+    top_k = min(top_k, n_experts)  # a slider may ask for more than there are
+    ids = simulate_routing(n_tokens, n_experts, top_k, skew)
+    s = routing_summary(ids, n_experts, capacity_factor)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    plot_tokens_per_expert(
+        s["counts"].tolist(), capacity=s["capacity"], ax=ax,
+        title=(f"E={n_experts}, top-{top_k}, skew={skew:.1f}: imbalance {s['imbalance']:.2f}, "
+               f"{100 * s['over_capacity_frac']:.1f}% over capacity (cf {capacity_factor})"))
+    return fig
+
+
+def _control(w, name: str, default, opts: dict):
+    """One control for ``name``: a checkbox for a bool, else an int or float slider. The
+    label is the whole name (or ``opts["label"]``) on its own line above the control, so no
+    label is cut however many controls there are; ``opts["tooltip"]`` is shown on hover."""
+    opts = dict(opts)
+    label = opts.pop("label", name.replace("_", " "))
+    tooltip = opts.pop("tooltip", label)
+    if isinstance(default, bool):
+        control = w.Checkbox(value=default, description=label, indent=False, tooltip=tooltip,
+                             layout=w.Layout(width="auto"))
+        return control
+    cls = w.IntSlider if isinstance(default, int) else w.FloatSlider
+    slider = cls(value=default, continuous_update=False, tooltip=tooltip,
+                 layout=w.Layout(width="95%"), **opts)
+    return slider
+
+
+def explorer(figure_fn: Callable, **sliders) -> None:
+    """Controls bound to ``figure_fn``; a static figure (default values) when headless.
+
+    ``sliders``: name -> (default, options), e.g. ``n_experts=(16, dict(min=2, max=64,
+    step=2))``: an int gives an IntSlider, a float a FloatSlider, a bool a checkbox.
+    ``options`` may also hold ``label`` (default: the name, with spaces) and ``tooltip``.
+    The controls sit in a grid of labelled cells, two per row, above the figure.
+    Displays the explorer and returns ``None``, so a cell ending in the call shows it once.
+    """
+    defaults = {k: v[0] for k, v in sliders.items()}
+    if headless():
+        fig = figure_fn(**defaults)
+        display(fig)
+        plt.close(fig)
+        return None
+    import ipywidgets as w  # optional: without it (or a front end) the figure is static
+
+    controls, cells = {}, []
+    for name, (default, opts) in sliders.items():
+        control = _control(w, name, default, opts)
+        controls[name] = control
+        if isinstance(control, w.Checkbox):
+            cells.append(w.VBox([control]))
+        else:
+            title = opts.get("label", name.replace("_", " "))
+            cells.append(w.VBox([w.Label(title, tooltip=opts.get("tooltip", title)), control]))
+
+    def draw(**kw):
+        fig = figure_fn(**kw)
+        display(fig)
+        plt.close(fig)
+
+    out = w.interactive_output(draw, controls)
+    grid = w.GridBox(cells, layout=w.Layout(grid_template_columns="repeat(2, minmax(220px, 1fr))",
+                                            grid_gap="4px 24px", width="100%"))
+    display(w.VBox([grid, out]))
+    return None
+
+
+def routing_explorer() -> None:
+    """Routing skew, top-k and number of experts → tokens per expert, imbalance, overflow."""
+    explorer(
+        routing_figure,
+        n_experts=(16, dict(min=2, max=64, step=1, label="experts")),
+        top_k=(2, dict(min=1, max=8, step=1, label="top-k (experts per token)")),
+        skew=(1.0, dict(min=0.0, max=3.0, step=0.1, label="popularity skew (0 = uniform)")),
+        capacity_factor=(1.0, dict(min=0.5, max=2.0, step=0.05,
+                                   label="capacity factor (x mean load)")),
+    )

@@ -1,0 +1,405 @@
+"""The workbook runner: execute every notebook, export HTML, write ``build/RESULTS.md``.
+
+``python -m moe_lab workbook`` (what ``make workbook`` runs) finds ``notebooks/NN_*.ipynb``
+in the project root and executes each, in order, with papermill — parameters ``PROFILE``
+and ``SOLUTIONS`` (``True`` unless asked otherwise: the committed notebooks say ``False``,
+learner mode), kernel ``python3``, working directory ``notebooks/`` — into
+``build/workbook/<name>.ipynb``, then exports ``build/workbook/<name>.html`` with
+nbconvert. The kernel inherits this process's environment, which carries
+``MOE_LAB_PROFILE`` and ``MOE_LAB_RESULTS_DIR`` so every figure a notebook records lands in
+one ledger. At the end ``build/RESULTS.md`` shows the machine, one table of the latest
+ledger figures and how long each notebook took, and (with HTML) ``build/site/`` holds every
+executed notebook as a page and an ``index.html`` that opens without a server
+(`moe_lab.workbench.lab.site`).
+
+A notebook that fails does not stop the run: the others still execute, the failure is
+reported with the error's name and the cell it came from, and the command exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moe_lab.perf.capabilities import capabilities, library_versions
+from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, export_html, write_text_atomically
+from moe_lab.workbench.lab.profiles import PROFILES
+from moe_lab.workbench.lab.site import build_site
+from moe_lab.workbench.measure.ledger import (
+    LEDGER_NAME,
+    find_project_root,
+    latest,
+    read,
+    results_table_markdown,
+)
+
+KERNEL_NAME = "python3"
+
+
+@dataclass(frozen=True)
+class NotebookFailure:
+    """Why a notebook failed: the exception's name and message, and the cell that raised.
+
+    ``cell_index`` counts cells of the executed notebook (papermill's injected-parameters
+    cell included); ``exec_count`` is the ``In [n]`` number shown beside the cell.
+    """
+
+    ename: str
+    evalue: str
+    cell_index: int | None = None
+    exec_count: int | None = None
+    source: str = ""
+
+    def describe(self) -> str:
+        """One line: ``ExerciseError: wrong count at cell 7 (In [5]): check_x(x)``."""
+        message = self.evalue.strip().splitlines()[0] if self.evalue.strip() else ""
+        text = f"{self.ename}: {message}" if message else self.ename
+        if self.cell_index is not None:
+            where = f"cell {self.cell_index}"
+            if self.exec_count is not None:
+                where += f" (In [{self.exec_count}])"
+            first_line = next((ln for ln in self.source.splitlines() if ln.strip()), "")
+            text += f" at {where}" + (f": {first_line.strip()}" if first_line else "")
+        return text
+
+
+@dataclass(frozen=True)
+class NotebookRun:
+    """One notebook's execution: where its outputs went and how long it took."""
+
+    name: str
+    source: Path
+    output: Path
+    html: Path | None
+    seconds: float
+    failure: NotebookFailure | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the notebook executed (and exported) without an error."""
+        return self.failure is None
+
+
+# ------------------------------------------------------------------------------ discovery
+
+
+def project_root() -> Path:
+    """The moe_lab checkout: above the current directory, else above this package."""
+    root = find_project_root() or find_project_root(Path(__file__).resolve().parent)
+    if root is None:
+        raise ValueError(
+            "the workbook runs from the moe_lab checkout: no pyproject.toml with "
+            "[project] name 'moe-lab' above the current directory"
+        )
+    return root
+
+
+def find_notebooks(notebooks_dir: Path) -> list[Path]:
+    """The workbook's notebooks, ``NN_name.ipynb``, sorted by name (so by number)."""
+    if not notebooks_dir.is_dir():
+        raise ValueError(f"notebooks_dir must be a directory, got {str(notebooks_dir)!r}")
+    return sorted(
+        path
+        for path in notebooks_dir.iterdir()
+        if path.is_file() and NOTEBOOK_PATTERN.match(path.name)
+    )
+
+
+def select_notebooks(notebooks: Sequence[Path], only: Sequence[str] | None) -> list[Path]:
+    """The notebooks named in ``only``, in workbook order; all of them when ``only`` is empty.
+
+    A name matches ``01_naive_moe``, ``01_naive_moe.ipynb``, ``naive_moe`` or ``01``.
+    """
+    if not only:
+        return list(notebooks)
+    chosen: set[Path] = set()
+    for wanted in only:
+        key = wanted.removesuffix(".ipynb")
+        matches = [
+            path
+            for path in notebooks
+            if key in (path.stem, *NOTEBOOK_PATTERN.match(path.name).groups())
+        ]
+        if not matches:
+            available = ", ".join(path.stem for path in notebooks) or "none"
+            raise ValueError(f"--only: no notebook named {wanted!r}; available: {available}")
+        chosen.update(matches)
+    return [path for path in notebooks if path in chosen]
+
+
+# ------------------------------------------------------------------------------ execution
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables (which the kernel inherits) for the duration."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _execute(source: Path, output: Path, parameters: dict, cwd: Path) -> NotebookFailure | None:
+    """Execute ``source`` into ``output``; the failure, or ``None`` when every cell ran."""
+    import papermill  # slow to import (jupyter, nbclient); only a run needs it
+    from papermill.exceptions import PapermillExecutionError
+
+    # papermill saves as it goes; it writes beside the output and the file is renamed into
+    # place at the end, so build/workbook never holds a half-written notebook.
+    partial = output.with_name(f".{output.stem}.partial.ipynb")
+    failure: NotebookFailure | None = None
+    try:
+        papermill.execute_notebook(
+            str(source),
+            str(partial),
+            parameters=parameters,
+            kernel_name=KERNEL_NAME,
+            cwd=str(cwd),
+            progress_bar=False,
+            log_output=False,
+        )
+    except PapermillExecutionError as exc:
+        failure = NotebookFailure(
+            ename=str(exc.ename),
+            evalue=str(exc.evalue),
+            cell_index=exc.cell_index,
+            exec_count=exc.exec_count,
+            source=str(exc.source),
+        )
+    except Exception as exc:  # a dead kernel, a timeout, an unreadable notebook
+        failure = NotebookFailure(ename=type(exc).__name__, evalue=str(exc))
+    if partial.exists():
+        os.replace(partial, output)
+    return failure
+
+
+def run_workbook(
+    profile: str = "smoke",
+    only: Sequence[str] | None = None,
+    html: bool = True,
+    out: str | os.PathLike[str] | None = None,
+    solutions: bool = True,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    notebooks_dir: str | os.PathLike[str] | None = None,
+    results_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> list[NotebookRun]:
+    """Execute the workbook's notebooks and write ``<out>/RESULTS.md``.
+
+    Args:
+        profile: ``"smoke"`` (each notebook <= 90 s on a 2-core CPU) or ``"full"``.
+        only: run just these notebooks (``01_naive_moe``, ``naive_moe`` or ``01``).
+        html: also export each executed notebook to ``<out>/workbook/<name>.html``.
+        out: the build directory; default ``<root>/build``.
+        solutions: the ``SOLUTIONS`` parameter, injected into every notebook (whose own
+            default is ``False``, learner mode): ``True`` checks the reference solutions;
+            ``False`` checks your answers, reports each exercise not done yet and carries on
+            with its reference solution.
+        root: the project root; default: the moe_lab checkout (see ``project_root``).
+        notebooks_dir: where the notebooks are; default ``<root>/notebooks``.
+        results_dir: the ledger's directory; default ``$MOE_LAB_RESULTS_DIR``, else
+            ``<out>/results`` (with the default ``out``, the ledger's usual place).
+        progress: show a progress bar over the notebooks.
+
+    Returns:
+        One ``NotebookRun`` per notebook, in order; failed ones carry ``failure``. A
+        failure does not raise: the remaining notebooks still run.
+
+    Raises:
+        ValueError: an unknown profile, an ``only`` name that matches no notebook, or no
+            notebooks at all.
+    """
+    from tqdm.auto import tqdm  # probes for IPython and ipywidgets; only a run needs it
+
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    root_dir = Path(root).resolve() if root is not None else project_root()
+    source_dir = Path(notebooks_dir) if notebooks_dir is not None else root_dir / "notebooks"
+    build = Path(out) if out is not None else root_dir / "build"
+    if results_dir is not None:
+        ledger_dir = Path(results_dir)
+    elif os.environ.get("MOE_LAB_RESULTS_DIR"):
+        ledger_dir = Path(os.environ["MOE_LAB_RESULTS_DIR"])
+    else:
+        ledger_dir = build / "results"
+
+    available = find_notebooks(source_dir)
+    if not available:
+        raise ValueError(f"notebooks_dir {str(source_dir)!r} holds no NN_name.ipynb notebooks")
+    notebooks = select_notebooks(available, only)
+    executed_dir = build / "workbook"
+    executed_dir.mkdir(parents=True, exist_ok=True)
+    ledger_dir.mkdir(parents=True, exist_ok=True)
+
+    parameters = {"PROFILE": profile, "SOLUTIONS": bool(solutions)}
+    runs: list[NotebookRun] = []
+    environment = {
+        "MOE_LAB_PROFILE": profile,
+        "MOE_LAB_RESULTS_DIR": str(ledger_dir.resolve()),
+        # No front end renders widgets in a headless run: explorers draw static figures.
+        "MOE_LAB_HEADLESS": "1",
+    }
+    with _environment(**environment):
+        bar = tqdm(notebooks, desc="workbook", unit="notebook", disable=not progress)
+        for source in bar:
+            bar.set_postfix_str(source.stem)
+            output = executed_dir / source.name
+            start = time.perf_counter()
+            failure = _execute(source, output, parameters, cwd=source_dir.resolve())
+            seconds = time.perf_counter() - start
+            html_path: Path | None = None
+            if html and output.exists():
+                html_path = executed_dir / f"{source.stem}.html"
+                try:
+                    export_html(output, html_path)
+                except Exception as exc:  # the notebook ran; say the export failed
+                    html_path = None
+                    if failure is None:
+                        failure = NotebookFailure(
+                            ename=type(exc).__name__, evalue=f"HTML export: {exc}"
+                        )
+            run = NotebookRun(source.stem, source, output, html_path, seconds, failure)
+            runs.append(run)
+            if failure is not None:
+                tqdm.write(f"FAILED {source.stem}: {failure.describe()}", file=sys.stderr)
+        bar.close()
+
+    write_results_md(build / "RESULTS.md", runs, ledger_dir, profile)
+    if html:
+        _build_site(executed_dir, build / "site", ledger_dir)
+    return runs
+
+
+def _build_site(executed_dir: Path, site_dir: Path, ledger_dir: Path) -> None:
+    """``build/site/``: every executed notebook as HTML and an index (`moe_lab.workbench.lab.site`).
+    A failure here is reported, not raised: the notebooks ran and RESULTS.md is written."""
+    try:
+        build_site(executed_dir, site_dir, ledger_dir / LEDGER_NAME)
+    except Exception as exc:
+        print(f"site: not built ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------ RESULTS.md
+
+
+def _machine_summary() -> tuple[str, str]:
+    """(summary of the machine, library versions)."""
+    caps = capabilities()
+    summary = caps.summary() if hasattr(caps, "summary") else caps.hardware_label()
+    versions = ", ".join(f"{name} {version}" for name, version in library_versions().items())
+    return str(summary), versions
+
+
+def results_markdown(runs: Sequence[NotebookRun], ledger_dir: Path, profile: str) -> str:
+    """The text of RESULTS.md: machine, the latest ledger figures, notebook times."""
+    summary, versions = _machine_summary()
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# moe_lab workbook results",
+        "",
+        f"Generated by `python -m moe_lab workbook --profile {profile}` on {stamp}. "
+        "Every figure below is read from the results ledger; none is typed by hand.",
+        "",
+        "## Machine",
+        "",
+        "```text",
+        summary.rstrip(),
+        "```",
+        "",
+        f"Libraries: {versions}",
+        "",
+        "## Figures (latest per notebook, step, metric and hardware)",
+        "",
+        results_table_markdown(latest(read(ledger_dir / LEDGER_NAME))).rstrip(),
+        "",
+        "## Notebooks",
+        "",
+        "| notebook | status | time (s) |",
+        "|---|---|---:|",
+    ]
+    for run in runs:
+        status = "ok" if run.ok else "FAILED"
+        lines.append(f"| {run.name} | {status} | {run.seconds:.1f} |")
+    total = sum(run.seconds for run in runs)
+    lines.append(f"| total | {sum(run.ok for run in runs)}/{len(runs)} ok | {total:.1f} |")
+    failed = [run for run in runs if not run.ok]
+    if failed:
+        lines += ["", "## Failures", ""]
+        for run in failed:
+            description = run.failure.describe().replace("`", "'")
+            lines.append(f"- **{run.name}**: `{description}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_results_md(
+    path: Path, runs: Sequence[NotebookRun], ledger_dir: Path, profile: str
+) -> Path:
+    """Write RESULTS.md atomically (a temporary file renamed into place); return its path."""
+    write_text_atomically(path, results_markdown(runs, ledger_dir, profile))
+    return path
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``workbook`` command: 0 when every notebook ran, 1 when any failed."""
+    runs = run_workbook(
+        profile=args.profile,
+        only=args.only,
+        html=args.html,
+        out=args.out,
+        solutions=args.solutions,
+    )
+    failed = [run for run in runs if not run.ok]
+    build = Path(args.out) if args.out is not None else project_root() / "build"
+    print(f"{len(runs) - len(failed)}/{len(runs)} notebooks ran; see {build / 'RESULTS.md'}")
+    for item in failed:
+        print(f"FAILED {item.name}: {item.failure.describe()}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``workbook`` command to the CLI."""
+    parser = subparsers.add_parser(
+        "workbook",
+        help="execute every notebook, export HTML, write build/RESULTS.md",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument(
+        "--profile", choices=PROFILES, default="smoke", help="smoke (CI-sized) or full"
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="run only these notebooks (e.g. 01_naive_moe, naive_moe or 01)",
+    )
+    parser.add_argument(
+        "--no-html", dest="html", action="store_false", help="skip the HTML export"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="build directory (default: <project>/build)"
+    )
+    parser.add_argument(
+        "--no-solutions",
+        dest="solutions",
+        action="store_false",
+        help="run with SOLUTIONS=False (learner mode): your answers are checked, and each "
+        "exercise not done yet is reported and its reference solution used",
+    )
+    parser.set_defaults(func=run)

@@ -1,0 +1,156 @@
+"""Ceilings measured on this machine: how fast it multiplies matrices and moves bytes.
+
+A datasheet peak is a promise about ideal conditions; what a kernel can reach here is
+bounded by what the best library kernel reaches here. So moe_lab measures two ceilings
+with `moe_lab.workbench.measure.timing` on random data (never zeros: some hardware skips work on them):
+
+* ``matmul_peak(dtype)``: FLOP/s of one large square ``torch.matmul`` (``2 n^3`` FLOPs);
+* ``copy_bandwidth()``: bytes per second of a large tensor copy, counting the bytes read
+  *and* the bytes written (``2 * nbytes`` per copy), larger than the last-level cache.
+
+Together they give this machine's roofline: ``min(peak, bandwidth * intensity)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lab.perf.capabilities import capabilities
+from moe_lab.workbench.measure.timing import BenchResult, bench
+
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+# profile -> (matmul n, copy bytes, min_time_s) per device. The CPU smoke sizes keep the
+# run short on a laptop CPU; every copy is larger than a typical last-level cache, so it
+# measures memory bandwidth, not cache bandwidth.
+PROFILES = {
+    "smoke": {"cpu": (2048, 128 * 2**20, 0.3), "cuda": (4096, 512 * 2**20, 0.2)},
+    "full": {"cpu": (4096, 512 * 2**20, 1.0), "cuda": (8192, 2 * 2**30, 0.5)},
+}
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """One measured ceiling: ``value`` in ``unit`` (``"FLOP/s"`` or ``"B/s"``), with the
+    timing it came from and the sizes used."""
+
+    name: str
+    value: float
+    unit: str
+    result: BenchResult = field(repr=False)
+    params: dict = field(default_factory=dict)
+    hardware: str = ""
+
+    @property
+    def giga(self) -> float:
+        """``value`` / 1e9: GFLOP/s or GB/s."""
+        return self.value / 1e9
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.giga:,.1f} G{self.unit} on {self.hardware} ({self.result})"
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def _device(device: str | None) -> str:
+    device = device or capabilities().device
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def matmul_operands(
+    dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ceiling's problem: ``a, b`` random normal ``[n, n]`` and ``out``, for
+    ``torch.matmul(a, b, out=out)`` (``2 n^3`` FLOPs) — for timing it beside other work."""
+    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    dt, dev = _dtype(dtype), _device(device)
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
+    b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
+    return a, b, torch.empty(n, n, device=dev, dtype=dt)
+
+
+def matmul_peak(
+    dtype: str | torch.dtype = "fp32",
+    n: int = 1024,
+    *,
+    device: str | None = None,
+    min_time_s: float = 0.3,
+    seed: int = 0,
+) -> Ceiling:
+    """Measured FLOP/s of ``[n, n] @ [n, n]`` in ``dtype`` on random normal data.
+
+    ``device`` defaults to this machine's (`capabilities`). ``2 n^3`` FLOPs per call.
+    """
+    dt, dev = _dtype(dtype), _device(device)
+    a, b, out = matmul_operands(dt, n, device=dev, seed=seed)
+    result = bench(torch.matmul, a, b, out=out, warmup=2, min_time_s=min_time_s)
+    return Ceiling(
+        name=f"matmul_{_dtype_name(dt)}", value=result.per_second(2.0 * n**3), unit="FLOP/s",
+        result=result, params={"n": n, "dtype": _dtype_name(dt), "device": dev},
+        hardware=capabilities().hardware_label() if dev == capabilities().device else dev,
+    )
+
+
+def copy_bandwidth(
+    nbytes: int = 128 * 2**20, *, device: str | None = None, min_time_s: float = 0.3, seed: int = 0
+) -> Ceiling:
+    """Measured bytes/s of copying a random fp32 tensor of ``nbytes`` into another:
+    ``2 * nbytes`` (read + write) per copy."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 4:
+        raise ValueError(f"nbytes must be an integer >= 4, got {nbytes!r}")
+    dev = _device(device)
+    numel = nbytes // 4
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dev)
+    dst = torch.empty_like(src)
+    result = bench(dst.copy_, src, warmup=2, min_time_s=min_time_s)
+    moved = 2 * numel * 4
+    return Ceiling(
+        name="copy", value=result.per_second(moved), unit="B/s", result=result,
+        params={"nbytes": numel * 4, "device": dev},
+        hardware=capabilities().hardware_label() if dev == capabilities().device else dev,
+    )
+
+
+def measure_ceilings(
+    profile: str = "smoke", *, dtypes: tuple[str, ...] = ("fp32", "bf16")
+) -> dict[str, Ceiling]:
+    """This machine's ceilings: ``matmul_<dtype>`` for each of ``dtypes`` and ``copy``.
+
+    ``profile="smoke"`` uses sizes that keep a small CPU busy for seconds, not minutes;
+    ``"full"`` uses larger ones.
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
+    dev = capabilities().device
+    n, nbytes, min_time_s = PROFILES[profile][dev]
+    out: dict[str, Ceiling] = {}
+    for dt in dtypes:
+        c = matmul_peak(dt, n, device=dev, min_time_s=min_time_s)
+        out[c.name] = c
+    out["copy"] = copy_bandwidth(nbytes, device=dev, min_time_s=min_time_s)
+    return out

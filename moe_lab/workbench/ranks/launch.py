@@ -1,0 +1,368 @@
+"""Launching ranks — from Python or a notebook, or with torchrun — and failing loudly.
+
+A distributed job is N processes ("ranks") that find each other through a rendezvous (a
+small key-value store one of them hosts) and then talk through a process group: gloo on
+CPUs, NCCL on GPUs. ``torchrun`` is PyTorch's launcher for scripts:
+``torchrun --standalone --nproc_per_node=2 scripts/train_ep.py`` starts the ranks, gives each
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in its environment, and
+`init_from_env` turns those into a process group. A notebook cannot be a torchrun script,
+so `run_ranks` starts the ranks itself with ``torch.multiprocessing`` and returns what each
+rank's function returned. The ranks are forked from a *fork server*, a helper process that
+imported torch once and never ran anything in parallel (forking a process that has started
+compute threads is unsafe, which is why the notebook's own kernel is never forked); each
+launch then costs milliseconds instead of a torch import per rank:
+
+    results = run_ranks(moe_lab.workbench.ranks.launch.whoami, 2, timeout_s=60)
+
+The function must be importable by name (defined in a module, not in the notebook), since
+a rank looks it up by name; its arguments and result are pickled.
+
+**No hung jobs.** A rank can die (killed, out of memory, an exception) or hang (a deadlock,
+a collective the others never join). Its peers then wait inside a collective for a message
+that will never come. Three guards turn that into a clear error within a bounded time:
+
+1. ``init_process_group(timeout=...)``: every gloo collective gives up after
+   ``collective_timeout_s`` and raises in the waiting rank; a peer that *died* closes its
+   sockets, so the others fail at once ("Connection closed by peer").
+2. `check_peers` wraps ``monitored_barrier``: rank 0 waits for every rank by name and the
+   error says which ranks did not arrive.
+3. The launcher watches the processes: when one exits with an error, the others get
+   ``collective_timeout_s`` plus a few seconds to fail on their own, then are killed; the
+   whole job has a deadline ``timeout_s``. It raises `RankFailure`, naming each rank's fate
+   (exit code, signal, the last line of its exception, or "killed: still running").
+
+With ``link=EmulatedLink(...)`` (``moe_lab.workbench.ranks.netem``) each rank first enters its own
+network namespace, and gloo talks over the emulated link instead of the loopback device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_lab.workbench.ranks.netem import IFNAME, enter_namespace
+
+__all__ = [
+    "RankFailure", "RankStatus", "run_ranks", "init_from_env", "check_peers", "whoami",
+    "default_backend", "torchrun_command", "run_torchrun", "fault_rank",
+]
+
+GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to exit by themselves
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed, hung or overran the deadline; ``statuses`` says which and how."""
+
+    def __init__(self, message: str, statuses: list[RankStatus]):
+        super().__init__(message)
+        self.statuses = statuses
+
+
+@dataclass
+class RankStatus:
+    rank: int
+    exitcode: int | None  # None: killed by the launcher while still running
+    error: str = ""  # the last line of the rank's exception, or how it ended
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0
+
+    def describe(self) -> str:
+        if self.exitcode == 0:
+            return f"rank {self.rank}: ok"
+        if self.exitcode is None:
+            return f"rank {self.rank}: killed by the launcher ({self.error})"
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return f"rank {self.rank}: killed by {name}" + (f" — {self.error}" if self.error else "")
+        return f"rank {self.rank}: exit code {self.exitcode}" + (f" — {self.error}" if self.error else "")
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA devices are present, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+# Modules the fork server imports once, so that every rank forked from it starts with torch
+# already loaded (a fresh interpreter per rank spends seconds importing torch).
+PRELOAD = ["torch", "torch.distributed", "moe_lab.parallel.ep", "moe_lab.parallel.overlap",
+           "moe_lab.parallel.merged"]
+
+
+def _context():
+    """The multiprocessing context for ranks: a fork server (fast: torch is imported once,
+    and forking a process that never ran a parallel region is safe), else spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _last_error_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_addr: str, port: int,
+                backend: str, collective_timeout_s: float, netns: str | None, ifname: str,
+                threads: int, result_dir: str, env: dict[str, str]) -> None:
+    """The body of one spawned rank: join the link, init the group, run ``fn``, save its result."""
+    out = Path(result_dir)
+    try:
+        if netns is not None:
+            enter_namespace(netns)
+        os.environ.update(env)
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)})
+        if backend == "gloo":
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        result = fn(*args)
+        torch.save(result, out / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 — everything a rank can die of is reported
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.stderr.flush()
+        # A broken process group can hang in its destructors; leave at once.
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
+              collective_timeout_s: float = 30.0, backend: str | None = None, link=None,
+              threads_per_rank: int | None = None, env: dict[str, str] | None = None,
+              grace_s: float = GRACE_S) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` fresh processes joined in a process group.
+
+    Returns the list of each rank's return value (rank order). ``fn`` runs after
+    ``torch.distributed.init_process_group``, so it can use the default group at once.
+
+    Args:
+        timeout_s: deadline for the whole job; ranks still running then are killed.
+        collective_timeout_s: the process group's timeout (a collective waiting longer raises).
+        backend: ``"gloo"`` or ``"nccl"``; default `default_backend()`.
+        link: an active ``moe_lab.workbench.ranks.netem.EmulatedLink`` with ``world_size`` ranks, or None
+            (loopback).
+        threads_per_rank: torch intra-op threads per rank (default: the CPU count divided
+            among the ranks, at least 1).
+        env: extra environment variables for every rank.
+        grace_s: after a rank fails, how long beyond ``collective_timeout_s`` the others may
+            take to fail by themselves before they are killed.
+
+    Raises:
+        RankFailure: a rank raised, died, or the deadline passed; the message names each rank.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    interactive_main = (getattr(fn, "__module__", "__main__") == "__main__"
+                        and not getattr(sys.modules.get("__main__"), "__file__", None))
+    if not callable(fn) or interactive_main or "<locals>" in getattr(fn, "__qualname__", ""):
+        raise ValueError(f"fn must be a module-level function importable by name (a notebook's "
+                         f"own functions are not: put it in a module), got {fn!r}")
+    if not timeout_s > 0 or not collective_timeout_s > 0:
+        raise ValueError(f"timeout_s and collective_timeout_s must be > 0, got {timeout_s!r} and "
+                         f"{collective_timeout_s!r}")
+    backend = backend or default_backend()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if link is not None:
+        if backend != "gloo":
+            raise ValueError("the emulated link carries gloo (TCP) traffic; use backend='gloo'")
+        if not link.active or link.world_size != world_size:
+            raise ValueError(f"link must be an active EmulatedLink for {world_size} ranks, got {link!r}")
+        master_addr, port, ifname = link.master_addr, 29500, IFNAME
+    else:
+        master_addr, port, ifname = "127.0.0.1", _free_port(), "lo"
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    ctx = _context()
+    # A forked rank inherits the fork server's environment, not ours: send ours along.
+    rank_env = {**os.environ, **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="moe_lab_ranks_") as result_dir:
+        procs = []
+        for rank in range(world_size):
+            netns = link.namespace(rank) if link is not None else None
+            p = ctx.Process(target=_rank_entry, daemon=True, name=f"moe_lab-rank{rank}",
+                            args=(rank, world_size, fn, args, master_addr, port, backend,
+                                  collective_timeout_s, netns, ifname, threads, result_dir, rank_env))
+            p.start()
+            procs.append(p)
+        statuses = _watch(procs, timeout_s, collective_timeout_s + grace_s, Path(result_dir))
+        if not all(s.ok for s in statuses):
+            raise RankFailure(_failure_message(statuses, timeout_s), statuses)
+        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False)
+                for r in range(world_size)]
+
+
+def _watch(procs: Sequence, timeout_s: float, grace_s: float, result_dir: Path) -> list[RankStatus]:
+    start = time.monotonic()
+    first_failure: float | None = None
+    killed: dict[int, str] = {}
+    while True:
+        running = [r for r, p in enumerate(procs) if p.exitcode is None]
+        if not running:
+            break
+        now = time.monotonic()
+        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+            first_failure = now
+        reason = None
+        if first_failure is not None and now - first_failure > grace_s:
+            reason = (f"still running {now - first_failure:.0f} s after another rank failed "
+                      f"(hung, or blocked in a collective)")
+        elif now - start > timeout_s:
+            reason = f"still running at the deadline of {timeout_s:g} s"
+        if reason:
+            for r in running:
+                killed[r] = reason
+                procs[r].kill()
+            for r in running:
+                procs[r].join(5)
+            break
+        procs[running[0]].join(0.05)
+    statuses = []
+    for r, p in enumerate(procs):
+        err_file = result_dir / f"rank{r}.err"
+        error = _last_error_line(err_file.read_text()) if err_file.exists() else ""
+        if r in killed:
+            statuses.append(RankStatus(r, None, killed[r]))
+        else:
+            statuses.append(RankStatus(r, p.exitcode, error))
+    return statuses
+
+
+def _failure_message(statuses: list[RankStatus], timeout_s: float) -> str:
+    failed = [s for s in statuses if not s.ok]
+    head = f"{len(failed)} of {len(statuses)} ranks failed"
+    # Name the likely culprit first: a rank killed by a signal or by the launcher is more
+    # often the cause than the peers that then lost their connection to it.
+    order = sorted(statuses, key=lambda s: (s.ok, s.exitcode is not None and s.exitcode > 0))
+    return head + ":\n  " + "\n  ".join(s.describe() for s in order)
+
+
+def check_peers(timeout_s: float = 10.0, group=None) -> None:
+    """A barrier that names the ranks that did not arrive within ``timeout_s`` (gloo's
+    ``monitored_barrier``; a plain barrier on other backends)."""
+    if dist.get_backend(group) == "gloo":
+        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier(group)
+
+
+def init_from_env(collective_timeout_s: float = 60.0, backend: str | None = None):
+    """Initialise the default process group from torchrun's environment.
+
+    Picks NCCL (one GPU per local rank, with high-priority communication streams) where
+    CUDA is available, gloo otherwise. Returns ``(rank, world_size, device)``.
+    """
+    backend = backend or default_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        options = None
+        nccl_options = getattr(dist, "ProcessGroupNCCL", None)
+        if nccl_options is not None:
+            # Collectives on high-priority streams: the all-to-all is scheduled ahead of
+            # the compute kernels it overlaps with.
+            options = nccl_options.Options()
+            options.is_high_priority_stream = True
+        dist.init_process_group("nccl", timeout=timeout, pg_options=options, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def whoami() -> dict:
+    """A rank's view of the job: its rank, the world size, the backend, its address, and an
+    all-reduce of ranks (``0 + 1 + ... + N-1``) to show they really talk."""
+    total = torch.tensor([dist.get_rank()])
+    dist.all_reduce(total)
+    return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "backend": dist.get_backend(), "pid": os.getpid(),
+            "interface": os.environ.get("GLOO_SOCKET_IFNAME", ""),
+            "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+            "sum_of_ranks": int(total)}
+
+
+def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout_s: float = 5.0) -> int:
+    """A rank function that fails on purpose (for the tests and notebook 07).
+
+    Every rank joins a barrier, then loops over small all-reduces; rank ``victim`` instead
+    dies (``kind="crash"``: SIGKILL, as the out-of-memory killer would), raises
+    (``"raise"``), or stops answering (``"hang"``: sleeps). Before each all-reduce the others
+    pass `check_peers`, so a missing rank is named. Returns the number of iterations done.
+    """
+    if kind not in ("crash", "raise", "hang"):
+        raise ValueError(f"kind must be 'crash', 'raise' or 'hang', got {kind!r}")
+    dist.barrier()
+    if dist.get_rank() == victim:
+        if kind == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "raise":
+            raise RuntimeError(f"rank {victim} failed on purpose")
+        time.sleep(3600)
+    x = torch.ones(1024)
+    for _ in range(iterations):
+        check_peers(check_timeout_s)
+        dist.all_reduce(x)
+    return iterations
+
+
+def torchrun_command(script: str | os.PathLike, nproc: int, *script_args: str) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=N script args...``
+    (the ``torchrun`` entry point, run with this interpreter)."""
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", str(script), *map(str, script_args)]
+
+
+def run_torchrun(script: str | os.PathLike, nproc: int, *script_args: str, timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a script under torchrun with a deadline; output captured. On timeout the whole
+    process tree is killed and ``subprocess.TimeoutExpired`` raised."""
+    cmd = torchrun_command(script, nproc, *script_args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -1,0 +1,219 @@
+"""The MXFP8 GEMM (moe_lab.kernels.mx_gemm) against its reference, and what it compiles to.
+
+On a CPU the kernel runs under Triton's interpreter with ``SCALED_DOT=False``: the scaled
+dot decomposed into an exact E4M3/E8M0 decode and an IEEE fp32 ``tl.dot``. The decoded
+operands equal `MXTensor.dequantize`'s bit for bit, so the only difference from the
+float64 reference is fp32 accumulation in another order, bounded by the standard
+summation bound ``|C − C₆₄| ≤ γ · (|A|·|B|ᵀ)`` with ``γ = (K + 2)·2⁻²⁴`` (one rounding per
+product and per addition, K terms). Where every product and partial sum is an integer
+below 2²⁴, no order rounds at all, and the kernel must equal the reference exactly.
+The compile test runs the compiled path (``SCALED_DOT=True``, ``tl.dot_scaled``) through
+the compile report in a child process without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_lab.kernels.mx_gemm import compile_specs, launch_config, mx_gemm, mx_gemm_reference
+from moe_lab.quant.mx import E4M3, E8M0, quantize
+
+E4M3_MAX_CODE, E4M3_NAN_CODE, E8M0_NAN = 0x7E, 0x7F, 0xFF
+
+
+def operands(rows: int, k: int, device, spread: float = 4.0):
+    """Fresh MXFP8 operands: values over several binades, quantized by the reference."""
+    binades = torch.exp2(torch.randint(-6, 7, (rows, k // 32)).float()).repeat_interleave(32, 1)
+    x = torch.randn(rows, k) * binades
+    mx = quantize(x * spread, dim=-1)
+    return mx.data.to(device), mx.scale.to(device)
+
+
+def assert_within_fp32_bound(c: torch.Tensor, a, a_s, b, b_s) -> None:
+    ref = mx_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())
+    absolute = _abs_product(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())
+    k = a.shape[1]
+    bound = (k + 2) * 2.0**-24 * absolute
+    err = (c.cpu().double() - ref).abs()
+    assert torch.isfinite(ref).all()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+def _abs_product(a, a_s, b, b_s) -> torch.Tensor:
+    """``|dequant(a)| · |dequant(b)|ᵀ`` in float64: the scale of the rounding bound."""
+    ones_a, ones_b = a.view(torch.uint8) & 0x7F, b.view(torch.uint8) & 0x7F
+    return mx_gemm_reference(ones_a.view(E4M3), a_s, ones_b.view(E4M3), b_s)
+
+
+@pytest.mark.parametrize("m, n, k", [
+    (70, 45, 96),    # M, N not multiples of the block, K a multiple of 32 but not of BLOCK_K
+    (1, 3, 32),      # one row, K = 32: a single scale per row
+    (130, 66, 256),  # several tiles in M and N, several K steps
+    (64, 64, 64),    # exactly one tile
+])
+def test_matches_the_reference_within_the_fp32_summation_bound(device, m, n, k):
+    a, a_s = operands(m, k, device)
+    b, b_s = operands(n, k, device)
+    assert_within_fp32_bound(mx_gemm(a, a_s, b, b_s), a, a_s, b, b_s)
+
+
+def test_exact_where_no_summation_order_rounds(device):
+    """Integer E4M3 values (1..15) with scales 2^0..2^3 per block: every product and partial
+    sum is an integer below 2^24, so any correct tiling and scale indexing gives the
+    reference's bits — a wrong scale index or mask cannot hide in a tolerance."""
+    m, n, k = 67, 35, 160
+    a = torch.randint(1, 16, (m, k)).float() * torch.where(torch.rand(m, k) < 0.5, -1.0, 1.0)
+    b = torch.randint(1, 16, (n, k)).float()
+    a_s = torch.randint(127, 131, (m, k // 32), dtype=torch.uint8)
+    b_s = torch.randint(127, 131, (n, k // 32), dtype=torch.uint8)
+    a8, b8 = a.to(E4M3), b.to(E4M3)
+    assert torch.equal(a8.float(), a) and torch.equal(b8.float(), b)  # exact codes
+    args = (a8.to(device), a_s.view(E8M0).to(device), b8.to(device), b_s.to(device))
+    c = mx_gemm(*args)
+    assert torch.equal(c.cpu().double(), mx_gemm_reference(a8, a_s, b8, b_s))
+
+
+def test_bf16_output_is_the_rounded_fp32_result(device):
+    a, a_s = operands(33, 64, device)
+    b, b_s = operands(17, 64, device)
+    c32 = mx_gemm(a, a_s, b, b_s)
+    c16 = mx_gemm(a, a_s, b, b_s, out_dtype=torch.bfloat16)
+    assert c16.dtype == torch.bfloat16 and torch.equal(c16, c32.to(torch.bfloat16))
+
+
+def test_zero_blocks_and_max_magnitude_codes(device):
+    m, n, k = 40, 24, 128
+    a, a_s = operands(m, k, device)
+    b, b_s = operands(n, k, device)
+    a, a_s, b, b_s = (t.view(torch.uint8).clone() for t in (a, a_s, b, b_s))
+    a[:, 32:64] = 0  # a zero block, with the all-zero scale 2^-127
+    a_s[:, 1] = 0
+    a[5] = E4M3_MAX_CODE  # ±448 everywhere in row 5, scale 2^20 (products stay finite)
+    a[5, ::3] |= 0x80
+    a_s[5] = 127 + 20
+    b[:, 96:] = E4M3_MAX_CODE | 0x80
+    args = (a.view(E4M3), a_s, b.view(E4M3), b_s)
+    assert_within_fp32_bound(mx_gemm(*args), *args)
+
+
+def test_nan_codes_and_nan_scales_poison_their_row_or_column(device):
+    m, n, k = 20, 12, 64
+    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    a[3, 40] = E4M3_NAN_CODE | 0x80  # -NaN code in row 3
+    b_s[7, 1] = E8M0_NAN  # NaN scale for column 7's second block
+    c = mx_gemm(a.view(E4M3), a_s, b.view(E4M3), b_s).cpu()
+    nan = torch.zeros(m, n, dtype=torch.bool)
+    nan[3, :] = True
+    nan[:, 7] = True
+    assert torch.equal(torch.isnan(c), nan)
+    ref = mx_gemm_reference(a.view(E4M3).cpu(), a_s.cpu(), b.view(E4M3).cpu(), b_s.cpu())
+    assert torch.equal(torch.isnan(ref), nan)
+
+
+def test_empty_rows_give_an_empty_result(device):
+    a, a_s = operands(0, 32, device)
+    b, b_s = operands(5, 32, device)
+    assert mx_gemm(a, a_s, b, b_s).shape == (0, 5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a, a_s, b, b_s: (a.float(), a_s, b, b_s), "a.dtype must be"),
+    (lambda a, a_s, b, b_s: (a, a_s.view(E4M3), b, b_s), "a_scale.dtype must be"),
+    (lambda a, a_s, b, b_s: (a[:, :48], a_s[:, :1], b, b_s), "K = 48 must be a positive multiple of 32"),
+    (lambda a, a_s, b, b_s: (a, a_s[:, :1], b, b_s), r"a_scale must have shape \(8, 2\)"),
+    (lambda a, a_s, b, b_s: (a, a_s, b[:, :32], b_s[:, :1]), "a and b must share K"),
+    (lambda a, a_s, b, b_s: (a[None], a_s, b, b_s), "a must be 2-D"),
+    (lambda a, a_s, b, b_s: (a, a_s, b, b_s.tolist()), "must be torch.Tensors"),
+])
+def test_bad_inputs_name_the_argument(change, message):
+    a, a_s = operands(8, 64, "cpu")
+    b, b_s = operands(4, 64, "cpu")
+    with pytest.raises((ValueError, TypeError), match=message):
+        mx_gemm(*change(a, a_s, b, b_s))
+
+
+def test_bad_output_dtype():
+    a, a_s = operands(8, 64, "cpu")
+    with pytest.raises(ValueError, match="out_dtype must be one of"):
+        mx_gemm(a, a_s, a, a_s, out_dtype=torch.float16)
+
+
+def test_specs_cover_the_compiled_path():
+    specs = compile_specs()
+    assert specs and all(spec.constexprs["SCALED_DOT"] is True for spec in specs)
+    for model in ("DeepSeek-V3", "GPT-OSS-20B"):
+        assert any(model in spec.label for spec in specs)
+    assert launch_config(65536, 4096, 7168, interpreted=False) == specs[0].config
+
+
+def test_compiled_spec_is_block_scaled_tcgen05_on_blackwell_and_wgmma_on_hopper():
+    """On sm_100 ``tl.dot_scaled`` is one block-scaled MMA (``tcgen05.mma kind::mxf8f6f4
+    .block_scale``); on sm_90, which has no such instruction, Triton upcasts the E4M3 tiles
+    to bf16 and runs an ordinary ``wgmma`` (bf16 × bf16 → fp32). Neither spills."""
+    from moe_lab.workbench.compile_report import report as compile_report
+
+    rows = {row["arch"]: row for row in compile_report.compile_jobs(
+        compile_report.module_job("moe_lab.kernels.mx_gemm", index=0), archs=("sm_90", "sm_100"))}
+    assert not any(row.get("error") for row in rows.values()), rows
+    blackwell, hopper = rows["sm_100"], rows["sm_90"]
+    assert blackwell["mma_class"] == "tcgen05.mma" and blackwell["block_scaled"], blackwell["mma_kinds"]
+    assert any("kind::mxf8f6f4" in kind for kind in blackwell["mma_kinds"])
+    assert hopper["mma_class"] == "wgmma" and not hopper["block_scaled"], hopper["mma_kinds"]
+    assert all("bf16.bf16" in kind for kind in hopper["mma_kinds"])
+    assert blackwell["spill_bytes"] == 0 and hopper["spill_bytes"] == 0
+
+
+# ------------------------------------------------------------------ grouped over experts
+
+
+def _grouped_operands(gen, counts, n, k, device):
+    from moe_lab.quant.mx import quantize
+
+    m = sum(counts)
+    a = quantize(torch.randn(m, k, generator=gen) * 3, dim=-1, scale_mode="rceil")
+    b = quantize(torch.randn(len(counts), n, k, generator=gen), dim=-1, scale_mode="rceil")
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    return [t.to(device) for t in (a.data, a.scale, b.data, b.scale, offsets)]
+
+
+@pytest.mark.parametrize("counts", [
+    [5, 0, 37, 1],          # an empty expert, ragged segments
+    [0, 0, 70, 0],          # one expert takes every row
+    [33],                   # one expert
+    [0, 0, 0],              # no rows at all
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mx_gemm_matches_its_reference(counts, out_dtype, device):
+    from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
+
+    gen = torch.Generator().manual_seed(sum(counts) + len(counts))
+    a, a_s, b, b_s, offsets = _grouped_operands(gen, counts, 48, 96, device)
+    got = grouped_mx_gemm(a, a_s, b, b_s, offsets, out_dtype=out_dtype)
+    want = grouped_mx_gemm_reference(a, a_s, b, b_s, offsets)
+    assert got.shape == want.shape and got.dtype == out_dtype
+    tol = {"rtol": 1e-6, "atol": 1e-5} if out_dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_grouped_mx_gemm_padding_rows_special_values_and_errors(device):
+    from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
+
+    gen = torch.Generator().manual_seed(7)
+    a, a_s, b, b_s, offsets = _grouped_operands(gen, [10, 20, 6], 40, 64, device)
+    offsets[-1] = 30  # rows 30..35 belong to no expert: zeros
+    a_s = a_s.clone()
+    a_s.view(torch.uint8)[3, 1] = 0xFF  # a NaN scale: that row's outputs are NaN, no other row's
+    got = grouped_mx_gemm(a, a_s, b, b_s, offsets)
+    assert torch.equal(got[30:], torch.zeros_like(got[30:]))
+    assert torch.isnan(got[3]).all() and not torch.isnan(got[torch.arange(36, device=device) != 3]).any()
+    want = grouped_mx_gemm_reference(a, a_s, b, b_s, offsets)
+    keep = torch.arange(36, device=device) != 3
+    torch.testing.assert_close(got[keep].double(), want[keep], rtol=1e-6, atol=1e-5)
+    with pytest.raises(ValueError, match="offsets must be an int32 tensor of shape"):
+        grouped_mx_gemm(a, a_s, b, b_s, offsets.long())
+    with pytest.raises(ValueError, match="b must be a 3-D"):
+        grouped_mx_gemm(a, a_s, b[0], b_s, offsets)
+    with pytest.raises(ValueError, match="a and b must share K"):
+        grouped_mx_gemm(a[:, :32], a_s[:, :1], b, b_s, offsets)

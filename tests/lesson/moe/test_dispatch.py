@@ -1,0 +1,202 @@
+"""Capacity and dropless dispatchers, every expert backend, against the naive reference."""
+
+import math
+
+import pytest
+import torch
+
+from moe_lab import MoELayer
+from moe_lab.config import MoEConfig
+from moe_lab.moe.dispatch import capacity_positions, expert_capacity, sort_by_expert
+from moe_lab.training.sync import assert_sync_free, count_syncs
+
+BACKENDS = ["loop", "torch", "openmp", "triton"]
+
+
+def cfg(**kw):
+    base = dict(d_model=32, n_experts=8, top_k=2, d_expert=32)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def pair(c, dispatcher, backend="loop", dtype=torch.float32):
+    ref = MoELayer(c, "naive").to(dtype)
+    fast = MoELayer(c, dispatcher, backend).to(dtype)
+    fast.load_state_dict(ref.state_dict())
+    return ref, fast
+
+
+def skip_missing(backend):
+    if backend == "openmp":
+        import moe_lab.workbench.cpu
+
+        # Skipped only where there is no compiler at all; a compiler that fails to build
+        # the kernel fails the test.
+        if moe_lab.workbench.cpu.build.compiler() is None:
+            pytest.skip("no C++ compiler: the openmp backend cannot be built here")
+        assert moe_lab.workbench.cpu.register(), moe_lab.workbench.cpu.unavailable_reason()
+    if backend == "triton":
+        pytest.importorskip("moe_lab.kernels.grouped_gemm")
+        pytest.importorskip("moe_lab.kernels.permute")
+
+
+CASES = {
+    "default": (cfg(), 37),
+    "zero tokens": (cfg(), 0),
+    "one expert": (cfg(n_experts=1, top_k=1), 19),
+    "top_k = n_experts": (cfg(n_experts=4, top_k=4), 23),
+    "groups + sigmoid": (cfg(n_experts=16, n_groups=4, topk_groups=2, top_k=4,
+                             score_func="sigmoid", scaling_factor=2.5), 29),
+    "shared expert": (cfg(n_shared_experts=1), 16),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_dropless_equals_naive(case, backend):
+    skip_missing(backend)
+    c, tokens = CASES[case]
+    ref, fast = pair(c, "dropless", backend)
+    x = torch.randn(tokens, c.d_model)
+    y_ref, s_ref = ref(x)
+    y, s = fast(x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(s.tokens_per_expert, s_ref.tokens_per_expert)
+    assert int(s.dropped_tokens) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropless_skewed_routing_and_noncontiguous(backend):
+    skip_missing(backend)
+    c = cfg(top_k=2)
+    ref, fast = pair(c, "dropless", backend)
+    with torch.no_grad():
+        for layer in (ref, fast):
+            layer.router.expert_bias[3] = 50.0  # every token's first choice is expert 3
+    x = torch.randn(c.d_model, 40).t()  # non-contiguous
+    y_ref, s_ref = ref(x)
+    y, s = fast(x)
+    assert int(s.tokens_per_expert[3]) == 40
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropless_gradients_equal_naive(backend):
+    skip_missing(backend)
+    c = cfg(n_shared_experts=1)
+    ref, fast = pair(c, "dropless", backend)
+    x = torch.randn(24, c.d_model)
+    grad = torch.randn(24, c.d_model)
+    grads = []
+    for layer in (ref, fast):
+        xi = x.clone().requires_grad_()
+        y, s = layer(xi)
+        torch.autograd.backward([y, s.aux_loss], [grad, torch.ones(())])
+        grads.append([xi.grad] + [p.grad for p in layer.parameters()])
+    for g_ref, g in zip(*grads, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dropless_bf16_close_to_fp32(backend):
+    skip_missing(backend)
+    c = cfg()
+    ref, fast = pair(c, "dropless", backend)
+    fast = fast.to(torch.bfloat16)
+    x = torch.randn(32, c.d_model)
+    y_ref, _ = ref(x)
+    y, _ = fast(x.bfloat16())
+    err = (y.float() - y_ref).norm() / y_ref.norm()
+    assert err < 2e-2, f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("dispatcher, backend",
+                         [("dropless", b) for b in BACKENDS] + [("capacity", "loop")])
+def test_sync_free_certificate_forward_and_backward(dispatcher, backend):
+    skip_missing(backend)
+    c = cfg()
+    _, layer = pair(c, dispatcher, backend)
+    x = torch.randn(64, c.d_model, requires_grad=True)
+    assert_sync_free(layer, x)  # forward and backward, on fake tensors
+    _, syncs = count_syncs(lambda: layer(x)[0].sum().backward())
+    assert sum(syncs.values()) == 0, dict(syncs)
+
+
+def test_capacity_formula():
+    assert expert_capacity(100, 2, 8, 1.0) == 25
+    assert expert_capacity(100, 2, 8, 1.25) == math.ceil(250 / 8)
+    assert expert_capacity(100, 2, 8, 1.0, multiple=16) == 32
+    with pytest.raises(ValueError, match="capacity_factor"):
+        expert_capacity(10, 1, 2, 0.0)
+
+
+def reference_keep(ids, weights, n_experts, capacity, policy):
+    """The drop rule written as a plain Python loop."""
+    tokens, k = ids.shape
+    if policy == "position":
+        order = [(t, j) for j in range(k) for t in range(tokens)]
+    else:
+        flat = [(t, j) for t in range(tokens) for j in range(k)]
+        order = sorted(flat, key=lambda tj: -float(weights[tj]))  # stable: ties by token
+    used = [0] * n_experts
+    keep = torch.zeros(tokens, k, dtype=torch.bool)
+    for t, j in order:
+        e = int(ids[t, j])
+        if used[e] < capacity:
+            keep[t, j] = True
+        used[e] += 1
+    return keep
+
+
+@pytest.mark.parametrize("policy", ["position", "probability"])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25, 4.0])
+def test_capacity_drops_exactly_the_reference_assignments(policy, capacity_factor):
+    c = cfg(capacity_factor=capacity_factor, drop_policy=policy)
+    ref, fast = pair(c, "capacity")
+    with torch.no_grad():
+        ref.router.expert_bias[:2] = 0.3  # skew: experts 0 and 1 over-subscribed
+        fast.router.expert_bias[:2] = 0.3
+    x = torch.randn(50, c.d_model)
+    r = ref.router(x)
+    capacity = expert_capacity(50, c.top_k, c.n_experts, capacity_factor)
+    keep = reference_keep(r.topk_ids, r.topk_weights.detach(), c.n_experts, capacity, policy)
+    rank = capacity_positions(r.topk_ids, r.topk_weights, c.n_experts, policy)
+    assert torch.equal(rank < capacity, keep)
+    y, s = fast(x)
+    assert int(s.dropped_tokens) == int((~keep).sum())
+    # what is kept equals the naive dispatcher with the dropped weights set to zero
+    from moe_lab.moe.dispatch import naive_dispatch
+
+    want, _ = naive_dispatch(x, r.topk_ids, r.topk_weights * keep, ref.experts)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_with_room_for_everything_equals_naive():
+    c = cfg(capacity_factor=float(cfg().n_experts))  # C >= tokens * top_k / ... always enough
+    ref, fast = pair(c, "capacity")
+    x = torch.randn(33, c.d_model)
+    torch.testing.assert_close(fast(x)[0], ref(x)[0], rtol=1e-5, atol=1e-5)
+    assert int(fast(x)[1].dropped_tokens) == 0
+
+
+def test_sort_by_expert_is_a_stable_grouping():
+    ids = torch.tensor([[2, 0], [0, 2], [1, 0]])
+    order, offsets = sort_by_expert(ids, 4)
+    assert order.tolist() == [1, 2, 5, 4, 0, 3]
+    assert offsets.tolist() == [0, 3, 4, 6, 6]
+    assert offsets.dtype == torch.int32
+
+
+def test_bad_backend_is_refused():
+    with pytest.raises(ValueError, match="expert_backend"):
+        MoELayer(cfg(), "dropless", "cuda-magic")
+
+
+def test_experts_take_their_backend_and_permutation_from_the_registry():
+    layer = MoELayer(cfg(), "dropless", "triton")
+    assert layer.experts.backend == "triton" and layer.experts.permutation == "triton"
+    layer.set_dispatcher("dropless", "torch")
+    assert layer.experts.backend == "torch" and layer.experts.permutation == "torch"
+    with pytest.raises(ValueError, match="dispatcher must be one of"):
+        layer.set_dispatcher("teleport")
+    assert layer.dispatcher == "dropless"

@@ -1,0 +1,87 @@
+"""What several test files share: routings as a router makes them, and compiling a kernel
+module's `CompileSpec` list for a GPU the way the compile report does (no GPU needed).
+
+On the path as ``support`` (pytest's ``pythonpath`` setting): ``from support import topk``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+_COMPILE = """
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_lab.workbench.compile_report.worker import triton_signature
+
+specs = []
+{setup}
+out = {{}}
+for spec in specs:
+    module, name = spec.kernel.split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    signature, constexprs, attrs, _ = triton_signature(kernel, spec.kernel, spec.signature, spec.constexprs)
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", {arch}, 32),
+        options={{"num_warps": spec.config.num_warps, "num_stages": spec.config.num_stages}},
+    )
+    out[spec.label] = {{"ptx": compiled.asm["ptx"], "ttir": compiled.asm["ttir"]}}
+with open(sys.argv[1], "w") as f:
+    json.dump(out, f)
+"""
+
+
+def compile_for_gpu(setup: str, tmp_path, arch: int = 90) -> dict[str, dict[str, str]]:
+    """Compile the `CompileSpec` list that ``setup`` (Python source) leaves in ``specs`` for
+    ``sm_<arch>`` as the compile report does (`moe_lab.workbench.compile_report.worker.triton_signature`:
+    a launch's specializations), in a process where Triton compiles (``TRITON_INTERPRET=0``:
+    no GPU needed, ptxas comes with Triton). Returns ``{label: {"ptx": ..., "ttir": ...}}``."""
+    out = tmp_path / "compiled.json"
+    code = _COMPILE.format(setup=textwrap.dedent(setup), arch=arch)
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def tile_offsets_are_int64(ttir: str) -> bool:
+    """Every ``tt.addptr`` on a 2-D tile of pointers takes int64 offsets."""
+    tiles = re.findall(r"tt\.addptr .*: tensor<\d+x\d+x!tt\.ptr<\w+>>, tensor<\d+x\d+x(\w+)>", ttir)
+    return bool(tiles) and set(tiles) == {"i64"}
+
+
+def checked_compile_specs(module) -> list:
+    """``module.compile_specs()``, checked to name every ``@triton.jit`` kernel of the module
+    (``*_kernel``) and, per spec, every kernel parameter: runtime ones typed in the
+    signature or, for a unit stride, the constant 1 (as Triton's launcher passes it),
+    constexpr ones valued, the launch config's blocks among them."""
+    specs = module.compile_specs()
+    kernels = {name: obj for name, obj in vars(module).items()
+               if name.endswith("_kernel") and hasattr(obj, "fn")}
+    assert {s.kernel for s in specs} == {f"{module.__name__}:{name}" for name in kernels}
+    for spec in specs:
+        params = inspect.signature(kernels[spec.kernel.split(":")[1]].fn).parameters.values()
+        constexpr = {p.name for p in params if "constexpr" in str(p.annotation)}
+        unit = {name for name in spec.constexprs if name not in constexpr}
+        assert set(spec.signature) == {p.name for p in params} - constexpr - unit, spec.label
+        assert set(spec.constexprs) >= constexpr and all(spec.constexprs[n] == 1 for n in unit)
+        assert spec.config.blocks.items() <= spec.constexprs.items(), spec.label
+    return specs
+
+
+def topk(tokens: int, top_k: int, n_experts: int, skew: float = 0.0) -> torch.Tensor:
+    """Distinct experts per token, as a router picks them; ``skew`` favours low ids, so
+    some experts get no tokens."""
+    scores = torch.rand(tokens, n_experts) - skew * torch.arange(n_experts) / n_experts
+    return scores.topk(top_k, dim=-1).indices

@@ -1,0 +1,209 @@
+"""The command line facing a hostile but reasonable user: every bad value or file gives one
+clear line on stderr naming it, and a nonzero exit — no traceback, no work done first.
+
+Most probes call ``python -m moe_lab``'s ``main`` in this process (an uncaught exception
+fails the test, as a traceback would); Ctrl-C needs a real process and a real signal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lab.__main__ import main
+from moe_lab.workbench.jsonout import dumps
+from moe_lab.workbench.lab.profiles import check_profile
+
+ROOT = Path(__file__).resolve().parents[3]
+TRAIN = ["train", "--steps", "2", "--batch-size", "2", "--eval-every", "0", "--json"]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, list[str]]:
+    """Exit status and the stderr lines of ``python -m moe_lab *argv``."""
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def _one_line(lines: list[str], *words: str) -> str:
+    assert len(lines) == 1, lines
+    assert "Traceback" not in lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A two-step training checkpoint, written at the end of the run (no --checkpoint-every)."""
+    path = tmp_path_factory.mktemp("ck") / "run.pt"
+    assert main([*TRAIN, "--checkpoint", str(path)]) == 0
+    return path
+
+
+def _copy(checkpoint: Path, folder: Path, data: bytes | None = None) -> Path:
+    target = folder / "copy.pt"
+    target.write_bytes(checkpoint.read_bytes() if data is None else data)
+    return target
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--batch-size", "1000000000000"], ["batch_size=1000000000000", "GiB", "--batch-size"]),
+    (["--corpus", "/no/such/corpus.txt"], ["/no/such/corpus.txt", "synthetic"]),
+    (["--lr", "inf"], ["lr", "inf", "finite"]),
+    (["--lr", "nan"], ["lr", "nan", "finite"]),
+    (["--seed", str(2**70)], ["seed", str(2**70), "[0, 4294967295]"]),
+    (["--steps", "0"], ["steps", "positive"]),
+    (["--override"], ["--override", "--resume"]),
+    (["--checkpoint-every", "5"], ["--checkpoint-every", "--checkpoint"]),
+    (["--resume"], ["--resume", "--checkpoint"]),
+])
+def test_train_refuses_bad_values_in_one_line(capsys, argv, words):
+    code, err = _cli(capsys, *TRAIN, *argv)
+    assert code == 2
+    _one_line(err, "error:", *words)
+
+
+def test_train_refuses_missing_and_unreadable_checkpoints(capsys, tmp_path, checkpoint):
+    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(tmp_path / "none.pt"), "--resume")
+    assert code == 2
+    _one_line(err, "checkpoint not found", "none.pt")
+    size = checkpoint.stat().st_size
+    for data, words in [(b"", ["empty"]), (b"garbage\n", ["not a readable checkpoint"]),
+                        (checkpoint.read_bytes()[: size // 2], ["not a readable checkpoint"])]:
+        bad = _copy(checkpoint, tmp_path, data)
+        code, err = _cli(capsys, *TRAIN, "--checkpoint", str(bad), "--resume")
+        assert code == 2
+        line = _one_line(err, str(bad), *words)
+        assert "weights_only" not in line  # never advise running code from an unknown file
+    torch.save(torch.ones(2), tmp_path / "tensor.pt")
+    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(tmp_path / "tensor.pt"), "--resume")
+    _one_line(err, "holds a Tensor")
+
+
+def test_a_directory_as_checkpoint_is_refused_before_training(capsys, tmp_path):
+    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(tmp_path), "--checkpoint-every", "1")
+    assert code == 2
+    _one_line(err, str(tmp_path), "is a directory")
+    assert list(tmp_path.iterdir()) == []  # nothing trained, nothing written
+
+
+def test_a_diverging_run_stops_naming_the_step_and_the_last_checkpoint(capsys, tmp_path):
+    path = tmp_path / "run.pt"
+    code, err = _cli(capsys, *TRAIN, "--steps", "6", "--lr", "1e30", "--checkpoint", str(path),
+                     "--checkpoint-every", "1")
+    assert code == 1
+    line = _one_line(err, "diverged", "at step 2", str(path), "(step 1)")
+    assert "nan" in line or "inf" in line
+    code, err = _cli(capsys, *TRAIN, "--lr", "1e30")
+    _one_line(err, "at step 2", "no checkpoint was written")
+
+
+def test_resume_refuses_other_settings_unless_overridden(capsys, tmp_path, checkpoint):
+    path = _copy(checkpoint, tmp_path)
+    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(path), "--resume", "--steps", "4",
+                     "--lr", "0.01", "--seed", "3", "--dispatcher", "dropless")
+    assert code == 2
+    _one_line(err, "other settings", "lr 0.003 (now 0.01)", "seed 0 (now 3)",
+              "dispatcher 'naive' (now 'dropless')", "--override")
+    code = main([*TRAIN, "--checkpoint", str(path), "--resume", "--steps", "4", "--lr", "0.01",
+                 "--override"])
+    assert code == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
+    assert '"steps": 4' in out
+
+
+def test_resume_with_nothing_left_to_train_is_an_error(capsys, tmp_path, checkpoint):
+    path = _copy(checkpoint, tmp_path)
+    for steps in ("1", "2"):
+        code, err = _cli(capsys, *TRAIN, "--checkpoint", str(path), "--resume", "--steps", steps)
+        assert code == 2
+        _one_line(err, "at step 2", f"steps={steps}", "nothing left to train")
+
+
+def test_checkpoint_without_every_saves_at_the_end(checkpoint):
+    from moe_lab.training.checkpoint import load_checkpoint
+
+    assert load_checkpoint(checkpoint)["step"] == 2
+
+
+def test_bench_refuses_bad_values_in_one_line(capsys, tmp_path):
+    code, err = _cli(capsys, "bench", "moe-layer", "--tokens", "0")
+    assert code == 2
+    _one_line(err, "--tokens", "positive", "got 0")
+    code, err = _cli(capsys, "bench", "time-to-train", "--corpus", str(tmp_path / "missing.txt"),
+                     "--target", "1")
+    assert code == 2
+    _one_line(err, "--corpus", "missing.txt", "not a file")
+
+
+def test_train_ep_refuses_bad_values_before_any_process_group():
+    spec = importlib.util.spec_from_file_location("train_ep", ROOT / "scripts" / "train_ep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for argv, words in [(["--steps", "0"], ["--steps", "got 0"]),
+                        (["--lr", "inf"], ["--lr", "finite"]),
+                        (["--seed", str(2**70)], ["--seed"])]:
+        with pytest.raises(SystemExit) as stop:
+            script.parse_args(argv)
+        message = str(stop.value.code)
+        assert message.startswith("error:") and "\n" not in message
+        assert all(w in message for w in words), message
+
+
+def test_json_output_is_finite():
+    text = dumps({"loss": math.nan, "rows": [{"x": math.inf}, (1.5, -math.inf)], "ok": 2})
+    assert text == '{"loss": null, "rows": [{"x": null}, [1.5, null]], "ok": 2}'
+
+
+def test_check_profile():
+    assert check_profile("smoke") == "smoke" and check_profile("full") == "full"
+    with pytest.raises(ValueError, match=r"PROFILE must be one of 'smoke', 'full', got 'bogus'"):
+        check_profile("bogus")
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_where_the_last_checkpoint_is(tmp_path):
+    path = tmp_path / "run.pt"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_lab", *TRAIN, "--steps", "100000", "--checkpoint", str(path),
+         "--checkpoint-every", "2"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not path.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert path.exists(), proc.communicate()[1] if proc.poll() is not None else "no checkpoint"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    _one_line(err.strip().splitlines(), "interrupted after step", str(path), "(step ")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", "lots"])
+def test_flops_refuses_a_non_finite_or_negative_rate(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["flops", "--preset", "deepseek_v3", "--tokens-per-s", value, "--json"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tokens-per-s: must be a finite number >= 0" in err and "Traceback" not in err
+
+
+def test_flops_json_is_finite_json(capsys):
+    import json
+
+    assert main(["flops", "--preset", "deepseek_v3", "--tokens-per-s", "6338", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert report["tokens_per_s"] == 6338

@@ -1,0 +1,120 @@
+"""The waterfall: one machine per chart, the newest measurement per ladder, projections and
+reported figures drawn apart."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+
+from moe_lab.workbench.figures.waterfall import (
+    LADDER_METRIC,
+    Rung,
+    Waterfall,
+    plot_waterfall,
+    plot_waterfalls,
+    projected_waterfall,
+    reported_waterfall,
+    waterfalls_from_ledger,
+)
+
+
+def _rec(rung, value, hardware="cpu:test x2", run="a", time="2026-11-29T10:00:00", **extra):
+    return {"notebook": "10_time_to_train", "step": f"ladder:rung {rung}", "metric": LADDER_METRIC,
+            "value": value, "unit": "tok/s", "hardware": hardware, "time": time, "rung": rung,
+            "ladder": "small, batch 16", "run": run, **extra}
+
+
+def test_rungs_of_different_hardware_are_never_mixed():
+    a = Rung("naive", 100.0, "tok/s", "cpu:x")
+    b = Rung("fast", 150.0, "tok/s", "H200")
+    with pytest.raises(ValueError, match="different hardware"):
+        Waterfall("mixed", (a, b))
+    with pytest.raises(ValueError, match="one unit"):
+        Waterfall("units", (a, Rung("fast", 1.0, "ms", "cpu:x")))
+    with pytest.raises(ValueError, match="drawn apart"):
+        Waterfall("kinds", (a, Rung("fast", 150.0, "tok/s", "cpu:x", kind="projection")))
+    with pytest.raises(ValueError, match="baseline"):
+        Waterfall("one", (a,))
+    with pytest.raises(ValueError, match="value"):
+        Rung("bad", 0.0, "tok/s", "cpu:x")
+    with pytest.raises(ValueError, match="kind"):
+        Rung("bad", 1.0, "tok/s", "cpu:x", kind="guessed")
+
+
+def test_steps_and_total():
+    wf = Waterfall("t", (Rung("a", 100.0, "tok/s", "h"), Rung("b", 150.0, "tok/s", "h"),
+                         Rung("c", 120.0, "tok/s", "h")))
+    steps = wf.steps()
+    assert [s["label"] for s in steps] == ["b", "c"]
+    assert steps[0]["ratio"] == pytest.approx(1.5) and steps[1]["ratio"] == pytest.approx(0.8)
+    assert wf.total == pytest.approx(1.2)
+    table = wf.table_markdown()
+    assert "| c | 120.0 | 0.80 | 1.20 |" in table
+
+
+def test_ledger_one_waterfall_per_hardware_newest_run_only():
+    records = [
+        _rec(0, 100.0, run="old", time="2026-11-28T10:00:00"),
+        _rec(1, 300.0, run="old", time="2026-11-28T10:00:01"),
+        _rec(0, 110.0, run="new"), _rec(1, 140.0, run="new"), _rec(2, 160.0, run="new"),
+        _rec(0, 1000.0, hardware="H200", run="gpu"), _rec(1, 3000.0, hardware="H200", run="gpu"),
+        # not ladders: no rung, another metric
+        {"notebook": "10_time_to_train", "step": "x", "metric": LADDER_METRIC, "value": 5.0,
+         "unit": "tok/s", "hardware": "cpu:test x2", "time": "2026-11-30T00:00:00"},
+        {**_rec(0, 7.0), "metric": "time_to_target_s"},
+    ]
+    wfs = waterfalls_from_ledger(records)
+    assert [wf.hardware for wf in wfs] == ["H200", "cpu:test x2"]
+    cpu = wfs[1]
+    assert [r.value for r in cpu.rungs] == [110.0, 140.0, 160.0]  # the old run is not mixed in
+    assert [r.label for r in cpu.rungs] == ["rung 0", "rung 1", "rung 2"]
+    assert "10_time_to_train: small, batch 16" in cpu.title
+    assert waterfalls_from_ledger(records, hardware="H200")[0].total == pytest.approx(3.0)
+    assert waterfalls_from_ledger(records, notebook="other") == []
+
+
+def test_a_noisy_measurement_is_passed_over():
+    steady = [_rec(0, 100.0, run="steady", time="2026-11-28T10:00:00", iqr_ms=1.0, median_ms=10.0),
+              _rec(1, 150.0, run="steady", time="2026-11-28T10:00:01", iqr_ms=1.0, median_ms=7.0)]
+    noisy = [_rec(0, 5.0, run="busy", iqr_ms=9.0, median_ms=10.0),
+             _rec(1, 9.0, run="busy", iqr_ms=1.0, median_ms=10.0)]
+    (wf,) = waterfalls_from_ledger(steady + noisy)
+    assert [r.value for r in wf.rungs] == [100.0, 150.0] and "NOISY" not in wf.title
+    (wf,) = waterfalls_from_ledger(noisy)
+    assert [r.value for r in wf.rungs] == [5.0, 9.0] and "NOISY" in wf.title
+    (wf,) = waterfalls_from_ledger(steady + noisy, max_rel_iqr=None)
+    assert [r.value for r in wf.rungs] == [5.0, 9.0]
+
+
+def test_projection_and_reported_are_labelled():
+    rep = reported_waterfall()
+    assert [r.value for r in rep.rungs] == [1298.0, 1648.0]
+    assert rep.kind == "reported" and "GB300" in rep.hardware
+    assert rep.total == pytest.approx(1648 / 1298)
+    proj = projected_waterfall("what if", ["naive", "optimised"], [10.0, 30.0], "tok/s", "GB300")
+    assert proj.kind == "projection" and proj.hardware == "GB300 (projection)"
+    assert "PROJECTION" in proj.heading()
+    with pytest.raises(ValueError, match="pair up"):
+        projected_waterfall("bad", ["a"], [1.0, 2.0], "x", "GB300")
+
+
+def test_plots_draw_one_bar_per_rung_plus_total_and_hatch_projections():
+    measured = Waterfall("m", (Rung("a", 100.0, "tok/s", "h"), Rung("b", 150.0, "tok/s", "h")))
+    ax = plot_waterfall(measured)
+    assert len(ax.patches) == 3
+    assert all(not p.get_hatch() for p in ax.patches)
+    assert "measured" in ax.get_title() and "h" in ax.get_title()
+    proj = projected_waterfall("p", ["a", "b"], [1.0, 2.0], "tok/s", "GB300")
+    ax2 = plot_waterfall(proj)
+    assert all(p.get_hatch() for p in ax2.patches)
+    assert "PROJECTION" in ax2.get_title()
+    fig = plot_waterfalls([measured, proj, reported_waterfall()])
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert len(titles) == 3 and any("reported" in t for t in titles)
+    plt.close("all")
+    with pytest.raises(ValueError):
+        plot_waterfalls([])

@@ -1,0 +1,262 @@
+"""The workbook as a site (index + pages that open without a server), the headline figure of
+each notebook, and the README gains table printed from the same choice."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from moe_lab.workbench.lab import site, workbook
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _rec(notebook, step, metric, value, unit, time="2026-11-29T10:00:00", hardware="cpu:test x2",
+         **extra):
+    return {"notebook": notebook, "step": step, "metric": metric, "value": value, "unit": unit,
+            "hardware": hardware, "time": time, **extra}
+
+
+def _executed(path: Path, title: str, error: bool = False) -> None:
+    md = nbformat.v4.new_markdown_cell(
+        f"# {title}\n\nThis notebook teaches *one* thing with `code`.\n\n**You will learn**\n"
+        "- the first lesson;\n- the second lesson.")
+    code = nbformat.v4.new_code_cell("print(1)", execution_count=1)
+    code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    cells = [md, code]
+    if error:
+        bad = nbformat.v4.new_code_cell("raise KeyError", execution_count=2)
+        bad.outputs = [nbformat.v4.new_output("error", ename="KeyError", evalue="x", traceback=[])]
+        cells.append(bad)
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+
+
+# ------------------------------------------------------------------------------ descriptions
+
+
+def test_describe_a_real_notebook():
+    title, summary, learn = site.describe_notebook(ROOT / "notebooks" / "01_naive_moe.ipynb")
+    assert title.startswith("01") and "naive" in title
+    assert "Mixture-of-Experts" in summary and not summary.startswith("#")
+    assert len(learn) >= 3
+
+
+@pytest.mark.parametrize("name", ["00_lab_bench", "04_fused_router", "05_mxfp8_attention",
+                                  "07_expert_parallel_a2a", "08_pipeline_layout"])
+def test_learn_bullets_are_whole_where_the_source_wraps(name):
+    _, _, learn = site.describe_notebook(ROOT / "notebooks" / f"{name}.ipynb")
+    assert learn and all(item.rstrip().endswith((";", ".", ":")) for item in learn), learn
+
+
+def test_bullets_join_wrapped_lines_and_keep_nested_ones():
+    lines = ["**You will learn**", "- one bullet that", "  wraps here;", "- a parent:",
+             "  - a child", "- last."]
+    assert site._bullets(lines) == ["one bullet that wraps here;", "a parent:\n  - a child", "last."]
+
+
+def test_formulas_become_mathml_outside_code():
+    html_text = site._inline_markdown("bubble $(p-1)/(m+p-1)$, `$HOME` and $$y = x^2$$, costs $5")
+    assert "<math" in html_text and 'display="block"' in html_text
+    assert "<code>$HOME</code>" in html_text and "$5" in html_text
+    assert "$(p" not in html_text and "http" not in html_text
+
+
+def test_third_party_noise_is_left_out_and_our_warnings_kept():
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x")])
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stderr", text=(
+        "Failed to load /x/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: Could not load\n"
+        "W1201 torch/utils/_pytree.py:630] <enum 'K'> is an Enum subclass and is now natively "
+        "supported. Calling register_constant() on Enum subclasses is deprecated and will be an "
+        "error in a future release.\n"
+        "moe_lab/kernels/mx_quantize.py:10: UserWarning: MXFP8 is emulated here\n")),
+        nbformat.v4.new_output("stream", name="stderr", text="Failed to load /y/torchao/a.so: x\n"),
+        nbformat.v4.new_output("display_data", data={site.WIDGET_MIME: {"model_id": "m"},
+                                                     "text/plain": "VBox()"})]
+    prepared, _ = site.prepare_for_site(nb)
+    out, widget = prepared.cells[0].outputs
+    assert out["text"] == "moe_lab/kernels/mx_quantize.py:10: UserWarning: MXFP8 is emulated here\n"
+    assert widget["data"] == {"text/html": site.WIDGET_PLACEHOLDER}
+    assert len(nb.cells[0].outputs) == 3  # the notebook itself is not changed
+
+
+# ------------------------------------------------------------------------------ headlines
+
+
+def test_headline_from_the_table_prefers_full_then_newest():
+    records = [
+        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.2, "x",
+             time="2026-11-29T12:00:00", profile="smoke"),
+        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.6, "x",
+             time="2026-11-29T09:00:00", profile="full"),
+        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.5, "x",
+             time="2026-11-29T08:00:00", profile="full"),
+    ]
+    rec, spec = site.find_headline(records, "10_time_to_train")
+    assert rec["value"] == 1.6 and spec.metric == "time_to_target_speedup"
+    (row,) = site.headline_rows(records, ["10_time_to_train"])
+    assert row["figure"] == "1.600×" and row["command"].endswith("--profile full")
+    assert site.find_headline(records, "10_time_to_train", hardware="H200") is None
+
+
+def test_the_benchmark_and_the_notebook_compete_for_one_figure():
+    records = [
+        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.2, "x",
+             time="2026-11-29T09:00:00", profile="full"),
+        _rec("bench:time-to-train", "optimised vs naive", "time_to_target_speedup", 1.4, "x",
+             time="2026-11-29T10:00:00", profile="full"),
+        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.1, "x",
+             time="2026-11-29T11:00:00", profile="smoke"),
+    ]
+    (row,) = site.headline_rows(records, ["10_time_to_train"])
+    assert row["figure"] == "1.400×"
+    assert row["command"] == ("python -m moe_lab bench time-to-train --profile full --seeds 10 --ladder "
+                              "--pick-router")
+
+
+def test_flagged_record_overrides_and_pick_min():
+    records = [_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs"),
+               _rec("01_naive_moe", "naive", "train_tokens_per_s", 900.0, "tok/s", headline=True),
+               _rec("07_expert_parallel_a2a", "overlap", "exposed_vs_sequential", 0.3, ""),
+               _rec("07_expert_parallel_a2a", "sequential", "exposed_vs_sequential", 1.0, "")]
+    rec, _ = site.find_headline(records, "01_naive_moe")
+    assert rec["metric"] == "train_tokens_per_s"
+    rec, _ = site.find_headline(records, "07_expert_parallel_a2a")
+    assert rec["step"] == "overlap"
+    assert site.find_headline(records, "99_unknown") is None
+
+
+def test_cpu_table_keeps_simulations_and_counts():
+    sim = _rec("08_pipeline_layout", "searched", "x", 1.0, "%", hardware="simulated",
+               kind="simulated")
+    gpu = _rec("06_cuda_graphs", "small: graphed vs eager", "speedup", 2.0, "x", hardware="H200")
+    assert site.on_cpu_or_machine_free(sim)
+    assert site.on_cpu_or_machine_free(_rec("a", "b", "c", 1.0, ""))
+    assert not site.on_cpu_or_machine_free(gpu)
+
+
+def test_format_figure():
+    assert site.format_figure({"value": 0.25, "unit": "fraction"}) == "25%"
+    assert site.format_figure({"value": 3, "unit": "syncs"}) == "3 syncs"
+    assert site.format_figure({"value": 1.5, "unit": "x"}) == "1.500×"
+    assert (site.format_figure({"value": 1.2, "unit": "x", "min": 0.9, "max": 1.25, "seeds": 3})
+            == "1.200× (range 0.9000–1.250 over 3 seeds)")
+
+
+# ------------------------------------------------------------------------------ the site
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    workbook = root / "workbook"
+    workbook.mkdir()
+    _executed(workbook / "01_naive_moe.ipynb", "01 · The naive layer")
+    _executed(workbook / "10_time_to_train.ipynb", "10 · Time to train", error=True)
+    (workbook / "scratch.ipynb").write_text("{}")  # not part of the workbook
+    ledger = root / "results" / "ledger.jsonl"
+    ledger.parent.mkdir()
+    ledger.write_text(json.dumps(_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs")) + "\n"
+                      + json.dumps(_rec("01_naive_moe", "naive", "syncs_per_step", 7, "syncs",
+                                        time="2026-11-30T10:00:00", source="lab")) + "\n")
+    index = site.build_site(workbook, root / "site", ledger)
+    return root, index
+
+
+def test_index_lists_every_notebook_with_its_headline(built):
+    root, index = built
+    assert index == root / "site" / "index.html"
+    page = index.read_text()
+    assert "01 · The naive layer" in page and "10 · Time to train" in page
+    assert "This notebook teaches <em>one</em> thing with <code>code</code>." in page
+    assert "<li>the first lesson;</li>" in page
+    assert "24 syncs" in page and "cpu:test x2" in page
+    assert "7 syncs" not in page  # a hand-run (Lab) record never reaches the site
+    assert page.count(">01<") == 0  # the number once: the title already starts with it
+    assert "No figure in the ledger yet" in page  # notebook 10 has none
+    assert "a cell failed" in page  # notebook 10 raised
+    assert "scratch" not in page
+
+
+def test_site_opens_without_a_server(built):
+    root, index = built
+    page = index.read_text()
+    links = re.findall(r'href="([^"]+)"', page)
+    assert links == ["01_naive_moe.html", "10_time_to_train.html"]
+    for link in links:
+        assert (root / "site" / link).is_file()
+        assert "<html" in (root / "site" / link).read_text()
+    assert "http" not in page and "<script" not in page and "<link" not in page
+    first, last = ((root / "site" / link).read_text() for link in links)
+    for text in (first, last):  # nothing fetched: no script, stylesheet or font from anywhere
+        assert not re.search(r"<script[^>]+src=|<link[^>]+href=\"?https?:", text)
+        assert "cdnjs" not in text and "mathjax" not in text.lower()
+        assert text.count('href="index.html"') == 2  # the navigation bar, top and bottom
+    assert re.search(r'<a (?=[^>]*rel="next")(?=[^>]*href="10_time_to_train.html")', first)
+    assert re.search(r'<a (?=[^>]*rel="prev")(?=[^>]*href="01_naive_moe.html")', last)
+
+
+def test_build_site_needs_a_folder(tmp_path):
+    with pytest.raises(ValueError, match="workbook_dir"):
+        site.build_site(tmp_path / "nope", tmp_path / "site")
+
+
+# ------------------------------------------------------------------------------ README table
+
+
+def _readme_gains():
+    spec = importlib.util.spec_from_file_location("readme_gains", ROOT / "scripts" / "readme_gains.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_gains_table(tmp_path):
+    gains = _readme_gains()
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("\n".join(json.dumps(r) for r in [
+        _rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs"),
+        _rec("01_naive_moe", "naive", "syncs_per_step", 99, "syncs", hardware="H200",
+             time="2026-11-30T00:00:00"),
+    ]) + "\n")
+    gpu = tmp_path / "results" / "NVIDIA_H200"
+    gpu.mkdir(parents=True)
+    (gpu / "bench.json").write_text(json.dumps([{"bench": "router fwd", "speedup": 5.25}]))
+    (gpu / "env.json").write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-11-29"}))
+    text = gains.gains_markdown(ledger, tmp_path / "results", ["01_naive_moe", "02_capacity"])
+    cpu_part, gpu_part = text.split("### Measured on NVIDIA_H200")
+    assert "| 01_naive_moe | host syncs" in cpu_part and "| 24 syncs |" in cpu_part
+    assert "99" not in cpu_part  # the GPU's figure never lands in the CPU table
+    assert "`python -m moe_lab workbook --only 01_naive_moe`" in cpu_part
+    assert "| 02_capacity | not measured yet |" in cpu_part
+    assert "| router fwd | speedup 5.25 |" in gpu_part
+    assert "`python scripts/gpu_check.py`" in gpu_part
+
+
+# ------------------------------------------------------------------------------ the workbook
+
+
+@pytest.mark.timeout(300)
+def test_the_workbook_builds_the_site(tmp_path):
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "moe-lab"\nversion = "0"\n')
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# 00 · A tiny notebook\n\nIt records one figure."),
+        nbformat.v4.new_code_cell('PROFILE = "smoke"\nSEED = 0\nSOLUTIONS = True',
+                                  metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell("print('hello')")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, notebooks / "00_tiny.ipynb")
+    runs = workbook.run_workbook(root=tmp_path, results_dir=tmp_path / "build" / "results",
+                                 progress=False)
+    assert runs[0].ok
+    index = tmp_path / "build" / "site" / "index.html"
+    assert "00 · A tiny notebook" in index.read_text()
+    assert "hello" in (tmp_path / "build" / "site" / "00_tiny.html").read_text()

@@ -1,0 +1,185 @@
+"""The workbook runner, on tiny generated notebooks in a temporary project.
+
+The real notebooks are executed by ``test_notebooks.py``; here two small ones (one that
+records a figure, one that fails midway) check the runner itself: executed notebooks,
+HTML, RESULTS.md with the recorded figure, and a failure reported with its cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from moe_lab.workbench.lab import workbook
+from moe_lab.workbench.measure.ledger import read
+
+PARAMETERS = 'PROFILE = "full"\nSEED = 0\nSOLUTIONS = False\n'
+
+RECORDS_A_FIGURE = """\
+import os
+from moe_lab.workbench.measure.ledger import record
+
+record("00_tiny", "answer", "widgets_per_s", 42.5 if SOLUTIONS else -1.0, "widgets/s",
+       hardware="test-machine", cwd=os.getcwd(), seen_profile=PROFILE)
+print("recorded")
+"""
+
+BROKEN = ["x = 1", 'raise KeyError("deliberately broken")', 'print("never runs")']
+
+
+def _notebook(path: Path, *sources: str) -> None:
+    cells = [nbformat.v4.new_markdown_cell("# A tiny notebook")]
+    parameters = nbformat.v4.new_code_cell(PARAMETERS)
+    parameters.metadata["tags"] = ["parameters"]
+    cells.append(parameters)
+    cells += [nbformat.v4.new_code_cell(source) for source in sources]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    notebook.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(notebook, path)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A minimal moe-lab project: a pyproject.toml and two notebooks (and a stray file)."""
+    root = tmp_path_factory.mktemp("project")
+    (root / "pyproject.toml").write_text('[project]\nname = "moe-lab"\nversion = "0"\n')
+    notebooks = root / "notebooks"
+    notebooks.mkdir()
+    _notebook(notebooks / "00_tiny.ipynb", RECORDS_A_FIGURE)
+    _notebook(notebooks / "01_broken.ipynb", *BROKEN)
+    _notebook(notebooks / "scratch.ipynb", "raise RuntimeError('not part of the workbook')")
+    return root
+
+
+@pytest.fixture(scope="module")
+def outcome(project: Path) -> list[workbook.NotebookRun]:
+    """One workbook run over the tiny project (executing notebooks takes seconds)."""
+    return workbook.run_workbook(
+        profile="smoke",
+        root=project,
+        results_dir=project / "build" / "results",
+        progress=False,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_runs_the_numbered_notebooks_in_order(outcome):
+    assert [run.name for run in outcome] == ["00_tiny", "01_broken"]
+    assert all(run.seconds > 0 for run in outcome)
+
+
+@pytest.mark.timeout(300)
+def test_executed_notebook_and_html(project, outcome):
+    tiny = outcome[0]
+    assert tiny.ok, tiny.failure
+    assert tiny.output == project / "build" / "workbook" / "00_tiny.ipynb"
+    executed = nbformat.read(tiny.output, as_version=4)
+    injected = [c for c in executed.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert len(injected) == 1
+    assert 'PROFILE = "smoke"' in injected[0].source
+    assert "SOLUTIONS = True" in injected[0].source
+    code = [cell for cell in executed.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code)
+    assert "recorded" in json.dumps(code[-1].outputs)
+    assert tiny.html == project / "build" / "workbook" / "00_tiny.html"
+    page = tiny.html.read_text()
+    assert "<html" in page and "widgets_per_s" in page
+    leftovers = [p.name for p in tiny.output.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+@pytest.mark.timeout(300)
+def test_the_kernel_sees_parameters_environment_and_cwd(project, outcome):
+    (figure,) = read(project / "build" / "results" / "ledger.jsonl")
+    assert figure["value"] == 42.5  # SOLUTIONS=True reached the kernel
+    assert figure["seen_profile"] == "smoke"
+    assert figure["profile"] == "smoke"  # from MOE_LAB_PROFILE, set for the kernel
+    assert Path(figure["cwd"]).resolve() == (project / "notebooks").resolve()
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_notebook_is_reported_with_its_cell(outcome):
+    broken = outcome[1]
+    assert not broken.ok
+    assert broken.failure.ename == "KeyError"
+    assert "deliberately broken" in broken.failure.evalue
+    assert "raise KeyError" in broken.failure.source
+    # markdown, parameters, injected parameters, x = 1, then the raise
+    assert broken.failure.cell_index == 4
+    described = broken.failure.describe()
+    assert "KeyError" in described and "cell 4" in described and "raise KeyError" in described
+    assert broken.output.exists()  # the executed notebook, error included, is kept
+    executed = nbformat.read(broken.output, as_version=4)
+    never = [cell for cell in executed.cells if cell.source == BROKEN[-1]]
+    assert len(never) == 1 and never[0].execution_count is None
+
+
+@pytest.mark.timeout(300)
+def test_results_md(project, outcome):
+    text = (project / "build" / "RESULTS.md").read_text()
+    assert text.startswith("# ")
+    assert "## Machine" in text
+    row = next(line for line in text.splitlines() if "widgets_per_s" in line)
+    assert "| 00_tiny |" in row and "| 42.50 |" in row and "test-machine" in row
+    assert "widgets/s" in row
+    assert "| 00_tiny | ok |" in text
+    assert "| 01_broken | FAILED |" in text
+    assert "## Failures" in text and "KeyError" in text
+    assert "scratch" not in text
+
+
+@pytest.mark.timeout(300)
+def test_cli_runs_from_the_project_and_exits_non_zero_on_failure(
+    project, tmp_path, monkeypatch, capsys
+):
+    parser = argparse.ArgumentParser()
+    workbook.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["workbook", "--only", "broken", "--no-html", "--out", str(tmp_path / "out")]
+    )
+    assert args.func is workbook.run and args.profile == "smoke" and args.solutions
+    monkeypatch.chdir(project / "notebooks")  # the root is found from below
+    assert args.func(args) == 1
+    assert "FAILED 01_broken: KeyError" in capsys.readouterr().err
+    assert (tmp_path / "out" / "workbook" / "01_broken.ipynb").exists()
+    assert not (tmp_path / "out" / "workbook" / "01_broken.html").exists()
+    assert not (tmp_path / "out" / "workbook" / "00_tiny.ipynb").exists()
+    assert "| 01_broken | FAILED |" in (tmp_path / "out" / "RESULTS.md").read_text()
+
+
+def test_cli_options():
+    parser = argparse.ArgumentParser()
+    workbook.register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["workbook", "--profile", "full", "--only", "a", "b"])
+    assert (args.profile, args.only, args.html, args.out) == ("full", ["a", "b"], True, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["workbook", "--profile", "huge"])
+
+
+def test_unknown_only_names_list_the_notebooks(project):
+    with pytest.raises(ValueError, match="nope.*available: 00_tiny, 01_broken"):
+        workbook.run_workbook(root=project, only=["nope"], progress=False)
+
+
+@pytest.mark.parametrize("name", ["01_broken", "01_broken.ipynb", "broken", "01"])
+def test_select_notebooks_by_any_form_of_the_name(project, name):
+    notebooks = workbook.find_notebooks(project / "notebooks")
+    assert [path.name for path in notebooks] == ["00_tiny.ipynb", "01_broken.ipynb"]
+    assert [path.stem for path in workbook.select_notebooks(notebooks, [name])] == ["01_broken"]
+    assert workbook.select_notebooks(notebooks, None) == notebooks
+
+
+def test_bad_arguments(project, tmp_path):
+    with pytest.raises(ValueError, match="profile"):
+        workbook.run_workbook(profile="huge", root=project)
+    (tmp_path / "notebooks").mkdir()
+    with pytest.raises(ValueError, match="no NN_name.ipynb"):
+        workbook.run_workbook(root=tmp_path, progress=False)

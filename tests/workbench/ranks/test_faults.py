@@ -1,0 +1,101 @@
+"""A rank that dies or hangs must fail the whole job, quickly and by name — never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from moe_lab.parallel.merged import merged_fault_rank
+from moe_lab.workbench.ranks.launch import RankFailure, fault_rank, run_ranks, whoami
+
+
+@pytest.mark.timeout(45)
+def test_a_killed_rank_fails_the_job_fast():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(fault_rank, 2, "crash", timeout_s=40, collective_timeout_s=10, threads_per_rank=1)
+    elapsed = time.monotonic() - start
+    message = str(failure.value)
+    assert "rank 1: killed by SIGKILL" in message, message
+    # The survivor notices the closed connection at once, long before any timeout.
+    assert "rank 0: exit code 1" in message, message
+    statuses = {s.rank: s for s in failure.value.statuses}
+    assert statuses[1].exitcode == -9 and statuses[0].exitcode == 1
+    assert elapsed < 10 + 8, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.timeout(45)
+def test_a_hung_rank_is_named_and_killed_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(fault_rank, 2, "hang", 1, 1000, 2.0, timeout_s=40, collective_timeout_s=3,
+                  grace_s=2, threads_per_rank=1)
+    elapsed = time.monotonic() - start
+    message = str(failure.value)
+    statuses = {s.rank: s for s in failure.value.statuses}
+    assert statuses[1].exitcode is None, message  # still running: killed by the launcher
+    assert "rank 1: killed by the launcher" in message, message
+    # rank 0's monitored barrier names the rank that never arrived
+    assert statuses[0].exitcode == 1, message
+    assert "Ranks 1 failed to pass monitoredBarrier" in statuses[0].error, message
+    # the survivor's barrier timed out (2 s), then the hung rank got 3 + 2 s of grace
+    assert elapsed < 3 + 3 + 2 + 8, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.timeout(30)
+def test_an_exception_in_a_rank_is_reported_with_its_message():
+    with pytest.raises(RankFailure, match="failed on purpose"):
+        run_ranks(fault_rank, 2, "raise", timeout_s=25, collective_timeout_s=10, threads_per_rank=1)
+
+
+@pytest.mark.timeout(30)
+def test_ranks_talk_and_return_their_results():
+    results = run_ranks(whoami, 2, timeout_s=25, threads_per_rank=1)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["sum_of_ranks"] == 1 and r["backend"] == "gloo" for r in results)
+
+
+def test_functions_must_be_importable():
+    with pytest.raises(ValueError, match="module-level"):
+        run_ranks(lambda: 0, 2)
+
+
+# The same guarantees in the middle of a 1F1B-merged step, with collectives of both
+# micro-batches in flight when the victim stops (moe_lab.parallel.merged.merged_fault_rank).
+
+
+@pytest.mark.timeout(45)
+def test_a_rank_killed_mid_merged_step_fails_the_job_fast():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(merged_fault_rank, 2, "crash", timeout_s=40, collective_timeout_s=10, threads_per_rank=1)
+    elapsed = time.monotonic() - start
+    message = str(failure.value)
+    statuses = {s.rank: s for s in failure.value.statuses}
+    assert statuses[1].exitcode == -9, message
+    # the survivor, waiting on an in-flight all-to-all, sees the closed connection
+    assert statuses[0].exitcode == 1, message
+    assert elapsed < 10 + 8, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.timeout(45)
+def test_a_rank_hung_mid_merged_step_is_killed_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(merged_fault_rank, 2, "hang", timeout_s=40, collective_timeout_s=3, grace_s=2,
+                  threads_per_rank=1)
+    elapsed = time.monotonic() - start
+    message = str(failure.value)
+    statuses = {s.rank: s for s in failure.value.statuses}
+    assert statuses[1].exitcode is None and "killed by the launcher" in message, message
+    # the survivor's in-flight all-to-all times out after the collective timeout
+    assert statuses[0].exitcode == 1, message
+    assert elapsed < 3 + 3 + 2 + 8, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.timeout(30)
+def test_an_exception_mid_merged_step_is_reported_with_its_message():
+    with pytest.raises(RankFailure, match="failed on purpose at B.dgrad"):
+        run_ranks(merged_fault_rank, 2, "raise", timeout_s=25, collective_timeout_s=10,
+                  threads_per_rank=1)
