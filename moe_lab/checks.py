@@ -16,6 +16,13 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def integer(value: object, name: str) -> int:
+    """``value`` if it is an integer (not a bool), else ``ValueError``."""
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def positive_int(value: object, name: str, *, or_none: bool = False) -> int | None:
     """``value`` if it is an integer ``>= 1`` (or ``None`` where ``or_none``), else ``ValueError``."""
     if value is None and or_none:
@@ -71,5 +78,5 @@ def one_of(value: object, name: str, choices: tuple | list | dict) -> object:
     return value
 
 
-__all__ = ["int_in", "non_negative_int", "non_negative_ints", "one_of", "positive_int",
+__all__ = ["int_in", "integer", "non_negative_int", "non_negative_ints", "one_of", "positive_int",
            "positive_ints", "positive_number"]

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from moe_lab.checks import integer, positive_int
 from moe_lab.memory import check_fits
 
 __all__ = [
@@ -214,9 +215,7 @@ def split_of(line: str) -> str:
 
 
 def _check_positive(owner: str, name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
-    return value
+    return positive_int(value, f"{owner} {name}")
 
 
 def _check_batch(owner: str, batch_size: object, seq_len: int) -> int:
@@ -272,9 +271,7 @@ class SyntheticCorpus:
 
     def __init__(self, seq_len: int, seed: int = 0, domains: Sequence[str] | None = None) -> None:
         self.seq_len = _check_positive("SyntheticCorpus", "seq_len", seq_len)
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"SyntheticCorpus seed must be an integer, got {seed!r}")
-        self.seed = seed
+        self.seed = integer(seed, "SyntheticCorpus seed")
         names = list(DOMAINS) if domains is None else list(domains)
         if not names:
             raise ValueError("SyntheticCorpus domains must name at least one domain, got []")

@@ -43,12 +43,15 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from moe_lab.checks import positive_int
+from moe_lab.data import Batch
 
 Tensor = torch.Tensor
 
@@ -64,8 +67,7 @@ __all__ = [
 
 
 def _check_page_rows(page_rows: int) -> None:
-    if not isinstance(page_rows, int) or isinstance(page_rows, bool) or page_rows <= 0:
-        raise ValueError(f"page_rows must be a positive integer, got {page_rows!r}")
+    positive_int(page_rows, "page_rows")
 
 
 def pages_per_expert(offsets: Tensor, page_rows: int) -> Tensor:
@@ -170,7 +172,7 @@ class _LayerStore:
     layer: int
     top_k: int
 
-    def run(self, compute, x: Tensor, offsets: Tensor) -> Tensor:
+    def run(self, compute: Callable[[], Tensor], x: Tensor, offsets: Tensor) -> Tensor:
         return self.stash.run_paged(compute, self.layer, self.top_k, x, offsets)
 
 
@@ -211,7 +213,7 @@ class PagedStash(nn.Module):
         """Pages the pool sets aside for one planned activation."""
         return math.ceil(self.capacity_factor * call.rows / self.page_rows) + call.n_experts
 
-    def attach(self, model: nn.Module, example_batch) -> PagedStash:
+    def attach(self, model: nn.Module, example_batch: Batch) -> PagedStash:
         """Wrap the expert compute of every MoE layer of ``model`` and size the pools from
         one forward pass on ``example_batch`` (``.x``: ``[batch, seq]``). Returns self."""
         layers = list(getattr(model, "moe_layers", []))
@@ -306,7 +308,8 @@ class PagedStash(nn.Module):
         dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
         return pool.view(-1, pool.shape[-1]).index_select(0, dest).view(handle.shape)
 
-    def run_paged(self, compute, layer: int, top_k: int, x: Tensor, offsets: Tensor) -> Tensor:
+    def run_paged(self, compute: Callable[[], Tensor], layer: int, top_k: int, x: Tensor,
+                  offsets: Tensor) -> Tensor:
         """``compute()`` — layer ``layer``'s expert MLP on ``x`` grouped by ``offsets`` — with
         its saved activations paged (planned, during `attach`)."""
         if not self.enabled or (self._planning is None and not self.pool_keys):
@@ -320,19 +323,19 @@ class PagedStash(nn.Module):
                     and not (t.is_leaf and t.requires_grad))
 
         if self._planning is not None:
-            def pack(t: Tensor):
+            def pack(t: Tensor) -> Tensor:
                 if pageable(t):
                     self._planning.append(StashCall(layer, t.shape[1], t.dtype, rows,
                                                     offsets.shape[0] - 1, top_k))
                 return t
 
-            def unpack(t):
+            def unpack(t: Tensor) -> Tensor:
                 return t
         else:
-            def pack(t: Tensor):
+            def pack(t: Tensor) -> Tensor | _Stashed:
                 return self.stash(t, offsets) if pageable(t) else t
 
-            def unpack(t):
+            def unpack(t: Tensor | _Stashed) -> Tensor:
                 return self.restore(t) if isinstance(t, _Stashed) else t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -394,7 +397,7 @@ def expert_parallel_counts(tokens_per_rank: int, n_experts: int, top_k: int, ep_
 
 
 def simulate_expert_parallel(tokens_per_rank: int, n_experts: int, top_k: int, ep_size: int,
-                             skews, page_rows: int = 32, capacity_factor: float = 1.25,
+                             skews: Sequence[float], page_rows: int = 32, capacity_factor: float = 1.25,
                              seed: int = 0) -> list[dict]:
     """Rows of expert activations one device must keep, per routing skew, in units of rows
     (multiply by width × bytes for memory): ``exact`` (eager, the busiest device),

@@ -27,6 +27,7 @@ All counts are per token of a training sequence of length ``seq_len`` (default
 
 from __future__ import annotations
 
+from moe_lab.checks import non_negative_int, positive_int
 from moe_lab.config import ModelConfig
 
 FLOPS_PER_MAC = 2
@@ -43,9 +44,7 @@ def _seq(cfg: ModelConfig, seq_len: int | None) -> int:
     _check_cfg(cfg)
     if seq_len is None:
         return cfg.seq_len
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
-    return seq_len
+    return positive_int(seq_len, "seq_len", or_none=True)
 
 
 def attended_keys(seq_len: int, window: int = 0) -> float:
@@ -55,10 +54,8 @@ def attended_keys(seq_len: int, window: int = 0) -> float:
     window ``w < seq_len``: ``w - w^2 / (2 seq_len)`` (the band of width ``w`` below the
     diagonal of the ``seq_len x seq_len`` score matrix, per row). ``window=0``: no window.
     """
-    if not isinstance(seq_len, int) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-    if not isinstance(window, int) or window < 0:
-        raise ValueError(f"window must be a non-negative integer, got {window!r}")
+    positive_int(seq_len, "seq_len")
+    non_negative_int(window, "window")
     if window == 0 or window >= seq_len:
         return seq_len / 2
     return window - window * window / (2 * seq_len)

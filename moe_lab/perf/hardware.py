@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe_lab.checks import positive_int
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -106,7 +108,7 @@ def gpu_spec(name: str) -> GPUSpec:
     raise ValueError(f"name must be one of {sorted(GPUS) + sorted(_ALIASES)}, got {name!r}")
 
 
-def roofline(peak_flops: float, bandwidth: float, intensity: float | np.ndarray):
+def roofline(peak_flops: float, bandwidth: float, intensity: float | np.ndarray) -> float | np.ndarray:
     """Attainable FLOP/s = ``min(peak_flops, bandwidth * intensity)``.
 
     ``peak_flops`` in FLOP/s, ``bandwidth`` in bytes/s, ``intensity`` in FLOP/byte (a
@@ -126,8 +128,7 @@ def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2.0) -> 
     """FLOP/byte of ``[m, k] @ [k, n]``: ``2mnk`` FLOPs over reading A and B and writing C
     once each (``(mk + kn + mn) * bytes_per_element`` bytes) — the best case, perfect reuse."""
     for arg, value in (("m", m), ("n", n), ("k", k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{arg} must be a positive integer, got {value!r}")
+        positive_int(value, arg)
     if not bytes_per_element > 0:
         raise ValueError(f"bytes_per_element must be > 0, got {bytes_per_element!r}")
     return 2.0 * m * n * k / ((m * k + k * n + m * n) * bytes_per_element)

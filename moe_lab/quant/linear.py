@@ -33,10 +33,11 @@ GEMMs. Elsewhere ``"auto"`` falls back to the emulation and says so in the modul
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn as nn
+from torch.autograd.function import FunctionCtx
 
 from moe_lab.attention import ATTENTION_IMPLS, expand_kv, mxfp8_reference_attention
 from moe_lab.perf.capabilities import capabilities
@@ -58,7 +59,7 @@ class _MXLinearFunction(torch.autograd.Function):
     """``Y = q(X) q(W)ᵀ + b`` with MXFP8 operands in all three GEMMs (see the module doc)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
         ctx.has_bias, ctx.scale_mode, ctx.x_shape = bias is not None, scale_mode, x.shape
@@ -68,7 +69,7 @@ class _MXLinearFunction(torch.autograd.Function):
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
         mode = ctx.scale_mode
         g2 = grad_out.reshape(-1, weight.shape[0])
@@ -163,7 +164,7 @@ class _TritonMXLinearFunction(torch.autograd.Function):
     an `moe_lab.kernels.mx_gemm.mx_gemm` (``tl.dot_scaled``) accumulating in float32."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
         from moe_lab.kernels.mx_gemm import mx_gemm
 
         x2 = x.reshape(-1, x.shape[-1])
@@ -178,7 +179,7 @@ class _TritonMXLinearFunction(torch.autograd.Function):
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         from moe_lab.kernels.mx_gemm import mx_gemm
 
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors  # both column-wise, transposed
@@ -399,14 +400,15 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
         for i, block in enumerate(_modules_named(model, ATTENTION_CLASS)):
             for name, lin in block.named_modules():
                 if isinstance(lin, nn.Linear):
-                    def hook(mod, args, layer=f"attention{i}.{name}"):
+                    def hook(mod: nn.Linear, args: tuple, layer: str = f"attention{i}.{name}") -> None:
                         add(layer, "input", args[0], -1)
                         add(layer, "weight", mod.weight, -1)
 
                     handles.append(lin.register_forward_pre_hook(hook))
             original = block.attention_impl
 
-            def recording(q, k, v, layer=f"attention{i}.core", original=original):
+            def recording(q: Tensor, k: Tensor, v: Tensor, layer: str = f"attention{i}.core",
+                          original: Callable = original) -> Tensor:
                 ke, ve = expand_kv(q, k, v)
                 add(layer, "q", q, -1)
                 add(layer, "k", k, -1)

@@ -58,6 +58,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
+
+from moe_lab.checks import int_in, positive_int
 
 Tensor = torch.Tensor
 
@@ -127,16 +130,13 @@ def _check_args(x: Tensor, block_size: int, scale_mode: str) -> None:
         )
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension to block along, got a 0-d tensor")
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    positive_int(block_size, "block_size")
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
 
 
 def _normalize_dim(dim: int, ndim: int) -> int:
-    if not isinstance(dim, int) or isinstance(dim, bool) or not -ndim <= dim < ndim:
-        raise ValueError(f"dim must be an integer in [{-ndim}, {ndim - 1}], got {dim!r}")
-    return dim % ndim
+    return int_in(dim, "dim", -ndim, ndim - 1) % ndim
 
 
 def padded_size(size: int, block_size: int = BLOCK_SIZE) -> int:
@@ -302,13 +302,14 @@ def dequantize(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
 
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, elem_dtype, block_size, scale_mode, pad, quantize_grad):
+    def forward(ctx: FunctionCtx, x: Tensor, dim: int, elem_dtype: str, block_size: int, scale_mode: str,
+                pad: bool, quantize_grad: bool) -> Tensor:
         ctx.args = (dim, elem_dtype, block_size, scale_mode, pad, quantize_grad)
         mx = quantize(x, elem_dtype, block_size, dim, scale_mode, pad=pad)
         return mx.dequantize(x.dtype)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
         dim, elem_dtype, block_size, scale_mode, pad, quantize_grad = ctx.args
         if quantize_grad and grad.numel():
             grad = quantize(grad, elem_dtype, block_size, dim, scale_mode, pad=pad).dequantize(

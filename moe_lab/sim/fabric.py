@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_lab.checks import positive_ints
 from moe_lab.sim.fair_share import fluid_completion_times
 from moe_lab.sim.traffic import check_traffic
 
@@ -86,10 +87,7 @@ class LeafSpine:
     oversubscription: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("hosts_per_leaf", "n_leaf", "n_spine"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LeafSpine.{name} must be a positive integer, got {value!r}")
+        positive_ints(self, "hosts_per_leaf", "n_leaf", "n_spine")
         if not (isinstance(self.link_gbps, (int, float)) and self.link_gbps > 0):
             raise ValueError(f"LeafSpine.link_gbps must be > 0, got {self.link_gbps!r}")
         if not (isinstance(self.oversubscription, (int, float)) and self.oversubscription >= 1):

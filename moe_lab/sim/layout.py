@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from moe_lab.checks import positive_int, positive_ints
 from moe_lab.config import ModelConfig
 
 LAYER_CHARS = {"E": "embedding", "t": "transformer", "m": "mtp", "L": "logits"}
@@ -118,8 +119,7 @@ class Layout:
     n_ranks: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n_ranks, int) or self.n_ranks < 1:
-            raise ValueError(f"Layout.n_ranks must be a positive integer, got {self.n_ranks!r}")
+        positive_ints(self, "n_ranks")
         if not self.stages or len(self.stages) % self.n_ranks:
             raise ValueError(
                 f"Layout has {len(self.stages)} virtual stages; that must be a positive "
@@ -172,8 +172,7 @@ def parse_layout(text: str, n_ranks: int | None = None) -> Layout:
     stages = tuple("".join(tokens).split("|"))
     if n_ranks is None:
         n_ranks = len(stages)
-    if not isinstance(n_ranks, int) or n_ranks < 1:
-        raise ValueError(f"n_ranks must be a positive integer, got {n_ranks!r}")
+    positive_int(n_ranks, "n_ranks")
     if len(stages) % n_ranks:
         raise ValueError(
             f"layout {text!r} has {len(stages)} stages, which n_ranks={n_ranks} does not "

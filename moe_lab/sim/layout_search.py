@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_lab.checks import positive_int
 from moe_lab.config import ModelConfig
 from moe_lab.sim.layout import (
     LAYER_KINDS,
@@ -127,9 +128,8 @@ def _layout_from_bounds(chars: str, bounds: Sequence[int], n_ranks: int) -> Layo
 
 
 def _check_stage_counts(cfg: ModelConfig, n_ranks: int, n_chunks: int) -> None:
-    for name, value in (("n_ranks", n_ranks), ("n_chunks", n_chunks)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    positive_int(n_ranks, "n_ranks")
+    positive_int(n_chunks, "n_chunks")
     n_items = len(model_layer_chars(cfg))
     if n_ranks * n_chunks > n_items:
         raise ValueError(

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from moe_lab.checks import positive_int
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OP_KINDS = ("F", "B", "W")
 
@@ -101,13 +103,8 @@ def schedule_order(
 def _check_schedule_args(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    for name, value in (
-        ("n_ranks", n_ranks),
-        ("n_microbatches", n_microbatches),
-        ("n_chunks", n_chunks),
-    ):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_chunks", n_chunks)):
+        positive_int(value, name)
     if schedule != "interleaved" and n_chunks != 1:
         raise ValueError(
             f"schedule {schedule!r} runs one chunk per rank, got n_chunks={n_chunks} "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_lab.checks import positive_int
+
 
 def check_traffic(traffic: np.ndarray, n_hosts: int | None = None) -> np.ndarray:
     """``traffic`` as a float ``[n, n]`` array of bytes; ``ValueError`` if it is not one."""
@@ -44,8 +46,7 @@ def uniform_traffic(n_gpus: int, bytes_per_pair: float) -> np.ndarray:
 
 def zipf_expert_probs(n_experts: int, s: float, rng: np.random.Generator) -> np.ndarray:
     """Expert popularity ∝ 1 / rank^s, the ranks shuffled over the experts (``s = 0``: uniform)."""
-    if not isinstance(n_experts, int) or n_experts < 1:
-        raise ValueError(f"n_experts must be a positive integer, got {n_experts!r}")
+    positive_int(n_experts, "n_experts")
     if not (isinstance(s, (int, float)) and s >= 0):
         raise ValueError(f"zipf exponent s must be >= 0, got {s!r}")
     weights = 1.0 / np.arange(1, n_experts + 1) ** float(s)
@@ -68,8 +69,7 @@ def traffic_from_expert_loads(
     if np.any(loads < 0):
         raise ValueError("tokens must be >= 0 everywhere")
     n_gpus, n_experts = loads.shape
-    if not isinstance(experts_per_gpu, int) or experts_per_gpu < 1:
-        raise ValueError(f"experts_per_gpu must be a positive integer, got {experts_per_gpu!r}")
+    positive_int(experts_per_gpu, "experts_per_gpu")
     if n_experts != n_gpus * experts_per_gpu:
         raise ValueError(
             f"tokens has {n_experts} experts; expected n_gpus × experts_per_gpu = "

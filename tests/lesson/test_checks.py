@@ -7,6 +7,7 @@ import pytest
 
 from moe_lab.checks import (
     int_in,
+    integer,
     non_negative_int,
     non_negative_ints,
     one_of,
@@ -31,6 +32,13 @@ def test_positive_int_refuses_with_the_arguments_name(bad):
 def test_or_none_is_named_in_the_message():
     with pytest.raises(ValueError, match="must be a positive integer or None, got 0"):
         positive_int(0, "seq_len", or_none=True)
+
+
+def test_integer_takes_any_integer_but_a_bool():
+    assert integer(-5, "seed") == -5 and integer(np.uint8(3), "seed") == 3
+    for bad in (True, 1.5, "1"):
+        with pytest.raises(ValueError, match="seed must be an integer, got "):
+            integer(bad, "seed")
 
 
 def test_non_negative_int_and_int_in():

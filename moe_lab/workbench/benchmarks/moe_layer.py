@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from moe_lab.checks import positive_int
 from moe_lab.config import MoEConfig
 from moe_lab.memory import check_fits
 from moe_lab.moe.dispatch import sort_by_expert
@@ -161,8 +162,7 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
     the providers (``naive`` is always timed: the ratios are to it)."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
-    if tokens <= 0:
-        raise ValueError(f"tokens must be positive, got {tokens}")
+    positive_int(tokens, "tokens")
     torch.manual_seed(seed)
     s = SHAPES[shape]
     cfg = MoEConfig(**s)
@@ -284,8 +284,7 @@ def chain_stage_timing(shape: str = "fine", tokens: int = 1024, min_time_s: floa
 
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
-    if tokens <= 0:
-        raise ValueError(f"tokens must be positive, got {tokens}")
+    positive_int(tokens, "tokens")
     device, dtype = _device_dtype()
     s = SHAPES[shape]
     e, k, d, f = s["n_experts"], s["top_k"], s["d_model"], s["d_expert"]
@@ -375,8 +374,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.tokens is not None and args.tokens <= 0:
-        raise ValueError(f"--tokens must be a positive integer, got {args.tokens}")
+    positive_int(args.tokens, "--tokens", or_none=True)
     if not math.isfinite(args.min_time) or args.min_time < 0:
         raise ValueError(f"--min-time must be a finite number of seconds >= 0, got {args.min_time}")
     tokens = TOKENS[args.profile] if args.tokens is None else args.tokens

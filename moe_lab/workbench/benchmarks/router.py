@@ -28,6 +28,7 @@ import argparse
 
 import torch
 
+from moe_lab.checks import positive_int
 from moe_lab.config import MoEConfig
 from moe_lab.moe.router import route_from_logits, routing_agreement
 from moe_lab.perf.capabilities import capabilities
@@ -102,8 +103,7 @@ def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
 def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0,
               device: str | None = None) -> dict:
     """Benchmark one shape; returns ``{"rows": [...], "notes": [...], ...}``."""
-    if not isinstance(tokens, int) or tokens <= 0:
-        raise ValueError(f"tokens must be a positive integer, got {tokens!r}")
+    positive_int(tokens, "tokens")
     device = device or capabilities().device
     cfg = shape_config(shape)
     g = torch.Generator().manual_seed(seed)

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
+from moe_lab.checks import positive_int
+
 _CMAP = plt.get_cmap("tab20")
 
 
@@ -200,8 +202,7 @@ def pipeline_schedule(steps: int, load: float, mma: float,
     tensor cores work. Returns ``(load_start, load_end, mma_start, mma_end)`` per step.
     """
     for name, value in (("steps", steps), ("stages", stages)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        positive_int(value, name)
     for name, value in (("load", load), ("mma", mma)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from torch.profiler import ProfilerActivity, profile
 
+from moe_lab.checks import non_negative_int, positive_int
 from moe_lab.training.steps import PHASE_PREFIX, PHASES
 
 REST = "rest of the step"
@@ -76,8 +77,7 @@ def breakdown_from_events(events, wall_s: float, steps: int) -> dict:
     """Sum the self times of profiler ``events`` (``prof.events()``) over ``steps`` steps that
     took ``wall_s`` in all: ``{"wall_ms", "by_kind", "by_phase", "table"}``, in ms per step;
     ``table[phase][kind]``. `BETWEEN` (wall time no event covers) is put in `REST`."""
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    positive_int(steps, "steps")
     if not wall_s > 0:
         raise ValueError(f"wall_s must be > 0, got {wall_s!r}")
     table = {p: dict.fromkeys(KINDS, 0.0) for p in (*PHASES, REST)}
@@ -99,10 +99,8 @@ def step_breakdown(step: Callable[[], None], steps: int = 5, warmup: int = 2) ->
     (on a CPU it does; on CUDA pass one that synchronizes — only CPU time is recorded)."""
     if not callable(step):
         raise ValueError(f"step must be callable, got {type(step).__name__}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    positive_int(steps, "steps")
+    non_negative_int(warmup, "warmup")
     for _ in range(warmup):
         step()
     prof = profile(activities=[ProfilerActivity.CPU])

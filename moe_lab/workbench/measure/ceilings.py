@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lab.checks import positive_int
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.measure.timing import BenchResult, bench
 
@@ -85,8 +86,7 @@ def matmul_operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ceiling's problem: ``a, b`` random normal ``[n, n]`` and ``out``, for
     ``torch.matmul(a, b, out=out)`` (``2 n^3`` FLOPs) — for timing it beside other work."""
-    if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+    positive_int(n, "n")
     dt, dev = _dtype(dtype), _device(device)
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)

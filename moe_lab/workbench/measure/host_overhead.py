@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe_lab.checks import positive_int
 from moe_lab.config import preset as get_preset
 from moe_lab.training.build import build_model, build_sync_free, random_batch
 from moe_lab.training.optim import make_optimizer
@@ -69,8 +70,7 @@ def dispatch_cost(n_ops: int = 2000, min_time_s: float = 0.2) -> float:
     """Seconds the host spends on one trivial operator (``t.add_(1)`` on a one-element
     tensor, no allocation, no autograd): the least any operator costs here. The median of
     loops of ``n_ops`` calls, over ``moe_lab.workbench.measure.timing``."""
-    if not isinstance(n_ops, int) or n_ops <= 0:
-        raise ValueError(f"n_ops must be a positive integer, got {n_ops!r}")
+    positive_int(n_ops, "n_ops")
     t = torch.zeros(1)
 
     def loop() -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lab.checks import non_negative_int, positive_int
+
 # Adaptive runs (repeat=None) time at least this many calls, however slow each one is,
 # so the median and IQR are never computed from one or two samples.
 MIN_ADAPTIVE_REPEAT = 5
@@ -147,13 +149,9 @@ class _Timer:
 
 
 def _check_counts(warmup: int, repeat: int | None, min_time_s: float, max_repeat: int) -> None:
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-    bad_repeat = not isinstance(repeat, int) or isinstance(repeat, bool) or repeat <= 0
-    if repeat is not None and bad_repeat:
-        raise ValueError(f"repeat must be a positive integer or None (adaptive), got {repeat!r}")
-    if not isinstance(max_repeat, int) or isinstance(max_repeat, bool) or max_repeat <= 0:
-        raise ValueError(f"max_repeat must be a positive integer, got {max_repeat!r}")
+    non_negative_int(warmup, "warmup")
+    positive_int(repeat, "repeat (None: adaptive)", or_none=True)
+    positive_int(max_repeat, "max_repeat")
     if not (isinstance(min_time_s, (int, float)) and min_time_s >= 0 and math.isfinite(min_time_s)):
         raise ValueError(f"min_time_s must be a finite number >= 0, got {min_time_s!r}")
 

@@ -1,0 +1,112 @@
+"""The lesson stays readable in an afternoon: its size, its largest module, and type hints on
+every public function. (The lesson is ``moe_lab`` outside ``moe_lab.workbench``; see
+tests/project/test_layering.py for its one-way arrow.)"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "moe_lab"
+
+LESSON_LINES = 15_000  # the whole lesson, docstrings included, as `wc -l` counts
+MODULE_LINES = 600  # its largest module
+
+
+def lesson_files() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py")
+                  if "workbench" not in p.relative_to(PACKAGE).parts and p.name != "__main__.py")
+
+
+def line_count(path: Path) -> int:
+    return path.read_bytes().count(b"\n")
+
+
+def test_the_lesson_is_found():
+    names = {str(p.relative_to(PACKAGE)) for p in lesson_files()}
+    assert {"moe/layer.py", "kernels/grouped_gemm.py", "training/steps.py", "parallel/ep.py"} <= names
+    assert not any(n.startswith("workbench") for n in names)
+
+
+def test_the_lesson_fits_its_line_budget():
+    counts = {str(p.relative_to(REPO)): line_count(p) for p in lesson_files()}
+    total = sum(counts.values())
+    largest = sorted(counts.items(), key=lambda kv: -kv[1])[:5]
+    assert total <= LESSON_LINES, f"the lesson has {total} lines (budget {LESSON_LINES}); largest: {largest}"
+
+
+def test_no_lesson_module_is_longer_than_a_sitting():
+    long = {str(p.relative_to(REPO)): n for p in lesson_files() if (n := line_count(p)) > MODULE_LINES}
+    assert not long, f"lesson modules over {MODULE_LINES} lines: {long}"
+
+
+def _is_triton_kernel(fn: ast.FunctionDef) -> bool:
+    """Triton reads a kernel's annotations (``tl.constexpr``, pointer types), so its runtime
+    arguments stay unannotated: ``@triton.jit`` / ``@jit`` functions are exempt."""
+    for dec in fn.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if name == "jit":
+            return True
+    return False
+
+
+def unannotated(source: str) -> list[str]:
+    """``name(arg)`` / ``name -> return`` for every public function or method (and every
+    method of a public class, ``__init__`` and the other dunders included) that misses an
+    annotation; ``self``/``cls`` and a private function's return excepted."""
+    missing = []
+
+    def check(fn: ast.FunctionDef | ast.AsyncFunctionDef, qualname: str, method: bool) -> None:
+        if _is_triton_kernel(fn):
+            return
+        args = fn.args
+        positional = args.posonlyargs + args.args
+        if method and positional and positional[0].arg in ("self", "cls", "mcs"):
+            positional = positional[1:]
+        for a in positional + args.kwonlyargs + [x for x in (args.vararg, args.kwarg) if x]:
+            if a.annotation is None:
+                missing.append(f"{qualname}({a.arg})")
+        needs_return = not fn.name.startswith("_") or fn.name.startswith("__")
+        if fn.returns is None and needs_return:
+            missing.append(f"{qualname} -> return")
+
+    def visit(body: list[ast.stmt], prefix: str, in_class: bool) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name.startswith("_") and not node.name.startswith("__"):
+                    continue  # private: its callers are in the same module
+                check(node, prefix + node.name, in_class)
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                visit(node.body, f"{prefix}{node.name}.", True)
+
+    visit(ast.parse(source).body, "", False)
+    return missing
+
+
+def test_the_hint_check_finds_what_is_missing():
+    source = (
+        "import triton\n"
+        "def f(x, y: int): ...\n"
+        "def g(x: int) -> int: ...\n"
+        "def _private(x): ...\n"
+        "@triton.jit\n"
+        "def kernel(x_ptr, BLOCK: tl.constexpr): ...\n"
+        "class C:\n"
+        "    def __init__(self, n): ...\n"
+        "    def m(self, a: int) -> None: ...\n"
+        "class _Hidden:\n"
+        "    def m(self, a): ...\n"
+    )
+    assert unannotated(source) == ["f(x)", "f -> return", "C.__init__(n)", "C.__init__ -> return"]
+
+
+def test_every_public_function_of_the_lesson_is_type_hinted():
+    missing = {}
+    for path in lesson_files():
+        found = unannotated(path.read_text(encoding="utf-8"))
+        if found:
+            missing[str(path.relative_to(REPO))] = found
+    count = sum(len(v) for v in missing.values())
+    assert not missing, f"{count} missing annotations on public functions of the lesson: {missing}"
