@@ -10,11 +10,12 @@ forward   route (router + permute) · [counts] · [dispatch] · experts · [comb
 backward  unpermute⁻¹ · [combine⁻¹] · experts dgrad · [dispatch⁻¹] · route⁻¹ (permute⁻¹ and
           router), and beside them the shared expert⁻¹ and the experts' wgrad
 
-(in brackets: the collectives, which the schedule starts). The experts' backward is written by
-hand in two halves: the *dgrad* (gradient of the input, which the next all-to-all needs) and
-the *wgrad* (gradient of the weights, which nothing waits for, so a schedule may delay it, as
-Megatron-Core's ``--delay-wgrad-compute`` does). The local pieces (route, unpermute, shared
-expert) are small autograd graphs on detached leaves, so each half runs when the schedule says.
+(in brackets: the collectives, which the schedule starts). The experts' backward is written out
+as grouped GEMMs in two halves: the *dgrad* (gradient of the input, which the next all-to-all
+needs) and the *wgrad* (gradient of the weights, which nothing waits for, so a schedule may
+delay it, as Megatron-Core's ``--delay-wgrad-compute`` does). The local pieces (route,
+unpermute, shared expert, SwiGLU) are small autograd graphs on detached leaves, so each piece's
+backward runs when the schedule says.
 
 `StageClock` stamps the stages (the wall clock on the CPU, CUDA events on a GPU) and turns
 them into a `moe_lab.parallel.timeline.Timeline`.
@@ -31,7 +32,7 @@ import torch
 from moe_lab.checks import positive_int
 from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.experts import grouped_mm, grouped_mm_wgrad, swiglu
-from moe_lab.parallel.ep import EPMoELayer, order_by_local_expert
+from moe_lab.parallel.ep import EPMoELayer, received_order
 from moe_lab.parallel.timeline import Event, Timeline
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class Chunk:
     order: Tensor | None = None  # received rows sorted by local expert, and back
     inverse: Tensor | None = None
     offs: Tensor | None = None  # [E_local] int32 cumulative row ends of the grouped GEMMs
-    saved: tuple = ()  # (xs, h, a) of the experts' forward
+    saved: tuple = ()  # (xs, h, a) of the experts' forward; a = swiglu(h) keeps its graph
     wgrad_inputs: tuple = ()  # what the delayed wgrad needs
     shared_out: Tensor | None = None
     shared_leaf: Tensor | None = None
@@ -190,17 +191,13 @@ class ChunkStages:
     def experts_fwd(self, c: Chunk, x_recv: Tensor) -> Tensor:
         """Received rows (by source rank, then local expert) → expert outputs, same order."""
         ex = self.layer.experts
-        world, n_local = c.recv_counts.shape
-        segment_expert = torch.arange(n_local, device=x_recv.device).repeat(world)
-        row_expert = torch.repeat_interleave(segment_expert, c.recv_counts.reshape(-1),
-                                             output_size=x_recv.shape[0])
-        c.order, c.inverse = order_by_local_expert(row_expert)
-        c.offs = c.recv_counts.sum(0).cumsum(0).to(torch.int32)
+        c.order, c.inverse, c.offs = received_order(c.recv_counts, x_recv.shape[0])
         w1, w2 = ex.w_gate_up.detach().to(x_recv.dtype), ex.w_down.detach().to(x_recv.dtype)
         xs = x_recv.index_select(0, c.order)
-        h = grouped_mm(xs, w1, c.offs)
-        a = swiglu(h)
-        ys = grouped_mm(a, w2, c.offs)
+        with torch.enable_grad():  # SwiGLU's own backward gives the dgrad its derivative
+            h = grouped_mm(xs, w1, c.offs).requires_grad_()
+            a = swiglu(h)
+        ys = grouped_mm(a.detach(), w2, c.offs)
         c.saved = (xs, h, a)
         return ys.index_select(0, c.inverse)
 
@@ -224,18 +221,15 @@ class ChunkStages:
             torch.autograd.backward([c.shared_out], [c.shared_leaf.grad])
 
     def experts_dgrad(self, c: Chunk, dy_recv: Tensor) -> Tensor:
-        """The gradient of the received rows: two grouped GEMMs and the SwiGLU derivative."""
+        """The gradient of the received rows: two grouped GEMMs, SwiGLU's backward between."""
         ex = self.layer.experts
         xs, h, a = c.saved
         w1, w2 = ex.w_gate_up.detach().to(h.dtype), ex.w_down.detach().to(h.dtype)
         dys = dy_recv.index_select(0, c.order)
         da = grouped_mm(dys, w2.transpose(-1, -2).contiguous(), c.offs)
-        gate, up = h.chunk(2, dim=-1)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        dh = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * silu], dim=-1)
+        (dh,) = torch.autograd.grad([a], [h], [da])
         dxs = grouped_mm(dh, w1.transpose(-1, -2).contiguous(), c.offs)
-        c.wgrad_inputs = (xs, dh, a, dys)
+        c.wgrad_inputs = (xs, dh, a.detach(), dys)
         return dxs.index_select(0, c.inverse)
 
     def experts_wgrad(self, c: Chunk) -> None:

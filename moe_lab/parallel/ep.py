@@ -59,7 +59,7 @@ Tensor = torch.Tensor
 __all__ = [
     "AllToAll", "all_to_all", "exchange_rows", "exchange_counts", "EPMoELayer", "EPStats",
     "from_layer", "DISPATCH_MODES", "OVERFLOW_POLICIES", "rank_experts", "traffic_matrix",
-    "split_sizes", "ep_budget", "order_by_local_expert", "sync_gradients", "clip_grad_norm_ep",
+    "split_sizes", "ep_budget", "received_order", "sync_gradients", "clip_grad_norm_ep",
 ]
 
 DISPATCH_MODES = ("dropless", "budget")
@@ -168,12 +168,23 @@ def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float,
     return max(1, -(-b // multiple) * multiple)
 
 
-def order_by_local_expert(row_expert: Tensor) -> tuple[Tensor, Tensor]:
-    """``row_expert: [rows]`` (the local expert of each received row) → the stable sort of
-    the rows by local expert, and its inverse permutation."""
+def _local_order(row_expert: Tensor) -> tuple[Tensor, Tensor]:
+    """``row_expert: [rows]`` → the stable sort of the rows by it, and the inverse permutation."""
     order = torch.argsort(row_expert, stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return order, inverse
+
+
+def received_order(recv_counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Received rows grouped by (source rank, local expert), ``recv_counts: [W, E_local]``
+    of them (``rows`` in all), regrouped by local expert for one grouped GEMM: ``(order,
+    inverse, ends)``, the stable sort, its inverse permutation, and ``ends: [E_local]`` int32,
+    each local expert's cumulative row end in sorted order."""
+    world, n_local = recv_counts.shape
+    segment_expert = torch.arange(n_local, device=recv_counts.device).repeat(world)
+    row_expert = torch.repeat_interleave(segment_expert, recv_counts.reshape(-1), output_size=rows)
+    order, inverse = _local_order(row_expert)
+    return order, inverse, recv_counts.sum(0).cumsum(0).to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------
@@ -326,13 +337,8 @@ class EPMoELayer(MoELayer):
 
     def _experts_on_received(self, x_recv: Tensor, recv_counts: Tensor) -> Tensor:
         """Rows grouped by (source rank, local expert) → local experts → same row order."""
-        world, n_local = recv_counts.shape
-        segment_expert = torch.arange(n_local, device=x_recv.device).repeat(world)
-        row_expert = torch.repeat_interleave(segment_expert, recv_counts.reshape(-1),
-                                             output_size=x_recv.shape[0])
-        order, inverse = order_by_local_expert(row_expert)
-        offsets = F.pad(recv_counts.sum(0).cumsum(0), (1, 0)).to(torch.int32)
-        y = self.experts.grouped_forward(x_recv.index_select(0, order), offsets)
+        order, inverse, ends = received_order(recv_counts, x_recv.shape[0])
+        y = self.experts.grouped_forward(x_recv.index_select(0, order), F.pad(ends, (1, 0)))
         return y.index_select(0, inverse)
 
     def _budgeted(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor,
@@ -381,7 +387,7 @@ class EPMoELayer(MoELayer):
         within = torch.arange(budget, device=x_recv.device)
         ends = recv_kept.cumsum(1)  # [W, E_local]
         row_expert = torch.searchsorted(ends, within.expand(world, budget).contiguous(), right=True)
-        order, inverse = order_by_local_expert(row_expert.reshape(-1))  # padding (= n_local) sorts last
+        order, inverse = _local_order(row_expert.reshape(-1))  # padding (= n_local) sorts last
         offsets = F.pad(recv_kept.sum(0).cumsum(0), (1, 0))
         offsets[-1] = world * budget
         y = self.experts.grouped_forward(x_recv.index_select(0, order), offsets.to(torch.int32))
@@ -399,6 +405,10 @@ def from_layer(layer: MoELayer, group: ProcessGroup | None = None,
     return EPMoELayer.from_layer(layer, group, **kwargs)
 
 
+def _expert_param_ids(model: torch.nn.Module) -> set[int]:
+    return {id(p) for m in model.modules() if isinstance(m, EPMoELayer) for p in m.experts.parameters()}
+
+
 def sync_gradients(model: torch.nn.Module, world_group: ProcessGroup | None = None,
                    expert_dp_group: ProcessGroup | None = None) -> None:
     """Make gradients those of the mean loss over all ranks, after ``loss.backward()`` on
@@ -410,8 +420,7 @@ def sync_gradients(model: torch.nn.Module, world_group: ProcessGroup | None = No
     several EP groups hold copies of a shard, all-reduce over ``expert_dp_group`` first.
     """
     world = dist.get_world_size(world_group)
-    expert_params = {id(p) for m in model.modules() if isinstance(m, EPMoELayer)
-                     for p in m.experts.parameters()}
+    expert_params = _expert_param_ids(model)
     replicated = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in expert_params]
     experts = [p.grad for p in model.parameters() if p.grad is not None and id(p) in expert_params]
     if replicated:
@@ -431,8 +440,7 @@ def clip_grad_norm_ep(model: torch.nn.Module, max_norm: float,
     """``clip_grad_norm_`` for a model with EP expert shards: the global norm counts every
     replicated gradient once and every expert shard of the EP group once (the shards' squared
     norms are all-reduced over ``ep_group``). Call after `sync_gradients`; returns the norm."""
-    expert_params = {id(p) for m in model.modules() if isinstance(m, EPMoELayer)
-                     for p in m.experts.parameters()}
+    expert_params = _expert_param_ids(model)
     grads = [(p.grad, id(p) in expert_params) for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
