@@ -35,15 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-import moe_lab  # noqa: E402,F401  (sets TRITON_INTERPRET before torch where there is no CUDA)
-from moe_lab.workbench.jsonout import dumps  # noqa: E402
-
-# isort: split
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from moe_lab.workbench.jsonout import dumps  # noqa: E402
 
-def parse_args(argv=None) -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small", choices=["tiny", "small"])
     p.add_argument("--steps", type=int, default=60)
@@ -74,21 +72,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad values before any process group forms: one line on stderr, exit 1 (on
     every rank, so no rank waits for a peer that has left)."""
-    import math
-
+    from moe_lab.checks import non_negative_int, positive_int, positive_number
     from moe_lab.training.loop import MAX_SEED
 
-    for name in ("steps", "batch_size", "log_every", "microbatches", "chunks"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer, "
-                             f"got {getattr(args, name)}")
-    for name in ("lr", "capacity_factor", "timeout"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number > 0, "
-                             f"got {value}")
-    if args.ep_size < 0:
-        raise SystemExit(f"error: --ep-size must be >= 0 (0: all ranks), got {args.ep_size}")
+    try:
+        for name in ("steps", "batch_size", "log_every", "microbatches", "chunks"):
+            positive_int(getattr(args, name), "--" + name.replace("_", "-"))
+        for name in ("lr", "capacity_factor", "timeout"):
+            positive_number(getattr(args, name), "--" + name.replace("_", "-"))
+        non_negative_int(args.ep_size, "--ep-size (0: all ranks)")
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if args.schedule == "1f1b":
         if args.mode != "dropless":
             raise SystemExit("error: --schedule 1f1b schedules the dropless exchange; got --mode "
@@ -100,7 +94,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --seed must be an integer in [0, {MAX_SEED}], got {args.seed}")
 
 
-def build_groups(ep_size: int):
+def build_groups(ep_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """EP groups of consecutive ranks, and the expert-data-parallel groups across them."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % ep_size:
@@ -122,7 +116,11 @@ def build_groups(ep_size: int):
     return ep_group, dp_group
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    if not torch.cuda.is_available():
+        # This script owns its process: without CUDA, Triton kernels (--expert-backend triton)
+        # run under Triton's interpreter, decided before anything imports Triton.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from moe_lab.config import preset
     from moe_lab.data import SyntheticCorpus
     from moe_lab.model import MoETransformer

@@ -1,67 +1,65 @@
 """Expert parallelism: the experts sharded over ranks, tokens moved by two all-to-alls.
 
-A model too big for one device keeps its experts apart: with ``W`` ranks in the
-expert-parallel (EP) group and ``E`` experts, rank ``r`` holds experts
+With ``W`` ranks in the expert-parallel (EP) group and ``E`` experts, rank ``r`` holds experts
 ``r·E/W … (r+1)·E/W − 1`` and only those. Attention, the router and the shared expert are
-replicated (every rank runs them on its own tokens, as in data parallelism). Then a routed
-token must travel to the rank of each expert it chose, and its result must travel back:
+replicated (every rank runs them on its own tokens). A routed token travels to the rank of
+each expert it chose, and its result travels back:
 
-1. **permute** (local): sort this rank's ``T·k`` (token, expert) assignments by expert, as
-   the single-process dropless layer does. Sorted by expert is also sorted by destination
-   rank, so rank ``j``'s rows are one contiguous block.
-2. **exchange counts**: a tiny all-to-all of the ``[W, E/W]`` matrix "how many of my rows
-   go to each of your experts", so every rank learns what it will receive.
-3. **dispatch**: ``all_to_all_single`` of the permuted rows with *uneven* splits — block
-   ``j`` to rank ``j``. The received rows are grouped by source rank, then by local expert.
-4. **local experts**: regroup the received rows by local expert and run one grouped GEMM
-   (`SwiGLUExperts.grouped_forward` on this rank's shard), then undo the regrouping.
-5. **combine**: the reverse all-to-all sends every result row home, to the same place its
-   input row left from.
+1. **permute** (local): sort this rank's ``T·k`` (token, expert) assignments by expert. Sorted
+   by expert is also sorted by destination rank: rank ``j``'s rows are one contiguous block.
+2. **exchange counts**: a tiny all-to-all of the ``[W, E/W]`` matrix "how many of my rows go
+   to each of your experts", so every rank learns what it will receive.
+3. **dispatch**: ``all_to_all_single`` of the permuted rows with *uneven* splits.
+4. **local experts**: regroup the received rows by local expert, one grouped GEMM on this
+   rank's shard, undo the regrouping.
+5. **combine**: the reverse all-to-all sends every result row home.
 6. **unpermute** (local): weight by the router and sum each token's ``k`` rows.
 
-Backward runs the same road the other way: the gradient of an all-to-all is the reverse
-all-to-all of the gradient (`AllToAll`), so autograd differentiates the layer end to end.
+The gradient of an all-to-all is the reverse all-to-all of the gradient (`AllToAll`), so
+autograd differentiates the layer end to end.
 
 Dropless EP needs the split sizes on the host (``all_to_all_single`` takes Python lists):
 step 2 is a device→host sync per layer. The **budgeted** mode, in the manner of NVIDIA's
-HybridEP, avoids it: every rank sends every other rank a fixed-size block of
-``B = ceil(capacity_factor · T·k / W)`` rows (padded with zeros), so every size is known from
-shapes alone. Rows beyond the budget do not fit; the counts travel with an *overflow flag*,
-and when any rank overflowed the layer either re-runs the dispatch with a budget that fits
-(``on_overflow="rerun"``: exact, and the only host read of the flag) or drops the extra
-assignments like a capacity-factor layer (``"drop"``: never reads anything on the host).
+HybridEP, avoids it: every rank sends every other rank a fixed block of
+``B = ceil(capacity_factor · T·k / W)`` rows (zero-padded), so every size is known from shapes.
+Rows beyond the budget do not fit; an *overflow flag* travels with the counts, and the layer
+either re-runs the dispatch with a budget that fits (``on_overflow="rerun"``: exact, the only
+host read of the flag) or drops the extra assignments (``"drop"``: no host read at all).
 
-Equivalence: on the same weights and tokens, every rank's output equals the single-process
-dropless layer's output for its tokens, input gradients equal, and each expert's weight
-gradient equals the single-process one (the all-to-all's backward delivers every rank's
-contribution to the expert's owner). Router and shared-expert gradients are per-rank partial
-sums (all-reduce them, as data parallelism does). The auxiliary load-balancing loss is
-computed on each rank's own tokens.
+Equivalence: every rank's output equals the single-process dropless layer's for its tokens,
+and so do the input gradients and each expert's weight gradient (the all-to-all's backward
+delivers every rank's contribution to the expert's owner). Router and shared-expert gradients
+are per-rank partial sums: `sync_gradients` all-reduces them, as data parallelism does.
 
-gloo (CPU) supports ``all_to_all_single`` with uneven splits but not the list form with
-uneven tensors, and has no float8 type: float8 tensors travel as bytes (``.view(uint8)``).
+gloo (CPU) has ``all_to_all_single`` with uneven splits but no float8 type: float8 tensors
+travel as bytes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moe_lab.checks import one_of, positive_int, positive_number
 from moe_lab.config import MoEConfig
 from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.experts import SwiGLUExperts
 from moe_lab.moe.layer import MoELayer, MoEStats
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Work
+
 Tensor = torch.Tensor
 
 __all__ = [
-    "AllToAll", "all_to_all", "exchange_counts", "EPMoELayer", "EPStats", "from_layer",
-    "DISPATCH_MODES", "OVERFLOW_POLICIES", "rank_experts", "traffic_matrix", "split_sizes",
-    "ep_budget", "sync_gradients", "clip_grad_norm_ep", "ep_check_rank",
+    "AllToAll", "all_to_all", "exchange_rows", "exchange_counts", "EPMoELayer", "EPStats",
+    "from_layer", "DISPATCH_MODES", "OVERFLOW_POLICIES", "rank_experts", "traffic_matrix",
+    "split_sizes", "ep_budget", "received_order", "sync_gradients", "clip_grad_norm_ep",
 ]
 
 DISPATCH_MODES = ("dropless", "budget")
@@ -75,21 +73,19 @@ _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "flo
 # --------------------------------------------------------------------------------------
 
 
-def _group_size(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _all_to_all(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
-                group=None, async_op: bool = False):
+def exchange_rows(x: Tensor, output_splits: list[int] | None, input_splits: list[int] | None,
+                  group: ProcessGroup | None = None,
+                  async_op: bool = False) -> Tensor | tuple[Tensor, Work | None]:
     """``all_to_all_single`` that allocates its output; ``None`` splits mean equal blocks.
 
     ``x: [rows, ...]`` → ``[sum(output_splits) or rows, ...]``. With ``async_op`` returns
-    ``(output, work)``; the output is valid after ``work.wait()``.
+    ``(output, work)``; the output is valid after ``work.wait()`` (``work`` is None on a
+    group of one rank). Not differentiable: `all_to_all` is.
     """
     x = x.contiguous()
     rows = x.shape[0] if output_splits is None else int(sum(output_splits))
     out = x.new_empty((rows, *x.shape[1:]))
-    if _group_size(group) == 1:
+    if dist.get_world_size(group) == 1:
         out.copy_(x)
         return (out, None) if async_op else out
     send, recv = x, out
@@ -105,31 +101,32 @@ class AllToAll(torch.autograd.Function):
     all-to-all of the gradient (input and output splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, output_splits, input_splits, group) -> Tensor:
+    def forward(ctx: Any, x: Tensor, output_splits: list[int] | None,
+                input_splits: list[int] | None, group: ProcessGroup | None) -> Tensor:
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
-        return _all_to_all(x, output_splits, input_splits, group)
+        return exchange_rows(x, output_splits, input_splits, group)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+        return exchange_rows(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
 def all_to_all(x: Tensor, output_splits: list[int] | None = None,
-               input_splits: list[int] | None = None, group=None) -> Tensor:
+               input_splits: list[int] | None = None, group: ProcessGroup | None = None) -> Tensor:
     """Differentiable all-to-all of the rows of ``x``: ``input_splits[j]`` rows go to rank
     ``j``, ``output_splits[i]`` rows arrive from rank ``i`` (``None``: equal blocks)."""
     return AllToAll.apply(x, output_splits, input_splits, group)
 
 
-def exchange_counts(send_counts: Tensor, group=None) -> Tensor:
+def exchange_counts(send_counts: Tensor, group: ProcessGroup | None = None) -> Tensor:
     """``send_counts: [W, n]`` (row ``j``: what this rank sends rank ``j``) → ``[W, n]``
     (row ``i``: what rank ``i`` sends this rank). Equal splits: no sizes needed on the host."""
-    if send_counts.dim() != 2 or send_counts.shape[0] != _group_size(group):
-        raise ValueError(f"send_counts must be [world_size={_group_size(group)}, n], "
-                         f"got {tuple(send_counts.shape)}")
-    return _all_to_all(send_counts, None, None, group)
+    world = dist.get_world_size(group)
+    if send_counts.dim() != 2 or send_counts.shape[0] != world:
+        raise ValueError(f"send_counts must be [world_size={world}, n], got {tuple(send_counts.shape)}")
+    return exchange_rows(send_counts, None, None, group)
 
 
 # --------------------------------------------------------------------------------------
@@ -166,10 +163,28 @@ def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float,
               multiple: int = 1) -> int:
     """Rows per (source, destination) block in the budgeted mode:
     ``ceil(capacity_factor · tokens · top_k / world_size)``, rounded up to ``multiple``."""
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+    positive_number(capacity_factor, "capacity_factor")
     b = math.ceil(capacity_factor * tokens * top_k / world_size)
     return max(1, -(-b // multiple) * multiple)
+
+
+def _local_order(row_expert: Tensor) -> tuple[Tensor, Tensor]:
+    """``row_expert: [rows]`` → the stable sort of the rows by it, and the inverse permutation."""
+    order = torch.argsort(row_expert, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return order, inverse
+
+
+def received_order(recv_counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Received rows grouped by (source rank, local expert), ``recv_counts: [W, E_local]``
+    of them (``rows`` in all), regrouped by local expert for one grouped GEMM: ``(order,
+    inverse, ends)``, the stable sort, its inverse permutation, and ``ends: [E_local]`` int32,
+    each local expert's cumulative row end in sorted order."""
+    world, n_local = recv_counts.shape
+    segment_expert = torch.arange(n_local, device=recv_counts.device).repeat(world)
+    row_expert = torch.repeat_interleave(segment_expert, recv_counts.reshape(-1), output_size=rows)
+    order, inverse = _local_order(row_expert)
+    return order, inverse, recv_counts.sum(0).cumsum(0).to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------
@@ -188,13 +203,6 @@ class EPStats(MoEStats):
     a2a_bytes: int = 0  # bytes this rank sent to other ranks in the forward (dispatch + combine)
 
 
-def _local_order(row_expert: Tensor) -> tuple[Tensor, Tensor]:
-    """Stable sort of received rows by local expert, and its inverse permutation."""
-    order = torch.argsort(row_expert, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return order, inverse
-
-
 class EPMoELayer(MoELayer):
     """An `MoELayer` whose experts are sharded over the process group ``group``.
 
@@ -208,19 +216,17 @@ class EPMoELayer(MoELayer):
     this rank's slice of the experts), or fresh from a config (then seed every rank alike).
     """
 
-    def __init__(self, cfg: MoEConfig, group=None, mode: str = "dropless",
+    def __init__(self, cfg: MoEConfig, group: ProcessGroup | None = None, mode: str = "dropless",
                  capacity_factor: float = 1.25, on_overflow: str = "rerun",
                  expert_backend: str = "torch", router_impl: str = "reference",
                  budget_multiple: int = 1) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: start the ranks with "
                                "moe_lab.workbench.ranks.launch.run_ranks or torchrun first")
-        if mode not in DISPATCH_MODES:
-            raise ValueError(f"mode must be one of {DISPATCH_MODES}, got {mode!r}")
-        if on_overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}")
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
+        one_of(mode, "mode", DISPATCH_MODES)
+        one_of(on_overflow, "on_overflow", OVERFLOW_POLICIES)
+        positive_number(capacity_factor, "capacity_factor")
+        positive_int(budget_multiple, "budget_multiple")
         world = dist.get_world_size(group)
         if cfg.n_experts % world:
             raise ValueError(f"cfg.n_experts={cfg.n_experts} must be divisible by the EP group "
@@ -241,7 +247,8 @@ class EPMoELayer(MoELayer):
         self.experts = SwiGLUExperts(self.n_local, cfg.d_model, cfg.d_expert, expert_backend)
 
     @classmethod
-    def from_layer(cls, layer: MoELayer, group=None, **kwargs) -> EPMoELayer:
+    def from_layer(cls, layer: MoELayer, group: ProcessGroup | None = None,
+                   **kwargs: Any) -> EPMoELayer:
         """This rank's part of ``layer``: its router and shared expert, and the slice of its
         experts this rank owns. ``kwargs`` go to the constructor (``mode``, ...); the
         expert backend defaults to ``layer``'s."""
@@ -330,13 +337,8 @@ class EPMoELayer(MoELayer):
 
     def _experts_on_received(self, x_recv: Tensor, recv_counts: Tensor) -> Tensor:
         """Rows grouped by (source rank, local expert) → local experts → same row order."""
-        world, n_local = recv_counts.shape
-        segment_expert = torch.arange(n_local, device=x_recv.device).repeat(world)
-        row_expert = torch.repeat_interleave(segment_expert, recv_counts.reshape(-1),
-                                             output_size=x_recv.shape[0])
-        order, inverse = _local_order(row_expert)
-        offsets = F.pad(recv_counts.sum(0).cumsum(0), (1, 0)).to(torch.int32)
-        y = self.experts.grouped_forward(x_recv.index_select(0, order), offsets)
+        order, inverse, ends = received_order(recv_counts, x_recv.shape[0])
+        y = self.experts.grouped_forward(x_recv.index_select(0, order), F.pad(ends, (1, 0)))
         return y.index_select(0, inverse)
 
     def _budgeted(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor,
@@ -397,12 +399,18 @@ class EPMoELayer(MoELayer):
                 f"top_k={c.top_k}, mode={self.mode!r}, expert_backend={self.experts.backend!r}")
 
 
-def from_layer(layer: MoELayer, group=None, **kwargs) -> EPMoELayer:
+def from_layer(layer: MoELayer, group: ProcessGroup | None = None,
+               **kwargs: Any) -> EPMoELayer:
     """`EPMoELayer.from_layer`: this rank's expert-parallel part of a single-process layer."""
     return EPMoELayer.from_layer(layer, group, **kwargs)
 
 
-def sync_gradients(model: torch.nn.Module, world_group=None, expert_dp_group=None) -> None:
+def _expert_param_ids(model: torch.nn.Module) -> set[int]:
+    return {id(p) for m in model.modules() if isinstance(m, EPMoELayer) for p in m.experts.parameters()}
+
+
+def sync_gradients(model: torch.nn.Module, world_group: ProcessGroup | None = None,
+                   expert_dp_group: ProcessGroup | None = None) -> None:
     """Make gradients those of the mean loss over all ranks, after ``loss.backward()`` on
     each rank's own batch.
 
@@ -412,8 +420,7 @@ def sync_gradients(model: torch.nn.Module, world_group=None, expert_dp_group=Non
     several EP groups hold copies of a shard, all-reduce over ``expert_dp_group`` first.
     """
     world = dist.get_world_size(world_group)
-    expert_params = {id(p) for m in model.modules() if isinstance(m, EPMoELayer)
-                     for p in m.experts.parameters()}
+    expert_params = _expert_param_ids(model)
     replicated = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in expert_params]
     experts = [p.grad for p in model.parameters() if p.grad is not None and id(p) in expert_params]
     if replicated:
@@ -428,12 +435,12 @@ def sync_gradients(model: torch.nn.Module, world_group=None, expert_dp_group=Non
         g /= world
 
 
-def clip_grad_norm_ep(model: torch.nn.Module, max_norm: float, ep_group=None) -> Tensor:
+def clip_grad_norm_ep(model: torch.nn.Module, max_norm: float,
+                      ep_group: ProcessGroup | None = None) -> Tensor:
     """``clip_grad_norm_`` for a model with EP expert shards: the global norm counts every
     replicated gradient once and every expert shard of the EP group once (the shards' squared
     norms are all-reduced over ``ep_group``). Call after `sync_gradients`; returns the norm."""
-    expert_params = {id(p) for m in model.modules() if isinstance(m, EPMoELayer)
-                     for p in m.experts.parameters()}
+    expert_params = _expert_param_ids(model)
     grads = [(p.grad, id(p) in expert_params) for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -448,79 +455,3 @@ def clip_grad_norm_ep(model: torch.nn.Module, max_norm: float, ep_group=None) ->
     for g, _ in grads:
         g.mul_(scale.to(g.dtype))
     return norm
-
-
-# --------------------------------------------------------------------------------------
-# A rank function for tests and the notebook: EP against the single-process layer
-# --------------------------------------------------------------------------------------
-
-
-def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
-                  cases: tuple[tuple[str, float, float], ...] = (("dropless", 0.0, 1.25),
-                                                                 ("budget", 0.0, 1.25)),
-                  expert_backend: str = "torch") -> dict:
-    """Run on every rank (inside ``run_ranks``): EP against the single-process layer.
-
-    For each ``(mode, skew, capacity_factor[, on_overflow])`` in ``cases``: builds the same
-    single-process dropless layer on every rank (seeded; ``skew`` > 0 adds that bias to
-    expert 0's selection score, so most tokens pick it — an overflow for the budgeted
-    mode), draws all ranks' tokens from one
-    seeded batch, runs the EP layer on this rank's slice, and compares its output and
-    gradients (input, this rank's expert weights, the all-reduced router weight) with the
-    single-process layer on the whole batch.
-
-    Returns ``{"rank", "routing": this rank's topk_ids (first case), "cases": [{"mode",
-    "skew", max abs errors "y", "dx", "dw_gate_up", "dw_down", "drouter", "scale",
-    "overflow", "reruns", "budget", "a2a_bytes", "dropped"}, ...]}``.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = MoEConfig(**cfg_fields)
-    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
-    experts = rank_experts(cfg.n_experts, world, rank)
-    result: dict = {"rank": rank, "cases": []}
-
-    def err(a: Tensor, b: Tensor) -> float:
-        return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
-
-    for case in cases:
-        mode, skew, capacity_factor = case[:3]
-        on_overflow = case[3] if len(case) > 3 else "rerun"
-        torch.manual_seed(seed)
-        ref = MoELayer(cfg, "dropless", expert_backend)
-        with torch.no_grad():
-            ref.router.weight.normal_(0.0, 1.0)  # confident routing: near-ties are improbable
-            ref.router.expert_bias[0] = skew
-        x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
-        g_all = torch.randn_like(x_all)
-        xr = x_all.detach().requires_grad_()
-        y_ref, _ = ref(xr)
-        y_ref.backward(g_all)
-        ep = from_layer(ref, mode=mode, capacity_factor=capacity_factor, on_overflow=on_overflow)
-        ep.zero_grad(set_to_none=True)
-        x = x_all[lo:hi].detach().requires_grad_()
-        y, stats = ep(x)
-        y.backward(g_all[lo:hi])
-        router_grad = ep.router.weight.grad.clone()
-        dist.all_reduce(router_grad)
-        result.setdefault("routing", stats.routing.topk_ids)
-        result["cases"].append({
-            "mode": mode, "skew": skew, "capacity_factor": capacity_factor, "on_overflow": on_overflow,
-            "y": err(y, y_ref[lo:hi]),
-            "dx": err(x.grad, xr.grad[lo:hi]),
-            "dw_gate_up": err(ep.experts.w_gate_up.grad,
-                              ref.experts.w_gate_up.grad[experts.start:experts.stop]),
-            "dw_down": err(ep.experts.w_down.grad, ref.experts.w_down.grad[experts.start:experts.stop]),
-            "drouter": err(router_grad, ref.router.weight.grad),
-            "scale": float(y_ref.detach().abs().max()),
-            "overflow": bool(stats.overflow) if stats.overflow is not None else False,
-            "reruns": stats.reruns, "budget": stats.budget, "a2a_bytes": stats.a2a_bytes,
-            "dropped": int(stats.dropped_tokens),
-        })
-        # sync_gradients: the mean of the ranks' losses. Experts: the owner's gradient (already
-        # summed over ranks) / W; router: the all-reduced partials / W.
-        expert_grad = ep.experts.w_gate_up.grad.clone()
-        sync_gradients(torch.nn.ModuleList([ep]))
-        result["cases"][-1]["sync_gradients"] = max(
-            err(ep.experts.w_gate_up.grad, expert_grad / world),
-            err(ep.router.weight.grad, ref.router.weight.grad / world))
-    return result

@@ -1,13 +1,12 @@
 """A whole `MoETransformer` trained on a 1F1B schedule with merged forward/backward units.
 
-`moe_lab.parallel.merged` merges two micro-batches inside one MoE layer. A model has many
-layers: in the steady state of 1F1B, the forward of micro-batch ``i+1`` runs the blocks
-``0 … L−1`` while the backward of micro-batch ``i`` runs them ``L−1 … 0``. `MergedModelStep`
-pairs them block by block, as Megatron-Core's combined 1F1B does: the forward of block ``k``
-with the backward of block ``L−1−k``. For each pair, the dense parts run as ordinary
-autograd pieces (attention and norms: forward of one, backward of the other), and the two MoE
-layers run one merged plan (`moe_lab.parallel.merged.plan`) in which each one's all-to-alls
-travel under the other's compute.
+`moe_lab.parallel.merged` merges two micro-batches inside one MoE layer. In the steady state
+of 1F1B over a whole model, the forward of micro-batch ``i+1`` runs the blocks ``0 … L−1``
+while the backward of micro-batch ``i`` runs them ``L−1 … 0``. `MergedModelStep` pairs them
+block by block, as Megatron-Core's combined 1F1B does: the forward of block ``k`` with the
+backward of block ``L−1−k``. The dense parts (attention, norms) run as ordinary autograd
+pieces; the two MoE layers run one merged plan (`moe_lab.parallel.plan`) in which each one's
+all-to-alls travel under the other's compute.
 
 One training step over ``m`` micro-batches (``m ≥ 2``) of one rank's batch::
 
@@ -32,14 +31,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from moe_lab.checks import one_of, positive_int
 from moe_lab.model import EMBEDDING_IMPLS, MoETransformer
 from moe_lab.parallel.ep import EPMoELayer
-from moe_lab.parallel.merged import MergedStep, MicroBatch, plan
+from moe_lab.parallel.merged import MergedStep, MicroBatch
+from moe_lab.parallel.plan import plan
 from moe_lab.parallel.timeline import Timeline
 
 Tensor = torch.Tensor
 
-__all__ = ["MergedModelStep", "merged_model_check_rank"]
+__all__ = ["MergedModelStep"]
 
 
 @dataclass
@@ -69,8 +70,7 @@ class MergedModelStep:
     def __init__(self, model: MoETransformer, n_chunks: int = 1, schedule: str = "1f1b") -> None:
         if not isinstance(model, MoETransformer):
             raise ValueError(f"model must be a MoETransformer, got {type(model).__name__}")
-        if schedule not in ("1f1b", "sequential"):
-            raise ValueError(f"schedule must be '1f1b' or 'sequential', got {schedule!r}")
+        one_of(schedule, "schedule", ("1f1b", "sequential"))
         blocks = list(model.blocks)
         moe = [b.ffn for b in blocks if isinstance(b.ffn, EPMoELayer)]
         if not moe:
@@ -206,8 +206,7 @@ class MergedModelStep:
         """Forward + backward of the batch ``idx, targets: [batch, seq]`` in ``n_micro``
         micro-batches (``batch`` divisible by it). Gradients accumulate into the model's
         ``.grad``; returns the mean loss over micro-batches (detached)."""
-        if not isinstance(n_micro, int) or n_micro < 1:
-            raise ValueError(f"n_micro must be a positive integer, got {n_micro!r}")
+        positive_int(n_micro, "n_micro")
         if idx.dim() != 2 or idx.shape != targets.shape or idx.shape[0] % n_micro:
             raise ValueError(f"idx and targets must be [batch, seq] with batch divisible by "
                              f"n_micro={n_micro}, got {tuple(idx.shape)} and {tuple(targets.shape)}")
@@ -228,51 +227,3 @@ class MergedModelStep:
                 self._merged(passes[i], passes[i - 1], n_micro)
             self._backward(passes[-1])
         return torch.stack([p.loss + p.aux for p in passes]).mean()
-
-
-def merged_model_check_rank(preset_name: str = "tiny", batch: int = 4, n_micro: int = 2,
-                            n_chunks: int = 1, seed: int = 0) -> dict:
-    """A rank function for the tests: one training step of the ``preset_name`` model (EP over
-    all ranks) as `MergedModelStep` on ``"1f1b"`` and on ``"sequential"`` (must be bitwise
-    equal), and as plain autograd over the micro-batches (``model(x).loss / n_micro``
-    backward per micro-batch; float32 rounding). Returns ``{"bitwise", "rel", "loss"}``."""
-    import torch.distributed as dist
-
-    from moe_lab.config import preset
-    from moe_lab.data import SyntheticCorpus
-    from moe_lab.moe.layer import MoELayer
-    from moe_lab.parallel.ep import from_layer
-
-    cfg = preset(preset_name)
-    torch.manual_seed(seed)
-    model = MoETransformer(cfg, dispatcher="dropless", expert_backend="torch")
-    for block in model.blocks:
-        if isinstance(block.ffn, MoELayer):
-            block.ffn = from_layer(block.ffn)
-    data = SyntheticCorpus(seq_len=cfg.seq_len, seed=seed).sample(
-        batch, generator=torch.Generator().manual_seed(seed + 1 + dist.get_rank()))
-
-    def grads() -> list[Tensor]:
-        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-
-    results = {}
-    for schedule in ("1f1b", "sequential"):
-        model.zero_grad(set_to_none=True)
-        loss = MergedModelStep(model, n_chunks, schedule).step(data.x, data.y, n_micro)
-        results[schedule] = [loss] + grads()
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for x, y in zip(data.x.chunk(n_micro), data.y.chunk(n_micro), strict=True):
-        out = model(x, y)
-        (out.loss / n_micro).backward()
-        losses.append(out.loss.detach())
-    plain = [torch.stack(losses).mean()] + grads()
-
-    def rel(a: Tensor, b: Tensor) -> float:
-        diff, scale = float((a - b).abs().max()), float(b.abs().max())
-        return diff / scale if scale > 0 else diff
-
-    return {"bitwise": all(torch.equal(a, b) for a, b in zip(results["1f1b"], results["sequential"],
-                                                             strict=True)),
-            "rel": max(rel(a, b) for a, b in zip(results["1f1b"], plain, strict=True)),
-            "loss": float(results["1f1b"][0]), "plain_loss": float(plain[0])}

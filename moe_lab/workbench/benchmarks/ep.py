@@ -6,7 +6,7 @@ namespace behind a rate-limited link (`moe_lab.workbench.ranks.netem.EmulatedLin
 allows it (root, iproute2), on the loopback device otherwise (said in the result's
 ``link`` field and notes). It measures, for one MoE layer, the steady-state unit of a 1F1B
 pipeline — the forward of one micro-batch and the backward of another
-(`moe_lab.parallel.merged`):
+(`moe_lab.parallel.merged`, timed by `moe_lab.workbench.ranks.harness`):
 
 - tokens/s (all ranks' tokens of one micro-batch / the slowest rank's unit time) for each
   schedule: ``sequential`` (every all-to-all waited at once), ``chunked`` (chunk pipelining
@@ -17,7 +17,7 @@ pipeline — the forward of one micro-batch and the backward of another
   sequential step spends in them, hence the bandwidth the all-to-all achieved, and the
   bandwidth of one large all-to-all alone;
 - exposed communication per schedule, as the time the ranks spent outside compute, and
-  as step − compute-only (see ``moe_lab.parallel.overlap``), each as a fraction of the
+  as step − compute-only (see ``moe_lab.workbench.ranks.harness``), each as a fraction of the
   sequential schedule's.
 
 ``--sweep`` adds the dispatch tuning knobs: the number of chunks and the share of the
@@ -32,10 +32,13 @@ Every figure is appended to the ledger (notebook ``bench:ep`` unless ``--noteboo
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
-from moe_lab.parallel.merged import SCHEDULES, merged_rank_main
+from moe_lab.checks import positive_int, positive_number
+from moe_lab.parallel.plan import SCHEDULES
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.ranks import netem
+from moe_lab.workbench.ranks.harness import merged_rank_main
 from moe_lab.workbench.ranks.launch import run_ranks
 
 DESCRIPTION = ("expert-parallel layer on N gloo ranks over an emulated link: all-to-all bytes, "
@@ -58,7 +61,7 @@ DEFAULT_RATE_MBIT = 200.0
 
 def spec_for(profile: str, ranks: int, tokens: int | None = None, n_chunks: int | None = None,
              repeats: int | None = None, seed: int = 0) -> dict:
-    """The rank spec (``moe_lab.parallel.merged.merged_rank_main``) of a profile."""
+    """The rank spec (`moe_lab.workbench.ranks.harness.merged_rank_main`) of a profile."""
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     p = PROFILES[profile]
@@ -74,10 +77,8 @@ def run_ep_benchmark(ranks: int = 2, rate_mbit: float | None = DEFAULT_RATE_MBIT
     """Launch ``ranks`` ranks (over the emulated link when ``rate_mbit`` is set and the
     machine allows it) and return rank 0's report, with ``link`` and ``notes`` added.
     ``threads_per_rank``: torch threads each rank computes with."""
-    if not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
-    if not isinstance(threads_per_rank, int) or threads_per_rank < 1:
-        raise ValueError(f"threads_per_rank must be a positive integer, got {threads_per_rank!r}")
+    positive_int(ranks, "ranks")
+    positive_int(threads_per_rank, "threads_per_rank")
     spec = spec or spec_for("smoke", ranks)
     notes = []
     link = None
@@ -160,7 +161,8 @@ def record(report: dict, notebook: str = "bench:ep") -> None:
 # ------------------------------------------------------------------------- the tuning sweep
 
 
-def sweep(ranks: int, rate_mbit: float | None, profile: str = "smoke", n_chunks=None, threads=None,
+def sweep(ranks: int, rate_mbit: float | None, profile: str = "smoke",
+          n_chunks: Sequence[int] | None = None, threads: Sequence[int] | None = None,
           repeats: int = 3, seed: int = 0, timeout_s: float = 600.0, tokens: int | None = None) -> list[dict]:
     """The dispatch tuning knobs, one fresh launch per point: ``n_chunks`` (chunks per
     micro-batch: more chunks, smaller in-flight buffers and finer overlap, more per-chunk
@@ -175,8 +177,10 @@ def sweep(ranks: int, rate_mbit: float | None, profile: str = "smoke", n_chunks=
     n_chunks = tuple(n_chunks or grid["n_chunks"])
     threads = tuple(threads or grid["threads"])
     for name, values in (("n_chunks", n_chunks), ("threads", threads)):
-        if not values or any(not isinstance(v, int) or v < 1 for v in values):
-            raise ValueError(f"{name} must be positive integers, got {values!r}")
+        if not values:
+            raise ValueError(f"{name} must hold at least one value, got {values!r}")
+        for i, v in enumerate(values):
+            positive_int(v, f"{name}[{i}]")
     rows = []
     for t in threads:
         for n in n_chunks:
@@ -231,14 +235,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    for name in ("ranks", "threads"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name} must be a positive integer, got {getattr(args, name)}")
-    for name in ("tokens", "chunks", "repeats"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name} must be a positive integer, got {getattr(args, name)}")
-    if not args.rate_mbit > 0:
-        raise SystemExit(f"error: --rate-mbit must be > 0, got {args.rate_mbit}")
+    try:
+        for name in ("ranks", "threads", "tokens", "chunks", "repeats"):
+            if getattr(args, name) is not None:  # None: the profile's
+                positive_int(getattr(args, name), f"--{name}")
+        positive_number(args.rate_mbit, "--rate-mbit")
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     spec = spec_for(args.profile, args.ranks, args.tokens, args.chunks, args.repeats)
     rate = None if args.no_link else args.rate_mbit
     report = run_ep_benchmark(args.ranks, rate, spec, threads_per_rank=args.threads)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import torch
 
 from moe_lab.parallel.ep import traffic_matrix
-from moe_lab.parallel.merged import (
+from moe_lab.parallel.plan import (
     MODEL_COSTS,
     PlanError,
     Stage,
@@ -52,7 +53,7 @@ def predict_exposed(comm_s: list[float], compute_s: list[float]) -> float:
 
 
 @exercise("a2a_splits")
-def check_a2a_splits(fn) -> None:
+def check_a2a_splits(fn: Callable[[list[torch.Tensor], int, int], tuple[list[int], list[int]]]) -> None:
     """Raises ExerciseError unless ``fn`` gives every rank's input and output splits,
     including ranks that receive nothing."""
     g = torch.Generator().manual_seed(7)
@@ -87,7 +88,7 @@ def check_a2a_splits(fn) -> None:
 
 
 @exercise("predict_exposed")
-def check_predict_exposed(fn) -> None:
+def check_predict_exposed(fn: Callable[[list[float], list[float]], float]) -> None:
     """Raises ExerciseError unless ``fn`` predicts the pipeline's exposed time, on hand-made
     and random chunk timings."""
     cases = [
@@ -120,7 +121,7 @@ def merged_order(stages: dict[str, Stage]) -> list[str]:
     and micro-batch ``B``'s backward of one MoE layer) in which no collective is waited on
     before it can have finished: every all-to-all is started early and has compute of the
     *other* micro-batch (or work nothing waits for) between its start and its use.
-    ``stages``: `moe_lab.parallel.merged.stage_graph(1)`, names to `Stage` (``lane``, ``deps``)."""
+    ``stages``: `moe_lab.parallel.plan.stage_graph(1)`, names to `Stage` (``lane``, ``deps``)."""
     return plan("1f1b", 1)
 
 
@@ -130,10 +131,10 @@ def _describe_stages(stages: dict[str, Stage]) -> str:
 
 
 @exercise("merged_order")
-def check_merged_order(fn) -> None:
+def check_merged_order(fn: Callable[[dict[str, Stage]], list[str]]) -> None:
     """Raises ExerciseError unless ``fn(stages)`` returns an order of every stage of
     ``stage_graph(1)``, each after its dependencies, whose event log on the model machine
-    (`moe_lab.parallel.merged.simulate_plan`: one processor, one link carrying the collectives
+    (`moe_lab.parallel.plan.simulate_plan`: one processor, one link carrying the collectives
     one after another, costs `MODEL_COSTS`) has no wait on a collective that had not
     finished."""
     stages = stage_graph(1)

@@ -56,11 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_lab.workbench.ranks.netem import IFNAME, enter_namespace
+from moe_lab.checks import positive_int, positive_number
+from moe_lab.workbench.ranks.netem import IFNAME, EmulatedLink, enter_namespace
 
 __all__ = [
-    "RankFailure", "RankStatus", "run_ranks", "init_from_env", "check_peers", "whoami",
-    "default_backend", "torchrun_command", "run_torchrun", "fault_rank",
+    "RankFailure", "RankStatus", "run_ranks", "init_from_env", "rank_device", "check_peers",
+    "whoami", "default_backend", "torchrun_command", "run_torchrun",
 ]
 
 GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to exit by themselves
@@ -69,7 +70,7 @@ GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to ex
 class RankFailure(RuntimeError):
     """One or more ranks failed, hung or overran the deadline; ``statuses`` says which and how."""
 
-    def __init__(self, message: str, statuses: list[RankStatus]):
+    def __init__(self, message: str, statuses: list[RankStatus]) -> None:
         super().__init__(message)
         self.statuses = statuses
 
@@ -106,7 +107,8 @@ def default_backend() -> str:
 # Modules the fork server imports once, so that every rank forked from it starts with torch
 # already loaded (a fresh interpreter per rank spends seconds importing torch).
 PRELOAD = ["torch", "torch.distributed", "moe_lab.parallel.ep", "moe_lab.parallel.overlap",
-           "moe_lab.parallel.merged"]
+           "moe_lab.parallel.merged", "moe_lab.workbench.ranks.harness",
+           "moe_lab.workbench.ranks.equivalence", "moe_lab.workbench.ranks.faults"]
 
 
 def _context():
@@ -163,7 +165,8 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              collective_timeout_s: float = 30.0, backend: str | None = None, link=None,
+              collective_timeout_s: float = 30.0, backend: str | None = None,
+              link: EmulatedLink | None = None,
               threads_per_rank: int | None = None, env: dict[str, str] | None = None,
               grace_s: float = GRACE_S) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes joined in a process group.
@@ -186,16 +189,14 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     Raises:
         RankFailure: a rank raised, died, or the deadline passed; the message names each rank.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    positive_int(world_size, "world_size")
     interactive_main = (getattr(fn, "__module__", "__main__") == "__main__"
                         and not getattr(sys.modules.get("__main__"), "__file__", None))
     if not callable(fn) or interactive_main or "<locals>" in getattr(fn, "__qualname__", ""):
         raise ValueError(f"fn must be a module-level function importable by name (a notebook's "
                          f"own functions are not: put it in a module), got {fn!r}")
-    if not timeout_s > 0 or not collective_timeout_s > 0:
-        raise ValueError(f"timeout_s and collective_timeout_s must be > 0, got {timeout_s!r} and "
-                         f"{collective_timeout_s!r}")
+    positive_number(timeout_s, "timeout_s")
+    positive_number(collective_timeout_s, "collective_timeout_s")
     backend = backend or default_backend()
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
@@ -272,7 +273,7 @@ def _failure_message(statuses: list[RankStatus], timeout_s: float) -> str:
     return head + ":\n  " + "\n  ".join(s.describe() for s in order)
 
 
-def check_peers(timeout_s: float = 10.0, group=None) -> None:
+def check_peers(timeout_s: float = 10.0, group: dist.ProcessGroup | None = None) -> None:
     """A barrier that names the ranks that did not arrive within ``timeout_s`` (gloo's
     ``monitored_barrier``; a plain barrier on other backends)."""
     if dist.get_backend(group) == "gloo":
@@ -281,7 +282,8 @@ def check_peers(timeout_s: float = 10.0, group=None) -> None:
         dist.barrier(group)
 
 
-def init_from_env(collective_timeout_s: float = 60.0, backend: str | None = None):
+def init_from_env(collective_timeout_s: float = 60.0,
+                  backend: str | None = None) -> tuple[int, int, torch.device]:
     """Initialise the default process group from torchrun's environment.
 
     Picks NCCL (one GPU per local rank, with high-priority communication streams) where
@@ -307,6 +309,14 @@ def init_from_env(collective_timeout_s: float = 60.0, backend: str | None = None
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def rank_device() -> torch.device:
+    """The device this rank computes on, the one place rank functions take it from: its GPU
+    under NCCL (`run_ranks` and `init_from_env` set it per local rank), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def whoami() -> dict:
     """A rank's view of the job: its rank, the world size, the backend, its address, and an
     all-reduce of ranks (``0 + 1 + ... + N-1``) to show they really talk."""
@@ -319,35 +329,10 @@ def whoami() -> dict:
             "sum_of_ranks": int(total)}
 
 
-def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout_s: float = 5.0) -> int:
-    """A rank function that fails on purpose (for the tests and notebook 07).
-
-    Every rank joins a barrier, then loops over small all-reduces; rank ``victim`` instead
-    dies (``kind="crash"``: SIGKILL, as the out-of-memory killer would), raises
-    (``"raise"``), or stops answering (``"hang"``: sleeps). Before each all-reduce the others
-    pass `check_peers`, so a missing rank is named. Returns the number of iterations done.
-    """
-    if kind not in ("crash", "raise", "hang"):
-        raise ValueError(f"kind must be 'crash', 'raise' or 'hang', got {kind!r}")
-    dist.barrier()
-    if dist.get_rank() == victim:
-        if kind == "crash":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "raise":
-            raise RuntimeError(f"rank {victim} failed on purpose")
-        time.sleep(3600)
-    x = torch.ones(1024)
-    for _ in range(iterations):
-        check_peers(check_timeout_s)
-        dist.all_reduce(x)
-    return iterations
-
-
 def torchrun_command(script: str | os.PathLike, nproc: int, *script_args: str) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc_per_node=N script args...``
     (the ``torchrun`` entry point, run with this interpreter)."""
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+    positive_int(nproc, "nproc")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", str(script), *map(str, script_args)]
 

@@ -60,6 +60,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+from moe_lab.checks import int_in, positive_number
+
 __all__ = [
     "EmulatedLink", "LinkUnavailable", "available", "enter_namespace", "cleanup_stale",
     "PREFIX", "IFNAME", "SUBNET",
@@ -174,14 +176,11 @@ class EmulatedLink:
     active: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or not 1 <= self.world_size <= 250:
-            raise ValueError(f"world_size must be an integer in [1, 250], got {self.world_size!r}")
-        if not self.rate_mbit > 0:
-            raise ValueError(f"rate_mbit must be > 0, got {self.rate_mbit!r}")
+        int_in(self.world_size, "world_size", 1, 250)
+        positive_number(self.rate_mbit, "rate_mbit")
         if self.delay_ms < 0:
             raise ValueError(f"delay_ms must be >= 0, got {self.delay_ms!r}")
-        if not isinstance(self.mtu, int) or isinstance(self.mtu, bool) or not 1280 <= self.mtu <= 65000:
-            raise ValueError(f"mtu must be an integer in [1280, 65000] bytes, got {self.mtu!r}")
+        int_in(self.mtu, "mtu", 1280, 65000)
 
     # names and addresses -------------------------------------------------------------
     @property
@@ -285,5 +284,5 @@ class EmulatedLink:
     def __enter__(self) -> EmulatedLink:
         return self.setup()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.teardown()

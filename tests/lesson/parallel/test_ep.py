@@ -16,14 +16,8 @@ import pytest
 import torch
 
 from moe_lab.moe.layer import MoELayer
-from moe_lab.parallel.ep import (
-    EPMoELayer,
-    ep_budget,
-    ep_check_rank,
-    rank_experts,
-    split_sizes,
-    traffic_matrix,
-)
+from moe_lab.parallel.ep import EPMoELayer, ep_budget, rank_experts, split_sizes, traffic_matrix
+from moe_lab.workbench.ranks.equivalence import ep_check_rank
 from moe_lab.workbench.ranks.launch import run_ranks, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[3]

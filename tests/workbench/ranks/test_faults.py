@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from moe_lab.parallel.merged import merged_fault_rank
-from moe_lab.workbench.ranks.launch import RankFailure, fault_rank, run_ranks, whoami
+from moe_lab.workbench.ranks.faults import fault_rank, merged_fault_rank
+from moe_lab.workbench.ranks.launch import RankFailure, run_ranks, whoami
 
 
 @pytest.mark.timeout(45)
@@ -62,7 +62,7 @@ def test_functions_must_be_importable():
 
 
 # The same guarantees in the middle of a 1F1B-merged step, with collectives of both
-# micro-batches in flight when the victim stops (moe_lab.parallel.merged.merged_fault_rank).
+# micro-batches in flight when the victim stops (moe_lab.workbench.ranks.faults.merged_fault_rank).
 
 
 @pytest.mark.timeout(45)

@@ -1,0 +1,253 @@
+"""The stages of one chunk of an expert-parallel step, written out for a schedule to order.
+
+A schedule that hides the all-to-all (`moe_lab.parallel.overlap.ChunkedStep`, the 1F1B
+`moe_lab.parallel.merged.MergedStep`) cannot call the layer's ``forward`` and let autograd run
+the backward: it must start each collective itself and put compute between. So the dropless
+`EPMoELayer` step is cut here into stages over one `Chunk` of a rank's tokens:
+
+forward   route (router + permute) · [counts] · [dispatch] · experts · [combine] · unpermute,
+          and the shared expert beside them
+backward  unpermute⁻¹ · [combine⁻¹] · experts dgrad · [dispatch⁻¹] · route⁻¹ (permute⁻¹ and
+          router), and beside them the shared expert⁻¹ and the experts' wgrad
+
+(in brackets: the collectives, which the schedule starts). The experts' backward is written out
+as grouped GEMMs in two halves: the *dgrad* (gradient of the input, which the next all-to-all
+needs) and the *wgrad* (gradient of the weights, which nothing waits for, so a schedule may
+delay it, as Megatron-Core's ``--delay-wgrad-compute`` does). The local pieces (route,
+unpermute, shared expert, SwiGLU) are small autograd graphs on detached leaves, so each piece's
+backward runs when the schedule says.
+
+`StageClock` stamps the stages (the wall clock on the CPU, CUDA events on a GPU) and turns
+them into a `moe_lab.parallel.timeline.Timeline`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from moe_lab.checks import positive_int
+from moe_lab.moe.dispatch import sort_by_expert
+from moe_lab.moe.experts import grouped_mm, grouped_mm_wgrad, swiglu
+from moe_lab.parallel.ep import EPMoELayer, received_order
+from moe_lab.parallel.timeline import Event, Timeline
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+Tensor = torch.Tensor
+
+__all__ = ["Chunk", "ChunkStages", "StageClock", "chunk_rows", "mark_end_when_done"]
+
+
+def chunk_rows(tokens: int, n_chunks: int) -> list[slice]:
+    """``n_chunks`` contiguous, near-equal row ranges covering ``tokens`` rows."""
+    positive_int(n_chunks, "n_chunks")
+    bounds = torch.linspace(0, tokens, n_chunks + 1).round().long().tolist()
+    return [slice(bounds[i], bounds[i + 1]) for i in range(n_chunks)]
+
+
+class StageClock:
+    """Stage timestamps from the start of a step: the wall clock on the CPU; CUDA events on
+    a GPU (resolved at the end, after one synchronize)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+        else:
+            self.origin = time.perf_counter()
+
+    def now(self) -> float | torch.cuda.Event:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, mark: float | torch.cuda.Event) -> float:
+        if self.cuda:
+            return self.origin.elapsed_time(mark) / 1e3
+        return mark - self.origin
+
+    def timeline(self, rank: int, label: str, events: list[dict]) -> Timeline:
+        """The step so far as a `Timeline`: its wall time and every recorded event (dicts
+        with ``chunk, lane, name, phase, start, end, nbytes``; an event never ended lasts 0)."""
+        if self.cuda:
+            end = self.now()
+            torch.cuda.synchronize()
+            step_s = self.seconds(end)
+        else:
+            step_s = time.perf_counter() - self.origin
+        return Timeline(rank, label, step_s, [
+            Event(e["chunk"], e["lane"], e["name"], e["phase"], self.seconds(e["start"]),
+                  self.seconds(e["end"] if e["end"] is not None else e["start"]), e["nbytes"])
+            for e in events])
+
+
+def mark_end_when_done(work: Work | None, event: dict) -> None:
+    """On the CPU, stamp ``event["end"]`` when gloo's thread completes ``work``: a transfer
+    that finished while the processor computed shows where it really ended."""
+    if work is None:
+        return
+
+    def done(_future: object) -> None:
+        if event.get("end") is None:
+            event["end"] = time.perf_counter()
+
+    work.get_future().add_done_callback(done)
+
+
+@dataclass
+class Chunk:
+    """What one chunk's stages leave for the next: its rows of the rank's tokens, the
+    permuted rows it sends, the exchange's split sizes, the experts' saved activations."""
+
+    rows: slice
+    x: Tensor  # [rows, d_model], a leaf: its .grad is the chunk's input gradient
+    token_of: Tensor  # [rows·k] token of each permuted row
+    send: Tensor  # [rows·k, d_model] permuted rows, grouped by destination rank
+    w_sorted: Tensor  # [rows·k] router weight of each permuted row
+    counts: Tensor  # [W, E_local] rows for each rank's local experts
+    recv_counts: Tensor | None = None  # [W, E_local] rows each rank sends us
+    send_splits: list[int] | None = None
+    recv_splits: list[int] | None = None
+    order: Tensor | None = None  # received rows sorted by local expert, and back
+    inverse: Tensor | None = None
+    offs: Tensor | None = None  # [E_local] int32 cumulative row ends of the grouped GEMMs
+    saved: tuple = ()  # (xs, h, a) of the experts' forward; a = swiglu(h) keeps its graph
+    wgrad_inputs: tuple = ()  # what the delayed wgrad needs
+    shared_out: Tensor | None = None
+    shared_leaf: Tensor | None = None
+    y_back: Tensor | None = None
+    w_leaf: Tensor | None = None
+    out: Tensor | None = None
+    aux: Tensor | None = None  # the chunk's weighted auxiliary + z losses (with aux_scale)
+
+
+class ChunkStages:
+    """The stage arithmetic of a dropless `EPMoELayer` step, chunk by chunk (no collectives).
+
+    The experts run on ``moe_lab::grouped_mm`` whatever the layer's expert backend (on CUDA
+    that means bf16, ``torch._grouped_mm``'s restriction there). Parameter gradients accumulate
+    into the layer's ``.grad``. ``aux_scale``: None back-propagates the output's gradient only;
+    a number also back-propagates the chunk's auxiliary and z losses (weighted by the config's
+    coefficients) with that factor (a training step: 1 / micro-batches).
+    """
+
+    def __init__(self, layer: EPMoELayer) -> None:
+        if not isinstance(layer, EPMoELayer):
+            raise ValueError(f"layer must be an EPMoELayer, got {type(layer).__name__}")
+        if layer.mode != "dropless":
+            raise ValueError(f"the chunked stages schedule the dropless exchange; layer.mode is "
+                             f"{layer.mode!r}")
+        if layer.experts.quant is not None:
+            raise ValueError("the chunked stages write the expert backward for unquantised experts; "
+                             f"layer.experts.quant is {layer.experts.quant!r}")
+        self.layer = layer
+        self.aux_scale: float | None = None
+
+    # ------------------------------------------------------------------ counts
+    def send_counts(self, chunks: list[Chunk]) -> Tensor:
+        """``[W, n_chunks · E_local]``: every chunk's counts, for one count exchange."""
+        return torch.stack([c.counts for c in chunks], 1).reshape(self.layer.ep_size, -1)
+
+    def take_counts(self, chunks: list[Chunk], recv_all: Tensor) -> None:
+        """Give each chunk what the count exchange returned, and its split sizes (the host
+        sync: ``all_to_all_single`` takes them as Python ints)."""
+        layer = self.layer
+        recv_all = recv_all.view(layer.ep_size, len(chunks), layer.n_local)
+        sizes = torch.stack([torch.stack([c.counts.sum(1) for c in chunks]),
+                             recv_all.sum(2).t()]).tolist()  # [2, n, W]
+        for i, c in enumerate(chunks):
+            c.recv_counts = recv_all[:, i]
+            c.send_splits, c.recv_splits = sizes[0][i], sizes[1][i]
+
+    # ------------------------------------------------------------------ forward
+    def route(self, x: Tensor, rows: slice) -> Chunk:
+        layer = self.layer
+        with torch.enable_grad():
+            xc = x[rows].detach().requires_grad_()
+            routing = layer.router(xc)
+            order, _ = sort_by_expert(routing.topk_ids, layer.cfg.n_experts)
+            token_of = order // layer.cfg.top_k
+            send = xc.index_select(0, token_of)
+            w_sorted = routing.topk_weights.reshape(-1).index_select(0, order)
+            aux = None
+            if self.aux_scale is not None:
+                aux = routing.aux_loss * layer.cfg.aux_loss_coef + routing.z_loss * layer.cfg.z_loss_coef
+        counts = routing.tokens_per_expert.view(layer.ep_size, layer.n_local)
+        return Chunk(rows, xc, token_of, send, w_sorted, counts, aux=aux)
+
+    def shared_fwd(self, c: Chunk) -> None:
+        if self.layer.shared is not None:
+            with torch.enable_grad():
+                c.shared_out = self.layer.shared(c.x)
+
+    def experts_fwd(self, c: Chunk, x_recv: Tensor) -> Tensor:
+        """Received rows (by source rank, then local expert) → expert outputs, same order."""
+        ex = self.layer.experts
+        c.order, c.inverse, c.offs = received_order(c.recv_counts, x_recv.shape[0])
+        w1, w2 = ex.w_gate_up.detach().to(x_recv.dtype), ex.w_down.detach().to(x_recv.dtype)
+        xs = x_recv.index_select(0, c.order)
+        with torch.enable_grad():  # SwiGLU's own backward gives the dgrad its derivative
+            h = grouped_mm(xs, w1, c.offs).requires_grad_()
+            a = swiglu(h)
+        ys = grouped_mm(a.detach(), w2, c.offs)
+        c.saved = (xs, h, a)
+        return ys.index_select(0, c.inverse)
+
+    def unpermute(self, c: Chunk, y_back: Tensor) -> None:
+        with torch.enable_grad():
+            c.y_back = y_back.detach().requires_grad_()
+            c.w_leaf = c.w_sorted.detach().requires_grad_()
+            weight = c.w_leaf.unsqueeze(1).to(c.y_back.dtype)
+            out = torch.zeros_like(c.x).index_add_(0, c.token_of, c.y_back * weight)
+            if c.shared_out is not None:
+                c.shared_leaf = c.shared_out.detach().requires_grad_()
+                out = out + c.shared_leaf
+            c.out = out
+
+    # ------------------------------------------------------------------ backward
+    def unpermute_bwd(self, c: Chunk, dout: Tensor) -> None:
+        torch.autograd.backward([c.out], [dout])
+
+    def shared_bwd(self, c: Chunk) -> None:
+        if c.shared_out is not None:
+            torch.autograd.backward([c.shared_out], [c.shared_leaf.grad])
+
+    def experts_dgrad(self, c: Chunk, dy_recv: Tensor) -> Tensor:
+        """The gradient of the received rows: two grouped GEMMs, SwiGLU's backward between."""
+        ex = self.layer.experts
+        xs, h, a = c.saved
+        w1, w2 = ex.w_gate_up.detach().to(h.dtype), ex.w_down.detach().to(h.dtype)
+        dys = dy_recv.index_select(0, c.order)
+        da = grouped_mm(dys, w2.transpose(-1, -2).contiguous(), c.offs)
+        (dh,) = torch.autograd.grad([a], [h], [da])
+        dxs = grouped_mm(dh, w1.transpose(-1, -2).contiguous(), c.offs)
+        c.wgrad_inputs = (xs, dh, a.detach(), dys)
+        return dxs.index_select(0, c.inverse)
+
+    def experts_wgrad(self, c: Chunk) -> None:
+        """The experts' weight gradients, added into ``.grad``: nothing waits for them."""
+        ex = self.layer.experts
+        xs, dh, a, dys = c.wgrad_inputs
+        for param, grad in ((ex.w_gate_up, grouped_mm_wgrad(xs, dh, c.offs)),
+                            (ex.w_down, grouped_mm_wgrad(a, dys, c.offs))):
+            grad = grad.to(param.dtype)
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
+        c.wgrad_inputs = ()
+
+    def route_bwd(self, c: Chunk, dsend: Tensor) -> None:
+        tensors, grads = [c.send, c.w_sorted], [dsend, c.w_leaf.grad]
+        if c.aux is not None and c.aux.requires_grad:
+            tensors.append(c.aux)
+            grads.append(torch.full_like(c.aux, self.aux_scale))
+        torch.autograd.backward(tensors, grads)

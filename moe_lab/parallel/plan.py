@@ -1,0 +1,283 @@
+"""1F1B merging as data: the stages of a merged unit, the four plans, a model machine to run them.
+
+Chunk pipelining (`moe_lab.parallel.overlap`) hides one chunk's all-to-all behind another
+chunk's experts inside one micro-batch's layer. It cannot hide the edges: the first dispatch
+has only the shared expert under it, the last dispatch⁻¹ only the delayed weight gradients. In
+the steady state of a 1F1B pipeline (notebook 08) every stage alternates the forward of
+micro-batch ``i+1`` with the backward of micro-batch ``i``: two *independent* streams of work,
+each with four all-to-alls per MoE layer. Megatron-Core (``--overlap-moe-expert-parallel-comm
+--delay-wgrad-compute``) and DeepSeek's DualPipe merge them layer by layer, so that each one's
+all-to-all travels while the other computes.
+
+A merged unit is a set of named stages (`stage_graph`; ``F`` is the micro-batch going forward,
+``B`` the one going backward), per chunk ``c``::
+
+    F.route[c] → F.counts (one blocking count exchange for all chunks) → F.dispatch[c] (comm)
+        → F.experts[c] → F.combine[c] (comm) → F.unpermute[c];   F.shared[c] after F.route[c]
+    B.unpermute⁻¹[c] → B.combine⁻¹[c] (comm) → B.dgrad[c] → B.dispatch⁻¹[c] (comm)
+        → B.permute⁻¹[c];   B.shared⁻¹[c] after B.unpermute⁻¹[c];   B.wgrad[c] after B.dgrad[c]
+
+Stages that add into the same gradients (``wgrad``, ``shared⁻¹``, ``permute⁻¹``) keep chunk
+order, so every plan sums the same numbers in the same order and gives *bitwise* the same
+result. A plan is an order of the stages (`check_plan`); the four of `plan`:
+
+- ``sequential``: the backward of ``B``, then the forward of ``F``, every collective waited
+  for as soon as it starts;
+- ``chunked``: the same two halves one after the other, each chunk-pipelined (what
+  `moe_lab.parallel.overlap.ChunkedStep` does, with delayed weight gradients);
+- ``1f1b``: the two micro-batches merged: ``F``'s dispatch and ``B``'s combine⁻¹ travel under
+  the two shared experts, ``B``'s combine⁻¹ under ``F``'s experts, ``F``'s combine under ``B``'s
+  dgrad, ``B``'s dispatch⁻¹ under ``B``'s weight gradients;
+- ``1f1b+chunked``: merged, and each half chunked as well.
+
+`simulate_plan` runs a plan on a model machine (one processor, one link) and says where the
+processor waits; `moe_lab.parallel.merged.MergedStep` runs it on real ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from moe_lab.checks import one_of, positive_int
+from moe_lab.parallel.timeline import Event, Timeline
+
+__all__ = [
+    "Stage", "stage_graph", "stage_name", "plan", "check_plan", "simulate_plan", "PlanError",
+    "SCHEDULES", "COMM_STAGES", "DISPLAY_NAMES", "MODEL_COSTS",
+]
+
+SCHEDULES = ("sequential", "chunked", "1f1b", "1f1b+chunked")
+COMM_STAGES = ("counts", "dispatch", "combine", "combine⁻¹", "dispatch⁻¹")
+# the names stages carry on a timeline
+DISPLAY_NAMES = {"route": "route+permute", "shared": "shared expert", "experts": "experts",
+            "unpermute": "unpermute", "unpermute⁻¹": "unpermute⁻¹", "shared⁻¹": "shared expert⁻¹",
+            "dgrad": "experts dgrad", "wgrad": "experts wgrad", "permute⁻¹": "route+permute⁻¹",
+            "counts": "counts", "dispatch": "dispatch", "combine": "combine",
+            "combine⁻¹": "combine⁻¹", "dispatch⁻¹": "dispatch⁻¹"}
+
+
+class PlanError(ValueError):
+    """A plan that is not an order of its stages respecting their dependencies."""
+
+
+# --------------------------------------------------------------------------------------
+# The stages as data: what the plans, the checks and the exercise reason about
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of one chunk of one micro-batch: ``name`` like ``"F.dispatch[0]"``;
+    ``lane`` ``"compute"`` or ``"comm"``; ``deps``: the stages whose results it uses (or
+    whose gradient sums it must follow)."""
+
+    name: str
+    mb: str  # "F" (going forward) or "B" (going backward)
+    kind: str  # "dispatch", "experts", ...
+    chunk: int
+    lane: str
+    deps: tuple[str, ...] = ()
+
+    @property
+    def phase(self) -> str:
+        return "fwd" if self.mb == "F" else "bwd"
+
+
+def stage_name(mb: str, kind: str, c: int | None = None) -> str:
+    """``"F.dispatch[0]"``: micro-batch, kind and chunk (none for the one count exchange)."""
+    return f"{mb}.{kind}" if c is None else f"{mb}.{kind}[{c}]"
+
+
+_n = stage_name  # the plans below spell many names
+
+
+def stage_graph(n_chunks: int = 1, forward: bool = True, backward: bool = True) -> dict[str, Stage]:
+    """The stages of one merged unit (``F``'s forward and/or ``B``'s backward of one MoE
+    layer, ``n_chunks`` chunks each), by name, with their dependencies."""
+    positive_int(n_chunks, "n_chunks")
+    if not (forward or backward):
+        raise ValueError("stage_graph needs forward=True or backward=True (or both)")
+    stages: list[Stage] = []
+
+    def add(mb: str, kind: str, c: int | None, deps: list[str]) -> None:
+        lane = "comm" if kind in COMM_STAGES else "compute"
+        stages.append(Stage(_n(mb, kind, c), mb, kind, -1 if c is None else c, lane, tuple(deps)))
+
+    chunks = range(n_chunks)
+    if forward:
+        for c in chunks:
+            add("F", "route", c, [])
+        add("F", "counts", None, [_n("F", "route", c) for c in chunks])
+        for c in chunks:
+            add("F", "dispatch", c, [_n("F", "counts")])
+            add("F", "shared", c, [_n("F", "route", c)] + ([_n("F", "shared", c - 1)] if c else []))
+            add("F", "experts", c, [_n("F", "dispatch", c)])
+            add("F", "combine", c, [_n("F", "experts", c)])
+            add("F", "unpermute", c, [_n("F", "combine", c), _n("F", "shared", c)])
+    if backward:
+        for c in chunks:
+            prev = (lambda kind, c=c: [_n("B", kind, c - 1)] if c else [])  # noqa: E731
+            add("B", "unpermute⁻¹", c, [])
+            add("B", "combine⁻¹", c, [_n("B", "unpermute⁻¹", c)])
+            add("B", "shared⁻¹", c, [_n("B", "unpermute⁻¹", c)] + prev("shared⁻¹"))
+            add("B", "dgrad", c, [_n("B", "combine⁻¹", c)])
+            add("B", "dispatch⁻¹", c, [_n("B", "dgrad", c)])
+            add("B", "wgrad", c, [_n("B", "dgrad", c)] + prev("wgrad"))
+            add("B", "permute⁻¹", c, [_n("B", "dispatch⁻¹", c), _n("B", "unpermute⁻¹", c)]
+                + prev("permute⁻¹"))
+    return {s.name: s for s in stages}
+
+
+def _fwd_natural(n: int) -> list[str]:
+    order = [_n("F", "route", c) for c in range(n)] + [_n("F", "counts")]
+    for c in range(n):
+        order += [_n("F", k, c) for k in ("dispatch", "shared", "experts", "combine", "unpermute")]
+    return order
+
+
+def _bwd_natural(n: int) -> list[str]:
+    return [_n("B", k, c) for c in range(n) for k in
+            ("unpermute⁻¹", "combine⁻¹", "shared⁻¹", "dgrad", "dispatch⁻¹", "wgrad", "permute⁻¹")]
+
+
+def _fwd_chunked(n: int) -> list[str]:
+    order = [_n("F", "route", c) for c in range(n)] + [_n("F", "counts"), _n("F", "dispatch", 0)]
+    order += [_n("F", "shared", c) for c in range(n)]
+    for c in range(n):
+        if c + 1 < n:
+            order.append(_n("F", "dispatch", c + 1))
+        order += [_n("F", "experts", c), _n("F", "combine", c)]
+    return order + [_n("F", "unpermute", c) for c in range(n)]
+
+
+def _bwd_chunked(n: int) -> list[str]:
+    order = [_n("B", "unpermute⁻¹", c) for c in range(n)] + [_n("B", "combine⁻¹", 0)]
+    order += [_n("B", "shared⁻¹", c) for c in range(n)]
+    for c in range(n):
+        if c + 1 < n:
+            order.append(_n("B", "combine⁻¹", c + 1))
+        order += [_n("B", "dgrad", c), _n("B", "dispatch⁻¹", c)]
+    for c in range(n):  # delayed weight gradients fill the last dispatch⁻¹
+        order += [_n("B", "wgrad", c), _n("B", "permute⁻¹", c)]
+    return order
+
+
+def _merged(n: int) -> list[str]:
+    """F's forward and B's backward interleaved so that each one's all-to-all travels while
+    the other computes: per chunk, F's experts cover B's combine⁻¹, B's dgrad covers F's
+    combine, the next chunk's shared experts and the previous chunk's weight gradients cover
+    the next dispatches."""
+    order = [_n("F", "route", c) for c in range(n)]
+    order.append(_n("F", "counts"))  # blocking: issued while nothing else is on the link
+    order += [_n("B", "unpermute⁻¹", c) for c in range(n)]
+    # Under the first two collectives: the first chunk's shared experts of both micro-batches.
+    order += [_n("F", "dispatch", 0), _n("B", "combine⁻¹", 0), _n("F", "shared", 0), _n("B", "shared⁻¹", 0)]
+    for c in range(n):
+        if c + 1 < n:
+            order.append(_n("F", "dispatch", c + 1))
+        order += [_n("F", "experts", c), _n("F", "combine", c)]
+        if c + 1 < n:
+            order += [_n("B", "combine⁻¹", c + 1), _n("F", "shared", c + 1)]
+        order += [_n("B", "dgrad", c), _n("B", "dispatch⁻¹", c)]
+        if c + 1 < n:
+            order.append(_n("B", "shared⁻¹", c + 1))
+        if c:  # delayed by one chunk: fills the gap while the next collectives travel
+            order.append(_n("B", "wgrad", c - 1))
+    order.append(_n("B", "wgrad", n - 1))  # under the last dispatch⁻¹
+    order += [_n("F", "unpermute", c) for c in range(n)]
+    return order + [_n("B", "permute⁻¹", c) for c in range(n)]
+
+
+def plan(schedule: str, n_chunks: int = 1, forward: bool = True, backward: bool = True) -> list[str]:
+    """The order of the stages of `stage_graph(n_chunks, forward, backward)` under
+    ``schedule`` (one of `SCHEDULES`). ``"sequential"`` and ``"1f1b"`` are meant for one
+    chunk, the other two for several; any chunk count works with any plan. With only one
+    half (the warm-up forward or the cool-down backward), the 1F1B plans fall back to the
+    chunked order of that half: there is no other micro-batch to merge with."""
+    one_of(schedule, "schedule", SCHEDULES)
+    stage_graph(n_chunks, forward, backward)  # checks the arguments
+    n = n_chunks
+    if schedule == "sequential":
+        return (_bwd_natural(n) if backward else []) + (_fwd_natural(n) if forward else [])
+    if schedule == "chunked" or not (forward and backward):
+        return (_bwd_chunked(n) if backward else []) + (_fwd_chunked(n) if forward else [])
+    return _merged(n)
+
+
+def check_plan(order: Iterable[str], stages: dict[str, Stage]) -> None:
+    """Raises `PlanError` unless ``order`` runs every stage exactly once, each after its
+    dependencies."""
+    if isinstance(order, str) or not hasattr(order, "__iter__"):
+        raise PlanError(f"order must be a list of stage names, got {order!r}")
+    order = list(order)
+    unknown = [s for s in order if s not in stages]
+    if unknown:
+        raise PlanError(f"order names stages that do not exist: {unknown[:5]} (stages: {list(stages)})")
+    seen: set[str] = set()
+    for name in order:
+        if name in seen:
+            raise PlanError(f"stage {name!r} appears twice in the order")
+        missing = [d for d in stages[name].deps if d not in seen]
+        if missing:
+            raise PlanError(f"stage {name!r} runs before {missing}, which it needs")
+        seen.add(name)
+    left = [s for s in stages if s not in seen]
+    if left:
+        raise PlanError(f"order leaves out stages {left}")
+
+
+# Illustrative costs for reasoning about a plan without a clock: the compute stages in units
+# of one chunk's expert forward, the all-to-alls at "communication as long as the experts'
+# compute" (the case 1F1B merging is meant for). The count exchange is a few bytes.
+MODEL_COSTS = {"route": 0.25, "shared": 0.5, "experts": 1.0, "unpermute": 0.25,
+               "unpermute⁻¹": 0.25, "shared⁻¹": 1.0, "dgrad": 1.0, "wgrad": 1.0, "permute⁻¹": 0.25,
+               "counts": 0.0, "dispatch": 1.0, "combine": 1.0, "combine⁻¹": 1.0, "dispatch⁻¹": 1.0}
+
+
+def simulate_plan(order: Iterable[str], stages: dict[str, Stage], costs: dict[str, float] | None = None,
+                  label: str = "model") -> tuple[list[dict], Timeline]:
+    """Execute ``order`` on a model machine and return its event log and `Timeline`.
+
+    The model: one processor runs the compute stages in order; one link carries the
+    collectives one after another, in the order they were started (a collective starts
+    when it is issued or when the link frees up, whichever is later); a compute stage
+    that needs a collective's result *waits* until that collective has finished.
+    ``costs`` (default `MODEL_COSTS`): seconds per stage kind, divided by the chunk count.
+    The log lists, in order, ``{"op": "run" | "start" | "wait", "stage", "t", "end"}``;
+    a ``wait`` entry has ``"finish"`` (when its collective ends) and ``"idle"`` (how long
+    the processor stood still for it).
+    """
+    check_plan(order, stages)
+    costs = dict(MODEL_COSTS, **(costs or {}))
+    n_chunks = max(1, max(s.chunk for s in stages.values()) + 1)
+    now = link_free = 0.0
+    finish: dict[str, float] = {}
+    log: list[dict] = []
+    events: list[Event] = []
+    waited: set[str] = set()
+    for name in order:
+        s = stages[name]
+        cost = costs[s.kind] / (1 if s.kind == "counts" else n_chunks)
+        if s.lane == "comm":
+            start = max(now, link_free)
+            link_free = finish[name] = start + cost
+            log.append({"op": "start", "stage": name, "t": now, "end": finish[name]})
+            events.append(Event(s.chunk, "comm", DISPLAY_NAMES[s.kind], s.phase, start, finish[name]))
+            if s.kind == "counts":  # blocking: its sizes go to the host at once
+                log.append({"op": "wait", "stage": name, "t": now, "end": finish[name],
+                            "finish": finish[name], "idle": finish[name] - now})
+                now = finish[name]
+                waited.add(name)
+            continue
+        for dep in s.deps:
+            if stages[dep].lane == "comm" and dep not in waited:
+                idle = max(0.0, finish[dep] - now)
+                log.append({"op": "wait", "stage": dep, "t": now, "end": now + idle,
+                            "finish": finish[dep], "idle": idle})
+                now += idle
+                waited.add(dep)
+        log.append({"op": "run", "stage": name, "t": now, "end": now + cost})
+        events.append(Event(s.chunk, "compute", DISPLAY_NAMES[s.kind], s.phase, now, now + cost))
+        now += cost
+    return log, Timeline(0, label, max(now, link_free), events)

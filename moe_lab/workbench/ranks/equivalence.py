@@ -1,0 +1,227 @@
+"""Rank functions that check the expert-parallel lesson against its single-process reference.
+
+Each runs on every rank together (inside `moe_lab.workbench.ranks.launch.run_ranks`), builds the
+same seeded layer or model on every rank, and returns plain data: the largest differences
+between what the expert-parallel code computed and what the single-process layer (or plain
+autograd) computes, which the tests and notebook 07 assert on.
+
+- `ep_check_rank`: `moe_lab.parallel.ep.EPMoELayer` (dropless, budgeted, overflowing) against
+  the single-process dropless layer;
+- `overlap_check_rank`: every schedule of `moe_lab.parallel.overlap.ChunkedStep` against autograd;
+- `merged_check_rank`: every 1F1B plan of `moe_lab.parallel.merged` against the plain schedule
+  (bitwise) and autograd;
+- `merged_model_check_rank`: `moe_lab.parallel.merged_model.MergedModelStep` against the plain
+  step of the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moe_lab.config import MoEConfig, preset
+from moe_lab.data import SyntheticCorpus
+from moe_lab.model import MoETransformer
+from moe_lab.moe.layer import MoELayer
+from moe_lab.parallel.ep import from_layer, rank_experts, sync_gradients
+from moe_lab.parallel.merged import MergedStep, two_microbatch_step
+from moe_lab.parallel.merged_model import MergedModelStep
+from moe_lab.parallel.overlap import ChunkedStep
+from moe_lab.parallel.plan import SCHEDULES
+from moe_lab.workbench.ranks.harness import OVERLAP_RUNS, layer_and_batches
+from moe_lab.workbench.ranks.launch import rank_device
+
+Tensor = torch.Tensor
+
+__all__ = ["ep_check_rank", "overlap_check_rank", "merged_check_rank", "merged_model_check_rank"]
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    """``max|a − b| / max|b|`` (the absolute difference where ``b`` is all zeros)."""
+    if not b.numel():
+        return 0.0
+    diff, scale = float((a - b).abs().max()), float(b.abs().max())
+    return diff / scale if scale > 0 else diff
+
+
+def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
+                  cases: tuple[tuple[str, float, float], ...] = (("dropless", 0.0, 1.25),
+                                                                 ("budget", 0.0, 1.25)),
+                  expert_backend: str = "torch") -> dict:
+    """EP against the single-process layer.
+
+    For each ``(mode, skew, capacity_factor[, on_overflow])`` in ``cases``: builds the same
+    single-process dropless layer on every rank (seeded; ``skew`` > 0 adds that bias to
+    expert 0's selection score, so most tokens pick it: an overflow for the budgeted mode),
+    draws all ranks' tokens from one seeded batch, runs the EP layer on this rank's slice, and
+    compares its output and gradients (input, this rank's expert weights, the all-reduced
+    router weight) with the single-process layer on the whole batch.
+
+    Returns ``{"rank", "routing": this rank's topk_ids (first case), "cases": [{"mode",
+    "skew", max abs errors "y", "dx", "dw_gate_up", "dw_down", "drouter", "scale",
+    "overflow", "reruns", "budget", "a2a_bytes", "dropped"}, ...]}``.
+    """
+    world, rank, device = dist.get_world_size(), dist.get_rank(), rank_device()
+    cfg = MoEConfig(**cfg_fields)
+    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
+    experts = rank_experts(cfg.n_experts, world, rank)
+    result: dict = {"rank": rank, "cases": []}
+
+    def err(a: Tensor, b: Tensor) -> float:
+        return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+
+    for case in cases:
+        mode, skew, capacity_factor = case[:3]
+        on_overflow = case[3] if len(case) > 3 else "rerun"
+        torch.manual_seed(seed)
+        ref = MoELayer(cfg, "dropless", expert_backend)
+        with torch.no_grad():
+            ref.router.weight.normal_(0.0, 1.0)  # confident routing: near-ties are improbable
+            ref.router.expert_bias[0] = skew
+        x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
+        g_all = torch.randn_like(x_all)
+        ref, x_all, g_all = ref.to(device), x_all.to(device), g_all.to(device)
+        xr = x_all.detach().requires_grad_()
+        y_ref, _ = ref(xr)
+        y_ref.backward(g_all)
+        ep = from_layer(ref, mode=mode, capacity_factor=capacity_factor, on_overflow=on_overflow)
+        ep.zero_grad(set_to_none=True)
+        x = x_all[lo:hi].detach().requires_grad_()
+        y, stats = ep(x)
+        y.backward(g_all[lo:hi])
+        router_grad = ep.router.weight.grad.clone()
+        dist.all_reduce(router_grad)
+        result.setdefault("routing", stats.routing.topk_ids)
+        result["cases"].append({
+            "mode": mode, "skew": skew, "capacity_factor": capacity_factor, "on_overflow": on_overflow,
+            "y": err(y, y_ref[lo:hi]),
+            "dx": err(x.grad, xr.grad[lo:hi]),
+            "dw_gate_up": err(ep.experts.w_gate_up.grad,
+                              ref.experts.w_gate_up.grad[experts.start:experts.stop]),
+            "dw_down": err(ep.experts.w_down.grad, ref.experts.w_down.grad[experts.start:experts.stop]),
+            "drouter": err(router_grad, ref.router.weight.grad),
+            "scale": float(y_ref.detach().abs().max()),
+            "overflow": bool(stats.overflow) if stats.overflow is not None else False,
+            "reruns": stats.reruns, "budget": stats.budget, "a2a_bytes": stats.a2a_bytes,
+            "dropped": int(stats.dropped_tokens),
+        })
+        # sync_gradients: the mean of the ranks' losses. Experts: the owner's gradient (already
+        # summed over ranks) / W; router: the all-reduced partials / W.
+        expert_grad = ep.experts.w_gate_up.grad.clone()
+        sync_gradients(torch.nn.ModuleList([ep]))
+        result["cases"][-1]["sync_gradients"] = max(
+            err(ep.experts.w_gate_up.grad, expert_grad / world),
+            err(ep.router.weight.grad, ref.router.weight.grad / world))
+    return result
+
+
+def overlap_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 0) -> dict:
+    """Every schedule of `ChunkedStep` (`OVERLAP_RUNS`) against autograd through `EPMoELayer`
+    (output, input gradient, expert/router/shared weight gradients): the largest absolute
+    difference per quantity and schedule, and the number of events each run recorded."""
+    ep, (x, grad) = layer_and_batches({"cfg": cfg_fields, "tokens": tokens, "seed": seed}, 2)
+    xr = x.detach().requires_grad_()
+    y_ref, _ = ep(xr)
+    y_ref.backward(grad)
+    ref = {name: p.grad.clone() for name, p in ep.named_parameters()}
+    step = ChunkedStep(ep, n_chunks)
+    errors = {}
+    for label, (schedule, delay, replay) in OVERLAP_RUNS.items():
+        ep.zero_grad(set_to_none=True)
+        y, dx, timeline = step.run(x, grad, schedule=schedule, delay_wgrad=delay, replay=replay)
+        errs = {"y": float((y - y_ref.detach()).abs().max()), "dx": float((dx - xr.grad).abs().max())}
+        for name, p in ep.named_parameters():
+            errs[name] = float((p.grad - ref[name]).abs().max())
+        errs["events"] = len(timeline.events)
+        errors[label] = errs
+    return errors
+
+
+def merged_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 0,
+                      skew: float = 0.0, starve: int | None = None) -> dict:
+    """The two-micro-batch step under every schedule against the plain one (``sequential``,
+    same chunks: must be bitwise equal) and against autograd through `EPMoELayer` on the two
+    micro-batches (float32 rounding).
+
+    ``skew`` biases expert 0's selection (uneven routing); ``starve`` is an expert made never
+    to be chosen (it receives nothing). Returns, per ``"schedule/chunks"``, ``"bitwise"`` (all
+    outputs, input gradients and parameter gradients equal to the plain schedule's), ``"rel"``
+    (the largest `_rel` against autograd over every quantity) and ``"events"``, plus the
+    tokens each expert received."""
+    cfg, device = MoEConfig(**cfg_fields), rank_device()
+    torch.manual_seed(seed)
+    ref_layer = MoELayer(cfg, "dropless", "torch")
+    with torch.no_grad():
+        ref_layer.router.expert_bias[0] = skew
+        if starve is not None:
+            ref_layer.router.expert_bias[starve] = -1e4
+    ep = from_layer(ref_layer.to(device))
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank() + 1)
+    xs = [torch.randn(tokens, cfg.d_model, generator=g).to(device) for _ in range(2)]
+    gs = [torch.randn(tokens, cfg.d_model, generator=g).to(device) for _ in range(2)]
+    # Autograd through the layer: two micro-batches, gradients accumulated.
+    ep.zero_grad(set_to_none=True)
+    ys_ref, dxs_ref, received = [], [], torch.zeros(cfg.n_experts, dtype=torch.int64)
+    for x, gr in zip(xs, gs, strict=True):
+        xr = x.detach().requires_grad_()
+        y, stats = ep(xr)
+        y.backward(gr)
+        ys_ref.append(y.detach())
+        dxs_ref.append(xr.grad)
+        received += stats.tokens_per_expert.cpu()
+    dist.all_reduce(received)
+    autograd = ys_ref + dxs_ref + [p.grad.clone() for p in ep.parameters()]
+
+    result: dict = {"received_per_expert": received.tolist(), "schedules": {}}
+    for chunks in sorted({1, n_chunks}):
+        step = MergedStep(ep, chunks)
+        got = {}
+        for schedule in SCHEDULES:
+            ep.zero_grad(set_to_none=True)
+            ys, dxs, tls = two_microbatch_step(step, xs, gs, schedule)
+            got[schedule] = ys + dxs + [p.grad.clone() for p in ep.parameters()]
+            result["schedules"][f"{schedule}/{chunks}"] = {
+                "rel": max(_rel(a, b) for a, b in zip(got[schedule], autograd, strict=True)),
+                "events": sum(len(t.events) for t in tls)}
+        for schedule in SCHEDULES:
+            result["schedules"][f"{schedule}/{chunks}"]["bitwise"] = all(
+                torch.equal(a, b) for a, b in zip(got[schedule], got["sequential"], strict=True))
+    return result
+
+
+def merged_model_check_rank(preset_name: str = "tiny", batch: int = 4, n_micro: int = 2,
+                            n_chunks: int = 1, seed: int = 0) -> dict:
+    """One training step of the ``preset_name`` model (EP over all ranks) as `MergedModelStep`
+    on ``"1f1b"`` and on ``"sequential"`` (must be bitwise equal), and as plain autograd over
+    the micro-batches (``model(x).loss / n_micro`` backward per micro-batch; float32
+    rounding). Returns ``{"bitwise", "rel", "loss", "plain_loss"}``."""
+    cfg = preset(preset_name)
+    torch.manual_seed(seed)
+    model = MoETransformer(cfg, dispatcher="dropless", expert_backend="torch").to(rank_device())
+    for block in model.blocks:
+        if isinstance(block.ffn, MoELayer):
+            block.ffn = from_layer(block.ffn)
+    data = SyntheticCorpus(seq_len=cfg.seq_len, seed=seed).sample(
+        batch, generator=torch.Generator().manual_seed(seed + 1 + dist.get_rank()))
+    data_x, data_y = data.x.to(rank_device()), data.y.to(rank_device())
+
+    def grads() -> list[Tensor]:
+        return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+    results = {}
+    for schedule in ("1f1b", "sequential"):
+        model.zero_grad(set_to_none=True)
+        loss = MergedModelStep(model, n_chunks, schedule).step(data_x, data_y, n_micro)
+        results[schedule] = [loss] + grads()
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for x, y in zip(data_x.chunk(n_micro), data_y.chunk(n_micro), strict=True):
+        out = model(x, y)
+        (out.loss / n_micro).backward()
+        losses.append(out.loss.detach())
+    plain = [torch.stack(losses).mean()] + grads()
+
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(results["1f1b"], results["sequential"],
+                                                             strict=True)),
+            "rel": max(_rel(a, b) for a, b in zip(results["1f1b"], plain, strict=True)),
+            "loss": float(results["1f1b"][0]), "plain_loss": float(plain[0])}

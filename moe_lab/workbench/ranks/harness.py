@@ -1,0 +1,299 @@
+"""Timing the expert-parallel schedules on real ranks: what ``bench ep`` and notebook 07 run.
+
+Every function here runs on every rank together, inside `moe_lab.workbench.ranks.launch.run_ranks`
+(or torchrun). `measure_overlap` times the chunked step's schedules
+(`moe_lab.parallel.overlap.ChunkedStep`), `measure_schedules` the four 1F1B plans
+(`moe_lab.parallel.merged.MergedStep`), interleaved, each run preceded by a barrier; a run's
+time is its slowest rank's, and `summarise_runs` reports medians. Exposed communication is
+measured two ways: the time the ranks spent outside compute in the step (which a busy shared
+machine disturbs less), and the step minus a compute-only replay on the same data
+(`moe_lab.parallel.overlap.exposed_time`). They disagree where the transfers' own processor
+work (gloo's copies, the kernel's TCP) slows the compute it overlaps: the first does not see
+that cost, the second does. `a2a_bandwidth` times one all-to-all alone.
+
+`overlap_rank_main` and `merged_rank_main` are the rank entry points: a spec in, a report of
+plain data out. Every rank computes on `moe_lab.workbench.ranks.launch.rank_device`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moe_lab.checks import non_negative_int, positive_int
+from moe_lab.config import MoEConfig
+from moe_lab.moe.layer import MoELayer
+from moe_lab.parallel.ep import EPMoELayer, exchange_rows, from_layer
+from moe_lab.parallel.merged import MergedStep, two_microbatch_step
+from moe_lab.parallel.overlap import ChunkedStep, exposed_time
+from moe_lab.parallel.plan import plan
+from moe_lab.parallel.timeline import Timeline
+from moe_lab.workbench.ranks.launch import rank_device
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "OVERLAP_RUNS", "MERGED_RUNS", "measure_overlap", "measure_schedules", "summarise_runs",
+    "a2a_bandwidth", "layer_and_batches", "overlap_rank_main", "merged_rank_main",
+]
+
+# ----------------------------------------------------------------------------- the chunked step
+
+OVERLAP_RUNS = {  # label: (schedule, delay_wgrad, replay)
+    "sequential": ("sequential", False, False),
+    "overlap": ("overlap", False, False),
+    "overlap + delayed wgrad": ("overlap", True, False),
+    "compute only": ("sequential", False, True),
+}
+
+
+def measure_overlap(layer: EPMoELayer, x: Tensor, grad_out: Tensor, n_chunks: int = 4,
+                    repeats: int = 5, warmup: int = 1, runs: tuple[str, ...] = tuple(OVERLAP_RUNS),
+                    lookahead: int = 1) -> dict:
+    """Time the schedules of `OVERLAP_RUNS` interleaved (call on every rank together).
+
+    Every run is preceded by a barrier; a run's time is its slowest rank's. Returns
+    ``{"median_s": {label: s}, "exposed_s": {label: s}, "exposed_fraction": {label: exposed /
+    step}, "exposed_vs_sequential", "exposed_replay_s", "exposed_replay_vs_sequential",
+    "timelines": {label: this rank's Timeline of the median run}, "a2a_bytes": per step,
+    "a2a_s": comm lane time of the sequential run, "runs_s", "n_chunks", "repeats",
+    "world_size"}`` (`summarise_runs`).
+    """
+    positive_int(repeats, "repeats")
+    non_negative_int(warmup, "warmup")
+    if "compute only" not in runs or "sequential" not in runs:
+        raise ValueError(f"runs must include 'sequential' and 'compute only', got {runs}")
+    unknown = set(runs) - set(OVERLAP_RUNS)
+    if unknown:
+        raise ValueError(f"runs must be among {list(OVERLAP_RUNS)}, got {sorted(unknown)}")
+    step = ChunkedStep(layer, n_chunks)
+    order = ["sequential"] + [r for r in runs if r != "sequential"]  # a real run before replay
+
+    def one(label: str) -> Timeline:
+        schedule, delay, replay = OVERLAP_RUNS[label]
+        layer.zero_grad(set_to_none=True)
+        dist.barrier(group=layer.group)
+        return step.run(x, grad_out, schedule=schedule, delay_wgrad=delay, replay=replay, label=label,
+                        lookahead=lookahead)[2]
+
+    for _ in range(warmup):  # allocations, first calls; also fills the replay cache
+        one("sequential")
+    timelines: dict[str, list[Timeline]] = {label: [] for label in order}
+    for r in range(repeats):
+        # alternate the order (the first real run stays first: replay reuses its data)
+        rest = order[1:] if r % 2 == 0 else order[1:][::-1]
+        for label in [order[0], *rest]:
+            timelines[label].append(one(label))
+    real = [label for label in order if label != "compute only"]
+    return summarise_runs(layer, timelines, {k: "compute only" for k in real}, n_chunks, repeats)
+
+
+def summarise_runs(layer: EPMoELayer, timelines: dict[str, list[Timeline]], reference: dict[str, str],
+                   n_chunks: int, repeats: int) -> dict:
+    """What `measure_overlap` and `measure_schedules` report from the
+    interleaved runs of each label (call on every rank together, ``timelines`` in the same
+    order on each): a run's time is its slowest rank's; ``reference`` maps each real
+    (non-replay) label, "sequential" among them, to the compute-only replay it is measured
+    against.
+
+    Exposed communication, two ways: within each run as the time its ranks spent outside
+    compute (averaged over ranks), which a busy shared machine disturbs less, and against
+    the compute-only (replay) run. Returns the dict both document."""
+    order = list(timelines)
+    steps = torch.tensor([[t.step_s for t in timelines[label]] for label in order], dtype=torch.float64)
+    waits = torch.tensor([[t.wait_s for t in timelines[label]] for label in order], dtype=torch.float64)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=layer.group)
+    dist.all_reduce(waits, group=layer.group)
+    waits /= layer.ep_size
+    slowest = dict(zip(order, steps.tolist(), strict=True))
+    median = {label: statistics.median(v) for label, v in slowest.items()}
+    exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in reference}
+    exposed_replay = {k: exposed_time(median[k], median[ref]) for k, ref in reference.items()}
+
+    def versus_sequential(values: dict) -> dict:
+        base = values["sequential"]
+        return {k: (v / base if base > 0 else float("nan")) for k, v in values.items()}
+
+    seq = timelines["sequential"]
+    return {
+        "n_chunks": n_chunks, "repeats": repeats, "world_size": layer.ep_size,
+        "median_s": median, "runs_s": slowest,
+        "exposed_s": exposed, "exposed_vs_sequential": versus_sequential(exposed),
+        "exposed_fraction": {k: v / median[k] for k, v in exposed.items()},
+        "exposed_replay_s": exposed_replay,
+        "exposed_replay_vs_sequential": versus_sequential(exposed_replay),
+        # this rank's Timeline of the median run of each label
+        "timelines": {k: sorted(ts, key=lambda t: t.step_s)[len(ts) // 2] for k, ts in timelines.items()},
+        "a2a_bytes": seq[0].comm_bytes(),
+        "a2a_s": statistics.median(t.lane_time("comm") for t in seq),
+    }
+
+
+def a2a_bandwidth(rows_per_rank: int, d_model: int, repeats: int = 5,
+                  group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """Time one all-to-all of ``rows_per_rank`` rows of ``d_model`` per destination (equal
+    splits, on every rank together): median seconds and the bandwidth per rank (bytes each
+    rank sends to the others / time). Host timestamps: on a GPU the wait is synchronised."""
+    positive_int(rows_per_rank, "rows_per_rank")
+    positive_int(repeats, "repeats")
+    world = dist.get_world_size(group)
+    device = rank_device()
+    x = torch.randn(world * rows_per_rank, d_model, dtype=dtype).to(device)
+
+    def exchange() -> None:
+        exchange_rows(x, None, None, group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    exchange()
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        exchange()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    median = statistics.median(t.tolist())
+    sent = (world - 1) * rows_per_rank * d_model * x.element_size()
+    return {"bytes_per_rank": sent, "median_s": median, "bytes_per_s": sent / median}
+
+
+def overlap_rank_main(spec: dict) -> dict:
+    """A rank's part of the overlap benchmark (for ``run_ranks``; used by ``bench ep`` and
+    notebook 07). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank), ``n_chunks``,
+    ``repeats``, ``seed``, ``runs`` (labels of `OVERLAP_RUNS`), ``bandwidth_rows`` (0: skip the
+    bandwidth probe). Returns the `measure_overlap` report with timelines as dicts, plus
+    the all-to-all probe, and whether ``ChunkedStep`` matched the autograd layer.
+    """
+    rank = dist.get_rank()
+    ep, (x, grad) = layer_and_batches(spec, 2)
+    # The hand-scheduled step computes what autograd computes.
+    y_ref, _ = ep(x.detach().requires_grad_())
+    y, _, _ = ChunkedStep(ep, spec["n_chunks"]).run(x, grad, schedule="overlap", delay_wgrad=True)
+    matches = bool(torch.allclose(y, y_ref.detach(), rtol=1e-4, atol=1e-5))
+    report = measure_overlap(ep, x, grad, spec["n_chunks"], spec.get("repeats", 5),
+                             spec.get("warmup", 1), tuple(spec.get("runs", OVERLAP_RUNS)),
+                             spec.get("lookahead", 1))
+    report["timelines"] = {k: t.to_dict() for k, t in report["timelines"].items()}
+    report["matches_autograd"] = matches
+    report["rank"] = rank
+    report["tokens_per_rank"] = spec["tokens"]
+    if spec.get("bandwidth_rows"):
+        report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model, group=None)
+    return report
+
+
+# ----------------------------------------------------------------------------- the 1F1B plans
+
+MERGED_RUNS = {  # label: (schedule, chunked?, replay)
+    "sequential": ("sequential", False, False),
+    "chunked": ("chunked", True, False),
+    "1f1b": ("1f1b", False, False),
+    "1f1b+chunked": ("1f1b+chunked", True, False),
+    "compute only": ("sequential", False, True),
+    "compute only (chunked)": ("chunked", True, True),
+}
+
+
+def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb: Tensor,
+                      n_chunks: int = 4, repeats: int = 5, warmup: int = 1,
+                      runs: tuple[str, ...] = tuple(MERGED_RUNS)) -> dict:
+    """Time the steady-state unit [forward of ``xb`` + backward of ``xa``] under each plan
+    of `MERGED_RUNS`, interleaved (call on every rank together). Each timed unit is preceded by
+    the untimed forward of ``xa`` and a barrier; a run's time is its slowest rank's.
+
+    Returns ``{"median_s", "runs_s", "exposed_s" (in-step waiting, mean over ranks),
+    "exposed_vs_sequential", "exposed_fraction", "exposed_replay_s" (step − compute-only
+    with the same chunks), "exposed_replay_vs_sequential", "timelines" (this rank's median
+    run per label), "a2a_bytes", "a2a_s" (comm lane time of the sequential unit),
+    "compute_s" (compute lane time of the compute-only unit), "n_chunks", "repeats",
+    "world_size"}``.
+    """
+    positive_int(repeats, "repeats")
+    non_negative_int(warmup, "warmup")
+    unknown = set(runs) - set(MERGED_RUNS)
+    if unknown:
+        raise ValueError(f"runs must be among {list(MERGED_RUNS)}, got {sorted(unknown)}")
+    if "sequential" not in runs or "compute only" not in runs:
+        raise ValueError(f"runs must include 'sequential' and 'compute only', got {runs}")
+    steps = {False: MergedStep(layer, 1), True: MergedStep(layer, n_chunks)}
+    real = [r for r in runs if not MERGED_RUNS[r][2]]
+    replays = [r for r in runs if MERGED_RUNS[r][2]]
+    if "compute only (chunked)" in replays and not any(MERGED_RUNS[r][1] for r in real):
+        raise ValueError("'compute only (chunked)' needs a chunked schedule to replay")
+
+    def one(label: str) -> Timeline:
+        schedule, chunked, replay = MERGED_RUNS[label]
+        step = steps[chunked]
+        layer.zero_grad(set_to_none=True)
+        a = step.microbatch(xa, ga, "A")
+        step.run(plan(schedule, step.n_chunks, backward=False), fwd=a, replay=replay)
+        b = step.microbatch(xb, gb, "B")
+        dist.barrier(group=layer.group)
+        return step.run(plan(schedule, step.n_chunks), fwd=b, bwd=a, replay=replay,
+                        sequential=schedule == "sequential", label=label)
+
+    for _ in range(warmup):  # allocations, first calls; fills the replay caches
+        for label in real:
+            one(label)
+    timelines: dict[str, list[Timeline]] = {label: [] for label in real + replays}
+    for r in range(repeats):
+        seq = real + replays
+        for label in (seq if r % 2 == 0 else seq[::-1]):
+            timelines[label].append(one(label))
+    reference = {k: "compute only (chunked)" if MERGED_RUNS[k][1] and "compute only (chunked)" in timelines
+                 else "compute only" for k in real}
+    summary = summarise_runs(layer, timelines, reference, n_chunks, repeats)
+    summary["compute_s"] = statistics.median(t.lane_time("compute") for t in timelines["compute only"])
+    return summary
+
+
+def layer_and_batches(spec: dict, n_tensors: int = 4) -> tuple[EPMoELayer, list[Tensor]]:
+    """This rank's part of a seeded dropless layer (``spec["cfg"]``: `MoEConfig` fields, the
+    same on every rank) and ``n_tensors`` random ``[spec["tokens"], d_model]`` tensors of its
+    own (inputs and output gradients), all on `rank_device`."""
+    cfg = MoEConfig(**spec["cfg"])
+    device = rank_device()
+    torch.manual_seed(spec.get("seed", 0))
+    ep = from_layer(MoELayer(cfg, "dropless", "torch").to(device))
+    g = torch.Generator().manual_seed(spec.get("seed", 0) * 1000 + dist.get_rank() + 1)
+    tensors = [torch.randn(spec["tokens"], cfg.d_model, generator=g).to(device) for _ in range(n_tensors)]
+    return ep, tensors
+
+
+def merged_rank_main(spec: dict) -> dict:
+    """A rank's part of the schedule benchmark (for ``run_ranks``; used by ``bench ep`` and
+    notebook 07). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank and
+    micro-batch), ``n_chunks``, ``repeats``, ``warmup``, ``seed``, ``runs`` (labels of
+    `MERGED_RUNS`), ``bandwidth_rows`` (0: skip the bandwidth probe), ``check`` (default True:
+    compare the merged step with the plain one first). Returns the
+    `measure_schedules` report (timelines as dicts), the probe, and whether the merged
+    two-micro-batch step equalled the plain one bitwise."""
+    ep, (xa, ga, xb, gb) = layer_and_batches(spec)
+    # The merged step computes exactly what the plain one computes.
+    outs = {}
+    for schedule in ("sequential", "1f1b") if spec.get("check", True) else ():
+        ep.zero_grad(set_to_none=True)
+        ys, dxs, _ = two_microbatch_step(MergedStep(ep, 1), (xa, xb), (ga, gb), schedule)
+        outs[schedule] = ys + dxs + [p.grad.clone() for p in ep.parameters()]
+    identical = (all(torch.equal(a, b) for a, b in zip(outs["sequential"], outs["1f1b"], strict=True))
+                 if outs else None)
+    report = measure_schedules(ep, xa, ga, xb, gb, spec["n_chunks"], spec.get("repeats", 5),
+                               spec.get("warmup", 1), tuple(spec.get("runs", MERGED_RUNS)))
+    report["timelines"] = {k: t.to_dict() for k, t in report["timelines"].items()}
+    report["merged_equals_plain"] = identical
+    report["rank"] = dist.get_rank()
+    report["tokens_per_rank"] = spec["tokens"]
+    if spec.get("bandwidth_rows"):
+        report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model, group=None)
+    return report
+
+

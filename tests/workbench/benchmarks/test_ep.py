@@ -1,0 +1,49 @@
+"""``bench ep``: the rank report's shape, its summary, and what goes to the ledger."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_lab.parallel.plan import SCHEDULES
+from moe_lab.workbench.benchmarks import ep as ep_bench
+from moe_lab.workbench.measure import ledger
+from moe_lab.workbench.ranks.harness import merged_rank_main
+from moe_lab.workbench.ranks.launch import run_ranks
+
+CFG = dict(d_model=32, n_experts=8, top_k=2, d_expert=48, n_shared_experts=1)
+
+
+@pytest.mark.timeout(90)
+def test_benchmark_reports_the_four_schedules(tmp_path, monkeypatch):
+    # loopback and tiny sizes: the figures mean nothing here, the report's shape does
+    monkeypatch.setenv("MOE_LAB_RESULTS_DIR", str(tmp_path))
+    spec = {"cfg": CFG, "tokens": 32, "n_chunks": 2, "repeats": 1, "warmup": 1, "seed": 0,
+            "bandwidth_rows": 0}
+    reports = run_ranks(merged_rank_main, 2, spec, timeout_s=80, threads_per_rank=1)
+    report = reports[0]
+    assert report["merged_equals_plain"] is True
+    assert set(SCHEDULES) <= set(report["exposed_s"]) and set(SCHEDULES) <= set(report["timelines"])
+    report.update(link="loopback (not emulated)", rate_mbit=None, threads_per_rank=1)
+    summary = ep_bench.summarize(report)
+    assert [r["schedule"] for r in summary["rows"]][:4] == list(SCHEDULES)
+    ep_bench.record(report, notebook="test:ep")
+    best = ep_bench.record_sweep([dict(n_chunks=n, threads_per_rank=1, schedule="1f1b+chunked",
+                                       buffer_bytes=1, step_ms=10.0 / n, exposed_ms=1.0,
+                                       exposed_vs_sequential=0.1, sequential_step_ms=20.0, link="x",
+                                       tokens_per_rank=32) for n in (1, 2)], 2, notebook="test:ep")
+    assert best["n_chunks"] == 2
+    steps = {r["step"] for r in ledger.read() if r["notebook"] == "test:ep"}
+    assert set(SCHEDULES) | {"tuned dispatch"} <= steps
+
+
+def test_bench_ep_arguments_are_checked():
+    with pytest.raises(ValueError, match="ranks must be a positive integer, got 0"):
+        ep_bench.run_ep_benchmark(0)
+    with pytest.raises(ValueError, match=r"n_chunks\[1\] must be a positive integer, got 0"):
+        ep_bench.sweep(2, None, n_chunks=(2, 0))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ep_bench.add_arguments(parser)
+    with pytest.raises(SystemExit, match="error: --chunks must be a positive integer, got 0"):
+        ep_bench.run(parser.parse_args(["--chunks", "0"]))
