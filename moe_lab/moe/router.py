@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
-from moe_lab.moe.router_output import DTYPES, RouterOutput, check_seq_len, gate_logits
+from moe_lab.moe.router_output import DTYPES, RouterOutput, check_seq_len, gate_logits, require_fp32_router
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
@@ -310,11 +310,8 @@ class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
         super().__init__()
         ROUTER_IMPLS.check(impl, "router impl")
-        if impl == "triton" and cfg.router_dtype != "fp32":
-            raise ValueError(
-                f"router impl 'triton' computes in float32: MoEConfig.router_dtype must be "
-                f"'fp32', got {cfg.router_dtype!r}"
-            )
+        if impl == "triton":
+            require_fp32_router(cfg)
         self.cfg = cfg
         self.impl = impl
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lab.checks import positive_int
+from moe_lab.config import MoEConfig
+
 Tensor = torch.Tensor
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -34,10 +37,9 @@ class RouterOutput:
 
 
 def check_seq_len(tokens: int, seq_len: int | None) -> None:
-    if seq_len is None:
+    """``seq_len``: None, or a positive integer that divides ``tokens`` (whole sequences)."""
+    if positive_int(seq_len, "seq_len", or_none=True) is None:
         return
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
     if tokens % seq_len:
         raise ValueError(f"tokens={tokens} must be a multiple of seq_len={seq_len}")
 
@@ -45,3 +47,10 @@ def check_seq_len(tokens: int, seq_len: int | None) -> None:
 def gate_logits(x: Tensor, gate_weight: Tensor, dtype: torch.dtype) -> Tensor:
     """``x · gate_weightᵀ`` computed in ``dtype``: ``[tokens, n_experts]``."""
     return x.to(dtype) @ gate_weight.to(dtype).t()
+
+
+def require_fp32_router(cfg: MoEConfig) -> None:
+    """The fused router computes in float32 only: ``MoEConfig.router_dtype`` must say so."""
+    if cfg.router_dtype != "fp32":
+        raise ValueError(f"the fused router (router impl 'triton') computes in float32: "
+                         f"MoEConfig.router_dtype must be 'fp32', got {cfg.router_dtype!r}")
