@@ -1,40 +1,25 @@
 """The fused MoE router: one Triton kernel from logits to ids, weights, counts and loss statistics.
 
-The reference router (`moe_lab.moe.router.route_from_logits`) is a chain of some thirty
-small operations — softmax or sigmoid, the bias, the group scores, their top groups, a
-mask, the top-k, a gather, the renormalisation, the scaling, the histogram, the aux-loss
-and z-loss reductions — and each is a kernel that reads a ``[tokens, n_experts]`` tensor
-from memory and writes another. Every one of them does almost no arithmetic per byte, so
-the chain runs at the speed of memory, many times over. In FP64 each pass moves twice the
-bytes and FP64 arithmetic is slow on most GPUs. NVIDIA's MLPerf Training v6.0 DeepSeek-V3
-submission fused these steps and moved the router to FP32 (Megatron-Core
-``--moe-router-fusion``, ``--moe-router-dtype fp32``; Transformer Engine's
-``fused_topk_with_score_function`` and ``fused_moe_aux_loss``).
+The reference router (`moe_lab.moe.router.route_from_logits`) is a chain of some thirty small
+operations — score function, bias, group scores and their top groups, the top-k, the
+renormalisation, the histogram, the aux-loss and z-loss reductions — each reading a
+``[tokens, n_experts]`` tensor and writing another: memory bound many times over, twice the bytes
+in FP64. NVIDIA's MLPerf Training v6.0 DeepSeek-V3 submission fused it and moved it to FP32
+(Megatron-Core ``--moe-router-fusion``; Transformer Engine's ``fused_topk_with_score_function``).
 
-Here, one program handles ``BLOCK_T`` tokens and keeps each token's row of ``E`` logits in
-registers, laid out as ``[BLOCK_T, groups, experts per group]``. It reads the logits once
-and, without writing anything in between: computes the scores (softmax or sigmoid, in
-FP32), adds the expert bias for selection, masks -inf logits (unavailable experts), finds
-each group's top-2 sum and the best ``topk_groups`` groups, selects the ``top_k`` experts
-by repeated arg-max (the lowest index wins among equal scores — the reference's rule),
-renormalises and scales their weights, and accumulates three statistics with atomic adds:
-tokens per expert, the sum of each expert's normalised score (the ``P_e`` of the aux
-losses), both per sequence of ``seq_len`` tokens, and the sum of squared log-sum-exps
-(z-loss). What leaves the kernel is ``[T, k]`` ids and weights and ``[S, E]`` statistics:
-one read of the logits plus the outputs. The losses are finished in a few operations on
-``[E]``-sized tensors.
+Here one program (grid: ``cdiv(T, BLOCK_T)``) keeps ``BLOCK_T`` tokens' logits in registers as a
+``[BLOCK_T, groups, experts per group]`` tile, reads them once and, writing nothing in between,
+scores them in FP32, picks the groups and the top-k by repeated arg-max (the lowest index wins
+among equal scores: the reference's rule), renormalises and scales the weights, and adds the
+statistics — tokens per expert and score sums per sequence, the z-loss sum — with atomics. What
+leaves is ``[T, k]`` ids and weights and ``[S, E]`` statistics; the losses are finished on
+``[E]``-sized tensors. The backward is a second kernel that *recomputes* the scores from the
+logits rather than storing ``[T, E]`` of them.
 
-The backward is a second kernel that *recomputes* the scores from the logits (cheaper than
-storing ``[T, E]`` of them) and returns ``dL/dlogits`` given the gradients of the weights,
-of the per-expert score sums and of the z-loss sum: through the renormalisation, the
-gather, the normalisation of the aux-loss probabilities and the score function.
-
-Both launches are ``torch.library.custom_op`` s with fake implementations, so
-`moe_lab.training.sync.assert_sync_free` (FakeTensorMode) and ``torch.compile`` trace them; the
-forward's autograd formula is registered with ``register_autograd``. Atomic float adds make
-the statistics' last bits depend on the order programs finish on a GPU; the ids, weights and
-counts do not. There is no ``tl.dot`` here: compiled, the router runs on the CUDA cores
-(exponentials, lane shuffles for the reductions, atomics for the statistics).
+Both launches are custom ops with fake implementations (FakeTensorMode, ``torch.compile``); the
+forward's autograd is ``register_autograd``. Atomic float adds make the statistics' last bits
+depend on the order programs finish; the ids, weights and counts do not. No ``tl.dot``:
+compiled, the router runs on the CUDA cores.
 """
 
 from __future__ import annotations
@@ -46,7 +31,14 @@ import triton.language as tl
 from moe_lab.config import MoEConfig
 from moe_lab.kernels.common import interpreted, jit
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.moe.router_output import RouterOutput, check_seq_len, gate_logits, require_fp32_router
+from moe_lab.moe.router_output import (
+    RouterOutput,
+    check_logits,
+    check_router_input,
+    check_seq_len,
+    gate_logits,
+    require_fp32_router,
+)
 
 Tensor = torch.Tensor
 _TINY = torch.finfo(torch.float32).tiny
@@ -397,10 +389,7 @@ def fused_router(
     ``block_t``: tokens per program (a power of two >= 2), forward and backward; default
     `launch_config`'s choice. Tests force it small to run the many programs a GPU launch
     runs, with blocks that straddle sequences."""
-    if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
-        raise ValueError(
-            f"logits must be [tokens, n_experts={cfg.n_experts}], got {tuple(logits.shape)}"
-        )
+    check_logits(logits, cfg)
     if logits.dtype != torch.float32:
         raise ValueError(f"the fused router computes in float32: logits must be float32, "
                          f"got {logits.dtype}")
@@ -452,8 +441,7 @@ def fused_route(
     *, seq_len: int | None = None,
 ) -> RouterOutput:
     """The gating matmul in float32, then the fused router (``ROUTER_IMPLS["triton"]``)."""
-    if x.dim() != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
+    check_router_input(x, cfg)
     require_fp32_router(cfg)
     return fused_route_from_logits(gate_logits(x, gate_weight, torch.float32), cfg, expert_bias,
                                    seq_len=seq_len)

@@ -1,33 +1,19 @@
 """Triton flash-attention forward on MXFP8 inputs: block scales applied inside the tile loop.
 
-Flash attention computes ``softmax(QKᵀ/√d)·V`` one ``[BLOCK_M, BLOCK_N]`` tile of scores at
-a time, never materialising the ``T × T`` matrix: it keeps, per query row, the running
-maximum ``m`` and the running sum ``l`` of ``exp(s - m)``, rescales the output accumulator
-by ``exp(m_old - m_new)`` whenever the maximum grows, and divides by ``l`` at the end
-(the *online softmax*). Feeding it MXFP8 operands changes the two matrix products, not the
-softmax. ``QKᵀ`` reduces over ``head_dim``, so Q and K arrive blocked along ``head_dim``:
-the score tile is a sum over head-dim blocks ``j`` of a *partial dot* of raw FP8 values,
-``Q_j K_jᵀ``, times that block's two scales, ``sq[:, j] ⊗ sk[:, j]`` — what an MX tensor
-core does in hardware. ``P·V`` reduces over the
-keys, so V arrives blocked along the keys, and the kernel quantizes each tile of
-probabilities ``p = exp(s - m)`` (values in ``[0, 1]``) to MXFP8 along the keys itself,
-then sums partial dots ``P_j V_j`` times ``sp[:, j] ⊗ sv[j, :]`` over the tile's key
-blocks. The row sum ``l`` uses the unquantized ``p``, as FP8 attention kernels do.
+Flash attention computes ``softmax(QKᵀ/√d)·V`` one ``[BLOCK_M, BLOCK_N]`` tile of scores at a
+time with the *online softmax* (a running maximum and sum per query row, the accumulator
+rescaled when the maximum grows). MXFP8 operands change the two products, not the softmax.
+``QKᵀ`` reduces over ``head_dim``, so Q and K arrive blocked along it; ``P·V`` reduces over the
+keys, so V arrives blocked along the keys, and the kernel quantizes each tile of probabilities
+``p = exp(s - m)`` to MXFP8 along the keys itself (integer arithmetic of
+`moe_lab.kernels.mx_quantize`; the row sum uses the unquantized ``p``, as FP8 attention does).
 
-Both products go through ``tl.dot_scaled`` (`moe_lab.kernels.mx_gemm.mx_dot`): the E4M3
-bytes and the E8M0 scale bytes go to the instruction as they are. On Blackwell (sm_100)
-that is the block-scaled ``tcgen05.mma … kind::mxf8f6f4``, FP8 at FP8 rate with the
-scales applied by the tensor core; on Hopper (sm_90), which has no such instruction,
-Triton upcasts the tiles to bf16 (exact: 4 significant bits fit in 8) and runs a bf16
-``wgmma``. Under Triton's interpreter, which cannot run ``tl.dot_scaled``, the constexpr
-``SCALED_DOT=False`` decomposes the same products into exactly decoded fp32 values and an
-IEEE fp32 ``tl.dot`` — same tiles, masks and scale indexing, summation order aside. The
-probabilities are quantized with the integer routines of `moe_lab.kernels.mx_quantize`, so their
-bits do not depend on the device's float casts. Requirements: causal, ``T_q <= T_k`` (query ``i``
-sees keys ``<= i + T_k - T_q``), Q/K head_dim padded to a multiple of 32, V padded
-along the keys to a multiple of 32 (`moe_lab.kernels.mx_quantize.mx_quantize` with ``pad=True``
-produces exactly that). Backward is not a kernel: `moe_lab.attention` differentiates
-through the reference emulation.
+Both products go through `moe_lab.kernels.mx_gemm.mx_dot`: ``tl.dot_scaled`` compiled (the
+block-scaled ``tcgen05.mma`` on Blackwell, a bf16 ``wgmma`` on Hopper), exactly decoded fp32 and
+an IEEE ``tl.dot`` under the interpreter (``SCALED_DOT=False``). Grid: ``(cdiv(T_q, BLOCK_M),
+B·H)``. Requirements: causal, ``T_q <= T_k`` (query ``i`` sees keys ``<= i + T_k - T_q``), Q/K
+head_dim and V's keys padded to multiples of 32 (what `quantize_qkv` makes). Backward is not a
+kernel: `moe_lab.attention` differentiates through the reference emulation.
 """
 
 from __future__ import annotations

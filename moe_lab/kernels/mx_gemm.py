@@ -1,34 +1,23 @@
 """MXFP8 GEMM on block-scaled tensor cores: ``C = dequant(A) · dequant(B)ᵀ`` through ``tl.dot_scaled``.
 
-An MXFP8 operand is two arrays: E4M3 element codes and, for every run of 32 consecutive
-elements along the reduction dimension K, one E8M0 scale byte (a bare power of two,
-``2^(byte - 127)``). Blackwell's block-scaled MMA (``tcgen05.mma … kind::mxf8f6f4
-.block_scale``) takes both as they are stored: the FP8 tiles go to the tensor core
-unchanged, the scale bytes of the two operands are staged beside the accumulator in tensor
-memory, and the instruction computes, in effect, for each 32-wide slice of K the sum of the
-32 FP8 × FP8 products times ``2^(a_scale + b_scale - 254)`` — applying a scale is adding
-exponents, not a multiply — into the fp32 accumulator. Nothing is dequantized in
-registers, so the operands travel at 8.25 bits per value and the MMA runs at FP8 rate.
-Hopper has no such instruction: compiled for sm_90, the same ``tl.dot_scaled`` becomes
-an ordinary bf16 ``wgmma`` (``m64n128k16 f32.bf16.bf16`` in the PTX): Triton converts the
-E4M3 tiles to bf16 and applies the scales before the MMA, in CUDA cores. The compile
-report (``python -m moe_lab compile --modules mx_gemm``) shows both.
+An MXFP8 operand is E4M3 element codes and, for every 32 consecutive elements along the
+reduction dim K, one E8M0 scale byte (``2^(byte - 127)``). Blackwell's block-scaled MMA
+(``tcgen05.mma … kind::mxf8f6f4.block_scale``) takes both as stored and, per 32-wide slice of
+K, adds the FP8 × FP8 products times ``2^(a_scale + b_scale - 254)`` into fp32: nothing is
+dequantized in registers, operands travel at 8.25 bits a value, the MMA runs at FP8 rate.
+Hopper has no such instruction: for sm_90 the same ``tl.dot_scaled`` becomes a bf16
+``wgmma``, Triton upcasting the E4M3 tiles and applying the scales on the CUDA cores.
 
-The kernel has two inner products, chosen by the constexpr ``SCALED_DOT``:
+Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile (the grouped kernel: the grouped
+GEMM's tile schedule over device offsets). The constexpr ``SCALED_DOT`` picks the inner
+product: ``True`` (compiled) ``tl.dot_scaled``; ``False`` (Triton's interpreter, which cannot
+run it) the same tile math decomposed — codes and scale bytes decoded to fp32 exactly, as
+`moe_lab.quant.mx.MXTensor.dequantize` does, then an IEEE fp32 ``tl.dot`` — so the CPU checks
+the tiling, masks and scale indexing against `mx_gemm_reference`.
 
-* ``True`` (compiled): ``tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)``.
-* ``False`` (Triton's interpreter, which cannot run ``tl.dot_scaled`` and rounds bf16
-  and float8 casts unlike a GPU): the same tile math decomposed — E4M3 codes and E8M0
-  scale bytes decoded to fp32 by assembling their bit patterns in integer arithmetic
-  (exact: an E4M3 value times a power of two is an fp32 value, up to fp32's own
-  overflow and subnormal range, exactly as `moe_lab.quant.mx.MXTensor.dequantize`
-  computes it), multiplied, and summed by ``tl.dot`` in IEEE fp32. The tiling, the masks
-  and the scale indexing are the same code in both, so the CPU checks them against the
-  reference `mx_gemm_reference`.
-
-Layout (both operands row-major along K, as `moe_lab.quant.mx.quantize(x, dim=-1)` stores
-them): ``a: [M, K]`` E4M3, ``a_scale: [M, K/32]`` E8M0; ``b: [N, K]`` E4M3 (a weight
-``[out, in]``, like ``nn.Linear``), ``b_scale: [N, K/32]``; ``c: [M, N]`` fp32 or bf16.
+Layout (row-major along K, as `moe_lab.quant.mx.quantize(x, dim=-1)` stores it): ``a: [M, K]``
+E4M3, ``a_scale: [M, K/32]`` E8M0; ``b: [N, K]`` (a weight ``[out, in]``), ``b_scale: [N, K/32]``;
+``c: [M, N]`` fp32 or bf16.
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lab.checks import one_of
 from moe_lab.kernels.common import block_e, cast_for_store, check_device, interpreted, jit, tile_schedule
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
@@ -212,8 +202,7 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     _check_operand("b", b, b_scale)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    one_of(out_dtype, "out_dtype", OUT_DTYPES)
     devices = {t.device for t in (a, a_scale, b, b_scale)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale must be on one device, got {sorted(map(str, devices))}")
@@ -265,8 +254,7 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
         raise ValueError(f"offsets must be an int32 tensor of shape ({n_experts + 1},) (one more than "
                          f"b's experts), got {getattr(offsets, 'dtype', None)} "
                          f"{tuple(getattr(offsets, 'shape', ()))}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    one_of(out_dtype, "out_dtype", OUT_DTYPES)
     devices = {t.device for t in (a, a_scale, b, b_scale, offsets)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale, offsets must be on one device, got "

@@ -1,28 +1,19 @@
 """Triton MXFP8 quantizer: one read of a tensor, row-wise and column-wise MX copies out.
 
-A GEMM wants its operands blocked along the dimension it reduces over. A linear layer's
-forward ``Y = X Wᵀ`` reduces over the features, so it needs ``X`` in MX blocks *along
-rows*; its weight-gradient GEMM ``dW = dYᵀ X`` reduces over the tokens, so it needs ``X``
-blocked *along columns*. The two copies are not transposes of each other: each block has
-its own scale, and a value is rounded relative to the 31 neighbours it shares that scale
-with, which are different neighbours in each direction. Producing both from one read of
-``X`` halves the bytes a separate pass per direction would load — the kernel is purely
-memory bound, so that is the whole game. Here each program loads one ``[BLOCK_M, BLOCK_K]``
-tile (multiples of 32), reshapes it into ``[BLOCK_M, BLOCK_K/32, 32]`` for row blocks and
-``[BLOCK_M/32, 32, BLOCK_K]`` for column blocks, and for each computes the block maxima,
-the E8M0 scales and the FP8 codes. The column-wise copy is written transposed
-(``[K, M]``, contiguous), the layout the weight-gradient GEMM reads.
+A GEMM wants its operands blocked along the dim it reduces over: a linear layer's forward needs
+``X`` in MX blocks along rows, its weight gradient along columns. The two copies are not
+transposes of each other (each block has its own scale), and producing both from one read of
+``X`` halves the bytes of a pass per direction — the kernel is memory bound, so that is the whole
+game. Each program (grid: ``(cdiv(M, BLOCK_M), cdiv(K, BLOCK_K), B)``) loads one tile, reshapes
+it into 32-element blocks each way, and writes the E8M0 scales and the FP8 codes; the
+column-wise copy is written transposed, as the weight-gradient GEMM reads it.
 
-Every step is integer arithmetic on the float32 bit pattern: ``|x|`` is ``bits &
-0x7FFFFFFF`` (for non-negative floats the integer order is the float order, and NaN bits
-compare above Inf, so an integer max finds NaN too); the scale comes from the block
-maximum's exponent field (``floor``) plus one when its mantissa exceeds 1.75 (``rceil``:
-448 = 1.75·2^8 and 57344 = 1.75·2^15); the FP8 code is the value's significand shifted
-right with round-to-nearest-even done by hand. No float arithmetic means no dependence on
-how a device rounds, flushes subnormals or casts to FP8 — Triton's interpreter, for one,
-rounds float8 casts wrongly when the rounding carries into the exponent — so the bits are
-the same compiled on a GPU and interpreted on a CPU, and identical to the reference
-`moe_lab.quant.mx.quantize` (which uses PyTorch's float ops and FP8 cast).
+The key trick: every step is integer arithmetic on the float32 bit pattern — ``|x|`` is ``bits &
+0x7FFFFFFF`` (whose integer order is the float order, NaN above Inf), the scale is the block
+maximum's exponent field (plus one under ``rceil`` when its mantissa exceeds 1.75), the code the
+significand shifted right with round-to-nearest-even by hand. So the bits do not depend on how a
+device rounds or casts to FP8 (Triton's interpreter rounds float8 casts wrongly when the rounding
+carries into the exponent): the same on a GPU and a CPU, and equal to `moe_lab.quant.mx.quantize`.
 """
 
 from __future__ import annotations

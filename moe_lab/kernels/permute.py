@@ -1,32 +1,19 @@
 """Triton token permutation: a row-id map built on the device, then permute and unpermute.
 
-A grouped GEMM wants each expert's tokens in one contiguous block of rows. Token ``t``
-goes to ``k`` experts, so the *permuted* buffer has one row per (token, slot) pair, sorted
-by expert; the *row-id map* ``row_id_map[t, j]`` says which row of that buffer holds
-token ``t``'s copy for its ``j``-th expert (TransformerEngine's ``moe_permute`` and
-Megatron-LM's ``permute`` work the same way). Building it is a counting sort, and every
-step has a size known from the shapes alone: a histogram of expert ids per block of
-entries (``[n_blocks, E]``), exclusive prefix sums over experts (where each expert's rows
-start, ``offsets``) and over blocks (where this block's rows for that expert start), and
-per entry its rank among the earlier entries of its block with the same expert (a
-cumulative sum over a one-hot ``[BLOCK, E]`` tile). The order is stable — by expert, then
-token, then slot, the order of a stable argsort of the flattened expert ids — and no
-count is read on the host: the permuted buffer is sized from a static bound, ``T·k`` rows,
-or ``T·k + E·(align − 1)`` when each expert's segment is padded up to a multiple of
-``align`` for a kernel that wants aligned tiles.
+A grouped GEMM wants each expert's tokens in one contiguous block of rows. Token ``t`` goes to
+``k`` experts, so the *permuted* buffer has one row per (token, slot), sorted by expert; the
+*row-id map* ``row_id_map[t, j]`` says which row holds token ``t``'s copy for its ``j``-th expert
+(as TransformerEngine's ``moe_permute`` and Megatron-LM's ``permute``). Building it is a
+counting sort whose every size is known from the shapes: a histogram of expert ids per block of
+entries (``[n_blocks, E]``, one program a block), prefix sums over experts (``offsets``) and over
+blocks, and each entry's rank among its block's entries for the same expert (a cumulative sum
+over a one-hot ``[BLOCK, E]`` tile). The order is a stable argsort's, and nothing is read on the
+host: the buffer is sized ``T·k`` rows (``+ E·(align − 1)`` when segments are padded).
 
-``permute`` copies each token row to its ``k`` rows (padding rows are zero); ``unpermute``
-gathers them back and sums with the router weights, ``y_t = Σ_j w[t, j] · y[row_id_map[t,
-j]]``, accumulating in float32. Each is the other's transpose, so each one's backward is
-the other: permute's is an unweighted unpermute, unpermute's (with respect to ``y``) a
-permute scaled by the weights, and its gradient with respect to the weights is a row dot
-product ``<dout[t], y[row_id_map[t, j]]>``. Every launch is a ``torch.library.custom_op``
-with a fake implementation, so ``FakeTensorMode`` (`moe_lab.training.sync.assert_sync_free`) and
-``torch.compile`` can trace through kernels they cannot run; the torch glue between the
-launches (sums, cumulative sums) stays visible to them.
-
-Every index that multiplies a stride is int64 (a DeepSeek-V3 permuted buffer, 65,536 rows
-of 7,168, is already 4.7·10⁸ elements; a view with a large stride passes 2³¹ sooner).
+``permute`` copies each token row to its ``k`` rows; ``unpermute`` gathers them back and sums
+with the router weights in float32 (grid: ``(cdiv(T, BLOCK_T), cdiv(d, BLOCK_D))``). Each is the
+other's transpose, so each one's backward is the other, and the weights' gradient is a row dot
+product ``<dout[t], y[row_id_map[t, j]]>``. Every index that multiplies a stride is int64.
 """
 
 import torch

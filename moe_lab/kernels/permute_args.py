@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lab.checks import non_negative_int, positive_int
+from moe_lab.checks import non_negative_int, one_of, positive_int
 
 Tensor = torch.Tensor
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,10 +38,7 @@ def check_rows(name: str, t: Tensor) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, d], got shape {tuple(t.shape)}")
-    if t.dtype not in KERNEL_DTYPES:
-        raise ValueError(
-            f"{name}.dtype must be one of {[str(d) for d in KERNEL_DTYPES]}, got {t.dtype}"
-        )
+    one_of(t.dtype, f"{name}.dtype", KERNEL_DTYPES)
 
 
 def check_n_rows(n_rows: object) -> None:

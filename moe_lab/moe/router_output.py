@@ -44,6 +44,18 @@ def check_seq_len(tokens: int, seq_len: int | None) -> None:
         raise ValueError(f"tokens={tokens} must be a multiple of seq_len={seq_len}")
 
 
+def check_router_input(x: Tensor, cfg: MoEConfig) -> None:
+    """``x: [tokens, d_model]``, what every router implementation routes."""
+    if x.dim() != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
+
+
+def check_logits(logits: Tensor, cfg: MoEConfig) -> None:
+    """``logits: [tokens, n_experts]``, what every routing chain after the gate takes."""
+    if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
+        raise ValueError(f"logits must be [tokens, n_experts={cfg.n_experts}], got {tuple(logits.shape)}")
+
+
 def gate_logits(x: Tensor, gate_weight: Tensor, dtype: torch.dtype) -> Tensor:
     """``x · gate_weightᵀ`` computed in ``dtype``: ``[tokens, n_experts]``."""
     return x.to(dtype) @ gate_weight.to(dtype).t()
