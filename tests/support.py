@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
+from pathlib import Path
 
 import torch
 
@@ -42,7 +44,7 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def compile_for_gpu(setup: str, tmp_path, arch: int = 90) -> dict[str, dict[str, str]]:
+def compile_for_gpu(setup: str, tmp_path: Path, arch: int = 90) -> dict[str, dict[str, str]]:
     """Compile the `CompileSpec` list that ``setup`` (Python source) leaves in ``specs`` for
     ``sm_<arch>`` as the compile report does (`moe_lab.workbench.compile_report.worker.triton_signature`:
     a launch's specializations), in a process where Triton compiles (``TRITON_INTERPRET=0``:
@@ -61,12 +63,14 @@ def tile_offsets_are_int64(ttir: str) -> bool:
     return bool(tiles) and set(tiles) == {"i64"}
 
 
-def checked_compile_specs(module) -> list:
-    """``module.compile_specs()``, checked to name every ``@triton.jit`` kernel of the module
-    (``*_kernel``) and, per spec, every kernel parameter: runtime ones typed in the
-    signature or, for a unit stride, the constant 1 (as Triton's launcher passes it),
-    constexpr ones valued, the launch config's blocks among them."""
-    specs = module.compile_specs()
+def checked_compile_specs(module: types.ModuleType) -> list:
+    """A kernel module's specs (`moe_lab.workbench.compile_report.specs.for_module`), checked
+    to name every kernel of the module (``*_kernel``) and, per spec, every kernel parameter:
+    runtime ones typed in the signature or, for a unit stride, the constant 1 (as Triton's
+    launcher passes it), constexpr ones valued, the launch config's blocks among them."""
+    from moe_lab.workbench.compile_report.specs import for_module
+
+    specs = for_module(module)
     kernels = {name: obj for name, obj in vars(module).items()
                if name.endswith("_kernel") and hasattr(obj, "fn")}
     assert {s.kernel for s in specs} == {f"{module.__name__}:{name}" for name in kernels}

@@ -1,15 +1,17 @@
 """Triton kernels, one concept per module, each tested against its plain PyTorch reference:
 
 - ``grouped_gemm`` — the grouped GEMM over device offsets (and SwiGLU fused into the first
-  GEMM's epilogue), the expert backend ``triton`` (reference: the ``loop`` backend);
+  GEMM's epilogue), the expert backend ``triton``;
 - ``permute`` — the dropless layout's token permutation (``permute_args``: the argument
-  checks it shares with other permutations; reference: ``moe_lab.moe.dispatch``);
+  checks it shares with the CPU plug-in's permutation);
+- ``fused_moe`` — the permute and the combine fused into the grouped GEMMs; ``fused_mxfp8``
+  — the MXFP8-quantize epilogue; ``fusions`` — each fusion beside the chain it replaces;
 - ``fused_router`` — the whole routing chain in one kernel (reference: ``moe_lab.moe.router``);
-- ``mx`` — the MXFP8 quantizer (reference: ``moe_lab.quant.mx``);
-- ``mx_attention`` — flash attention on MXFP8 operands (reference: ``moe_lab.attention``).
+- ``mx_quantize``, ``mx_gemm``, ``mx_attention`` — the MXFP8 quantizer, the block-scaled GEMM
+  and flash attention on MXFP8 operands (references: ``moe_lab.quant.mx``, ``moe_lab.attention``).
 
-Each module holds its ``@triton.jit`` functions and a thin wrapper that checks shapes, dtypes
-and devices and allocates. On a GPU they run compiled; on a machine without CUDA, under
-Triton's interpreter. Nothing here is CPU-specific: moe_lab's C++ CPU kernels are a plug-in,
-``moe_lab.workbench.cpu``.
+Each module reads as a Triton tutorial does: the story, the kernels, the launch (its
+``launch_config`` and a wrapper that checks and allocates), the autograd binding, the
+reference. What they share — the `jit` that decides compiled or interpreted, the tile
+schedule, the K loops, the rounding store — is ``common``; ``launch`` holds `LaunchConfig`.
 """

@@ -1,46 +1,25 @@
 """The fused MoE router: one Triton kernel from logits to ids, weights, counts and loss statistics.
 
-The reference router (`moe_lab.moe.router.route_from_logits`) is a chain of some thirty
-small operations — softmax or sigmoid, the bias, the group scores, their top groups, a
-mask, the top-k, a gather, the renormalisation, the scaling, the histogram, the aux-loss
-and z-loss reductions — and each is a kernel that reads a ``[tokens, n_experts]`` tensor
-from memory and writes another. Every one of them does almost no arithmetic per byte, so
-the chain runs at the speed of memory, many times over. In FP64 each pass moves twice the
-bytes and FP64 arithmetic is slow on most GPUs. NVIDIA's MLPerf Training v6.0 DeepSeek-V3
-submission fused these steps and moved the router to FP32 (Megatron-Core
-``--moe-router-fusion``, ``--moe-router-dtype fp32``; Transformer Engine's
-``fused_topk_with_score_function`` and ``fused_moe_aux_loss``).
+The reference router (`moe_lab.moe.router.route_from_logits`) is a chain of some thirty small
+operations — score function, bias, group scores and their top groups, the top-k, the
+renormalisation, the histogram, the aux-loss and z-loss reductions — each reading a
+``[tokens, n_experts]`` tensor and writing another: memory bound many times over, twice the bytes
+in FP64. NVIDIA's MLPerf Training v6.0 DeepSeek-V3 submission fused it and moved it to FP32
+(Megatron-Core ``--moe-router-fusion``; Transformer Engine's ``fused_topk_with_score_function``).
 
-Here, one program handles ``BLOCK_T`` tokens and keeps each token's row of ``E`` logits in
-registers, laid out as ``[BLOCK_T, groups, experts per group]``. It reads the logits once
-and, without writing anything in between: computes the scores (softmax or sigmoid, in
-FP32), adds the expert bias for selection, masks -inf logits (unavailable experts), finds
-each group's top-2 sum and the best ``topk_groups`` groups, selects the ``top_k`` experts
-by repeated arg-max (the lowest index wins among equal scores — the reference's rule),
-renormalises and scales their weights, and accumulates three statistics with atomic adds:
-tokens per expert, the sum of each expert's normalised score (the ``P_e`` of the aux
-losses), both per sequence of ``seq_len`` tokens, and the sum of squared log-sum-exps
-(z-loss). What leaves the kernel is ``[T, k]`` ids and weights and ``[S, E]`` statistics:
-one read of the logits plus the outputs. The losses are finished in a few operations on
-``[E]``-sized tensors.
+Here one program (grid: ``cdiv(T, BLOCK_T)``) keeps ``BLOCK_T`` tokens' logits in registers as a
+``[BLOCK_T, groups, experts per group]`` tile, reads them once and, writing nothing in between,
+scores them in FP32, picks the groups and the top-k by repeated arg-max (the lowest index wins
+among equal scores: the reference's rule), renormalises and scales the weights, and adds the
+statistics — tokens per expert and score sums per sequence, the z-loss sum — with atomics. What
+leaves is ``[T, k]`` ids and weights and ``[S, E]`` statistics; the losses are finished on
+``[E]``-sized tensors. The backward is a second kernel that *recomputes* the scores from the
+logits rather than storing ``[T, E]`` of them.
 
-The backward is a second kernel that *recomputes* the scores from the logits (cheaper than
-storing ``[T, E]`` of them) and returns ``dL/dlogits`` given the gradients of the weights,
-of the per-expert score sums and of the z-loss sum: through the renormalisation, the
-gather, the normalisation of the aux-loss probabilities and the score function.
-
-Both launches are ``torch.library.custom_op`` s with fake implementations, so
-`moe_lab.training.sync.assert_sync_free` (FakeTensorMode) and ``torch.compile`` trace them; the
-forward's autograd formula is registered with ``register_autograd``. On a GPU the kernels
-are compiled; on a CPU they run under Triton's interpreter (for the tests — it is far too
-slow to time). Atomic float adds make the statistics' last bits depend on the order
-programs finish on a GPU; the ids, weights and counts do not.
-
-`launch_config` chooses each launch's tokens per program, warps and stages (the wrappers
-call it at launch time); `compile_specs` describes what a CUDA launch compiles at
-DeepSeek-V3's and GPT-OSS-20B's shapes, for `moe_lab.workbench.compile_report.report`. There is no
-``tl.dot`` here: compiled, the router runs on the CUDA cores (exponentials, lane shuffles
-for the reductions, atomics for the statistics), with no tensor-core instructions.
+Both launches are custom ops with fake implementations (FakeTensorMode, ``torch.compile``); the
+forward's autograd is ``register_autograd``. Atomic float adds make the statistics' last bits
+depend on the order programs finish; the ids, weights and counts do not. No ``tl.dot``:
+compiled, the router runs on the CUDA cores.
 """
 
 from __future__ import annotations
@@ -49,9 +28,17 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.config import MoEConfig, preset
-from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args
-from moe_lab.moe.router_output import RouterOutput, check_seq_len, gate_logits
+from moe_lab.config import MoEConfig
+from moe_lab.kernels.common import interpreted, jit
+from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.moe.router_output import (
+    RouterOutput,
+    check_logits,
+    check_router_input,
+    check_seq_len,
+    gate_logits,
+    require_fp32_router,
+)
 
 Tensor = torch.Tensor
 _TINY = torch.finfo(torch.float32).tiny
@@ -62,7 +49,7 @@ _TINY = torch.finfo(torch.float32).tiny
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _load_logits(logits_ptr, t, e, t_ok, e_ok, s_lt, s_le):
     # [BLOCK_T, GP, EGP] float32. Padding lanes (no expert) are -inf, so they score 0 and
     # are never selected; rows past the last token are 0 (finite: no NaN in masked rows).
@@ -72,7 +59,7 @@ def _load_logits(logits_ptr, t, e, t_ok, e_ok, s_lt, s_le):
     return tl.where(t_ok[:, None, None] | ~e_ok[None, :, :], lg, 0.0)
 
 
-@triton.jit
+@jit
 def _scores(lg, SOFTMAX: tl.constexpr):
     # scores s, their sum, the log-sum-exp and the softmax q of the logits (z-loss).
     m = tl.max(tl.max(lg, 2), 1)  # [BLOCK_T]
@@ -87,7 +74,7 @@ def _scores(lg, SOFTMAX: tl.constexpr):
     return s, lse, q
 
 
-@triton.jit
+@jit
 def _router_fwd_kernel(
     logits_ptr, bias_ptr, ids_ptr, w_ptr, counts_ptr, psum_ptr, zsum_ptr,
     T, E, EG, G, SEQ_LEN, s_lt, s_le, scaling,
@@ -172,7 +159,7 @@ def _router_fwd_kernel(
     tl.atomic_add(zsum_ptr, tl.sum(tl.where(t_ok, lse * lse, 0.0), 0))
 
 
-@triton.jit
+@jit
 def _router_bwd_kernel(
     logits_ptr, ids_ptr, dw_ptr, dpsum_ptr, dz_ptr, dl_ptr,
     T, E, EG, G, SEQ_LEN, s_lt, s_le, s_dt, s_de, scaling,
@@ -237,13 +224,6 @@ def _router_bwd_kernel(
 # --------------------------------------------------------------------------------------
 
 
-@torch.compiler.assume_constant_result  # detected once; torch.compile need not trace it
-def _interpreted() -> bool:
-    from moe_lab.perf.capabilities import triton_interpreted
-
-    return triton_interpreted()
-
-
 def _layout(n_experts: int, n_groups: int) -> tuple[int, int, int]:
     """``(experts per group, groups padded, experts per group padded)`` to powers of two."""
     per_group = n_experts // n_groups
@@ -262,8 +242,7 @@ def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bo
     compiled, a ``[BLOCK_T, GP, EGP]`` tile of about 2K elements (16 per thread of 4 warps:
     the kernel keeps several such tiles live, logits, scores and masks, in registers).
     ``num_stages`` is Triton's default: the kernel has no loop that loads, so there is
-    nothing to pipeline. The wrappers call this at launch time, `compile_specs` at the
-    DeepSeek-V3 and GPT-OSS-20B shapes."""
+    nothing to pipeline."""
     _, gp, egp = _layout(n_experts, n_groups)
     width = gp * egp
     if block_t is None:
@@ -274,17 +253,17 @@ def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bo
     return LaunchConfig({"BLOCK_T": block_t, "GP": gp, "EGP": egp}, num_warps=4, num_stages=3)
 
 
-def _fwd_constexprs(top_k: int, softmax: bool, n_experts: int, n_groups: int, topk_groups: int,
+def fwd_constexprs(top_k: int, softmax: bool, n_experts: int, n_groups: int, topk_groups: int,
                     renormalize: bool, has_bias: bool) -> dict[str, object]:
-    """The forward kernel's constexprs other than the blocks (shared by launch and spec)."""
+    """The forward kernel's constexprs other than the blocks (the launch's, the compile report's)."""
     per_group = n_experts // n_groups
     return dict(TOP_K=top_k, KP=triton.next_power_of_2(top_k), TOPK_GROUPS=topk_groups,
                 SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=n_groups > 1, PAIR=per_group > 1,
                 RENORM=renormalize and top_k > 1)
 
 
-def _bwd_constexprs(top_k: int, softmax: bool, renormalize: bool) -> dict[str, object]:
-    """The backward kernel's constexprs other than the blocks (shared by launch and spec)."""
+def bwd_constexprs(top_k: int, softmax: bool, renormalize: bool) -> dict[str, object]:
+    """The backward kernel's constexprs other than the blocks (the launch's, the compile report's)."""
     return dict(TOP_K=top_k, KP=triton.next_power_of_2(top_k), SOFTMAX=softmax,
                 RENORM=renormalize and top_k > 1)
 
@@ -307,13 +286,13 @@ def _fused_router_op(
     prob_sums = torch.zeros((n_seqs, n_experts), dtype=torch.float32, device=dev)
     z_sum = torch.zeros((1,), dtype=torch.float32, device=dev)
     if tokens:
-        config = launch_config(tokens, n_experts, n_groups, interpreted=_interpreted(),
+        config = launch_config(tokens, n_experts, n_groups, interpreted=interpreted(),
                                block_t=block_t or None)
         _router_fwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
             logits, expert_bias if expert_bias is not None else logits, ids, weights, counts,
             prob_sums, z_sum, tokens, n_experts, n_experts // n_groups, n_groups,
             seq_len or tokens, *logits.stride(), float(scaling_factor),
-            **_fwd_constexprs(top_k, softmax, n_experts, n_groups, topk_groups, renormalize,
+            **fwd_constexprs(top_k, softmax, n_experts, n_groups, topk_groups, renormalize,
                               expert_bias is not None),
             **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
         )
@@ -321,8 +300,9 @@ def _fused_router_op(
 
 
 @_fused_router_op.register_fake
-def _(logits, expert_bias, top_k, softmax, n_groups, topk_groups, renormalize, scaling_factor,
-      seq_len, block_t):
+def _(logits: Tensor, expert_bias: Tensor | None, top_k: int, softmax: bool, n_groups: int,
+      topk_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
+      block_t: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     tokens, n_experts = logits.shape
     n_seqs = _n_seqs(tokens, seq_len)
     return (logits.new_empty((tokens, top_k), dtype=torch.int64),
@@ -342,25 +322,26 @@ def _fused_router_bwd_op(
     top_k = ids.shape[1]
     grad_logits = torch.empty((tokens, n_experts), dtype=torch.float32, device=logits.device)
     if tokens:
-        config = launch_config(tokens, n_experts, n_groups, interpreted=_interpreted(),
+        config = launch_config(tokens, n_experts, n_groups, interpreted=interpreted(),
                                block_t=block_t or None)
         _router_bwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
             logits, ids, grad_weights, grad_prob_sums, grad_z_sum, grad_logits,
             tokens, n_experts, n_experts // n_groups, n_groups, seq_len or tokens,
             *logits.stride(), *grad_logits.stride(), float(scaling_factor),
-            **_bwd_constexprs(top_k, softmax, renormalize),
+            **bwd_constexprs(top_k, softmax, renormalize),
             **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return grad_logits
 
 
 @_fused_router_bwd_op.register_fake
-def _(logits, ids, grad_weights, grad_prob_sums, grad_z_sum, softmax, n_groups, renormalize,
-      scaling_factor, seq_len, block_t):
+def _(logits: Tensor, ids: Tensor, grad_weights: Tensor, grad_prob_sums: Tensor, grad_z_sum: Tensor,
+      softmax: bool, n_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
+      block_t: int) -> Tensor:
     return logits.new_empty(logits.shape)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
     logits, _, _, softmax, n_groups, _, renormalize, scaling_factor, seq_len, block_t = inputs
     ids = output[0]
     ctx.save_for_backward(logits, ids)
@@ -368,7 +349,9 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.n_seqs = output[3].shape[0]
 
 
-def _backward(ctx, d_ids, d_weights, d_counts, d_prob_sums, d_z_sum):
+def _backward(ctx: torch.autograd.function.FunctionCtx, d_ids: Tensor | None, d_weights: Tensor | None,
+              d_counts: Tensor | None, d_prob_sums: Tensor | None,
+              d_z_sum: Tensor | None) -> tuple[Tensor | None, ...]:
     logits, ids = ctx.saved_tensors
     # An output nobody differentiated arrives as None: its gradient is zero.
     if d_weights is None:
@@ -406,10 +389,7 @@ def fused_router(
     ``block_t``: tokens per program (a power of two >= 2), forward and backward; default
     `launch_config`'s choice. Tests force it small to run the many programs a GPU launch
     runs, with blocks that straddle sequences."""
-    if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
-        raise ValueError(
-            f"logits must be [tokens, n_experts={cfg.n_experts}], got {tuple(logits.shape)}"
-        )
+    check_logits(logits, cfg)
     if logits.dtype != torch.float32:
         raise ValueError(f"the fused router computes in float32: logits must be float32, "
                          f"got {logits.dtype}")
@@ -461,70 +441,10 @@ def fused_route(
     *, seq_len: int | None = None,
 ) -> RouterOutput:
     """The gating matmul in float32, then the fused router (``ROUTER_IMPLS["triton"]``)."""
-    if x.dim() != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
-    if cfg.router_dtype != "fp32":
-        raise ValueError(f"the fused router computes in float32: MoEConfig.router_dtype must be "
-                         f"'fp32', got {cfg.router_dtype!r}")
+    check_router_input(x, cfg)
+    require_fp32_router(cfg)
     return fused_route_from_logits(gate_logits(x, gate_weight, torch.float32), cfg, expert_bias,
                                    seq_len=seq_len)
-
-
-# --------------------------------------------------------------------------------------
-# What a CUDA launch compiles (`moe_lab.workbench.compile_report.report`)
-# --------------------------------------------------------------------------------------
-
-
-def compile_specs_for(cfg: MoEConfig, tokens: int, *, seq_len: int | None = None,
-                      model: str = "") -> list[CompileSpec]:
-    """The forward and backward kernels as a CUDA launch compiles them for ``tokens`` rows of
-    contiguous float32 logits routed by ``cfg``, with an expert bias (the `Router` module
-    always passes its buffer) and per-sequence statistics over ``seq_len`` tokens; the
-    integer arguments typed as Triton's launcher types them (an argument equal to 1, such
-    as the unit stride or ``G`` with one group, becomes a constant). ``model`` names the
-    shape in the labels."""
-
-    n_experts, n_groups, top_k = cfg.n_experts, cfg.n_groups, cfg.top_k
-    softmax = cfg.score_func == "softmax"
-    config = launch_config(tokens, n_experts, n_groups, interpreted=False)
-    groups = f"{n_groups} groups (top-{cfg.topk_groups})" if n_groups > 1 else "one group"
-    shape = (f"{model + ': ' if model else ''}{tokens} tokens, E={n_experts}, {groups}, "
-             f"top-{top_k}, {cfg.score_func}")
-    ints = dict(T=tokens, E=n_experts, EG=n_experts // n_groups, G=n_groups,
-                SEQ_LEN=seq_len or tokens, s_lt=n_experts, s_le=1)
-    fwd_ints, fwd_constants = int_args(**ints)
-    bwd_ints, bwd_constants = int_args(**ints, s_dt=n_experts, s_de=1)
-    return [
-        CompileSpec(
-            "moe_lab.kernels.fused_router:_router_fwd_kernel",
-            f"fused router forward (scores, top-k, statistics), fp32 logits, {shape}",
-            {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
-             "counts_ptr": "*i32", "psum_ptr": "*fp32", "zsum_ptr": "*fp32", **fwd_ints,
-             "scaling": "fp32"},
-            {**fwd_constants, **config.blocks,
-             **_fwd_constexprs(top_k, softmax, n_experts, n_groups, cfg.topk_groups,
-                               cfg.renormalize, True)},
-            config),
-        CompileSpec(
-            "moe_lab.kernels.fused_router:_router_bwd_kernel",
-            f"fused router backward (recomputed scores), fp32 logits, {shape}",
-            {"logits_ptr": "*fp32", "ids_ptr": "*i64", "dw_ptr": "*fp32", "dpsum_ptr": "*fp32",
-             "dz_ptr": "*fp32", "dl_ptr": "*fp32", **bwd_ints, "scaling": "fp32"},
-            {**bwd_constants, **config.blocks,
-             **_bwd_constexprs(top_k, softmax, cfg.renormalize)},
-            config),
-    ]
-
-
-def compile_specs() -> list[CompileSpec]:
-    """`compile_specs_for` DeepSeek-V3's router (256 experts in 8 groups, top-4 groups,
-    top-8, sigmoid) and GPT-OSS-20B's (32 experts, one group, top-4, softmax), at 8192
-    tokens per GPU in sequences of the preset's length."""
-    specs = []
-    for name, model in SPEC_PRESETS.items():
-        cfg = preset(name)
-        specs += compile_specs_for(cfg.moe, SPEC_TOKENS, seq_len=cfg.seq_len, model=model)
-    return specs
 
 
 def check_finite_logits(logits: Tensor) -> None:

@@ -1,33 +1,19 @@
 """Triton flash-attention forward on MXFP8 inputs: block scales applied inside the tile loop.
 
-Flash attention computes ``softmax(QKᵀ/√d)·V`` one ``[BLOCK_M, BLOCK_N]`` tile of scores at
-a time, never materialising the ``T × T`` matrix: it keeps, per query row, the running
-maximum ``m`` and the running sum ``l`` of ``exp(s - m)``, rescales the output accumulator
-by ``exp(m_old - m_new)`` whenever the maximum grows, and divides by ``l`` at the end
-(the *online softmax*). Feeding it MXFP8 operands changes the two matrix products, not the
-softmax. ``QKᵀ`` reduces over ``head_dim``, so Q and K arrive blocked along ``head_dim``:
-the score tile is a sum over head-dim blocks ``j`` of a *partial dot* of raw FP8 values,
-``Q_j K_jᵀ``, times that block's two scales, ``sq[:, j] ⊗ sk[:, j]`` — what an MX tensor
-core does in hardware. ``P·V`` reduces over the
-keys, so V arrives blocked along the keys, and the kernel quantizes each tile of
-probabilities ``p = exp(s - m)`` (values in ``[0, 1]``) to MXFP8 along the keys itself,
-then sums partial dots ``P_j V_j`` times ``sp[:, j] ⊗ sv[j, :]`` over the tile's key
-blocks. The row sum ``l`` uses the unquantized ``p``, as FP8 attention kernels do.
+Flash attention computes ``softmax(QKᵀ/√d)·V`` one ``[BLOCK_M, BLOCK_N]`` tile of scores at a
+time with the *online softmax* (a running maximum and sum per query row, the accumulator
+rescaled when the maximum grows). MXFP8 operands change the two products, not the softmax.
+``QKᵀ`` reduces over ``head_dim``, so Q and K arrive blocked along it; ``P·V`` reduces over the
+keys, so V arrives blocked along the keys, and the kernel quantizes each tile of probabilities
+``p = exp(s - m)`` to MXFP8 along the keys itself (integer arithmetic of
+`moe_lab.kernels.mx_quantize`; the row sum uses the unquantized ``p``, as FP8 attention does).
 
-Both products go through ``tl.dot_scaled`` (`moe_lab.kernels.mx_gemm.mx_dot`): the E4M3
-bytes and the E8M0 scale bytes go to the instruction as they are. On Blackwell (sm_100)
-that is the block-scaled ``tcgen05.mma … kind::mxf8f6f4``, FP8 at FP8 rate with the
-scales applied by the tensor core; on Hopper (sm_90), which has no such instruction,
-Triton upcasts the tiles to bf16 (exact: 4 significant bits fit in 8) and runs a bf16
-``wgmma``. Under Triton's interpreter, which cannot run ``tl.dot_scaled``, the constexpr
-``SCALED_DOT=False`` decomposes the same products into exactly decoded fp32 values and an
-IEEE fp32 ``tl.dot`` — same tiles, masks and scale indexing, summation order aside. The
-probabilities are quantized with the integer routines of `moe_lab.kernels.mx_quantize`, so their
-bits do not depend on the device's float casts. Requirements: causal, ``T_q <= T_k`` (query ``i``
-sees keys ``<= i + T_k - T_q``), Q/K head_dim padded to a multiple of 32, V padded
-along the keys to a multiple of 32 (`moe_lab.kernels.mx_quantize.mx_quantize` with ``pad=True``
-produces exactly that). Backward is not a kernel: `moe_lab.attention` differentiates
-through the reference emulation.
+Both products go through `moe_lab.kernels.mx_gemm.mx_dot`: ``tl.dot_scaled`` compiled (the
+block-scaled ``tcgen05.mma`` on Blackwell, a bf16 ``wgmma`` on Hopper), exactly decoded fp32 and
+an IEEE ``tl.dot`` under the interpreter (``SCALED_DOT=False``). Grid: ``(cdiv(T_q, BLOCK_M),
+B·H)``. Requirements: causal, ``T_q <= T_k`` (query ``i`` sees keys ``<= i + T_k - T_q``), Q/K
+head_dim and V's keys padded to multiples of 32 (what `quantize_qkv` makes). Backward is not a
+kernel: `moe_lab.attention` differentiates through the reference emulation.
 """
 
 from __future__ import annotations
@@ -38,17 +24,18 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.launch import CompileSpec, LaunchConfig, int_args
+from moe_lab.checks import one_of
+from moe_lab.kernels.common import check_device, interpreted, jit
+from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, mx_dot
-from moe_lab.kernels.mx_quantize import fp8_code, mx_scale_byte
-from moe_lab.perf.capabilities import triton_interpreted
+from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor, padded_size
 
 Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@jit
 def _mx_attention_fwd_kernel(
     q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr,
     H, KV_GROUP, T_Q, T_K, T_K_PAD, D, D_PAD, sm_scale_log2,
@@ -165,7 +152,7 @@ def _check_mx(name: str, mx: MXTensor, dim: int) -> None:
         )
 
 
-def _mode_constexprs(quantize_p: bool, scale_mode: str, interpreted: bool) -> dict[str, object]:
+def mode_constexprs(quantize_p: bool, scale_mode: str, interpreted: bool) -> dict[str, object]:
     """The kernel's constexprs besides the tile. ``SCALED_DOT``: the products through
     ``tl.dot_scaled`` (compiled) or decomposed into exact fp32 (Triton's interpreter, which
     cannot run ``tl.dot_scaled``): see `moe_lab.kernels.mx_gemm.mx_dot`."""
@@ -222,8 +209,7 @@ def mx_attention_forward(
     _check_mx("q", q, 3)
     _check_mx("k", k, 3)
     _check_mx("v", v, 2)
-    if scale_mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    one_of(scale_mode, "scale_mode", SCALE_MODES)
     bq, h, t_q, d = q.shape
     bk, h_kv, t_k, dk = k.shape
     if (bk, dk) != (bq, d) or tuple(v.shape) != tuple(k.shape):
@@ -239,17 +225,12 @@ def mx_attention_forward(
     if len(devices) != 1:
         raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
     device = q.data.device
-    if device.type != "cuda" and not triton_interpreted():
-        raise ValueError(
-            f"q, k, v must be on a CUDA device for compiled Triton, got {device} "
-            "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
-        )
+    check_device("q", device)
     out = torch.empty((bq, h, t_q, d), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
     t_k_pad = v.data.shape[2]
-    interpreted = triton_interpreted()
-    cfg = launch_config(t_q, t_k, d, interpreted)
+    cfg = launch_config(t_q, t_k, d, interpreted())
     u8 = torch.uint8
     qd, qs = q.data.view(u8), q.scale.view(u8)
     kd, ks = k.data.view(u8), k.scale.view(u8)
@@ -260,7 +241,7 @@ def mx_attention_forward(
         h, h // h_kv, t_q, t_k, t_k_pad, d, padded_size(d), LOG2E / math.sqrt(d),
         *qd.stride(), *qs.stride(), *kd.stride(), *ks.stride(),
         *vd.stride(), *vs.stride(), *out.stride(),
-        **_mode_constexprs(quantize_p, scale_mode, interpreted), **cfg.blocks,
+        **mode_constexprs(quantize_p, scale_mode, interpreted()), **cfg.blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -273,8 +254,6 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
 
     ``q``: ``[B, H, T_q, d]``; ``k``, ``v``: ``[B, H_kv, T_k, d]``; float32 or bfloat16.
     """
-    from moe_lab.kernels.mx_quantize import mx_quantize
-
     def rows(x: Tensor) -> MXTensor:
         b, h, t, d = x.shape
         mx, _ = mx_quantize(x.reshape(b * h * t, d), colwise=False, scale_mode=scale_mode,
@@ -295,71 +274,3 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
         if x.dim() != 4:
             raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got {tuple(x.shape)}")
     return rows(q), rows(k), keys(v)
-
-
-
-def compile_specs() -> list[CompileSpec]:
-    """`_mx_attention_fwd_kernel` as a CUDA launch of `mx_attention_forward` on
-    `quantize_qkv`'s layouts compiles it, at a sequence of each preset's ``seq_len``.
-
-    moe_lab's attention is grouped-query attention with one head_dim for Q, K and V, so
-    GPT-OSS-20B runs at its own (64 heads, 8 KV heads, d = 64) and DeepSeek-V3's preset as
-    moe_lab's model would run it (128 heads, d = 192: its MLA uses 192 for Q/K but 128 for
-    V, which this kernel does not take); d = 128 at 128 heads is the MLA value head_dim.
-    The probabilities' variants (floor rule, unquantized) at GPT-OSS-20B's shape.
-    """
-    from moe_lab.config import preset
-
-    ds, oss = preset("deepseek_v3"), preset("gpt_oss_20b")
-    cases = [  # label, heads, kv heads, seq, head_dim, quantize_p, scale rule
-        ("GPT-OSS-20B", oss.n_heads, oss.kv_heads, oss.seq_len, oss.dim_head, True, "rceil"),
-        ("DeepSeek-V3 as MHA", ds.n_heads, ds.kv_heads, ds.seq_len, ds.dim_head, True, "rceil"),
-        ("DeepSeek-V3 MLA value head_dim", ds.n_heads, ds.kv_heads, ds.seq_len, ds.v_head_dim,
-         True, "rceil"),
-        ("GPT-OSS-20B", oss.n_heads, oss.kv_heads, oss.seq_len, oss.dim_head, True, "floor"),
-        ("GPT-OSS-20B", oss.n_heads, oss.kv_heads, oss.seq_len, oss.dim_head, False, "rceil"),
-    ]
-    specs = []
-    for name, h, h_kv, t, d, quantize_p, scale_mode in cases:
-        d_pad, t_pad = padded_size(d), padded_size(t)
-        n_ds = d_pad // BLOCK_SIZE
-        # Strides of quantize_qkv's outputs for one sequence: Q, K codes and scales and the
-        # output contiguous; V's codes and scales stored transposed ([.., d, T], key-major).
-        ints, ones = int_args(
-            H=h, KV_GROUP=h // h_kv, T_Q=t, T_K=t, T_K_PAD=t_pad, D=d, D_PAD=d_pad,
-            s_qb=h * t * d_pad, s_qh=t * d_pad, s_qt=d_pad, s_qd=1,
-            s_qsb=h * t * n_ds, s_qsh=t * n_ds, s_qst=n_ds, s_qsd=1,
-            s_kb=h_kv * t * d_pad, s_kh=t * d_pad, s_kt=d_pad, s_kd=1,
-            s_ksb=h_kv * t * n_ds, s_ksh=t * n_ds, s_kst=n_ds, s_ksd=1,
-            s_vb=h_kv * t_pad * d, s_vh=t_pad * d, s_vt=1, s_vd=t_pad,
-            s_vsb=h_kv * t_pad // BLOCK_SIZE * d, s_vsh=t_pad // BLOCK_SIZE * d, s_vst=1,
-            s_vsd=t_pad // BLOCK_SIZE,
-            s_ob=h * t * d, s_oh=t * d, s_ot=d, s_od=1,
-        )
-        cfg = launch_config(t, t, d, interpreted=False)
-        p = f"P {scale_mode}" if quantize_p else "P float32"
-        note = UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d > 128 else ""
-        specs.append(CompileSpec(
-            kernel="moe_lab.kernels.mx_attention:_mx_attention_fwd_kernel",
-            label=f"MXFP8 attention fwd, {name}: {h} heads ({h_kv} KV), seq {t}, d={d}, {p}",
-            signature={**{n: "*u8" for n in ("q_ptr", "qs_ptr", "k_ptr", "ks_ptr", "v_ptr",
-                                              "vs_ptr")},
-                       "o_ptr": "*fp32", "sm_scale_log2": "fp32", **ints},
-            constexprs={**ones, **_mode_constexprs(quantize_p, scale_mode, interpreted=False),
-                        **cfg.blocks},
-            config=cfg,
-            note=note,
-        ))
-    return specs
-
-
-# Why some of `compile_specs`'s rows miss the report's targets.
-UNQUANTIZED_P_NOTE = (
-    "P float32 is a study path, not the recipe: P·V is meant as an IEEE float32 dot "
-    "(exact under the interpreter and on sm_90's CUDA cores, where the float32 P and "
-    "dequantized V tiles spill), and Triton 3.7 lowers it on sm_100 to tcgen05 kind::tf32 "
-    "instead (see the tensor-core column): on Blackwell that dot rounds P to TF32.")
-WIDE_HEAD_NOTE = (
-    "head_dim 192 pads to a 256-wide Q/K tile (tl.arange needs a power of two); on sm_90, "
-    "which has no block-scaled MMA, tl.dot_scaled holds bf16 copies of those FP8 tiles in "
-    "registers for the wgmma, a little past the 255-register limit.")

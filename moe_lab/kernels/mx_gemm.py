@@ -1,34 +1,23 @@
 """MXFP8 GEMM on block-scaled tensor cores: ``C = dequant(A) · dequant(B)ᵀ`` through ``tl.dot_scaled``.
 
-An MXFP8 operand is two arrays: E4M3 element codes and, for every run of 32 consecutive
-elements along the reduction dimension K, one E8M0 scale byte (a bare power of two,
-``2^(byte - 127)``). Blackwell's block-scaled MMA (``tcgen05.mma … kind::mxf8f6f4
-.block_scale``) takes both as they are stored: the FP8 tiles go to the tensor core
-unchanged, the scale bytes of the two operands are staged beside the accumulator in tensor
-memory, and the instruction computes, in effect, for each 32-wide slice of K the sum of the
-32 FP8 × FP8 products times ``2^(a_scale + b_scale - 254)`` — applying a scale is adding
-exponents, not a multiply — into the fp32 accumulator. Nothing is dequantized in
-registers, so the operands travel at 8.25 bits per value and the MMA runs at FP8 rate.
-Hopper has no such instruction: compiled for sm_90, the same ``tl.dot_scaled`` becomes
-an ordinary bf16 ``wgmma`` (``m64n128k16 f32.bf16.bf16`` in the PTX): Triton converts the
-E4M3 tiles to bf16 and applies the scales before the MMA, in CUDA cores. The compile
-report (``python -m moe_lab compile --modules moe_lab.kernels.mx_gemm``) shows both.
+An MXFP8 operand is E4M3 element codes and, for every 32 consecutive elements along the
+reduction dim K, one E8M0 scale byte (``2^(byte - 127)``). Blackwell's block-scaled MMA
+(``tcgen05.mma … kind::mxf8f6f4.block_scale``) takes both as stored and, per 32-wide slice of
+K, adds the FP8 × FP8 products times ``2^(a_scale + b_scale - 254)`` into fp32: nothing is
+dequantized in registers, operands travel at 8.25 bits a value, the MMA runs at FP8 rate.
+Hopper has no such instruction: for sm_90 the same ``tl.dot_scaled`` becomes a bf16
+``wgmma``, Triton upcasting the E4M3 tiles and applying the scales on the CUDA cores.
 
-The kernel has two inner products, chosen by the constexpr ``SCALED_DOT``:
+Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile (the grouped kernel: the grouped
+GEMM's tile schedule over device offsets). The constexpr ``SCALED_DOT`` picks the inner
+product: ``True`` (compiled) ``tl.dot_scaled``; ``False`` (Triton's interpreter, which cannot
+run it) the same tile math decomposed — codes and scale bytes decoded to fp32 exactly, as
+`moe_lab.quant.mx.MXTensor.dequantize` does, then an IEEE fp32 ``tl.dot`` — so the CPU checks
+the tiling, masks and scale indexing against `mx_gemm_reference`.
 
-* ``True`` (compiled): ``tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)``.
-* ``False`` (Triton's interpreter, which cannot run ``tl.dot_scaled`` and rounds bf16
-  and float8 casts unlike a GPU): the same tile math decomposed — E4M3 codes and E8M0
-  scale bytes decoded to fp32 by assembling their bit patterns in integer arithmetic
-  (exact: an E4M3 value times a power of two is an fp32 value, up to fp32's own
-  overflow and subnormal range, exactly as `moe_lab.quant.mx.MXTensor.dequantize`
-  computes it), multiplied, and summed by ``tl.dot`` in IEEE fp32. The tiling, the masks
-  and the scale indexing are the same code in both, so the CPU checks them against the
-  reference `mx_gemm_reference`.
-
-Layout (both operands row-major along K, as `moe_lab.quant.mx.quantize(x, dim=-1)` stores
-them): ``a: [M, K]`` E4M3, ``a_scale: [M, K/32]`` E8M0; ``b: [N, K]`` E4M3 (a weight
-``[out, in]``, like ``nn.Linear``), ``b_scale: [N, K/32]``; ``c: [M, N]`` fp32 or bf16.
+Layout (row-major along K, as `moe_lab.quant.mx.quantize(x, dim=-1)` stores it): ``a: [M, K]``
+E4M3, ``a_scale: [M, K/32]`` E8M0; ``b: [N, K]`` (a weight ``[out, in]``), ``b_scale: [N, K/32]``;
+``c: [M, N]`` fp32 or bf16.
 """
 
 from __future__ import annotations
@@ -37,15 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.grouped_gemm import _block_e, _tile_schedule, cast_for_store
-from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
+from moe_lab.checks import one_of
+from moe_lab.kernels.common import block_e, cast_for_store, check_device, interpreted, jit, tile_schedule
+from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
 
 Tensor = torch.Tensor
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@triton.jit
+@jit
 def e4m3_to_fp32(code):
     """E4M3 byte (uint8) → its fp32 value, by building the fp32 bit pattern: sign, exponent
     rebiased from 7 to 127, mantissa moved up 20 bits; subnormals are ``m · 2^-9`` (exact);
@@ -61,7 +51,7 @@ def e4m3_to_fp32(code):
     return tl.where((exp == 0xF) & (man == 0x7), float("nan"), value)
 
 
-@triton.jit
+@jit
 def e8m0_to_fp32(byte):
     """E8M0 byte (uint8) → ``2^(byte - 127)`` as fp32: the byte is the fp32 exponent field,
     except 0 (``2^-127``, an fp32 subnormal: bit 22) and 0xFF (NaN)."""
@@ -70,7 +60,7 @@ def e8m0_to_fp32(byte):
     return tl.where(s == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
 
 
-@triton.jit
+@jit
 def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
            SCALED_DOT: tl.constexpr):
     """``acc + dequant(a) · dequant(b)`` for one tile: ``a`` ``[M, K]`` and ``b`` ``[K, N]``
@@ -94,7 +84,7 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
     return acc
 
 
-@triton.jit
+@jit
 def _mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,  # u8 [M, K], u8 [M, K/32], u8 [N, K], u8 [N, K/32], [M, N]
     M, N, K,  # K a multiple of 32; all tensors contiguous
@@ -124,7 +114,7 @@ def _mx_gemm_kernel(
     tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
 
-@triton.jit
+@jit
 def _grouped_mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, offsets_ptr,
     M_ROWS, N, K, E,
@@ -134,7 +124,7 @@ def _grouped_mx_gemm_kernel(
     # a: u8 [M_ROWS, K] rows grouped by expert (offsets: [E + 1] int32), a_scale: u8 [M_ROWS, K/32];
     # b: u8 [E, N, K] (each expert's weight [out, in]), b_scale: u8 [E, N, K/32]; c: [M_ROWS, N].
     # Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(N, BLOCK_N)); tiles as the grouped GEMM's.
-    seg, row0, row_end = _tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:  # past the last tile: no work
         return
     rm = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -208,32 +198,26 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     Returns ``[M, N]`` ``out_dtype``. Compiled on CUDA through ``tl.dot_scaled``; under
     ``TRITON_INTERPRET=1`` through the decomposed ("emulated") path.
     """
-    from moe_lab.perf.capabilities import triton_interpreted
-
     _check_operand("a", a, a_scale)
     _check_operand("b", b, b_scale)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    one_of(out_dtype, "out_dtype", OUT_DTYPES)
     devices = {t.device for t in (a, a_scale, b, b_scale)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale must be on one device, got {sorted(map(str, devices))}")
-    interpreted = triton_interpreted()
     device = a.device
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(f"inputs must be on a CUDA device for compiled Triton, got {device} "
-                         "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)")
+    check_device("a", device)
     (m, k), n = a.shape, b.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
         return c
-    cfg = launch_config(m, n, k, interpreted)
+    cfg = launch_config(m, n, k, interpreted())
     grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
     _mx_gemm_kernel[grid](
         a.contiguous().view(torch.uint8), a_scale.contiguous().view(torch.uint8),
         b.contiguous().view(torch.uint8), b_scale.contiguous().view(torch.uint8), c,
-        m, n, k, **cfg.blocks, SCALED_DOT=not interpreted,
+        m, n, k, **cfg.blocks, SCALED_DOT=not interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
@@ -255,8 +239,6 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
     Returns ``[M, N]`` ``out_dtype``: compiled through ``tl.dot_scaled`` (block-scaled
     ``tcgen05.mma`` on Blackwell), interpreted through the decomposed path.
     """
-    from moe_lab.perf.capabilities import triton_interpreted
-
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"b must be a 3-D [E, N, K] tensor, got {getattr(b, 'shape', type(b).__name__)}")
     if not isinstance(b_scale, torch.Tensor) or b_scale.dim() != 3:
@@ -272,30 +254,31 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
         raise ValueError(f"offsets must be an int32 tensor of shape ({n_experts + 1},) (one more than "
                          f"b's experts), got {getattr(offsets, 'dtype', None)} "
                          f"{tuple(getattr(offsets, 'shape', ()))}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {out_dtype}")
+    one_of(out_dtype, "out_dtype", OUT_DTYPES)
     devices = {t.device for t in (a, a_scale, b, b_scale, offsets)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale, offsets must be on one device, got "
                          f"{sorted(map(str, devices))}")
-    interpreted = triton_interpreted()
-    if a.device.type != "cuda" and not interpreted:
-        raise ValueError(f"inputs must be on a CUDA device for compiled Triton, got {a.device} "
-                         "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)")
+    check_device("a", a.device)
     m = a.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = launch_config(m, n, k, interpreted)
+    cfg = launch_config(m, n, k, interpreted())
     grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(n, cfg.blocks["BLOCK_N"]))
     u8 = torch.uint8
     _grouped_mx_gemm_kernel[grid](
         a.contiguous().view(u8), a_scale.contiguous().view(u8), b.contiguous().view(u8),
         b_scale.contiguous().view(u8), c, offsets.contiguous(), m, n, k, n_experts,
-        **cfg.blocks, BLOCK_E=_block_e(n_experts), SCALED_DOT=not interpreted,
+        **cfg.blocks, BLOCK_E=block_e(n_experts), SCALED_DOT=not interpreted(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
+
+
+# --------------------------------------------------------------------------------------
+# References (plain PyTorch; what the kernels are tested against)
+# --------------------------------------------------------------------------------------
 
 
 def grouped_mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
@@ -320,42 +303,5 @@ def mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) ->
     return dequant(a, a_scale) @ dequant(b, b_scale).T
 
 
-def compile_specs() -> list[CompileSpec]:
-    """`_mx_gemm_kernel` and `_grouped_mx_gemm_kernel` as CUDA launches of `mx_gemm` and
-    `grouped_mx_gemm` compile them (``SCALED_DOT=True``) for an MoE layer's expert GEMMs at
-    DeepSeek-V3's and GPT-OSS-20B's shapes: the up/gate projection ``[tokens·top_k, d_model]
-    · [2·d_expert, d_model]ᵀ`` and the down projection ``[tokens·top_k, d_expert] ·
-    [d_model, d_expert]ᵀ`` (as one GEMM, and split over the experts), bf16 output."""
-    from moe_lab.config import preset
-
-    specs = []
-    for name, model in SPEC_PRESETS.items():
-        moe = preset(name).moe
-        d, f, m = moe.d_model, moe.d_expert, SPEC_TOKENS * moe.top_k
-        for what, n, k in (("up/gate projection", 2 * f, d), ("down projection", d, f)):
-            ints, ones = int_args(M=m, N=n, K=k)
-            cfg = launch_config(m, n, k, interpreted=False)
-            specs.append(CompileSpec(
-                kernel="moe_lab.kernels.mx_gemm:_mx_gemm_kernel",
-                label=f"MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
-                      f"[{m}, {k}] x [{n}, {k}]^T, bf16 out",
-                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
-                           "c_ptr": "*bf16", **ints},
-                constexprs={**ones, **cfg.blocks, "SCALED_DOT": True},
-                config=cfg,
-            ))
-            ints, ones = int_args(M_ROWS=m, N=n, K=k, E=moe.n_experts)
-            specs.append(CompileSpec(
-                kernel="moe_lab.kernels.mx_gemm:_grouped_mx_gemm_kernel",
-                label=f"grouped MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
-                      f"[{m}, {k}] x {moe.n_experts} x [{n}, {k}]^T, bf16 out",
-                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
-                           "c_ptr": "*bf16", "offsets_ptr": "*i32", **ints},
-                constexprs={**ones, **cfg.blocks, "BLOCK_E": _block_e(moe.n_experts), "SCALED_DOT": True},
-                config=cfg,
-            ))
-    return merge_specs(specs)
-
-
-__all__ = ["OUT_DTYPES", "compile_specs", "grouped_mx_gemm", "grouped_mx_gemm_reference", "launch_config",
-           "mx_dot", "mx_gemm", "mx_gemm_reference"]
+__all__ = ["OUT_DTYPES", "e4m3_to_fp32", "e8m0_to_fp32", "grouped_mx_gemm", "grouped_mx_gemm_reference",
+           "launch_config", "mx_dot", "mx_gemm", "mx_gemm_reference"]

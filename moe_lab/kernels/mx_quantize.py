@@ -1,28 +1,19 @@
 """Triton MXFP8 quantizer: one read of a tensor, row-wise and column-wise MX copies out.
 
-A GEMM wants its operands blocked along the dimension it reduces over. A linear layer's
-forward ``Y = X Wᵀ`` reduces over the features, so it needs ``X`` in MX blocks *along
-rows*; its weight-gradient GEMM ``dW = dYᵀ X`` reduces over the tokens, so it needs ``X``
-blocked *along columns*. The two copies are not transposes of each other: each block has
-its own scale, and a value is rounded relative to the 31 neighbours it shares that scale
-with, which are different neighbours in each direction. Producing both from one read of
-``X`` halves the bytes a separate pass per direction would load — the kernel is purely
-memory bound, so that is the whole game. Here each program loads one ``[BLOCK_M, BLOCK_K]``
-tile (multiples of 32), reshapes it into ``[BLOCK_M, BLOCK_K/32, 32]`` for row blocks and
-``[BLOCK_M/32, 32, BLOCK_K]`` for column blocks, and for each computes the block maxima,
-the E8M0 scales and the FP8 codes. The column-wise copy is written transposed
-(``[K, M]``, contiguous), the layout the weight-gradient GEMM reads.
+A GEMM wants its operands blocked along the dim it reduces over: a linear layer's forward needs
+``X`` in MX blocks along rows, its weight gradient along columns. The two copies are not
+transposes of each other (each block has its own scale), and producing both from one read of
+``X`` halves the bytes of a pass per direction — the kernel is memory bound, so that is the whole
+game. Each program (grid: ``(cdiv(M, BLOCK_M), cdiv(K, BLOCK_K), B)``) loads one tile, reshapes
+it into 32-element blocks each way, and writes the E8M0 scales and the FP8 codes; the
+column-wise copy is written transposed, as the weight-gradient GEMM reads it.
 
-Every step is integer arithmetic on the float32 bit pattern: ``|x|`` is ``bits &
-0x7FFFFFFF`` (for non-negative floats the integer order is the float order, and NaN bits
-compare above Inf, so an integer max finds NaN too); the scale comes from the block
-maximum's exponent field (``floor``) plus one when its mantissa exceeds 1.75 (``rceil``:
-448 = 1.75·2^8 and 57344 = 1.75·2^15); the FP8 code is the value's significand shifted
-right with round-to-nearest-even done by hand. No float arithmetic means no dependence on
-how a device rounds, flushes subnormals or casts to FP8 — Triton's interpreter, for one,
-rounds float8 casts wrongly when the rounding carries into the exponent — so the bits are
-the same compiled on a GPU and interpreted on a CPU, and identical to the reference
-`moe_lab.quant.mx.quantize` (which uses PyTorch's float ops and FP8 cast).
+The key trick: every step is integer arithmetic on the float32 bit pattern — ``|x|`` is ``bits &
+0x7FFFFFFF`` (whose integer order is the float order, NaN above Inf), the scale is the block
+maximum's exponent field (plus one under ``rceil`` when its mantissa exceeds 1.75), the code the
+significand shifted right with round-to-nearest-even by hand. So the bits do not depend on how a
+device rounds or casts to FP8 (Triton's interpreter rounds float8 casts wrongly when the rounding
+carries into the exponent): the same on a GPU and a CPU, and equal to `moe_lab.quant.mx.quantize`.
 """
 
 from __future__ import annotations
@@ -31,12 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.launch import CompileSpec, LaunchConfig, int_args
-from moe_lab.perf.capabilities import triton_interpreted
+from moe_lab.checks import one_of
+from moe_lab.kernels.common import check_device, interpreted, jit
+from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.quant.mx import (
     BLOCK_SIZE,
     E4M3,
-    E5M2,
     E8M0,
     SCALE_MODES,
     MXTensor,
@@ -48,7 +39,7 @@ Tensor = torch.Tensor
 KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@triton.jit
+@jit
 def mx_scale_byte(amax_bits, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr):
     """Biased E8M0 scale (int32 0..255) from the int32 bits of a block's ``|x|`` maximum."""
     exp_field = amax_bits >> 23
@@ -65,7 +56,7 @@ def mx_scale_byte(amax_bits, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr):
     return tl.where(amax_bits > 0x7F800000, 255, biased)
 
 
-@triton.jit
+@jit
 def fp8_code(bits, shift, nan_block, MBITS: tl.constexpr, BIAS: tl.constexpr,
              MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
     """FP8 byte (int32 0..255) of ``x * 2^-shift``, rounded to nearest even, saturating.
@@ -100,7 +91,7 @@ def fp8_code(bits, shift, nan_block, MBITS: tl.constexpr, BIAS: tl.constexpr,
     return tl.where(nan_block, NAN_CODE, code)
 
 
-@triton.jit
+@jit
 def _mx_quantize_kernel(
     x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
     M, K, M_PAD, K_PAD,
@@ -166,8 +157,8 @@ def _mx_quantize_kernel(
         tl.store(s_out, scale.to(tl.uint8), mask=s_ok)
 
 
-def _format_constexprs(dtype: torch.dtype, rowwise: bool, colwise: bool,
-                       elem_dtype: torch.dtype, scale_mode: str) -> dict[str, object]:
+def format_constexprs(dtype: torch.dtype, rowwise: bool, colwise: bool,
+                      elem_dtype: torch.dtype, scale_mode: str) -> dict[str, object]:
     """The kernel's constexprs besides the tile: input width, which copies, element format,
     scale rule."""
     fmt = elem_format(elem_dtype)
@@ -213,7 +204,7 @@ def mx_quantize(
 
     Args:
         x: ``[M, K]`` or ``[B, M, K]``, float32 or bfloat16, any strides, on the device
-            Triton runs on (CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+            Triton runs on (CUDA; any device where the kernels run interpreted).
         rowwise, colwise: which copies to produce (at least one).
         elem_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         scale_mode: ``"floor"`` or ``"rceil"``.
@@ -230,20 +221,12 @@ def mx_quantize(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [M, K] or [B, M, K], got shape {tuple(x.shape)}")
-    if x.dtype not in KERNEL_INPUT_DTYPES:
-        raise ValueError(
-            f"x.dtype must be one of {[str(d) for d in KERNEL_INPUT_DTYPES]}, got {x.dtype}"
-        )
-    if scale_mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    one_of(x.dtype, "x.dtype", KERNEL_INPUT_DTYPES)
+    one_of(scale_mode, "scale_mode", SCALE_MODES)
     if not (rowwise or colwise):
         raise ValueError("at least one of rowwise and colwise must be True, got both False")
     elem_format(elem_dtype)  # raises on an unsupported element dtype
-    if x.device.type != "cuda" and not triton_interpreted():
-        raise ValueError(
-            f"x must be on a CUDA device for compiled Triton, got {x.device} "
-            "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
-        )
+    check_device("x", x.device)
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(0) if squeeze else x
     nb, m, k = x3.shape
@@ -265,13 +248,13 @@ def mx_quantize(
         # Read raw bits: float32 as int32, bfloat16 as int16 (widened in the kernel).
         bits = x3.view(torch.int16) if x.dtype == torch.bfloat16 else x3.view(torch.int32)
         grid_m, grid_k = m_pad if colwise else m, k_pad if rowwise else k
-        cfg = launch_config(grid_m, grid_k, triton_interpreted())
+        cfg = launch_config(grid_m, grid_k, interpreted())
         grid = (triton.cdiv(grid_m, cfg.blocks["BLOCK_M"]),
                 triton.cdiv(grid_k, cfg.blocks["BLOCK_K"]), nb)
         _mx_quantize_kernel[grid](
             bits, row_data, row_scale, col_data, col_scale,
             m, k, m_pad, k_pad, *bits.stride(),
-            **_format_constexprs(x.dtype, rowwise, colwise, elem_dtype, scale_mode),
+            **format_constexprs(x.dtype, rowwise, colwise, elem_dtype, scale_mode),
             **cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     row = col = None
@@ -287,47 +270,3 @@ def mx_quantize(
             data, scale = data[0], scale[0]
         col = MXTensor(data, scale, elem_dtype, BLOCK_SIZE, x.dim() - 2, x.shape, scale_mode)
     return row, col
-
-
-def compile_specs() -> list[CompileSpec]:
-    """`_mx_quantize_kernel` as a CUDA launch of `mx_quantize` compiles it at DeepSeek-V3's and
-    GPT-OSS-20B's shapes, contiguous input: every input dtype (bf16, fp32), element format
-    (E4M3, E5M2), scale rule (rceil, floor) and copy (row+col, row only as `quantize_qkv`
-    does Q and K, column only as it does V) at least once."""
-    from moe_lab.config import preset
-
-    ds, oss = preset("deepseek_v3"), preset("gpt_oss_20b")
-    bf16, fp32 = torch.bfloat16, torch.float32
-    t, e = ds.seq_len, ds.moe.n_experts
-    cases = [  # label, input dtype, [B, M, K], rowwise, colwise, element dtype, scale rule
-        (f"DeepSeek-V3 activations [{t}, {ds.d_model}]", bf16, (1, t, ds.d_model),
-         True, True, E4M3, "rceil"),
-        (f"DeepSeek-V3 expert weights [{e}, {ds.d_model}, {ds.moe.d_expert}]", fp32,
-         (e, ds.d_model, ds.moe.d_expert), True, True, E4M3, "rceil"),
-        (f"GPT-OSS-20B output gradient [{oss.seq_len}, {oss.d_model}]", bf16,
-         (1, oss.seq_len, oss.d_model), True, True, E5M2, "floor"),
-        (f"GPT-OSS-20B attention Q rows [{oss.n_heads * oss.seq_len}, {oss.dim_head}]", bf16,
-         (1, oss.n_heads * oss.seq_len, oss.dim_head), True, False, E4M3, "rceil"),
-        (f"GPT-OSS-20B attention V [{oss.kv_heads}, {oss.seq_len}, {oss.dim_head}]", bf16,
-         (oss.kv_heads, oss.seq_len, oss.dim_head), False, True, E4M3, "rceil"),
-    ]
-    specs = []
-    for label, dtype, (_batch, m, k), rowwise, colwise, elem_dtype, scale_mode in cases:
-        m_pad, k_pad = padded_size(m), padded_size(k)
-        ints, ones = int_args(M=m, K=k, M_PAD=m_pad, K_PAD=k_pad, stride_xb=m * k,
-                                   stride_xm=k, stride_xk=1)
-        cfg = launch_config(m_pad if colwise else m, k_pad if rowwise else k, interpreted=False)
-        copies = "row+col" if rowwise and colwise else "row-wise" if rowwise else "column-wise"
-        fmt = "E4M3" if elem_dtype == E4M3 else "E5M2"
-        specs.append(CompileSpec(
-            kernel="moe_lab.kernels.mx_quantize:_mx_quantize_kernel",
-            label=f"MX quantizer, {label} {'bf16' if dtype == bf16 else 'fp32'}, {copies}, "
-                  f"{fmt} {scale_mode}",
-            signature={"x_ptr": "*i16" if dtype == bf16 else "*i32", "row_data_ptr": "*u8",
-                       "row_scale_ptr": "*u8", "col_data_ptr": "*u8", "col_scale_ptr": "*u8",
-                       **ints},
-            constexprs={**ones, **_format_constexprs(dtype, rowwise, colwise, elem_dtype,
-                                                     scale_mode), **cfg.blocks},
-            config=cfg,
-        ))
-    return specs

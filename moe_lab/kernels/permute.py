@@ -1,44 +1,28 @@
 """Triton token permutation: a row-id map built on the device, then permute and unpermute.
 
-A grouped GEMM wants each expert's tokens in one contiguous block of rows. Token ``t``
-goes to ``k`` experts, so the *permuted* buffer has one row per (token, slot) pair, sorted
-by expert; the *row-id map* ``row_id_map[t, j]`` says which row of that buffer holds
-token ``t``'s copy for its ``j``-th expert (TransformerEngine's ``moe_permute`` and
-Megatron-LM's ``permute`` work the same way). Building it is a counting sort, and every
-step has a size known from the shapes alone: a histogram of expert ids per block of
-entries (``[n_blocks, E]``), exclusive prefix sums over experts (where each expert's rows
-start, ``offsets``) and over blocks (where this block's rows for that expert start), and
-per entry its rank among the earlier entries of its block with the same expert (a
-cumulative sum over a one-hot ``[BLOCK, E]`` tile). The order is stable — by expert, then
-token, then slot, the order of a stable argsort of the flattened expert ids — and no
-count is read on the host: the permuted buffer is sized from a static bound, ``T·k`` rows,
-or ``T·k + E·(align − 1)`` when each expert's segment is padded up to a multiple of
-``align`` for a kernel that wants aligned tiles.
+A grouped GEMM wants each expert's tokens in one contiguous block of rows. Token ``t`` goes to
+``k`` experts, so the *permuted* buffer has one row per (token, slot), sorted by expert; the
+*row-id map* ``row_id_map[t, j]`` says which row holds token ``t``'s copy for its ``j``-th expert
+(as TransformerEngine's ``moe_permute`` and Megatron-LM's ``permute``). Building it is a
+counting sort whose every size is known from the shapes: a histogram of expert ids per block of
+entries (``[n_blocks, E]``, one program a block), prefix sums over experts (``offsets``) and over
+blocks, and each entry's rank among its block's entries for the same expert (a cumulative sum
+over a one-hot ``[BLOCK, E]`` tile). The order is a stable argsort's, and nothing is read on the
+host: the buffer is sized ``T·k`` rows (``+ E·(align − 1)`` when segments are padded).
 
-``permute`` copies each token row to its ``k`` rows (padding rows are zero); ``unpermute``
-gathers them back and sums with the router weights, ``y_t = Σ_j w[t, j] · y[row_id_map[t,
-j]]``, accumulating in float32. Each is the other's transpose, so each one's backward is
-the other: permute's is an unweighted unpermute, unpermute's (with respect to ``y``) a
-permute scaled by the weights, and its gradient with respect to the weights is a row dot
-product ``<dout[t], y[row_id_map[t, j]]>``. Every launch is a ``torch.library.custom_op``
-with a fake implementation, so ``FakeTensorMode`` (`moe_lab.training.sync.assert_sync_free`) and
-``torch.compile`` can trace through kernels they cannot run; the torch glue between the
-launches (sums, cumulative sums) stays visible to them.
-
-Every index that multiplies a stride is int64 (a DeepSeek-V3 permuted buffer, 65,536 rows
-of 7,168, is already 4.7·10⁸ elements; a view with a large stride passes 2³¹ sooner).
-Block sizes and warps come from one function, `launch_config`, which the wrappers call at
-launch time and `compile_specs` at the DeepSeek-V3 and GPT-OSS-20B shapes, for the compile
-report (`moe_lab.workbench.compile_report.report`) to build for Hopper and Blackwell.
+``permute`` copies each token row to its ``k`` rows; ``unpermute`` gathers them back and sums
+with the router weights in float32 (grid: ``(cdiv(T, BLOCK_T), cdiv(d, BLOCK_D))``). Each is the
+other's transpose, so each one's backward is the other, and the weights' gradient is a row dot
+product ``<dout[t], y[row_id_map[t, j]]>``. Every index that multiplies a stride is int64.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from moe_lab.config import preset
-from moe_lab.kernels.grouped_gemm import cast_for_store
-from moe_lab.kernels.launch import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, LaunchConfig, int_args, merge_specs
+from moe_lab.checks import one_of
+from moe_lab.kernels.common import cast_for_store, check_device, interpreted, jit, new_output
+from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.permute_args import (  # noqa: F401 - KERNEL_DTYPES, permuted_rows: public here too
     KERNEL_DTYPES,
     check_map,
@@ -57,7 +41,7 @@ Tensor = torch.Tensor
 # --------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit
 def _expert_histogram_kernel(ids_ptr, counts_ptr, N_ENTRIES, E,
                              BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     # ids: [N_ENTRIES] expert ids (flattened topk_ids); counts: [cdiv(N_ENTRIES, BLOCK), E]
@@ -70,7 +54,7 @@ def _expert_histogram_kernel(ids_ptr, counts_ptr, N_ENTRIES, E,
     tl.store(counts_ptr + pid * E + experts, tl.sum(hit, 0), mask=experts < E)
 
 
-@triton.jit
+@jit
 def _row_id_map_kernel(ids_ptr, base_ptr, map_ptr, N_ENTRIES, E,
                        BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     # ids: [N_ENTRIES]; base: [n_blocks, E] int32, first destination row of block b's
@@ -86,7 +70,7 @@ def _row_id_map_kernel(ids_ptr, base_ptr, map_ptr, N_ENTRIES, E,
     tl.store(map_ptr + i, tl.where(valid, base + rank, -1), mask=ok)
 
 
-@triton.jit
+@jit
 def _permute_kernel(
     x_ptr, map_ptr, w_ptr, y_ptr, T, D, N_ROWS, TOP_K,
     s_xt, s_xd, s_mt, s_mk, s_wt, s_wk, s_yr, s_yd,
@@ -111,7 +95,7 @@ def _permute_kernel(
                  cast_for_store(out, y_ptr), mask=ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@jit
 def _unpermute_kernel(
     y_ptr, map_ptr, w_ptr, out_ptr, T, D, N_ROWS, TOP_K,
     s_yr, s_yd, s_mt, s_mk, s_wt, s_wk, s_ot, s_od,
@@ -136,7 +120,7 @@ def _unpermute_kernel(
              mask=t_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@jit
 def _unpermute_weight_grad_kernel(
     y_ptr, map_ptr, dout_ptr, dw_ptr, T, D, N_ROWS, TOP_K,
     s_yr, s_yd, s_mt, s_mk, s_gt, s_gd,
@@ -167,13 +151,6 @@ def _unpermute_weight_grad_kernel(
 # --------------------------------------------------------------------------------------
 
 
-@torch.compiler.assume_constant_result  # detected once; torch.compile need not trace it
-def _interpreted() -> bool:
-    from moe_lab.perf.capabilities import triton_interpreted
-
-    return triton_interpreted()
-
-
 # Which kernels a launch configuration is for: "map" (the expert histogram and the row-id
 # map, which must cut the entries into the same blocks), "rows" (permute, unpermute and
 # unpermute's weight gradient: row copies and row dot products).
@@ -189,10 +166,9 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
     tokens of ``width`` features; blocks ``BLOCK_T`` tokens by ``BLOCK_D`` features.
 
     Under the interpreter each program is a Python round trip, so blocks are large;
-    compiled, a one-hot tile of about 8K elements and 16-token row tiles, 4 warps. The
-    wrappers call this at launch time and `compile_specs` at the DeepSeek-V3 and
-    GPT-OSS-20B shapes.
+    compiled, a one-hot tile of about 8K elements and 16-token row tiles, 4 warps.
     """
+    one_of(kernel, "kernel", KERNELS)
     if kernel == "map":
         block_e = max(2, triton.next_power_of_2(width))
         if interpreted:
@@ -201,78 +177,18 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
             block = max(16, min(128, 8192 // block_e))
         return LaunchConfig({"BLOCK": block, "BLOCK_E": block_e}, num_warps=4,
                             num_stages=1 if interpreted else 3)
-    if kernel == "rows":
-        block_d = min(256, max(16, triton.next_power_of_2(width)))
-        block_t = min(128, max(16, triton.next_power_of_2(n))) if interpreted else 16
-        return LaunchConfig({"BLOCK_T": block_t, "BLOCK_D": block_d}, num_warps=4,
-                            num_stages=1 if interpreted else 3)
-    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-
-
-def compile_specs() -> list[CompileSpec]:
-    """What a CUDA launch compiles for one MoE layer's dispatch and combine at DeepSeek-V3's
-    and GPT-OSS-20B's shapes: the histogram and row-id map over int64 router ids, permute
-    (forward: no weights; unpermute's backward: weighted), unpermute (weighted forward;
-    permute's backward: unweighted) and unpermute's weight gradient, for bfloat16 token rows
-    and float32 router weights, contiguous as the dropless layer passes them."""
-    specs = []
-    for name, model in SPEC_PRESETS.items():
-        moe = preset(name).moe
-        tokens, top_k, n_experts, d = SPEC_TOKENS, moe.top_k, moe.n_experts, moe.d_model
-        n_rows = tokens * top_k
-        at = (f"{model}: E={n_experts}, top-{top_k}, d_model={d}, "
-              f"{tokens} tokens x top-{top_k} = {n_rows} rows")
-        cfg = launch_config("map", n_rows, n_experts, interpreted=False)
-        ints, constants = int_args(N_ENTRIES=n_rows, E=n_experts)
-        specs += [
-            CompileSpec(f"{__name__}:_expert_histogram_kernel",
-                        f"expert histogram per block of routed ids, int64 ids, {at}",
-                        {"ids_ptr": "*i64", "counts_ptr": "*i32", **ints},
-                        {**constants, **cfg.blocks}, cfg),
-            CompileSpec(f"{__name__}:_row_id_map_kernel",
-                        f"row-id map (rank within block + base), int64 ids, {at}",
-                        {"ids_ptr": "*i64", "base_ptr": "*i32", "map_ptr": "*i32", **ints},
-                        {**constants, **cfg.blocks}, cfg),
-        ]
-        cfg = launch_config("rows", tokens, d, interpreted=False)
-        rows = dict(T=tokens, D=d, N_ROWS=n_rows, TOP_K=top_k, s_mt=top_k, s_mk=1, s_wt=top_k, s_wk=1)
-        for weighted in (False, True):
-            w_type = "*fp32" if weighted else "*i32"  # unweighted: the map stands in, unread
-            # (kernel, what, source and destination pointers, their [rows, d] strides)
-            copies = (
-                ("permute", "weighted (unpermute's backward)" if weighted else "forward",
-                 "x_ptr", "y_ptr", ("s_xt", "s_xd", "s_yr", "s_yd")),
-                ("unpermute", "weighted forward" if weighted else "unweighted (permute's backward)",
-                 "y_ptr", "out_ptr", ("s_yr", "s_yd", "s_ot", "s_od")),
-            )
-            for kernel, what, src, dst, strides in copies:
-                ints, constants = int_args(**rows, **dict(zip(strides, (d, 1, d, 1), strict=True)))
-                specs.append(CompileSpec(
-                    f"{__name__}:_{kernel}_kernel", f"{kernel} {what}, bf16 rows, {at}",
-                    {src: "*bf16", "map_ptr": "*i32", "w_ptr": w_type, dst: "*bf16", **ints},
-                    {**constants, **cfg.blocks, "HAS_WEIGHTS": weighted}, cfg))
-        ints, constants = int_args(T=tokens, D=d, N_ROWS=n_rows, TOP_K=top_k,
-                                   s_yr=d, s_yd=1, s_mt=top_k, s_mk=1, s_gt=d, s_gd=1)
-        specs.append(CompileSpec(
-            f"{__name__}:_unpermute_weight_grad_kernel",
-            f"unpermute weight gradient <dout[t], y[row]>, bf16 rows, fp32 out, {at}",
-            {"y_ptr": "*bf16", "map_ptr": "*i32", "dout_ptr": "*bf16", "dw_ptr": "*fp32", **ints},
-            {**constants, **cfg.blocks}, cfg))
-    return merge_specs(specs)
-
-
-def _new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Kernel outputs that the kernels fill completely start uninitialised. (Tests replace
-    this with a NaN fill to prove it.)"""
-    return torch.empty(shape, dtype=dtype, device=device)
+    block_d = min(256, max(16, triton.next_power_of_2(width)))
+    block_t = min(128, max(16, triton.next_power_of_2(n))) if interpreted else 16
+    return LaunchConfig({"BLOCK_T": block_t, "BLOCK_D": block_d}, num_warps=4,
+                        num_stages=1 if interpreted else 3)
 
 
 def _map_config(n_entries: int, n_experts: int) -> LaunchConfig:
-    return launch_config("map", n_entries, n_experts, interpreted=_interpreted())
+    return launch_config("map", n_entries, n_experts, interpreted=interpreted())
 
 
 def _rows_config(tokens: int, d: int) -> LaunchConfig:
-    return launch_config("rows", tokens, d, interpreted=_interpreted())
+    return launch_config("rows", tokens, d, interpreted=interpreted())
 
 
 def _rows_grid(tokens: int, d: int, cfg: LaunchConfig) -> tuple[int, int]:
@@ -283,7 +199,7 @@ def _rows_grid(tokens: int, d: int, cfg: LaunchConfig) -> tuple[int, int]:
 def _expert_block_histogram_op(ids: Tensor, n_experts: int, block: int) -> Tensor:
     n = ids.shape[0]
     n_blocks = triton.cdiv(n, block)
-    counts = _new_output((n_blocks, n_experts), torch.int32, ids.device)
+    counts = new_output((n_blocks, n_experts), torch.int32, ids.device)
     if n_blocks:
         cfg = _map_config(n, n_experts)
         _expert_histogram_kernel[(n_blocks,)](
@@ -301,7 +217,7 @@ def _(ids: Tensor, n_experts: int, block: int) -> Tensor:
 @torch.library.custom_op("moe_lab::row_id_map_from_bases", mutates_args=())
 def _row_id_map_op(ids: Tensor, base: Tensor, block: int) -> Tensor:
     n, n_experts = ids.shape[0], base.shape[1]
-    row_id_map = _new_output((n,), torch.int32, ids.device)
+    row_id_map = new_output((n,), torch.int32, ids.device)
     if n:
         cfg = _map_config(n, n_experts)
         _row_id_map_kernel[(triton.cdiv(n, block),)](
@@ -321,7 +237,7 @@ def _permute_op(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: i
     (tokens, d), top_k = x.shape, row_id_map.shape[1]
     # Every row is some (token, slot)'s destination only when there is no padding.
     if n_rows == tokens * top_k:
-        y = _new_output((n_rows, d), x.dtype, x.device)
+        y = new_output((n_rows, d), x.dtype, x.device)
     else:
         y = torch.zeros((n_rows, d), dtype=x.dtype, device=x.device)
     if tokens and d and top_k:
@@ -344,7 +260,7 @@ def _(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Ten
 @torch.library.custom_op("moe_lab::unpermute", mutates_args=())
 def _unpermute_op(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
-    out = _new_output((tokens, d), y.dtype, y.device)
+    out = new_output((tokens, d), y.dtype, y.device)
     if tokens and d:
         cfg = _rows_config(tokens, d)
         w_arg = row_id_map if weights is None else weights
@@ -365,7 +281,7 @@ def _(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
 @torch.library.custom_op("moe_lab::unpermute_weight_grad", mutates_args=())
 def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
-    dw = _new_output((tokens, top_k), torch.float32, y.device)
+    dw = new_output((tokens, top_k), torch.float32, y.device)
     if tokens and top_k:
         cfg = _rows_config(tokens, d)
         _unpermute_weight_grad_kernel[(triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), top_k)](
@@ -390,12 +306,13 @@ class Permute(torch.autograd.Function):
     """``y = permute(x, row_id_map, n_rows)``; backward: ``dx = unpermute(dy, row_id_map)``."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, row_id_map: Tensor,
+                n_rows: int) -> Tensor:
         ctx.save_for_backward(row_id_map)
         return _permute_op(x, row_id_map, None, n_rows)
 
     @staticmethod
-    def backward(ctx, dy: Tensor):
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         (row_id_map,) = ctx.saved_tensors
         return _unpermute_op(dy, row_id_map, None), None, None
 
@@ -405,12 +322,13 @@ class Unpermute(torch.autograd.Function):
     ``dweights`` the row dot products ``<dout[t], y[row_id_map[t, j]]>``."""
 
     @staticmethod
-    def forward(ctx, y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
+    def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, row_id_map: Tensor,
+                weights: Tensor | None) -> Tensor:
         ctx.save_for_backward(y, row_id_map, weights)
         return _unpermute_op(y, row_id_map, weights)
 
     @staticmethod
-    def backward(ctx, dout: Tensor):
+    def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
         y, row_id_map, weights = ctx.saved_tensors
         dy = dweights = None
         if ctx.needs_input_grad[0]:
@@ -423,11 +341,7 @@ class Unpermute(torch.autograd.Function):
 def _check_device(name: str, t: Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the first argument's device), got {t.device}")
-    if device.type != "cuda" and not _interpreted():
-        raise ValueError(
-            f"{name} must be on a CUDA device for compiled Triton, got {device} "
-            "(set TRITON_INTERPRET=1 before importing triton to run on the CPU)"
-        )
+    check_device(name, device)
 
 
 def _check_map(row_id_map: Tensor, tokens: int | None, n_rows: int, device: torch.device) -> None:

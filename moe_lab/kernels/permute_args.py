@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_lab.checks import non_negative_int, one_of, positive_int
+
 Tensor = torch.Tensor
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -15,11 +17,6 @@ def permuted_rows(tokens: int, top_k: int, n_experts: int, align: int = 1) -> in
     """Static size of the permuted buffer: ``T·k``, plus ``E·(align − 1)`` padding rows
     when each expert's segment is rounded up to a multiple of ``align``."""
     return tokens * top_k + (n_experts * (align - 1) if align > 1 else 0)
-
-
-def _positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def check_topk(topk_ids: Tensor, n_experts: int, align: int) -> None:
@@ -31,8 +28,8 @@ def check_topk(topk_ids: Tensor, n_experts: int, align: int) -> None:
             f"topk_ids must be [T, k] int64 or int32, got shape {tuple(topk_ids.shape)} "
             f"{topk_ids.dtype}"
         )
-    _positive_int("n_experts", n_experts)
-    _positive_int("align", align)
+    positive_int(n_experts, "n_experts")
+    positive_int(align, "align")
 
 
 def check_rows(name: str, t: Tensor) -> None:
@@ -41,15 +38,12 @@ def check_rows(name: str, t: Tensor) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D [rows, d], got shape {tuple(t.shape)}")
-    if t.dtype not in KERNEL_DTYPES:
-        raise ValueError(
-            f"{name}.dtype must be one of {[str(d) for d in KERNEL_DTYPES]}, got {t.dtype}"
-        )
+    one_of(t.dtype, f"{name}.dtype", KERNEL_DTYPES)
 
 
-def check_n_rows(n_rows) -> None:
-    if isinstance(n_rows, bool) or not isinstance(n_rows, int):
-        raise ValueError(f"n_rows must be an int, got {type(n_rows).__name__}")
+def check_n_rows(n_rows: object) -> None:
+    """``n_rows``: a non-negative int (the permuted buffer's rows)."""
+    non_negative_int(n_rows, "n_rows")
 
 
 def check_map(row_id_map: Tensor, tokens: int | None, n_rows: int) -> None:

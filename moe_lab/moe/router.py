@@ -46,7 +46,15 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
-from moe_lab.moe.router_output import DTYPES, RouterOutput, check_seq_len, gate_logits
+from moe_lab.moe.router_output import (
+    DTYPES,
+    RouterOutput,
+    check_logits,
+    check_router_input,
+    check_seq_len,
+    gate_logits,
+    require_fp32_router,
+)
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
@@ -188,10 +196,7 @@ def route_from_logits(
     top-k used otherwise (`topk_lowest_index`; a plug-in may pass a faster one giving the same
     indices).
     """
-    if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
-        raise ValueError(
-            f"logits must be [tokens, n_experts={cfg.n_experts}], got {tuple(logits.shape)}"
-        )
+    check_logits(logits, cfg)
     if logits.dtype not in DTYPES.values():
         raise ValueError(f"logits must be float32 or float64, got {logits.dtype}")
     check_seq_len(logits.shape[0], seq_len)
@@ -224,11 +229,6 @@ def route_from_logits(
     return RouterOutput(topk_ids, topk_weights, scores, logits, tokens_per_expert, aux, z, seq_aux)
 
 
-def _check_x(x: Tensor, cfg: MoEConfig) -> None:
-    if x.dim() != 2 or x.shape[1] != cfg.d_model:
-        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
-
-
 def route(
     x: Tensor,
     gate_weight: Tensor,
@@ -241,7 +241,7 @@ def route(
     """The reference routing chain. ``gate_weight: [n_experts, d_model]``; ``seq_len`` (the
     tokens are whole sequences of that length, in order) adds ``seq_aux_loss``; ``topk`` as
     in `route_from_logits`."""
-    _check_x(x, cfg)
+    check_router_input(x, cfg)
     logits = gate_logits(x, gate_weight, DTYPES[cfg.router_dtype])  # [T, E]
     return route_from_logits(logits, cfg, expert_bias, seq_len=seq_len, topk=topk)
 
@@ -270,7 +270,7 @@ def compiled_route(
     seq_len: int | None = None,
 ) -> RouterOutput:
     """`route` with the chain after the matmul compiled (``ROUTER_IMPLS["compiled"]``)."""
-    _check_x(x, cfg)
+    check_router_input(x, cfg)
     logits = gate_logits(x, gate_weight, DTYPES[cfg.router_dtype])
     return compiled_route_from_logits(logits, cfg, expert_bias, seq_len=seq_len)
 
@@ -310,11 +310,8 @@ class Router(nn.Module):
     def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
         super().__init__()
         ROUTER_IMPLS.check(impl, "router impl")
-        if impl == "triton" and cfg.router_dtype != "fp32":
-            raise ValueError(
-                f"router impl 'triton' computes in float32: MoEConfig.router_dtype must be "
-                f"'fp32', got {cfg.router_dtype!r}"
-            )
+        if impl == "triton":
+            require_fp32_router(cfg)
         self.cfg = cfg
         self.impl = impl
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lab.checks import positive_int
+from moe_lab.config import MoEConfig
+
 Tensor = torch.Tensor
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -34,14 +37,32 @@ class RouterOutput:
 
 
 def check_seq_len(tokens: int, seq_len: int | None) -> None:
-    if seq_len is None:
+    """``seq_len``: None, or a positive integer that divides ``tokens`` (whole sequences)."""
+    if positive_int(seq_len, "seq_len", or_none=True) is None:
         return
-    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
-        raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
     if tokens % seq_len:
         raise ValueError(f"tokens={tokens} must be a multiple of seq_len={seq_len}")
+
+
+def check_router_input(x: Tensor, cfg: MoEConfig) -> None:
+    """``x: [tokens, d_model]``, what every router implementation routes."""
+    if x.dim() != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
+
+
+def check_logits(logits: Tensor, cfg: MoEConfig) -> None:
+    """``logits: [tokens, n_experts]``, what every routing chain after the gate takes."""
+    if logits.dim() != 2 or logits.shape[1] != cfg.n_experts:
+        raise ValueError(f"logits must be [tokens, n_experts={cfg.n_experts}], got {tuple(logits.shape)}")
 
 
 def gate_logits(x: Tensor, gate_weight: Tensor, dtype: torch.dtype) -> Tensor:
     """``x · gate_weightᵀ`` computed in ``dtype``: ``[tokens, n_experts]``."""
     return x.to(dtype) @ gate_weight.to(dtype).t()
+
+
+def require_fp32_router(cfg: MoEConfig) -> None:
+    """The fused router computes in float32 only: ``MoEConfig.router_dtype`` must say so."""
+    if cfg.router_dtype != "fp32":
+        raise ValueError(f"the fused router (router impl 'triton') computes in float32: "
+                         f"MoEConfig.router_dtype must be 'fp32', got {cfg.router_dtype!r}")

@@ -163,6 +163,18 @@ def _transformer_engine_importable() -> bool:
         return False
 
 
+def interprets_triton(cuda: bool | None = None) -> bool:
+    """moe_lab's rule for its Triton kernels: ``TRITON_INTERPRET`` when it is set (read as
+    Triton reads it: 1, true, yes, on), else interpreted exactly when there is no CUDA device
+    (``cuda``: whether there is one, probed when not given). So ``TRITON_INTERPRET=0`` on a
+    machine without CUDA means compiled, as the compile report's process wants."""
+    if "TRITON_INTERPRET" in os.environ:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    return not (torch.cuda.is_available() if cuda is None else cuda)
+
+
 @functools.cache
 def capabilities() -> Capabilities:
     """Detect the machine once per process (cached)."""
@@ -173,7 +185,7 @@ def capabilities() -> Capabilities:
         n_devices = torch.cuda.device_count()
     else:
         device_name, cc, n_devices = _cpu_model(), None, 1
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1" or not cuda
+    interpreted = interprets_triton(cuda)
     return Capabilities(
         device="cuda" if cuda else "cpu",
         device_name=device_name,
@@ -205,5 +217,5 @@ def native_bf16_cpu() -> bool:
 
 
 def triton_interpreted() -> bool:
-    """True when Triton kernels run under the interpreter (``TRITON_INTERPRET=1`` or no CUDA)."""
+    """True when moe_lab's Triton kernels run under the interpreter (`interprets_triton`)."""
     return capabilities().triton_mode == "interpreted"

@@ -180,15 +180,15 @@ DEFAULT_EP = 8
 
 def preset_shape(name: str, tokens: int | None = None, ep: int = DEFAULT_EP) -> Shape:
     """A `moe_lab.config.preset`'s MoE layer on one GPU: ``tokens`` per GPU (default
-    `moe_lab.kernels.launch.SPEC_TOKENS`, the compile report's load), its ``E / ep``
+    `moe_lab.kernels.launch.TOKENS_PER_GPU`, the compile report's load), its ``E / ep``
     local experts, bfloat16."""
     from moe_lab.config import preset
-    from moe_lab.kernels.launch import SPEC_TOKENS
+    from moe_lab.kernels.launch import TOKENS_PER_GPU
 
     m = preset(name).moe
     if ep < 1 or m.n_experts % ep:
         raise ValueError(f"ep must divide n_experts = {m.n_experts}, got {ep}")
-    return Shape(SPEC_TOKENS if tokens is None else tokens, m.top_k, m.n_experts // ep, m.d_model,
+    return Shape(TOKENS_PER_GPU if tokens is None else tokens, m.top_k, m.n_experts // ep, m.d_model,
                  m.d_expert)
 
 

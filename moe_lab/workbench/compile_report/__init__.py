@@ -1,2 +1,3 @@
 """The compile report: every Triton kernel compiled for Hopper and Blackwell without a GPU.
-`report` drives it, `worker` compiles in a child process, `reading` reads the binaries."""
+`specs` says what each kernel module's launches compile, `report` drives it, `worker` compiles
+in a child process, `reading` reads the binaries."""

@@ -30,6 +30,7 @@ import math
 import re
 from collections import Counter
 
+from moe_lab.checks import non_negative_int, positive_int
 from moe_lab.perf.hardware import SMLimits
 
 # ------------------------------------------------------------------------------ resources
@@ -240,11 +241,9 @@ def occupancy(registers: int, shared_bytes: int, num_warps: int, limits: SMLimit
     (``by_registers``, ``by_shared``, ``by_warps``, ``by_blocks``). A block asking for more
     shared memory than ``limits.max_shared_per_block`` cannot launch: 0 blocks.
     """
-    for name, value in (("registers", registers), ("shared_bytes", shared_bytes)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if not isinstance(num_warps, int) or num_warps < 1:
-        raise ValueError(f"num_warps must be a positive int, got {num_warps!r}")
+    non_negative_int(registers, "registers")
+    non_negative_int(shared_bytes, "shared_bytes")
+    positive_int(num_warps, "num_warps")
     unit = limits.register_alloc_unit
     registers_per_warp = math.ceil(max(registers, 1) * 32 / unit) * unit
     by_registers = (limits.registers_per_sm // registers_per_warp) // num_warps

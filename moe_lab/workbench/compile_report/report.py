@@ -2,8 +2,8 @@
 
 Triton can compile for a GPU that is not there: ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", 90, 32))`` runs the whole pipeline to PTX and a cubin with the
-``ptxas`` bundled in the Triton wheel. The report compiles each kernel module's
-``compile_specs()`` (`moe_lab.kernels.launch.CompileSpec`: a kernel at the block sizes,
+``ptxas`` bundled in the Triton wheel. The report compiles each kernel module's specs
+(`moe_lab.workbench.compile_report.specs`: a `CompileSpec` is a kernel at the block sizes,
 warps and stages its wrapper picks, at DeepSeek-V3's and GPT-OSS-20B's shapes) for each
 architecture and reads the result (`moe_lab.workbench.compile_report.reading`): registers per thread,
 spilled bytes, shared memory, theoretical occupancy on an H200 (sm_90) or B200 (sm_100) SM,
@@ -12,11 +12,13 @@ in, and how long a cold compile took. It is what a kernel's review reads: a GEMM
 shows no ``wgmma``/``tcgen05.mma`` or no async copies will not reach the tensor cores' speed,
 whatever the interpreter says about its numerics.
 
-Compiling needs ``TRITON_INTERPRET=0`` *before Triton is imported*, and importing moe_lab
-on a machine without CUDA sets it to 1; so every compile runs in a child process
-(`moe_lab.workbench.compile_report.worker`), which works the same from the command line, from ``make``
-and from a notebook. Registers, stack and static shared memory are read off the cubin by
-``cuobjdump -res-usage`` and compared with ptxas's own log of the same compile (``agree``).
+Compiling needs the kernels made compiled, which on a machine without CUDA means
+``TRITON_INTERPRET=0`` before they are defined (moe_lab's rule,
+`moe_lab.perf.capabilities.interprets_triton`; a notebook's own kernels are interpreted there);
+so every compile runs in a child process (`moe_lab.workbench.compile_report.worker`), which works
+the same from the command line, from ``make`` and from a notebook. Registers, stack and static
+shared memory are read off the cubin by ``cuobjdump -res-usage`` and compared with ptxas's own
+log of the same compile (``agree``).
 
 How a spec mirrors a launch: a CUDA launch specializes the kernel on its arguments and the
 compile must see the same. Pointers are taken as 16-byte aligned (as every tensor torch
@@ -41,6 +43,8 @@ from typing import Any
 
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.worker import SCALARS, parse_archs
+
+Archs = str | list[str] | tuple[str, ...]
 
 DEFAULT_ARCHS = ("sm_90", "sm_100")
 LEDGER_NOTEBOOK = "compile"
@@ -83,13 +87,13 @@ def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0) -> dict[str
         return json.loads(result_path.read_text())
 
 
-def compile_report(archs=DEFAULT_ARCHS, modules: list[str] | None = None,
+def compile_report(archs: Archs = DEFAULT_ARCHS, modules: list[str] | None = None,
                    select: dict[str, Any] | None = None,
                    cubin_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """The report of ``modules`` (default: every module of `moe_lab.kernels` with a
-    ``@triton.jit`` function) for ``archs``: ``{"archs", "triton", "limits", "rows",
+    """The report of ``modules`` (default: every module of `moe_lab.kernels` that launches
+    a kernel) for ``archs``: ``{"archs", "triton", "limits", "rows",
     "compiled_on"}``, one row per spec × arch, and an error row for what is missing or
-    fails (a module without ``compile_specs``, a launched kernel no spec covers, a failed
+    fails (a module without specs, a launched kernel no spec covers, a failed
     compile). ``select`` narrows each module's specs: the arguments of `module_job`.
     ``cubin_dir``: keep the cubins there (each row's ``cubin``)."""
     from moe_lab.perf.capabilities import capabilities
@@ -103,21 +107,21 @@ def compile_report(archs=DEFAULT_ARCHS, modules: list[str] | None = None,
 
 
 def _is_kernel(value: object) -> bool:
-    """A ``@triton.jit`` function, compiled (`JITFunction`) or interpreted."""
+    """A ``@jit`` or ``@triton.jit`` function, compiled (`JITFunction`) or interpreted."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     return isinstance(value, (JITFunction, InterpretedFunction))
 
 
-def _in_package(fn) -> bool:
+def _in_package(fn: Any) -> bool:
     """Whether kernel ``fn`` is an attribute of a moe_lab module (the compile process can
     import it by name; other modules, a notebook's or a test's, travel as source)."""
     module = fn.fn.__module__
     return module.startswith("moe_lab.") and getattr(sys.modules.get(module), fn.fn.__name__, None) is fn
 
 
-def _portable_globals(fn) -> dict[str, list]:
+def _portable_globals(fn: Any) -> dict[str, list]:
     """The globals an inline kernel refers to, in a form the compile process can rebuild."""
     out: dict[str, list] = {}
     scope = fn.fn.__globals__
@@ -137,14 +141,15 @@ def _portable_globals(fn) -> dict[str, list]:
     return out
 
 
-def kernel_job(kernel, signature: dict[str, str], constexprs: dict[str, Any] | None = None,
+def kernel_job(kernel: str | Any, signature: dict[str, str], constexprs: dict[str, Any] | None = None,
                config: LaunchConfig | None = None, label: str | None = None) -> dict[str, Any]:
     """A compile job for one kernel (for `compile_jobs`).
 
     ``kernel``: ``"module:function"``, or a ``@triton.jit`` function; one defined outside
     moe_lab (in a notebook) travels to the compile process as its source, with the modules,
     moe_lab kernels and plain values it refers to. ``signature``, ``constexprs``, ``config``:
-    as in `moe_lab.kernels.launch.CompileSpec` (``config`` default: 4 warps, 3 stages).
+    as in `moe_lab.workbench.compile_report.specs.CompileSpec` (``config`` default: 4 warps,
+    3 stages).
     """
     inline = None
     if not isinstance(kernel, str):
@@ -167,8 +172,8 @@ def kernel_job(kernel, signature: dict[str, str], constexprs: dict[str, Any] | N
 
 def module_job(module: str | types.ModuleType, kernel: str | None = None, label_contains: str | None = None,
                limit: int | None = None, index: int | None = None) -> dict[str, Any]:
-    """A compile job for a kernel module's own ``compile_specs()`` — the kernels at the
-    configurations their wrappers pick (for `compile_jobs`) — narrowed to ``kernel`` (a
+    """A compile job for a kernel module's specs (`moe_lab.workbench.compile_report.specs`) —
+    the kernels at the configurations their wrappers pick (for `compile_jobs`) — narrowed to ``kernel`` (a
     function name) and labels containing ``label_contains``, then to the one at ``index``
     (negative: from the end) or the first ``limit``."""
     name = module if isinstance(module, str) else module.__name__
@@ -176,7 +181,7 @@ def module_job(module: str | types.ModuleType, kernel: str | None = None, label_
     return {"module": name, "select": select, "coverage": False}
 
 
-def compile_jobs(*jobs: dict[str, Any], archs=DEFAULT_ARCHS,
+def compile_jobs(*jobs: dict[str, Any], archs: Archs = DEFAULT_ARCHS,
                  cubin_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """Compile `kernel_job`s and `module_job`s for each of ``archs`` (in one child process)
     and return the report rows, in job order; keep the cubins in ``cubin_dir`` when given."""
@@ -185,8 +190,8 @@ def compile_jobs(*jobs: dict[str, Any], archs=DEFAULT_ARCHS,
     return run_in_child(request)["rows"]
 
 
-def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, Any] | None = None,
-                   config: LaunchConfig | None = None, archs=DEFAULT_ARCHS, label: str | None = None
+def compile_kernel(kernel: str | Any, signature: dict[str, str], constexprs: dict[str, Any] | None = None,
+                   config: LaunchConfig | None = None, archs: Archs = DEFAULT_ARCHS, label: str | None = None
                    ) -> list[dict[str, Any]]:
     """`compile_jobs` of one `kernel_job`: the kernel's rows for each of ``archs``."""
     return compile_jobs(kernel_job(kernel, signature, constexprs, config, label), archs=archs)
@@ -302,7 +307,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
         "# Compile report\n\n"
         f"Every Triton kernel of moe_lab at the configurations a CUDA launch picks, compiled with "
         f"Triton {report['triton']} for {', '.join(report['archs'])} on {report.get('compiled_on', '?')} "
-        "(`python -m moe_lab compile`; no kernel was run), each as its module's `compile_specs()` "
+        "(`python -m moe_lab compile`; no kernel was run), each as its module's compile specs "
         "describes the launch (pointers 16-byte aligned, integer arguments typed as the spec types "
         "them). Registers, stack and static shared memory "
         "from `cuobjdump -res-usage` on the cubins, checked against ptxas's log of the same compile, "

@@ -1,15 +1,17 @@
 """The compile process of the compile report: it compiles kernels for a GPU and reads them.
 
 `moe_lab.workbench.compile_report.report` starts this in a child process whose environment says
-``TRITON_INTERPRET=0`` (so ``@triton.jit`` gives a compilable kernel even where importing
-moe_lab would choose the interpreter), with a fresh Triton cache and ``TRITON_ALWAYS_COMPILE``
-(so the compile time is a cold compile's) and ``ptxas``'s log switched on (so ptxas's own
-account of registers, stack and shared memory can be compared with ``cuobjdump``'s).
+``TRITON_INTERPRET=0`` (so moe_lab's kernels, and a notebook's ``@triton.jit`` ones, are
+compilable even on a machine without CUDA), with a fresh Triton cache and
+``TRITON_ALWAYS_COMPILE`` (so the compile time is a cold compile's) and ``ptxas``'s log
+switched on (so ptxas's own account of registers, stack and shared memory can be compared
+with ``cuobjdump``'s).
 
-A request names the kernel modules whose ``compile_specs()`` to compile, or one kernel (its
-source included when it was defined in a notebook), and the architectures. Every spec ×
-architecture gives one row: the figures, or an error row saying what failed — a module
-without ``compile_specs``, a launched kernel no spec covers, a compile that fails.
+A request names the kernel modules whose specs to compile
+(`moe_lab.workbench.compile_report.specs`), or one kernel (its source included when it was
+defined in a notebook), and the architectures. Every spec × architecture gives one row: the
+figures, or an error row saying what failed — a module without specs, a launched kernel no
+spec covers, a compile that fails.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ import types
 from pathlib import Path
 from typing import Any
 
-from moe_lab.kernels.launch import CompileSpec, LaunchConfig
+from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import SM_LIMITS, sm_limits
 from moe_lab.workbench.compile_report import reading
+from moe_lab.workbench.compile_report.specs import KERNEL_PACKAGE, CompileSpec, for_module
 
-KERNEL_PACKAGE = "moe_lab.kernels"
 SCALARS = (int, float, bool, str, type(None))
 
 
@@ -48,7 +50,8 @@ def parse_archs(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(names)
 
 
-def triton_signature(fn, kernel: str, signature: dict[str, str], constexprs: dict[str, Any]):
+def triton_signature(fn: Any, kernel: str, signature: dict[str, str], constexprs: dict[str, Any]
+                     ) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int], list], list[str]]:
     """What ``ASTSource`` takes for ``fn``: the signature (every argument in order,
     constexprs as ``"constexpr"``), the constexpr values (the kernel's defaults filled in),
     the divisibility attributes (pointers, and integers written ``"i32:16"``), and the
@@ -93,7 +96,7 @@ def _resource_usage(cubin: bytes, name: str) -> dict[str, int]:
     return functions[name]
 
 
-def _loaded_figures(compiled, arch: str) -> dict[str, Any] | None:
+def _loaded_figures(compiled: Any, arch: str) -> dict[str, Any] | None:
     """Registers and spills as the CUDA driver reports them after loading the cubin, where a
     GPU of ``arch`` is present; ``None`` elsewhere."""
     try:
@@ -120,8 +123,8 @@ def identity(spec: CompileSpec, arch: str) -> dict[str, Any]:
     }
 
 
-def compile_spec(fn, spec: CompileSpec, arch: str, cubin_dir: str | None = None) -> dict[str, Any]:
-    """Compile ``spec`` (its kernel ``fn``, a ``@triton.jit`` function) for ``arch`` in this
+def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = None) -> dict[str, Any]:
+    """Compile ``spec`` (its kernel ``fn``, a compiled ``@jit`` function) for ``arch`` in this
     process and read the result into one report row; keep the cubin in ``cubin_dir`` when
     given. Triton must have been imported here with ``TRITON_INTERPRET=0`` and
     ``TRITON_DUMP_PTXAS_LOG=1``."""
@@ -199,7 +202,7 @@ def error_row(kernel: str, label: str, arch: str | None, message: str) -> dict[s
 
 
 def jit_functions(module: types.ModuleType) -> dict[str, Any]:
-    """The ``@triton.jit`` functions ``module`` defines (not those it imports)."""
+    """The compiled ``@jit`` functions ``module`` defines (not those it imports)."""
     from triton.runtime.jit import JITFunction
 
     return {name: value for name, value in vars(module).items()
@@ -207,44 +210,46 @@ def jit_functions(module: types.ModuleType) -> dict[str, Any]:
 
 
 def kernel_modules() -> list[str]:
-    """Every module of `moe_lab.kernels` that defines a ``@triton.jit`` function."""
+    """Every module of `moe_lab.kernels` that launches a kernel it defines (not
+    `moe_lab.kernels.common`, whose ``@jit`` functions the kernels call)."""
     import pkgutil
 
     package = importlib.import_module(KERNEL_PACKAGE)
     names = sorted(f"{KERNEL_PACKAGE}.{info.name}" for info in pkgutil.iter_modules(package.__path__))
-    return [name for name in names if jit_functions(importlib.import_module(name))]
+    return [name for name in names if launched_kernels(importlib.import_module(name))]
 
 
 def launched_kernels(module: types.ModuleType) -> list[str]:
-    """The module's ``@triton.jit`` functions that it launches (``name[grid](...)``), as
-    opposed to the helpers its kernels call."""
+    """The module's ``@jit`` functions that it launches (``name[grid](...)``), as opposed to
+    the helpers its kernels call."""
     source = inspect.getsource(module)
     return sorted(name for name in jit_functions(module) if re.search(rf"\b{re.escape(name)}\s*\[", source))
 
 
-def _resolve(kernel: str):
+def _resolve(kernel: str) -> Any:
     from triton.runtime.jit import JITFunction
 
     module_name, _, name = kernel.partition(":")
     fn = getattr(importlib.import_module(module_name), name, None)
     if not isinstance(fn, JITFunction):
-        raise ValueError(f"CompileSpec.kernel {kernel!r} must name a @triton.jit function, got a "
-                         f"{type(fn).__name__} (was Triton imported with TRITON_INTERPRET=1?)")
+        raise ValueError(f"CompileSpec.kernel {kernel!r} must name a compiled @jit function, got a "
+                         f"{type(fn).__name__} (is TRITON_INTERPRET=0 in the compile process?)")
     return fn
 
 
 def module_specs(module_name: str, select: dict[str, Any]) -> tuple[list[CompileSpec], list[str]]:
-    """A module's ``compile_specs()`` narrowed by ``select`` (``kernel``: function name,
-    ``label_contains``; then ``index``: the one at that position, negative from the end;
-    ``limit``: the first so many), and what is missing: no ``compile_specs``, or a launched
-    kernel no spec (of all of them) covers."""
+    """A kernel module's specs (`moe_lab.workbench.compile_report.specs.for_module`) narrowed
+    by ``select`` (``kernel``: function name, ``label_contains``; then ``index``: the one at
+    that position, negative from the end; ``limit``: the first so many), and what is missing:
+    no specs, or a launched kernel no spec (of all of them) covers."""
     module = importlib.import_module(module_name)
-    if not callable(getattr(module, "compile_specs", None)):
-        return [], [f"{module_name} has no compile_specs()"]
-    specs = list(module.compile_specs())
+    try:
+        specs = for_module(module_name)
+    except ValueError as exc:
+        return [], [str(exc)]
     wrong = [s for s in specs if not isinstance(s, CompileSpec)]
     if wrong:
-        return [], [f"{module_name}.compile_specs() must return CompileSpec objects, got {wrong[0]!r}"]
+        return [], [f"the specs of {module_name} must be CompileSpec objects, got {wrong[0]!r}"]
     covered = {s.kernel for s in specs}
     missing = [f"{module_name}:{name} is launched but no CompileSpec covers it"
                for name in launched_kernels(module) if f"{module_name}:{name}" not in covered]
@@ -261,7 +266,7 @@ def module_specs(module_name: str, select: dict[str, Any]) -> tuple[list[Compile
     return specs, missing
 
 
-def inline_kernel(inline: dict[str, Any]):
+def inline_kernel(inline: dict[str, Any]) -> Any:
     """Re-create a kernel defined in a notebook from its source and the globals it uses, in
     a file of its own so that Triton can read its source back."""
     import triton
@@ -307,7 +312,7 @@ def _collect(job: dict[str, Any]) -> tuple[list[tuple[Any, CompileSpec]], list[d
     return [(None, spec) for spec in specs], [error_row(module_name, "(module)", None, m) for m in missing]
 
 
-def _compile_row(fn, spec: CompileSpec, arch: str, cubin_dir: str | None, count: str) -> dict[str, Any]:
+def _compile_row(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None, count: str) -> dict[str, Any]:
     """`compile_spec`, or an error row when it fails; a progress line either way."""
     try:
         row = compile_spec(fn or _resolve(spec.kernel), spec, arch, cubin_dir)

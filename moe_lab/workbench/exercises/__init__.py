@@ -33,6 +33,7 @@ import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
@@ -58,12 +59,12 @@ class NotDone(NotImplementedError):
     """Raised by ``not_done()``, the body of an unsolved stub."""
 
 
-def not_done(*_args, **_kwargs):
+def not_done(*_args: object, **_kwargs: object) -> NoReturn:
     """The body of an unsolved stub."""
     raise NotDone(f"{NOT_DONE}: write your answer in the cell above")
 
 
-def call_answer(fn: Callable, *args, **kwargs):
+def call_answer(fn: Callable, *args: object, **kwargs: object) -> object:
     """Call the learner's ``fn``; an unsolved stub becomes a ``NotDoneError``."""
     try:
         return fn(*args, **kwargs)
@@ -127,7 +128,7 @@ def exercise(name: str) -> Callable[[Callable], Callable]:
 
     def wrap(check: Callable) -> Callable:
         @functools.wraps(check)
-        def run(answer, *args, solutions: bool | None = None, **kwargs):
+        def run(answer: object, *args: object, solutions: bool | None = None, **kwargs: object) -> object:
             if solutions:
                 answer = solution(name)
             if solutions is None or solutions:

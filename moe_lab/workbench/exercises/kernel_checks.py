@@ -1,11 +1,12 @@
 """What the Triton exercises share: where their tensors live, and launching the learner's code.
 
 A Triton exercise hands the learner's ``@triton.jit`` function to a small kernel of its
-notebook's module as a ``tl.constexpr`` argument (Triton inlines a jitted function passed
-that way), or launches the learner's kernel itself. On a GPU it is compiled; on a CPU it
-runs under Triton's interpreter (``TRITON_INTERPRET=1``, which ``import moe_lab`` sets where
-there is no CUDA), one Python call per program instance — so the checks use float32, large
-blocks and small problems.
+notebook's module (a moe_lab ``@jit`` kernel) as a ``tl.constexpr`` argument (Triton inlines a
+jitted function passed that way), or launches the learner's kernel itself. On a GPU it is
+compiled; on a CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, which the
+notebook's setup cell sets where there is no CUDA:
+`moe_lab.workbench.lab.triton_mode.interpret_without_cuda`), one Python call per program
+instance — so the checks use float32, large blocks and small problems.
 
 A stub holds the line ``tl.static_assert(False, "exercise not solved yet")``: compiled it
 fails at compile time, interpreted when it runs, and either way `launch_answer` turns it
@@ -39,7 +40,7 @@ def interpreted() -> bool:
     return triton_interpreted()
 
 
-def launch_answer(name: str, kernel, grid: Sequence[int], *args, **kwargs) -> None:
+def launch_answer(name: str, kernel: object, grid: Sequence[int], *args: object, **kwargs: object) -> None:
     """``kernel[grid](*args, **kwargs)``, where the kernel is the learner's or calls the
     learner's function: an unsolved stub raises `NotDoneError`, any other failure of the
     launch `ExerciseError` with Triton's message."""

@@ -18,7 +18,7 @@
 - ``tile_schedule`` (Triton): which expert and which rows program ``tile`` of the grouped
   GEMM owns, ``(segment, first row, end row)``, read from the offsets on the device — segment
   ``E`` is the padding after ``offsets[E]``, a segment above ``E`` means no work. Checked
-  program by program against `moe_lab.kernels.grouped_gemm._tile_schedule`, then as the
+  program by program against `moe_lab.kernels.common.tile_schedule`, then as the
   schedule of a small grouped GEMM against `moe_lab.kernels.grouped_gemm.grouped_gemm_reference`.
 
 Each ``check_…`` calls the learner's function on fresh random inputs (and awkward ones:
@@ -36,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lab.kernels import common
 from moe_lab.kernels import grouped_gemm as gg
+from moe_lab.kernels.common import jit
 from moe_lab.kernels.permute import make_row_id_map_reference, unpermute_reference
 from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.training.sync import SyncError, assert_sync_free, count_syncs
@@ -172,7 +174,7 @@ def check_expert_of_row(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None
 
 
 @reference_solution("unpermute_kernel")
-@triton.jit
+@jit
 def unpermute_kernel(y_ptr, map_ptr, w_ptr, out_ptr, T, D, N_ROWS, TOP_K,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[t] = Σ_j w[t, j] · y[row_id_map[t, j]]`` in float32; all tensors contiguous,
@@ -195,7 +197,7 @@ def unpermute_kernel(y_ptr, map_ptr, w_ptr, out_ptr, T, D, N_ROWS, TOP_K,
 UNPERMUTE_BLOCKS = {"BLOCK_T": 32, "BLOCK_D": 32}
 
 
-def run_unpermute_kernel(kernel, y: torch.Tensor, row_id_map: torch.Tensor,
+def run_unpermute_kernel(kernel: object, y: torch.Tensor, row_id_map: torch.Tensor,
                          weights: torch.Tensor) -> torch.Tensor:
     """Launch ``kernel`` (the learner's ``unpermute_kernel``) on contiguous tensors."""
     tokens, top_k = row_id_map.shape
@@ -209,7 +211,7 @@ def run_unpermute_kernel(kernel, y: torch.Tensor, row_id_map: torch.Tensor,
 
 
 @exercise("unpermute_kernel")
-def check_unpermute_kernel(kernel) -> None:
+def check_unpermute_kernel(kernel: object) -> None:
     """Raise `ExerciseError` unless ``kernel`` combines the expert rows of fresh random
     routings (skewed, padded segments, a token count and width that are not multiples of
     the blocks) like `unpermute_reference`, in float32."""
@@ -247,13 +249,13 @@ def check_unpermute_kernel(kernel) -> None:
 
 
 @reference_solution("tile_schedule")
-@triton.jit
+@jit
 def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(segment, first row, end row)`` of row tile ``tile``: the kernel's own schedule."""
-    return gg._tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M, BLOCK_E)
+    return common.tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M, BLOCK_E)
 
 
-@triton.jit
+@jit
 def _schedule_probe(offsets_ptr, out_ptr, E, M_ROWS, BLOCK_M: tl.constexpr,
                     BLOCK_E: tl.constexpr, SCHEDULE: tl.constexpr):
     # out: [n_programs, 3] int32, what SCHEDULE says program p owns.
@@ -264,7 +266,7 @@ def _schedule_probe(offsets_ptr, out_ptr, E, M_ROWS, BLOCK_M: tl.constexpr,
     tl.store(out_ptr + 3 * p + 2, row_end)
 
 
-@triton.jit
+@jit
 def _scheduled_gemm(x_ptr, w_ptr, y_ptr, offsets_ptr, M_ROWS, N, K, E,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, SCHEDULE: tl.constexpr):
@@ -296,7 +298,7 @@ def _segments(rng: random.Random, n_experts: int) -> list[int]:
 
 
 @exercise("tile_schedule")
-def check_tile_schedule(schedule, block_m: int = 16) -> None:
+def check_tile_schedule(schedule: object, block_m: int = 16) -> None:
     """Raise `ExerciseError` unless ``schedule`` gives every program of the grid
     ``cdiv(M, BLOCK_M) + E`` the kernel's ``(segment, first row, end row)`` on fresh
     offsets (empty experts, one long one, padding rows after ``offsets[E]``, none at all),

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lab.kernels.common import jit, row_source
 from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference
 from moe_lab.perf import fusion
 from moe_lab.workbench.exercises import (
@@ -40,7 +41,7 @@ from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answ
 
 
 @reference_solution("gather_tile")
-@triton.jit
+@jit
 def gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
     """``[BLOCK_M, BLOCK_K]`` tile ``x[src[rows] // TOP_K, ks]`` (``x: [T, K]`` contiguous),
     zero where ``rows >= row_end``, ``src < 0`` or ``ks >= K``."""
@@ -50,7 +51,7 @@ def gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
     return tl.load(x_ptr + token[:, None] * K + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
 
 
-@triton.jit
+@jit
 def _gather_probe(x_ptr, src_ptr, out_ptr, offsets_ptr, M_ROWS, K, TOP_K, gather,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # One program per (expert e, row tile, K tile): the tile of e's rows, gathered by the
@@ -64,7 +65,7 @@ def _gather_probe(x_ptr, src_ptr, out_ptr, offsets_ptr, M_ROWS, K, TOP_K, gather
     tl.store(out_ptr + rows[:, None] * K + ks[None, :], tile, mask=(rows[:, None] < end) & (ks[None, :] < K))
 
 
-@triton.jit
+@jit
 def _gather_gemm(x_ptr, src_ptr, w_ptr, y_ptr, offsets_ptr, N, K, TOP_K, gather,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # y[rows of e] = gathered x rows · w[e] (w: [E, K, N], y: [M_ROWS, N], contiguous).
@@ -83,12 +84,6 @@ def _gather_gemm(x_ptr, src_ptr, w_ptr, y_ptr, offsets_ptr, N, K, TOP_K, gather,
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < end) & (cols[None, :] < N))
 
 
-def _row_source(row_id_map: torch.Tensor, n_rows: int) -> torch.Tensor:
-    src = torch.full((n_rows,), -1, dtype=torch.int32)
-    src[row_id_map.reshape(-1).long()] = torch.arange(row_id_map.numel(), dtype=torch.int32)
-    return src
-
-
 @exercise("gather_tile")
 def check_gather_tile(gather: Callable, block_m: int = 16, block_k: int = 16) -> None:
     """Raise `ExerciseError` unless ``gather`` loads the tiles of fresh routings (skewed,
@@ -105,7 +100,7 @@ def check_gather_tile(gather: Callable, block_m: int = 16, block_k: int = 16) ->
         # x, then rows of NaN right after it: a token index past T reads NaN, not zeros.
         memory = torch.cat([torch.randn(tokens, k_dim, generator=g), torch.full((4, k_dim), float("nan"))])
         x = memory[:tokens]
-        src = _row_source(row_id_map, n_rows)
+        src = row_source(row_id_map, n_rows)
         want = permute_reference(x, row_id_map, n_rows)
         got = torch.full((n_rows, k_dim), float("nan"))
         counts = (offsets[1:] - offsets[:-1]).tolist()

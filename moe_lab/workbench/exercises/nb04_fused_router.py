@@ -16,11 +16,13 @@ and the group-limited top-k in Triton.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from moe_lab.kernels.common import jit
 from moe_lab.moe.router import group_limited_mask, topk_lowest_index
 from moe_lab.training.sync import count_syncs
 from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
@@ -55,7 +57,7 @@ def first_steps_bytes(tokens: int, n_experts: int, itemsize: int) -> int:
 
 
 @exercise("group_limited_selection")
-def check_group_limited_selection(fn) -> None:
+def check_group_limited_selection(fn: Callable) -> None:
     """Raises ExerciseError unless ``fn`` picks the right groups' experts on random scores,
     as a bool ``[tokens, n_experts]`` mask, without a host sync."""
     g = torch.Generator().manual_seed(4)
@@ -87,7 +89,7 @@ def check_group_limited_selection(fn) -> None:
 
 
 @exercise("first_steps_bytes")
-def check_first_steps_bytes(fn) -> None:
+def check_first_steps_bytes(fn: Callable) -> None:
     """Raises ExerciseError unless ``fn(tokens, n_experts, itemsize)`` predicts the bytes
     that `moe_lab.workbench.measure.kernel_count.count_kernels` measures for `first_steps_of_the_chain`."""
     for tokens, n_experts, dtype in [(1024, 256, torch.float64), (1024, 256, torch.float32),
@@ -113,7 +115,7 @@ def check_first_steps_bytes(fn) -> None:
 
 
 @reference_solution("group_limited_topk")
-@triton.jit
+@jit
 def group_limited_topk(sel, BLOCK_T: tl.constexpr, G: tl.constexpr, EG: tl.constexpr,
                        TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr):
     """``sel: [BLOCK_T, G, EG]`` float32 selection scores (expert ``g · EG + j``) →
@@ -149,7 +151,7 @@ def group_limited_topk(sel, BLOCK_T: tl.constexpr, G: tl.constexpr, EG: tl.const
     return ids
 
 
-@triton.jit
+@jit
 def _group_topk_kernel(scores_ptr, ids_ptr, T, FN: tl.constexpr, BLOCK_T: tl.constexpr,
                        G: tl.constexpr, EG: tl.constexpr, TOP_K: tl.constexpr,
                        TOPK_GROUPS: tl.constexpr):
@@ -173,7 +175,7 @@ def group_limited_topk_reference(scores: torch.Tensor, n_groups: int, topk_group
 
 
 @exercise("group_limited_topk")
-def check_group_limited_topk(fn) -> None:
+def check_group_limited_topk(fn: Callable) -> None:
     """Raise `ExerciseError` unless the learner's ``@triton.jit`` ``fn`` picks the reference's
     experts, in the reference's order, on fresh random scores: DeepSeek-V3's 8 groups / 4
     kept / top-8 in miniature, other group shapes, and scores full of ties."""

@@ -1,9 +1,9 @@
-"""The fused grouped GEMMs (moe_lab.kernels.fused_moe) against the unfused chains they replace:
+"""The fused grouped GEMMs (moe_lab.kernels.fused_moe, fused_mxfp8) against the unfused chains they replace:
 gather prologue, weighted-scatter epilogue (both schemes), MXFP8-quantize epilogue and the
 whole fused expert MLP, forward and backward, and the fused dispatchers against the naive layer.
 
-Every kernel output is allocated NaN-filled (``poisoned_outputs``), so an element a kernel
-forgot to write fails. Routing is fresh random per test: mixed, experts left empty, one
+Every kernel output is allocated NaN-filled (`moe_lab.kernels.common.poison_outputs`), so an
+element a kernel forgot to write fails. Routing is fresh random per test: mixed, experts left empty, one
 expert taking every token, E=256 top-8, and segments padded to an alignment (rows no
 token maps to). Under ``TRITON_INTERPRET=1`` shapes are small. Tolerances: float32 within
 1e-4 (relative to the reference's scale: only the order of the sums differs); bfloat16
@@ -13,13 +13,17 @@ per output, the unfused chain once per intermediate tensor).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from moe_lab.kernels import fused_moe as fm
-from moe_lab.kernels import grouped_gemm as gg
+from moe_lab.kernels import fused_mxfp8 as fmx
+from moe_lab.kernels.common import poison_outputs, row_source
+from moe_lab.kernels.fusions import FUSIONS
 from moe_lab.kernels.permute import make_row_id_map, permuted_rows
 from moe_lab.quant.mx import quantize
 from moe_lab.training.sync import assert_sync_free
@@ -36,15 +40,9 @@ ROUTINGS = {
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def nan_output(shape, dtype, device):
-        if dtype.is_floating_point:
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
-        return torch.full(shape, 0xAB, dtype=dtype, device=device)  # codes: a value never right
-
-    monkeypatch.setattr(fm, "_new_output", nan_output)
-    monkeypatch.setattr(gg, "_new_output", lambda shape, like: torch.full(
-        shape, float("nan"), dtype=like.dtype, device=like.device))
+def poisoned_outputs() -> Iterator[None]:
+    with poison_outputs():  # floats NaN, MXFP8 codes 0xAB: a value never right
+        yield
 
 
 def routing(name: str, device: torch.device):
@@ -116,7 +114,7 @@ def test_fused_mlp_equals_unfused_chain(name, dtype, device):
 def test_each_fusion_equals_its_chain(fusion, name, dtype, device):
     dims, row_id_map, offsets, weights, n_rows = routing(name, device)
     x, w1, w2 = operands(dims, dtype, device)
-    entry = fm.FUSIONS.lookup(fusion, "fusion")
+    entry = FUSIONS.lookup(fusion, "fusion")
     if fusion == "gather_prologue":
         inputs = (x, w1)
 
@@ -145,12 +143,12 @@ def test_mxfp8_epilogue_is_the_quantizer_of_the_fused_output(name, dtype, device
     # rounding of the whole unfused chain's.
     dims, row_id_map, offsets, _, n_rows = routing(name, device)
     x, w1, _ = operands(dims, dtype, device)
-    codes, scales = fm.gather_swiglu_mxfp8(x, w1, row_id_map, offsets, n_rows=n_rows)
+    codes, scales = fmx.gather_swiglu_mxfp8(x, w1, row_id_map, offsets, n_rows=n_rows)
     h = fm.gather_swiglu(x, w1, row_id_map, offsets, n_rows=n_rows)
     q = quantize(h, dim=-1, scale_mode="rceil")
     assert torch.equal(codes.view(torch.uint8), q.data.view(torch.uint8))
     assert torch.equal(scales.view(torch.uint8), q.scale.view(torch.uint8))
-    ref_codes, ref_scales = fm.gather_swiglu_mxfp8_unfused(x.float(), w1.float(), row_id_map, offsets,
+    ref_codes, ref_scales = fmx.gather_swiglu_mxfp8_unfused(x.float(), w1.float(), row_id_map, offsets,
                                                            n_rows=n_rows)
 
     def value(c, s):
@@ -167,7 +165,7 @@ def test_mxfp8_epilogue_needs_f_multiple_of_32(device):
     dims, row_id_map, offsets, _, _ = routing("mixed", device)
     x = torch.randn(dims[0], dims[1], device=device)
     with pytest.raises(ValueError, match="multiple of 32"):
-        fm.gather_swiglu_mxfp8(x, torch.randn(dims[3], dims[1], 48, device=device), row_id_map, offsets)
+        fmx.gather_swiglu_mxfp8(x, torch.randn(dims[3], dims[1], 48, device=device), row_id_map, offsets)
 
 
 def test_deterministic_scatter_repeats_bit_for_bit(device):
@@ -179,7 +177,7 @@ def test_deterministic_scatter_repeats_bit_for_bit(device):
 
 def test_row_source_inverts_the_map(device):
     _, row_id_map, _, _, n_rows = routing("aligned_segments", device)
-    src = fm.row_source(row_id_map, n_rows)
+    src = row_source(row_id_map, n_rows)
     flat = row_id_map.reshape(-1).long()
     assert torch.equal(src[flat].long(), torch.arange(flat.numel(), device=device))
     assert (src >= 0).sum().item() == flat.numel()  # the padding rows keep -1
@@ -226,16 +224,6 @@ def test_fused_mlp_is_sync_free(device):
         fm.fused_moe_mlp(x, w1, w2, row_id_map, offsets, weights).sum().backward()
 
     assert_sync_free(step)
-
-
-def test_compile_specs_cover_every_kernel():
-    specs = fm.compile_specs()
-    kernels = {s.kernel.split(":")[1] for s in specs}
-    assert kernels == {"_gather_swiglu_kernel", "_gemm_scatter_kernel", "_gather_gemm_kernel",
-                       "_gather_dw_kernel"}
-    assert any(s.constexprs.get("MX_OUT") for s in specs)
-    assert any(s.constexprs.get("A_MX") for s in specs)
-    assert {s.constexprs.get("ATOMIC") for s in specs if "scatter" in s.kernel} == {True, False}
 
 
 def test_gpu_stack_uses_the_fused_dispatcher_where_triton_compiles(monkeypatch):
@@ -314,11 +302,11 @@ def test_mxfp8_forward_feeds_the_second_gemm(name, dtype, device):
     tokens, d, f, n_experts, top_k = dims
     x, w1, _ = operands(dims, dtype, device)
     w2 = (torch.randn(n_experts, f, d) / f**0.5).to(device, dtype)
-    y = fm.fused_moe_mlp_mxfp8(x, w1, w2, row_id_map, offsets, weights, n_rows=n_rows)
+    y = fmx.fused_moe_mlp_mxfp8(x, w1, w2, row_id_map, offsets, weights, n_rows=n_rows)
     if dtype == torch.float32:
-        ref = fm.fused_moe_mlp_mxfp8_unfused(x, w1, w2, row_id_map, offsets, weights, n_rows=n_rows)
+        ref = fmx.fused_moe_mlp_mxfp8_unfused(x, w1, w2, row_id_map, offsets, weights, n_rows=n_rows)
     else:
-        codes, scales = fm.gather_swiglu_mxfp8(x, w1, row_id_map, offsets, n_rows=n_rows)
+        codes, scales = fmx.gather_swiglu_mxfp8(x, w1, row_id_map, offsets, n_rows=n_rows)
         h = codes.float() * scales.float().repeat_interleave(32, dim=-1)
         ref = fm.gemm_scatter_unfused(h, w2.float(), row_id_map, offsets, weights)
     close(y, ref.float(), dtype, "mxfp8 forward")
@@ -336,13 +324,13 @@ def test_mxfp8_forward_on_the_grouped_block_scaled_gemm(name, dtype, device):
     tokens, d, f, n_experts, top_k = dims
     x, w1, _ = operands(dims, dtype, device)
     w2 = (torch.randn(n_experts, f, d) / f**0.5).to(device, dtype)
-    entry = fm.FUSIONS.lookup("mxfp8_mlp_forward_native", "fusion")
+    entry = FUSIONS.lookup("mxfp8_mlp_forward_native", "fusion")
     y = entry.fused(x, w1, w2, row_id_map, offsets, weights, n_rows=n_rows)
     assert y.dtype == dtype and y.shape == (tokens, d)
     if dtype == torch.float32:
         ref = entry.unfused(x, w1, w2, row_id_map, offsets, weights, n_rows=n_rows)
     else:
-        codes, scales = fm.gather_swiglu_mxfp8(x, w1, row_id_map, offsets, n_rows=n_rows)
+        codes, scales = fmx.gather_swiglu_mxfp8(x, w1, row_id_map, offsets, n_rows=n_rows)
         h = codes.float() * scales.float().repeat_interleave(32, dim=-1)
         w2q = quantize(w2, dim=1, scale_mode="rceil").dequantize(torch.float32)
         ref = fm.gemm_scatter_unfused(h, w2q, row_id_map, offsets, weights)

@@ -2,25 +2,25 @@
 ``torch._grouped_mm``: forward, backward, the fused SwiGLU, awkward partitions, and the
 sync-free certificate.
 
-Every kernel output is allocated NaN-filled here (``poisoned_outputs``), so an element a
-kernel forgot to write fails the comparison. Tensors live on the ``device`` fixture's
+Every kernel output is allocated NaN-filled here (`moe_lab.kernels.common.poison_outputs`),
+so an element a kernel forgot to write fails the comparison. Tensors live on the ``device`` fixture's
 device: on a CUDA machine the kernels run compiled, elsewhere under ``TRITON_INTERPRET=1``,
 where each program instance is a Python round trip: shapes are small, tiles large. The
 paths only a GPU takes by default (small tiles, bfloat16 tiles into ``tl.dot``) are forced
-here, and the bfloat16 path is also compiled for Hopper to check what reaches the MMA.
+here (what the compiled kernels become is tests/workbench/compile_report/test_specs.py's).
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 import triton.language as tl
-from support import checked_compile_specs, compile_for_gpu, tile_offsets_are_int64
 
 from moe_lab.kernels import grouped_gemm as gg
+from moe_lab.kernels.common import dot_bf16, poison_outputs
 from moe_lab.kernels.grouped_gemm import (
     grouped_gemm,
     grouped_gemm_reference,
@@ -43,11 +43,9 @@ PARTITIONS = {
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    def nan_output(shape, like):
-        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-
-    monkeypatch.setattr(gg, "_new_output", nan_output)
+def poisoned_outputs() -> Iterator[None]:
+    with poison_outputs():
+        yield
 
 
 def make_offsets(counts: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -322,14 +320,14 @@ def test_bad_arguments_raise_clear_errors(change, match, device):
 
 def test_bad_m_bound_and_odd_swiglu_width(device):
     x, w, offsets = problem([3, 4], 1, 16, 8, device=device)
-    with pytest.raises(ValueError, match="m_bound must be an int in \\[0, M = 8\\], got 9"):
+    with pytest.raises(ValueError, match="m_bound must be an integer in \\[0, 8\\], got 9"):
         grouped_gemm(x, w, offsets, m_bound=9)
     with pytest.raises(ValueError, match="even last dim"):
         grouped_gemm_swiglu(x, w[..., :7], offsets)
 
 
 # --------------------------------------------------------------------------------------
-# The compiled path: bfloat16 tiles into tl.dot, launch configurations, compile specs
+# The compiled path: bfloat16 tiles into tl.dot, launch configurations
 # --------------------------------------------------------------------------------------
 
 
@@ -368,11 +366,11 @@ def test_bf16_dot_branch_is_exact_on_small_integers(monkeypatch: pytest.MonkeyPa
         interpreter_widens_bf16_dots(monkeypatch)
     chosen = []
 
-    def dot_bf16(dtype, interpreted):
+    def forced_dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
         chosen.append(dtype == torch.bfloat16)
         return dtype == torch.bfloat16
 
-    monkeypatch.setattr(gg, "_dot_bf16", dot_bf16)
+    monkeypatch.setattr(gg, "dot_bf16", forced_dot_bf16)
     if tiles:
         force_small_tiles(monkeypatch, tiles)
     counts, pad = PARTITIONS["many_small"]
@@ -400,50 +398,18 @@ def test_bf16_dot_branch_is_exact_on_small_integers(monkeypatch: pytest.MonkeyPa
     assert chosen and all(chosen), "every launch must have taken the bf16 tl.dot branch"
 
 
-def test_bf16_tiles_reach_the_hopper_tensor_cores_as_bf16(tmp_path):
-    # The bf16 specs of every kernel, compiled for sm_90: tl.dot takes bf16 tiles (not
-    # widened to fp32 on the way), wgmma multiplies bf16 x bf16, and every tile address
-    # is computed in int64.
-    compiled = compile_for_gpu("""
-        from moe_lab.kernels import grouped_gemm
-        specs = [s for s in grouped_gemm.compile_specs()
-                 if s.label.startswith("[chosen") and "bf16, DeepSeek-V3" in s.label.split(" | ")[0]]
-    """, tmp_path)
-    assert len(compiled) == 5, list(compiled)  # forward, dX, SwiGLU forward and backward, dW
-    for label, asm in compiled.items():
-        dots = re.findall(r"tt\.dot .*: tensor<\w+> \* tensor<\w+>", asm["ttir"])
-        assert dots and all(d.count("xbf16>") == 2 for d in dots), (label, dots)
-        if "backward" not in label:  # the SwiGLU backward widens dh (epilogue data), no more
-            assert "arith.extf" not in asm["ttir"], label
-        wgmma = re.findall(r"wgmma\.mma_async\S*", asm["ptx"])
-        assert wgmma and all(op.endswith(".bf16.bf16") for op in wgmma), (label, set(wgmma))
-        assert tile_offsets_are_int64(asm["ttir"]), label
-
-
-def test_compile_specs_cover_every_kernel_argument_and_both_models():
-    specs = checked_compile_specs(gg)
-    for spec in specs:
-        assert spec.constexprs["DOT_BF16"] == ("*bf16" in spec.signature.values()), spec.label
-    labels = " | ".join(s.label for s in specs)
-    paths = ("forward (down projection)", "dX = dY·Wᵀ", "SwiGLU forward", "SwiGLU backward", "dW")
-    for model in ("DeepSeek-V3", "GPT-OSS-20B"):
-        for dtype in ("bf16", "fp32"):
-            for what in paths:
-                assert re.search(f"{re.escape(what)}[^|]*{dtype}, {model}", labels), (what, dtype, model)
-
-
 def test_launch_config_compiled_and_interpreted():
     compiled = gg.launch_config("gemm", 65536, 7168, 2048, 256, interpreted=False)
     assert compiled.num_stages >= 2 and set(compiled.blocks) == {"BLOCK_M", "BLOCK_N", "BLOCK_K"}
     interpreted = gg.launch_config("dw", 100, 40, 48, 4, interpreted=True)
     assert interpreted.blocks == {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
-    with pytest.raises(ValueError, match="kernel must be one of \\('gemm', 'swiglu', 'dw'\\), got 'mlp'"):
+    with pytest.raises(ValueError, match="kernel must be one of \\['dw', 'gemm', 'swiglu'\\], got 'mlp'"):
         gg.launch_config("mlp", 1, 1, 1, 1, interpreted=False)
     with pytest.raises(ValueError, match="dtype must be one of"):
         gg.choose_config("gemm", 1, 1, 1, 1, torch.float16)
-    assert gg._dot_bf16(torch.bfloat16, interpreted=False)
-    assert not gg._dot_bf16(torch.bfloat16, interpreted=True)
-    assert not gg._dot_bf16(torch.float32, interpreted=False)
+    assert dot_bf16(torch.bfloat16, interpreted=False)
+    assert not dot_bf16(torch.bfloat16, interpreted=True)
+    assert not dot_bf16(torch.float32, interpreted=False)
 
 
 @pytest.mark.parametrize(("kernel", "m", "n", "k", "n_experts", "dtype", "expected"), [
@@ -484,25 +450,6 @@ def test_every_chosen_config_is_in_the_space_and_fits_the_tensor_cores():
                 if dtype == torch.bfloat16:  # a warpgroup MMA: 64 output rows per 4 warps
                     rows = cfg.blocks["BLOCK_K" if kernel == "dw" else "BLOCK_M"]
                     assert rows >= 16 * cfg.num_warps, (kernel, cfg)
-
-
-def test_compile_specs_cover_the_space_with_the_chosen_first():
-    specs = gg.compile_specs()
-    kernel_of = {"_grouped_gemm_kernel": "gemm", "_grouped_gemm_swiglu_kernel": "swiglu",
-                 "_grouped_gemm_dw_kernel": "dw"}
-    seen = {kernel: set() for kernel in gg.KERNELS}
-    for spec in specs:
-        seen[kernel_of[spec.kernel.split(":")[1]]].add(repr(spec.config))
-        assert all(part.startswith(("[chosen ", "[candidate ")) for part in spec.label.split(" | "))
-        assert gg.describe(spec.config) in spec.label.split(" | ")[0]
-    for kernel in gg.KERNELS:
-        assert seen[kernel] == {repr(cfg) for cfg in gg.TILE_SPACE[kernel]}, kernel
-    first = [s.label.startswith("[chosen") for s in specs]
-    assert first == sorted(first, reverse=True)  # every chosen spec before every candidate
-    # each (path, dtype, model) has exactly one chosen config, the one launch_config picks
-    chosen = [part for s in specs for part in s.label.split(" | ") if part.startswith("[chosen")]
-    whats = [part.split("] ", 1)[1] for part in chosen]
-    assert len(whats) == len(set(whats)) == 2 * 2 * 7  # models x dtypes x paths
 
 
 @pytest.mark.parametrize(("kernel", "index"), [

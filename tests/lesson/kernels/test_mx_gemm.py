@@ -7,8 +7,7 @@ float64 reference is fp32 accumulation in another order, bounded by the standard
 summation bound ``|C − C₆₄| ≤ γ · (|A|·|B|ᵀ)`` with ``γ = (K + 2)·2⁻²⁴`` (one rounding per
 product and per addition, K terms). Where every product and partial sum is an integer
 below 2²⁴, no order rounds at all, and the kernel must equal the reference exactly.
-The compile test runs the compiled path (``SCALED_DOT=True``, ``tl.dot_scaled``) through
-the compile report in a child process without ``TRITON_INTERPRET``.
+(The compiled path, ``SCALED_DOT=True``, is tests/workbench/compile_report/test_specs.py's.)
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lab.kernels.mx_gemm import compile_specs, launch_config, mx_gemm, mx_gemm_reference
+from moe_lab.kernels.mx_gemm import mx_gemm, mx_gemm_reference
 from moe_lab.quant.mx import E4M3, E8M0, quantize
 
 E4M3_MAX_CODE, E4M3_NAN_CODE, E8M0_NAN = 0x7E, 0x7F, 0xFF
@@ -138,31 +137,6 @@ def test_bad_output_dtype():
     a, a_s = operands(8, 64, "cpu")
     with pytest.raises(ValueError, match="out_dtype must be one of"):
         mx_gemm(a, a_s, a, a_s, out_dtype=torch.float16)
-
-
-def test_specs_cover_the_compiled_path():
-    specs = compile_specs()
-    assert specs and all(spec.constexprs["SCALED_DOT"] is True for spec in specs)
-    for model in ("DeepSeek-V3", "GPT-OSS-20B"):
-        assert any(model in spec.label for spec in specs)
-    assert launch_config(65536, 4096, 7168, interpreted=False) == specs[0].config
-
-
-def test_compiled_spec_is_block_scaled_tcgen05_on_blackwell_and_wgmma_on_hopper():
-    """On sm_100 ``tl.dot_scaled`` is one block-scaled MMA (``tcgen05.mma kind::mxf8f6f4
-    .block_scale``); on sm_90, which has no such instruction, Triton upcasts the E4M3 tiles
-    to bf16 and runs an ordinary ``wgmma`` (bf16 × bf16 → fp32). Neither spills."""
-    from moe_lab.workbench.compile_report import report as compile_report
-
-    rows = {row["arch"]: row for row in compile_report.compile_jobs(
-        compile_report.module_job("moe_lab.kernels.mx_gemm", index=0), archs=("sm_90", "sm_100"))}
-    assert not any(row.get("error") for row in rows.values()), rows
-    blackwell, hopper = rows["sm_100"], rows["sm_90"]
-    assert blackwell["mma_class"] == "tcgen05.mma" and blackwell["block_scaled"], blackwell["mma_kinds"]
-    assert any("kind::mxf8f6f4" in kind for kind in blackwell["mma_kinds"])
-    assert hopper["mma_class"] == "wgmma" and not hopper["block_scaled"], hopper["mma_kinds"]
-    assert all("bf16.bf16" in kind for kind in hopper["mma_kinds"])
-    assert blackwell["spill_bytes"] == 0 and hopper["spill_bytes"] == 0
 
 
 # ------------------------------------------------------------------ grouped over experts

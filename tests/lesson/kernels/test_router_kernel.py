@@ -5,16 +5,11 @@ interpreter on a CPU, so the problems here are small and the tolerances hold bot
 case compares on fresh random logits (drawn on the CPU, then moved): ids equal, weights
 close, counts equal, aux statistics close; then ties, -inf and NaN logits, the degenerate
 shapes, many programs with blocks straddling sequences, the gradients, the host-sync
-certificate, the launch configuration and what a CUDA launch compiles (for sm_90, here).
+certificate and the launch configuration (what a CUDA launch compiles is
+tests/workbench/compile_report/test_specs.py's).
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -22,10 +17,7 @@ import torch
 import moe_lab
 from moe_lab.config import MoEConfig
 from moe_lab.kernels.fused_router import (
-    _router_bwd_kernel,
-    _router_fwd_kernel,
     check_finite_logits,
-    compile_specs,
     fused_route,
     fused_route_from_logits,
     fused_router,
@@ -351,7 +343,7 @@ def test_reference_route_and_fused_route_agree_end_to_end(device):
     assert_same_routing(fused_route(x, w, c), route(x, w, c))
 
 
-# ------------------------------------------------------------------------------ launch, compile
+# ------------------------------------------------------------------------------ launch
 
 
 def test_launch_config_compiled_and_interpreted():
@@ -365,79 +357,3 @@ def test_launch_config_compiled_and_interpreted():
     assert launch_config(5, 8, 1, interpreted=True).blocks["BLOCK_T"] == 8
     assert launch_config(5, 4, 4, interpreted=True).blocks == {"BLOCK_T": 8, "GP": 4, "EGP": 1}
     assert launch_config(8192, 256, 8, interpreted=True, block_t=4).blocks["BLOCK_T"] == 4
-
-
-def test_compile_specs_describe_the_launches():
-    specs = compile_specs()
-    kernels = {"moe_lab.kernels.fused_router:_router_fwd_kernel": _router_fwd_kernel,
-               "moe_lab.kernels.fused_router:_router_bwd_kernel": _router_bwd_kernel}
-    assert [s.kernel for s in specs] == list(kernels) * 2
-    for spec, (name, model) in zip(specs, [("deepseek_v3", "DeepSeek-V3")] * 2
-                                   + [("gpt_oss_20b", "GPT-OSS-20B")] * 2, strict=True):
-        moe = moe_lab.preset(name).moe
-        assert model in spec.label and "8192 tokens" in spec.label
-        # every argument typed or given: what the report compiles is what a launch runs
-        assert all(spec.signature[k] == "constexpr" for k in set(spec.signature) & set(spec.constexprs))
-        assert set(spec.signature) | set(spec.constexprs) == set(kernels[spec.kernel].arg_names)
-        assert spec.config == launch_config(8192, moe.n_experts, moe.n_groups, interpreted=False)
-        assert spec.config.blocks.items() <= spec.constexprs.items()
-        assert spec.constexprs["TOP_K"] == moe.top_k
-        assert spec.constexprs["SOFTMAX"] == (moe.score_func == "softmax")
-        assert spec.constexprs["s_le"] == 1  # a unit stride is a constant in a launch
-    fwd_dsv3, fwd_gpt = specs[0].constexprs, specs[2].constexprs
-    assert fwd_dsv3["GROUPED"] and fwd_dsv3["TOPK_GROUPS"] == 4 and specs[0].signature["G"] == "i32"
-    assert fwd_gpt["G"] == 1 and fwd_gpt["GP"] == 1 and not fwd_gpt["GROUPED"]  # one group
-
-
-_COMPILE_SIZE_ONE = r"""
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-import moe_lab
-from moe_lab.config import MoEConfig
-from moe_lab.kernels import fused_router as router
-from moe_lab.workbench.compile_report.worker import triton_signature
-
-import os
-assert os.environ["TRITON_INTERPRET"] == "0"  # compiled, not interpreted
-cases = {"one group (GP = 1)": moe_lab.preset("gpt_oss_20b").moe,
-         "one expert per group, top-1 (EGP = KP = 1)": MoEConfig(
-             d_model=16, n_experts=4, top_k=1, d_expert=8, n_groups=4, topk_groups=2,
-             score_func="sigmoid"),
-         "one expert (E = GP = EGP = KP = 1)": MoEConfig(d_model=16, n_experts=1, top_k=1,
-                                                         d_expert=8)}
-out = []
-for case, cfg in cases.items():
-    for spec in router.compile_specs_for(cfg, 64, model=case):
-        fn = getattr(router, spec.kernel.partition(":")[2])
-        signature, constexprs, attrs, _ = triton_signature(fn, spec.kernel, spec.signature,
-                                                           spec.constexprs)
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
-                                          attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": spec.config.num_warps,
-                                         "num_stages": spec.config.num_stages})
-        out.append({"case": case, "kernel": fn.__name__, "cubin": len(kernel.asm["cubin"]),
-                    "size_one": sorted(k for k in ("GP", "EGP", "KP") if spec.constexprs.get(k) == 1),
-                    "target": ".target sm_90" in kernel.asm["ptx"]})
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.timeout(120)
-def test_size_one_aranges_compile_for_hopper():
-    """One group, one expert per group, top-1 and one expert make ``tl.arange(0, 1)`` axes:
-    a CUDA launch compiles them (sm_90, in a process where Triton is not interpreted; Triton
-    folds a size-1 range into the constant 0, and the launcher makes ``G = 1`` a constant)."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_COMPILE_SIZE_ONE)],
-                          capture_output=True, text=True, timeout=110,
-                          env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    size_one = {row["case"]: row["size_one"] for row in rows}
-    assert len(rows) == 6 and size_one == {
-        "one group (GP = 1)": ["GP"], "one expert per group, top-1 (EGP = KP = 1)": ["EGP", "KP"],
-        "one expert (E = GP = EGP = KP = 1)": ["EGP", "GP", "KP"]}
-    assert all(row["cubin"] > 0 and row["target"] for row in rows), rows

@@ -4,10 +4,10 @@ weights, would wrap int32 offsets), and probabilities left unquantized reach ``P
 float32 in an IEEE float32 dot.
 
 No GPU is needed: Triton compiles for sm_90 on any machine. This session's kernels belong
-to the interpreter (``TRITON_INTERPRET`` is read when Triton is imported), so one
-subprocess with ``TRITON_INTERPRET=0`` compiles a `compile_specs()` entry of each module
-and prints the Triton IR (the arguments specialised as the compile report's
-`moe_lab.workbench.compile_report.worker` does, as a launch would).
+to the interpreter, so one subprocess with ``TRITON_INTERPRET=0`` compiles one spec of each
+module (`moe_lab.workbench.compile_report.specs`) and prints the Triton IR (the arguments
+specialised as the compile report's `moe_lab.workbench.compile_report.worker` does, as a
+launch would).
 """
 
 from __future__ import annotations
@@ -22,17 +22,19 @@ import pytest
 
 from moe_lab.kernels import mx_attention
 from moe_lab.kernels import mx_quantize as mx
+from moe_lab.workbench.compile_report.specs import for_module
 
 COMPILE_TO_TTIR = """
 import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from moe_lab.workbench.compile_report.specs import for_module
 from moe_lab.workbench.compile_report.worker import triton_signature
 
 ttir = {}
 for module, index in json.loads(sys.argv[1]):
-    spec = importlib.import_module(module).compile_specs()[index]
+    spec = for_module(module)[index]
     kernel = getattr(importlib.import_module(module), spec.kernel.split(":")[1])
     sig, constexprs, attrs, _ = triton_signature(kernel, spec.kernel, spec.signature,
                                                  spec.constexprs)
@@ -46,7 +48,7 @@ print(json.dumps(ttir))
 
 
 def _unquantized_p_spec() -> int:
-    return next(i for i, spec in enumerate(mx_attention.compile_specs())
+    return next(i for i, spec in enumerate(for_module(mx_attention))
                 if not spec.constexprs["QUANT_P"])
 
 

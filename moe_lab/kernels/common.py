@@ -1,0 +1,281 @@
+"""What the kernels share: the `jit` that decides compiled or interpreted, the grouped GEMM's
+tile schedule and K loops, the rounding store, the gather of token rows, kernel outputs.
+
+Every moe_lab kernel is decorated with `jit`, not ``triton.jit``: Triton makes a kernel
+interpreted only when ``TRITON_INTERPRET`` is set as the decorator runs, so the choice would
+otherwise belong to whoever set the environment first. `jit` applies moe_lab's rule
+(`moe_lab.perf.capabilities.interprets_triton`: ``TRITON_INTERPRET`` when it is set, else
+interpreted exactly when no CUDA device is present), so moe_lab's kernels run on a CPU with
+nothing set, and a caller's own ``@triton.jit`` kernels stay as Triton makes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from moe_lab.perf.capabilities import triton_interpreted
+
+Tensor = torch.Tensor
+
+
+@torch.compiler.assume_constant_result  # decided once per process; torch.compile need not trace it
+def interpreted() -> bool:
+    """Whether moe_lab's kernels run under Triton's interpreter in this process."""
+    return triton_interpreted()
+
+
+# Triton's own library (tl.sum, tl.cumsum, tl.sigmoid, ...) is written with @triton.jit too,
+# so it is interpretable only if TRITON_INTERPRET was set when Triton was imported.
+_LIBRARY = (tl, tl.standard, tl.random)
+_LIBRARY_COPIES: dict[int, InterpretedFunction] = {}
+
+
+@contextlib.contextmanager
+def _library_interpreted() -> Iterator[None]:
+    """For the length of one interpreted launch, Triton's library functions that were made
+    compiled are swapped for interpreted copies (as Triton's interpreter swaps its builtins),
+    then put back: outside moe_lab's launches the caller's Triton is as it was."""
+    import triton.experimental.gluon  # noqa: F401 - imported lazily by a launch; it wants the library as made
+    swapped = []
+    for module in _LIBRARY:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                copy = _LIBRARY_COPIES.setdefault(id(value), InterpretedFunction(value.fn))
+                setattr(module, name, copy)
+                swapped.append((module, name, value))
+    try:
+        yield
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+class _Interpreted(InterpretedFunction):
+    """An interpreted moe_lab kernel: each launch runs with Triton's library interpreted."""
+
+    def run(self, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
+        with _library_interpreted():
+            return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+
+
+def jit(fn: Callable[..., object]) -> JITFunction | InterpretedFunction:
+    """``triton.jit`` by moe_lab's rule: a compiled `JITFunction`, or an `InterpretedFunction`
+    where `interpreted` says so, whatever ``TRITON_INTERPRET`` said when Triton was imported."""
+    return _Interpreted(fn) if interpreted() else JITFunction(fn)
+
+
+def check_device(name: str, device: torch.device) -> None:
+    """Compiled Triton reads and writes CUDA memory only: a tensor elsewhere is an error
+    naming it (interpreted, any device will do)."""
+    if device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"{name} must be on a CUDA device for compiled Triton, got {device} (moe_lab's "
+            "kernels run interpreted on a machine without CUDA, or with TRITON_INTERPRET=1)")
+
+
+# ------------------------------------------------------------------ kernel outputs
+
+_POISONED = [0]  # depth of `poison_outputs` blocks; a list, so the context manager can count
+
+
+@contextlib.contextmanager
+def poison_outputs() -> Iterator[None]:
+    """Inside this block every kernel output `new_output` allocates starts as NaN (integers:
+    -7, unsigned bytes: 0xAB), not uninitialised, so an element a kernel forgot to write
+    fails any comparison. For tests; it costs one fill per output."""
+    _POISONED[0] += 1
+    try:
+        yield
+    finally:
+        _POISONED[0] -= 1
+
+
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An output the kernel writes completely: ``torch.empty``, or poisoned under
+    `poison_outputs`."""
+    if not _POISONED[0]:
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else (-7 if dtype.is_signed else 0xAB)
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------ launch arguments
+
+
+def block_e(n_experts: int) -> int:
+    """``BLOCK_E`` of `tile_schedule`: a power of two holding the ``E + 1`` segments."""
+    return triton.next_power_of_2(n_experts + 1)
+
+
+def dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
+    """``DOT_BF16`` of `mma`: bfloat16 tiles go to ``tl.dot`` as bfloat16 when compiled; the
+    interpreter's ``tl.dot`` multiplies bfloat16 bit patterns as integers, so it gets float32
+    tiles of the same values."""
+    return dtype == torch.bfloat16 and not interpreted
+
+
+# ------------------------------------------------------------------ Triton pieces
+
+
+@jit
+def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``(segment, first row, end row)`` of row tile number ``tile``.
+
+    Segments ``0..E-1`` are the experts' rows ``offsets[s]:offsets[s+1]``, segment ``E``
+    the padding ``offsets[E]:M_ROWS``; tiles are numbered segment after segment. A segment
+    number above ``E`` means the tile has no work. Offsets are clamped into ``[0, M_ROWS]``
+    so that bad ones cannot address memory outside the buffers.
+    """
+    s = tl.arange(0, BLOCK_E)  # BLOCK_E >= E + 1
+    start = tl.load(offsets_ptr + s, mask=s <= E, other=M_ROWS)
+    end = tl.load(offsets_ptr + s + 1, mask=s < E, other=M_ROWS)
+    start = tl.minimum(tl.maximum(start, 0), M_ROWS)
+    end = tl.minimum(tl.maximum(end, start), M_ROWS)
+    n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+    last = tl.cumsum(n_tiles, 0)  # tiles in segments 0..s
+    seg = tl.sum((last <= tile).to(tl.int32), 0)
+    here = s == seg
+    first_tile = tl.sum(tl.where(here, last - n_tiles, 0), 0)
+    row0 = tl.sum(tl.where(here, start, 0), 0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(here, end, 0), 0)
+    return seg, row0, row_end
+
+
+@jit
+def tile_rows(row0, row_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(rows, cols, row_ok)`` of a scheduled program's output tile: its ``BLOCK_M`` rows from
+    ``row0`` (those below ``row_end`` are its expert's) and its ``BLOCK_N`` columns (grid axis
+    1), as int64 indices: every index that multiplies a stride is int64."""
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return rows, cols, rows < row_end
+
+
+@jit
+def cast_for_store(x, ptr):
+    """float32 ``x`` in the element type of ``ptr``. bfloat16 is rounded to nearest even in
+    integer arithmetic: Triton's interpreter truncates float32 -> bfloat16 casts, a GPU
+    rounds them; this gives the GPU's answer on both."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # carries into the exponent
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)  # NaN stays a (quiet) NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(ptr.dtype.element_ty)
+
+
+@jit
+def mma(acc, a, b, DOT_BF16: tl.constexpr):
+    """``acc + a @ b``, accumulated in float32, for tiles ``a``, ``b`` as loaded.
+
+    ``DOT_BF16`` (bfloat16 inputs, compiled): the bfloat16 tiles go to the tensor cores as
+    they are. Otherwise the tiles are float32 values (float32 inputs, or bfloat16 ones under
+    the interpreter) multiplied at IEEE float32 precision: each product of two bfloat16
+    values is exact in float32, so both paths give the same sums up to their order."""
+    if DOT_BF16:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@jit
+def gemm_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, N, K, s_xm, s_xk, s_wk, s_wn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_BF16: tl.constexpr):
+    """The grouped GEMM's K loop: ``x[a_rows] · w`` in float32, ``[BLOCK_M, BLOCK_N]``, for
+    rows ``a_rows`` of ``x`` (``a_ok`` masks them: a masked row contributes zeros) and
+    columns ``cols`` of one expert's ``w: [K, N]``."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        a = tl.load(x_ptr + a_rows[:, None] * s_xm + ks[None, :] * s_xk,
+                    mask=a_ok[:, None] & (ks[None, :] < K), other=0.0)
+        b = tl.load(w_ptr + ks[:, None] * s_wk + cols[None, :] * s_wn,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = mma(acc, a, b, DOT_BF16)
+    return acc
+
+
+@jit
+def swiglu_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, F, K, s_xm, s_xk, s_wk, s_wn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_BF16: tl.constexpr):
+    """The SwiGLU K loop: ``(x·Wg, x·Wu)`` in float32, ``[BLOCK_M, BLOCK_N]`` each, for rows
+    ``a_rows`` of ``x`` (``a_ok`` masks them) and columns ``cols`` of one expert's
+    ``w: [K, 2F]`` (gate ``[:, :F]``, up ``[:, F:]``). Each ``x`` tile is loaded once and
+    multiplied by both halves, so the ``[M, 2F]`` pre-activation is never written."""
+    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        a = tl.load(x_ptr + a_rows[:, None] * s_xm + ks[None, :] * s_xk,
+                    mask=a_ok[:, None] & (ks[None, :] < K), other=0.0)
+        w_mask = (ks[:, None] < K) & (cols[None, :] < F)
+        bg = tl.load(w_ptr + ks[:, None] * s_wk + cols[None, :] * s_wn, mask=w_mask, other=0.0)
+        bu = tl.load(w_ptr + ks[:, None] * s_wk + (cols + F)[None, :] * s_wn, mask=w_mask, other=0.0)
+        gate = mma(gate, a, bg, DOT_BF16)
+        up = mma(up, a, bu, DOT_BF16)
+    return gate, up
+
+
+@jit
+def swiglu_epilogue(gate, up, out_ptr, out_ptrs, up_out_ptrs, dh_ptrs, mask, BACKWARD: tl.constexpr):
+    """Forward: ``silu(gate) ⊙ up`` to ``out_ptrs``. Backward: ``dh`` in (``dh_ptrs``), the
+    pre-activation's gradient out, ``dgate`` to ``out_ptrs`` and ``dup`` to ``up_out_ptrs``
+    (``[M, 2F]``), from the recomputed ``gate`` and ``up``. (The kernels form the pointer
+    tiles before their K loop: where they are formed changes the registers ptxas gives.)"""
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    if BACKWARD:
+        dh = tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+        tl.store(out_ptrs, cast_for_store(dgate, out_ptr), mask=mask)
+        tl.store(up_out_ptrs, cast_for_store(dh * silu, out_ptr), mask=mask)
+    else:
+        tl.store(out_ptrs, cast_for_store(silu * up, out_ptr), mask=mask)
+
+
+@jit
+def gather_rows(src_ptr, rows, row_ok, TOP_K):
+    """The gather prologue's row source: ``(token, src, valid)`` of permuted rows ``rows``,
+    ``src[r] = t·k + j`` giving ``t``; a row no (token, slot) maps to (``src < 0``:
+    alignment padding) is not valid."""
+    src = tl.load(src_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+    ok = row_ok & (src >= 0)
+    return tl.where(ok, src // TOP_K, 0), src, ok
+
+
+@jit
+def scatter_rows(acc, out_ptr, weight_ptr, token, src, ok, cols, N, s_om, s_on,
+                 HAS_WEIGHTS: tl.constexpr, ATOMIC: tl.constexpr):
+    """The weighted-scatter epilogue: rows of ``acc`` times ``weight[src]`` (``HAS_WEIGHTS``)
+    to their tokens — ``ATOMIC``: added into a float32 ``[T, N]`` at row ``token``; else
+    stored at row ``src`` of a token-major ``[T·k, N]`` (one writer per element)."""
+    if HAS_WEIGHTS:
+        acc = acc * tl.load(weight_ptr + src, mask=ok, other=0.0).to(tl.float32)[:, None]
+    mask = ok[:, None] & (cols[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + token[:, None] * s_om + cols[None, :] * s_on, acc, mask=mask)
+    else:
+        dest = tl.where(ok, src, 0)
+        tl.store(out_ptr + dest[:, None] * s_om + cols[None, :] * s_on, cast_for_store(acc, out_ptr),
+                 mask=mask)
+
+
+def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
+    """The inverse of the row-id map: ``src[r] = t·k + j`` for ``r = row_id_map[t, j]``, and
+    ``-1`` for a row no (token, slot) maps to. ``[n_rows]`` int32, on the device, no sync."""
+    src = torch.full((n_rows,), -1, dtype=torch.int32, device=row_id_map.device)
+    entries = torch.arange(row_id_map.numel(), dtype=torch.int32, device=row_id_map.device)
+    return src.scatter_(0, row_id_map.reshape(-1).long(), entries)
+
+
+__all__ = ["block_e", "cast_for_store", "check_device", "dot_bf16", "gather_rows", "gemm_k_loop",
+           "interpreted", "jit", "mma", "new_output", "poison_outputs", "row_source", "scatter_rows",
+           "swiglu_epilogue", "swiglu_k_loop", "tile_rows", "tile_schedule"]

@@ -1,0 +1,57 @@
+"""Every fused expert-MLP function beside the unfused chain it replaces: `FUSIONS`.
+
+The fusions themselves are `moe_lab.kernels.fused_moe` (gather prologue, weighted-scatter
+epilogue) and `moe_lab.kernels.fused_mxfp8` (the MXFP8-quantize epilogue); each file ends
+with the plain PyTorch chains its kernels replace. An entry pairs the two (same arguments,
+same result); tests/lesson/kernels/test_fused_moe.py runs each against its chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moe_lab.kernels import fused_moe as fm
+from moe_lab.kernels import fused_mxfp8 as fmx
+from moe_lab.registry import Registry
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """A fused function and the unfused chain it replaces (same arguments, same result)."""
+
+    fused: Callable[..., object]
+    unfused: Callable[..., object]
+    what: str
+
+
+def _atomic_gemm_scatter(*args: object, **kwargs: object) -> torch.Tensor:
+    return fm.gemm_scatter(*args, **kwargs, scatter="atomic")
+
+
+FUSIONS: Registry[Fusion] = Registry("fusion")
+FUSIONS.register("gather_prologue", Fusion(
+    fm.gather_swiglu, fm.gather_swiglu_unfused,
+    "first GEMM reads token rows through the row-id map (no permuted copy of x)"))
+FUSIONS.register("scatter_epilogue", Fusion(
+    fm.gemm_scatter, fm.gemm_scatter_unfused,
+    "second GEMM weights its rows and sends them to their tokens (deterministic)"))
+FUSIONS.register("scatter_epilogue_atomic", Fusion(
+    _atomic_gemm_scatter, fm.gemm_scatter_unfused,
+    "second GEMM adds its weighted rows into the tokens with float32 atomics"))
+FUSIONS.register("mxfp8_epilogue", Fusion(
+    fmx.gather_swiglu_mxfp8, fmx.gather_swiglu_mxfp8_unfused,
+    "first GEMM's SwiGLU output leaves as MXFP8 codes and scales"))
+FUSIONS.register("mxfp8_mlp_forward", Fusion(
+    fmx.fused_moe_mlp_mxfp8, fmx.fused_moe_mlp_mxfp8_unfused,
+    "MXFP8 epilogue feeding the second GEMM (decoded in registers) and the weighted scatter"))
+FUSIONS.register("mxfp8_mlp_forward_native", Fusion(
+    fmx.fused_moe_mlp_mxfp8_native, fmx.fused_moe_mlp_mxfp8_native_unfused,
+    "MXFP8 epilogue feeding a grouped MXFP8 GEMM (tl.dot_scaled, W2 in MXFP8 too)"))
+FUSIONS.register("fused_mlp", Fusion(
+    fm.fused_moe_mlp, fm.fused_moe_mlp_unfused, "gather prologue + SwiGLU + weighted scatter"))
+
+
+__all__ = ["FUSIONS", "Fusion"]

@@ -1,0 +1,122 @@
+"""What a CUDA launch of each moe_lab kernel compiles, as data: one module per kernel module.
+
+``specs/<name>.py`` describes the launches of ``moe_lab.kernels.<name>``: its
+``compile_specs()`` returns one `CompileSpec` per distinct compilation, at the shapes that
+matter (each of `SPEC_PRESETS`' MoE layers at `SPEC_TOKENS` tokens per GPU), each built from
+the kernel module's own ``launch_config`` — the function its wrapper calls — so the report
+compiles what runs. `for_module` finds a kernel module's specs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from dataclasses import dataclass
+
+import torch
+
+from moe_lab.kernels.launch import TOKENS_PER_GPU, LaunchConfig
+
+KERNEL_PACKAGE = "moe_lab.kernels"
+
+# The shapes every `compile_specs` describes: each preset's model (`moe_lab.config.preset`
+# name: its label) at a realistic load per GPU (tokens; each routed to top_k experts, so a
+# grouped GEMM sees SPEC_TOKENS · top_k rows).
+SPEC_PRESETS = {"deepseek_v3": "DeepSeek-V3", "gpt_oss_20b": "GPT-OSS-20B"}
+SPEC_TOKENS = TOKENS_PER_GPU
+SPEC_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # Triton's name: torch's dtype
+
+# Why the float32 rows of the GEMMs show no tensor cores: by design, not by accident.
+FP32_NOTE = ("float32 is the exact path: its products are IEEE float32 on the CUDA cores "
+             "(`input_precision=\"ieee\"`; a TF32 tensor-core dot would round the inputs to 11 "
+             "significant bits); training on a GPU runs the experts in bfloat16.")
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """One ``@jit`` kernel at one shape, as a CUDA launch would compile it.
+
+    ``kernel``: ``"module:function"`` (e.g. ``"moe_lab.kernels.grouped_gemm:_grouped_gemm_kernel"``);
+    ``label``: what and at which shape, for the report (``"grouped GEMM fwd, DeepSeek-V3
+    experts, bf16"``); ``signature``: every non-constexpr argument's Triton type (``"*bf16"``,
+    ``"*fp32"``, ``"i32"``, ``"i64"``, ``"fp32"``), as ``triton.compiler.ASTSource`` takes it;
+    ``constexprs``: every constexpr argument's value (the ``launch_config`` blocks among
+    them); ``config``: the `LaunchConfig` the wrapper would pick at this shape; ``note``:
+    why this compilation may miss the report's targets (spilled bytes, no tensor cores),
+    when it does by design — the report prints it beside each row off target.
+    """
+
+    kernel: str
+    label: str
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    config: LaunchConfig
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if ":" not in self.kernel:
+            raise ValueError(f"CompileSpec.kernel must be 'module:function', got {self.kernel!r}")
+
+
+def int_args(**values: int) -> tuple[dict[str, str], dict[str, int]]:
+    """Integer kernel arguments as a CUDA launch specializes them, for a `CompileSpec`:
+    Triton's launcher makes an integer equal to 1 (a unit stride) the constant 1, passes
+    the others as ``i32`` (``i64`` from 2³¹ on) and tells the compiler which are divisible
+    by 16 (``"i32:16"``), which is what lets it vectorize loads and copy them
+    asynchronously. Returns ``(signature, constexprs)`` entries."""
+    signature, constants = {}, {}
+    for name, value in values.items():
+        if value == 1:
+            constants[name] = 1
+        else:
+            kind = "i32" if -(2**31) <= value < 2**31 else "i64"
+            signature[name] = f"{kind}:16" if value % 16 == 0 else kind
+    return signature, constants
+
+
+def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
+    """One spec per distinct compilation: specs equal in kernel, signature, constexprs and
+    config (one binary at run time) become one, their labels joined with " | "."""
+    merged: dict[tuple, CompileSpec] = {}
+    for spec in specs:
+        key = (spec.kernel, tuple(sorted(spec.signature.items())),
+               tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())), repr(spec.config))
+        if key in merged:
+            first = merged[key]
+            merged[key] = CompileSpec(first.kernel, f"{first.label} | {spec.label}", first.signature,
+                                      first.constexprs, first.config, first.note or spec.note)
+        else:
+            merged[key] = spec
+    return list(merged.values())
+
+
+def describe(cfg: LaunchConfig) -> str:
+    """A GEMM's config as the report's labels show it: ``"64x128x64 (M x N x K blocks),
+    4 warps, 3 stages"``."""
+    b = cfg.blocks
+    return (f"{b['BLOCK_M']}x{b['BLOCK_N']}x{b['BLOCK_K']} (M x N x K blocks), "
+            f"{cfg.num_warps} warps, {cfg.num_stages} stages")
+
+
+def spec_module_name(kernel_module: str) -> str:
+    """Where the specs of kernel module ``moe_lab.kernels.<name>`` live: this package's ``<name>``."""
+    return f"{__name__}.{kernel_module.rpartition('.')[2]}"
+
+
+def for_module(kernel_module: str | types.ModuleType) -> list[CompileSpec]:
+    """The `CompileSpec` list of a kernel module (its name or the module); ``ValueError``
+    when it has none."""
+    name = kernel_module if isinstance(kernel_module, str) else kernel_module.__name__
+    if not name.startswith(KERNEL_PACKAGE + "."):
+        raise ValueError(f"kernel_module must be a module of {KERNEL_PACKAGE}, got {name!r}")
+    try:
+        specs = importlib.import_module(spec_module_name(name))
+    except ModuleNotFoundError as exc:
+        if exc.name != spec_module_name(name):
+            raise
+        raise ValueError(f"{name} has no compile specs ({spec_module_name(name)} does not exist)") from None
+    return list(specs.compile_specs())
+
+
+__all__ = ["FP32_NOTE", "KERNEL_PACKAGE", "SPEC_DTYPES", "SPEC_PRESETS", "SPEC_TOKENS", "CompileSpec",
+           "describe", "for_module", "int_args", "merge_specs", "spec_module_name"]

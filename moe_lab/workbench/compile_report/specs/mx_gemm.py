@@ -1,0 +1,49 @@
+"""The MXFP8 GEMMs' launches (`moe_lab.kernels.mx_gemm`) as a CUDA launch compiles them."""
+
+from __future__ import annotations
+
+from moe_lab.config import preset
+from moe_lab.kernels import mx_gemm as mg
+from moe_lab.kernels.common import block_e
+from moe_lab.workbench.compile_report.specs import (
+    SPEC_PRESETS,
+    SPEC_TOKENS,
+    CompileSpec,
+    int_args,
+    merge_specs,
+)
+
+
+def compile_specs() -> list[CompileSpec]:
+    """`_mx_gemm_kernel` and `_grouped_mx_gemm_kernel` as CUDA launches of `mx_gemm` and
+    `grouped_mx_gemm` compile them (``SCALED_DOT=True``) for an MoE layer's expert GEMMs at
+    DeepSeek-V3's and GPT-OSS-20B's shapes: the up/gate projection ``[tokens·top_k, d_model]
+    · [2·d_expert, d_model]ᵀ`` and the down projection ``[tokens·top_k, d_expert] ·
+    [d_model, d_expert]ᵀ`` (as one GEMM, and split over the experts), bf16 output."""
+    specs = []
+    for name, model in SPEC_PRESETS.items():
+        moe = preset(name).moe
+        d, f, m = moe.d_model, moe.d_expert, SPEC_TOKENS * moe.top_k
+        for what, n, k in (("up/gate projection", 2 * f, d), ("down projection", d, f)):
+            ints, ones = int_args(M=m, N=n, K=k)
+            cfg = mg.launch_config(m, n, k, interpreted=False)
+            specs.append(CompileSpec(
+                kernel="moe_lab.kernels.mx_gemm:_mx_gemm_kernel",
+                label=f"MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
+                      f"[{m}, {k}] x [{n}, {k}]^T, bf16 out",
+                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
+                           "c_ptr": "*bf16", **ints},
+                constexprs={**ones, **cfg.blocks, "SCALED_DOT": True},
+                config=cfg,
+            ))
+            ints, ones = int_args(M_ROWS=m, N=n, K=k, E=moe.n_experts)
+            specs.append(CompileSpec(
+                kernel="moe_lab.kernels.mx_gemm:_grouped_mx_gemm_kernel",
+                label=f"grouped MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
+                      f"[{m}, {k}] x {moe.n_experts} x [{n}, {k}]^T, bf16 out",
+                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
+                           "c_ptr": "*bf16", "offsets_ptr": "*i32", **ints},
+                constexprs={**ones, **cfg.blocks, "BLOCK_E": block_e(moe.n_experts), "SCALED_DOT": True},
+                config=cfg,
+            ))
+    return merge_specs(specs)

@@ -1,0 +1,96 @@
+"""What the kernels share (moe_lab.kernels.common): the rule that decides compiled or interpreted,
+applied where moe_lab defines its kernels and nowhere else, and the poisoned outputs the kernel
+tests allocate.
+
+The rule (`moe_lab.perf.capabilities.interprets_triton`) is checked on every value of
+``TRITON_INTERPRET``; a fresh process with the variable unset runs a moe_lab kernel on the CPU,
+leaves its environment as it was, and a ``@triton.jit`` kernel of its own is Triton's compiled
+`JITFunction`, its library (``tl.sum``) too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from moe_lab.kernels import common
+from moe_lab.kernels import grouped_gemm as gg
+from moe_lab.perf.capabilities import interprets_triton
+
+
+@pytest.mark.parametrize(("value", "cuda", "expected"), [
+    (None, False, True), (None, True, False),
+    ("1", True, True), ("true", True, True), ("on", True, True), ("yes", True, True),
+    ("0", False, False), ("false", False, False), ("off", False, False),
+])
+def test_the_rule_reads_triton_interpret_as_triton_does_else_asks_for_cuda(monkeypatch, value, cuda,
+                                                                           expected):
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interprets_triton(cuda) is expected
+
+
+def test_every_moe_lab_kernel_follows_the_rule_of_this_session():
+    kind = InterpretedFunction if common.interpreted() else JITFunction
+    for fn in (gg._grouped_gemm_kernel, common.tile_schedule, common.swiglu_k_loop, common.cast_for_store):
+        assert isinstance(fn, kind), fn
+
+
+def test_poison_outputs_fills_what_kernels_should_write_and_nests():
+    shape, cpu = (2, 3), torch.device("cpu")
+    assert common.new_output(shape, torch.float32, cpu).shape == shape
+    with common.poison_outputs():
+        with common.poison_outputs():
+            assert torch.isnan(common.new_output(shape, torch.bfloat16, cpu)).all()
+        assert (common.new_output(shape, torch.int32, cpu) == -7).all()
+        assert (common.new_output(shape, torch.uint8, cpu) == 0xAB).all()
+    # outside the block nothing is filled: an uninitialised buffer (it may hold anything)
+    assert common._POISONED == [0]
+
+
+def test_the_device_check_names_the_argument(monkeypatch):
+    monkeypatch.setattr(common, "interpreted", lambda: False)
+    with pytest.raises(ValueError, match="x must be on a CUDA device for compiled Triton, got cpu"):
+        common.check_device("x", torch.device("cpu"))
+
+
+_FRESH = '''
+import json, os, sys
+import torch, torch._dynamo, triton  # torch._dynamo sets TORCHINDUCTOR_CACHE_DIR itself
+import triton.language as tl
+before = dict(os.environ)
+from moe_lab.kernels import grouped_gemm as gg
+
+@triton.jit
+def users_kernel(x_ptr):
+    tl.store(x_ptr, tl.sum(tl.load(x_ptr + tl.arange(0, 4)), 0))
+
+x, w = torch.randn(10, 8), torch.randn(2, 8, 4)
+offsets = torch.tensor([0, 3, 10], dtype=torch.int32)
+torch.testing.assert_close(gg.grouped_gemm(x, w, offsets), gg.grouped_gemm_reference(x, w, offsets))
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+print(json.dumps({"changed": changed, "kernel": type(gg._grouped_gemm_kernel).__name__,
+                  "users": type(users_kernel).__name__, "library": type(tl.sum).__name__}))
+'''
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the rule compiles: nothing runs on the CPU")
+def test_a_fresh_process_without_triton_interpret_runs_moe_lab_kernels_and_keeps_its_own(tmp_path):
+    script = tmp_path / "fresh.py"  # Triton reads a kernel's source from its file
+    script.write_text(textwrap.dedent(_FRESH))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"changed": [], "kernel": "_Interpreted", "users": "JITFunction",
+                    "library": "JITFunction"}, seen
