@@ -40,8 +40,9 @@ from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
-# name -> fn(q, k, v) -> out, all [batch, heads, seq, head_dim] (k, v may have fewer heads)
-ATTENTION_IMPLS: Registry[Callable[..., Tensor]] = Registry("attention")
+ATTENTION_IMPLS: Registry[Callable[..., Tensor]] = Registry(
+    "attention", "causal attention cores: fn(q, k, v) -> out, all [batch, heads, seq, head_dim] "
+    "(k, v may have fewer heads)", plugin=True)
 register_attention = ATTENTION_IMPLS.register
 
 
@@ -56,8 +57,10 @@ class PackedAttention(Protocol):
         ``[B, S, heads·D]``."""
 
 
-# name (an ATTENTION_IMPLS name) -> its packed form; empty in the core.
-PACKED_ATTENTION_IMPLS: Registry[PackedAttention] = Registry("packed attention")
+# Empty in the core.
+PACKED_ATTENTION_IMPLS: Registry[PackedAttention] = Registry(
+    "packed attention", "the packed forms (PackedAttention) of ATTENTION_IMPLS names",
+    plugin=True)
 
 
 def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

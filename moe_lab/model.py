@@ -30,9 +30,11 @@ from moe_lab.registry import Registry
 Tensor = torch.Tensor
 
 
-# name -> fn(module: nn.Embedding, idx) -> [*idx.shape, dim]; a plug-in may add variants (an
-# embedding whose weight gradient is one opaque op, for example), each the same function.
-EMBEDDING_IMPLS: Registry[Callable[[nn.Embedding, Tensor], Tensor]] = Registry("embedding")
+# A plug-in may add variants (an embedding whose weight gradient is one opaque op, for
+# example), each the same function.
+EMBEDDING_IMPLS: Registry[Callable[[nn.Embedding, Tensor], Tensor]] = Registry(
+    "embedding", "token embeddings: fn(module: nn.Embedding, idx) -> [*idx.shape, dim]",
+    plugin=True)
 EMBEDDING_IMPLS.register("reference", lambda module, idx: module(idx))
 
 

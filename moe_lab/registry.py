@@ -2,13 +2,14 @@
 
 Every concept with more than one implementation (dispatchers, expert backends, token
 permutations, routers, attention cores, embeddings, the optimizer's clip-and-step) keeps a
-`Registry` beside its reference: a dict from a name to the implementation. A model or a
-training stack is configured with names, never with ``if`` branches on the platform, and a
-plug-in (such as the C++ CPU kernels in ``moe_lab.workbench.cpu``) adds names from outside with
-`Registry.register` — the core never imports it.
+`Registry` beside its reference: a dict from a name to the implementation, with a line saying
+what it holds. A model or a training stack is configured with names, never with ``if``
+branches on the platform, and a plug-in (the C++ CPU kernels in ``moe_lab.workbench.cpu``)
+adds names from outside with `Registry.register` — the core never imports it.
 
-A name that is not registered is refused with the names that are, and, where a plug-in
-tried to register it and could not (no C++ compiler, say), with the reason it gave
+A name that is not registered is refused with the names that are, what the registry holds,
+and, for a registry a plug-in adds to (``plugin=True``), how to add them — or, where the
+plug-in tried to register that name and could not (no C++ compiler, say), the reason it gave
 (`Registry.mark_unavailable`).
 """
 
@@ -19,17 +20,23 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-# The plug-ins that add names from outside the core, for the message of an unknown name.
-_PLUGIN_HINT = "moe_lab.workbench.cpu.register() adds the CPU plug-in's names"
+#: What the error of an unknown name adds in a registry the CPU plug-in registers into.
+PLUGIN_HINT = "moe_lab.workbench.cpu.register() adds the CPU plug-in's names"
 
 
 class Registry(dict, Generic[T]):
-    """``name -> implementation`` for one concept (``kind``, used in messages)."""
+    """``name -> implementation`` for one concept: ``kind`` names it in messages,
+    ``description`` says in a line what an entry is, ``plugin`` whether the CPU plug-in adds
+    names to it."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, description: str = "", *, plugin: bool = False) -> None:
         super().__init__()
-        self.kind = kind
+        self.kind, self.description, self.plugin = kind, description, plugin
         self.unavailable: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        about = f": {self.description}" if self.description else ""
+        return f"<{self.kind} registry{about}; names {sorted(self)}>"
 
     def register(self, name: str, impl: T | None = None) -> Callable[[T], T] | T:
         """``registry.register(name, impl)``, or ``@registry.register(name)`` as a decorator."""
@@ -52,11 +59,12 @@ class Registry(dict, Generic[T]):
         if isinstance(name, str) and name in self:
             return self[name]
         message = f"{arg} must be one of {sorted(self)}, got {name!r}"
+        notes = [f"{self.kind} registry: {self.description}"] if self.description else []
         if isinstance(name, str) and name in self.unavailable:
             message += f" ({name!r} is not available here: {self.unavailable[name]})"
-        else:
-            message += f" ({_PLUGIN_HINT})"
-        raise ValueError(message)
+        elif self.plugin:
+            notes.append(PLUGIN_HINT)
+        raise ValueError(message + "".join(f"; {n}" for n in notes))
 
     def check(self, name: str, arg: str) -> str:
         """``name`` if it is registered, else the error of `lookup`."""

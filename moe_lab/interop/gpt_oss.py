@@ -16,7 +16,6 @@ import torch.nn as nn
 
 from moe_lab.config import MoEConfig
 from moe_lab.interop.hf_blocks import require_attrs, require_renormalized_top1
-from moe_lab.moe.experts import ClampedSwiGLUExperts
 from moe_lab.moe.layer import MoELayer
 from moe_lab.moe.router import (
     DTYPES,
@@ -59,14 +58,13 @@ class BiasedRouter(Router):
 class GptOssMoELayer(MoELayer):
     """`MoELayer` with GPT-OSS's parts: a `BiasedRouter` and `ClampedSwiGLUExperts`
     (``alpha``, ``limit``: the clamped unit's constants). Expert backends ``loop`` and
-    ``torch``; every dispatcher."""
+    ``torch``; every dispatcher but the fused ones."""
 
     def __init__(self, cfg: MoEConfig, dispatcher: str = "dropless", expert_backend: str = "torch",
                  router_impl: str = "reference", alpha: float = 1.702, limit: float = 7.0) -> None:
-        super().__init__(cfg, dispatcher=dispatcher, expert_backend="loop")
+        super().__init__(cfg, dispatcher, expert_backend, expert_kind="clamped_swiglu",
+                         alpha=alpha, limit=limit)
         self.router = BiasedRouter(cfg, impl=router_impl)
-        self.experts = ClampedSwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert,
-                                            expert_backend, alpha=alpha, limit=limit)
 
 
 def _gate_first(w: Tensor) -> Tensor:

@@ -30,6 +30,9 @@ may add more. The experts' backend names the permutation it pairs with.
 GEMMs (`moe_lab.kernels.fused_moe`): the first GEMM gathers its rows through the row-id map
 and the second weights its rows and scatters them to their tokens — deterministically
 (a token-major store, then a sum over the top-k) or with float32 atomics.
+
+Every dispatcher keeps one contract (`Dispatcher`) and declares how it runs the experts
+(`EXPERT_PATHS`); `check_pairing` turns that declaration into the rule a layer is built by.
 """
 
 from __future__ import annotations
@@ -37,25 +40,60 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from moe_lab.checks import one_of
+from moe_lab.config import MoEConfig
 from moe_lab.moe.experts import SwiGLUExperts
 from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
-# name -> fn(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped_tokens: Tensor[] int64)
-DISPATCHERS: Registry[Callable[..., tuple[Tensor, Tensor]]] = Registry("dispatcher")
-register_dispatcher = DISPATCHERS.register
+
+#: How a dispatcher runs the experts, which decides what it pairs with (`check_pairing`):
+#: ``"methods"`` — through the experts' own methods, one expert or one padded batch at a time
+#: (any expert class; the expert backend is not used); ``"backend"`` — through the experts'
+#: backend over expert-sorted rows, sorted by the token permutation that backend names;
+#: ``"kernels"`` — in kernels of its own that read the experts' weights (plain
+#: `SwiGLUExperts` only; the expert backend is not used).
+EXPERT_PATHS = ("methods", "backend", "kernels")
 
 
-@register_dispatcher("naive")
-def naive_dispatch(
-    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts, cfg=None
-) -> tuple[Tensor, Tensor]:
+class Dispatcher(Protocol):
+    """``dispatcher(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped)``.
+
+    ``x: [T, d_model]``, ``topk_ids, topk_weights: [T, k]``; ``y: [T, d_model]`` and
+    ``dropped: []`` int64 on x's device, the (token, expert) assignments not computed.
+    ``runs_experts``: one of `EXPERT_PATHS`, set by `register_dispatcher`."""
+
+    runs_experts: str
+
+    def __call__(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                 experts: SwiGLUExperts, cfg: MoEConfig) -> tuple[Tensor, Tensor]: ...
+
+
+DISPATCHERS: Registry[Dispatcher] = Registry(
+    "dispatcher", "how routed tokens reach their experts and come back (a Dispatcher)")
+
+
+def register_dispatcher(name: str, runs_experts: str) -> Callable[[Callable], Dispatcher]:
+    """``@register_dispatcher(name, runs_experts)``: the function, declared to run the
+    experts by ``runs_experts`` (`EXPERT_PATHS`), registered in `DISPATCHERS`."""
+    one_of(runs_experts, "runs_experts", EXPERT_PATHS)
+
+    def add(fn: Callable) -> Dispatcher:
+        fn.runs_experts = runs_experts
+        return DISPATCHERS.register(name, fn)
+
+    return add
+
+
+@register_dispatcher("naive", "methods")
+def naive_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
+                   cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
     """Loop over experts; boolean-mask selection of each expert's tokens (one sync each)."""
     out = torch.zeros_like(x)
     # [E, T, k]: expert_mask[e, t, j] is True where token t's j-th choice is expert e.
@@ -100,10 +138,9 @@ def capacity_positions(topk_ids: Tensor, topk_weights: Tensor, n_experts: int,
     return rank.view(tokens, k)
 
 
-@register_dispatcher("capacity")
-def capacity_dispatch(
-    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts, cfg
-) -> tuple[Tensor, Tensor]:
+@register_dispatcher("capacity", "methods")
+def capacity_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
+                      cfg: MoEConfig) -> tuple[Tensor, Tensor]:
     """Padded ``[E, C, d]`` buffers and one batched matmul; over-capacity assignments dropped."""
     tokens, k = topk_ids.shape
     n_experts = experts.n_experts
@@ -151,8 +188,10 @@ class TokenPermutation:
     unpermute: Callable[[Tensor, Any, Tensor], Tensor]
 
 
-# name -> TokenPermutation; each is tested against "torch".
-PERMUTATIONS: Registry[TokenPermutation] = Registry("token permutation")
+# Each is tested against "torch".
+PERMUTATIONS: Registry[TokenPermutation] = Registry(
+    "token permutation", "the dropless layout's two moves, named by an expert backend "
+    "(a TokenPermutation)", plugin=True)
 
 
 def _torch_permute(x: Tensor, topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Any]:
@@ -186,13 +225,13 @@ PERMUTATIONS.register("torch", TokenPermutation(_torch_permute, _torch_unpermute
 PERMUTATIONS.register("triton", TokenPermutation(_triton_permute, _triton_unpermute))
 
 
-@register_dispatcher("dropless")
-def dropless_dispatch(
-    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts, cfg=None
-) -> tuple[Tensor, Tensor]:
-    """Permute (the experts' paired `TokenPermutation`) → grouped GEMM over device offsets →
-    weighted unpermute. Never drops."""
-    moves = PERMUTATIONS.lookup(experts.permutation, "the experts' permutation")
+@register_dispatcher("dropless", "backend")
+def dropless_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
+                      cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
+    """Permute (the `TokenPermutation` the experts' backend names) → grouped GEMM over device
+    offsets → weighted unpermute. Never drops."""
+    moves = PERMUTATIONS.lookup(experts.permutation, f"the permutation of expert backend "
+                                f"{experts.backend!r}")
     x_sorted, offsets, layout = moves.permute(x, topk_ids, experts.n_experts)
     y_sorted = experts.grouped_forward(x_sorted, offsets)
     out = moves.unpermute(y_sorted, layout, topk_weights)
@@ -201,17 +240,17 @@ def dropless_dispatch(
 
 def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
     def fused_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
-                       cfg=None) -> tuple[Tensor, Tensor]:
+                       cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
         # Imported on first use: importing the layer does not import Triton.
         from moe_lab.kernels.fused_moe import fused_moe_mlp
         from moe_lab.kernels.permute import make_row_id_map
 
-        if type(experts) is not SwiGLUExperts or experts.quant is not None:
-            raise ValueError("the fused dispatchers fuse plain SwiGLU experts without quantization "
-                             f"(got {type(experts).__name__}, quant={experts.quant!r}); use 'dropless'")
-        if experts.activation_store is not None:
-            raise ValueError("the fused dispatchers keep their saved activations with autograd; an "
-                             "activation store (the paged stash) works with 'dropless'")
+        # What the experts were set to after the layer was built (`check_pairing` checked
+        # their class): quantization and an activation store are not fused.
+        if experts.quant is not None or experts.activation_store is not None:
+            raise ValueError("the fused dispatchers fuse plain SwiGLU experts, without "
+                             f"quantization (quant={experts.quant!r}) or an activation store "
+                             "(the paged stash); use 'dropless'")
         row_id_map, offsets = make_row_id_map(topk_ids, experts.n_experts)
         out = fused_moe_mlp(x, experts.w_gate_up.to(x.dtype), experts.w_down.to(x.dtype), row_id_map,
                             offsets, topk_weights, scatter=scatter)
@@ -221,9 +260,26 @@ def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
         "Dropless with the permute and the combine fused into the grouped GEMMs "
         f"(`moe_lab.kernels.fused_moe`): a gather prologue and a {scatter} weighted-scatter "
         "epilogue, so neither the permuted tokens nor the expert-ordered output is written. "
-        "Triton only (the experts' backend is not used). Never drops.")
+        "Never drops.")
     return fused_dispatch
 
 
-DISPATCHERS.register("fused", _fused("deterministic"))
-DISPATCHERS.register("fused_atomic", _fused("atomic"))
+register_dispatcher("fused", "kernels")(_fused("deterministic"))
+register_dispatcher("fused_atomic", "kernels")(_fused("atomic"))
+
+
+def check_pairing(dispatcher: str, experts: SwiGLUExperts) -> Dispatcher:
+    """The dispatcher named ``dispatcher``, once it is known to run ``experts``: one that runs
+    them through their backend needs the token permutation the backend names, one that runs
+    them in its own kernels needs plain `SwiGLUExperts` (the kernels compute SwiGLU from the
+    weights). Which backends an expert class runs on it checks itself
+    (``SwiGLUExperts.BACKENDS``, as it takes its backend)."""
+    fn = DISPATCHERS.lookup(dispatcher, "dispatcher")
+    if fn.runs_experts == "backend":
+        PERMUTATIONS.lookup(experts.permutation,
+                            f"the permutation of expert backend {experts.backend!r}")
+    elif fn.runs_experts == "kernels" and type(experts) is not SwiGLUExperts:
+        raise ValueError(f"dispatcher {dispatcher!r} computes plain SwiGLU experts in its own "
+                         f"kernels, so it cannot run {type(experts).__name__}; use 'dropless', "
+                         "'naive' or 'capacity'")
+    return fn

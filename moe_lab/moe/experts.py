@@ -28,9 +28,11 @@ they are built:
 - ``triton`` — moe_lab's own Triton grouped GEMM with SwiGLU fused into the first GEMM's
   epilogue (``moe_lab.kernels.grouped_gemm``).
 
-A plug-in may register more (``moe_lab.workbench.cpu`` adds ``openmp``). Each backend also names the
+A plug-in may register more (``moe_lab.workbench.cpu`` adds ``openmp``). Each backend names the
 token permutation it pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`), which the dropless
-dispatcher uses to sort the tokens into expert order and back.
+dispatcher uses to sort the tokens into expert order and back; each expert class names the
+backends it runs on (``BACKENDS``: a variant with biases runs only on those that call its
+own methods).
 
 What the experts save for backward is kept by autograd, or by an *activation store* given
 with `SwiGLUExperts.use_activation_store` (the paged stash of `moe_lab.moe.stash`), which
@@ -42,7 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn as nn
@@ -80,7 +82,8 @@ def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
 
 
-def register_grouped_mm_autograd(forward_op, wgrad_op) -> None:
+def register_grouped_mm_autograd(forward_op: torch.library.CustomOpDef,
+                                 wgrad_op: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
     """Give the grouped GEMM custom op ``forward_op(x, w, offs)`` its backward: two more
     grouped GEMMs over the same offsets, ``dx = forward_op(dy, wᵀ)`` and
     ``dw = wgrad_op(x, dy)``."""
@@ -159,8 +162,10 @@ class ExpertBackend:
     permutation: str = "torch"
 
 
-# name -> ExpertBackend; each is tested against "loop" (tests/lesson/moe/test_dispatch.py).
-EXPERT_BACKENDS: Registry[ExpertBackend] = Registry("expert backend")
+# Each is tested against "loop" (tests/lesson/moe/test_dispatch.py).
+EXPERT_BACKENDS: Registry[ExpertBackend] = Registry(
+    "expert backend", "ways to run every expert over expert-sorted rows (an ExpertBackend)",
+    plugin=True)
 
 
 class ActivationStore(Protocol):
@@ -173,7 +178,10 @@ class ActivationStore(Protocol):
 
 class SwiGLUExperts(nn.Module):
     """``n_experts`` SwiGLU FFNs ``d_model -> d_expert -> d_model`` in two stacked weights,
-    run by the expert backend named ``backend`` (`EXPERT_BACKENDS`)."""
+    run by the expert backend named ``backend`` (`EXPERT_BACKENDS`; ``BACKENDS`` lists the
+    ones a class runs on, ``None`` every one)."""
+
+    BACKENDS: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop") -> None:
         super().__init__()
@@ -201,8 +209,11 @@ class SwiGLUExperts(nn.Module):
 
     def use_backend(self, name: str) -> None:
         """Run the experts with the backend registered as ``name`` from now on."""
-        self._backend = EXPERT_BACKENDS.lookup(name, "expert_backend")
-        self._backend_name = name
+        backend = EXPERT_BACKENDS.lookup(name, "expert_backend")
+        if self.BACKENDS is not None and name not in self.BACKENDS:
+            raise ValueError(f"expert_backend for {type(self).__name__} must be one of "
+                             f"{self.BACKENDS} (the others do not run its own methods), got {name!r}")
+        self._backend, self._backend_name = backend, name
 
     def use_activation_store(self, store: ActivationStore | None) -> None:
         """Keep the saved activations of `grouped_forward` in ``store`` (None: autograd's)."""
@@ -342,13 +353,6 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
         self.b_gate_up = nn.Parameter(torch.zeros(n_experts, 2 * d_expert))
         self.b_down = nn.Parameter(torch.zeros(n_experts, d_model))
 
-    def use_backend(self, name: str) -> None:
-        if name not in self.BACKENDS:
-            raise ValueError(f"expert_backend for ClampedSwiGLUExperts must be one of "
-                             f"{self.BACKENDS} (biases and the clamped unit are not fused into "
-                             f"the others), got {name!r}")
-        super().use_backend(name)
-
     def _unit(self, h: Tensor) -> Tensor:
         return clamped_swiglu(h, self.alpha, self.limit)
 
@@ -377,8 +381,9 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
         return f"{super().extra_repr()}, alpha={self.alpha}, limit={self.limit}"
 
 
-# The expert kinds a layer can be built with: name -> class taking
-# (n_experts, d_model, d_expert, backend, **options). "swiglu" is the reference.
-EXPERT_KINDS: Registry[type[SwiGLUExperts]] = Registry("expert kind")
+# "swiglu" is the reference.
+EXPERT_KINDS: Registry[type[SwiGLUExperts]] = Registry(
+    "expert kind", "expert classes a layer is built with, each called as "
+    "cls(n_experts, d_model, d_expert, backend, **options)")
 EXPERT_KINDS.register("swiglu", SwiGLUExperts)
 EXPERT_KINDS.register("clamped_swiglu", ClampedSwiGLUExperts)

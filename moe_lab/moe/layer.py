@@ -1,11 +1,14 @@
 """The MoE layer: router → dispatcher → experts (+ an optional shared expert).
 
 ``y, stats = MoELayer(cfg, dispatcher="naive")(x)`` with ``x: [tokens, d_model]`` or
-``[batch, seq, d_model]``. The dispatcher is chosen by name from
-``moe_lab.moe.dispatch.DISPATCHERS`` (``naive``, ``capacity``, ``dropless``) and the
-dropless dispatcher's grouped GEMM by ``expert_backend`` (``loop``, ``torch``, ``triton``,
-and any a plug-in registered in ``moe_lab.moe.experts.EXPERT_BACKENDS``);
-every combination computes the same function (up to dropped tokens, which
+``[batch, seq, d_model]``. Each part is chosen by name: the dispatcher from
+`moe_lab.moe.dispatch.DISPATCHERS`, the experts' class from
+`moe_lab.moe.experts.EXPERT_KINDS` and their grouped GEMM from
+`moe_lab.moe.experts.EXPERT_BACKENDS`, the router from `moe_lab.moe.router.ROUTER_IMPLS`.
+The names pair by the rules their entries declare — a dispatcher how it runs the experts, an
+expert class the backends it runs on, a backend its token permutation — checked here, as the
+layer is built, with an error naming both names (`moe_lab.moe.dispatch.check_pairing`).
+Every pairing computes the same function (up to dropped tokens, which
 ``stats.dropped_tokens`` counts) and is tested against ``naive``.
 """
 
@@ -18,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
-from moe_lab.moe.dispatch import DISPATCHERS
-from moe_lab.moe.experts import SwiGLU, SwiGLUExperts
+from moe_lab.moe.dispatch import DISPATCHERS, check_pairing
+from moe_lab.moe.experts import EXPERT_KINDS, SwiGLU
 from moe_lab.moe.router import Router, RouterOutput
 
 Tensor = torch.Tensor
@@ -52,17 +55,22 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
+    """Router, dispatcher and experts of ``cfg``, each named (see the module docstring);
+    ``expert_options`` go to the expert class (``alpha=``, ``limit=`` of ``clamped_swiglu``)."""
+
     def __init__(self, cfg: MoEConfig, dispatcher: str = "naive",
-                 expert_backend: str = "loop", router_impl: str = "reference") -> None:
+                 expert_backend: str = "loop", router_impl: str = "reference", *,
+                 expert_kind: str = "swiglu", **expert_options: float) -> None:
         super().__init__()
         if not isinstance(cfg, MoEConfig):
             raise ValueError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.dispatcher = DISPATCHERS.check(dispatcher, "dispatcher")
         self.router = Router(cfg, impl=router_impl)
-        # The backend runs the dropless dispatcher's grouped GEMM (naive and capacity call
-        # the experts one by one or batched).
-        self.experts = SwiGLUExperts(cfg.n_experts, cfg.d_model, cfg.d_expert, expert_backend)
+        experts = EXPERT_KINDS.lookup(expert_kind, "expert_kind")
+        self.experts = experts(cfg.n_experts, cfg.d_model, cfg.d_expert, expert_backend,
+                               **expert_options)
+        check_pairing(dispatcher, self.experts)
+        self.dispatcher = dispatcher
         self.shared = (
             SwiGLU(cfg.d_model, cfg.d_expert * cfg.n_shared_experts)
             if cfg.n_shared_experts
@@ -73,8 +81,14 @@ class MoELayer(nn.Module):
         """Switch to ``dispatcher`` (and, given, the experts to ``expert_backend``); the
         weights stay."""
         DISPATCHERS.check(dispatcher, "dispatcher")
+        previous = self.experts.backend
         if expert_backend is not None:
             self.experts.use_backend(expert_backend)
+        try:
+            check_pairing(dispatcher, self.experts)
+        except ValueError:
+            self.experts.use_backend(previous)
+            raise
         self.dispatcher = dispatcher
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:

@@ -294,7 +294,8 @@ def fused_route(
 # tested against "reference" (tests/lesson/moe/test_router.py,
 # tests/lesson/kernels/test_router_kernel.py). A plug-in
 # may register more; "reference" is always the pure PyTorch chain above.
-ROUTER_IMPLS: Registry[Callable[..., RouterOutput]] = Registry("router impl")
+ROUTER_IMPLS: Registry[Callable[..., RouterOutput]] = Registry(
+    "router impl", "routing chains, each the reference's function", plugin=True)
 ROUTER_IMPLS.register("reference", route)
 ROUTER_IMPLS.register("compiled", compiled_route)
 ROUTER_IMPLS.register("triton", fused_route)

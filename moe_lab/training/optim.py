@@ -43,7 +43,8 @@ Tensor = torch.Tensor
 ClipStep = Callable[[float, Tensor, Tensor], "Tensor | None"]
 
 CLIP_STEPS: Registry[Callable[[torch.optim.Optimizer], ClipStep | None]] = Registry(
-    "clip + optimizer step")
+    "clip + optimizer step", "the sync-free step's clip and optimizer update: "
+    "factory(optimizer) -> fn | None", plugin=True)
 
 
 @CLIP_STEPS.register("torch")

@@ -200,3 +200,40 @@ def test_experts_take_their_backend_and_permutation_from_the_registry():
     with pytest.raises(ValueError, match="dispatcher must be one of"):
         layer.set_dispatcher("teleport")
     assert layer.dispatcher == "dropless"
+
+
+def test_pairing_rules_are_declared_and_checked_where_the_layer_is_built():
+    from moe_lab.moe.dispatch import DISPATCHERS, EXPERT_PATHS, PERMUTATIONS
+    from moe_lab.moe.experts import EXPERT_BACKENDS, ExpertBackend, SwiGLUExperts
+
+    assert {name: fn.runs_experts for name, fn in DISPATCHERS.items()}.items() >= {
+        "naive": "methods", "capacity": "methods", "dropless": "backend", "fused": "kernels",
+        "fused_atomic": "kernels"}.items()
+    assert all(fn.runs_experts in EXPERT_PATHS for fn in DISPATCHERS.values())
+    # The fused kernels compute plain SwiGLU: a variant with biases is refused, both named.
+    with pytest.raises(ValueError, match="'fused' .* cannot run ClampedSwiGLUExperts"):
+        MoELayer(cfg(), "fused", expert_kind="clamped_swiglu")
+    # An expert class names the backends it runs on.
+    with pytest.raises(ValueError, match="expert_backend for ClampedSwiGLUExperts .* got 'triton'"):
+        MoELayer(cfg(), "dropless", "triton", expert_kind="clamped_swiglu")
+    layer = MoELayer(cfg(), "naive", expert_kind="clamped_swiglu", limit=3.0)
+    assert layer.experts.limit == 3.0 and SwiGLUExperts.BACKENDS is None
+    with pytest.raises(ValueError, match="cannot run ClampedSwiGLUExperts"):
+        layer.set_dispatcher("fused_atomic")
+    assert layer.dispatcher == "naive"
+    # A backend names its token permutation: one that is not registered is refused when the
+    # layer is built, naming the backend; a failed switch leaves the layer as it was.
+    EXPERT_BACKENDS.register("orphan", ExpertBackend(EXPERT_BACKENDS["loop"].mlp, "missing"))
+    try:
+        with pytest.raises(ValueError, match="permutation of expert backend 'orphan' .* 'missing'"):
+            MoELayer(cfg(), "dropless", "orphan")
+        MoELayer(cfg(), "naive", "orphan")  # the backend is not used: no permutation needed
+        plain = MoELayer(cfg(), "dropless", "torch")
+        with pytest.raises(ValueError, match="orphan"):
+            plain.set_dispatcher("dropless", "orphan")
+        assert plain.experts.backend == "torch"
+    finally:
+        del EXPERT_BACKENDS["orphan"]
+    assert "missing" not in PERMUTATIONS
+    with pytest.raises(ValueError, match="expert_kind must be one of"):
+        MoELayer(cfg(), expert_kind="dense")

@@ -1,0 +1,44 @@
+"""`moe_lab.registry.Registry`: what a registry says about itself, and about an unknown name."""
+
+import pytest
+
+from moe_lab.registry import PLUGIN_HINT, Registry
+
+
+def test_an_unknown_name_is_refused_with_the_names_and_what_the_registry_holds():
+    reg = Registry("widget", "things that spin")
+    reg.register("top", object())
+    with pytest.raises(ValueError, match=r"^w must be one of \['top'\], got 'yo'; widget registry: "
+                                         "things that spin$"):
+        reg.lookup("yo", "w")
+    assert repr(reg) == "<widget registry: things that spin; names ['top']>"
+
+
+def test_only_a_registry_the_plugin_adds_to_says_so():
+    plain, extended = Registry("a", "as"), Registry("b", "bs", plugin=True)
+    with pytest.raises(ValueError) as err:
+        plain.lookup("x", "a")
+    assert PLUGIN_HINT not in str(err.value)
+    with pytest.raises(ValueError, match=PLUGIN_HINT.replace("(", r"\(").replace(")", r"\)")):
+        extended.lookup("x", "b")
+    extended.mark_unavailable("x", "no C++ compiler")
+    with pytest.raises(ValueError, match=r"'x' is not available here: no C\+\+ compiler") as err:
+        extended.lookup("x", "b")
+    assert PLUGIN_HINT not in str(err.value)  # the plug-in tried: its reason is the hint
+    extended.register("x", 1)
+    assert extended.lookup("x", "b") == 1 and not extended.unavailable
+
+
+def test_the_core_registries_describe_themselves_and_only_the_plugins_say_it_adds_names():
+    from moe_lab.attention import ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS
+    from moe_lab.model import EMBEDDING_IMPLS
+    from moe_lab.moe.dispatch import DISPATCHERS, PERMUTATIONS
+    from moe_lab.moe.experts import EXPERT_BACKENDS, EXPERT_KINDS
+    from moe_lab.moe.router import ROUTER_IMPLS
+    from moe_lab.training.optim import CLIP_STEPS
+
+    extended = [ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS, EMBEDDING_IMPLS, PERMUTATIONS,
+                EXPERT_BACKENDS, ROUTER_IMPLS, CLIP_STEPS]  # moe_lab.workbench.cpu.register's
+    for registry in [*extended, DISPATCHERS, EXPERT_KINDS]:
+        assert registry.description, registry.kind
+        assert registry.plugin == (registry in extended), registry.kind
