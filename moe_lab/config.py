@@ -1,9 +1,13 @@
-"""Model configuration: two dataclasses and a handful of named presets.
+"""Model configuration: two dataclasses, a handful of named presets, and `holds`.
 
 `MoEConfig` describes one Mixture-of-Experts layer (router, experts, dispatcher);
 `ModelConfig` describes the decoder-only transformer around it. Both validate
-themselves on construction, so a bad value fails where it is written, with the
-field's name and the range that was expected, not deep inside a forward pass.
+themselves on construction (`moe_lab.checks`), so a bad value fails where it is written,
+with the field's name and the range that was expected, not deep inside a forward pass.
+
+A configuration that shares fields with another holds it rather than copying its fields:
+`holds` lets the holder still be built and read field by field (the training configs of
+`moe_lab.training` are built this way).
 
 Presets:
 - ``tiny``  — CI smoke size: a training step takes milliseconds on a CPU.
@@ -17,7 +21,15 @@ Presets:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from moe_lab.checks import non_negative_ints, one_of, positive_ints, positive_number
+
+C = TypeVar("C")
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("position", "probability")
@@ -25,22 +37,57 @@ ROUTER_DTYPES = ("fp32", "fp64")
 ATTENTION_KINDS = ("mha", "mla")
 
 
-def _positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(
-                f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}"
-            )
+def holds(**parts: type) -> Callable[[type[C]], type[C]]:
+    """Let a dataclass that holds other config dataclasses be built and read field by field.
 
+    ``@holds(schedule=Schedule)`` on a dataclass with a field ``schedule: Schedule``:
+    ``C(lr=1e-3)`` is ``C(schedule=replace(C's default schedule, lr=1e-3))`` (with
+    ``schedule=`` given too, the fields change that one), and ``c.lr`` reads ``c.schedule.lr``.
+    Each field is then declared and validated once, in the part that owns it; a part may hold
+    parts of its own, whose fields the holder takes as well."""
 
-def _non_negative(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(
-                f"{type(obj).__name__}.{name} must be a non-negative integer, got {value!r}"
-            )
+    def decorate(cls: type[C]) -> type[C]:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        flat: dict[str, str] = {}  # a part's field -> the part holding it
+        for part, part_cls in parts.items():
+            for name in [f.name for f in dataclasses.fields(part_cls)] + list(
+                    getattr(part_cls, "held_fields", {})):
+                if name in fields or name in flat:
+                    raise TypeError(f"{cls.__name__}: field {name!r} of part {part!r} is "
+                                    "declared twice")
+                flat[name] = part
+
+        def default(part: str) -> object:
+            f = fields[part]
+            return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+        own_init = cls.__init__
+
+        @functools.wraps(own_init)
+        def __init__(self: C, *args: object, **kwargs: object) -> None:
+            changes: dict[str, dict] = {}
+            for name in [n for n in kwargs if n in flat]:
+                changes.setdefault(flat[name], {})[name] = kwargs.pop(name)
+            for part, values in changes.items():
+                kwargs[part] = dataclasses.replace(kwargs.get(part, default(part)), **values)
+            own_init(self, *args, **kwargs)
+            for part, part_cls in parts.items():
+                if not isinstance(getattr(self, part), part_cls):
+                    raise ValueError(f"{cls.__name__}.{part} must be a {part_cls.__name__}, "
+                                     f"got {type(getattr(self, part)).__name__}")
+
+        own = inspect.signature(own_init).parameters.values()
+        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY,
+                                   default=getattr(default(p), n)) for n, p in flat.items()]
+        __init__.__signature__ = inspect.Signature([*own, *extra])
+        cls.__init__ = __init__
+        for name, part in flat.items():
+            setattr(cls, name, property(lambda self, p=part, n=name: getattr(getattr(self, p), n),
+                                        doc=f"``{part}.{name}``"))
+        cls.held_fields = flat
+        return cls
+
+    return decorate
 
 
 @dataclass(frozen=True)
@@ -75,31 +122,18 @@ class MoEConfig:
     router_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        _positive(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups",
-                  "capacity_multiple")
-        if self.drop_policy not in DROP_POLICIES:
-            raise ValueError(
-                f"MoEConfig.drop_policy must be one of {DROP_POLICIES}, got {self.drop_policy!r}"
-            )
-        _non_negative(self, "n_shared_experts")
+        positive_ints(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups",
+                      "capacity_multiple")
+        non_negative_ints(self, "n_shared_experts")
+        one_of(self.drop_policy, "MoEConfig.drop_policy", DROP_POLICIES)
+        one_of(self.score_func, "MoEConfig.score_func", SCORE_FUNCS)
+        one_of(self.router_dtype, "MoEConfig.router_dtype", ROUTER_DTYPES)
+        positive_number(self.capacity_factor, "MoEConfig.capacity_factor")
+        positive_number(self.scaling_factor, "MoEConfig.scaling_factor")
         if self.top_k > self.n_experts:
             raise ValueError(
                 f"MoEConfig.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}"
             )
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(
-                f"MoEConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}"
-            )
-        if self.router_dtype not in ROUTER_DTYPES:
-            raise ValueError(
-                f"MoEConfig.router_dtype must be one of {ROUTER_DTYPES}, got {self.router_dtype!r}"
-            )
-        if not self.capacity_factor > 0:
-            raise ValueError(
-                f"MoEConfig.capacity_factor must be > 0, got {self.capacity_factor!r}"
-            )
-        if not self.scaling_factor > 0:
-            raise ValueError(f"MoEConfig.scaling_factor must be > 0, got {self.scaling_factor!r}")
         if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
             raise ValueError(
                 "MoEConfig.aux_loss_coef and z_loss_coef must be >= 0, got "
@@ -161,8 +195,8 @@ class ModelConfig:
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
-        _positive(self, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len")
-        _non_negative(
+        positive_ints(self, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len")
+        non_negative_ints(
             self, "n_dense_layers", "n_kv_heads", "head_dim", "mtp_layers", "q_lora_rank",
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "sliding_window", "sliding_every",
@@ -187,12 +221,9 @@ class ModelConfig:
                 f"ModelConfig.n_dense_layers must be in [0, n_layers={self.n_layers}], "
                 f"got {self.n_dense_layers}"
             )
-        if self.attention not in ATTENTION_KINDS:
-            raise ValueError(
-                f"ModelConfig.attention must be one of {ATTENTION_KINDS}, got {self.attention!r}"
-            )
+        one_of(self.attention, "ModelConfig.attention", ATTENTION_KINDS)
         if self.attention == "mla":
-            _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            positive_ints(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
     @property
     def kv_heads(self) -> int:

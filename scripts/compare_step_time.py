@@ -12,8 +12,9 @@ check of the script itself), and the answer is the median of the paired differen
 of a package cannot share one; paired and alternated, because a shared machine's speed drifts
 by more than the differences worth finding.
 
-The revision must have ``moe_lab.workbench.benchmarks.ttt`` with ``optimised_stack``, ``make_trainer`` and
-``PROFILES`` (every revision since the contest exists).
+The revision must have the contest — ``moe_lab.workbench.benchmarks.ttt``, or
+``moe_lab.bench.ttt`` before the lesson and the workbench were split — with ``optimised_stack``,
+``make_trainer`` and ``PROFILES`` (every revision since the contest exists).
 """
 
 from __future__ import annotations
@@ -33,24 +34,38 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run in each child: the working tree's or the exported revision's moe_lab, whichever the
 # child's sys.path finds first.
 CHILD = r"""
-import json, statistics, sys, time
-import moe_lab  # noqa: F401  (first: it decides Triton's interpreter flag)
+import importlib, json, os, statistics, sys, time
 import torch
-import moe_lab.workbench.benchmarks.ttt as ttt
+if not torch.cuda.is_available():  # as the Makefile does (and as `import moe_lab` once did)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The contest's package: where it lives since the lesson and the workbench were split, and
+# where it lived before.
+for package in ("moe_lab.workbench.benchmarks.ttt", "moe_lab.bench.ttt"):
+    try:
+        ttt = importlib.import_module(package)
+        break
+    except ModuleNotFoundError:
+        continue
+else:
+    raise SystemExit("no time-to-train contest in this revision of moe_lab")
 
 profile, steps, compile = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 cfg = ttt.PROFILES[profile]
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 stack = ttt.optimised_stack(device, compile=None if compile else False)
 gen = torch.Generator().manual_seed(cfg.seed + 1)
-try:  # moe_lab.workbench.benchmarks.ttt as a package: the trainer draws from the contest's corpus
-    from moe_lab.workbench.benchmarks.ttt.contest import load_contest_corpus
+try:
+    load_contest_corpus = importlib.import_module(package + ".contest").load_contest_corpus
+except (ModuleNotFoundError, AttributeError):
+    load_contest_corpus = None
+if load_contest_corpus is not None:  # the contest as a package: the trainer draws from its corpus
     corpus = load_contest_corpus(cfg)
     trainer = ttt.make_trainer(stack, cfg, device, corpus=corpus)
     def one_step(batch):
         trainer.train_on(batch)
         trainer.sync()
-except ImportError:  # the single-module contest of earlier revisions
+else:  # the single-module contest of earlier revisions
     from moe_lab.data import load_corpus
     from moe_lab.config import preset
     corpus = load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)

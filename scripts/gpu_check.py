@@ -432,7 +432,7 @@ def section_graphs(torch, dev, rep: Report, quick: bool, time_fn) -> None:
 
     model_cfg = preset("small")
     batch_size, steps = (2, 3) if quick else (4, 20)
-    cfg = StepConfig(read_every=1, warmup_steps=min(5, steps), total_steps=steps)
+    cfg = StepConfig(read_every=1, warmup_steps=min(5, steps), steps=steps)
     gen = torch.Generator().manual_seed(1)
     batches = [random_batch(model_cfg, batch_size, dev, gen) for _ in range(steps)]
     ref_model, ref_opt = build_model(model_cfg, ModelImpls(), device=dev, seed=0, lr=cfg.lr)

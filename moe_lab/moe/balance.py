@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn as nn
 
+from moe_lab.checks import positive_number
 from moe_lab.moe.layer import MoELayer
 from moe_lab.moe.router import Router
 
@@ -65,8 +66,7 @@ def update_expert_bias(
     (``MoEStats.tokens_per_expert``) keep the update free of host syncs. Call it after the
     optimizer step, with the loads of the step just taken.
     """
-    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0:
-        raise ValueError(f"rate must be a positive number, got {rate!r}")
+    positive_number(rate, "rate")
     routers = _routers(model_or_layers)
     if isinstance(tokens_per_expert, Tensor) and tokens_per_expert.dim() == 1:
         tokens_per_expert = tokens_per_expert.unsqueeze(0)
@@ -103,9 +103,7 @@ class ExpertBiasBalancer:
     """
 
     def __init__(self, rate: float) -> None:
-        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not rate > 0:
-            raise ValueError(f"rate must be a positive number, got {rate!r}")
-        self.rate = float(rate)
+        self.rate = positive_number(rate, "rate")
         self.layers: list[MoELayer] = []
         self._loads: dict[int, Tensor] = {}
         self._handle = None
@@ -126,7 +124,7 @@ class ExpertBiasBalancer:
         self._handle = nn.modules.module.register_module_forward_hook(self._hook)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from moe_lab.checks import one_of
+from moe_lab.checks import one_of, positive_number
 from moe_lab.config import MoEConfig
 from moe_lab.moe.experts import SwiGLUExperts
 from moe_lab.moe.router import tokens_per_expert_from_ids
@@ -110,8 +110,7 @@ def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: fl
                     multiple: int = 1) -> int:
     """Slots per expert: ``ceil(tokens · top_k · capacity_factor / n_experts)``, rounded up to
     a multiple of ``multiple`` (from shapes only: a Python int, no device value)."""
-    if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    positive_number(capacity_factor, "capacity_factor")
     c = math.ceil(tokens * top_k * capacity_factor / n_experts)
     return -(-c // multiple) * multiple
 

@@ -1,5 +1,5 @@
 """Building what a training run trains: the model and its optimizer, random batches, and the
-forward a step calls (under autocast, compiled or not).
+forward a step calls (under autocast, compiled or not). `BuildConfig` names all of it.
 
 `build_model` is the one place a model is built for training: seeded, so every stack and
 every step kind starts from the same weights; its implementations named by a
@@ -19,12 +19,13 @@ backward GEMM does. Eager autograd would run them in FP32.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch._functorch.config as functorch_config
 
-from moe_lab.config import ModelConfig
+from moe_lab.checks import one_of, positive_int
+from moe_lab.config import ModelConfig, holds
 from moe_lab.data import Batch
 from moe_lab.model import ModelImpls, MoETransformer
 from moe_lab.moe.router import ROUTER_IMPLS
@@ -48,6 +49,39 @@ COMPILE_MODES: dict[str, dict | None] = {"": None, "default": {}, "cpp_wrapper":
 
 # How a compiled model's backward graph treats the forward's autocast (see the module docstring).
 BACKWARD_PASS_AUTOCAST = "same_as_forward"
+
+
+@holds(impls=ModelImpls)
+@dataclass(frozen=True)
+class BuildConfig:
+    """How a run is computed: the model's implementation names (``impls``, whose fields may be
+    given flat: ``dispatcher=``, ``expert_backend=``, ...), the step kind (`STEP_KINDS`) and a
+    sync-free step's clip + optimizer update (``clip_step``,
+    `moe_lab.training.optim.CLIP_STEPS`); ``amp`` runs the forward under autocast in that
+    dtype (`AMP_DTYPES`) and ``fp32_logits`` keeps the logits in FP32 there; ``compile`` wraps
+    the model in ``torch.compile`` (`COMPILE_MODES`) and ``compiled_eval`` evaluates through a
+    second, static-shape compile; ``mxfp8`` names the parts run in emulated MXFP8
+    (``("attention",)``, ``("experts",)`` or both)."""
+
+    impls: ModelImpls = field(default_factory=ModelImpls)
+    step: str = "eager"
+    clip_step: str = "torch"
+    amp: str = ""
+    fp32_logits: bool = False
+    compile: str = ""
+    compiled_eval: bool = False
+    mxfp8: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        one_of(self.step, "BuildConfig.step", STEP_KINDS)
+        one_of(self.amp, "BuildConfig.amp", AMP_DTYPES)
+        one_of(self.compile, "BuildConfig.compile", COMPILE_MODES)
+        if self.fp32_logits and not self.amp:
+            raise ValueError("BuildConfig.fp32_logits keeps the logits in FP32 under autocast; "
+                             "set amp")
+        if self.compiled_eval and not self.compile:
+            raise ValueError("BuildConfig.compiled_eval evaluates through torch.compile; "
+                             "set compile")
 
 
 def default_impls(device: torch.device | str) -> ModelImpls:
@@ -76,8 +110,7 @@ def build_model(model_cfg: ModelConfig, impls: ModelImpls | None = None, *,
     ``fp32_logits`` keeps the logits in FP32 under autocast
     (`moe_lab.model.MoETransformer.fp32_logits`); ``mxfp8`` names the parts run in emulated
     MXFP8 (`moe_lab.quant.linear.apply_mxfp8`)."""
-    if step not in STEP_KINDS:
-        raise ValueError(f"step must be one of {STEP_KINDS}, got {step!r}")
+    one_of(step, "step", STEP_KINDS)
     if impls is None:
         impls = ModelImpls() if step == "eager" else default_impls(device)
     impls = replace(impls, **names) if names else impls
@@ -94,8 +127,7 @@ def random_batch(model_cfg: ModelConfig, batch_size: int, device: torch.device |
                  generator: torch.Generator | None = None) -> Batch:
     """A `moe_lab.data.Batch` of uniformly random bytes (``y`` is ``x`` shifted by one):
     for timing, warming up and certificates, where the text does not matter."""
-    if not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    positive_int(batch_size, "batch_size")
     tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len + 1),
                            generator=generator)
     return Batch(tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device),
@@ -122,8 +154,7 @@ def autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = F
 
     A ``torch.compile``d ``fn`` traces its backward graph here, during the forward: with
     ``backward_pass_autocast`` pinned to ``"same_as_forward"``, whatever PyTorch's default."""
-    if amp not in AMP_DTYPES or not amp:
-        raise ValueError(f"amp must be one of {AMP_DTYPES[1:]}, got {amp!r}")
+    one_of(amp, "amp", AMP_DTYPES[1:])
     dtype = {"bf16": torch.bfloat16}[amp]
 
     def forward(x, y=None):
@@ -140,8 +171,7 @@ def step_forward(model: torch.nn.Module, *, compile: str = "", amp: str = "",
     ``COMPILE_MODES[compile]`` (``dynamic`` as ``torch.compile``'s), under ``amp``
     autocast (without the cast cache when ``graphed`` on CUDA); ``None`` when neither
     applies (the step calls the model)."""
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {sorted(COMPILE_MODES)}, got {compile!r}")
+    one_of(compile, "compile", COMPILE_MODES)
     forward = None
     if compile:
         forward = torch.compile(model, options=COMPILE_MODES[compile] or None, dynamic=dynamic)
@@ -152,6 +182,6 @@ def step_forward(model: torch.nn.Module, *, compile: str = "", amp: str = "",
     return forward
 
 
-__all__ = ["AMP_DTYPES", "BACKWARD_PASS_AUTOCAST", "COMPILE_MODES", "STEP_KINDS",
+__all__ = ["AMP_DTYPES", "BACKWARD_PASS_AUTOCAST", "COMPILE_MODES", "STEP_KINDS", "BuildConfig",
            "autocast_forward", "build_model", "build_sync_free", "default_impls", "random_batch",
            "step_forward"]

@@ -34,7 +34,11 @@ from collections.abc import Callable
 
 import torch
 
-from moe_lab.training.steps import StepConfig, SyncFreeStep
+from moe_lab.checks import positive_int
+from moe_lab.data import Batch
+from moe_lab.model import MoETransformer
+from moe_lab.moe.stash import PagedStash
+from moe_lab.training.steps import StepConfig, StepState, SyncFreeStep
 from moe_lab.training.sync import SyncError
 
 Tensor = torch.Tensor
@@ -169,12 +173,12 @@ class GraphedStep:
     message says so (``quiet=True`` suppresses it).
     """
 
-    def __init__(self, model, optimizer: torch.optim.Optimizer, example_batch,
-                 cfg: StepConfig | None = None, *, forward: Callable | None = None, stash=None,
+    def __init__(self, model: MoETransformer, optimizer: torch.optim.Optimizer,
+                 example_batch: Batch, cfg: StepConfig | None = None, *,
+                 forward: Callable | None = None, stash: PagedStash | None = None,
                  clip_step: str = "torch", warmup: int = 3, certify: bool = True,
                  quiet: bool = False) -> None:
-        if not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup must be a positive integer, got {warmup!r}")
+        positive_int(warmup, "warmup")
         self.step = SyncFreeStep(model, optimizer, example_batch, cfg, forward=forward,
                                  stash=stash, clip_step=clip_step)
         self.step.load(example_batch)
@@ -230,7 +234,7 @@ class GraphedStep:
         step.state.zero_window()
         self.graph = graph
 
-    def launch(self, batch) -> None:
+    def launch(self, batch: Batch) -> None:
         """Copy ``batch`` into the static inputs and replay the graph (or run eagerly)."""
         self.step.load(batch)
         if self.graph is not None:
@@ -238,7 +242,7 @@ class GraphedStep:
         else:
             self.step.run()
 
-    def __call__(self, batch) -> dict | None:
+    def __call__(self, batch: Batch) -> dict | None:
         self.launch(batch)
         return self.step.finish()
 
@@ -249,7 +253,7 @@ class GraphedStep:
         return self.step.flush()
 
     @property
-    def state(self):
+    def state(self) -> StepState:
         """The step's device state (`moe_lab.training.steps.StepState`)."""
         return self.step.state
 

@@ -42,27 +42,21 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from moe_lab.config import ModelConfig
-from moe_lab.data import Batch, load_corpus
+from moe_lab.checks import int_in, non_negative_ints, positive_ints
+from moe_lab.config import ModelConfig, holds
+from moe_lab.data import Batch, SyntheticCorpus, TextFileCorpus, load_corpus
 from moe_lab.memory import check_fits
-from moe_lab.model import ModelImpls, MoETransformer
-from moe_lab.training.build import (
-    AMP_DTYPES,
-    COMPILE_MODES,
-    STEP_KINDS,
-    build_model,
-    random_batch,
-    step_forward,
-)
+from moe_lab.model import MoETransformer
+from moe_lab.training.build import BuildConfig, build_model, random_batch, step_forward
 from moe_lab.training.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
 from moe_lab.training.graphs import GraphedStep
-from moe_lab.training.optim import warmup_cosine
 from moe_lab.training.steps import EagerStep, StepConfig, SyncFreeStep
 
 Tensor = torch.Tensor
 
-__all__ = ["RUN_SETTINGS", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged",
-           "TrainingInterrupted", "check_batch_fits", "evaluate", "lr_at", "train"]
+__all__ = ["MAX_SEED", "RUN_SETTINGS", "DataConfig", "TrainConfig", "TrainResult", "Trainer",
+           "TrainingDiverged", "TrainingInterrupted", "check_batch_fits", "evaluate", "lr_at",
+           "train"]
 
 #: The `TrainConfig` fields that change what a run computes: a checkpoint records them, and
 #: resuming with other values is refused unless asked for (``train(..., override=True)``).
@@ -77,102 +71,58 @@ RUN_SETTINGS = ("steps", "batch_size", "lr", "min_lr_ratio", "warmup_steps", "we
 MAX_SEED = 2**32 - 1
 
 
-@dataclass
-class TrainConfig:
-    """One training run: schedule, optimiser, data, evaluation, model implementations,
-    step, checkpoints.
+@dataclass(frozen=True)
+class DataConfig:
+    """What a run trains and is evaluated on: ``batch_size`` sequences a step from ``corpus``
+    (``"synthetic"`` or the path of a UTF-8 text file), drawn from generators seeded from
+    ``seed`` (which seeds the model's initial weights too); every ``eval_every`` steps (0:
+    never) the eval loss on ``eval_per_domain`` fixed sequences of each domain."""
 
-    ``dispatcher`` … ``embedding_impl`` name the model's implementations (`impls`);
-    ``step`` the step kind (`STEP_KINDS`), ``read_every`` how often a sync-free step reads
-    its statistics, ``clip_step`` its clip + optimizer update
-    (`moe_lab.training.optim.CLIP_STEPS`); ``amp`` runs the forward under autocast in that
-    dtype (`AMP_DTYPES`) and ``fp32_logits`` keeps the logits in FP32 there; ``compile``
-    wraps the model in ``torch.compile`` (`COMPILE_MODES`) and ``compiled_eval`` evaluates
-    through a second, static-shape compile; ``mxfp8`` names the parts run in emulated MXFP8
-    (``("attention",)``, ``("experts",)`` or both); ``expert_bias_rate`` > 0 balances the
-    experts without an auxiliary loss (bias += rate · sign(mean − load)).
-    """
-
-    steps: int = 200
     batch_size: int = 16
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
     seed: int = 0
+    corpus: str = "synthetic"
     eval_every: int = 50
     eval_per_domain: int = 8
-    dispatcher: str = "naive"
-    expert_backend: str = "loop"
-    router_impl: str = "reference"
-    attention_impl: str = "sdpa"
-    embedding_impl: str = "reference"
-    step: str = "eager"
-    read_every: int = 10
-    clip_step: str = "torch"
-    amp: str = ""
-    fp32_logits: bool = False
-    compile: str = ""
-    compiled_eval: bool = False
-    expert_bias_rate: float = 0.0
-    mxfp8: tuple[str, ...] = ()
-    corpus: str = "synthetic"
+
+    def __post_init__(self) -> None:
+        positive_ints(self, "batch_size", "eval_per_domain")
+        non_negative_ints(self, "eval_every")
+        int_in(self.seed, "DataConfig.seed", 0, MAX_SEED)
+
+
+@holds(step_config=StepConfig, data=DataConfig, build=BuildConfig)
+@dataclass
+class TrainConfig:
+    """One training run: the step's settings (``step_config``: the schedule — ``lr``,
+    ``warmup_steps``, ``steps``, ``min_lr_ratio`` — ``grad_clip``, ``read_every``,
+    ``expert_bias_rate``), the data and evaluation (``data``), how the run is computed
+    (``build``: the model's implementations, the step kind, autocast, compile, MXFP8), the
+    optimizer's ``weight_decay`` and the checkpoints. The fields of every part may be given
+    and read flat: ``TrainConfig(steps=100, lr=1e-3, dispatcher="dropless")``.
+    """
+
+    step_config: StepConfig = field(default_factory=StepConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    build: BuildConfig = field(default_factory=BuildConfig)
+    weight_decay: float = 0.1
     checkpoint_path: str | None = None
     checkpoint_every: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_per_domain", "read_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"TrainConfig.{name} must be a non-negative integer, got {value!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
-        if (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"TrainConfig.seed must be an integer in [0, {MAX_SEED}], "
-                             f"got {self.seed!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.expert_bias_rate < 0:
-            raise ValueError(f"TrainConfig.expert_bias_rate must be >= 0, got {self.expert_bias_rate!r}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"TrainConfig.grad_clip must be > 0, got {self.grad_clip!r}")
+        non_negative_ints(self, "checkpoint_every")
         if self.checkpoint_every and not self.checkpoint_path:
             raise ValueError("TrainConfig.checkpoint_every needs checkpoint_path")
-        for name, allowed in (("step", STEP_KINDS), ("amp", AMP_DTYPES),
-                              ("compile", tuple(COMPILE_MODES))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"TrainConfig.{name} must be one of {list(allowed)}, "
-                                 f"got {getattr(self, name)!r}")
-        if self.fp32_logits and not self.amp:
-            raise ValueError("TrainConfig.fp32_logits keeps the logits in FP32 under autocast; "
-                             "set amp")
-        if self.compiled_eval and not self.compile:
-            raise ValueError("TrainConfig.compiled_eval evaluates through torch.compile; "
-                             "set compile")
 
     def run_settings(self) -> dict:
         """The `RUN_SETTINGS` of this run (what a checkpoint records and a resume compares)."""
         return {name: (list(v) if isinstance(v := getattr(self, name), tuple) else v)
                 for name in RUN_SETTINGS}
 
-    @property
-    def impls(self) -> ModelImpls:
-        """The model's implementation names."""
-        return ModelImpls(dispatcher=self.dispatcher, expert_backend=self.expert_backend,
-                          router_impl=self.router_impl, attention_impl=self.attention_impl,
-                          embedding_impl=self.embedding_impl)
-
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
-    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
+    return cfg.schedule.lr_at(step)
 
 
 @dataclass
@@ -189,7 +139,7 @@ class TrainResult:
 
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, eval_batch, domains: list[str],
+def evaluate(model: MoETransformer, eval_batch: Batch, domains: list[str],
              forward: Callable | None = None) -> dict[str, float]:
     """Mean next-token loss per domain (and ``"all"``) on a fixed eval batch (no autograd
     graph: nothing is kept for a backward that never comes). ``forward`` (default: the
@@ -243,7 +193,8 @@ class Trainer:
     restored before the step is built, the step's device state after.
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig | None = None, *, corpus=None,
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
+                 corpus: SyntheticCorpus | TextFileCorpus | None = None,
                  device: torch.device | str | None = None, checkpoint: dict | None = None,
                  warm_eval: bool = False) -> None:
         cfg = cfg or TrainConfig()
@@ -289,7 +240,7 @@ class Trainer:
 
     def _make_step(self, example: Batch) -> EagerStep | SyncFreeStep | GraphedStep:
         cfg = self.cfg
-        step_cfg = StepConfig.from_train_config(cfg)
+        step_cfg = cfg.step_config
         if cfg.step == "eager":
             return EagerStep(self.model, self.optimizer, step_cfg, forward=self.forward)
         if cfg.step == "graphed":
@@ -418,11 +369,11 @@ def train(
     model_cfg: ModelConfig,
     cfg: TrainConfig | None = None,
     *,
-    corpus=None,
+    corpus: SyntheticCorpus | TextFileCorpus | None = None,
     resume: bool = False,
     override: bool = False,
     stop_after: int | None = None,
-    callback=None,
+    callback: Callable[[int, dict | None], object] | None = None,
     device: torch.device | str | None = None,
 ) -> TrainResult:
     """Train a fresh model (or resume from ``cfg.checkpoint_path`` when ``resume``).

@@ -6,10 +6,11 @@ rate a Python float set before every step, one parameter at a time (``foreach=Fa
 and `make_optimizer`, the one a CUDA graph can hold — ``fused=True, capturable=True``, the
 step counts and the learning rate on the device.
 
-The schedule is linear warm-up then cosine decay, written twice on purpose: `warmup_cosine`
-on the host (the naive loop sets a float) and `lr_schedule` on the device (the sync-free
-step rewrites the optimizer's learning-rate tensor in place, so no host value changes from
-step to step and a captured graph replays the schedule).
+The schedule (`Schedule`, the one every training config holds) is linear warm-up then cosine
+decay, written twice on purpose: `warmup_cosine` on the host (the naive loop sets a float)
+and `lr_schedule` on the device (the sync-free step rewrites the optimizer's learning-rate
+tensor in place, so no host value changes from step to step and a captured graph replays
+the schedule).
 
 `CLIP_STEPS` names how the sync-free step clips the gradients and updates the parameters.
 ``"torch"`` is the step's own path (`moe_lab.training.steps.SyncFreeStep`): the global norm
@@ -28,15 +29,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from moe_lab.checks import non_negative_ints, positive_ints, positive_number
 from moe_lab.registry import Registry
-
-if TYPE_CHECKING:
-    from moe_lab.training.steps import StepConfig
 
 Tensor = torch.Tensor
 
@@ -66,12 +65,33 @@ def warmup_cosine(step: int, lr: float, warmup_steps: int, total_steps: int,
     return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
 
 
-def lr_schedule(step: Tensor, cfg: StepConfig) -> Tensor:
-    """`warmup_cosine` of ``cfg`` (a `moe_lab.training.steps.StepConfig`) computed on the
-    device: ``step: []`` (optimizer steps taken so far, any dtype) → the learning rate,
-    ``[]`` float32."""
-    lr, warmup_steps, min_lr_ratio = cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio
-    total_steps = cfg.total_steps
+@dataclass(frozen=True)
+class Schedule:
+    """The learning rate of a run: linear warm-up to ``lr`` over ``warmup_steps``, then cosine
+    decay to ``lr · min_lr_ratio`` at ``steps``, the length of the run."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    steps: int = 200
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        positive_number(self.lr, "Schedule.lr")
+        positive_ints(self, "steps")
+        non_negative_ints(self, "warmup_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"Schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (from 0), on the host (`warmup_cosine`)."""
+        return warmup_cosine(step, self.lr, self.warmup_steps, self.steps, self.min_lr_ratio)
+
+
+def lr_schedule(step: Tensor, schedule: Schedule) -> Tensor:
+    """`Schedule.lr_at` computed on the device: ``step: []`` (optimizer steps taken so far, any
+    dtype) → the learning rate, ``[]`` float32."""
+    lr, warmup_steps, min_lr_ratio = schedule.lr, schedule.warmup_steps, schedule.min_lr_ratio
+    total_steps = schedule.steps
     s = step.double()  # one scalar: float64 costs nothing and keeps the cosine's tail exact
     floor = lr * min_lr_ratio
     span = max(1, total_steps - warmup_steps)
@@ -118,5 +138,5 @@ def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1
     return torch.optim.AdamW(groups, lr=lr_t, betas=betas, fused=True, capturable=True)
 
 
-__all__ = ["CLIP_STEPS", "lr_schedule", "make_optimizer", "param_groups", "stock_optimizer",
+__all__ = ["CLIP_STEPS", "Schedule", "lr_schedule", "make_optimizer", "param_groups", "stock_optimizer",
            "torch_clip_step", "warmup_cosine"]

@@ -47,20 +47,25 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from moe_lab.checks import one_of, positive_ints, positive_number
+from moe_lab.config import holds
+from moe_lab.data import Batch
 from moe_lab.model import MoETransformer
 from moe_lab.moe.balance import update_expert_bias
-from moe_lab.training.optim import CLIP_STEPS, lr_schedule, warmup_cosine
+from moe_lab.moe.stash import PagedStash
+from moe_lab.training.optim import CLIP_STEPS, Schedule, lr_schedule
 from moe_lab.training.sync import assert_sync_free
 
 Tensor = torch.Tensor
 
-__all__ = ["PHASES", "EagerStep", "StepConfig", "StepState", "SyncFreeStep", "phase"]
+__all__ = ["OVERFLOW_POLICIES", "PHASES", "EagerStep", "StepConfig", "StepState", "SyncFreeStep",
+           "optimizer_on_fake_params", "phase"]
 
 # The profiler ranges a step opens around its phases, which the workbench's profiled breakdown
 # (`moe_lab.workbench.measure.breakdown`) adds up; without a profiler running each costs a few
@@ -68,11 +73,13 @@ __all__ = ["PHASES", "EagerStep", "StepConfig", "StepState", "SyncFreeStep", "ph
 PHASE_PREFIX = "moe_lab.training."
 PHASES = ("forward", "backward", "optimizer")
 
+#: What a sync-free step with a paged stash does with a step whose stash overflowed.
+OVERFLOW_POLICIES = ("rerun", "skip")
+
 
 def phase(name: str) -> torch.profiler.record_function:
     """The profiler range of one phase of a training step (``with phase("forward"): ...``)."""
-    if name not in PHASES:
-        raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+    one_of(name, "phase", PHASES)
     return torch.profiler.record_function(PHASE_PREFIX + name)
 
 
@@ -81,66 +88,32 @@ def phase(name: str) -> torch.profiler.record_function:
 # --------------------------------------------------------------------------------------
 
 
+@holds(schedule=Schedule)
 @dataclass(frozen=True)
 class StepConfig:
-    """The schedule and the bookkeeping of `SyncFreeStep`.
-
-    ``lr`` … ``total_steps``: linear warm-up to ``lr``, then cosine decay to
-    ``lr · min_lr_ratio`` at ``total_steps`` (`lr_at` on the host,
-    `moe_lab.training.optim.lr_schedule` on the device). ``grad_clip``:
-    the global norm gradients are clipped to. ``read_every``: statistics are copied to
-    the host once every that many steps. ``expert_bias_rate`` > 0 moves each router's
-    expert bias after the optimizer step (aux-loss-free balancing,
-    `moe_lab.moe.balance.update_expert_bias`, from the device-side counts).
-    ``overflow_policy`` (with a paged stash only):
-    ``"rerun"`` reads the stash's overflow flag after every step and repeats an overflowed
-    step without stashing (one read of one flag per step, after the step is queued);
-    ``"skip"`` reads nothing — an overflowed step updates nothing and is counted in the
-    statistics as skipped.
+    """What a training step needs besides the model: the learning-rate ``schedule`` (its
+    fields may be given flat: ``StepConfig(lr=1e-3)``), ``grad_clip`` (the global norm
+    gradients are clipped to), ``read_every`` (a sync-free step copies its statistics to the
+    host once every that many steps), ``expert_bias_rate`` (> 0: each router's expert bias
+    moves after the optimizer step, `moe_lab.moe.balance.update_expert_bias`) and
+    ``overflow_policy`` (with a paged stash only: ``"rerun"`` reads the stash's overflow flag
+    after every step and repeats an overflowed step without stashing; ``"skip"`` reads
+    nothing — an overflowed step updates nothing and is counted as skipped).
     """
 
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    total_steps: int = 200
+    schedule: Schedule = field(default_factory=Schedule)
     grad_clip: float = 1.0
     read_every: int = 10
-    overflow_policy: str = "rerun"
     expert_bias_rate: float = 0.0
+    overflow_policy: str = "rerun"
 
     def __post_init__(self) -> None:
-        for name in ("total_steps", "read_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"StepConfig.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(
-                f"StepConfig.warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
-        if not self.lr > 0:
-            raise ValueError(f"StepConfig.lr must be > 0, got {self.lr!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"StepConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"StepConfig.grad_clip must be > 0, got {self.grad_clip!r}")
+        positive_ints(self, "read_every")
+        positive_number(self.grad_clip, "StepConfig.grad_clip")
         if not self.expert_bias_rate >= 0:
             raise ValueError(
                 f"StepConfig.expert_bias_rate must be >= 0, got {self.expert_bias_rate!r}")
-        if self.overflow_policy not in ("rerun", "skip"):
-            raise ValueError(
-                f"StepConfig.overflow_policy must be 'rerun' or 'skip', got {self.overflow_policy!r}")
-
-    @classmethod
-    def from_train_config(cls, cfg, read_every: int | None = None) -> StepConfig:
-        """The schedule of a `moe_lab.training.loop.TrainConfig` (and its ``read_every``)."""
-        return cls(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps,
-                   total_steps=cfg.steps, grad_clip=cfg.grad_clip,
-                   read_every=cfg.read_every if read_every is None else read_every,
-                   expert_bias_rate=cfg.expert_bias_rate)
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (from 0), on the host."""
-        return warmup_cosine(step, self.lr, self.warmup_steps, self.total_steps,
-                             self.min_lr_ratio)
+        one_of(self.overflow_policy, "StepConfig.overflow_policy", OVERFLOW_POLICIES)
 
 
 # The scalar accumulators, in the order `read_stats` unpacks them.
@@ -162,7 +135,7 @@ class StepState(nn.Module):
     together with the model's parameters.
     """
 
-    def __init__(self, example_batch, lr: Tensor, n_moe_layers: int, n_experts: int) -> None:
+    def __init__(self, example_batch: Batch, lr: Tensor, n_moe_layers: int, n_experts: int) -> None:
         super().__init__()
         device = lr.device
         self.register_buffer("x", torch.zeros_like(example_batch.x, device=device))
@@ -204,7 +177,7 @@ def _shared_lr(optimizer: torch.optim.Optimizer) -> Tensor:
 
 
 @contextlib.contextmanager
-def _optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
+def optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
     """Point ``optimizer`` at the fake twins of its parameters (and of its state, its lr,
     its ``found_inf`` and its ``grad_scale``) while `assert_sync_free` runs the step; restore on exit.
 
@@ -216,7 +189,7 @@ def _optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module
     """
     fake = next((p for p in model.parameters() if isinstance(p, FakeTensor)), None)
     if fake is None:
-        raise RuntimeError("_optimizer_on_fake_params: the model's parameters are not fake; "
+        raise RuntimeError("optimizer_on_fake_params: the model's parameters are not fake; "
                            "call it inside assert_sync_free")
     mode = fake.fake_mode
 
@@ -275,9 +248,10 @@ class SyncFreeStep:
     the clip + optimizer update (`moe_lab.training.optim.CLIP_STEPS`), looked up once here.
     """
 
-    def __init__(self, model: MoETransformer, optimizer: torch.optim.Optimizer, example_batch,
-                 cfg: StepConfig | None = None, *, forward: Callable | None = None,
-                 stash=None, clip_step: str = "torch") -> None:
+    def __init__(self, model: MoETransformer, optimizer: torch.optim.Optimizer,
+                 example_batch: Batch, cfg: StepConfig | None = None, *,
+                 forward: Callable | None = None, stash: PagedStash | None = None,
+                 clip_step: str = "torch") -> None:
         if not isinstance(model, MoETransformer):
             raise ValueError(f"model must be an MoETransformer, got {type(model).__name__}")
         self.cfg = cfg or StepConfig()
@@ -322,7 +296,7 @@ class SyncFreeStep:
 
     # -- the device work ---------------------------------------------------------------
 
-    def load(self, batch) -> None:
+    def load(self, batch: Batch) -> None:
         """Copy ``batch.x`` and ``batch.y`` into the static inputs (same shape required)."""
         if tuple(batch.x.shape) != self.batch_shape or tuple(batch.y.shape) != self.batch_shape:
             raise ValueError(f"batch must be [batch, seq] = {self.batch_shape} like the example "
@@ -342,7 +316,7 @@ class SyncFreeStep:
                 self.optimizer.zero_grad(set_to_none=True)
         if self.stash is not None:
             self.stash.reset()
-        st.lr.copy_(lr_schedule(st.step, cfg))
+        st.lr.copy_(lr_schedule(st.step, cfg.schedule))
         with phase("forward"):
             out = self.forward(st.x, st.y)
         with phase("backward"):
@@ -435,12 +409,12 @@ class SyncFreeStep:
         with self.stash.disabled():
             self.run(zero_grad=True)
 
-    def launch(self, batch) -> None:
+    def launch(self, batch: Batch) -> None:
         """Copy ``batch`` into the static inputs and run the step (no host read)."""
         self.load(batch)
         self.run()
 
-    def __call__(self, batch) -> dict | None:
+    def __call__(self, batch: Batch) -> dict | None:
         self.launch(batch)
         return self.finish()
 
@@ -461,7 +435,7 @@ class SyncFreeStep:
         # The model itself is certified, not a compiled wrapper of it.
         forward, self.forward = self.forward, self.model
         try:
-            with _optimizer_on_fake_params(self.optimizer, self.model):
+            with optimizer_on_fake_params(self.optimizer, self.model):
                 self.run()
         finally:
             self.forward = forward
@@ -470,7 +444,7 @@ class SyncFreeStep:
 class EagerStep:
     """The naive loop's training step: ``record = step(batch)`` after every step.
 
-    The learning rate of step ``host_steps`` (`StepConfig.lr_at`) is set as a Python float on
+    The learning rate of step ``host_steps`` (`Schedule.lr_at`) is set as a Python float on
     every parameter group; ``optimizer`` is any torch optimizer (the naive stack's is
     `moe_lab.training.optim.stock_optimizer`); the gradients are clipped with
     ``clip_grad_norm_``; with ``cfg.expert_bias_rate`` the routers' biases move after the
@@ -490,10 +464,10 @@ class EagerStep:
         self.host_steps = 0
         self.state = None  # no device state: everything is read back every step
 
-    def __call__(self, batch) -> dict:
+    def __call__(self, batch: Batch) -> dict:
         t0 = time.perf_counter()
         cfg, step = self.cfg, self.host_steps
-        lr = cfg.lr_at(step)
+        lr = cfg.schedule.lr_at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with phase("forward"):

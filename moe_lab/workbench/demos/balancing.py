@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_lab.checks import positive_int
 from moe_lab.config import ModelConfig
 from moe_lab.data import load_corpus
 from moe_lab.moe.balance import ExpertBiasBalancer, load_imbalance
@@ -35,8 +36,7 @@ def compare_balancing(
     return, per run, one record per step: ``loss`` (the language-model loss, comparable
     across runs), ``imbalance`` (max/mean load, averaged over the MoE layers) and
     ``max_share`` (the busiest expert's share of the routed slots, averaged likewise)."""
-    if not isinstance(steps, int) or steps <= 0:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    positive_int(steps, "steps")
     corpus = load_corpus("synthetic", seq_len=model_cfg.seq_len, seed=seed)
     runs = {"none": (0.0, None), "aux loss": (aux_loss_coef, None), "bias": (0.0, bias_rate)}
     out: dict[str, list[dict]] = {}

@@ -30,7 +30,7 @@ def graphed_vs_eager(preset: str = "small", batch_size: int = 2, steps: int = 20
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_cfg = get_preset(preset) if isinstance(preset, str) else preset
-    cfg = StepConfig(read_every=steps, warmup_steps=min(5, steps), total_steps=max(steps, 1))
+    cfg = StepConfig(read_every=steps, warmup_steps=min(5, steps), steps=max(steps, 1))
     eager = build_sync_free(model_cfg, batch_size, device=device, seed=seed, cfg=cfg)
     model, optimizer = build_model(model_cfg, device=device, seed=seed, lr=cfg.lr)
     gen = torch.Generator().manual_seed(seed + 1)

@@ -12,7 +12,9 @@ from dataclasses import replace
 
 import torch
 
+from moe_lab.checks import int_in
 from moe_lab.config import ModelConfig
+from moe_lab.data import Batch
 from moe_lab.training.build import build_model, build_sync_free, default_impls
 from moe_lab.training.steps import EagerStep, StepConfig
 
@@ -35,13 +37,12 @@ LADDER: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def ladder_step(model_cfg: ModelConfig, batch, n_fixes: int, *, seed: int = 0,
+def ladder_step(model_cfg: ModelConfig, batch: Batch, n_fixes: int, *, seed: int = 0,
                 lr: float = 3e-3) -> Callable[[], object]:
     """A training step with the first ``n_fixes`` entries of `LADDER` applied (0: the naive
     loop's step; ``len(LADDER)``: `SyncFreeStep`), as a closure over a fresh model seeded
     with ``seed`` — count its syncs with `moe_lab.training.sync.count_syncs`."""
-    if not isinstance(n_fixes, int) or not 0 <= n_fixes <= len(LADDER):
-        raise ValueError(f"n_fixes must be in [0, {len(LADDER)}], got {n_fixes!r}")
+    int_in(n_fixes, "n_fixes", 0, len(LADDER))
     if n_fixes == len(LADDER):
         step = build_sync_free(model_cfg, batch.x.shape[0], seed=seed, cfg=StepConfig(lr=lr))
         step.load(batch)

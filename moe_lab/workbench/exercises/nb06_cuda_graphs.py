@@ -38,7 +38,7 @@ from moe_lab.moe.experts import SwiGLUExperts
 from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.moe.stash import max_pages, pages_per_expert
 from moe_lab.training.build import build_model, random_batch
-from moe_lab.training.steps import _optimizer_on_fake_params
+from moe_lab.training.steps import optimizer_on_fake_params
 from moe_lab.training.sync import SyncError, assert_sync_free, count_syncs
 from moe_lab.workbench.exercises import (
     ExerciseError,
@@ -247,7 +247,7 @@ def certify_step(step: Callable, model, optimizer, batch, stats: dict) -> None:
     first host sync, naming the operator and the line."""
 
     def run(model, batch, stats):
-        with _optimizer_on_fake_params(optimizer, model):
+        with optimizer_on_fake_params(optimizer, model):
             step(model, optimizer, batch, stats)
 
     assert_sync_free(run, model, batch, stats, backward=False)

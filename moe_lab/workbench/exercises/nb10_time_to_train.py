@@ -8,6 +8,7 @@ import math
 import random
 import statistics
 
+from moe_lab.checks import one_of
 from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
 
 
@@ -27,8 +28,7 @@ def race_speedups(curves: dict[str, list[list[dict]]], target: float, baseline: 
     stack's time to target is the median over its seeds that reached the target; its speed-up
     is the baseline's median over its own; ``None`` where either stack has no seed that
     reached the target. A ``baseline`` that is not a stack is a ``ValueError``."""
-    if baseline not in curves:
-        raise ValueError(f"baseline must be one of {sorted(curves)}, got {baseline!r}")
+    one_of(baseline, "baseline", curves)
 
     def median_time(runs):
         times = [t for t in (time_to_target(curve, target) for curve in runs) if t is not None]

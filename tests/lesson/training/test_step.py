@@ -100,10 +100,10 @@ def test_a_real_step_has_no_sync_and_a_read_is_one():
 
 @pytest.mark.parametrize("warmup,total,ratio", [(20, 200, 0.1), (0, 50, 0.0), (5, 5, 0.5), (3, 40, 1.0)])
 def test_lr_schedule_on_the_device_is_lr_at(warmup, total, ratio):
-    cfg = StepConfig(lr=3e-3, warmup_steps=warmup, total_steps=total, min_lr_ratio=ratio)
+    cfg = StepConfig(lr=3e-3, warmup_steps=warmup, steps=total, min_lr_ratio=ratio)
     tcfg = TrainConfig(lr=3e-3, warmup_steps=warmup, steps=total, min_lr_ratio=ratio)
     for s in range(total + 3):
-        got = float(lr_schedule(torch.tensor(float(s)), cfg))
+        got = float(lr_schedule(torch.tensor(float(s)), cfg.schedule))
         assert got == pytest.approx(lr_at(s, tcfg), rel=1e-6, abs=1e-12), s
 
 

@@ -18,7 +18,7 @@ from moe_lab.workbench.benchmarks import ttt
 from moe_lab.workbench.benchmarks.ttt import NAIVE, Stack, TTTConfig, TTTRun, racing
 
 # A contest that runs in a fraction of a second: tiny preset, two sequences per step.
-MICRO = TTTConfig(preset="tiny", target_loss=5.5, batch_size=2, max_steps=6, warmup_steps=1,
+MICRO = TTTConfig(preset="tiny", target_loss=5.5, batch_size=2, steps=6, warmup_steps=1,
                   eval_every=3, eval_per_domain=1, min_eval_rows=7)
 
 
@@ -33,11 +33,11 @@ def ledger_dir(tmp_path, monkeypatch):
 
 def test_stack_validates_its_choices():
     with pytest.raises(ValueError, match="dispatcher"):
-        Stack("x", ModelImpls(dispatcher="teleport"))
+        Stack("x", impls=ModelImpls(dispatcher="teleport"))
     with pytest.raises(ValueError, match="embedding_impl"):
-        Stack("x", ModelImpls(embedding_impl="teleport"))
+        Stack("x", impls=ModelImpls(embedding_impl="teleport"))
     with pytest.raises(ValueError, match="router_dtype"):
-        Stack("x", ModelImpls(router_impl="triton"), router_dtype="fp64")
+        Stack("x", impls=ModelImpls(router_impl="triton"), router_dtype="fp64")
     with pytest.raises(ValueError, match="sync_free"):
         Stack("x", compile="default")
     with pytest.raises(ValueError, match="step"):
@@ -320,7 +320,7 @@ def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monke
     monkeypatch.setattr(Trainer, "evaluate", lambda self, compiled=True: (
         {"all": 0.0} if compiled and self.eval_forward is not None else plain(self, compiled)))
     run = ttt.time_to_train(best, replace(MICRO, target_loss=0.01))
-    assert not run.reached and run.steps == MICRO.max_steps
+    assert not run.reached and run.steps == MICRO.steps
     assert [p["compiled_eval_loss"] for p in run.curve] == [0.0, 0.0]
     assert all(p["eval_loss"] > 0.01 for p in run.curve)
 
@@ -459,7 +459,7 @@ def test_compiled_stack_is_bit_reproducible(mode):
     # kernels the optimised stack has no such scatter left, so it reproduces as raced too.
     if not mode and ttt.cpu_plugin_status() is not None:
         pytest.skip("without the CPU plug-in's kernels the combine is a scatter-add")
-    cfg = replace(ttt.PROFILES["full"], target_loss=0.01, max_steps=5, eval_every=5)
+    cfg = replace(ttt.PROFILES["full"], target_loss=0.01, steps=5, eval_every=5)
     best = ttt.optimised_stack("cpu", amp="bf16")
     with ttt.deterministic_algorithms() if mode else contextlib.nullcontext():
         a, b = (ttt.time_to_train(best, cfg) for _ in range(2))
@@ -474,7 +474,7 @@ def test_compiled_stack_trains_like_the_eager_one(amp, rel):
     # BF16: eager autocast rounds every op's output to bf16 where Inductor keeps a fused
     # chain in fp32, and the compiled stack evaluates in BF16 (the eager one in FP32): the
     # two agree to about bf16's unit roundoff (2^-8 = 3.9e-3), not closer.
-    cfg = replace(MICRO, target_loss=0.01, max_steps=3)
+    cfg = replace(MICRO, target_loss=0.01, steps=3)
     eager = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False, amp=amp), cfg)
     compiled = ttt.time_to_train(ttt.optimised_stack("cpu", compile=True, amp=amp), cfg)
     assert compiled.init_s > 0

@@ -121,7 +121,7 @@ def test_both_stacks_of_the_contest():
     from moe_lab.workbench.benchmarks import ttt
     from moe_lab.workbench.benchmarks.ttt import NAIVE, TTTConfig
 
-    cfg = TTTConfig(preset="tiny", batch_size=2, max_steps=6, warmup_steps=1)
+    cfg = TTTConfig(preset="tiny", batch_size=2, steps=6, warmup_steps=1)
     best = ttt.optimised_stack("cpu", compile=False)
     results = ttt.step_breakdowns([NAIVE, best], cfg, steps=1, warmup=1)
     assert list(results) == ["naive", "optimised"]

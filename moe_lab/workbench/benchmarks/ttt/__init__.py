@@ -25,7 +25,14 @@ This package runs the same contest on whatever machine the reader has:
 """
 
 from moe_lab.workbench.benchmarks.ttt.cli import DESCRIPTION, add_arguments, config_from_args, run
-from moe_lab.workbench.benchmarks.ttt.contest import PROFILES, TTTConfig, TTTRun, make_trainer, stack_model
+from moe_lab.workbench.benchmarks.ttt.contest import (
+    PROFILES,
+    TTTConfig,
+    TTTRun,
+    make_trainer,
+    pick_router_impl,
+    stack_model,
+)
 from moe_lab.workbench.benchmarks.ttt.racing import (
     compare_stacks,
     deterministic_algorithms,
@@ -52,7 +59,6 @@ from moe_lab.workbench.benchmarks.ttt.stacks import (
     cpu_plugin_status,
     ladder,
     optimised_stack,
-    pick_router_impl,
 )
 
 __all__ = [

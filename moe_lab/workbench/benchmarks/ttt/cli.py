@@ -9,8 +9,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import moe_lab.workbench.benchmarks.ttt.report as report
+from moe_lab.checks import positive_int
 from moe_lab.perf.capabilities import capabilities
-from moe_lab.workbench.benchmarks.ttt.contest import PROFILES, TTTConfig
+from moe_lab.workbench.benchmarks.ttt.contest import PROFILES, TTTConfig, pick_router_impl
 from moe_lab.workbench.benchmarks.ttt.racing import (
     compare_stacks,
     deterministic_algorithms,
@@ -21,7 +22,6 @@ from moe_lab.workbench.benchmarks.ttt.stacks import (
     device_of,
     ladder,
     optimised_stack,
-    pick_router_impl,
 )
 from moe_lab.workbench.measure import ledger
 
@@ -62,8 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TTTConfig:
     cfg = PROFILES[args.profile]
     changes: dict = {}
-    if args.seeds <= 0:
-        raise ValueError(f"--seeds must be a positive integer, got {args.seeds}")
+    positive_int(args.seeds, "--seeds")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ValueError(f"--max-seconds must be a number of seconds > 0, got {args.max_seconds}")
     if args.corpus != "synthetic":
@@ -78,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> TTTConfig:
     if args.target is not None:
         changes["target_loss"] = args.target
     if args.max_steps is not None:
-        changes["max_steps"] = args.max_steps
+        changes["steps"] = args.max_steps
     if args.batch_size is not None:
         changes["batch_size"] = args.batch_size
     return replace(cfg, **changes) if changes else cfg

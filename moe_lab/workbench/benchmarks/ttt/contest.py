@@ -4,62 +4,55 @@
 evaluation and the target; `PROFILES` are the two sizes notebook 10 runs. `make_trainer`
 builds a stack's `moe_lab.training.loop.Trainer` by those rules — the very object
 `moe_lab.training.loop.train` drives — and `TTTRun` is what one stack's run to the target
-measured.
+measured. `pick_router_impl` times the router candidates at the contest's size.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from moe_lab.config import ModelConfig, _positive, preset
-from moe_lab.data import load_corpus
+from moe_lab.checks import positive_int, positive_ints, positive_number
+from moe_lab.config import ModelConfig, holds, preset
+from moe_lab.data import SyntheticCorpus, TextFileCorpus, load_corpus
 from moe_lab.model import MoETransformer
+from moe_lab.moe.router import Router
 from moe_lab.training.build import build_model
-from moe_lab.training.loop import TrainConfig, Trainer
-from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, Stack, device_of
+from moe_lab.training.loop import DataConfig, TrainConfig, Trainer
+from moe_lab.training.optim import Schedule
+from moe_lab.training.steps import StepConfig
+from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, Stack, cpu_plugin_status, cpu_router, device_of
+from moe_lab.workbench.measure.timing import compare
 
 __all__ = ["PROFILES", "TTTConfig", "TTTRun", "load_contest_corpus", "make_trainer",
-           "stack_model"]
+           "pick_router_impl", "stack_model"]
 
 
+@holds(schedule=Schedule, data=DataConfig)
 @dataclass(frozen=True)
 class TTTConfig:
     """The contest: model, data, schedule, evaluation, target.
 
-    ``preset`` names the model (`moe_lab.config.preset`); ``corpus`` is ``"synthetic"`` or
-    the path of a UTF-8 text file. ``max_steps`` is the length of the learning-rate schedule
-    and the most steps a run may take; a run that has not reached ``target_loss`` by then
-    is reported as not reached. ``eval_every`` steps the eval loss on
-    ``eval_per_domain`` fixed sequences of every domain (at least ``min_eval_rows`` rows in
-    all) is measured: it is also the resolution of "steps to target".
+    ``preset`` names the model (`moe_lab.config.preset`). ``schedule`` is the learning rate
+    every stack trains with; its ``steps`` are also the most steps a run may take: a run that
+    has not reached ``target_loss`` by then is reported as not reached. ``data``: the batches
+    and the evaluation, every ``eval_every`` steps on ``eval_per_domain`` fixed sequences of
+    every domain (at least ``min_eval_rows`` rows in all) — the resolution of "steps to
+    target". The fields of both parts may be given and read flat (``TTTConfig(steps=100)``).
     """
 
     preset: str = "small"
     target_loss: float = 1.3
-    batch_size: int = 16
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    max_steps: int = 500
-    eval_every: int = 10
-    eval_per_domain: int = 4
+    schedule: Schedule = field(default_factory=lambda: Schedule(steps=500))
+    data: DataConfig = field(default_factory=lambda: DataConfig(eval_every=10, eval_per_domain=4))
     min_eval_rows: int = 28
-    seed: int = 0
-    corpus: str = "synthetic"
 
     def __post_init__(self) -> None:
-        _positive(self, "batch_size", "max_steps", "eval_every", "eval_per_domain", "min_eval_rows")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"TTTConfig.warmup_steps must be a non-negative integer, "
-                             f"got {self.warmup_steps!r}")
-        if not (isinstance(self.target_loss, (int, float)) and self.target_loss > 0
-                and math.isfinite(self.target_loss)):
-            raise ValueError(f"TTTConfig.target_loss must be a finite number > 0 (nats per "
-                             f"token), got {self.target_loss!r}")
-        if not self.lr > 0:
-            raise ValueError(f"TTTConfig.lr must be > 0, got {self.lr!r}")
+        positive_ints(self, "min_eval_rows")
+        positive_int(self.eval_every, "TTTConfig.eval_every")  # the race stops at an evaluation
+        positive_number(self.target_loss, "TTTConfig.target_loss (nats per token)")
         preset(self.preset)  # raises with the known names
 
     def model_config(self, router_dtype: str = "fp32") -> ModelConfig:
@@ -71,15 +64,12 @@ class TTTConfig:
 
     def train_config(self, stack: Stack = NAIVE, n_domains: int = 1) -> TrainConfig:
         """The `moe_lab.training.loop.TrainConfig` that trains ``stack`` by these rules
-        (schedule, optimiser, seed, data, evaluation on a corpus of ``n_domains`` domains),
-        reading a sync-free step's statistics at every evaluation."""
+        (schedule, data, evaluation on a corpus of ``n_domains`` domains), reading a
+        sync-free step's statistics at every evaluation."""
         return TrainConfig(
-            steps=self.max_steps, batch_size=self.batch_size, lr=self.lr,
-            warmup_steps=self.warmup_steps, seed=self.seed, eval_every=self.eval_every,
-            eval_per_domain=self.eval_per_domain_of(n_domains), corpus=self.corpus,
-            progress=False, **asdict(stack.impls), step=stack.step, read_every=self.eval_every,
-            clip_step=stack.clip_step, amp=stack.amp, fp32_logits=stack.fp32_logits,
-            compile=stack.compile, compiled_eval=stack.compiled_eval, mxfp8=stack.mxfp8)
+            step_config=StepConfig(self.schedule, read_every=self.eval_every),
+            data=replace(self.data, eval_per_domain=self.eval_per_domain_of(n_domains)),
+            build=stack.build, progress=False)
 
     @property
     def tokens_per_step(self) -> int:
@@ -92,16 +82,16 @@ class TTTConfig:
 # the stacks move the step that reaches it by tens of steps, hence several seeds. Smoke: on
 # the steep part of the tiny preset's curve, seconds of training.
 PROFILES: dict[str, TTTConfig] = {
-    "smoke": TTTConfig(preset="tiny", target_loss=1.7, batch_size=8, max_steps=200,
+    "smoke": TTTConfig(preset="tiny", target_loss=1.7, batch_size=8, steps=200,
                        warmup_steps=10, eval_every=5),
-    "full": TTTConfig(preset="small", target_loss=1.3, batch_size=16, max_steps=500,
+    "full": TTTConfig(preset="small", target_loss=1.3, batch_size=16, steps=500,
                       warmup_steps=20, eval_every=10),
 }
 
 
 @dataclass
 class TTTRun:
-    """One stack trained to the target (or to ``max_steps``).
+    """One stack trained to the target (or for the schedule's ``steps``).
 
     ``time_to_target_s``: seconds from the first training step to the end of the evaluation
     that reached the target (``None`` if not reached); ``steps``: steps taken (the steps to
@@ -135,13 +125,14 @@ class TTTRun:
         return asdict(self)
 
 
-def load_contest_corpus(cfg: TTTConfig):
+def load_contest_corpus(cfg: TTTConfig) -> SyntheticCorpus | TextFileCorpus:
     """The corpus of the contest (``cfg.corpus``, seeded with ``cfg.seed``)."""
     return load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)
 
 
 def make_trainer(stack: Stack, cfg: TTTConfig, device: torch.device | str | None = None, *,
-                 corpus=None, warm_eval: bool = False) -> Trainer:
+                 corpus: SyntheticCorpus | TextFileCorpus | None = None,
+                 warm_eval: bool = False) -> Trainer:
     """The `moe_lab.training.loop.Trainer` of ``stack`` under ``cfg``: every stack starts from
     the same weights (seeded with ``cfg.seed``) and draws the same batches. Building it is
     initialisation: with ``compile`` the model is compiled here, and with ``warm_eval`` its
@@ -160,3 +151,34 @@ def stack_model(stack: Stack, cfg: TTTConfig,
                            device=device_of(device), seed=cfg.seed, lr=cfg.lr,
                            fp32_logits=stack.fp32_logits, mxfp8=stack.mxfp8)
     return model
+
+
+def pick_router_impl(cfg: TTTConfig, candidates: Sequence[str] | None = None,
+                     min_time_s: float = 0.5) -> tuple[str, dict[str, float]]:
+    """Time the FP32 router of one MoE layer of ``cfg``'s model (forward + backward, at the
+    step's token count) for each of ``candidates`` on this machine, interleaved
+    (`moe_lab.workbench.measure.timing.compare`), and return the fastest name and every median in
+    milliseconds.
+    By default the candidates are the CPU's reference router (with the plug-in's top-k where
+    it is registered) and its ``torch.compile``; a compiled candidate compiles on its first
+    call, which the warm-up absorbs."""
+    if candidates is None:
+        cpu_plugin_status()
+        candidates = (cpu_router(), "compiled")
+    moe_cfg = cfg.model_config("fp32").moe
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(cfg.tokens_per_step, moe_cfg.d_model, generator=gen)
+    providers: dict[str, Callable[[], None]] = {}
+    for name in candidates:
+        torch.manual_seed(cfg.seed)
+        router = Router(moe_cfg, impl=name)
+
+        def fwd_bwd(router: Router = router) -> None:
+            xi = x.detach().requires_grad_()
+            out = router(xi)
+            (out.topk_weights.sum() + out.aux_loss).backward()
+
+        providers[name] = fwd_bwd
+    timings = compare(providers, warmup=2, min_time_s=min_time_s)
+    medians = {name: t.median_s * 1e3 for name, t in timings.items()}
+    return min(medians, key=medians.get), medians

@@ -93,7 +93,7 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus=None,
     lanes = [_Lane(stack, cfg, device, corpus) for stack in stacks]
     solo = len(lanes) == 1
     start = time.perf_counter()
-    for step in range(cfg.max_steps):
+    for step in range(cfg.steps):
         active = [lane for lane in lanes if not lane.done]
         if not active:
             break
@@ -102,7 +102,7 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus=None,
             record = lane.trainer.advance()
             if record is not None:
                 lane.train_curve.append(record)
-            if lane.steps % cfg.eval_every == 0 or lane.steps == cfg.max_steps:
+            if lane.steps % cfg.eval_every == 0 or lane.steps == cfg.steps:
                 lane.trainer.sync()
                 t_eval = time.perf_counter()
                 point = lane.evaluate(cfg.target_loss)
@@ -143,7 +143,7 @@ def time_to_train(stack: Stack, cfg: TTTConfig, *, corpus=None,
                   device: torch.device | str | None = None, max_seconds: float | None = None,
                   progress: bool = False) -> TTTRun:
     """Train ``stack`` alone on ``cfg`` until the eval loss reaches ``cfg.target_loss`` (or
-    ``cfg.max_steps``, or ``max_seconds`` of timed region), against the wall clock."""
+    ``cfg.steps``, or ``max_seconds`` of timed region), against the wall clock."""
     return race([stack], cfg, corpus=corpus, device=device, max_seconds=max_seconds,
                 progress=progress)[0]
 

@@ -12,91 +12,64 @@ technique at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from moe_lab.attention import ATTENTION_IMPLS
-from moe_lab.config import ROUTER_DTYPES
+from moe_lab.checks import one_of
+from moe_lab.config import ROUTER_DTYPES, holds
 from moe_lab.model import EMBEDDING_IMPLS, ModelImpls
 from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.experts import EXPERT_BACKENDS
-from moe_lab.moe.router import ROUTER_IMPLS, Router
+from moe_lab.moe.router import ROUTER_IMPLS
 from moe_lab.perf.capabilities import capabilities, is_cuda, native_bf16_cpu
 from moe_lab.quant.linear import triton_mxfp8_status
-from moe_lab.training.build import AMP_DTYPES, COMPILE_MODES, STEP_KINDS
+from moe_lab.training.build import AMP_DTYPES, BuildConfig
 from moe_lab.training.optim import CLIP_STEPS
-from moe_lab.workbench.measure.timing import compare
 
-if TYPE_CHECKING:
-    from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig
-
-__all__ = ["NAIVE", "Stack", "cpu_plugin_status", "device_of", "ladder", "optimised_stack",
-           "pick_router_impl"]
+__all__ = ["NAIVE", "Stack", "cpu_plugin_status", "cpu_router", "device_of", "ladder",
+           "optimised_stack"]
 
 
+@holds(build=BuildConfig)
 @dataclass(frozen=True)
 class Stack:
-    """One set of implementation choices for the same model.
+    """One set of implementation choices for the same model: ``build`` (a
+    `moe_lab.training.build.BuildConfig`, its fields given and read flat — ``impls``,
+    ``step``, ``clip_step``, ``compile``, ``amp``, ``fp32_logits``, ``compiled_eval``,
+    ``mxfp8``), the router's precision ``router_dtype``, and ``notes`` saying why a choice was
+    made or left out on this machine. Every name must be registered.
 
-    ``impls`` names the model's implementations (dispatcher, expert backend, router,
-    attention, embedding) and ``router_dtype`` the router's precision; ``step`` the training
-    step — ``"eager"`` (`moe_lab.training.steps.EagerStep`: the stock AdamW, statistics read
-    every step), ``"sync_free"`` (`moe_lab.training.steps.SyncFreeStep`: fused AdamW,
+    The steps: ``"eager"`` (`moe_lab.training.steps.EagerStep`: the stock AdamW, statistics
+    read every step), ``"sync_free"`` (`moe_lab.training.steps.SyncFreeStep`: fused AdamW,
     schedule and statistics on the device) or ``"graphed"`` (that step captured as a CUDA
-    graph, `moe_lab.training.graphs.GraphedStep`); ``clip_step`` the sync-free step's clip +
-    optimizer update; ``compile`` a ``torch.compile`` of the model (``""`` off,
-    ``"default"``, or ``"cpp_wrapper"``: Inductor writes each compiled graph's launcher in
-    C++); ``amp`` (``"bf16"``) runs the forward under ``torch.autocast`` (fp32 master
-    weights, the router and the loss in fp32) and ``fp32_logits`` keeps the output
-    projection and the logits in FP32 there; ``compiled_eval`` (with ``compile``) runs the
-    evaluations through a ``torch.compile`` of the model under the stack's autocast, and
-    confirms an evaluation that reaches the target with the plain FP32 one before the clock
-    stops; ``mxfp8`` names the parts run in MXFP8 (`moe_lab.quant.linear.apply_mxfp8`).
-    ``notes`` say why a choice was made or left out on this machine.
-
-    Under ``compile`` and ``amp`` the backward graph is traced under the forward's autocast
-    (see `moe_lab.training.build`): the backward GEMMs of the regions the forward keeps in
-    FP32 run in the autocast dtype, as every other backward GEMM does.
+    graph, `moe_lab.training.graphs.GraphedStep`); compile, autocast and a clip step apply to
+    the sync-free ones. ``"cpp_wrapper"`` compiles with Inductor writing each compiled graph's
+    launcher in C++; ``compiled_eval`` confirms an evaluation that reaches the target with
+    the plain FP32 one before the clock stops. Under ``compile`` and ``amp`` the backward
+    GEMMs of the regions the forward keeps in FP32 run in the autocast dtype
+    (`moe_lab.training.build`).
     """
 
     name: str
-    impls: ModelImpls = field(default_factory=ModelImpls)
+    build: BuildConfig = field(default_factory=BuildConfig)
     router_dtype: str = "fp64"
-    step: str = "eager"
-    clip_step: str = "torch"
-    compile: str = ""
-    amp: str = ""
-    fp32_logits: bool = False
-    compiled_eval: bool = False
-    mxfp8: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.impls, ModelImpls):
-            raise ValueError(f"Stack.impls must be a ModelImpls, got {type(self.impls).__name__}")
         for registry, attr in ((DISPATCHERS, "dispatcher"), (EXPERT_BACKENDS, "expert_backend"),
                                (ROUTER_IMPLS, "router_impl"), (ATTENTION_IMPLS, "attention_impl"),
                                (EMBEDDING_IMPLS, "embedding_impl")):
             registry.check(getattr(self.impls, attr), f"Stack.impls.{attr}")
         CLIP_STEPS.check(self.clip_step, "Stack.clip_step")
-        for attr, allowed in (("router_dtype", ROUTER_DTYPES), ("step", STEP_KINDS),
-                              ("amp", AMP_DTYPES), ("compile", tuple(COMPILE_MODES))):
-            value = getattr(self, attr)
-            if value not in allowed:
-                raise ValueError(f"Stack.{attr} must be one of {sorted(allowed)}, got {value!r}")
+        one_of(self.router_dtype, "Stack.router_dtype", ROUTER_DTYPES)
         if self.impls.router_impl == "triton" and self.router_dtype != "fp32":
             raise ValueError("Stack: router_impl 'triton' computes in FP32; router_dtype must be "
                              f"'fp32', got {self.router_dtype!r}")
         if (self.compile or self.amp or self.clip_step != "torch") and not self.sync_free:
             raise ValueError("Stack: compile, amp and clip_step apply to the sync-free step; set "
                              "step='sync_free' (or 'graphed')")
-        if self.fp32_logits and not self.amp:
-            raise ValueError("Stack: fp32_logits keeps the logits in FP32 under autocast; set amp")
-        if self.compiled_eval and not self.compile:
-            raise ValueError("Stack: compiled_eval evaluates through torch.compile; set compile")
 
     @property
     def sync_free(self) -> bool:
@@ -156,7 +129,7 @@ def cpu_plugin_status() -> str | None:
     return cpu.status()
 
 
-def _cpu_router() -> str:
+def cpu_router() -> str:
     """The CPU's FP32 router: the reference chain with the plug-in's one-pass top-k where it
     is registered, else the reference."""
     return "cpu_topk" if "cpu_topk" in ROUTER_IMPLS else "reference"
@@ -202,8 +175,8 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     """
     device = device_of(device)
     mxfp8, mx_note = _mxfp8_targets(device)
-    if amp is not None and amp not in AMP_DTYPES:
-        raise ValueError(f"amp must be one of {AMP_DTYPES}, got {amp!r}")
+    if amp is not None:
+        one_of(amp, "amp", AMP_DTYPES)
     if device.type == "cuda":
         compiled = capabilities().triton_mode == "compiled"
         backend = "triton" if compiled else "torch"
@@ -214,8 +187,8 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
         dispatch_note = ("fused dispatch: the permute and the weighted combine folded into the "
                          "grouped GEMMs (gather prologue, deterministic scatter epilogue)" if compiled
                          else "dropless dispatch: the fused grouped GEMMs need Triton compiled")
-        return Stack("optimised", ModelImpls(dispatcher=dispatcher, expert_backend=backend,
-                                             router_impl=router),
+        return Stack("optimised", impls=ModelImpls(dispatcher=dispatcher, expert_backend=backend,
+                                                   router_impl=router),
                      router_dtype="fp32", step="graphed", mxfp8=mxfp8,
                      notes=(f"{backend} grouped GEMM and {router} router (Triton compiles here)",
                             dispatch_note, "the whole step captured as one CUDA graph", mx_note))
@@ -241,7 +214,7 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
         attention = "sdpa_fp32" if amp else "sdpa"
         attention_note = ("PyTorch's scaled_dot_product_attention" + (" with its core in FP32"
                           if amp else "") + f": {unavailable}")
-    router = router_impl or _cpu_router()
+    router = router_impl or cpu_router()
     embedding = "opaque_grad" if "opaque_grad" in EMBEDDING_IMPLS else "reference"
     clip_step = "cpu_one_call" if "cpu_one_call" in CLIP_STEPS else "torch"
     router_note = (f"the FP32 {router} router" + (" (the reference chain with the CPU "
@@ -271,7 +244,7 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
              "no CUDA graph: there is no CUDA here", mx_note]
     impls = ModelImpls(dispatcher="dropless", expert_backend=backend, router_impl=router,
                        attention_impl=attention, embedding_impl=embedding)
-    return Stack("optimised", impls, router_dtype="fp32", step="sync_free", clip_step=clip_step,
+    return Stack("optimised", impls=impls, router_dtype="fp32", step="sync_free", clip_step=clip_step,
                  compile="cpp_wrapper" if compile else "", amp=amp, fp32_logits=bool(amp),
                  compiled_eval=compile, notes=tuple(n for n in notes if n))
 
@@ -332,34 +305,3 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
         rungs.append(("+ MXFP8 " + "+".join(best.mxfp8), last))
     rungs[-1] = (rungs[-1][0], best)
     return rungs
-
-
-def pick_router_impl(cfg: TTTConfig, candidates: Sequence[str] | None = None,
-                     min_time_s: float = 0.5) -> tuple[str, dict[str, float]]:
-    """Time the FP32 router of one MoE layer of ``cfg``'s model (forward + backward, at the
-    step's token count) for each of ``candidates`` on this machine, interleaved
-    (`moe_lab.workbench.measure.timing.compare`), and return the fastest name and every median in
-    milliseconds.
-    By default the candidates are the CPU's reference router (with the plug-in's top-k where
-    it is registered) and its ``torch.compile``; a compiled candidate compiles on its first
-    call, which the warm-up absorbs."""
-    if candidates is None:
-        cpu_plugin_status()
-        candidates = (_cpu_router(), "compiled")
-    moe_cfg = cfg.model_config("fp32").moe
-    gen = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(cfg.tokens_per_step, moe_cfg.d_model, generator=gen)
-    providers: dict[str, Callable[[], None]] = {}
-    for name in candidates:
-        torch.manual_seed(cfg.seed)
-        router = Router(moe_cfg, impl=name)
-
-        def fwd_bwd(router=router) -> None:
-            xi = x.detach().requires_grad_()
-            out = router(xi)
-            (out.topk_weights.sum() + out.aux_loss).backward()
-
-        providers[name] = fwd_bwd
-    timings = compare(providers, warmup=2, min_time_s=min_time_s)
-    medians = {name: t.median_s * 1e3 for name, t in timings.items()}
-    return min(medians, key=medians.get), medians
