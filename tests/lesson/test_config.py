@@ -86,3 +86,38 @@ def test_replace_revalidates_and_propagates_d_model():
     with pytest.raises(ValueError, match="top_k"):
         cfg.replace(moe={"top_k": 99})
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_holds_builds_and_reads_a_held_config_field_by_field():
+    import dataclasses
+    import inspect
+
+    from moe_lab.config import holds
+
+    @dataclasses.dataclass(frozen=True)
+    class Part:
+        a: int = 1
+        b: int = 2
+
+        def __post_init__(self):
+            if self.a < 0:
+                raise ValueError("Part.a must be >= 0")
+
+    @holds(part=Part)
+    @dataclasses.dataclass(frozen=True)
+    class Whole:
+        part: Part = dataclasses.field(default_factory=lambda: Part(b=20))
+        c: int = 3
+
+    w = Whole(a=5, c=4)
+    assert w.part == Part(5, 20) and (w.a, w.b, w.c) == (5, 20, 4)  # the holder's default part
+    assert Whole(part=Part(7), b=8).part == Part(7, 8)  # fields change the part given
+    assert dataclasses.replace(w, b=9).part == Part(5, 9)
+    assert Whole.held_fields == {"a": "part", "b": "part"}
+    assert {"a", "b", "c", "part"} <= set(inspect.signature(Whole).parameters)
+    with pytest.raises(ValueError, match="Part.a"):  # validated once, in the part
+        Whole(a=-1)
+    with pytest.raises(ValueError, match="Whole.part must be a Part, got int"):
+        Whole(part=3)
+    with pytest.raises(TypeError, match="'a' of part 'part' is declared twice"):
+        holds(part=Part)(dataclasses.dataclass(type("Clash", (), {"__annotations__": {"a": int}})))

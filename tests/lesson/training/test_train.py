@@ -202,3 +202,25 @@ def test_a_batch_too_large_for_memory_is_refused_before_anything_is_built():
 
     with pytest.raises(ValueError, match="batch_size=1000000000000 .* GiB"):
         Trainer(TINY, cfg(batch_size=10**12))
+
+
+def test_the_training_configs_hold_their_shared_fields_once():
+    import dataclasses
+
+    from moe_lab.training.build import BuildConfig
+    from moe_lab.training.loop import DataConfig
+    from moe_lab.training.optim import Schedule
+    from moe_lab.training.steps import StepConfig
+
+    c = cfg(lr=1e-3, read_every=4, dispatcher="dropless", expert_backend="torch")
+    assert c.step_config == StepConfig(Schedule(1e-3, 3, 12), read_every=4)
+    assert c.data == DataConfig(batch_size=4, eval_every=6, eval_per_domain=2)
+    assert c.build.impls.dispatcher == "dropless" and c.impls == c.build.impls
+    assert (c.lr, c.steps, c.read_every, c.batch_size, c.expert_backend) == (1e-3, 12, 4, 4, "torch")
+    assert dataclasses.replace(c, steps=20).schedule == Schedule(1e-3, 3, 20)
+    held = set(TrainConfig.held_fields)
+    own = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not held & own  # no field written twice
+    assert {"lr", "warmup_steps", "min_lr_ratio", "grad_clip", "read_every", "seed"} <= held
+    with pytest.raises(ValueError, match="fp32_logits"):
+        BuildConfig(fp32_logits=True)

@@ -494,3 +494,16 @@ def test_stack_ceilings_measure_each_precision_once(monkeypatch):
     calls.clear()
     assert ttt.stack_ceilings([NAIVE, fp32], n=64) == {"naive": "fp32@64", "optimised": "fp32@64"}
     assert calls == ["fp32"]
+
+
+def test_the_contest_hands_its_schedule_data_and_stack_to_the_trainer_as_they_are():
+    from moe_lab.training.optim import Schedule
+
+    best = ttt.optimised_stack("cpu", compile=False)
+    train_cfg = MICRO.train_config(best, n_domains=7)
+    assert train_cfg.schedule == MICRO.schedule == Schedule(3e-3, 1, 6)
+    assert train_cfg.build is best.build and train_cfg.read_every == MICRO.eval_every
+    assert (train_cfg.batch_size, train_cfg.eval_per_domain) == (2, 1)
+    assert ttt.PROFILES["full"].steps == TTTConfig().steps == 500  # the contest's own defaults
+    with pytest.raises(ValueError, match="eval_every"):  # the race stops at an evaluation
+        TTTConfig(eval_every=0)
