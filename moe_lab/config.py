@@ -5,9 +5,7 @@
 themselves on construction (`moe_lab.checks`), so a bad value fails where it is written,
 with the field's name and the range that was expected, not deep inside a forward pass.
 
-A configuration that shares fields with another holds it rather than copying its fields:
-`holds` lets the holder still be built and read field by field (the training configs of
-`moe_lab.training` are built this way).
+A config that shares fields with another holds it rather than copying them (`holds`).
 
 Presets:
 - ``tiny``  — CI smoke size: a training step takes milliseconds on a CPU.

@@ -8,9 +8,8 @@ branches on the platform, and a plug-in (the C++ CPU kernels in ``moe_lab.workbe
 adds names from outside with `Registry.register` — the core never imports it.
 
 A name that is not registered is refused with the names that are, what the registry holds,
-and, for a registry a plug-in adds to (``plugin=True``), how to add them — or, where the
-plug-in tried to register that name and could not (no C++ compiler, say), the reason it gave
-(`Registry.mark_unavailable`).
+and where a plug-in adds to it (``plugin=True``) how to add them, or, where it tried and could
+not (no C++ compiler, say), the reason it gave (`Registry.mark_unavailable`).
 """
 
 from __future__ import annotations

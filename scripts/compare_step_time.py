@@ -34,33 +34,31 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run in each child: the working tree's or the exported revision's moe_lab, whichever the
 # child's sys.path finds first.
 CHILD = r"""
-import importlib, json, os, statistics, sys, time
+import importlib, json, os, pathlib, statistics, sys, time
 import torch
 if not torch.cuda.is_available():  # as the Makefile does (and as `import moe_lab` once did)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import moe_lab
 
-# The contest's package: where it lives since the lesson and the workbench were split, and
-# where it lived before.
-for package in ("moe_lab.workbench.benchmarks.ttt", "moe_lab.bench.ttt"):
-    try:
-        ttt = importlib.import_module(package)
-        break
-    except ModuleNotFoundError:
-        continue
-else:
-    raise SystemExit("no time-to-train contest in this revision of moe_lab")
+# The contest's package in this revision's own tree (an import that fails here could be
+# answered by another tree's editable install): where it lives since the lesson and the
+# workbench were split, or where it lived before.
+root = pathlib.Path(moe_lab.__file__).parent
+package = next((p for p in ("workbench.benchmarks.ttt", "bench.ttt")
+                if root.joinpath(*p.split(".")).exists()
+                or root.joinpath(*p.split(".")).with_suffix(".py").exists()), None)
+if package is None:
+    raise SystemExit(f"no time-to-train contest in {root}")
+ttt = importlib.import_module("moe_lab." + package)
+contest = root.joinpath(*package.split("."), "contest.py")
 
 profile, steps, compile = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 cfg = ttt.PROFILES[profile]
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 stack = ttt.optimised_stack(device, compile=None if compile else False)
 gen = torch.Generator().manual_seed(cfg.seed + 1)
-try:
-    load_contest_corpus = importlib.import_module(package + ".contest").load_contest_corpus
-except (ModuleNotFoundError, AttributeError):
-    load_contest_corpus = None
-if load_contest_corpus is not None:  # the contest as a package: the trainer draws from its corpus
-    corpus = load_contest_corpus(cfg)
+if contest.exists():  # the contest as a package: the trainer draws from the contest's corpus
+    corpus = importlib.import_module(f"moe_lab.{package}.contest").load_contest_corpus(cfg)
     trainer = ttt.make_trainer(stack, cfg, device, corpus=corpus)
     def one_step(batch):
         trainer.train_on(batch)

@@ -5,12 +5,10 @@ A dispatcher takes the tokens ``x: [T, d_model]``, the router's choice
 ``y: [T, d_model] = Σ_j topk_weights[t, j] · expert_{topk_ids[t, j]}(x[t])`` together
 with the number of (token, expert) assignments it dropped.
 
-``naive`` is the loop most code starts from (Hugging Face's Mixtral block is written this
-way): for every expert, find its tokens with a boolean mask, gather them, run the expert,
-scatter-add the weighted result. Finding "its tokens" is ``torch.where(mask)`` — a
-``nonzero`` whose output size depends on the data, so the host must wait for the device
-once per expert. It drops nothing and is the correctness reference for every other
-dispatcher; it is slow on purpose.
+``naive`` is the loop most code starts from (Hugging Face's Mixtral block): for every
+expert, find its tokens with ``torch.where(mask)`` — a ``nonzero`` whose output size depends
+on the data, so the host waits for the device once per expert — run the expert, scatter-add
+the weighted result. It drops nothing and is the reference for every other dispatcher.
 
 ``capacity`` (GShard / Switch Transformer) gives every expert a fixed number of slots,
 ``C = ceil(tokens · top_k · capacity_factor / n_experts)``, so every buffer has a shape known
@@ -32,7 +30,7 @@ and the second weights its rows and scatters them to their tokens — determinis
 (a token-major store, then a sum over the top-k) or with float32 atomics.
 
 Every dispatcher keeps one contract (`Dispatcher`) and declares how it runs the experts
-(`EXPERT_PATHS`); `check_pairing` turns that declaration into the rule a layer is built by.
+(`EXPERT_PATHS`), which `check_pairing` turns into the rule a layer is built by.
 """
 
 from __future__ import annotations
@@ -63,11 +61,8 @@ EXPERT_PATHS = ("methods", "backend", "kernels")
 
 
 class Dispatcher(Protocol):
-    """``dispatcher(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped)``.
-
-    ``x: [T, d_model]``, ``topk_ids, topk_weights: [T, k]``; ``y: [T, d_model]`` and
-    ``dropped: []`` int64 on x's device, the (token, expert) assignments not computed.
-    ``runs_experts``: one of `EXPERT_PATHS`, set by `register_dispatcher`."""
+    """``(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped)``: ``x, y: [T, d_model]``,
+    ``topk_*: [T, k]``, ``dropped: []`` int64 on x's device; ``runs_experts``: `EXPERT_PATHS`."""
 
     runs_experts: str
 

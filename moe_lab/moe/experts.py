@@ -3,40 +3,26 @@
 Each expert computes ``down(silu(x·W_gate) ⊙ (x·W_up))``. Storing all experts as two
 stacked tensors (``w_gate_up: [E, d_model, 2·d_expert]``, ``w_down: [E, d_expert, d_model]``)
 rather than ``E`` separate ``nn.Linear`` modules is what lets a grouped GEMM treat them as
-one batched problem; the loop below uses them one expert at a time, which is the
-reference every faster backend is checked against.
+one batched problem. The weights are cast to the tokens' dtype at each matmul, so bf16
+tokens run bf16 GEMMs against fp32 master weights (as ``torch.autocast`` does for
+``nn.Linear``). ``quant = "mxfp8"`` quantizes every expert matmul's operands to MXFP8 along
+the reduction dim first (emulated, `moe_lab.quant`).
 
-The weights are cast to the tokens' dtype at each matmul, so bf16 tokens run bf16 GEMMs
-against fp32 master weights (what ``torch.autocast`` does for ``nn.Linear``; the gradient
-flows back to the fp32 weights through the cast). `moe_lab.moe.layer.MoELayer` sends the
-tokens in the autocast dtype when autocast is on.
-
-``quant = "mxfp8"`` makes every expert matmul quantize its inputs and weights to MXFP8
-along the reduction dim first (emulated: quantize → dequantize → matmul), see
-``moe_lab.quant``.
-
-Ways to run all experts over tokens already grouped by expert
-(``grouped_forward(x, offsets)``, rows ``offsets[e]:offsets[e+1]`` belong to expert ``e``) are
-*expert backends*, registered by name in `EXPERT_BACKENDS` and given to the experts when
-they are built:
+Ways to run all experts over rows grouped by expert (``grouped_forward(x, offsets)``) are
+*expert backends*, registered in `EXPERT_BACKENDS`:
 
 - ``loop`` — the reference: every expert on every row, each row keeping its own expert's
-  result. ``n_experts`` times the work, but plainly right and free of host syncs (a loop that
-  slices each expert's rows would need their count on the host).
-- ``torch`` — ``torch._grouped_mm``: one grouped GEMM over the offsets, wrapped as the
-  custom op ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it.
-- ``triton`` — moe_lab's own Triton grouped GEMM with SwiGLU fused into the first GEMM's
-  epilogue (``moe_lab.kernels.grouped_gemm``).
+  result: ``n_experts`` times the work, plainly right and free of host syncs;
+- ``torch`` — ``torch._grouped_mm`` over the offsets, as the custom op
+  ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it;
+- ``triton`` — moe_lab's Triton grouped GEMM with SwiGLU fused into the first GEMM's
+  epilogue (`moe_lab.kernels.grouped_gemm`); a plug-in may add more (``openmp``).
 
-A plug-in may register more (``moe_lab.workbench.cpu`` adds ``openmp``). Each backend names the
-token permutation it pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`), which the dropless
-dispatcher uses to sort the tokens into expert order and back; each expert class names the
-backends it runs on (``BACKENDS``: a variant with biases runs only on those that call its
-own methods).
-
-What the experts save for backward is kept by autograd, or by an *activation store* given
-with `SwiGLUExperts.use_activation_store` (the paged stash of `moe_lab.moe.stash`), which
-runs the expert compute under its saved-tensor hooks.
+Each backend names the token permutation it pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`);
+each expert class names the backends it runs on (``BACKENDS``: a variant with biases only
+those that call its own methods). What the experts save for backward is kept by autograd,
+or by an *activation store* (`SwiGLUExperts.use_activation_store`, the paged stash of
+`moe_lab.moe.stash`).
 """
 
 from __future__ import annotations
@@ -335,10 +321,9 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
     """GPT-OSS's experts: `SwiGLUExperts` with biases on both GEMMs (``b_gate_up: [E, 2f]``,
     ``b_down: [E, d_model]``) and `clamped_swiglu` as the gated unit.
 
-    Same weight layout as the reference (gate columns first), so every backend that runs
-    the experts through `forward_expert`, `grouped_two_gemms` or `batched_forward` runs
-    this variant too: ``loop`` and ``torch``. Backends that fuse plain SwiGLU into a
-    kernel (``triton``) or bring their own MLP (a plug-in's) are refused by name.
+    Same weight layout as the reference (gate columns first), so the backends that run the
+    experts through `forward_expert` or `grouped_two_gemms` run this variant too (``BACKENDS``);
+    those that fuse plain SwiGLU into a kernel or bring their own MLP do not.
     """
 
     BACKENDS = ("loop", "torch")

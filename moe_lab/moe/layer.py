@@ -1,15 +1,13 @@
 """The MoE layer: router → dispatcher → experts (+ an optional shared expert).
 
 ``y, stats = MoELayer(cfg, dispatcher="naive")(x)`` with ``x: [tokens, d_model]`` or
-``[batch, seq, d_model]``. Each part is chosen by name: the dispatcher from
-`moe_lab.moe.dispatch.DISPATCHERS`, the experts' class from
-`moe_lab.moe.experts.EXPERT_KINDS` and their grouped GEMM from
-`moe_lab.moe.experts.EXPERT_BACKENDS`, the router from `moe_lab.moe.router.ROUTER_IMPLS`.
-The names pair by the rules their entries declare — a dispatcher how it runs the experts, an
-expert class the backends it runs on, a backend its token permutation — checked here, as the
-layer is built, with an error naming both names (`moe_lab.moe.dispatch.check_pairing`).
-Every pairing computes the same function (up to dropped tokens, which
-``stats.dropped_tokens`` counts) and is tested against ``naive``.
+``[batch, seq, d_model]``. Each part is named: the dispatcher (`moe_lab.moe.dispatch.DISPATCHERS`),
+the experts' class and grouped GEMM (`moe_lab.moe.experts.EXPERT_KINDS`, ``EXPERT_BACKENDS``),
+the router (`moe_lab.moe.router.ROUTER_IMPLS`). The names pair by what their entries declare
+(a dispatcher how it runs the experts, an expert class the backends it runs on, a backend its
+token permutation), checked as the layer is built (`moe_lab.moe.dispatch.check_pairing`).
+Every pairing computes the same function (up to the dropped tokens ``stats`` counts) and is
+tested against ``naive``.
 """
 
 from __future__ import annotations

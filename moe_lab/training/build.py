@@ -1,19 +1,14 @@
-"""Building what a training run trains: the model and its optimizer, random batches, and the
-forward a step calls (under autocast, compiled or not). `BuildConfig` names all of it.
+"""Building what a training run trains (`BuildConfig` names it): the model and its optimizer,
+random batches, and the forward a step calls (under autocast, compiled or not).
 
 `build_model` is the one place a model is built for training: seeded, so every stack and
-every step kind starts from the same weights; its implementations named by a
-`moe_lab.model.ModelImpls`; its optimizer the one its step kind takes
-(`moe_lab.training.optim.stock_optimizer` for the eager step,
-`moe_lab.training.optim.make_optimizer` for the sync-free and graphed ones).
-
-`step_forward` wraps the model for the step: ``torch.compile`` with the options of a
-`COMPILE_MODES` name, and ``torch.autocast`` for an `AMP_DTYPES` name. Under ``compile``
-and ``amp`` the backward graph is traced under the forward's autocast
-(``torch._functorch.config.backward_pass_autocast = "same_as_forward"``, pinned here
-because PyTorch means to change its default): the backward GEMMs of the regions that the
-forward keeps in FP32 (the router, the logits) run in the autocast dtype, as every other
-backward GEMM does. Eager autograd would run them in FP32.
+step kind starts from the same weights, with the optimizer its step kind takes.
+`step_forward` wraps the model for the step in ``torch.compile`` (a `COMPILE_MODES` name)
+and ``torch.autocast`` (an `AMP_DTYPES` name). Under both, the backward graph is traced
+under the forward's autocast (``backward_pass_autocast = "same_as_forward"``, pinned here
+because PyTorch means to change its default): the backward GEMMs of the regions the forward
+keeps in FP32 (the router, the logits) run in the autocast dtype, as every other backward
+GEMM does, where eager autograd would run them in FP32.
 """
 
 from __future__ import annotations

@@ -1,31 +1,24 @@
 """CUDA graphs: capture the whole sync-free training step once, replay it with one launch.
 
-In eager PyTorch the host launches every kernel itself: a few microseconds of Python,
-dispatch and driver work per operator, hundreds of operators per training step. When the
-kernels are small — a small model, a small batch, or a large model split over many GPUs —
-the GPU finishes each kernel before the host has launched the next, and the step runs at
-the speed of the host. A CUDA graph records the kernels of one step, with their arguments
-and memory addresses, and replays them all with a single launch: the host leaves the
-critical path.
-
-What a graph cannot hold is anything that needs the host in the middle of the step: a
-value read back (``.item()``, ``if t:``), an output sized by the data (``nonzero``,
-``x[mask]``), a host number that changes each step (a Python learning rate), new input
-tensors (inputs must be copied into the same static buffers before each replay). The
+In eager PyTorch the host launches every kernel itself, a few microseconds each, hundreds per
+step; when the kernels are small the GPU waits for the host. A CUDA graph records the kernels
+of one step, with their arguments and memory addresses, and replays them with one launch.
+It cannot hold anything that needs the host mid-step: a value read back, an output sized by
+the data, a host number that changes each step, new input tensors. The
 `moe_lab.training.steps.SyncFreeStep` has none of those, and proves it on the CPU
 (`moe_lab.training.sync.assert_sync_free`). `GraphedStep` then:
 
 1. certifies the step, and refuses with the operator and the fix when it is not capturable
    (`NotCapturableError`);
-2. warms up on a side stream (the first iterations allocate the optimizer state, compile
-   Triton kernels and settle the allocator — none of which may happen during capture),
-3. captures one iteration with ``torch.cuda.CUDAGraph``, restores the weights and optimizer
-   state the warm-up changed (in place: the graph holds their addresses), and
+2. warms up on a side stream (the optimizer state, Triton's compiles and the allocator
+   settle, none of which may happen during capture);
+3. captures one iteration with ``torch.cuda.CUDAGraph`` and restores, in place, the weights
+   and optimizer state the warm-up changed (the graph holds their addresses);
 4. replays it for every batch after copying the batch into the static inputs.
 
-Without CUDA there is nothing to capture: `GraphedStep` runs the same step eagerly, says so
-once, and reports ``mode == "eager (no CUDA)"`` — the certificate still runs, so a CPU
-still refuses a step a GPU could not capture.
+Without CUDA `GraphedStep` runs the same step eagerly, says so once, and reports
+``mode == "eager (no CUDA)"`` — the certificate still runs, so a CPU still refuses a step a
+GPU could not capture.
 """
 
 from __future__ import annotations

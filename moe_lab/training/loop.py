@@ -1,35 +1,21 @@
 """The training loop: one `Trainer` advanced step by step, with a pluggable step.
 
-``train(model_cfg, TrainConfig(...))`` trains an ``MoETransformer`` on a corpus (the
-synthetic multi-domain corpus by default, or any UTF-8 text file) and returns a
-`TrainResult`. ``TrainConfig.step`` names the step it plugs in (`STEP_KINDS`):
+``train(model_cfg, TrainConfig(...))`` trains an ``MoETransformer`` on a corpus (synthetic,
+or any UTF-8 text file) and returns a `TrainResult`. ``TrainConfig.step`` names the step:
+``"eager"`` (`moe_lab.training.steps.EagerStep`, the naive stack's: every statistic read back
+every step, so ``history`` holds one record per step), ``"sync_free"``
+(`moe_lab.training.steps.SyncFreeStep`: one record per window of ``read_every`` steps) or
+``"graphed"`` (that step as a CUDA graph, `moe_lab.training.graphs.GraphedStep`). Every
+``eval_every`` steps the eval loss per domain goes to ``evals``.
 
-- ``"eager"`` — `moe_lab.training.steps.EagerStep`, the naive stack's: the stock AdamW,
-  the learning rate set from the host, and every statistic read back after every step, so
-  ``history`` holds one record per step (loss, learning rate, gradient norm, tokens per
-  expert and load imbalance of every MoE layer, dropped tokens, step time);
-- ``"sync_free"`` — `moe_lab.training.steps.SyncFreeStep`: nothing read back but one window
-  of statistics every ``read_every`` steps, so ``history`` holds one record per window;
-- ``"graphed"`` — that step captured as a CUDA graph (`moe_lab.training.graphs.GraphedStep`;
-  without CUDA it runs eagerly and says so).
+A `Trainer` holds what one run needs (model, optimizer, step, data stream, eval set, the
+compiled or autocast forwards); `train` is the loop over it with evaluation, callback and
+checkpoints, and the time-to-train race advances one `Trainer` per stack in lockstep.
 
-Every ``eval_every`` steps the eval loss per domain on a fixed eval set goes to ``evals``.
-
-A `Trainer` holds everything one run needs — the model and its optimizer
-(`moe_lab.training.build.build_model`), the step, the data stream, the eval set, and the
-compiled or autocast forwards of ``compile``, ``amp`` and ``compiled_eval`` — and
-`Trainer.advance` trains on the next batch. `train` is the loop over it with evaluation,
-callback and checkpoints; the time-to-train race (`moe_lab.workbench.benchmarks.ttt.race`) advances one
-`Trainer` per stack in lockstep.
-
-Runs are deterministic under a seed on the CPU: the model is initialised, and batches
-drawn, from generators seeded from ``TrainConfig.seed``. A checkpoint
-(`moe_lab.training.checkpoint`) holds the model, the optimiser, the step's device state,
-the data generator's state and the history, so a resumed run continues the uninterrupted
-loss curve exactly; it also records the run's `RUN_SETTINGS`, and `train` refuses to resume
-it with others unless asked to (``override``). A run with a checkpoint path is saved when it
-completes, and every ``checkpoint_every`` steps if that is set. A non-finite training loss
-stops the run (`TrainingDiverged`) rather than train on numbers that are no longer numbers.
+Runs are deterministic under a seed on the CPU. A checkpoint holds the model, optimizer,
+the step's device state, the data generator and the history, so a resumed run continues the
+uninterrupted loss curve exactly; it records the `RUN_SETTINGS`, and a resume with others is
+refused unless asked for (``override``). A non-finite loss stops the run (`TrainingDiverged`).
 """
 
 from __future__ import annotations
@@ -183,14 +169,11 @@ class Trainer:
     """One training run, advanced a step at a time: ``trainer.advance()`` trains on the next
     batch of the data stream and returns the statistics the step read (or ``None``).
 
-    Built from ``cfg`` (`TrainConfig`): the model and its optimizer (`build_model`, seeded
-    with ``cfg.seed``), the data generator (seeded with ``cfg.seed + 1``), the fixed eval
-    set, the forwards of ``compile``/``amp``/``compiled_eval``, and the step. With
-    ``compile`` one forward and backward on random tokens compile the model here, before any
-    training step (the weights do not move, the gradients are dropped); with ``warm_eval``
-    the compiled evaluation is compiled here too, on random tokens of the eval set's shape.
-    ``checkpoint`` (a `state`) resumes a run: the model, optimizer, data stream and RNG are
-    restored before the step is built, the step's device state after.
+    Everything is built here from ``cfg``, seeded from ``cfg.seed``. With ``compile`` one
+    forward and backward on random tokens compile the model before any training step (the
+    weights do not move), and with ``warm_eval`` the compiled evaluation too. ``checkpoint``
+    (a `state`) resumes a run: the model, optimizer, data stream and RNG are restored before
+    the step is built, the step's device state after.
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
@@ -381,11 +364,9 @@ def train(
     With ``cfg.checkpoint_path`` the run is saved every ``cfg.checkpoint_every`` steps
     (if > 0) and when it completes; the path is checked before anything is trained. A
     resumed run must have steps left, and the `RUN_SETTINGS` it was saved with unless
-    ``override``. ``stop_after`` ends the run early after that many total steps (the
-    schedule still spans ``cfg.steps``, and no final checkpoint is written): used to
-    simulate an interrupted run. ``callback(step, record)`` is called after every step
-    (``record`` is ``None`` where the step read nothing). A sync-free step's last, shorter
-    window of statistics is read at the end.
+    ``override``. ``stop_after`` ends the run early after that many total steps, without a
+    final checkpoint (an interrupted run). ``callback(step, record)`` is called after every
+    step (``record`` is ``None`` where the step read nothing).
 
     A non-finite training loss raises `TrainingDiverged`, Ctrl-C `TrainingInterrupted`;
     both name the step and the last checkpoint.

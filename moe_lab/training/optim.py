@@ -1,28 +1,22 @@
 """The optimizers, the learning-rate schedule, and the registry of clip-and-step variants.
 
 Two AdamWs train the same parameter groups (weight decay on matrices except the
-embedding): `stock_optimizer`, the naive loop's — its step count on the host, its learning
-rate a Python float set before every step, one parameter at a time (``foreach=False``) —
-and `make_optimizer`, the one a CUDA graph can hold — ``fused=True, capturable=True``, the
-step counts and the learning rate on the device.
+embedding): `stock_optimizer`, the naive loop's — its step count on the host, a Python
+learning rate, one parameter at a time — and `make_optimizer`, the one a CUDA graph can
+hold — ``fused=True, capturable=True``, the step counts and the learning rate on the device.
 
-The schedule (`Schedule`, the one every training config holds) is linear warm-up then cosine
+The schedule (`Schedule`, held by every training config) is linear warm-up then cosine
 decay, written twice on purpose: `warmup_cosine` on the host (the naive loop sets a float)
 and `lr_schedule` on the device (the sync-free step rewrites the optimizer's learning-rate
-tensor in place, so no host value changes from step to step and a captured graph replays
-the schedule).
+tensor in place, so a captured graph replays the schedule).
 
-`CLIP_STEPS` names how the sync-free step clips the gradients and updates the parameters.
-``"torch"`` is the step's own path (`moe_lab.training.steps.SyncFreeStep`): the global norm
-with ``torch.nn.utils.get_total_norm``, the clip folded into the fused AdamW as its
-``grad_scale`` divisor. A plug-in may register a faster one under another name (the CPU
-plug-in's ``"cpu_one_call"``: the norm, the factor and AdamW in one call). An entry is a
-factory ``factory(optimizer) -> fn | None``: ``None`` when it cannot drive this optimizer
-(the step then takes torch's path); else ``fn(max_norm, grad_scale, skip) -> norm | None``
-computes the global gradient norm, sets ``grad_scale`` to ``max(1, norm / max_norm)``, runs
-the optimizer update (skipped on the device where ``skip == 1``) and returns the norm — or
-returns ``None`` when it does not apply at this step (e.g. step hooks are registered), and
-the step takes torch's path for that step.
+`CLIP_STEPS` names how the sync-free step clips the gradients and updates the parameters:
+``"torch"`` is the step's own path (`moe_lab.training.steps.SyncFreeStep`); a plug-in may
+register a faster one (the CPU plug-in's ``"cpu_one_call"``). An entry is a factory
+``factory(optimizer) -> fn | None`` (``None``: it cannot drive this optimizer, torch's path
+is taken); ``fn(max_norm, grad_scale, skip) -> norm | None`` computes the global gradient
+norm, sets ``grad_scale = max(1, norm / max_norm)``, runs the update (skipped on the device
+where ``skip == 1``) and returns the norm, or ``None`` where it does not apply at this step.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The training steps a loop can plug in: the naive eager step, and the sync-free one.
 
-`EagerStep` is the naive stack's step, kept as notebook 01 trains: the learning rate set from
-the host, the stock AdamW stepping parameter by parameter, ``clip_grad_norm_``, and every
-statistic (loss, gradient norm, tokens per expert, dropped tokens) read back to the host
-after every step.
+`EagerStep` is the naive stack's step, as notebook 01 trains: the learning rate set from the
+host, the stock AdamW, ``clip_grad_norm_``, and every statistic read back after every step.
 
 A CUDA graph records a sequence of kernels once and replays it with one launch. It can hold
 a whole training iteration only if nothing in the iteration needs the host: no value read
@@ -16,29 +14,23 @@ fixed:
   offsets kept on the device (notebook 03), not by ``torch.where`` per expert;
 - **a capturable optimizer** — AdamW with ``fused=True, capturable=True``
   (`moe_lab.training.optim.make_optimizer`): its step count lives on the device, and the
-  learning rate is a device tensor that the schedule (`moe_lab.training.optim.lr_schedule`)
-  rewrites in place; the stock AdamW keeps the step count on the host and reads it every step;
-- **clipping without a host read** — the global gradient norm stays a tensor (the
-  ``error_if_nonfinite=True`` check of ``clip_grad_norm_`` would read it, so it is off: a
-  non-finite norm shows in the statistics instead). With a fused optimizer the clip is not
-  even a pass of its own: the fused AdamW divides every gradient by its ``grad_scale`` tensor
-  as it reads it (the hook AMP's loss scaling uses), so the step sets
-  ``grad_scale = max(1, norm / max_norm)``: two passes over the gradients (the norm, the
-  update) instead of three (the norm, the multiply, the update). A registered clip step
-  (``clip_step``, `moe_lab.training.optim.CLIP_STEPS`) may do both in one call;
-- **statistics on the device** — loss, gradient norm, tokens per expert and imbalance
-  are summed into device buffers (`StepState`) and read back in *one* copy every
-  ``read_every`` steps (`SyncFreeStep.read_stats`);
+  learning rate is a device tensor the schedule (`moe_lab.training.optim.lr_schedule`)
+  rewrites in place, where the stock AdamW reads its host step count every step;
+- **clipping without a host read** — the global norm stays a tensor (``error_if_nonfinite``
+  would read it: a non-finite norm shows in the statistics instead), and a fused AdamW
+  divides every gradient by its ``grad_scale`` tensor as it reads it (the hook of AMP's loss
+  scaling): ``grad_scale = max(1, norm / max_norm)`` is the clip, two passes over the
+  gradients instead of three. A registered ``clip_step`` (`moe_lab.training.optim.CLIP_STEPS`)
+  may do both in one call;
+- **statistics on the device** — summed into device buffers (`StepState`) and read back in
+  *one* copy every ``read_every`` steps (`SyncFreeStep.read_stats`);
 - **static inputs** — every batch is copied into the same two device buffers, so a
   captured graph always reads its inputs from the same addresses.
 
-The auxiliary loss already comes from device-side counts (the router counts with
-``scatter_add_``). `SyncFreeStep.certify` runs the *whole* step — forward, backward,
-clipping, the learning-rate update and the optimizer — under
-`moe_lab.training.sync.assert_sync_free` on fake tensors, so a CPU proves what a GPU will do.
-
-Every step is called with a batch and returns the statistics it read (a dict) or ``None``;
-``flush()`` reads what is still accumulated; ``host_steps`` counts the steps taken.
+`SyncFreeStep.certify` runs the *whole* step — forward, backward, clipping, the schedule and
+the optimizer — under `moe_lab.training.sync.assert_sync_free` on fake tensors, so a CPU
+proves what a GPU will do. Every step is called with a batch and returns the statistics it
+read (a dict) or ``None``; ``flush()`` reads what is still accumulated.
 """
 
 from __future__ import annotations
@@ -83,11 +75,6 @@ def phase(name: str) -> torch.profiler.record_function:
     return torch.profiler.record_function(PHASE_PREFIX + name)
 
 
-# --------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------
-
-
 @holds(schedule=Schedule)
 @dataclass(frozen=True)
 class StepConfig:
@@ -123,16 +110,13 @@ _SCALARS = ("steps", "skipped", "loss", "lm_loss", "aux_loss", "grad_norm", "gra
 class StepState(nn.Module):
     """Everything the training loop keeps between steps, as device buffers.
 
-    ``x``, ``y``: ``[batch, seq]`` int64, the static inputs every batch is copied into;
-    ``step``: ``[]`` float32, optimizer steps taken (drives the schedule); ``lr``: the
-    optimizer's own learning-rate tensor; ``skip``: ``[]`` float32, 1.0 while the current
-    step must not update anything (a paged-stash overflow); ``grad_scale``: ``[]`` float32,
-    what a fused optimizer divides the gradients by (the clip, `SyncFreeStep`); ``scalars``: ``[7]`` float64
-    sums over the current window (see ``_SCALARS``); ``tokens_per_expert``: ``[L, E]``
-    float64 sums; ``imbalance``: ``[L]`` float64 sums of max/mean load.
-
-    A module so that `moe_lab.training.sync.assert_sync_free` swaps these buffers for fake ones
-    together with the model's parameters.
+    ``x``, ``y``: ``[batch, seq]`` int64, the static inputs; ``step``: ``[]`` float32,
+    optimizer steps taken (drives the schedule); ``lr``: the optimizer's learning-rate tensor;
+    ``skip``: ``[]``, 1.0 while the step must not update anything (a paged-stash overflow);
+    ``grad_scale``: ``[]``, what a fused optimizer divides the gradients by (the clip);
+    ``scalars``: ``[7]`` float64 sums over the window (``_SCALARS``); ``tokens_per_expert``:
+    ``[L, E]`` and ``imbalance``: ``[L]`` float64 sums. A module, so that
+    `moe_lab.training.sync.assert_sync_free` swaps these buffers for fake ones too.
     """
 
     def __init__(self, example_batch: Batch, lr: Tensor, n_moe_layers: int, n_experts: int) -> None:
@@ -444,15 +428,10 @@ class SyncFreeStep:
 class EagerStep:
     """The naive loop's training step: ``record = step(batch)`` after every step.
 
-    The learning rate of step ``host_steps`` (`Schedule.lr_at`) is set as a Python float on
-    every parameter group; ``optimizer`` is any torch optimizer (the naive stack's is
-    `moe_lab.training.optim.stock_optimizer`); the gradients are clipped with
-    ``clip_grad_norm_``; with ``cfg.expert_bias_rate`` the routers' biases move after the
-    optimizer step. Then every statistic is read back to the host — a sync per value, the
-    naive stack's habit — into the record: ``step`` (from 0), ``loss``, ``lm_loss``,
-    ``aux_loss``, ``lr``, ``grad_norm``, ``tokens_per_expert`` and ``imbalance`` (max/mean)
-    per MoE layer, ``dropped_tokens`` and ``step_time_s``. ``forward`` replaces the call of
-    the model (a compiled or autocast forward).
+    The learning rate (`Schedule.lr_at`) is set as a Python float on every parameter group
+    of ``optimizer`` (any torch optimizer), the gradients clipped with ``clip_grad_norm_``,
+    and every statistic read back to the host — a sync per value, the naive stack's habit —
+    into the record. ``forward`` replaces the call of the model (a compiled or autocast one).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,

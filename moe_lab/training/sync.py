@@ -17,18 +17,12 @@ syncs cannot be captured in a CUDA graph. A naive Mixture-of-Experts layer syncs
 times per layer (count tokens per expert, ``nonzero`` per expert, split by ``.tolist()``);
 a dropless, sync-free one keeps every count on the device.
 
-Two tools, one list of sync operators (``SYNC_OPS``):
-
-``count_syncs(fn, *args, **kwargs)``
-    runs ``fn`` for real under a ``TorchDispatchMode``, which sees every ATen operator
-    the call dispatches (forward and, if ``fn`` calls it, backward), and counts the ones
-    in the list. It works on a CPU: whether an op syncs is a property of the operator,
-    not of where it happened to run, so a laptop counts what a GPU would suffer.
-``assert_sync_free(fn, *args, backward=True, **kwargs)``
-    runs ``fn`` on *fake* tensors (``FakeTensorMode``: shapes and dtypes, no data, no
-    compute), then its backward, and raises ``SyncError`` naming the first sync
-    operator and the line of your code that issued it. Because nothing is computed, it
-    checks a DeepSeek-sized layer as fast as a tiny one.
+Two tools, one list of sync operators (``SYNC_OPS``): `count_syncs` runs ``fn`` for real
+under a ``TorchDispatchMode`` and counts the listed operators it dispatches — on a CPU too:
+whether an op syncs is a property of the operator, not of where it ran; `assert_sync_free`
+runs ``fn`` (and its backward) on *fake* tensors, nothing computed, and raises `SyncError`
+at the first sync, naming the operator and the line that issued it — as fast for a
+DeepSeek-sized layer as for a tiny one.
 
 How the count maps to a GPU
 ---------------------------
