@@ -109,7 +109,7 @@ class ExpertBiasBalancer:
         self._handle = None
         self.updates = 0
 
-    def _hook(self, module: nn.Module, inputs, output) -> None:
+    def _hook(self, module: nn.Module, inputs: tuple, output: tuple) -> None:
         if isinstance(module, MoELayer) and module.training:
             counts = output[1].tokens_per_expert.detach()
             key = id(module)

@@ -224,8 +224,7 @@ def dropless_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts
                       cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
     """Permute (the `TokenPermutation` the experts' backend names) → grouped GEMM over device
     offsets → weighted unpermute. Never drops."""
-    moves = PERMUTATIONS.lookup(experts.permutation, f"the permutation of expert backend "
-                                f"{experts.backend!r}")
+    moves = PERMUTATIONS.lookup(experts.permutation, "the permutation of the experts' backend")
     x_sorted, offsets, layout = moves.permute(x, topk_ids, experts.n_experts)
     y_sorted = experts.grouped_forward(x_sorted, offsets)
     out = moves.unpermute(y_sorted, layout, topk_weights)

@@ -35,6 +35,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
@@ -74,11 +75,11 @@ def register_grouped_mm_autograd(forward_op: torch.library.CustomOpDef,
     grouped GEMMs over the same offsets, ``dx = forward_op(dy, wᵀ)`` and
     ``dw = wgrad_op(x, dy)``."""
 
-    def setup(ctx, inputs, output) -> None:
+    def setup(ctx: FunctionCtx, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
         x, w, offs = inputs
         ctx.save_for_backward(x, w, offs)
 
-    def backward(ctx, dy: Tensor):
+    def backward(ctx: FunctionCtx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()
         # The transposed weight is a strided view: the kernels read it in place (a
@@ -106,14 +107,14 @@ class _SwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h: Tensor) -> Tensor:
+    def forward(ctx: FunctionCtx, h: Tensor) -> Tensor:
         gate, up = h.chunk(2, dim=-1)
         ctx.save_for_backward(h)
         return F.silu(gate).mul_(up)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dy: Tensor) -> Tensor:
+    def backward(ctx: FunctionCtx, dy: Tensor) -> Tensor:
         (h,) = ctx.saved_tensors
         gate, up = h.chunk(2, dim=-1)
         f = gate.shape[-1]

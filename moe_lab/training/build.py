@@ -152,7 +152,7 @@ def autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = F
     one_of(amp, "amp", AMP_DTYPES[1:])
     dtype = {"bf16": torch.bfloat16}[amp]
 
-    def forward(x, y=None):
+    def forward(x: Tensor, y: Tensor | None = None) -> object:
         with (torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed),
               functorch_config.patch(backward_pass_autocast=BACKWARD_PASS_AUTOCAST)):
             return fn(x, y)

@@ -177,7 +177,7 @@ def optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module)
                            "call it inside assert_sync_free")
     mode = fake.fake_mode
 
-    def to_fake(value):
+    def to_fake(value: object) -> object:
         return mode.from_tensor(value) if isinstance(value, Tensor) else value
 
     saved_groups = [dict(g) for g in optimizer.param_groups]

@@ -314,7 +314,8 @@ class _SyncDispatchMode(TorchDispatchMode):
         super().__init__()
         self.state = state
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple[type, ...],
+                           args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         op = _classify(func, args, kwargs)
         if op is not None and not (
@@ -334,7 +335,8 @@ class _SyncFunctionMode(TorchFunctionMode):
         super().__init__()
         self.state = state
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable, types: tuple[type, ...], args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = _HOST_READS.get(func)
         if name is not None and args:

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
+from moe_lab.config import ModelConfig
 from moe_lab.config import preset as get_preset
+from moe_lab.data import Batch
 from moe_lab.moe.stash import PagedStash
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.build import build_model, random_batch
@@ -41,11 +44,11 @@ DESCRIPTION = "one training step: naive / sync-free eager / compiled / CUDA-grap
 MIN_TIME = {"smoke": 0.3, "full": 2.0}
 
 
-def _naive_step(model_cfg, batch):
+def _naive_step(model_cfg: ModelConfig, batch: Batch) -> Callable[[], object]:
     return ladder_step(model_cfg, batch, 0)
 
 
-def stash_memory(model_cfg, batch_size: int, page_rows: int = 32, capacity_factor: float = 1.25,
+def stash_memory(model_cfg: ModelConfig, batch_size: int, page_rows: int = 32, capacity_factor: float = 1.25,
                  device: torch.device | str = "cpu") -> dict:
     """Bytes of the experts' saved activations for one step: exact (eager), the paged pool,
     and the worst-case static buffer; and the saving of the pool against the worst case."""
@@ -59,7 +62,7 @@ def stash_memory(model_cfg, batch_size: int, page_rows: int = 32, capacity_facto
             "stashed_tensors": len(stash.plan)}
 
 
-def cuda_peak_memory(model_cfg, batch_size: int, page_rows: int = 32,
+def cuda_peak_memory(model_cfg: ModelConfig, batch_size: int, page_rows: int = 32,
                      capacity_factor: float = 1.25) -> dict:
     """Peak CUDA memory of one eager sync-free step, without and with the paged stash."""
     out = {}

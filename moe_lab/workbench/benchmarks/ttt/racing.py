@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
 import torch.utils.deterministic as det
 
-from moe_lab.data import Batch
+from moe_lab.data import Batch, SyntheticCorpus, TextFileCorpus
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.loop import Trainer
 from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig, TTTRun, load_contest_corpus, make_trainer
 from moe_lab.workbench.benchmarks.ttt.stacks import Stack, device_of
 from moe_lab.workbench.measure.breakdown import step_breakdown
 from moe_lab.workbench.measure.timing import compare
+
+Corpus = SyntheticCorpus | TextFileCorpus
 
 __all__ = ["compare_stacks", "deterministic_algorithms", "ladder_throughput", "race",
            "step_breakdowns", "time_to_train"]
@@ -43,7 +45,7 @@ def _to(batch: Batch, device: torch.device) -> Batch:
 class _Lane:
     """One stack's run inside `race`: its trainer (own model, data stream) and own clock."""
 
-    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device, corpus) -> None:
+    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device, corpus: Corpus) -> None:
         self.stack = stack
         t0 = time.perf_counter()
         self.trainer = make_trainer(stack, cfg, device, corpus=corpus, warm_eval=True)
@@ -71,7 +73,7 @@ class _Lane:
         return {**point, "eval_loss": loss}
 
 
-def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus=None,
+def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus: Corpus | None = None,
          device: torch.device | str | None = None, max_seconds: float | None = None,
          progress: bool = False) -> list[TTTRun]:
     """Train every stack in ``stacks`` to the target, *in lockstep*: one step of each in turn
@@ -139,7 +141,7 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus=None,
     return runs
 
 
-def time_to_train(stack: Stack, cfg: TTTConfig, *, corpus=None,
+def time_to_train(stack: Stack, cfg: TTTConfig, *, corpus: Corpus | None = None,
                   device: torch.device | str | None = None, max_seconds: float | None = None,
                   progress: bool = False) -> TTTRun:
     """Train ``stack`` alone on ``cfg`` until the eval loss reaches ``cfg.target_loss`` (or
@@ -149,7 +151,7 @@ def time_to_train(stack: Stack, cfg: TTTConfig, *, corpus=None,
 
 
 @contextlib.contextmanager
-def deterministic_algorithms():
+def deterministic_algorithms() -> Iterator[None]:
     """Run the enclosed training bit for bit the same every time (on a CPU, for a fixed
     thread count).
 
@@ -176,7 +178,7 @@ def deterministic_algorithms():
 
 
 def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int] = (0,), *,
-                   corpus=None, device: torch.device | str | None = None,
+                   corpus: Corpus | None = None, device: torch.device | str | None = None,
                    max_seconds: float | None = None, interleave: bool | None = None,
                    progress: bool = False) -> list[TTTRun]:
     """Every stack on every seed. ``interleave`` (default: on a CPU) races the stacks of a
@@ -207,7 +209,7 @@ def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int]
 
 def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
                       device: torch.device | str | None = None, min_time_s: float = 2.0,
-                      warmup: int = 2, corpus=None) -> list[dict]:
+                      warmup: int = 2, corpus: Corpus | None = None) -> list[dict]:
     """Training tokens/s of one step of every rung, on the same batches, timed interleaved
     (`moe_lab.workbench.measure.timing.compare`: round by round, so noise lands on all rungs alike).
     Returns one
@@ -236,7 +238,8 @@ def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
 
 
 def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, warmup: int = 3,
-                    device: torch.device | str | None = None, corpus=None) -> dict[str, dict]:
+                    device: torch.device | str | None = None,
+                    corpus: Corpus | None = None) -> dict[str, dict]:
     """Where a training step of each stack spends its time, ``{stack.name: breakdown}``
     (`moe_lab.workbench.measure.breakdown.step_breakdown`: ms per step by phase and by kind, under the
     profiler). Each stack's trainer is built as for the race and steps on the contest's
@@ -251,7 +254,7 @@ def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, 
         steps=steps, warmup=warmup) for stack in stacks}
 
 
-def _step_batches(cfg: TTTConfig, device: torch.device, corpus, n: int = 4) -> list:
+def _step_batches(cfg: TTTConfig, device: torch.device, corpus: Corpus, n: int = 4) -> list[Batch]:
     """``n`` training batches of the contest (its first ones), for step-by-step measurements."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     return [_to(corpus.sample(cfg.batch_size, generator=gen, split="train"), device)

@@ -109,7 +109,7 @@ def loss_gap(runs: Sequence[TTTRun], baseline: str = "naive") -> list[dict]:
 
 
 def record_ladder(rows: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK,
-                  ladder_name: str | None = None, **extra) -> list[dict]:
+                  ladder_name: str | None = None, **extra: object) -> list[dict]:
     """Write the ladder to the ledger as `moe_lab.workbench.figures.waterfall` reads it: metric
     ``step_tokens_per_s``, one record per rung with ``rung``, ``ladder`` and one ``run`` id."""
     run_id = uuid.uuid4().hex[:12]
@@ -246,7 +246,7 @@ def gb300_from_reported(gpu: str = "GB300") -> list[dict]:
 
 
 def record_summary(summary: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK,
-                   **extra) -> list[dict]:
+                   **extra: object) -> list[dict]:
     """Every stack's time to target (median, spread), steps and tokens/s, and the speed-up
     of each over the naive stack, into the ledger."""
     common = dict(preset=cfg.preset, batch=cfg.batch_size, target_loss=cfg.target_loss,

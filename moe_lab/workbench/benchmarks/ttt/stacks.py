@@ -83,9 +83,10 @@ class Stack:
         """One line: what this stack runs."""
         impls = self.impls
         parts = [f"{impls.dispatcher} dispatch"]
-        if impls.dispatcher == "dropless":
+        runs_experts = DISPATCHERS[impls.dispatcher].runs_experts
+        if runs_experts == "backend":
             parts[0] += f" ({impls.expert_backend} grouped GEMM)"
-        elif impls.dispatcher.startswith("fused"):
+        elif runs_experts == "kernels":  # the expert backend is not used
             parts[0] += " (grouped GEMMs with gather prologue and scatter epilogue)"
         parts.append(f"{impls.router_impl} router {self.router_dtype.upper()}")
         parts.append("sync-free step" if self.sync_free else "eager step (stock AdamW)")
