@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
@@ -156,7 +157,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
     reference emulation, recomputed from the saved inputs."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # Imported on first use: the reference attention (and the model) never loads Triton.
         from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
 
@@ -165,7 +166,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
         return mx_attention_forward(*quantize_qkv(*up)).to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
         with torch.enable_grad():
             out = mxfp8_reference_attention(q, k, v)

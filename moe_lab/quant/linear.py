@@ -145,7 +145,8 @@ class MXLinear(nn.Linear):
 # ------------------------------------------------------------------ Triton: tl.dot_scaled
 
 
-def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True, cols: bool = True):
+def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True,
+                 cols: bool = True) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """The Triton quantizer's copies of a 2-D ``x`` as `moe_lab.kernels.mx_gemm.mx_gemm`
     takes its operands — each ``(codes [R, K], scale bytes [R, K/32])`` blocked along its last
     dim: the row-wise copy of ``x`` and the column-wise one transposed (``[K_x, M32]``,
