@@ -31,7 +31,8 @@ def _atomic_gemm_scatter(*args: object, **kwargs: object) -> torch.Tensor:
     return fm.gemm_scatter(*args, **kwargs, scatter="atomic")
 
 
-FUSIONS: Registry[Fusion] = Registry("fusion")
+FUSIONS: Registry[Fusion] = Registry(
+    "fusion", "memory-bound work fused into the grouped GEMMs, each beside the unfused chain it replaces")
 FUSIONS.register("gather_prologue", Fusion(
     fm.gather_swiglu, fm.gather_swiglu_unfused,
     "first GEMM reads token rows through the row-id map (no permuted copy of x)"))

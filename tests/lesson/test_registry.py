@@ -42,3 +42,22 @@ def test_the_core_registries_describe_themselves_and_only_the_plugins_say_it_add
     for registry in [*extended, DISPATCHERS, EXPERT_KINDS]:
         assert registry.description, registry.kind
         assert registry.plugin == (registry in extended), registry.kind
+
+
+def test_every_registry_of_the_lesson_says_what_it_holds():
+    import importlib
+    import pkgutil
+
+    import moe_lab
+
+    found = {}
+    for info in pkgutil.walk_packages(moe_lab.__path__, "moe_lab."):
+        if info.name.startswith("moe_lab.workbench") or info.name == "moe_lab.__main__":
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if isinstance(value, Registry):
+                found[f"{info.name}.{name}"] = value
+    assert len({id(r) for r in found.values()}) >= 10, sorted(found)
+    silent = sorted(name for name, registry in found.items() if not registry.description)
+    assert not silent, f"registries without a description: {silent}"
