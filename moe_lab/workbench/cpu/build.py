@@ -19,15 +19,25 @@ It needs a C++ compiler with OpenMP, the same one ``torch.compile`` needs on a C
 one, `available` is False, `extension` raises with the reason, and every caller has a
 plain-PyTorch path (the ``torch`` expert backend, the ``sdpa`` attention). Setting
 ``MOE_LAB_NO_CPU_EXTENSION`` switches the extension off, to try those paths.
+
+Builds and loads hold an operating-system lock on the build folder (`build_guard`).
+``torch.utils.cpp_extension`` guards the folder with a plain ``lock`` file that a killed
+build leaves behind, after which every later load waits on it forever without a word; the
+operating system drops our lock when its holder dies, so a ``lock`` file found while holding
+it is stale and is removed. Waiting on a live builder is reported, and given up after
+`WAIT_LIMIT_S`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,6 +55,9 @@ _CAPABILITY_FLAGS = {
                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
+
+# How long a load waits for another live process that is building in the same folder.
+WAIT_LIMIT_S = 900.0
 
 _lock = threading.Lock()
 _ext = None
@@ -88,6 +101,51 @@ def _name_and_dir() -> tuple[str, Path]:
     return name, Path(root) / name
 
 
+@contextlib.contextmanager
+def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[None]:
+    """Hold an exclusive operating-system lock on ``build_dir`` (``fcntl.flock`` on
+    ``moe_lab.lock`` inside it) for a build or load there, and remove the stale
+    ``lock`` file of ``torch.utils.cpp_extension`` that a killed build left behind.
+
+    Waits for another process holding the lock, saying so every 30 s; raises
+    ``TimeoutError`` naming the folder after ``wait_limit_s`` (default `WAIT_LIMIT_S`).
+    Where ``fcntl`` does not exist (Windows), only torch's own file guards the folder."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "moe_lab.lock", "a") as handle:
+        start = time.monotonic()
+        said = -1
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited >= limit:
+                    raise TimeoutError(
+                        f"another process has been building moe_lab's CPU kernels in {build_dir} for "
+                        f"over {limit:.0f} s; wait for it to end or stop it") from None
+                if int(waited // 30) > said:
+                    said = int(waited // 30)
+                    print(f"moe_lab: waiting for another process building the CPU kernels in {build_dir} "
+                          f"({waited:.0f} s so far)...", file=sys.stderr, flush=True)
+                time.sleep(0.2)
+        try:
+            baton = build_dir / "lock"
+            if baton.exists():
+                print(f"moe_lab: removing {baton}, left behind by a build that was killed",
+                      file=sys.stderr, flush=True)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def extension():
     """The built extension module; built on first use.
 
@@ -113,9 +171,10 @@ def extension():
             print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, about a minute)...",
                   file=sys.stderr, flush=True)
         try:
-            _ext = load(name, [str(path) for path in SOURCES], extra_cflags=_flags(),
-                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
-        except Exception as exc:  # compiler missing, no OpenMP, ...
+            with build_guard(build_dir):
+                _ext = load(name, [str(path) for path in SOURCES], extra_cflags=_flags(),
+                            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # compiler missing, no OpenMP, another build that never ends...
             reason = str(exc).strip().splitlines()
             _error = (f"moe_lab's CPU kernels could not be built ({type(exc).__name__}: "
                       f"{reason[-1] if reason else ''}); they need a C++ compiler with OpenMP. "

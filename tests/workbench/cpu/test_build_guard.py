@@ -1,0 +1,76 @@
+"""The CPU plug-in's build folder: a build that was killed must not make every later load
+wait forever, and a live build in another process is waited for with a word, then given up."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from moe_lab.workbench.cpu import build
+
+
+def test_stale_torch_lock_is_removed(tmp_path, capsys):
+    baton = tmp_path / "lock"
+    baton.write_text("")
+    with build.build_guard(tmp_path):
+        assert not baton.exists()
+    assert "killed" in capsys.readouterr().err
+
+
+def test_no_lock_no_word(tmp_path, capsys):
+    with build.build_guard(tmp_path):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_live_builder_is_waited_for_then_given_up(tmp_path, capsys):
+    """Another process holds the folder: its ``lock`` file is left alone, the wait is reported,
+    and it ends in an error naming the folder."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        handle = open({str(tmp_path / "moe_lab.lock")!r}, "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        open({str(tmp_path / "lock")!r}, "w").close()
+        print("holding", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=str(tmp_path)):
+            with build.build_guard(tmp_path, wait_limit_s=0.5):
+                pytest.fail("entered the guard while another process held it")
+        assert time.monotonic() - start < 10
+        assert (tmp_path / "lock").exists()
+        assert "waiting for another process" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died: the operating system dropped its lock, so its file is stale now.
+    with build.build_guard(tmp_path, wait_limit_s=5):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_load_after_a_killed_build_does_not_hang(tmp_path):
+    """The built extension copied to a fresh folder with torch's ``lock`` file beside it, as a
+    build killed by a timeout leaves it: building ahead must finish, not wait forever."""
+    if not build.available():
+        pytest.skip("the CPU kernels cannot be built here")
+    name, built = build._name_and_dir()
+    copy = tmp_path / name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "moe_lab.lock"))
+    (copy / "lock").write_text("")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    env.pop("MOE_LAB_NO_CPU_EXTENSION", None)
+    try:
+        done = subprocess.run([sys.executable, "-m", "moe_lab.workbench.cpu"], env=env,
+                              capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("building ahead waited on the stale lock file")
+    assert done.returncode == 0, done.stderr
+    assert "CPU kernels ready" in done.stdout, done.stdout + done.stderr
+    assert not (copy / "lock").exists()
