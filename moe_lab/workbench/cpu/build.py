@@ -104,10 +104,11 @@ def _name_and_dir() -> tuple[str, Path]:
 @contextlib.contextmanager
 def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[None]:
     """Hold an exclusive operating-system lock on ``build_dir`` (``fcntl.flock`` on
-    ``moe_lab.lock`` inside it) for a build or load there, and remove the stale
-    ``lock`` file of ``torch.utils.cpp_extension`` that a killed build left behind.
+    ``moe_lab.lock`` inside it, which then names this process) for a build or load there,
+    and remove the stale ``lock`` file of ``torch.utils.cpp_extension`` that a killed build
+    left behind.
 
-    Waits for another process holding the lock, saying so every 30 s; raises
+    Waits for another process holding the lock, naming it after 2 s and every 30 s; raises
     ``TimeoutError`` naming the folder after ``wait_limit_s`` (default `WAIT_LIMIT_S`).
     Where ``fcntl`` does not exist (Windows), only torch's own file guards the folder."""
     try:
@@ -117,7 +118,8 @@ def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[
         return
     limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
     build_dir.mkdir(parents=True, exist_ok=True)
-    with open(build_dir / "moe_lab.lock", "a") as handle:
+    path = build_dir / "moe_lab.lock"
+    with open(path, "a+") as handle:
         start = time.monotonic()
         said = -1
         while True:
@@ -128,13 +130,18 @@ def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[
                 waited = time.monotonic() - start
                 if waited >= limit:
                     raise TimeoutError(
-                        f"another process has been building moe_lab's CPU kernels in {build_dir} for "
-                        f"over {limit:.0f} s; wait for it to end or stop it") from None
-                if int(waited // 30) > said:
-                    said = int(waited // 30)
-                    print(f"moe_lab: waiting for another process building the CPU kernels in {build_dir} "
-                          f"({waited:.0f} s so far)...", file=sys.stderr, flush=True)
+                        f"{_holder(path)} has been holding {path} for over {limit:.0f} s while building "
+                        f"moe_lab's CPU kernels; wait for it to end or stop it") from None
+                # First word after 2 s (a short wait on a load in progress says nothing), then every 30 s.
+                if waited >= 2 and int((waited - 2) // 30) > said:
+                    said = int((waited - 2) // 30)
+                    print(f"moe_lab: waiting for {_holder(path)}, which holds {path} while building the "
+                          f"CPU kernels ({waited:.0f} s so far)...", file=sys.stderr, flush=True)
                 time.sleep(0.2)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
         try:
             baton = build_dir / "lock"
             if baton.exists():
@@ -144,6 +151,16 @@ def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _holder(path: Path) -> str:
+    """Who holds the build lock, as its holder wrote it: ``"process 1234"``, or ``"another
+    process"`` where the file names none."""
+    try:
+        pid = path.read_text().split()[0]
+    except (OSError, IndexError):
+        return "another process"
+    return f"process {pid}" if pid.isdigit() else "another process"
 
 
 def extension():

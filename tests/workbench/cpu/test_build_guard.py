@@ -3,6 +3,7 @@ wait forever, and a live build in another process is waited for with a word, the
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -28,12 +29,14 @@ def test_no_lock_no_word(tmp_path, capsys):
 
 
 def test_live_builder_is_waited_for_then_given_up(tmp_path, capsys):
-    """Another process holds the folder: its ``lock`` file is left alone, the wait is reported,
-    and it ends in an error naming the folder."""
+    """Another process holds the folder: its ``lock`` file is left alone, the wait is reported
+    with the holder's PID, and it ends in an error naming the lock; once the holder is killed
+    with SIGKILL, the next load proceeds."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, sys, time
+        import fcntl, os, sys, time
         handle = open({str(tmp_path / "moe_lab.lock")!r}, "a")
         fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.write(str(os.getpid())); handle.flush()
         open({str(tmp_path / "lock")!r}, "w").close()
         print("holding", flush=True)
         time.sleep(60)
@@ -41,14 +44,14 @@ def test_live_builder_is_waited_for_then_given_up(tmp_path, capsys):
     try:
         assert holder.stdout.readline().strip() == "holding"
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=str(tmp_path)):
-            with build.build_guard(tmp_path, wait_limit_s=0.5):
+        with pytest.raises(TimeoutError, match=f"process {holder.pid} .*{tmp_path}"):
+            with build.build_guard(tmp_path, wait_limit_s=3):
                 pytest.fail("entered the guard while another process held it")
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 15
         assert (tmp_path / "lock").exists()
-        assert "waiting for another process" in capsys.readouterr().err
+        assert f"waiting for process {holder.pid}" in capsys.readouterr().err
     finally:
-        holder.kill()
+        holder.send_signal(signal.SIGKILL)
         holder.wait()
     # The holder died: the operating system dropped its lock, so its file is stale now.
     with build.build_guard(tmp_path, wait_limit_s=5):
