@@ -55,6 +55,21 @@ def positive_number(value: object, name: str) -> float:
     return float(value)
 
 
+def non_negative_number(value: object, name: str) -> float:
+    """``value`` if it is a finite real number ``>= 0``, else ``ValueError``."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (
+            math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def boolean(value: object, name: str) -> bool:
+    """``value`` if it is a bool (``"no"``, ``0`` and ``None`` are not), else ``ValueError``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def positive_ints(obj: object, *fields: str) -> None:
     """`positive_int` on each named attribute of ``obj``, named ``Type.field`` in the error."""
     for field in fields:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from moe_lab.checks import non_negative_ints, one_of, positive_ints, positive_number
+from moe_lab.checks import boolean, non_negative_ints, non_negative_number, one_of, positive_ints, positive_number
 
 C = TypeVar("C")
 
@@ -132,11 +132,9 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}"
             )
-        if self.aux_loss_coef < 0 or self.z_loss_coef < 0:
-            raise ValueError(
-                "MoEConfig.aux_loss_coef and z_loss_coef must be >= 0, got "
-                f"{self.aux_loss_coef!r} and {self.z_loss_coef!r}"
-            )
+        non_negative_number(self.aux_loss_coef, "MoEConfig.aux_loss_coef")
+        non_negative_number(self.z_loss_coef, "MoEConfig.z_loss_coef")
+        boolean(self.renormalize, "MoEConfig.renormalize")
         if self.n_experts % self.n_groups:
             raise ValueError(
                 f"MoEConfig.n_groups must divide n_experts={self.n_experts}, got {self.n_groups}"
@@ -199,6 +197,7 @@ class ModelConfig:
             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
             "sliding_window", "sliding_every",
         )
+        boolean(self.tie_embeddings, "ModelConfig.tie_embeddings")
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"ModelConfig.moe must be a MoEConfig, got {type(self.moe).__name__}")
         if self.moe.d_model != self.d_model:

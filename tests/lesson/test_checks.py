@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from moe_lab.checks import (
+    boolean,
     int_in,
     integer,
     non_negative_int,
     non_negative_ints,
+    non_negative_number,
     one_of,
     positive_int,
     positive_ints,
@@ -73,3 +75,17 @@ def test_one_of_lists_the_choices_and_survives_unhashable_values():
         one_of("c", "kind", ("b", "a"))
     with pytest.raises(ValueError, match="got \\[1\\]"):
         one_of([1], "kind", {"a": 1})
+
+
+@pytest.mark.parametrize("bad", [-1e-9, float("nan"), float("inf"), True, "0"])
+def test_non_negative_number_refuses_negative_and_non_finite(bad):
+    with pytest.raises(ValueError, match="coef must be a finite number >= 0"):
+        non_negative_number(bad, "coef")
+    assert non_negative_number(0, "coef") == 0.0
+
+
+@pytest.mark.parametrize("bad", ["no", "false", 0, 1, None])
+def test_boolean_refuses_what_only_looks_like_a_bool(bad):
+    with pytest.raises(ValueError, match="flag must be True or False"):
+        boolean(bad, "flag")
+    assert boolean(False, "flag") is False

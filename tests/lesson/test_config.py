@@ -29,6 +29,16 @@ def moe(**kw):
         ({"top_k": 2.0}, "top_k"),
         ({"capacity_multiple": 0}, "capacity_multiple"),
         ({"drop_policy": "random"}, "drop_policy"),
+        # Values a hostile user tried: each accepted before, and inf/nan trained silently.
+        ({"capacity_factor": float("inf")}, "capacity_factor"),
+        ({"capacity_factor": "1.5"}, "capacity_factor"),
+        ({"scaling_factor": float("inf")}, "scaling_factor"),
+        ({"aux_loss_coef": float("nan")}, "aux_loss_coef"),
+        ({"aux_loss_coef": float("inf")}, "aux_loss_coef"),
+        ({"aux_loss_coef": "0.01"}, "aux_loss_coef"),
+        ({"z_loss_coef": float("nan")}, "z_loss_coef"),
+        ({"renormalize": "no"}, "renormalize"),
+        ({"renormalize": 1}, "renormalize"),
     ],
 )
 def test_bad_moe_config_names_the_field(changes, field):
@@ -47,6 +57,7 @@ def test_bad_moe_config_names_the_field(changes, field):
         ({"n_kv_heads": 3}, "n_kv_heads"),
         ({"attention": "linear"}, "attention"),
         ({"d_ff": 0}, "d_ff"),
+        ({"tie_embeddings": "yes"}, "tie_embeddings"),
     ],
 )
 def test_bad_model_config_names_the_field(changes, field):
