@@ -47,6 +47,10 @@ def parse_archs(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
         raise ValueError(f"arch must name at least one of {sorted(SM_LIMITS)}, got {text!r}")
     for name in names:
         sm_limits(name)
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"arch names {', '.join(twice)} more than once ({text!r}): every row and ledger "
+                         "record would be written twice")
     return tuple(names)
 
 

@@ -142,6 +142,8 @@ def test_parse_archs():
         compile_report.parse_archs("sm_89")
     with pytest.raises(ValueError, match="at least one"):
         compile_report.parse_archs(",")
+    with pytest.raises(ValueError, match="sm_90 more than once"):
+        compile_report.parse_archs("sm_90,sm_100, sm_90")
 
 
 # ------------------------------------------------------------------------------ compiling
