@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN  # noqa: E402  (after the path is set)
 from moe_lab.workbench.lab.site import headline_rows, on_cpu_or_machine_free  # noqa: E402
-from moe_lab.workbench.measure.ledger import read  # noqa: E402
+from moe_lab.workbench.measure.ledger import ledger_path, read  # noqa: E402
 
 
 def _cell(text: object) -> str:
@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder of results/<gpu>/ (default: results/)")
     parser.add_argument("--notebooks", type=Path, default=ROOT / "notebooks")
     args = parser.parse_args(argv)
+    ledger = args.ledger if args.ledger is not None else ledger_path()
+    if not ledger.is_file():
+        # An empty table would read as "nothing measured yet" and be pasted into the README.
+        print(f"readme_gains: no ledger at {ledger}; run `make workbook` first (or pass --ledger)",
+              file=sys.stderr)
+        return 1
     print(gains_markdown(args.ledger, args.results, notebooks_in(args.notebooks)), end="")
     return 0
 

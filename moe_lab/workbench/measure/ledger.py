@@ -280,8 +280,9 @@ def record(
 def read(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """All records in the ledger at ``path`` (default: ``ledger_path()``), oldest first.
 
-    A missing ledger is an empty one. A line that is not a JSON object (a write torn by a
-    crash, a hand edit) is skipped with a ``LedgerWarning`` naming the file and line. With
+    A missing ledger is an empty one. A line that is not a record (a write torn by a crash,
+    a hand edit: not a JSON object, no metric or value, a value that is not a finite
+    number) is skipped with a ``LedgerWarning`` naming the file, the line and why. With
     no ``path`` in a hand-run Jupyter session (`lab_session`), the records of
     ``lab-ledger.jsonl`` follow those of ``ledger.jsonl``.
     """
@@ -303,16 +304,31 @@ def _read_file(file: Path) -> list[dict[str, Any]]:
             item = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             item = None
-        if not isinstance(item, dict):
+        why = _not_a_record(item)
+        if why:
             warnings.warn(
                 f"{file}: line {number} is not a ledger record and was skipped "
-                f"(a torn write?): {raw[:80]!r}",
+                f"({why}): {raw[:80]!r}",
                 LedgerWarning,
                 stacklevel=3,
             )
             continue
         records.append(item)
     return records
+
+
+def _not_a_record(item: object) -> str:
+    """Why ``item`` (a parsed line) is not a ledger record, or ``""`` when it is one."""
+    if not isinstance(item, dict):
+        return "not a JSON object: a torn write?"
+    missing = [key for key in ("metric", "value") if key not in item]
+    if missing:
+        return f"no {' and no '.join(missing)}"
+    try:
+        _check_value(str(item["metric"]), item["value"])
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def _time_of(item: dict[str, Any]) -> datetime:

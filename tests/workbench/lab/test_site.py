@@ -239,6 +239,24 @@ def test_readme_gains_table(tmp_path):
     assert "`python scripts/gpu_check.py`" in gpu_part
 
 
+def test_readme_gains_refuses_a_missing_ledger(tmp_path, capsys):
+    """A missing ledger printed a table of "not measured yet" rows with exit status 0."""
+    gains = _readme_gains()
+    assert gains.main(["--ledger", str(tmp_path / "nope.jsonl"), "--results", str(tmp_path)]) == 1
+    assert f"no ledger at {tmp_path / 'nope.jsonl'}" in capsys.readouterr().err
+
+
+def test_readme_gains_skips_a_hand_edited_value(tmp_path):
+    gains = _readme_gains()
+    ledger = tmp_path / "ledger.jsonl"
+    good = _rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs")
+    ledger.write_text("\n".join([json.dumps(good), json.dumps({**good, "value": "fast",
+                                                              "time": "2099-01-01T00:00:00"})]) + "\n")
+    with pytest.warns(UserWarning, match="line 2"):
+        text = gains.gains_markdown(ledger, tmp_path / "results", ["01_naive_moe"])
+    assert "| 24 syncs |" in text and "fast" not in text
+
+
 # ------------------------------------------------------------------------------ the workbook
 
 

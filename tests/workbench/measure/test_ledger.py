@@ -182,6 +182,25 @@ def test_read_skips_a_line_that_is_not_an_object(results):
         assert read(path) == [{"metric": "ok", "value": 1}]
 
 
+@pytest.mark.parametrize("line, why", [
+    ('{"notebook": "n", "metric": "m"}', "no value"),
+    ('{"notebook": "n", "value": 1.0}', "no metric"),
+    ('{"notebook": "n", "metric": "m", "value": NaN}', "must be finite"),
+    ('{"notebook": "n", "metric": "m", "value": "fast"}', "real number"),
+    ('{"notebook": "n", "metric": "m", "value": true}', "real number"),
+])
+def test_read_skips_a_record_whose_value_is_missing_or_not_a_finite_number(results, line, why):
+    """Hand-edited lines like these were published as headlines by readme_gains (or raised
+    ``KeyError: 'value'``); they are skipped, and the warning says why."""
+    record("n", "s", "good", 2.5, "u", hardware="h")
+    path = results / "ledger.jsonl"
+    with path.open("a") as handle:
+        handle.write(line + "\n")
+    with pytest.warns(LedgerWarning, match=f"line 2 .*{why}"):
+        items = read(path)
+    assert [item["metric"] for item in items] == ["good"]
+
+
 def _append_many(worker: int, count: int, payload: int) -> None:
     for index in range(count):
         record("n", f"w{worker}", f"m{index}", float(index), "u", hardware="h", pad="x" * payload)
