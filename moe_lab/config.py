@@ -25,7 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from moe_lab.checks import boolean, non_negative_ints, non_negative_number, one_of, positive_ints, positive_number
+from moe_lab.checks import (
+    boolean,
+    non_negative_ints,
+    non_negative_number,
+    one_of,
+    positive_ints,
+    positive_number,
+)
 
 C = TypeVar("C")
 
