@@ -129,6 +129,8 @@ def exercise(name: str) -> Callable[[Callable], Callable]:
     def wrap(check: Callable) -> Callable:
         @functools.wraps(check)
         def run(answer: object, *args: object, solutions: bool | None = None, **kwargs: object) -> object:
+            if solutions is not None and not isinstance(solutions, bool):  # -p SOLUTIONS false: "false"
+                raise ValueError(f"solutions must be True, False or None, got {solutions!r}")
             if solutions:
                 answer = solution(name)
             if solutions is None or solutions:

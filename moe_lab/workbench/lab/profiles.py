@@ -1,14 +1,19 @@
-"""The workbook's profiles, checked where a notebook starts.
+"""The workbook's parameters, checked where a notebook starts.
 
-Every notebook takes ``PROFILE`` as a papermill parameter: ``"smoke"`` (each notebook in
-90 s or less on a 2-core CPU) or ``"full"`` (a GPU or a patient reader). A notebook that
-tested ``PROFILE == "smoke"`` alone would run the full profile for a typo
-(``-p PROFILE smok``), so each one's setup cell calls `check_profile` first.
+Every notebook takes ``PROFILE``, ``SEED`` and ``SOLUTIONS`` as papermill parameters.
+``PROFILE`` is ``"smoke"`` (each notebook in 90 s or less on a 2-core CPU) or ``"full"`` (a
+GPU or a patient reader): a notebook that tested ``PROFILE == "smoke"`` alone would run the
+full profile for a typo (``-p PROFILE smok``). ``papermill -p`` turns only ``True``,
+``False``, ``None`` and numbers into Python values; ``-p SOLUTIONS false`` injects the string
+``"false"``, which is truthy, and would silently replace the learner's answers by the
+reference. So each notebook's setup cell calls `check_parameters` first.
 """
 
 from __future__ import annotations
 
-__all__ = ["PROFILES", "check_profile"]
+from moe_lab.checks import integer, non_negative_int
+
+__all__ = ["PROFILES", "check_parameters", "check_profile"]
 
 PROFILES = ("smoke", "full")
 
@@ -19,3 +24,17 @@ def check_profile(profile: object) -> str:
         raise ValueError(f"PROFILE must be one of {', '.join(map(repr, PROFILES))}, "
                          f"got {profile!r}")
     return profile
+
+
+def check_parameters(profile: object, seed: object, solutions: object, **counts: object) -> None:
+    """Refuse, in one line naming the parameter, a ``PROFILE`` not in `PROFILES`, a ``SEED``
+    that is not an integer, a ``SOLUTIONS`` that is not a bool, and any other parameter given
+    by keyword (``THREADS=THREADS``) that is not an integer ``>= 0``."""
+    check_profile(profile)
+    integer(seed, "SEED")
+    if not isinstance(solutions, bool):
+        hint = (f" (papermill -p passes {solutions!r} as a string: write -p SOLUTIONS "
+                f"{str(solutions).strip().capitalize()})" if isinstance(solutions, str) else "")
+        raise ValueError(f"SOLUTIONS must be True or False, got {solutions!r}{hint}")
+    for name, value in counts.items():
+        non_negative_int(value, name)

@@ -88,6 +88,15 @@ def test_right_answer_is_kept_wrong_answer_raises_and_solutions_use_the_referenc
     assert check.exercise_name == "_toy_double"
 
 
+@pytest.mark.parametrize("bad", ["false", "False", 0, 1])
+def test_solutions_must_be_a_bool(toy_exercise, bad):
+    """``papermill -p SOLUTIONS false`` injects the string "false": truthy, it replaced the
+    learner's answer by the reference without a word."""
+    check, _ = toy_exercise
+    with pytest.raises(ValueError, match=f"solutions must be True, False or None, got {bad!r}"):
+        check(lambda x: x + x, solutions=bad)
+
+
 def test_a_learners_own_not_implemented_error_is_a_wrong_answer(toy_exercise):
     check, _ = toy_exercise
 
