@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_lab.checks import positive_ints
+from moe_lab.checks import positive_ints, positive_number
 from moe_lab.sim.fair_share import fluid_completion_times
 from moe_lab.sim.traffic import check_traffic
 
@@ -88,9 +88,9 @@ class LeafSpine:
 
     def __post_init__(self) -> None:
         positive_ints(self, "hosts_per_leaf", "n_leaf", "n_spine")
-        if not (isinstance(self.link_gbps, (int, float)) and self.link_gbps > 0):
-            raise ValueError(f"LeafSpine.link_gbps must be > 0, got {self.link_gbps!r}")
-        if not (isinstance(self.oversubscription, (int, float)) and self.oversubscription >= 1):
+        positive_number(self.link_gbps, "LeafSpine.link_gbps")
+        positive_number(self.oversubscription, "LeafSpine.oversubscription")
+        if self.oversubscription < 1:
             raise ValueError(
                 f"LeafSpine.oversubscription must be >= 1 (downlink : uplink capacity), "
                 f"got {self.oversubscription!r}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,11 @@ def pipeline_command(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The most GPU pairs ``sim fabric`` simulates (4,096 GPUs): it keeps several float64
+#: values per pair, so a fabric beyond this needs gigabytes and minutes on a laptop.
+MAX_FABRIC_PAIRS = 4096 ** 2
+
+
 def fabric_report(
     *,
     hosts_per_leaf: int = 8,
@@ -122,8 +128,16 @@ def fabric_report(
     pacings: tuple[bool, ...] = (True, False),
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The ``sim fabric`` answer as a dict: one entry per routing × pacing."""
+    """The ``sim fabric`` answer as a dict: one entry per routing × pacing.
+
+    Refuses, before allocating anything, a fabric of more than `MAX_FABRIC_PAIRS` GPU pairs:
+    the traffic matrix and the simulator hold a value per pair (several arrays of them)."""
     topo = fabric.LeafSpine(hosts_per_leaf, n_leaf, n_spine, link_gbps, oversubscription)
+    if topo.n_hosts ** 2 > MAX_FABRIC_PAIRS:
+        raise ValueError(
+            f"hosts_per_leaf x leaves = {hosts_per_leaf} x {n_leaf} = {topo.n_hosts} GPUs is "
+            f"{topo.n_hosts ** 2:.3g} GPU pairs, more than the {MAX_FABRIC_PAIRS:,} this simulator "
+            f"holds in memory (at most {math.isqrt(MAX_FABRIC_PAIRS):,} GPUs)")
     rng = np.random.default_rng(seed)
     nbytes = mb_per_pair * 2**20
     if traffic == "uniform":
@@ -194,8 +208,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

@@ -43,7 +43,9 @@ def test_uplinks_carry_the_leaf_bandwidth_over_the_oversubscription():
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [({"hosts_per_leaf": 0}, "hosts_per_leaf"), ({"oversubscription": 0.5}, "oversubscription"),
-     ({"link_gbps": -1.0}, "link_gbps")],
+     ({"link_gbps": -1.0}, "link_gbps"), ({"link_gbps": float("inf")}, "link_gbps must be a finite"),
+     ({"oversubscription": float("nan")}, "oversubscription must be a finite"),
+     ({"link_gbps": "400"}, "link_gbps")],
 )
 def test_bad_topology(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):

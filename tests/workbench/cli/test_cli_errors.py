@@ -207,3 +207,28 @@ def test_flops_json_is_finite_json(capsys):
     assert main(["flops", "--preset", "deepseek_v3", "--tokens-per-s", "6338", "--json"]) == 0
     report = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert report["tokens_per_s"] == 6338
+
+
+@pytest.mark.parametrize("flag, value", [("--link-gbps", "inf"), ("--oversubscription", "nan"),
+                                         ("--mb-per-pair", "inf")])
+def test_sim_fabric_refuses_a_non_finite_rate(capsys, flag, value):
+    """``--link-gbps inf`` ended in a ZeroDivisionError traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", "fabric", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: must be a finite number > 0" in err and "Traceback" not in err
+
+
+def test_sim_fabric_refuses_a_fabric_too_large_to_hold_before_allocating(capsys):
+    """``--hosts-per-leaf 100000 --leaves 1000`` tried to allocate petabytes; sizes in between
+    really allocated. Refused at once, naming the two flags' product and the limit."""
+    import time
+
+    start = time.monotonic()
+    code, err = _cli(capsys, "sim", "fabric", "--hosts-per-leaf", "100000", "--leaves", "1000")
+    assert code == 2 and time.monotonic() - start < 5
+    _one_line(err, "error:", "100000 x 1000", "4,096 GPUs")
+    code, err = _cli(capsys, "sim", "fabric", "--hosts-per-leaf", "8", "--leaves", "513")
+    assert code == 2
+    _one_line(err, "8 x 513 = 4104 GPUs")
