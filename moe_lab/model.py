@@ -192,7 +192,12 @@ class MoETransformer(nn.Module):
             raise ValueError(f"idx must be [batch, seq] int64, got {tuple(idx.shape)} {idx.dtype}")
         if idx.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds cfg.seq_len={self.cfg.seq_len}")
-        x = EMBEDDING_IMPLS[self.embedding_impl](self.embed, idx)
+        try:
+            x = EMBEDDING_IMPLS[self.embedding_impl](self.embed, idx)
+        except IndexError as exc:
+            # Raised where the lookup runs eagerly; a range check here would read idx back to
+            # the host every step (on a GPU the embedding kernel's own assert fires instead).
+            raise ValueError(f"idx holds token ids outside [0, vocab_size={self.cfg.vocab_size})") from exc
         stats: list[MoEStats] = []
         for block in self.blocks:
             x, s = block(x)
