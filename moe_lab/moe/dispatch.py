@@ -147,8 +147,9 @@ def capacity_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts
     token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)
     buffer = x.new_zeros(trash + 1, x.shape[1])
     buffer = buffer.index_add(0, slot, x.index_select(0, token_of))
-    y = experts.batched_forward(buffer[:trash].view(n_experts, capacity, -1))
-    y = torch.cat([y.reshape(trash, -1), y.new_zeros(1, y.shape[-1])])
+    # Sizes spelled out: with no tokens the capacity is 0, and a -1 beside it is ambiguous.
+    y = experts.batched_forward(buffer[:trash].view(n_experts, capacity, x.shape[1]))
+    y = torch.cat([y.reshape(trash, y.shape[-1]), y.new_zeros(1, y.shape[-1])])
     weight = (topk_weights * keep).reshape(-1, 1).to(y.dtype)
     out = torch.zeros_like(x).index_add_(0, token_of, y.index_select(0, slot) * weight)
     return out, (~keep).sum()

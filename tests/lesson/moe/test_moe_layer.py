@@ -56,12 +56,18 @@ def test_3d_input_and_noncontiguous():
     torch.testing.assert_close(layer(xt)[0], layer(xt.contiguous())[0])
 
 
-def test_zero_tokens():
-    layer = MoELayer(cfg())
-    y, stats = layer(torch.randn(0, 32))
+@pytest.mark.parametrize("dispatcher", sorted(DISPATCHERS))
+def test_zero_tokens(dispatcher):
+    """Every dispatcher takes an empty batch forward and backward (the capacity dispatcher's
+    zero capacity once made a ``view(E, 0, -1)`` ambiguous)."""
+    layer = MoELayer(cfg(), dispatcher=dispatcher)
+    x = torch.randn(0, 32, requires_grad=True)
+    y, stats = layer(x)
     assert y.shape == (0, 32)
     assert int(stats.tokens_per_expert.sum()) == 0
     assert torch.isfinite(stats.aux_loss)
+    (y.sum() + stats.aux_loss).backward()
+    assert x.grad.shape == (0, 32)
 
 
 def test_all_tokens_to_one_expert_and_idle_experts():
