@@ -62,9 +62,11 @@ EXPERT_PATHS = ("methods", "backend", "kernels")
 
 class Dispatcher(Protocol):
     """``(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped)``: ``x, y: [T, d_model]``,
-    ``topk_*: [T, k]``, ``dropped: []`` int64 on x's device; ``runs_experts``: `EXPERT_PATHS`."""
+    ``topk_*: [T, k]``, ``dropped: []`` int64 on x's device; ``runs_experts``: `EXPERT_PATHS`;
+    ``syncs_host``: whether it reads device values back to the host (a sync-free step refuses it)."""
 
     runs_experts: str
+    syncs_host: bool
 
     def __call__(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
                  experts: SwiGLUExperts, cfg: MoEConfig) -> tuple[Tensor, Tensor]: ...
@@ -74,19 +76,22 @@ DISPATCHERS: Registry[Dispatcher] = Registry(
     "dispatcher", "how routed tokens reach their experts and come back (a Dispatcher)")
 
 
-def register_dispatcher(name: str, runs_experts: str) -> Callable[[Callable], Dispatcher]:
+def register_dispatcher(name: str, runs_experts: str, *, syncs_host: bool = False
+                        ) -> Callable[[Callable], Dispatcher]:
     """``@register_dispatcher(name, runs_experts)``: the function, declared to run the
-    experts by ``runs_experts`` (`EXPERT_PATHS`), registered in `DISPATCHERS`."""
+    experts by ``runs_experts`` (`EXPERT_PATHS`) and whether it ``syncs_host``, registered
+    in `DISPATCHERS`."""
     one_of(runs_experts, "runs_experts", EXPERT_PATHS)
 
     def add(fn: Callable) -> Dispatcher:
         fn.runs_experts = runs_experts
+        fn.syncs_host = syncs_host
         return DISPATCHERS.register(name, fn)
 
     return add
 
 
-@register_dispatcher("naive", "methods")
+@register_dispatcher("naive", "methods", syncs_host=True)
 def naive_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
                    cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
     """Loop over experts; boolean-mask selection of each expert's tokens (one sync each)."""

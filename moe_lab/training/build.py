@@ -23,6 +23,7 @@ from moe_lab.checks import one_of, positive_int
 from moe_lab.config import ModelConfig, holds
 from moe_lab.data import Batch
 from moe_lab.model import ModelImpls, MoETransformer
+from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.router import ROUTER_IMPLS
 from moe_lab.quant.linear import apply_mxfp8
 from moe_lab.training.optim import make_optimizer, stock_optimizer
@@ -69,6 +70,12 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         one_of(self.step, "BuildConfig.step", STEP_KINDS)
+        dispatcher = DISPATCHERS.get(self.impls.dispatcher)
+        if self.step != "eager" and dispatcher is not None and dispatcher.syncs_host:
+            raise ValueError(
+                f"BuildConfig.step={self.step!r} is a sync-free step, and dispatcher "
+                f"{self.impls.dispatcher!r} syncs the host (its certificate fails); use one of "
+                f"{sorted(n for n, d in DISPATCHERS.items() if not d.syncs_host)}, or step='eager'")
         one_of(self.amp, "BuildConfig.amp", AMP_DTYPES)
         one_of(self.compile, "BuildConfig.compile", COMPILE_MODES)
         if self.fp32_logits and not self.amp:

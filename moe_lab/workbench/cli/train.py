@@ -86,7 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-backend", default=d.expert_backend, choices=sorted(EXPERT_BACKENDS),
                    help="grouped GEMM of the dropless dispatcher")
     p.add_argument("--step", default=d.step, choices=list(STEP_KINDS),
-                   help="the training step (sync_free and graphed need --dispatcher dropless)")
+                   help="the training step (sync_free and graphed need a dispatcher that does not "
+                        "sync the host: not naive)")
     p.add_argument("--corpus", default="synthetic", help="'synthetic' or a path to a UTF-8 text file")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--checkpoint", default=None,

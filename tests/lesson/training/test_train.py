@@ -224,3 +224,19 @@ def test_the_training_configs_hold_their_shared_fields_once():
     assert {"lr", "warmup_steps", "min_lr_ratio", "grad_clip", "read_every", "seed"} <= held
     with pytest.raises(ValueError, match="fp32_logits"):
         BuildConfig(fp32_logits=True)
+
+
+@pytest.mark.parametrize("step", ["sync_free", "graphed"])
+def test_a_sync_free_step_refuses_a_dispatcher_that_syncs(step):
+    """The naive dispatcher reads each expert's token count back to the host: a sync-free
+    step over it ran, and was reported as sync-free, although its certificate fails."""
+    from moe_lab.model import ModelImpls
+    from moe_lab.moe.dispatch import DISPATCHERS
+    from moe_lab.training.build import BuildConfig
+
+    with pytest.raises(ValueError, match=f"BuildConfig.step='{step}' .*'naive' syncs the host"):
+        BuildConfig(impls=ModelImpls(dispatcher="naive"), step=step)
+    assert [name for name, fn in DISPATCHERS.items() if fn.syncs_host] == ["naive"]
+    for name in sorted(DISPATCHERS):
+        BuildConfig(impls=ModelImpls(dispatcher=name), step="eager")
+    BuildConfig(impls=ModelImpls(dispatcher="capacity"), step=step)

@@ -31,6 +31,9 @@ def ledger_dir(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ stacks
 
 
+DROPLESS = ModelImpls(dispatcher="dropless")
+
+
 def test_stack_validates_its_choices():
     with pytest.raises(ValueError, match="dispatcher"):
         Stack("x", impls=ModelImpls(dispatcher="teleport"))
@@ -43,15 +46,17 @@ def test_stack_validates_its_choices():
     with pytest.raises(ValueError, match="step"):
         Stack("x", step="teleport")
     with pytest.raises(ValueError, match="clip_step"):
-        Stack("x", step="sync_free", clip_step="teleport")
+        Stack("x", impls=DROPLESS, step="sync_free", clip_step="teleport")
     with pytest.raises(ValueError, match="compiled_eval"):
-        Stack("x", step="sync_free", compiled_eval=True)
+        Stack("x", impls=DROPLESS, step="sync_free", compiled_eval=True)
     with pytest.raises(ValueError, match="fp32_logits"):
-        Stack("x", step="sync_free", fp32_logits=True)  # nothing to keep in FP32 without amp
+        Stack("x", impls=DROPLESS, step="sync_free", fp32_logits=True)  # nothing to keep in FP32 without amp
     with pytest.raises(ValueError, match="compile"):
-        Stack("x", step="sync_free", compile="cpp")  # a name of COMPILE_MODES
+        Stack("x", impls=DROPLESS, step="sync_free", compile="cpp")  # a name of COMPILE_MODES
+    with pytest.raises(ValueError, match="dispatcher 'naive' syncs the host"):
+        Stack("x", step="sync_free")  # the default dispatcher is the naive one
     assert "naive dispatch" in NAIVE.describe() and "FP64" in NAIVE.describe()
-    assert not NAIVE.sync_free and Stack("x", step="graphed").graphed
+    assert not NAIVE.sync_free and Stack("x", impls=DROPLESS, step="graphed").graphed
 
 
 def test_optimised_stack_on_a_cpu():
@@ -88,7 +93,7 @@ def test_optimised_stack_on_a_cpu():
     with pytest.raises(ValueError, match="sync_free"):
         Stack("x", amp="bf16")
     with pytest.raises(ValueError, match="amp"):
-        Stack("x", step="sync_free", amp="fp16")
+        Stack("x", impls=DROPLESS, step="sync_free", amp="fp16")
 
 
 def test_without_the_cpu_plugin_the_core_names_are_used(monkeypatch):

@@ -65,6 +65,9 @@ def _copy(checkpoint: Path, folder: Path, data: bytes | None = None) -> Path:
     (["--override"], ["--override", "--resume"]),
     (["--checkpoint-every", "5"], ["--checkpoint-every", "--checkpoint"]),
     (["--resume"], ["--resume", "--checkpoint"]),
+    # Ran and reported "step: sync_free" although the naive dispatcher syncs every expert.
+    (["--dispatcher", "naive", "--step", "sync_free"], ["sync-free step", "'naive' syncs the host"]),
+    (["--dispatcher", "naive", "--step", "graphed"], ["'naive' syncs the host"]),
 ])
 def test_train_refuses_bad_values_in_one_line(capsys, argv, words):
     code, err = _cli(capsys, *TRAIN, *argv)
