@@ -120,6 +120,9 @@ def choose_backend(local_ranks: int, link: EmulatedLink | None = None,
             raise ValueError("the emulated link carries gloo (TCP) traffic; use backend='gloo'")
         return "gloo", "emulated link: TCP between network namespaces, which gloo speaks"
     if backend == "nccl":
+        if gpus == 0:
+            raise ValueError("backend='nccl' needs CUDA, and this machine has no CUDA device; use "
+                             "backend='gloo' (the ranks then compute on the CPU)")
         if gpus < local_ranks:
             raise ValueError(f"backend='nccl' needs one GPU per rank: {local_ranks} ranks on this "
                              f"machine, {gpus} GPU(s) (NCCL refuses two ranks on one GPU); use "

@@ -30,6 +30,8 @@ def test_more_ranks_than_gpus_run_on_gloo_and_say_why(monkeypatch):
         launch.choose_backend(4, backend="nccl")
     _gpus(monkeypatch, 0)
     assert launch.choose_backend(2) == ("gloo", "no CUDA device: gloo on the CPU")
+    with pytest.raises(ValueError, match="backend='nccl' needs CUDA, and this machine has no CUDA"):
+        launch.choose_backend(1, backend="nccl")
 
 
 def test_an_emulated_link_runs_on_gloo_even_with_gpus(monkeypatch):
