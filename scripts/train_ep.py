@@ -4,17 +4,19 @@
     torchrun --standalone --nproc_per_node=4 scripts/train_ep.py --preset tiny --steps 100
     torchrun --standalone --nproc_per_node=2 scripts/train_ep.py --schedule 1f1b --microbatches 4
 
-CPU ranks talk through gloo, GPU ranks through NCCL (picked automatically; one GPU per
-local rank). Every rank builds the same model from the same seed, then keeps only its
-shard of each MoE layer's experts (`moe_lab.parallel.ep.from_layer`); attention, router,
-shared expert and embeddings are replicated. Each rank draws its own batches. After each
+CPU ranks talk through gloo, GPU ranks through NCCL (``--backend auto``: NCCL where the node
+has one GPU per local rank, else gloo on the CPU, said in the summary's ``backend_reason``).
+Every rank builds the same model from the same seed, then keeps only its shard of each MoE
+layer's experts (`moe_lab.parallel.ep.from_layer`); attention, router, shared expert and
+embeddings are replicated. Each rank draws its own batches. After each
 backward, replicated gradients are averaged over all ranks and expert gradients (already
 summed over the EP group by the all-to-all's backward) are divided by the world size, so
 the update is that of the mean loss over all ranks' tokens.
 
 ``--ep-size`` smaller than the world size makes several EP groups of consecutive ranks;
 the copies of each expert shard are then averaged over the ranks that hold them (expert
-data parallelism). For multi-node runs see ``scripts/slurm/train_ep.sbatch``.
+data parallelism). For multi-node runs see ``scripts/slurm/train_ep.sbatch``, and
+``scripts/two_node_torchrun.sh`` for two "nodes" (network namespaces) on one machine.
 
 ``--schedule 1f1b`` splits each rank's batch into ``--microbatches`` micro-batches and runs
 them as the steady state of a 1F1B pipeline does (`moe_lab.parallel.merged_model`): the forward
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=1, help="1f1b: chunks per MoE layer and micro-batch")
     p.add_argument("--expert-backend", default=None, choices=["loop", "torch", "triton"],
                    help="grouped GEMM (default: torch on CPU, triton on GPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="process group (auto: nccl with one GPU per local rank, else gloo on the CPU)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout, seconds")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON summary line")
@@ -128,10 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     from moe_lab.parallel.ep import EPMoELayer, clip_grad_norm_ep, from_layer, sync_gradients
     from moe_lab.parallel.merged_model import MergedModelStep
     from moe_lab.training.loop import TrainConfig, lr_at
-    from moe_lab.workbench.ranks.launch import init_from_env
+    from moe_lab.workbench.ranks.launch import choose_backend, init_from_env
 
     args = parse_args(argv)
-    rank, world, device = init_from_env(collective_timeout_s=args.timeout)
+    try:  # refused on every rank alike (e.g. --backend nccl with fewer GPUs than local ranks)
+        backend_name, backend_reason = choose_backend(
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")), None,
+            None if args.backend == "auto" else args.backend)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    rank, world, device = init_from_env(collective_timeout_s=args.timeout, backend=backend_name)
     cfg = preset(args.preset)
     ep_size = args.ep_size or world
     if cfg.moe.n_experts % ep_size:
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         dist.all_reduce(loss)
         loss = float(loss) / world
-        if device.type == "cuda":
+        if device.type == "cuda":  # the host clock times the step only once the GPU is done
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         history.append({"step": step, "loss": loss, "reruns": reruns, "a2a_bytes": a2a})
@@ -188,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     steady = sorted(times[1:] or times)
     summary = {
         "preset": args.preset, "world_size": world, "ep_size": ep_size, "backend": dist.get_backend(),
-        "device": device.type, "mode": args.mode, "steps": args.steps, "schedule": args.schedule,
+        "device": device.type, "backend_reason": backend_reason, "mode": args.mode,
+        "steps": args.steps, "schedule": args.schedule,
         "microbatches": args.microbatches if merged is not None else 1,
         "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+        "losses": [h["loss"] for h in history],
         "tokens_per_s": tokens_per_step / steady[len(steady) // 2],
         "a2a_bytes_per_step_rank0": history[-1]["a2a_bytes"],
         "reruns": sum(h["reruns"] for h in history),

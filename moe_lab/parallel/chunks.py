@@ -46,7 +46,7 @@ __all__ = ["Chunk", "ChunkStages", "StageClock", "chunk_rows", "mark_end_when_do
 def chunk_rows(tokens: int, n_chunks: int) -> list[slice]:
     """``n_chunks`` contiguous, near-equal row ranges covering ``tokens`` rows."""
     positive_int(n_chunks, "n_chunks")
-    bounds = torch.linspace(0, tokens, n_chunks + 1).round().long().tolist()
+    bounds = [round(i * tokens / n_chunks) for i in range(n_chunks + 1)]  # host arithmetic
     return [slice(bounds[i], bounds[i + 1]) for i in range(n_chunks)]
 
 

@@ -256,9 +256,10 @@ class EPMoELayer(MoELayer):
             raise ValueError(f"layer must be a MoELayer, got {type(layer).__name__}")
         kwargs.setdefault("expert_backend", layer.experts.backend)
         kwargs.setdefault("router_impl", layer.router.impl)
-        ep = cls(layer.cfg, group, **kwargs)
         w = layer.experts.w_gate_up
-        ep.to(device=w.device, dtype=w.dtype)
+        with torch.device(w.device):  # built where ``layer`` lives, not on the default device
+            ep = cls(layer.cfg, group, **kwargs)
+        ep.to(dtype=w.dtype)
         lo, hi = ep.local_experts.start, ep.local_experts.stop
         with torch.no_grad():
             ep.router.load_state_dict(layer.router.state_dict())

@@ -10,8 +10,13 @@ chunks, and equal autograd through `EPMoELayer` to float32 rounding.
 
 **Streams.** On the CPU, gloo runs each collective on its own worker threads, so the work
 handle is the whole story. On CUDA, `MergedStep` issues every collective from one
-high-priority side stream (after that stream has waited for the data it sends) and makes the
-compute stream wait for it only at the consuming stage. No GPU has run that path yet.
+high-priority side stream and makes the compute stream wait for it only at the consuming
+stage. The contract, per collective (`MergedStep._start` and ``_wait``; a unit test checks
+its order with stand-in streams): the side stream waits for the compute stream
+(``wait_stream``) before the collective is issued on it; the tensor sent is marked as used
+on the side stream (``record_stream``); at the consuming stage the work is waited, the
+compute stream waits for the side stream, and the output, allocated on the side stream, is
+marked as used on the compute stream. No GPU has run that path yet.
 
 `two_microbatch_step` runs a whole two-micro-batch step (warm-up forward, merged unit,
 cool-down backward), which the tests compare with the plain schedule.
@@ -64,11 +69,13 @@ class MicroBatch:
 
 
 class _Handle:
-    """A started collective: its output, its work handle, its timeline event."""
+    """A started collective: its output, its work handle, its timeline event, the side stream
+    it was issued from (CUDA), and whether a consumer has waited for it."""
 
     def __init__(self, out: Tensor, work: Work | None, event: dict | None,
                  stream: torch.cuda.Stream | None = None) -> None:
         self.out, self.work, self.event, self.stream = out, work, event, stream
+        self.waited = False
 
 
 class MergedStep:
@@ -105,10 +112,14 @@ class MergedStep:
             return _Handle(self.cache[key], None, None)
         layer = self.layer
         if self.comm_stream is not None:  # comm on a high-priority side stream
+            # 1. The side stream waits for everything the compute stream queued so far, the
+            #    kernels that wrote ``x`` among them (NCCL's own stream waits for the side one).
             self.comm_stream.wait_stream(torch.cuda.current_stream())
-            x.record_stream(self.comm_stream)  # not reused while the side stream still reads it
             with torch.cuda.stream(self.comm_stream):
                 out, work = exchange_rows(x, out_splits, in_splits, layer.group, async_op=True)
+            # 2. ``x`` was allocated on the compute stream and is read on the side stream: the
+            #    allocator must not hand its memory out again before the side stream is done.
+            x.record_stream(self.comm_stream)
             handle = _Handle(out, work, event, self.comm_stream)
         else:
             out, work = exchange_rows(x, out_splits, in_splits, layer.group, async_op=True)
@@ -122,12 +133,17 @@ class MergedStep:
         return handle
 
     def _wait(self, handle: _Handle, clock: StageClock) -> Tensor:
-        if handle.work is not None:
-            handle.work.wait()
+        if not handle.waited:
+            if handle.work is not None:
+                handle.work.wait()  # NCCL: the current (compute) stream waits for the collective
             if handle.stream is not None:
-                torch.cuda.current_stream().wait_stream(handle.stream)
-                handle.out.record_stream(torch.cuda.current_stream())
-            handle.work = None
+                # 3. The compute stream waits for the side stream before it reads ``out`` (also
+                #    with no work handle: a group of one rank copies on the side stream), and
+                #    ``out``, allocated on the side stream, is marked as used on the compute one.
+                compute = torch.cuda.current_stream()
+                compute.wait_stream(handle.stream)
+                handle.out.record_stream(compute)
+            handle.work, handle.waited = None, True
         if handle.event is not None and handle.event.get("end") is None:
             handle.event["end"] = clock.now()
         return handle.out

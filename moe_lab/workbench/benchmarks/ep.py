@@ -39,7 +39,7 @@ from moe_lab.parallel.plan import SCHEDULES
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.ranks import netem
 from moe_lab.workbench.ranks.harness import merged_rank_main
-from moe_lab.workbench.ranks.launch import run_ranks
+from moe_lab.workbench.ranks.launch import choose_backend, run_ranks
 
 DESCRIPTION = ("expert-parallel layer on N gloo ranks over an emulated link: all-to-all bytes, "
                "time, exposed communication under four schedules (sequential, chunked, 1f1b, "
@@ -89,11 +89,14 @@ def run_ep_benchmark(ranks: int = 2, rate_mbit: float | None = DEFAULT_RATE_MBIT
         else:
             notes.append(f"link not emulated ({why}): ranks talk over the loopback device, where "
                          "communication is memory copies on the same cores and overlap cannot show")
+    # The backend is chosen here and passed on, never left to the launcher's default: the
+    # emulated link carries gloo only, and one GPU cannot hold several NCCL ranks.
+    backend, backend_reason = choose_backend(ranks, link)
     try:
         if link is not None:
             link.setup()
         reports = run_ranks(merged_rank_main, ranks, spec, timeout_s=timeout_s, link=link,
-                            threads_per_rank=threads_per_rank)
+                            backend=backend, threads_per_rank=threads_per_rank)
         description = link.describe() if link is not None else "loopback (not emulated)"
     finally:
         if link is not None:
@@ -102,6 +105,7 @@ def run_ep_benchmark(ranks: int = 2, rate_mbit: float | None = DEFAULT_RATE_MBIT
     report["link"] = description
     report["link_emulated"] = link is not None
     report["rate_mbit"] = rate_mbit if link is not None else None
+    report["backend_reason"] = backend_reason  # report["backend"], ["device"]: the ranks' own
     report["notes"] = notes
     report["threads_per_rank"] = threads_per_rank
     report["per_rank_exposed_s"] = [r["exposed_s"] for r in reports]
@@ -249,6 +253,8 @@ def run(args: argparse.Namespace) -> dict:
     s = summarize(report)
     result = {"ranks": report["world_size"], "tokens_per_rank": report["tokens_per_rank"],
               "n_chunks": report["n_chunks"], "link": report["link"],
+              "backend": report["backend"], "device": report["device"],
+              "backend_reason": report["backend_reason"],
               "threads_per_rank": args.threads,
               "a2a_bytes_per_step": s["a2a_bytes_per_step"],
               "a2a_ms_per_step_sequential": round(s["a2a_s_sequential"] * 1e3, 1),

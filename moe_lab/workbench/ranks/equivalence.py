@@ -73,14 +73,14 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
     for case in cases:
         mode, skew, capacity_factor = case[:3]
         on_overflow = case[3] if len(case) > 3 else "rerun"
-        torch.manual_seed(seed)
-        ref = MoELayer(cfg, "dropless", expert_backend)
-        with torch.no_grad():
-            ref.router.weight.normal_(0.0, 1.0)  # confident routing: near-ties are improbable
-            ref.router.expert_bias[0] = skew
-        x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
-        g_all = torch.randn_like(x_all)
-        ref, x_all, g_all = ref.to(device), x_all.to(device), g_all.to(device)
+        torch.manual_seed(seed)  # seeds every device: the same layer and batch on every rank
+        with torch.device(device):
+            ref = MoELayer(cfg, "dropless", expert_backend)
+            with torch.no_grad():
+                ref.router.weight.normal_(0.0, 1.0)  # confident routing: near-ties are improbable
+                ref.router.expert_bias[0] = skew
+            x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
+            g_all = torch.randn_like(x_all)
         xr = x_all.detach().requires_grad_()
         y_ref, _ = ref(xr)
         y_ref.backward(g_all)
@@ -150,25 +150,27 @@ def merged_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 
     tokens each expert received."""
     cfg, device = MoEConfig(**cfg_fields), rank_device()
     torch.manual_seed(seed)
-    ref_layer = MoELayer(cfg, "dropless", "torch")
+    with torch.device(device):
+        ref_layer = MoELayer(cfg, "dropless", "torch")
     with torch.no_grad():
         ref_layer.router.expert_bias[0] = skew
         if starve is not None:
             ref_layer.router.expert_bias[starve] = -1e4
-    ep = from_layer(ref_layer.to(device))
-    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank() + 1)
-    xs = [torch.randn(tokens, cfg.d_model, generator=g).to(device) for _ in range(2)]
-    gs = [torch.randn(tokens, cfg.d_model, generator=g).to(device) for _ in range(2)]
+    ep = from_layer(ref_layer)
+    g = torch.Generator(device).manual_seed(seed * 1000 + dist.get_rank() + 1)
+    xs = [torch.randn(tokens, cfg.d_model, generator=g, device=device) for _ in range(2)]
+    gs = [torch.randn(tokens, cfg.d_model, generator=g, device=device) for _ in range(2)]
     # Autograd through the layer: two micro-batches, gradients accumulated.
     ep.zero_grad(set_to_none=True)
-    ys_ref, dxs_ref, received = [], [], torch.zeros(cfg.n_experts, dtype=torch.int64)
+    ys_ref, dxs_ref = [], []
+    received = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
     for x, gr in zip(xs, gs, strict=True):
         xr = x.detach().requires_grad_()
         y, stats = ep(xr)
         y.backward(gr)
         ys_ref.append(y.detach())
         dxs_ref.append(xr.grad)
-        received += stats.tokens_per_expert.cpu()
+        received += stats.tokens_per_expert
     dist.all_reduce(received)
     autograd = ys_ref + dxs_ref + [p.grad.clone() for p in ep.parameters()]
 
@@ -195,15 +197,17 @@ def merged_model_check_rank(preset_name: str = "tiny", batch: int = 4, n_micro: 
     on ``"1f1b"`` and on ``"sequential"`` (must be bitwise equal), and as plain autograd over
     the micro-batches (``model(x).loss / n_micro`` backward per micro-batch; float32
     rounding). Returns ``{"bitwise", "rel", "loss", "plain_loss"}``."""
-    cfg = preset(preset_name)
+    cfg, device = preset(preset_name), rank_device()
     torch.manual_seed(seed)
-    model = MoETransformer(cfg, dispatcher="dropless", expert_backend="torch").to(rank_device())
+    with torch.device(device):
+        model = MoETransformer(cfg, dispatcher="dropless", expert_backend="torch")
     for block in model.blocks:
         if isinstance(block.ffn, MoELayer):
             block.ffn = from_layer(block.ffn)
-    data = SyntheticCorpus(seq_len=cfg.seq_len, seed=seed).sample(
-        batch, generator=torch.Generator().manual_seed(seed + 1 + dist.get_rank()))
-    data_x, data_y = data.x.to(rank_device()), data.y.to(rank_device())
+    with torch.device("cpu"):  # the corpus is drawn on the host, then moved
+        data = SyntheticCorpus(seq_len=cfg.seq_len, seed=seed).sample(
+            batch, generator=torch.Generator().manual_seed(seed + 1 + dist.get_rank()))
+    data_x, data_y = data.x.to(device), data.y.to(device)
 
     def grads() -> list[Tensor]:
         return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]

@@ -107,8 +107,11 @@ def summarise_runs(layer: EPMoELayer, timelines: dict[str, list[Timeline]], refe
     compute (averaged over ranks), which a busy shared machine disturbs less, and against
     the compute-only (replay) run. Returns the dict both document."""
     order = list(timelines)
-    steps = torch.tensor([[t.step_s for t in timelines[label]] for label in order], dtype=torch.float64)
-    waits = torch.tensor([[t.wait_s for t in timelines[label]] for label in order], dtype=torch.float64)
+    device = layer.experts.w_gate_up.device  # where the collectives run (NCCL: the GPU)
+    steps = torch.tensor([[t.step_s for t in timelines[label]] for label in order],
+                         dtype=torch.float64, device=device)
+    waits = torch.tensor([[t.wait_s for t in timelines[label]] for label in order],
+                         dtype=torch.float64, device=device)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=layer.group)
     dist.all_reduce(waits, group=layer.group)
     waits /= layer.ep_size
@@ -139,27 +142,37 @@ def summarise_runs(layer: EPMoELayer, timelines: dict[str, list[Timeline]], refe
 def a2a_bandwidth(rows_per_rank: int, d_model: int, repeats: int = 5,
                   group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """Time one all-to-all of ``rows_per_rank`` rows of ``d_model`` per destination (equal
-    splits, on every rank together): median seconds and the bandwidth per rank (bytes each
-    rank sends to the others / time). Host timestamps: on a GPU the wait is synchronised."""
+    splits, on every rank together): median seconds (the slowest rank's) and the bandwidth per
+    rank (bytes each rank sends to the others / time), on `rank_device`.
+
+    On a GPU the all-to-all is timed with CUDA events around it: the call returns to the host
+    once it is *queued* (NCCL runs it on its own stream, which the current stream then waits
+    for), so a host clock would time the queueing. On the CPU the call returns when gloo has
+    delivered every row, and the host clock is the time."""
     positive_int(rows_per_rank, "rows_per_rank")
     positive_int(repeats, "repeats")
     world = dist.get_world_size(group)
     device = rank_device()
-    x = torch.randn(world * rows_per_rank, d_model, dtype=dtype).to(device)
+    x = torch.randn(world * rows_per_rank, d_model, dtype=dtype, device=device)
 
-    def exchange() -> None:
-        exchange_rows(x, None, None, group)
+    def timed() -> float:
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            exchange_rows(x, None, None, group)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        exchange_rows(x, None, None, group)
+        return time.perf_counter() - t0
 
-    exchange()
+    timed()  # warm-up: connections, buffers
     times = []
     for _ in range(repeats):
         dist.barrier(group=group)
-        t0 = time.perf_counter()
-        exchange()
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64)
+        times.append(timed())
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     median = statistics.median(t.tolist())
     sent = (world - 1) * rows_per_rank * d_model * x.element_size()
@@ -185,6 +198,7 @@ def overlap_rank_main(spec: dict) -> dict:
     report["timelines"] = {k: t.to_dict() for k, t in report["timelines"].items()}
     report["matches_autograd"] = matches
     report["rank"] = rank
+    report["backend"], report["device"] = dist.get_backend(), str(rank_device())
     report["tokens_per_rank"] = spec["tokens"]
     if spec.get("bandwidth_rows"):
         report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model, group=None)
@@ -262,10 +276,12 @@ def layer_and_batches(spec: dict, n_tensors: int = 4) -> tuple[EPMoELayer, list[
     own (inputs and output gradients), all on `rank_device`."""
     cfg = MoEConfig(**spec["cfg"])
     device = rank_device()
-    torch.manual_seed(spec.get("seed", 0))
-    ep = from_layer(MoELayer(cfg, "dropless", "torch").to(device))
-    g = torch.Generator().manual_seed(spec.get("seed", 0) * 1000 + dist.get_rank() + 1)
-    tensors = [torch.randn(spec["tokens"], cfg.d_model, generator=g).to(device) for _ in range(n_tensors)]
+    torch.manual_seed(spec.get("seed", 0))  # seeds every device: the same layer on every rank
+    with torch.device(device):
+        ep = from_layer(MoELayer(cfg, "dropless", "torch"))
+    g = torch.Generator(device).manual_seed(spec.get("seed", 0) * 1000 + dist.get_rank() + 1)
+    tensors = [torch.randn(spec["tokens"], cfg.d_model, generator=g, device=device)
+               for _ in range(n_tensors)]
     return ep, tensors
 
 
@@ -291,6 +307,7 @@ def merged_rank_main(spec: dict) -> dict:
     report["timelines"] = {k: t.to_dict() for k, t in report["timelines"].items()}
     report["merged_equals_plain"] = identical
     report["rank"] = dist.get_rank()
+    report["backend"], report["device"] = dist.get_backend(), str(rank_device())
     report["tokens_per_rank"] = spec["tokens"]
     if spec.get("bandwidth_rows"):
         report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model, group=None)

@@ -61,7 +61,7 @@ from moe_lab.workbench.ranks.netem import IFNAME, EmulatedLink, enter_namespace
 
 __all__ = [
     "RankFailure", "RankStatus", "run_ranks", "init_from_env", "rank_device", "check_peers",
-    "whoami", "default_backend", "torchrun_command", "run_torchrun",
+    "whoami", "choose_backend", "default_backend", "torchrun_command", "run_torchrun",
 ]
 
 GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to exit by themselves
@@ -99,9 +99,48 @@ class RankStatus:
         return f"rank {self.rank}: exit code {self.exitcode}" + (f" — {self.error}" if self.error else "")
 
 
-def default_backend() -> str:
-    """``"nccl"`` when CUDA devices are present, else ``"gloo"``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def choose_backend(local_ranks: int, link: EmulatedLink | None = None,
+                   backend: str | None = None) -> tuple[str, str]:
+    """The process-group backend for ``local_ranks`` ranks on this machine, and why:
+    ``(backend, reason)``.
+
+    NCCL needs one GPU per rank (two ranks on one GPU are refused by NCCL) and carries no
+    traffic over the emulated link, which is TCP between network namespaces. So: ``"gloo"``
+    with a ``link``; ``"nccl"`` when CUDA has at least ``local_ranks`` GPUs; else ``"gloo"``
+    on the CPU, the reason saying so (the ranks then compute on the CPU,
+    `rank_device`). An explicit ``backend`` is checked against the same rules and refused
+    in one line when it cannot work.
+    """
+    positive_int(local_ranks, "local_ranks")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if link is not None:
+        if backend == "nccl":
+            raise ValueError("the emulated link carries gloo (TCP) traffic; use backend='gloo'")
+        return "gloo", "emulated link: TCP between network namespaces, which gloo speaks"
+    if backend == "nccl":
+        if gpus == 0:
+            raise ValueError("backend='nccl' needs CUDA, and this machine has no CUDA device; use "
+                             "backend='gloo' (the ranks then compute on the CPU)")
+        if gpus < local_ranks:
+            raise ValueError(f"backend='nccl' needs one GPU per rank: {local_ranks} ranks on this "
+                             f"machine, {gpus} GPU(s) (NCCL refuses two ranks on one GPU); use "
+                             "backend='gloo' (the ranks then compute on the CPU)")
+        return "nccl", f"{local_ranks} ranks on {gpus} GPU(s): one GPU per rank"
+    if backend == "gloo":
+        return "gloo", "gloo asked for: the ranks compute on the CPU"
+    if gpus == 0:
+        return "gloo", "no CUDA device: gloo on the CPU"
+    if gpus < local_ranks:
+        return "gloo", (f"{local_ranks} ranks > {gpus} GPU(s), and NCCL refuses two ranks on one "
+                        "GPU: gloo on the CPU")
+    return "nccl", f"{local_ranks} ranks on {gpus} GPU(s): one GPU per rank"
+
+
+def default_backend(local_ranks: int = 1) -> str:
+    """`choose_backend`'s pick for ``local_ranks`` ranks on this machine, without a link."""
+    return choose_backend(local_ranks)[0]
 
 
 # Modules the fork server imports once, so that every rank forked from it starts with torch
@@ -146,8 +185,8 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
         if backend == "gloo":
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
         torch.set_num_threads(threads)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl":  # one GPU per rank (`choose_backend` checked there are enough)
+            torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
@@ -177,7 +216,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     Args:
         timeout_s: deadline for the whole job; ranks still running then are killed.
         collective_timeout_s: the process group's timeout (a collective waiting longer raises).
-        backend: ``"gloo"`` or ``"nccl"``; default `default_backend()`.
+        backend: ``"gloo"`` or ``"nccl"``; default `choose_backend`'s pick (gloo with a
+            link or with fewer GPUs than ranks; ``"nccl"`` there is refused with the reason).
         link: an active ``moe_lab.workbench.ranks.netem.EmulatedLink`` with ``world_size`` ranks, or None
             (loopback).
         threads_per_rank: torch intra-op threads per rank (default: the CPU count divided
@@ -197,12 +237,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
                          f"own functions are not: put it in a module), got {fn!r}")
     positive_number(timeout_s, "timeout_s")
     positive_number(collective_timeout_s, "collective_timeout_s")
-    backend = backend or default_backend()
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    backend, _ = choose_backend(world_size, link, backend)
     if link is not None:
-        if backend != "gloo":
-            raise ValueError("the emulated link carries gloo (TCP) traffic; use backend='gloo'")
         if not link.active or link.world_size != world_size:
             raise ValueError(f"link must be an active EmulatedLink for {world_size} ranks, got {link!r}")
         master_addr, port, ifname = link.master_addr, 29500, IFNAME
@@ -287,13 +323,16 @@ def init_from_env(collective_timeout_s: float = 60.0,
     """Initialise the default process group from torchrun's environment.
 
     Picks NCCL (one GPU per local rank, with high-priority communication streams) where
-    CUDA is available, gloo otherwise. Returns ``(rank, world_size, device)``.
+    this node has a GPU for each of its ``LOCAL_WORLD_SIZE`` ranks, gloo on the CPU otherwise
+    (`choose_backend`, which also refuses ``backend="nccl"`` there). Returns ``(rank,
+    world_size, device)``.
     """
-    backend = backend or default_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend, _ = choose_backend(local_ranks, None, backend)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     if backend == "nccl":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         options = None
         nccl_options = getattr(dist, "ProcessGroupNCCL", None)
@@ -310,20 +349,22 @@ def init_from_env(collective_timeout_s: float = 60.0,
 
 
 def rank_device() -> torch.device:
-    """The device this rank computes on, the one place rank functions take it from: its GPU
-    under NCCL (`run_ranks` and `init_from_env` set it per local rank), else the CPU."""
+    """The device this rank computes on, the one place rank functions take it from:
+    ``cuda:LOCAL_RANK`` under NCCL (`run_ranks` and torchrun set ``LOCAL_RANK``), the CPU
+    under gloo (gloo's ranks compute on the CPU even where there is a GPU: see
+    `choose_backend`)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
 def whoami() -> dict:
     """A rank's view of the job: its rank, the world size, the backend, its address, and an
     all-reduce of ranks (``0 + 1 + ... + N-1``) to show they really talk."""
-    total = torch.tensor([dist.get_rank()])
+    total = torch.tensor([dist.get_rank()], device=rank_device())
     dist.all_reduce(total)
     return {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
-            "backend": dist.get_backend(), "pid": os.getpid(),
+            "backend": dist.get_backend(), "device": str(rank_device()), "pid": os.getpid(),
             "interface": os.environ.get("GLOO_SOCKET_IFNAME", ""),
             "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
             "sum_of_ranks": int(total)}

@@ -143,5 +143,21 @@ def test_train_ep_script_refuses_bad_schedule_arguments():
     assert (args.schedule, args.microbatches, args.chunks) == ("1f1b", 4, 1)
 
 
+def test_train_ep_script_refuses_nccl_without_a_gpu_per_rank(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_ep", ROOT / "scripts" / "train_ep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit) as stop:  # before any process group forms
+        script.main(["--preset", "tiny", "--backend", "nccl"])
+    message = str(stop.value.code)
+    assert message.startswith("error: backend='nccl' needs one GPU per rank: 2 ranks"), message
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

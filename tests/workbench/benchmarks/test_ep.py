@@ -47,3 +47,39 @@ def test_bench_ep_arguments_are_checked():
     ep_bench.add_arguments(parser)
     with pytest.raises(SystemExit, match="error: --chunks must be a positive integer, got 0"):
         ep_bench.run(parser.parse_args(["--chunks", "0"]))
+
+
+def test_bench_ep_passes_gloo_explicitly_over_the_emulated_link(monkeypatch):
+    # A machine with GPUs (pretended), where the launcher's own default would be NCCL, which
+    # the emulated link cannot carry: the benchmark must choose gloo and say so.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+
+    class FakeLink:
+        def __init__(self, ranks: int, rate_mbit: float) -> None:
+            self.ranks = ranks
+
+        def setup(self) -> None:
+            pass
+
+        def teardown(self) -> None:
+            pass
+
+        def describe(self) -> str:
+            return "fake link"
+
+    seen = {}
+
+    def fake_run_ranks(fn, world_size, *args, **kwargs):
+        seen.update(kwargs)
+        return [{"exposed_s": {}, "timelines": {}, "backend": kwargs.get("backend"), "device": "cpu"}
+                for _ in range(world_size)]
+
+    monkeypatch.setattr(ep_bench.netem, "available", lambda: (True, "tbf"))
+    monkeypatch.setattr(ep_bench.netem, "EmulatedLink", FakeLink)
+    monkeypatch.setattr(ep_bench, "run_ranks", fake_run_ranks)
+    report = ep_bench.run_ep_benchmark(2, rate_mbit=100.0)
+    assert seen["link"] is not None and seen.get("backend") == "gloo"
+    assert report["link_emulated"] and "emulated link" in report["backend_reason"]
