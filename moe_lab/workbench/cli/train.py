@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from moe_lab.config import preset
 from moe_lab.moe.dispatch import DISPATCHERS
@@ -22,6 +23,16 @@ from moe_lab.workbench.jsonout import dumps
 EXIT_INTERRUPTED = 130
 
 
+def _check_checkpoint_target(path: Path, corpus: str, resume: bool, overwrite: bool) -> None:
+    """Nothing the user saved is replaced unasked: the corpus never, an existing file only
+    with ``--overwrite`` (or continued with ``--resume``)."""
+    if corpus != "synthetic" and path.exists() and Path(corpus).exists() and path.samefile(corpus):
+        raise ValueError(f"--checkpoint {path} is the --corpus file: a checkpoint would overwrite it")
+    if path.is_file() and not (resume or overwrite):
+        raise ValueError(f"--checkpoint {path} exists; pass --resume to continue it or --overwrite "
+                         "to replace it with this run")
+
+
 def _train(args: argparse.Namespace) -> dict:
     model_cfg = preset(args.preset)
     if args.override and not args.resume:
@@ -31,6 +42,11 @@ def _train(args: argparse.Namespace) -> dict:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint PATH")
     if args.resume and not args.checkpoint:
         raise ValueError("--resume needs --checkpoint PATH (the checkpoint to continue)")
+    if args.overwrite and (args.resume or not args.checkpoint):
+        raise ValueError("--overwrite replaces an existing --checkpoint PATH with a new run; "
+                         "it does not go with --resume")
+    if args.checkpoint:
+        _check_checkpoint_target(Path(args.checkpoint), args.corpus, args.resume, args.overwrite)
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         dispatcher=args.dispatcher, expert_backend=args.expert_backend, corpus=args.corpus,
@@ -95,6 +111,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "--checkpoint-every steps), read by --resume")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also save every N steps (0: only at the end)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --checkpoint file with this run (refused otherwise)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint; it must have steps left (a checkpoint at "
                         "or past --steps is refused: nothing left to train) and was written "

@@ -92,6 +92,30 @@ def test_train_refuses_missing_and_unreadable_checkpoints(capsys, tmp_path, chec
     _one_line(err, "holds a Tensor")
 
 
+def test_an_existing_file_is_never_overwritten_unasked(capsys, tmp_path, checkpoint):
+    """``train --checkpoint PATH`` without --resume replaced whatever was at PATH: an earlier
+    run's checkpoint, a text file, the --corpus file itself (exit status 0 each time)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n" * 50)
+    earlier = _copy(checkpoint, tmp_path)
+    for path in (notes, earlier):
+        before = path.read_bytes()
+        code, err = _cli(capsys, *TRAIN, "--checkpoint", str(path))
+        assert code == 2
+        _one_line(err, f"--checkpoint {path} exists", "--resume", "--overwrite")
+        assert path.read_bytes() == before
+    code, err = _cli(capsys, *TRAIN, "--corpus", str(notes), "--checkpoint", str(notes), "--overwrite")
+    assert code == 2
+    _one_line(err, "is the --corpus file")
+    assert notes.read_text() == "my notes\n" * 50
+    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(earlier), "--resume", "--overwrite")
+    assert code == 2
+    _one_line(err, "--overwrite", "--resume")
+    assert main([*TRAIN, "--checkpoint", str(notes), "--overwrite"]) == 0  # asked for: replaced
+    assert not notes.read_bytes().startswith(b"my notes")
+    assert main([*TRAIN, "--checkpoint", str(notes), "--resume", "--steps", "3", "--override"]) == 0
+
+
 def test_a_directory_as_checkpoint_is_refused_before_training(capsys, tmp_path):
     code, err = _cli(capsys, *TRAIN, "--checkpoint", str(tmp_path), "--checkpoint-every", "1")
     assert code == 2
