@@ -375,6 +375,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     positive_int(args.tokens, "--tokens", or_none=True)
+    unknown = sorted(set(args.only or ()) - set(PROVIDERS))
+    if unknown:  # before the slow part (the CPU plug-in's build, the ceiling's timing)
+        raise ValueError(f"--only: unknown providers {unknown}; known {list(PROVIDERS)}")
     if not math.isfinite(args.min_time) or args.min_time < 0:
         raise ValueError(f"--min-time must be a finite number of seconds >= 0, got {args.min_time}")
     tokens = TOKENS[args.profile] if args.tokens is None else args.tokens

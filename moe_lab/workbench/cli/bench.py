@@ -8,6 +8,7 @@ import sys
 
 from moe_lab.workbench.benchmarks import BENCHMARKS
 from moe_lab.workbench.jsonout import dumps
+from moe_lab.workbench.measure import ledger
 
 
 def _format(result: dict) -> str:
@@ -26,12 +27,25 @@ def _format(result: dict) -> str:
 def _run(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[args.benchmark])
     try:
-        result = module.run(args)
+        with ledger.keep_unwritten() as unwritten:
+            result = module.run(args)
     except OSError as exc:  # a missing or unreadable input file: one line, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(dumps(result, default=str) if args.json else _format(result))
-    return 0
+    return report_unwritten(unwritten)
+
+
+def report_unwritten(unwritten: list) -> int:
+    """Say, in one line on stderr, that the ledger could not take ``unwritten`` records (the
+    result was printed above, so nothing measured is lost); exit status 1 if any."""
+    if not unwritten:
+        return 0
+    path, exc, _ = unwritten[0]
+    print(f"error: the ledger {path} could not be written ({exc.strerror or exc}): its "
+          f"{len(unwritten)} records are not in it; the result printed above is all that was kept",
+          file=sys.stderr)
+    return 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -78,17 +78,28 @@ def compile_command(args: argparse.Namespace) -> int:
         modules = [m if "." in m else f"moe_lab.kernels.{m}" for m in args.modules.split(",")]
     report = compile_report.compile_report(compile_report.parse_archs(args.arch), modules)
     rows = report["rows"]
+    from moe_lab.workbench.cli.bench import report_unwritten
+    from moe_lab.workbench.measure import ledger
+
+    unsaved = False
     if args.out is not None or modules is None:
         out = args.out if args.out is not None else compile_report.default_out_dir()
-        for path in compile_report.write_results(report, out):
-            print(f"wrote {path}", file=sys.stderr)
-    compile_report.record(rows)
+        try:
+            for path in compile_report.write_results(report, out):
+                print(f"wrote {path}", file=sys.stderr)
+        except OSError as exc:  # the compiling is done: print the report rather than lose it
+            print(f"error: the report could not be written into {out} ({exc}); it is printed below",
+                  file=sys.stderr)
+            unsaved = True
+    with ledger.keep_unwritten() as unwritten:
+        compile_report.record(rows)
     print(json.dumps(report) if args.json else compile_report.format_table(rows))
+    unsaved = report_unwritten(unwritten) or unsaved
     bad = [row for row in rows if row.get("error") or not row.get("agree", True)]
     for row in bad:
         why = row.get("error") or f"cuobjdump and ptxas/metadata disagree: {row['checks']}"
         print(f"{row['kernel']} [{row.get('arch')}]: {why.splitlines()[0]}", file=sys.stderr)
-    return 1 if bad else 0
+    return 1 if bad or unsaved else 0
 
 
 def _positive_int(text: str) -> int:

@@ -34,6 +34,7 @@ figure and loses a figure when two writers rename at once, so it is not used her
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -41,7 +42,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -270,8 +271,32 @@ def record(
         raise ValueError(
             f"extra fields of metric {metric!r} must be JSON-serialisable and finite: {exc}"
         ) from None
-    _append_line(lab_ledger_path() if lab else ledger_path(), line.encode("utf-8"))
+    path = lab_ledger_path() if lab else ledger_path()
+    try:
+        _append_line(path, line.encode("utf-8"))
+    except OSError as exc:
+        if _unwritten is None:
+            raise
+        _unwritten.append((path, exc, entry))
     return entry
+
+
+# Records that `record` could not write while `keep_unwritten` is active.
+_unwritten: list[tuple[Path, OSError, dict[str, Any]]] | None = None
+
+
+@contextlib.contextmanager
+def keep_unwritten() -> Iterator[list[tuple[Path, OSError, dict[str, Any]]]]:
+    """Within it, a ledger `record` that cannot be written (a read-only or full disk) does not
+    raise: the work measured so far goes on, and the ``(path, error, record)`` of each such
+    record is appended to the list it yields, for the caller to report and keep. Used by the
+    commands (``bench``, ``compile``) so that minutes of measuring are never thrown away."""
+    global _unwritten
+    outer, _unwritten = _unwritten, []
+    try:
+        yield _unwritten
+    finally:
+        _unwritten = outer
 
 
 # ------------------------------------------------------------------------------ reading

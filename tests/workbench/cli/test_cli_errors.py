@@ -172,6 +172,35 @@ def test_bench_refuses_bad_values_in_one_line(capsys, tmp_path):
     _one_line(err, "--corpus", "missing.txt", "not a file")
 
 
+def test_bench_refuses_an_unknown_provider_before_the_slow_part(capsys, monkeypatch):
+    """``--only bogus`` was refused only after the CPU plug-in's build and the ceiling's timing."""
+    from moe_lab.workbench.benchmarks import moe_layer
+
+    def slow(*args, **kwargs):
+        pytest.fail("timed the ceiling before checking --only")
+
+    monkeypatch.setattr(moe_layer.ceilings, "matmul_peak", slow)
+    code, err = _cli(capsys, "bench", "moe-layer", "--only", "dropless torch", "bogus")
+    assert code == 2
+    _one_line(err, "--only", "'bogus'", "dropless torch")
+
+
+def test_bench_keeps_its_result_when_the_ledger_cannot_be_written(capsys, tmp_path, monkeypatch):
+    """With a ledger it cannot write, ``bench ... --json`` measured, then threw the JSON away
+    in a traceback. Now the JSON is printed, one line says what was not written, status 1."""
+    import json
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("MOE_LAB_RESULTS_DIR", str(blocker / "results"))  # cannot be created
+    code = main(["bench", "router", "--shape", "small", "--tokens", "64", "--min-time", "0", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    result = json.loads(out)
+    assert result["rows"] and all("median_ms" in row for row in result["rows"])
+    _one_line(err.strip().splitlines(), "error: the ledger", str(blocker / "results"), "records are not in it")
+
+
 def test_train_ep_refuses_bad_values_before_any_process_group():
     spec = importlib.util.spec_from_file_location("train_ep", ROOT / "scripts" / "train_ep.py")
     script = importlib.util.module_from_spec(spec)
@@ -259,3 +288,19 @@ def test_sim_fabric_refuses_a_fabric_too_large_to_hold_before_allocating(capsys)
     code, err = _cli(capsys, "sim", "fabric", "--hosts-per-leaf", "8", "--leaves", "513")
     assert code == 2
     _one_line(err, "8 x 513 = 4104 GPUs")
+
+
+def test_compile_prints_its_report_when_it_cannot_save_it(capsys, tmp_path, monkeypatch):
+    """A read-only (here: impossible) --out and ledger raised after all the compiling was done."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("MOE_LAB_RESULTS_DIR", str(blocker / "results"))
+    code = main(["compile", "--arch", "sm_90", "--modules", "permute", "--out", str(blocker / "out"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    import json
+
+    rows = json.loads(out)["rows"]
+    assert rows and all(not row.get("error") for row in rows)
+    assert f"the report could not be written into {blocker / 'out'}" in err
+    assert "error: the ledger" in err and "Traceback" not in err
