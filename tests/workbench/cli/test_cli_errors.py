@@ -198,7 +198,8 @@ def test_bench_keeps_its_result_when_the_ledger_cannot_be_written(capsys, tmp_pa
     assert code == 1
     result = json.loads(out)
     assert result["rows"] and all("median_ms" in row for row in result["rows"])
-    _one_line(err.strip().splitlines(), "error: the ledger", str(blocker / "results"), "records are not in it")
+    _one_line(err.strip().splitlines(), "error: the ledger", str(blocker / "results"),
+              "records are not in it")
 
 
 def test_train_ep_refuses_bad_values_before_any_process_group():
@@ -295,7 +296,8 @@ def test_compile_prints_its_report_when_it_cannot_save_it(capsys, tmp_path, monk
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setenv("MOE_LAB_RESULTS_DIR", str(blocker / "results"))
-    code = main(["compile", "--arch", "sm_90", "--modules", "permute", "--out", str(blocker / "out"), "--json"])
+    code = main(["compile", "--arch", "sm_90", "--modules", "permute", "--out", str(blocker / "out"),
+                 "--json"])
     out, err = capsys.readouterr()
     assert code == 1
     import json
