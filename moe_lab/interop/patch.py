@@ -76,6 +76,10 @@ def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backen
     targets = [(name, module) for name, module in model.named_modules()
                if type(module).__name__ in HF_MOE_BLOCKS]
     if not targets:
+        patched = sum(isinstance(module, HFMoEAdapter) for module in model.modules())
+        if patched:
+            raise ValueError(f"model {type(model).__name__} is already patched: its {patched} MoE "
+                             "blocks are moe_lab adapters")
         raise ValueError(f"model {type(model).__name__} has no MoE block of a supported family "
                          f"(expected one of {sorted(HF_MOE_BLOCKS)})")
     replaced: dict[str, nn.Module] = {}
@@ -87,4 +91,12 @@ def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backen
         adapter.train(block.training)
         model.set_submodule(name, adapter)
         replaced[name] = block
+    model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
     return replaced
+
+
+def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # Asked for at call time, Hugging Face gathers the logits of router modules that are gone.
+    if kwargs.get("output_router_logits"):
+        raise ValueError("output_router_logits=True is not supported by a patched model: its "
+                         "routers are moe_lab's; use each adapter's .stats for balance losses")

@@ -202,6 +202,19 @@ def test_refusals():
         patch_hf_model(model)
 
 
+def test_a_patched_model_refuses_what_it_cannot_do():
+    """Patched twice, it said it had no MoE block; asked for router logits at call time, it
+    raised an IndexError from inside transformers."""
+    model = tiny_model("mixtral")
+    patch_hf_model(model)
+    with pytest.raises(ValueError, match="already patched: its 2 MoE blocks are moe_lab adapters"):
+        patch_hf_model(model)
+    ids = torch.randint(0, 64, (1, 6))
+    with pytest.raises(ValueError, match="output_router_logits=True is not supported by a patched model"):
+        model(input_ids=ids, output_router_logits=True)
+    assert model(input_ids=ids, output_router_logits=False).logits.shape == (1, 6, 64)
+
+
 def tiny_model(family):
     make_config, _, _, model_name = FAMILIES[family]
     torch.manual_seed(0)
