@@ -13,6 +13,7 @@ is refused with a ``ValueError`` saying so.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -56,10 +57,14 @@ def _remove_stale_temporaries(path: Path) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file beside it, then rename.
+    """Write ``state`` to ``path`` atomically and durably: a temporary file beside it,
+    flushed to the disk (``fsync``), renamed over ``path``, and the folder's entry flushed
+    too, so a power cut leaves either the old checkpoint or the new one.
 
     Temporary files of earlier saves of ``path`` that never finished (a killed process)
-    are removed first."""
+    are removed first. A save that fails (a full disk: torch then raises a bare
+    ``RuntimeError``) raises ``OSError`` saying why and whether ``path`` still holds the
+    checkpoint saved before, which it does whenever there was one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(path)
@@ -70,10 +75,34 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        free = shutil.disk_usage(path.parent).free
+        kept = (f"{path} still holds the checkpoint saved before" if path.is_file() else
+                f"there is no earlier checkpoint at {path}")
+        raise OSError(f"checkpoint {path} could not be written ({type(exc).__name__}: "
+                      f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no reason given'}; "
+                      f"{free} bytes free on its disk); {kept}") from exc
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries (the rename) to the disk, where the system allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a folder
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
