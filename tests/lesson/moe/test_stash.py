@@ -144,6 +144,24 @@ def test_overflow_raises_the_flag_and_spares_the_rows_that_fit():
     assert not bool(stash.overflow) and stash.pages_used() == [0]
 
 
+def test_a_pool_filled_exactly_does_not_overflow():
+    """The last page used is the pool's last page: it fits (an off-by-one ``>=`` in the flag
+    test raised the flag here, and the step was rerun for nothing)."""
+    from moe_lab.moe.stash import StashCall
+
+    stash = PagedStash(8, 1.0)
+    stash._allocate([StashCall(0, 4, torch.float32, 8, 4, 1)], torch.device("cpu"))  # 5 pages
+    n_pages = stash.pool0.shape[0] - 1
+    assert n_pages == 5
+    first, second = torch.randn(32, 4), torch.randn(8, 4)
+    h1 = stash.stash(first, _offsets([8, 8, 8, 8]))   # 4 pages
+    h2 = stash.stash(second, _offsets([0, 8, 0, 0]))  # the 5th, the last one: full, not over
+    assert not bool(stash.overflow) and stash.pages_used() == [n_pages]
+    assert torch.equal(stash.restore(h1), first) and torch.equal(stash.restore(h2), second)
+    stash.stash(torch.randn(1, 4), _offsets([1, 0, 0, 0]))  # one row more: over
+    assert bool(stash.overflow)
+
+
 def test_stash_and_restore_are_sync_free():
     counts = [3, 0, 9, 4]
     stash = _stash_for(16, 5, 4)
