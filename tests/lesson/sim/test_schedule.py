@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_lab.sim.schedule import PipelineResult, bubble_1f1b, bubble_interleaved, simulate
+from moe_lab.sim.schedule import PipelineResult, bubble_1f1b, bubble_interleaved, schedule_order, simulate
 
 
 @pytest.mark.parametrize("n_ranks", [2, 4, 8, 16])
@@ -119,3 +119,27 @@ def test_bad_schedule_arguments(kwargs, fragment):
 def test_negative_costs_are_rejected():
     with pytest.raises(ValueError, match="backward must be finite and >= 0"):
         simulate([1.0, 1.0], [1.0, -1.0], n_microbatches=2)
+
+
+def test_1f1b_order_is_the_hand_worked_one():
+    """p = 4 ranks, m = 6 micro-batches, written out by hand from the definition: rank r runs
+    p - r - 1 warm-up forwards, then one forward and one backward in turn, then drains. An
+    off-by-one warm-up leaves the makespan and bubble unchanged, so only the order shows it."""
+    orders = schedule_order("1f1b", 4, 6)
+    f = lambda i: ("F", i, 0)  # noqa: E731
+    b = lambda i: ("B", i, 0)  # noqa: E731
+    assert orders[0] == [f(0), f(1), f(2), f(3), b(0), f(4), b(1), f(5), b(2), b(3), b(4), b(5)]
+    assert orders[2] == [f(0), f(1), b(0), f(2), b(1), f(3), b(2), f(4), b(3), f(5), b(4), b(5)]
+    assert orders[3] == [f(0), b(0), f(1), b(1), f(2), b(2), f(3), b(3), f(4), b(4), f(5), b(5)]
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (4, 3), (4, 8), (8, 16)])
+def test_1f1b_keeps_at_most_p_minus_r_microbatches_in_flight(p, m):
+    """What 1F1B is for: rank r holds the activations of at most min(p - r, m) micro-batches
+    (GPipe holds all m)."""
+    for r, ops in enumerate(schedule_order("1f1b", p, m)):
+        live = peak = 0
+        for kind, _, _ in ops:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == min(p - r, m), (r, peak)
