@@ -48,6 +48,19 @@ def brute_force_ids(selection: torch.Tensor, k: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(selection.shape[0], k)
 
 
+def brute_force_group_mask(scores: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """DeepSeek-V3's group limit, spelled out without the function under test: a group scores
+    the sum of its two best experts; the ``topk_groups`` best groups are kept, ties to the lower
+    group index."""
+    per = scores.shape[1] // n_groups
+    rows = []
+    for row in scores.tolist():
+        group_score = [sum(sorted(row[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(n_groups)]
+        kept = sorted(range(n_groups), key=lambda g: (-group_score[g], g))[:topk_groups]
+        rows.append([e // per in kept for e in range(len(row))])
+    return torch.tensor(rows, dtype=torch.bool)
+
+
 # ------------------------------------------------------------------------------ ties
 
 
@@ -75,9 +88,32 @@ def test_ties_go_to_the_lower_expert_index(c):
     r = route_from_logits(logits, c, bias)
     selection = r.scores + bias
     if c.n_groups > 1:
-        selection = selection.masked_fill(~group_limited_mask(selection, c.n_groups,
-                                                               c.topk_groups), NEG_INF)
+        selection = selection.masked_fill(~brute_force_group_mask(selection, c.n_groups,
+                                                                   c.topk_groups), NEG_INF)
     assert torch.equal(r.topk_ids, brute_force_ids(selection, c.top_k))
+
+
+def test_groups_rank_by_the_sum_of_their_two_best_experts_hand_worked():
+    """Group 0 holds the single best expert (0.9) but its two best sum to 1.0; group 1's sum
+    to 1.2: DeepSeek-V3's rule keeps group 1. Ranking by the max, or by the sum of all,
+    keeps another group."""
+    c = cfg(n_experts=8, n_groups=4, topk_groups=1, top_k=2, score_func="sigmoid")
+    scores = torch.tensor([[0.9, 0.1, 0.6, 0.6, 0.3, 0.3, 0.35, 0.35]])
+    #                      group 0: max 0.9, top-2 1.0 | group 1: 1.2 | group 2: 0.6 (sum of all 0.6)
+    assert group_limited_mask(scores, 4, 1).tolist() == [[False, False, True, True] + [False] * 4]
+    assert torch.equal(group_limited_mask(scores, 4, 1), brute_force_group_mask(scores, 4, 1))
+    logits = torch.logit(scores)  # sigmoid(logits) == scores
+    r = route_from_logits(logits, c, torch.zeros(8))
+    assert sorted(r.topk_ids[0].tolist()) == [2, 3]
+
+
+@pytest.mark.parametrize("n_experts, n_groups, topk_groups", [(32, 8, 4), (12, 4, 2), (16, 8, 3), (8, 8, 2)])
+def test_group_mask_matches_the_spelled_out_rule_on_random_scores(n_experts, n_groups, topk_groups):
+    g = torch.Generator().manual_seed(n_experts + n_groups)
+    scores = torch.rand(200, n_experts, generator=g)
+    scores[::9] = torch.randint(0, 3, (scores[::9].shape[0], n_experts), generator=g).float() / 4  # ties
+    assert torch.equal(group_limited_mask(scores, n_groups, topk_groups),
+                       brute_force_group_mask(scores, n_groups, topk_groups))
 
 
 def test_group_ties_go_to_the_lower_group_index():
