@@ -73,6 +73,28 @@ def test_exact_where_no_summation_order_rounds(device):
     assert torch.equal(c.cpu().double(), mx_gemm_reference(a8, a_s, b8, b_s))
 
 
+def _smallest_scale_operands(m, n, k):
+    """Integer codes 1..15 whose a-blocks alternate between scale bytes 0 (2^-127, the E8M0
+    value that is an fp32 subnormal) and 100 (2^-27), against b-scales 2^100 and 2^0: every
+    product is an integer times 2^-27, every partial sum exact, so the kernel must give the
+    reference's bits. A decode of byte 0 to 0.0 (or to 2^-126) cannot hide here."""
+    a = torch.randint(1, 16, (m, k)).float()
+    b = torch.randint(1, 16, (n, k)).float() * torch.where(torch.rand(n, k) < 0.5, -1.0, 1.0)
+    blocks = torch.arange(k // 32) % 2 == 0
+    a_s = torch.where(blocks, 0, 100).to(torch.uint8).expand(m, -1).contiguous()
+    b_s = torch.where(blocks, 227, 127).to(torch.uint8).expand(n, -1).contiguous()
+    return a.to(E4M3), a_s, b.to(E4M3), b_s
+
+
+def test_the_smallest_scale_byte_decodes_to_two_to_the_minus_127(device):
+    a8, a_s, b8, b_s = _smallest_scale_operands(37, 19, 128)
+    want = mx_gemm_reference(a8, a_s, b8, b_s)
+    only_small = mx_gemm_reference(a8[:, :32], a_s[:, :1], b8[:, :32], b_s[:, :1])
+    assert (only_small != 0).all()  # the 2^-127 blocks contribute
+    c = mx_gemm(a8.to(device), a_s.to(device), b8.to(device), b_s.to(device))
+    assert torch.equal(c.cpu().double(), want)
+
+
 def test_bf16_output_is_the_rounded_fp32_result(device):
     a, a_s = operands(33, 64, device)
     b, b_s = operands(17, 64, device)
@@ -169,6 +191,18 @@ def test_grouped_mx_gemm_matches_its_reference(counts, out_dtype, device):
     assert got.shape == want.shape and got.dtype == out_dtype
     tol = {"rtol": 1e-6, "atol": 1e-5} if out_dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
     torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_grouped_mx_gemm_decodes_the_smallest_scale_byte(device):
+    from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
+
+    a8, a_s, b8, b_s = _smallest_scale_operands(40, 24, 96)
+    b3 = torch.stack([b8.view(torch.uint8), b8.view(torch.uint8).flip(0)]).view(E4M3)
+    b3_s = torch.stack([b_s, b_s])
+    offsets = torch.tensor([0, 15, 40], dtype=torch.int32)
+    args = [t.to(device) for t in (a8, a_s, b3, b3_s, offsets)]
+    got = grouped_mx_gemm(*args)
+    assert torch.equal(got.cpu().double(), grouped_mx_gemm_reference(*[t.cpu() for t in args]))
 
 
 def test_grouped_mx_gemm_padding_rows_special_values_and_errors(device):
