@@ -228,7 +228,18 @@ def _amdahl_unchecked(parts, speedups):
     return new, (sum(parts.values()) / new if new else math.inf)
 
 
+def _max_ranked_selection(scores, n_groups, topk_groups):
+    # Groups ranked by their best expert, not by the sum of their two best: a plausible slip.
+    tokens, n_experts = scores.shape
+    grouped = scores.view(tokens, n_groups, n_experts // n_groups)
+    best = grouped.max(-1).values.topk(topk_groups, dim=-1).indices
+    mask = torch.zeros(tokens, n_groups, dtype=torch.bool).scatter_(1, best, True)
+    return mask.unsqueeze(-1).expand_as(grouped).reshape(tokens, n_experts)
+
+
 CASES = {
+    "group_limited_selection": (ex04.check_group_limited_selection, lambda *args: not_done(),
+                                _max_ranked_selection, "sum of its two best"),
     "unpermute_kernel": (ex03.check_unpermute_kernel, _stub_unpermute, _unweighted_unpermute,
                          "router weights"),
     "tile_schedule": (ex03.check_tile_schedule, _stub_schedule, _rows_only_schedule, "should own"),
