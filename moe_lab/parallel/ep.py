@@ -443,9 +443,8 @@ def clip_grad_norm_ep(model: torch.nn.Module, max_norm: float,
     norms are all-reduced over ``ep_group``). Call after `sync_gradients`; returns the norm."""
     expert_params = _expert_param_ids(model)
     grads = [(p.grad, id(p) in expert_params) for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    device = grads[0][0].device
+    # Every rank joins the all-reduce, one without gradients too (it would hang the others).
+    device = grads[0][0].device if grads else next(model.parameters()).device
     replicated = sum((g.float().pow(2).sum() for g, is_expert in grads if not is_expert),
                      torch.zeros((), device=device))
     experts = sum((g.float().pow(2).sum() for g, is_expert in grads if is_expert),
