@@ -94,6 +94,10 @@ def check_args(args: argparse.Namespace) -> None:
         if args.microbatches < 2 or args.batch_size % args.microbatches:
             raise SystemExit(f"error: --microbatches must be >= 2 and divide --batch-size="
                              f"{args.batch_size}, got {args.microbatches}")
+    world = os.environ.get("WORLD_SIZE", "")  # set by torchrun before any process group
+    if args.ep_size and world.isdigit() and int(world) % args.ep_size:
+        raise SystemExit(f"error: --ep-size must divide the world size {world} (torchrun's "
+                         f"--nnodes x --nproc-per-node), got {args.ep_size}")
     if not 0 <= args.seed <= MAX_SEED:
         raise SystemExit(f"error: --seed must be an integer in [0, {MAX_SEED}], got {args.seed}")
 

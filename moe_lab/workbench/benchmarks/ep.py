@@ -67,7 +67,11 @@ def spec_for(profile: str, ranks: int, tokens: int | None = None, n_chunks: int 
     p = PROFILES[profile]
     if CFG["n_experts"] % ranks:
         raise ValueError(f"ranks must divide n_experts={CFG['n_experts']}, got {ranks}")
-    return {"cfg": dict(CFG), "tokens": tokens or p["tokens"], "n_chunks": n_chunks or p["n_chunks"],
+    tokens, n_chunks = tokens or p["tokens"], n_chunks or p["n_chunks"]
+    if tokens < n_chunks:  # refused here, not in a traceback on every rank
+        raise ValueError(f"--tokens ({tokens} per rank and micro-batch) must be at least --chunks "
+                         f"({n_chunks}): every chunk needs a token")
+    return {"cfg": dict(CFG), "tokens": tokens, "n_chunks": n_chunks,
             "repeats": repeats or p["repeats"], "seed": seed, "warmup": 1,
             "bandwidth_rows": 2048}
 

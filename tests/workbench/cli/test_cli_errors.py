@@ -172,6 +172,15 @@ def test_bench_refuses_bad_values_in_one_line(capsys, tmp_path):
     _one_line(err, "--corpus", "missing.txt", "not a file")
 
 
+def test_bench_ep_refuses_fewer_tokens_than_chunks_before_launching_ranks(capsys):
+    """``bench ep --tokens 1`` failed on every rank, naming the internal n_chunks."""
+    code, err = _cli(capsys, "bench", "ep", "--tokens", "1", "--no-link")
+    assert code == 2
+    _one_line(err, "--tokens (1 per rank and micro-batch) must be at least --chunks (4)")
+    code, err = _cli(capsys, "bench", "ep", "--tokens", "3", "--chunks", "4", "--no-link")
+    _one_line(err, "--tokens (3", "--chunks (4)")
+
+
 def test_bench_refuses_an_unknown_provider_before_the_slow_part(capsys, monkeypatch):
     """``--only bogus`` was refused only after the CPU plug-in's build and the ceiling's timing."""
     from moe_lab.workbench.benchmarks import moe_layer
@@ -202,7 +211,7 @@ def test_bench_keeps_its_result_when_the_ledger_cannot_be_written(capsys, tmp_pa
               "records are not in it")
 
 
-def test_train_ep_refuses_bad_values_before_any_process_group():
+def test_train_ep_refuses_bad_values_before_any_process_group(monkeypatch):
     spec = importlib.util.spec_from_file_location("train_ep", ROOT / "scripts" / "train_ep.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -214,6 +223,13 @@ def test_train_ep_refuses_bad_values_before_any_process_group():
         message = str(stop.value.code)
         assert message.startswith("error:") and "\n" not in message
         assert all(w in message for w in words), message
+    # --ep-size 4 on 2 ranks ended in a traceback on every rank, inside the group building.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as stop:
+        script.parse_args(["--ep-size", "4"])
+    assert str(stop.value.code) == ("error: --ep-size must divide the world size 2 (torchrun's "
+                                    "--nnodes x --nproc-per-node), got 4")
+    script.parse_args(["--ep-size", "2"])
 
 
 def test_json_output_is_finite():
