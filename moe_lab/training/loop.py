@@ -29,7 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # a machine with only torch and triton: runs train without a progress bar
+    tqdm = None
 
 from moe_lab.checks import int_in, non_negative_ints, positive_ints
 from moe_lab.config import ModelConfig, holds
@@ -419,6 +423,22 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.step, self.last_checkpoint = step, last_checkpoint
 
 
+class _NoBar:
+    """The steps without a progress bar (where tqdm is not installed)."""
+
+    def __init__(self, steps: range) -> None:
+        self.steps = steps
+
+    def __iter__(self) -> object:
+        return iter(self.steps)
+
+    def set_postfix(self, **_: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _where_to_resume(last_checkpoint: tuple[str, int] | None) -> str:
     if last_checkpoint is None:
         return "no checkpoint was written (--checkpoint PATH keeps one)"
@@ -493,8 +513,8 @@ def train(
         result.history, result.evals = checkpoint["history"], checkpoint["evals"]
     start = trainer.steps_done
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    bar = tqdm(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
-               initial=start, total=end)
+    bar = (tqdm(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
+                initial=start, total=end) if tqdm is not None else _NoBar(range(start, end)))
 
     def check_finite(record: dict) -> None:
         if not math.isfinite(record["loss"]):

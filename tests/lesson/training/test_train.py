@@ -345,3 +345,12 @@ def test_step_times_come_from_cuda_events_read_without_a_wait_per_step(monkeypat
     clock.stop(clock.start())
     assert clock._done == [1.0] and [e.waited for e in Event.made[2:]] == [False] * 6
     assert clock.times() == [1.0] * 4
+
+
+def test_train_runs_where_tqdm_is_not_installed(monkeypatch):
+    import moe_lab.training.loop as loop
+
+    c = cfg(seed=3, steps=3, progress=True)
+    want = train(TINY, c).losses()
+    monkeypatch.setattr(loop, "tqdm", None)  # what the guarded import leaves without tqdm
+    assert loop.train(TINY, c).losses() == want
