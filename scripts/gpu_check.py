@@ -1132,7 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
             ("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, time_fn, E, M, K, N)),
             ("MX quantizer bench", lambda: bench_mx_quantize(torch, dev, rep, time_fn,
                                                              *list(mx_shapes.values())[-1], state)),
-            ("03 dispatch vs naive, 03b fused vs unfused",
+            ("03 dispatch vs naive and 03b fused vs unfused",
              lambda: bench_dispatch(torch, rep, 64 if small else 16384, 0.02 if small else 0.3,
                                     "coarse" if small else "fine")),
             ("04 router", lambda: bench_router(torch, dev, rep, time_fn, last_router[0], last_router[2])),
