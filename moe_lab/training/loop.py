@@ -10,7 +10,10 @@ every step, so ``history`` holds one record per step), ``"sync_free"``
 
 A `Trainer` holds what one run needs (model, optimizer, step, data stream, eval set, the
 compiled or autocast forwards); `train` is the loop over it with evaluation, callback and
-checkpoints, and the time-to-train race advances one `Trainer` per stack in lockstep.
+checkpoints, and the time-to-train race advances one `Trainer` per stack in lockstep. On a
+GPU nothing around its step makes the host wait: the data stream (`BatchStream`) copies
+each batch from pinned memory without blocking, one step ahead, and the step times
+(`StepClock`) come from CUDA events, read once the GPU has passed them.
 
 Runs are deterministic under a seed on the CPU. A checkpoint holds the model, optimizer,
 the step's device state, the data generator and the history, so a resumed run continues the
@@ -26,7 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # a machine with only torch and triton: runs train without a progress bar
+    tqdm = None
 
 from moe_lab.checks import int_in, non_negative_ints, positive_ints
 from moe_lab.config import ModelConfig, holds
@@ -40,9 +47,9 @@ from moe_lab.training.steps import EagerStep, StepConfig, SyncFreeStep
 
 Tensor = torch.Tensor
 
-__all__ = ["MAX_SEED", "RUN_SETTINGS", "DataConfig", "TrainConfig", "TrainResult", "Trainer",
-           "TrainingDiverged", "TrainingInterrupted", "check_batch_fits", "evaluate", "lr_at",
-           "train"]
+__all__ = ["MAX_SEED", "RUN_SETTINGS", "BatchStream", "DataConfig", "StepClock", "TrainConfig",
+           "TrainResult", "Trainer", "TrainingDiverged", "TrainingInterrupted", "check_batch_fits",
+           "evaluate", "lr_at", "train"]
 
 #: The `TrainConfig` fields that change what a run computes: a checkpoint records them, and
 #: resuming with other values is refused unless asked for (``train(..., override=True)``).
@@ -160,9 +167,101 @@ def check_batch_fits(model_cfg: ModelConfig, batch_size: int,
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
+    """``batch`` on ``device`` without stalling the host: a copy from pageable memory makes
+    the host wait until the GPU has finished everything queued before it, so each tensor is
+    first put in pinned (page-locked) host memory, from which ``non_blocking=True`` copies
+    are queued behind the GPU's work and the host moves on. PyTorch's pinned-memory cache
+    keeps the host buffer until its copy has run. On the CPU the batch already is there."""
     if device.type == "cpu":
         return batch
-    return Batch(batch.x.to(device), batch.y.to(device), batch.domain.to(device))
+    pin = device.type == "cuda"
+    return Batch(*((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in batch))
+
+
+class BatchStream:
+    """The training batches of a run: ``batch_size`` sequences of ``corpus`` a step, drawn
+    on the host from ``generator`` and moved to ``device`` (`_to`) one step ahead.
+
+    `take` returns the next batch (the one `prefetch` drew and queued, else one drawn now);
+    `prefetch` draws the batch after it and queues its copy, called once the step on the
+    current batch is queued, so the host draws while the GPU computes. `state` is the
+    generator's state before the batch not yet taken, so a checkpoint resumes with it and
+    the stream is the same whether or not a batch was prefetched."""
+
+    def __init__(self, corpus: SyntheticCorpus | TextFileCorpus, batch_size: int,
+                 generator: torch.Generator, device: torch.device) -> None:
+        self.corpus, self.batch_size = corpus, batch_size
+        self.generator, self.device = generator, device
+        self._ahead: tuple[Batch, Tensor] | None = None  # (batch, generator state before it)
+
+    def _draw(self) -> Batch:
+        batch = self.corpus.sample(self.batch_size, generator=self.generator, split="train")
+        return _to(batch, self.device)
+
+    def prefetch(self) -> None:
+        """Draw the next batch now and queue its copy to the device (once: a second call
+        before `take` keeps the batch already drawn)."""
+        if self._ahead is None:
+            before = self.generator.get_state()
+            self._ahead = (self._draw(), before)
+
+    def take(self) -> Batch:
+        """The next batch of the stream, on the device."""
+        if self._ahead is None:
+            return self._draw()
+        batch, self._ahead = self._ahead[0], None
+        return batch
+
+    def state(self) -> Tensor:
+        """The generator's state at the next batch to be taken (a prefetched one included)."""
+        return self.generator.get_state() if self._ahead is None else self._ahead[1]
+
+    def set_state(self, state: Tensor) -> None:
+        """Continue the stream from a `state`; a prefetched batch is dropped."""
+        self.generator.set_state(state)
+        self._ahead = None
+
+
+class StepClock:
+    """Seconds per training step, without making the host wait each step: on CUDA a pair of
+    CUDA events around each step, read once the GPU has passed them (``query`` asks without
+    waiting; the sync-free step's read at the end of a window lets every earlier pair be
+    read), on other devices ``time.perf_counter`` around the call. `times` waits for the
+    last pair."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = device.type == "cuda"
+        self._done: list[float] = []
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def start(self) -> float | torch.cuda.Event:
+        """Mark the start of a step; pass what it returns to `stop`."""
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, start: float | torch.cuda.Event) -> None:
+        """Mark the end of the step that `start` began."""
+        if not self.events:
+            self._done.append(time.perf_counter() - start)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((start, end))
+        self._collect(wait=False)
+
+    def _collect(self, wait: bool) -> None:
+        while self._pending and (wait or self._pending[0][1].query()):
+            start, end = self._pending.pop(0)
+            end.synchronize()
+            self._done.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in ms
+
+    def times(self) -> list[float]:
+        """Seconds of every step so far (waits for the GPU to pass the last one)."""
+        self._collect(wait=True)
+        return self._done
 
 
 class Trainer:
@@ -192,10 +291,11 @@ class Trainer:
             weight_decay=cfg.weight_decay, fp32_logits=cfg.fp32_logits, mxfp8=cfg.mxfp8)
         self.model.train()
         self.data_gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.batches = BatchStream(corpus, cfg.batch_size, self.data_gen, self.device)
         self.eval_batch = _to(corpus.fixed_eval_set(cfg.eval_per_domain), self.device)
         self.domains = list(corpus.domains)
         self.steps_done = 0
-        self.step_times: list[float] = []  # seconds per `advance`, batch drawing included
+        self.clock = StepClock(self.device)  # times each `advance`, batch drawing included
         if checkpoint is not None:
             self._restore(checkpoint)
         example = random_batch(model_cfg, cfg.batch_size, self.device,
@@ -234,8 +334,7 @@ class Trainer:
 
     def next_batch(self) -> Batch:
         """The next training batch of the stream, on the model's device."""
-        batch = self.corpus.sample(self.cfg.batch_size, generator=self.data_gen, split="train")
-        return _to(batch, self.device)
+        return self.batches.take()
 
     def train_on(self, batch: Batch) -> dict | None:
         """One training step on ``batch``; the statistics the step read, or ``None``."""
@@ -244,11 +343,18 @@ class Trainer:
         return record
 
     def advance(self) -> dict | None:
-        """One training step on the next batch of the stream (timed into ``step_times``)."""
-        t0 = time.perf_counter()
+        """One training step on the next batch of the stream (timed into `step_times`); the
+        batch after it is drawn and its copy queued while the GPU runs the step."""
+        start = self.clock.start()
         record = self.train_on(self.next_batch())
-        self.step_times.append(time.perf_counter() - t0)
+        self.batches.prefetch()
+        self.clock.stop(start)
         return record
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds per `advance` so far (`StepClock`: CUDA events on CUDA)."""
+        return self.clock.times()
 
     def flush(self) -> dict | None:
         """The statistics the step still holds (a sync-free step's open window), or ``None``."""
@@ -270,7 +376,7 @@ class Trainer:
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "data_gen": self.data_gen.get_state(),
+            "data_gen": self.batches.state(),
             "torch_rng": torch.get_rng_state(),
             "model_cfg": self.model_cfg.to_dict(),
             "settings": self.cfg.run_settings(),
@@ -292,7 +398,7 @@ class Trainer:
             lr.copy_(self.optimizer.param_groups[0]["lr"])
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        self.data_gen.set_state(state["data_gen"])
+        self.batches.set_state(state["data_gen"])
         torch.set_rng_state(state["torch_rng"])
         self.steps_done = state["step"]
 
@@ -315,6 +421,22 @@ class TrainingInterrupted(KeyboardInterrupt):
     def __init__(self, message: str, step: int, last_checkpoint: tuple[str, int] | None) -> None:
         super().__init__(message)
         self.step, self.last_checkpoint = step, last_checkpoint
+
+
+class _NoBar:
+    """The steps without a progress bar (where tqdm is not installed)."""
+
+    def __init__(self, steps: range) -> None:
+        self.steps = steps
+
+    def __iter__(self) -> object:
+        return iter(self.steps)
+
+    def set_postfix(self, **_: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _where_to_resume(last_checkpoint: tuple[str, int] | None) -> str:
@@ -391,8 +513,8 @@ def train(
         result.history, result.evals = checkpoint["history"], checkpoint["evals"]
     start = trainer.steps_done
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    bar = tqdm(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
-               initial=start, total=end)
+    bar = (tqdm(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
+                initial=start, total=end) if tqdm is not None else _NoBar(range(start, end)))
 
     def check_finite(record: dict) -> None:
         if not math.isfinite(record["loss"]):

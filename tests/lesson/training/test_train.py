@@ -240,3 +240,133 @@ def test_a_sync_free_step_refuses_a_dispatcher_that_syncs(step):
     for name in sorted(DISPATCHERS):
         BuildConfig(impls=ModelImpls(dispatcher=name), step="eager")
     BuildConfig(impls=ModelImpls(dispatcher="capacity"), step=step)
+
+
+class CopyRecorder:
+    """``Tensor.to`` and ``Tensor.pin_memory`` patched so that no CUDA is needed: a copy to
+    CUDA is recorded (was its source pinned? was it non-blocking?) and the tensor stays on
+    the CPU, so the step after it runs for real."""
+
+    def __init__(self, monkeypatch):
+        self.copies: list[tuple[bool, bool]] = []
+        self._pinned: list[torch.Tensor] = []
+        real_to = torch.Tensor.to
+
+        def pin_memory(t, *args, **kwargs):
+            out = t.clone()
+            self._pinned.append(out)
+            return out
+
+        def to(t, *args, **kwargs):
+            target = kwargs.get("device", args[0] if args else None)
+            if isinstance(target, (str, torch.device)) and torch.device(target).type == "cuda":
+                pinned = any(t is p for p in self._pinned)
+                self.copies.append((pinned, bool(kwargs.get("non_blocking", False))))
+                return t
+            return real_to(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+    def blocking(self) -> list[tuple[bool, bool]]:
+        return [c for c in self.copies if c != (True, True)]
+
+
+def test_the_step_path_moves_batches_to_the_gpu_without_a_blocking_copy(monkeypatch):
+    """On CUDA a batch goes to the device from pinned memory with ``non_blocking=True``, one
+    step ahead; and the step on it syncs nowhere but at the end of a window (count_syncs)."""
+    from moe_lab.data import load_corpus
+    from moe_lab.training.loop import _to
+    from moe_lab.training.sync import count_syncs
+
+    cuda = torch.device("cuda")
+    batch = load_corpus("synthetic", seq_len=32, seed=0).sample(2, generator=torch.Generator())
+    recorder = CopyRecorder(monkeypatch)
+    moved = _to(batch, cuda)
+    assert len(recorder.copies) == 3 and not recorder.blocking(), recorder.copies
+    assert all(torch.equal(a, b) for a, b in zip(moved, batch, strict=True))
+
+    from moe_lab.training.loop import BatchStream, Trainer
+
+    trainer = Trainer(TINY, cfg(seed=3, steps=8, step="sync_free", read_every=4, eval_every=0,
+                                dispatcher="dropless", expert_backend="torch"))
+    trainer.batches = BatchStream(trainer.corpus, 4, trainer.data_gen, cuda)  # the stream on "CUDA"
+    recorder.copies.clear()
+    syncs_per_step, step_on = [], trainer.train_on
+
+    def counted_step(batch):  # the step itself, its syncs counted
+        record, syncs = count_syncs(step_on, batch)
+        syncs_per_step.append(sum(syncs.values()))
+        return record
+
+    trainer.train_on = counted_step
+    records = [trainer.advance() for _ in range(8)]
+    assert [r is not None for r in records] == [False, False, False, True] * 2
+    assert syncs_per_step == [0, 0, 0, 1] * 2  # the window's one read
+    assert len(recorder.copies) == 3 * 9 and not recorder.blocking()  # 8 batches and the next
+
+
+def test_a_prefetched_batch_leaves_the_stream_and_its_checkpoint_unchanged():
+    from moe_lab.data import load_corpus
+    from moe_lab.training.loop import BatchStream
+
+    corpus = load_corpus("synthetic", seq_len=16, seed=0)
+    plain = BatchStream(corpus, 3, torch.Generator().manual_seed(5), torch.device("cpu"))
+    ahead = BatchStream(corpus, 3, torch.Generator().manual_seed(5), torch.device("cpu"))
+    want = [plain.take() for _ in range(4)]
+    got = [ahead.take()]
+    ahead.prefetch()
+    state = ahead.state()  # before the prefetched batch
+    got.append(ahead.take())
+    ahead.prefetch()
+    ahead.prefetch()  # a second prefetch keeps the batch already drawn
+    got += [ahead.take(), ahead.take()]
+    assert all(torch.equal(a.x, b.x) for a, b in zip(got, want, strict=True))
+    resumed = BatchStream(corpus, 3, torch.Generator(), torch.device("cpu"))
+    resumed.set_state(state)
+    assert all(torch.equal(resumed.take().x, b.x) for b in want[1:])
+
+
+def test_step_times_come_from_cuda_events_read_without_a_wait_per_step(monkeypatch):
+    """On CUDA the clock records an event pair per step and reads a pair only once its end
+    event has completed (``query``), waiting only when ``times`` is asked for."""
+    from moe_lab.training.loop import StepClock
+
+    class Event:
+        made: list["Event"] = []
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.done, self.waited, self.t = False, False, len(Event.made)
+            Event.made.append(self)
+
+        def record(self):
+            pass
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = StepClock(torch.device("cuda"))
+    for _ in range(3):
+        clock.stop(clock.start())
+    assert clock._done == [] and not any(e.waited for e in Event.made)  # nothing waited for
+    Event.made[1].done = True  # the GPU passed step 1's end
+    clock.stop(clock.start())
+    assert clock._done == [1.0] and [e.waited for e in Event.made[2:]] == [False] * 6
+    assert clock.times() == [1.0] * 4
+
+
+def test_train_runs_where_tqdm_is_not_installed(monkeypatch):
+    import moe_lab.training.loop as loop
+
+    c = cfg(seed=3, steps=3, progress=True)
+    want = train(TINY, c).losses()
+    monkeypatch.setattr(loop, "tqdm", None)  # what the guarded import leaves without tqdm
+    assert loop.train(TINY, c).losses() == want
