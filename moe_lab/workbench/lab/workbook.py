@@ -53,7 +53,8 @@ KERNEL_NAME = "python3"
 # smoke is the CI size; full is for a GPU or a patient reader.
 NOTEBOOK_BUDGET_S = {"smoke": 90.0, "full": 1800.0}
 CELL_TIMEOUT_FACTOR = 3  # a cell may take this many times a whole notebook's budget
-# What stops a notebook without an error in a cell: the notebook is run once more.
+# What stops a notebook without an error in a cell (a cell timed out, the kernel died): the
+# notebook is run once more, as it is when its kernel does not answer at start.
 STOPPED = ("CellTimeoutError", "DeadKernelError")
 
 
@@ -197,8 +198,9 @@ def _stopped_cell(partial: Path) -> tuple[int | None, int | None, str]:
 
 
 def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
-                  timeout: float) -> NotebookFailure | None:
-    """One papermill run of ``source`` into ``partial``; the failure, or ``None``."""
+                  timeout: float) -> tuple[NotebookFailure | None, bool]:
+    """One papermill run of ``source`` into ``partial``: (the failure, or ``None``; whether
+    the run stopped: a cell timed out, the kernel died or did not answer at start)."""
     import papermill  # slow to import (jupyter, nbclient); only a run needs it
     from papermill.exceptions import PapermillExecutionError
 
@@ -221,17 +223,18 @@ def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
             cell_index=exc.cell_index,
             exec_count=exc.exec_count,
             source=str(exc.source),
-        )
+        ), False
     except Exception as exc:  # a dead or silent kernel, an unreadable notebook
         ename = type(exc).__name__
         if ename not in STOPPED:
-            return NotebookFailure(ename=ename, evalue=str(exc))
+            silent_at_start = "didn't respond" in str(exc)  # jupyter_client's start timeout
+            return NotebookFailure(ename=ename, evalue=str(exc)), silent_at_start
         index, count, cell_source = _stopped_cell(partial)
         evalue = (f"the cell took more than {timeout:g} s" if ename == "CellTimeoutError"
                   else "the kernel died")
         return NotebookFailure(ename=ename, evalue=evalue, cell_index=index, exec_count=count,
-                               source=cell_source)
-    return None
+                               source=cell_source), True
+    return None, False
 
 
 def _execute(source: Path, output: Path, parameters: dict, cwd: Path,
@@ -242,12 +245,12 @@ def _execute(source: Path, output: Path, parameters: dict, cwd: Path,
     # papermill saves as it goes; it writes beside the output and the file is renamed into
     # place at the end, so build/workbook never holds a half-written notebook.
     partial = output.with_name(f".{output.stem}.partial.ipynb")
-    failure = _execute_once(source, partial, parameters, cwd, timeout)
+    failure, stopped = _execute_once(source, partial, parameters, cwd, timeout)
     first_stop = None
-    if failure is not None and failure.ename in STOPPED:
+    if stopped:
         first_stop = failure
-        failure = _execute_once(source, partial, parameters, cwd, timeout)
-        if failure is not None and failure.ename in STOPPED:
+        failure, stopped = _execute_once(source, partial, parameters, cwd, timeout)
+        if stopped:
             failure = NotebookFailure(
                 ename=failure.ename,
                 evalue=f"{failure.evalue}, again after one kernel restart",

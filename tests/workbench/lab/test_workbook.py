@@ -278,3 +278,28 @@ def test_the_cell_timeout_is_a_stated_multiple_of_the_profile_budget():
 def test_a_bad_cell_timeout_is_refused(project, bad):
     with pytest.raises(ValueError, match="cell_timeout must be a positive number"):
         workbook.run_workbook(root=project, cell_timeout=bad, progress=False)
+
+
+@pytest.mark.parametrize(("first", "calls"), [
+    (RuntimeError("Kernel didn't respond in 60 seconds"), 2),  # silent at start: run again
+    (ValueError("not a notebook"), 1),  # not a stop: reported as it is, not run again
+])
+def test_which_failures_run_a_notebook_again(monkeypatch, tmp_path, first, calls):
+    import papermill
+
+    seen = []
+
+    def execute_notebook(*args, **kwargs):
+        seen.append(kwargs["execution_timeout"])
+        if len(seen) == 1:
+            raise first
+
+    monkeypatch.setattr(papermill, "execute_notebook", execute_notebook)
+    failure, restarted = workbook._execute(tmp_path / "00_x.ipynb", tmp_path / "out.ipynb", {},
+                                           tmp_path, timeout=7.0)
+    assert seen == [7.0] * calls
+    if calls == 2:
+        assert failure is None and restarted.ename == "RuntimeError"
+    else:
+        assert restarted is None and failure.ename == "ValueError"
+        assert failure.describe() == "ValueError: not a notebook"
