@@ -125,3 +125,34 @@ def test_plain_papermill_runs_the_explorer_notebook_to_the_end(notebook, tmp_pat
             views = [out for out in cell.outputs
                      if "application/vnd.jupyter.widget-view+json" in out.get("data", {})]
             assert views, f"{notebook.name}: the explorer drew no widget without MOE_LAB_HEADLESS"
+
+
+def test_moving_a_control_redraws_the_figure_with_the_controls_values(monkeypatch):
+    pytest.importorskip("ipywidgets")
+    import matplotlib.pyplot as plt
+
+    from moe_lab.workbench.lab import widgets
+
+    monkeypatch.delenv("MOE_LAB_HEADLESS", raising=False)
+    shown, drawn = [], []
+    monkeypatch.setattr(widgets, "display", shown.append)
+
+    def figure(height=1, dashed=False):
+        drawn.append((height, dashed))
+        fig, ax = plt.subplots(figsize=(2, 1))
+        ax.plot([0, height], linestyle="--" if dashed else "-")
+        return fig
+
+    open_before = set(plt.get_fignums())
+    widgets.explorer(figure, height=(1, dict(min=0, max=3)), dashed=(False, {}))
+    (box,) = shown
+    grid, out = box.children
+    height, dashed = (cell.children[-1] for cell in grid.children)
+    assert drawn == [(1, False)]
+    (first,) = out.outputs
+    height.value = 3
+    dashed.value = True
+    assert drawn == [(1, False), (3, False), (3, True)]
+    (last,) = out.outputs
+    assert last["data"]["image/png"] != first["data"]["image/png"]
+    assert set(plt.get_fignums()) == open_before  # every figure drawn was closed
