@@ -7,7 +7,8 @@ learner mode), kernel ``python3``, working directory ``notebooks/`` — into
 ``build/workbook/<name>.ipynb``, then exports ``build/workbook/<name>.html`` with
 nbconvert. The kernel inherits this process's environment, which carries
 ``MOE_LAB_PROFILE`` and ``MOE_LAB_RESULTS_DIR`` so every figure a notebook records lands in
-one ledger. At the end ``build/RESULTS.md`` shows the machine, one table of the latest
+one ledger, and ``PYTHONPATH`` starts with the project root, so the notebooks import its
+``moe_lab``. At the end ``build/RESULTS.md`` shows the machine, one table of the latest
 ledger figures and how long each notebook took, and (with HTML) ``build/site/`` holds every
 executed notebook as a page and an ``index.html`` that opens without a server
 (`moe_lab.workbench.lab.site`).
@@ -338,6 +339,10 @@ def run_workbook(
         "MOE_LAB_RESULTS_DIR": str(ledger_dir.resolve()),
         # No front end renders widgets in a headless run: explorers draw static figures.
         "MOE_LAB_HEADLESS": "1",
+        # The kernel runs in notebooks/: it imports this checkout's moe_lab first, not
+        # whichever one is installed (an editable install may point at another checkout).
+        "PYTHONPATH": os.pathsep.join(
+            [str(root_dir), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
     with _environment(**environment):
         bar = tqdm(notebooks, desc="workbook", unit="notebook", disable=not progress)

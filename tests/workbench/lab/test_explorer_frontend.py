@@ -103,6 +103,10 @@ def test_the_figure_output_is_a_png_and_the_figure_is_closed():
 def test_plain_papermill_runs_the_explorer_notebook_to_the_end(notebook, tmp_path):
     environment = {k: v for k, v in os.environ.items() if k != "MOE_LAB_HEADLESS"}
     environment.setdefault("TRITON_INTERPRET", "1")
+    # The kernel runs in notebooks/: without this it imports whichever moe_lab is installed,
+    # which need not be this checkout's.
+    environment["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     papermill = [sys.executable, "-m", "papermill", "--cwd", str(NOTEBOOKS_DIR),
                  "--no-progress-bar"]  # as a CI user runs it: no parameters
     for run in range(RUNS_EACH):

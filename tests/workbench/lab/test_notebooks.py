@@ -25,6 +25,7 @@ fresh kernel, and if it stops again the test fails naming the notebook and the c
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from pathlib import Path
@@ -140,6 +141,9 @@ def run_with_one_restart(notebook: Path, cwd: Path, timeout: float = CELL_TIMEOU
 def test_notebook_runs_unsolved_to_the_end_and_every_check_passes(notebook, tmp_path, monkeypatch,
                                                                     record_property):
     monkeypatch.setenv("MOE_LAB_PROFILE", "smoke")
+    # The kernel runs in notebooks/: it imports this checkout's moe_lab, not an installed one.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     start = time.perf_counter()
     nb, exercises = run_with_one_restart(notebook, NOTEBOOKS_DIR)
     nbformat.write(nb, tmp_path / notebook.name)

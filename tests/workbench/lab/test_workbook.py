@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import nbformat
@@ -24,7 +25,8 @@ import os
 from moe_lab.workbench.measure.ledger import record
 
 record("00_tiny", "answer", "widgets_per_s", 42.5 if SOLUTIONS else -1.0, "widgets/s",
-       hardware="test-machine", cwd=os.getcwd(), seen_profile=PROFILE)
+       hardware="test-machine", cwd=os.getcwd(), seen_profile=PROFILE,
+       seen_pythonpath=os.environ.get("PYTHONPATH", ""))
 print("recorded")
 """
 
@@ -103,6 +105,8 @@ def test_the_kernel_sees_parameters_environment_and_cwd(project, outcome):
     assert figure["seen_profile"] == "smoke"
     assert figure["profile"] == "smoke"  # from MOE_LAB_PROFILE, set for the kernel
     assert Path(figure["cwd"]).resolve() == (project / "notebooks").resolve()
+    first = figure["seen_pythonpath"].split(os.pathsep)[0]
+    assert Path(first).resolve() == project.resolve()  # the checkout's moe_lab comes first
 
 
 @pytest.mark.timeout(300)
