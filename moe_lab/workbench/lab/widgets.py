@@ -1,10 +1,23 @@
 """ipywidgets explorers. Each explorer has a pure function that computes its figure
 from the slider values; in JupyterLab the sliders redraw it, and in a headless run
 (papermill, CI: ``MOE_LAB_HEADLESS=1``, or ipywidgets missing) the figure for the default
-values is drawn as a static image instead, so the executed notebook still shows it."""
+values is drawn as a static image instead, so the executed notebook still shows it.
+
+An explorer never waits on a front end, so a kernel run by plain papermill (no
+``MOE_LAB_HEADLESS``) ends too. The first figure is not drawn by capturing output into the
+``Output`` widget (``with out:``, what ``ipywidgets.interactive_output`` does): nbclient,
+which papermill drives, mimics a front end's ``Output`` widget by sending the captured
+outputs back to the kernel on the shell channel while it is still waiting there for the
+cell's reply, and that reply is then sometimes never seen: papermill and the kernel both
+sit idle forever. The figure is put into the ``Output`` widget's ``outputs`` from the
+kernel instead, which is only kernel-to-client traffic, both when the explorer is drawn and
+when a front end moves a control. See https://github.com/jupyter/nbclient/issues/312 and
+https://github.com/nteract/papermill/issues/723 for reports of the hang."""
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 import os
 from collections.abc import Callable
@@ -109,16 +122,32 @@ def explorer(figure_fn: Callable, **sliders) -> None:
             title = opts.get("label", name.replace("_", " "))
             cells.append(w.VBox([w.Label(title, tooltip=opts.get("tooltip", title)), control]))
 
-    def draw(**kw):
-        fig = figure_fn(**kw)
-        display(fig)
-        plt.close(fig)
+    out = w.Output()
+    out.outputs = (_display_output(figure_fn(**defaults)),)  # drawn now, nothing captured
 
-    out = w.interactive_output(draw, controls)
+    def redraw(_change) -> None:  # only a front end moving a control calls this
+        fig = figure_fn(**{name: control.value for name, control in controls.items()})
+        out.outputs = (_display_output(fig),)
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
     grid = w.GridBox(cells, layout=w.Layout(grid_template_columns="repeat(2, minmax(220px, 1fr))",
                                             grid_gap="4px 24px", width="100%"))
     display(w.VBox([grid, out]))
     return None
+
+
+def _display_output(fig) -> dict:
+    """``fig`` as one nbformat ``display_data`` output (a PNG, and a text form), for an
+    ``Output`` widget's ``outputs``; the figure is closed, so pyplot does not show it again."""
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", bbox_inches="tight")
+        text = repr(fig)
+    finally:
+        plt.close(fig)
+    data = {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"), "text/plain": text}
+    return {"output_type": "display_data", "data": data, "metadata": {}}
 
 
 def routing_explorer() -> None:

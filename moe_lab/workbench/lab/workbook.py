@@ -7,19 +7,28 @@ learner mode), kernel ``python3``, working directory ``notebooks/`` — into
 ``build/workbook/<name>.ipynb``, then exports ``build/workbook/<name>.html`` with
 nbconvert. The kernel inherits this process's environment, which carries
 ``MOE_LAB_PROFILE`` and ``MOE_LAB_RESULTS_DIR`` so every figure a notebook records lands in
-one ledger. At the end ``build/RESULTS.md`` shows the machine, one table of the latest
+one ledger, and ``PYTHONPATH`` starts with the project root, so the notebooks import its
+``moe_lab``. At the end ``build/RESULTS.md`` shows the machine, one table of the latest
 ledger figures and how long each notebook took, and (with HTML) ``build/site/`` holds every
 executed notebook as a page and an ``index.html`` that opens without a server
 (`moe_lab.workbench.lab.site`).
 
 A notebook that fails does not stop the run: the others still execute, the failure is
 reported with the error's name and the cell it came from, and the command exits non-zero.
+
+No notebook can stop the run forever. Each cell runs under a time limit,
+``CELL_TIMEOUT_FACTOR`` times the profile's per-notebook budget (`notebook_budget_s`: 90 s
+for ``smoke``), so a hanging cell, or a kernel gone silent, ends there; a kernel that dies
+is seen within seconds. Either way the notebook is run again once, from its first cell, in
+a fresh kernel (its state is gone with the old one); if it stops again, the run reports
+which notebook and which cell stopped, and goes on to the next notebook.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -41,6 +50,25 @@ from moe_lab.workbench.measure.ledger import (
 )
 
 KERNEL_NAME = "python3"
+# Seconds each notebook should take under a profile (PROFILES in moe_lab.workbench.lab.profiles):
+# smoke is the CI size; full is for a GPU or a patient reader.
+NOTEBOOK_BUDGET_S = {"smoke": 90.0, "full": 1800.0}
+CELL_TIMEOUT_FACTOR = 3  # a cell may take this many times a whole notebook's budget
+# What stops a notebook without an error in a cell (a cell timed out, the kernel died): the
+# notebook is run once more, as it is when its kernel does not answer at start.
+STOPPED = ("CellTimeoutError", "DeadKernelError")
+
+
+def notebook_budget_s(profile: str) -> float:
+    """The seconds a notebook should take under ``profile``."""
+    if profile not in NOTEBOOK_BUDGET_S:
+        raise ValueError(f"profile must be one of {tuple(NOTEBOOK_BUDGET_S)}, got {profile!r}")
+    return NOTEBOOK_BUDGET_S[profile]
+
+
+def cell_timeout_s(profile: str) -> float:
+    """The time limit of one cell under ``profile``: ``CELL_TIMEOUT_FACTOR`` budgets."""
+    return CELL_TIMEOUT_FACTOR * notebook_budget_s(profile)
 
 
 @dataclass(frozen=True)
@@ -80,6 +108,7 @@ class NotebookRun:
     html: Path | None
     seconds: float
     failure: NotebookFailure | None = None
+    restarted: NotebookFailure | None = None  # why the first run stopped, if it did
 
     @property
     def ok(self) -> bool:
@@ -152,15 +181,30 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _execute(source: Path, output: Path, parameters: dict, cwd: Path) -> NotebookFailure | None:
-    """Execute ``source`` into ``output``; the failure, or ``None`` when every cell ran."""
+def _stopped_cell(partial: Path) -> tuple[int | None, int | None, str]:
+    """(index, ``In [n]``, source) of the cell a stopped run was in: the last one papermill
+    marked as started in the notebook it saves as it goes; ``(None, None, "")`` if none."""
+    try:
+        import nbformat
+
+        notebook = nbformat.read(partial, as_version=4)
+    except Exception:  # never written, or unreadable: the cell is not known
+        return None, None, ""
+    started = [index for index, cell in enumerate(notebook.cells)
+               if cell.get("metadata", {}).get("papermill", {}).get("start_time")]
+    if not started:
+        return None, None, ""
+    cell = notebook.cells[started[-1]]
+    return started[-1], cell.get("execution_count"), str(cell.get("source", ""))
+
+
+def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
+                  timeout: float) -> tuple[NotebookFailure | None, bool]:
+    """One papermill run of ``source`` into ``partial``: (the failure, or ``None``; whether
+    the run stopped: a cell timed out, the kernel died or did not answer at start)."""
     import papermill  # slow to import (jupyter, nbclient); only a run needs it
     from papermill.exceptions import PapermillExecutionError
 
-    # papermill saves as it goes; it writes beside the output and the file is renamed into
-    # place at the end, so build/workbook never holds a half-written notebook.
-    partial = output.with_name(f".{output.stem}.partial.ipynb")
-    failure: NotebookFailure | None = None
     try:
         papermill.execute_notebook(
             str(source),
@@ -170,20 +214,54 @@ def _execute(source: Path, output: Path, parameters: dict, cwd: Path) -> Noteboo
             cwd=str(cwd),
             progress_bar=False,
             log_output=False,
+            execution_timeout=timeout,  # per cell (nbclient's timeout)
+            shutdown_kernel="immediate",  # a hung kernel is not waited for
         )
     except PapermillExecutionError as exc:
-        failure = NotebookFailure(
+        return NotebookFailure(
             ename=str(exc.ename),
             evalue=str(exc.evalue),
             cell_index=exc.cell_index,
             exec_count=exc.exec_count,
             source=str(exc.source),
-        )
-    except Exception as exc:  # a dead kernel, a timeout, an unreadable notebook
-        failure = NotebookFailure(ename=type(exc).__name__, evalue=str(exc))
+        ), False
+    except Exception as exc:  # a dead or silent kernel, an unreadable notebook
+        ename = type(exc).__name__
+        if ename not in STOPPED:
+            silent_at_start = "didn't respond" in str(exc)  # jupyter_client's start timeout
+            return NotebookFailure(ename=ename, evalue=str(exc)), silent_at_start
+        index, count, cell_source = _stopped_cell(partial)
+        evalue = (f"the cell took more than {timeout:g} s" if ename == "CellTimeoutError"
+                  else "the kernel died")
+        return NotebookFailure(ename=ename, evalue=evalue, cell_index=index, exec_count=count,
+                               source=cell_source), True
+    return None, False
+
+
+def _execute(source: Path, output: Path, parameters: dict, cwd: Path,
+             timeout: float) -> tuple[NotebookFailure | None, NotebookFailure | None]:
+    """Execute ``source`` into ``output``, each cell under ``timeout`` seconds, once more in
+    a fresh kernel if a cell timed out or the kernel died: (the failure, or ``None`` when
+    every cell ran; why the first run stopped, or ``None`` when it was not run again)."""
+    # papermill saves as it goes; it writes beside the output and the file is renamed into
+    # place at the end, so build/workbook never holds a half-written notebook.
+    partial = output.with_name(f".{output.stem}.partial.ipynb")
+    failure, stopped = _execute_once(source, partial, parameters, cwd, timeout)
+    first_stop = None
+    if stopped:
+        first_stop = failure
+        failure, stopped = _execute_once(source, partial, parameters, cwd, timeout)
+        if stopped:
+            failure = NotebookFailure(
+                ename=failure.ename,
+                evalue=f"{failure.evalue}, again after one kernel restart",
+                cell_index=failure.cell_index,
+                exec_count=failure.exec_count,
+                source=failure.source,
+            )
     if partial.exists():
         os.replace(partial, output)
-    return failure
+    return failure, first_stop
 
 
 def run_workbook(
@@ -197,6 +275,7 @@ def run_workbook(
     notebooks_dir: str | os.PathLike[str] | None = None,
     results_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    cell_timeout: float | None = None,
 ) -> list[NotebookRun]:
     """Execute the workbook's notebooks and write ``<out>/RESULTS.md``.
 
@@ -214,19 +293,27 @@ def run_workbook(
         results_dir: the ledger's directory; default ``$MOE_LAB_RESULTS_DIR``, else
             ``<out>/results`` (with the default ``out``, the ledger's usual place).
         progress: show a progress bar over the notebooks.
+        cell_timeout: the seconds one cell may run; default `cell_timeout_s` of the profile
+            (``CELL_TIMEOUT_FACTOR`` times its per-notebook budget). A notebook whose cell
+            times out, or whose kernel dies, is run once more in a fresh kernel.
 
     Returns:
         One ``NotebookRun`` per notebook, in order; failed ones carry ``failure``. A
         failure does not raise: the remaining notebooks still run.
 
     Raises:
-        ValueError: an unknown profile, an ``only`` name that matches no notebook, or no
-            notebooks at all.
+        ValueError: an unknown profile, an ``only`` name that matches no notebook, no
+            notebooks at all, or a ``cell_timeout`` that is not a positive number.
     """
     from tqdm.auto import tqdm  # probes for IPython and ipywidgets; only a run needs it
 
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
+    if cell_timeout is None:
+        cell_timeout = cell_timeout_s(profile)
+    elif (isinstance(cell_timeout, bool) or not isinstance(cell_timeout, (int, float))
+          or not math.isfinite(cell_timeout) or cell_timeout <= 0):
+        raise ValueError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
     root_dir = Path(root).resolve() if root is not None else project_root()
     source_dir = Path(notebooks_dir) if notebooks_dir is not None else root_dir / "notebooks"
     build = Path(out) if out is not None else root_dir / "build"
@@ -252,6 +339,10 @@ def run_workbook(
         "MOE_LAB_RESULTS_DIR": str(ledger_dir.resolve()),
         # No front end renders widgets in a headless run: explorers draw static figures.
         "MOE_LAB_HEADLESS": "1",
+        # The kernel runs in notebooks/: it imports this checkout's moe_lab first, not
+        # whichever one is installed (an editable install may point at another checkout).
+        "PYTHONPATH": os.pathsep.join(
+            [str(root_dir), *filter(None, [os.environ.get("PYTHONPATH")])]),
     }
     with _environment(**environment):
         bar = tqdm(notebooks, desc="workbook", unit="notebook", disable=not progress)
@@ -259,7 +350,11 @@ def run_workbook(
             bar.set_postfix_str(source.stem)
             output = executed_dir / source.name
             start = time.perf_counter()
-            failure = _execute(source, output, parameters, cwd=source_dir.resolve())
+            failure, restarted = _execute(source, output, parameters, cwd=source_dir.resolve(),
+                                          timeout=cell_timeout)
+            if restarted is not None:
+                tqdm.write(f"RESTARTED {source.stem} once in a fresh kernel: "
+                           f"{restarted.describe()}", file=sys.stderr)
             seconds = time.perf_counter() - start
             html_path: Path | None = None
             if html and output.exists():
@@ -272,7 +367,8 @@ def run_workbook(
                         failure = NotebookFailure(
                             ename=type(exc).__name__, evalue=f"HTML export: {exc}"
                         )
-            run = NotebookRun(source.stem, source, output, html_path, seconds, failure)
+            run = NotebookRun(source.stem, source, output, html_path, seconds, failure,
+                              restarted)
             runs.append(run)
             if failure is not None:
                 tqdm.write(f"FAILED {source.stem}: {failure.describe()}", file=sys.stderr)
@@ -336,6 +432,12 @@ def results_markdown(runs: Sequence[NotebookRun], ledger_dir: Path, profile: str
         lines.append(f"| {run.name} | {status} | {run.seconds:.1f} |")
     total = sum(run.seconds for run in runs)
     lines.append(f"| total | {sum(run.ok for run in runs)}/{len(runs)} ok | {total:.1f} |")
+    restarted = [run for run in runs if run.restarted is not None]
+    if restarted:
+        lines += ["", "## Restarted once in a fresh kernel", ""]
+        for run in restarted:
+            description = run.restarted.describe().replace("`", "'")
+            lines.append(f"- **{run.name}**: `{description}`")
     failed = [run for run in runs if not run.ok]
     if failed:
         lines += ["", "## Failures", ""]

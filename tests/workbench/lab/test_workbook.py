@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import nbformat
@@ -24,7 +25,8 @@ import os
 from moe_lab.workbench.measure.ledger import record
 
 record("00_tiny", "answer", "widgets_per_s", 42.5 if SOLUTIONS else -1.0, "widgets/s",
-       hardware="test-machine", cwd=os.getcwd(), seen_profile=PROFILE)
+       hardware="test-machine", cwd=os.getcwd(), seen_profile=PROFILE,
+       seen_pythonpath=os.environ.get("PYTHONPATH", ""))
 print("recorded")
 """
 
@@ -103,6 +105,8 @@ def test_the_kernel_sees_parameters_environment_and_cwd(project, outcome):
     assert figure["seen_profile"] == "smoke"
     assert figure["profile"] == "smoke"  # from MOE_LAB_PROFILE, set for the kernel
     assert Path(figure["cwd"]).resolve() == (project / "notebooks").resolve()
+    first = figure["seen_pythonpath"].split(os.pathsep)[0]
+    assert Path(first).resolve() == project.resolve()  # the checkout's moe_lab comes first
 
 
 @pytest.mark.timeout(300)
@@ -183,3 +187,123 @@ def test_bad_arguments(project, tmp_path):
     (tmp_path / "notebooks").mkdir()
     with pytest.raises(ValueError, match="no NN_name.ipynb"):
         workbook.run_workbook(root=tmp_path, progress=False)
+
+
+# ------------------------------------------------------------------- stopped notebooks
+
+HANGS = ["x = 1", "import time\ntime.sleep(1e6)", 'print("never runs")']
+DIES = ["x = 1", "import os\nos._exit(1)", 'print("never runs")']
+TIMEOUT_S = 2.0  # the hanging cell's limit here; the workbook's own is CELL_TIMEOUT_FACTOR budgets
+
+
+def _dies_first_time(marker: Path) -> list[str]:
+    """A notebook whose kernel dies the first time it runs (a marker file tells)."""
+    return ["x = 1", f"import os, pathlib\nmarker = pathlib.Path({str(marker)!r})\n"
+            "if not marker.exists():\n    marker.touch()\n    os._exit(1)",
+            'print("ran after the restart")']
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[workbook.NotebookRun]]:
+    """A workbook run, cells limited to TIMEOUT_S, over notebooks that hang, die, die once."""
+    root = tmp_path_factory.mktemp("stopped")
+    (root / "pyproject.toml").write_text('[project]\nname = "moe-lab"\nversion = "0"\n')
+    notebooks = root / "notebooks"
+    notebooks.mkdir()
+    _notebook(notebooks / "00_hangs.ipynb", *HANGS)
+    _notebook(notebooks / "01_dies.ipynb", *DIES)
+    _notebook(notebooks / "02_dies_once.ipynb", *_dies_first_time(root / "died-once"))
+    runs = workbook.run_workbook(profile="smoke", root=root, html=False, progress=False,
+                                 results_dir=root / "build" / "results", cell_timeout=TIMEOUT_S)
+    return root, runs
+
+
+@pytest.mark.timeout(300)
+def test_a_hanging_cell_ends_in_its_timeout_and_is_reported_after_one_restart(stopped, capsys):
+    root, runs = stopped
+    hangs = runs[0]
+    assert hangs.name == "00_hangs" and not hangs.ok
+    assert hangs.restarted is not None and hangs.restarted.ename == "CellTimeoutError"
+    failure = hangs.failure
+    assert failure.ename == "CellTimeoutError"
+    assert failure.cell_index == 4  # markdown, parameters, injected parameters, x = 1, sleep
+    assert "time.sleep(1e6)" in failure.source
+    described = failure.describe()
+    assert "more than 2 s" in described and "again after one kernel restart" in described
+    assert "cell 4" in described and "import time" in described
+    # two runs of at most the limit each, plus kernel starts: far from the sleep's 1e6 s
+    assert hangs.seconds < 120
+    text = (root / "build" / "RESULTS.md").read_text()
+    assert "| 00_hangs | FAILED |" in text
+    assert "**00_hangs**: `CellTimeoutError: the cell took more than 2 s" in text
+
+
+@pytest.mark.timeout(300)
+def test_a_kernel_that_dies_is_restarted_once_and_reported(stopped):
+    root, runs = stopped
+    dies = runs[1]
+    assert dies.name == "01_dies" and not dies.ok
+    assert dies.restarted is not None and dies.restarted.ename == "DeadKernelError"
+    assert dies.failure.ename == "DeadKernelError"
+    assert dies.failure.cell_index == 4 and "os._exit(1)" in dies.failure.source
+    described = dies.failure.describe()
+    assert "the kernel died, again after one kernel restart at cell 4" in described
+    executed = nbformat.read(dies.output, as_version=4)
+    assert [c for c in executed.cells if c.source == DIES[-1]][0].execution_count is None
+
+
+@pytest.mark.timeout(300)
+def test_a_kernel_that_dies_once_is_restarted_and_the_notebook_runs(stopped):
+    root, runs = stopped
+    once = runs[2]
+    assert once.name == "02_dies_once"
+    assert once.ok, once.failure
+    assert once.restarted is not None and once.restarted.ename == "DeadKernelError"
+    assert once.restarted.cell_index == 4
+    executed = nbformat.read(once.output, as_version=4)
+    assert "ran after the restart" in json.dumps(executed.cells[-1].outputs)
+    text = (root / "build" / "RESULTS.md").read_text()
+    assert "| 02_dies_once | ok |" in text
+    assert "## Restarted once in a fresh kernel" in text
+    assert "**02_dies_once**: `DeadKernelError: the kernel died at cell 4" in text
+
+
+def test_the_cell_timeout_is_a_stated_multiple_of_the_profile_budget():
+    assert workbook.notebook_budget_s("smoke") == 90.0
+    assert workbook.cell_timeout_s("smoke") == workbook.CELL_TIMEOUT_FACTOR * 90.0
+    assert workbook.cell_timeout_s("full") == (workbook.CELL_TIMEOUT_FACTOR
+                                               * workbook.notebook_budget_s("full"))
+    assert set(workbook.NOTEBOOK_BUDGET_S) == set(workbook.PROFILES)
+    with pytest.raises(ValueError, match="profile"):
+        workbook.cell_timeout_s("huge")
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "10", True])
+def test_a_bad_cell_timeout_is_refused(project, bad):
+    with pytest.raises(ValueError, match="cell_timeout must be a positive number"):
+        workbook.run_workbook(root=project, cell_timeout=bad, progress=False)
+
+
+@pytest.mark.parametrize(("first", "calls"), [
+    (RuntimeError("Kernel didn't respond in 60 seconds"), 2),  # silent at start: run again
+    (ValueError("not a notebook"), 1),  # not a stop: reported as it is, not run again
+])
+def test_which_failures_run_a_notebook_again(monkeypatch, tmp_path, first, calls):
+    import papermill
+
+    seen = []
+
+    def execute_notebook(*args, **kwargs):
+        seen.append(kwargs["execution_timeout"])
+        if len(seen) == 1:
+            raise first
+
+    monkeypatch.setattr(papermill, "execute_notebook", execute_notebook)
+    failure, restarted = workbook._execute(tmp_path / "00_x.ipynb", tmp_path / "out.ipynb", {},
+                                           tmp_path, timeout=7.0)
+    assert seen == [7.0] * calls
+    if calls == 2:
+        assert failure is None and restarted.ename == "RuntimeError"
+    else:
+        assert restarted is None and failure.ename == "ValueError"
+        assert failure.describe() == "ValueError: not a notebook"
