@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
+from moe_lab.checks import first_derivative_only
 from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
 
@@ -166,6 +167,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
         return mx_attention_forward(*quantize_qkv(*up)).to(q.dtype)
 
     @staticmethod
+    @first_derivative_only("the MXFP8 Triton attention")
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
         with torch.enable_grad():

@@ -8,8 +8,10 @@ never an integer here (``True`` is not a batch size), and a NumPy integer is one
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from collections.abc import Callable
 
 
 def _is_int(value: object) -> bool:
@@ -95,3 +97,24 @@ def one_of(value: object, name: str, choices: tuple | list | dict) -> object:
 
 __all__ = ["int_in", "integer", "non_negative_int", "non_negative_ints", "one_of", "positive_int",
            "positive_ints", "positive_number"]
+
+
+def first_derivative_only(what: str) -> Callable[[Callable], Callable]:
+    """Decorator for a custom backward: in a backward run with ``create_graph=True`` (a double
+    backward, e.g. a gradient penalty) it raises, in one line naming ``what``, instead of
+    autograd's messages about ``once_differentiable`` or a missing formula. Autograd runs a
+    backward with grad mode on exactly when a graph of it is being built."""
+
+    def wrap(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def run(*args: object) -> object:
+            import torch
+
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{what} has a first derivative only: a backward with "
+                                   "create_graph=True (a double backward) is not supported")
+            return backward(*args)
+
+        return run
+
+    return wrap

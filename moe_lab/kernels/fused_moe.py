@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.checks import one_of
+from moe_lab.checks import first_derivative_only, one_of
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import (
     block_e,
@@ -357,6 +357,7 @@ class GatherSwiGLU(torch.autograd.Function):
         return _gather_swiglu_op(x, src, w, offsets, top_k)
 
     @staticmethod
+    @first_derivative_only("the fused gather + SwiGLU kernel")
     def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
         x, w, src, offsets = ctx.saved_tensors
         dpre = _gather_swiglu_bwd_op(x, src, w, offsets, dh.contiguous(), ctx.top_k)
@@ -381,6 +382,7 @@ class GemmScatter(torch.autograd.Function):
         return _gemm_scatter_op(h, w, src, weights, offsets, tokens, top_k, atomic)
 
     @staticmethod
+    @first_derivative_only("the fused GEMM + scatter kernel")
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
         h, w, weights, src, offsets = ctx.saved_tensors
         dout = dout.contiguous()

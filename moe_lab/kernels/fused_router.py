@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lab.checks import first_derivative_only
 from moe_lab.config import MoEConfig
 from moe_lab.kernels.common import interpreted, jit
 from moe_lab.kernels.launch import LaunchConfig
@@ -349,6 +350,7 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     ctx.n_seqs = output[3].shape[0]
 
 
+@first_derivative_only("the fused Triton router")
 def _backward(ctx: torch.autograd.function.FunctionCtx, d_ids: Tensor | None, d_weights: Tensor | None,
               d_counts: Tensor | None, d_prob_sums: Tensor | None,
               d_z_sum: Tensor | None) -> tuple[Tensor | None, ...]:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.checks import int_in, one_of
+from moe_lab.checks import first_derivative_only, int_in, one_of
 from moe_lab.kernels.common import (
     block_e,
     cast_for_store,
@@ -347,6 +347,7 @@ class GroupedGEMM(torch.autograd.Function):
         return _grouped_gemm_op(x, w, offsets, m_bound)
 
     @staticmethod
+    @first_derivative_only("the Triton grouped GEMM")
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w, offsets = ctx.saved_tensors
         dx = dw = None
@@ -368,6 +369,7 @@ class GroupedGEMMSwiGLU(torch.autograd.Function):
         return _grouped_gemm_swiglu_op(x, w, offsets, m_bound)
 
     @staticmethod
+    @first_derivative_only("the Triton grouped GEMM + SwiGLU")
     def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
         x, w, offsets = ctx.saved_tensors
         dpre = _grouped_gemm_swiglu_bwd_op(x, w, offsets, dh, ctx.m_bound)  # [M, 2F]

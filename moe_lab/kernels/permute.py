@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.checks import one_of
+from moe_lab.checks import first_derivative_only, one_of
 from moe_lab.kernels.common import cast_for_store, check_device, interpreted, jit, new_output
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.permute_args import (  # noqa: F401 - KERNEL_DTYPES, permuted_rows: public here too
@@ -312,6 +312,7 @@ class Permute(torch.autograd.Function):
         return _permute_op(x, row_id_map, None, n_rows)
 
     @staticmethod
+    @first_derivative_only("the Triton permute")
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         (row_id_map,) = ctx.saved_tensors
         return _unpermute_op(dy, row_id_map, None), None, None
@@ -328,6 +329,7 @@ class Unpermute(torch.autograd.Function):
         return _unpermute_op(y, row_id_map, weights)
 
     @staticmethod
+    @first_derivative_only("the Triton unpermute")
     def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
         y, row_id_map, weights = ctx.saved_tensors
         dy = dweights = None

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
+from moe_lab.checks import first_derivative_only
 from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
 
@@ -79,6 +80,7 @@ def register_grouped_mm_autograd(forward_op: torch.library.CustomOpDef,
         x, w, offs = inputs
         ctx.save_for_backward(x, w, offs)
 
+    @first_derivative_only(f"the grouped GEMM {forward_op._qualname}")
     def backward(ctx: FunctionCtx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()
@@ -113,7 +115,7 @@ class _SwiGLU(torch.autograd.Function):
         return F.silu(gate).mul_(up)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_derivative_only("moe_lab's SwiGLU (its backward writes both halves in place)")
     def backward(ctx: FunctionCtx, dy: Tensor) -> Tensor:
         (h,) = ctx.saved_tensors
         gate, up = h.chunk(2, dim=-1)

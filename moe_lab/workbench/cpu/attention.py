@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from moe_lab.attention import expand_kv
+from moe_lab.checks import first_derivative_only
 from moe_lab.workbench.cpu.build import available, bf16_gemms, extension
 
 Tensor = torch.Tensor
@@ -85,6 +86,7 @@ def _setup(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
+@first_derivative_only("the CPU plug-in's attention")
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
     return _attention_backward(dout.to(q.dtype), q, k, v, out, lse)
@@ -125,6 +127,7 @@ def _rope_setup(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
+@first_derivative_only("the CPU plug-in's RoPE attention")
 def _rope_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     qkv, cos, sin, out, lse = ctx.saved_tensors
     return (_rope_attention_backward(dout.to(qkv.dtype), qkv, cos, sin, out, lse, ctx.heads),

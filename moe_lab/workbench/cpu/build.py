@@ -9,7 +9,8 @@ the dropless layout's token permutation (``cpu_permute.cpp``, wrapped by
 bfloat16 GEMM helpers the attention and the expert MLP share. ``torch.utils.cpp_extension``
 compiles them on first use (about 80 s on 2 cores) and caches the result under
 ``~/.cache/moe_lab/extensions`` (or ``$TORCH_EXTENSIONS_DIR``), keyed by the sources, the
-torch version and the compiler flags: the vector instruction set ATen uses on this CPU
+torch version and installation (each environment its own folder) and the compiler flags:
+the vector instruction set ATen uses on this CPU
 (``torch.backends.cpu.get_cpu_capability()``: the kernels' elementwise loops are compiled for
 it) and whether it has AVX512_BF16 (`native_bf16`), so a cache shared by different machines
 never hands one a build it cannot run. ``make install`` builds it ahead
@@ -96,6 +97,10 @@ def _flags() -> list[str]:
 def _name_and_dir() -> tuple[str, Path]:
     key = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key += torch.__version__.encode() + " ".join(_flags()).encode()
+    # The environment too: two virtual environments with the same torch compile against
+    # different include paths, and torch rebuilds whenever its build command changes, so a
+    # shared folder would be rebuilt by each in turn (under the lock, for minutes).
+    key += str(Path(torch.__file__).resolve().parent).encode()
     name = f"moe_lab_cpu_kernels_{hashlib.sha1(key).hexdigest()[:12]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "moe_lab" / "extensions"
     return name, Path(root) / name
@@ -130,13 +135,13 @@ def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[
                 waited = time.monotonic() - start
                 if waited >= limit:
                     raise TimeoutError(
-                        f"{_holder(path)} has been holding {path} for over {limit:.0f} s while building "
-                        f"moe_lab's CPU kernels; wait for it to end or stop it") from None
+                        f"{_holder(path)} has been holding {path} for over {limit:.0f} s while it builds "
+                        f"or loads moe_lab's CPU kernels; wait for it to end or stop it") from None
                 # First word after 2 s (a short wait on a load in progress says nothing), then every 30 s.
                 if waited >= 2 and int((waited - 2) // 30) > said:
                     said = int((waited - 2) // 30)
-                    print(f"moe_lab: waiting for {_holder(path)}, which holds {path} while building the "
-                          f"CPU kernels ({waited:.0f} s so far)...", file=sys.stderr, flush=True)
+                    print(f"moe_lab: waiting for {_holder(path)}, which holds {path} while it builds or "
+                          f"loads the CPU kernels ({waited:.0f} s so far)...", file=sys.stderr, flush=True)
                 time.sleep(0.2)
         handle.seek(0)
         handle.truncate()

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe_lab.checks import first_derivative_only
+
 Tensor = torch.Tensor
 
 
@@ -44,6 +46,7 @@ class _Embedding(torch.autograd.Function):
         ctx.num_weights = weight.shape[0]
 
     @staticmethod
+    @first_derivative_only("the CPU plug-in's embedding")
     def backward(ctx, grad: Tensor):
         (idx,) = ctx.saved_tensors
         return embedding_grad(grad.contiguous(), idx, ctx.num_weights), None

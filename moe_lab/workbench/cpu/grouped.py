@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_lab.checks import first_derivative_only
 from moe_lab.moe.experts import SwiGLUExperts, register_grouped_mm_autograd
 from moe_lab.workbench.cpu.build import available, bf16_gemms, compiler, extension
 
@@ -112,6 +113,7 @@ def _mlp_setup(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(output[1])
 
 
+@first_derivative_only("the CPU plug-in's expert MLP")
 def _mlp_backward(ctx, dy: Tensor, _dh: Tensor | None):
     x, h, w1, w2, offs = ctx.saved_tensors
     dx, dw1, dw2 = _expert_mlp_backward(x, h, w1, w2, offs, dy)

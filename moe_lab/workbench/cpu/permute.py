@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_lab.checks import first_derivative_only
 from moe_lab.kernels.permute_args import (
     KERNEL_DTYPES,
     check_map,
@@ -99,6 +100,7 @@ def _permute_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(x if weights is not None else None, row_id_map, weights)
 
 
+@first_derivative_only("the CPU plug-in's permute")
 def _permute_backward(ctx, dy: Tensor):
     x, row_id_map, weights = ctx.saved_tensors
     dx = dw = None
@@ -115,6 +117,7 @@ def _unpermute_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(y, row_id_map, weights)
 
 
+@first_derivative_only("the CPU plug-in's unpermute")
 def _unpermute_backward(ctx, dout: Tensor):
     y, row_id_map, weights = ctx.saved_tensors
     dy = dw = None

@@ -77,3 +77,15 @@ def test_load_after_a_killed_build_does_not_hang(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "CPU kernels ready" in done.stdout, done.stdout + done.stderr
     assert not (copy / "lock").exists()
+
+
+def test_each_torch_installation_builds_in_its_own_folder(monkeypatch):
+    """Two environments with the same torch version once shared a folder, and torch rebuilt
+    the kernels for each in turn (their build commands differ), holding the lock for minutes."""
+    import torch
+
+    name, folder = build._name_and_dir()
+    monkeypatch.setattr(torch, "__file__", "/another/env/site-packages/torch/__init__.py")
+    other_name, other_folder = build._name_and_dir()
+    assert other_name != name and other_folder != folder
+    assert other_folder.parent == folder.parent
