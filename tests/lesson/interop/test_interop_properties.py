@@ -35,17 +35,6 @@ EXAMPLES = int(os.environ.get("MOE_LAB_HYPOTHESIS_EXAMPLES", "200"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 VOCAB = 32
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: one intra-op thread runs them several times faster than a pool
-    contending for a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 DISPATCH = st.sampled_from([("dropless", "torch"), ("dropless", "loop"), ("naive", "loop")])
 
 
