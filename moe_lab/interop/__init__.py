@@ -4,7 +4,8 @@ Each ``from_hf_<family>(block)`` builds a moe_lab ``MoELayer`` that computes the
 function as the Hugging Face block — same router, same experts, same weights (copied) — but
 with moe_lab's dispatchers (by default the dropless, sync-free one) and expert backends.
 `patch_hf_model` swaps every MoE block of a Hugging Face model for such a layer, in place,
-so a user can train or benchmark a real model architecture on moe_lab's kernels.
+so a user can train or benchmark a real model architecture on moe_lab's kernels, and
+`unpatch_hf_model` (or saving the patched model) takes the trained weights back to it.
 
 Families: Mixtral (softmax top-k, renormalised), Qwen3-MoE (softmax top-k, optionally
 renormalised), DeepSeek-V3 (group-limited sigmoid routing with a selection-only correction
@@ -18,10 +19,11 @@ read through their attributes and recognised by their class names.
 from moe_lab.interop.deepseek_v3 import from_hf_deepseek_v3
 from moe_lab.interop.gpt_oss import BiasedRouter, GptOssMoELayer, from_hf_gpt_oss
 from moe_lab.interop.mixtral import from_hf_mixtral
-from moe_lab.interop.patch import HF_MOE_BLOCKS, HFMoEAdapter, patch_hf_model
+from moe_lab.interop.patch import HF_MOE_BLOCKS, HF_STATE_MAPS, HFMoEAdapter, patch_hf_model, unpatch_hf_model
 from moe_lab.interop.qwen3_moe import from_hf_qwen3_moe
 
 __all__ = [
-    "HF_MOE_BLOCKS", "BiasedRouter", "GptOssMoELayer", "HFMoEAdapter", "from_hf_deepseek_v3",
-    "from_hf_gpt_oss", "from_hf_mixtral", "from_hf_qwen3_moe", "patch_hf_model",
+    "HF_MOE_BLOCKS", "HF_STATE_MAPS", "BiasedRouter", "GptOssMoELayer", "HFMoEAdapter",
+    "from_hf_deepseek_v3", "from_hf_gpt_oss", "from_hf_mixtral", "from_hf_qwen3_moe",
+    "patch_hf_model", "unpatch_hf_model",
 ]

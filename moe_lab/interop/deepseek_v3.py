@@ -12,6 +12,32 @@ import moe_lab.interop.hf_blocks as hf
 from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 
+Tensor = torch.Tensor
+
+
+def deepseek_v3_from_hf(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A layer's state from a ``DeepseekV3MoE`` block's: the correction bias is the selection
+    bias; the shared MLP's gate and up go in one ``[2·I, H]`` linear (none if ``I = 0``)."""
+    out = hf.swiglu_from_hf(state)
+    out["router.expert_bias"] = state["gate.e_score_correction_bias"]
+    if state["shared_experts.gate_proj.weight"].shape[0]:
+        out["shared.gate_up.weight"] = torch.cat([state["shared_experts.gate_proj.weight"],
+                                                  state["shared_experts.up_proj.weight"]])
+        out["shared.down.weight"] = state["shared_experts.down_proj.weight"]
+    return out
+
+
+def deepseek_v3_to_hf(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`deepseek_v3_from_hf` inverted (no shared experts: the block's empty weights)."""
+    out = {**hf.swiglu_to_hf(state), "gate.e_score_correction_bias": state["router.expert_bias"]}
+    w = state["router.weight"]
+    gate_up = state.get("shared.gate_up.weight", w.new_zeros(0, w.shape[1]))
+    half = gate_up.shape[0] // 2
+    out.update({"shared_experts.gate_proj.weight": gate_up[:half], "shared_experts.up_proj.weight":
+                gate_up[half:], "shared_experts.down_proj.weight": state.get(
+                    "shared.down.weight", w.new_zeros(w.shape[1], 0))})
+    return out
+
 
 def from_hf_deepseek_v3(block: torch.nn.Module, dispatcher: str = "dropless",
                         expert_backend: str = "torch", router_impl: str = "reference") -> MoELayer:
@@ -20,7 +46,7 @@ def from_hf_deepseek_v3(block: torch.nn.Module, dispatcher: str = "dropless",
     for ``x: [batch, seq, hidden]`` to float32 tolerance.
 
     The shared experts become moe_lab's shared SwiGLU of width
-    ``moe_intermediate_size · n_shared_experts``, which is how DeepSeek-V3 sizes them.
+    ``moe_intermediate_size · n_shared_experts`` (none for 0), as DeepSeek-V3 sizes them.
     """
     hf.require_attrs(block, "DeepseekV3MoE", "gate", "experts", "shared_experts")
     gate, shared = block.gate, block.shared_experts
@@ -30,7 +56,7 @@ def from_hf_deepseek_v3(block: torch.nn.Module, dispatcher: str = "dropless",
     hf.require_silu(block.experts)
     hf.require_silu(shared)
     top_k, renormalize = int(gate.top_k), bool(gate.norm_topk_prob)
-    hf.require_renormalized_top1(top_k, renormalize)
+    hf.require_renormalized_top1(top_k, renormalize, knob="num_experts_per_tok")
     n_experts, two_i, hidden = block.experts.gate_up_proj.shape
     d_expert = two_i // 2
     d_shared = shared.gate_proj.weight.shape[0]
@@ -43,11 +69,5 @@ def from_hf_deepseek_v3(block: torch.nn.Module, dispatcher: str = "dropless",
         scaling_factor=float(gate.routed_scaling_factor), n_groups=int(gate.num_group),
         topk_groups=int(gate.topk_group), aux_loss_coef=0.0,
     )
-    layer = hf.stacked_swiglu_layer(cfg, block.experts, gate.weight, dispatcher, expert_backend,
-                                 router_impl)
-    with torch.no_grad():
-        layer.router.expert_bias.copy_(gate.e_score_correction_bias)
-        # moe_lab's shared SwiGLU holds gate and up in one [2·I, H] linear, gate rows first.
-        layer.shared.gate_up.weight.copy_(torch.cat([shared.gate_proj.weight, shared.up_proj.weight]))
-        layer.shared.down.weight.copy_(shared.down_proj.weight)
-    return layer
+    layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
+    return hf.load_layer(layer, deepseek_v3_from_hf(block.state_dict()), block.experts.gate_up_proj)

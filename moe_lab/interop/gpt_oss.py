@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
-from moe_lab.interop.hf_blocks import require_attrs, require_renormalized_top1
+from moe_lab.interop.hf_blocks import load_layer, require_attrs, require_renormalized_top1
 from moe_lab.moe.layer import MoELayer
 from moe_lab.moe.router import (
     DTYPES,
@@ -72,6 +72,29 @@ def _gate_first(w: Tensor) -> Tensor:
     return torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1)
 
 
+def _interleaved(w: Tensor) -> Tensor:
+    """`_gate_first` inverted: ``[..., 2I]`` gate columns first → gate and up interleaved."""
+    return torch.stack(w.chunk(2, dim=-1), dim=-1).flatten(-2)
+
+
+def gpt_oss_from_hf(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A `GptOssMoELayer`'s state from a ``GptOssMLP`` block's."""
+    weight = state["router.weight"]
+    return {"router.weight": weight, "router.bias": state["router.bias"],
+            "router.expert_bias": weight.new_zeros(weight.shape[0]),
+            "experts.w_gate_up": _gate_first(state["experts.gate_up_proj"]),
+            "experts.b_gate_up": _gate_first(state["experts.gate_up_proj_bias"]),
+            "experts.w_down": state["experts.down_proj"], "experts.b_down": state["experts.down_proj_bias"]}
+
+
+def gpt_oss_to_hf(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`gpt_oss_from_hf` inverted."""
+    return {"router.weight": state["router.weight"], "router.bias": state["router.bias"],
+            "experts.gate_up_proj": _interleaved(state["experts.w_gate_up"]),
+            "experts.gate_up_proj_bias": _interleaved(state["experts.b_gate_up"]),
+            "experts.down_proj": state["experts.w_down"], "experts.down_proj_bias": state["experts.b_down"]}
+
+
 def from_hf_gpt_oss(block: torch.nn.Module, dispatcher: str = "dropless",
                     expert_backend: str = "torch", router_impl: str = "reference") -> GptOssMoELayer:
     """A `GptOssMoELayer` equal to the Hugging Face ``GptOssMLP`` block ``block`` (router
@@ -84,18 +107,10 @@ def from_hf_gpt_oss(block: torch.nn.Module, dispatcher: str = "dropless",
     require_attrs(experts, "GptOssExperts", "gate_up_proj", "gate_up_proj_bias", "down_proj",
                   "down_proj_bias", "alpha", "limit")
     top_k = int(router.top_k)
-    require_renormalized_top1(top_k, True)
+    require_renormalized_top1(top_k, True, knob="num_experts_per_tok")
     n_experts, hidden, two_i = experts.gate_up_proj.shape
     cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
                     score_func="softmax", renormalize=True, aux_loss_coef=0.0)
     layer = GptOssMoELayer(cfg, dispatcher, expert_backend, router_impl,
                            alpha=float(experts.alpha), limit=float(experts.limit))
-    layer.to(device=experts.gate_up_proj.device, dtype=experts.gate_up_proj.dtype)
-    with torch.no_grad():
-        layer.router.weight.copy_(router.weight)
-        layer.router.bias.copy_(router.bias)
-        layer.experts.w_gate_up.copy_(_gate_first(experts.gate_up_proj))
-        layer.experts.b_gate_up.copy_(_gate_first(experts.gate_up_proj_bias))
-        layer.experts.w_down.copy_(experts.down_proj)
-        layer.experts.b_down.copy_(experts.down_proj_bias)
-    return layer
+    return load_layer(layer, gpt_oss_from_hf(block.state_dict()), experts.gate_up_proj)

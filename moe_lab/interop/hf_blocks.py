@@ -1,10 +1,12 @@
-"""What the Hugging Face families share: checking a block's shape and copying its stacked
-SwiGLU experts into a moe_lab layer.
+"""What the Hugging Face families share: checking a block's shape, and turning its stacked
+SwiGLU experts' weights into a moe_lab layer's and back.
 
 Layouts: Mixtral, Qwen3-MoE and DeepSeek-V3 store ``gate_up_proj: [E, 2·I, H]`` and
 ``down_proj: [E, H, I]`` applied with ``F.linear`` (``x · Wᵀ``), gate rows first; moe_lab
 stores ``w_gate_up: [E, H, 2·I]`` and ``w_down: [E, I, H]`` applied as ``x · W``, gate
 columns first — so each is the other's transpose in the last two dims.
+
+``*_from_hf`` / ``*_to_hf``: a block's ``state_dict`` to a layer's and back (bias aside).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
+
+Tensor = torch.Tensor
 
 
 def require_attrs(block: torch.nn.Module, family: str, *attrs: str) -> None:
@@ -35,25 +38,31 @@ def require_silu(experts: torch.nn.Module) -> None:
                          f"act_fn={type(act).__name__}")
 
 
-def require_renormalized_top1(top_k: int, renormalize: bool) -> None:
+def require_renormalized_top1(top_k: int, renormalize: bool, knob: str = "top_k") -> None:
     """Hugging Face renormalises a single chosen weight to 1; moe_lab's router keeps the
-    top-1 probability (Switch style). Refuse the combination rather than differ."""
+    top-1 probability (Switch style). Refuse the combination (``knob``: the config's name)."""
     if top_k == 1 and renormalize:
-        raise ValueError("top_k=1 with renormalised weights (every weight 1.0) is not supported: "
-                         "moe_lab keeps the top-1 probability as the weight")
+        raise ValueError(f"{knob}=1 (top_k=1) with renormalised weights (every weight 1.0) is not "
+                         "supported: moe_lab keeps the top-1 probability as the weight")
 
 
-def stacked_swiglu_layer(cfg: MoEConfig, experts: torch.nn.Module, gate_weight: torch.Tensor,
-                         dispatcher: str, expert_backend: str, router_impl: str) -> MoELayer:
-    """A ``MoELayer`` for ``cfg`` with the router's gate and the experts' stacked
-    ``[E, 2I, H]`` / ``[E, H, I]`` weights copied from a Hugging Face block, on their device
-    and in their dtype."""
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    layer = MoELayer(cfg, dispatcher=dispatcher, expert_backend=expert_backend,
-                     router_impl=router_impl)
-    layer.to(device=gate_up.device, dtype=gate_up.dtype)
-    with torch.no_grad():
-        layer.router.weight.copy_(gate_weight)
-        layer.experts.w_gate_up.copy_(gate_up.transpose(1, 2))
-        layer.experts.w_down.copy_(down.transpose(1, 2))
+def swiglu_from_hf(state: dict[str, Tensor], router: str = "gate") -> dict[str, Tensor]:
+    """A `MoELayer`'s state from a stacked-SwiGLU block's; the selection bias zero."""
+    gate = state[f"{router}.weight"]
+    return {"router.weight": gate, "router.expert_bias": gate.new_zeros(gate.shape[0]),
+            "experts.w_gate_up": state["experts.gate_up_proj"].transpose(1, 2),
+            "experts.w_down": state["experts.down_proj"].transpose(1, 2)}
+
+
+def swiglu_to_hf(state: dict[str, Tensor], router: str = "gate") -> dict[str, Tensor]:
+    """`swiglu_from_hf` inverted."""
+    return {f"{router}.weight": state["router.weight"],
+            "experts.gate_up_proj": state["experts.w_gate_up"].transpose(1, 2),
+            "experts.down_proj": state["experts.w_down"].transpose(1, 2)}
+
+
+def load_layer(layer: MoELayer, state: dict[str, Tensor], like: Tensor) -> MoELayer:
+    """``layer`` on ``like``'s device and dtype with ``state`` copied in (no shared storage)."""
+    layer.to(device=like.device, dtype=like.dtype)
+    layer.load_state_dict(state, strict=True)
     return layer

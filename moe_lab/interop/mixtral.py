@@ -1,11 +1,12 @@
-"""Mixtral: softmax over all experts, top-k, the chosen weights renormalised to sum to one."""
+"""Mixtral: softmax over all experts, top-k, the chosen weights always renormalised to sum to
+one (with one expert per token, 1.0: refused, moe_lab's router cannot express it)."""
 
 from __future__ import annotations
 
 import torch
 
+import moe_lab.interop.hf_blocks as hf
 from moe_lab.config import MoEConfig
-from moe_lab.interop.hf_blocks import require_attrs, require_silu, stacked_swiglu_layer
 from moe_lab.moe.layer import MoELayer
 
 
@@ -14,18 +15,18 @@ def from_hf_mixtral(block: torch.nn.Module, dispatcher: str = "dropless",
     """A ``MoELayer`` equal to the Hugging Face Mixtral block ``block`` (weights copied).
 
     ``y, stats = layer(x)`` equals ``block(x)`` for ``x: [batch, seq, hidden]`` to float32
-    tolerance. Router jitter noise (a training-time input perturbation) is refused rather than
-    silently ignored.
+    tolerance. Router jitter noise (a training-time input perturbation) and
+    ``num_experts_per_tok=1`` are refused rather than computed differently.
     """
-    require_attrs(block, "MixtralSparseMoeBlock", "gate", "experts", "top_k")
+    hf.require_attrs(block, "MixtralSparseMoeBlock", "gate", "experts", "top_k")
     if getattr(block, "jitter_noise", 0) and block.jitter_noise > 0:
-        raise ValueError(
-            f"block.jitter_noise={block.jitter_noise} is not supported; build the block with "
-            "router_jitter_noise=0"
-        )
-    require_silu(block.experts)
+        raise ValueError(f"block.jitter_noise={block.jitter_noise} is not supported; build the "
+                         "block with router_jitter_noise=0")
+    hf.require_silu(block.experts)
+    top_k = int(block.top_k)
+    hf.require_renormalized_top1(top_k, True, knob="num_experts_per_tok")
     n_experts, two_i, hidden = block.experts.gate_up_proj.shape
-    cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=int(block.top_k), d_expert=two_i // 2,
+    cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
                     score_func="softmax", renormalize=True, aux_loss_coef=0.0)
-    return stacked_swiglu_layer(cfg, block.experts, block.gate.weight, dispatcher, expert_backend,
-                                router_impl)
+    layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
+    return hf.load_layer(layer, hf.swiglu_from_hf(block.state_dict()), block.experts.gate_up_proj)

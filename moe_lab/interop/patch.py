@@ -7,6 +7,9 @@ returns what it returns (the hidden states; for GPT-OSS also the router scores),
 decoder layers around it run unchanged. moe_lab's routing statistics of the last call are
 kept on the adapter (``adapter.stats``) for a caller who wants moe_lab's balance losses.
 
+Back: the adapter's ``state_dict`` has the block's keys and layouts, so ``save_pretrained``
+writes a stock checkpoint; `unpatch_hf_model` writes the weights into the blocks it returns.
+
 Not carried over: Hugging Face records router logits with forward hooks on its router
 modules (``output_router_logits=True``), and those modules are gone after the swap; the
 model's own router aux loss is therefore refused rather than silently zero.
@@ -19,8 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from moe_lab.interop.deepseek_v3 import from_hf_deepseek_v3
-from moe_lab.interop.gpt_oss import from_hf_gpt_oss
+from moe_lab.interop import hf_blocks as hf
+from moe_lab.interop.deepseek_v3 import deepseek_v3_from_hf, deepseek_v3_to_hf, from_hf_deepseek_v3
+from moe_lab.interop.gpt_oss import from_hf_gpt_oss, gpt_oss_from_hf, gpt_oss_to_hf
 from moe_lab.interop.mixtral import from_hf_mixtral
 from moe_lab.interop.qwen3_moe import from_hf_qwen3_moe
 from moe_lab.moe.layer import MoELayer, MoEStats
@@ -36,16 +40,55 @@ HF_MOE_BLOCKS: dict[str, tuple[Callable[..., MoELayer], bool]] = {
     "GptOssMLP": (from_hf_gpt_oss, True),
 }
 
+_SWIGLU = (hf.swiglu_from_hf, hf.swiglu_to_hf)
+# Hugging Face MoE block class name -> (block state -> layer state, layer state -> block state).
+HF_STATE_MAPS: dict[str, tuple[Callable, Callable]] = {
+    "MixtralSparseMoeBlock": _SWIGLU, "Qwen3MoeSparseMoeBlock": _SWIGLU,
+    "OlmoeSparseMoeBlock": _SWIGLU, "DeepseekV3MoE": (deepseek_v3_from_hf, deepseek_v3_to_hf),
+    "GptOssMLP": (gpt_oss_from_hf, gpt_oss_to_hf),
+}
+_HOOK = "_moe_lab_router_logits_hook"
+
 
 class HFMoEAdapter(nn.Module):
     """A moe_lab ``layer`` behind a Hugging Face MoE block's interface: ``forward(hidden_states)``
-    returns ``y`` (or ``(y, router_scores: [tokens, top_k])`` with ``returns_router_scores``)."""
+    returns ``y`` (or ``(y, router_scores: [tokens, top_k])`` with ``returns_router_scores``).
 
-    def __init__(self, layer: MoELayer, returns_router_scores: bool = False) -> None:
+    Given the ``block`` it replaces, it keeps it (not as a submodule) for `to_hf`, and its
+    ``state_dict`` / ``load_state_dict`` use the block's keys and layouts.
+    """
+
+    def __init__(self, layer: MoELayer, returns_router_scores: bool = False,
+                 block: nn.Module | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.returns_router_scores = returns_router_scores
         self.stats: MoEStats | None = None
+        self._block = [block]  # a list hides it from nn.Module's registry
+        if block is not None:
+            self._from_hf, self._to_hf = HF_STATE_MAPS[type(block).__name__]
+            self.register_state_dict_post_hook(_state_dict_in_hf_keys)
+            self.register_load_state_dict_pre_hook(_load_hf_keys)
+
+    def block_state_dict(self) -> dict[str, Tensor]:
+        """The layer's weights in the block's keys and layouts (a lost selection bias refused)."""
+        out = {k: v.detach() for k, v in self._to_hf(self.layer.state_dict()).items()}
+        bias = self.layer.router.expert_bias
+        if not torch.equal(self._from_hf(out)["router.expert_bias"], bias):
+            raise ValueError(f"router.expert_bias is nonzero but a {type(self._block[0]).__name__} "
+                             "has no selection bias to take it: train with the bias at zero")
+        return out
+
+    def to_hf(self) -> nn.Module:
+        """The replaced block with the layer's weights written in, on the layer's device and
+        dtype, in the adapter's train/eval mode."""
+        block = self._block[0]
+        if block is None:
+            raise ValueError("this adapter was built with block=None: nothing to write back into")
+        w = self.layer.experts.w_gate_up
+        block.to(device=w.device, dtype=w.dtype)
+        block.load_state_dict(self.block_state_dict(), strict=True)
+        return block.train(self.training)
 
     def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         y, self.stats = self.layer(hidden_states)
@@ -57,11 +100,29 @@ class HFMoEAdapter(nn.Module):
         return f"returns_router_scores={self.returns_router_scores}"
 
 
+def _state_dict_in_hf_keys(adapter: HFMoEAdapter, state: dict, prefix: str, _meta: dict) -> None:
+    # Runs after the layer wrote its keys under prefix + "layer.": swap them for the block's.
+    for key in [k for k in state if k.startswith(prefix + "layer.")]:
+        del state[key]
+    state.update({prefix + k: v for k, v in adapter.block_state_dict().items()})
+
+
+def _load_hf_keys(adapter: HFMoEAdapter, state: dict, prefix: str, *_args: object) -> None:
+    # Runs before the layer loads: a state in the block's keys is turned into the layer's.
+    inner = prefix + "layer."
+    ours = {k[len(prefix):]: state.pop(k) for k in list(state) if k.startswith(prefix)}
+    if ours:  # else load_state_dict reports the layer's keys missing
+        try:
+            state.update({inner + k: v for k, v in adapter._from_hf(ours).items()})
+        except KeyError as err:
+            raise ValueError(f"state lacks the block's key {prefix}{err.args[0]}") from None
+
+
 def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backend: str = "torch",
                    router_impl: str = "reference") -> dict[str, nn.Module]:
     """Replace every MoE block of the Hugging Face ``model`` (classes in `HF_MOE_BLOCKS`) with
     an `HFMoEAdapter` around an equal moe_lab layer, in place; returns ``{qualified name:
-    the block it replaced}`` (put them back with ``model.set_submodule(name, block)``).
+    the block it replaced}`` (`unpatch_hf_model` writes the weights back and restores them).
 
     Each layer copies its block's weights and takes its device, dtype and train/eval mode;
     the model computes the same logits and gradients afterwards (to float32 rounding).
@@ -87,12 +148,29 @@ def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backen
         build, returns_scores = HF_MOE_BLOCKS[type(block).__name__]
         layer = build(block, dispatcher=dispatcher, expert_backend=expert_backend,
                       router_impl=router_impl)
-        adapter = HFMoEAdapter(layer, returns_router_scores=returns_scores)
+        adapter = HFMoEAdapter(layer, returns_router_scores=returns_scores, block=block)
         adapter.train(block.training)
         model.set_submodule(name, adapter)
         replaced[name] = block
-    model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True)
+    setattr(model, _HOOK, model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True))
     return replaced
+
+
+def unpatch_hf_model(model: nn.Module) -> dict[str, nn.Module]:
+    """Undo `patch_hf_model`, in place: every adapter's layer weights (trained or not) are
+    written into the block it replaced (`HFMoEAdapter.to_hf`) and the block is put back, so
+    ``model`` is a stock Hugging Face model again. Returns ``{qualified name: the block}``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    adapters = [(name, m) for name, m in model.named_modules() if isinstance(m, HFMoEAdapter)]
+    if not adapters:
+        raise ValueError(f"model {type(model).__name__} is not patched: it has no moe_lab adapter")
+    blocks = {name: adapter.to_hf() for name, adapter in adapters}  # every one, before any swap
+    for name, block in blocks.items():
+        model.set_submodule(name, block)
+    if (handle := model.__dict__.pop(_HOOK, None)) is not None:
+        handle.remove()
+    return blocks
 
 
 def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import torch
 
+import moe_lab.interop.hf_blocks as hf
 from moe_lab.config import MoEConfig
-from moe_lab.interop.hf_blocks import (
-    require_attrs,
-    require_renormalized_top1,
-    require_silu,
-    stacked_swiglu_layer,
-)
 from moe_lab.moe.layer import MoELayer
 
 
@@ -20,14 +15,14 @@ def from_hf_qwen3_moe(block: torch.nn.Module, dispatcher: str = "dropless",
     """A ``MoELayer`` equal to the Hugging Face ``Qwen3MoeSparseMoeBlock`` (or
     ``OlmoeSparseMoeBlock``) ``block``, weights copied: ``layer(x)[0]`` equals ``block(x)``
     for ``x: [batch, seq, hidden]`` to float32 tolerance."""
-    require_attrs(block, "Qwen3MoeSparseMoeBlock", "gate", "experts")
+    hf.require_attrs(block, "Qwen3MoeSparseMoeBlock", "gate", "experts")
     gate = block.gate
-    require_attrs(gate, "Qwen3MoeTopKRouter", "weight", "top_k", "norm_topk_prob")
-    require_silu(block.experts)
+    hf.require_attrs(gate, "Qwen3MoeTopKRouter", "weight", "top_k", "norm_topk_prob")
+    hf.require_silu(block.experts)
     top_k, renormalize = int(gate.top_k), bool(gate.norm_topk_prob)
-    require_renormalized_top1(top_k, renormalize)
+    hf.require_renormalized_top1(top_k, renormalize, knob="num_experts_per_tok")
     n_experts, two_i, hidden = block.experts.gate_up_proj.shape
     cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
                     score_func="softmax", renormalize=renormalize, aux_loss_coef=0.0)
-    return stacked_swiglu_layer(cfg, block.experts, gate.weight, dispatcher, expert_backend,
-                                router_impl)
+    layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
+    return hf.load_layer(layer, hf.swiglu_from_hf(block.state_dict()), block.experts.gate_up_proj)

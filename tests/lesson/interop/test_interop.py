@@ -259,3 +259,129 @@ def test_patched_model_matches(family):
         torch.testing.assert_close(got_gate, want_gate, rtol=1e-4,
                                    atol=1e-5 * max(1.0, want_gate.abs().max()))
         assert gate.weight.shape == got_gate.shape
+
+
+def test_mixtral_with_one_expert_per_token_is_refused():
+    """Mixtral always renormalises the chosen weights, so with num_experts_per_tok=1 each is
+    1.0; moe_lab's router keeps the top-1 probability. It was computed anyway: logits 5e-2
+    off, found by the property tests (test_interop_properties.py). Now refused in one line."""
+    block = hf_block("mixtral", top_k=1)
+    _, weights, _ = block.gate(torch.randn(5, HIDDEN))
+    assert torch.equal(weights, torch.ones_like(weights))  # what moe_lab cannot express
+    with pytest.raises(ValueError, match=r"^num_experts_per_tok=1 \(top_k=1\) with renormalised"):
+        from_hf_mixtral(block)
+    model = transformers.MixtralForCausalLM(mixtral_config(top_k=1))
+    with pytest.raises(ValueError, match="num_experts_per_tok=1"):
+        patch_hf_model(model)
+
+
+def test_deepseek_without_shared_experts():
+    """n_shared_experts=0 gives Hugging Face an empty shared MLP (output zero); moe_lab's
+    layer has none. It raised AttributeError copying into the missing shared expert."""
+    config = deepseek_config()
+    config.n_shared_experts = 0
+    block = randomize(DeepseekV3MoE(config))
+    layer = from_hf_deepseek_v3(block)
+    assert layer.shared is None
+    x = torch.randn(2, 5, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x)[0], block(x), rtol=1e-5, atol=1e-5)
+
+
+def train_a_few_steps(model, steps=3):
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 10), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_save_pretrained_of_a_trained_patched_model_loads_in_stock_transformers(family, tmp_path):
+    """The adapters' state_dict has the blocks' keys and layouts, so the checkpoint is a stock
+    one: before, the MoE weights were reported missing and re-initialised on load."""
+    model = tiny_model(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    patch_hf_model(model)
+    train_a_few_steps(model)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    state = model.state_dict()
+    assert state.keys() == before.keys()
+    moe_keys = [k for k in before if ".experts." in k]
+    assert moe_keys and all(not torch.equal(state[k], before[k]) for k in moe_keys)  # trained
+    model.save_pretrained(tmp_path)
+    stock = getattr(transformers, FAMILIES[family][3]).from_pretrained(tmp_path).eval()
+    assert not any(isinstance(m, HFMoEAdapter) for m in stock.modules())
+    with torch.no_grad():
+        got = stock(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    for k, v in stock.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_unpatch_gives_a_stock_model_with_the_trained_weights(family):
+    from moe_lab.interop import unpatch_hf_model
+
+    model = tiny_model(family)
+    replaced = patch_hf_model(model)
+    train_a_few_steps(model)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    blocks = unpatch_hf_model(model)
+    assert blocks.keys() == replaced.keys()
+    for name, block in blocks.items():
+        assert model.get_submodule(name) is block is replaced[name]
+    assert not any(isinstance(m, HFMoEAdapter) for m in model.modules())
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    # Stock again: router logits can be asked for, and it can be patched anew.
+    assert model(input_ids=ids, output_router_logits=True).logits.shape == (2, 12, 64)
+    patch_hf_model(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5,
+                                   atol=1e-5 * want.abs().max())
+    with pytest.raises(ValueError, match="is not patched"):
+        unpatch_hf_model(tiny_model(family))
+
+
+def test_a_patched_model_loads_a_state_dict_in_hugging_face_keys():
+    stock = tiny_model("deepseek_v3")
+    model = tiny_model("deepseek_v3")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1)
+    patch_hf_model(model)
+    model.load_state_dict(stock.state_dict(), strict=True)
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits,
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"lacks the block.s key model\.layers\.1\.mlp\.experts\."):
+        model.load_state_dict({k: v for k, v in stock.state_dict().items()
+                               if k != "model.layers.1.mlp.experts.down_proj"})
+
+
+def test_a_selection_bias_the_family_cannot_hold_is_refused_on_the_way_back(tmp_path):
+    from moe_lab.interop import unpatch_hf_model
+
+    model = tiny_model("mixtral")
+    patch_hf_model(model)
+    adapter = model.get_submodule("model.layers.0.mlp")
+    adapter.layer.router.expert_bias[0] = 0.5  # as aux-loss-free balancing would move it
+    with pytest.raises(ValueError, match="router.expert_bias is nonzero but a MixtralSparseMoeBlock"):
+        model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="router.expert_bias is nonzero"):
+        unpatch_hf_model(model)
+    assert isinstance(model.get_submodule("model.layers.0.mlp"), HFMoEAdapter)  # nothing swapped
