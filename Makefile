@@ -97,22 +97,23 @@ test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The second supported stack: torch $(TORCH_VERSION) with the oldest Triton, in its own venv
-# (pip held to both versions). The kernel tests and the compile report's (not slow), then the
-# compile report itself for sm_90 into build/compat (results/compile stays the main stack's).
+# (pip held to both versions). The kernel tests and the compiled-IR checks, then the compile
+# report for sm_90 (every spec compiled, registers read two ways and compared; exit 1 on a
+# failed or disagreeing row) into build/compat: results/compile stays the main stack's.
 COMPAT := .venv-compat
 $(COMPAT)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(COMPAT)
 	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
 	printf 'torch==$(TORCH_VERSION)\ntriton==$(TRITON_OLDEST)\n' > $(COMPAT)/constraints.txt
-	$(COMPAT)/bin/python -m pip install --quiet -c $(COMPAT)/constraints.txt \
-		torch==$(TORCH_VERSION) triton==$(TRITON_OLDEST)
+	$(COMPAT)/bin/python -m pip install --quiet -c $(COMPAT)/constraints.txt torch==$(TORCH_VERSION) triton==$(TRITON_OLDEST)
 	$(COMPAT)/bin/python -m pip install --quiet -c $(COMPAT)/constraints.txt -e ".[test]"
 	@touch $@
 
 test-compat: export MOE_LAB_RESULTS_DIR := $(CURDIR)/build/compat/results
 test-compat: $(COMPAT)/.installed
 	$(COMPAT)/bin/python -c "import torch, triton; print('test-compat: torch', torch.__version__, 'triton', triton.__version__)"
-	$(COMPAT)/bin/python -m pytest -q -ra -m "not slow" tests/lesson/kernels tests/workbench/compile_report
+	$(COMPAT)/bin/python -m pytest -q -ra -m "not slow" tests/lesson/kernels \
+		tests/workbench/compile_report/test_mx_compiled.py
 	$(COMPAT)/bin/python -m moe_lab compile --arch sm_90 --out build/compat/compile
 
 # Compiles in a child process with TRITON_INTERPRET=0, whatever this Makefile exports.

@@ -53,7 +53,7 @@ def _dry_run(tmp_path: Path, torch: dict | None, nvidia_smi: bool = False,
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     if not nvidia_smi and shutil.which("nvidia-smi", path=env["PATH"]):
         pytest.skip("this machine has nvidia-smi: the no-device cases cannot be shown here")
-    arguments = [f"PYTHON={sys.executable} -S", f"VENV={tmp_path / 'venv'}"]
+    arguments = [f"PYTHON={sys.executable} -S", f"VENV={tmp_path / 'venv'}", f"COMPAT={tmp_path / 'compat'}"]
     arguments += [f"{name}={value}" for name, value in variables.items()]
     done = subprocess.run(["make", "-n", "-p", "-C", str(ROOT), *arguments, target],
                           capture_output=True, text=True, env=env, timeout=120)
@@ -114,5 +114,8 @@ def test_without_torch_nvidia_smi_decides_the_interpreter(tmp_path):
 
 def test_test_compat_holds_pip_to_the_oldest_triton(tmp_path):
     commands, _ = _dry_run(tmp_path, None, target="test-compat")
-    assert "triton==3.6.0" in commands and "-c .venv-compat/constraints.txt" in commands, commands
+    installs = _install_lines(commands)
+    held = f"-c {tmp_path / 'compat'}/constraints.txt"
+    assert installs and all(held in line for line in installs), installs
+    assert "torch==2.13.0 triton==3.6.0" in installs[0], installs
     assert "tests/lesson/kernels" in commands and "moe_lab compile --arch sm_90" in commands

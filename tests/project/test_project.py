@@ -292,6 +292,8 @@ def test_ci_runs_make_test():
         if line.strip() and not line.lstrip().startswith("#")
     ]
     assert any(re.match(r"make\s+test(\s|$)", command) for command in commands), commands
+    # the second supported stack (the oldest triton) is tested in CI too
+    assert any(re.match(r"make\s+test-compat(\s|$)", command) for command in commands), commands
     assert os.access(script, os.X_OK), ".ci/run must be executable"
 
 
