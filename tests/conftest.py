@@ -4,18 +4,34 @@ On a machine without CUDA the test session runs every Triton kernel under Triton
 interpreter: it sets ``TRITON_INTERPRET=1`` (unless the caller set it) before any test module
 defines a kernel — the tests' own kernels and the exercises' included. Every test session
 gets its own results ledger in a temporary directory (tests never write into the user's
-``build/``), and every test starts from ``torch.manual_seed(0)``.
+``build/``), and every test starts from ``torch.manual_seed(0)``. ``pytest -m gpu`` collects
+tests/gpu alone, so it runs where only torch, triton, numpy and pytest are installed.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``pytest -m gpu`` collects tests/gpu only: its tests need torch, triton and pytest, so
+    they run on a GPU machine that has nothing else installed (the other test files import the
+    test extras as they are collected). Any other selection collects everything."""
+    if config.getoption("markexpr") != "gpu":
+        return None
+    path = collection_path.resolve()
+    if path == GPU_TESTS or GPU_TESTS in path.parents or path in GPU_TESTS.parents:
+        return None
+    return True
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -57,11 +57,40 @@ def _library_interpreted() -> Iterator[None]:
             setattr(module, name, value)
 
 
+# Triton's interpreter hands a kernel each scalar argument as a one-element array. Before 3.7 it
+# reads one as an index (a loop bound: ``range(0, K, BLOCK_K)``) with ``int(array)``, which NumPy
+# 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.7
+# squeezes the array first (https://github.com/triton-lang/triton/pull/9172). Under an older
+# Triton each moe_lab launch does the same.
+_INDEX_UNSQUEEZED = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
+
+
+@contextlib.contextmanager
+def _scalars_index() -> Iterator[None]:
+    """For the length of one interpreted launch, a scalar reads as an index as in Triton 3.7."""
+    if not _INDEX_UNSQUEEZED:
+        yield
+        return
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_squeezed(tensor: type, scope: object) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_tensor_squeezed
+    try:
+        yield
+    finally:
+        interpreter._patch_lang_tensor = patch_tensor
+
+
 class _Interpreted(InterpretedFunction):
     """An interpreted moe_lab kernel: each launch runs with Triton's library interpreted."""
 
     def run(self, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
-        with _library_interpreted():
+        with _library_interpreted(), _scalars_index():
             return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
 

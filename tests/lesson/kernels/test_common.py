@@ -18,6 +18,7 @@ import textwrap
 
 import pytest
 import torch
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -62,6 +63,25 @@ def test_the_device_check_names_the_argument(monkeypatch):
     monkeypatch.setattr(common, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="x must be on a CUDA device for compiled Triton, got cpu"):
         common.check_device("x", torch.device("cpu"))
+
+
+
+@common.jit
+def _sum_in_blocks(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, n, BLOCK):  # a loop bound from a scalar argument, as the K loops have
+        offsets = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
+    tl.store(out_ptr, tl.sum(acc, 0))
+
+
+def test_a_loop_bound_read_from_a_scalar_argument(device):
+    # Triton 3.6's interpreter with NumPy 2.4 failed here ("only 0-dimensional arrays can be
+    # converted to Python scalars") until moe_lab's launches read the scalar as Triton 3.7 does.
+    x = torch.arange(37, dtype=torch.float32, device=device)
+    out = torch.zeros(1, dtype=torch.float32, device=device)
+    _sum_in_blocks[(1,)](x, out, x.numel(), BLOCK=8)
+    assert out.item() == 666.0  # 0 + 1 + ... + 36
 
 
 _FRESH = '''
