@@ -1,9 +1,9 @@
 """moe_lab: build a Mixture-of-Experts transformer step by step and measure every gain.
 
 The lesson — config, model, attention, data, ``moe/``, ``kernels/``, ``quant/``,
-``training/``, ``parallel/``, ``sim/``, ``perf/``, ``interop/`` — is what this package holds;
-the machinery that runs, times and shows it is `moe_lab.workbench`, which the lesson never
-imports.
+``training/``, ``parallel/``, ``sim/``, ``perf/`` — is what this package holds; the
+machinery that runs, times and shows it, and the bridge to Hugging Face models
+(`moe_lab.workbench.interop`), is `moe_lab.workbench`, which the lesson never imports.
 
 Importing moe_lab changes nothing in the caller's process: it starts no subprocess, sets no
 environment variable and imports neither torch nor Triton. Whether moe_lab's own Triton

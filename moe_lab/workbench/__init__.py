@@ -15,7 +15,8 @@ but does need in order to see them work:
 - `ranks` — starting ranks (`run_ranks`, torchrun), the emulated network link, and the rank
   functions the tests and benchmarks launch;
 - `demos` — notebook 06's ladder and capture gallery, notebook 04's balancing comparison;
-- `cli` — ``python -m moe_lab``.
+- `cli` — ``python -m moe_lab``;
+- `interop` — Hugging Face MoE blocks as moe_lab layers (`interop.patch_hf_model`) and back.
 
 The arrow points one way: this package imports the lesson, and nothing in the lesson imports
 this package (``tests/project/test_layering.py`` fails if it does). Importing it loads nothing.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import moe_lab.interop.hf_blocks as hf
+import moe_lab.workbench.interop.hf_blocks as hf
 from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 

@@ -22,12 +22,12 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from moe_lab.interop import hf_blocks as hf
-from moe_lab.interop.deepseek_v3 import deepseek_v3_from_hf, deepseek_v3_to_hf, from_hf_deepseek_v3
-from moe_lab.interop.gpt_oss import from_hf_gpt_oss, gpt_oss_from_hf, gpt_oss_to_hf
-from moe_lab.interop.mixtral import from_hf_mixtral
-from moe_lab.interop.qwen3_moe import from_hf_qwen3_moe
 from moe_lab.moe.layer import MoELayer, MoEStats
+from moe_lab.workbench.interop import hf_blocks as hf
+from moe_lab.workbench.interop.deepseek_v3 import deepseek_v3_from_hf, deepseek_v3_to_hf, from_hf_deepseek_v3
+from moe_lab.workbench.interop.gpt_oss import from_hf_gpt_oss, gpt_oss_from_hf, gpt_oss_to_hf
+from moe_lab.workbench.interop.mixtral import from_hf_mixtral
+from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe
 
 Tensor = torch.Tensor
 

@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
-from moe_lab.interop.hf_blocks import load_layer, require_attrs, require_renormalized_top1
 from moe_lab.moe.layer import MoELayer
 from moe_lab.moe.router import (
     DTYPES,
@@ -25,6 +24,7 @@ from moe_lab.moe.router import (
     gate_logits,
     route_from_logits,
 )
+from moe_lab.workbench.interop.hf_blocks import load_layer, require_attrs, require_renormalized_top1
 
 Tensor = torch.Tensor
 

@@ -1,4 +1,4 @@
-"""moe_lab.interop against Hugging Face transformers: each family's MoE block on random tiny
+"""moe_lab.workbench.interop against Hugging Face transformers: each family's MoE block on random tiny
 configs (forward and backward), and whole tiny random models before and after
 `patch_hf_model`. Configs are built locally; nothing is downloaded."""
 
@@ -19,7 +19,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
-from moe_lab.interop import (  # noqa: E402
+from moe_lab.workbench.interop import (  # noqa: E402
     HFMoEAdapter,
     from_hf_deepseek_v3,
     from_hf_gpt_oss,
@@ -327,7 +327,7 @@ def test_save_pretrained_of_a_trained_patched_model_loads_in_stock_transformers(
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_unpatch_gives_a_stock_model_with_the_trained_weights(family):
-    from moe_lab.interop import unpatch_hf_model
+    from moe_lab.workbench.interop import unpatch_hf_model
 
     model = tiny_model(family)
     replaced = patch_hf_model(model)
@@ -374,7 +374,7 @@ def test_a_patched_model_loads_a_state_dict_in_hugging_face_keys():
 
 
 def test_a_selection_bias_the_family_cannot_hold_is_refused_on_the_way_back(tmp_path):
-    from moe_lab.interop import unpatch_hf_model
+    from moe_lab.workbench.interop import unpatch_hf_model
 
     model = tiny_model("mixtral")
     patch_hf_model(model)

@@ -16,11 +16,17 @@ clamped SwiGLU: `moe_lab.moe.experts.ClampedSwiGLUExperts`). OLMoE's block is Qw
 read through their attributes and recognised by their class names.
 """
 
-from moe_lab.interop.deepseek_v3 import from_hf_deepseek_v3
-from moe_lab.interop.gpt_oss import BiasedRouter, GptOssMoELayer, from_hf_gpt_oss
-from moe_lab.interop.mixtral import from_hf_mixtral
-from moe_lab.interop.patch import HF_MOE_BLOCKS, HF_STATE_MAPS, HFMoEAdapter, patch_hf_model, unpatch_hf_model
-from moe_lab.interop.qwen3_moe import from_hf_qwen3_moe
+from moe_lab.workbench.interop.deepseek_v3 import from_hf_deepseek_v3
+from moe_lab.workbench.interop.gpt_oss import BiasedRouter, GptOssMoELayer, from_hf_gpt_oss
+from moe_lab.workbench.interop.mixtral import from_hf_mixtral
+from moe_lab.workbench.interop.patch import (
+    HF_MOE_BLOCKS,
+    HF_STATE_MAPS,
+    HFMoEAdapter,
+    patch_hf_model,
+    unpatch_hf_model,
+)
+from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe
 
 __all__ = [
     "HF_MOE_BLOCKS", "HF_STATE_MAPS", "BiasedRouter", "GptOssMoELayer", "HFMoEAdapter",
