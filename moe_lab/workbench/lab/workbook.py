@@ -31,6 +31,7 @@ import contextlib
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -329,8 +330,8 @@ def run_workbook(
         raise ValueError(f"notebooks_dir {str(source_dir)!r} holds no NN_name.ipynb notebooks")
     notebooks = select_notebooks(available, only)
     executed_dir = build / "workbook"
-    executed_dir.mkdir(parents=True, exist_ok=True)
-    ledger_dir.mkdir(parents=True, exist_ok=True)
+    _check_writable(executed_dir, "out")
+    _check_writable(ledger_dir, "results_dir ($MOE_LAB_RESULTS_DIR)")
 
     parameters = {"PROFILE": profile, "SOLUTIONS": bool(solutions)}
     runs: list[NotebookRun] = []
@@ -378,6 +379,18 @@ def run_workbook(
     if html:
         _build_site(executed_dir, build / "site", ledger_dir)
     return runs
+
+
+def _check_writable(folder: Path, what: str) -> None:
+    """Make ``folder`` and write a file in it, before any notebook runs: a folder that cannot
+    take the executed notebooks or the ledger would otherwise lose them after the work."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what}: {folder} cannot be written ({exc.strerror or exc}); "
+                         "nothing was run") from None
 
 
 def _build_site(executed_dir: Path, site_dir: Path, ledger_dir: Path) -> None:
