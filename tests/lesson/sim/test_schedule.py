@@ -143,3 +143,19 @@ def test_1f1b_keeps_at_most_p_minus_r_microbatches_in_flight(p, m):
             live += 1 if kind == "F" else -1
             peak = max(peak, live)
         assert peak == min(p - r, m), (r, peak)
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (4, 8, 3), (4, 12, 2), (8, 16, 2)])
+def test_interleaved_warm_up_is_megatrons(p, m, v):
+    """Megatron-Core's interleaved 1F1B runs ``(p - r - 1)·2 + (v - 1)·p`` warm-up forwards on
+    rank r (all ``m·v`` when ``m == p``), then alternates a forward and a backward, so the
+    forwards before each rank's first backward are the warm-up and one more
+    (``num_warmup_microbatches`` in Megatron-Core's
+    ``forward_backward_pipelining_with_interleaving``,
+    https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/pipeline_parallel/schedules.py)."""
+    for r, ops in enumerate(schedule_order("interleaved", p, m, v)):
+        leading = next(i for i, (kind, _, _) in enumerate(ops) if kind == "B")
+        warm = m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        want = warm if warm == m * v else warm + 1
+        assert leading == want, (r, leading, want)
+        assert sum(kind == "F" for kind, _, _ in ops) == sum(kind == "B" for kind, _, _ in ops) == m * v
