@@ -133,6 +133,22 @@ def test_nan_codes_and_nan_scales_poison_their_row_or_column(device):
     assert torch.equal(torch.isnan(ref), nan)
 
 
+def test_a_nan_scale_reaches_only_its_own_column_when_k_ends_mid_tile(device):
+    """K = 96 ends a 64-wide K tile half way: the last tile's second scale slot lies past the
+    row's scales, where the next row's first scale byte sits. A mask off by one there reads
+    it, and a NaN there poisons the column before it (0 × NaN is NaN)."""
+    m, n, k = 9, 6, 96
+    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    b_s[4, 0] = E8M0_NAN  # column 4's first block; column 3's row of scales ends just before it
+    a_s[6, 0] = E8M0_NAN  # row 6's first block; row 5's scales end just before it
+    c = mx_gemm(a.view(E4M3), a_s, b.view(E4M3), b_s).cpu()
+    nan = torch.zeros(m, n, dtype=torch.bool)
+    nan[:, 4] = True
+    nan[6, :] = True
+    assert torch.equal(torch.isnan(c), nan)
+
+
 def test_empty_rows_give_an_empty_result(device):
     a, a_s = operands(0, 32, device)
     b, b_s = operands(5, 32, device)
