@@ -6,12 +6,14 @@ On the path as ``support`` (pytest's ``pythonpath`` setting): ``from support imp
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import types
 from pathlib import Path
@@ -89,3 +91,25 @@ def topk(tokens: int, top_k: int, n_experts: int, skew: float = 0.0) -> torch.Te
     some experts get no tokens."""
     scores = torch.rand(tokens, n_experts) - skew * torch.arange(n_experts) / n_experts
     return scores.topk(top_k, dim=-1).indices
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(options: str):
+    """A tmpfs mounted with ``options`` (e.g. ``"size=256k"``, ``"ro,size=64k"``): a real full or
+    read-only disk, for root only (the test is skipped where mounting is refused). Mounted
+    outside pytest's tmp_path, whose clean-up must never meet a mount point; unmounted lazily
+    if a file is still open."""
+    import pytest
+
+    folder = Path(tempfile.mkdtemp(prefix="moe_lab_tmpfs_"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                          capture_output=True)
+    if done.returncode != 0:
+        folder.rmdir()
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {done.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+        folder.rmdir()

@@ -2,12 +2,10 @@
 that fails on a full disk says so in one error that names what survived."""
 
 import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
+from support import mounted_tmpfs
 
 from moe_lab.training import checkpoint
 from moe_lab.training.checkpoint import load_checkpoint, save_checkpoint
@@ -35,20 +33,9 @@ def test_the_file_and_its_folder_are_flushed(tmp_path, monkeypatch):
 
 @pytest.fixture
 def tiny_disk():
-    """A 256 KiB tmpfs: a real full disk (root only). Mounted outside pytest's tmp_path, whose
-    clean-up must never meet a mount point, and unmounted lazily if a file is still open."""
-    mount = Path(tempfile.mkdtemp(prefix="moe_lab_full_disk_"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                          capture_output=True)
-    if done.returncode != 0:
-        mount.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
-        mount.rmdir()
+    """A 256 KiB tmpfs: a real full disk (root only)."""
+    with mounted_tmpfs("size=256k") as folder:
+        yield folder
 
 
 def test_a_full_disk_names_the_checkpoint_that_survived(tiny_disk):

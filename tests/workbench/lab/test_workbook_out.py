@@ -3,12 +3,11 @@ cannot write: it ran every notebook and then lost the results (or raised a trace
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
 from pathlib import Path
 
 import nbformat
 import pytest
+from support import mounted_tmpfs
 
 from moe_lab.workbench.lab import workbook
 
@@ -24,19 +23,9 @@ def project(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def read_only_folder():
-    """A read-only tmpfs (read-only for root too), or skip where mounting is not allowed."""
-    folder = Path(tempfile.mkdtemp(prefix="moe_lab_ro_"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(folder)],
-                          capture_output=True)
-    if done.returncode != 0:
-        folder.rmdir()
-        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    """A read-only tmpfs (read-only for root too)."""
+    with mounted_tmpfs("ro,size=64k") as folder:
         yield folder
-    finally:
-        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-        folder.rmdir()
 
 
 def test_an_out_folder_that_cannot_exist_is_refused_first(project, tmp_path):
