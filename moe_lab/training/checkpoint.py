@@ -12,9 +12,13 @@ is refused with a ``ValueError`` saying so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -56,7 +60,40 @@ def _remove_stale_temporaries(path: Path) -> None:
             pass
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or was raised while handling, a Ctrl-C. torch's zip writer turns
+    a ``KeyboardInterrupt`` raised mid-write into a ``RuntimeError`` when it closes the
+    half-written archive; the interrupt survives only as its ``__context__``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until the block is done, then
+    raise it. Only the main thread can install a signal handler; elsewhere (and where the
+    handler is not Python's default one) the block runs as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict,
+                    on_saved: Callable[[], None] | None = None) -> None:
     """Write ``state`` to ``path`` atomically and durably: a temporary file beside it,
     flushed to the disk (``fsync``), renamed over ``path``, and the folder's entry flushed
     too, so a power cut leaves either the old checkpoint or the new one.
@@ -64,7 +101,11 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     Temporary files of earlier saves of ``path`` that never finished (a killed process)
     are removed first. A save that fails (a full disk: torch then raises a bare
     ``RuntimeError``) raises ``OSError`` saying why and whether ``path`` still holds the
-    checkpoint saved before, which it does whenever there was one."""
+    checkpoint saved before, which it does whenever there was one. Ctrl-C while the file
+    is written raises ``KeyboardInterrupt`` (never a write error), the temporary file
+    removed and ``path`` as it was; from the rename on, through ``on_saved()`` (the
+    caller's note of what ``path`` now holds), a Ctrl-C waits until they are done, so the
+    caller never believes ``path`` holds an older checkpoint than it does."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(path)
@@ -74,10 +115,16 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with _ctrl_c_deferred():
+            os.replace(tmp, path)
+            _fsync_folder(path.parent)
+            if on_saved is not None:
+                on_saved()
     except (OSError, RuntimeError) as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if _interrupted(exc):
+            raise KeyboardInterrupt from None
         free = shutil.disk_usage(path.parent).free
         kept = (f"{path} still holds the checkpoint saved before" if path.is_file() else
                 f"there is no earlier checkpoint at {path}")
@@ -88,7 +135,6 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_folder(path.parent)
 
 
 def _fsync_folder(folder: Path) -> None:

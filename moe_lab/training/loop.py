@@ -525,9 +525,10 @@ def train(
                 f"{_where_to_resume(last_checkpoint)}", n, last_checkpoint)
 
     def save() -> None:
-        nonlocal last_checkpoint
-        save_checkpoint(cfg.checkpoint_path, trainer.state(result.history, result.evals))
-        last_checkpoint = (str(cfg.checkpoint_path), trainer.steps_done)
+        def saved() -> None:
+            nonlocal last_checkpoint
+            last_checkpoint = (str(cfg.checkpoint_path), trainer.steps_done)
+        save_checkpoint(cfg.checkpoint_path, trainer.state(result.history, result.evals), saved)
 
     try:
         for step in bar:

@@ -50,3 +50,55 @@ def test_a_full_disk_names_the_checkpoint_that_survived(tiny_disk):
     with pytest.raises(OSError, match=f"there is no earlier checkpoint at {fresh}"):
         save_checkpoint(fresh, {"w": torch.ones(200_000)})
     assert not fresh.exists()
+
+
+def test_ctrl_c_mid_write_is_an_interrupt_not_a_write_error(tmp_path, monkeypatch):
+    """torch's zip writer turns a Ctrl-C inside one of its writes into a ``RuntimeError``
+    ("unexpected pos"); the save must still raise ``KeyboardInterrupt``, leave the earlier
+    checkpoint and no temporary file."""
+    path = tmp_path / "ck.pt"
+    save_checkpoint(path, {"step": 1, "w": torch.ones(1000)})
+    real_fdopen = os.fdopen
+
+    class InterruptedFile:
+        def __init__(self, f):
+            self._f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                raise KeyboardInterrupt
+            return self._f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda fd, mode: InterruptedFile(real_fdopen(fd, mode)))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"step": 2, "w": torch.ones(1000), "v": torch.ones(1000)})
+    assert load_checkpoint(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+def test_ctrl_c_after_the_rename_waits_for_the_callers_note(tmp_path):
+    """A Ctrl-C between the rename and ``on_saved`` would leave the caller naming the older
+    checkpoint; it is held until ``on_saved`` has run, then raised."""
+    import signal
+
+    path = tmp_path / "ck.pt"
+    noted = []
+
+    def on_saved():
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once were it not held
+        noted.append(load_checkpoint(path)["step"])
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, {"step": 7}, on_saved)
+    assert noted == [7] and load_checkpoint(path)["step"] == 7
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
