@@ -1,11 +1,10 @@
 """Datasheet figures of the GPUs the MLPerf MoE results ran on, and the roofline.
 
 These are *not measurements*: they are per-GPU dense (no sparsity) peaks as vendors or
-third parties publish them, collected in the project's background notes
-(``shared/background/FACTS.md``). Each row says where its numbers come from in its
-``source`` field (``"datasheet"`` or ``"third-party"``, with a note); a figure drawn from
-this table must be labelled as such. What this machine can really do is measured by
-`moe_lab.workbench.measure.ceilings`.
+third parties publish them (``docs/references.md``, "Hardware rates", gives the pages).
+Each row says where its numbers come from in its ``source`` field (``"datasheet"`` or
+``"third-party"``, with a note); a figure drawn from this table must be labelled as such.
+What this machine can really do is measured by `moe_lab.workbench.measure.ceilings`.
 
 `SM_LIMITS` holds what one SM of compute capability 9.0 (Hopper) and 10.0 (Blackwell) can
 keep resident — registers, warps, blocks, shared memory — from NVIDIA's programming guide;

@@ -1,9 +1,9 @@
 """NVIDIA's MLPerf Training v6.0 results, as data.
 
-Source: NVIDIA's Developer Blog post on MLPerf Training v6.0, as reported by the Korean
-write-up this project started from (kept with the project's design notes, outside the
-package). These are published results, not measurements made here; anything that shows
-them says so and names the source.
+Source: NVIDIA's Technical Blog post on MLPerf Training v6.0 and MLCommons' result tables
+(``[mlperf-blog]`` and ``[mlcommons]`` in the repository's ``docs/references.md``, which gives
+the addresses). These are published results, not measurements made here; anything that
+shows them says so and names the source.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SOURCE = (
-    "NVIDIA Developer Blog, MLPerf Training v6.0 (as reported by the project's seed write-up)"
+    "NVIDIA Technical Blog, 'NVIDIA Blackwell Tops MLPerf Training 6.0 with Industry-Leading "
+    "Scale and Performance' (June 2026), and MLCommons' MLPerf Training v6.0 results "
+    "(docs/references.md)"
 )
 
 
