@@ -39,7 +39,7 @@ import textwrap
 import threading
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.worker import SCALARS, parse_archs
@@ -54,10 +54,12 @@ LEDGER_FIELDS = ("kernel", "label", "arch", "blocks", "num_warps", "num_stages",
                  "compile_s", "agree")
 
 
-def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0) -> dict[str, Any]:
+def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0,
+                 progress: TextIO | None = None) -> dict[str, Any]:
     """Run ``request`` (`moe_lab.workbench.compile_report.worker.run_request`) in a child process with
     ``TRITON_INTERPRET=0``, a fresh Triton cache, every kernel recompiled and ptxas's log
-    on; the child's progress lines are copied to this process's stderr as they come."""
+    on; the child's progress lines are copied to ``progress`` as they come (default: this
+    process's stderr, so a command's standard output holds only its report)."""
     import moe_lab
 
     with tempfile.TemporaryDirectory(prefix="moe_lab_compile_") as tmp:
@@ -76,7 +78,7 @@ def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0) -> dict[str
         try:
             assert child.stdout is not None
             for line in child.stdout:
-                sys.stderr.write(line)
+                (progress or sys.stderr).write(line)
                 tail = (tail + [line])[-40:]
             child.wait()
         finally:
@@ -182,12 +184,15 @@ def module_job(module: str | types.ModuleType, kernel: str | None = None, label_
 
 
 def compile_jobs(*jobs: dict[str, Any], archs: Archs = DEFAULT_ARCHS,
-                 cubin_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+                 cubin_dir: str | os.PathLike[str] | None = None,
+                 progress: TextIO | None = None) -> list[dict[str, Any]]:
     """Compile `kernel_job`s and `module_job`s for each of ``archs`` (in one child process)
-    and return the report rows, in job order; keep the cubins in ``cubin_dir`` when given."""
+    and return the report rows, in job order; keep the cubins in ``cubin_dir`` when given.
+    The progress lines (one per compiled row) go to ``progress``, by default this process's
+    standard output: in a notebook they are output, not an error."""
     request = {"archs": list(parse_archs(archs)), "jobs": list(jobs),
                "cubin_dir": None if cubin_dir is None else str(cubin_dir)}
-    return run_in_child(request)["rows"]
+    return run_in_child(request, progress=progress or sys.stdout)["rows"]
 
 
 def compile_kernel(kernel: str | Any, signature: dict[str, str], constexprs: dict[str, Any] | None = None,

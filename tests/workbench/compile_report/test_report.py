@@ -226,7 +226,7 @@ def test_compile_kernel_sends_an_inline_kernel_as_source():
         compile_report.compile_kernel(len, {})
 
 
-def test_compile_errors_are_rows_not_crashes():
+def test_compile_errors_are_rows_not_crashes(capsys):
     rows = compile_report.compile_jobs(
         compile_report.kernel_job(_probe_dot, {"a_ptr": "*bf16"}, {"BM": 64}),
         compile_report.module_job("moe_lab.kernels.launch"),
@@ -236,6 +236,9 @@ def test_compile_errors_are_rows_not_crashes():
     assert rows[1]["error"].startswith("moe_lab.kernels.launch has no compile specs")
     assert rows[2]["error"].startswith("no CompileSpec of moe_lab.kernels.permute matches")
     assert len(rows) == 3
+    # The progress lines are output (in a notebook, not rendered as an error), one per row.
+    out, err = capsys.readouterr()
+    assert err == "" and out.count("[") >= 1 and "_probe_dot" in out
 
 
 # ------------------------------------------------------------------------------ the command
