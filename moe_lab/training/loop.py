@@ -24,6 +24,8 @@ refused unless asked for (``override``). A non-finite loss stops the run (`Train
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 try:
-    from tqdm.auto import tqdm
+    import tqdm.auto
+    import tqdm.std
 except ImportError:  # a machine with only torch and triton: runs train without a progress bar
     tqdm = None
 
@@ -423,6 +426,17 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.step, self.last_checkpoint = step, last_checkpoint
 
 
+def _progress_bar(steps: range, **options: object) -> object:
+    """tqdm's bar for the steps: a widget in a notebook with a front end, text elsewhere. In a
+    kernel no front end draws (``MOE_LAB_HEADLESS=1``: papermill, the workbook runner, CI) a
+    widget would never be updated on the saved page, which would show it at 0; there the text
+    bar goes to standard output, where the page keeps its last state (a carriage return
+    overwrites the one before it) and nothing reads as an error."""
+    if os.environ.get("MOE_LAB_HEADLESS") == "1":
+        return tqdm.std.tqdm(steps, file=sys.stdout, mininterval=1.0, ascii=True, **options)
+    return tqdm.auto.tqdm(steps, **options)
+
+
 class _NoBar:
     """The steps without a progress bar (where tqdm is not installed)."""
 
@@ -513,8 +527,8 @@ def train(
         result.history, result.evals = checkpoint["history"], checkpoint["evals"]
     start = trainer.steps_done
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    bar = (tqdm(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
-                initial=start, total=end) if tqdm is not None else _NoBar(range(start, end)))
+    bar = (_progress_bar(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
+                         initial=start, total=end) if tqdm is not None else _NoBar(range(start, end)))
 
     def check_finite(record: dict) -> None:
         if not math.isfinite(record["loss"]):

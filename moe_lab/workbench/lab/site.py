@@ -413,10 +413,14 @@ WIDGET_PLACEHOLDER = (
 def prepare_for_site(nb) -> tuple:
     """A copy of the executed notebook ``nb`` ready to export: formulas of markdown cells
     and Markdown outputs replaced by placeholders (their MathML returned beside), known
-    third-party stderr noise dropped (a stream left empty is dropped too), and a live
-    widget's output replaced by a note saying where its controls work."""
+    third-party stderr noise dropped (a stream left empty is dropped too), a live
+    widget's output replaced by a note saying where its controls work, and the cell
+    papermill injects (tagged ``injected-parameters``: the run's settings, repeated from the
+    notebook's own parameters cell) left out."""
     nb = copy.deepcopy(nb)
     formulas: list[str] = []
+    nb.cells = [cell for cell in nb.cells
+                if "injected-parameters" not in cell.get("metadata", {}).get("tags", [])]
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             cell.source = protect_math(cell.source, formulas)

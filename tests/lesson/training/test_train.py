@@ -370,3 +370,13 @@ def test_train_runs_where_tqdm_is_not_installed(monkeypatch):
     want = train(TINY, c).losses()
     monkeypatch.setattr(loop, "tqdm", None)  # what the guarded import leaves without tqdm
     assert loop.train(TINY, c).losses() == want
+
+
+def test_a_headless_run_draws_a_text_bar_on_stdout(monkeypatch, capsys):
+    """With no front end (``MOE_LAB_HEADLESS=1``) the bar is text on stdout that ends at the last
+    step — a widget there would be saved at 0, and stderr would render as an error."""
+    monkeypatch.setenv("MOE_LAB_HEADLESS", "1")
+    train(TINY, cfg(seed=3, steps=3, progress=True))
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.rstrip().splitlines()[-1].startswith("train ") and "3/3" in out.split("\r")[-1]

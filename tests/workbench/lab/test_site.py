@@ -86,6 +86,16 @@ def test_third_party_noise_is_left_out_and_our_warnings_kept():
     assert len(nb.cells[0].outputs) == 3  # the notebook itself is not changed
 
 
+def test_the_injected_parameters_cell_is_left_off_the_page():
+    own = nbformat.v4.new_code_cell('PROFILE = "full"', metadata={"tags": ["parameters"]})
+    injected = nbformat.v4.new_code_cell('PROFILE = "smoke"', metadata={"tags": ["injected-parameters"]})
+    body = nbformat.v4.new_code_cell("print(PROFILE)")
+    nb = nbformat.v4.new_notebook(cells=[own, injected, body])
+    prepared, _ = site.prepare_for_site(nb)
+    assert [c.source for c in prepared.cells] == ['PROFILE = "full"', "print(PROFILE)"]
+    assert len(nb.cells) == 3
+
+
 # ------------------------------------------------------------------------------ headlines
 
 
