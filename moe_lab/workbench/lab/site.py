@@ -79,14 +79,16 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("vs_naive", "dropless (torch grouped GEMM) MoE layer speed vs naive, "
                  "fine-grained experts", "fine:dropless torch"),
         Headline("vs_naive", "dropless MoE layer speed vs naive", "coarse:dropless torch"),),
+    # What a GPU technique moves, where a CPU timing of it says little: counted bytes (the
+    # same on every machine) rather than the interpreter's or the CPU's time.
     "03_fused_grouped_gemm": (
-        Headline("removable_share", "share of the unfused expert chain's time (CPU, fine-grained "
-                 "shape) in the stages the fusions remove", "fine:chain"),),
+        Headline("saved_vs_unfused", "HBM bytes per MoE layer (fwd + bwd) the gather prologue and "
+                 "scatter epilogue save over the unfused chain, GPT-OSS-20B at EP8, counted",
+                 "fusion:gpt_oss_20b:scatter_epilogue"),),
     "04_fused_router": (
-        Headline("vs_unfused_fp64", "fused FP32 Triton router vs unfused FP64, DeepSeek-V3 "
-                 "shape", "deepseek_v3:triton fp32"),
-        Headline("vs_unfused_fp64", "compiled FP32 router vs unfused FP64, DeepSeek-V3 shape",
-                 "deepseek_v3:compiled fp32"),),
+        Headline("bytes_vs_floor", "bytes a router call moves over the floor (one read of the "
+                 "logits), fused FP32 Triton router, DeepSeek-V3 shape, counted",
+                 "deepseek_v3:triton fp32"),),
     "05_mxfp8_attention": (
         # Quality first: measured the same way on every machine (a CPU runs the quantizer
         # kernel interpreted, so its bandwidth there says nothing about the format).
