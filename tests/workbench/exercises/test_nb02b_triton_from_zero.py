@@ -175,3 +175,17 @@ def test_bad_launcher_arguments_name_the_argument():
         ex.run_row_softmax(ex.row_softmax_kernel, x, torch.empty(3, 11))
     with pytest.raises(ValueError, match="block_n must be at least the row width 10"):
         ex.run_row_softmax(ex.row_softmax_kernel, x, block_n=8)
+
+
+def test_the_claims_check_names_a_claimed_padding_row_and_a_row_nobody_claims():
+    offsets = ex._offsets([3, 2])  # rows 0-2 expert 0, 3-4 expert 1, 5-6 padding
+    right = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0]], dtype=torch.int32)
+    ex._check_claims(right, offsets, "here")
+    spilled = right.clone()
+    spilled[1, 5] = 1  # the last expert's tile runs on into the padding
+    with pytest.raises(ExerciseError, match=r"row 5 is padding \(past offsets\[E\] = 5\), yet expert 1"):
+        ex._check_claims(spilled, offsets, "here")
+    missing = right.clone()
+    missing[1, 4] = 0
+    with pytest.raises(ExerciseError, match="row 4 .* is claimed by no program"):
+        ex._check_claims(missing, offsets, "here")
