@@ -33,7 +33,9 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = ROOT / "notebooks"
 ALL_NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
-WORKBOOK_NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+# The workbook's NN_name and NNb_name notebooks (moe_lab.workbench.lab.notebook_files.NOTEBOOK_PATTERN).
+WORKBOOK_NOTEBOOKS = sorted([*NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"),
+                             *NOTEBOOKS_DIR.glob("[0-9][0-9][a-z]_*.ipynb")])
 REQUIRED_PARAMETERS = ("PROFILE", "SEED", "SOLUTIONS")
 # The oldest torch and triton moe_lab supports: ranges, so it installs beside a machine's own.
 TESTED_RANGES = {"torch": ">=2.11", "triton": ">=3.6"}

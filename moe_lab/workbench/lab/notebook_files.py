@@ -1,6 +1,6 @@
 """The files the workbook runner and the site both write: which notebooks belong to the
-workbook (``NN_name.ipynb``), how a file is written so no reader sees it half-written, and
-a notebook's HTML export (nbconvert).
+workbook (``NN_name.ipynb``, or ``NNb_name.ipynb`` for one slotted in after ``NN``), how a
+file is written so no reader sees it half-written, and a notebook's HTML export (nbconvert).
 
 `moe_lab.workbench.lab.workbook` executes the notebooks and `moe_lab.workbench.lab.site` renders them; both
 import this module, and the runner imports the site, never the other way round.
@@ -14,7 +14,8 @@ import re
 import tempfile
 from pathlib import Path
 
-NOTEBOOK_PATTERN = re.compile(r"^(\d{2})_(.+)\.ipynb$")
+# The number: two digits and an optional letter (``02b``), which sorts after ``02_...``.
+NOTEBOOK_PATTERN = re.compile(r"^(\d{2}[a-z]?)_(.+)\.ipynb$")
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -10,10 +10,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN
 from moe_lab.workbench.lab.profiles import check_parameters
 
 ROOT = Path(__file__).resolve().parents[3]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted(p for p in (ROOT / "notebooks").glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
 
 
 def _setup_cell_index(nb) -> int:

@@ -181,6 +181,15 @@ def test_select_notebooks_by_any_form_of_the_name(project, name):
     assert workbook.select_notebooks(notebooks, None) == notebooks
 
 
+def test_a_lettered_notebook_sits_after_its_number_and_is_selected_by_it(tmp_path):
+    for name in ("03_next", "02b_between", "02_first", "2_stray", "02B_upper"):
+        _notebook(tmp_path / f"{name}.ipynb", "x = 1")
+    notebooks = workbook.find_notebooks(tmp_path)
+    assert [path.stem for path in notebooks] == ["02_first", "02b_between", "03_next"]
+    assert [path.stem for path in workbook.select_notebooks(notebooks, ["02b"])] == ["02b_between"]
+    assert [path.stem for path in workbook.select_notebooks(notebooks, ["02"])] == ["02_first"]
+
+
 def test_bad_arguments(project, tmp_path):
     with pytest.raises(ValueError, match="profile"):
         workbook.run_workbook(profile="huge", root=project)
