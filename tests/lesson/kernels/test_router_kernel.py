@@ -102,6 +102,10 @@ def test_statistics_per_sequence(device):
     torch.testing.assert_close(z_sum, (logits.logsumexp(-1) ** 2).sum().view(1), rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="multiple of seq_len"):
         fused_router(logits, c, seq_len=7)
+    # Without seq_len the whole batch is one sequence: one row of statistics.
+    _, _, counts, prob_sums, _ = fused_router(logits, c)
+    assert counts.shape == prob_sums.shape == (1, 8) and counts.sum().item() == 60 * c.top_k
+    torch.testing.assert_close(prob_sums, p.sum(0, keepdim=True), rtol=1e-5, atol=1e-5)
 
 
 def test_ties_follow_the_reference_rule(device):

@@ -345,6 +345,32 @@ def test_fake_quantize_refuses_or_pads():
 # ------------------------------------------------------------------------- error statistics
 
 
+@pytest.mark.parametrize("elem_dtype", ELEMS)
+def test_the_format_table_agrees_with_torch(elem_dtype):
+    """Each field of the element format, against torch's own description of the dtype: one
+    sign bit, ``ebits`` exponent bits and ``mbits`` mantissa bits make the byte, the bias is
+    ``2^(ebits-1) - 1``, ``max_pos`` is the largest finite value, ``max_code`` its byte."""
+    fmt, info = ELEM_FORMATS[elem_dtype], torch.finfo(elem_dtype)
+    assert 1 + fmt.ebits + fmt.mbits == info.bits == 8
+    assert fmt.bias == 2 ** (fmt.ebits - 1) - 1
+    assert fmt.max_pos == info.max and fmt.emax_pow2 == math.floor(math.log2(info.max))
+    assert torch.tensor([fmt.max_code], dtype=torch.uint8).view(elem_dtype).item() == info.max
+    assert 2.0 ** fmt.min_normal_exp == info.tiny
+    assert math.isnan(torch.tensor([fmt.nan_code], dtype=torch.uint8).view(elem_dtype).item())
+
+
+@pytest.mark.parametrize("elem_dtype", ELEMS)
+def test_a_value_exactly_at_the_largest_code_is_not_saturated(elem_dtype):
+    """``saturated`` counts values above ``max_pos`` after scaling; one landing exactly on it
+    is the largest code, stored without error."""
+    fmt = ELEM_FORMATS[elem_dtype]
+    x = torch.full((1, 32), 1.0)
+    x[0, 0] = fmt.max_pos  # the block's maximum: scale 2^0 in both modes
+    for mode in ("floor", "rceil"):
+        stats = mx_error_stats(x, elem_dtype=elem_dtype, scale_mode=mode)
+        assert stats["saturated"] == 0 and stats["rel_error"] == 0.0, mode
+
+
 def test_mx_error_stats_counts():
     x = torch.full((1, 64), 1.0)
     x[0, 0] = 1.9 * 2.0**10  # floor: 1.9 > 1.75, so this value saturates
