@@ -103,6 +103,7 @@ def test_tma_mbarriers_stages_persistent_grid_and_no_spills(compiled):
         b = row["blocks"]
         stage = (b["BLOCK_M"] * b["BLOCK_K"] + b["BLOCK_K"] * b["BLOCK_N"]) * 2
         assert row["num_stages"] >= 3 and row["shared_bytes"] >= row["num_stages"] * stage, what
+        assert row["copies"]["mbarrier_inits"] >= row["num_stages"], what  # one per stage, at least
         # persistent: the tile loop starts at the program id and steps by the number of programs
         pid = re.search(r"(%\w+) = tt\.get_program_id x", c["ttir"]).group(1)
         programs = re.search(r"(%\w+) = tt\.get_num_programs x", c["ttir"]).group(1)
@@ -110,4 +111,7 @@ def test_tma_mbarriers_stages_persistent_grid_and_no_spills(compiled):
         assert "%nctaid.x" in ptx, what
         # warp specialisation: on sm_100 (a partition per role, registers moved between them)
         specialised = "ttg.warp_specialize" in c["ttgir"] and "setmaxnreg" in ptx
-        assert specialised == (c["arch"] == "sm_100"), what
+        assert specialised == (c["arch"] == "sm_100") == row["warp_specialized"], what
+        # ... whose partitions' warps the block holds besides the config's, and the occupancy counts
+        assert (row["block_warps"] > row["num_warps"]) == specialised and row["agree"], (what, row["checks"])
+        assert row["warps_per_sm"] == row["blocks_per_sm"] * row["block_warps"], what
