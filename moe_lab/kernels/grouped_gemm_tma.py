@@ -18,9 +18,9 @@ a store. This kernel uses it three ways (https://triton-lang.org/main/getting-st
   each taking tiles ``pid, pid + num_programs, ...`` of one list over (segment, row tile,
   N tile). Every program computes the list from ``offsets`` itself: no host sync, and the grid
   is static (a CUDA graph can capture it). Segment ``E`` is the padding rows
-  ``offsets[E]:m_bound``: its ``x`` descriptor has no rows, so its tiles multiply zeros and
-  store zeros. Every tile runs the same K loop: Triton 3.7.1 fails to warp-specialise a
-  loop whose trip count changes from tile to tile.
+  ``offsets[E]:m_bound``: its tiles load their ``x`` boxes from past column ``K`` (wholly out of
+  bounds: zeros), so they multiply zeros and store zeros. Every tile runs the same K loop:
+  Triton 3.7.1 fails to warp-specialise a loop whose trip count changes from tile to tile.
 - **Pipelined TMA loads** (``num_stages`` >= 3 compiled: the loads of the next K steps are in
   flight while this one multiplies), and on sm_100 a warp-specialised tile loop (a producer
   warp issues the TMA loads, others the MMAs; ``tl.range(..., warp_specialize=True)``).
@@ -108,9 +108,9 @@ def _tma_grouped_gemm_kernel(
         row0 = tl.sum(tl.where(here, start + (r - last + seg_tiles) * BLOCK_M, 0), 0)
         row_end = tl.sum(tl.where(here, end, 0), 0)
         col0 = c * BLOCK_N
-        expert = tl.minimum(seg, E - 1).to(tl.int64)  # the padding segment loads nothing
-        x_rows = tl.where(seg < E, row_end, 0)  # the padding segment reads zeros
-        x_desc = tl.make_tensor_descriptor(x_ptr, [x_rows, K], [s_xm, 1], [BLOCK_M, BLOCK_K])
+        expert = tl.minimum(seg, E - 1).to(tl.int64)
+        k_skip = tl.where(seg < E, 0, k_steps * BLOCK_K)  # the padding segment reads zeros
+        x_desc = tl.make_tensor_descriptor(x_ptr, [row_end, K], [s_xm, 1], [BLOCK_M, BLOCK_K])
         y_desc = tl.make_tensor_descriptor(y_ptr, [row_end, N], [s_ym, 1], [BLOCK_M, BLOCK_N])
         if TRANS_W:
             w_desc = tl.make_tensor_descriptor(w_ptr + expert * s_we, [N, K], [s_wr, 1],
@@ -120,7 +120,7 @@ def _tma_grouped_gemm_kernel(
                                                [BLOCK_K, BLOCK_N])
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for kk in range(0, k_steps):
-            a = x_desc.load([row0, kk * BLOCK_K])
+            a = x_desc.load([row0, k_skip + kk * BLOCK_K])
             if TRANS_W:
                 b = tl.trans(w_desc.load([col0, kk * BLOCK_K]))
             else:
@@ -196,7 +196,9 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     n_experts, _, n = w.shape
     y = new_output((m, n), x.dtype, x.device)
     y[m_bound:].zero_()
-    if m_bound and n:
+    if not k:  # no reduction (and a TMA tensor has no empty dimension): zeros
+        y[:m_bound].zero_()
+    elif m_bound and n:
         x, (stored, trans) = _tma_ready(x)[0], _tma_ready(w, swap=True)  # trans: stored [E, N, K]
         cfg = launch_config(m_bound, n, k, n_experts, interpreted=interpreted(), dtype=x.dtype)
         bm, bn = cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"]

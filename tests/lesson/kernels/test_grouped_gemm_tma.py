@@ -142,6 +142,11 @@ def tile_order_host(n_row_tiles: int, n_col_tiles: int, group_m: int) -> list[tu
     return out
 
 
+def test_no_reduction_dim_gives_zeros(device):
+    x, w, offsets = problem([3, 0, 5], 2, 0, 16, torch.bfloat16, device)
+    assert torch.equal(grouped_gemm_tma(x, w, offsets), torch.zeros(10, 16, dtype=torch.bfloat16, device=device))
+
+
 def test_tile_order_is_grouped_and_the_device_walks_the_host_list(device):
     for rows, cols, group in ((11, 3, 4), (5, 7, 8), (6, 4, 1), (1, 1, 8)):
         order = tile_order_host(rows, cols, group)
