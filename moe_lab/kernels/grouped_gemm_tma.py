@@ -22,13 +22,14 @@ a store. This kernel uses it three ways (https://triton-lang.org/main/getting-st
   bounds: zeros), so they multiply zeros and store zeros. Every tile runs the same K loop:
   Triton 3.7.1 fails to warp-specialise a loop whose trip count changes from tile to tile.
 - **Pipelined TMA loads** (``num_stages`` >= 3 compiled: the loads of the next K steps are in
-  flight while this one multiplies), and on sm_100 a warp-specialised tile loop (a producer
-  warp issues the TMA loads, others the MMAs; ``tl.range(..., warp_specialize=True)``).
+  flight while this one multiplies), and on sm_100 a warp-specialised tile loop
+  (``tl.range(..., warp_specialize=True)``: loads and MMAs in partitions of warps of their own).
 
 The order of the list (`tile_order`) is what makes L2 work: the programs in flight at once
 hold consecutive tiles, and ``GROUP_M`` row tiles share each N tile, so a weight tile fetched
 from HBM serves ``GROUP_M`` row tiles and those rows' ``x`` tiles stay in L2 while the group
-sweeps N (Triton's grouped ordering, https://triton-lang.org/main/getting-started/tutorials/03-matrix-multiplication.html).
+sweeps N; a group may straddle two experts (Triton's grouped ordering,
+https://triton-lang.org/main/getting-started/tutorials/03-matrix-multiplication.html).
 
 The backward: ``dX = dY·W[e]ᵀ`` is this kernel on ``W`` transposed (``TRANS_W``: the descriptor
 is over ``W`` as stored, each tile transposed in shared memory); ``dW[e] = X_eᵀ·dY_e`` is the
@@ -61,7 +62,8 @@ from moe_lab.kernels.launch import LaunchConfig
 
 Tensor = torch.Tensor
 
-# Row tiles that share each N tile in `tile_order` (Triton's tutorial's GROUP_SIZE_M).
+# Row tiles that share each N tile in `tile_order` (the tutorial's GROUP_SIZE_M): one program
+# per SM in flight, so a group takes about (SMs / GROUP_M) N tiles at a time.
 GROUP_M = 8
 # Programs of an interpreted launch: more than one, so that the strided walk is exercised.
 INTERPRETED_PROGRAMS = 3
@@ -84,8 +86,7 @@ def _tma_grouped_gemm_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
     M_ROWS, N, K, E, s_xm, s_we, s_wr, s_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    GROUP_M: tl.constexpr, TRANS_W: tl.constexpr, DOT_BF16: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    GROUP_M: tl.constexpr, TRANS_W: tl.constexpr, DOT_BF16: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # x: [M, K] rows of stride s_xm; w: [E, K, N], expert stride s_we, stored [K, N] with row
     # stride s_wr, or (TRANS_W) stored [N, K]; y: [M, N] rows of stride s_ym; offsets: [E + 1]
@@ -178,9 +179,8 @@ def _descriptor_scratch(device: torch.device) -> Iterator[None]:
 
 
 def _tma_ready(t: Tensor, swap: bool = False) -> tuple[Tensor, bool]:
-    """``(t, False)`` if TMA can read ``t`` as it is (a unit last stride, 16-byte aligned base
-    and other strides), where ``swap`` ``(t with its last two axes swapped, True)`` if it can
-    read that (a transposed view stays a view), else ``(a contiguous copy, False)``."""
+    """``(t, False)`` if TMA can read ``t`` (unit last stride, 16-byte aligned base and strides), with
+    ``swap`` ``(t's last two axes swapped, True)`` if it can read that, else ``(t.contiguous(), False)``."""
     size = t.element_size()
     for swapped, view in ((False, t), (True, t.transpose(-1, -2)))[:1 + swap]:
         if (view.stride(-1) == 1 and view.data_ptr() % 16 == 0
@@ -201,8 +201,8 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     elif m_bound and n:
         x, (stored, trans) = _tma_ready(x)[0], _tma_ready(w, swap=True)  # trans: stored [E, N, K]
         cfg = launch_config(m_bound, n, k, n_experts, interpreted=interpreted(), dtype=x.dtype)
-        bm, bn = cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"]
-        tiles = (triton.cdiv(m_bound, bm) + n_experts) * triton.cdiv(n, bn)  # a static bound
+        b = cfg.blocks  # at most cdiv(m_bound, BLOCK_M) + E row tiles: a static bound on the list
+        tiles = (triton.cdiv(m_bound, b["BLOCK_M"]) + n_experts) * triton.cdiv(n, b["BLOCK_N"])
         grid = (min(num_programs or default_programs(x.device), tiles),)
         with _descriptor_scratch(x.device):
             _tma_grouped_gemm_kernel[grid](

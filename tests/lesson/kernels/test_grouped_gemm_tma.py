@@ -144,7 +144,8 @@ def tile_order_host(n_row_tiles: int, n_col_tiles: int, group_m: int) -> list[tu
 
 def test_no_reduction_dim_gives_zeros(device):
     x, w, offsets = problem([3, 0, 5], 2, 0, 16, torch.bfloat16, device)
-    assert torch.equal(grouped_gemm_tma(x, w, offsets), torch.zeros(10, 16, dtype=torch.bfloat16, device=device))
+    zeros = torch.zeros(10, 16, dtype=torch.bfloat16, device=device)
+    assert torch.equal(grouped_gemm_tma(x, w, offsets), zeros)
 
 
 def test_tile_order_is_grouped_and_the_device_walks_the_host_list(device):
