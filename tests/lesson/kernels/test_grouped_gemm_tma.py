@@ -206,13 +206,13 @@ def test_bad_arguments_raise_clear_errors(change, match, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_expert_backend_triton_tma_equals_the_naive_layer(dtype):
+def test_expert_backend_triton_tma_equals_the_naive_layer(dtype, device):
     c = MoEConfig(d_model=32, n_experts=8, top_k=2, d_expert=24)
-    ref = MoELayer(c, "naive").to(dtype)
-    fast = MoELayer(c, "dropless", "triton_tma").to(dtype)
+    ref = MoELayer(c, "naive").to(device, dtype)
+    fast = MoELayer(c, "dropless", "triton_tma").to(device, dtype)
     fast.load_state_dict(ref.state_dict())
     assert fast.experts.backend == "triton_tma" and fast.experts.permutation == "triton"
-    x = torch.randn(29, c.d_model).to(dtype)
+    x = torch.randn(29, c.d_model).to(device, dtype)
     y_ref, y = ref(x), fast(x)
     y_ref = y_ref[0] if isinstance(y_ref, tuple) else y_ref
     y = y[0] if isinstance(y, tuple) else y
