@@ -73,11 +73,11 @@ def problem(counts: list[int], pad: int, k: int, n: int, dtype: torch.dtype, dev
 
 
 def check_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """``got`` equals the float64 ``want`` rounded once to ``got``'s dtype: bf16 within one
-    rounding (the kernel sums exact products in fp32 and rounds on the store), fp32 up to the
-    summation order."""
+    """``got`` equals the float64 ``want`` rounded once to ``got``'s dtype: bf16 within one ulp
+    (2^-7 relative at most: the kernel sums exact products in fp32, in another order, and rounds
+    on the store), fp32 up to the summation order."""
     assert got.dtype in DTYPES
-    tol = {"rtol": 2**-8, "atol": 1e-6} if got.dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    tol = {"rtol": 2**-7, "atol": 1e-6} if got.dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(got.double(), want.to(got.dtype).double(), **tol)
 
 
