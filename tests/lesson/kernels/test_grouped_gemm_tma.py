@@ -111,13 +111,15 @@ def test_backward_matches_autograd_on_the_loop(name, dtype, small_tiles, device)
     assert (24, 40) in [(n, k) for _, n, k in small_tiles] or not x.shape[0]  # dX's launch: N = 40
 
 
-@pytest.mark.parametrize("programs", [1, 2, 5, 1000])
-def test_every_program_count_gives_the_same_bits(programs, small_tiles, device):
-    # The persistent walk: whatever the grid, each tile is computed once, the same way.
+def test_every_program_count_gives_the_same_bits(small_tiles, device):
+    # The persistent walk: whatever the grid (1000: capped at the tile count), each tile is
+    # computed once, the same way.
     x, w, offsets = problem(*PARTITIONS["many_small"], 40, 24, torch.float32, device)
     one = grouped_gemm_tma(x, w, offsets, num_programs=1)
-    torch.testing.assert_close(grouped_gemm_tma(x, w, offsets, num_programs=programs), one, rtol=0, atol=0)
     check_close(one, grouped_gemm_reference(x.double(), w.double(), offsets))
+    for programs in (2, 5, 1000):
+        torch.testing.assert_close(grouped_gemm_tma(x, w, offsets, num_programs=programs), one,
+                                   rtol=0, atol=0)
 
 
 def test_transposed_and_strided_operands_and_m_bound(small_tiles, device):
