@@ -127,9 +127,11 @@ def test_transposed_and_strided_operands_and_m_bound(small_tiles, device):
     w_t = w.transpose(1, 2).contiguous().transpose(1, 2)  # [E, K, N] stored [E, N, K]: TRANS_W
     x_wide_rows = torch.cat([x, x], dim=1)[:, :40]  # rows 80 apart: read in place
     x_columns = x.t().contiguous().t()  # column-major (48 rows: 16-byte columns): copied, not swapped
+    x_odd_rows = torch.cat([x, x[:, :4]], dim=1)[:, :40]  # rows 88 bytes apart (TMA: 16 B): copied
     ref = grouped_gemm_reference(x.double(), w.double(), offsets)
     check_close(grouped_gemm_tma(x_wide_rows, w_t, offsets), ref)
     check_close(grouped_gemm_tma(x_columns, w, offsets), ref)
+    check_close(grouped_gemm_tma(x_odd_rows, w, offsets), ref)
     y = grouped_gemm_tma(x, w, offsets, m_bound=40)  # rows 37..39: padding; 40..47: memset
     check_close(y, ref)
 
