@@ -180,13 +180,13 @@ def _descriptor_scratch(device: torch.device) -> Iterator[None]:
 
 def _tma_ready(t: Tensor, swap: bool = False) -> tuple[Tensor, bool]:
     """``(t, False)`` if TMA can read ``t`` (unit last stride, 16-byte aligned base and strides), with
-    ``swap`` ``(t's last two axes swapped, True)`` if it can read that, else ``(t.contiguous(), False)``."""
+    ``swap`` ``(t's last two axes swapped, True)`` if it can read that, else ``(a fresh copy, False)``."""
     size = t.element_size()
     for swapped, view in ((False, t), (True, t.transpose(-1, -2)))[:1 + swap]:
         if (view.stride(-1) == 1 and view.data_ptr() % 16 == 0
                 and all(st * size % 16 == 0 for st in view.stride()[:-1])):
             return view, swapped
-    return t.contiguous(), False
+    return t.clone(memory_format=torch.contiguous_format), False  # fresh, so aligned
 
 
 @torch.library.custom_op("moe_lab::grouped_gemm_tma", mutates_args=())

@@ -173,6 +173,25 @@ def test_tile_order_is_grouped_and_the_device_walks_the_host_list(device):
         assert [tuple(p) for p in out.view(-1, 2).tolist()] == tile_order_host(rows, cols, group)
 
 
+def test_operands_are_read_in_place_where_tma_can(device):
+    # A copy costs a pass over HBM: only where TMA's 16-byte rules refuse the tensor as it is.
+    x, w, _ = problem([3, 5], 0, 40, 24, torch.bfloat16, device)
+    assert tma._tma_ready(x) == (x, False)
+    stored, swapped = tma._tma_ready(w.transpose(1, 2), swap=True)  # dX's weight: read as stored
+    assert swapped and stored.data_ptr() == w.data_ptr() and stored.shape == w.shape
+    assert not tma._tma_ready(w.transpose(1, 2))[1]  # x is never swapped
+    shifted = torch.randn(8 * 40 + 1, device=device).to(torch.bfloat16)[1:].view(8, 40)  # base 2 B off
+    copy, swapped = tma._tma_ready(shifted)
+    assert not swapped and copy.data_ptr() % 16 == 0 and torch.equal(copy, shifted)
+
+
+def test_warp_specialised_on_blackwell_only(monkeypatch: pytest.MonkeyPatch):
+    for major, expected in ((9, False), (10, True), (12, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, m=major: (m, 0))
+        assert tma.warp_specialized(torch.device("cuda")) == expected
+        assert not tma.warp_specialized(torch.device("cpu"))
+
+
 def test_launch_config_and_the_grid(device):
     cfg = tma.launch_config(65536, 7168, 2048, 32, interpreted=False)
     assert (cfg.blocks, cfg.num_warps) == ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8)
