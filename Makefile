@@ -69,8 +69,8 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # torch and triton first, by exact version: on a machine without CUDA this takes the CPU build.
-# The workbook also installs the test extras: notebook 03 compares against Hugging Face's
-# Mixtral block (transformers) and notebook 05 against torchao.
+# The workbook also installs the test extras: notebook 04 compares against Hugging Face's
+# Mixtral block (transformers) and notebook 06 against torchao.
 define install_extras
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
 	$(BIN)/python -m pip install --quiet -e ".[$(1)]"

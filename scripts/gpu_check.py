@@ -32,8 +32,8 @@ for them is launched (the grouped GEMM section checks that it was):
   are compared with a tolerance widened by the share of near-tie tokens (stated per row).
 
 Figures (CUDA events, warm-up, median): each notebook's headline gain measured on the GPU
-(03 dispatch vs naive, 03b fused vs unfused, 04 fused router vs the unfused chain, 05 MXFP8
-attention and GEMM vs bf16, 06 graphed vs eager, 10 tokens/s of the optimised training
+(04 dispatch vs naive, 07 fused vs unfused, 05 fused router vs the unfused chain, 06 MXFP8
+attention and GEMM vs bf16, 08 graphed vs eager, 12 tokens/s of the optimised training
 step), the grouped GEMM against ``torch._grouped_mm``, the quantizer against the copy
 bandwidth; and the registers and spills the driver reports for every launched kernel
 (Triton's compiled kernel: ``n_regs``, ``n_spills``) beside the compile report's figures
@@ -936,7 +936,7 @@ def bench_mx_quantize(torch, dev, rep: Report, time_fn, M: int, K: int, state: d
 
 
 def bench_dispatch(torch, rep: Report, tokens: int, min_time_s: float, shape: str = "fine") -> None:
-    """03 and 03b: the MoE layer's forward + backward at the notebooks' fine-grained shape
+    """04 and 07: the MoE layer's forward + backward at the notebooks' fine-grained shape
     (the smoke run: the coarse one), every dispatcher against the naive one
     (`moe_lab.workbench.benchmarks.moe_layer`)."""
     from moe_lab.workbench.benchmarks.moe_layer import run_shape
@@ -949,10 +949,10 @@ def bench_dispatch(torch, rep: Report, tokens: int, min_time_s: float, shape: st
                   median_ms=r["median_ms"], vs_naive=r["vs_naive"], syncs_per_step=r["syncs_per_step"])
     dropless = "dropless triton" if "dropless triton" in rows else "dropless torch"
     if dropless in rows:
-        rep.gain("03", f"{dropless} vs naive dispatch", rows[dropless]["vs_naive"], "x",
+        rep.gain("04", f"{dropless} vs naive dispatch", rows[dropless]["vs_naive"], "x",
                  f"MoE layer fwd+bwd, {shape} shape, {tokens} tokens, {result['dtype']}")
     if "fused" in rows and dropless in rows:
-        rep.gain("03b", "fused vs unfused dropless", rows[dropless]["median_ms"] / rows["fused"]["median_ms"],
+        rep.gain("07", "fused vs unfused dropless", rows[dropless]["median_ms"] / rows["fused"]["median_ms"],
                  "x", f"MoE layer fwd+bwd, {shape} shape, {tokens} tokens, fused vs {dropless}")
     for note in result["notes"]:
         print(f"  note: {note}", flush=True)
@@ -976,7 +976,7 @@ def bench_router(torch, dev, rep: Report, time_fn, T: int, moe: dict) -> None:
     shape = f"T={T} E={E} top{cfg.top_k} groups {cfg.topk_groups}/{cfg.n_groups}"
     rep.timed("router fwd", shape=shape, **times,
               speedup_vs_unfused_fp64=times["unfused_fp64_ms"] / times["fused_fp32_ms"])
-    rep.gain("04", "fused router vs unfused fp64 chain", times["unfused_fp64_ms"] / times["fused_fp32_ms"],
+    rep.gain("05", "fused router vs unfused fp64 chain", times["unfused_fp64_ms"] / times["fused_fp32_ms"],
              "x", f"router forward, {shape}")
 
 
@@ -998,7 +998,7 @@ def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tup
                   mxfp8_tflops=flops / t_mx / 1e12, sdpa_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
                   note="QK^T and PV through tl.dot_scaled: block-scaled tcgen05.mma on sm_100, "
                        "upcast to bf16 wgmma on sm_90")
-        rep.gain("05", f"MXFP8 attention vs bf16 SDPA (head dim {D})", t_bf / t_mx, "x",
+        rep.gain("06", f"MXFP8 attention vs bf16 SDPA (head dim {D})", t_bf / t_mx, "x",
                  f"causal forward {label}")
     M, N, K = mg_shape
     x, w = torch.randn(M, K, device=dev), torch.randn(N, K, device=dev)
@@ -1010,7 +1010,7 @@ def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tup
     rep.timed("MXFP8 GEMM", shape=f"{M}x{N}x{K}", mx_gemm_ms=t_mx * 1e3, bf16_matmul_ms=t_bf * 1e3,
               mx_tflops=flops / t_mx / 1e12, bf16_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
               note="tl.dot_scaled: block-scaled tcgen05.mma on sm_100; upcast to bf16 wgmma on sm_90")
-    rep.gain("05", "MXFP8 GEMM vs bf16 matmul", t_bf / t_mx, "x", f"{M}x{N}x{K}")
+    rep.gain("06", "MXFP8 GEMM vs bf16 matmul", t_bf / t_mx, "x", f"{M}x{N}x{K}")
 
 
 def bench_graphs(torch, dev, rep: Report, small: bool) -> None:
@@ -1021,13 +1021,13 @@ def bench_graphs(torch, dev, rep: Report, small: bool) -> None:
     result = graphed_vs_eager("small", batch_size=batch_size, steps=steps,
                               min_time_s=0.05 if small else 0.5, device=dev)
     rep.timed("training step (small), graphed vs eager", **result)
-    rep.gain("06", "graphed vs eager training step", result["speedup"], "x",
+    rep.gain("08", "graphed vs eager training step", result["speedup"], "x",
              f"preset small, batch {batch_size}, mode {result.get('mode')}")
 
 
 def bench_optimised_step(torch, dev, rep: Report, small: bool) -> None:
     """10: training tokens/s of one step of the optimised stack (and of the naive one, on the
-    same batches), as notebook 10's ladder times them."""
+    same batches), as notebook 12's ladder times them."""
     from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig
     from moe_lab.workbench.benchmarks.ttt.racing import ladder_throughput
     from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, optimised_stack
@@ -1040,7 +1040,7 @@ def bench_optimised_step(torch, dev, rep: Report, small: bool) -> None:
         rep.timed(f"training step tokens/s ({r['label']})", preset=cfg.preset, median_ms=r["median_ms"],
                   tokens_per_s=r["tokens_per_s"], vs_naive=r["vs_first"], stack=r["stack"])
     best = rows[-1]
-    rep.gain("10", "tokens/s of the optimised training step", best["tokens_per_s"], "tokens/s",
+    rep.gain("12", "tokens/s of the optimised training step", best["tokens_per_s"], "tokens/s",
              f"preset {cfg.preset}, {cfg.tokens_per_step} tokens a step; {best['vs_first']:.3g}x naive")
 
 
@@ -1133,15 +1133,15 @@ def main(argv: list[str] | None = None) -> int:
             ("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, time_fn, E, M, K, N)),
             ("MX quantizer bench", lambda: bench_mx_quantize(torch, dev, rep, time_fn,
                                                              *list(mx_shapes.values())[-1], state)),
-            ("03 dispatch vs naive and 03b fused vs unfused",
+            ("04 dispatch vs naive and 07 fused vs unfused",
              lambda: bench_dispatch(torch, rep, 64 if small else 16384, 0.02 if small else 0.3,
                                     "coarse" if small else "fine")),
             ("04 router", lambda: bench_router(torch, dev, rep, time_fn, last_router[0], last_router[2])),
-            ("05 MXFP8 attention and GEMM vs bf16", lambda: bench_mxfp8(
+            ("06 MXFP8 attention and GEMM vs bf16", lambda: bench_mxfp8(
                 torch, dev, rep, time_fn, {k: v for k, v in at_shapes.items() if small or v[2] > 64},
                 list(mg_shapes.values())[-1])),
             ("06 graphed vs eager", lambda: bench_graphs(torch, dev, rep, small)),
-            ("10 tokens/s of the optimised step", lambda: bench_optimised_step(torch, dev, rep, small)),
+            ("12 tokens/s of the optimised step", lambda: bench_optimised_step(torch, dev, rep, small)),
         ]
     rep.write()
     for name, fn in sections:

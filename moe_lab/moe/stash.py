@@ -6,7 +6,7 @@ routing. Eager PyTorch allocates each saved tensor at its exact size, after the 
 learned the size — a sync. A captured CUDA graph cannot ask: every buffer has the size it
 had at capture, so a static design must allocate for the worst case. On one device with
 every expert local, moe_lab's dropless buffer is exactly ``tokens · top_k`` rows and
-static for free (notebook 03). With expert parallelism it is not: a device's experts
+static for free (notebook 04). With expert parallelism it is not: a device's experts
 receive between nothing and every token of every rank, so a static per-expert buffer
 holds ``n_experts · tokens`` rows per device (each of its ``E / ep`` experts may receive
 all ``ep · tokens`` tokens of the group) against ``tokens · top_k`` on average — and one

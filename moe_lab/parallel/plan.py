@@ -3,7 +3,7 @@
 Chunk pipelining (`moe_lab.parallel.overlap`) hides one chunk's all-to-all behind another
 chunk's experts inside one micro-batch's layer. It cannot hide the edges: the first dispatch
 has only the shared expert under it, the last dispatch⁻¹ only the delayed weight gradients. In
-the steady state of a 1F1B pipeline (notebook 08) every stage alternates the forward of
+the steady state of a 1F1B pipeline (notebook 10) every stage alternates the forward of
 micro-batch ``i+1`` with the backward of micro-batch ``i``: two *independent* streams of work,
 each with four all-to-alls per MoE layer. Megatron-Core (``--overlap-moe-expert-parallel-comm
 --delay-wgrad-compute``) and DeepSeek's DualPipe merge them layer by layer, so that each one's

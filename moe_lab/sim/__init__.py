@@ -6,7 +6,7 @@ on micro-batches), and how the expert-parallel all-to-all traffic crosses a leaf
 network. Both are simulated here, in plain Python and numpy, and both are checked against
 closed forms before they are trusted with anything else.
 
-The pipeline (notebook 08):
+The pipeline (notebook 10):
 
 - :mod:`moe_lab.sim.layout` — Megatron-style layout strings: parsing, formatting, checking
   that a layout places every layer of a model once.
@@ -15,7 +15,7 @@ The pipeline (notebook 08):
 - :mod:`moe_lab.sim.layout_search` — per-layer costs from the FLOPs model, stage and rank
   loads, and a layout search that balances the stages.
 
-The network (notebook 09):
+The network (notebook 11):
 
 - :mod:`moe_lab.sim.traffic` — GPU × GPU traffic matrices: uniform, MoE dispatch, incast.
 - :mod:`moe_lab.sim.fair_share` — max-min fair rates and fluid flow completion times.

@@ -11,7 +11,7 @@ eager step breaks all three rules on purpose; `SyncFreeStep` is the step with ea
 fixed:
 
 - **dropless dispatch** — tokens reach their experts by a sort and a grouped GEMM over
-  offsets kept on the device (notebook 03), not by ``torch.where`` per expert;
+  offsets kept on the device (notebook 04), not by ``torch.where`` per expert;
 - **a capturable optimizer** — AdamW with ``fused=True, capturable=True``
   (`moe_lab.training.optim.make_optimizer`): its step count lives on the device, and the
   learning rate is a device tensor the schedule (`moe_lab.training.optim.lr_schedule`)

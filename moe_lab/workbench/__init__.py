@@ -14,7 +14,7 @@ but does need in order to see them work:
 - `cpu` — the CPU plug-in (C++/OpenMP kernels registered into the lesson's registries);
 - `ranks` — starting ranks (`run_ranks`, torchrun), the emulated network link, and the rank
   functions the tests and benchmarks launch;
-- `demos` — notebook 06's ladder and capture gallery, notebook 04's balancing comparison;
+- `demos` — notebook 08's ladder and capture gallery, notebook 05's balancing comparison;
 - `cli` — ``python -m moe_lab``;
 - `interop` — Hugging Face MoE blocks as moe_lab layers (`interop.patch_hf_model`) and back.
 

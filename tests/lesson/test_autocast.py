@@ -231,7 +231,7 @@ def test_sdpa_fp32_attention_bf16():
 
 def test_layer_on_the_meta_device_needs_no_autocast_support():
     # autocast does not know the meta device; the layer must not ask it (shape-only runs,
-    # as notebook 03 certifies a DeepSeek-V3-sized layer)
+    # as notebook 04 certifies a DeepSeek-V3-sized layer)
     layer = MoELayer(MoEConfig(n_experts=8, top_k=2, d_model=32, d_expert=16), "dropless", "torch").to("meta")
     y, _ = layer(torch.empty(24, 32, device="meta"))
     assert y.shape == (24, 32) and y.device.type == "meta"

@@ -15,7 +15,7 @@ Four kinds of rows, each labelled in its ``kind`` column:
 * ``projection`` — the GB300 roofline for that GPT-OSS-20B layer in bf16 and in MXFP8,
   from third-party figures (`moe_lab.perf.hardware`): a projection, not a measurement.
 
-Every row is appended to the results ledger (notebook ``05_mxfp8_attention``) unless
+Every row is appended to the results ledger (notebook ``06_mxfp8_attention``) unless
 ``--no-record`` is given.
 """
 
@@ -35,7 +35,7 @@ from moe_lab.workbench.measure.ceilings import copy_bandwidth
 from moe_lab.workbench.measure.timing import bench
 
 DESCRIPTION = "MXFP8: quantizer bandwidth, attention bytes/time/error, GB300 projection"
-NOTEBOOK = "05_mxfp8_attention"
+NOTEBOOK = "06_mxfp8_attention"
 
 # profile -> Triton mode -> (quantizer [M, K], attention [B, H, T, d], copy bytes)
 SIZES = {

@@ -4,7 +4,7 @@ Each `CaptureBreaker` holds a snippet that needs the host in the middle of a ste
 read back, a branch on a tensor, an output sized by the data, the stock AdamW's host step
 count), and a rewrite with the same arguments that does not. `capture_gallery` runs
 `moe_lab.training.sync.assert_sync_free` on both: the operator the certificate names for the
-snippet, and whether the rewrite passes. Notebook 06 shows them side by side.
+snippet, and whether the rewrite passes. Notebook 08 shows them side by side.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Eager against graphed: the measurement a GPU machine runs for notebook 06 — the same model
+"""Eager against graphed: the measurement a GPU machine runs for notebook 08 — the same model
 and batches trained through `SyncFreeStep` and through `GraphedStep`, their losses and weights
 compared, one iteration of each timed, interleaved."""
 

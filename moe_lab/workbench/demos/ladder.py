@@ -1,6 +1,6 @@
 """The ladder: from the naive loop to the sync-free step, one fix at a time.
 
-`LADDER` lists the fixes in the order notebook 06 applies them, each with what was wrong and
+`LADDER` lists the fixes in the order notebook 08 applies them, each with what was wrong and
 what fixes it; `ladder_step` builds a training step with the first few applied, so counting
 its host syncs (`moe_lab.training.sync.count_syncs`) shows them going down to zero.
 """
@@ -20,12 +20,12 @@ from moe_lab.training.steps import EagerStep, StepConfig
 
 __all__ = ["LADDER", "ladder_step"]
 
-#: The fixes, in the order notebook 06 applies them: (name, what was wrong, what fixes it).
+#: The fixes, in the order notebook 08 applies them: (name, what was wrong, what fixes it).
 LADDER: tuple[tuple[str, str, str], ...] = (
     ("dropless dispatch",
      "the naive dispatcher finds each expert's tokens with torch.where: one nonzero per "
      "expert per layer",
-     "sort by expert, offsets on the device, one grouped GEMM (notebook 03)"),
+     "sort by expert, offsets on the device, one grouped GEMM (notebook 04)"),
     ("statistics on the device",
      "the loop reads loss, grad norm, counts and dropped tokens every step "
      "(.item(), .tolist(), int())",

@@ -20,7 +20,7 @@ notebook still runs to its end and the cells below use the reference. Called wit
 ``solutions`` a check only checks (and raises ``NotDoneError`` for a stub).
 
 One module per notebook, named after it (``nb00_lab_bench`` for ``00_lab_bench.ipynb``,
-``nb04_fused_router`` for ``04_fused_router.ipynb``, ...), holds that notebook's checks,
+``nb05_fused_router`` for ``05_fused_router.ipynb``, ...), holds that notebook's checks,
 registers its solutions with ``@reference_solution("name")`` and marks each check with
 ``@exercise("name")``. The Triton exercises launch the learner's ``@triton.jit``
 function from a small kernel of the module, compiled on a GPU and under Triton's

@@ -1,4 +1,4 @@
-"""Figures of the fused grouped GEMMs (notebook 03_fused_grouped_gemm): the data flow of the
+"""Figures of the fused grouped GEMMs (notebook 07_fused_grouped_gemm): the data flow of the
 unfused and the fused expert path, the bytes per layer, and their projected memory time.
 Each function draws on an Axes (created if not given) and returns it."""
 
@@ -23,7 +23,7 @@ LANES = {
 }
 
 
-_LANE_NAMES = {"swiglu_epilogue": "notebook 03's chain (SwiGLU epilogue)",
+_LANE_NAMES = {"swiglu_epilogue": "notebook 04's chain (SwiGLU epilogue)",
                "scatter_epilogue": "gather prologue + scatter epilogue"}
 
 
@@ -40,7 +40,7 @@ def _lane_title(variant: str) -> str:
 
 def plot_dataflow(ax=None):
     """The forward expert path as kernels (boxes) and the tensors they write to memory
-    (rounded labels): notebook 03's chain (its SwiGLU epilogue already fused) above, the gather
+    (rounded labels): notebook 04's chain (its SwiGLU epilogue already fused) above, the gather
     prologue with the deterministic scatter epilogue below, one box per launch that
     `moe_lab.perf.fusion` counts for each. The fused forward does not launch fewer kernels:
     the gather trades the permuted copy of ``x`` (``[Tk, d]``) for an index array of ``Tk``

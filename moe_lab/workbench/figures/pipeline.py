@@ -1,4 +1,4 @@
-"""Pipeline figures (notebook 08): a simulated schedule as a Gantt chart, and the layout
+"""Pipeline figures (notebook 10): a simulated schedule as a Gantt chart, and the layout
 explorer's figure (work per rank of the even and searched layouts, and the searched one's step).
 Every figure here draws a simulation, not a measurement."""
 

@@ -1,4 +1,4 @@
-"""The paged stash's pool drawn page by page (notebook 06)."""
+"""The paged stash's pool drawn page by page (notebook 08)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Timelines: a schematic of eager against graphed kernel launches (notebook 06), and the
-Gantt chart of an expert-parallel step's stages (`moe_lab.parallel.timeline`, notebook 07)."""
+"""Timelines: a schematic of eager against graphed kernel launches (notebook 08), and the
+Gantt chart of an expert-parallel step's stages (`moe_lab.parallel.timeline`, notebook 09)."""
 
 from __future__ import annotations
 

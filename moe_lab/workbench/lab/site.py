@@ -73,7 +73,7 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("dropped_frac", "share of token assignments dropped at capacity factor 1.0",
                  "capacity cf1"),
         Headline("vs_naive", "capacity dispatch speed vs naive", "capacity cf1"),),
-    "03_dropless_sync_free": (
+    "04_dropless_sync_free": (
         Headline("vs_naive", "dropless (CPU plug-in's openmp grouped GEMM) MoE layer speed vs naive, "
                  "fine-grained experts", "fine:dropless openmp"),
         Headline("vs_naive", "dropless (torch grouped GEMM) MoE layer speed vs naive, "
@@ -81,15 +81,15 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("vs_naive", "dropless MoE layer speed vs naive", "coarse:dropless torch"),),
     # What a GPU technique moves, where a CPU timing of it says little: counted bytes (the
     # same on every machine) rather than the interpreter's or the CPU's time.
-    "03_fused_grouped_gemm": (
+    "07_fused_grouped_gemm": (
         Headline("saved_vs_unfused", "HBM bytes per MoE layer (fwd + bwd) the gather prologue and "
                  "scatter epilogue save over the unfused chain, GPT-OSS-20B at EP8, counted",
                  "fusion:gpt_oss_20b:scatter_epilogue"),),
-    "04_fused_router": (
+    "05_fused_router": (
         Headline("bytes_vs_floor", "bytes a router call moves over the floor (one read of the "
                  "logits), fused FP32 Triton router, DeepSeek-V3 shape, counted",
                  "deepseek_v3:triton fp32"),),
-    "05_mxfp8_attention": (
+    "06_mxfp8_attention": (
         # Quality first: measured the same way on every machine (a CPU runs the quantizer
         # kernel interpreted, so its bandwidth there says nothing about the format).
         Headline("eval_loss_gap[MXFP8 attention vs baseline]",
@@ -98,25 +98,25 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  "quality"),
         Headline("quantizer_bandwidth", "MX quantizer bandwidth (Triton interpreted where there is "
                  "no GPU: the interpreter's speed, not the format's)", "quantizer"),),
-    "06_cuda_graphs": (
+    "08_cuda_graphs": (
         Headline("speedup", "whole training step, CUDA graph vs eager (small preset)",
                  "small: graphed vs eager"),
         Headline("syncs_per_step", "host syncs per training step, certified",
                  "sync-free step (small)"),),
-    "07_expert_parallel_a2a": (
+    "09_expert_parallel_a2a": (
         Headline("exposed_vs_sequential", "exposed all-to-all time vs sequential, best "
                  "schedule", pick="min"),
         Headline("max_abs_difference", "expert-parallel layer vs single process, max |diff|",
                  "ep vs single process"),),
-    "08_pipeline_layout": (
+    "10_pipeline_layout": (
         Headline("stage_imbalance_pp16_vpp1", "pipeline stage imbalance, searched layout "
                  "(simulated)", "searched_mxfp8_logits"),
         Headline("stage_imbalance_pp16_vpp2", "pipeline stage imbalance, searched layout "
                  "(simulated)", "searched"),),
-    "09_network_fabric": (
+    "11_network_fabric": (
         Headline("a2a_bandwidth_over_link", "all-to-all bandwidth over link rate, adaptive "
                  "routing (simulated)", "adaptive"),),
-    "10_time_to_train": (
+    "12_time_to_train": (
         Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
                  "optimised vs naive"),
         Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",

@@ -3,7 +3,7 @@
 Each runs on every rank together (inside `moe_lab.workbench.ranks.launch.run_ranks`), builds the
 same seeded layer or model on every rank, and returns plain data: the largest differences
 between what the expert-parallel code computed and what the single-process layer (or plain
-autograd) computes, which the tests and notebook 07 assert on.
+autograd) computes, which the tests and notebook 09 assert on.
 
 - `ep_check_rank`: `moe_lab.parallel.ep.EPMoELayer` (dropless, budgeted, overflowing) against
   the single-process dropless layer;

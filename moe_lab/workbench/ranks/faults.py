@@ -1,4 +1,4 @@
-"""Ranks that fail on purpose: what the launcher's guards are tested against (and notebook 07).
+"""Ranks that fail on purpose: what the launcher's guards are tested against (and notebook 09).
 
 A rank can die (killed, out of memory), raise, or hang; its peers then wait inside a collective
 for a message that never comes. `fault_rank` fails between small all-reduces, `merged_fault_rank`
@@ -28,7 +28,7 @@ FAULTS = ("crash", "raise", "hang")
 
 
 def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout_s: float = 5.0) -> int:
-    """A rank function that fails on purpose (for the tests and notebook 07).
+    """A rank function that fails on purpose (for the tests and notebook 09).
 
     Every rank joins a barrier, then loops over small all-reduces; rank ``victim`` instead
     dies (``kind="crash"``: SIGKILL, as the out-of-memory killer would), raises

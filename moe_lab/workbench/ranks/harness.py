@@ -1,4 +1,4 @@
-"""Timing the expert-parallel schedules on real ranks: what ``bench ep`` and notebook 07 run.
+"""Timing the expert-parallel schedules on real ranks: what ``bench ep`` and notebook 09 run.
 
 Every function here runs on every rank together, inside `moe_lab.workbench.ranks.launch.run_ranks`
 (or torchrun). `measure_overlap` times the chunked step's schedules
@@ -181,7 +181,7 @@ def a2a_bandwidth(rows_per_rank: int, d_model: int, repeats: int = 5,
 
 def overlap_rank_main(spec: dict) -> dict:
     """A rank's part of the overlap benchmark (for ``run_ranks``; used by ``bench ep`` and
-    notebook 07). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank), ``n_chunks``,
+    notebook 09). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank), ``n_chunks``,
     ``repeats``, ``seed``, ``runs`` (labels of `OVERLAP_RUNS`), ``bandwidth_rows`` (0: skip the
     bandwidth probe). Returns the `measure_overlap` report with timelines as dicts, plus
     the all-to-all probe, and whether ``ChunkedStep`` matched the autograd layer.
@@ -287,7 +287,7 @@ def layer_and_batches(spec: dict, n_tensors: int = 4) -> tuple[EPMoELayer, list[
 
 def merged_rank_main(spec: dict) -> dict:
     """A rank's part of the schedule benchmark (for ``run_ranks``; used by ``bench ep`` and
-    notebook 07). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank and
+    notebook 09). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank and
     micro-batch), ``n_chunks``, ``repeats``, ``warmup``, ``seed``, ``runs`` (labels of
     `MERGED_RUNS`), ``bandwidth_rows`` (0: skip the bandwidth probe), ``check`` (default True:
     compare the merged step with the plain one first). Returns the

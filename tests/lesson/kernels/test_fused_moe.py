@@ -352,7 +352,7 @@ def _gather_tile_without_source_mask(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K
 
 def test_exercises_reference_passes_stub_is_not_done_and_wrong_answers_are_caught():
     from moe_lab.workbench.exercises import ExerciseError, NotDoneError, not_done
-    from moe_lab.workbench.exercises import nb03_fused_grouped_gemm as ex
+    from moe_lab.workbench.exercises import nb07_fused_grouped_gemm as ex
 
     ex.check_gather_tile(None, solutions=True)
     ex.check_permute_combine_bytes(None, solutions=True)

@@ -23,7 +23,7 @@ from moe_lab.moe.stash import (
 from moe_lab.training.build import build_model, random_batch
 from moe_lab.training.steps import StepConfig, SyncFreeStep
 from moe_lab.training.sync import assert_sync_free, count_syncs
-from moe_lab.workbench.exercises.nb06_cuda_graphs import worst_routing
+from moe_lab.workbench.exercises.nb08_cuda_graphs import worst_routing
 
 TINY = preset("tiny")
 

@@ -409,7 +409,7 @@ def test_block_scaling_beats_one_scale_per_tensor_on_heavy_tails():
 
 def test_exercise_solutions_pass_and_wrong_answers_raise():
     from moe_lab.workbench.exercises import ExerciseError, not_done, solution
-    from moe_lab.workbench.exercises.nb05_mxfp8_attention import check_decode_e4m3, check_e8m0_scale_byte
+    from moe_lab.workbench.exercises.nb06_mxfp8_attention import check_decode_e4m3, check_e8m0_scale_byte
 
     check_decode_e4m3(solution("decode_e4m3"))
     check_e8m0_scale_byte(solution("e8m0_scale_byte"))

@@ -1,5 +1,5 @@
 """GraphedStep: the eager fallback without CUDA (labelled, same numbers), the refusal that names
-the operator, the capture gallery, graphed_vs_eager, and notebook 06's exercise checks.
+the operator, the capture gallery, graphed_vs_eager, and notebook 08's exercise checks.
 The capture itself runs only where CUDA exists."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moe_lab.training.sync import SyncError
 from moe_lab.workbench.demos.capture_breakers import CAPTURE_BREAKERS, capture_gallery
 from moe_lab.workbench.demos.graphed_vs_eager import graphed_vs_eager
 from moe_lab.workbench.exercises import ExerciseError, not_done, solution
-from moe_lab.workbench.exercises.nb06_cuda_graphs import (
+from moe_lab.workbench.exercises.nb08_cuda_graphs import (
     check_pool_pages,
     check_sync_free_dispatch,
     dispatch_with_sync,

@@ -341,8 +341,8 @@ def test_ladder_throughput_into_the_ledger_and_the_waterfall(ledger_dir):
     rows = ttt.ladder_throughput(rungs, MICRO, min_time_s=0.0, warmup=1)
     assert [r["rung"] for r in rows] == [0, 1] and rows[0]["vs_first"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["n"] >= 5 for r in rows)
-    ttt.record_ladder(rows, MICRO, "10_time_to_train", profile="smoke")
-    ttt.record_ladder(rows, MICRO, "10_time_to_train", profile="smoke")  # a second measurement
+    ttt.record_ladder(rows, MICRO, "12_time_to_train", profile="smoke")
+    ttt.record_ladder(rows, MICRO, "12_time_to_train", profile="smoke")  # a second measurement
     records = read()
     assert len(records) == 4 and len({r["run"] for r in records}) == 2
     (wf,) = waterfalls_from_ledger(records)
@@ -354,7 +354,7 @@ def test_record_summary(ledger_dir):
     from moe_lab.workbench.measure.ledger import read
 
     runs = [_run("naive", 0, 30.0), _run("optimised", 0, 10.0)]
-    ttt.record_summary(ttt.summarise(runs), MICRO, "10_time_to_train", profile="full")
+    ttt.record_summary(ttt.summarise(runs), MICRO, "12_time_to_train", profile="full")
     got = {(r["step"], r["metric"]): r for r in read()}
     assert got[("naive", "time_to_target_s")]["value"] == 30.0
     speedup = got[("optimised vs naive", "time_to_target_speedup")]

@@ -34,11 +34,11 @@ from moe_lab.workbench.exercises import (
     solution,
 )
 from moe_lab.workbench.exercises import nb00_lab_bench as ex00
-from moe_lab.workbench.exercises import nb03_dropless_sync_free as ex03
-from moe_lab.workbench.exercises import nb04_fused_router as ex04
-from moe_lab.workbench.exercises import nb05_mxfp8_attention as ex05
-from moe_lab.workbench.exercises import nb06_cuda_graphs as ex06
-from moe_lab.workbench.exercises import nb10_time_to_train as ex10
+from moe_lab.workbench.exercises import nb04_dropless_sync_free as ex03
+from moe_lab.workbench.exercises import nb05_fused_router as ex04
+from moe_lab.workbench.exercises import nb06_mxfp8_attention as ex05
+from moe_lab.workbench.exercises import nb08_cuda_graphs as ex06
+from moe_lab.workbench.exercises import nb12_time_to_train as ex10
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN
 
 # ------------------------------------------------------------------------ learner mode

@@ -1,4 +1,4 @@
-"""The toy model behind notebook 03's pipelining picture (`moe_lab.workbench.figures.dispatch`)."""
+"""The toy model behind notebook 04's pipelining picture (`moe_lab.workbench.figures.dispatch`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The notebooks' figures draw what they are given: one bar per simulated operation, one cell
-per page, one host launch per kernel. (Notebooks 06 and 08 draw them in
+per page, one host launch per kernel. (Notebooks 08 and 10 draw them in
 tests/workbench/lab/test_notebooks.py; these check the pictures' contents.)"""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from moe_lab.workbench.figures.waterfall import (
 
 
 def _rec(rung, value, hardware="cpu:test x2", run="a", time="2026-11-29T10:00:00", **extra):
-    return {"notebook": "10_time_to_train", "step": f"ladder:rung {rung}", "metric": LADDER_METRIC,
+    return {"notebook": "12_time_to_train", "step": f"ladder:rung {rung}", "metric": LADDER_METRIC,
             "value": value, "unit": "tok/s", "hardware": hardware, "time": time, "rung": rung,
             "ladder": "small, batch 16", "run": run, **extra}
 
@@ -63,7 +63,7 @@ def test_ledger_one_waterfall_per_hardware_newest_run_only():
         _rec(0, 110.0, run="new"), _rec(1, 140.0, run="new"), _rec(2, 160.0, run="new"),
         _rec(0, 1000.0, hardware="H200", run="gpu"), _rec(1, 3000.0, hardware="H200", run="gpu"),
         # not ladders: no rung, another metric
-        {"notebook": "10_time_to_train", "step": "x", "metric": LADDER_METRIC, "value": 5.0,
+        {"notebook": "12_time_to_train", "step": "x", "metric": LADDER_METRIC, "value": 5.0,
          "unit": "tok/s", "hardware": "cpu:test x2", "time": "2026-11-30T00:00:00"},
         {**_rec(0, 7.0), "metric": "time_to_target_s"},
     ]
@@ -72,7 +72,7 @@ def test_ledger_one_waterfall_per_hardware_newest_run_only():
     cpu = wfs[1]
     assert [r.value for r in cpu.rungs] == [110.0, 140.0, 160.0]  # the old run is not mixed in
     assert [r.label for r in cpu.rungs] == ["rung 0", "rung 1", "rung 2"]
-    assert "10_time_to_train: small, batch 16" in cpu.title
+    assert "12_time_to_train: small, batch 16" in cpu.title
     assert waterfalls_from_ledger(records, hardware="H200")[0].total == pytest.approx(3.0)
     assert waterfalls_from_ledger(records, notebook="other") == []
 

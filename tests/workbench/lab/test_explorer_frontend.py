@@ -7,7 +7,7 @@ end's ``Output`` widget, sent the captured outputs back to the kernel on the she
 while still waiting there for the cell's reply, a reply that was then sometimes never seen
 (papermill and the kernel both idle). The fast test checks the mechanism directly: while an
 explorer's cells run, the client sends the kernel nothing but the cells themselves, and the
-figure still reaches the ``Output`` widget. The slow one runs notebooks 08 and 09 through the
+figure still reaches the ``Output`` widget. The slow one runs notebooks 10 and 11 through the
 ``papermill`` command several times, each under a time limit.
 """
 

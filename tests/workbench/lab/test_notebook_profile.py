@@ -65,7 +65,7 @@ def test_a_bogus_profile_stops_the_setup_cell():
     from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    path = ROOT / "notebooks" / "08_pipeline_layout.ipynb"
+    path = ROOT / "notebooks" / "10_pipeline_layout.ipynb"
     # What `papermill -p PROFILE bogus -p SOLUTIONS false` injects: the profile is refused first.
     nb = parameterize_notebook(load_notebook_node(str(path)), {"PROFILE": "bogus", "SOLUTIONS": "false"})
     setup = next(i for i, c in enumerate(nb.cells) if "injected-parameters" in

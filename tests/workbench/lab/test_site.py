@@ -48,8 +48,8 @@ def test_describe_a_real_notebook():
     assert len(learn) >= 3
 
 
-@pytest.mark.parametrize("name", ["00_lab_bench", "04_fused_router", "05_mxfp8_attention",
-                                  "07_expert_parallel_a2a", "08_pipeline_layout"])
+@pytest.mark.parametrize("name", ["00_lab_bench", "05_fused_router", "06_mxfp8_attention",
+                                  "09_expert_parallel_a2a", "10_pipeline_layout"])
 def test_learn_bullets_are_whole_where_the_source_wraps(name):
     _, _, learn = site.describe_notebook(ROOT / "notebooks" / f"{name}.ipynb")
     assert learn and all(item.rstrip().endswith((";", ".", ":")) for item in learn), learn
@@ -101,30 +101,30 @@ def test_the_injected_parameters_cell_is_left_off_the_page():
 
 def test_headline_from_the_table_prefers_full_then_newest():
     records = [
-        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.2, "x",
+        _rec("12_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.2, "x",
              time="2026-11-29T12:00:00", profile="smoke"),
-        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.6, "x",
+        _rec("12_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.6, "x",
              time="2026-11-29T09:00:00", profile="full"),
-        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.5, "x",
+        _rec("12_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.5, "x",
              time="2026-11-29T08:00:00", profile="full"),
     ]
-    rec, spec = site.find_headline(records, "10_time_to_train")
+    rec, spec = site.find_headline(records, "12_time_to_train")
     assert rec["value"] == 1.6 and spec.metric == "time_to_target_speedup"
-    (row,) = site.headline_rows(records, ["10_time_to_train"])
+    (row,) = site.headline_rows(records, ["12_time_to_train"])
     assert row["figure"] == "1.600×" and row["command"].endswith("--profile full")
-    assert site.find_headline(records, "10_time_to_train", hardware="H200") is None
+    assert site.find_headline(records, "12_time_to_train", hardware="H200") is None
 
 
 def test_the_benchmark_and_the_notebook_compete_for_one_figure():
     records = [
-        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.2, "x",
+        _rec("12_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.2, "x",
              time="2026-11-29T09:00:00", profile="full"),
         _rec("bench:time-to-train", "optimised vs naive", "time_to_target_speedup", 1.4, "x",
              time="2026-11-29T10:00:00", profile="full"),
-        _rec("10_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.1, "x",
+        _rec("12_time_to_train", "optimised vs naive", "time_to_target_speedup", 1.1, "x",
              time="2026-11-29T11:00:00", profile="smoke"),
     ]
-    (row,) = site.headline_rows(records, ["10_time_to_train"])
+    (row,) = site.headline_rows(records, ["12_time_to_train"])
     assert row["figure"] == "1.400×"
     assert row["command"] == ("python -m moe_lab bench time-to-train --profile full --seeds 10 --ladder "
                               "--pick-router")
@@ -133,19 +133,19 @@ def test_the_benchmark_and_the_notebook_compete_for_one_figure():
 def test_flagged_record_overrides_and_pick_min():
     records = [_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs"),
                _rec("01_naive_moe", "naive", "train_tokens_per_s", 900.0, "tok/s", headline=True),
-               _rec("07_expert_parallel_a2a", "overlap", "exposed_vs_sequential", 0.3, ""),
-               _rec("07_expert_parallel_a2a", "sequential", "exposed_vs_sequential", 1.0, "")]
+               _rec("09_expert_parallel_a2a", "overlap", "exposed_vs_sequential", 0.3, ""),
+               _rec("09_expert_parallel_a2a", "sequential", "exposed_vs_sequential", 1.0, "")]
     rec, _ = site.find_headline(records, "01_naive_moe")
     assert rec["metric"] == "train_tokens_per_s"
-    rec, _ = site.find_headline(records, "07_expert_parallel_a2a")
+    rec, _ = site.find_headline(records, "09_expert_parallel_a2a")
     assert rec["step"] == "overlap"
     assert site.find_headline(records, "99_unknown") is None
 
 
 def test_cpu_table_keeps_simulations_and_counts():
-    sim = _rec("08_pipeline_layout", "searched", "x", 1.0, "%", hardware="simulated",
+    sim = _rec("10_pipeline_layout", "searched", "x", 1.0, "%", hardware="simulated",
                kind="simulated")
-    gpu = _rec("06_cuda_graphs", "small: graphed vs eager", "speedup", 2.0, "x", hardware="H200")
+    gpu = _rec("08_cuda_graphs", "small: graphed vs eager", "speedup", 2.0, "x", hardware="H200")
     assert site.on_cpu_or_machine_free(sim)
     assert site.on_cpu_or_machine_free(_rec("a", "b", "c", 1.0, ""))
     assert not site.on_cpu_or_machine_free(gpu)
@@ -168,7 +168,7 @@ def built(tmp_path_factory):
     workbook = root / "workbook"
     workbook.mkdir()
     _executed(workbook / "01_naive_moe.ipynb", "01 · The naive layer")
-    _executed(workbook / "10_time_to_train.ipynb", "10 · Time to train", error=True)
+    _executed(workbook / "12_time_to_train.ipynb", "12 · Time to train", error=True)
     (workbook / "scratch.ipynb").write_text("{}")  # not part of the workbook
     ledger = root / "results" / "ledger.jsonl"
     ledger.parent.mkdir()
@@ -183,14 +183,14 @@ def test_index_lists_every_notebook_with_its_headline(built):
     root, index = built
     assert index == root / "site" / "index.html"
     page = index.read_text()
-    assert "01 · The naive layer" in page and "10 · Time to train" in page
+    assert "01 · The naive layer" in page and "12 · Time to train" in page
     assert "This notebook teaches <em>one</em> thing with <code>code</code>." in page
     assert "<li>the first lesson;</li>" in page
     assert "24 syncs" in page and "cpu:test x2" in page
     assert "7 syncs" not in page  # a hand-run (Lab) record never reaches the site
     assert page.count(">01<") == 0  # the number once: the title already starts with it
-    assert "No figure in the ledger yet" in page  # notebook 10 has none
-    assert "a cell failed" in page  # notebook 10 raised
+    assert "No figure in the ledger yet" in page  # notebook 12 has none
+    assert "a cell failed" in page  # notebook 12 raised
     assert "scratch" not in page
 
 
@@ -198,7 +198,7 @@ def test_site_opens_without_a_server(built):
     root, index = built
     page = index.read_text()
     links = re.findall(r'href="([^"]+)"', page)
-    assert links == ["01_naive_moe.html", "10_time_to_train.html"]
+    assert links == ["01_naive_moe.html", "12_time_to_train.html"]
     for link in links:
         assert (root / "site" / link).is_file()
         assert "<html" in (root / "site" / link).read_text()
@@ -208,7 +208,7 @@ def test_site_opens_without_a_server(built):
         assert not re.search(r"<script[^>]+src=|<link[^>]+href=\"?https?:", text)
         assert "cdnjs" not in text and "mathjax" not in text.lower()
         assert text.count('href="index.html"') == 2  # the navigation bar, top and bottom
-    assert re.search(r'<a (?=[^>]*rel="next")(?=[^>]*href="10_time_to_train.html")', first)
+    assert re.search(r'<a (?=[^>]*rel="next")(?=[^>]*href="12_time_to_train.html")', first)
     assert re.search(r'<a (?=[^>]*rel="prev")(?=[^>]*href="01_naive_moe.html")', last)
 
 

@@ -1,4 +1,4 @@
-"""The overlap harness on 2 ranks: the report ``bench ep`` and notebook 07 read, and its checks."""
+"""The overlap harness on 2 ranks: the report ``bench ep`` and notebook 09 read, and its checks."""
 
 from __future__ import annotations
 

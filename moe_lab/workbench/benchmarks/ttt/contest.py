@@ -1,7 +1,7 @@
 """The contest's rules, one run's result, and the trainer of a stack.
 
 `TTTConfig` fixes what every stack trains on: the model, the data, the schedule, the
-evaluation and the target; `PROFILES` are the two sizes notebook 10 runs. `make_trainer`
+evaluation and the target; `PROFILES` are the two sizes notebook 12 runs. `make_trainer`
 builds a stack's `moe_lab.training.loop.Trainer` by those rules — the very object
 `moe_lab.training.loop.train` drives — and `TTTRun` is what one stack's run to the target
 measured. `pick_router_impl` times the router candidates at the contest's size.

@@ -6,7 +6,7 @@ naive stack; `loss_gap` compares the stacks' eval losses at the same step, paire
 measured matmul ceiling, `speedup_bound` says what that leaves; `gb300_from_reported`
 projects DeepSeek-V3 on GB300 from the FLOPs model and NVIDIA's reported figures alone, and
 `gb300_projection` what an efficiency measured here would mean there (a projection,
-labelled so; notebook 10 no longer uses it: a CPU's MFU says little about a GB300). The
+labelled so; notebook 12 no longer uses it: a CPU's MFU says little about a GB300). The
 `record_*` functions write the figures to the ledger (`moe_lab.workbench.measure.ledger`), the ladder in
 the form `moe_lab.workbench.figures.waterfall` draws.
 """

@@ -1,4 +1,4 @@
-"""Exercises of notebook 08 (pipeline layout): a 1F1B order and a balanced cut.
+"""Exercises of notebook 10 (pipeline layout): a 1F1B order and a balanced cut.
 
 - ``one_f_one_b_order(rank, n_ranks, n_microbatches)``: the operations one rank runs
   under 1F1B, as ``[("F", 0), ("F", 1), ..., ("B", 0), ...]`` — warm-up forwards, then

@@ -1,4 +1,4 @@
-"""Notebook 02b's exercises (a masked row softmax, the grouped matmul's offset lookup): each
+"""Notebook 03's exercises (a masked row softmax, the grouped matmul's offset lookup): each
 check passes the reference, reports the stub as not done, and rejects plausible wrong
 answers with a message naming the slip. The kernels run under Triton's interpreter here
 (compiled on a GPU); the notebook itself runs in tests/workbench/lab/test_notebooks.py."""
@@ -12,7 +12,7 @@ import triton.language as tl
 from moe_lab.kernels.common import jit
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
 from moe_lab.workbench.exercises import ExerciseError, NotDoneError, solution
-from moe_lab.workbench.exercises import nb02b_triton_from_zero as ex
+from moe_lab.workbench.exercises import nb03_triton_from_zero as ex
 
 # ------------------------------------------------------------------- row softmax answers
 

@@ -1,4 +1,4 @@
-"""Exercises of notebook 02b (Triton from zero): a masked row softmax, and the grouped
+"""Exercises of notebook 03 (Triton from zero): a masked row softmax, and the grouped
 matmul's offset lookup. Both are Triton code the learner writes.
 
 - ``row_softmax_kernel(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N)``: one

@@ -1,4 +1,4 @@
-"""Exercises of notebook 06 (CUDA graphs): find the sync in a dispatcher; size a page pool.
+"""Exercises of notebook 08 (CUDA graphs): find the sync in a dispatcher; size a page pool.
 
 - ``sync_free_dispatch(x, topk_ids, topk_weights, experts)``: `dispatch_with_sync` below is a
   correct dropless dispatcher with one host sync hidden in it. The learner runs

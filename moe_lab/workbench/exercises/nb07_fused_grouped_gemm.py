@@ -1,4 +1,4 @@
-"""Exercises of notebook 03_fused_grouped_gemm: the gather prologue's row loads, and the bytes fusion removes.
+"""Exercises of notebook 07_fused_grouped_gemm: the gather prologue's row loads, and the bytes fusion removes.
 
 - ``gather_tile`` (Triton): the prologue of a grouped GEMM that reads its A tile straight
   from the token rows. Given the permuted rows ``rows`` of one tile (``row_end`` the end of

@@ -1,4 +1,4 @@
-"""Exercises of notebook 09 (network fabric): ECMP collisions and fair sharing.
+"""Exercises of notebook 11 (network fabric): ECMP collisions and fair sharing.
 
 - ``expected_fullest_uplink(n_flows, n_spines)``: ECMP hashes ``n_flows`` flows of a leaf
   onto its ``n_spines`` uplinks uniformly at random; the exact expected number of flows on

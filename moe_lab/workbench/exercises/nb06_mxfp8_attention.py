@@ -1,4 +1,4 @@
-"""Exercises of notebook 05 (MXFP8 attention): reading the bits of the MX format.
+"""Exercises of notebook 06 (MXFP8 attention): reading the bits of the MX format.
 
 - ``decode_e4m3(byte)``: the value of one E4M3 byte (``float8_e4m3fn``): sign bit,
   4 exponent bits with bias 7, 3 mantissa bits; exponent field 0 means subnormal

@@ -1,4 +1,4 @@
-"""Exercises of notebook 10 (time to train): the race's verdict from loss curves (reading
+"""Exercises of notebook 12 (time to train): the race's verdict from loss curves (reading
 the clock off each run, then the speed-up of the medians over seeds), and the bound Amdahl's
 law puts on a speed-up, from a profile."""
 

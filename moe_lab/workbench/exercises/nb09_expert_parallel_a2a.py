@@ -1,4 +1,4 @@
-"""Exercises of notebook 07 (expert parallelism): the all-to-all's split sizes from a routing
+"""Exercises of notebook 09 (expert parallelism): the all-to-all's split sizes from a routing
 map, the exposed communication a chunked pipeline leaves, predicted from chunk timings, and
 the order of the stages of a 1F1B-merged step, checked on its event log."""
 

@@ -1,4 +1,4 @@
-"""Exercises of notebook 04 (fused router): group-limited selection, bytes of the unfused chain,
+"""Exercises of notebook 05 (fused router): group-limited selection, bytes of the unfused chain,
 and the group-limited top-k in Triton.
 
 - ``group_limited_selection(scores, n_groups, topk_groups)``: the mask of each token's best

@@ -1,4 +1,4 @@
-"""Exercises of notebook 03 (dropless, sync-free): the permutation, and a sync to remove.
+"""Exercises of notebook 04 (dropless, sync-free): the permutation, and a sync to remove.
 
 - ``expert_permutation(topk_ids, n_experts)``: ``(order, offsets)`` — the flattened
   (token, choice) assignments sorted by expert, ties kept in their original order
