@@ -98,9 +98,10 @@ def naive_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: S
     out = torch.zeros_like(x)
     # [E, T, k]: expert_mask[e, t, j] is True where token t's j-th choice is expert e.
     expert_mask = F.one_hot(topk_ids, experts.n_experts).permute(2, 0, 1).bool()
+    weights = experts.per_expert()  # views taken once: see its docstring for why
     for e in range(experts.n_experts):
         token_idx, slot = torch.where(expert_mask[e])  # data-dependent size: a host sync
-        y_e = experts.forward_expert(e, x[token_idx])
+        y_e = experts.forward_expert(e, x[token_idx], weights)
         weight = topk_weights[token_idx, slot].unsqueeze(-1).to(y_e.dtype)
         out.index_add_(0, token_idx, y_e * weight)
     return out, torch.zeros((), dtype=torch.int64, device=x.device)

@@ -28,7 +28,7 @@ or by an *activation store* (`SwiGLUExperts.use_activation_store`, the paged sta
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -249,10 +249,21 @@ class SwiGLUExperts(nn.Module):
         hq, w2 = self.quantized(h, self.w_down, 1)
         return torch.bmm(hq, w2.to(hq.dtype))
 
-    def forward_expert(self, expert: int, x: Tensor) -> Tensor:
-        """Expert ``expert`` on its tokens ``x: [n, d_model]`` → ``[n, d_model]``."""
-        h = swiglu(self._mm(x, self.w_gate_up[expert]))
-        return self._mm(h, self.w_down[expert])
+    def per_expert(self) -> list[tuple[Tensor, ...]]:
+        """Each expert's weights, views of the stacked parameters, for a loop over the experts
+        (`naive_dispatch`, the ``loop`` backend): take them once per forward and pass them to
+        `forward_expert`. Their backward stacks the experts' gradients into one buffer, where
+        ``w[e]`` inside the loop would, in backward, zero-fill a gradient of the whole stack
+        for each expert and add it: E times the weights' bytes, quadratic in E."""
+        return list(zip(self.w_gate_up.unbind(0), self.w_down.unbind(0), strict=True))
+
+    def forward_expert(self, expert: int, x: Tensor,
+                       weights: Sequence[tuple[Tensor, ...]] | None = None) -> Tensor:
+        """Expert ``expert`` on its tokens ``x: [n, d_model]`` → ``[n, d_model]``, with its
+        weights from ``weights`` (`per_expert`) where given."""
+        w1, w2 = weights[expert] if weights is not None else (self.w_gate_up[expert], self.w_down[expert])
+        h = swiglu(self._mm(x, w1))
+        return self._mm(h, w2)
 
     def extra_repr(self) -> str:
         return (f"n_experts={self.n_experts}, d_model={self.d_model}, d_expert={self.d_expert}, "
@@ -264,9 +275,10 @@ def _loop_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
     rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
     row_expert = torch.searchsorted(offsets[1:], rows, right=True)  # [M]
     out = x.new_zeros(x.shape[0], experts.d_model)
+    weights = experts.per_expert()
     for e in range(experts.n_experts):
         mine = (row_expert == e).unsqueeze(-1)
-        out = torch.where(mine, experts.forward_expert(e, x), out)
+        out = torch.where(mine, experts.forward_expert(e, x, weights), out)
     return out
 
 
@@ -344,9 +356,17 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
     def _unit(self, h: Tensor) -> Tensor:
         return clamped_swiglu(h, self.alpha, self.limit)
 
-    def forward_expert(self, expert: int, x: Tensor) -> Tensor:
-        h = self._unit(self._mm(x, self.w_gate_up[expert]) + self.b_gate_up[expert].to(x.dtype))
-        return self._mm(h, self.w_down[expert]) + self.b_down[expert].to(x.dtype)
+    def per_expert(self) -> list[tuple[Tensor, ...]]:
+        return list(zip(self.w_gate_up.unbind(0), self.w_down.unbind(0), self.b_gate_up.unbind(0),
+                        self.b_down.unbind(0), strict=True))
+
+    def forward_expert(self, expert: int, x: Tensor,
+                       weights: Sequence[tuple[Tensor, ...]] | None = None) -> Tensor:
+        w1, w2, b1, b2 = (weights[expert] if weights is not None else
+                          (self.w_gate_up[expert], self.w_down[expert], self.b_gate_up[expert],
+                           self.b_down[expert]))
+        h = self._unit(self._mm(x, w1) + b1.to(x.dtype))
+        return self._mm(h, w2) + b2.to(x.dtype)
 
     def grouped_two_gemms(self, x: Tensor, offsets: Tensor,
                           mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:

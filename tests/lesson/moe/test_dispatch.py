@@ -237,3 +237,39 @@ def test_pairing_rules_are_declared_and_checked_where_the_layer_is_built():
     assert "missing" not in PERMUTATIONS
     with pytest.raises(ValueError, match="expert_kind must be one of"):
         MoELayer(cfg(), expert_kind="dense")
+
+
+class _FilledBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Bytes of every tensor made by filling while active: zeros, fill_, and select_backward
+    (the gradient of ``w[e]``: a zero-filled tensor of ``w``'s whole shape with one slice set)."""
+
+    FILLS = ("aten::fill_", "aten::zero_", "aten::zeros", "aten::new_zeros", "aten::zeros_like",
+             "aten::select_backward")
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._schema.name in self.FILLS and isinstance(out, torch.Tensor):
+            self.bytes += out.numel() * out.element_size()
+        return out
+
+
+@pytest.mark.parametrize("dispatcher, backend", [("naive", "loop"), ("dropless", "loop")])
+@pytest.mark.parametrize("kind", ["swiglu", "clamped_swiglu"])
+def test_a_loop_over_experts_does_not_zero_fill_the_weight_stack_per_expert(dispatcher, backend, kind):
+    """The naive loop (and the ``loop`` backend) take each expert's weights from the stacked
+    ``[E, ...]`` parameters. Indexed as ``w[e]`` inside the loop, the backward zero-fills a
+    gradient of the whole stack per expert (E × the weights' bytes: most of the naive
+    layer's CPU time at 64 experts, and a baseline slower than any real naive layer); taken
+    once with ``unbind`` it fills at most the stack once."""
+    cfg = MoEConfig(n_experts=16, top_k=2, d_model=32, d_expert=48)
+    layer = MoELayer(cfg, dispatcher=dispatcher, expert_backend=backend, expert_kind=kind)
+    x = torch.randn(40, cfg.d_model, requires_grad=True)
+    y, stats = layer(x)
+    stack = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
+    with _FilledBytes() as filled:
+        torch.autograd.backward([y, stats.aux_loss], [torch.randn_like(y), torch.ones_like(stats.aux_loss)])
+    assert filled.bytes <= 2 * stack + x.numel() * x.element_size() * 16, (filled.bytes, stack)
