@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="which mutants are sampled")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's tests")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--start", type=int, default=1,
+                        help="run from the START-th mutant of the sample on (resumes a run cut short)")
+    parser.add_argument("--count", type=int, default=0,
+                        help="run at most COUNT mutants from START (0: all the rest)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     args = parser.parse_args(argv)
     if args.per_target < 0:
@@ -241,14 +245,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
     targets = args.target or sorted(TARGETS)
     chosen = choose(args.per_target or None, args.seed, targets)
+    if not 1 <= args.start <= max(len(chosen), 1):
+        parser.error(f"--start must be between 1 and {len(chosen)} (the sample's size), got {args.start}")
+    if args.count < 0:
+        parser.error(f"--count must be >= 0, got {args.count}")
     if args.list:
-        for name, m in chosen:
-            print(f"{name:16s} {m.path}:{m.line}  {m.kind}: {m.change}")
+        for i, (name, m) in enumerate(chosen, 1):
+            print(f"{i:3d} {name:16s} {m.path}:{m.line}  {m.kind}: {m.change}")
         return 0
     scratch = _scratch_copy()
     results = []
     try:
         for i, (name, m) in enumerate(chosen, 1):
+            if i < args.start or (args.count and i >= args.start + args.count):
+                continue
             start = time.monotonic()
             outcome = run_mutant(scratch, m, TARGETS[name][1], args.timeout)
             results.append({"target": name, **asdict(m), "outcome": outcome,
@@ -268,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"seed": args.seed, "per_target": args.per_target,
+                                         "start": args.start,
                                          "survival_rate": rate, "mutants": results}, indent=1))
     return 0
 

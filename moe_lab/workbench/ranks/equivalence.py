@@ -118,21 +118,29 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
 def overlap_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 0) -> dict:
     """Every schedule of `ChunkedStep` (`OVERLAP_RUNS`) against autograd through `EPMoELayer`
     (output, input gradient, expert/router/shared weight gradients): the largest absolute
-    difference per quantity and schedule, and the number of events each run recorded."""
+    difference per quantity and schedule, and the number of events and the bytes exchanged
+    each run recorded. The first run, ``"default"``, is a fresh step with no options: what a
+    user gets (real collectives, not a replay)."""
     ep, (x, grad) = layer_and_batches({"cfg": cfg_fields, "tokens": tokens, "seed": seed}, 2)
     xr = x.detach().requires_grad_()
     y_ref, _ = ep(xr)
     y_ref.backward(grad)
     ref = {name: p.grad.clone() for name, p in ep.named_parameters()}
-    step = ChunkedStep(ep, n_chunks)
     errors = {}
-    for label, (schedule, delay, replay) in OVERLAP_RUNS.items():
+    runs = {"default": None, **OVERLAP_RUNS}  # "default": a fresh step run with no options
+    step = ChunkedStep(ep, n_chunks)
+    for label, options in runs.items():
         ep.zero_grad(set_to_none=True)
-        y, dx, timeline = step.run(x, grad, schedule=schedule, delay_wgrad=delay, replay=replay)
+        if options is None:
+            y, dx, timeline = ChunkedStep(ep, n_chunks).run(x, grad)
+        else:
+            schedule, delay, replay = options
+            y, dx, timeline = step.run(x, grad, schedule=schedule, delay_wgrad=delay, replay=replay)
         errs = {"y": float((y - y_ref.detach()).abs().max()), "dx": float((dx - xr.grad).abs().max())}
         for name, p in ep.named_parameters():
             errs[name] = float((p.grad - ref[name]).abs().max())
         errs["events"] = len(timeline.events)
+        errs["comm_bytes"] = timeline.comm_bytes()
         errors[label] = errs
     return errors
 

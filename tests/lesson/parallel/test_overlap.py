@@ -18,10 +18,14 @@ CFG = dict(d_model=32, n_experts=8, top_k=2, d_expert=48, n_shared_experts=1)
 def test_every_schedule_equals_autograd():
     results = run_ranks(overlap_check_rank, 2, CFG, 40, 3, timeout_s=50, threads_per_rank=1)
     for rank_errors in results:
-        assert set(rank_errors) == set(OVERLAP_RUNS)
+        assert set(rank_errors) == {"default", *OVERLAP_RUNS}
+        # A fresh step with no options exchanges real data (its default is not the replay).
+        assert rank_errors["default"]["comm_bytes"] > 0
         for label, errs in rank_errors.items():
             events = errs.pop("events")
+            comm_bytes = errs.pop("comm_bytes")
             assert events > 0
+            assert (comm_bytes == 0) == OVERLAP_RUNS.get(label, (None, None, False))[2], (label, comm_bytes)
             for name, value in errs.items():
                 assert value <= 2e-5, (label, name, value)
 
