@@ -86,3 +86,15 @@ def test_no_measured_figure_is_typed_into_prose(path):
         hits += [f"cell {index}: {hit}" for hit in typed_figures(source)]
     assert not hits, (f"{path.name} types measured figures into its prose; print them from a "
                       "cell or read them from the ledger:\n" + "\n".join(hits))
+
+
+FINALE_WORDS = 1_500  # the time-to-train finale is read in one sitting
+
+
+def test_the_finale_stays_short():
+    """Notebook 12 gathers the workbook's results; its prose (markdown cells, words as
+    whitespace-separated tokens) stays within a budget so that it reads as a finale."""
+    path = ROOT / "notebooks" / "12_time_to_train.ipynb"
+    cells = json.loads(path.read_text())["cells"]
+    words = sum(len("".join(c["source"]).split()) for c in cells if c["cell_type"] == "markdown")
+    assert words <= FINALE_WORDS, f"{path.name} has {words} words of prose (budget {FINALE_WORDS})"
