@@ -249,6 +249,9 @@ def test_expert_parallel_simulation_across_skews():
                                     capacity_factor=1.25)
     balanced, _, skewed = rows
     assert balanced["worst_case"] == 16 * 512 and not balanced["overflow"]
+    # the pool, by hand: ceil(1.25 · 512 · 4 / 16) = 160 pages, plus one per local expert
+    # (16 experts over 4 devices: 4), of 16 rows each
+    assert balanced["pool"] == (160 + 4) * 16
     assert balanced["exact"] <= balanced["paged"] <= balanced["pool"] < balanced["worst_case"]
     assert 1 - balanced["pool"] / balanced["worst_case"] >= 0.40
     assert skewed["overflow"] and skewed["exact"] > balanced["exact"]
