@@ -203,7 +203,10 @@ def run_mutant(scratch: Path, mutant: Mutant, tests: tuple[str, ...], timeout_s:
     original = (ROOT / mutant.path).read_text()
     target = scratch / mutant.path
     target.write_text(apply(original, mutant))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    # The CPU plug-in, where a test loads it, is built once per run inside the scratch folder
+    # (its own sources' build; removed with the folder).
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
+           "TORCH_EXTENSIONS_DIR": str(scratch / ".extensions")}
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                                *tests], cwd=scratch, env=env, capture_output=True, timeout=timeout_s)

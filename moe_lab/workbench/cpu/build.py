@@ -101,6 +101,9 @@ def _name_and_dir() -> tuple[str, Path]:
     # different include paths, and torch rebuilds whenever its build command changes, so a
     # shared folder would be rebuilt by each in turn (under the lock, for minutes).
     key += str(Path(torch.__file__).resolve().parent).encode()
+    # And where the sources are: two checkouts of the same sources (a worktree, a scratch
+    # copy) give ninja other paths to compile, so one folder would be rebuilt by each in turn.
+    key += str(SOURCES[0].resolve().parent).encode()
     name = f"moe_lab_cpu_kernels_{hashlib.sha1(key).hexdigest()[:12]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "moe_lab" / "extensions"
     return name, Path(root) / name

@@ -89,3 +89,20 @@ def test_each_torch_installation_builds_in_its_own_folder(monkeypatch):
     other_name, other_folder = build._name_and_dir()
     assert other_name != name and other_folder != folder
     assert other_folder.parent == folder.parent
+
+
+def test_each_checkout_of_the_sources_builds_in_its_own_folder(monkeypatch, tmp_path):
+    """Two checkouts of the same sources (a git worktree, mutate.py's scratch copy) once
+    shared a folder: ninja saw other source paths and rebuilt the kernels for each in turn."""
+    import shutil
+
+    name, folder = build._name_and_dir()
+    copies = []
+    for source in (*build.SOURCES, *build.HEADERS):
+        copy = tmp_path / source.name
+        shutil.copy2(source, copy)
+        copies.append(copy)
+    monkeypatch.setattr(build, "SOURCES", tuple(copies[:len(build.SOURCES)]))
+    monkeypatch.setattr(build, "HEADERS", tuple(copies[len(build.SOURCES):]))
+    other_name, other_folder = build._name_and_dir()
+    assert other_name != name and other_folder.parent == folder.parent
