@@ -94,9 +94,9 @@ def _ctrl_c_deferred() -> Iterator[None]:
 
 def save_checkpoint(path: str | os.PathLike, state: dict,
                     on_saved: Callable[[], None] | None = None) -> None:
-    """Write ``state`` to ``path`` atomically and durably: a temporary file beside it,
-    flushed to the disk (``fsync``), renamed over ``path``, and the folder's entry flushed
-    too, so a power cut leaves either the old checkpoint or the new one.
+    """Write ``state`` to ``path`` (its folder made if missing) atomically and durably: a
+    temporary file beside it, flushed to the disk (``fsync``), renamed over ``path``, and the
+    folder's entry flushed too, so a power cut leaves either the old checkpoint or the new one.
 
     Temporary files of earlier saves of ``path`` that never finished (a killed process)
     are removed first. A save that fails (a full disk: torch then raises a bare

@@ -36,6 +36,9 @@ ROUTINGS = {
     "one_expert_all_tokens": (33, 32, 32, 4, 1, "all_to_2", 1),
     "aligned_segments": (21, 32, 32, 4, 2, "random", 8),
     "e256_top8": (24, 16, 32, 256, 8, "random", 1),
+    # d_expert above the interpreter's widest tile (128): two N tiles, whose partial sums of
+    # the routing weights' gradient must land in their own slots
+    "two_n_tiles": (17, 32, 160, 4, 2, "random", 1),
 }
 
 
@@ -109,7 +112,8 @@ def test_fused_mlp_equals_unfused_chain(name, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["mixed", "empty_experts", "one_expert_all_tokens", "aligned_segments"])
+@pytest.mark.parametrize("name", ["mixed", "empty_experts", "one_expert_all_tokens", "aligned_segments",
+                                  "two_n_tiles"])
 @pytest.mark.parametrize("fusion", ["gather_prologue", "scatter_epilogue", "scatter_epilogue_atomic"])
 def test_each_fusion_equals_its_chain(fusion, name, dtype, device):
     dims, row_id_map, offsets, weights, n_rows = routing(name, device)

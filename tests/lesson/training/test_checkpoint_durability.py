@@ -102,3 +102,10 @@ def test_ctrl_c_after_the_rename_waits_for_the_callers_note(tmp_path):
         save_checkpoint(path, {"step": 7}, on_saved)
     assert noted == [7] and load_checkpoint(path)["step"] == 7
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_checkpoint_into_a_folder_not_made_yet_makes_it(tmp_path):
+    """``--checkpoint runs/today/model.pt`` works before ``runs/today`` exists."""
+    path = tmp_path / "runs" / "today" / "model.pt"
+    save_checkpoint(path, {"step": 3})
+    assert torch.load(path)["step"] == 3
