@@ -149,6 +149,21 @@ def test_a_nan_scale_reaches_only_its_own_column_when_k_ends_mid_tile(device):
     assert torch.equal(torch.isnan(c), nan)
 
 
+
+def test_a_nan_code_reaches_only_its_own_column_when_k_ends_mid_tile(device):
+    """The same for the codes: past a row's last code (K = 96, mid tile) lies the next row's
+    first, and a K mask off by one reads it (times a masked zero: NaN where it is NaN)."""
+    m, n, k = 9, 6, 96
+    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    b[4, 0] = E4M3_NAN_CODE  # column 4's first code; column 3's codes end just before it
+    a[6, 0] = E4M3_NAN_CODE  # row 6's first code; row 5's codes end just before it
+    c = mx_gemm(a.view(E4M3), a_s, b.view(E4M3), b_s).cpu()
+    nan = torch.zeros(m, n, dtype=torch.bool)
+    nan[:, 4] = True
+    nan[6, :] = True
+    assert torch.equal(torch.isnan(c), nan)
+
 def test_empty_rows_give_an_empty_result(device):
     a, a_s = operands(0, 32, device)
     b, b_s = operands(5, 32, device)
