@@ -16,7 +16,9 @@ but does need in order to see them work:
   functions the tests and benchmarks launch;
 - `demos` — notebook 08's ladder and capture gallery, notebook 05's balancing comparison;
 - `cli` — ``python -m moe_lab``;
-- `interop` — Hugging Face MoE blocks as moe_lab layers (`interop.patch_hf_model`) and back.
+- `interop` — Hugging Face MoE blocks as moe_lab layers (`interop.patch_hf_model`) and back;
+- `quiet` — the third-party messages known to be harmless, silenced where they start (the one
+  list; `lab.page_noise` is what checks the pages for the rest).
 
 The arrow points one way: this package imports the lesson, and nothing in the lesson imports
 this package (``tests/project/test_layering.py`` fails if it does). Importing it loads nothing.

@@ -39,6 +39,7 @@ from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.sync import count_syncs
 from moe_lab.workbench.measure import ceilings, ledger
 from moe_lab.workbench.measure.timing import compare
+from moe_lab.workbench.quiet import library_notes_silenced
 
 DESCRIPTION = "fwd+bwd of one MoE layer: naive / capacity / dropless / Hugging Face Mixtral"
 
@@ -59,9 +60,11 @@ def expert_flops(tokens: int, top_k: int, d_model: int, d_expert: int) -> float:
 
 
 def _hf_block(layer: MoELayer, implementation: str):
-    # transformers is optional (the [test] extra): imported only for this provider.
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    # transformers is optional (the [test] extra): imported only for this provider. It imports
+    # torchao, whose known import-time notes are silenced (`moe_lab.workbench.quiet`).
+    with library_notes_silenced():
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     c = layer.cfg
     config = MixtralConfig(hidden_size=c.d_model, intermediate_size=c.d_expert,

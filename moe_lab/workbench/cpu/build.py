@@ -143,8 +143,9 @@ def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[
                 # First word after 2 s (a short wait on a load in progress says nothing), then every 30 s.
                 if waited >= 2 and int((waited - 2) // 30) > said:
                     said = int((waited - 2) // 30)
+                    # Progress, not a problem: stdout (a wait that never ends raises below).
                     print(f"moe_lab: waiting for {_holder(path)}, which holds {path} while it builds or "
-                          f"loads the CPU kernels ({waited:.0f} s so far)...", file=sys.stderr, flush=True)
+                          f"loads the CPU kernels ({waited:.0f} s so far)...", flush=True)
                 time.sleep(0.2)
         handle.seek(0)
         handle.truncate()
@@ -193,8 +194,9 @@ def extension():
         name, build_dir = _name_and_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         if not any(build_dir.glob(f"{name}*.so")):
+            # Progress, not a problem: stdout (a failed build raises, naming its cause).
             print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, about a minute)...",
-                  file=sys.stderr, flush=True)
+                  flush=True)
         try:
             with build_guard(build_dir):
                 _ext = load(name, [str(path) for path in SOURCES], extra_cflags=_flags(),

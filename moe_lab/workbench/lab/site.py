@@ -12,9 +12,10 @@ natively, so no MathJax is loaded), and the pages load no script from anywhere â
 require.js, MathJax, Mermaid and widget-manager tags are left out of the template. A widget
 has no live state in a headless run: the explorers draw a static figure there instead.
 Every page links to the previous and next notebook and to the index. Known third-party
-noise on stderr (torchao failing to load a compiled extension, torch's deprecation notes)
-is left out of the pages; moe_lab's own warnings are kept. Records of hand-run notebooks
-(`moe_lab.workbench.measure.ledger.lab_session`) never reach the headlines.
+noise on stderr (torchao failing to load a compiled extension, torch's deprecation notes;
+the list is `moe_lab.workbench.quiet`) is left out of the pages; moe_lab's own warnings are
+kept. Records of hand-run notebooks (`moe_lab.workbench.measure.ledger.lab_session`) never
+reach the headlines.
 
 The headline figure of each notebook is chosen by `HEADLINES` (a table, one entry per
 notebook, in order of preference) or, overriding it, by a ledger record carrying the extra
@@ -37,6 +38,7 @@ from pathlib import Path
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, write_text_atomically
 from moe_lab.workbench.measure.ledger import format_value, latest, read, workbook_records
+from moe_lab.workbench.quiet import without_known_lines
 
 # --------------------------------------------------------------------------------------
 # Which figure is each notebook's headline
@@ -390,19 +392,10 @@ def _inline_markdown(text: str) -> str:
     return restore_math(rendered, formulas)
 
 
-# stderr lines that third-party libraries print and the pages leave out: what they say is
-# not about this notebook (a compiled extension for another Python, a deprecation inside a
-# library). Each pattern names its library, so moe_lab's own warnings always show.
-THIRD_PARTY_NOISE = (
-    re.compile(r"^Failed to load \S*torchao\S*\.so\b"),
-    re.compile(r"torch/utils/_pytree\.py:\d+\].*register_constant\(\) on Enum subclasses is deprecated"),
-    re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
-)
-
-
 def _without_noise(text: str) -> str:
-    return "".join(line for line in text.splitlines(keepends=True)
-                   if not any(p.search(line) for p in THIRD_PARTY_NOISE))
+    # Known third-party lines (`moe_lab.workbench.quiet`, the one list), in case an executed
+    # notebook still holds one: they are silenced where they start, so a workbook run has none.
+    return without_known_lines(text)
 
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -641,7 +634,7 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     return index
 
 
-__all__ = ["HEADLINES", "MACHINE_FREE_KINDS", "THIRD_PARTY_NOISE", "Headline", "NotebookPage",
+__all__ = ["HEADLINES", "MACHINE_FREE_KINDS", "Headline", "NotebookPage",
            "build_site", "describe_notebook", "export_page", "find_headline", "format_figure",
            "headline_rows", "latex_to_mathml", "navigation", "on_cpu_or_machine_free",
            "prepare_for_site", "protect_math", "render_index", "render_page", "restore_math",

@@ -430,6 +430,45 @@ def _cell(value: object) -> str:
 TABLE_COLUMNS = ("notebook", "step", "metric", "value", "unit", "hardware", "date")
 
 
+def figures_table_markdown(records: Iterable[dict[str, Any]], steps: Sequence[str],
+                           metrics: dict[str, str]) -> str:
+    """A small markdown table of chosen figures: one row per step of ``steps`` (in that order;
+    a step without any of the figures is left out), one column per metric of ``metrics``
+    (metric -> column heading), each cell the value and its unit; a row per hardware where
+    the records come from more than one. ``""`` when no record matches.
+
+    Pass ``latest(read())`` filtered to one notebook: a recap of the few figures that matter,
+    not every row that notebook wrote (`results_table_markdown` shows them all).
+    """
+    if isinstance(steps, str) or isinstance(metrics, str) or not steps or not metrics:
+        raise ValueError(f"steps and metrics must be non-empty collections, got {steps!r}, {metrics!r}")
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for item in records:
+        step, metric = item.get("step"), item.get("metric")
+        if step in steps and metric in metrics:
+            value = format_value(item.get("value"))
+            unit = item.get("unit") or ""
+            cells.setdefault((step, str(item.get("hardware", ""))), {})[metric] = (
+                f"{value} {unit}".strip())
+    if not cells:
+        return ""
+    hardware = sorted({where for _, where in cells})
+    several = len(hardware) > 1
+    head = ["step", *(["hardware"] if several else []), *metrics.values()]
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] * (1 + several) + ["---:"] * len(metrics)) + "|"]
+    for step in steps:
+        for where in hardware:
+            row = cells.get((step, where))
+            if row is None:
+                continue
+            lines.append("| " + " | ".join(_cell(c) for c in (
+                step, *([where] if several else []), *(row.get(m, "") for m in metrics))) + " |")
+    if not several:
+        lines += ["", f"_measured on {hardware[0]}_"]
+    return "\n".join(lines) + "\n"
+
+
 def results_table_markdown(records: Iterable[dict[str, Any]]) -> str:
     """One markdown table of ``records``: notebook, step, metric, value, unit, hardware, date.
 

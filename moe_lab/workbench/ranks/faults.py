@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -22,9 +23,17 @@ from moe_lab.parallel.plan import plan
 from moe_lab.workbench.ranks.harness import layer_and_batches
 from moe_lab.workbench.ranks.launch import check_peers, rank_device
 
-__all__ = ["FAULTS", "fault_rank", "merged_fault_rank"]
+__all__ = ["FAULTS", "fault_rank", "merged_fault_rank", "stderr_rank"]
 
 FAULTS = ("crash", "raise", "hang")
+
+
+def stderr_rank(*lines: str) -> int:
+    """A rank that writes ``lines`` to its stderr and returns its rank: what the launcher's
+    handling of the ranks' stderr is tested against (collected, passed on, known lines left out)."""
+    for line in lines:
+        print(line, file=sys.stderr)
+    return dist.get_rank()
 
 
 def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout_s: float = 5.0) -> int:

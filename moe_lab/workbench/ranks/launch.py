@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_lab.checks import positive_int, positive_number
+from moe_lab.workbench.quiet import without_known_lines
 from moe_lab.workbench.ranks.netem import IFNAME, EmulatedLink, enter_namespace
 
 __all__ = [
@@ -68,11 +69,14 @@ GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to ex
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks failed, hung or overran the deadline; ``statuses`` says which and how."""
+    """One or more ranks failed, hung or overran the deadline; ``statuses`` says which and how,
+    ``logs`` holds what each rank wrote to stderr (rank -> text, known-harmless lines left out)."""
 
-    def __init__(self, message: str, statuses: list[RankStatus]) -> None:
+    def __init__(self, message: str, statuses: list[RankStatus],
+                 logs: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.statuses = statuses
+        self.logs = logs or {}
 
 
 @dataclass
@@ -176,6 +180,11 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
                 threads: int, result_dir: str, env: dict[str, str]) -> None:
     """The body of one spawned rank: join the link, init the group, run ``fn``, save its result."""
     out = Path(result_dir)
+    # The rank's stderr (Python's and the C++ libraries') goes to a file the launcher reads
+    # when the job ends (`_rank_logs`).
+    log = os.open(out / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
     try:
         if netns is not None:
             enter_namespace(netns)
@@ -207,7 +216,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
               collective_timeout_s: float = 30.0, backend: str | None = None,
               link: EmulatedLink | None = None,
               threads_per_rank: int | None = None, env: dict[str, str] | None = None,
-              grace_s: float = GRACE_S) -> list[Any]:
+              grace_s: float = GRACE_S, quiet_failure: bool = False) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes joined in a process group.
 
     Returns the list of each rank's return value (rank order). ``fn`` runs after
@@ -225,6 +234,12 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
         env: extra environment variables for every rank.
         grace_s: after a rank fails, how long beyond ``collective_timeout_s`` the others may
             take to fail by themselves before they are killed.
+        quiet_failure: when the job fails, keep the ranks' stderr on the `RankFailure`
+            (``failure.logs``) instead of writing it out: for a failure the caller provokes
+            and explains (a fault demo). A job that succeeds writes it out either way.
+
+    Each rank's stderr is collected and, when the job ends, written to this process's stderr
+    (rank by rank), less the lines `moe_lab.workbench.quiet` knows to be harmless.
 
     Raises:
         RankFailure: a rank raised, died, or the deadline passed; the message names each rank.
@@ -258,10 +273,28 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             p.start()
             procs.append(p)
         statuses = _watch(procs, timeout_s, collective_timeout_s + grace_s, Path(result_dir))
-        if not all(s.ok for s in statuses):
-            raise RankFailure(_failure_message(statuses, timeout_s), statuses)
+        logs = _rank_logs(Path(result_dir), world_size)
+        failed = not all(s.ok for s in statuses)
+        if not (failed and quiet_failure):
+            for text in logs.values():
+                sys.stderr.write(text)
+            sys.stderr.flush()
+        if failed:
+            raise RankFailure(_failure_message(statuses, timeout_s), statuses, logs)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
+
+
+def _rank_logs(result_dir: Path, world_size: int) -> dict[int, str]:
+    """What each rank wrote to stderr, less the known-harmless lines; ranks with nothing left
+    are left out."""
+    logs = {}
+    for rank in range(world_size):
+        path = result_dir / f"rank{rank}.stderr"
+        text = without_known_lines(path.read_text(errors="replace")) if path.exists() else ""
+        if text.strip():
+            logs[rank] = text if text.endswith("\n") else text + "\n"
+    return logs
 
 
 def _watch(procs: Sequence, timeout_s: float, grace_s: float, result_dir: Path) -> list[RankStatus]:

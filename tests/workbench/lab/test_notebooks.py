@@ -12,6 +12,10 @@ learner who has solved nothing yet gets:
    cell runs again: its check must pass on the reference solution (nothing reported as
    not done); then ``SOLUTIONS = False`` again for the cells that follow.
 
+3. the executed notebook shows no page noise (`moe_lab.workbench.lab.page_noise`): no stderr
+   output and no cell ending in a raw dict or list, except what ``page_noise.ALLOWED``
+   accepts, each entry with its reason. The scan reads the notebook this test executed.
+
 One kernel session for both halves the cost of running each notebook twice. The smoke
 budget is 90 s on a 2-core CPU; a slower notebook is a warning, not a failure, since CI
 machines vary. ``make workbook`` runs the notebooks separately with papermill,
@@ -37,6 +41,7 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 from papermill.iorw import load_notebook_node
 from papermill.parameterize import parameterize_notebook
 
+from moe_lab.workbench.lab import page_noise
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN
 from moe_lab.workbench.lab.workbook import cell_timeout_s, notebook_budget_s
 
@@ -148,6 +153,11 @@ def test_notebook_runs_unsolved_to_the_end_and_every_check_passes(notebook, tmp_
     nb, exercises = run_with_one_restart(notebook, NOTEBOOKS_DIR)
     nbformat.write(nb, tmp_path / notebook.name)
     assert exercises, f"{notebook.name} has no cell tagged 'exercise'"
+    noise = page_noise.unexpected(page_noise.scan(nb, notebook.stem), page_noise.ALLOWED)
+    assert not noise, (f"{notebook.name} shows page noise (stderr, or a cell ending in a raw dict "
+                       "or list); fix the cell, or add an entry with its reason to "
+                       "moe_lab.workbench.lab.page_noise.ALLOWED:\n"
+                       + "\n".join(item.describe() for item in noise))
     seconds = time.perf_counter() - start
     record_property("wall_s", round(seconds, 1))
     print(f"{notebook.name}: {seconds:.1f} s")

@@ -342,3 +342,24 @@ def test_a_record_under_a_notebook_s_old_name_reads_back_under_its_new_one(resul
     assert newest["value"] == 3.0
     notebooks = Path(__file__).parents[3] / "notebooks"
     assert set(ledger.RENAMED_NOTEBOOKS.values()) <= {p.stem for p in notebooks.glob("*.ipynb")}
+
+
+def test_figures_table_shows_only_the_chosen_steps_and_metrics_in_order():
+    def rec(step, metric, value, unit, hardware="cpu:x"):
+        return {"notebook": "04_x", "step": step, "metric": metric, "value": value, "unit": unit,
+                "hardware": hardware}
+
+    records = [rec("fine:dropless torch", "vs_naive", 21.59, "x"), rec("fine:naive", "vs_naive", 1.0, "x"),
+               rec("fine:naive", "syncs_per_step", 64, "syncs"), rec("kernel", "warps_per_sm", 64, "warps")]
+    table = ledger.figures_table_markdown(records, ["fine:naive", "fine:dropless torch", "fine:gone"],
+                                          {"vs_naive": "vs naive", "syncs_per_step": "syncs"})
+    assert table.splitlines() == [
+        "| step | vs naive | syncs |", "|---|---:|---:|",
+        "| fine:naive | 1.000 x | 64 syncs |", "| fine:dropless torch | 21.59 x |  |",
+        "", "_measured on cpu:x_"]
+    two = ledger.figures_table_markdown([*records, rec("fine:naive", "vs_naive", 1.0, "x", "gpu:y")],
+                                        ["fine:naive"], {"vs_naive": "vs naive"})
+    assert two.splitlines()[2:] == ["| fine:naive | cpu:x | 1.000 x |", "| fine:naive | gpu:y | 1.000 x |"]
+    assert ledger.figures_table_markdown(records, ["nothing"], {"vs_naive": "v"}) == ""
+    with pytest.raises(ValueError, match="non-empty"):
+        ledger.figures_table_markdown(records, "fine:naive", {"vs_naive": "v"})

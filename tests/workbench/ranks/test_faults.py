@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from moe_lab.workbench.ranks.faults import fault_rank, merged_fault_rank
+from moe_lab.workbench.ranks.faults import fault_rank, merged_fault_rank, stderr_rank
 from moe_lab.workbench.ranks.launch import RankFailure, run_ranks, whoami
 
 
@@ -54,6 +54,33 @@ def test_ranks_talk_and_return_their_results():
     results = run_ranks(whoami, 2, timeout_s=25, threads_per_rank=1)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum_of_ranks"] == 1 and r["backend"] == "gloo" for r in results)
+
+
+HOSTNAME_NOTE = ("[W1202 13:35:31.593475646 socket.cpp:207] [c10d] The hostname of the client "
+                 "socket cannot be retrieved. err=-3")
+
+
+@pytest.mark.timeout(30)
+def test_the_ranks_stderr_is_passed_on_without_the_known_harmless_lines(capsys):
+    assert run_ranks(stderr_rank, 2, HOSTNAME_NOTE, "a real problem", timeout_s=25,
+                     threads_per_rank=1) == [0, 1]
+    err = capsys.readouterr().err
+    assert err.count("a real problem") == 2, err
+    assert "hostname of the client socket" not in err, err
+
+
+@pytest.mark.timeout(45)
+def test_a_provoked_failure_keeps_the_ranks_stderr_on_the_exception(capsys):
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(fault_rank, 2, "crash", 1, 1000, 2.0, timeout_s=30, collective_timeout_s=10,
+                  threads_per_rank=1, quiet_failure=True)
+    assert "monitoredBarrier" in failure.value.logs[0], failure.value.logs  # gloo's error log
+    assert capsys.readouterr().err == ""
+    with pytest.raises(RankFailure) as loud:  # by default it is written out
+        run_ranks(fault_rank, 2, "crash", 1, 1000, 2.0, timeout_s=30, collective_timeout_s=10,
+                  threads_per_rank=1)
+    assert "monitoredBarrier" in capsys.readouterr().err
+    assert "monitoredBarrier" in loud.value.logs[0]
 
 
 def test_functions_must_be_importable():

@@ -1,0 +1,105 @@
+"""Noise on an executed notebook's page: stderr output, and a cell whose value is a raw dict or list.
+
+A page is read by a learner, so what a cell shows should be meant: a table, a figure, a
+sentence. Two things never are: text on stderr (a library's note, a crash log nobody
+explains; it renders on a red background) and a cell that ends in an expression whose value
+is a dict or a list, which Jupyter prints as its raw ``repr`` (a ledger record, a list of
+matplotlib artists). `scan` finds both in an executed notebook; `unexpected` leaves out the
+ones `ALLOWED` accepts, each entry with its reason. ``tests/workbench/lab/test_notebooks.py``
+scans every notebook it executes and fails on anything else, so no notebook is executed
+twice for it; ``tests/workbench/lab/test_page_noise.py`` tests the scanner and the list.
+
+Known third-party notes are silenced where they start (`moe_lab.workbench.quiet`), not here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+# The repr of a dict or a list (and of the dict and list types a cell is likely to end in).
+_RAW = re.compile(r"^\s*(\{|\[|(defaultdict|OrderedDict|Counter)\()")
+RICH = ("text/html", "text/markdown", "text/latex", "image/png", "image/svg+xml",
+        "application/vnd.jupyter.widget-view+json")
+
+
+@dataclass(frozen=True)
+class Noise:
+    """One noisy output: the notebook (stem), the cell's index in the executed notebook, the
+    kind (``"stderr"`` or ``"raw value"``), the output's text and the cell's first line."""
+
+    notebook: str
+    cell: int
+    kind: str
+    text: str
+    first_line: str = ""
+
+    def describe(self) -> str:
+        """One line: ``09_expert_parallel_a2a cell 11 (stderr): [rank0]:[E...] ... | for info in ...``."""
+        text = " ".join(self.text.split())
+        text = text if len(text) <= 160 else text[:157] + "..."
+        return f"{self.notebook} cell {self.cell} ({self.kind}): {text}  <- {self.first_line}"
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """An accepted noisy output: in ``notebook`` (a stem, or ``"*"`` for any), of ``kind``,
+    whose text contains ``contains``; ``reason`` says why the page may show it."""
+
+    notebook: str
+    kind: str
+    contains: str
+    reason: str
+
+    def matches(self, noise: Noise) -> bool:
+        return (self.notebook in ("*", noise.notebook) and noise.kind == self.kind
+                and self.contains in noise.text)
+
+
+KINDS = ("stderr", "raw value")
+
+# What a page may show of the two, and why. Keep it short: an entry is a decision that the
+# reader is better served by the output than by its absence.
+ALLOWED: tuple[Allowed, ...] = (
+    Allowed("*", "stderr", "left behind by a build that was killed",
+            "the CPU plug-in found the lock file of a killed build of its kernels and removed "
+            "it (moe_lab.workbench.cpu.build.build_guard): a past failure, said once, on stderr "
+            "as a warning should be; it appears only after a build was killed"),
+)
+
+
+def _first_line(source: str) -> str:
+    return next((line.strip() for line in source.splitlines()
+                 if line.strip() and not line.lstrip().startswith("#")), "")
+
+
+def scan(notebook, name: str) -> list[Noise]:
+    """Every stderr output, and every ``execute_result`` whose only form is a dict's or a
+    list's ``repr``, of the executed ``notebook`` (an ``nbformat`` node or its dict); ``name``
+    labels them (the notebook's stem)."""
+    found = []
+    for index, cell in enumerate(notebook["cells"]):
+        if cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        source = source if isinstance(source, str) else "".join(source)
+        for out in cell.get("outputs", []):
+            kind = out.get("output_type")
+            if kind == "stream" and out.get("name") == "stderr":
+                text = out.get("text", "")
+                text = text if isinstance(text, str) else "".join(text)
+                if text.strip():
+                    found.append(Noise(name, index, "stderr", text, _first_line(source)))
+            elif kind == "execute_result":
+                data = out.get("data", {})
+                plain = data.get("text/plain", "")
+                plain = plain if isinstance(plain, str) else "".join(plain)
+                if _RAW.match(plain) and not any(mime in data for mime in RICH):
+                    found.append(Noise(name, index, "raw value", plain, _first_line(source)))
+    return found
+
+
+def unexpected(noise: Iterable[Noise], allowed: Sequence[Allowed]) -> list[Noise]:
+    """The items of ``noise`` that no entry of ``allowed`` accepts."""
+    return [item for item in noise if not any(entry.matches(item) for entry in allowed)]
