@@ -148,9 +148,19 @@ def check_matmul_attainable_flops(fn: Callable[..., float], trials: int = 20) ->
         got = call_answer(fn, m, n, k, bpe, peak, bandwidth)
         if not _close(got, want):
             bound = "memory" if want < peak else "compute"
+            intensity = matmul_intensity(m, n, k, bpe)
+            hint = ""
+            if bound == "memory" and _close(got, peak):
+                hint = (": the peak is out of reach here, the roofline is min(peak, bandwidth × "
+                        "intensity)")
+            elif bound == "compute" and _close(got, bandwidth * intensity):
+                hint = ": the roofline never exceeds the peak, min(peak, bandwidth × intensity)"
+            elif _close(got, roofline(peak, bandwidth, intensity * bpe)):
+                hint = (": the intensity divides the FLOPs by the bytes moved, (mk + kn + mn) · "
+                        "bytes_per_element, not by the elements")
             raise ExerciseError(
                 f"matmul_attainable_flops(m={m}, n={n}, k={k}, bytes_per_element={bpe}, "
                 f"peak_flops={peak:.3g}, bandwidth={bandwidth:.3g}) returned {got!r}, "
-                f"expected {want:.6g} ({bound}-bound)"
+                f"expected {want:.6g} ({bound}-bound{hint})"
             )
     print("✓ matmul_attainable_flops is correct")

@@ -36,7 +36,9 @@ def check_tokens_per_expert(fn) -> None:
         want = tokens_per_expert(ids, n)
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             raise ExerciseError(f"expected a tensor of shape {tuple(want.shape)}, got "
-                                f"{getattr(got, 'shape', type(got).__name__)}")
+                                f"{getattr(got, 'shape', type(got).__name__)}: one count per "
+                                f"expert ({n} here), zero for an expert that gets no token — the "
+                                "largest id seen is not the number of experts")
         if not torch.equal(got.to(torch.int64), want):
             raise ExerciseError(f"counts differ for ids of shape {tuple(ids.shape)} with "
                                 f"{n} experts: got {got.tolist()}, expected {want.tolist()}")

@@ -17,6 +17,7 @@ raises `ExerciseError` when an answer differs from the reference in
 from __future__ import annotations
 
 import math
+import operator
 import random
 from collections.abc import Callable
 
@@ -89,6 +90,10 @@ def check_expert_capacity(fn: Callable[..., int], trials: int = 40) -> None:
             ok = int(got) == got and int(got) == want
         except (TypeError, ValueError, OverflowError):
             ok = False
+        if ok and not _is_integer(got):
+            raise ExerciseError(f"expert_capacity({args}) returned {got!r}: return a Python int, not "
+                                f"{type(got).__name__} — the capacity sizes tensors (torch.zeros(E, C, d) "
+                                "takes no float); math.ceil gives an int")
         if not ok:
             share = tokens * top_k / n_experts
             hint = ""
@@ -103,6 +108,15 @@ def check_expert_capacity(fn: Callable[..., int], trials: int = 40) -> None:
                 hint = " (the capacity factor scales the even share)"
             raise ExerciseError(f"expert_capacity({args}) returned {got!r}, expected {want}{hint}")
     print("✓ expert_capacity is correct")
+
+
+def _is_integer(got: object) -> bool:
+    """An int (or a numpy integer) — not a float, even one with an integral value, not a bool."""
+    try:
+        operator.index(got)
+    except TypeError:
+        return False
+    return not isinstance(got, bool)
 
 
 def _equals(got: object, value: int) -> bool:

@@ -14,7 +14,8 @@
   The learner writes the lines that load each token's rows *through the row-id map*: the
   row id of slot ``j``, a mask that keeps a bad id from addressing memory, the row, its
   weight. Checked against `moe_lab.kernels.permute.unpermute_reference` (padding rows of
-  ``y`` hold NaN, so reading one shows).
+  ``y`` hold NaN, so reading one shows), and on a map holding ids outside ``[0, N_ROWS)``
+  (``y`` sits between NaN rows in memory, so an id the mask lets through shows).
 - ``tile_schedule`` (Triton): which expert and which rows program ``tile`` of the grouped
   GEMM owns, ``(segment, first row, end row)``, read from the offsets on the device — segment
   ``E`` is the padding after ``offsets[E]``, a segment above ``E`` means no work. Checked
@@ -160,7 +161,13 @@ def check_expert_of_row(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None
             raise ExerciseError(f"({where}): expected a [n_rows] = ({n_rows},) tensor, got "
                                 f"{getattr(got, 'shape', type(got).__name__)}")
         if not torch.equal(got.long(), want.long()):
-            raise ExerciseError(f"({where}): got {got.tolist()}, expected {want.tolist()}")
+            hint = ""
+            left = torch.searchsorted(offsets[1:], torch.arange(n_rows, dtype=offsets.dtype))
+            if torch.equal(got.long(), left.long()):
+                hint = (" — row offsets[e + 1] is the first row of expert e + 1: a row equal to a "
+                        "segment's end belongs to the next expert (count the ends at or before "
+                        "the row: searchsorted(..., right=True))")
+            raise ExerciseError(f"({where}): got {got.tolist()}, expected {want.tolist()}{hint}")
     try:
         assert_sync_free(fn, _offsets([4, 0, 2]), 6)
     except SyncError as err:
@@ -214,11 +221,14 @@ def run_unpermute_kernel(kernel: object, y: torch.Tensor, row_id_map: torch.Tens
 def check_unpermute_kernel(kernel: object) -> None:
     """Raise `ExerciseError` unless ``kernel`` combines the expert rows of fresh random
     routings (skewed, padded segments, a token count and width that are not multiples of
-    the blocks) like `unpermute_reference`, in float32."""
+    the blocks) like `unpermute_reference`, in float32 — and, on a map holding row ids
+    outside ``[0, N_ROWS)`` (a padded map's), masks those slots (they add nothing; ``y``
+    sits between NaN rows, so a row loaded through a bad id shows)."""
     device = kernel_device()
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    cases = [(37, 40, 8, 2, 1), (50, 24, 16, 4, 8), (9, 64, 4, 4, 1), (33, 8, 6, 1, 4)]
-    for tokens, d, n_experts, top_k, align in cases:
+    cases = [(37, 40, 8, 2, 1, False), (50, 24, 16, 4, 8, False), (9, 64, 4, 4, 1, False),
+             (33, 8, 6, 1, 4, False), (21, 40, 8, 2, 4, True)]
+    for tokens, d, n_experts, top_k, align, bad_ids in cases:
         ids = random_routing(g, tokens, n_experts, top_k)
         row_id_map, offsets = make_row_id_map_reference(ids, n_experts, align)
         n_rows = int(offsets[-1]) + 3  # 3 rows past the last expert: never read
@@ -227,22 +237,47 @@ def check_unpermute_kernel(kernel: object) -> None:
         used[row_id_map.reshape(-1).long()] = True
         y[~used] = float("nan")  # padding rows: reading one poisons the output
         weights = torch.rand(tokens, top_k, generator=g)
-        want = unpermute_reference(y, row_id_map, weights)
-        got = run_unpermute_kernel(kernel, y.to(device), row_id_map.to(device), weights.to(device)).cpu()
+        if bad_ids:  # ids a padded map holds: past N_ROWS, and -1
+            row_id_map = row_id_map.clone()
+            every_third = torch.arange(0, row_id_map.numel(), 3)
+            row_id_map.view(-1)[every_third] = torch.tensor(
+                [n_rows, n_rows + 1, -1], dtype=row_id_map.dtype)[every_third // 3 % 3]
+        ok = (row_id_map >= 0) & (row_id_map < n_rows)
+        want = unpermute_reference(torch.cat([y, y.new_zeros(1, d)]),
+                                   torch.where(ok, row_id_map, n_rows), weights)
+        # y between NaN rows in memory: a row loaded through an id outside [0, N_ROWS) is NaN.
+        nan_rows = torch.full((3, d), float("nan"))
+        memory = torch.cat([nan_rows, y, nan_rows]).to(device)
+        got = run_unpermute_kernel(kernel, memory[3:3 + n_rows], row_id_map.to(device),
+                                   weights.to(device)).cpu()
         where = f"{tokens} tokens of width {d}, top-{top_k} of {n_experts} experts"
+        if bad_ids:
+            where += f", N_ROWS {n_rows}, row ids outside [0, N_ROWS) in the map"
         bad = where_differs(got, want, rtol=1e-5, atol=1e-5)
         if bad is None:
             continue
         t, c = bad
         hint = ""
-        if torch.isnan(got[t, c]):
+        w_transposed = weights.reshape(-1)[torch.arange(top_k)[None, :] * tokens
+                                           + torch.arange(tokens)[:, None]]
+        if torch.isnan(got[t, c]) and not bool(ok[t].all()):
+            bad_row = int(row_id_map[t][~ok[t]][0])
+            hint = (f" — NaN: token {t} maps to row {bad_row}, outside [0, N_ROWS = {n_rows}): "
+                    "row ids past N_ROWS must be masked (and negative ones), so that the slot adds "
+                    "nothing: ok = t_ok & (row >= 0) & (row < N_ROWS)")
+        elif torch.isnan(got[t, c]):
             hint = (" — NaN: a padding row of y was read, or the output was never written there "
                     "(y's row is row_id_map[t, j], not t·TOP_K + j; store every column of the tile)")
         elif torch.allclose(got, unpermute_reference(y, row_id_map, None), atol=1e-5, rtol=1e-5):
             hint = " — you summed the rows without multiplying by the router weights w[t, j]"
+        elif top_k > 1 and torch.allclose(got, unpermute_reference(y, row_id_map, w_transposed),
+                                          atol=1e-5, rtol=1e-5):
+            hint = (" — the weights are read transposed, as w[j, t]: w is [T, TOP_K] contiguous, "
+                    "so w[t, j] is at w_ptr + t · TOP_K + j")
         raise ExerciseError(f"({where}): out[{t}, {c}] = {got[t, c].item():.6g}, expected "
                             f"{want[t, c].item():.6g}{hint}")
-    print("✓ unpermute_kernel loads every row through the row-id map and matches the reference")
+    print("✓ unpermute_kernel loads every row through the row-id map, masks the ids outside "
+          "[0, N_ROWS) and matches the reference")
 
 
 # ------------------------------------------------------- Triton: the grouped GEMM's tiles

@@ -102,12 +102,19 @@ def check_first_steps_bytes(fn: Callable) -> None:
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             raise ExerciseError(f"return a number of bytes, got {type(got).__name__}")
         if got != measured.bytes:
+            te = tokens * n_experts
+            hint = ""
+            if got == measured.bytes - n_experts * itemsize:
+                hint = " The add reads the bias too: [n_experts] values of the logits' dtype."
+            elif itemsize > 1 and got == measured.bytes + 2 * te * (itemsize - 1):
+                hint = (" The mask is bool: 1 byte per element, whatever the logits' dtype (eq "
+                        "writes it, masked_fill reads it).")
             per_op = ", ".join(f"{name}: {calls} call" for name, (calls, _) in
                                measured.by_name().items())
             raise ExerciseError(
                 f"[{tokens}, {n_experts}] {dtype}: you predict {got:,} bytes, the chain moves "
                 f"{measured.bytes:,} in {measured.ops} kernels ({per_op}). Count, for each "
-                "kernel, every tensor it reads and the one it writes; a bool is 1 byte")
+                "kernel, every tensor it reads and the one it writes; a bool is 1 byte." + hint)
     print("✓ first_steps_bytes matches the measured bytes")
 
 

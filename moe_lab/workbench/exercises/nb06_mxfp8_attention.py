@@ -97,8 +97,9 @@ def check_decode_e4m3(fn: Callable[[int], float]) -> None:
         if not ok:
             fields = f"sign {byte >> 7}, exponent {(byte >> 3) & 0xF:04b}, mantissa {byte & 7:03b}"
             hint = ""
-            if (byte >> 3) & 0xF == 0 and byte & 7:
-                hint = " (exponent field 0: a subnormal, 0.mmm x 2^-6, no hidden 1)"
+            if (byte >> 3) & 0xF == 0:
+                hint = (" (exponent field 0: a subnormal, 0.mmm x 2^-6, no hidden 1 — so 0x00 and "
+                        "0x80 are ±0)")
             elif not math.isnan(want) and isinstance(got, (int, float)) and got == -want:
                 hint = " (check the sign bit, 0x80)"
             raise ExerciseError(
@@ -139,6 +140,8 @@ def check_e8m0_scale_byte(fn: Callable[..., int]) -> None:
                     hint = " (remember the bias: the byte is the exponent + 127)"
                 elif isinstance(got, int) and mode == "rceil" and got == want - 1:
                     hint = " (rceil rounds up: amax / X must not exceed 448)"
+                elif bool(torch.isnan(block).any()):
+                    hint = " (a block holding a NaN gets 255, the E8M0 NaN)"
                 raise ExerciseError(
                     f"e8m0_scale_byte(block with amax {amax.item():.6g}, {mode!r}) returned "
                     f"{got!r}, expected {want}{hint}"
@@ -204,9 +207,14 @@ def check_e8m0_block_scale(fn: Callable) -> None:
         return
     r = int((got != want).nonzero()[0])
     amax = x[r].abs().amax().item()
+    largest = x[r][x[r].abs().argmax()].item()
     hint = ""
     if got[r] == want[r] - 127 or got[r] == want[r] + 127:
         hint = " (the byte is biased: unbiased exponent + 127)"
+    elif largest < 0:
+        hint = (f" (the block's largest magnitude is a negative value, {largest:.6g}: its float32 "
+                "bits read as a negative int32, so clear the sign bit, bits & 0x7FFFFFFF, before "
+                "taking the maximum)")
     elif got[r] == want[r] + 8:
         hint = " (E4M3's largest power of two is 2^8: subtract 8 so that amax / scale fits)"
     elif math.isnan(amax):

@@ -74,9 +74,14 @@ def check_a2a_splits(fn: Callable[[list[torch.Tensor], int, int], tuple[list[int
                 raise ExerciseError(f"return two lists of {world} ints (input_splits, "
                                     f"output_splits), got {got!r}") from None
             if got != want:
+                hint = ""
+                if got == (want[1], want[0]):
+                    hint = (" (input and output swapped: input_splits is what this rank sends, "
+                            "row [rank] of the traffic matrix; output_splits what it receives, "
+                            "column [rank])")
                 raise ExerciseError(
                     f"{world} ranks, {n_experts} experts, rank {rank}: got input_splits="
-                    f"{got[0]}, output_splits={got[1]}; expected {want[0]} and {want[1]}. "
+                    f"{got[0]}, output_splits={got[1]}; expected {want[0]} and {want[1]}{hint}. "
                     "Rank j owns a contiguous block of n_experts / world experts; input_splits "
                     "counts what this rank sends, output_splits what it receives.")
             sent = [s + v for s, v in zip(sent, got[0], strict=True)]
@@ -107,9 +112,16 @@ def check_predict_exposed(fn: Callable[[list[float], list[float]], float]) -> No
         close = isinstance(got, (int, float)) and math.isclose(float(got), want, rel_tol=1e-6,
                                                                abs_tol=1e-9)
         if not close:
+            hint = ""
+            if isinstance(got, (int, float)) and math.isclose(float(got), sum(comm), rel_tol=1e-6):
+                hint = (" (that is every transfer exposed: the link sends chunk i + 1 while chunk i "
+                        "computes, so only what compute does not cover shows)")
+            elif isinstance(got, (int, float)) and comm and math.isclose(float(got), comm[0], rel_tol=1e-6):
+                hint = (" (that counts only the first transfer: when the link is slower than the "
+                        "compute, later chunks arrive late too and the processor waits for each)")
             raise ExerciseError(
                 f"comm_s={[round(a, 4) for a in comm]}, compute_s={[round(c, 4) for c in compute]}: "
-                f"got {got!r}, expected {want:.6g} s. Chunk i can start computing only when it has "
+                f"got {got!r}, expected {want:.6g} s{hint}. Chunk i can start computing only when it has "
                 "arrived (the link sends one chunk after another from t=0) and the previous chunk "
                 "is computed; exposed = step time − total compute.")
     print("✓ predict_exposed models the pipeline")

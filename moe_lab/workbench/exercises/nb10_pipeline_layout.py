@@ -35,6 +35,15 @@ def one_f_one_b_order(rank: int, n_ranks: int, n_microbatches: int) -> list[tupl
     return ops
 
 
+def _with_warmup(warm: int, n_microbatches: int) -> list[tuple[str, int]]:
+    """1F1B's shape with ``warm`` warm-up forwards (the right number or not)."""
+    warm = max(0, min(warm, n_microbatches))
+    ops = [("F", i) for i in range(warm)]
+    for i in range(n_microbatches - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", i) for i in range(n_microbatches - warm, n_microbatches)]
+
+
 @exercise("one_f_one_b_order")
 def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 30) -> None:
     """Raise `ExerciseError` unless ``fn`` gives every rank's 1F1B order on random sizes."""
@@ -56,10 +65,15 @@ def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 3
                     (i for i, (a, b) in enumerate(zip(got_list, want, strict=False)) if a != b),
                     min(len(got_list), len(want)),
                 )
-                hint = ""
+                hints = []
                 gpipe = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-                if got_list == gpipe and got_list != want:
-                    hint = " (that is GPipe: 1F1B starts backwards after p - rank - 1 forwards)"
+                if got_list == gpipe:
+                    hints.append("that is GPipe: 1F1B starts backwards after p - rank - 1 forwards")
+                for extra, what in ((1, "one warm-up forward too many"), (-1, "one warm-up forward too few")):
+                    if got_list == _with_warmup(p - rank - 1 + extra, m):
+                        hints.append(f"{what}: rank {rank} of {p} runs p - rank - 1 = {p - rank - 1} "
+                                     "warm-up forwards before its first backward")
+                hint = f" ({'; or '.join(hints)})" if hints else ""
                 raise ExerciseError(
                     f"one_f_one_b_order(rank={rank}, n_ranks={p}, n_microbatches={m}) "
                     f"differs at position {first}: got {got_list[first:first + 3]}, "

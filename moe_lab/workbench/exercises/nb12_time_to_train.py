@@ -80,7 +80,15 @@ def check_time_to_target(fn) -> None:
             got = call_answer(fn, [dict(p) for p in curve], target)
             want = time_to_target(curve, target)
             if got != want:
-                raise ExerciseError(f"target {target:.3f}: got {got!r}, expected {want!r}. The "
+                below = next((p["time_s"] for p in curve if p["eval_loss"] < target), None)
+                best = min(curve, key=lambda p: p["eval_loss"])
+                hint = ""
+                if got == below:
+                    hint = " (a loss equal to the target reaches it: <=, not <)"
+                elif got == best["time_s"]:
+                    hint = (" (that is the time of the best evaluation, not of the first that "
+                            "reaches the target)")
+                raise ExerciseError(f"target {target:.3f}: got {got!r}, expected {want!r}{hint}. The "
                                     "clock stops at the first evaluation at or below the target; "
                                     "None if no evaluation reaches it")
     if call_answer(fn, flat, 1.5) != 2.0:

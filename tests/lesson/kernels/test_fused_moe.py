@@ -346,25 +346,13 @@ def _stub_gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
     tl.static_assert(False, "exercise not solved yet")
 
 
-@triton.jit
-def _gather_tile_without_source_mask(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
-    # Rows without a source (src = -1) read a token row instead of zeros.
-    src = tl.load(src_ptr + rows, mask=rows < row_end, other=0).to(tl.int64)
-    ok = (rows < row_end)[:, None] & (ks[None, :] < K)
-    return tl.load(x_ptr + (src // TOP_K)[:, None] * K + ks[None, :], mask=ok, other=0.0)
-
-
-def test_exercises_reference_passes_stub_is_not_done_and_wrong_answers_are_caught():
-    from moe_lab.workbench.exercises import ExerciseError, NotDoneError, not_done
+def test_exercise_stubs_are_not_done():
+    """The references passing and the wrong answers failing:
+    tests/workbench/exercises/test_wrong_answers.py."""
+    from moe_lab.workbench.exercises import NotDoneError, not_done
     from moe_lab.workbench.exercises import nb07_fused_grouped_gemm as ex
 
-    ex.check_gather_tile(None, solutions=True)
-    ex.check_permute_combine_bytes(None, solutions=True)
     with pytest.raises(NotDoneError):
         ex.check_gather_tile(_stub_gather_tile)
-    with pytest.raises(ExerciseError, match="no source"):
-        ex.check_gather_tile(_gather_tile_without_source_mask)
     with pytest.raises(NotDoneError):
         ex.check_permute_combine_bytes(lambda *a: not_done())
-    with pytest.raises(ExerciseError, match="row-id map"):
-        ex.check_permute_combine_bytes(lambda t, k, d, b: 2 * t * d * b + 2 * t * k * d * b)

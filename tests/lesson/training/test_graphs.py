@@ -17,11 +17,10 @@ from moe_lab.training.steps import StepConfig, SyncFreeStep
 from moe_lab.training.sync import SyncError
 from moe_lab.workbench.demos.capture_breakers import CAPTURE_BREAKERS, capture_gallery
 from moe_lab.workbench.demos.graphed_vs_eager import graphed_vs_eager
-from moe_lab.workbench.exercises import ExerciseError, not_done, solution
+from moe_lab.workbench.exercises import ExerciseError, not_done
 from moe_lab.workbench.exercises.nb08_cuda_graphs import (
     check_pool_pages,
     check_sync_free_dispatch,
-    dispatch_with_sync,
 )
 
 TINY = preset("tiny")
@@ -100,22 +99,13 @@ def test_capture_replays_the_eager_step():
 # ------------------------------------------------------------------------------ exercises
 
 
-def test_dispatch_exercise_accepts_the_solution_and_rejects_the_sync():
-    check_sync_free_dispatch(solution("sync_free_dispatch"))
-    with pytest.raises(ExerciseError, match="bincount"):
-        check_sync_free_dispatch(dispatch_with_sync)
+# The references passing and the wrong answers failing: tests/workbench/exercises/test_wrong_answers.py.
+
+
+def test_dispatch_exercise_stub_is_not_done():
     with pytest.raises(ExerciseError, match="not solved"):
         check_sync_free_dispatch(lambda *args: not_done())
-    with pytest.raises(ExerciseError, match="differs"):
-        check_sync_free_dispatch(lambda x, ids, w, experts: dispatch_with_sync(x, ids, w, experts) * 2)
 
 
-def test_pool_exercise_accepts_tight_and_simple_bounds_only():
-    check_pool_pages(solution("pool_pages"))
+def test_pool_exercise_accepts_the_simple_bound():
     check_pool_pages(lambda t, k, e, p: -(-t * k // p) + e if t else 0)  # safe, one spare per expert
-    with pytest.raises(ExerciseError, match="overflow"):
-        check_pool_pages(lambda t, k, e, p: -(-t * k // p))  # forgets the partly filled pages
-    with pytest.raises(ExerciseError, match="for nothing"):
-        check_pool_pages(lambda t, k, e, p: e * t)  # the worst-case buffer, in rows
-    with pytest.raises(ExerciseError, match="int"):
-        check_pool_pages(lambda t, k, e, p: torch.tensor(3))
