@@ -75,6 +75,10 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("dropped_frac", "share of token assignments dropped at capacity factor 1.0",
                  "capacity cf1"),
         Headline("vs_naive", "capacity dispatch speed vs naive", "capacity cf1"),),
+    "03_triton_from_zero": (
+        # What the reader's own kernel compiles to: read off the compiled code, no GPU run.
+        Headline("warps_per_sm", "warps per SM of the notebook's tiled bf16 matmul (3 stages) "
+                 "compiled for Hopper, from the compile report", "<inline>:matmul_kernel bf16, 3 stages"),),
     "04_dropless_sync_free": (
         # The technique's own figure, counted, the same on every machine: the host never
         # waits. (The CPU timings of the benchmark are explained in the notebook; the CPU
@@ -154,10 +158,11 @@ MACHINE_FREE_KINDS = ("simulated", "calculation")
 
 def on_cpu_or_machine_free(record: dict) -> bool:
     """True for a figure measured on a CPU, or one no machine measured (a simulation, a
-    count): what a table of "this CPU's" figures may show."""
+    count, a figure read off code compiled for a GPU without running it): what a table of
+    "this CPU's" figures may show."""
     hardware = str(record.get("hardware", ""))
     return (hardware.startswith("cpu:") or hardware == "simulated"
-            or record.get("kind") in MACHINE_FREE_KINDS)
+            or hardware.endswith(", compiled only") or record.get("kind") in MACHINE_FREE_KINDS)
 
 
 def _matches_hardware(record: dict, hardware) -> bool:

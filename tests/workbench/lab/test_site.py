@@ -149,6 +149,10 @@ def test_cpu_table_keeps_simulations_and_counts():
     assert site.on_cpu_or_machine_free(sim)
     assert site.on_cpu_or_machine_free(_rec("a", "b", "c", 1.0, ""))
     assert not site.on_cpu_or_machine_free(gpu)
+    # read off code compiled for a GPU, nothing run on one (the compile report's records)
+    compiled = _rec("03_triton_from_zero", "k", "warps_per_sm", 8, "warps",
+                    hardware="H200 SXM (sm_90), compiled only")
+    assert site.on_cpu_or_machine_free(compiled)
 
 
 def test_format_figure():
