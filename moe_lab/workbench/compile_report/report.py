@@ -384,7 +384,7 @@ def record(rows: list[dict[str, Any]], notebook: str = LEDGER_NOTEBOOK) -> int:
             continue
         ledger.record(notebook, f"{_short_kernel(row)} {row['label']}", "warps_per_sm", row["warps_per_sm"],
                       "warps", hardware=f"{row['gpu']} ({row['arch']}), compiled only",
-                      compiled_on=compiled_on, **{key: row[key] for key in LEDGER_FIELDS})
+                      kind="compiled", compiled_on=compiled_on, **{key: row[key] for key in LEDGER_FIELDS})
         count += 1
     return count
 

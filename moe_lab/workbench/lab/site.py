@@ -152,8 +152,9 @@ def _best(records: Sequence[dict], pick: str = "newest") -> dict | None:
     return max(records, key=lambda r: (_profile_rank(r), str(r.get("time", ""))))
 
 
-# Figures that no machine measured: simulations and counts. A CPU table shows them too.
-MACHINE_FREE_KINDS = ("simulated", "calculation")
+# Figures that no machine measured: simulations, counts, code compiled but not run. A CPU
+# table shows them too.
+MACHINE_FREE_KINDS = ("simulated", "calculation", "compiled")
 
 
 def on_cpu_or_machine_free(record: dict) -> bool:
@@ -162,7 +163,7 @@ def on_cpu_or_machine_free(record: dict) -> bool:
     "this CPU's" figures may show."""
     hardware = str(record.get("hardware", ""))
     return (hardware.startswith("cpu:") or hardware == "simulated"
-            or hardware.endswith(", compiled only") or record.get("kind") in MACHINE_FREE_KINDS)
+            or record.get("kind") in MACHINE_FREE_KINDS)
 
 
 def _matches_hardware(record: dict, hardware) -> bool:

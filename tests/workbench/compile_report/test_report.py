@@ -287,8 +287,8 @@ def test_cli_json_files_and_ledger(monkeypatch, tmp_path, capsys):
     assert "| moe_lab" not in (tmp_path / "summary.md").read_text()  # short kernel names
     assert "demo:_k — demo" in (tmp_path / "summary.md").read_text()
     new = ledger.read()[before:]
-    assert [(r["notebook"], r["metric"], r["value"], r["arch"]) for r in new] == [
-        ("compile", "warps_per_sm", 64, "sm_90")]
+    assert [(r["notebook"], r["metric"], r["value"], r["arch"], r["kind"]) for r in new] == [
+        ("compile", "warps_per_sm", 64, "sm_90", "compiled")]
     assert main(["compile", "--arch", "sm_90", "--out", str(tmp_path)]) == 0
     assert "demo:_k — demo" in capsys.readouterr().out
 

@@ -151,7 +151,7 @@ def test_cpu_table_keeps_simulations_and_counts():
     assert not site.on_cpu_or_machine_free(gpu)
     # read off code compiled for a GPU, nothing run on one (the compile report's records)
     compiled = _rec("03_triton_from_zero", "k", "warps_per_sm", 8, "warps",
-                    hardware="H200 SXM (sm_90), compiled only")
+                    hardware="H200 SXM (sm_90), compiled only", kind="compiled")
     assert site.on_cpu_or_machine_free(compiled)
 
 
