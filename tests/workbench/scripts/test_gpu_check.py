@@ -150,3 +150,25 @@ def test_a_near_tie_id_is_counted_and_an_id_flipped_elsewhere_fails(monkeypatch,
         ids = next(c for c in rep.checks if c["check"] == "fused router ids")
         assert ids["ok"] is flip_near and ids["differing_tokens"] == 1
         assert ids["near_ties"] == (1 if flip_near else 0)
+
+
+def test_the_budget_cuts_a_section_even_when_a_library_wraps_its_interrupt(tmp_path):
+    """The budget's interrupt raised inside Triton's interpreter came back as an
+    InterpreterError (a TypeError inside), and the run reported a failure instead of a cut.
+    A section whose interrupt is caught and re-raised as another error is still a cut; an
+    error with no interrupt behind it is still a failure."""
+    gpu_check = load_script()
+    report = gpu_check.Report(tmp_path, {}, budget_s=0.3)
+
+    def wrapped():
+        try:
+            time.sleep(5)
+        except BaseException as exc:  # what a library that catches everything does
+            raise RuntimeError("wrapped") from exc
+
+    def broken():
+        raise RuntimeError("a real failure")
+
+    report.run("broken", broken)
+    report.run("wrapped", wrapped)
+    assert [s["status"] for s in report.sections] == ["failed", "cut at the budget"]
