@@ -723,3 +723,17 @@ def test_a_plausible_wrong_answer_fails_naming_the_slip(name, i):
     assert not isinstance(err.value, NotDoneError)
     with pytest.raises(ExerciseError, match=hint):
         CHECKS[name](wrong, solutions=False)
+
+
+def test_a_nan_blind_scale_byte_is_told_about_the_nan_when_it_also_looks_unbiased(monkeypatch):
+    """A NaN block whose other values have amax in [2^9, 2^10): the NaN-blind answer gives
+    128, which is also 255 less the bias, so both slips fit and the NaN one must be named.
+    (A random draw hit this once in CI and the check named only the bias.)"""
+    from moe_lab.workbench.exercises import nb06_mxfp8_attention as ex06
+
+    block = torch.full((32,), 600.0)
+    block[3] = math.nan
+    monkeypatch.setattr(ex06, "_blocks", lambda rng: [block])
+    with pytest.raises(ExerciseError, match="a NaN gets 255") as err:
+        ex06.check_e8m0_scale_byte(_scale_byte_nan_ignored)
+    assert "returned 128, expected 255" in str(err.value)
