@@ -60,9 +60,9 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                          ("tests/lesson/parallel/test_overlap.py", "tests/lesson/parallel/test_merged.py",
                           "tests/lesson/parallel/test_merged_streams.py")),
     "schedule": (("moe_lab/sim/schedule.py",), ("tests/lesson/sim/test_schedule.py",)),
-    "checkpoint": (("moe_lab/training/checkpoint.py",),
-                   ("tests/lesson/training/test_checkpoint_durability.py",
-                    "tests/lesson/training/test_train.py")),
+    "checkpoint": (("moe_lab/workbench/training/checkpoint.py",),
+                   ("tests/workbench/training/test_checkpoint_durability.py",
+                    "tests/workbench/training/test_train.py")),
 }
 
 _COMPARE_SWAPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,

@@ -77,7 +77,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse bad values before any process group forms: one line on stderr, exit 1 (on
     every rank, so no rank waits for a peer that has left)."""
     from moe_lab.checks import non_negative_int, positive_int, positive_number
-    from moe_lab.training.loop import MAX_SEED
+    from moe_lab.workbench.training.loop import MAX_SEED
 
     try:
         for name in ("steps", "batch_size", "log_every", "microbatches", "chunks"):
@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_lab.moe.layer import MoELayer
     from moe_lab.parallel.ep import EPMoELayer, clip_grad_norm_ep, from_layer, sync_gradients
     from moe_lab.parallel.merged_model import MergedModelStep
-    from moe_lab.training.loop import TrainConfig, lr_at
     from moe_lab.workbench.ranks.launch import choose_backend, init_from_env
+    from moe_lab.workbench.training.loop import TrainConfig, lr_at
 
     args = parse_args(argv)
     try:  # refused on every rank alike (e.g. --backend nccl with fewer GPUs than local ranks)

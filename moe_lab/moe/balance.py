@@ -14,7 +14,7 @@ is differentiated and nothing is read back to the host: the loads are the router
 ``--moe-router-enable-expert-bias`` with ``--moe-router-bias-update-rate``.)
 
 `update_expert_bias` is the update. `ExpertBiasBalancer` applies it inside
-`moe_lab.training.loop.train` through its ``callback``
+`moe_lab.workbench.training.loop.train` through its ``callback``
 (`moe_lab.workbench.demos.balancing.compare_balancing` trains the same model three ways — no
 balancing, an auxiliary loss, the bias — and returns what each did).
 """
@@ -90,7 +90,7 @@ def load_imbalance(tokens_per_expert: Tensor) -> Tensor:
 
 
 class ExpertBiasBalancer:
-    """Aux-loss-free balancing for `moe_lab.training.loop.train`, as its ``callback``::
+    """Aux-loss-free balancing for `moe_lab.workbench.training.loop.train`, as its ``callback``::
 
         with ExpertBiasBalancer(rate=1e-3) as balancer:
             result = train(model_cfg, cfg, callback=balancer)

@@ -1,8 +1,8 @@
-"""Training: one loop with pluggable steps, checkpoints, and the sync certifier.
+"""Training: the steps a loop plugs in, the optimizers, and the sync certifier.
 
-`moe_lab.training.loop` (`TrainConfig`, `Trainer`, `train`), `moe_lab.training.steps` (the
-steps it plugs in: `EagerStep`, `SyncFreeStep`), `moe_lab.training.graphs` (`GraphedStep`),
-`moe_lab.training.optim` (the AdamWs, `Schedule`, `CLIP_STEPS`), `moe_lab.training.build`
-(`BuildConfig`, `build_model`, the step's forward), `moe_lab.training.sync` (`count_syncs`,
-`assert_sync_free`) and `moe_lab.training.checkpoint`.
+`moe_lab.training.steps` (the steps: `EagerStep`, `SyncFreeStep`), `moe_lab.training.graphs`
+(`GraphedStep`), `moe_lab.training.optim` (the AdamWs, `Schedule`, `CLIP_STEPS`),
+`moe_lab.training.build` (`BuildConfig`, `build_model`, the step's forward) and
+`moe_lab.training.sync` (`count_syncs`, `assert_sync_free`). The loop that drives a step, with
+its data stream, evaluation and checkpoints, is machinery: `moe_lab.workbench.training`.
 """

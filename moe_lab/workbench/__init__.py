@@ -15,6 +15,8 @@ but does need in order to see them work:
 - `ranks` — starting ranks (`run_ranks`, torchrun), the emulated network link, and the rank
   functions the tests and benchmarks launch;
 - `demos` — notebook 08's ladder and capture gallery, notebook 05's balancing comparison;
+- `training` — the loop that drives a lesson step (`training.loop.train`, `Trainer`: data
+  stream, step clock, evaluation, progress bar) and its durable checkpoints;
 - `cli` — ``python -m moe_lab``;
 - `interop` — Hugging Face MoE blocks as moe_lab layers (`interop.patch_hf_model`) and back;
 - `quiet` — the third-party messages known to be harmless, silenced where they start (the one

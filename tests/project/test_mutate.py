@@ -57,13 +57,13 @@ def test_every_target_names_files_and_tests_that_exist(mutate):
 
 
 def test_a_removed_fsync_is_killed_and_the_checkout_is_untouched(mutate):
-    path = "moe_lab/training/checkpoint.py"
+    path = "moe_lab/workbench/training/checkpoint.py"
     before = (ROOT / path).read_text()
     fsync = next(m for m in mutate.mutants_of(path, before) if m.change == "os.fsync(f.fileno())")
     equivalent = next(m for m in mutate.mutants_of(path, before) if m.change == "os.close(fd)")
     scratch = mutate._scratch_copy()
     try:
-        tests = ("tests/lesson/training/test_checkpoint_durability.py",)
+        tests = ("tests/workbench/training/test_checkpoint_durability.py",)
         assert mutate.run_mutant(scratch, fsync, tests, timeout_s=120) == "killed"
         # Not closing the folder's descriptor is not observable by these tests: a survivor.
         assert mutate.run_mutant(scratch, equivalent, tests, timeout_s=120) == "survived"

@@ -16,8 +16,8 @@ from moe_lab.config import preset
 from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.experts import EXPERT_BACKENDS
 from moe_lab.training.build import STEP_KINDS
-from moe_lab.training.loop import TrainConfig, TrainingDiverged, TrainingInterrupted, train
 from moe_lab.workbench.jsonout import dumps
+from moe_lab.workbench.training.loop import TrainConfig, TrainingDiverged, TrainingInterrupted, train
 
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
 EXIT_INTERRUPTED = 130

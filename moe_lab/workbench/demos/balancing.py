@@ -13,7 +13,7 @@ from moe_lab.checks import positive_int
 from moe_lab.config import ModelConfig
 from moe_lab.data import load_corpus
 from moe_lab.moe.balance import ExpertBiasBalancer, load_imbalance
-from moe_lab.training.loop import TrainConfig, train
+from moe_lab.workbench.training.loop import TrainConfig, train
 
 __all__ = ["compare_balancing"]
 

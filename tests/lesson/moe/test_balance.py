@@ -95,7 +95,7 @@ def test_balancer_counts_training_forwards_only_and_updates_after_each_step():
 
 
 def test_balancer_as_a_train_callback_moves_the_biases():
-    from moe_lab.training.loop import TrainConfig, train
+    from moe_lab.workbench.training.loop import TrainConfig, train
 
     with ExpertBiasBalancer(rate=0.01) as balancer:
         result = train(preset("tiny"), TrainConfig(steps=3, batch_size=2, eval_every=0,

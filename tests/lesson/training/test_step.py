@@ -14,12 +14,12 @@ import torch
 from moe_lab import preset
 from moe_lab.model import MoETransformer
 from moe_lab.training.build import build_model, build_sync_free, random_batch
-from moe_lab.training.loop import TrainConfig, lr_at, train
 from moe_lab.training.optim import lr_schedule, make_optimizer
 from moe_lab.training.steps import StepConfig, SyncFreeStep
 from moe_lab.training.sync import SyncError, count_syncs
 from moe_lab.workbench.demos.ladder import LADDER, ladder_step
 from moe_lab.workbench.measure.host_overhead import count_ops, overhead_sweep, shrunk_config
+from moe_lab.workbench.training.loop import TrainConfig, lr_at, train
 
 TINY = preset("tiny")
 SMALL = preset("small")

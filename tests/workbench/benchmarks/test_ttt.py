@@ -13,9 +13,9 @@ import torch
 
 from moe_lab.model import ModelImpls
 from moe_lab.training.build import autocast_forward
-from moe_lab.training.loop import Trainer
 from moe_lab.workbench.benchmarks import ttt
 from moe_lab.workbench.benchmarks.ttt import NAIVE, Stack, TTTConfig, TTTRun, racing
+from moe_lab.workbench.training.loop import Trainer
 
 # A contest that runs in a fraction of a second: tiny preset, two sequences per step.
 MICRO = TTTConfig(preset="tiny", target_loss=5.5, batch_size=2, steps=6, warmup_steps=1,

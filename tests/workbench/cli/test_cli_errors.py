@@ -157,7 +157,7 @@ def test_resume_with_nothing_left_to_train_is_an_error(capsys, tmp_path, checkpo
 
 
 def test_checkpoint_without_every_saves_at_the_end(checkpoint):
-    from moe_lab.training.checkpoint import load_checkpoint
+    from moe_lab.workbench.training.checkpoint import load_checkpoint
 
     assert load_checkpoint(checkpoint)["step"] == 2
 

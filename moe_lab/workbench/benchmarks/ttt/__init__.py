@@ -15,7 +15,7 @@ This package runs the same contest on whatever machine the reader has:
   same batches in the same order, with the same warm-up + cosine schedule; every
   ``eval_every`` steps the eval loss on a fixed eval set is measured, and the clock stops
   after the first evaluation at or below ``target_loss``. `make_trainer` builds a stack's
-  `moe_lab.training.loop.Trainer`, the object `moe_lab.training.loop.train` drives;
+  `moe_lab.workbench.training.loop.Trainer`, the object `moe_lab.workbench.training.loop.train` drives;
 - `moe_lab.workbench.benchmarks.ttt.racing` — the race itself: the stacks' trainers advanced in lockstep,
   each on its own clock (`race`, `time_to_train`, `compare_stacks`), and single-step
   timings of the same trainers (`ladder_throughput`, `step_breakdowns`);

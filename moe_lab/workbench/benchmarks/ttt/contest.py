@@ -2,8 +2,8 @@
 
 `TTTConfig` fixes what every stack trains on: the model, the data, the schedule, the
 evaluation and the target; `PROFILES` are the two sizes notebook 12 runs. `make_trainer`
-builds a stack's `moe_lab.training.loop.Trainer` by those rules — the very object
-`moe_lab.training.loop.train` drives — and `TTTRun` is what one stack's run to the target
+builds a stack's `moe_lab.workbench.training.loop.Trainer` by those rules — the very object
+`moe_lab.workbench.training.loop.train` drives — and `TTTRun` is what one stack's run to the target
 measured. `pick_router_impl` times the router candidates at the contest's size.
 """
 
@@ -20,11 +20,11 @@ from moe_lab.data import SyntheticCorpus, TextFileCorpus, load_corpus
 from moe_lab.model import MoETransformer
 from moe_lab.moe.router import Router
 from moe_lab.training.build import build_model
-from moe_lab.training.loop import DataConfig, TrainConfig, Trainer
 from moe_lab.training.optim import Schedule
 from moe_lab.training.steps import StepConfig
 from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, Stack, cpu_plugin_status, cpu_router, device_of
 from moe_lab.workbench.measure.timing import compare
+from moe_lab.workbench.training.loop import DataConfig, TrainConfig, Trainer
 
 __all__ = ["PROFILES", "TTTConfig", "TTTRun", "load_contest_corpus", "make_trainer",
            "pick_router_impl", "stack_model"]
@@ -63,7 +63,7 @@ class TTTConfig:
         return max(self.eval_per_domain, -(-self.min_eval_rows // n_domains))
 
     def train_config(self, stack: Stack = NAIVE, n_domains: int = 1) -> TrainConfig:
-        """The `moe_lab.training.loop.TrainConfig` that trains ``stack`` by these rules
+        """The `moe_lab.workbench.training.loop.TrainConfig` that trains ``stack`` by these rules
         (schedule, data, evaluation on a corpus of ``n_domains`` domains), reading a
         sync-free step's statistics at every evaluation."""
         return TrainConfig(
@@ -133,7 +133,7 @@ def load_contest_corpus(cfg: TTTConfig) -> SyntheticCorpus | TextFileCorpus:
 def make_trainer(stack: Stack, cfg: TTTConfig, device: torch.device | str | None = None, *,
                  corpus: SyntheticCorpus | TextFileCorpus | None = None,
                  warm_eval: bool = False) -> Trainer:
-    """The `moe_lab.training.loop.Trainer` of ``stack`` under ``cfg``: every stack starts from
+    """The `moe_lab.workbench.training.loop.Trainer` of ``stack`` under ``cfg``: every stack starts from
     the same weights (seeded with ``cfg.seed``) and draws the same batches. Building it is
     initialisation: with ``compile`` the model is compiled here, and with ``warm_eval`` its
     compiled evaluation too."""

@@ -5,7 +5,7 @@ compiling it, capturing a CUDA graph, all on random tokens, never on training da
 *initialisation*, reported beside the time to target as ``init_s`` (MLPerf also keeps
 initialisation out of the timed region, within a cap). Evaluation time is inside the clock.
 
-Each stack runs in a *lane* holding its `moe_lab.training.loop.Trainer`: the race advances
+Each stack runs in a *lane* holding its `moe_lab.workbench.training.loop.Trainer`: the race advances
 the lanes one step each in turn (`race`), each lane's clock adding up only its own steps
 and evaluations, so a burst of load from another process on a shared machine slows every
 stack alike instead of whichever ran at that moment. `compare_stacks` races every seed;
@@ -24,11 +24,11 @@ import torch.utils.deterministic as det
 
 from moe_lab.data import Batch, SyntheticCorpus, TextFileCorpus
 from moe_lab.perf.capabilities import capabilities
-from moe_lab.training.loop import Trainer
 from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig, TTTRun, load_contest_corpus, make_trainer
 from moe_lab.workbench.benchmarks.ttt.stacks import Stack, device_of
 from moe_lab.workbench.measure.breakdown import step_breakdown
 from moe_lab.workbench.measure.timing import compare
+from moe_lab.workbench.training.loop import Trainer
 
 Corpus = SyntheticCorpus | TextFileCorpus
 

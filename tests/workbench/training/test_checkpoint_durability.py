@@ -7,8 +7,8 @@ import pytest
 import torch
 from support import mounted_tmpfs
 
-from moe_lab.training import checkpoint
-from moe_lab.training.checkpoint import load_checkpoint, save_checkpoint
+from moe_lab.workbench.training import checkpoint
+from moe_lab.workbench.training.checkpoint import load_checkpoint, save_checkpoint
 
 
 def test_the_file_and_its_folder_are_flushed(tmp_path, monkeypatch):

@@ -44,9 +44,9 @@ from moe_lab.data import Batch, SyntheticCorpus, TextFileCorpus, load_corpus
 from moe_lab.memory import check_fits
 from moe_lab.model import MoETransformer
 from moe_lab.training.build import BuildConfig, build_model, random_batch, step_forward
-from moe_lab.training.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
 from moe_lab.training.graphs import GraphedStep
 from moe_lab.training.steps import EagerStep, StepConfig, SyncFreeStep
+from moe_lab.workbench.training.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
 
 Tensor = torch.Tensor
 
@@ -375,7 +375,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     def state(self, history: list[dict], evals: list[dict]) -> dict:
-        """A checkpoint of the run so far (`moe_lab.training.checkpoint.save_checkpoint`)."""
+        """A checkpoint of the run so far (`moe_lab.workbench.training.checkpoint.save_checkpoint`)."""
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from moe_lab import preset
-from moe_lab.training.checkpoint import load_checkpoint, save_checkpoint
-from moe_lab.training.loop import TrainConfig, lr_at, train
+from moe_lab.workbench.training.checkpoint import load_checkpoint, save_checkpoint
+from moe_lab.workbench.training.loop import TrainConfig, lr_at, train
 
 TINY = preset("tiny", n_layers=1, seq_len=32)
 
@@ -115,7 +115,7 @@ def test_evaluate_builds_no_autograd_graph():
     from moe_lab.config import preset
     from moe_lab.data import SyntheticCorpus
     from moe_lab.model import MoETransformer
-    from moe_lab.training.loop import evaluate
+    from moe_lab.workbench.training.loop import evaluate
 
     cfg = preset("tiny")
     model = MoETransformer(cfg)
@@ -144,7 +144,7 @@ def test_resume_with_the_sync_free_step_reproduces_the_run(tmp_path):
 
 
 def test_the_trainer_advances_one_step_at_a_time():
-    from moe_lab.training.loop import Trainer
+    from moe_lab.workbench.training.loop import Trainer
 
     c = cfg(seed=3, steps=4)
     trainer = Trainer(TINY, c)
@@ -169,7 +169,7 @@ def test_a_save_removes_the_temporaries_of_interrupted_saves(tmp_path):
 
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_checkpoint(tmp_path):
-    from moe_lab.training.loop import TrainingDiverged
+    from moe_lab.workbench.training.loop import TrainingDiverged
 
     path = tmp_path / "ck.pt"
     with pytest.raises(TrainingDiverged, match=r"at step 2 .*ck.pt' \(step 1\)") as stop:
@@ -198,7 +198,7 @@ def test_non_finite_lr_and_out_of_range_seeds_are_refused(field, value):
 
 
 def test_a_batch_too_large_for_memory_is_refused_before_anything_is_built():
-    from moe_lab.training.loop import Trainer
+    from moe_lab.workbench.training.loop import Trainer
 
     with pytest.raises(ValueError, match="batch_size=1000000000000 .* GiB"):
         Trainer(TINY, cfg(batch_size=10**12))
@@ -208,9 +208,9 @@ def test_the_training_configs_hold_their_shared_fields_once():
     import dataclasses
 
     from moe_lab.training.build import BuildConfig
-    from moe_lab.training.loop import DataConfig
     from moe_lab.training.optim import Schedule
     from moe_lab.training.steps import StepConfig
+    from moe_lab.workbench.training.loop import DataConfig
 
     c = cfg(lr=1e-3, read_every=4, dispatcher="dropless", expert_backend="torch")
     assert c.step_config == StepConfig(Schedule(1e-3, 3, 12), read_every=4)
@@ -276,8 +276,8 @@ def test_the_step_path_moves_batches_to_the_gpu_without_a_blocking_copy(monkeypa
     """On CUDA a batch goes to the device from pinned memory with ``non_blocking=True``, one
     step ahead; and the step on it syncs nowhere but at the end of a window (count_syncs)."""
     from moe_lab.data import load_corpus
-    from moe_lab.training.loop import _to
     from moe_lab.training.sync import count_syncs
+    from moe_lab.workbench.training.loop import _to
 
     cuda = torch.device("cuda")
     batch = load_corpus("synthetic", seq_len=32, seed=0).sample(2, generator=torch.Generator())
@@ -286,7 +286,7 @@ def test_the_step_path_moves_batches_to_the_gpu_without_a_blocking_copy(monkeypa
     assert len(recorder.copies) == 3 and not recorder.blocking(), recorder.copies
     assert all(torch.equal(a, b) for a, b in zip(moved, batch, strict=True))
 
-    from moe_lab.training.loop import BatchStream, Trainer
+    from moe_lab.workbench.training.loop import BatchStream, Trainer
 
     trainer = Trainer(TINY, cfg(seed=3, steps=8, step="sync_free", read_every=4, eval_every=0,
                                 dispatcher="dropless", expert_backend="torch"))
@@ -308,7 +308,7 @@ def test_the_step_path_moves_batches_to_the_gpu_without_a_blocking_copy(monkeypa
 
 def test_a_prefetched_batch_leaves_the_stream_and_its_checkpoint_unchanged():
     from moe_lab.data import load_corpus
-    from moe_lab.training.loop import BatchStream
+    from moe_lab.workbench.training.loop import BatchStream
 
     corpus = load_corpus("synthetic", seq_len=16, seed=0)
     plain = BatchStream(corpus, 3, torch.Generator().manual_seed(5), torch.device("cpu"))
@@ -330,7 +330,7 @@ def test_a_prefetched_batch_leaves_the_stream_and_its_checkpoint_unchanged():
 def test_step_times_come_from_cuda_events_read_without_a_wait_per_step(monkeypatch):
     """On CUDA the clock records an event pair per step and reads a pair only once its end
     event has completed (``query``), waiting only when ``times`` is asked for."""
-    from moe_lab.training.loop import StepClock
+    from moe_lab.workbench.training.loop import StepClock
 
     class Event:
         made: list["Event"] = []
@@ -364,7 +364,7 @@ def test_step_times_come_from_cuda_events_read_without_a_wait_per_step(monkeypat
 
 
 def test_train_runs_where_tqdm_is_not_installed(monkeypatch):
-    import moe_lab.training.loop as loop
+    import moe_lab.workbench.training.loop as loop
 
     c = cfg(seed=3, steps=3, progress=True)
     want = train(TINY, c).losses()

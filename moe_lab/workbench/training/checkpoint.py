@@ -1,6 +1,6 @@
 """Checkpoints: written atomically, read without unpickling code.
 
-A training checkpoint (`moe_lab.training.loop.Trainer.state`) holds the model, the optimizer,
+A training checkpoint (`moe_lab.workbench.training.loop.Trainer.state`) holds the model, the optimizer,
 the step's own device state where it has one, the data generator's state, torch's RNG and
 the history, so a resumed run continues the uninterrupted loss curve exactly. It is written
 to a temporary file in the same folder and renamed over the old one (``os.replace``), so a
