@@ -497,6 +497,41 @@ def section_grouped_gemm(torch, dev, rep: Report, shapes: dict, cuda: bool) -> N
                       note=f"not launched: {missing}" if missing else "")
 
 
+def section_grouped_gemm_tma(torch, dev, rep: Report, shapes: dict) -> None:
+    """The persistent TMA grouped GEMM (``expert_backend="triton_tma"``): forward, dX (the kernel
+    on W transposed) and dW, on packed offsets with an idle expert and on a padded layout (rows
+    past the last segment), bf16 and fp32, against the textbook loop in float64."""
+    from moe_lab.kernels import grouped_gemm as gg
+    from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
+
+    align = 16
+    for label, s in shapes.items():
+        E, M, d, f = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
+        for dtype, tol in ((torch.float32, 5e-3), (torch.bfloat16, 2e-2)):
+            for padded in (False, True):
+                g = torch.Generator(device=dev).manual_seed(1)
+                counts = torch.bincount(torch.randint(0, E, (M,), generator=g, device=dev), minlength=E)
+                counts[-1] = 0  # an idle expert
+                if padded:
+                    counts = (counts + align - 1) // align * align
+                offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+                m = M + E * (align - 1) if padded else int(counts.sum())
+                shape = f"{label} M={m}" + (f", padded to {align}" if padded else "")
+                h, w = randn(torch, g, (m, f), dtype), randn(torch, g, (E, f, d), dtype, f ** -0.5)
+                dy = randn(torch, g, (m, d), dtype)
+                hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+                with poisoned(torch):
+                    y = grouped_gemm_tma(hg, wg, offsets)
+                    gx, gw = torch.autograd.grad(y, (hg, wg), dy)
+                hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+                yr = gg.grouped_gemm_reference(hr, wr, offsets)
+                gxr, gwr = torch.autograd.grad(yr, (hr, wr), dy.double())
+                for what, got, want in (("fwd", y, yr), ("dX", gx, gxr), ("dW", gw, gwr)):
+                    rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", shape,
+                              rel_error(got, want), tol)
+                del hg, wg, y, gx, gw, hr, wr, yr, gxr, gwr
+
+
 def swiglu_reference(h):
     """``silu(gate) * up`` of the two halves of ``h``'s last dim: the textbook SwiGLU."""
     import torch.nn.functional as F
@@ -928,6 +963,11 @@ def bench_grouped_gemm(torch, dev, rep: Report, time_fn, E: int, M: int, K: int,
             t_ref = time_fn(lambda: torch._grouped_mm(x, w, offs=offsets[1:]))
             row.update(torch_grouped_mm_ms=t_ref * 1e3, torch_tflops=flops / t_ref / 1e12,
                        ratio_triton_to_torch=t_ref / t_tr)
+    from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
+
+    if K % 8 == 0 and N % 8 == 0:  # TMA's 16-byte rows
+        t_tma = time_fn(lambda: grouped_gemm_tma(x, w, offsets))
+        row.update(tma_ms=t_tma * 1e3, tma_tflops=flops / t_tma / 1e12, ratio_tma_to_cp_async=t_tr / t_tma)
     rep.timed("grouped GEMM fwd", **row)
 
 
@@ -1123,6 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
     # the figures: a budget that runs out costs the figures before the checks.
     sections = [
         ("grouped GEMM", lambda: section_grouped_gemm(torch, dev, rep, shapes, cuda)),
+        ("TMA grouped GEMM", lambda: section_grouped_gemm_tma(torch, dev, rep, shapes)),
         ("fused MoE", lambda: section_fused_moe(torch, dev, rep, shapes)),
         ("permute", lambda: section_permute(torch, dev, rep, pm_shapes)),
         ("MX quantizer", lambda: section_mx(torch, dev, rep, mx_shapes)),

@@ -1,7 +1,7 @@
 """Triton kernels, one concept per module, each tested against its plain PyTorch reference:
 
 - ``grouped_gemm`` — the grouped GEMM over device offsets (and SwiGLU fused into the first
-  GEMM's epilogue), the expert backend ``triton``;
+  GEMM's epilogue), the expert backend ``triton``; ``grouped_gemm_tma`` — persistent, TMA-fed;
 - ``permute`` — the dropless layout's token permutation (``permute_args``: the argument
   checks it shares with the CPU plug-in's permutation);
 - ``fused_moe`` — the permute and the combine fused into the grouped GEMMs; ``fused_mxfp8``

@@ -16,7 +16,9 @@ Ways to run all experts over rows grouped by expert (``grouped_forward(x, offset
 - ``torch`` — ``torch._grouped_mm`` over the offsets, as the custom op
   ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it;
 - ``triton`` — moe_lab's Triton grouped GEMM with SwiGLU fused into the first GEMM's
-  epilogue (`moe_lab.kernels.grouped_gemm`); a plug-in may add more (``openmp``).
+  epilogue (`moe_lab.kernels.grouped_gemm`);
+- ``triton_tma`` — the persistent TMA grouped GEMM for both GEMMs, SwiGLU between them
+  unfused (`moe_lab.kernels.grouped_gemm_tma`); a plug-in may add more (``openmp``).
 
 Each backend names the token permutation it pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`);
 each expert class names the backends it runs on (``BACKENDS``: a variant with biases only
@@ -299,9 +301,19 @@ def _triton_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tenso
     return grouped_gemm(hq, w2.to(hq.dtype), offsets)
 
 
+def _triton_tma_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
+    from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
+
+    xq, w1 = experts.quantized(x, experts.w_gate_up, 1)
+    h = swiglu(grouped_gemm_tma(xq, w1.to(xq.dtype), offsets))
+    hq, w2 = experts.quantized(h, experts.w_down, 1)
+    return grouped_gemm_tma(hq, w2.to(hq.dtype), offsets)
+
+
 EXPERT_BACKENDS.register("loop", ExpertBackend(_loop_backend))
 EXPERT_BACKENDS.register("torch", ExpertBackend(_torch_backend))
 EXPERT_BACKENDS.register("triton", ExpertBackend(_triton_backend, permutation="triton"))
+EXPERT_BACKENDS.register("triton_tma", ExpertBackend(_triton_tma_backend, permutation="triton"))
 
 
 class SwiGLU(nn.Module):

@@ -152,11 +152,18 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
     # On sm_90 and later ptxas places the system's reserved kilobyte in the cubin of a kernel
     # that uses shared memory, and leaves it out of its log: the difference must be that or 0.
     reserved = res["SHARED"] - ptxas["shared_bytes"]
+    # A warp-specialised loop adds its partitions' warps to the block (Triton rounds it up to
+    # whole warpgroups): a launch runs meta.num_warps warps, as the PTX's .reqntid says, and
+    # the occupancy counts those; without it they are the config's.
+    specialised = "ttg.warp_specialize" in compiled.asm["ttgir"]
+    threads = re.search(r"\.reqntid (\d+)", ptx)
     checks = {  # [what the report shows (cuobjdump, the spec), the second account (ptxas, metadata)]
         "registers": [res["REG"], ptxas["registers"]],
         "stack_bytes": [res["STACK"], ptxas["stack_bytes"]],
         "shared_reserved": [reserved, limits.reserved_shared_per_block if reserved else 0],
-        "num_warps": [config.num_warps, meta.num_warps],
+        "num_warps": [config.num_warps, min(meta.num_warps, config.num_warps) if specialised
+                      else meta.num_warps],
+        "block_threads": [meta.num_warps * 32, int(threads.group(1)) if threads else None],
         "num_stages": [config.num_stages, meta.num_stages],
     }
     loaded = _loaded_figures(compiled, arch)
@@ -178,7 +185,9 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
         "shared_dynamic": meta.shared,
         "shared_bytes": res["SHARED"] + meta.shared,  # static (in the cubin) + dynamic (at launch)
         "tmem_columns": getattr(meta, "tmem_size", 0),
-        **reading.occupancy(res["REG"], ptxas["shared_bytes"] + meta.shared, config.num_warps, limits),
+        "block_warps": meta.num_warps,
+        "warp_specialized": specialised,
+        **reading.occupancy(res["REG"], ptxas["shared_bytes"] + meta.shared, meta.num_warps, limits),
         "mma_class": mma["class"],
         "mma_kinds": mma["kinds"],
         "mma_count": mma["count"],

@@ -44,7 +44,9 @@ def test_gpu_check_cpu_smoke(tmp_path):
                      "fused router grad", "fused router ids",
                      "fused router counts per sequence", "fused router score sums per sequence",
                      "fused router seq_aux_loss", "graphed step loss vs eager reference (step 1)",
-                     "paged stash round trip", "paged step gradients (vs unpaged)"):
+                     "paged stash round trip", "paged step gradients (vs unpaged)",
+                     "grouped_gemm_tma bfloat16 fwd", "grouped_gemm_tma float32 dX",
+                     "grouped_gemm_tma bfloat16 dW"):
         assert expected in names, expected
     from moe_lab.kernels.fusions import FUSIONS
 
@@ -66,7 +68,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert kernels and all(k["registers"] is None and k["report_registers"] for k in kernels)
     sections = json.loads((out / "sections.json").read_text())
     assert [s["status"] for s in sections] == ["done"] * len(sections)
-    assert {s["section"] for s in sections} >= {"fused MoE", "paged stash", "registers and spills",
+    assert {s["section"] for s in sections} >= {"fused MoE", "TMA grouped GEMM", "paged stash",
+                                                "registers and spills",
                                                 "12 tokens/s of the optimised step"}
     assert len(list((out / "sections").glob("*.json"))) == len(sections)
     env = json.loads((out / "env.json").read_text())

@@ -1,0 +1,283 @@
+"""A persistent grouped GEMM fed by TMA: one program per SM walks a tile list built on the device.
+
+`moe_lab.kernels.grouped_gemm` launches one program per output tile, and each program copies
+its operands into shared memory with per-thread ``cp.async``. Hopper and Blackwell have a copy
+engine, the *Tensor Memory Accelerator* (TMA): one thread hands it a *tensor descriptor*
+(base, shape, strides, box) and a tile's coordinates, and the whole tile lands in shared
+memory, signalled on an mbarrier; out-of-bounds elements read as zeros and are not written on
+a store. This kernel uses it three ways (https://triton-lang.org/main/getting-started/tutorials/09-persistent-matmul.html):
+
+- **Descriptors per expert, built on the device** (``tl.make_tensor_descriptor``) from the
+  offsets: ``x`` and ``y`` as ``[offsets[e+1], K]`` and ``[offsets[e+1], N]`` tensors (so the
+  rows past the expert's last one are outside the descriptor), ``w[e]`` as ``[K, N]``. The tail
+  of an expert's segment is handled by the descriptor's bounds: a partial row tile loads zeros
+  past the expert's rows and its TMA store clips them, so no tile writes another expert's rows
+  and no mask is needed. (TMA wants 16-byte aligned rows: ``K`` and ``N`` multiples of 8 in
+  bfloat16, of 4 in float32; the wrapper says so otherwise.)
+- **A persistent grid**: ``num_programs`` programs (the SM count on CUDA, a few interpreted),
+  each taking tiles ``pid, pid + num_programs, ...`` of one list over (segment, row tile,
+  N tile). Every program computes the list from ``offsets`` itself: no host sync, and the grid
+  is static (a CUDA graph can capture it). Segment ``E`` is the padding rows
+  ``offsets[E]:m_bound``: its tiles load their ``x`` boxes from past column ``K`` (wholly out of
+  bounds: zeros), so they multiply zeros and store zeros. Every tile runs the same K loop:
+  Triton 3.7.1 fails to warp-specialise a loop whose trip count changes from tile to tile.
+- **Pipelined TMA loads** (``num_stages`` >= 3 compiled: the loads of the next K steps are in
+  flight while this one multiplies), and on sm_100 a warp-specialised tile loop
+  (``tl.range(..., warp_specialize=True)``: loads and MMAs in partitions of warps of their own).
+
+The order of the list (`tile_order`) is what makes L2 work: the programs in flight at once
+hold consecutive tiles, and ``GROUP_M`` row tiles share each N tile, so a weight tile fetched
+from HBM serves ``GROUP_M`` row tiles and those rows' ``x`` tiles stay in L2 while the group
+sweeps N; a group may straddle two experts (Triton's grouped ordering,
+https://triton-lang.org/main/getting-started/tutorials/03-matrix-multiplication.html).
+
+The backward: ``dX = dY·W[e]ᵀ`` is this kernel on ``W`` transposed (``TRANS_W``: the descriptor
+is over ``W`` as stored, each tile transposed in shared memory); ``dW[e] = X_eᵀ·dY_e`` is the
+existing grouped dW kernel (``moe_lab::grouped_gemm_dw``), not a TMA one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_lab.checks import first_derivative_only, int_in, one_of, positive_int
+from moe_lab.kernels import grouped_gemm as gg
+from moe_lab.kernels.common import (
+    block_e,
+    cast_for_store,
+    check_device,
+    dot_bf16,
+    interpreted,
+    jit,
+    mma,
+    new_output,
+)
+from moe_lab.kernels.grouped_gemm import KERNEL_DTYPES
+from moe_lab.kernels.launch import LaunchConfig
+
+Tensor = torch.Tensor
+
+# Row tiles that share each N tile in `tile_order` (the tutorial's GROUP_SIZE_M): one program
+# per SM in flight, so a group takes about (SMs / GROUP_M) N tiles at a time.
+GROUP_M = 8
+# Programs of an interpreted launch: more than one, so that the strided walk is exercised.
+INTERPRETED_PROGRAMS = 3
+
+
+@jit
+def tile_order(t, n_row_tiles, n_col_tiles, GROUP_M: tl.constexpr):
+    """``(row tile, N tile)`` of tile ``t`` in grouped order: tiles come in groups of
+    ``GROUP_M`` consecutive row tiles (the last group may be smaller) by every N tile; inside a
+    group the row tile changes fastest, then the N tile. ``GROUP_M = 1`` is N-fastest order."""
+    per_group = GROUP_M * n_col_tiles
+    first = (t // per_group) * GROUP_M
+    size = tl.minimum(n_row_tiles - first, GROUP_M)
+    inside = t % per_group
+    return first + inside % size, inside // size
+
+
+@jit
+def _tma_grouped_gemm_kernel(
+    x_ptr, w_ptr, y_ptr, offsets_ptr,
+    M_ROWS, N, K, E, s_xm, s_we, s_wr, s_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr, TRANS_W: tl.constexpr, DOT_BF16: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    # x: [M, K] rows of stride s_xm; w: [E, K, N], expert stride s_we, stored [K, N] with row
+    # stride s_wr, or (TRANS_W) stored [N, K]; y: [M, N] rows of stride s_ym; offsets: [E + 1]
+    # int32 on the device. Grid: (number of programs,); each walks the tile list.
+    s = tl.arange(0, BLOCK_E)  # segments 0..E-1 the experts, E the padding rows
+    start = tl.load(offsets_ptr + s, mask=s <= E, other=M_ROWS)
+    end = tl.load(offsets_ptr + s + 1, mask=s < E, other=M_ROWS)
+    start = tl.minimum(tl.maximum(start, 0), M_ROWS)
+    end = tl.minimum(tl.maximum(end, start), M_ROWS)
+    seg_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+    last = tl.cumsum(seg_tiles, 0)  # row tiles in segments 0..s
+    n_row_tiles = tl.sum(seg_tiles, 0)
+    n_col_tiles = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for t in tl.range(tl.program_id(0), n_row_tiles * n_col_tiles, tl.num_programs(0),
+                      warp_specialize=WARP_SPECIALIZE):
+        r, c = tile_order(t, n_row_tiles, n_col_tiles, GROUP_M)
+        seg = tl.sum((last <= r).to(tl.int32), 0)
+        here = s == seg
+        row0 = tl.sum(tl.where(here, start + (r - last + seg_tiles) * BLOCK_M, 0), 0)
+        row_end = tl.sum(tl.where(here, end, 0), 0)
+        col0 = c * BLOCK_N
+        expert = tl.minimum(seg, E - 1).to(tl.int64)
+        k_skip = tl.where(seg < E, 0, k_steps * BLOCK_K)  # the padding segment reads zeros
+        x_desc = tl.make_tensor_descriptor(x_ptr, [row_end, K], [s_xm, 1], [BLOCK_M, BLOCK_K])
+        y_desc = tl.make_tensor_descriptor(y_ptr, [row_end, N], [s_ym, 1], [BLOCK_M, BLOCK_N])
+        if TRANS_W:
+            w_desc = tl.make_tensor_descriptor(w_ptr + expert * s_we, [N, K], [s_wr, 1],
+                                               [BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(w_ptr + expert * s_we, [K, N], [s_wr, 1],
+                                               [BLOCK_K, BLOCK_N])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kk in range(0, k_steps):
+            a = x_desc.load([row0, k_skip + kk * BLOCK_K])
+            if TRANS_W:
+                b = tl.trans(w_desc.load([col0, kk * BLOCK_K]))
+            else:
+                b = w_desc.load([kk * BLOCK_K, col0])
+            acc = mma(acc, a, b, DOT_BF16)
+        y_desc.store([row0, col0], cast_for_store(acc, y_ptr))
+
+
+# --------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------
+
+
+def launch_config(m: int, n: int, k: int, n_experts: int, *, interpreted: bool,
+                  dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
+    """Tiles, warps and stages of one launch. Compiled bfloat16: 128 x 128 x 64 on 8 warps
+    with 4 stages (the persistent tutorial's tile: four stages of both operands' tiles and the
+    output tile fit an H100's shared memory); float32 (the CUDA cores): 64 x 64 x 32 on 4 warps,
+    3 stages. Interpreted: `moe_lab.kernels.grouped_gemm.launch_config`'s (large tiles)."""
+    one_of(dtype, "dtype", KERNEL_DTYPES)
+    if interpreted:
+        return gg.launch_config("gemm", m, n, k, n_experts, interpreted=True)
+    if dtype == torch.float32:
+        return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=4, num_stages=3)
+    return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4)
+
+
+def warp_specialized(device: torch.device) -> bool:
+    """Whether the tile loop is warp-specialised: on Blackwell (compute capability 10)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+
+
+def default_programs(device: torch.device) -> int:
+    """The persistent grid: one program per SM on CUDA, `INTERPRETED_PROGRAMS` elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETED_PROGRAMS
+
+
+@contextlib.contextmanager
+def _descriptor_scratch(device: torch.device) -> Iterator[None]:
+    """Device-side descriptors live in a global scratch buffer Triton asks an allocator for
+    (``triton.set_allocator``); for one launch on CUDA, torch allocates it (put back after)."""
+    if device.type != "cuda":
+        yield
+        return
+    from triton.runtime import _allocation
+
+    token = _allocation._allocator.set(
+        lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def _tma_ready(t: Tensor, swap: bool = False) -> tuple[Tensor, bool]:
+    """``(t, False)`` if TMA can read ``t`` (unit last stride, 16-byte aligned base and strides), with
+    ``swap`` ``(t's last two axes swapped, True)`` if it can read that, else ``(a fresh copy, False)``."""
+    size = t.element_size()
+    for swapped, view in ((False, t), (True, t.transpose(-1, -2)))[:1 + swap]:
+        if (view.stride(-1) == 1 and view.data_ptr() % 16 == 0
+                and all(st * size % 16 == 0 for st in view.stride()[:-1])):
+            return view, swapped
+    return t.clone(memory_format=torch.contiguous_format), False  # fresh, so aligned
+
+
+@torch.library.custom_op("moe_lab::grouped_gemm_tma", mutates_args=())
+def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
+                         num_programs: int) -> Tensor:
+    m, k = x.shape
+    n_experts, _, n = w.shape
+    y = new_output((m, n), x.dtype, x.device)
+    y[m_bound:].zero_()
+    if not k:  # no reduction (and a TMA tensor has no empty dimension): zeros
+        y[:m_bound].zero_()
+    elif m_bound and n:
+        x, (stored, trans) = _tma_ready(x)[0], _tma_ready(w, swap=True)  # trans: stored [E, N, K]
+        cfg = launch_config(m_bound, n, k, n_experts, interpreted=interpreted(), dtype=x.dtype)
+        b = cfg.blocks  # at most cdiv(m_bound, BLOCK_M) + E row tiles: a static bound on the list
+        tiles = (triton.cdiv(m_bound, b["BLOCK_M"]) + n_experts) * triton.cdiv(n, b["BLOCK_N"])
+        grid = (min(num_programs or default_programs(x.device), tiles),)
+        with _descriptor_scratch(x.device):
+            _tma_grouped_gemm_kernel[grid](
+                x, stored, y, offsets, m_bound, n, k, n_experts,
+                x.stride(0), stored.stride(0), stored.stride(1), y.stride(0),
+                **cfg.blocks, BLOCK_E=block_e(n_experts), GROUP_M=GROUP_M, TRANS_W=trans,
+                DOT_BF16=dot_bf16(x.dtype, interpreted()),
+                WARP_SPECIALIZE=warp_specialized(x.device),  # the interpreter ignores it
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+    return y
+
+
+@_grouped_gemm_tma_op.register_fake
+def _(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int, num_programs: int) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+class GroupedGEMMTMA(torch.autograd.Function):
+    """``y = grouped_gemm_tma(x, w, offsets)``; backward ``dX`` by this kernel on ``Wᵀ``,
+    ``dW`` by the grouped dW kernel of `moe_lab.kernels.grouped_gemm`."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, offsets: Tensor,
+                m_bound: int, num_programs: int) -> Tensor:
+        ctx.save_for_backward(x, w, offsets)
+        ctx.m_bound, ctx.num_programs = m_bound, num_programs
+        return _grouped_gemm_tma_op(x, w, offsets, m_bound, num_programs)
+
+    @staticmethod
+    @first_derivative_only("the TMA grouped GEMM")
+    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w, offsets = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _grouped_gemm_tma_op(dy, w.transpose(1, 2), offsets, ctx.m_bound, ctx.num_programs)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets, ctx.m_bound)
+        return dx, dw, None, None, None
+
+
+def grouped_gemm_tma(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | None = None,
+                     num_programs: int | None = None) -> Tensor:
+    """`moe_lab.kernels.grouped_gemm.grouped_gemm` (same arguments, same result, rows from
+    ``offsets[E]`` on zeros, differentiable in ``x`` and ``w``) by the persistent TMA kernel.
+
+    ``x: [M, K]``, ``w: [E, K, N]`` in float32 or bfloat16 with ``K`` and ``N`` whole 16-byte
+    rows (multiples of 8 in bfloat16, 4 in float32: TMA's alignment); any strides (a copy is
+    made where TMA cannot read them). ``num_programs``: the persistent grid (default: one
+    program per SM on CUDA, `INTERPRETED_PROGRAMS` interpreted), capped at the tile count.
+    """
+    for name, t in (("x", x), ("w", w), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2 or w.dim() != 3 or w.shape[1] != x.shape[1] or w.shape[0] < 1:
+        raise ValueError(f"x must be [M, K] and w [E >= 1, K, N] with K = x.shape[1], got shapes "
+                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+    one_of(x.dtype, "x.dtype", KERNEL_DTYPES)
+    if w.dtype != x.dtype:
+        raise ValueError(f"w.dtype must equal x.dtype = {x.dtype}, got {w.dtype}")
+    unit = 16 // x.element_size()
+    if x.shape[1] % unit or w.shape[2] % unit:
+        raise ValueError(f"the TMA grouped GEMM needs 16-byte rows: K = x.shape[1] and N = w.shape[2] "
+                         f"must be multiples of {unit} in {x.dtype}, got K={x.shape[1]}, N={w.shape[2]}")
+    if offsets.dtype != torch.int32 or tuple(offsets.shape) != (w.shape[0] + 1,):
+        raise ValueError(f"offsets must be [E + 1 = {w.shape[0] + 1}] int32, "
+                         f"got shape {tuple(offsets.shape)} {offsets.dtype}")
+    for name, t in (("w", w), ("offsets", offsets)):
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+    check_device("x", x.device)
+    m_bound = x.shape[0] if m_bound is None else int_in(m_bound, "m_bound", 0, x.shape[0])
+    programs = positive_int(num_programs, "num_programs", or_none=True) or 0  # 0: the default
+    return GroupedGEMMTMA.apply(x, w, offsets.contiguous(), m_bound, programs)
+
+
+__all__ = ["GROUP_M", "INTERPRETED_PROGRAMS", "GroupedGEMMTMA", "default_programs", "grouped_gemm_tma",
+           "launch_config", "tile_order", "warp_specialized"]
