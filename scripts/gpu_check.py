@@ -971,6 +971,47 @@ def bench_grouped_gemm(torch, dev, rep: Report, time_fn, E: int, M: int, K: int,
     rep.timed("grouped GEMM fwd", **row)
 
 
+def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, small: bool) -> None:
+    """`moe_lab.kernels.tuning.autotune` over `moe_lab.kernels.grouped_gemm.tune_space` for every
+    grouped GEMM launch of the layers of ``shapes`` (bf16; ``small``: the first two configs of
+    each space, to exercise the tuner): the winner and its gain over the rule per launch, all
+    timed in this run, and the table of winners written to ``out/tuned_configs.json`` (commit
+    it to ``results/<gpu>/`` and `choose_config`'s rule gives way to it on that GPU)."""
+    from moe_lab.kernels import grouped_gemm as gg
+    from moe_lab.kernels import tuning
+
+    dtype, table = torch.bfloat16, {}
+    for label, s in shapes.items():
+        E, m, d, f = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
+        counts = torch.full((E,), m // E, device=dev)
+        offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+        for kernel, mm, n, k, ee in layer_launches(E, m, d, f):
+            key = tuning.table_key(kernel, mm, n, k, ee, dtype)
+            if key in table:
+                continue
+            if kernel == "dw":
+                x, dy = (torch.randn(mm, c, device=dev, dtype=dtype) for c in (k, n))
+                run = lambda x=x, dy=dy, o=offsets, mm=mm: torch.ops.moe_lab.grouped_gemm_dw(x, dy, o, mm)  # noqa: E731
+            else:
+                x = torch.randn(mm, k, device=dev, dtype=dtype)
+                w = torch.randn(ee, k, 2 * n if kernel == "swiglu" else n, device=dev, dtype=dtype)
+                op = gg.grouped_gemm_swiglu if kernel == "swiglu" else gg.grouped_gemm
+                run = lambda op=op, x=x, w=w, o=offsets: op(x, w, o)  # noqa: E731
+            space = gg.tune_space(kernel, mm, n, k, ee, dtype)[:2 if small else None]
+            winner, times = tuning.autotune(kernel, space, run, time_fn)
+            table[key] = tuning.table_entry(winner)
+            best = min(times)
+            rep.timed(f"tuned {kernel}", shape=f"{label} {key}", configs=len(space),
+                      rule=describe_config(space[0].blocks, space[0].num_warps, space[0].num_stages),
+                      rule_ms=times[0] * 1e3, winner=describe_config(winner.blocks, winner.num_warps,
+                                                                     winner.num_stages),
+                      winner_ms=best * 1e3, ratio_rule_to_winner=times[0] / best)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / tuning.TUNED_FILE).write_text(json.dumps(
+        {"gpu": rep.env.get("gpu"), "triton": rep.env.get("triton"), "dtype": "bfloat16",
+         "configs": table}, indent=1) + "\n")
+
+
 def bench_mx_quantize(torch, dev, rep: Report, time_fn, M: int, K: int, state: dict) -> None:
     from moe_lab.kernels.mx_quantize import mx_quantize
 
@@ -1180,6 +1221,8 @@ def main(argv: list[str] | None = None) -> int:
         sections += [
             ("ceilings", lambda: section_ceilings(torch, dev, rep, small, state)),
             ("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, time_fn, E, M, K, N)),
+            ("tuning", lambda: bench_tuning(torch, dev, rep, time_fn, shapes if small else PRODUCTION,
+                                            out, small)),
             ("MX quantizer bench", lambda: bench_mx_quantize(torch, dev, rep, time_fn,
                                                              *list(mx_shapes.values())[-1], state)),
             ("04 dispatch vs naive and 07 fused vs unfused",

@@ -13,5 +13,6 @@
 Each module reads as a Triton tutorial does: the story, the kernels, the launch (its
 ``launch_config`` and a wrapper that checks and allocates), the autograd binding, the
 reference. What they share — the `jit` that decides compiled or interpreted, the tile
-schedule, the K loops, the rounding store — is ``common``; ``launch`` holds `LaunchConfig`.
+schedule, the K loops, the rounding store — is ``common``; ``launch`` holds `LaunchConfig`;
+``tuning`` the GPU's tuned table that overrides the grouped GEMM's rule, and the tuner.
 """

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from moe_lab.checks import first_derivative_only, int_in, one_of
+from moe_lab.kernels import tuning
 from moe_lab.kernels.common import (
     block_e,
     cast_for_store,
@@ -188,8 +189,9 @@ WIDE_N = 1024
 
 def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
                   dtype: torch.dtype) -> LaunchConfig:
-    """The compiled config of ``kernel`` at one shape, from `TILE_SPACE` by a fixed rule
-    (a reasoned default, not a measurement; no GPU has timed the space yet).
+    """The compiled config of ``kernel`` at one shape, from `TILE_SPACE` by a fixed rule: a
+    reasoned default, not a measurement. A GPU's tuned table, where one is committed,
+    overrides it (`launch_config`, `moe_lab.kernels.tuning`).
 
     float32 runs on the CUDA cores (IEEE products, no tensor cores), where a larger tile
     only adds registers: the first "gemm" and "dw" configs, and for "swiglu" 64 x 64 x 16 on
@@ -219,14 +221,32 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
     return space[2 if many_rows else 1]
 
 
+def tune_space(kernel: str, m: int, n: int, k: int, n_experts: int,
+               dtype: torch.dtype) -> list[LaunchConfig]:
+    """What the tuner (`moe_lab.kernels.tuning.autotune`) times for one launch: the rule's
+    config first, then the other tiles of `TILE_SPACE` for ``dtype`` (float32 takes only its
+    CUDA-core tiles), each with 3, 4 and 5 pipeline stages."""
+    rule = choose_config(kernel, m, n, k, n_experts, dtype)
+    fp32 = {"gemm": (0,), "swiglu": (2,), "dw": (0,)}[kernel]
+    tiles = [c for i, c in enumerate(TILE_SPACE[kernel]) if (i in fp32) == (dtype == torch.float32)]
+    space = [rule] + [LaunchConfig(c.blocks, c.num_warps, stages) for c in tiles for stages in (3, 4, 5)]
+    return [c for i, c in enumerate(space) if c not in space[:i]]
+
+
 def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
-                  interpreted: bool, dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
+                  interpreted: bool, dtype: torch.dtype = torch.bfloat16,
+                  device: torch.device | None = None) -> LaunchConfig:
     """Tiles, warps and stages of one launch: ``kernel`` (one of `KERNELS`) over ``m``
     routed rows, ``n`` output columns (``F`` for "swiglu"), reduction depth ``k``, in
-    ``dtype``. Under the interpreter each program costs a Python round trip, so tiles are
-    as large as the problem allows (rows per expert for ``BLOCK_M``); compiled,
-    `choose_config` picks from `TILE_SPACE`."""
+    ``dtype``, on ``device``. A config `moe_lab.kernels.tuning.forcing` imposes comes first,
+    then on a CUDA device the GPU's tuned table (`moe_lab.kernels.tuning.tuned_config`).
+    Otherwise: under the interpreter each program costs a Python round trip, so tiles are
+    as large as the problem allows (rows per expert for ``BLOCK_M``); compiled (and for the
+    compile report, which passes no device), `choose_config` picks from `TILE_SPACE`."""
     one_of(kernel, "kernel", KERNELS)
+    tuned = tuning.tuned_config(kernel, m, n, k, n_experts, dtype, device)
+    if tuned is not None:
+        return tuned
     if interpreted:
         blocks = {
             "BLOCK_M": min(128, max(16, triton.next_power_of_2(max(1, m // max(1, n_experts))))),
@@ -250,7 +270,7 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
     y[m_bound:].zero_()  # rows past the static bound: a plain memset, sized on the host
     if m_bound and n:
         cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=interpreted(),
-                            dtype=x.dtype)
+                            dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
                 triton.cdiv(n, cfg.blocks["BLOCK_N"]))
         _grouped_gemm_kernel[grid](
@@ -273,7 +293,7 @@ def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) ->
     dw = new_output((n_experts, k, n), x.dtype, x.device)
     if k and n:
         cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=interpreted(),
-                            dtype=x.dtype)
+                            dtype=x.dtype, device=x.device)
         grid = (n_experts, triton.cdiv(k, cfg.blocks["BLOCK_K"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
         _grouped_gemm_dw_kernel[grid](
             x, dy, dw, offsets, m_bound, n, k,
@@ -297,7 +317,7 @@ def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     out[m_bound:].zero_()
     if m_bound and f:
         cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=interpreted(),
-                            dtype=x.dtype)
+                            dtype=x.dtype, device=x.device)
         grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
                 triton.cdiv(f, cfg.blocks["BLOCK_N"]))
         dh_arg = out if dh is None else dh  # unused by the forward

@@ -69,7 +69,7 @@ def force_small_tiles(monkeypatch: pytest.MonkeyPatch, blocks: tuple[int, int, i
     config = gg.LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=2)
     launched = []
 
-    def launch_config(kernel, m, n, k, n_experts, *, interpreted, dtype):
+    def launch_config(kernel, m, n, k, n_experts, *, interpreted, dtype, device=None):
         launched.append(kernel)
         return config
 
@@ -462,7 +462,7 @@ def test_wrappers_run_correctly_at_each_config_of_the_space(monkeypatch: pytest.
     real = gg.launch_config
     used = []
 
-    def launch_config(name, m, n, k, n_experts, *, interpreted, dtype):
+    def launch_config(name, m, n, k, n_experts, *, interpreted, dtype, device=None):
         if name == kernel:
             used.append(name)
             return config

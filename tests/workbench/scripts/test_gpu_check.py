@@ -72,6 +72,11 @@ def test_gpu_check_cpu_smoke(tmp_path):
                                                 "registers and spills",
                                                 "12 tokens/s of the optimised step"}
     assert len(list((out / "sections").glob("*.json"))) == len(sections)
+    tuned = json.loads((out / "tuned_configs.json").read_text())  # the tuner ran, its winners kept
+    from moe_lab.kernels import tuning
+
+    assert tuned["configs"] and all(tuning._config(e, "test") for e in tuned["configs"].values())
+    assert {b["bench"] for b in json.loads((out / "bench.json").read_text())} >= {"tuned gemm", "tuned dw"}
     env = json.loads((out / "env.json").read_text())
     assert env["torch"] and "summary.md" in {p.name for p in out.iterdir()}
 

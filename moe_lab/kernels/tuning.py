@@ -1,0 +1,131 @@
+"""Launch configs measured rather than reasoned: the tuned table, and the tuner that fills it.
+
+`moe_lab.kernels.grouped_gemm.choose_config` is a rule: a reasoned default. On a GPU the
+right tile, warp count and pipeline depth are a measurement, so the grouped GEMM's kernels
+(forward, SwiGLU, dW) look a launch up first in a *tuned table*:
+``results/<gpu>/tuned_configs.json`` beside the package, written by ``scripts/gpu_check.py``
+on that GPU and committed. (The fused kernels keep the rule: a prologue or epilogue changes
+their registers, so a tile tuned on the plain kernel need not suit them.) A table maps a *key* (kernel, dtype,
+rows per expert rounded up to a power of two, N, K) to the winning `LaunchConfig`. Keys the
+table lacks, a GPU without a table, Triton's interpreter and the compile report (which has
+no device) all get the rule, which is also the first config of every tuning space
+(`moe_lab.kernels.grouped_gemm.tune_space`), so a tuned launch can only replace the rule
+by something that measured faster.
+
+`autotune` times each config of a space with a caller's timer (on CUDA
+``triton.testing.do_bench``, as ``triton.autotune`` does) by running the real op under
+`forcing`, and returns the fastest. It runs where it is called (gpu_check's tuning
+section), never inside a launch: timing a kernel is not allowed while a CUDA graph is being
+captured or ``torch.compile`` traces, and a step must not pause to benchmark itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from moe_lab.kernels.launch import LaunchConfig
+
+TUNED_FILE = "tuned_configs.json"
+RESULTS = Path(__file__).resolve().parents[2] / "results"  # the repository's results folder
+_FORCED: dict[str, LaunchConfig] = {}
+
+
+def gpu_slug(name: str) -> str:
+    """The results folder of a GPU: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower()
+
+
+def table_key(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype) -> str:
+    """The table's key of a launch: rows per expert bucketed to the next power of two (a
+    routing's counts move from step to step; its tile choice should not), N and K exact."""
+    rows = max(1, m // max(1, n_experts))
+    return f"{kernel}|{str(dtype).removeprefix('torch.')}|rows<={1 << (rows - 1).bit_length()}|n={n}|k={k}"
+
+
+def _config(entry: dict, where: str) -> LaunchConfig:
+    try:
+        return LaunchConfig(dict(entry["blocks"]), int(entry["num_warps"]), int(entry["num_stages"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: each entry must be {{'blocks': {{...}}, 'num_warps': int, "
+                         f"'num_stages': int}}, got {entry!r} ({exc})") from exc
+
+
+@functools.cache
+def load_table(path: Path) -> dict[str, LaunchConfig]:
+    """The tuned table at ``path`` (``{}`` if there is none); a malformed file is an error
+    that names it, never a silent fallback."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tuned table {path} is not JSON: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
+        raise ValueError(f"tuned table {path} must be {{'configs': {{key: entry}}, ...}}")
+    return {key: _config(entry, f"tuned table {path}, key {key!r}") for key, entry in data["configs"].items()}
+
+
+def tuned_config(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype,
+                 device: torch.device | None) -> LaunchConfig | None:
+    """The config `forcing` imposes on ``kernel``, else the tuned table's for this launch on
+    ``device`` (a CUDA device whose GPU has a table), else ``None``: the rule decides."""
+    if kernel in _FORCED:
+        return _FORCED[kernel]
+    if device is None or device.type != "cuda":
+        return None
+    path = RESULTS / gpu_slug(torch.cuda.get_device_name(device)) / TUNED_FILE
+    return load_table(path).get(table_key(kernel, m, n, k, n_experts, dtype))
+
+
+@contextlib.contextmanager
+def forcing(kernel: str, config: LaunchConfig) -> Iterator[None]:
+    """Every launch of ``kernel`` inside the block runs ``config`` (the tuner's way to time
+    one config through the real op; under the interpreter too, to check each config's
+    numerics)."""
+    if not isinstance(config, LaunchConfig):
+        raise TypeError(f"config must be a LaunchConfig, got {type(config).__name__}")
+    previous = _FORCED.get(kernel)
+    _FORCED[kernel] = config
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _FORCED[kernel]
+        else:
+            _FORCED[kernel] = previous
+
+
+def autotune(kernel: str, space: Sequence[LaunchConfig], run: Callable[[], object],
+             time_fn: Callable[[Callable[[], object]], float]) -> tuple[LaunchConfig, list[float]]:
+    """``(fastest config, seconds of each)``: ``run`` (a call of the op that launches
+    ``kernel``) timed by ``time_fn`` under each config of ``space``. A config that fails to
+    launch (out of shared memory on this GPU) is timed as infinite; if all fail, the error."""
+    if not space:
+        raise ValueError(f"space must hold at least one LaunchConfig for {kernel!r}")
+    times, errors = [], []
+    for config in space:
+        try:
+            with forcing(kernel, config):
+                times.append(float(time_fn(run)))
+        except (RuntimeError, ValueError) as exc:  # e.g. triton's OutOfResources
+            times.append(float("inf"))
+            errors.append(exc)
+    if len(errors) == len(space):
+        raise errors[0]
+    return space[min(range(len(space)), key=times.__getitem__)], times
+
+
+def table_entry(config: LaunchConfig) -> dict:
+    """``config`` as a tuned table stores it."""
+    return {"blocks": dict(config.blocks), "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+__all__ = ["RESULTS", "TUNED_FILE", "autotune", "forcing", "gpu_slug", "load_table", "table_entry",
+           "table_key", "tuned_config"]
