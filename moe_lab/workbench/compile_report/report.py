@@ -226,7 +226,7 @@ def compile_kernel(kernel: str | Any, signature: dict[str, str], constexprs: dic
 # ------------------------------------------------------------------------------ showing it
 
 COLUMNS = ("kernel", "arch", "regs", "spill B", "shared KB", "blocks/SM", "warps/SM", "limit",
-           "tensor cores", "async copy", "stages", "compile s")
+           "tensor cores", "async copy", "TMA / mbarriers", "grid", "stages", "compile s")
 
 
 def _short_kernel(row: dict[str, Any]) -> str:
@@ -258,7 +258,9 @@ def table_cells(row: dict[str, Any], label_width: int | None = None) -> list[str
     return head + [
         str(row["registers"]), str(row["spill_bytes"]), f"{row['shared_bytes'] / 1024:.1f}",
         str(row["blocks_per_sm"]), str(row["warps_per_sm"]), row["limiter"], _mma_text(row),
-        _copy_text(row), str(row["num_stages"]), f"{row['compile_s']:.2f}",
+        _copy_text(row), f"{row['copies'].get('tma', 0)} / {row['copies'].get('mbarrier_inits', 0)}",
+        "persistent" if row.get("persistent") else "a program per tile", str(row["num_stages"]),
+        f"{row['compile_s']:.2f}",
     ]
 
 
@@ -340,7 +342,9 @@ def summary_markdown(report: dict[str, Any]) -> str:
         "which gives the spilled bytes; shared memory is static + dynamic per block; blocks and "
         "warps per SM are the theoretical occupancy from the "
         f"per-SM limits ({limits}); tensor cores and async copies as found in the PTX; "
-        "'group(s) in flight' is the largest N of `cp.async.wait_group N`.\n\n"
+        "'group(s) in flight' is the largest N of `cp.async.wait_group N`; 'TMA / mbarriers' counts "
+        "`cp.async.bulk.tensor` and `mbarrier.init` instructions in the PTX; a persistent grid is "
+        "one whose kernel reads the number of programs (a loop over tiles strided by it).\n\n"
         + (f"**{errors} row(s) failed** (see ERROR).\n\n" if errors else "")
         + format_markdown(report["rows"])
         + "\n## Off target, and why\n\n" + exceptions_markdown(report["rows"])

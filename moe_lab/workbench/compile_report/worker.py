@@ -187,6 +187,8 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
         "tmem_columns": getattr(meta, "tmem_size", 0),
         "block_warps": meta.num_warps,
         "warp_specialized": specialised,
+        # A persistent grid: the kernel reads the number of programs (its tile loop strides by it).
+        "persistent": "tt.get_num_programs" in compiled.asm["ttir"],
         **reading.occupancy(res["REG"], ptxas["shared_bytes"] + meta.shared, meta.num_warps, limits),
         "mma_class": mma["class"],
         "mma_kinds": mma["kinds"],

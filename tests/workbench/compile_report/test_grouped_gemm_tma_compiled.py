@@ -108,7 +108,7 @@ def test_tma_mbarriers_stages_persistent_grid_and_no_spills(compiled):
         pid = re.search(r"(%\w+) = tt\.get_program_id x", c["ttir"]).group(1)
         programs = re.search(r"(%\w+) = tt\.get_num_programs x", c["ttir"]).group(1)
         assert re.search(rf"scf\.for %\w+ = {pid} to %\w+ step {programs} ", c["ttir"]), what
-        assert "%nctaid.x" in ptx, what
+        assert "%nctaid.x" in ptx and row["persistent"], what
         # warp specialisation: on sm_100 (a partition per role, registers moved between them)
         specialised = "ttg.warp_specialize" in c["ttgir"] and "setmaxnreg" in ptx
         assert specialised == (c["arch"] == "sm_100") == row["warp_specialized"], what

@@ -189,6 +189,7 @@ def test_every_kernel_module_compiles_for_hopper_and_blackwell(first_specs, modu
         assert 0 <= row["blocks_per_sm"] <= 32
         assert row["warps_per_sm"] == row["blocks_per_sm"] * row["block_warps"]
         assert row["block_warps"] == row["num_warps"] or row["warp_specialized"]
+        assert row["persistent"] == (module == "moe_lab.kernels.grouped_gemm_tma")  # the one persistent grid
 
 
 def test_a_tl_dot_kernel_uses_wgmma_on_hopper_and_tcgen05_on_blackwell(first_specs):
