@@ -51,8 +51,8 @@ DEFAULT_ARCHS = ("sm_90", "sm_100")
 LEDGER_NOTEBOOK = "compile"
 # The fields of a row a ledger record carries besides its figure (theoretical warps per SM).
 LEDGER_FIELDS = ("kernel", "label", "arch", "blocks", "num_warps", "num_stages", "registers", "spill_bytes",
-                 "shared_bytes", "blocks_per_sm", "limiter", "mma_class", "mma_kinds", "async_copy",
-                 "compile_s", "agree")
+                 "shared_bytes", "blocks_per_sm", "limiter", "mma_class", "mma_kinds", "fp8_upcasts",
+                 "async_copy", "compile_s", "agree")
 
 
 def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0,
@@ -235,7 +235,9 @@ def _short_kernel(row: dict[str, Any]) -> str:
 
 
 def _mma_text(row: dict[str, Any]) -> str:
-    return "; ".join(row["mma_kinds"]) if row["mma_kinds"] else "none (CUDA cores)"
+    text = "; ".join(row["mma_kinds"]) if row["mma_kinds"] else "none (CUDA cores)"
+    upcasts = row.get("fp8_upcasts", 0)  # FP8 operands widened to 16 bits before the MMA
+    return f"{text} (+{upcasts} FP8 upcast cvt)" if upcasts else text
 
 
 def _copy_text(row: dict[str, Any]) -> str:

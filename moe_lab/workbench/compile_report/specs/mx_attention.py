@@ -5,7 +5,7 @@ from __future__ import annotations
 from moe_lab.config import preset
 from moe_lab.kernels import mx_attention as ma
 from moe_lab.quant.mx import BLOCK_SIZE, padded_size
-from moe_lab.workbench.compile_report.specs import CompileSpec, int_args
+from moe_lab.workbench.compile_report.specs import MX_MMA, MX_MMA_PER_ARCH, CompileSpec, int_args
 
 
 def compile_specs() -> list[CompileSpec]:
@@ -53,9 +53,9 @@ def compile_specs() -> list[CompileSpec]:
             signature={**{n: "*u8" for n in ("q_ptr", "qs_ptr", "k_ptr", "ks_ptr", "v_ptr",
                                               "vs_ptr")},
                        "o_ptr": "*fp32", "sm_scale_log2": "fp32", **ints},
-            constexprs={**ones, **ma.mode_constexprs(quantize_p, scale_mode, interpreted=False),
+            constexprs={**ones, **ma.mode_constexprs(quantize_p, scale_mode, MX_MMA["MX_MMA"]),
                         **cfg.blocks},
-            config=cfg,
+            config=cfg, per_arch=MX_MMA_PER_ARCH,
             note=note,
         ))
     return specs
