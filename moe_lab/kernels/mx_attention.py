@@ -170,8 +170,8 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool) -> LaunchConfig
     block-scaled ``tcgen05.mma`` on Blackwell (at 64 rows Triton does not use the native
     instruction and upcasts the FP8 tiles to bf16 instead); 32 keys is one MX block of the
     ``P·V`` reduction and keeps the score tile, the probabilities' quantization (integer
-    work on ``[128, 32]`` values) and, on Hopper, the bf16 copies of the FP8 tiles within
-    the registers of 8 warps.
+    work on ``[128, 32]`` values) and, on Hopper, one K block of ``P·V`` per FP8 ``wgmma``
+    within the registers of 8 warps (``Q·Kᵀ`` at head_dim ≥ 128 spills there: the report's note).
     """
     head = {"BLOCK_D": max(16, triton.next_power_of_2(d)),
             "N_DB": triton.next_power_of_2(padded_size(d) // BLOCK_SIZE)}

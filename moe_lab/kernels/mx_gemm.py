@@ -65,7 +65,7 @@ def e8m0_to_fp32(byte):
 MX_MMAS = ("scaled", "fp8_promote", "emulate")
 
 
-def mx_mma_mode(interpreted: bool, device=None) -> str:
+def mx_mma_mode(interpreted: bool, device: torch.device | None = None) -> str:
     """The ``MX_MMA`` a wrapper compiles: ``"emulate"`` under Triton's interpreter,
     ``"scaled"`` on sm_100 and later (block-scaled ``tcgen05.mma``), ``"fp8_promote"`` below
     (Hopper: FP8 ``wgmma`` per 32-wide K block, scales applied in fp32 registers)."""
@@ -220,8 +220,8 @@ def launch_config(m: int, n: int, k: int, interpreted: bool, mma: str = "scaled"
     At ``BLOCK_K`` 128 Hopper's upcast path (bf16 copies of both FP8 tiles in registers)
     spills in the grouped kernel. ``mma="fp8_promote"`` (Hopper): 128×64×32, one FP8
     ``wgmma`` K block per step straight from shared memory (a wider K tile is split in
-    registers); at ``BLOCK_N`` 128 the fp32 partial beside the accumulator spills. Interpreted: the interpreter pays per program, so blocks as large as the
-    problem allows."""
+    registers); at ``BLOCK_N`` 128 the fp32 partial beside the accumulator spills.
+    Interpreted: the interpreter pays per program, so blocks as large as the problem allows."""
     if interpreted:
         return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64 if k >= 64 else 32},
                             num_warps=4, num_stages=1)

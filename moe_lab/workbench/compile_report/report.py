@@ -51,8 +51,8 @@ DEFAULT_ARCHS = ("sm_90", "sm_100")
 LEDGER_NOTEBOOK = "compile"
 # The fields of a row a ledger record carries besides its figure (theoretical warps per SM).
 LEDGER_FIELDS = ("kernel", "label", "arch", "blocks", "num_warps", "num_stages", "registers", "spill_bytes",
-                 "shared_bytes", "blocks_per_sm", "limiter", "mma_class", "mma_kinds", "fp8_upcasts",
-                 "async_copy", "compile_s", "agree")
+                 "shared_bytes", "blocks_per_sm", "limiter", "mma_class", "mma_kinds", "async_copy",
+                 "compile_s", "agree")
 
 
 def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0,
