@@ -742,12 +742,13 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
     ``tl.dot_scaled``) against their float64 references on operands quantized by the
     reference quantizer, fp32 and bf16 out; the grouped one at the production layers' down
     projection (an idle expert, ragged segments). On a GPU in the arch's mode (`mx_mma_mode`:
-    FP8 wgmma per K block on sm_90); interpreted, the emulated and the fp8_promote modes."""
+    FP8 wgmma per K block on sm_90); interpreted, the emulated and the fp8_promote modes
+    (the latter's checks named "(fp8_promote)")."""
     from moe_lab.kernels.common import interpreted
     from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference, mx_gemm, mx_gemm_reference
     from moe_lab.quant.mx import quantize
 
-    modes = ("emulate", "fp8_promote") if interpreted() else (None,)
+    modes = (None, "fp8_promote") if interpreted() else (None,)  # None: the default, emulated
 
     for label, (M, N, K) in shapes.items():
         g = torch.Generator(device=dev).manual_seed(M + N + K)
@@ -788,7 +789,7 @@ def section_attention(torch, dev, rep: Report, shapes: dict) -> None:
         g = torch.Generator(device=dev).manual_seed(T + D)
         q, k, v = (randn(torch, g, (B, H, T, D)) for _ in range(3))
         ref = mxfp8_reference_attention(q, k, v)
-        for mma in ("emulate", "fp8_promote") if interpreted() else (None,):
+        for mma in (None, "fp8_promote") if interpreted() else (None,):
             with poisoned(torch):
                 out = mx_attention_forward(*quantize_qkv(q, k, v), mma=mma)
             rep.check(f"mxfp8 attention{f' ({mma})' if mma else ''} vs emulation", label,
