@@ -776,18 +776,25 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
     """The MXFP8 GEMM and the grouped MXFP8 GEMM (`moe_lab.kernels.mx_gemm`,
     ``tl.dot_scaled``) against their float64 references on operands quantized by the
     reference quantizer, fp32 and bf16 out; the grouped one at the production layers' down
-    projection (an idle expert, ragged segments)."""
+    projection (an idle expert, ragged segments). On a GPU in the arch's mode (`mx_mma_mode`:
+    FP8 wgmma per K block on sm_90); interpreted, the emulated and the fp8_promote modes
+    (the latter's checks named "(fp8_promote)")."""
+    from moe_lab.kernels.common import interpreted
     from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference, mx_gemm, mx_gemm_reference
     from moe_lab.quant.mx import quantize
+
+    modes = (None, "fp8_promote") if interpreted() else (None,)  # None: the default, emulated
 
     for label, (M, N, K) in shapes.items():
         g = torch.Generator(device=dev).manual_seed(M + N + K)
         a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (N, K)))
         want = mx_gemm_reference(a.data, a.scale, b.data, b.scale)
         for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-            with poisoned(torch):
-                got = mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype)
-            rep.check(f"mx_gemm {str(out_dtype)[6:]} out vs float64", label, rel_error(got, want), tol)
+            for mma in modes:
+                with poisoned(torch):
+                    got = mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype, mma=mma)
+                rep.check(f"mx_gemm {str(out_dtype)[6:]} out{f' ({mma})' if mma else ''} vs float64", label,
+                          rel_error(got, want), tol)
     for label, s in grouped_shapes.items():
         E, M, N, K = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
         g = torch.Generator(device=dev).manual_seed(E + M)
@@ -796,26 +803,32 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
         a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (E, N, K)))
         want = grouped_mx_gemm_reference(a.data, a.scale, b.data, b.scale, offsets)
         for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-            with poisoned(torch):
-                got = grouped_mx_gemm(a.data, a.scale, b.data, b.scale, offsets, out_dtype=out_dtype)
-            rep.check(f"grouped_mx_gemm {str(out_dtype)[6:]} out vs float64", f"{label} M={M} N={N} K={K}",
-                      rel_error(got, want), tol)
+            for mma in modes:
+                with poisoned(torch):
+                    got = grouped_mx_gemm(a.data, a.scale, b.data, b.scale, offsets, out_dtype=out_dtype,
+                                          mma=mma)
+                rep.check(f"grouped_mx_gemm {str(out_dtype)[6:]} out{f' ({mma})' if mma else ''} vs float64",
+                          f"{label} M={M} N={N} K={K}", rel_error(got, want), tol)
 
 
 def section_attention(torch, dev, rep: Report, shapes: dict) -> None:
-    """MXFP8 attention (causal) against its emulation and against float64 SDPA."""
+    """MXFP8 attention (causal) against its emulation and against float64 SDPA (interpreted:
+    the emulated and the fp8_promote products)."""
     import torch.nn.functional as F
 
     from moe_lab.attention import mxfp8_reference_attention
+    from moe_lab.kernels.common import interpreted
     from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
 
     for label, (B, H, T, D) in shapes.items():
         g = torch.Generator(device=dev).manual_seed(T + D)
         q, k, v = (randn(torch, g, (B, H, T, D)) for _ in range(3))
-        with poisoned(torch):
-            out = mx_attention_forward(*quantize_qkv(q, k, v))
         ref = mxfp8_reference_attention(q, k, v)
-        rep.check("mxfp8 attention vs emulation", label, rel_error(out, ref), 5e-2)
+        for mma in (None, "fp8_promote") if interpreted() else (None,):
+            with poisoned(torch):
+                out = mx_attention_forward(*quantize_qkv(q, k, v), mma=mma)
+            rep.check(f"mxfp8 attention{f' ({mma})' if mma else ''} vs emulation", label,
+                      rel_error(out, ref), 5e-2)
         del ref
         exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
         rep.check("mxfp8 attention vs fp64", label, rel_error(out, exact), 1e-1)

@@ -9,11 +9,12 @@ keys, so V arrives blocked along the keys, and the kernel quantizes each tile of
 `moe_lab.kernels.mx_quantize`; the row sum uses the unquantized ``p``, as FP8 attention does).
 
 Both products go through `moe_lab.kernels.mx_gemm.mx_dot`: ``tl.dot_scaled`` compiled (the
-block-scaled ``tcgen05.mma`` on Blackwell, a bf16 ``wgmma`` on Hopper), exactly decoded fp32 and
-an IEEE ``tl.dot`` under the interpreter (``SCALED_DOT=False``). Grid: ``(cdiv(T_q, BLOCK_M),
-B·H)``. Requirements: causal, ``T_q <= T_k`` (query ``i`` sees keys ``<= i + T_k - T_q``), Q/K
-head_dim and V's keys padded to multiples of 32 (what `quantize_qkv` makes). Backward is not a
-kernel: `moe_lab.attention` differentiates through the reference emulation.
+block-scaled ``tcgen05.mma`` on Blackwell, FP8 ``wgmma`` per 32-wide block on Hopper),
+exactly decoded fp32 and an IEEE ``tl.dot`` under the interpreter (``MX_MMA`` of `mx_dot`).
+Grid: ``(cdiv(T_q, BLOCK_M), B·H)``. Requirements: causal, ``T_q <= T_k`` (query ``i`` sees
+keys ``<= i + T_k - T_q``), Q/K head_dim and V's keys padded to multiples of 32 (what
+`quantize_qkv` makes). Backward is not a kernel: `moe_lab.attention` differentiates through
+the reference emulation.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton.language as tl
 from moe_lab.checks import one_of
 from moe_lab.kernels.common import check_device, interpreted, jit
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, mx_dot
+from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, mx_dot, mx_mma_mode
 from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor, padded_size
 
@@ -45,7 +46,7 @@ def _mx_attention_fwd_kernel(
     s_ob, s_oh, s_ot, s_od,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     N_DB: tl.constexpr, MX: tl.constexpr, QUANT_P: tl.constexpr, RCEIL: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
+    MX_MMA: tl.constexpr,
 ):
     # q codes [B, H, T_Q, D_PAD] u8, q scales [B, H, T_Q, D_PAD/32] u8 (k likewise, H_kv heads);
     # v codes [B, H_kv, T_K_PAD, D] u8 blocked along keys, v scales [B, H_kv, T_K_PAD/32, D];
@@ -95,7 +96,7 @@ def _mx_attention_fwd_kernel(
         # masks, so a NaN from a hidden key cannot leak in.
         causal = (offs_n[None, :] <= offs_m[:, None] + offset) & (offs_n[None, :] < T_K)
         s = mx_dot(q_codes, q_scale, k_codes, k_scale, tl.where(causal, 0.0, float("-inf")),
-                   BLOCK_M, BLOCK_N, BLOCK_DK, SCALED_DOT)
+                   BLOCK_M, BLOCK_N, BLOCK_DK, MX_MMA)
         s = tl.where(causal, s * sm_scale_log2, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -122,7 +123,7 @@ def _mx_attention_fwd_kernel(
                                3, 7, 0x7E, 0x7F)  # E4M3: 3 mantissa bits, bias 7
             p_codes = tl.reshape(p_codes, (BLOCK_M, BLOCK_N)).to(tl.uint8)
             acc = mx_dot(p_codes, p_scale.to(tl.uint8), v_codes, v_scale, acc,
-                         BLOCK_M, BLOCK_D, BLOCK_N, SCALED_DOT)
+                         BLOCK_M, BLOCK_D, BLOCK_N, MX_MMA)
         else:
             # P stays float32 all the way into an IEEE float32 dot: a float16 or TF32
             # tensor-core dot would round it to 11 significant bits on the way in.
@@ -152,12 +153,11 @@ def _check_mx(name: str, mx: MXTensor, dim: int) -> None:
         )
 
 
-def mode_constexprs(quantize_p: bool, scale_mode: str, interpreted: bool) -> dict[str, object]:
-    """The kernel's constexprs besides the tile. ``SCALED_DOT``: the products through
-    ``tl.dot_scaled`` (compiled) or decomposed into exact fp32 (Triton's interpreter, which
-    cannot run ``tl.dot_scaled``): see `moe_lab.kernels.mx_gemm.mx_dot`."""
-    return {"MX": BLOCK_SIZE, "QUANT_P": quantize_p, "RCEIL": scale_mode == "rceil",
-            "SCALED_DOT": not interpreted}
+def mode_constexprs(quantize_p: bool, scale_mode: str, mma: str) -> dict[str, object]:
+    """The kernel's constexprs besides the tile. ``MX_MMA`` (``mma``): the MXFP8 products
+    through ``tl.dot_scaled`` (sm_100), FP8 ``wgmma`` per 32-wide block (sm_90) or decomposed
+    into exact fp32 (Triton's interpreter): see `moe_lab.kernels.mx_gemm.mx_dot`."""
+    return {"MX": BLOCK_SIZE, "QUANT_P": quantize_p, "RCEIL": scale_mode == "rceil", "MX_MMA": mma}
 
 
 def launch_config(t_q: int, t_k: int, d: int, interpreted: bool) -> LaunchConfig:
@@ -170,8 +170,8 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool) -> LaunchConfig
     block-scaled ``tcgen05.mma`` on Blackwell (at 64 rows Triton does not use the native
     instruction and upcasts the FP8 tiles to bf16 instead); 32 keys is one MX block of the
     ``P·V`` reduction and keeps the score tile, the probabilities' quantization (integer
-    work on ``[128, 32]`` values) and, on Hopper, the bf16 copies of the FP8 tiles within
-    the registers of 8 warps.
+    work on ``[128, 32]`` values) and, on Hopper, one K block of ``P·V`` per FP8 ``wgmma``
+    within the registers of 8 warps (``Q·Kᵀ`` at head_dim ≥ 128 spills there: the report's note).
     """
     head = {"BLOCK_D": max(16, triton.next_power_of_2(d)),
             "N_DB": triton.next_power_of_2(padded_size(d) // BLOCK_SIZE)}
@@ -190,6 +190,7 @@ def mx_attention_forward(
     *,
     quantize_p: bool = True,
     scale_mode: str = "rceil",
+    mma: str | None = None,
 ) -> Tensor:
     """Causal attention ``softmax(QKᵀ/√d)·V`` on MXFP8 operands, one flash-attention pass.
 
@@ -202,6 +203,7 @@ def mx_attention_forward(
             interpreted (to study where the error comes from; slow on a GPU, no tensor
             cores).
         scale_mode: the scale rule for the probabilities (``"rceil"`` or ``"floor"``).
+        mma: the ``MX_MMA`` of `moe_lab.kernels.mx_gemm.mx_dot`; ``None``: `mx_mma_mode`'s.
 
     Returns:
         ``[B, H, T_q, d]`` float32, on q's device.
@@ -241,7 +243,8 @@ def mx_attention_forward(
         h, h // h_kv, t_q, t_k, t_k_pad, d, padded_size(d), LOG2E / math.sqrt(d),
         *qd.stride(), *qs.stride(), *kd.stride(), *ks.stride(),
         *vd.stride(), *vs.stride(), *out.stride(),
-        **mode_constexprs(quantize_p, scale_mode, interpreted()), **cfg.blocks,
+        **mode_constexprs(quantize_p, scale_mode, mma or mx_mma_mode(interpreted(), device)),
+        **cfg.blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

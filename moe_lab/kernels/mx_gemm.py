@@ -5,13 +5,15 @@ reduction dim K, one E8M0 scale byte (``2^(byte - 127)``). Blackwell's block-sca
 (``tcgen05.mma … kind::mxf8f6f4.block_scale``) takes both as stored and, per 32-wide slice of
 K, adds the FP8 × FP8 products times ``2^(a_scale + b_scale - 254)`` into fp32: nothing is
 dequantized in registers, operands travel at 8.25 bits a value, the MMA runs at FP8 rate.
-Hopper has no such instruction: for sm_90 the same ``tl.dot_scaled`` becomes a bf16
-``wgmma``, Triton upcasting the E4M3 tiles and applying the scales on the CUDA cores.
+Hopper has no such instruction (there ``tl.dot_scaled`` becomes a bf16 ``wgmma`` on
+upcast tiles), so for sm_90 `mx_dot` runs one FP8 ``wgmma`` per 32-wide K block and
+applies the two scales to its fp32 partial in registers.
 
 Grid: one program per ``[BLOCK_M, BLOCK_N]`` output tile (the grouped kernel: the grouped
-GEMM's tile schedule over device offsets). The constexpr ``SCALED_DOT`` picks the inner
-product: ``True`` (compiled) ``tl.dot_scaled``; ``False`` (Triton's interpreter, which cannot
-run it) the same tile math decomposed — codes and scale bytes decoded to fp32 exactly, as
+GEMM's tile schedule over device offsets). The constexpr ``MX_MMA`` picks the inner
+product (`mx_dot`): ``"scaled"``, ``"fp8_promote"`` or ``"emulate"`` (Triton's interpreter,
+which cannot run ``tl.dot_scaled``): the same tile math decomposed — codes and scale
+bytes decoded to fp32 exactly, as
 `moe_lab.quant.mx.MXTensor.dequantize` does, then an IEEE fp32 ``tl.dot`` — so the CPU checks
 the tiling, masks and scale indexing against `mx_gemm_reference`.
 
@@ -60,21 +62,79 @@ def e8m0_to_fp32(byte):
     return tl.where(s == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
 
 
+MX_MMAS = ("scaled", "fp8_promote", "emulate")
+
+
+def mx_mma_mode(interpreted: bool, device: torch.device | None = None) -> str:
+    """The ``MX_MMA`` a wrapper compiles: ``"emulate"`` under Triton's interpreter,
+    ``"scaled"`` on sm_100 and later (block-scaled ``tcgen05.mma``), ``"fp8_promote"`` below
+    (Hopper: FP8 ``wgmma`` per 32-wide K block, scales applied in fp32 registers)."""
+    if interpreted:
+        return "emulate"
+    return "scaled" if torch.cuda.get_device_capability(device)[0] >= 10 else "fp8_promote"
+
+
+@jit
+def _halves(x, R: tl.constexpr, C: tl.constexpr):
+    """``x[:, :C/2], x[:, C/2:]`` of an ``[R, C]`` tile."""
+    return tl.split(tl.permute(tl.reshape(x, (R, 2, C // 2)), (0, 2, 1)))
+
+
+@jit
+def _promote(a, a_scale, b_t, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    """``acc`` plus, per 32-wide K block, the fp32 FP8 dot of its codes times its two scales
+    (``b_t`` is ``b`` as ``[N, K]``); halves K until one block is left."""
+    if K == 32:
+        part = tl.dot(a.to(tl.float8e4nv, bitcast=True), tl.trans(b_t).to(tl.float8e4nv, bitcast=True),
+                      out_dtype=tl.float32)
+        sa = e8m0_to_fp32(tl.reshape(a_scale, (M,)))
+        sb = e8m0_to_fp32(tl.reshape(b_scale, (N,)))
+        acc += part * sa[:, None] * sb[None, :]
+    else:
+        a0, a1 = _halves(a, M, K)
+        b0, b1 = _halves(b_t, N, K)
+        sa0, sa1 = _halves(a_scale, M, K // 32)
+        sb0, sb1 = _halves(b_scale, N, K // 32)
+        acc = _promote(a0, sa0, b0, sb0, acc, M, N, K // 2)
+        acc = _promote(a1, sa1, b1, sb1, acc, M, N, K // 2)
+    return acc
+
+
 @jit
 def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-           SCALED_DOT: tl.constexpr):
+           MX_MMA: tl.constexpr):
     """``acc + dequant(a) · dequant(b)`` for one tile: ``a`` ``[M, K]`` and ``b`` ``[K, N]``
     E4M3 bytes (uint8), ``a_scale`` ``[M, K/32]`` and ``b_scale`` ``[N, K/32]`` E8M0 bytes
-    (both operands blocked along K), ``acc`` ``[M, N]`` fp32.
+    (both operands blocked along K), ``acc`` ``[M, N]`` fp32. ``K``: 32 times a power of two.
 
-    ``SCALED_DOT=True``: one ``tl.dot_scaled`` (block-scaled ``tcgen05.mma`` on sm_100).
-    ``False``: the same product decomposed for Triton's interpreter — codes and scales
-    decoded exactly to fp32, each scale broadcast over its 32 codes, an IEEE fp32 ``tl.dot``.
+    ``MX_MMA="scaled"``: one ``tl.dot_scaled`` (block-scaled ``tcgen05.mma`` on sm_100).
+    ``"fp8_promote"`` (sm_90): per 32-wide K block one E4M3 × E4M3 ``tl.dot`` (FP8 ``wgmma``,
+    fp32 out), its ``[M, N]`` partial times ``2^(sa-127)`` per row and ``2^(sb-127)`` per
+    column in fp32 registers, added to ``acc`` — no bf16 copy of the operands. Hopper's FP8
+    wgmma accumulates with reduced internal precision ("DeepSeek-V3 Technical Report",
+    arXiv:2412.19437, on increasing accumulation precision); promoting every 32 products to
+    fp32 bounds that error to one 32-term sum. A GPU would measure it; no check here has.
+    Under Triton's interpreter it runs too, but its float8 dot decodes the E4M3 NaN code
+    0x7F as 480 (hardware: NaN), so there only NaN scales poison.
+    ``"emulate"`` (the interpreter's default): codes and scales decoded exactly to fp32, each
+    scale broadcast over its 32 codes, one IEEE fp32 ``tl.dot``.
+
+    What is exact: every product of two E4M3 values (4-bit significands, an 8-bit product)
+    and every scaling by a power of two (barring fp32 overflow/underflow), so both
+    "fp8_promote" and "emulate" are fp32 sums of the same K exact terms, in different orders
+    (per block, then across blocks; versus one dot). A 32-term sum is not exact in general
+    (products span 2^-18 to 448²: up to 41 bits); any fp32 summation order of n terms is
+    within ``γ(n-1) = (n-1)u / (1 - (n-1)u)``, ``u = 2^-24``, of ``Σ|terms|``
+    (Higham, Accuracy and Stability of Numerical Algorithms, 4.2), so each mode is within
+    ``γ(K_total - 1) · (|A|·|B|ᵀ)`` of the exact product (the tests' tolerance).
     """
-    if SCALED_DOT:
+    if MX_MMA == "scaled":
         acc = tl.dot_scaled(a.to(tl.float8e4nv, bitcast=True), a_scale, "e4m3",
                             b.to(tl.float8e4nv, bitcast=True), b_scale, "e4m3", acc)
+    elif MX_MMA == "fp8_promote":
+        acc = _promote(a, a_scale, tl.trans(b), b_scale, acc, M, N, K)
     else:
+        tl.static_assert(MX_MMA == "emulate", "MX_MMA must be scaled, fp8_promote or emulate")
         # [M, K] -> [M, K/32, 32] times [M, K/32, 1] -> [M, K]; b likewise as [N, K].
         a_f = tl.reshape(tl.reshape(e4m3_to_fp32(a), (M, K // 32, 32))
                          * e8m0_to_fp32(a_scale)[:, :, None], (M, K))
@@ -89,7 +149,7 @@ def _mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,  # u8 [M, K], u8 [M, K/32], u8 [N, K], u8 [N, K/32], [M, N]
     M, N, K,  # K a multiple of 32; all tensors contiguous
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
+    MX_MMA: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,7 +169,7 @@ def _mx_gemm_kernel(
                       mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_M, BLOCK_K/32]
         b_s = tl.load(b_scale_ptr + rn64[:, None] * n_scales + ss[None, :],
                       mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_N, BLOCK_K/32]
-        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, SCALED_DOT)
+        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
     c_ptrs = c_ptr + rm64[:, None] * N + rn64[None, :]
     tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
@@ -119,7 +179,7 @@ def _grouped_mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, offsets_ptr,
     M_ROWS, N, K, E,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SCALED_DOT: tl.constexpr,
+    MX_MMA: tl.constexpr,
 ):
     # a: u8 [M_ROWS, K] rows grouped by expert (offsets: [E + 1] int32), a_scale: u8 [M_ROWS, K/32];
     # b: u8 [E, N, K] (each expert's weight [out, in]), b_scale: u8 [E, N, K/32]; c: [M_ROWS, N].
@@ -149,20 +209,24 @@ def _grouped_mx_gemm_kernel(
                       mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)
         b_s = tl.load(b_scale_ptr + rn[:, None] * n_scales + ss[None, :],
                       mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)
-        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, SCALED_DOT)
+        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
     tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
 
-def launch_config(m: int, n: int, k: int, interpreted: bool) -> LaunchConfig:
+def launch_config(m: int, n: int, k: int, interpreted: bool, mma: str = "scaled") -> LaunchConfig:
     """Tiles for an ``[M, N, K]`` MXFP8 GEMM (one or grouped). Compiled: 128×128×64 (two
     scale bytes per row per step), 8 warps, 3 stages — 128 rows is the M of one block-scaled
     ``tcgen05.mma`` per CTA, and the FP8 tiles (8 KB each per stage) stay in shared memory.
     At ``BLOCK_K`` 128 Hopper's upcast path (bf16 copies of both FP8 tiles in registers)
-    spills in the grouped kernel. Interpreted: the interpreter pays per program, so blocks as
-    large as the problem allows."""
+    spills in the grouped kernel. ``mma="fp8_promote"`` (Hopper): 128×64×32, one FP8
+    ``wgmma`` K block per step straight from shared memory (a wider K tile is split in
+    registers); at ``BLOCK_N`` 128 the fp32 partial beside the accumulator spills.
+    Interpreted: the interpreter pays per program, so blocks as large as the problem allows."""
     if interpreted:
         return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64 if k >= 64 else 32},
                             num_warps=4, num_stages=1)
+    if mma == "fp8_promote":
+        return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=3)
     return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)
 
 
@@ -185,7 +249,7 @@ def _check_operand(name: str, codes: Tensor, scales: Tensor) -> None:
 
 
 def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
-            out_dtype: torch.dtype = torch.float32) -> Tensor:
+            out_dtype: torch.dtype = torch.float32, mma: str | None = None) -> Tensor:
     """``dequant(a) · dequant(b)ᵀ`` from MXFP8 operands blocked along K.
 
     Args:
@@ -195,14 +259,18 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
         out_dtype: ``torch.float32`` or ``torch.bfloat16`` (accumulation is fp32 either way;
             bf16 is rounded to nearest even by hand, the same compiled and interpreted).
 
-    Returns ``[M, N]`` ``out_dtype``. Compiled on CUDA through ``tl.dot_scaled``; under
-    ``TRITON_INTERPRET=1`` through the decomposed ("emulated") path.
+        mma: the ``MX_MMA`` of `mx_dot` (one of ``MX_MMAS``); ``None``: `mx_mma_mode`'s.
+
+    Returns ``[M, N]`` ``out_dtype``. Compiled through ``tl.dot_scaled`` on sm_100, FP8
+    ``wgmma`` per K block on sm_90; under ``TRITON_INTERPRET=1`` the emulated path.
     """
     _check_operand("a", a, a_scale)
     _check_operand("b", b, b_scale)
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     one_of(out_dtype, "out_dtype", OUT_DTYPES)
+    if mma is not None:
+        one_of(mma, "mma", MX_MMAS)
     devices = {t.device for t in (a, a_scale, b, b_scale)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale must be on one device, got {sorted(map(str, devices))}")
@@ -212,19 +280,20 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     c = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
         return c
-    cfg = launch_config(m, n, k, interpreted())
+    mma = mma or mx_mma_mode(interpreted(), device)
+    cfg = launch_config(m, n, k, interpreted(), mma)
     grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
     _mx_gemm_kernel[grid](
         a.contiguous().view(torch.uint8), a_scale.contiguous().view(torch.uint8),
         b.contiguous().view(torch.uint8), b_scale.contiguous().view(torch.uint8), c,
-        m, n, k, **cfg.blocks, SCALED_DOT=not interpreted(),
+        m, n, k, **cfg.blocks, MX_MMA=mma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
 
 
 def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offsets: Tensor,
-                    out_dtype: torch.dtype = torch.float32) -> Tensor:
+                    out_dtype: torch.dtype = torch.float32, mma: str | None = None) -> Tensor:
     """Per expert ``e``: ``dequant(a[offsets[e]:offsets[e+1]]) · dequant(b[e])ᵀ``, one launch
     with no host sync — the MoE layer's expert GEMM with both operands in MXFP8.
 
@@ -234,10 +303,11 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
             ``b_scale``: ``[E, N, K/32]``.
         offsets: ``[E + 1]`` int32 on the device, non-decreasing: expert ``e`` owns rows
             ``offsets[e]:offsets[e+1]``; rows from ``offsets[E]`` on come out as zeros.
-        out_dtype: ``torch.float32`` or ``torch.bfloat16``.
+        out_dtype: ``torch.float32`` or ``torch.bfloat16``; ``mma``: as `mx_gemm`'s.
 
     Returns ``[M, N]`` ``out_dtype``: compiled through ``tl.dot_scaled`` (block-scaled
-    ``tcgen05.mma`` on Blackwell), interpreted through the decomposed path.
+    ``tcgen05.mma`` on Blackwell) or FP8 ``wgmma`` per K block (Hopper), interpreted
+    through the emulated path.
     """
     if not isinstance(b, torch.Tensor) or b.dim() != 3:
         raise ValueError(f"b must be a 3-D [E, N, K] tensor, got {getattr(b, 'shape', type(b).__name__)}")
@@ -255,22 +325,26 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
                          f"b's experts), got {getattr(offsets, 'dtype', None)} "
                          f"{tuple(getattr(offsets, 'shape', ()))}")
     one_of(out_dtype, "out_dtype", OUT_DTYPES)
+    if mma is not None:
+        one_of(mma, "mma", MX_MMAS)
     devices = {t.device for t in (a, a_scale, b, b_scale, offsets)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale, offsets must be on one device, got "
                          f"{sorted(map(str, devices))}")
-    check_device("a", a.device)
+    device = a.device
+    check_device("a", device)
     m = a.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = launch_config(m, n, k, interpreted())
+    mma = mma or mx_mma_mode(interpreted(), device)
+    cfg = launch_config(m, n, k, interpreted(), mma)
     grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(n, cfg.blocks["BLOCK_N"]))
     u8 = torch.uint8
     _grouped_mx_gemm_kernel[grid](
         a.contiguous().view(u8), a_scale.contiguous().view(u8), b.contiguous().view(u8),
         b_scale.contiguous().view(u8), c, offsets.contiguous(), m, n, k, n_experts,
-        **cfg.blocks, BLOCK_E=block_e(n_experts), SCALED_DOT=not interpreted(),
+        **cfg.blocks, BLOCK_E=block_e(n_experts), MX_MMA=mma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
@@ -304,4 +378,4 @@ def mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) ->
 
 
 __all__ = ["OUT_DTYPES", "e4m3_to_fp32", "e8m0_to_fp32", "grouped_mx_gemm", "grouped_mx_gemm_reference",
-           "launch_config", "mx_dot", "mx_gemm", "mx_gemm_reference"]
+           "launch_config", "MX_MMAS", "mx_dot", "mx_mma_mode", "mx_gemm", "mx_gemm_reference"]

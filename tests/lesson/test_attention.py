@@ -84,13 +84,15 @@ def test_mxfp8_reference_is_the_reference_on_quantized_operands():
         mxfp8_reference_attention(q, k, v, quantize=("s",))
 
 
+@pytest.mark.parametrize("mma", [None, "fp8_promote"])
 @pytest.mark.parametrize("shape", [*SHAPES, MULTI_TILE])
-def test_triton_kernel_applies_block_scales_exactly(shape, device):
+def test_triton_kernel_applies_block_scales_exactly(shape, mma, device):
     # With P left in float32, the kernel's only quantized inputs are Q, K, V: it must then
-    # equal the reference on those operands up to float32 summation order.
+    # equal the reference on those operands up to float32 summation order (fp8_promote,
+    # Hopper's mode: Q·Kᵀ one FP8 dot per 32-wide head-dim block, scaled in fp32).
     gen = torch.Generator().manual_seed(34)
     q, k, v = qkv(*shape, gen, device=device)
-    out = mx_attention_forward(*quantize_qkv(q, k, v), quantize_p=False)
+    out = mx_attention_forward(*quantize_qkv(q, k, v), quantize_p=False, mma=mma)
     ref = mxfp8_reference_attention(q, k, v, quantize=("q", "k", "v"))
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6)
 

@@ -35,6 +35,7 @@ from moe_lab.perf.hardware import SMLimits
 
 # ------------------------------------------------------------------------------ resources
 
+_FP8_CVT = re.compile(r"\s*cvt\.\S*\.e[45]m[23]x2\s")  # the source type is the last
 _FUNCTION = re.compile(r"^\s*Function\s+(\S+?):\s*$")
 _FIELD = re.compile(r"([A-Z]+(?:\[\d+\])?):(\d+)")
 
@@ -107,11 +108,15 @@ def mma_instructions(ptx: str) -> dict[str, object]:
     ``"mma.sync"`` — the newest present — or ``"none"``: CUDA cores only), ``kinds``
     (each distinct shape/type, e.g. ``"wgmma m64n64k16 f32.bf16.bf16"``, ``"tcgen05.mma
     kind::mxf8f6f4 block_scale"``), ``count`` (MMA instructions in the PTX, not executions)
-    and ``block_scaled`` (the hardware applies MX block scales)."""
+    ``block_scaled`` (the hardware applies MX block scales) and ``fp8_upcasts`` (``cvt``
+    instructions from an FP8 type, e.g. ``cvt.rn.f16x2.e4m3x2``: FP8 operands widened for a
+    16-bit MMA, as ``tl.dot_scaled`` does on sm_90)."""
     kinds: Counter[str] = Counter()
+    upcasts = 0
     present = set()
     block_scaled = False
     for line in instructions(ptx):
+        upcasts += bool(_FP8_CVT.match(line))
         if match := _TCGEN05.search(line):
             present.add("tcgen05.mma")
             scaled = bool(match.group(2)) or match.group(1).startswith("mx")
@@ -125,7 +130,7 @@ def mma_instructions(ptx: str) -> dict[str, object]:
             kinds[f"mma.sync {match.group(1)} {match.group(2)}"] += 1
     newest = next((name for name in MMA_CLASSES if name in present), "none")
     return {"class": newest, "kinds": sorted(kinds), "count": sum(kinds.values()),
-            "block_scaled": block_scaled}
+            "block_scaled": block_scaled, "fp8_upcasts": upcasts}
 
 
 def async_copies(ptx: str) -> dict[str, object]:

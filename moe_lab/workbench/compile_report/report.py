@@ -235,7 +235,9 @@ def _short_kernel(row: dict[str, Any]) -> str:
 
 
 def _mma_text(row: dict[str, Any]) -> str:
-    return "; ".join(row["mma_kinds"]) if row["mma_kinds"] else "none (CUDA cores)"
+    text = "; ".join(row["mma_kinds"]) if row["mma_kinds"] else "none (CUDA cores)"
+    upcasts = row.get("fp8_upcasts", 0)  # FP8 operands widened to 16 bits before the MMA
+    return f"{text} (+{upcasts} FP8 upcast cvt)" if upcasts else text
 
 
 def _copy_text(row: dict[str, Any]) -> str:

@@ -121,9 +121,11 @@ def identity(spec: CompileSpec, arch: str) -> dict[str, Any]:
     """The fields of a row that say what was compiled, for which architecture, how."""
     return {
         "kernel": spec.kernel, "label": spec.label, "arch": arch, "gpu": sm_limits(arch).gpu,
-        "blocks": dict(spec.config.blocks), "num_warps": spec.config.num_warps,
+        "blocks": {k: spec.constexprs_for(arch).get(k, v) for k, v in spec.config.blocks.items()},
+        "num_warps": spec.config.num_warps,
         "num_stages": spec.config.num_stages, "note": spec.note,
-        "constexprs": {k: v if isinstance(v, SCALARS) else str(v) for k, v in spec.constexprs.items()},
+        "constexprs": {k: v if isinstance(v, SCALARS) else str(v)
+                       for k, v in spec.constexprs_for(arch).items()},
     }
 
 
@@ -138,7 +140,8 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
 
     limits = sm_limits(arch)
     config = spec.config
-    sig, constexprs, attrs, divisible = triton_signature(fn, spec.kernel, spec.signature, spec.constexprs)
+    sig, constexprs, attrs, divisible = triton_signature(fn, spec.kernel, spec.signature,
+                                                          spec.constexprs_for(arch))
     log = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stdout(log):  # where Triton prints ptxas's -v log
@@ -194,6 +197,7 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
         "mma_kinds": mma["kinds"],
         "mma_count": mma["count"],
         "block_scaled": mma["block_scaled"],
+        "fp8_upcasts": mma["fp8_upcasts"],
         # A matrix product in the kernel's Triton IR (``tt.dot`` or ``tt.dot_scaled``): what
         # makes it GEMM-like, whatever instruction it became.
         "has_dot": "tt.dot" in compiled.asm["ttir"],

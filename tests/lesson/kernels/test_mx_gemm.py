@@ -1,13 +1,14 @@
 """The MXFP8 GEMM (moe_lab.kernels.mx_gemm) against its reference, and what it compiles to.
 
-On a CPU the kernel runs under Triton's interpreter with ``SCALED_DOT=False``: the scaled
+On a CPU the kernel runs under Triton's interpreter with ``MX_MMA="emulate"``: the scaled
 dot decomposed into an exact E4M3/E8M0 decode and an IEEE fp32 ``tl.dot``. The decoded
 operands equal `MXTensor.dequantize`'s bit for bit, so the only difference from the
 float64 reference is fp32 accumulation in another order, bounded by the standard
 summation bound ``|C − C₆₄| ≤ γ · (|A|·|B|ᵀ)`` with ``γ = (K + 2)·2⁻²⁴`` (one rounding per
 product and per addition, K terms). Where every product and partial sum is an integer
 below 2²⁴, no order rounds at all, and the kernel must equal the reference exactly.
-(The compiled path, ``SCALED_DOT=True``, is tests/workbench/compile_report/test_specs.py's.)
+(The compiled paths, ``MX_MMA="scaled"``/``"fp8_promote"``, are
+tests/workbench/compile_report/test_specs.py's.)
 """
 
 from __future__ import annotations
@@ -256,3 +257,53 @@ def test_grouped_mx_gemm_padding_rows_special_values_and_errors(device):
         grouped_mx_gemm(a, a_s, b[0], b_s, offsets)
     with pytest.raises(ValueError, match="a and b must share K"):
         grouped_mx_gemm(a[:, :32], a_s[:, :1], b, b_s, offsets)
+
+
+# ------------------------------------------------------------------ fp8_promote (Hopper's mode)
+# `mx_dot(MX_MMA="fp8_promote")`: one E4M3 x E4M3 tl.dot per 32-wide K block (fp32 out),
+# scaled by its two E8M0 scales in fp32. Products and power-of-two scalings are exact, so it
+# is the same K exact terms summed in another fp32 order: the bound above holds for it too.
+
+
+@pytest.mark.parametrize("m, n, k", [(70, 45, 96), (1, 3, 32), (64, 64, 64), (33, 20, 160)])
+def test_fp8_promote_is_within_the_fp32_summation_bound(device, m, n, k):
+    a, a_s = operands(m, k, device, spread=64.0)  # 13 binades between blocks
+    b, b_s = operands(n, k, device)
+    c = mx_gemm(a, a_s, b, b_s, mma="fp8_promote")
+    assert_within_fp32_bound(c, a, a_s, b, b_s)
+    # Both modes within the bound of the exact product: within twice it of each other.
+    err = (c - mx_gemm(a, a_s, b, b_s, mma="emulate")).abs().cpu().double()
+    assert (err <= 2 * (k + 2) * 2.0**-24 * _abs_product(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())).all()
+
+
+def test_the_bound_rejects_one_scale_for_the_whole_tile(device):
+    """A plausible fp8_promote bug, block 0's scales applied to every K block, fails the check."""
+    a, a_s = operands(16, 64, device)
+    b, b_s = operands(8, 64, device)
+    a_s, b_s = a_s.view(torch.uint8).clone(), b_s.view(torch.uint8).clone()
+    a_s[:, 1] = a_s[:, 0] + 3  # the second block 8x the first's scale
+    one_a, one_b = a_s[:, :1].expand(-1, 2).cpu(), b_s[:, :1].expand(-1, 2).cpu()
+    wrong = mx_gemm_reference(a.cpu(), one_a, b.cpu(), one_b)
+    with pytest.raises(AssertionError):
+        assert_within_fp32_bound(wrong.float(), a, a_s, b, b_s)
+
+
+def test_fp8_promote_special_values_non_contiguous_and_grouped(device):
+    from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
+
+    m, n, k = 20, 12, 128
+    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    a_s[:, 1] = 0  # 2^-127: the block's partial underflows to (almost) nothing, as emulated
+    b_s[7, 2] = E8M0_NAN  # (no NaN code: the interpreter's float8 dot reads 0x7F as 480)
+    args = (a.view(E4M3), a_s, b.view(E4M3), b_s)
+    got, want = mx_gemm(*args, mma="fp8_promote"), mx_gemm(*args, mma="emulate")
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got).sum() == m
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=2 * (k + 2) * 2.0**-24, atol=0)
+    bt = b.view(E4M3).T.contiguous().T  # a column-major view: the wrapper copies it
+    assert torch.equal(mx_gemm(a.view(E4M3), a_s, bt, b_s, mma="fp8_promote").isnan(), got.isnan())
+    gen = torch.Generator().manual_seed(34)
+    a, a_s, b, b_s, offsets = _grouped_operands(gen, [5, 0, 37, 1], 48, 96, device)
+    got = grouped_mx_gemm(a, a_s, b, b_s, offsets, mma="fp8_promote")
+    torch.testing.assert_close(got.double(), grouped_mx_gemm_reference(a, a_s, b, b_s, offsets),
+                               rtol=1e-6, atol=1e-5)

@@ -99,6 +99,12 @@ def test_mma_class(line, klass, kind, scaled):
     assert found["block_scaled"] is scaled
 
 
+def test_fp8_upcasts_count_cvt_from_an_fp8_type_only():
+    ptx = ("\tcvt.rn.f16x2.e4m3x2 %r1, %rs1;\n\tcvt.rn.f16x2.e5m2x2 %r2, %rs2;\n"
+           "\tcvt.bf16.f16 %rs3, %rs4;\n\tcvt.rn.satfinite.e4m3x2.f32 %rs5, %f1, %f2;\n")
+    assert reading.mma_instructions(ptx)["fp8_upcasts"] == 2  # not to fp8, nor 16 -> 16 bits
+
+
 def test_async_copies_and_loop_sketch():
     copies = reading.async_copies(PTX_LOOP)
     assert copies["kind"] == "cp.async" and copies["cp_async"] == 1 and copies["commit_groups"] == 1

@@ -161,7 +161,11 @@ def test_fused_specs_cover_every_kernel():
 
 def test_mx_gemm_specs_cover_the_compiled_path():
     specs = for_module(mg)
-    assert specs and all(spec.constexprs["SCALED_DOT"] is True for spec in specs)
+    assert specs and all(spec.constexprs_for("sm_100")["MX_MMA"] == "scaled" for spec in specs)
+    hopper = {**specs[0].config.blocks, **specs[0].constexprs_for("sm_90")}
+    assert hopper["MX_MMA"] == "fp8_promote"  # and the tile the wrapper picks in that mode:
+    cfg = mg.launch_config(65536, 4096, 7168, interpreted=False, mma="fp8_promote")
+    assert {k: hopper[k] for k in cfg.blocks} == cfg.blocks
     for model in ("DeepSeek-V3", "GPT-OSS-20B"):
         assert any(model in spec.label for spec in specs)
     assert mg.launch_config(65536, 4096, 7168, interpreted=False) == specs[0].config
@@ -169,8 +173,9 @@ def test_mx_gemm_specs_cover_the_compiled_path():
 
 def test_compiled_mx_gemm_is_block_scaled_tcgen05_on_blackwell_and_wgmma_on_hopper():
     """On sm_100 ``tl.dot_scaled`` is one block-scaled MMA (``tcgen05.mma kind::mxf8f6f4
-    .block_scale``); on sm_90, which has no such instruction, Triton upcasts the E4M3 tiles
-    to bf16 and runs an ordinary ``wgmma`` (bf16 × bf16 → fp32). Neither spills."""
+    .block_scale``); on sm_90, which has no such instruction, ``MX_MMA="fp8_promote"`` runs
+    E4M3 × E4M3 ``wgmma`` (fp32 out) per K block, with no FP8 → 16-bit ``cvt`` of the
+    operands (``tl.dot_scaled`` there would upcast them). Neither spills."""
     rows = {row["arch"]: row for row in compile_report.compile_jobs(
         compile_report.module_job("moe_lab.kernels.mx_gemm", index=0), archs=("sm_90", "sm_100"))}
     assert not any(row.get("error") for row in rows.values()), rows
@@ -178,7 +183,8 @@ def test_compiled_mx_gemm_is_block_scaled_tcgen05_on_blackwell_and_wgmma_on_hopp
     assert blackwell["mma_class"] == "tcgen05.mma" and blackwell["block_scaled"], blackwell["mma_kinds"]
     assert any("kind::mxf8f6f4" in kind for kind in blackwell["mma_kinds"])
     assert hopper["mma_class"] == "wgmma" and not hopper["block_scaled"], hopper["mma_kinds"]
-    assert all("bf16.bf16" in kind for kind in hopper["mma_kinds"])
+    assert hopper["mma_kinds"] and all("e4m3.e4m3" in kind for kind in hopper["mma_kinds"])
+    assert hopper["fp8_upcasts"] == 0 and hopper["constexprs"]["MX_MMA"] == "fp8_promote"
     assert blackwell["spill_bytes"] == 0 and hopper["spill_bytes"] == 0
 
 

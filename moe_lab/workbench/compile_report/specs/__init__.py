@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,7 +43,9 @@ class CompileSpec:
     ``constexprs``: every constexpr argument's value (the ``launch_config`` blocks among
     them); ``config``: the `LaunchConfig` the wrapper would pick at this shape; ``note``:
     why this compilation may miss the report's targets (spilled bytes, no tensor cores),
-    when it does by design — the report prints it beside each row off target.
+    when it does by design — the report prints it beside each row off target;
+    ``per_arch``: constexprs that differ by target (``{"sm_90": {"MX_MMA": "fp8_promote"}}``),
+    over ``constexprs`` for that arch (`constexprs_for`).
     """
 
     kernel: str
@@ -52,10 +54,21 @@ class CompileSpec:
     constexprs: dict[str, object]
     config: LaunchConfig
     note: str = ""
+    per_arch: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def constexprs_for(self, arch: str) -> dict[str, object]:
+        return {**self.constexprs, **self.per_arch.get(arch, {})}
 
     def __post_init__(self) -> None:
         if ":" not in self.kernel:
             raise ValueError(f"CompileSpec.kernel must be 'module:function', got {self.kernel!r}")
+
+
+# The MXFP8 kernels' inner product per target (`moe_lab.kernels.mx_gemm.mx_mma_mode`):
+# block-scaled tcgen05 from sm_100 on, FP8 wgmma per 32-wide K block on sm_90.
+# (The GEMMs take one K block per step there: `moe_lab.kernels.mx_gemm.launch_config`.)
+MX_MMA, MX_MMA_PER_ARCH = {"MX_MMA": "scaled"}, {"sm_90": {"MX_MMA": "fp8_promote"}}
+MX_GEMM_PER_ARCH = {"sm_90": {"MX_MMA": "fp8_promote", "BLOCK_N": 64, "BLOCK_K": 32}}
 
 
 def int_args(**values: int) -> tuple[dict[str, str], dict[str, int]]:
@@ -80,11 +93,13 @@ def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
     merged: dict[tuple, CompileSpec] = {}
     for spec in specs:
         key = (spec.kernel, tuple(sorted(spec.signature.items())),
-               tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())), repr(spec.config))
+               tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())), repr(spec.config),
+               repr(spec.per_arch))
         if key in merged:
             first = merged[key]
             merged[key] = CompileSpec(first.kernel, f"{first.label} | {spec.label}", first.signature,
-                                      first.constexprs, first.config, first.note or spec.note)
+                                      first.constexprs, first.config, first.note or spec.note,
+                                      first.per_arch)
         else:
             merged[key] = spec
     return list(merged.values())

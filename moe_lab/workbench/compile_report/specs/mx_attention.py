@@ -5,7 +5,7 @@ from __future__ import annotations
 from moe_lab.config import preset
 from moe_lab.kernels import mx_attention as ma
 from moe_lab.quant.mx import BLOCK_SIZE, padded_size
-from moe_lab.workbench.compile_report.specs import CompileSpec, int_args
+from moe_lab.workbench.compile_report.specs import MX_MMA, MX_MMA_PER_ARCH, CompileSpec, int_args
 
 
 def compile_specs() -> list[CompileSpec]:
@@ -46,16 +46,16 @@ def compile_specs() -> list[CompileSpec]:
         )
         cfg = ma.launch_config(t, t, d, interpreted=False)
         p = f"P {scale_mode}" if quantize_p else "P float32"
-        note = UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d > 128 else ""
+        note = UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d >= 128 else ""
         specs.append(CompileSpec(
             kernel="moe_lab.kernels.mx_attention:_mx_attention_fwd_kernel",
             label=f"MXFP8 attention fwd, {name}: {h} heads ({h_kv} KV), seq {t}, d={d}, {p}",
             signature={**{n: "*u8" for n in ("q_ptr", "qs_ptr", "k_ptr", "ks_ptr", "v_ptr",
                                               "vs_ptr")},
                        "o_ptr": "*fp32", "sm_scale_log2": "fp32", **ints},
-            constexprs={**ones, **ma.mode_constexprs(quantize_p, scale_mode, interpreted=False),
+            constexprs={**ones, **ma.mode_constexprs(quantize_p, scale_mode, MX_MMA["MX_MMA"]),
                         **cfg.blocks},
-            config=cfg,
+            config=cfg, per_arch=MX_MMA_PER_ARCH,
             note=note,
         ))
     return specs
@@ -68,6 +68,8 @@ UNQUANTIZED_P_NOTE = (
     "dequantized V tiles spill), and Triton 3.7 lowers it on sm_100 to tcgen05 kind::tf32 "
     "instead (see the tensor-core column): on Blackwell that dot rounds P to TF32.")
 WIDE_HEAD_NOTE = (
-    "head_dim 192 pads to a 256-wide Q/K tile (tl.arange needs a power of two); on sm_90, "
-    "which has no block-scaled MMA, tl.dot_scaled holds bf16 copies of those FP8 tiles in "
-    "registers for the wgmma, a little past the 255-register limit.")
+    "head_dim 128, and 192 padded to a 256-wide Q/K tile (tl.arange needs a power of two): on "
+    "sm_90, which has no block-scaled MMA, the fp8_promote Q·Kᵀ splits the FP8 Q and K tiles "
+    "into 32-wide head-dim blocks in registers, one FP8 wgmma and one fp32 partial score tile "
+    "each, past the 255-register limit (tl.dot_scaled's bf16 upcast spilled less at 192 and "
+    "none at 128; loading the blocks apart would avoid the split).")

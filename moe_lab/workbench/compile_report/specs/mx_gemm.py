@@ -6,6 +6,8 @@ from moe_lab.config import preset
 from moe_lab.kernels import mx_gemm as mg
 from moe_lab.kernels.common import block_e
 from moe_lab.workbench.compile_report.specs import (
+    MX_GEMM_PER_ARCH,
+    MX_MMA,
     SPEC_PRESETS,
     SPEC_TOKENS,
     CompileSpec,
@@ -16,7 +18,8 @@ from moe_lab.workbench.compile_report.specs import (
 
 def compile_specs() -> list[CompileSpec]:
     """`_mx_gemm_kernel` and `_grouped_mx_gemm_kernel` as CUDA launches of `mx_gemm` and
-    `grouped_mx_gemm` compile them (``SCALED_DOT=True``) for an MoE layer's expert GEMMs at
+    `grouped_mx_gemm` compile them (``MX_MMA`` "scaled" on sm_100, "fp8_promote" on sm_90)
+    for an MoE layer's expert GEMMs at
     DeepSeek-V3's and GPT-OSS-20B's shapes: the up/gate projection ``[tokens·top_k, d_model]
     · [2·d_expert, d_model]ᵀ`` and the down projection ``[tokens·top_k, d_expert] ·
     [d_model, d_expert]ᵀ`` (as one GEMM, and split over the experts), bf16 output."""
@@ -29,21 +32,21 @@ def compile_specs() -> list[CompileSpec]:
             cfg = mg.launch_config(m, n, k, interpreted=False)
             specs.append(CompileSpec(
                 kernel="moe_lab.kernels.mx_gemm:_mx_gemm_kernel",
-                label=f"MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
+                label=f"MXFP8 GEMM, {model} experts {what}: "
                       f"[{m}, {k}] x [{n}, {k}]^T, bf16 out",
                 signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
                            "c_ptr": "*bf16", **ints},
-                constexprs={**ones, **cfg.blocks, "SCALED_DOT": True},
-                config=cfg,
+                constexprs={**ones, **cfg.blocks, **MX_MMA},
+                config=cfg, per_arch=MX_GEMM_PER_ARCH,
             ))
             ints, ones = int_args(M_ROWS=m, N=n, K=k, E=moe.n_experts)
             specs.append(CompileSpec(
                 kernel="moe_lab.kernels.mx_gemm:_grouped_mx_gemm_kernel",
-                label=f"grouped MXFP8 GEMM (tl.dot_scaled), {model} experts {what}: "
+                label=f"grouped MXFP8 GEMM, {model} experts {what}: "
                       f"[{m}, {k}] x {moe.n_experts} x [{n}, {k}]^T, bf16 out",
                 signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
                            "c_ptr": "*bf16", "offsets_ptr": "*i32", **ints},
-                constexprs={**ones, **cfg.blocks, "BLOCK_E": block_e(moe.n_experts), "SCALED_DOT": True},
-                config=cfg,
+                constexprs={**ones, **cfg.blocks, "BLOCK_E": block_e(moe.n_experts), **MX_MMA},
+                config=cfg, per_arch=MX_GEMM_PER_ARCH,
             ))
     return merge_specs(specs)
