@@ -151,7 +151,7 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
 # d_expert). DeepSeek-V3 at EP8: 256 experts over 8 ranks, 8192 tokens x top-8 = 65,536 routed
 # rows per rank over its 32 local experts; GPT-OSS-20B on one rank: 8192 tokens x top-4.
 ACCEPTANCE = (("DeepSeek-V3 EP8", 2048, 32, 7168, 2048), ("GPT-OSS-20B", 1024, 32, 2880, 2880))
-REPORT = Path("results/compile/sm_90.json")
+REPORT = Path(__file__).resolve().parents[2] / "results" / "compile" / "sm_90.json"  # the sm_90 report
 
 
 def blocks_per_sm(report: dict, kernel: str, blocks: dict, warps: int) -> int:
@@ -217,7 +217,7 @@ def markdown(rows: list[dict], gpu: str = "H200") -> str:
 if __name__ == "__main__":
     table = markdown(acceptance())
     print(table, end="")
-    Path("results/compile/traffic.md").write_text(table)
+    (REPORT.parent / "traffic.md").write_text(table)
 
 
 __all__ = ["ACCEPTANCE", "Traffic", "acceptance", "blocks_per_sm", "grouped_order", "markdown", "simulate"]
