@@ -147,7 +147,7 @@ def tile_group(m: int, n_experts: int, block_m: int) -> int:
     """``GROUP_M`` of `tile_order`: the row tiles of an average expert (``m // n_experts``
     rows), rounded down to a power of two, at least 1. A group then spans about one expert's
     rows, so the expert's weight is read once per group while its rows stay in L2 across the
-    N sweep; `moe_lab.perf.traffic` gives the bytes (``python -m moe_lab.perf.traffic``)."""
+    N sweep (`moe_lab.perf.traffic` models the bytes each order moves)."""
     tiles = max(1, m // max(1, n_experts) // block_m)
     return 1 << (tiles.bit_length() - 1)
 
