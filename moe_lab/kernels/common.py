@@ -143,6 +143,20 @@ def block_e(n_experts: int) -> int:
     return triton.next_power_of_2(n_experts + 1)
 
 
+def tile_group(m: int, n_experts: int, block_m: int) -> int:
+    """``GROUP_M`` of `tile_order`: the row tiles of an average expert (``m // n_experts``
+    rows), rounded down to a power of two, at least 1. A group then spans about one expert's
+    rows, so the expert's weight is read once per group while its rows stay in L2 across the
+    N sweep (`moe_lab.perf.traffic` models the bytes each order moves)."""
+    tiles = max(1, m // max(1, n_experts) // block_m)
+    return 1 << (tiles.bit_length() - 1)
+
+
+def grouped_grid(m: int, n_experts: int, n: int, block_m: int, block_n: int) -> tuple[int]:
+    """The 1-D grid of `tile_order`: ``(cdiv(m, block_m) + n_experts) * cdiv(n, block_n)``."""
+    return ((triton.cdiv(m, block_m) + n_experts) * triton.cdiv(n, block_n),)
+
+
 def dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
     """``DOT_BF16`` of `mma`: bfloat16 tiles go to ``tl.dot`` as bfloat16 when compiled; the
     interpreter's ``tl.dot`` multiplies bfloat16 bit patterns as integers, so it gets float32
@@ -178,12 +192,26 @@ def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: 
 
 
 @jit
-def tile_rows(row0, row_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def tile_order(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(row tile, N tile)`` of this program in a 1-D grid of ``(cdiv(M_ROWS, BLOCK_M) + E) x
+    cdiv(N, BLOCK_N)`` programs, in grouped rasterisation: ``GROUP_M`` consecutive row tiles
+    take every N tile, row tile fastest, before the next group starts (`tile_group` picks
+    ``GROUP_M`` per launch; `moe_lab.perf.traffic` models the bytes each order moves)."""
+    pid = tl.program_id(0)
+    t_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * t_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(tl.num_programs(0) // t_n - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@jit
+def tile_rows(row0, row_end, tile_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``(rows, cols, row_ok)`` of a scheduled program's output tile: its ``BLOCK_M`` rows from
-    ``row0`` (those below ``row_end`` are its expert's) and its ``BLOCK_N`` columns (grid axis
-    1), as int64 indices: every index that multiplies a stride is int64."""
+    ``row0`` (those below ``row_end`` are its expert's) and its ``BLOCK_N`` columns (N tile
+    ``tile_n``), as int64 indices: every index that multiplies a stride is int64."""
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     return rows, cols, rows < row_end
 
 
@@ -306,5 +334,6 @@ def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
 
 
 __all__ = ["block_e", "cast_for_store", "check_device", "dot_bf16", "gather_rows", "gemm_k_loop",
-           "interpreted", "jit", "mma", "new_output", "poison_outputs", "row_source", "scatter_rows",
-           "swiglu_epilogue", "swiglu_k_loop", "tile_rows", "tile_schedule"]
+           "grouped_grid", "interpreted", "jit", "mma", "new_output", "poison_outputs", "row_source",
+           "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order", "tile_rows",
+           "tile_schedule"]

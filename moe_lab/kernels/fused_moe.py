@@ -42,6 +42,7 @@ from moe_lab.kernels.common import (
     dot_bf16,
     gather_rows,
     gemm_k_loop,
+    grouped_grid,
     interpreted,
     jit,
     mma,
@@ -50,6 +51,8 @@ from moe_lab.kernels.common import (
     scatter_rows,
     swiglu_epilogue,
     swiglu_k_loop,
+    tile_group,
+    tile_order,
     tile_rows,
     tile_schedule,
 )
@@ -71,16 +74,17 @@ def _gather_swiglu_kernel(
     M_ROWS, F, K, E, TOP_K,
     s_xm, s_xk, s_we, s_wk, s_wn, s_om, s_on, s_dm, s_dn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_BF16: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, DOT_BF16: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     # x: [T, K] token rows; src: [M_ROWS] int32 (t·k + j of each permuted row, -1: none);
     # w: [E, K, 2F]; offsets: [E + 1]. The A tile's rows are x[src // TOP_K] (the gather
     # prologue). Forward: out = h = silu(gate)·up [M, F]. Backward: dh [M, F] in,
-    # out = [dgate, dup] [M, 2F]. Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(F, BLOCK_N)).
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    # out = [dgate, dup] [M, 2F]. Grid: 1-D, `grouped_grid` over F.
+    tile_m, tile_n = tile_order(F, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & (cols[None, :] < F)
     out_ptrs = out_ptr + rows[:, None] * s_om + cols[None, :] * s_on
     up_out_ptrs = out_ptr + rows[:, None] * s_om + (cols + F)[None, :] * s_on
@@ -100,17 +104,18 @@ def _gemm_scatter_kernel(
     M_ROWS, N, K, E, TOP_K,
     s_am, s_ak, s_we, s_wk, s_wn, s_om, s_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_BF16: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, DOT_BF16: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     ATOMIC: tl.constexpr,
 ):
     # a: [M, K] expert-sorted rows; w: [E, K, N] (any strides); src: [M_ROWS] int32;
     # weight: [T·k] float32 routing weights (if HAS_WEIGHTS). Row r's product, times
     # weight[src[r]], goes to its token (`scatter_rows`). Rows without a source and the
-    # padding segment write nothing. Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(N, BLOCK_N)).
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    # padding segment write nothing. Grid: 1-D, `grouped_grid` over N.
+    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg >= E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     token, src, ok = gather_rows(src_ptr, rows, row_ok, TOP_K)
     acc = gemm_k_loop(a_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
                       s_am, s_ak, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
@@ -123,18 +128,19 @@ def _gather_gemm_kernel(
     M_ROWS, N, K, E, TOP_K, N_TILES,
     s_gm, s_gk, s_we, s_wk, s_wn, s_hm, s_hn, s_om, s_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
     # The combine's backward. g: [T, K] token rows (dout); w: [E, K, N] (W2ᵀ as a view);
     # h: [M, N] (the second GEMM's saved input); weight: [T·k] fp32. Row r:
     # c = g[src // TOP_K]·W[e] (the gather prologue); out[r] = weight[src]·c (dh) and
     # part[r, tile] = <c, h[r]> over this tile's columns (summed over tiles after the
     # launch: the routing weight's gradient, deterministic).
-    # Grid: (cdiv(M_ROWS, BLOCK_M) + E, N_TILES).
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    # Grid: 1-D, `grouped_grid` over N (N_TILES tiles).
+    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & (cols[None, :] < N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     wt = tl.zeros((BLOCK_M,), tl.float32)
@@ -144,7 +150,7 @@ def _gather_gemm_kernel(
                           s_gm, s_gk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
         wt = tl.load(weight_ptr + src, mask=ok, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + rows[:, None] * s_hm + cols[None, :] * s_hn, mask=mask, other=0.0).to(tl.float32)
-    tl.store(part_ptr + rows * N_TILES + tl.program_id(1), tl.sum(acc * h, 1), mask=row_ok)
+    tl.store(part_ptr + rows * N_TILES + tile_n, tl.sum(acc * h, 1), mask=row_ok)
     tl.store(out_ptr + rows[:, None] * s_om + cols[None, :] * s_on,
              cast_for_store(acc * wt[:, None], out_ptr), mask=mask)
 
@@ -225,12 +231,13 @@ def _launch_gather_swiglu(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, to
     out = new_output((m, f if dh is None else two_f), x.dtype, x.device)
     if m and f:
         cfg = _cfg("swiglu", m, f, k, n_experts, x.dtype)
-        grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(f, cfg.blocks["BLOCK_N"]))
+        grid = grouped_grid(m, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         dh_arg = out if dh is None else dh
         _gather_swiglu_kernel[grid](
             x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k,
             *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
-            **cfg.blocks, BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
             BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
@@ -269,11 +276,12 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
         out = new_output((tokens * top_k, n), a.dtype, a.device)
     if m and n and tokens:
         cfg = _cfg("gemm", m, n, k, n_experts, a.dtype)
-        grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+        grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _gemm_scatter_kernel[grid](
             a, w, out, src, src if weights is None else weights, offsets, m, n, k, n_experts, top_k,
             *a.stride(), *w.stride(), *out.stride(),
-            **cfg.blocks, BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(a.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(a.dtype, interpreted()),
             HAS_WEIGHTS=weights is not None, ATOMIC=atomic,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -298,11 +306,12 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
     dh = new_output((m, n), g.dtype, g.device)
     part = new_output((m, n_tiles), torch.float32, g.device)
     if m and n:
-        grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, n_tiles)
+        grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _gather_gemm_kernel[grid](
             g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k, n_tiles,
             *g.stride(), *w.stride(), *h.stride(), *dh.stride(),
-            **cfg.blocks, BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(g.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(g.dtype, interpreted()),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     per_row = part.sum(1)

@@ -20,7 +20,6 @@ only. The unfused chains close this file.
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from moe_lab.kernels import grouped_gemm as gg
@@ -28,6 +27,7 @@ from moe_lab.kernels.common import (
     block_e,
     dot_bf16,
     gather_rows,
+    grouped_grid,
     interpreted,
     jit,
     mma,
@@ -35,6 +35,8 @@ from moe_lab.kernels.common import (
     row_source,
     scatter_rows,
     swiglu_k_loop,
+    tile_group,
+    tile_order,
     tile_rows,
     tile_schedule,
 )
@@ -59,15 +61,16 @@ def _gather_swiglu_mx_kernel(
     M_ROWS, F, K, E, TOP_K,
     s_xm, s_xk, s_we, s_wk, s_wn, s_om, s_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_BF16: tl.constexpr, IS_BF16: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, DOT_BF16: tl.constexpr, IS_BF16: tl.constexpr,
 ):
     # x: [T, K] token rows, gathered through src: [M_ROWS] int32; w: [E, K, 2F]. Out: the
     # E4M3 codes of h = silu(gate)·up (out: u8 [M, F]) and their E8M0 scales (scale: u8
-    # [M, F/32], contiguous). Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(F, BLOCK_N)).
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    # [M, F/32], contiguous). Grid: 1-D, `grouped_grid` over F.
+    tile_m, tile_n = tile_order(F, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & (cols[None, :] < F)
     out_ptrs = out_ptr + rows[:, None] * s_om + cols[None, :] * s_on
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -93,7 +96,7 @@ def _gather_swiglu_mx_kernel(
     code = fp8_code(tl.reshape(bits, (BLOCK_M, n_blocks, 32)), shift[:, :, None],
                     (scale == 255)[:, :, None], 3, 7, 0x7E, 0x7F)
     tl.store(out_ptrs, tl.reshape(code, (BLOCK_M, BLOCK_N)).to(tl.uint8), mask=mask)
-    blocks = tl.program_id(1) * n_blocks + tl.arange(0, n_blocks)
+    blocks = tile_n * n_blocks + tl.arange(0, n_blocks)
     n_scales = F // 32
     tl.store(scale_ptr + rows[:, None] * n_scales + blocks[None, :], scale.to(tl.uint8),
              mask=row_ok[:, None] & (blocks[None, :] < n_scales))
@@ -105,16 +108,17 @@ def _gemm_scatter_mx_kernel(
     M_ROWS, N, K, E, TOP_K,
     s_am, s_ak, s_we, s_wk, s_wn, s_om, s_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
     # a: E4M3 codes (u8 [M, K]) and a_scale their E8M0 scales (u8 [M, K/32], contiguous), as
     # the epilogue above wrote them, decoded in registers (emulated MXFP8; w: [E, K, N] stays
     # in the activation dtype). Then the deterministic weighted scatter of
     # `moe_lab.kernels.fused_moe`: out [T·k, N] token-major. Grid as the kernel above's.
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg >= E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     token, src, ok = gather_rows(src_ptr, rows, row_ok, TOP_K)
     w_ptr += seg.to(tl.int64) * s_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -161,11 +165,12 @@ def _gather_swiglu_mx_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor,
     scales = new_output((m, f // 32), torch.uint8, x.device)
     if m and f:
         cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=interpreted(), dtype=x.dtype)
-        grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(f, cfg.blocks["BLOCK_N"]))
+        grid = grouped_grid(m, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _gather_swiglu_mx_kernel[grid](
             x, src, w, codes, scales, offsets, m, f, k, n_experts, top_k,
             *x.stride(), *w.stride(), *codes.stride(),
-            **cfg.blocks, BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
             IS_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return codes, scales
@@ -186,11 +191,12 @@ def _gemm_scatter_mx_op(codes: Tensor, scales: Tensor, w: Tensor, src: Tensor, w
     out = new_output((tokens * top_k, n), w.dtype, codes.device)
     if m and n and tokens:
         cfg = launch_config("gemm", m, n, k, n_experts, interpreted=interpreted(), dtype=w.dtype)
-        grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+        grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _gemm_scatter_mx_kernel[grid](
             codes, scales, w, out, src, weights, offsets, m, n, k, n_experts, top_k,
             *codes.stride(), *w.stride(), *out.stride(),
-            **cfg.blocks, BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(w.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(w.dtype, interpreted()),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(w.dtype)

@@ -36,12 +36,15 @@ from moe_lab.kernels.common import (
     check_device,
     dot_bf16,
     gemm_k_loop,
+    grouped_grid,
     interpreted,
     jit,
     mma,
     new_output,
     swiglu_epilogue,
     swiglu_k_loop,
+    tile_group,
+    tile_order,
     tile_rows,
     tile_schedule,
 )
@@ -62,14 +65,15 @@ def _grouped_gemm_kernel(
     M_ROWS, N, K, E,
     s_xm, s_xk, s_we, s_wk, s_wn, s_ym, s_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_BF16: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, DOT_BF16: tl.constexpr,
 ):
     # x: [M, K]; w: [E, K, N] (any strides: dX passes Wᵀ as a view); y: [M, N];
-    # offsets: [E + 1] int32, on device. Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(N, BLOCK_N)).
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    # offsets: [E + 1] int32, on device. Grid: 1-D, `grouped_grid` over N.
+    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:  # past the last tile: no work
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * s_ym + cols[None, :] * s_yn
     y_mask = row_ok[:, None] & (cols[None, :] < N)
     if seg == E:  # padding rows
@@ -87,16 +91,17 @@ def _grouped_gemm_swiglu_kernel(
     M_ROWS, F, K, E,
     s_xm, s_xk, s_we, s_wk, s_wn, s_om, s_on, s_dm, s_dn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, DOT_BF16: tl.constexpr, BACKWARD: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, DOT_BF16: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     # x: [M, K]; w: [E, K, 2F], gate = w[..., :F], up = w[..., F:]; offsets: [E + 1] int32.
     # Forward: out = h = silu(x·Wg) ⊙ (x·Wu): [M, F] (dh unused).
     # Backward: dh: [M, F] in; out = d(pre-activation) = [dgate, dup]: [M, 2F].
-    # Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(F, BLOCK_N)).
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    # Grid: 1-D, `grouped_grid` over F.
+    tile_m, tile_n = tile_order(F, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & (cols[None, :] < F)
     out_ptrs = out_ptr + rows[:, None] * s_om + cols[None, :] * s_on
     up_out_ptrs = out_ptr + rows[:, None] * s_om + (cols + F)[None, :] * s_on  # backward: dup
@@ -271,12 +276,12 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
     if m_bound and n:
         cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=interpreted(),
                             dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
-                triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+        grid = grouped_grid(m_bound, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _grouped_gemm_kernel[grid](
             x, w, y, offsets, m_bound, n, k, n_experts,
             *x.stride(), *w.stride(), *y.stride(),
-            **cfg.blocks, BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
@@ -318,13 +323,13 @@ def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     if m_bound and f:
         cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=interpreted(),
                             dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(m_bound, cfg.blocks["BLOCK_M"]) + n_experts,
-                triton.cdiv(f, cfg.blocks["BLOCK_N"]))
+        grid = grouped_grid(m_bound, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         dh_arg = out if dh is None else dh  # unused by the forward
         _grouped_gemm_swiglu_kernel[grid](
             x, w, out, dh_arg, offsets, m_bound, f, k, n_experts,
             *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
-            **cfg.blocks, BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
             BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out

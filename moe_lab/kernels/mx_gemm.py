@@ -29,7 +29,17 @@ import triton
 import triton.language as tl
 
 from moe_lab.checks import one_of
-from moe_lab.kernels.common import block_e, cast_for_store, check_device, interpreted, jit, tile_schedule
+from moe_lab.kernels.common import (
+    block_e,
+    cast_for_store,
+    check_device,
+    grouped_grid,
+    interpreted,
+    jit,
+    tile_group,
+    tile_order,
+    tile_schedule,
+)
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
 
@@ -179,16 +189,18 @@ def _grouped_mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, offsets_ptr,
     M_ROWS, N, K, E,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
     MX_MMA: tl.constexpr,
 ):
     # a: u8 [M_ROWS, K] rows grouped by expert (offsets: [E + 1] int32), a_scale: u8 [M_ROWS, K/32];
     # b: u8 [E, N, K] (each expert's weight [out, in]), b_scale: u8 [E, N, K/32]; c: [M_ROWS, N].
-    # Grid: (cdiv(M_ROWS, BLOCK_M) + E, cdiv(N, BLOCK_N)); tiles as the grouped GEMM's.
-    seg, row0, row_end = tile_schedule(offsets_ptr, tl.program_id(0), E, M_ROWS, BLOCK_M, BLOCK_E)
+    # Grid: 1-D, `grouped_grid` over N; tiles as the grouped GEMM's.
+    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:  # past the last tile: no work
         return
     rm = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_in, n_in = rm < row_end, rn < N
     c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
     if seg == E:  # rows past the last expert's: zeros
@@ -339,12 +351,13 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
         return c
     mma = mma or mx_mma_mode(interpreted(), device)
     cfg = launch_config(m, n, k, interpreted(), mma)
-    grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]) + n_experts, triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+    grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
     u8 = torch.uint8
     _grouped_mx_gemm_kernel[grid](
         a.contiguous().view(u8), a_scale.contiguous().view(u8), b.contiguous().view(u8),
         b_scale.contiguous().view(u8), c, offsets.contiguous(), m, n, k, n_experts,
-        **cfg.blocks, BLOCK_E=block_e(n_experts), MX_MMA=mma,
+        **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
+        BLOCK_E=block_e(n_experts), MX_MMA=mma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c

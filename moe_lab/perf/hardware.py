@@ -34,6 +34,8 @@ class GPUSpec:
     block-scaled FP8 in hardware, ``None`` where there are no such units (Hopper).
     ``hbm_gb`` capacity, ``hbm_tbps`` bandwidth (TB/s), ``nvlink_gbps`` per-GPU NVLink
     bandwidth (GB/s, both directions). ``source``: ``"datasheet"`` or ``"third-party"``.
+    ``sms``: streaming multiprocessors. ``l2_mb``: L2 cache in MiB (the cache of
+    `moe_lab.perf.traffic`). ``None`` where not tabulated; the row's comment gives the source.
     """
 
     name: str
@@ -45,6 +47,15 @@ class GPUSpec:
     nvlink_gbps: float
     source: str
     note: str = ""
+    l2_mb: float | None = None
+    sms: int | None = None
+
+    @property
+    def l2_bytes(self) -> int:
+        """L2 cache in bytes."""
+        if self.l2_mb is None:
+            raise ValueError(f"{self.name} has no L2 size in the table (l2_mb=None)")
+        return int(self.l2_mb * 2**20)
 
     @property
     def native_mxfp8(self) -> bool:
@@ -74,20 +85,26 @@ GPUS: dict[str, GPUSpec] = {
     spec.name: spec
     for spec in (
         # NVIDIA H100 SXM datasheet (dense figures: half the "with sparsity" ones).
+        # L2 (50 MB) and 132 SMs: the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
         GPUSpec("H100 SXM", 989, 1979, None, 80, 3.35, 900, "datasheet",
-                "NVIDIA H100 datasheet; NVLink 4"),
+                "NVIDIA H100 datasheet; NVLink 4", l2_mb=50, sms=132),
         # NVIDIA H200 datasheet: same tensor cores as H100, larger and faster HBM3e.
+        # L2 and SMs: the H100 SXM5's GH100 die, 50 MB and 132 SMs ([hopper-whitepaper]).
         GPUSpec("H200 SXM", 989, 1979, None, 141, 4.8, 900, "datasheet",
-                "NVIDIA H200 datasheet; NVLink 4"),
+                "NVIDIA H200 datasheet; NVLink 4", l2_mb=50, sms=132),
         # NVIDIA HGX B200 (1,000 W) figures as third parties tabulate them.
+        # L2: 126 MB over its two dies, 148 SMs, as Chips and Cheese report them ([chipsandcheese-b200]).
         GPUSpec("B200", 2250, 4500, 4500, 180, 8.0, 1800, "third-party",
-                "HGX B200 per-GPU figures as tabulated by third parties; NVLink 5"),
+                "HGX B200 per-GPU figures as tabulated by third parties; NVLink 5", l2_mb=126,
+                sms=148),
         # GB200 NVL72 rack datasheet divided by its 72 GPUs (a derived, unverified figure).
         GPUSpec("GB200", 2500, 5000, 5000, 186, 8.0, 1800, "third-party",
                 "GB200 NVL72 rack figures / 72 GPUs; unverified"),
         # GB300 (B300 in NVL72): third-party per-GPU tables; HBM quoted as 279-288 GB.
+        # L2: assumed the B200's 126 MB (no published figure found; unverified).
         GPUSpec("GB300", 2500, 5000, 5000, 279, 8.0, 1800, "third-party",
-                "Blackwell Ultra per-GPU figures from third-party tables; 130 TB/s per NVL72"),
+                "Blackwell Ultra per-GPU figures from third-party tables; 130 TB/s per NVL72",
+                l2_mb=126),
     )
 }
 

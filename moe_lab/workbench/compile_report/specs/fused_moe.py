@@ -15,7 +15,7 @@ import triton
 
 from moe_lab.config import preset
 from moe_lab.kernels import fused_moe as fm
-from moe_lab.kernels.common import block_e, dot_bf16
+from moe_lab.kernels.common import block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.specs import (
     FP32_NOTE,
@@ -29,6 +29,13 @@ from moe_lab.workbench.compile_report.specs import (
 )
 
 
+def _group(ints: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
+    """``GROUP_M`` as the wrapper picks it (`tile_group`), for the kernels with a tile order
+    (those over experts' row tiles: they take ``E``)."""
+    return {"GROUP_M": tile_group(ints["M_ROWS"], ints["E"], cfg.blocks["BLOCK_M"])} if "E" in ints else {}
+
+
+
 def fused_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict[str, str],
                cfg: LaunchConfig, ints: dict[str, int], dtype: str, **constexprs: object) -> CompileSpec:
     """A `CompileSpec` of a fused grouped-GEMM ``kernel`` of ``module``: ``pointers`` (and
@@ -39,7 +46,7 @@ def fused_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict
         f"{module.__name__}:{kernel}", f"[{describe(cfg)}] {label}",
         {**pointers, "offsets_ptr": "*i32", **signature},
         {**constants, **cfg.blocks, "DOT_BF16": dot_bf16(SPEC_DTYPES[dtype], interpreted=False),
-         **constexprs},
+         **_group(ints, cfg), **constexprs},
         cfg,
         FP32_NOTE if dtype == "fp32" else "",
     )

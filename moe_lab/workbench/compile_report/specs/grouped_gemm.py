@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import block_e, dot_bf16
+from moe_lab.kernels.common import block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.specs import (
     FP32_NOTE,
@@ -24,6 +24,13 @@ from moe_lab.workbench.compile_report.specs import (
 )
 
 
+def _group(ints: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
+    """``GROUP_M`` as the wrapper picks it (`tile_group`), for the kernels with a tile order
+    (those over experts' row tiles: they take ``E``)."""
+    return {"GROUP_M": tile_group(ints["M_ROWS"], ints["E"], cfg.blocks["BLOCK_M"])} if "E" in ints else {}
+
+
+
 def _spec(kernel: str, label: str, dtype: str, pointers: tuple[str, ...], cfg: LaunchConfig,
           ints: dict[str, int], **constexprs: object) -> CompileSpec:
     """A `CompileSpec` of ``kernel`` in this module: ``pointers`` to ``dtype`` tensors (and
@@ -34,7 +41,7 @@ def _spec(kernel: str, label: str, dtype: str, pointers: tuple[str, ...], cfg: L
         f"{gg.__name__}:{kernel}", label,
         {**{p: f"*{dtype}" for p in pointers}, "offsets_ptr": "*i32", **signature},
         {**constants, **cfg.blocks, "DOT_BF16": dot_bf16(SPEC_DTYPES[dtype], interpreted=False),
-         **constexprs},
+         **_group(ints, cfg), **constexprs},
         cfg,
         FP32_NOTE if dtype == "fp32" else "",
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moe_lab.config import preset
 from moe_lab.kernels import mx_gemm as mg
-from moe_lab.kernels.common import block_e
+from moe_lab.kernels.common import block_e, tile_group
 from moe_lab.workbench.compile_report.specs import (
     MX_GEMM_PER_ARCH,
     MX_MMA,
@@ -46,7 +46,8 @@ def compile_specs() -> list[CompileSpec]:
                       f"[{m}, {k}] x {moe.n_experts} x [{n}, {k}]^T, bf16 out",
                 signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
                            "c_ptr": "*bf16", "offsets_ptr": "*i32", **ints},
-                constexprs={**ones, **cfg.blocks, "BLOCK_E": block_e(moe.n_experts), **MX_MMA},
+                constexprs={**ones, **cfg.blocks, "BLOCK_E": block_e(moe.n_experts), **MX_MMA,
+                            "GROUP_M": tile_group(m, moe.n_experts, cfg.blocks["BLOCK_M"])},
                 config=cfg, per_arch=MX_GEMM_PER_ARCH,
             ))
     return merge_specs(specs)

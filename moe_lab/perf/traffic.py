@@ -1,0 +1,148 @@
+"""How many HBM bytes a grouped GEMM's tile order moves: an LRU model of the L2.
+
+A grouped GEMM (`moe_lab.kernels.grouped_gemm`) multiplies each expert's rows ``A_e:
+[rows_e, K]`` by its weight ``B_e: [K, N]``, one program per output tile ``BLOCK_M x
+BLOCK_N``. Every program walks K in ``BLOCK_K`` steps, reading its A chunk ``[BLOCK_M,
+BLOCK_K]`` and its B chunk ``[BLOCK_K, BLOCK_N]``. Whether a chunk comes from HBM or from
+the L2 depends on which programs run at the same time, which is the *tile order*: the map
+from program number to ``(row tile, N tile)``. The model runs programs in waves of
+``in_flight`` (SMs x resident blocks per SM, from the compile report); the members of a wave
+take their K steps together (step k of every program, then step k+1), each output tile
+is written once at its program's end. The L2 is a least-recently-used cache of
+``l2_bytes`` holding whole chunks. A miss costs the chunk's bytes. Written outputs are
+not kept in the model's L2 (they are written once whatever the order).
+
+The compulsory bytes read each operand once and write the output once; their ratio to the
+modelled bytes is what an order costs. Rows are numbered as `moe_lab.kernels.common.tile_schedule`
+numbers them: expert after expert, ``cdiv(rows, BLOCK_M) + E`` row tiles in the grid. Programs
+past the experts' tiles do no work and take no slot. ``b_panels=2`` models the SwiGLU kernels,
+whose B chunk holds gate and up columns for one output tile.
+
+Usage: ``python -m moe_lab.workbench.compile_report.traffic`` prints the acceptance table (today's
+row-fastest order against the order `moe_lab.kernels.common.tile_group` picks, at the compile
+report's tiles and occupancy) and writes ``results/compile/traffic.md``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from moe_lab.checks import non_negative_int, positive_int
+
+Order = str | int | Callable[[int, int, int], tuple[int, int]]
+
+
+def grouped_order(pid: int, t_m: int, t_n: int, group_m: int) -> tuple[int, int]:
+    """``(row tile, N tile)`` of program ``pid`` in grouped rasterisation: ``group_m`` row tiles
+    take every N tile before the next group starts, row tile fastest inside a group. ``group_m=1``
+    walks N fastest; ``group_m >= t_m`` is the row-fastest order. The Python twin of
+    `moe_lab.kernels.common.tile_order`."""
+    per_group = group_m * t_n
+    first = (pid // per_group) * group_m
+    size = min(t_m - first, group_m)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+def _order_fn(order: Order) -> Callable[[int, int, int], tuple[int, int]]:
+    if callable(order):
+        return order
+    if order == "row":
+        return lambda pid, t_m, t_n: (pid % t_m, pid // t_m)
+    if order == "n":
+        return lambda pid, t_m, t_n: grouped_order(pid, t_m, t_n, 1)
+    if isinstance(order, int) and not isinstance(order, bool) and order > 0:
+        return lambda pid, t_m, t_n: grouped_order(pid, t_m, t_n, order)
+    raise ValueError(f"order must be 'row', 'n', a group size > 0 or a function, got {order!r}")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Modelled HBM bytes per operand (``a``, ``b`` read, ``c`` written) and the compulsory
+    ones (each operand once)."""
+
+    a: int
+    b: int
+    c: int
+    compulsory_a: int
+    compulsory_b: int
+    compulsory_c: int
+
+    @property
+    def total(self) -> int:
+        return self.a + self.b + self.c
+
+    @property
+    def compulsory(self) -> int:
+        return self.compulsory_a + self.compulsory_b + self.compulsory_c
+
+    @property
+    def ratio(self) -> float:
+        """Modelled over compulsory bytes (1.0 when there is no work)."""
+        return self.total / self.compulsory if self.compulsory else 1.0
+
+
+def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, block_k: int, *,
+             in_flight: int, l2_bytes: int, order: Order = "row", a_bytes: int = 2,
+             b_bytes: int = 2, c_bytes: int = 2, b_panels: int = 1) -> Traffic:
+    """Modelled HBM traffic of one grouped GEMM launch.
+
+    ``rows``: routed rows per expert (any skew, zeros allowed); ``n`` output columns, ``k``
+    the reduction depth; ``block_*`` the tile; ``in_flight`` programs resident at once;
+    ``l2_bytes`` the cache; ``order`` ``"row"`` (row tile fastest, today's 2-D grid), ``"n"``
+    (N fastest), a group size (`grouped_order`) or ``f(pid, t_m, t_n) -> (row tile, N tile)``;
+    ``*_bytes`` element sizes; ``b_panels`` B columns read per output column.
+    """
+    rows = [non_negative_int(r, f"rows[{e}]") for e, r in enumerate(rows)]
+    for name, value in (("n", n), ("k", k), ("block_m", block_m), ("block_n", block_n),
+                        ("block_k", block_k), ("in_flight", in_flight), ("a_bytes", a_bytes),
+                        ("b_bytes", b_bytes), ("c_bytes", c_bytes), ("b_panels", b_panels)):
+        positive_int(value, name)
+    non_negative_int(l2_bytes, "l2_bytes")
+    tile_of = _order_fn(order)
+    tiles = []  # (expert, rows in tile) per real row tile, numbered as tile_schedule does
+    for e, r in enumerate(rows):
+        tiles += [(e, min(block_m, r - r0)) for r0 in range(0, r, block_m)]
+    t_m = -(-sum(rows) // block_m) + len(rows)
+    t_n, steps = -(-n // block_n), -(-k // block_k)
+    widths = [min(block_n, n - j * block_n) for j in range(t_n)]
+    depths = [min(block_k, k - s * block_k) for s in range(steps)]
+    programs = []
+    for pid in range(t_m * t_n):
+        tm, tn = tile_of(pid, t_m, t_n)
+        if not (0 <= tm < t_m and 0 <= tn < t_n):
+            raise ValueError(f"order maps program {pid} to tile {(tm, tn)}, outside {t_m} x {t_n}")
+        if tm < len(tiles):
+            programs.append((tm, tn))
+    cache: OrderedDict[int, int] = OrderedDict()
+    used = moved_a = moved_b = 0
+    b_base = len(tiles) * steps  # B keys follow the A keys
+
+    def touch(key: int, size: int) -> int:
+        nonlocal used
+        if key in cache:
+            cache.move_to_end(key)
+            return 0
+        if size <= l2_bytes:
+            cache[key] = size
+            used += size
+            while used > l2_bytes:
+                used -= cache.popitem(last=False)[1]
+        return size
+
+    for w in range(0, len(programs), in_flight):
+        wave = programs[w:w + in_flight]
+        for s, depth in enumerate(depths):
+            for tm, tn in wave:
+                e, m_rows = tiles[tm]
+                moved_a += touch(tm * steps + s, m_rows * depth * a_bytes)
+                moved_b += touch(b_base + (e * t_n + tn) * steps + s,
+                                 depth * widths[tn] * b_panels * b_bytes)
+    m = sum(rows)
+    experts = sum(1 for r in rows if r)  # an expert without rows never reads its weight
+    return Traffic(a=moved_a, b=moved_b, c=m * n * c_bytes, compulsory_a=m * k * a_bytes,
+                   compulsory_b=experts * k * n * b_panels * b_bytes, compulsory_c=m * n * c_bytes)
+
+
+__all__ = ["Traffic", "grouped_order", "simulate"]

@@ -1,0 +1,122 @@
+"""The tile-traffic model on cases computed by hand, its tile order against the kernels' own
+(`moe_lab.kernels.common.tile_order`, run under the interpreter), and its input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from moe_lab.kernels.common import jit, tile_group, tile_order
+from moe_lab.perf.traffic import grouped_order, simulate
+
+BM = BN = BK = 32
+CHUNK = BM * BK * 2  # bytes of one A chunk = one B chunk in bf16 at these tiles
+ORDERS = ("row", "n", 2, lambda pid, t_m, t_n: (t_m - 1 - pid % t_m, pid // t_m))
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=["row", "n", "group2", "reversed"])
+@pytest.mark.parametrize("in_flight", [1, 3, 1000])
+def test_an_l2_larger_than_everything_moves_the_compulsory_bytes(order, in_flight):
+    rows, n, k = [70, 0, 5, 128], 72, 80  # skewed, an empty expert, partial tiles in M, N and K
+    t = simulate(rows, n, k, BM, BN, BK, in_flight=in_flight, l2_bytes=10**9, order=order)
+    m = sum(rows)
+    assert (t.a, t.b, t.c) == (m * k * 2, 3 * k * n * 2, m * n * 2)  # the empty expert reads no B
+    assert t.total == t.compulsory and t.ratio == 1.0
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=["row", "n", "group2", "reversed"])
+@pytest.mark.parametrize("in_flight", [1, 4])
+def test_an_l2_of_one_tile_reads_a_once_per_n_tile_and_b_once_per_row_tile(order, in_flight):
+    rows, n, k = [64, 0, 32, 96], 3 * BN, 2 * BK  # whole tiles: every chunk is CHUNK bytes
+    t = simulate(rows, n, k, BM, BN, BK, in_flight=in_flight, l2_bytes=CHUNK, order=order)
+    row_tiles = sum(rows) // BM
+    assert t.a == sum(rows) * k * 2 * (n // BN)
+    assert t.b == row_tiles * k * n * 2
+    assert t.c == t.compulsory_c
+
+
+def test_two_tiles_of_l2_by_hand():
+    """One expert of 2 row tiles, 2 N tiles, one K step; the L2 holds two chunks (S bytes each).
+
+    Row fastest, one program at a time: A0 B0 | A1 B0 | A0 B1 | A1 B1. LRU after each touch:
+    A0 miss [A0]; B0 miss [A0 B0]; A1 miss, evicts A0 [B0 A1]; B0 hit [A1 B0]; A0 miss, evicts
+    A1 [B0 A0]; B1 miss, evicts B0 [A0 B1]; A1 miss, evicts A0 [B1 A1]; B1 hit. A: 4 S, B: 2 S.
+    N fastest: A0 B0 | A0 B1 | A1 B0 | A1 B1 is the mirror image: A: 2 S, B: 4 S.
+    """
+    args = ([2 * BM], 2 * BN, BK, BM, BN, BK)
+    row = simulate(*args, in_flight=1, l2_bytes=2 * CHUNK, order="row")
+    assert (row.a, row.b) == (4 * CHUNK, 2 * CHUNK)
+    n_fastest = simulate(*args, in_flight=1, l2_bytes=2 * CHUNK, order="n")
+    assert (n_fastest.a, n_fastest.b) == (2 * CHUNK, 4 * CHUNK)
+    assert row.ratio == n_fastest.ratio == (6 * CHUNK + row.c) / (4 * CHUNK + row.c)
+
+
+def test_a_wave_takes_its_k_steps_together():
+    """One row tile, 2 N tiles, 2 K steps, an L2 of two chunks.
+
+    One program at a time: A0 B00 A1 B01 | A0 B10 A1 B11, every touch a miss (each chunk is
+    two other chunks old when it comes back): A: 4 S. Both in one wave, step by step:
+    A0 B00 A0(hit) B10 | A1 B01 A1(hit) B11: A: 2 S. B misses 4 S either way.
+    """
+    args = ([BM], 2 * BN, 2 * BK, BM, BN, BK)
+    alone = simulate(*args, in_flight=1, l2_bytes=2 * CHUNK, order="n")
+    together = simulate(*args, in_flight=2, l2_bytes=2 * CHUNK, order="n")
+    assert (alone.a, alone.b) == (4 * CHUNK, 4 * CHUNK)
+    assert (together.a, together.b) == (2 * CHUNK, 4 * CHUNK)
+
+
+def test_grouped_order_visits_every_tile_once_and_its_limits_are_the_two_plain_orders():
+    t_m, t_n = 7, 5
+    for group in (1, 2, 3, 7, 9):
+        tiles = [grouped_order(pid, t_m, t_n, group) for pid in range(t_m * t_n)]
+        assert sorted(tiles) == [(i, j) for i in range(t_m) for j in range(t_n)]
+    assert [grouped_order(p, t_m, t_n, t_m) for p in range(t_m * t_n)] == [
+        (p % t_m, p // t_m) for p in range(t_m * t_n)]
+    assert [grouped_order(p, t_m, t_n, 1) for p in range(t_m * t_n)] == [
+        (p // t_n, p % t_n) for p in range(t_m * t_n)]
+
+
+@jit
+def _order_kernel(out_ptr, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
+    pid = tl.program_id(0)
+    tl.store(out_ptr + 2 * pid, tile_m)
+    tl.store(out_ptr + 2 * pid + 1, tile_n)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 16])
+def test_the_kernels_tile_order_is_the_models(group):
+    t_m, n, block_n = 6, 70, 16  # 5 N tiles, the last partial
+    t_n = triton.cdiv(n, block_n)
+    out = torch.full((t_m * t_n, 2), -1, dtype=torch.int32)
+    _order_kernel[(t_m * t_n,)](out, n, BLOCK_N=block_n, GROUP_M=group)
+    assert [tuple(r) for r in out.tolist()] == [grouped_order(p, t_m, t_n, group)
+                                                 for p in range(t_m * t_n)]
+
+
+def test_tile_group_is_an_experts_row_tiles_as_a_power_of_two():
+    assert tile_group(65536, 32, 128) == 16
+    assert tile_group(32768, 32, 128) == 8
+    assert tile_group(3 * 128 * 4, 4, 128) == 2  # 3 tiles per expert -> 2
+    assert tile_group(10, 4, 128) == 1
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    (dict(rows=[4, -1]), r"rows\[1\]"), (dict(block_m=0), "block_m"), (dict(block_k=0), "block_k"),
+    (dict(in_flight=0), "in_flight"), (dict(l2_bytes=-1), "l2_bytes"), (dict(order="diagonal"), "order"),
+    (dict(order=lambda pid, t_m, t_n: (t_m, 0)), "order maps program 0"),
+])
+def test_bad_input_names_the_argument(kwargs, name):
+    args = dict(rows=[4, 8], n=16, k=16, block_m=8, block_n=8, block_k=8, in_flight=2, l2_bytes=1024)
+    with pytest.raises(ValueError, match=name):
+        simulate(**{**args, **kwargs})
+
+
+def test_a_hit_makes_a_chunk_recent():
+    """One row tile, 3 N tiles, one K step, N fastest, an L2 of two chunks: A0 B0 | A0 B1 | A0 B2.
+    LRU: A0 miss, B0 miss, A0 hit [B0 A0], B1 miss evicts B0 [A0 B1], A0 hit, B2 miss: A 1 S.
+    (First in, first out would evict A0 for B1 and read it again: A 2 S.)"""
+    t = simulate([BM], 3 * BN, BK, BM, BN, BK, in_flight=1, l2_bytes=2 * CHUNK, order="n")
+    assert (t.a, t.b) == (CHUNK, 3 * CHUNK)
