@@ -346,7 +346,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
         f"per-SM limits ({limits}); tensor cores and async copies as found in the PTX; "
         "'group(s) in flight' is the largest N of `cp.async.wait_group N`; 'TMA / mbarriers' counts "
         "`cp.async.bulk.tensor` and `mbarrier.init` instructions in the PTX; a persistent grid is "
-        "one whose kernel reads the number of programs (a loop over tiles strided by it).\n\n"
+        "one whose kernel has a loop over tiles strided by the number of programs.\n\n"
         + (f"**{errors} row(s) failed** (see ERROR).\n\n" if errors else "")
         + format_markdown(report["rows"])
         + "\n## Off target, and why\n\n" + exceptions_markdown(report["rows"])

@@ -190,8 +190,10 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
         "tmem_columns": getattr(meta, "tmem_size", 0),
         "block_warps": meta.num_warps,
         "warp_specialized": specialised,
-        # A persistent grid: the kernel reads the number of programs (its tile loop strides by it).
-        "persistent": "tt.get_num_programs" in compiled.asm["ttir"],
+        # A persistent grid: a loop of the kernel steps by the number of programs (each program
+        # walks tiles pid, pid + programs, ...); reading the number alone (a rasterisation) is not.
+        "persistent": any(re.search(rf"scf\.for [^\n]* step {re.escape(v)}\b", compiled.asm["ttir"])
+                          for v in re.findall(r"(%\w+) = tt\.get_num_programs", compiled.asm["ttir"])),
         **reading.occupancy(res["REG"], ptxas["shared_bytes"] + meta.shared, meta.num_warps, limits),
         "mma_class": mma["class"],
         "mma_kinds": mma["kinds"],
