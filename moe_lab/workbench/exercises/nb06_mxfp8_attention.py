@@ -97,11 +97,13 @@ def check_decode_e4m3(fn: Callable[[int], float]) -> None:
         if not ok:
             fields = f"sign {byte >> 7}, exponent {(byte >> 3) & 0xF:04b}, mantissa {byte & 7:03b}"
             hint = ""
-            if (byte >> 3) & 0xF == 0:
+            # The sign first: a sign-blind answer is wrong on negative subnormals too, and
+            # there the byte's exponent field is 0 as well.
+            if not math.isnan(want) and isinstance(got, (int, float)) and got == -want:
+                hint = " (check the sign bit, 0x80)"
+            elif (byte >> 3) & 0xF == 0:
                 hint = (" (exponent field 0: a subnormal, 0.mmm x 2^-6, no hidden 1 — so 0x00 and "
                         "0x80 are ±0)")
-            elif not math.isnan(want) and isinstance(got, (int, float)) and got == -want:
-                hint = " (check the sign bit, 0x80)"
             raise ExerciseError(
                 f"decode_e4m3({byte}) = decode_e4m3(0b{byte:08b}) returned {got!r}, expected "
                 f"{want!r} ({fields}){hint}"

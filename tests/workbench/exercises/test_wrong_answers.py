@@ -737,3 +737,14 @@ def test_a_nan_blind_scale_byte_is_told_about_the_nan_when_it_also_looks_unbiase
     with pytest.raises(ExerciseError, match="a NaN gets 255") as err:
         ex06.check_e8m0_scale_byte(_scale_byte_nan_ignored)
     assert "returned 128, expected 255" in str(err.value)
+
+
+def test_a_sign_blind_decode_is_told_about_the_sign_on_a_negative_subnormal(monkeypatch):
+    """Byte 0x81 (-2^-9, a subnormal): the sign-blind answer gives +2^-9, and the check must name
+    the sign, not the subnormal rule (a random byte order tried it first once)."""
+    from moe_lab.workbench.exercises import nb06_mxfp8_attention as ex06
+
+    monkeypatch.setattr(ex06.random, "shuffle", lambda order: order.sort(key=lambda b: b != 0x81))
+    with pytest.raises(ExerciseError, match="check the sign bit") as err:
+        ex06.check_decode_e4m3(_decode_without_sign)
+    assert "decode_e4m3(129)" in str(err.value)
