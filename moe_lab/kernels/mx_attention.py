@@ -160,18 +160,22 @@ def mode_constexprs(quantize_p: bool, scale_mode: str, mma: str) -> dict[str, ob
     return {"MX": BLOCK_SIZE, "QUANT_P": quantize_p, "RCEIL": scale_mode == "rceil", "MX_MMA": mma}
 
 
-def launch_config(t_q: int, t_k: int, d: int, interpreted: bool) -> LaunchConfig:
-    """Tiles and warps for ``t_q`` queries over ``t_k`` keys at head_dim ``d``.
+def launch_config(t_q: int, t_k: int, d: int, interpreted: bool, mma: str = "scaled") -> LaunchConfig:
+    """Tiles and warps for ``t_q`` queries over ``t_k`` keys at head_dim ``d``, for the
+    ``MX_MMA`` ``mma`` (`moe_lab.kernels.mx_gemm.mx_dot`).
 
     ``BLOCK_D`` (the output's columns) and ``N_DB`` (head-dim blocks of 32 in a Q/K row) are
     ``d`` and its padding rounded up to powers of two, as ``tl.arange`` needs. Interpreted:
     one tile as large as the problem up to 128 (each program instance costs a Python round
-    trip). Compiled: 128 queries by 32 keys, 8 warps, 3 stages. 128 rows is the M of one
-    block-scaled ``tcgen05.mma`` on Blackwell (at 64 rows Triton does not use the native
-    instruction and upcasts the FP8 tiles to bf16 instead); 32 keys is one MX block of the
-    ``P·V`` reduction and keeps the score tile, the probabilities' quantization (integer
-    work on ``[128, 32]`` values) and, on Hopper, one K block of ``P·V`` per FP8 ``wgmma``
-    within the registers of 8 warps (``Q·Kᵀ`` at head_dim ≥ 128 spills there: the report's note).
+    trip). Compiled, 32 keys per step: one MX block of the ``P·V`` reduction, which keeps the
+    score tile and the probabilities' quantization (integer work on ``[rows, 32]`` values)
+    small. ``"scaled"`` (Blackwell): 128 queries on 8 warps, 3 stages; 128 rows is the M of
+    one block-scaled ``tcgen05.mma`` (at 64 rows Triton does not use the native instruction
+    and upcasts the FP8 tiles to bf16 instead). ``"fp8_promote"`` (Hopper): 64 queries on 8
+    warps, 3 stages. The promoted product keeps an fp32 partial beside each accumulator
+    (``P·V``'s is ``[rows, BLOCK_D]``), and at 128 rows the two spill from head_dim 128 on
+    (the compile report); 64 rows is one ``wgmma`` M, and the two warpgroups split its N, so
+    each thread holds half of its share at 128 rows.
     """
     head = {"BLOCK_D": max(16, triton.next_power_of_2(d)),
             "N_DB": triton.next_power_of_2(padded_size(d) // BLOCK_SIZE)}
@@ -180,7 +184,8 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool) -> LaunchConfig
         block_m = min(block_n, max(16, triton.next_power_of_2(t_q)))
         return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": block_n, **head}, num_warps=4,
                             num_stages=1)
-    return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": BLOCK_SIZE, **head}, num_warps=8, num_stages=3)
+    block_m = 64 if mma == "fp8_promote" else 128
+    return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": BLOCK_SIZE, **head}, num_warps=8, num_stages=3)
 
 
 def mx_attention_forward(
@@ -232,7 +237,8 @@ def mx_attention_forward(
     if out.numel() == 0:
         return out
     t_k_pad = v.data.shape[2]
-    cfg = launch_config(t_q, t_k, d, interpreted())
+    mma = mma or mx_mma_mode(interpreted(), device)
+    cfg = launch_config(t_q, t_k, d, interpreted(), mma)
     u8 = torch.uint8
     qd, qs = q.data.view(u8), q.scale.view(u8)
     kd, ks = k.data.view(u8), k.scale.view(u8)
@@ -243,7 +249,7 @@ def mx_attention_forward(
         h, h // h_kv, t_q, t_k, t_k_pad, d, padded_size(d), LOG2E / math.sqrt(d),
         *qd.stride(), *qs.stride(), *kd.stride(), *ks.stride(),
         *vd.stride(), *vs.stride(), *out.stride(),
-        **mode_constexprs(quantize_p, scale_mode, mma or mx_mma_mode(interpreted(), device)),
+        **mode_constexprs(quantize_p, scale_mode, mma),
         **cfg.blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

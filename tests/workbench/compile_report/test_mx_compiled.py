@@ -87,3 +87,20 @@ def test_unquantized_p_enters_an_ieee_float32_dot(ttir):
     assert a.endswith("xf32>") and b.endswith("xf32>"), line
     precision = re.search(r"inputPrecision = (\w+)", line)
     assert precision is None or precision.group(1) == "ieee", line
+
+
+def test_attention_specs_compile_each_arch_at_its_launch_tile():
+    # sm_100 compiles the block-scaled tile (128 queries), sm_90 the FP8-promote one (64): the
+    # report must show the tile a launch on that GPU would run, not one tile for both.
+    specs = for_module(mx_attention)
+    assert specs
+    for spec in specs:
+        d = int(re.search(r"d=(\d+)", spec.label).group(1))
+        for arch, mma in (("sm_100", "scaled"), ("sm_90", "fp8_promote")):
+            constexprs = spec.constexprs_for(arch)
+            cfg = mx_attention.launch_config(4096, 4096, d, interpreted=False, mma=mma)
+            assert constexprs["MX_MMA"] == mma, (spec.label, arch)
+            assert {k: constexprs[k] for k in cfg.blocks} == cfg.blocks, (spec.label, arch)
+            assert (spec.config.num_warps, spec.config.num_stages) == (cfg.num_warps, cfg.num_stages)
+    assert mx_attention.launch_config(4096, 4096, 128, False, "fp8_promote").blocks["BLOCK_M"] == 64
+    assert mx_attention.launch_config(4096, 4096, 128, False, "scaled").blocks["BLOCK_M"] == 128

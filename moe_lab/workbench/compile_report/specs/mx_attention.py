@@ -44,9 +44,16 @@ def compile_specs() -> list[CompileSpec]:
             s_vsd=t_pad // BLOCK_SIZE,
             s_ob=h * t * d, s_oh=t * d, s_ot=d, s_od=1,
         )
-        cfg = ma.launch_config(t, t, d, interpreted=False)
+        cfg = ma.launch_config(t, t, d, interpreted=False, mma=MX_MMA["MX_MMA"])
+        # Hopper's tile (`launch_config` for "fp8_promote"): other blocks, the same warps and stages.
+        hopper = ma.launch_config(t, t, d, interpreted=False, mma=MX_MMA_PER_ARCH["sm_90"]["MX_MMA"])
+        if (hopper.num_warps, hopper.num_stages) != (cfg.num_warps, cfg.num_stages):
+            raise ValueError("the compile spec takes per-arch blocks only; launch_config now differs "
+                             "in warps or stages between sm_90 and sm_100")
+        per_arch = {arch: dict(v) for arch, v in MX_MMA_PER_ARCH.items()}
+        per_arch["sm_90"].update(hopper.blocks)
         p = f"P {scale_mode}" if quantize_p else "P float32"
-        note = UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d >= 128 else ""
+        note = UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d > 128 else ""
         specs.append(CompileSpec(
             kernel="moe_lab.kernels.mx_attention:_mx_attention_fwd_kernel",
             label=f"MXFP8 attention fwd, {name}: {h} heads ({h_kv} KV), seq {t}, d={d}, {p}",
@@ -55,7 +62,7 @@ def compile_specs() -> list[CompileSpec]:
                        "o_ptr": "*fp32", "sm_scale_log2": "fp32", **ints},
             constexprs={**ones, **ma.mode_constexprs(quantize_p, scale_mode, MX_MMA["MX_MMA"]),
                         **cfg.blocks},
-            config=cfg, per_arch=MX_MMA_PER_ARCH,
+            config=cfg, per_arch=per_arch,
             note=note,
         ))
     return specs
@@ -64,12 +71,13 @@ def compile_specs() -> list[CompileSpec]:
 # Why some of `compile_specs`'s rows miss the report's targets.
 UNQUANTIZED_P_NOTE = (
     "P float32 is a study path, not the recipe: P·V is meant as an IEEE float32 dot "
-    "(exact under the interpreter and on sm_90's CUDA cores, where the float32 P and "
-    "dequantized V tiles spill), and Triton 3.7 lowers it on sm_100 to tcgen05 kind::tf32 "
-    "instead (see the tensor-core column): on Blackwell that dot rounds P to TF32.")
+    "(exact under the interpreter and on sm_90's CUDA cores), and Triton 3.7 lowers it on "
+    "sm_100 to tcgen05 kind::tf32 instead (see the tensor-core column): on Blackwell that "
+    "dot rounds P and the dequantized V to TF32.")
 WIDE_HEAD_NOTE = (
-    "head_dim 128, and 192 padded to a 256-wide Q/K tile (tl.arange needs a power of two): on "
-    "sm_90, which has no block-scaled MMA, the fp8_promote Q·Kᵀ splits the FP8 Q and K tiles "
-    "into 32-wide head-dim blocks in registers, one FP8 wgmma and one fp32 partial score tile "
-    "each, past the 255-register limit (tl.dot_scaled's bf16 upcast spilled less at 192 and "
-    "none at 128; loading the blocks apart would avoid the split).")
+    "head_dim 192 is padded to 256-wide Q, K and output tiles (tl.arange needs a power of two): "
+    "on sm_90, which has no block-scaled MMA, fp8_promote keeps an fp32 partial beside each "
+    "accumulator (P·V's as wide as the padded output) and splits the FP8 Q and K tiles into "
+    "32-wide head-dim blocks in registers; at 64 queries per program that sits at the "
+    "255-register limit. Splitting the output into a 128- and a 64-wide accumulator would "
+    "drop the padding.")
