@@ -97,6 +97,24 @@ def test_triton_kernel_applies_block_scales_exactly(shape, mma, device):
     torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("mma", ["fp8_promote", "scaled"])
+def test_triton_kernel_is_exact_at_the_tile_a_gpu_launch_picks(mma, device, monkeypatch):
+    # The interpreter's own tile is one large block; a GPU launch takes 64 (Hopper) or 128
+    # (Blackwell) queries by 32 keys. Run the kernel at that tile (several query and key tiles
+    # at 200 keys, a diagonal tile cut mid-row) and check it as above. Under the interpreter
+    # "scaled" has no tl.dot_scaled, so that tile runs with the interpreter's products.
+    import moe_lab.kernels.mx_attention as ma
+    gpu = launch_config(200, 200, 32, interpreted=False, mma=mma)
+    assert gpu.blocks["BLOCK_M"] == (64 if mma == "fp8_promote" else 128)
+    monkeypatch.setattr(ma, "launch_config", lambda *args, **kwargs: gpu)
+    gen = torch.Generator().manual_seed(36)
+    q, k, v = qkv(*MULTI_TILE, gen, device=device)
+    run = mma if device.type == "cuda" or mma == "fp8_promote" else None
+    out = mx_attention_forward(*quantize_qkv(q, k, v), quantize_p=False, mma=run)
+    ref = mxfp8_reference_attention(q, k, v, quantize=("q", "k", "v"))
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_kernel_against_reference_emulation_and_sdpa(shape, device):
     gen = torch.Generator().manual_seed(35)
