@@ -157,6 +157,19 @@ def grouped_grid(m: int, n_experts: int, n: int, block_m: int, block_n: int) -> 
     return ((triton.cdiv(m, block_m) + n_experts) * triton.cdiv(n, block_n),)
 
 
+# ``GROUP_K`` of `expert_tile_order`: K tiles of dW per group. A weight gradient reads its
+# expert's rows of X and dY whole for every tile, so what matters is that an expert's tiles run
+# together (its X and dY then come from HBM once); any group from 4 up then keeps them in L2 at
+# DeepSeek-V3's and GPT-OSS-20B's shapes on an H200 (`moe_lab.perf.traffic.simulate_dw`).
+DW_GROUP_K = 8
+
+
+def expert_grid(n_experts: int, k: int, n: int, block_k: int, block_n: int) -> tuple[int]:
+    """The grid of `expert_tile_order`: ``(cdiv(k, block_k) * cdiv(n, block_n), E)``, one
+    expert's tiles along the first axis, which the hardware walks fastest."""
+    return (triton.cdiv(k, block_k) * triton.cdiv(n, block_n), n_experts)
+
+
 def dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
     """``DOT_BF16`` of `mma`: bfloat16 tiles go to ``tl.dot`` as bfloat16 when compiled; the
     interpreter's ``tl.dot`` multiplies bfloat16 bit patterns as integers, so it gets float32
@@ -203,6 +216,22 @@ def tile_order(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     first = (pid // per_group) * GROUP_M
     size = tl.minimum(tl.num_programs(0) // t_n - first, GROUP_M)
     return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@jit
+def expert_tile_order(K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
+    """``(expert, K tile, N tile)`` of this program in a weight gradient's grid (`expert_grid`):
+    expert after expert (the expert is the second axis), and inside one the grouped
+    rasterisation of `tile_order`, ``GROUP_K`` K tiles taking every N tile, K tile fastest. (A
+    grid with the expert fastest has consecutive programs read different experts' rows and
+    share nothing.) The expert as a program id, not a quotient, keeps the 64-bit address
+    arithmetic that scales by it cheaper (a spill in the gathered dW otherwise)."""
+    e, local = tl.program_id(1), tl.program_id(0)
+    t_k, t_n = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_K * t_n
+    first = (local // per_group) * GROUP_K
+    size = tl.minimum(t_k - first, GROUP_K)
+    return e, first + (local % per_group) % size, (local % per_group) // size
 
 
 @jit
@@ -333,7 +362,7 @@ def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
     return src.scatter_(0, row_id_map.reshape(-1).long(), entries)
 
 
-__all__ = ["block_e", "cast_for_store", "check_device", "dot_bf16", "gather_rows", "gemm_k_loop",
-           "grouped_grid", "interpreted", "jit", "mma", "new_output", "poison_outputs", "row_source",
-           "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order", "tile_rows",
-           "tile_schedule"]
+__all__ = ["DW_GROUP_K", "block_e", "cast_for_store", "check_device", "dot_bf16", "expert_grid",
+           "expert_tile_order", "gather_rows", "gemm_k_loop", "grouped_grid", "interpreted", "jit",
+           "mma", "new_output", "poison_outputs", "row_source", "scatter_rows", "swiglu_epilogue",
+           "swiglu_k_loop", "tile_group", "tile_order", "tile_rows", "tile_schedule"]

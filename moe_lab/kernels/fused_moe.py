@@ -36,10 +36,13 @@ import triton.language as tl
 from moe_lab.checks import first_derivative_only, one_of
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import (
+    DW_GROUP_K,
     block_e,
     cast_for_store,
     check_device,
     dot_bf16,
+    expert_grid,
+    expert_tile_order,
     gather_rows,
     gemm_k_loop,
     grouped_grid,
@@ -161,17 +164,17 @@ def _gather_dw_kernel(
     M_ROWS, N, K, TOP_K,
     s_xm, s_xk, s_ym, s_yn, s_we, s_wk, s_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_BF16: tl.constexpr, GATHER_X: tl.constexpr,
+    DOT_BF16: tl.constexpr, GATHER_X: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     # dw[e] = X_eᵀ·DY_e over expert e's rows, one operand read through the row source:
     # GATHER_X: X row r = x[src // TOP_K] (x: [T, K] tokens), DY row r = dy[r] (dy: [M, N]);
     # else X row r = x[r] (x: [M, K]) and DY row r = weight[src]·dy[src // TOP_K]
-    # (dy: [T, N] token gradients, weight: [T·k] fp32). Grid: (E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N)).
-    e = tl.program_id(0)
+    # (dy: [T, N] token gradients, weight: [T·k] fp32). Grid: expert_grid, in expert_tile_order.
+    e, tile_k, tile_n = expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)
     start = tl.minimum(tl.maximum(tl.load(offsets_ptr + e), 0), M_ROWS)
     end = tl.minimum(tl.maximum(tl.load(offsets_ptr + e + 1), start), M_ROWS)
-    ks = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    ns = (tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ks = (tile_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    ns = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     # The row sources of the next row tile are loaded one iteration ahead (carried through
     # the loop), so the gathered loads' addresses never wait on a load of the same
@@ -334,11 +337,12 @@ def _gather_dw_op(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, of
     dw = new_output((n_experts, k, n), x.dtype, x.device)
     if k and n:
         cfg = _cfg("dw", m, n, k, n_experts, x.dtype)
-        grid = (n_experts, triton.cdiv(k, cfg.blocks["BLOCK_K"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+        grid = expert_grid(n_experts, k, n, cfg.blocks["BLOCK_K"], cfg.blocks["BLOCK_N"])
         _gather_dw_kernel[grid](
             x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
             *x.stride(), *dy.stride(), *dw.stride(),
             **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, interpreted()), GATHER_X=gather_x,
+            GROUP_K=DW_GROUP_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw

@@ -31,10 +31,13 @@ import triton.language as tl
 from moe_lab.checks import first_derivative_only, int_in, one_of
 from moe_lab.kernels import tuning
 from moe_lab.kernels.common import (
+    DW_GROUP_K,
     block_e,
     cast_for_store,
     check_device,
     dot_bf16,
+    expert_grid,
+    expert_tile_order,
     gemm_k_loop,
     grouped_grid,
     interpreted,
@@ -123,15 +126,15 @@ def _grouped_gemm_dw_kernel(
     M_ROWS, N, K,
     s_xm, s_xk, s_ym, s_yn, s_we, s_wk, s_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_BF16: tl.constexpr,
+    DOT_BF16: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     # x: [M, K]; dy: [M, N]; dw: [E, K, N], dw[e] = x[rows of e]ᵀ · dy[rows of e];
-    # offsets: [E + 1] int32, on device. Grid: (E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N)).
-    e = tl.program_id(0)
+    # offsets: [E + 1] int32, on device. Grid: expert_grid, in expert_tile_order.
+    e, tile_k, tile_n = expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)
     start = tl.minimum(tl.maximum(tl.load(offsets_ptr + e), 0), M_ROWS)
     end = tl.minimum(tl.maximum(tl.load(offsets_ptr + e + 1), start), M_ROWS)
-    ks = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
-    ns = (tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    ks = (tile_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    ns = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), tl.float32)
     for m0 in range(start, end, BLOCK_M):  # no rows: no iterations, dW[e] = 0
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -299,11 +302,11 @@ def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) ->
     if k and n:
         cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=interpreted(),
                             dtype=x.dtype, device=x.device)
-        grid = (n_experts, triton.cdiv(k, cfg.blocks["BLOCK_K"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+        grid = expert_grid(n_experts, k, n, cfg.blocks["BLOCK_K"], cfg.blocks["BLOCK_N"])
         _grouped_gemm_dw_kernel[grid](
             x, dy, dw, offsets, m_bound, n, k,
             *x.stride(), *dy.stride(), *dw.stride(),
-            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, interpreted()), GROUP_K=DW_GROUP_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw

@@ -83,6 +83,26 @@ class Traffic:
         return self.total / self.compulsory if self.compulsory else 1.0
 
 
+class LRU:
+    """A least-recently-used cache of ``l2_bytes`` holding whole chunks, as the model's L2."""
+
+    def __init__(self, l2_bytes: int) -> None:
+        self.l2_bytes, self.used = l2_bytes, 0
+        self.chunks: OrderedDict[object, int] = OrderedDict()
+
+    def touch(self, key: object, size: int) -> int:
+        """Read chunk ``key`` of ``size`` bytes: the bytes it moves from HBM (0 on a hit)."""
+        if key in self.chunks:
+            self.chunks.move_to_end(key)
+            return 0
+        if size <= self.l2_bytes:
+            self.chunks[key] = size
+            self.used += size
+            while self.used > self.l2_bytes:
+                self.used -= self.chunks.popitem(last=False)[1]
+        return size
+
+
 def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, block_k: int, *,
              in_flight: int, l2_bytes: int, order: Order = "row", a_bytes: int = 2,
              b_bytes: int = 2, c_bytes: int = 2, b_panels: int = 1) -> Traffic:
@@ -115,22 +135,9 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
             raise ValueError(f"order maps program {pid} to tile {(tm, tn)}, outside {t_m} x {t_n}")
         if tm < len(tiles):
             programs.append((tm, tn))
-    cache: OrderedDict[int, int] = OrderedDict()
-    used = moved_a = moved_b = 0
+    touch = LRU(l2_bytes).touch
+    moved_a = moved_b = 0
     b_base = len(tiles) * steps  # B keys follow the A keys
-
-    def touch(key: int, size: int) -> int:
-        nonlocal used
-        if key in cache:
-            cache.move_to_end(key)
-            return 0
-        if size <= l2_bytes:
-            cache[key] = size
-            used += size
-            while used > l2_bytes:
-                used -= cache.popitem(last=False)[1]
-        return size
-
     for w in range(0, len(programs), in_flight):
         wave = programs[w:w + in_flight]
         for s, depth in enumerate(depths):
@@ -145,4 +152,61 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
                    compulsory_b=experts * k * n * b_panels * b_bytes, compulsory_c=m * n * c_bytes)
 
 
-__all__ = ["Traffic", "grouped_order", "simulate"]
+def expert_order(pid: int, n_experts: int, t_k: int, t_n: int, group: int) -> tuple[int, int, int]:
+    """``(expert, K tile, N tile)`` of program ``pid`` in a weight gradient's grid: expert after
+    expert, `grouped_order` inside (``group`` K tiles take every N tile). The Python twin of
+    `moe_lab.kernels.common.expert_tile_order`; ``n_experts`` only bounds ``pid``."""
+    if not 0 <= pid < n_experts * t_k * t_n:
+        raise ValueError(f"pid must lie in [0, {n_experts * t_k * t_n}), got {pid}")
+    e, local = divmod(pid, t_k * t_n)
+    return (e, *grouped_order(local, t_k, t_n, group))
+
+
+def expert_fastest(pid: int, n_experts: int, t_k: int, t_n: int) -> tuple[int, int, int]:
+    """``(expert, K tile, N tile)`` of program ``pid`` in a 3-D grid ``(E, K tiles, N tiles)``,
+    whose first axis the hardware walks fastest (the weight gradients' grid before
+    `expert_order`)."""
+    return pid % n_experts, pid // n_experts % t_k, pid // (n_experts * t_k)
+
+
+def simulate_dw(rows: Sequence[int], k: int, n: int, block_m: int, block_k: int, block_n: int, *,
+                in_flight: int, l2_bytes: int, order: str | int = "expert_fastest",
+                x_bytes: int = 2, dy_bytes: int = 2, dw_bytes: int = 2) -> Traffic:
+    """Modelled HBM traffic of one grouped weight gradient ``dW[e] = X_eᵀ·dY_e``.
+
+    ``rows``: routed rows per expert; ``X: [M, k]``, ``dY: [M, n]``, ``dW: [E, k, n]``. A program
+    owns one ``block_k x block_n`` tile of one expert's ``dW`` and walks that expert's rows in
+    ``block_m`` steps, reading an ``X`` chunk ``[block_m, block_k]`` and a ``dY`` chunk
+    ``[block_m, block_n]`` per step (an expert without rows reads nothing and writes zeros).
+    ``order``: ``"expert_fastest"`` (`expert_fastest`) or a group size (`expert_order`). Waves
+    and the L2 as in `simulate`; a wave's programs take their row steps together, one that has
+    run out of rows takes none. In the result ``a`` is X, ``b`` dY, ``c`` dW.
+    """
+    rows = [non_negative_int(r, f"rows[{e}]") for e, r in enumerate(rows)]
+    for name, value in (("k", k), ("n", n), ("block_m", block_m), ("block_k", block_k),
+                        ("block_n", block_n), ("in_flight", in_flight), ("x_bytes", x_bytes),
+                        ("dy_bytes", dy_bytes), ("dw_bytes", dw_bytes)):
+        positive_int(value, name)
+    non_negative_int(l2_bytes, "l2_bytes")
+    n_experts, t_k, t_n = len(rows), -(-k // block_k), -(-n // block_n)
+    if order != "expert_fastest" and not (isinstance(order, int) and not isinstance(order, bool)
+                                          and order > 0):
+        raise ValueError(f"order must be 'expert_fastest' or a group size > 0, got {order!r}")
+    programs = [expert_fastest(pid, n_experts, t_k, t_n) if order == "expert_fastest"
+                else expert_order(pid, n_experts, t_k, t_n, order)
+                for pid in range(n_experts * t_k * t_n)]
+    touch, moved = LRU(l2_bytes).touch, [0, 0]
+    for w in range(0, len(programs), in_flight):
+        wave = programs[w:w + in_flight]
+        for r0 in range(0, max((rows[e] for e, _, _ in wave), default=0), block_m):
+            for e, tk, tn in wave:
+                if r0 < rows[e]:
+                    m_rows = min(block_m, rows[e] - r0)
+                    moved[0] += touch(("x", e, r0, tk), m_rows * min(block_k, k - tk * block_k) * x_bytes)
+                    moved[1] += touch(("dy", e, r0, tn), m_rows * min(block_n, n - tn * block_n) * dy_bytes)
+    m = sum(rows)
+    return Traffic(a=moved[0], b=moved[1], c=n_experts * k * n * dw_bytes, compulsory_a=m * k * x_bytes,
+                   compulsory_b=m * n * dy_bytes, compulsory_c=n_experts * k * n * dw_bytes)
+
+
+__all__ = ["LRU", "Traffic", "expert_fastest", "expert_order", "grouped_order", "simulate", "simulate_dw"]

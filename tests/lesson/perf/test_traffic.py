@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import jit, tile_group, tile_order
-from moe_lab.perf.traffic import grouped_order, simulate
+from moe_lab.kernels.common import expert_grid, expert_tile_order, jit, tile_group, tile_order
+from moe_lab.perf.traffic import expert_fastest, expert_order, grouped_order, simulate, simulate_dw
 
 BM = BN = BK = 32
 CHUNK = BM * BK * 2  # bytes of one A chunk = one B chunk in bf16 at these tiles
@@ -120,3 +120,85 @@ def test_a_hit_makes_a_chunk_recent():
     (First in, first out would evict A0 for B1 and read it again: A 2 S.)"""
     t = simulate([BM], 3 * BN, BK, BM, BN, BK, in_flight=1, l2_bytes=2 * CHUNK, order="n")
     assert (t.a, t.b) == (CHUNK, 3 * CHUNK)
+
+
+# ------------------------------------------------------------------ weight gradients
+
+
+DW_ORDERS = ("expert_fastest", 1, 2, 8)
+
+
+@pytest.mark.parametrize("order", DW_ORDERS)
+@pytest.mark.parametrize("in_flight", [1, 5, 1000])
+def test_dw_an_l2_larger_than_everything_moves_the_compulsory_bytes(order, in_flight):
+    rows, k, n = [70, 0, 5, 128], 72, 80  # skewed, an empty expert, partial tiles everywhere
+    t = simulate_dw(rows, k, n, BM, BK, BN, in_flight=in_flight, l2_bytes=10**9, order=order)
+    m = sum(rows)
+    assert (t.a, t.b, t.c) == (m * k * 2, m * n * 2, len(rows) * k * n * 2)  # dW of all 4 written
+    assert t.ratio == 1.0
+
+
+@pytest.mark.parametrize("order", DW_ORDERS)
+@pytest.mark.parametrize("in_flight", [1, 4])
+def test_dw_an_l2_of_one_chunk_reads_x_once_per_n_tile_and_dy_once_per_k_tile(order, in_flight):
+    rows, k, n = [64, 0, 32, 96], 2 * BK, 3 * BN  # whole tiles: every chunk is CHUNK bytes
+    t = simulate_dw(rows, k, n, BM, BK, BN, in_flight=in_flight, l2_bytes=CHUNK, order=order)
+    assert t.a == sum(rows) * k * 2 * (n // BN)
+    assert t.b == sum(rows) * n * 2 * (k // BK)
+
+
+def test_dw_orders_by_hand():
+    """Two experts of one row step, one K tile, 2 N tiles, an L2 of two chunks, one program at a
+    time. Expert fastest: (0,0,0) (1,0,0) (0,0,1) (1,0,1): X0 D00 | X1 D10 | X0 D01 | X1 D11 —
+    X0 comes back after two other chunks, evicted: X 4 S, dY 4 S. Expert after expert: X0 D00 |
+    X0(hit) D01 | X1 D10 | X1(hit) D11: X 2 S, dY 4 S."""
+    args = ([BM, BM], BK, 2 * BN, BM, BK, BN)
+    old = simulate_dw(*args, in_flight=1, l2_bytes=2 * CHUNK, order="expert_fastest")
+    new = simulate_dw(*args, in_flight=1, l2_bytes=2 * CHUNK, order=1)
+    assert (old.a, old.b) == (4 * CHUNK, 4 * CHUNK)
+    assert (new.a, new.b) == (2 * CHUNK, 4 * CHUNK)
+
+
+def test_dw_orders_visit_every_tile_once():
+    e, t_k, t_n = 3, 5, 4
+    every = sorted((a, b, c) for a in range(e) for b in range(t_k) for c in range(t_n))
+    assert sorted(expert_fastest(p, e, t_k, t_n) for p in range(e * t_k * t_n)) == every
+    for group in (1, 2, 3, 5, 9):
+        order = [expert_order(p, e, t_k, t_n, group) for p in range(e * t_k * t_n)]
+        assert sorted(order) == every
+        assert [x[0] for x in order] == sorted(x[0] for x in order)  # expert after expert
+    with pytest.raises(ValueError, match="pid must lie in"):
+        expert_order(e * t_k * t_n, e, t_k, t_n, 2)
+
+
+@jit
+def _expert_order_kernel(out_ptr, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         GROUP_K: tl.constexpr):
+    e, tile_k, tile_n = expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # the order of dispatch
+    tl.store(out_ptr + 3 * pid, e)
+    tl.store(out_ptr + 3 * pid + 1, tile_k)
+    tl.store(out_ptr + 3 * pid + 2, tile_n)
+
+
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_the_dw_kernels_tile_order_is_the_models(group):
+    n_experts, k, n, block_k, block_n = 3, 80, 70, 16, 32  # 5 K tiles, 3 N tiles, both partial
+    grid = expert_grid(n_experts, k, n, block_k, block_n)
+    t_k, t_n = triton.cdiv(k, block_k), triton.cdiv(n, block_n)
+    assert grid == (t_k * t_n, n_experts)
+    programs = n_experts * t_k * t_n
+    out = torch.full((programs, 3), -1, dtype=torch.int32)
+    _expert_order_kernel[grid](out, k, n, BLOCK_K=block_k, BLOCK_N=block_n, GROUP_K=group)
+    assert [tuple(r) for r in out.tolist()] == [expert_order(p, n_experts, t_k, t_n, group)
+                                                 for p in range(programs)]
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    (dict(rows=[4, -1]), r"rows\[1\]"), (dict(block_k=0), "block_k"), (dict(in_flight=0), "in_flight"),
+    (dict(l2_bytes=-1), "l2_bytes"), (dict(order="row"), "order"), (dict(order=True), "order"),
+])
+def test_dw_bad_input_names_the_argument(kwargs, name):
+    args = dict(rows=[4, 8], k=16, n=16, block_m=8, block_k=8, block_n=8, in_flight=2, l2_bytes=1024)
+    with pytest.raises(ValueError, match=name):
+        simulate_dw(**{**args, **kwargs})

@@ -15,7 +15,7 @@ import triton
 
 from moe_lab.config import preset
 from moe_lab.kernels import fused_moe as fm
-from moe_lab.kernels.common import block_e, dot_bf16, tile_group
+from moe_lab.kernels.common import DW_GROUP_K, block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.specs import (
     FP32_NOTE,
@@ -112,5 +112,5 @@ def compile_specs() -> list[CompileSpec]:
                      "weight_ptr": "*i32" if gather_x else "*fp32"}, cfg,
                     dict(M_ROWS=m, N=n, K=k, TOP_K=top_k, s_xm=k, s_xk=1, s_ym=n if gather_x else d,
                          s_yn=1, s_we=k * n, s_wk=n, s_wn=1),
-                    dtype, GATHER_X=gather_x))
+                    dtype, GATHER_X=gather_x, GROUP_K=DW_GROUP_K))
     return merge_specs(specs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import block_e, dot_bf16, tile_group
+from moe_lab.kernels.common import DW_GROUP_K, block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.specs import (
     FP32_NOTE,
@@ -121,5 +121,6 @@ def compile_specs() -> list[CompileSpec]:
                     "dw", "_grouped_gemm_dw_kernel",
                     f"grouped GEMM dW = Xᵀ·dY per expert ({what}), {at}",
                     dtype, ("x_ptr", "dy_ptr", "dw_ptr"), (m, n, k, n_experts),
-                    dict(M_ROWS=m, N=n, K=k, s_xm=k, s_xk=1, s_ym=n, s_yn=1, s_we=k * n, s_wk=n, s_wn=1)))
+                    dict(M_ROWS=m, N=n, K=k, s_xm=k, s_xk=1, s_ym=n, s_yn=1, s_we=k * n, s_wk=n, s_wn=1),
+                    GROUP_K=DW_GROUP_K))
     return merge_specs(chosen + candidates)
