@@ -66,10 +66,12 @@ def on_expert_bounds(expert_tiles: int, in_flight: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _acceptance(gpu: str, report_path: str, report_text: str) -> tuple[dict, ...]:
+def _acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
     for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
+        if model not in models:
+            continue
         m = per_expert * experts
         dims = {"d": d_model, "f": d_expert}
         for launch, kind, kernel, label, n_dim, k_dim, panels in LAUNCHES:
@@ -100,7 +102,8 @@ def _acceptance(gpu: str, report_path: str, report_text: str) -> tuple[dict, ...
     return tuple(out)
 
 
-def acceptance(gpu: str = "H200", report_path: Path | None = None) -> list[dict]:
+def acceptance(gpu: str = "H200", report_path: Path | None = None,
+               models: tuple[str, ...] | None = None) -> list[dict]:
     """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
     gather + SwiGLU forward at `ACCEPTANCE`'s shapes on ``gpu``'s L2: today's row-fastest order
     (``row``), the grouped order `moe_lab.kernels.common.tile_group` picks (``grouped``) and the
@@ -108,20 +111,25 @@ def acceptance(gpu: str = "H200", report_path: Path | None = None) -> list[dict]
     `choose_config`'s; resident blocks per SM the compile report's (``report_path``, by default
     the report of the target that stands for ``gpu``) for the launch's own row. Each row also
     holds the bytes (``compulsory``, ``row_bytes``, ``grouped_bytes``, ``aligned_bytes``) and the
-    programs that have work (``programs``, ``expert_tiles`` of them per expert)."""
+    programs that have work (``programs``, ``expert_tiles`` of them per expert). ``models``: the
+    `ACCEPTANCE` models to run (default: all)."""
     spec = gpu_spec(gpu)
+    known = tuple(entry[0] for entry in ACCEPTANCE)
+    models = known if models is None else tuple(models)
+    if not models or any(model not in known for model in models):
+        raise ValueError(f"models must be some of {known}, got {models!r}")
     if report_path is None:
         by_gpu = reports()
         if spec.name not in by_gpu:
             raise ValueError(f"gpu must be one of the compile targets' GPUs {sorted(by_gpu)}, got {gpu!r}")
         report_path = by_gpu[spec.name]
     path = Path(report_path)
-    return [dict(row) for row in _acceptance(spec.name, str(path), path.read_text())]
+    return [dict(row) for row in _acceptance(spec.name, path.read_text(), models)]
 
 
-def tables(results: Path = RESULTS) -> list[dict]:
+def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) -> list[dict]:
     """`acceptance` on every compile target's GPU, each from its report in ``results``."""
-    return [row for gpu, path in reports(results).items() for row in acceptance(gpu, path)]
+    return [row for gpu, path in reports(results).items() for row in acceptance(gpu, path, models)]
 
 
 def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
