@@ -14,6 +14,9 @@ its element-wise work is not counted). The wave efficiency ``programs / (waves *
 how full the last wave of a launch is; the projected time leaves it out (a compute-bound launch
 whose last wave is half empty takes up to one wave longer).
 
+The launches are the traffic table's (forward, dX, gather + SwiGLU forward) and the dW of the
+down projection (`moe_lab.workbench.compile_report.traffic.dw_tables`), which has one tile order.
+
 ``python -m moe_lab.workbench.compile_report.roofline`` writes ``results/compile/roofline.md``
 and ``traffic.md`` from the committed compile reports (`write_tables`; ``python -m moe_lab
 compile`` does the same after it writes them).
@@ -151,7 +154,10 @@ def markdown(rows: list[dict]) -> str:
              "compute where the intensity (FLOPs / modelled bytes) reaches the ridge point (bf16 peak / "
              f"HBM bandwidth), memory below it. Ridge points: {ridges}. The 8-bit column is FLOPs / "
              "that rate, the compute floor alone (the bytes stay the bf16 ones). Wave efficiency: "
-             "programs / (waves x programs in flight), left out of the projected time.", "",
+             "programs / (waves x programs in flight), left out of the projected time."
+             + (" dW (down): the weight gradient of the down projection, whose grid has one order "
+                "(the expert fastest, `traffic.dw_grid_order`), so its old and new columns are that "
+                "one order." if any(r["launch"].startswith("dW") for r in rows) else ""), "",
              "| GPU | model | launch | GFLOP | compulsory MB | modelled MB (grouped) | FLOP/byte "
              "| ridge | bound | projected µs (grouped, new) | projected µs (row-fastest, old) | bound (old) "
              "| 8-bit compute floor µs | wave efficiency |",
@@ -164,13 +170,22 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def launch_rows(rows: list[dict], dw_rows: list[dict]) -> list[dict]:
+    """The traffic table's ``rows`` and the dW rows (`moe_lab.workbench.compile_report.traffic.dw_tables`)
+    in one list, each GPU's and model's launches together, dW after the forward launches."""
+    gpus = {gpu: i for i, gpu in enumerate(dict.fromkeys(r["gpu"] for r in rows + dw_rows))}
+    models = {entry[0]: i for i, entry in enumerate(traffic.ACCEPTANCE)}
+    return sorted(rows + dw_rows, key=lambda r: (gpus[r["gpu"]], models[r["model"]]))
+
+
 def write_tables(results: Path = traffic.RESULTS) -> list[Path]:
-    """Write ``traffic.md`` and ``roofline.md`` into ``results`` from the compile reports there
-    (`moe_lab.workbench.compile_report.traffic.reports`); the traffic model runs once for both.
-    Returns the paths written."""
+    """Write ``traffic.md`` and ``roofline.md`` (the traffic table's launches and the dW) into
+    ``results`` from the compile reports there (`moe_lab.workbench.compile_report.traffic.reports`);
+    the traffic model runs once for both. Returns the paths written."""
     rows = traffic.tables(results)
+    projected = projections(launch_rows(rows, traffic.dw_tables(results)))
     written = []
-    for name, text in (("traffic.md", traffic.markdown(rows)), ("roofline.md", markdown(projections(rows)))):
+    for name, text in (("traffic.md", traffic.markdown(rows)), ("roofline.md", markdown(projected))):
         path = Path(results) / name
         path.write_text(text)
         written.append(path)
@@ -214,5 +229,6 @@ if __name__ == "__main__":
         print(f"wrote {written}")
 
 
-__all__ = ["Projection", "eight_bit_rate", "launch_flops", "markdown", "plot", "project", "projections",
+__all__ = ["Projection", "eight_bit_rate", "launch_flops", "launch_rows", "markdown", "plot", "project",
+           "projections",
            "wave_efficiency", "write_tables"]

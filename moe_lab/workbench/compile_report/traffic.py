@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,7 +67,8 @@ def on_expert_bounds(expert_tiles: int, in_flight: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[dict, ...]:
+def _acceptance(gpu: str, report_text: str, models: tuple[str, ...],
+                launches: tuple[str, ...]) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
     for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
@@ -75,6 +77,8 @@ def _acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[di
         m = per_expert * experts
         dims = {"d": d_model, "f": d_expert}
         for launch, kind, kernel, label, n_dim, k_dim, panels in LAUNCHES:
+            if launch not in launches:
+                continue
             n, k = dims[n_dim], dims[k_dim]
             cfg = choose_config(kind, m, n, k, experts, torch.bfloat16)
             b = cfg.blocks
@@ -103,7 +107,7 @@ def _acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[di
 
 
 def acceptance(gpu: str = "H200", report_path: Path | None = None,
-               models: tuple[str, ...] | None = None) -> list[dict]:
+               models: tuple[str, ...] | None = None, launches: tuple[str, ...] | None = None) -> list[dict]:
     """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
     gather + SwiGLU forward at `ACCEPTANCE`'s shapes on ``gpu``'s L2: today's row-fastest order
     (``row``), the grouped order `moe_lab.kernels.common.tile_group` picks (``grouped``) and the
@@ -111,25 +115,86 @@ def acceptance(gpu: str = "H200", report_path: Path | None = None,
     `choose_config`'s; resident blocks per SM the compile report's (``report_path``, by default
     the report of the target that stands for ``gpu``) for the launch's own row. Each row also
     holds the bytes (``compulsory``, ``row_bytes``, ``grouped_bytes``, ``aligned_bytes``) and the
-    programs that have work (``programs``, ``expert_tiles`` of them per expert). ``models``: the
-    `ACCEPTANCE` models to run (default: all)."""
+    programs that have work (``programs``, ``expert_tiles`` of them per expert). ``models`` and
+    ``launches``: the `ACCEPTANCE` models and `LAUNCHES` to run (default: all)."""
     spec = gpu_spec(gpu)
     known = tuple(entry[0] for entry in ACCEPTANCE)
     models = known if models is None else tuple(models)
     if not models or any(model not in known for model in models):
         raise ValueError(f"models must be some of {known}, got {models!r}")
+    named = tuple(entry[0] for entry in LAUNCHES)
+    launches = named if launches is None else tuple(launches)
+    if not launches or any(launch not in named for launch in launches):
+        raise ValueError(f"launches must be some of {named}, got {launches!r}")
     if report_path is None:
         by_gpu = reports()
         if spec.name not in by_gpu:
             raise ValueError(f"gpu must be one of the compile targets' GPUs {sorted(by_gpu)}, got {gpu!r}")
         report_path = by_gpu[spec.name]
     path = Path(report_path)
-    return [dict(row) for row in _acceptance(spec.name, path.read_text(), models)]
+    return [dict(row) for row in _acceptance(spec.name, path.read_text(), models, launches)]
 
 
-def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) -> list[dict]:
+def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
+           launches: tuple[str, ...] | None = None) -> list[dict]:
     """`acceptance` on every compile target's GPU, each from its report in ``results``."""
-    return [row for gpu, path in reports(results).items() for row in acceptance(gpu, path, models)]
+    return [row for gpu, path in reports(results).items()
+            for row in acceptance(gpu, path, models, launches)]
+
+
+def dw_grid_order(experts: int, k_tiles: int) -> Callable[[int, int, int], tuple[int, int]]:
+    """The dW kernel's launch order as a `moe_lab.perf.traffic.simulate` order: its grid
+    ``(E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))`` runs the expert fastest, then the K tile, then the
+    N tile. In the model an expert's ``k_tiles`` K tiles are its row tiles (``rows = [K] * E``);
+    the grid's spare row tiles (past the experts') map to programs without work."""
+    positive_int(experts, "experts")
+    positive_int(k_tiles, "k_tiles")
+
+    def order(pid: int, t_m: int, t_n: int) -> tuple[int, int]:
+        real = experts * k_tiles * t_n
+        if pid < real:
+            return (pid % experts) * k_tiles + (pid // experts) % k_tiles, pid // (experts * k_tiles)
+        spare = t_m - experts * k_tiles
+        return experts * k_tiles + (pid - real) % spare, (pid - real) // spare
+
+    return order
+
+
+@functools.lru_cache(maxsize=8)
+def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[dict, ...]:
+    spec, report = gpu_spec(gpu), json.loads(report_text)
+    out = []
+    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
+        if model not in models:
+            continue
+        # dW of the down projection: dW[e] = H_eᵀ · dY_e, [d_expert, d_model] per expert, a reduction
+        # over the expert's rows. Its tile is BLOCK_K x BLOCK_N over BLOCK_M rows.
+        m, k, n = per_expert * experts, d_expert, d_model
+        cfg = choose_config("dw", m, n, k, experts, torch.bfloat16)
+        b = cfg.blocks
+        in_flight = spec.sms * blocks_per_sm(report, "_grouped_gemm_dw_kernel", b, cfg.num_warps,
+                                             "grouped GEMM dW")
+        k_tiles, t_n = -(-k // b["BLOCK_K"]), -(-n // b["BLOCK_N"])
+        t = simulate([k] * experts, n, per_expert, b["BLOCK_K"], b["BLOCK_N"], b["BLOCK_M"],
+                     in_flight=in_flight, l2_bytes=spec.l2_bytes, order=dw_grid_order(experts, k_tiles))
+        out.append(dict(gpu=spec.name, model=model, launch="dW (down)", per_expert=per_expert,
+                        experts=experts, n=n, k=k, panels=1, tiles="x".join(map(str, b.values())),
+                        in_flight=in_flight, programs=experts * k_tiles * t_n, compulsory=t.compulsory,
+                        row_bytes=t.total, grouped_bytes=t.total, row=t.ratio, grouped=t.ratio))
+    return tuple(out)
+
+
+def dw_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) -> list[dict]:
+    """The grouped GEMM dW of the down projection at `ACCEPTANCE`'s shapes on every compile
+    target's GPU, in the one order its grid has (`dw_grid_order`): rows shaped as `acceptance`'s
+    for `moe_lab.workbench.compile_report.roofline` (``row`` and ``grouped`` are that order),
+    at `choose_config`'s tile and the compile report's resident blocks for it."""
+    known = tuple(entry[0] for entry in ACCEPTANCE)
+    models = known if models is None else tuple(models)
+    if not models or any(model not in known for model in models):
+        raise ValueError(f"models must be some of {known}, got {models!r}")
+    return [dict(row) for gpu, path in reports(results).items()
+            for row in _dw_acceptance(gpu_spec(gpu).name, Path(path).read_text(), models)]
 
 
 def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
@@ -175,5 +240,5 @@ if __name__ == "__main__":
     (RESULTS / "traffic.md").write_text(table)
 
 
-__all__ = ["ACCEPTANCE", "LAUNCHES", "REPORT", "RESULTS", "acceptance", "blocks_per_sm", "markdown",
-           "on_expert_bounds", "reports", "straddle_sentence", "tables"]
+__all__ = ["ACCEPTANCE", "LAUNCHES", "REPORT", "RESULTS", "acceptance", "blocks_per_sm", "dw_grid_order",
+           "dw_tables", "markdown", "on_expert_bounds", "reports", "straddle_sentence", "tables"]

@@ -68,3 +68,10 @@ def test_blocks_per_sm_reads_the_launch_own_row():
     assert traffic.blocks_per_sm(report, "_k", {"B": 1}, 8, "fwd") == 2
     with pytest.raises(ValueError, match="labelled 'dW'"):
         traffic.blocks_per_sm(report, "_k", {"B": 1}, 8, "dW")
+
+
+def test_a_subset_of_the_table_is_its_own_rows(rows):
+    some = traffic.tables(models=("GPT-OSS-20B",), launches=("dX (down)",))
+    assert some == [r for r in rows if r["model"] == "GPT-OSS-20B" and r["launch"] == "dX (down)"]
+    with pytest.raises(ValueError, match="launches must be"):
+        traffic.acceptance("H200", launches=("dW",))
