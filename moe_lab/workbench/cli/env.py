@@ -108,7 +108,7 @@ def compile_command(args: argparse.Namespace) -> int:
 
 def write_tables(out, modules: list[str] | None) -> bool:
     """After a full compile, the tile-traffic and roofline tables
-    (`moe_lab.workbench.compile_report.roofline.write_tables`, about 20 s) from the reports just
+    (`moe_lab.workbench.compile_report.roofline.write_tables`) from the reports just
     written into ``out``, where every target's report is there. False when they could not be made."""
     from pathlib import Path
 
