@@ -3,7 +3,8 @@
 ``env``: what this machine is (`moe_lab.perf.capabilities`). ``flops``: training FLOPs
 per token of a preset, broken down, and the TFLOPS per GPU a token rate implies.
 ``compile``: every Triton kernel compiled for sm_90 and sm_100 and read
-(`moe_lab.workbench.compile_report.report`); no GPU needed.
+(`moe_lab.workbench.compile_report.report`); no GPU needed. A full compile then writes the
+tile-traffic and roofline tables from its reports (`write_tables`).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def flops_command(args: argparse.Namespace) -> int:
 
 def compile_command(args: argparse.Namespace) -> int:
     """Compile every kernel module's specs for ``--arch``; print the table (or one JSON
-    object), write ``<arch>.json`` and ``summary.md`` into ``--out``, append the figures to
-    the ledger. Exit status 1 when a row failed or its two accounts of a figure disagree."""
+    object), write ``<arch>.json`` and ``summary.md`` into ``--out`` (after a full compile also
+    ``traffic.md`` and ``roofline.md``, `write_tables`), append the figures to the ledger. Exit
+    status 1 when a row failed or its two accounts of a figure disagree."""
     from moe_lab.workbench.compile_report import report as compile_report
 
     modules = None
@@ -91,6 +93,8 @@ def compile_command(args: argparse.Namespace) -> int:
             print(f"error: the report could not be written into {out} ({exc}); it is printed below",
                   file=sys.stderr)
             unsaved = True
+        else:
+            unsaved = not write_tables(out, modules)
     with ledger.keep_unwritten() as unwritten:
         compile_report.record(rows)
     print(json.dumps(report) if args.json else compile_report.format_table(rows))
@@ -100,6 +104,25 @@ def compile_command(args: argparse.Namespace) -> int:
         why = row.get("error") or f"cuobjdump and ptxas/metadata disagree: {row['checks']}"
         print(f"{row['kernel']} [{row.get('arch')}]: {why.splitlines()[0]}", file=sys.stderr)
     return 1 if bad or unsaved else 0
+
+
+def write_tables(out, modules: list[str] | None) -> bool:
+    """After a full compile, the tile-traffic and roofline tables
+    (`moe_lab.workbench.compile_report.roofline.write_tables`) from the reports just
+    written into ``out``, where every target's report is there. False when they could not be made."""
+    from pathlib import Path
+
+    from moe_lab.workbench.compile_report import roofline, traffic
+
+    if modules is not None or not all(path.exists() for path in traffic.reports(Path(out)).values()):
+        return True
+    try:
+        for path in roofline.write_tables(Path(out)):
+            print(f"wrote {path}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # a report without a launch's row, or an unwritable file
+        print(f"error: traffic.md and roofline.md could not be written into {out} ({exc})", file=sys.stderr)
+        return False
+    return True
 
 
 def _positive_int(text: str) -> int:

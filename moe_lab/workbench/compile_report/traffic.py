@@ -1,90 +1,244 @@
 """The tile-order acceptance table: `moe_lab.perf.traffic`'s modelled HBM bytes over the compulsory
-bytes for the grouped GEMM forward, dX and the gather + SwiGLU forward, today's row-fastest order
-beside the grouped order the wrappers launch (`moe_lab.kernels.common.tile_group`), at the tiles
-`choose_config` picks and the resident blocks per SM the compile report (``results/compile/sm_90.json``)
-gives. ``python -m moe_lab.workbench.compile_report.traffic`` prints it and writes
-``results/compile/traffic.md``.
+bytes for the grouped GEMM forward, dX and the gather + SwiGLU forward on each GPU the compile
+report targets (H200 from ``results/compile/sm_90.json``, B200 from ``sm_100.json``): today's
+row-fastest order beside the grouped order the wrappers launch (`moe_lab.kernels.common.tile_group`),
+at the tiles `choose_config` picks and the resident blocks per SM the compile report gives, and the
+grouped order once more with its waves on expert bounds (`on_expert_bounds`): what it would move if
+no lockstep wave straddled two experts. ``python -m moe_lab.workbench.compile_report.traffic``
+prints it and writes ``results/compile/traffic.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from moe_lab.checks import positive_int
 from moe_lab.kernels.common import tile_group
 from moe_lab.kernels.grouped_gemm import choose_config
-from moe_lab.perf.hardware import gpu_spec
+from moe_lab.perf.hardware import SM_LIMITS, gpu_spec
 from moe_lab.perf.traffic import simulate
 
 # The acceptance launches: (model, routed rows per expert on one rank, experts, d_model,
 # d_expert). DeepSeek-V3 at EP8: 256 experts over 8 ranks, 8192 tokens x top-8 = 65,536 routed
 # rows per rank over its 32 local experts; GPT-OSS-20B on one rank: 8192 tokens x top-4.
 ACCEPTANCE = (("DeepSeek-V3 EP8", 2048, 32, 7168, 2048), ("GPT-OSS-20B", 1024, 32, 2880, 2880))
-REPORT = Path(__file__).resolve().parents[3] / "results" / "compile" / "sm_90.json"
+RESULTS = Path(__file__).resolve().parents[3] / "results" / "compile"
+REPORT = RESULTS / "sm_90.json"
+# (launch, choose_config kind, kernel, what its compile-report label says, N, K, B panels) per
+# model, with N and K from (d_model, d_expert).
+LAUNCHES = (("forward (down)", "gemm", "_grouped_gemm_kernel", "grouped GEMM forward (down", "d", "f", 1),
+            ("dX (down)", "gemm", "_grouped_gemm_kernel", "grouped GEMM dX", "f", "d", 1),
+            ("gather + SwiGLU forward", "swiglu", "_gather_swiglu_kernel", "SwiGLU GEMM forward",
+             "f", "d", 2))
 
 
-def blocks_per_sm(report: dict, kernel: str, blocks: dict, warps: int) -> int:
+def reports(results: Path = RESULTS) -> dict[str, Path]:
+    """The GPU each compile target stands for (`moe_lab.perf.hardware.SM_LIMITS`) and its compile
+    report in ``results``: ``{"H200 SXM": results / "sm_90.json", "B200": results / "sm_100.json"}``."""
+    return {limits.gpu: Path(results) / f"{arch}.json" for arch, limits in SM_LIMITS.items()}
+
+
+def blocks_per_sm(report: dict, kernel: str, blocks: dict, warps: int, launch: str | None = None) -> int:
     """Resident blocks per SM of ``kernel`` compiled at ``blocks`` on ``warps`` warps (bf16), as the
-    compile report gives them (the fewest, if several rows match)."""
+    compile report gives them; ``launch``, where given, a piece of the row's label that names the
+    launch (``"grouped GEMM dX"``). The fewest, if several rows match."""
     found = [r["blocks_per_sm"] for r in report["rows"] if r["kernel"].endswith(":" + kernel)
-             and r["blocks"] == blocks and r["num_warps"] == warps and "bf16" in r["label"]]
+             and r["blocks"] == blocks and r["num_warps"] == warps and "bf16" in r["label"]
+             and (launch is None or launch in r["label"])]
     if not found:
-        raise ValueError(f"the compile report has no bf16 row of {kernel} at {blocks}, {warps} warps")
+        raise ValueError(f"the compile report has no bf16 row of {kernel} at {blocks}, {warps} warps"
+                         + (f" labelled {launch!r}" if launch else ""))
     return min(found)
 
 
-def acceptance(gpu: str = "H200", report_path: Path = REPORT) -> list[dict]:
-    """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
-    gather + SwiGLU forward at `ACCEPTANCE`'s shapes on ``gpu``'s L2: today's row-fastest order
-    and the grouped order `moe_lab.kernels.common.tile_group` picks. Tiles are `choose_config`'s,
-    resident blocks the compile report's (``report_path``)."""
-    spec, report = gpu_spec(gpu), json.loads(Path(report_path).read_text())
+def on_expert_bounds(expert_tiles: int, in_flight: int) -> int:
+    """The largest number of programs in flight, at most ``in_flight``, that divides one expert's
+    ``expert_tiles`` output tiles: waves of that many programs start and end on expert bounds (in
+    the grouped order an expert's tiles are consecutive programs), so no wave straddles two
+    experts and reads both experts' panels at once."""
+    positive_int(expert_tiles, "expert_tiles")
+    positive_int(in_flight, "in_flight")
+    return max(d for d in range(1, min(expert_tiles, in_flight) + 1) if expert_tiles % d == 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _acceptance(gpu: str, report_text: str, models: tuple[str, ...],
+                launches: tuple[str, ...]) -> tuple[dict, ...]:
+    spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
-    for model, per_expert, experts, d, f in ACCEPTANCE:
+    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
+        if model not in models:
+            continue
         m = per_expert * experts
-        for launch, kind, kernel, n, k, panels in (
-                ("forward (down)", "gemm", "_grouped_gemm_kernel", d, f, 1),
-                ("dX (down)", "gemm", "_grouped_gemm_kernel", f, d, 1),
-                ("gather + SwiGLU forward", "swiglu", "_gather_swiglu_kernel", f, d, 2)):
+        dims = {"d": d_model, "f": d_expert}
+        for launch, kind, kernel, label, n_dim, k_dim, panels in LAUNCHES:
+            if launch not in launches:
+                continue
+            n, k = dims[n_dim], dims[k_dim]
             cfg = choose_config(kind, m, n, k, experts, torch.bfloat16)
             b = cfg.blocks
-            in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps)
+            in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
             group = tile_group(m, experts, b["BLOCK_M"])
-            ratios = [simulate([per_expert] * experts, n, k, b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
-                               in_flight=in_flight, l2_bytes=spec.l2_bytes, order=order,
-                               b_panels=panels).ratio for order in ("row", group)]
+            t_n = -(-n // b["BLOCK_N"])
+            expert_tiles = -(-per_expert // b["BLOCK_M"]) * t_n
+            aligned = on_expert_bounds(expert_tiles, in_flight)
+            traffic = {name: simulate([per_expert] * experts, n, k, b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
+                                      in_flight=flight, l2_bytes=spec.l2_bytes, order=order, b_panels=panels)
+                       for name, order, flight in (("row", "row", in_flight), ("grouped", group, in_flight),
+                                                   ("aligned", group, aligned))}
             # The least one wave touches over its K sweep (g row tiles x in_flight / g N tiles): above
             # the L2, nothing a wave reads survives to the next, whatever the order.
             wave = min(k * 2 * (g * b["BLOCK_M"] + -(-in_flight // g) * b["BLOCK_N"] * panels)
                        for g in (1 << i for i in range(in_flight.bit_length())))
-            out.append(dict(model=model, launch=launch, n=n, k=k, tiles="x".join(map(str, b.values())),
-                            in_flight=in_flight, group_m=group, wave_l2=wave / spec.l2_bytes,
-                            row=ratios[0], grouped=ratios[1]))
-    return out
+            out.append(dict(gpu=spec.name, model=model, launch=launch, per_expert=per_expert,
+                            experts=experts, n=n, k=k, panels=panels,
+                            tiles="x".join(map(str, b.values())), in_flight=in_flight,
+                            programs=expert_tiles * experts, expert_tiles=expert_tiles,
+                            aligned_in_flight=aligned, group_m=group, wave_l2=wave / spec.l2_bytes,
+                            compulsory=traffic["row"].compulsory,
+                            **{f"{name}_bytes": t.total for name, t in traffic.items()},
+                            **{name: t.ratio for name, t in traffic.items()}))
+    return tuple(out)
 
 
-def markdown(rows: list[dict], gpu: str = "H200") -> str:
-    """`acceptance`'s rows as the table of ``results/compile/traffic.md``."""
-    lines = [f"# Modelled HBM bytes / compulsory bytes, {gpu} L2",
-             "", "`python -m moe_lab.workbench.compile_report.traffic` writes this file.",
+def acceptance(gpu: str = "H200", report_path: Path | None = None,
+               models: tuple[str, ...] | None = None, launches: tuple[str, ...] | None = None) -> list[dict]:
+    """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
+    gather + SwiGLU forward at `ACCEPTANCE`'s shapes on ``gpu``'s L2: today's row-fastest order
+    (``row``), the grouped order `moe_lab.kernels.common.tile_group` picks (``grouped``) and the
+    grouped order with ``in_flight`` cut to `on_expert_bounds` (``aligned``). Tiles are
+    `choose_config`'s; resident blocks per SM the compile report's (``report_path``, by default
+    the report of the target that stands for ``gpu``) for the launch's own row. Each row also
+    holds the bytes (``compulsory``, ``row_bytes``, ``grouped_bytes``, ``aligned_bytes``) and the
+    programs that have work (``programs``, ``expert_tiles`` of them per expert). ``models`` and
+    ``launches``: the `ACCEPTANCE` models and `LAUNCHES` to run (default: all)."""
+    spec = gpu_spec(gpu)
+    known = tuple(entry[0] for entry in ACCEPTANCE)
+    models = known if models is None else tuple(models)
+    if not models or any(model not in known for model in models):
+        raise ValueError(f"models must be some of {known}, got {models!r}")
+    named = tuple(entry[0] for entry in LAUNCHES)
+    launches = named if launches is None else tuple(launches)
+    if not launches or any(launch not in named for launch in launches):
+        raise ValueError(f"launches must be some of {named}, got {launches!r}")
+    if report_path is None:
+        by_gpu = reports()
+        if spec.name not in by_gpu:
+            raise ValueError(f"gpu must be one of the compile targets' GPUs {sorted(by_gpu)}, got {gpu!r}")
+        report_path = by_gpu[spec.name]
+    path = Path(report_path)
+    return [dict(row) for row in _acceptance(spec.name, path.read_text(), models, launches)]
+
+
+def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
+           launches: tuple[str, ...] | None = None) -> list[dict]:
+    """`acceptance` on every compile target's GPU, each from its report in ``results``."""
+    return [row for gpu, path in reports(results).items()
+            for row in acceptance(gpu, path, models, launches)]
+
+
+def dw_grid_order(experts: int, k_tiles: int) -> Callable[[int, int, int], tuple[int, int]]:
+    """The dW kernel's launch order as a `moe_lab.perf.traffic.simulate` order: its grid
+    ``(E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))`` runs the expert fastest, then the K tile, then the
+    N tile. In the model an expert's ``k_tiles`` K tiles are its row tiles (``rows = [K] * E``);
+    the grid's spare row tiles (past the experts') map to programs without work."""
+    positive_int(experts, "experts")
+    positive_int(k_tiles, "k_tiles")
+
+    def order(pid: int, t_m: int, t_n: int) -> tuple[int, int]:
+        real = experts * k_tiles * t_n
+        if pid < real:
+            return (pid % experts) * k_tiles + (pid // experts) % k_tiles, pid // (experts * k_tiles)
+        spare = t_m - experts * k_tiles
+        return experts * k_tiles + (pid - real) % spare, (pid - real) // spare
+
+    return order
+
+
+@functools.lru_cache(maxsize=8)
+def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[dict, ...]:
+    spec, report = gpu_spec(gpu), json.loads(report_text)
+    out = []
+    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
+        if model not in models:
+            continue
+        # dW of the down projection: dW[e] = H_eᵀ · dY_e, [d_expert, d_model] per expert, a reduction
+        # over the expert's rows. Its tile is BLOCK_K x BLOCK_N over BLOCK_M rows.
+        m, k, n = per_expert * experts, d_expert, d_model
+        cfg = choose_config("dw", m, n, k, experts, torch.bfloat16)
+        b = cfg.blocks
+        in_flight = spec.sms * blocks_per_sm(report, "_grouped_gemm_dw_kernel", b, cfg.num_warps,
+                                             "grouped GEMM dW")
+        k_tiles, t_n = -(-k // b["BLOCK_K"]), -(-n // b["BLOCK_N"])
+        t = simulate([k] * experts, n, per_expert, b["BLOCK_K"], b["BLOCK_N"], b["BLOCK_M"],
+                     in_flight=in_flight, l2_bytes=spec.l2_bytes, order=dw_grid_order(experts, k_tiles))
+        out.append(dict(gpu=spec.name, model=model, launch="dW (down)", per_expert=per_expert,
+                        experts=experts, n=n, k=k, panels=1, tiles="x".join(map(str, b.values())),
+                        in_flight=in_flight, programs=experts * k_tiles * t_n, compulsory=t.compulsory,
+                        row_bytes=t.total, grouped_bytes=t.total, row=t.ratio, grouped=t.ratio))
+    return tuple(out)
+
+
+def dw_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) -> list[dict]:
+    """The grouped GEMM dW of the down projection at `ACCEPTANCE`'s shapes on every compile
+    target's GPU, in the one order its grid has (`dw_grid_order`): rows shaped as `acceptance`'s
+    for `moe_lab.workbench.compile_report.roofline` (``row`` and ``grouped`` are that order),
+    at `choose_config`'s tile and the compile report's resident blocks for it."""
+    known = tuple(entry[0] for entry in ACCEPTANCE)
+    models = known if models is None else tuple(models)
+    if not models or any(model not in known for model in models):
+        raise ValueError(f"models must be some of {known}, got {models!r}")
+    return [dict(row) for gpu, path in reports(results).items()
+            for row in _dw_acceptance(gpu_spec(gpu).name, Path(path).read_text(), models)]
+
+
+def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
+    """The table's one-sentence reading of the expert-bound column, from ``rows``: where the grouped
+    order moves more than it does with its waves on expert bounds, and by how much."""
+    worse = [r for r in rows if r["grouped"] > r["aligned"] + tolerance]
+    if not worse:
+        return ("With waves on expert bounds no launch moves fewer bytes than the grouped order: "
+                "no wave straddles two experts in a way that costs HBM traffic here.")
+    cases = "; ".join(f"{r['gpu']} {r['model']} {r['launch']}: in flight {r['in_flight']} does not divide "
+                      f"an expert's {r['expert_tiles']} tiles, {r['grouped']:.3f} → {r['aligned']:.3f} "
+                      f"at {r['aligned_in_flight']} in flight" for r in worse)
+    return ("Straddling waves: where the programs in flight do not divide an expert's output tiles, a "
+            "lockstep wave spans two experts and reads both experts' panels at once, more than the L2 "
+            f"keeps, and waves on expert bounds move fewer bytes ({cases}).")
+
+
+def markdown(rows: list[dict]) -> str:
+    """`acceptance`'s rows (any GPUs) as the table of ``results/compile/traffic.md``."""
+    gpus = list(dict.fromkeys(r["gpu"] for r in rows))
+    lines = [f"# Modelled HBM bytes / compulsory bytes, {' and '.join(gpus)} L2",
+             "", "`python -m moe_lab.workbench.compile_report.traffic` writes this file "
+             "(`python -m moe_lab compile` too, after the compile reports).",
              "", "A model (`moe_lab.perf.traffic`), not a measurement.", "",
              "Least wave / L2: the fewest bytes one wave of programs reads over K, any wave shape, "
-             "over the L2 (above 1, no order keeps data from one wave to the next).", "",
-             "| model | launch | N | K | tile MxNxK | in flight | least wave / L2 | GROUP_M "
-             "| row-fastest (old) | grouped (new) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['launch']} | {r['n']} | {r['k']} | {r['tiles']} | {r['in_flight']} "
-              f"| {r['wave_l2']:.2f} | {r['group_m']} | {r['row']:.3f} | {r['grouped']:.3f} |" for r in rows]
+             "over the L2 (above 1, no order keeps data from one wave to the next). On expert bounds: "
+             "the grouped order with the programs in flight cut to the largest divisor of one "
+             "expert's output tiles, so that every wave starts and ends on an expert bound.", "",
+             straddle_sentence(rows), "",
+             "| GPU | model | launch | N | K | tile MxNxK | in flight | least wave / L2 | GROUP_M "
+             "| row-fastest (old) | grouped (new) | in flight on expert bounds | grouped, on expert bounds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | {r['n']} | {r['k']} | {r['tiles']} "
+              f"| {r['in_flight']} | {r['wave_l2']:.2f} | {r['group_m']} | {r['row']:.3f} "
+              f"| {r['grouped']:.3f} "
+              f"| {r['aligned_in_flight']} | {r['aligned']:.3f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    table = markdown(acceptance())
+    table = markdown(tables())
     print(table, end="")
-    (REPORT.parent / "traffic.md").write_text(table)
+    (RESULTS / "traffic.md").write_text(table)
 
 
-
-__all__ = ["ACCEPTANCE", "REPORT", "acceptance", "blocks_per_sm", "markdown"]
+__all__ = ["ACCEPTANCE", "LAUNCHES", "REPORT", "RESULTS", "acceptance", "blocks_per_sm", "dw_grid_order",
+           "dw_tables", "markdown", "on_expert_bounds", "reports", "straddle_sentence", "tables"]

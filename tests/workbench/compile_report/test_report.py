@@ -311,7 +311,8 @@ def test_full_report_every_kernel_compiles(tmp_path):
               for row in report["rows"] if row.get("error") or not row.get("agree")]
     assert not failed and result.returncode == 0, failed
     assert {row["kernel"].partition(":")[0] for row in report["rows"]} == set(KERNEL_MODULES)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["sm_100.json", "sm_90.json", "summary.md"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "roofline.md", "sm_100.json", "sm_90.json", "summary.md", "traffic.md"]
     # The targets: a GEMM-like kernel on the tensor cores of each arch, fed by async copies
     # pipelined over >= 2 stages, nothing spilled — or its spec says why not.
     unexplained = [(row["label"][:80], row["arch"], compile_report.off_target(row))

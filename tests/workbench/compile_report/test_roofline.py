@@ -1,0 +1,121 @@
+"""The roofline projection: hand-checked FLOPs, bytes and times on a tiny launch, the bound
+switching where the intensity crosses the ridge point, the wave efficiency, and the committed
+``results/compile/roofline.md`` is what its generator writes from the committed compile reports."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pytest
+
+from moe_lab.perf.hardware import gpu_spec
+from moe_lab.perf.traffic import simulate
+from moe_lab.workbench.compile_report import roofline, traffic
+
+
+def test_a_tiny_launch_by_hand():
+    # Two experts of 4 rows, [4, 8] @ [8, 8] each: 2 * 8 rows * 8 * 8 = 1024 FLOPs. Compulsory bf16
+    # bytes: x 8 * 8 * 2 = 128, the two weights 2 * 8 * 8 * 2 = 256, y 8 * 8 * 2 = 128: 512.
+    flops = roofline.launch_flops(8, 8, 8)
+    assert flops == 1024
+    moved = simulate([4, 4], 8, 8, 4, 4, 4, in_flight=4, l2_bytes=1 << 20)
+    assert moved.compulsory == moved.total == 512  # everything fits the L2: each byte once
+    # 1024 FLOP/s and 512 byte/s: intensity 2 FLOP/byte on the ridge, 1 s either way.
+    p = roofline.project(flops, moved.total, 1024.0, 512.0)
+    assert (p.intensity, p.ridge, p.compute_s, p.memory_s, p.time_s) == (2.0, 2.0, 1.0, 1.0, 1.0)
+    assert p.bound == "compute" and p.attainable == 1024.0
+    assert roofline.launch_flops(8, 8, 8, panels=2) == 2048  # SwiGLU: gate and up
+
+
+def test_the_bound_switches_where_the_intensity_crosses_the_ridge():
+    peak, bandwidth = 1000.0, 10.0  # ridge 100 FLOP/byte
+    below = roofline.project(999.0, 10.0, peak, bandwidth)  # 99.9 FLOP/byte
+    above = roofline.project(1001.0, 10.0, peak, bandwidth)
+    assert below.bound == "memory" and below.time_s == pytest.approx(1.0)  # bytes / bandwidth
+    assert above.bound == "compute" and above.time_s == pytest.approx(1.001)  # flops / peak
+    assert below.attainable == pytest.approx(999.0)
+    # Doubling the bytes halves the intensity and the attainable rate, and doubles the time.
+    worse = roofline.project(999.0, 20.0, peak, bandwidth)
+    assert worse.intensity == pytest.approx(below.intensity / 2) and worse.time_s == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="bytes_moved"):
+        roofline.project(1.0, 0, peak, bandwidth)
+
+
+def test_wave_efficiency():
+    assert roofline.wave_efficiency(256, 128) == 1.0
+    assert roofline.wave_efficiency(256, 132) == pytest.approx(256 / 264)  # two waves, 8 slots idle
+    assert roofline.wave_efficiency(10, 132) == pytest.approx(10 / 132)
+    with pytest.raises(ValueError, match="in_flight"):
+        roofline.wave_efficiency(10, 0)
+
+
+def test_the_eight_bit_rate_is_mxfp8_only_where_there_are_units():
+    assert roofline.eight_bit_rate(gpu_spec("B200")) == ("MXFP8", gpu_spec("B200").peak_flops("mxfp8"))
+    name, rate = roofline.eight_bit_rate(gpu_spec("H200"))
+    assert "fp8_promote" in name and rate == gpu_spec("H200").peak_flops("fp8")
+
+
+def test_the_dw_grid_order_walks_experts_fastest_and_covers_the_grid():
+    experts, k_tiles, t_n = 3, 2, 4
+    t_m = experts * k_tiles + experts  # the model's grid: the experts' row tiles and E spare ones
+    order = traffic.dw_grid_order(experts, k_tiles)
+    tiles = [order(pid, t_m, t_n) for pid in range(t_m * t_n)]
+    assert sorted(tiles) == [(tm, tn) for tm in range(t_m) for tn in range(t_n)]
+    assert tiles[:3] == [(0, 0), (2, 0), (4, 0)]  # experts 0, 1, 2 at K tile 0, N tile 0
+    assert tiles[3] == (1, 0)  # then expert 0's K tile 1
+    # With an L2 that holds everything, the dW grid moves the compulsory bytes: X and dY read once,
+    # dW written once (two experts of 4 rows, K = N = 8: 128 + 128 + 2 * 8 * 8 * 2).
+    moved = simulate([8, 8], 8, 4, 4, 4, 4, in_flight=4, l2_bytes=1 << 20, order=traffic.dw_grid_order(2, 2))
+    assert moved.total == moved.compulsory == 128 + 128 + 256
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return roofline.projections(roofline.launch_rows(traffic.tables(), traffic.dw_tables()))
+
+
+def test_the_committed_roofline_is_generated_and_consistent(rows):
+    assert (traffic.RESULTS / "roofline.md").read_text() == roofline.markdown(rows)
+    assert "A projection, not a measurement" in roofline.markdown(rows)
+    assert {r["launch"] for r in rows} == {entry[0] for entry in traffic.LAUNCHES} | {"dW (down)"}
+    for r in rows:
+        spec = gpu_spec(r["gpu"])
+        assert r["ridge"] == spec.ridge_intensity
+        if r["launch"].startswith("dW"):  # one order: old and new are the same
+            assert r["compulsory"] <= r["modelled"] == r["old_bytes"], r
+        else:
+            assert r["compulsory"] <= r["modelled"] < r["old_bytes"], r
+        assert r["time_s"] == max(r["flops"] / spec.peak_flops("bf16"), r["modelled"] / spec.bandwidth)
+        assert r["time_s"] <= r["old_time_s"], r  # a better order is never projected slower
+        assert r["bound"] == ("compute" if r["intensity"] >= r["ridge"] else "memory"), r
+        assert r["eight_bit_compute_s"] < r["flops"] / spec.peak_flops("bf16")
+        assert 0 < r["wave_efficiency"] <= 1
+
+
+def test_the_plot_draws_a_line_per_gpu_and_both_orders(rows):
+    ax = roofline.plot(rows)
+    assert len(ax.lines) == len({r["gpu"] for r in rows})
+    assert len(ax.collections) == 2 * len(ax.lines)
+    assert "projection" in ax.get_title()
+    plt.close(ax.figure)
+
+
+def test_a_full_compile_writes_both_tables_from_its_own_reports(monkeypatch, tmp_path, rows):
+    """``python -m moe_lab compile``, its compiling replaced by the committed reports: after the
+    json reports it writes traffic.md and roofline.md beside them, as they are committed."""
+    import json
+
+    from moe_lab.__main__ import main
+    from moe_lab.workbench.compile_report import report as compile_report
+
+    parts = [json.loads(path.read_text()) for path in traffic.reports().values()]
+    merged = {**parts[0], "archs": [a for p in parts for a in p["archs"]],
+              "limits": {k: v for p in parts for k, v in p["limits"].items()},
+              "rows": [r for p in parts for r in p["rows"]]}
+    monkeypatch.setattr(compile_report, "compile_report", lambda archs, modules=None: merged)
+    assert main(["compile", "--out", str(tmp_path)]) == 0
+    for name in ("traffic.md", "roofline.md"):
+        assert (tmp_path / name).read_text() == (traffic.RESULTS / name).read_text()
+    # A compile of one target leaves the tables alone.
+    monkeypatch.setattr(compile_report, "compile_report", lambda archs, modules=None: parts[0])
+    assert main(["compile", "--arch", "sm_90", "--out", str(tmp_path / "one")]) == 0
+    assert not (tmp_path / "one" / "roofline.md").exists()
