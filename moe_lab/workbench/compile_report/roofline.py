@@ -14,8 +14,8 @@ its element-wise work is not counted). The wave efficiency ``programs / (waves *
 how full the last wave of a launch is; the projected time leaves it out (a compute-bound launch
 whose last wave is half empty takes up to one wave longer).
 
-The launches are the traffic table's (forward, dX, gather + SwiGLU forward) and the dW of the
-down projection (`moe_lab.workbench.compile_report.traffic.dw_tables`), which has one tile order.
+The launches are the traffic table's (forward, dX, gather + SwiGLU forward) and the weight
+gradients of both projections (`moe_lab.workbench.compile_report.traffic.dw_tables`).
 
 ``python -m moe_lab.workbench.compile_report.roofline`` writes ``results/compile/roofline.md``
 and ``traffic.md`` from the committed compile reports (`write_tables`; ``python -m moe_lab
@@ -155,9 +155,9 @@ def markdown(rows: list[dict]) -> str:
              f"HBM bandwidth), memory below it. Ridge points: {ridges}. The 8-bit column is FLOPs / "
              "that rate, the compute floor alone (the bytes stay the bf16 ones). Wave efficiency: "
              "programs / (waves x programs in flight), left out of the projected time."
-             + (" dW (down): the weight gradient of the down projection, whose grid has one order "
-                "(the expert fastest, `traffic.dw_grid_order`), so its old and new columns are that "
-                "one order." if any(r["launch"].startswith("dW") for r in rows) else ""), "",
+             + (" dW rows: old is the grid with the expert fastest, new expert after expert "
+                "(`traffic.md`'s weight-gradient table)." if any(r["launch"].startswith("dW") for r in rows)
+                else ""), "",
              "| GPU | model | launch | GFLOP | compulsory MB | modelled MB (grouped) | FLOP/byte "
              "| ridge | bound | projected µs (grouped, new) | projected µs (row-fastest, old) | bound (old) "
              "| 8-bit compute floor µs | wave efficiency |",
@@ -183,9 +183,10 @@ def write_tables(results: Path = traffic.RESULTS) -> list[Path]:
     ``results`` from the compile reports there (`moe_lab.workbench.compile_report.traffic.reports`);
     the traffic model runs once for both. Returns the paths written."""
     rows = traffic.tables(results)
-    projected = projections(launch_rows(rows, traffic.dw_tables(results)))
     written = []
-    for name, text in (("traffic.md", traffic.markdown(rows)), ("roofline.md", markdown(projected))):
+    dw_rows = traffic.dw_tables(results)
+    projected = projections(launch_rows(rows, dw_rows))
+    for name, text in (("traffic.md", traffic.markdown(rows, dw_rows)), ("roofline.md", markdown(projected))):
         path = Path(results) / name
         path.write_text(text)
         written.append(path)

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from moe_lab.checks import positive_int
-from moe_lab.kernels.common import tile_group
+from moe_lab.kernels.common import DW_GROUP_K, tile_group
 from moe_lab.kernels.grouped_gemm import choose_config
 from moe_lab.perf.hardware import SM_LIMITS, gpu_spec
-from moe_lab.perf.traffic import simulate
+from moe_lab.perf.traffic import simulate, simulate_dw
 
 # The acceptance launches: (model, routed rows per expert on one rank, experts, d_model,
 # d_expert). DeepSeek-V3 at EP8: 256 experts over 8 ranks, 8192 tokens x top-8 = 65,536 routed
@@ -142,22 +141,10 @@ def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
             for row in acceptance(gpu, path, models, launches)]
 
 
-def dw_grid_order(experts: int, k_tiles: int) -> Callable[[int, int, int], tuple[int, int]]:
-    """The dW kernel's launch order as a `moe_lab.perf.traffic.simulate` order: its grid
-    ``(E, cdiv(K, BLOCK_K), cdiv(N, BLOCK_N))`` runs the expert fastest, then the K tile, then the
-    N tile. In the model an expert's ``k_tiles`` K tiles are its row tiles (``rows = [K] * E``);
-    the grid's spare row tiles (past the experts') map to programs without work."""
-    positive_int(experts, "experts")
-    positive_int(k_tiles, "k_tiles")
-
-    def order(pid: int, t_m: int, t_n: int) -> tuple[int, int]:
-        real = experts * k_tiles * t_n
-        if pid < real:
-            return (pid % experts) * k_tiles + (pid // experts) % k_tiles, pid // (experts * k_tiles)
-        spare = t_m - experts * k_tiles
-        return experts * k_tiles + (pid - real) % spare, (pid - real) // spare
-
-    return order
+# The weight gradients: (launch, compile-report label piece, K, N) of dW[e] = X_eᵀ·dY_e, a reduction
+# over the expert's rows, with K and N from (d_model, d_expert): the down projection's X is h.
+DW_LAUNCHES = (("dW (down)", "dW = Xᵀ·dY per expert (down", "f", "d"),
+               ("dW (up/gate)", "dW = Xᵀ·dY per expert (up/gate", "d", "2f"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -167,28 +154,33 @@ def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple
     for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
         if model not in models:
             continue
-        # dW of the down projection: dW[e] = H_eᵀ · dY_e, [d_expert, d_model] per expert, a reduction
-        # over the expert's rows. Its tile is BLOCK_K x BLOCK_N over BLOCK_M rows.
-        m, k, n = per_expert * experts, d_expert, d_model
-        cfg = choose_config("dw", m, n, k, experts, torch.bfloat16)
-        b = cfg.blocks
-        in_flight = spec.sms * blocks_per_sm(report, "_grouped_gemm_dw_kernel", b, cfg.num_warps,
-                                             "grouped GEMM dW")
-        k_tiles, t_n = -(-k // b["BLOCK_K"]), -(-n // b["BLOCK_N"])
-        t = simulate([k] * experts, n, per_expert, b["BLOCK_K"], b["BLOCK_N"], b["BLOCK_M"],
-                     in_flight=in_flight, l2_bytes=spec.l2_bytes, order=dw_grid_order(experts, k_tiles))
-        out.append(dict(gpu=spec.name, model=model, launch="dW (down)", per_expert=per_expert,
-                        experts=experts, n=n, k=k, panels=1, tiles="x".join(map(str, b.values())),
-                        in_flight=in_flight, programs=experts * k_tiles * t_n, compulsory=t.compulsory,
-                        row_bytes=t.total, grouped_bytes=t.total, row=t.ratio, grouped=t.ratio))
+        m, dims = per_expert * experts, {"d": d_model, "f": d_expert, "2f": 2 * d_expert}
+        for launch, label, k_dim, n_dim in DW_LAUNCHES:
+            k, n = dims[k_dim], dims[n_dim]
+            cfg = choose_config("dw", m, n, k, experts, torch.bfloat16)
+            b = cfg.blocks
+            in_flight = spec.sms * blocks_per_sm(report, "_grouped_gemm_dw_kernel", b, cfg.num_warps, label)
+            traffic = {name: simulate_dw([per_expert] * experts, k, n, b["BLOCK_M"], b["BLOCK_K"],
+                                         b["BLOCK_N"], in_flight=in_flight, l2_bytes=spec.l2_bytes,
+                                         order=order)
+                       for name, order in (("row", "expert_fastest"), ("grouped", DW_GROUP_K))}
+            out.append(dict(gpu=spec.name, model=model, launch=launch, per_expert=per_expert,
+                            experts=experts, n=n, k=k, panels=1, tiles="x".join(map(str, b.values())),
+                            in_flight=in_flight, group_k=DW_GROUP_K,
+                            programs=experts * -(-k // b["BLOCK_K"]) * -(-n // b["BLOCK_N"]),
+                            compulsory=traffic["row"].compulsory,
+                            **{f"{name}_bytes": t.total for name, t in traffic.items()},
+                            **{name: t.ratio for name, t in traffic.items()}))
     return tuple(out)
 
 
 def dw_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) -> list[dict]:
-    """The grouped GEMM dW of the down projection at `ACCEPTANCE`'s shapes on every compile
-    target's GPU, in the one order its grid has (`dw_grid_order`): rows shaped as `acceptance`'s
-    for `moe_lab.workbench.compile_report.roofline` (``row`` and ``grouped`` are that order),
-    at `choose_config`'s tile and the compile report's resident blocks for it."""
+    """The grouped GEMM weight gradients (`DW_LAUNCHES`) at `ACCEPTANCE`'s shapes on every compile
+    target's GPU (`moe_lab.perf.traffic.simulate_dw`): ``row`` the old grid's order, the expert
+    fastest; ``grouped`` the kernels' order today, expert after expert with ``DW_GROUP_K`` K tiles
+    per group (`moe_lab.kernels.common.expert_tile_order`). Rows shaped as `acceptance`'s for
+    `moe_lab.workbench.compile_report.roofline`, at `choose_config`'s tile and the compile report's
+    resident blocks for the launch's own row."""
     known = tuple(entry[0] for entry in ACCEPTANCE)
     models = known if models is None else tuple(models)
     if not models or any(model not in known for model in models):
@@ -212,8 +204,8 @@ def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
             f"keeps, and waves on expert bounds move fewer bytes ({cases}).")
 
 
-def markdown(rows: list[dict]) -> str:
-    """`acceptance`'s rows (any GPUs) as the table of ``results/compile/traffic.md``."""
+def markdown(rows: list[dict], dw_rows: list[dict] | tuple[dict, ...] = ()) -> str:
+    """`acceptance`'s rows (any GPUs) and `dw_tables`' as the tables of ``results/compile/traffic.md``."""
     gpus = list(dict.fromkeys(r["gpu"] for r in rows))
     lines = [f"# Modelled HBM bytes / compulsory bytes, {' and '.join(gpus)} L2",
              "", "`python -m moe_lab.workbench.compile_report.traffic` writes this file "
@@ -231,14 +223,26 @@ def markdown(rows: list[dict]) -> str:
               f"| {r['in_flight']} | {r['wave_l2']:.2f} | {r['group_m']} | {r['row']:.3f} "
               f"| {r['grouped']:.3f} "
               f"| {r['aligned_in_flight']} | {r['aligned']:.3f} |" for r in rows]
+    if dw_rows:
+        lines += ["", "## Weight gradients", "",
+                  "dW[e] = X_eᵀ·dY_e: a program owns one K x N tile of one expert's dW and reduces over "
+                  "the expert's rows (`moe_lab.perf.traffic.simulate_dw`). Old: the grid's first axis, "
+                  "the one walked fastest, was the expert, so consecutive programs read different "
+                  "experts' rows. New: expert after expert, GROUP_K K tiles taking every N tile "
+                  "(`moe_lab.kernels.common.expert_tile_order`).", "",
+                  "| GPU | model | launch | K | N | tile MxNxK | in flight | GROUP_K | expert fastest (old) "
+                  "| expert after expert (new) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | {r['k']} | {r['n']} | {r['tiles']} "
+                  f"| {r['in_flight']} | {r['group_k']} | {r['row']:.3f} | {r['grouped']:.3f} |"
+                  for r in dw_rows]
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    table = markdown(tables())
+    table = markdown(tables(), dw_tables())
     print(table, end="")
     (RESULTS / "traffic.md").write_text(table)
 
 
-__all__ = ["ACCEPTANCE", "LAUNCHES", "REPORT", "RESULTS", "acceptance", "blocks_per_sm", "dw_grid_order",
+__all__ = ["ACCEPTANCE", "DW_LAUNCHES", "LAUNCHES", "REPORT", "RESULTS", "acceptance", "blocks_per_sm",
            "dw_tables", "markdown", "on_expert_bounds", "reports", "straddle_sentence", "tables"]

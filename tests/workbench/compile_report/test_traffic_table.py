@@ -17,10 +17,25 @@ def rows():
     return traffic.tables()
 
 
-def test_the_committed_table_is_generated_for_every_compile_target(rows):
+@pytest.fixture(scope="module")
+def dw_rows():
+    return traffic.dw_tables()
+
+
+def test_the_committed_table_is_generated_for_every_compile_target(rows, dw_rows):
     assert len(rows) == len(SM_LIMITS) * len(traffic.LAUNCHES) * len(traffic.ACCEPTANCE)
+    assert len(dw_rows) == len(SM_LIMITS) * len(traffic.DW_LAUNCHES) * len(traffic.ACCEPTANCE)
     assert {r["gpu"] for r in rows} == {limits.gpu for limits in SM_LIMITS.values()}
-    assert (traffic.RESULTS / "traffic.md").read_text() == traffic.markdown(rows)
+    assert (traffic.RESULTS / "traffic.md").read_text() == traffic.markdown(rows, dw_rows)
+
+
+def test_the_weight_gradients_order_reads_each_experts_rows_once_the_old_one_did_not(dw_rows):
+    # Expert after expert: one expert's X and dY (at most 2048 x 7168 + 2048 x 4096 bf16, 46 MB)
+    # fit the L2 of either GPU, so its tiles read them once; with the expert fastest, a wave
+    # spans every expert at a few tiles each and the rows come back once per wave.
+    for row in dw_rows:
+        assert row["grouped"] == pytest.approx(1.0, abs=1e-3), row
+        assert row["row"] > 2.0, row
 
 
 def test_the_grouped_order_never_loses_and_nothing_beats_compulsory(rows):
