@@ -192,17 +192,26 @@ def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: 
 
 
 @jit
+def grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M: tl.constexpr):
+    """``(row tile, N tile)`` of tile number ``t`` of ``n_row_tiles x n_col_tiles`` in grouped
+    rasterisation: ``GROUP_M`` consecutive row tiles (the last group may be smaller) take every
+    N tile, row tile fastest, before the next group starts; ``GROUP_M = 1`` is N-fastest order.
+    `tile_order` is this for the program of a 1-D grid; a persistent kernel walks ``t`` itself."""
+    per_group = GROUP_M * n_col_tiles
+    first = (t // per_group) * GROUP_M
+    size = tl.minimum(n_row_tiles - first, GROUP_M)
+    inside = t % per_group
+    return first + inside % size, inside // size
+
+
+@jit
 def tile_order(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(row tile, N tile)`` of this program in a 1-D grid of ``(cdiv(M_ROWS, BLOCK_M) + E) x
-    cdiv(N, BLOCK_N)`` programs, in grouped rasterisation: ``GROUP_M`` consecutive row tiles
-    take every N tile, row tile fastest, before the next group starts (`tile_group` picks
-    ``GROUP_M`` per launch; `moe_lab.perf.traffic` models the bytes each order moves)."""
-    pid = tl.program_id(0)
+    cdiv(N, BLOCK_N)`` programs, in grouped rasterisation (`grouped_tile`: ``GROUP_M``
+    consecutive row tiles take every N tile, row tile fastest; `tile_group` picks ``GROUP_M``
+    per launch; `moe_lab.perf.traffic` models the bytes each order moves)."""
     t_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * t_n
-    first = (pid // per_group) * GROUP_M
-    size = tl.minimum(tl.num_programs(0) // t_n - first, GROUP_M)
-    return first + (pid % per_group) % size, (pid % per_group) // size
+    return grouped_tile(tl.program_id(0), tl.num_programs(0) // t_n, t_n, GROUP_M)
 
 
 @jit
@@ -334,6 +343,6 @@ def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
 
 
 __all__ = ["block_e", "cast_for_store", "check_device", "dot_bf16", "gather_rows", "gemm_k_loop",
-           "grouped_grid", "interpreted", "jit", "mma", "new_output", "poison_outputs", "row_source",
-           "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order", "tile_rows",
-           "tile_schedule"]
+           "grouped_grid", "grouped_tile", "interpreted", "jit", "mma", "new_output", "poison_outputs",
+           "row_source", "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order",
+           "tile_rows", "tile_schedule"]
