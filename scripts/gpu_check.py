@@ -987,7 +987,8 @@ def bench_grouped_gemm(torch, dev, rep: Report, time_fn, E: int, M: int, K: int,
 def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, small: bool) -> None:
     """`moe_lab.kernels.tuning.autotune` over `moe_lab.kernels.grouped_gemm.tune_space` for every
     grouped GEMM launch of the layers of ``shapes`` (bf16; ``small``: the first two configs of
-    each space, to exercise the tuner): the winner and its gain over the rule per launch, all
+    each space, to exercise the tuner): the winner (tile, warps, stages and, for the
+    tile-ordered kernels, ``GROUP_M``) and its gain over the rule per launch, all
     timed in this run, and the table of winners written to ``out/tuned_configs.json`` (commit
     it to ``results/<gpu>/`` and `choose_config`'s rule gives way to it on that GPU)."""
     from moe_lab.kernels import grouped_gemm as gg
@@ -1016,9 +1017,10 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
             best = min(times)
             rep.timed(f"tuned {kernel}", shape=f"{label} {key}", configs=len(space),
                       rule=describe_config(space[0].blocks, space[0].num_warps, space[0].num_stages),
-                      rule_ms=times[0] * 1e3, winner=describe_config(winner.blocks, winner.num_warps,
-                                                                     winner.num_stages),
-                      winner_ms=best * 1e3, ratio_rule_to_winner=times[0] / best)
+                      rule_group_m=space[0].group_m, rule_ms=times[0] * 1e3,
+                      winner=describe_config(winner.blocks, winner.num_warps, winner.num_stages),
+                      winner_group_m=winner.group_m, winner_ms=best * 1e3,
+                      ratio_rule_to_winner=times[0] / best)
     out.mkdir(parents=True, exist_ok=True)
     (out / tuning.TUNED_FILE).write_text(json.dumps(
         {"gpu": rep.env.get("gpu"), "triton": rep.env.get("triton"), "dtype": "bfloat16",
