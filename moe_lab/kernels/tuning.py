@@ -41,7 +41,10 @@ _FORCED: dict[str, LaunchConfig] = {}
 
 
 def gpu_slug(name: str) -> str:
-    """The results folder of a GPU: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    """The results folder of a GPU: ``"NVIDIA H200"`` -> ``"nvidia_h200"`` (each run of
+    characters other than letters, digits, ``_``, ``.`` and ``-`` becomes one ``_``, none at
+    the ends, lower case). ``scripts/gpu_check.py`` writes a GPU's results, its tuned table
+    among them, to this folder and names its section files by it too."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower()
 
 

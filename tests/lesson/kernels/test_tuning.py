@@ -17,6 +17,15 @@ from moe_lab.kernels.common import tile_group
 from moe_lab.kernels.launch import LaunchConfig
 
 
+def test_a_gpus_folder_is_its_name_in_lower_case_with_one_underscore_per_gap():
+    # the folder gpu_check writes a GPU's results (its tuned table among them) to, and tuned_config reads
+    assert tuning.gpu_slug("NVIDIA H200") == "nvidia_h200"
+    assert tuning.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    assert tuning.gpu_slug("Tesla V100-SXM2-16GB") == "tesla_v100-sxm2-16gb"
+    assert tuning.gpu_slug("  cpu (interpreted smoke run) ") == "cpu_interpreted_smoke_run"
+    assert tuning.gpu_slug("12 tokens/s of the optimised step") == "12_tokens_s_of_the_optimised_step"
+
+
 def test_a_key_buckets_rows_per_expert_and_keeps_n_and_k():
     key = tuning.table_key("gemm", 65536, 7168, 2048, 32, torch.bfloat16)
     assert key == "gemm|bfloat16|rows<=2048|n=7168|k=2048"
