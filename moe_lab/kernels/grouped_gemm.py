@@ -229,7 +229,7 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
 
 
 # The kernels whose programs walk the grouped tile order (`moe_lab.kernels.common.tile_order`),
-# so whose ``GROUP_M`` is a tuning knob; "dw" has a 3-D grid of (expert, K tile, N tile).
+# so whose ``GROUP_M`` is a tuning knob; "dw" is not one of them (its grid goes by expert).
 TILE_ORDERED = ("gemm", "swiglu")
 
 
