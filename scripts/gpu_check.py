@@ -58,7 +58,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import signal
 import subprocess
@@ -66,6 +65,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -262,6 +262,8 @@ class Report:
     # -- output
     def write(self) -> None:
         """Every file, as of now (atomically each: a kill mid-write leaves the last one)."""
+        from moe_lab.kernels.tuning import gpu_slug  # section files are named as the GPU's folder
+
         out = self.out
         (out / "sections").mkdir(parents=True, exist_ok=True)
 
@@ -277,7 +279,7 @@ class Report:
             name = s["section"]
             part = {**s, "checks": [c for c in self.checks if c["section"] == name],
                     "bench": [b for b in self.bench if b["section"] == name]}
-            put(out / "sections" / f"{slug(name)}.json", dump(part))
+            put(out / "sections" / f"{gpu_slug(name)}.json", dump(part))
         for name, data in (("env", self.env), ("checks", self.checks), ("bench", self.bench),
                            ("gains", self.gains), ("kernels", self.kernels),
                            ("sections", self.sections)):
@@ -290,10 +292,6 @@ class Report:
                     target = dest / f.relative_to(out)
                     target.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy(f, target)
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower()
 
 
 def summary_markdown(rep: Report) -> str:
@@ -431,6 +429,44 @@ def compiled_kernels(modules: tuple[str, ...] = KERNEL_MODULES) -> list[dict]:
     return rows
 
 
+class GroupedLayout(NamedTuple):
+    """One routed layout the grouped GEMM sections check: ``m`` rows over ``n_experts``
+    experts as ``offsets`` (``[E + 1]`` int32, on the device), the layer's ``d_model`` and
+    ``d_expert``, in ``dtype`` within ``tol``; ``shape`` labels the check, ``generator`` (which
+    drew the routing) draws the inputs next."""
+
+    n_experts: int
+    m: int
+    d_model: int
+    d_expert: int
+    dtype: object
+    tol: float
+    offsets: object
+    shape: str
+    generator: object
+
+
+def grouped_layouts(torch, dev, shapes: dict, seed: int, idle: int, align: int = 16):
+    """Per layer of ``shapes``, fp32 and bf16 (with their tolerances), packed and padded: the
+    routed counts of ``tokens x top_k`` random picks over the experts, expert ``idle`` given
+    none; padded, each count rounded up to ``align`` rows and the buffer sized from the
+    static bound ``M + E (align - 1)`` as the layer's is (rows past the last segment). Each
+    layout's generator starts from ``seed``."""
+    for label, s in shapes.items():
+        E, M = s["n_experts"], s["tokens"] * s["top_k"]
+        for dtype, tol in ((torch.float32, 5e-3), (torch.bfloat16, 2e-2)):
+            for padded in (False, True):
+                g = torch.Generator(device=dev).manual_seed(seed)
+                counts = torch.bincount(torch.randint(0, E, (M,), generator=g, device=dev), minlength=E)
+                counts[idle] = 0  # an idle expert
+                if padded:
+                    counts = (counts + align - 1) // align * align
+                offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+                m = M + E * (align - 1) if padded else int(counts.sum())
+                shape = f"{label} M={m}" + (f", padded to {align}" if padded else "")
+                yield GroupedLayout(E, m, s["d_model"], s["d_expert"], dtype, tol, offsets, shape, g)
+
+
 def section_grouped_gemm(torch, dev, rep: Report, shapes: dict, cuda: bool) -> None:
     """Grouped GEMM forward (the down projection), dX, dW and the fused SwiGLU's forward and
     backward (the up/gate projection), on packed offsets and on a padded layout (segments
@@ -439,48 +475,36 @@ def section_grouped_gemm(torch, dev, rep: Report, shapes: dict, cuda: bool) -> N
     the production shapes was among the launched kernels."""
     from moe_lab.kernels import grouped_gemm as gg
 
-    align = 16
-    for label, s in shapes.items():
-        E, M, d, f = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
-        for dtype, tol in ((torch.float32, 5e-3), (torch.bfloat16, 2e-2)):
-            for padded in (False, True):
-                g = torch.Generator(device=dev).manual_seed(0)
-                counts = torch.bincount(torch.randint(0, E, (M,), generator=g, device=dev), minlength=E)
-                counts[0] = 0  # an idle expert
-                if padded:
-                    counts = (counts + align - 1) // align * align
-                offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-                # the padded layout's buffer is sized from the static bound, as the layer's is
-                m = M + E * (align - 1) if padded else int(counts.sum())
-                shape = f"{label} M={m}" + (f", padded to {align}" if padded else "")
-                # what a compiled launch runs for the down projection's fwd, dX, dW and the SwiGLU
-                configs = {what: describe_config(c.blocks, c.num_warps, c.num_stages)
-                           for what, (kernel, *dims) in zip(("fwd", "dX", "dW", "swiglu"),
-                                                            layer_launches(E, m, d, f), strict=False)
-                           for c in [gg.choose_config(kernel, *dims, dtype)]}
-                h_in, w, x, w2 = (randn(torch, g, size, dtype, size[-2] ** -0.25 if len(size) == 3 else 1.0)
-                                  for size in ((m, f), (E, f, d), (m, d), (E, d, 2 * f)))
-                dy, dh = randn(torch, g, (m, d), dtype), randn(torch, g, (m, f), dtype)
-                name = f"grouped_gemm {str(dtype)[6:]}"
-                hg, wg, xg, w2g = (t.clone().requires_grad_() for t in (h_in, w, x, w2))
-                with poisoned(torch):
-                    y = gg.grouped_gemm(hg, wg, offsets)
-                    gx, gw = torch.autograd.grad(y, (hg, wg), dy)
-                    h = gg.grouped_gemm_swiglu(xg, w2g, offsets)
-                    hx, hw = torch.autograd.grad(h, (xg, w2g), dh)
-                del hg, wg, xg, w2g
-                hr, wr, xr, w2r = (t.double().requires_grad_() for t in (h_in, w, x, w2))
-                yr = gg.grouped_gemm_reference(hr, wr, offsets)
-                gxr, gwr = torch.autograd.grad(yr, (hr, wr), dy.double())
-                for what, got, want in (("fwd", y, yr), ("dX", gx, gxr), ("dW", gw, gwr)):
-                    rep.check(f"{name} {what}", shape, rel_error(got, want), tol, config=configs[what])
-                del yr, gxr, gwr, y, gx, gw
-                out = swiglu_reference(gg.grouped_gemm_reference(xr, w2r, offsets))
-                hxr, hwr = torch.autograd.grad(out, (xr, w2r), dh.double())
-                for what, got, want in (("fwd", h, out), ("dX", hx, hxr), ("dW", hw, hwr)):
-                    rep.check(f"grouped_gemm_swiglu {str(dtype)[6:]} {what}", shape,
-                              rel_error(got, want), tol, config=configs["swiglu"])
-                del out, hxr, hwr, h, hx, hw, hr, wr, xr, w2r
+    for c in grouped_layouts(torch, dev, shapes, seed=0, idle=0):
+        E, m, d, f, dtype, g = c.n_experts, c.m, c.d_model, c.d_expert, c.dtype, c.generator
+        # what a compiled launch runs for the down projection's fwd, dX, dW and the SwiGLU
+        configs = {what: describe_config(cfg.blocks, cfg.num_warps, cfg.num_stages)
+                   for what, (kernel, *dims) in zip(("fwd", "dX", "dW", "swiglu"),
+                                                    layer_launches(E, m, d, f), strict=False)
+                   for cfg in [gg.choose_config(kernel, *dims, dtype)]}
+        h_in, w, x, w2 = (randn(torch, g, size, dtype, size[-2] ** -0.25 if len(size) == 3 else 1.0)
+                          for size in ((m, f), (E, f, d), (m, d), (E, d, 2 * f)))
+        dy, dh = randn(torch, g, (m, d), dtype), randn(torch, g, (m, f), dtype)
+        name = f"grouped_gemm {str(dtype)[6:]}"
+        hg, wg, xg, w2g = (t.clone().requires_grad_() for t in (h_in, w, x, w2))
+        with poisoned(torch):
+            y = gg.grouped_gemm(hg, wg, c.offsets)
+            gx, gw = torch.autograd.grad(y, (hg, wg), dy)
+            h = gg.grouped_gemm_swiglu(xg, w2g, c.offsets)
+            hx, hw = torch.autograd.grad(h, (xg, w2g), dh)
+        del hg, wg, xg, w2g
+        hr, wr, xr, w2r = (t.double().requires_grad_() for t in (h_in, w, x, w2))
+        yr = gg.grouped_gemm_reference(hr, wr, c.offsets)
+        gxr, gwr = torch.autograd.grad(yr, (hr, wr), dy.double())
+        for what, got, want in (("fwd", y, yr), ("dX", gx, gxr), ("dW", gw, gwr)):
+            rep.check(f"{name} {what}", c.shape, rel_error(got, want), c.tol, config=configs[what])
+        del yr, gxr, gwr, y, gx, gw
+        out = swiglu_reference(gg.grouped_gemm_reference(xr, w2r, c.offsets))
+        hxr, hwr = torch.autograd.grad(out, (xr, w2r), dh.double())
+        for what, got, want in (("fwd", h, out), ("dX", hx, hxr), ("dW", hw, hwr)):
+            rep.check(f"grouped_gemm_swiglu {str(dtype)[6:]} {what}", c.shape,
+                      rel_error(got, want), c.tol, config=configs["swiglu"])
+        del out, hxr, hwr, h, hx, hw, hr, wr, xr, w2r
     if cuda:
         chosen = production_configs(torch, PRODUCTION)
         launched: dict[str, set[str]] = {}
@@ -504,32 +528,20 @@ def section_grouped_gemm_tma(torch, dev, rep: Report, shapes: dict) -> None:
     from moe_lab.kernels import grouped_gemm as gg
     from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
 
-    align = 16
-    for label, s in shapes.items():
-        E, M, d, f = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
-        for dtype, tol in ((torch.float32, 5e-3), (torch.bfloat16, 2e-2)):
-            for padded in (False, True):
-                g = torch.Generator(device=dev).manual_seed(1)
-                counts = torch.bincount(torch.randint(0, E, (M,), generator=g, device=dev), minlength=E)
-                counts[-1] = 0  # an idle expert
-                if padded:
-                    counts = (counts + align - 1) // align * align
-                offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-                m = M + E * (align - 1) if padded else int(counts.sum())
-                shape = f"{label} M={m}" + (f", padded to {align}" if padded else "")
-                h, w = randn(torch, g, (m, f), dtype), randn(torch, g, (E, f, d), dtype, f ** -0.5)
-                dy = randn(torch, g, (m, d), dtype)
-                hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-                with poisoned(torch):
-                    y = grouped_gemm_tma(hg, wg, offsets)
-                    gx, gw = torch.autograd.grad(y, (hg, wg), dy)
-                hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
-                yr = gg.grouped_gemm_reference(hr, wr, offsets)
-                gxr, gwr = torch.autograd.grad(yr, (hr, wr), dy.double())
-                for what, got, want in (("fwd", y, yr), ("dX", gx, gxr), ("dW", gw, gwr)):
-                    rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", shape,
-                              rel_error(got, want), tol)
-                del hg, wg, y, gx, gw, hr, wr, yr, gxr, gwr
+    for c in grouped_layouts(torch, dev, shapes, seed=1, idle=-1):
+        E, m, d, f, dtype, g = c.n_experts, c.m, c.d_model, c.d_expert, c.dtype, c.generator
+        h, w = randn(torch, g, (m, f), dtype), randn(torch, g, (E, f, d), dtype, f ** -0.5)
+        dy = randn(torch, g, (m, d), dtype)
+        hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with poisoned(torch):
+            y = grouped_gemm_tma(hg, wg, c.offsets)
+            gx, gw = torch.autograd.grad(y, (hg, wg), dy)
+        hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+        yr = gg.grouped_gemm_reference(hr, wr, c.offsets)
+        gxr, gwr = torch.autograd.grad(yr, (hr, wr), dy.double())
+        for what, got, want in (("fwd", y, yr), ("dX", gx, gxr), ("dW", gw, gwr)):
+            rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", c.shape, rel_error(got, want), c.tol)
+        del hg, wg, y, gx, gw, hr, wr, yr, gxr, gwr
 
 
 def swiglu_reference(h):
@@ -987,7 +999,8 @@ def bench_grouped_gemm(torch, dev, rep: Report, time_fn, E: int, M: int, K: int,
 def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, small: bool) -> None:
     """`moe_lab.kernels.tuning.autotune` over `moe_lab.kernels.grouped_gemm.tune_space` for every
     grouped GEMM launch of the layers of ``shapes`` (bf16; ``small``: the first two configs of
-    each space, to exercise the tuner): the winner and its gain over the rule per launch, all
+    each space, to exercise the tuner): the winner (tile, warps, stages and, for the
+    tile-ordered kernels, ``GROUP_M``) and its gain over the rule per launch, all
     timed in this run, and the table of winners written to ``out/tuned_configs.json`` (commit
     it to ``results/<gpu>/`` and `choose_config`'s rule gives way to it on that GPU)."""
     from moe_lab.kernels import grouped_gemm as gg
@@ -1016,9 +1029,10 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
             best = min(times)
             rep.timed(f"tuned {kernel}", shape=f"{label} {key}", configs=len(space),
                       rule=describe_config(space[0].blocks, space[0].num_warps, space[0].num_stages),
-                      rule_ms=times[0] * 1e3, winner=describe_config(winner.blocks, winner.num_warps,
-                                                                     winner.num_stages),
-                      winner_ms=best * 1e3, ratio_rule_to_winner=times[0] / best)
+                      rule_group_m=space[0].group_m, rule_ms=times[0] * 1e3,
+                      winner=describe_config(winner.blocks, winner.num_warps, winner.num_stages),
+                      winner_group_m=winner.group_m, winner_ms=best * 1e3,
+                      ratio_rule_to_winner=times[0] / best)
     out.mkdir(parents=True, exist_ok=True)
     (out / tuning.TUNED_FILE).write_text(json.dumps(
         {"gpu": rep.env.get("gpu"), "triton": rep.env.get("triton"), "dtype": "bfloat16",
@@ -1184,7 +1198,9 @@ def main(argv: list[str] | None = None) -> int:
     env = gpu_env(torch)
     print(json.dumps(env), flush=True)
     small = args.cpu_smoke
-    out = Path(args.out) if args.out else ROOT / "results" / slug(env["gpu"])
+    from moe_lab.kernels.tuning import gpu_slug  # the folder a tuned table is read from, too
+
+    out = Path(args.out) if args.out else ROOT / "results" / gpu_slug(env["gpu"])
     rep = Report(out, env, args.budget_s)
     time_fn = None if args.no_bench else timer(torch, cuda)
     state: dict = {}

@@ -205,33 +205,38 @@ def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: 
 
 
 @jit
+def grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M: tl.constexpr):
+    """``(row tile, N tile)`` of tile number ``t`` of ``n_row_tiles x n_col_tiles`` in grouped
+    rasterisation: ``GROUP_M`` consecutive row tiles (the last group may be smaller) take every
+    N tile, row tile fastest, before the next group starts; ``GROUP_M = 1`` is N-fastest order.
+    `tile_order` is this for the program of a 1-D grid; a persistent kernel walks ``t`` itself."""
+    per_group = GROUP_M * n_col_tiles
+    first = (t // per_group) * GROUP_M
+    size = tl.minimum(n_row_tiles - first, GROUP_M)
+    inside = t % per_group
+    return first + inside % size, inside // size
+
+
+@jit
 def tile_order(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(row tile, N tile)`` of this program in a 1-D grid of ``(cdiv(M_ROWS, BLOCK_M) + E) x
-    cdiv(N, BLOCK_N)`` programs, in grouped rasterisation: ``GROUP_M`` consecutive row tiles
-    take every N tile, row tile fastest, before the next group starts (`tile_group` picks
-    ``GROUP_M`` per launch; `moe_lab.perf.traffic` models the bytes each order moves)."""
-    pid = tl.program_id(0)
+    cdiv(N, BLOCK_N)`` programs, in grouped rasterisation (`grouped_tile`: ``GROUP_M``
+    consecutive row tiles take every N tile, row tile fastest; `tile_group` picks ``GROUP_M``
+    per launch; `moe_lab.perf.traffic` models the bytes each order moves)."""
     t_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * t_n
-    first = (pid // per_group) * GROUP_M
-    size = tl.minimum(tl.num_programs(0) // t_n - first, GROUP_M)
-    return first + (pid % per_group) % size, (pid % per_group) // size
+    return grouped_tile(tl.program_id(0), tl.num_programs(0) // t_n, t_n, GROUP_M)
 
 
 @jit
 def expert_tile_order(K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
     """``(expert, K tile, N tile)`` of this program in a weight gradient's grid (`expert_grid`):
-    expert after expert (the expert is the second axis), and inside one the grouped
-    rasterisation of `tile_order`, ``GROUP_K`` K tiles taking every N tile, K tile fastest. (A
+    expert after expert (the expert is the second axis), and inside one `grouped_tile`'s
+    rasterisation, ``GROUP_K`` K tiles taking every N tile, K tile fastest. (A
     grid with the expert fastest has consecutive programs read different experts' rows and
     share nothing.) The expert as a program id, not a quotient, keeps the 64-bit address
     arithmetic that scales by it cheaper (a spill in the gathered dW otherwise)."""
-    e, local = tl.program_id(1), tl.program_id(0)
-    t_k, t_n = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_K * t_n
-    first = (local // per_group) * GROUP_K
-    size = tl.minimum(t_k - first, GROUP_K)
-    return e, first + (local % per_group) % size, (local % per_group) // size
+    tile_k, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N), GROUP_K)
+    return tl.program_id(1), tile_k, tile_n
 
 
 @jit
@@ -363,6 +368,6 @@ def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
 
 
 __all__ = ["DW_GROUP_K", "block_e", "cast_for_store", "check_device", "dot_bf16", "expert_grid",
-           "expert_tile_order", "gather_rows", "gemm_k_loop", "grouped_grid", "interpreted", "jit",
-           "mma", "new_output", "poison_outputs", "row_source", "scatter_rows", "swiglu_epilogue",
-           "swiglu_k_loop", "tile_group", "tile_order", "tile_rows", "tile_schedule"]
+           "expert_tile_order", "gather_rows", "gemm_k_loop", "grouped_grid", "grouped_tile",
+           "interpreted", "jit", "mma", "new_output", "poison_outputs", "row_source", "scatter_rows",
+           "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order", "tile_rows", "tile_schedule"]

@@ -24,6 +24,8 @@ int64 (one DeepSeek-V3 layer's expert weights hold 3.8·10⁹ elements). Each la
 ``torch.compile`` trace through it.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -229,16 +231,37 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
     return space[2 if many_rows else 1]
 
 
+# The kernels whose programs walk the grouped tile order (`moe_lab.kernels.common.tile_order`),
+# so whose ``GROUP_M`` is a tuning knob; "dw" is not one of them (its grid goes by expert).
+TILE_ORDERED = ("gemm", "swiglu")
+
+
 def tune_space(kernel: str, m: int, n: int, k: int, n_experts: int,
                dtype: torch.dtype) -> list[LaunchConfig]:
     """What the tuner (`moe_lab.kernels.tuning.autotune`) times for one launch: the rule's
     config first, then the other tiles of `TILE_SPACE` for ``dtype`` (float32 takes only its
-    CUDA-core tiles), each with 3, 4 and 5 pipeline stages."""
+    CUDA-core tiles), each with 3, 4 and 5 pipeline stages. For the kernels of `TILE_ORDERED`
+    every config carries its ``GROUP_M``: `tile_group`'s for its tile (the rule's order), and
+    the rule's tile and stages are also timed in a few other orders, ``GROUP_M`` = 1 (N tile
+    fastest) and half and twice the rule's: at most three configs more, not three times as many."""
     rule = choose_config(kernel, m, n, k, n_experts, dtype)
     fp32 = {"gemm": (0,), "swiglu": (2,), "dw": (0,)}[kernel]
     tiles = [c for i, c in enumerate(TILE_SPACE[kernel]) if (i in fp32) == (dtype == torch.float32)]
     space = [rule] + [LaunchConfig(c.blocks, c.num_warps, stages) for c in tiles for stages in (3, 4, 5)]
+    if kernel in TILE_ORDERED:
+        space = [dataclasses.replace(c, group_m=launch_group(c, m, n_experts)) for c in space]
+        group = space[0].group_m
+        space[1:1] = [dataclasses.replace(space[0], group_m=g) for g in (1, group // 2, 2 * group) if g]
     return [c for i, c in enumerate(space) if c not in space[:i]]
+
+
+def launch_group(config: LaunchConfig, m: int, n_experts: int) -> int:
+    """``GROUP_M`` of a launch of a `TILE_ORDERED` kernel over ``m`` rows: the config's where it
+    sets one (a tuned table's row, a config the tuner forces), else the rule's,
+    `tile_group` of the config's ``BLOCK_M``."""
+    if config.group_m is not None:
+        return config.group_m
+    return tile_group(m, n_experts, config.blocks["BLOCK_M"])
 
 
 def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
@@ -283,7 +306,7 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
         _grouped_gemm_kernel[grid](
             x, w, y, offsets, m_bound, n, k, n_experts,
             *x.stride(), *w.stride(), *y.stride(),
-            **cfg.blocks, GROUP_M=tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
+            **cfg.blocks, GROUP_M=launch_group(cfg, m_bound, n_experts),
             BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -331,7 +354,7 @@ def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
         _grouped_gemm_swiglu_kernel[grid](
             x, w, out, dh_arg, offsets, m_bound, f, k, n_experts,
             *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
-            **cfg.blocks, GROUP_M=tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
+            **cfg.blocks, GROUP_M=launch_group(cfg, m_bound, n_experts),
             BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
             BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -25,11 +25,14 @@ a store. This kernel uses it three ways (https://triton-lang.org/main/getting-st
   flight while this one multiplies), and on sm_100 a warp-specialised tile loop
   (``tl.range(..., warp_specialize=True)``: loads and MMAs in partitions of warps of their own).
 
-The order of the list (`tile_order`) is what makes L2 work: the programs in flight at once
-hold consecutive tiles, and ``GROUP_M`` row tiles share each N tile, so a weight tile fetched
-from HBM serves ``GROUP_M`` row tiles and those rows' ``x`` tiles stay in L2 while the group
-sweeps N; a group may straddle two experts (Triton's grouped ordering,
+The order of the list is what makes L2 work, and it is the one every grouped kernel uses
+(`moe_lab.kernels.common.grouped_tile`, the tile-by-number form of `tile_order`): the programs
+in flight at once hold consecutive tiles, and ``GROUP_M`` row tiles share each N tile, so a
+weight tile fetched from HBM serves ``GROUP_M`` row tiles and those rows' ``x`` tiles stay in
+L2 while the group sweeps N; a group may straddle two experts (Triton's grouped ordering,
 https://triton-lang.org/main/getting-started/tutorials/03-matrix-multiplication.html).
+``GROUP_M`` is chosen per launch by `moe_lab.kernels.common.tile_group` (about one average
+expert's row tiles), as for the other grouped kernels.
 
 The backward: ``dX = dY·W[e]ᵀ`` is this kernel on ``W`` transposed (``TRANS_W``: the descriptor
 is over ``W`` as stored, each tile transposed in shared memory); ``dW[e] = X_eᵀ·dY_e`` is the
@@ -52,33 +55,20 @@ from moe_lab.kernels.common import (
     cast_for_store,
     check_device,
     dot_bf16,
+    grouped_tile,
     interpreted,
     jit,
     mma,
     new_output,
+    tile_group,
 )
 from moe_lab.kernels.grouped_gemm import KERNEL_DTYPES
 from moe_lab.kernels.launch import LaunchConfig
 
 Tensor = torch.Tensor
 
-# Row tiles that share each N tile in `tile_order` (the tutorial's GROUP_SIZE_M): one program
-# per SM in flight, so a group takes about (SMs / GROUP_M) N tiles at a time.
-GROUP_M = 8
 # Programs of an interpreted launch: more than one, so that the strided walk is exercised.
 INTERPRETED_PROGRAMS = 3
-
-
-@jit
-def tile_order(t, n_row_tiles, n_col_tiles, GROUP_M: tl.constexpr):
-    """``(row tile, N tile)`` of tile ``t`` in grouped order: tiles come in groups of
-    ``GROUP_M`` consecutive row tiles (the last group may be smaller) by every N tile; inside a
-    group the row tile changes fastest, then the N tile. ``GROUP_M = 1`` is N-fastest order."""
-    per_group = GROUP_M * n_col_tiles
-    first = (t // per_group) * GROUP_M
-    size = tl.minimum(n_row_tiles - first, GROUP_M)
-    inside = t % per_group
-    return first + inside % size, inside // size
 
 
 @jit
@@ -103,7 +93,7 @@ def _tma_grouped_gemm_kernel(
     k_steps = tl.cdiv(K, BLOCK_K)
     for t in tl.range(tl.program_id(0), n_row_tiles * n_col_tiles, tl.num_programs(0),
                       warp_specialize=WARP_SPECIALIZE):
-        r, c = tile_order(t, n_row_tiles, n_col_tiles, GROUP_M)
+        r, c = grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M)
         seg = tl.sum((last <= r).to(tl.int32), 0)
         here = s == seg
         row0 = tl.sum(tl.where(here, start + (r - last + seg_tiles) * BLOCK_M, 0), 0)
@@ -208,7 +198,8 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
             _tma_grouped_gemm_kernel[grid](
                 x, stored, y, offsets, m_bound, n, k, n_experts,
                 x.stride(0), stored.stride(0), stored.stride(1), y.stride(0),
-                **cfg.blocks, BLOCK_E=block_e(n_experts), GROUP_M=GROUP_M, TRANS_W=trans,
+                **cfg.blocks, BLOCK_E=block_e(n_experts),
+                GROUP_M=tile_group(m_bound, n_experts, b["BLOCK_M"]), TRANS_W=trans,
                 DOT_BF16=dot_bf16(x.dtype, interpreted()),
                 WARP_SPECIALIZE=warp_specialized(x.device),  # the interpreter ignores it
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -279,5 +270,5 @@ def grouped_gemm_tma(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | No
     return GroupedGEMMTMA.apply(x, w, offsets.contiguous(), m_bound, programs)
 
 
-__all__ = ["GROUP_M", "INTERPRETED_PROGRAMS", "GroupedGEMMTMA", "default_programs", "grouped_gemm_tma",
-           "launch_config", "tile_order", "warp_specialized"]
+__all__ = ["INTERPRETED_PROGRAMS", "GroupedGEMMTMA", "default_programs", "grouped_gemm_tma",
+           "launch_config", "warp_specialized"]

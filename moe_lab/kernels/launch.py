@@ -23,17 +23,22 @@ TOKENS_PER_GPU = 8192
 class LaunchConfig:
     """What one launch picks besides the grid: the block-size constexprs (``blocks``, e.g.
     ``{"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}``), ``num_warps`` and ``num_stages``
-    (software-pipeline depth of the kernel's loops; Triton's CUDA default is 3)."""
+    (software-pipeline depth of the kernel's loops; Triton's CUDA default is 3), and for a
+    kernel with a grouped tile order its ``GROUP_M`` (``group_m``: row tiles per group of
+    `moe_lab.kernels.common.tile_order`; ``None``, as in every rule's config, leaves it to the
+    launch's rule, `moe_lab.kernels.common.tile_group`; a tuned table's row may set it)."""
 
     blocks: dict[str, int] = field(default_factory=dict)
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in self.blocks.items():
             positive_int(value, f"LaunchConfig.blocks[{name!r}]")
         one_of(self.num_warps, "LaunchConfig.num_warps", (1, 2, 4, 8, 16, 32))
         positive_int(self.num_stages, "LaunchConfig.num_stages")
+        positive_int(self.group_m, "LaunchConfig.group_m", or_none=True)
 
 
 __all__ = ["TOKENS_PER_GPU", "LaunchConfig"]

@@ -1,14 +1,17 @@
 """Launch configs measured rather than reasoned: the tuned table, and the tuner that fills it.
 
 `moe_lab.kernels.grouped_gemm.choose_config` is a rule: a reasoned default. On a GPU the
-right tile, warp count and pipeline depth are a measurement, so the grouped GEMM's kernels
+right tile, warp count, pipeline depth and tile order (``GROUP_M``, otherwise
+`moe_lab.kernels.common.tile_group`'s) are a measurement, so the grouped GEMM's kernels
 (forward, SwiGLU, dW) look a launch up first in a *tuned table*:
 ``results/<gpu>/tuned_configs.json`` beside the package, written by ``scripts/gpu_check.py``
 on that GPU and committed. (The fused kernels keep the rule: a prologue or epilogue changes
-their registers, so a tile tuned on the plain kernel need not suit them.) A table maps a *key* (kernel, dtype,
-rows per expert rounded up to a power of two, N, K) to the winning `LaunchConfig`. Keys the
-table lacks, a GPU without a table, Triton's interpreter and the compile report (which has
-no device) all get the rule, which is also the first config of every tuning space
+their registers, so a tile tuned on the plain kernel need not suit them.) A table maps a *key*
+(kernel, dtype, rows per expert rounded up to a power of two, N, K) to the winning
+`LaunchConfig`. Keys the table lacks, a GPU without a table, Triton's interpreter and the
+compile report (which has no device) all get the rule, and so does the tile order of a row
+that records no ``group_m`` (tables written before the tuner varied it stay valid). The rule,
+in `tile_group`'s order, is also the first config of every tuning space
 (`moe_lab.kernels.grouped_gemm.tune_space`), so a tuned launch can only replace the rule
 by something that measured faster.
 
@@ -38,7 +41,10 @@ _FORCED: dict[str, LaunchConfig] = {}
 
 
 def gpu_slug(name: str) -> str:
-    """The results folder of a GPU: ``"NVIDIA H200"`` -> ``"nvidia_h200"``."""
+    """The results folder of a GPU: ``"NVIDIA H200"`` -> ``"nvidia_h200"`` (each run of
+    characters other than letters, digits, ``_``, ``.`` and ``-`` becomes one ``_``, none at
+    the ends, lower case). ``scripts/gpu_check.py`` writes a GPU's results, its tuned table
+    among them, to this folder and names its section files by it too."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower()
 
 
@@ -51,10 +57,12 @@ def table_key(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: torch.
 
 def _config(entry: dict, where: str) -> LaunchConfig:
     try:
-        return LaunchConfig(dict(entry["blocks"]), int(entry["num_warps"]), int(entry["num_stages"]))
-    except (KeyError, TypeError, ValueError) as exc:
+        group_m = entry.get("group_m")
+        return LaunchConfig(dict(entry["blocks"]), int(entry["num_warps"]), int(entry["num_stages"]),
+                            None if group_m is None else int(group_m))
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{where}: each entry must be {{'blocks': {{...}}, 'num_warps': int, "
-                         f"'num_stages': int}}, got {entry!r} ({exc})") from exc
+                         f"'num_stages': int}} and may have 'group_m': int, got {entry!r} ({exc})") from exc
 
 
 @functools.cache
@@ -123,8 +131,11 @@ def autotune(kernel: str, space: Sequence[LaunchConfig], run: Callable[[], objec
 
 
 def table_entry(config: LaunchConfig) -> dict:
-    """``config`` as a tuned table stores it."""
-    return {"blocks": dict(config.blocks), "num_warps": config.num_warps, "num_stages": config.num_stages}
+    """``config`` as a tuned table stores it (``group_m`` only where the config sets it)."""
+    entry = {"blocks": dict(config.blocks), "num_warps": config.num_warps, "num_stages": config.num_stages}
+    if config.group_m is not None:
+        entry["group_m"] = config.group_m
+    return entry
 
 
 __all__ = ["RESULTS", "TUNED_FILE", "autotune", "forcing", "gpu_slug", "load_table", "table_entry",

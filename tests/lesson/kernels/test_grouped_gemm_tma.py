@@ -23,9 +23,9 @@ import triton.language as tl
 from moe_lab import MoELayer
 from moe_lab.config import MoEConfig
 from moe_lab.kernels import grouped_gemm_tma as tma
-from moe_lab.kernels.common import jit, poison_outputs
+from moe_lab.kernels.common import grouped_tile, jit, poison_outputs
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
-from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma, tile_order
+from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
 from moe_lab.training.sync import assert_sync_free
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -137,7 +137,7 @@ def test_transposed_and_strided_operands_and_m_bound(small_tiles, device):
 
 
 def tile_order_host(n_row_tiles: int, n_col_tiles: int, group_m: int) -> list[tuple[int, int]]:
-    """The list `tile_order` walks, as its docstring says it in words: groups of ``group_m``
+    """The list the kernel walks (`grouped_tile`), as its docstring says it in words: groups of ``group_m``
     row tiles (the last one smaller) by every N tile, the row tile fastest inside a group."""
     out = []
     for g0 in range(0, n_row_tiles, group_m):
@@ -163,7 +163,7 @@ def test_tile_order_is_grouped_and_the_device_walks_the_host_list(device):
     def walk(out_ptr, n_row_tiles, n_col_tiles, GROUP: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.arange(0, BLOCK)
         ok = t < n_row_tiles * n_col_tiles  # the kernel asks only for tiles of the list
-        r, c = tile_order(tl.where(ok, t, 0), n_row_tiles, n_col_tiles, GROUP)
+        r, c = grouped_tile(tl.where(ok, t, 0), n_row_tiles, n_col_tiles, GROUP)
         tl.store(out_ptr + 2 * t, r, mask=ok)
         tl.store(out_ptr + 2 * t + 1, c, mask=ok)
 

@@ -1,9 +1,11 @@
 """The tuned table and the tuner (moe_lab.kernels.tuning): a committed table overrides the
-grouped GEMM's rule for its GPU's launches only; the rule is the first config of every
-space; every config of a space computes the same product; the tuner returns the fastest."""
+grouped GEMM's rule for its GPU's launches only, its tile order (``GROUP_M``) too where a row
+records one; the rule, with `tile_group`'s order, is the first config of every space; every
+config of a space computes the same product; the tuner returns the fastest."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +13,17 @@ import torch
 
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels import tuning
+from moe_lab.kernels.common import tile_group
 from moe_lab.kernels.launch import LaunchConfig
+
+
+def test_a_gpus_folder_is_its_name_in_lower_case_with_one_underscore_per_gap():
+    # the folder gpu_check writes a GPU's results (its tuned table among them) to, and tuned_config reads
+    assert tuning.gpu_slug("NVIDIA H200") == "nvidia_h200"
+    assert tuning.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    assert tuning.gpu_slug("Tesla V100-SXM2-16GB") == "tesla_v100-sxm2-16gb"
+    assert tuning.gpu_slug("  cpu (interpreted smoke run) ") == "cpu_interpreted_smoke_run"
+    assert tuning.gpu_slug("12 tokens/s of the optimised step") == "12_tokens_s_of_the_optimised_step"
 
 
 def test_a_key_buckets_rows_per_expert_and_keeps_n_and_k():
@@ -26,9 +38,28 @@ def test_a_key_buckets_rows_per_expert_and_keeps_n_and_k():
 @pytest.mark.parametrize("dtype", gg.KERNEL_DTYPES)
 def test_the_rule_comes_first_and_the_space_has_no_repeats(kernel, dtype):
     space = gg.tune_space(kernel, 65536, 7168, 2048, 32, dtype)
-    assert space[0] == gg.choose_config(kernel, 65536, 7168, 2048, 32, dtype)
+    rule = gg.choose_config(kernel, 65536, 7168, 2048, 32, dtype)
+    ordered = kernel in gg.TILE_ORDERED
+    group = tile_group(65536, 32, rule.blocks["BLOCK_M"]) if ordered else None
+    assert space[0] == dataclasses.replace(rule, group_m=group)  # the rule, in the rule's order
     assert len(space) == len({json.dumps(tuning.table_entry(c), sort_keys=True) for c in space}) > 1
     assert {c.num_stages for c in space} >= {3, 4, 5}
+    if not ordered:  # dW's grid has no tile order to tune
+        assert all(c.group_m is None for c in space)
+        return
+    assert all(c.group_m is not None for c in space)  # a tuned row records the order it was timed in
+    orders = {c.group_m for c in space if dataclasses.replace(c, group_m=None) == rule}
+    assert group >= 4 and orders == {1, group // 2, group, 2 * group}  # N fastest, half, rule, twice
+    others = [c for c in space if dataclasses.replace(c, group_m=None) != rule]  # other tiles, stages
+    assert others and all(c.group_m == tile_group(65536, 32, c.blocks["BLOCK_M"]) for c in others)
+    assert len(space) <= 3 * 3 + 3  # the tiles x 3 stages, and 3 more orders: small
+
+
+def test_tile_order_alternatives_are_distinct_and_at_least_one():
+    space = gg.tune_space("gemm", 96, 256, 64, 8, torch.bfloat16)  # 12 rows per expert: GROUP_M 1
+    assert space[0].group_m == 1
+    same_tile = [c for c in space if c.blocks == space[0].blocks and c.num_stages == space[0].num_stages]
+    assert sorted(c.group_m for c in same_tile) == [1, 2]  # 1 once; no GROUP_M 0
 
 
 def test_without_a_device_or_a_table_the_rule_decides(tmp_path, monkeypatch):
@@ -36,6 +67,10 @@ def test_without_a_device_or_a_table_the_rule_decides(tmp_path, monkeypatch):
     cfg = gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16)
     assert cfg == gg.choose_config("gemm", 4096, 1024, 512, 8, torch.bfloat16)
     assert tuning.tuned_config("gemm", 4096, 1024, 512, 8, torch.bfloat16, torch.device("cpu")) is None
+    # the tile order too: the compile report's and the interpreter's configs leave it to tile_group
+    interpreted = gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=True, dtype=torch.bfloat16)
+    for c in (cfg, interpreted):
+        assert c.group_m is None and gg.launch_group(c, 4096, 8) == tile_group(4096, 8, c.blocks["BLOCK_M"])
 
 
 def test_a_committed_table_overrides_the_rule_on_its_gpu_only(tmp_path, monkeypatch):
@@ -50,6 +85,7 @@ def test_a_committed_table_overrides_the_rule_on_its_gpu_only(tmp_path, monkeypa
     cuda = torch.device("cuda", 0)
     assert gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16,
                             device=cuda) == winner
+    assert gg.launch_group(winner, 4096, 8) == tile_group(4096, 8, 128) == 4  # a row without GROUP_M
     # another shape, another kernel, another GPU, or no device: the rule
     rule = gg.choose_config("gemm", 4096, 2048, 512, 8, torch.bfloat16)
     assert gg.launch_config("gemm", 4096, 2048, 512, 8, interpreted=False, dtype=torch.bfloat16,
@@ -59,6 +95,70 @@ def test_a_committed_table_overrides_the_rule_on_its_gpu_only(tmp_path, monkeypa
                             dtype=torch.bfloat16) != winner  # the compile report's call
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
     assert tuning.tuned_config("gemm", 4096, 1024, 512, 8, torch.bfloat16, cuda) is None
+    tuning.load_table.cache_clear()
+
+
+def test_a_tables_group_m_reaches_the_launch(tmp_path, monkeypatch):
+    """A row that records ``GROUP_M`` gives it to the launch, not `tile_group`'s; on the same
+    table a row without one keeps the rule's order (tables written before stay valid)."""
+    tuning.load_table.cache_clear()
+    ordered = LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4, group_m=1)
+    plain = LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4)
+    keys = [tuning.table_key("gemm", 4096, n, 512, 8, torch.bfloat16) for n in (1024, 2048)]
+    entries = {keys[0]: tuning.table_entry(ordered), keys[1]: tuning.table_entry(plain)}
+    assert entries[keys[0]]["group_m"] == 1 and "group_m" not in entries[keys[1]]
+    (tmp_path / "nvidia_h200").mkdir()
+    (tmp_path / "nvidia_h200" / tuning.TUNED_FILE).write_text(json.dumps({"configs": entries}))
+    monkeypatch.setattr(tuning, "RESULTS", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    got = gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16, device=cuda)
+    assert got == ordered and gg.launch_group(got, 4096, 8) == 1 != tile_group(4096, 8, 64)
+    got = gg.launch_config("gemm", 4096, 2048, 512, 8, interpreted=False, dtype=torch.bfloat16, device=cuda)
+    assert got == plain and gg.launch_group(got, 4096, 8) == tile_group(4096, 8, 64) == 8
+    tuning.load_table.cache_clear()
+
+
+class _RecordingKernel:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` records the launch's keywords."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict] = []
+
+    def __getitem__(self, grid: tuple) -> object:
+        return lambda *args, **kwargs: self.launches.append(kwargs)
+
+
+@pytest.mark.parametrize("kernel", gg.TILE_ORDERED)
+def test_the_launch_passes_the_configs_group_m_else_the_rules(kernel, monkeypatch):
+    recorder = _RecordingKernel()
+    name = {"gemm": "_grouped_gemm_kernel", "swiglu": "_grouped_gemm_swiglu_kernel"}[kernel]
+    monkeypatch.setattr(gg, name, recorder)
+    E, m, k, n = 2, 512, 16, 32
+    x, w = torch.randn(m, k), torch.randn(E, k, 2 * n if kernel == "swiglu" else n)
+    offsets = torch.tensor([0, 300, m], dtype=torch.int32)
+    op = gg.grouped_gemm_swiglu if kernel == "swiglu" else gg.grouped_gemm
+    op(x, w, offsets)  # interpreted: the rule's order
+    rule = gg.launch_config(kernel, m, n, k, E, interpreted=True, dtype=torch.float32)
+    assert recorder.launches[-1]["GROUP_M"] == tile_group(m, E, rule.blocks["BLOCK_M"])
+    for group in (1, 3, 64):
+        with tuning.forcing(kernel, dataclasses.replace(rule, group_m=group)):
+            op(x, w, offsets)
+        assert recorder.launches[-1]["GROUP_M"] == group
+
+
+def test_a_table_entry_round_trips_and_a_bad_group_m_is_named(tmp_path):
+    tuning.load_table.cache_clear()
+    configs = {"a": LaunchConfig({"BLOCK_M": 64}, 4, 3, group_m=2), "b": LaunchConfig({"BLOCK_M": 64}, 8, 5)}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"configs": {key: tuning.table_entry(c) for key, c in configs.items()}}))
+    assert tuning.load_table(path) == configs
+    for bad in (0, "two", [2]):
+        entry = {"blocks": {"BLOCK_M": 64}, "num_warps": 4, "num_stages": 3, "group_m": bad}
+        (tmp_path / "u.json").write_text(json.dumps({"configs": {"k": entry}}))
+        tuning.load_table.cache_clear()
+        with pytest.raises(ValueError, match=r"u\.json.*key 'k'.*group_m"):
+            tuning.load_table(tmp_path / "u.json")
     tuning.load_table.cache_clear()
 
 
@@ -79,10 +179,10 @@ def test_a_malformed_table_is_an_error_naming_it(tmp_path):
 
 
 def test_every_config_of_a_space_computes_the_same_product():
-    """Forcing each config of the forward's and dW's spaces (interpreted: all run) gives the
-    reference's product: a tuned launch cannot change the answer."""
+    """Forcing each config of the forward's and dW's spaces (interpreted: all run; the forward's
+    in each tile order) gives the reference's product: a tuned launch cannot change the answer."""
     g = torch.Generator().manual_seed(3)
-    E, n, k = 3, 48, 40
+    E, n, k = 3, 160, 40  # several N tiles: the tile orders differ
     counts = torch.tensor([37, 0, 70])
     offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
     x = torch.randn(int(counts.sum()) + 5, k, generator=g)  # 5 rows past the last expert
@@ -91,7 +191,12 @@ def test_every_config_of_a_space_computes_the_same_product():
     want = gg.grouped_gemm_reference(x, w, offsets)
     want_dw = torch.stack([x[int(a):int(b)].T @ dy[int(a):int(b)]
                            for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
-    for config in gg.tune_space("gemm", x.shape[0], n, k, E, torch.float32)[:3]:
+    space = gg.tune_space("gemm", x.shape[0], n, k, E, torch.float32)
+    tiles = {}  # each tile in each order (stages change nothing interpreted)
+    for config in space:
+        tiles.setdefault((json.dumps(config.blocks), config.group_m), config)
+    assert len({group for _, group in tiles}) >= 2
+    for config in tiles.values():
         with tuning.forcing("gemm", config):
             torch.testing.assert_close(gg.grouped_gemm(x, w, offsets), want, rtol=1e-5, atol=1e-4)
     for config in gg.tune_space("dw", x.shape[0], n, k, E, torch.float32)[:3]:

@@ -22,9 +22,11 @@ import sys
 import pytest
 from support import checked_compile_specs
 
+from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm_tma as tma
+from moe_lab.kernels.common import tile_group
 from moe_lab.workbench.compile_report import reading
-from moe_lab.workbench.compile_report.specs import SPEC_PRESETS
+from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, SPEC_TOKENS
 from moe_lab.workbench.compile_report.specs.grouped_gemm_tma import LAUNCHES
 
 COMPILE = """
@@ -69,12 +71,16 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 def test_specs_describe_each_launch():
     specs = checked_compile_specs(tma)
     labels = [s.label for s in specs]
+    groups = {model: tile_group(SPEC_TOKENS * preset(name).moe.top_k, preset(name).moe.n_experts,
+                                tma.launch_config(1, 1, 1, 1, interpreted=False).blocks["BLOCK_M"])
+              for name, model in SPEC_PRESETS.items()}
     for spec in specs:
         arch = spec.label[1:].split(" launch")[0]
         assert spec.constexprs["WARP_SPECIALIZE"] == LAUNCHES[arch], spec.label
         assert spec.constexprs["TRANS_W"] == ("dX" in spec.label), spec.label
         assert spec.config == tma.launch_config(1, 1, 1, 1, interpreted=False) and spec.config.num_stages >= 3
-        assert spec.constexprs["GROUP_M"] == tma.GROUP_M
+        model = next(m for m in groups if m in spec.label)
+        assert spec.constexprs["GROUP_M"] == groups[model], spec.label  # as the wrapper picks it
     for model in SPEC_PRESETS.values():
         for arch in LAUNCHES:
             for what in ("forward (up/gate", "forward (down", "dX = dY·Wᵀ (TRANS_W; up/gate",

@@ -101,9 +101,10 @@ def test_a_spent_budget_stops_the_run_cleanly_with_what_finished_written(tmp_pat
     summary = (out / "summary.md").read_text()
     unfinished = [s["section"] for s in sections[stopped:]]
     assert f"unfinished sections: {', '.join(unfinished)}" in summary
-    gc = load_script()
+    from moe_lab.kernels.tuning import gpu_slug
+
     for s in sections:  # every section's file, the unfinished ones saying so
-        part = json.loads((out / "sections" / f"{gc.slug(s['section'])}.json").read_text())
+        part = json.loads((out / "sections" / f"{gpu_slug(s['section'])}.json").read_text())
         assert part["status"] == s["status"]
     checks = json.loads((out / "checks.json").read_text())
     assert all(c["ok"] for c in checks)  # what ran before the budget ran out, kept
@@ -119,6 +120,28 @@ def load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_grouped_gemm_sections_layouts():
+    """Both grouped GEMM sections' layouts (`grouped_layouts`): per layer, fp32 and bf16, packed
+    and padded; the idle expert gets no rows, padded segments are whole multiples of the
+    alignment inside the static bound, packed ones fill their rows exactly."""
+    gc = load_script()
+    shapes = {"a": dict(n_experts=4, tokens=24, top_k=2, d_model=16, d_expert=8)}
+    for idle in (0, -1):
+        layouts = list(gc.grouped_layouts(torch, "cpu", shapes, seed=0, idle=idle, align=16))
+        assert [(c.dtype, "padded" in c.shape) for c in layouts] == [
+            (torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
+        for c in layouts:
+            counts = c.offsets.diff()
+            assert (c.n_experts, c.d_model, c.d_expert) == (4, 16, 8)
+            assert c.offsets[0] == 0 and counts[idle] == 0
+            if "padded" in c.shape:
+                assert c.m == 48 + 4 * 15 and bool((counts % 16 == 0).all()) and c.offsets[-1] <= c.m
+            else:
+                assert c.m == int(c.offsets[-1]) <= 48 and c.shape == f"a M={c.m}"  # the idle's picks dropped
+    first, again = (next(gc.grouped_layouts(torch, "cpu", shapes, seed=0, idle=0)) for _ in range(2))
+    assert torch.equal(first.offsets, again.offsets)  # the same seed, the same routing
 
 
 def test_the_router_margin_is_the_closest_ranked_pair_in_float32_ulps():

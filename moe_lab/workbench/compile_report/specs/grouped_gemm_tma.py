@@ -17,7 +17,7 @@ import torch
 
 from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm_tma as tma
-from moe_lab.kernels.common import block_e, dot_bf16
+from moe_lab.kernels.common import block_e, dot_bf16, tile_group
 from moe_lab.workbench.compile_report.specs import (
     SPEC_PRESETS,
     SPEC_TOKENS,
@@ -34,7 +34,8 @@ LAUNCHES = {"sm_90": False, "sm_100": True}
 def compile_specs() -> list[CompileSpec]:
     """Per preset (DeepSeek-V3, GPT-OSS-20B) at `SPEC_TOKENS` tokens, per launch architecture
     (`LAUNCHES`): the forward and dX of the up/gate and the down projection, bf16,
-    contiguous tensors as the expert backend ``triton_tma`` passes them."""
+    contiguous tensors as the expert backend ``triton_tma`` passes them, ``GROUP_M`` as the
+    wrapper picks it (`tile_group`)."""
     specs = []
     for name, model in SPEC_PRESETS.items():
         moe = preset(name).moe
@@ -58,7 +59,8 @@ def compile_specs() -> list[CompileSpec]:
                     f"[{arch} launch, {describe(cfg)}] persistent TMA grouped GEMM {what}, bf16, {shape}",
                     {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offsets_ptr": "*i32",
                      **signature},
-                    {**constants, **cfg.blocks, "BLOCK_E": block_e(n_experts), "GROUP_M": tma.GROUP_M,
+                    {**constants, **cfg.blocks, "BLOCK_E": block_e(n_experts),
+                     "GROUP_M": tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
                      "TRANS_W": trans, "DOT_BF16": dot_bf16(torch.bfloat16, interpreted=False),
                      "WARP_SPECIALIZE": ws},
                     cfg))
