@@ -152,6 +152,22 @@ def tile_group(m: int, n_experts: int, block_m: int) -> int:
     return 1 << (tiles.bit_length() - 1)
 
 
+# A dense GEMM's group (`dense_group`) keeps its row tiles' A panels in L2 while the group sweeps
+# every N tile: at most these bytes of them, well under the smallest L2 moe_lab targets (the
+# H200's), so that the N tiles' panels of a wave fit beside them.
+DENSE_GROUP_BYTES = 32 << 20
+
+
+def dense_group(m: int, k: int, block_m: int, elem_bytes: int) -> int:
+    """``GROUP_M`` of `tile_order` for a dense ``[m, k]`` x ``[k, n]`` GEMM: the most row tiles,
+    a power of two, whose A panels (``block_m x k`` elements of ``elem_bytes``) fit
+    `DENSE_GROUP_BYTES`; at least 1. Row-fastest order (a group of every row tile) re-reads
+    each B panel once per wave, N-fastest each A panel; the group between keeps the A panels
+    in L2 across the sweep (`moe_lab.perf.traffic` models the bytes each order moves)."""
+    fits = max(1, DENSE_GROUP_BYTES // max(1, block_m * k * elem_bytes))
+    return 1 << (min(fits, triton.cdiv(max(m, 1), block_m)).bit_length() - 1)
+
+
 def grouped_grid(m: int, n_experts: int, n: int, block_m: int, block_n: int) -> tuple[int]:
     """The 1-D grid of `tile_order`: ``(cdiv(m, block_m) + n_experts) * cdiv(n, block_n)``."""
     return ((triton.cdiv(m, block_m) + n_experts) * triton.cdiv(n, block_n),)
@@ -367,7 +383,8 @@ def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
     return src.scatter_(0, row_id_map.reshape(-1).long(), entries)
 
 
-__all__ = ["DW_GROUP_K", "block_e", "cast_for_store", "check_device", "dot_bf16", "expert_grid",
-           "expert_tile_order", "gather_rows", "gemm_k_loop", "grouped_grid", "grouped_tile",
-           "interpreted", "jit", "mma", "new_output", "poison_outputs", "row_source", "scatter_rows",
-           "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order", "tile_rows", "tile_schedule"]
+__all__ = ["DENSE_GROUP_BYTES", "DW_GROUP_K", "block_e", "cast_for_store", "check_device",
+           "dense_group", "dot_bf16", "expert_grid", "expert_tile_order", "gather_rows", "gemm_k_loop",
+           "grouped_grid", "grouped_tile", "interpreted", "jit", "mma", "new_output", "poison_outputs",
+           "row_source", "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order",
+           "tile_rows", "tile_schedule"]

@@ -25,7 +25,6 @@ E4M3, ``a_scale: [M, K/32]`` E8M0; ``b: [N, K]`` (a weight ``[out, in]``), ``b_s
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from moe_lab.checks import one_of
@@ -33,6 +32,7 @@ from moe_lab.kernels.common import (
     block_e,
     cast_for_store,
     check_device,
+    dense_group,
     grouped_grid,
     interpreted,
     jit,
@@ -158,10 +158,11 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
 def _mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,  # u8 [M, K], u8 [M, K/32], u8 [N, K], u8 [N, K/32], [M, N]
     M, N, K,  # K a multiple of 32; all tensors contiguous
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     MX_MMA: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    # Grid: 1-D, cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) programs in grouped order (`tile_order`).
+    pid_m, pid_n = tile_order(N, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -294,11 +295,11 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
         return c
     mma = mma or mx_mma_mode(interpreted(), device)
     cfg = launch_config(m, n, k, interpreted(), mma)
-    grid = (triton.cdiv(m, cfg.blocks["BLOCK_M"]), triton.cdiv(n, cfg.blocks["BLOCK_N"]))
+    grid = grouped_grid(m, 0, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
     _mx_gemm_kernel[grid](
         a.contiguous().view(torch.uint8), a_scale.contiguous().view(torch.uint8),
         b.contiguous().view(torch.uint8), b_scale.contiguous().view(torch.uint8), c,
-        m, n, k, **cfg.blocks, MX_MMA=mma,
+        m, n, k, **cfg.blocks, GROUP_M=dense_group(m, k, cfg.blocks["BLOCK_M"], 1), MX_MMA=mma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c

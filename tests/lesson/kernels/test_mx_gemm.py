@@ -307,3 +307,33 @@ def test_fp8_promote_special_values_non_contiguous_and_grouped(device):
     got = grouped_mx_gemm(a, a_s, b, b_s, offsets, mma="fp8_promote")
     torch.testing.assert_close(got.double(), grouped_mx_gemm_reference(a, a_s, b, b_s, offsets),
                                rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+def test_every_tile_order_gives_the_same_bits(device, group, monkeypatch):
+    """The dense GEMM walks its tiles in grouped order (`dense_group` picks ``GROUP_M``); at any
+    group — N fastest, groups that do not divide the 5 row tiles, one group of them all — every
+    output tile is computed once and lands where it belongs: integer values, exact sums."""
+    import moe_lab.kernels.mx_gemm as mg
+    monkeypatch.setattr(mg, "dense_group", lambda *args: group)
+    m, n, k = 300, 150, 96  # 5 x 3 tiles of 64 under the interpreter, both edges partial
+    gen = torch.Generator().manual_seed(group)
+    a = torch.randint(1, 16, (m, k), generator=gen).float()
+    b = torch.randint(1, 16, (n, k), generator=gen).float() * -1
+    a_s = torch.randint(127, 130, (m, k // 32), dtype=torch.uint8, generator=gen)
+    b_s = torch.randint(127, 130, (n, k // 32), dtype=torch.uint8, generator=gen)
+    a8, b8 = a.to(E4M3), b.to(E4M3)
+    c = mg.mx_gemm(a8.to(device), a_s.to(device), b8.to(device), b_s.to(device))
+    assert torch.equal(c.cpu().double(), mx_gemm_reference(a8, a_s, b8, b_s))
+
+
+def test_dense_group_fits_its_a_panels_in_the_budget():
+    from moe_lab.kernels.common import DENSE_GROUP_BYTES, dense_group
+    panel = 128 * 7168  # one row tile's A panel of E4M3 bytes
+    g = dense_group(8192, 7168, 128, 1)
+    assert g & (g - 1) == 0 and g * panel <= DENSE_GROUP_BYTES < 2 * g * panel
+    assert dense_group(8192, 7168, 128, 2) == g // 2  # bf16 panels are twice the bytes
+    assert dense_group(100, 7168, 128, 1) == 1  # one row tile
+    assert dense_group(3 * 128, 64, 128, 1) == 2  # 3 row tiles, all fit: the power of two below
+    assert dense_group(1 << 20, 1 << 30, 128, 1) == 1  # not one panel fits: N fastest
+    assert dense_group(0, 64, 128, 1) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moe_lab.config import preset
 from moe_lab.kernels import mx_gemm as mg
-from moe_lab.kernels.common import block_e, tile_group
+from moe_lab.kernels.common import block_e, dense_group, tile_group
 from moe_lab.workbench.compile_report.specs import (
     MX_GEMM_PER_ARCH,
     MX_MMA,
@@ -36,7 +36,8 @@ def compile_specs() -> list[CompileSpec]:
                       f"[{m}, {k}] x [{n}, {k}]^T, bf16 out",
                 signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
                            "c_ptr": "*bf16", **ints},
-                constexprs={**ones, **cfg.blocks, **MX_MMA},
+                constexprs={**ones, **cfg.blocks, **MX_MMA,
+                            "GROUP_M": dense_group(m, k, cfg.blocks["BLOCK_M"], 1)},
                 config=cfg, per_arch=MX_GEMM_PER_ARCH,
             ))
             ints, ones = int_args(M_ROWS=m, N=n, K=k, E=moe.n_experts)
