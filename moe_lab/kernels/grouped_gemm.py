@@ -232,7 +232,8 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
 
 
 # The kernels whose programs walk the grouped tile order (`moe_lab.kernels.common.tile_order`),
-# so whose ``GROUP_M`` is a tuning knob; "dw" is not one of them (its grid goes by expert).
+# so whose ``GROUP_M`` is a tuning knob; "dw" walks its experts one after another
+# (`moe_lab.kernels.common.expert_tile_order`, a fixed ``DW_GROUP_K`` inside each).
 TILE_ORDERED = ("gemm", "swiglu")
 
 
