@@ -161,9 +161,11 @@ DENSE_GROUP_BYTES = 32 << 20
 def dense_group(m: int, k: int, block_m: int, elem_bytes: int) -> int:
     """``GROUP_M`` of `tile_order` for a dense ``[m, k]`` x ``[k, n]`` GEMM: the most row tiles,
     a power of two, whose A panels (``block_m x k`` elements of ``elem_bytes``) fit
-    `DENSE_GROUP_BYTES`; at least 1. Row-fastest order (a group of every row tile) re-reads
-    each B panel once per wave, N-fastest each A panel; the group between keeps the A panels
-    in L2 across the sweep (`moe_lab.perf.traffic` models the bytes each order moves)."""
+    `DENSE_GROUP_BYTES`; at least 1. Row-fastest order (a group of every row tile) shares a B
+    panel between neighbours but fetches each A panel again for every N tile; N-fastest (a
+    group of one) shares an A panel and fetches each B panel again for every row tile. The
+    group between keeps its A panels in L2 while it sweeps the N tiles, so each B panel is
+    fetched once per group (`moe_lab.perf.traffic` models the bytes each order moves)."""
     fits = max(1, DENSE_GROUP_BYTES // max(1, block_m * k * elem_bytes))
     return 1 << (min(fits, triton.cdiv(max(m, 1), block_m)).bit_length() - 1)
 

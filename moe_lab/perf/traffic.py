@@ -16,7 +16,12 @@ The compulsory bytes read each operand once and write the output once; their rat
 modelled bytes is what an order costs. Rows are numbered as `moe_lab.kernels.common.tile_schedule`
 numbers them: expert after expert, ``cdiv(rows, BLOCK_M) + E`` row tiles in the grid. Programs
 past the experts' tiles do no work and take no slot. ``b_panels=2`` models the SwiGLU kernels,
-whose B chunk holds gate and up columns for one output tile.
+whose B chunk holds gate and up columns for one output tile. MXFP8 operands (``scaled``) carry
+one E8M0 byte per `MX_BLOCK` elements beside their codes, read or written with them; an
+epilogue that reads a tensor of the output's shape (``epilogue_bytes`` per output element: the
+saved ``dh`` of the SwiGLU backward, ``h`` of the combine backward) reads it once per output
+tile, whatever the order, so it counts in the modelled and the compulsory bytes alike and is not
+kept in the model's L2.
 
 Usage: ``python -m moe_lab.workbench.compile_report.traffic`` prints the acceptance table (today's
 row-fastest order against the order `moe_lab.kernels.common.tile_group` picks, at the compile
@@ -32,6 +37,9 @@ from dataclasses import dataclass
 from moe_lab.checks import non_negative_int, positive_int
 
 Order = str | int | Callable[[int, int, int], tuple[int, int]]
+
+# Elements per E8M0 scale of an MXFP8 operand (the OCP MX block).
+MX_BLOCK = 32
 
 
 def grouped_order(pid: int, t_m: int, t_n: int, group_m: int) -> tuple[int, int]:
@@ -60,7 +68,8 @@ def _order_fn(order: Order) -> Callable[[int, int, int], tuple[int, int]]:
 @dataclass(frozen=True)
 class Traffic:
     """Modelled HBM bytes per operand (``a``, ``b`` read, ``c`` written) and the compulsory
-    ones (each operand once)."""
+    ones (each operand once); ``epilogue`` the bytes an epilogue reads beside the output (read
+    once whatever the order: modelled and compulsory at once)."""
 
     a: int
     b: int
@@ -68,14 +77,15 @@ class Traffic:
     compulsory_a: int
     compulsory_b: int
     compulsory_c: int
+    epilogue: int = 0
 
     @property
     def total(self) -> int:
-        return self.a + self.b + self.c
+        return self.a + self.b + self.c + self.epilogue
 
     @property
     def compulsory(self) -> int:
-        return self.compulsory_a + self.compulsory_b + self.compulsory_c
+        return self.compulsory_a + self.compulsory_b + self.compulsory_c + self.epilogue
 
     @property
     def ratio(self) -> float:
@@ -105,14 +115,18 @@ class LRU:
 
 def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, block_k: int, *,
              in_flight: int, l2_bytes: int, order: Order = "row", a_bytes: int = 2,
-             b_bytes: int = 2, c_bytes: int = 2, b_panels: int = 1) -> Traffic:
+             b_bytes: int = 2, c_bytes: int = 2, b_panels: int = 1, scaled: str = "",
+             epilogue_bytes: int = 0) -> Traffic:
     """Modelled HBM traffic of one grouped GEMM launch.
 
     ``rows``: routed rows per expert (any skew, zeros allowed); ``n`` output columns, ``k``
     the reduction depth; ``block_*`` the tile; ``in_flight`` programs resident at once;
     ``l2_bytes`` the cache; ``order`` ``"row"`` (row tile fastest, today's 2-D grid), ``"n"``
     (N fastest), a group size (`grouped_order`) or ``f(pid, t_m, t_n) -> (row tile, N tile)``;
-    ``*_bytes`` element sizes; ``b_panels`` B columns read per output column.
+    ``*_bytes`` element sizes; ``b_panels`` B columns read per output column; ``scaled`` the
+    MXFP8 operands among ``"abc"``, each with one scale byte per `MX_BLOCK` elements (along K
+    for A and B, which then needs ``block_k`` a multiple of `MX_BLOCK`; along N for C);
+    ``epilogue_bytes`` read per output element by the epilogue.
     """
     rows = [non_negative_int(r, f"rows[{e}]") for e, r in enumerate(rows)]
     for name, value in (("n", n), ("k", k), ("block_m", block_m), ("block_n", block_n),
@@ -120,6 +134,11 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
                         ("b_bytes", b_bytes), ("c_bytes", c_bytes), ("b_panels", b_panels)):
         positive_int(value, name)
     non_negative_int(l2_bytes, "l2_bytes")
+    non_negative_int(epilogue_bytes, "epilogue_bytes")
+    if not isinstance(scaled, str) or set(scaled) - set("abc"):
+        raise ValueError(f"scaled must name operands among 'abc', got {scaled!r}")
+    if set(scaled) & set("ab") and block_k % MX_BLOCK:
+        raise ValueError(f"block_k must be a multiple of {MX_BLOCK} for a scaled A or B, got {block_k}")
     tile_of = _order_fn(order)
     tiles = []  # (expert, rows in tile) per real row tile, numbered as tile_schedule does
     for e, r in enumerate(rows):
@@ -128,6 +147,7 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
     t_n, steps = -(-n // block_n), -(-k // block_k)
     widths = [min(block_n, n - j * block_n) for j in range(t_n)]
     depths = [min(block_k, k - s * block_k) for s in range(steps)]
+    a_scale, b_scale = ("a" in scaled), ("b" in scaled)  # scale bytes per row (A) or column (B) per K block
     programs = []
     for pid in range(t_m * t_n):
         tm, tn = tile_of(pid, t_m, t_n)
@@ -135,21 +155,49 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
             raise ValueError(f"order maps program {pid} to tile {(tm, tn)}, outside {t_m} x {t_n}")
         if tm < len(tiles):
             programs.append((tm, tn))
-    touch = LRU(l2_bytes).touch
-    moved_a = moved_b = 0
     b_base = len(tiles) * steps  # B keys follow the A keys
+    # Per program: its A chunk's key at K step 0 and rows, its B chunk's key and columns; per
+    # step, the bytes of one A row and one B column (codes and scales).
+    programs = [(tm * steps, tiles[tm][1], b_base + (tiles[tm][0] * t_n + tn) * steps,
+                 widths[tn] * b_panels) for tm, tn in programs]
+    row_bytes = [depth * a_bytes + a_scale * -(-depth // MX_BLOCK) for depth in depths]
+    col_bytes = [depth * b_bytes + b_scale * -(-depth // MX_BLOCK) for depth in depths]
+    # The L2 (`LRU`'s policy, inlined: this loop is the model's whole cost).
+    chunks: OrderedDict[int, int] = OrderedDict()
+    recent, evict, used = chunks.move_to_end, chunks.popitem, 0
+    moved_a = moved_b = 0
     for w in range(0, len(programs), in_flight):
         wave = programs[w:w + in_flight]
-        for s, depth in enumerate(depths):
-            for tm, tn in wave:
-                e, m_rows = tiles[tm]
-                moved_a += touch(tm * steps + s, m_rows * depth * a_bytes)
-                moved_b += touch(b_base + (e * t_n + tn) * steps + s,
-                                 depth * widths[tn] * b_panels * b_bytes)
-    m = sum(rows)
+        for s, (a_row, b_col) in enumerate(zip(row_bytes, col_bytes)):
+            for a_key, m_rows, b_key, cols in wave:
+                key = a_key + s  # the A chunk, then the B chunk: a hit makes it recent
+                if key in chunks:
+                    recent(key)
+                else:
+                    size = m_rows * a_row
+                    moved_a += size
+                    if size <= l2_bytes:
+                        chunks[key] = size
+                        used += size
+                        while used > l2_bytes:
+                            used -= evict(last=False)[1]
+                key = b_key + s
+                if key in chunks:
+                    recent(key)
+                else:
+                    size = cols * b_col
+                    moved_b += size
+                    if size <= l2_bytes:
+                        chunks[key] = size
+                        used += size
+                        while used > l2_bytes:
+                            used -= evict(last=False)[1]
+    m, k_blocks = sum(rows), -(-k // MX_BLOCK)
     experts = sum(1 for r in rows if r)  # an expert without rows never reads its weight
-    return Traffic(a=moved_a, b=moved_b, c=m * n * c_bytes, compulsory_a=m * k * a_bytes,
-                   compulsory_b=experts * k * n * b_panels * b_bytes, compulsory_c=m * n * c_bytes)
+    c = m * (n * c_bytes + ("c" in scaled) * -(-n // MX_BLOCK))
+    return Traffic(a=moved_a, b=moved_b, c=c, compulsory_a=m * (k * a_bytes + a_scale * k_blocks),
+                   compulsory_b=experts * n * b_panels * (k * b_bytes + b_scale * k_blocks),
+                   compulsory_c=c, epilogue=m * n * epilogue_bytes)
 
 
 def expert_order(pid: int, n_experts: int, t_k: int, t_n: int, group: int) -> tuple[int, int, int]:
@@ -209,4 +257,5 @@ def simulate_dw(rows: Sequence[int], k: int, n: int, block_m: int, block_k: int,
                    compulsory_b=m * n * dy_bytes, compulsory_c=n_experts * k * n * dw_bytes)
 
 
-__all__ = ["LRU", "Traffic", "expert_fastest", "expert_order", "grouped_order", "simulate", "simulate_dw"]
+__all__ = ["LRU", "MX_BLOCK", "Traffic", "expert_fastest", "expert_order", "grouped_order", "simulate",
+           "simulate_dw"]

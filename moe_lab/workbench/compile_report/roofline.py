@@ -179,14 +179,16 @@ def launch_rows(rows: list[dict], dw_rows: list[dict]) -> list[dict]:
 
 
 def write_tables(results: Path = traffic.RESULTS) -> list[Path]:
-    """Write ``traffic.md`` and ``roofline.md`` (the traffic table's launches and the dW) into
+    """Write ``traffic.md`` (the traffic table's launches, the dW and the other grouped kernels,
+    `moe_lab.workbench.compile_report.traffic.kernel_tables`) and ``roofline.md`` (the first two) into
     ``results`` from the compile reports there (`moe_lab.workbench.compile_report.traffic.reports`);
     the traffic model runs once for both. Returns the paths written."""
     rows = traffic.tables(results)
     written = []
     dw_rows = traffic.dw_tables(results)
     projected = projections(launch_rows(rows, dw_rows))
-    for name, text in (("traffic.md", traffic.markdown(rows, dw_rows)), ("roofline.md", markdown(projected))):
+    for name, text in (("traffic.md", traffic.markdown(rows, dw_rows, traffic.kernel_tables(results))),
+                       ("roofline.md", markdown(projected))):
         path = Path(results) / name
         path.write_text(text)
         written.append(path)

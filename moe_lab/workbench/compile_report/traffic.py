@@ -4,8 +4,10 @@ report targets (H200 from ``results/compile/sm_90.json``, B200 from ``sm_100.jso
 row-fastest order beside the grouped order the wrappers launch (`moe_lab.kernels.common.tile_group`),
 at the tiles `choose_config` picks and the resident blocks per SM the compile report gives, and the
 grouped order once more with its waves on expert bounds (`on_expert_bounds`): what it would move if
-no lockstep wave straddled two experts. ``python -m moe_lab.workbench.compile_report.traffic``
-prints it and writes ``results/compile/traffic.md``.
+no lockstep wave straddled two experts. Beside it, the weight gradients (`dw_tables`) and every
+other grouped kernel (`kernel_tables`: the fused ones, the SwiGLU backward, the grouped MXFP8
+GEMM), old order against new. ``python -m moe_lab.workbench.compile_report.traffic`` prints the
+three and writes ``results/compile/traffic.md``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 
 from moe_lab.checks import positive_int
+from moe_lab.kernels import fused_moe, fused_mxfp8, mx_gemm
 from moe_lab.kernels.common import DW_GROUP_K, tile_group
 from moe_lab.kernels.grouped_gemm import choose_config
 from moe_lab.perf.hardware import SM_LIMITS, gpu_spec
@@ -189,6 +192,116 @@ def dw_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) ->
             for row in _dw_acceptance(gpu_spec(gpu).name, Path(path).read_text(), models)]
 
 
+# The other grouped kernels, each over expert after expert's rows in `tile_order`: (launch, kernel,
+# what picks its tile, choose_config kind, compile-report label piece, N, K, traffic keywords of
+# `moe_lab.perf.traffic.simulate`), N and K from (d_model, d_expert). The label piece finds the
+# kernel's row at the launch's tile in either preset's part of the report (occupancy depends on
+# the compile, not on the routed rows). A gather prologue reads the routed rows of its token
+# rows (counted as routed rows: a token's rows for its top-k experts are read apart); a scatter
+# epilogue writes the token-major [T·k, N] rows, as many as the routed rows.
+KERNEL_LAUNCHES = (
+    ("dX (up/gate)", "_grouped_gemm_kernel", "grouped", "gemm",
+     "dX = dY·Wᵀ (the forward kernel on a transposed W; up/gate", "d", "2f", {}),
+    ("SwiGLU backward", "_grouped_gemm_swiglu_kernel", "grouped", "swiglu", "SwiGLU backward", "f", "d",
+     dict(b_panels=2, c_bytes=4, epilogue_bytes=2)),
+    ("fused down + weighted scatter", "_gemm_scatter_kernel", "fused", "gemm",
+     "down projection + weighted scatter (the combine), token-major", "d", "f", {}),
+    ("fused dX (up/gate) + scatter", "_gemm_scatter_kernel", "fused", "gemm",
+     "dX of the up/gate projection + scatter to tokens, token-major", "d", "2f", {}),
+    ("fused combine backward", "_gather_gemm_kernel", "fused", "gemm", "combine backward", "f", "d",
+     dict(epilogue_bytes=2)),
+    ("fused gather + SwiGLU backward", "_gather_swiglu_kernel", "fused", "swiglu", "SwiGLU GEMM backward",
+     "f", "d", dict(b_panels=2, c_bytes=4, epilogue_bytes=2)),
+    ("MXFP8 grouped GEMM (up/gate)", "_grouped_mx_gemm_kernel", "mx", None, "grouped MXFP8 GEMM", "2f", "d",
+     dict(a_bytes=1, b_bytes=1, scaled="ab")),
+    ("MXFP8 grouped GEMM (down)", "_grouped_mx_gemm_kernel", "mx", None, "grouped MXFP8 GEMM", "d", "f",
+     dict(a_bytes=1, b_bytes=1, scaled="ab")),
+    ("fused gather + SwiGLU + MXFP8 quantize", "_gather_swiglu_mx_kernel", "fused_mx", "swiglu",
+     "MXFP8-quantize epilogue", "f", "d", dict(b_panels=2, c_bytes=1, scaled="c")),
+    ("fused MXFP8 down + weighted scatter", "_gemm_scatter_mx_kernel", "fused_mx", "gemm",
+     "A as MXFP8 codes", "d", "f", dict(a_bytes=1, scaled="a")),
+)
+
+
+def kernel_config(source: str, kind: str | None, m: int, n: int, k: int, experts: int, gpu: str):
+    """The `LaunchConfig` a CUDA launch of a `KERNEL_LAUNCHES` kernel takes on ``gpu``: the grouped
+    GEMM's `choose_config`, the fused kernels' and the MXFP8 ones' own ``launch_config`` (the
+    grouped MXFP8 GEMM's by the ``MX_MMA`` the GPU compiles: block-scaled where it has MXFP8 tensor
+    cores, ``fp8_promote`` on Hopper)."""
+    if source == "grouped":
+        return choose_config(kind, m, n, k, experts, torch.bfloat16)
+    if source == "fused":
+        return fused_moe.launch_config(kind, m, n, k, experts, interpreted=False)
+    if source == "fused_mx":
+        return fused_mxfp8.launch_config(kind, m, n, k, experts, interpreted=False)
+    if source == "mx":
+        mma = "scaled" if gpu_spec(gpu).native_mxfp8 else "fp8_promote"
+        return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
+    raise ValueError(f"source must be 'grouped', 'fused', 'fused_mx' or 'mx', got {source!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel_rows(gpu: str, report_text: str, models: tuple[str, ...],
+                 launches: tuple[str, ...]) -> tuple[dict, ...]:
+    spec, report = gpu_spec(gpu), json.loads(report_text)
+    out = []
+    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
+        if model not in models:
+            continue
+        m, dims = per_expert * experts, {"d": d_model, "f": d_expert, "2f": 2 * d_expert}
+        for launch, kernel, source, kind, label, n_dim, k_dim, keywords in KERNEL_LAUNCHES:
+            if launch not in launches:
+                continue
+            n, k = dims[n_dim], dims[k_dim]
+            cfg = kernel_config(source, kind, m, n, k, experts, spec.name)
+            b = cfg.blocks
+            in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
+            group = tile_group(m, experts, b["BLOCK_M"])
+            expert_tiles = -(-per_expert // b["BLOCK_M"]) * -(-n // b["BLOCK_N"])
+            aligned = on_expert_bounds(expert_tiles, in_flight)
+            runs = {"row": ("row", in_flight), "grouped": (group, in_flight)}
+            traffic = {name: simulate([per_expert] * experts, n, k, b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
+                                      in_flight=flight, l2_bytes=spec.l2_bytes, order=order, **keywords)
+                       for name, (order, flight) in runs.items()}
+            # Above compulsory, where the waves straddle experts: the same order once more with
+            # its waves on expert bounds, as in the acceptance table (None where not run).
+            straddles = traffic["grouped"].ratio > 1.005 and aligned != in_flight
+            if straddles:
+                traffic["aligned"] = simulate([per_expert] * experts, n, k, b["BLOCK_M"], b["BLOCK_N"],
+                                              b["BLOCK_K"], in_flight=aligned, l2_bytes=spec.l2_bytes,
+                                              order=group, **keywords)
+            out.append(dict(gpu=spec.name, model=model, launch=launch, kernel=kernel, n=n, k=k,
+                            tiles="x".join(map(str, b.values())), num_warps=cfg.num_warps,
+                            in_flight=in_flight, group_m=group, expert_tiles=expert_tiles,
+                            aligned_in_flight=aligned, compulsory=traffic["row"].compulsory,
+                            aligned=traffic["aligned"].ratio if straddles else None,
+                            aligned_bytes=traffic["aligned"].total if straddles else None,
+                            **{f"{name}_bytes": traffic[name].total for name in runs},
+                            **{name: traffic[name].ratio for name in runs}))
+    return tuple(out)
+
+
+def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
+                  launches: tuple[str, ...] | None = None) -> list[dict]:
+    """Modelled / compulsory bytes of the other grouped kernels (`KERNEL_LAUNCHES`: the dX of the
+    up/gate projection, the SwiGLU backward, the fused kernels, the grouped MXFP8 GEMM and the fused
+    MXFP8 kernels) at `ACCEPTANCE`'s shapes on every compile target's GPU: ``row`` their old 2-D
+    grid's order (row tile fastest), ``grouped`` `tile_order` with `tile_group`'s ``GROUP_M``, as
+    they launch today. Tiles are each kernel's own launch config (`kernel_config`), resident
+    blocks per SM the compile report's row of the kernel at that tile. ``models`` and
+    ``launches``: the `ACCEPTANCE` models and `KERNEL_LAUNCHES` to run (default: all)."""
+    known = tuple(entry[0] for entry in ACCEPTANCE)
+    models = known if models is None else tuple(models)
+    if not models or any(model not in known for model in models):
+        raise ValueError(f"models must be some of {known}, got {models!r}")
+    named = tuple(entry[0] for entry in KERNEL_LAUNCHES)
+    launches = named if launches is None else tuple(launches)
+    if not launches or any(launch not in named for launch in launches):
+        raise ValueError(f"launches must be some of {named}, got {launches!r}")
+    return [dict(row) for gpu, path in reports(results).items()
+            for row in _kernel_rows(gpu_spec(gpu).name, Path(path).read_text(), models, launches)]
+
+
 def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
     """The table's one-sentence reading of the expert-bound column, from ``rows``: where the grouped
     order moves more than it does with its waves on expert bounds, and by how much."""
@@ -204,8 +317,18 @@ def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
             f"keeps, and waves on expert bounds move fewer bytes ({cases}).")
 
 
-def markdown(rows: list[dict], dw_rows: list[dict] | tuple[dict, ...] = ()) -> str:
-    """`acceptance`'s rows (any GPUs) and `dw_tables`' as the tables of ``results/compile/traffic.md``."""
+def _aligned_cell(row: dict) -> str:
+    """The on-expert-bounds cell of a `kernel_tables` row: its ratio and programs in flight, or a
+    dash where the grouped order is at compulsory or its waves already sit on expert bounds."""
+    if row["aligned"] is None:
+        return "—"
+    return f"{row['aligned']:.3f} at {row['aligned_in_flight']} in flight"
+
+
+def markdown(rows: list[dict], dw_rows: list[dict] | tuple[dict, ...] = (),
+             kernel_rows: list[dict] | tuple[dict, ...] = ()) -> str:
+    """`acceptance`'s rows (any GPUs), `dw_tables`' and `kernel_tables`' as the tables of
+    ``results/compile/traffic.md``."""
     gpus = list(dict.fromkeys(r["gpu"] for r in rows))
     lines = [f"# Modelled HBM bytes / compulsory bytes, {' and '.join(gpus)} L2",
              "", "`python -m moe_lab.workbench.compile_report.traffic` writes this file "
@@ -235,14 +358,35 @@ def markdown(rows: list[dict], dw_rows: list[dict] | tuple[dict, ...] = ()) -> s
         lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | {r['k']} | {r['n']} | {r['tiles']} "
                   f"| {r['in_flight']} | {r['group_k']} | {r['row']:.3f} | {r['grouped']:.3f} |"
                   for r in dw_rows]
+    if kernel_rows:
+        lines += ["", "## The other grouped kernels", "",
+                  "The dX of the up/gate projection, the SwiGLU backward, the fused kernels of "
+                  "`moe_lab.kernels.fused_moe` and `fused_mxfp8`, and the grouped MXFP8 GEMM, each at its "
+                  "own launch's tile (the grouped MXFP8 GEMM's per GPU: FP8 wgmma steps of one 32-wide "
+                  "K block on the H200, block-scaled MMAs on the B200). Old: the 2-D grid with the row "
+                  "tile fastest; new: `tile_order` at `tile_group`'s GROUP_M. MXFP8 operands count one "
+                  "E8M0 byte per 32 elements beside their 1-byte codes; an epilogue's read of a tensor "
+                  "of the output's shape (`dh`, `h`) counts once in both the modelled and the compulsory "
+                  "bytes. Gathered rows count as routed rows, scattered rows as the token-major rows "
+                  "the kernel writes; the combine backward's per-row partial sums (rows x N tiles, "
+                  "float32) and the routing vectors are left out.", "",
+                  straddle_sentence([r for r in kernel_rows if r["aligned"] is not None]), "",
+                  "| GPU | model | launch | kernel | N | K | tile MxNxK | warps | in flight | GROUP_M "
+                  "| compulsory MB | row-fastest (old) | grouped (new) | grouped, on expert bounds |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | `{r['kernel']}` | {r['n']} | {r['k']} "
+                  f"| {r['tiles']} | {r['num_warps']} | {r['in_flight']} | {r['group_m']} "
+                  f"| {r['compulsory'] / 1e6:,.1f} | {r['row']:.3f} | {r['grouped']:.3f} "
+                  f"| {_aligned_cell(r)} |" for r in kernel_rows]
     return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    table = markdown(tables(), dw_tables())
+    table = markdown(tables(), dw_tables(), kernel_tables())
     print(table, end="")
     (RESULTS / "traffic.md").write_text(table)
 
 
-__all__ = ["ACCEPTANCE", "DW_LAUNCHES", "LAUNCHES", "REPORT", "RESULTS", "acceptance", "blocks_per_sm",
-           "dw_tables", "markdown", "on_expert_bounds", "reports", "straddle_sentence", "tables"]
+__all__ = ["ACCEPTANCE", "DW_LAUNCHES", "KERNEL_LAUNCHES", "LAUNCHES", "REPORT", "RESULTS", "acceptance",
+           "blocks_per_sm", "dw_tables", "kernel_config", "kernel_tables", "markdown", "on_expert_bounds",
+           "reports", "straddle_sentence", "tables"]

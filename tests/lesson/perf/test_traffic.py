@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from moe_lab.kernels.common import expert_grid, expert_tile_order, jit, tile_group, tile_order
-from moe_lab.perf.traffic import expert_fastest, expert_order, grouped_order, simulate, simulate_dw
+from moe_lab.perf.traffic import LRU, expert_fastest, expert_order, grouped_order, simulate, simulate_dw
 
 BM = BN = BK = 32
 CHUNK = BM * BK * 2  # bytes of one A chunk = one B chunk in bf16 at these tiles
@@ -107,11 +107,63 @@ def test_tile_group_is_an_experts_row_tiles_as_a_power_of_two():
     (dict(rows=[4, -1]), r"rows\[1\]"), (dict(block_m=0), "block_m"), (dict(block_k=0), "block_k"),
     (dict(in_flight=0), "in_flight"), (dict(l2_bytes=-1), "l2_bytes"), (dict(order="diagonal"), "order"),
     (dict(order=lambda pid, t_m, t_n: (t_m, 0)), "order maps program 0"),
+    (dict(scaled="ax"), "scaled"), (dict(scaled="b", block_k=16), "block_k must be a multiple of 32"),
+    (dict(epilogue_bytes=-1), "epilogue_bytes"),
 ])
 def test_bad_input_names_the_argument(kwargs, name):
     args = dict(rows=[4, 8], n=16, k=16, block_m=8, block_n=8, block_k=8, in_flight=2, l2_bytes=1024)
     with pytest.raises(ValueError, match=name):
         simulate(**{**args, **kwargs})
+
+
+def test_mxfp8_scales_and_an_epilogue_by_hand():
+    """Scaled operands carry one byte per 32 elements: A and B along K, C along N; an epilogue read
+    counts once in both the modelled and the compulsory bytes."""
+    rows, n, k = [70, 0, 5, 128], 72, 96  # 3 K blocks of 32; N = 72 has 3 blocks, the last partial
+    m = sum(rows)
+    t = simulate(rows, n, k, BM, BN, BK, in_flight=3, l2_bytes=10**9, order=2, a_bytes=1, b_bytes=1,
+                 c_bytes=1, scaled="abc", epilogue_bytes=2)
+    assert (t.a, t.b, t.c, t.epilogue) == (m * (k + 3), 3 * n * (k + 3), m * (n + 3), m * n * 2)
+    assert t.total == t.compulsory and t.ratio == 1.0
+    # An L2 of nothing: every A chunk (codes and its rows' scales) comes once per N tile.
+    none = simulate(rows, n, k, BM, BN, BK, in_flight=3, l2_bytes=0, order="row", a_bytes=1,
+                    scaled="a", epilogue_bytes=2)
+    assert none.a == m * (k + 3) * 3 and none.c == m * n * 2 and none.epilogue == m * n * 2
+    plain = simulate(rows, n, k, BM, BN, BK, in_flight=3, l2_bytes=0, order="row", a_bytes=1)
+    assert (plain.a, plain.b) == (m * k * 3, none.b) and plain.epilogue == 0
+
+
+def _simulate_with_lru(rows, n, k, bm, bn, bk, in_flight, l2_bytes, order):
+    """`simulate`'s schedule written plainly over `LRU` (bf16, one B panel): the reference its
+    inlined L2 must equal."""
+    tiles = [(e, min(bm, r - r0)) for e, r in enumerate(rows) for r0 in range(0, r, bm)]
+    t_m, t_n, steps = -(-sum(rows) // bm) + len(rows), -(-n // bn), -(-k // bk)
+    of = {"row": lambda p: (p % t_m, p // t_m)}.get(order, lambda p: grouped_order(p, t_m, t_n, order))
+    programs = [of(p) for p in range(t_m * t_n) if of(p)[0] < len(tiles)]
+    l2, a = LRU(l2_bytes), 0
+    b = 0
+    for w in range(0, len(programs), in_flight):
+        for s in range(steps):
+            depth = min(bk, k - s * bk)
+            for tm, tn in programs[w:w + in_flight]:
+                e, m_rows = tiles[tm]
+                a += l2.touch(("a", tm, s), m_rows * depth * 2)
+                b += l2.touch(("b", e, tn, s), depth * min(bn, n - tn * bn) * 2)
+    return a, b
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_inlined_l2_is_the_lru_on_random_launches(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 200, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+    rows[0] = 0 if seed % 3 == 0 else rows[0]  # an empty expert now and then
+    n, k = (int(x) for x in torch.randint(1, 150, (2,), generator=g))
+    in_flight = int(torch.randint(1, 9, (1,), generator=g))
+    l2 = int(torch.randint(0, 12, (1,), generator=g)) * CHUNK // 2
+    for order in ("row", 1, 3):
+        t = simulate(rows, n, k, BM, BN, BK, in_flight=in_flight, l2_bytes=l2, order=order)
+        expected = _simulate_with_lru(rows, n, k, BM, BN, BK, in_flight, l2, order)
+        assert (t.a, t.b) == expected, (rows, n, k, order)
 
 
 def test_a_hit_makes_a_chunk_recent():

@@ -22,11 +22,51 @@ def dw_rows():
     return traffic.dw_tables()
 
 
-def test_the_committed_table_is_generated_for_every_compile_target(rows, dw_rows):
+@pytest.fixture(scope="module")
+def kernel_rows():
+    return traffic.kernel_tables()
+
+
+def test_the_committed_table_is_generated_for_every_compile_target(rows, dw_rows, kernel_rows):
     assert len(rows) == len(SM_LIMITS) * len(traffic.LAUNCHES) * len(traffic.ACCEPTANCE)
     assert len(dw_rows) == len(SM_LIMITS) * len(traffic.DW_LAUNCHES) * len(traffic.ACCEPTANCE)
+    assert len(kernel_rows) == len(SM_LIMITS) * len(traffic.KERNEL_LAUNCHES) * len(traffic.ACCEPTANCE)
     assert {r["gpu"] for r in rows} == {limits.gpu for limits in SM_LIMITS.values()}
-    assert (traffic.RESULTS / "traffic.md").read_text() == traffic.markdown(rows, dw_rows)
+    assert (traffic.RESULTS / "traffic.md").read_text() == traffic.markdown(rows, dw_rows, kernel_rows)
+
+
+def test_every_other_grouped_kernel_gains_from_its_order_and_none_beats_compulsory(kernel_rows):
+    for row in kernel_rows:
+        assert 1.0 <= row["grouped"] <= row["row"], row
+        assert row["compulsory"] <= row["grouped_bytes"], row
+        if row["aligned"] is not None:  # run only where the waves straddle experts
+            assert row["grouped"] > 1.005 and row["expert_tiles"] % row["in_flight"] != 0, row
+            assert 1.0 <= row["aligned"] <= row["grouped"], row
+    # Every one of them moved at least 3.5x compulsory on some GPU in the old order.
+    for launch in {r["launch"] for r in kernel_rows}:
+        assert max(r["row"] for r in kernel_rows if r["launch"] == launch) > 3.5, launch
+
+
+def test_the_mxfp8_rows_count_codes_and_scales_at_each_gpus_own_tile(kernel_rows):
+    up = {r["gpu"]: r for r in kernel_rows
+          if r["launch"] == "MXFP8 grouped GEMM (up/gate)" and r["model"] == "DeepSeek-V3 EP8"}
+    assert up["H200 SXM"]["tiles"] == "128x64x32"  # fp8_promote: one FP8 wgmma K block per step
+    assert up["B200"]["tiles"] == "128x128x64"  # block-scaled tcgen05
+    m, d, f, e = 65536, 7168, 2048, 32  # 1-byte codes, one E8M0 byte per 32, bf16 out
+    assert up["B200"]["compulsory"] == m * (d + d // 32) + e * 2 * f * (d + d // 32) + m * 2 * f * 2
+    quant = next(r for r in kernel_rows if r["launch"] == "fused gather + SwiGLU + MXFP8 quantize"
+                 and r["model"] == "DeepSeek-V3 EP8")  # bf16 in, codes and scales out
+    assert quant["compulsory"] == m * d * 2 + e * d * 2 * f * 2 + m * (f + f // 32)
+
+
+def test_a_subset_of_the_kernel_table_is_its_own_rows(kernel_rows):
+    some = traffic.kernel_tables(models=("GPT-OSS-20B",), launches=("fused combine backward",))
+    assert some == [r for r in kernel_rows if r["model"] == "GPT-OSS-20B"
+                    and r["launch"] == "fused combine backward"]
+    with pytest.raises(ValueError, match="launches must be"):
+        traffic.kernel_tables(launches=("dX (down)",))
+    with pytest.raises(ValueError, match="source must be"):
+        traffic.kernel_config("cutlass", "gemm", 1024, 128, 128, 4, "H200")
 
 
 def test_the_weight_gradients_order_reads_each_experts_rows_once_the_old_one_did_not(dw_rows):
