@@ -14,8 +14,12 @@ its element-wise work is not counted). The wave efficiency ``programs / (waves *
 how full the last wave of a launch is; the projected time leaves it out (a compute-bound launch
 whose last wave is half empty takes up to one wave longer).
 
-The launches are the traffic table's (forward, dX, gather + SwiGLU forward) and the weight
-gradients of both projections (`moe_lab.workbench.compile_report.traffic.dw_tables`).
+The launches are the traffic table's (forward, dX, gather + SwiGLU forward), the weight
+gradients of both projections (`moe_lab.workbench.compile_report.traffic.dw_tables`) and the
+other grouped kernels whose MMAs are bf16 (`moe_lab.workbench.compile_report.traffic.kernel_tables`:
+the fused kernels, the fused MXFP8 ones among them, and the SwiGLU backward). The grouped MXFP8
+GEMM is left out: it runs at the 8-bit rate, not on the bf16 roofline drawn here (its bytes are
+in ``traffic.md``).
 
 ``python -m moe_lab.workbench.compile_report.roofline`` writes ``results/compile/roofline.md``
 and ``traffic.md`` from the committed compile reports (`write_tables`; ``python -m moe_lab
@@ -157,7 +161,10 @@ def markdown(rows: list[dict]) -> str:
              "programs / (waves x programs in flight), left out of the projected time."
              + (" dW rows: old is the grid with the expert fastest, new expert after expert "
                 "(`traffic.md`'s weight-gradient table)." if any(r["launch"].startswith("dW") for r in rows)
-                else ""), "",
+                else "")
+             + " The other grouped kernels (fused, SwiGLU backward, dX of the up/gate projection) are "
+               "`traffic.md`'s third table, those with bf16 MMAs; the grouped MXFP8 GEMM is not on "
+               "this bf16 roofline.", "",
              "| GPU | model | launch | GFLOP | compulsory MB | modelled MB (grouped) | FLOP/byte "
              "| ridge | bound | projected µs (grouped, new) | projected µs (row-fastest, old) | bound (old) "
              "| 8-bit compute floor µs | wave efficiency |",
@@ -170,6 +177,12 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bf16_rows(kernel_rows: list[dict]) -> list[dict]:
+    """The `moe_lab.workbench.compile_report.traffic.kernel_tables` rows whose kernels multiply bf16
+    tiles: the ones this bf16 roofline projects."""
+    return [row for row in kernel_rows if row["mma"] == "bf16"]
+
+
 def launch_rows(rows: list[dict], dw_rows: list[dict]) -> list[dict]:
     """The traffic table's ``rows`` and the dW rows (`moe_lab.workbench.compile_report.traffic.dw_tables`)
     in one list, each GPU's and model's launches together, dW after the forward launches."""
@@ -180,14 +193,15 @@ def launch_rows(rows: list[dict], dw_rows: list[dict]) -> list[dict]:
 
 def write_tables(results: Path = traffic.RESULTS) -> list[Path]:
     """Write ``traffic.md`` (the traffic table's launches, the dW and the other grouped kernels,
-    `moe_lab.workbench.compile_report.traffic.kernel_tables`) and ``roofline.md`` (the first two) into
+    `moe_lab.workbench.compile_report.traffic.kernel_tables`) and ``roofline.md`` (all but the
+    8-bit MMAs, `bf16_rows`) into
     ``results`` from the compile reports there (`moe_lab.workbench.compile_report.traffic.reports`);
     the traffic model runs once for both. Returns the paths written."""
     rows = traffic.tables(results)
     written = []
-    dw_rows = traffic.dw_tables(results)
-    projected = projections(launch_rows(rows, dw_rows))
-    for name, text in (("traffic.md", traffic.markdown(rows, dw_rows, traffic.kernel_tables(results))),
+    dw_rows, kernel_rows = traffic.dw_tables(results), traffic.kernel_tables(results)
+    projected = projections(launch_rows(rows, dw_rows + bf16_rows(kernel_rows)))
+    for name, text in (("traffic.md", traffic.markdown(rows, dw_rows, kernel_rows)),
                        ("roofline.md", markdown(projected))):
         path = Path(results) / name
         path.write_text(text)
@@ -232,6 +246,5 @@ if __name__ == "__main__":
         print(f"wrote {written}")
 
 
-__all__ = ["Projection", "eight_bit_rate", "launch_flops", "launch_rows", "markdown", "plot", "project",
-           "projections",
-           "wave_efficiency", "write_tables"]
+__all__ = ["Projection", "bf16_rows", "eight_bit_rate", "launch_flops", "launch_rows", "markdown", "plot",
+           "project", "projections", "wave_efficiency", "write_tables"]

@@ -270,7 +270,9 @@ def _kernel_rows(gpu: str, report_text: str, models: tuple[str, ...],
                 traffic["aligned"] = simulate([per_expert] * experts, n, k, b["BLOCK_M"], b["BLOCK_N"],
                                               b["BLOCK_K"], in_flight=aligned, l2_bytes=spec.l2_bytes,
                                               order=group, **keywords)
-            out.append(dict(gpu=spec.name, model=model, launch=launch, kernel=kernel, n=n, k=k,
+            out.append(dict(gpu=spec.name, model=model, launch=launch, kernel=kernel, per_expert=per_expert,
+                            experts=experts, n=n, k=k, panels=keywords.get("b_panels", 1),
+                            mma="8-bit" if source == "mx" else "bf16", programs=expert_tiles * experts,
                             tiles="x".join(map(str, b.values())), num_warps=cfg.num_warps,
                             in_flight=in_flight, group_m=group, expert_tiles=expert_tiles,
                             aligned_in_flight=aligned, compulsory=traffic["row"].compulsory,
@@ -288,7 +290,9 @@ def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None
     MXFP8 kernels) at `ACCEPTANCE`'s shapes on every compile target's GPU: ``row`` their old 2-D
     grid's order (row tile fastest), ``grouped`` `tile_order` with `tile_group`'s ``GROUP_M``, as
     they launch today. Tiles are each kernel's own launch config (`kernel_config`), resident
-    blocks per SM the compile report's row of the kernel at that tile. ``models`` and
+    blocks per SM the compile report's row of the kernel at that tile; ``mma`` says whether the
+    kernel multiplies bf16 tiles (the fused MXFP8 kernels decode or quantize in registers around
+    a bf16 MMA) or 8-bit ones (the grouped MXFP8 GEMM). ``models`` and
     ``launches``: the `ACCEPTANCE` models and `KERNEL_LAUNCHES` to run (default: all)."""
     known = tuple(entry[0] for entry in ACCEPTANCE)
     models = known if models is None else tuple(models)
