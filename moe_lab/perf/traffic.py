@@ -93,6 +93,18 @@ class Traffic:
         return self.total / self.compulsory if self.compulsory else 1.0
 
 
+def _admit(chunks: OrderedDict, key: object, size: int, l2_bytes: int, used: int) -> int:
+    """A missed chunk enters the L2 as its most recent (unless it is larger than the L2), the
+    least recent leave until the rest fits; returns the bytes held. The one place of the
+    model's eviction policy: `LRU` and the simulations' inlined hit test share it."""
+    if size <= l2_bytes:
+        chunks[key] = size
+        used += size
+        while used > l2_bytes:
+            used -= chunks.popitem(last=False)[1]
+    return used
+
+
 class LRU:
     """A least-recently-used cache of ``l2_bytes`` holding whole chunks, as the model's L2."""
 
@@ -105,11 +117,7 @@ class LRU:
         if key in self.chunks:
             self.chunks.move_to_end(key)
             return 0
-        if size <= self.l2_bytes:
-            self.chunks[key] = size
-            self.used += size
-            while self.used > self.l2_bytes:
-                self.used -= self.chunks.popitem(last=False)[1]
+        self.used = _admit(self.chunks, key, size, self.l2_bytes, self.used)
         return size
 
 
@@ -162,10 +170,9 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
                  widths[tn] * b_panels) for tm, tn in programs]
     row_bytes = [depth * a_bytes + a_scale * -(-depth // MX_BLOCK) for depth in depths]
     col_bytes = [depth * b_bytes + b_scale * -(-depth // MX_BLOCK) for depth in depths]
-    # The L2 (`LRU`'s policy, inlined: this loop is the model's whole cost).
+    # The L2 as `LRU` keeps it, with the hit test inlined (this loop is the model's whole cost).
     chunks: OrderedDict[int, int] = OrderedDict()
-    recent, evict, used = chunks.move_to_end, chunks.popitem, 0
-    moved_a = moved_b = 0
+    recent, used, moved_a, moved_b = chunks.move_to_end, 0, 0, 0
     for w in range(0, len(programs), in_flight):
         wave = programs[w:w + in_flight]
         for s, (a_row, b_col) in enumerate(zip(row_bytes, col_bytes)):
@@ -174,24 +181,14 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
                 if key in chunks:
                     recent(key)
                 else:
-                    size = m_rows * a_row
-                    moved_a += size
-                    if size <= l2_bytes:
-                        chunks[key] = size
-                        used += size
-                        while used > l2_bytes:
-                            used -= evict(last=False)[1]
+                    moved_a += m_rows * a_row
+                    used = _admit(chunks, key, m_rows * a_row, l2_bytes, used)
                 key = b_key + s
                 if key in chunks:
                     recent(key)
                 else:
-                    size = cols * b_col
-                    moved_b += size
-                    if size <= l2_bytes:
-                        chunks[key] = size
-                        used += size
-                        while used > l2_bytes:
-                            used -= evict(last=False)[1]
+                    moved_b += cols * b_col
+                    used = _admit(chunks, key, cols * b_col, l2_bytes, used)
     m, k_blocks = sum(rows), -(-k // MX_BLOCK)
     experts = sum(1 for r in rows if r)  # an expert without rows never reads its weight
     c = m * (n * c_bytes + ("c" in scaled) * -(-n // MX_BLOCK))
@@ -243,17 +240,32 @@ def simulate_dw(rows: Sequence[int], k: int, n: int, block_m: int, block_k: int,
     programs = [expert_fastest(pid, n_experts, t_k, t_n) if order == "expert_fastest"
                 else expert_order(pid, n_experts, t_k, t_n, order)
                 for pid in range(n_experts * t_k * t_n)]
-    touch, moved = LRU(l2_bytes).touch, [0, 0]
+    # Integer chunk keys (X chunks even, dY chunks odd) and the hit test inlined, as in `simulate`.
+    steps = max((-(-r // block_m) for r in rows), default=0)
+    chunks: OrderedDict[int, int] = OrderedDict()
+    recent, used, moved_x, moved_dy = chunks.move_to_end, 0, 0, 0
     for w in range(0, len(programs), in_flight):
-        wave = programs[w:w + in_flight]
-        for r0 in range(0, max((rows[e] for e, _, _ in wave), default=0), block_m):
-            for e, tk, tn in wave:
-                if r0 < rows[e]:
-                    m_rows = min(block_m, rows[e] - r0)
-                    moved[0] += touch(("x", e, r0, tk), m_rows * min(block_k, k - tk * block_k) * x_bytes)
-                    moved[1] += touch(("dy", e, r0, tn), m_rows * min(block_n, n - tn * block_n) * dy_bytes)
+        wave = [(rows[e], 2 * (e * steps * t_k + tk), 2 * (e * steps * t_n + tn) + 1,
+                 min(block_k, k - tk * block_k) * x_bytes, min(block_n, n - tn * block_n) * dy_bytes)
+                for e, tk, tn in programs[w:w + in_flight]]
+        for i, r0 in enumerate(range(0, max((r for r, *_ in wave), default=0), block_m)):
+            for r, x_key, dy_key, x_row, dy_row in wave:
+                if r0 < r:
+                    m_rows = min(block_m, r - r0)
+                    key = x_key + 2 * i * t_k
+                    if key in chunks:
+                        recent(key)
+                    else:
+                        moved_x += m_rows * x_row
+                        used = _admit(chunks, key, m_rows * x_row, l2_bytes, used)
+                    key = dy_key + 2 * i * t_n
+                    if key in chunks:
+                        recent(key)
+                    else:
+                        moved_dy += m_rows * dy_row
+                        used = _admit(chunks, key, m_rows * dy_row, l2_bytes, used)
     m = sum(rows)
-    return Traffic(a=moved[0], b=moved[1], c=n_experts * k * n * dw_bytes, compulsory_a=m * k * x_bytes,
+    return Traffic(a=moved_x, b=moved_dy, c=n_experts * k * n * dw_bytes, compulsory_a=m * k * x_bytes,
                    compulsory_b=m * n * dy_bytes, compulsory_c=n_experts * k * n * dw_bytes)
 
 

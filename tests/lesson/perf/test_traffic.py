@@ -211,6 +211,38 @@ def test_dw_orders_by_hand():
     assert (new.a, new.b) == (2 * CHUNK, 4 * CHUNK)
 
 
+def _simulate_dw_with_lru(rows, k, n, bm, bk, bn, in_flight, l2_bytes, order):
+    """`simulate_dw`'s schedule written plainly over `LRU` (bf16): the reference its inlined L2
+    must equal."""
+    t_k, t_n = -(-k // bk), -(-n // bn)
+    programs = [expert_fastest(p, len(rows), t_k, t_n) if order == "expert_fastest"
+                else expert_order(p, len(rows), t_k, t_n, order) for p in range(len(rows) * t_k * t_n)]
+    l2, x, dy = LRU(l2_bytes), 0, 0
+    for w in range(0, len(programs), in_flight):
+        wave = programs[w:w + in_flight]
+        for r0 in range(0, max(rows[e] for e, _, _ in wave), bm):
+            for e, tk, tn in wave:
+                if r0 < rows[e]:
+                    m_rows = min(bm, rows[e] - r0)
+                    x += l2.touch(("x", e, r0, tk), m_rows * min(bk, k - tk * bk) * 2)
+                    dy += l2.touch(("dy", e, r0, tn), m_rows * min(bn, n - tn * bn) * 2)
+    return x, dy
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dw_inlined_l2_is_the_lru_on_random_launches(seed):
+    g = torch.Generator().manual_seed(100 + seed)
+    rows = torch.randint(0, 200, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+    rows[-1] = 0 if seed % 2 else rows[-1]  # an empty expert now and then
+    k, n = (int(x) for x in torch.randint(1, 150, (2,), generator=g))
+    in_flight = int(torch.randint(1, 9, (1,), generator=g))
+    l2 = int(torch.randint(0, 12, (1,), generator=g)) * CHUNK // 2
+    for order in ("expert_fastest", 1, 3):
+        t = simulate_dw(rows, k, n, BM, BK, BN, in_flight=in_flight, l2_bytes=l2, order=order)
+        expected = _simulate_dw_with_lru(rows, k, n, BM, BK, BN, in_flight, l2, order)
+        assert (t.a, t.b) == expected, (rows, k, n, order)
+
+
 def test_dw_orders_visit_every_tile_once():
     e, t_k, t_n = 3, 5, 4
     every = sorted((a, b, c) for a in range(e) for b in range(t_k) for c in range(t_n))
