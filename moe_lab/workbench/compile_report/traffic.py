@@ -22,6 +22,7 @@ from moe_lab.checks import positive_int
 from moe_lab.kernels import fused_moe, fused_mxfp8, mx_gemm
 from moe_lab.kernels.common import DW_GROUP_K, tile_group
 from moe_lab.kernels.grouped_gemm import choose_config
+from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import SM_LIMITS, gpu_spec
 from moe_lab.perf.traffic import simulate, simulate_dw
 
@@ -44,6 +45,16 @@ def _simulated(rows: tuple[int, ...], *args: int, **keywords: object):
     """`simulate` once per distinct launch: the tables meet the same one more than once (a fused
     kernel at its unfused kernel's tile and occupancy, the SwiGLU backward in both modules)."""
     return simulate(list(rows), *args, **keywords)
+
+
+def _some_of(given, table: tuple, name: str) -> tuple[str, ...]:
+    """``given`` names (None: every one) among the first fields of ``table``'s entries, as a tuple;
+    a ValueError naming the argument ``name`` if one is unknown or none is given."""
+    known = tuple(entry[0] for entry in table)
+    chosen = known if given is None else tuple(given)
+    if not chosen or any(item not in known for item in chosen):
+        raise ValueError(f"{name} must be some of {known}, got {chosen!r}")
+    return chosen
 
 
 def reports(results: Path = RESULTS) -> dict[str, Path]:
@@ -128,14 +139,8 @@ def acceptance(gpu: str = "H200", report_path: Path | None = None,
     programs that have work (``programs``, ``expert_tiles`` of them per expert). ``models`` and
     ``launches``: the `ACCEPTANCE` models and `LAUNCHES` to run (default: all)."""
     spec = gpu_spec(gpu)
-    known = tuple(entry[0] for entry in ACCEPTANCE)
-    models = known if models is None else tuple(models)
-    if not models or any(model not in known for model in models):
-        raise ValueError(f"models must be some of {known}, got {models!r}")
-    named = tuple(entry[0] for entry in LAUNCHES)
-    launches = named if launches is None else tuple(launches)
-    if not launches or any(launch not in named for launch in launches):
-        raise ValueError(f"launches must be some of {named}, got {launches!r}")
+    models = _some_of(models, ACCEPTANCE, "models")
+    launches = _some_of(launches, LAUNCHES, "launches")
     if report_path is None:
         by_gpu = reports()
         if spec.name not in by_gpu:
@@ -192,10 +197,7 @@ def dw_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) ->
     per group (`moe_lab.kernels.common.expert_tile_order`). Rows shaped as `acceptance`'s for
     `moe_lab.workbench.compile_report.roofline`, at `choose_config`'s tile and the compile report's
     resident blocks for the launch's own row."""
-    known = tuple(entry[0] for entry in ACCEPTANCE)
-    models = known if models is None else tuple(models)
-    if not models or any(model not in known for model in models):
-        raise ValueError(f"models must be some of {known}, got {models!r}")
+    models = _some_of(models, ACCEPTANCE, "models")
     return [dict(row) for gpu, path in reports(results).items()
             for row in _dw_acceptance(gpu_spec(gpu).name, Path(path).read_text(), models)]
 
@@ -231,7 +233,8 @@ KERNEL_LAUNCHES = (
 )
 
 
-def kernel_config(source: str, kind: str | None, m: int, n: int, k: int, experts: int, gpu: str):
+def kernel_config(source: str, kind: str | None, m: int, n: int, k: int, experts: int,
+                  gpu: str) -> LaunchConfig:
     """The `LaunchConfig` a CUDA launch of a `KERNEL_LAUNCHES` kernel takes on ``gpu``: the grouped
     GEMM's `choose_config`, the fused kernels' and the MXFP8 ones' own ``launch_config`` (the
     grouped MXFP8 GEMM's by the ``MX_MMA`` the GPU compiles: block-scaled where it has MXFP8 tensor
@@ -303,14 +306,8 @@ def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None
     kernel multiplies bf16 tiles (the fused MXFP8 kernels decode or quantize in registers around
     a bf16 MMA) or 8-bit ones (the grouped MXFP8 GEMM). ``models`` and
     ``launches``: the `ACCEPTANCE` models and `KERNEL_LAUNCHES` to run (default: all)."""
-    known = tuple(entry[0] for entry in ACCEPTANCE)
-    models = known if models is None else tuple(models)
-    if not models or any(model not in known for model in models):
-        raise ValueError(f"models must be some of {known}, got {models!r}")
-    named = tuple(entry[0] for entry in KERNEL_LAUNCHES)
-    launches = named if launches is None else tuple(launches)
-    if not launches or any(launch not in named for launch in launches):
-        raise ValueError(f"launches must be some of {named}, got {launches!r}")
+    models = _some_of(models, ACCEPTANCE, "models")
+    launches = _some_of(launches, KERNEL_LAUNCHES, "launches")
     return [dict(row) for gpu, path in reports(results).items()
             for row in _kernel_rows(gpu_spec(gpu).name, Path(path).read_text(), models, launches)]
 
