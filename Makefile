@@ -90,11 +90,17 @@ install: $(VENV)/.installed-workbook
 workbook: $(VENV)/.installed-workbook
 	$(BIN)/python -m moe_lab workbook --profile $(PROFILE)
 
+# The tests run in $(TEST_WORKERS) processes (pytest-xdist; tests/conftest.py gives each its share
+# of the cores and keeps the files that share work on one of them); TEST_WORKERS=0 runs them in
+# this process, one after another.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -ra
+	$(PYTEST) -q -ra
 
 test-fast: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -q -m "not slow"
 
 # The second supported stack: torch $(TORCH_VERSION) with the oldest Triton, in its own venv
 # (pip held to both versions). The kernel tests and the compiled-IR checks, then the compile
@@ -112,7 +118,7 @@ $(COMPAT)/.installed: pyproject.toml
 test-compat: export MOE_LAB_RESULTS_DIR := $(CURDIR)/build/compat/results
 test-compat: $(COMPAT)/.installed
 	$(COMPAT)/bin/python -c "import torch, triton; print('test-compat: torch', torch.__version__, 'triton', triton.__version__)"
-	$(COMPAT)/bin/python -m pytest -q -ra -m "not slow" tests/lesson/kernels \
+	$(COMPAT)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -q -ra -m "not slow" tests/lesson/kernels \
 		tests/workbench/compile_report/test_mx_compiled.py
 	$(COMPAT)/bin/python -m moe_lab compile --arch sm_90 --out build/compat/compile
 

@@ -97,6 +97,9 @@ def _measure(path: Path | None, profile: str, steps: int, compile: bool) -> dict
     env = dict(os.environ)
     if path is not None:
         env["PYTHONPATH"] = str(path) + os.pathsep + env.get("PYTHONPATH", "")
+        # The CPU plug-in's build is keyed by where its sources lie: the exported revision's
+        # build goes with its temporary folder instead of staying in the user's cache.
+        env["TORCH_EXTENSIONS_DIR"] = str(path / "extensions")
     done = subprocess.run([sys.executable, "-c", CHILD, profile, str(steps), str(int(compile))], env=env,
                           cwd=str(path or ROOT), capture_output=True, text=True)
     if done.returncode != 0:

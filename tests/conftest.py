@@ -14,7 +14,19 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# `make test` runs the tests in parallel processes (pytest-xdist, one per core): each gets its
+# share of the cores for its own threads and for the notebooks' kernels and child processes it
+# starts, which inherit OMP_NUM_THREADS. Two processes each running OpenMP on every core slow
+# each other down many times over. A count set by the caller is kept.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: its thread pool reads it)
+
+if WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
@@ -32,6 +44,29 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if path == GPU_TESTS or GPU_TESTS in path.parents or path in GPU_TESTS.parents:
         return None
     return True
+
+
+# Test files whose tests share work through module caches in one process, kept on one
+# pytest-xdist worker (``--dist loadgroup``): the full compile writes its tables from the
+# tile-traffic simulations that the roofline and traffic-table tests run as well.
+SAME_WORKER = {
+    "compile_report": ("tests/workbench/compile_report/test_report.py",
+                       "tests/workbench/compile_report/test_roofline.py",
+                       "tests/workbench/compile_report/test_traffic_table.py"),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The ``slow`` tests first (stable otherwise): with several workers the long runs start
+    at once rather than leaving one worker busy after the rest are done; `SAME_WORKER`'s
+    files grouped."""
+    root = Path(str(config.rootpath))
+    group_of = {root / path: group for group, paths in SAME_WORKER.items() for path in paths}
+    for item in items:
+        group = group_of.get(Path(str(item.path)))
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session", autouse=True)

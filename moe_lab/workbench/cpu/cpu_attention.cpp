@@ -14,7 +14,7 @@
 //
 // The small GEMMs run through ATen's batch-reduce GEMM micro-kernel (oneDNN's brgemm, which
 // has almost no per-call cost) on that core; the elementwise passes use ATen's vector types
-// (compiled for this CPU's vector width, see moe_lab/kernels/cpu_ext.py) and the exp ATen's
+// (compiled for this CPU's vector width, see build.py) and the exp ATen's
 // own CPU flash attention uses. Masked scores inside a diagonal block are computed by the
 // block's GEMM but never read: their probabilities and score gradients are set to zero, not
 // multiplied by zero, so a NaN in a key a query may not see does not reach that query.
@@ -35,7 +35,7 @@
 // and the gradient as the packed [B, S, 3·H·D], the rotary gradient applied to dq and dk on
 // their float32 values.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 

@@ -1,5 +1,5 @@
 // The brgemm wrapper and bfloat16 GEMM helpers shared by moe_lab's CPU kernels
-// (cpu_attention.cpp and cpu_grouped_gemm.cpp; cpu_ext.py hashes this header with the sources).
+// (cpu_attention.cpp and cpu_grouped_gemm.cpp; build.py hashes this header with the sources).
 //
 // ATen's batch-reduce GEMM micro-kernel (oneDNN's brgemm) takes bfloat16 A and B and
 // accumulates in float32. It reads B in pairs: rows 2p and 2p + 1 of the reduction dimension
@@ -13,7 +13,7 @@
 // A's matching column).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
@@ -24,7 +24,7 @@
 #include <memory>
 #include <type_traits>
 
-// With the AVX512_BF16 instructions (cpu_ext.py compiles with -mavx512bf16 where the CPU has
+// With the AVX512_BF16 instructions (build.py compiles with -mavx512bf16 where the CPU has
 // them), float32 -> bfloat16 rounding is one instruction per 16 or 32 values instead of
 // ATen's integer emulation (about nine instructions per 16). Both round to nearest even and
 // keep NaN a NaN; the instruction also flushes denormal float32 inputs (below 2^-126) to a

@@ -12,7 +12,7 @@
 // reading them costs nothing (the tensor is already in host memory), so they are checked:
 // a bad offset raises instead of reading or writing out of bounds.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include "cpu_bf16.h"

@@ -13,7 +13,7 @@
 // (decoupled weight decay, the moments in float32). A nonzero `skip` (a paged-stash overflow)
 // leaves every parameter, moment and step count as it was. Gradients are only read.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>

@@ -22,7 +22,7 @@
 // the same row and the results do not depend on the number of cores. Indices are checked
 // (on a CPU reading them is free): a bad map raises instead of touching memory it should not.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
