@@ -47,8 +47,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 # Test files whose tests share work through module caches in one process, kept on one
-# pytest-xdist worker (``--dist loadgroup``): the full compile writes its tables from the
-# tile-traffic simulations that the roofline and traffic-table tests run as well.
+# pytest-xdist worker: the full compile writes its tables from the tile-traffic simulations that
+# the roofline and traffic-table tests run as well.
 SAME_WORKER = {
     "compile_report": ("tests/workbench/compile_report/test_report.py",
                        "tests/workbench/compile_report/test_roofline.py",
@@ -56,16 +56,27 @@ SAME_WORKER = {
 }
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The ``slow`` tests first (stable otherwise): with several workers the long runs start
-    at once rather than leaving one worker busy after the rest are done; `SAME_WORKER`'s
-    files grouped."""
-    root = Path(str(config.rootpath))
-    group_of = {root / path: group for group, paths in SAME_WORKER.items() for path in paths}
-    for item in items:
-        group = group_of.get(Path(str(item.path)))
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called only where it runs
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadgroup``: each test a unit of its own, handed to whichever worker is free,
+    except `SAME_WORKER`'s files, each group one unit. (pytest-xdist's own ``loadgroup`` reads
+    ``xdist_group`` marks by renaming tests, which pytest 9 no longer lets it do.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    group_of = {path: group for group, paths in SAME_WORKER.items() for path in paths}
+
+    class SameWorkerGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of.get(nodeid.partition("::")[0], nodeid)
+
+    return SameWorkerGroups(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The ``slow`` tests first (in their order, the rest in theirs): with several workers the
+    long runs start at once rather than leaving one worker busy after the rest are done."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

@@ -86,11 +86,37 @@ def _scalars_index() -> Iterator[None]:
         interpreter._patch_lang_tensor = patch_tensor
 
 
+@contextlib.contextmanager
+def _language_patched_once() -> Iterator[None]:
+    """For the length of one interpreted launch, Triton's language is patched for the
+    interpreter once per set of language modules a function sees, not again at every call of
+    a ``@jit`` helper. The interpreter patches at each call (``_patch_lang``: every builtin of
+    ``triton.language`` looked up and wrapped) and keeps the patch in place after the call, so
+    a second patch of the same modules within a launch changes nothing; it costs about a
+    millisecond, more than most helpers' own work."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang
+    scopes: dict[tuple[int, ...], object] = {}
+
+    def patch_once(fn: Callable[..., object]) -> object:
+        key = tuple(sorted({id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}))
+        if key not in scopes:
+            scopes[key] = patch(fn)
+        return scopes[key]
+
+    interpreter._patch_lang = patch_once
+    try:
+        yield
+    finally:
+        interpreter._patch_lang = patch
+
+
 class _Interpreted(InterpretedFunction):
     """An interpreted moe_lab kernel: each launch runs with Triton's library interpreted."""
 
     def run(self, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
-        with _library_interpreted(), _scalars_index():
+        with _library_interpreted(), _scalars_index(), _language_patched_once():
             return super().run(*args, grid=grid, warmup=warmup, **kwargs)
 
 
