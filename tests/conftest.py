@@ -46,13 +46,17 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return True
 
 
-# Test files whose tests share work through module caches in one process, kept on one
-# pytest-xdist worker: the full compile writes its tables from the tile-traffic simulations that
-# the roofline and traffic-table tests run as well.
+# Test files whose tests share work through caches, kept on one pytest-xdist worker, one after
+# another: the full compile writes its tables from the tile-traffic simulations that the
+# roofline and traffic-table tests run as well (a cache in the process); the time-to-train and
+# router tests compile the same graphs with torch.compile more than once (Inductor's cache on
+# disk: run side by side, each would compile them cold).
 SAME_WORKER = {
     "compile_report": ("tests/workbench/compile_report/test_report.py",
                        "tests/workbench/compile_report/test_roofline.py",
                        "tests/workbench/compile_report/test_traffic_table.py"),
+    "time_to_train": ("tests/workbench/benchmarks/test_ttt.py",),
+    "router": ("tests/lesson/moe/test_router.py", "tests/lesson/moe/test_megatron_oracle.py"),
 }
 
 
