@@ -84,6 +84,41 @@ def test_a_loop_bound_read_from_a_scalar_argument(device):
     assert out.item() == 666.0  # 0 + 1 + ... + 36
 
 
+@common.jit
+def _twice(x):
+    return 2 * x
+
+
+@common.jit
+def _six_times(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets)
+    tl.store(out_ptr + offsets, _twice(x) + _twice(x) + _twice(x))  # three calls of a @jit helper
+
+
+def test_an_interpreted_launch_patches_the_language_once_and_puts_the_interpreter_back(
+        interpreted, monkeypatch):
+    # Triton's interpreter patches the language at every call of a @jit helper; within one of
+    # moe_lab's launches only the launch's own patch is made (common._language_patched_once).
+    if not interpreted:
+        pytest.skip("compiled kernels: the interpreter is not used")
+    from triton.runtime import interpreter
+
+    patched, patch = [], interpreter._patch_lang
+
+    def counting(fn):
+        patched.append(fn.__name__)
+        return patch(fn)
+
+    monkeypatch.setattr(interpreter, "_patch_lang", counting)
+    x = torch.randn(16)
+    out = torch.zeros(16)
+    _six_times[(1,)](x, out, BLOCK=16)
+    assert torch.equal(out, 6 * x)
+    assert patched == ["_six_times"], patched  # not once more for each call of _twice
+    assert interpreter._patch_lang is counting  # as it was before the launch
+
+
 _FRESH = '''
 import json, os, sys
 import torch, torch._dynamo, triton  # torch._dynamo sets TORCHINDUCTOR_CACHE_DIR itself
