@@ -50,13 +50,17 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # another: the full compile writes its tables from the tile-traffic simulations that the
 # roofline and traffic-table tests run as well (a cache in the process); the time-to-train and
 # router tests compile the same graphs with torch.compile more than once (Inductor's cache on
-# disk: run side by side, each would compile them cold).
+# disk: run side by side, each would compile them cold); the others build a costly module-scoped
+# fixture (compiled kernels, executed notebooks) that each worker would build again.
 SAME_WORKER = {
     "compile_report": ("tests/workbench/compile_report/test_report.py",
                        "tests/workbench/compile_report/test_roofline.py",
                        "tests/workbench/compile_report/test_traffic_table.py"),
     "time_to_train": ("tests/workbench/benchmarks/test_ttt.py",),
     "router": ("tests/lesson/moe/test_router.py", "tests/lesson/moe/test_megatron_oracle.py"),
+    "mx_compiled": ("tests/workbench/compile_report/test_mx_compiled.py",),
+    "tma_compiled": ("tests/workbench/compile_report/test_grouped_gemm_tma_compiled.py",),
+    "workbook": ("tests/workbench/lab/test_workbook.py",),
 }
 
 
