@@ -92,8 +92,8 @@ def _language_patched_once() -> Iterator[None]:
     interpreter once per set of language modules a function sees, not again at every call of
     a ``@jit`` helper. The interpreter patches at each call (``_patch_lang``: every builtin of
     ``triton.language`` looked up and wrapped) and keeps the patch in place after the call, so
-    a second patch of the same modules within a launch changes nothing; it costs about a
-    millisecond, more than most helpers' own work."""
+    a second patch of the same modules within a launch changes nothing, and costs more than
+    most helpers' own work."""
     from triton.runtime import interpreter
 
     patch = interpreter._patch_lang

@@ -1,8 +1,8 @@
 // The Python module of moe_lab's CPU kernels (built by build.py).
 
 // The one file that binds to Python: pybind11 and its at::Tensor casters (torch/python.h), not
-// torch/extension.h, whose C++ frontend headers triple each file's compile time. The kernel files
-// include ATen alone.
+// torch/extension.h, whose C++ frontend headers take most of a file's compile time. The kernel
+// files include ATen alone.
 #include <torch/python.h>
 
 #include "cpu_bf16.h"

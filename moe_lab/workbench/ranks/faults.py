@@ -49,13 +49,11 @@ def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout
     # The victim fails only once every peer has left the barrier (each says so in the job's
     # store): a rank that leaves a barrier first may die while a peer still waits inside it,
     # which then fails there instead of in `check_peers`, the failure under test.
-    store = dist.distributed_c10d._get_default_store()
-    peers = [rank for rank in range(dist.get_world_size()) if rank != victim]
+    store, past = dist.distributed_c10d._get_default_store(), "moe_lab/fault_rank/past_barrier/{}"
     if dist.get_rank() != victim:
-        store.set(f"moe_lab/fault_rank/past_barrier/{dist.get_rank()}", "1")
+        store.set(past.format(dist.get_rank()), "1")
     else:
-        store.wait([f"moe_lab/fault_rank/past_barrier/{rank}" for rank in peers])
-    if dist.get_rank() == victim:
+        store.wait([past.format(rank) for rank in range(dist.get_world_size()) if rank != victim])
         if kind == "crash":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "raise":

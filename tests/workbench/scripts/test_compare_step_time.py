@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.slow
 def test_one_pair_against_head_reports_the_paired_difference():
     # Without the CPU plug-in: the exported revision lies in a folder of its own, where the
-    # plug-in would be compiled again (about a minute and a half); the script is under test here,
+    # plug-in would be compiled again, for longer than the rest of the test; the script is under test here,
     # the plug-in in tests/workbench/cpu.
     environment = {**os.environ, "MOE_LAB_NO_CPU_EXTENSION": "1"}
     done = subprocess.run(
