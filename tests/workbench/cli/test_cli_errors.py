@@ -250,7 +250,10 @@ def test_ctrl_c_says_where_the_last_checkpoint_is(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_lab", *TRAIN, "--steps", "100000", "--checkpoint", str(path),
          "--checkpoint-every", "2"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Ctrl-C reaches it as in a terminal: a suite started in the background (`make test &`)
+        # runs with SIGINT ignored, and a child would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not path.exists() and time.monotonic() < deadline and proc.poll() is None:

@@ -2,6 +2,7 @@
 that fails on a full disk says so in one error that names what survived."""
 
 import os
+import signal
 
 import pytest
 import torch
@@ -9,6 +10,15 @@ from support import mounted_tmpfs
 
 from moe_lab.workbench.training import checkpoint
 from moe_lab.workbench.training.checkpoint import load_checkpoint, save_checkpoint
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt here, as in a terminal: a suite started in the background
+    (`make test &`) runs with SIGINT ignored, which these tests must not depend on."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def test_the_file_and_its_folder_are_flushed(tmp_path, monkeypatch):
@@ -86,11 +96,9 @@ def test_ctrl_c_mid_write_is_an_interrupt_not_a_write_error(tmp_path, monkeypatc
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
 
 
-def test_ctrl_c_after_the_rename_waits_for_the_callers_note(tmp_path):
+def test_ctrl_c_after_the_rename_waits_for_the_callers_note(tmp_path, ctrl_c_raises):
     """A Ctrl-C between the rename and ``on_saved`` would leave the caller naming the older
     checkpoint; it is held until ``on_saved`` has run, then raised."""
-    import signal
-
     path = tmp_path / "ck.pt"
     noted = []
 
@@ -102,6 +110,18 @@ def test_ctrl_c_after_the_rename_waits_for_the_callers_note(tmp_path):
         save_checkpoint(path, {"step": 7}, on_saved)
     assert noted == [7] and load_checkpoint(path)["step"] == 7
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_where_ctrl_c_is_ignored_the_save_leaves_it_ignored(tmp_path):
+    """A run started in the background (`moe_lab train ... &`) ignores SIGINT: the save neither
+    raises on one nor installs a handler of its own."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        save_checkpoint(tmp_path / "ck.pt", {"step": 2}, lambda: os.kill(os.getpid(), signal.SIGINT))
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert load_checkpoint(tmp_path / "ck.pt")["step"] == 2
 
 
 def test_a_checkpoint_into_a_folder_not_made_yet_makes_it(tmp_path):
