@@ -5,11 +5,13 @@ BIN    := $(VENV)/bin
 PROFILE ?= smoke
 comma  := ,
 
-# What set-up installs where the machine brings no PyTorch of its own (on a CPU machine the CPU
-# build of torch), and the oldest Triton moe_lab supports, which `make test-compat` tests. They
-# lie in pyproject.toml's ranges (tests/project/test_project.py checks it).
-TORCH_VERSION  := 2.13.0
-TRITON_VERSION := 3.7.1
+# The tested set: every package set-up installs where the machine brings no PyTorch of its own
+# (on a CPU machine the CPU build of torch), at the version `make test` and CI tested it (pip's
+# constraints), and the oldest Triton moe_lab supports, which `make test-compat` tests. They lie
+# in pyproject.toml's ranges (tests/project/test_project.py checks it).
+CONSTRAINTS    := requirements/ci.txt
+TORCH_VERSION  := $(shell sed -n 's/^torch==//p' $(CONSTRAINTS))
+TRITON_VERSION := $(shell sed -n 's/^triton==//p' $(CONSTRAINTS))
 TRITON_OLDEST  := 3.6.0
 
 # A CUDA build of torch that $(PYTHON) already imports (an NGC container, a cluster module, a GPU
@@ -33,11 +35,12 @@ export TRITON_INTERPRET := 1
 endif
 export PYTHONHASHSEED := 0
 
-.PHONY: help install workbook test test-fast test-compat compile lab lint clean
+.PHONY: help install workbook test test-fast test-compat wheel-check compile lab lint clean
 
 help:
 	@echo "make workbook     execute every notebook (PROFILE=$(PROFILE)) into build/workbook, write build/RESULTS.md"
 	@echo "make test         unit tests and every notebook executed"
+	@echo "make wheel-check  the wheel installed outside the checkout runs a layer on its CPU plug-in"
 	@echo "make test-compat  the kernel tests and the compile report under triton $(TRITON_OLDEST) (.venv-compat)"
 	@echo "make compile      every Triton kernel compiled for sm_90 and sm_100 (no GPU needed), into results/compile"
 	@echo "make lab          JupyterLab on notebooks/"
@@ -69,20 +72,21 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 # torch and triton first, by exact version: on a machine without CUDA this takes the CPU build.
-# The workbook also installs the test extras: notebook 04 compares against Hugging Face's
-# Mixtral block (transformers) and notebook 06 against torchao.
+# Then the project, every package held to the tested set. The workbook also installs the test
+# extras: notebook 04 compares against Hugging Face's Mixtral block (transformers) and notebook
+# 06 against torchao.
 define install_extras
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
-	$(BIN)/python -m pip install --quiet -e ".[$(1)]"
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) torch==$(TORCH_VERSION) triton==$(TRITON_VERSION)
+	$(BIN)/python -m pip install --quiet -c $(CONSTRAINTS) -e ".[$(1)]"
 	$(BIN)/python -m moe_lab.workbench.cpu
 	@touch $@
 endef
 endif
 
-$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(call install_extras,test)
 
-$(VENV)/.installed-workbook: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-workbook: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
 	$(call install_extras,lab$(comma)test)
 
 install: $(VENV)/.installed-workbook
@@ -107,10 +111,11 @@ test-fast: $(VENV)/.installed-test
 # report for sm_90 (every spec compiled, registers read two ways and compared; exit 1 on a
 # failed or disagreeing row) into build/compat: results/compile stays the main stack's.
 COMPAT := .venv-compat
-$(COMPAT)/.installed: pyproject.toml
+$(COMPAT)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(COMPAT)
 	$(COMPAT)/bin/python -m pip install --quiet --upgrade pip
-	printf 'torch==$(TORCH_VERSION)\ntriton==$(TRITON_OLDEST)\n' > $(COMPAT)/constraints.txt
+	{ grep -v '^torch==\|^triton==' $(CONSTRAINTS); printf 'torch==$(TORCH_VERSION)\ntriton==$(TRITON_OLDEST)\n'; } \
+		> $(COMPAT)/constraints.txt
 	$(COMPAT)/bin/python -m pip install --quiet -c $(COMPAT)/constraints.txt torch==$(TORCH_VERSION) triton==$(TRITON_OLDEST)
 	$(COMPAT)/bin/python -m pip install --quiet -c $(COMPAT)/constraints.txt -e ".[test]"
 	@touch $@
@@ -121,6 +126,11 @@ test-compat: $(COMPAT)/.installed
 	$(COMPAT)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -q -ra -m "not slow" tests/lesson/kernels \
 		tests/workbench/compile_report/test_mx_compiled.py
 	$(COMPAT)/bin/python -m moe_lab compile --arch sm_90 --out build/compat/compile
+
+# The wheel as a user gets it: built, installed into a fresh environment beside this torch, its
+# CPU plug-in built from the wheel's sources and one MoE layer run through it (CI runs it).
+wheel-check: $(VENV)/.installed-test
+	$(BIN)/python scripts/wheel_check.py
 
 # Compiles in a child process with TRITON_INTERPRET=0, whatever this Makefile exports.
 compile: $(VENV)/.installed-test

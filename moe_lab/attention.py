@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only
+from moe_lab.kernels import TRITON_MISSING
 from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
 
@@ -175,7 +176,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
         return torch.autograd.grad(out, (q, k, v), grad)
 
 
-@register_attention("mxfp8_triton")
+@register_attention("mxfp8_triton", missing=TRITON_MISSING)
 def mxfp8_triton_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """MXFP8 attention forward as one Triton flash-attention pass on MX inputs (compiled
     on CUDA, interpreted on the CPU); backward through the reference emulation."""

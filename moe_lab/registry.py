@@ -7,10 +7,9 @@ what it holds. A model or a training stack is configured with names, never with 
 branches on the platform, and a plug-in (the C++ CPU kernels in ``moe_lab.workbench.cpu``)
 adds names from outside with `Registry.register` — the core never imports it.
 
-A name that is not registered is refused with the names that are, what the registry holds,
-and where a plug-in adds to it (``plugin=True``) how to add them, or, where it tried and could
-not (no C++ compiler, say), the reason it gave (`Registry.mark_unavailable`).
-"""
+A name that is not registered is refused with the names that are, what the registry holds, and
+how a plug-in adds names (``plugin=True``) or why this one is unavailable here (no C++ compiler
+for the plug-in, no Triton for the kernels: `Registry.mark_unavailable`)."""
 
 from __future__ import annotations
 
@@ -37,12 +36,17 @@ class Registry(dict, Generic[T]):
         about = f": {self.description}" if self.description else ""
         return f"<{self.kind} registry{about}; names {sorted(self)}>"
 
-    def register(self, name: str, impl: T | None = None) -> Callable[[T], T] | T:
-        """``registry.register(name, impl)``, or ``@registry.register(name)`` as a decorator."""
+    def register(self, name: str, impl: T | None = None, *, missing: str | None = None
+                 ) -> Callable[[T], T] | T:
+        """``registry.register(name, impl)``, or ``@registry.register(name)`` as a decorator;
+        given ``missing`` (why ``impl`` cannot run here), `mark_unavailable` instead."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
 
         def add(obj: T) -> T:
+            if missing:
+                self.mark_unavailable(name, missing)
+                return obj
             self[name] = obj
             self.unavailable.pop(name, None)
             return obj

@@ -93,6 +93,18 @@ def topk(tokens: int, top_k: int, n_experts: int, skew: float = 0.0) -> torch.Te
     return scores.topk(top_k, dim=-1).indices
 
 
+def without_triton(directory: Path) -> dict[str, str]:
+    """The environment of a child process in which Triton is not installed, as on macOS or
+    Windows: a ``sitecustomize`` on its PYTHONPATH puts ``None`` in ``sys.modules["triton"]``, so
+    ``import triton`` raises ``ModuleNotFoundError`` and ``importlib.util.find_spec`` finds
+    nothing (Jupyter kernels started from it inherit the same)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text('import sys\nsys.modules["triton"] = None\n')
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(directory), str(root), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(options: str):
     """A tmpfs mounted with ``options`` (e.g. ``"size=256k"``, ``"ro,size=64k"``): a real full or

@@ -16,3 +16,11 @@ reference. What they share — the `jit` that decides compiled or interpreted, t
 schedule, the K loops, the rounding store — is ``common``; ``launch`` holds `LaunchConfig`;
 ``tuning`` the GPU's tuned table that overrides the grouped GEMM's rule, and the tuner.
 """
+
+import importlib.util
+
+#: Why Triton kernels cannot run in this Python (Triton ships Linux wheels only), or ``None``; the
+#: registries mark their Triton names unavailable with it (`moe_lab.registry.Registry.register`).
+TRITON_MISSING: str | None = None if importlib.util.find_spec("triton") else (
+    "it needs Triton, which installs on Linux only: run it on Linux, in the container or on a "
+    "hosted GPU notebook (README, Where to run it)")

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from moe_lab.checks import one_of, positive_number
 from moe_lab.config import MoEConfig
+from moe_lab.kernels import TRITON_MISSING
 from moe_lab.moe.experts import SwiGLUExperts
 from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.registry import Registry
@@ -76,17 +77,17 @@ DISPATCHERS: Registry[Dispatcher] = Registry(
     "dispatcher", "how routed tokens reach their experts and come back (a Dispatcher)")
 
 
-def register_dispatcher(name: str, runs_experts: str, *, syncs_host: bool = False
-                        ) -> Callable[[Callable], Dispatcher]:
+def register_dispatcher(name: str, runs_experts: str, *, syncs_host: bool = False,
+                        missing: str | None = None) -> Callable[[Callable], Dispatcher]:
     """``@register_dispatcher(name, runs_experts)``: the function, declared to run the
     experts by ``runs_experts`` (`EXPERT_PATHS`) and whether it ``syncs_host``, registered
-    in `DISPATCHERS`."""
+    in `DISPATCHERS` (or, with ``missing``, marked unavailable: `Registry.register`)."""
     one_of(runs_experts, "runs_experts", EXPERT_PATHS)
 
     def add(fn: Callable) -> Dispatcher:
         fn.runs_experts = runs_experts
         fn.syncs_host = syncs_host
-        return DISPATCHERS.register(name, fn)
+        return DISPATCHERS.register(name, fn, missing=missing)
 
     return add
 
@@ -223,7 +224,7 @@ def _triton_unpermute(y_sorted: Tensor, row_id_map: Tensor, topk_weights: Tensor
 
 
 PERMUTATIONS.register("torch", TokenPermutation(_torch_permute, _torch_unpermute))
-PERMUTATIONS.register("triton", TokenPermutation(_triton_permute, _triton_unpermute))
+PERMUTATIONS.register("triton", TokenPermutation(_triton_permute, _triton_unpermute), missing=TRITON_MISSING)
 
 
 @register_dispatcher("dropless", "backend")
@@ -264,8 +265,8 @@ def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
     return fused_dispatch
 
 
-register_dispatcher("fused", "kernels")(_fused("deterministic"))
-register_dispatcher("fused_atomic", "kernels")(_fused("atomic"))
+register_dispatcher("fused", "kernels", missing=TRITON_MISSING)(_fused("deterministic"))
+register_dispatcher("fused_atomic", "kernels", missing=TRITON_MISSING)(_fused("atomic"))
 
 
 def check_pairing(dispatcher: str, experts: SwiGLUExperts) -> Dispatcher:

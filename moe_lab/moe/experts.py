@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only
+from moe_lab.kernels import TRITON_MISSING
 from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import Registry
 
@@ -312,8 +313,8 @@ def _triton_tma_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> T
 
 EXPERT_BACKENDS.register("loop", ExpertBackend(_loop_backend))
 EXPERT_BACKENDS.register("torch", ExpertBackend(_torch_backend))
-EXPERT_BACKENDS.register("triton", ExpertBackend(_triton_backend, permutation="triton"))
-EXPERT_BACKENDS.register("triton_tma", ExpertBackend(_triton_tma_backend, permutation="triton"))
+EXPERT_BACKENDS.register("triton", ExpertBackend(_triton_backend, "triton"), missing=TRITON_MISSING)
+EXPERT_BACKENDS.register("triton_tma", ExpertBackend(_triton_tma_backend, "triton"), missing=TRITON_MISSING)
 
 
 class SwiGLU(nn.Module):

@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
+from moe_lab.kernels import TRITON_MISSING
 from moe_lab.moe.router_output import (
     DTYPES,
     RouterOutput,
@@ -298,7 +299,7 @@ ROUTER_IMPLS: Registry[Callable[..., RouterOutput]] = Registry(
     "router impl", "routing chains, each the reference's function", plugin=True)
 ROUTER_IMPLS.register("reference", route)
 ROUTER_IMPLS.register("compiled", compiled_route)
-ROUTER_IMPLS.register("triton", fused_route)
+ROUTER_IMPLS.register("triton", fused_route, missing=TRITON_MISSING)
 
 
 class Router(nn.Module):
@@ -310,7 +311,7 @@ class Router(nn.Module):
 
     def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
         super().__init__()
-        ROUTER_IMPLS.check(impl, "router impl")
+        ROUTER_IMPLS.check(impl, "router_impl")
         if impl == "triton":
             require_fp32_router(cfg)
         self.cfg = cfg

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lab.kernels import TRITON_MISSING
+
 # Blackwell data-centre parts (SM 10.0, 10.3) are the first with block-scaled (MX) FP8
 # tensor-core instructions; Transformer Engine's MXFP8BlockScaling recipe requires them.
 MXFP8_MIN_CAPABILITY = (10, 0)
@@ -33,8 +35,8 @@ class Capabilities:
 
     ``device`` is ``"cuda"`` or ``"cpu"``; ``device_name`` the GPU name or the CPU model;
     ``n_threads`` torch's intra-op thread count; ``cuda_capability`` ``(major, minor)`` or
-    ``None``; ``triton_mode`` ``"compiled"`` or ``"interpreted"``; ``versions`` maps library
-    names to version strings.
+    ``None``; ``triton_mode`` ``"compiled"``, ``"interpreted"`` or ``"absent"`` (no Triton:
+    `moe_lab.kernels.TRITON_MISSING`); ``versions`` maps library names to version strings.
     """
 
     device: str
@@ -185,14 +187,14 @@ def capabilities() -> Capabilities:
         n_devices = torch.cuda.device_count()
     else:
         device_name, cc, n_devices = _cpu_model(), None, 1
-    interpreted = interprets_triton(cuda)
+    triton_mode = "absent" if TRITON_MISSING else "interpreted" if interprets_triton(cuda) else "compiled"
     return Capabilities(
         device="cuda" if cuda else "cpu",
         device_name=device_name,
         n_threads=torch.get_num_threads(),
         cuda_capability=cc,
         n_devices=n_devices,
-        triton_mode="interpreted" if interpreted else "compiled",
+        triton_mode=triton_mode,
         transformer_engine=_transformer_engine_importable(),
         native_mxfp8=cc is not None and cc >= MXFP8_MIN_CAPABILITY,
         has_grouped_mm=hasattr(torch, "_grouped_mm"),

@@ -29,6 +29,17 @@ def test_only_a_registry_the_plugin_adds_to_says_so():
     assert extended.lookup("x", "b") == 1 and not extended.unavailable
 
 
+def test_a_name_registered_with_what_is_missing_is_refused_with_the_reason():
+    registry = Registry("widget", "widgets")
+    fn = registry.register("fast", print, missing="it needs Triton, which installs on Linux only")
+    assert fn is print and "fast" not in registry  # the decorator form still returns the function
+    with pytest.raises(ValueError, match=r"'fast' is not available here: it needs Triton") as err:
+        registry.lookup("fast", "widget_impl")
+    assert str(err.value).startswith("widget_impl must be one of [], got 'fast'")
+    registry.register("fast", print, missing=None)
+    assert registry.lookup("fast", "widget_impl") is print
+
+
 def test_the_core_registries_describe_themselves_and_only_the_plugins_say_it_adds_names():
     from moe_lab.attention import ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS
     from moe_lab.model import EMBEDDING_IMPLS

@@ -245,9 +245,28 @@ def test_environment_pins_match_pyproject():
         assert environment[name].specifier == SpecifierSet(spec), f"environment.yml: expected {name}{spec}"
 
 
+def _constraints() -> dict[str, str]:
+    """``name -> version`` of requirements/ci.txt, the tested set (every line ``name==version``)."""
+    lines = [line.strip() for line in (ROOT / "requirements" / "ci.txt").read_text().splitlines()]
+    pins = {}
+    for line in lines:
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9._-]+)==([^\s;]+)", line)
+        assert match, f"requirements/ci.txt: expected name==version, got {line!r}"
+        pins[canonicalize_name(match[1])] = match[2]
+    return pins
+
+
 def _makefile_versions() -> dict[str, str]:
     text = (ROOT / "Makefile").read_text()
-    return dict(re.findall(r"^(TORCH_VERSION|TRITON_VERSION|TRITON_OLDEST)\s*:=\s*(\S+)$", text, re.M))
+    versions = dict(re.findall(r"^(TORCH_VERSION|TRITON_VERSION|TRITON_OLDEST)\s*:=\s*(.+?)\s*$", text, re.M))
+    # The versions set-up installs are the tested set's, read from it.
+    pins = _constraints()
+    for variable, name in (("TORCH_VERSION", "torch"), ("TRITON_VERSION", "triton")):
+        assert versions.get(variable) == f"$(shell sed -n 's/^{name}==//p' $(CONSTRAINTS))", versions
+        versions[variable] = pins[name]
+    return versions
 
 
 def test_the_makefile_installs_versions_inside_the_ranges_and_tests_the_oldest_triton():
@@ -261,6 +280,43 @@ def test_the_makefile_installs_versions_inside_the_ranges_and_tests_the_oldest_t
     # make test-compat runs the release the range starts from (3.6 -> 3.6.x), not a later one
     (lowest,) = [spec.version for spec in pyproject["triton"].specifier if spec.operator == ">="]
     assert versions["TRITON_OLDEST"].split(".")[:2] == lowest.split(".")[:2], (versions, lowest)
+
+
+# What only the notebooks use: a project that imports moe_lab's layers must not get it.
+NOTEBOOK_TOOLING = {"matplotlib", "ipywidgets", "ipykernel", "papermill", "nbconvert", "nbformat",
+                    "jupyterlab", "tqdm", "latex2mathml"}
+
+
+def test_runtime_requirements_are_ranges_without_notebook_tooling():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runtime = [Requirement(line) for line in project["dependencies"]]
+    assert {canonicalize_name(r.name) for r in runtime} == {"torch", "triton", "numpy"}, runtime
+    pinned = [str(r) for r in runtime if any(spec.operator in ("==", "===") for spec in r.specifier)]
+    assert pinned == [], f"exact pins in the runtime requirements: {pinned}"
+    # Triton publishes Linux wheels only: elsewhere the install goes on without it.
+    (triton,) = [r for r in runtime if r.name == "triton"]
+    assert triton.marker is not None
+    assert triton.marker.evaluate({"platform_system": "Linux"})
+    assert not triton.marker.evaluate({"platform_system": "Darwin"})
+    assert not triton.marker.evaluate({"platform_system": "Windows"})
+    extras = project["optional-dependencies"]
+    notebooks = {canonicalize_name(Requirement(line).name) for line in extras["notebooks"]}
+    assert notebooks <= NOTEBOOK_TOOLING and {"papermill", "ipykernel", "matplotlib"} <= notebooks
+
+
+def test_the_tested_set_pins_every_package_inside_the_ranges():
+    """requirements/ci.txt: one version of each package `make test` installs, each inside the
+    range pyproject.toml states for it, and no pin of moe-lab itself."""
+    pins = _constraints()
+    pyproject = _pyproject_requirements()
+    assert "moe-lab" not in pins
+    # The [gpu] extra (Transformer Engine, for Blackwell) is not installed where the tests run.
+    tested = set(pyproject) - {"moe-lab", "transformer-engine"}
+    missing = sorted(name for name in tested if name not in pins)
+    assert missing == [], f"requirements/ci.txt does not pin {missing}"
+    outside = {name: (pins[name], str(req.specifier)) for name, req in pyproject.items()
+               if name in pins and not req.specifier.contains(pins[name], prereleases=True)}
+    assert outside == {}, f"requirements/ci.txt pins outside pyproject.toml's ranges: {outside}"
 
 
 def test_environment_python_satisfies_requires_python():

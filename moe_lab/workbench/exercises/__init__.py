@@ -103,8 +103,11 @@ def reference_solution(name: str) -> Callable[[Callable], Callable]:
 
 
 def solution(name: str) -> Callable:
-    """The reference solution of exercise ``name`` (what ``SOLUTIONS=True`` uses)."""
-    _import_all()
+    """The reference solution of exercise ``name`` (what ``SOLUTIONS=True`` uses). A check's
+    solution sits in its own module, imported with it; any other name imports every notebook's
+    module (which needs Triton for notebooks 03-07)."""
+    if name not in SOLUTIONS:
+        _import_all()
     try:
         return SOLUTIONS[name]
     except KeyError:

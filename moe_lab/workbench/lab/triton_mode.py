@@ -5,6 +5,11 @@ but a kernel the learner writes with ``@triton.jit`` is Triton's: interpreted on
 ``TRITON_INTERPRET`` is set as Triton is imported and the kernel defined. A notebook whose
 learner writes kernels calls `interpret_without_cuda` first in its setup cell, before it
 imports Triton, so that on a machine without CUDA those kernels run on the CPU — and says so.
+
+Where Triton is not installed at all (macOS, Windows: it publishes Linux wheels only), a
+notebook calls `label_triton_cells` in its setup cell: each later cell whose first line is
+``# needs Triton`` prints what it needs and where to get it instead of running, and the
+notebook runs to its end on everything else.
 """
 
 from __future__ import annotations
@@ -12,14 +17,23 @@ from __future__ import annotations
 import os
 import sys
 
+from moe_lab.kernels import TRITON_MISSING
+
+#: The first line of a notebook cell that cannot run without Triton.
+NEEDS_TRITON = "# needs Triton"
+
 
 def interpret_without_cuda() -> bool:
     """Set ``TRITON_INTERPRET=1`` for this process when it is unset and there is no CUDA
     device, printing one line that says so; otherwise change nothing. Returns whether it set
     it. Called after Triton was imported, it still sets it and says the kernel needs a
-    restart (Triton's own library was made compiled)."""
+    restart (Triton's own library was made compiled). Where Triton is not installed it sets
+    nothing and calls `label_triton_cells` instead."""
     import torch
 
+    if TRITON_MISSING:
+        label_triton_cells()
+        return False
     if "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
         return False
     os.environ["TRITON_INTERPRET"] = "1"
@@ -30,4 +44,31 @@ def interpret_without_cuda() -> bool:
     return True
 
 
-__all__ = ["interpret_without_cuda"]
+def label_triton_cells() -> bool:
+    """Where Triton is not installed, make each cell run after this one whose first line is
+    `NEEDS_TRITON` print one line (what it needs, where to get it) instead of running, and say
+    so once. Returns whether it did: False where Triton is installed, or outside IPython."""
+    if TRITON_MISSING is None:
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None:
+        return False
+    label = f"this cell was skipped: {TRITON_MISSING}"
+
+    def skip_triton_cell(lines: list[str]) -> list[str]:
+        if lines and lines[0].strip().lower().startswith(NEEDS_TRITON.lower()):
+            return [f"print({label!r})\n"]
+        return lines
+
+    if not any(getattr(t, "__name__", "") == "skip_triton_cell" for t in shell.input_transformers_cleanup):
+        shell.input_transformers_cleanup.append(skip_triton_cell)
+    print(f"Triton is not installed here: the cells marked {NEEDS_TRITON!r} say what they need "
+          "instead of running; the others run on PyTorch")
+    return True
+
+
+__all__ = ["NEEDS_TRITON", "interpret_without_cuda", "label_triton_cells"]

@@ -249,7 +249,7 @@ def test_frameworks_topk_gives_the_same_answer_without_ties():
 
 def test_registry_and_router_module():
     assert {"reference", "compiled", "triton"} <= set(ROUTER_IMPLS)
-    with pytest.raises(ValueError, match="router impl"):
+    with pytest.raises(ValueError, match="^router_impl must be one of"):
         Router(cfg(), impl="magic")
     with pytest.raises(ValueError, match="router_dtype"):
         Router(cfg(router_dtype="fp64"), impl="triton")
