@@ -79,6 +79,13 @@ for what, make in {
     except ValueError as e:
         refused[what] = str(e)
 out["refused"] = refused
+# The machine says so, and the router benchmark leaves the fused router out, saying why.
+from moe_lab.perf.capabilities import capabilities
+from moe_lab.workbench.benchmarks.router import build_providers
+
+out["triton_mode"] = capabilities().triton_mode
+providers, notes = build_providers(cfg.moe, "cpu")
+out["bench_providers"], out["bench_notes"] = sorted(providers), notes
 out["triton_in_modules"] = sys.modules.get("triton", "absent") is None
 print(json.dumps(out))
 """
@@ -101,4 +108,7 @@ def test_moe_lab_runs_without_triton_and_refuses_only_what_needs_it(tmp_path):
         assert message is not None, f"{what} that needs Triton was accepted"
         assert message.startswith(f"{what} must be one of"), message
         assert "is not available here: it needs Triton" in message, message
+    assert out["triton_mode"] == "absent"
+    assert not any("triton" in name for name in out["bench_providers"]), out["bench_providers"]
+    assert any("Triton is not installed here" in note for note in out["bench_notes"]), out["bench_notes"]
     assert out["triton_in_modules"], "something replaced the hidden Triton"

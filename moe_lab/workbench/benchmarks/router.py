@@ -93,8 +93,10 @@ def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
             return fused_route_from_logits(logits, cfg, bias)
 
         providers["triton fp32"] = (triton_fp32, torch.float32)
-    else:
+    elif capabilities().triton_mode == "interpreted":
         notes.append("triton fp32: Triton is interpreted here; checked in tests, not timed")
+    else:
+        notes.append("triton fp32: Triton is not installed here (Linux only); not run")
     notes.append("unfused: torch.topk as frameworks use it; compiled and triton keep the "
                  "lowest-index tie rule (the compiled chain by a top-k of packed keys)")
     return providers, notes

@@ -35,6 +35,7 @@ from moe_lab.workbench.exercises import (
 from moe_lab.workbench.exercises import nb00_lab_bench as ex00
 from moe_lab.workbench.exercises import nb04_dropless_sync_free as ex03
 from moe_lab.workbench.exercises import nb05_fused_router as ex04
+from moe_lab.workbench.exercises import nb05_fused_router_triton as ex05t
 from moe_lab.workbench.exercises import nb06_mxfp8_attention as ex05
 from moe_lab.workbench.exercises import nb08_cuda_graphs as ex06
 from moe_lab.workbench.exercises import nb12_time_to_train as ex10
@@ -142,7 +143,7 @@ STUBS = {
     "group_limited_selection": (ex04.check_group_limited_selection, lambda *args: not_done()),
     "unpermute_kernel": (ex03.check_unpermute_kernel, _stub_unpermute),
     "tile_schedule": (ex03.check_tile_schedule, _stub_schedule),
-    "group_limited_topk": (ex04.check_group_limited_topk, _stub_topk),
+    "group_limited_topk": (ex05t.check_group_limited_topk, _stub_topk),
     "e8m0_block_scale": (ex05.check_e8m0_block_scale, _stub_scale),
     "online_softmax_step": (ex05.check_online_softmax_step, _stub_softmax),
     "capturable_step": (ex06.check_capturable_step, lambda *args: not_done()),
