@@ -351,8 +351,9 @@ def test_exercise_stubs_are_not_done():
     tests/workbench/exercises/test_wrong_answers.py."""
     from moe_lab.workbench.exercises import NotDoneError, not_done
     from moe_lab.workbench.exercises import nb07_fused_grouped_gemm as ex
+    from moe_lab.workbench.exercises import nb07_fused_grouped_gemm_triton as ex_triton
 
     with pytest.raises(NotDoneError):
-        ex.check_gather_tile(_stub_gather_tile)
+        ex_triton.check_gather_tile(_stub_gather_tile)
     with pytest.raises(NotDoneError):
         ex.check_permute_combine_bytes(lambda *a: not_done())
