@@ -36,7 +36,7 @@ from moe_lab.workbench.exercises import nb00_lab_bench as ex00
 from moe_lab.workbench.exercises import nb04_dropless_sync_free as ex03
 from moe_lab.workbench.exercises import nb05_fused_router as ex04
 from moe_lab.workbench.exercises import nb05_fused_router_triton as ex05t
-from moe_lab.workbench.exercises import nb06_mxfp8_attention as ex05
+from moe_lab.workbench.exercises import nb06_mxfp8_attention_triton as ex06t
 from moe_lab.workbench.exercises import nb08_cuda_graphs as ex06
 from moe_lab.workbench.exercises import nb12_time_to_train as ex10
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN
@@ -144,8 +144,8 @@ STUBS = {
     "unpermute_kernel": (ex03.check_unpermute_kernel, _stub_unpermute),
     "tile_schedule": (ex03.check_tile_schedule, _stub_schedule),
     "group_limited_topk": (ex05t.check_group_limited_topk, _stub_topk),
-    "e8m0_block_scale": (ex05.check_e8m0_block_scale, _stub_scale),
-    "online_softmax_step": (ex05.check_online_softmax_step, _stub_softmax),
+    "e8m0_block_scale": (ex06t.check_e8m0_block_scale, _stub_scale),
+    "online_softmax_step": (ex06t.check_online_softmax_step, _stub_softmax),
     "capturable_step": (ex06.check_capturable_step, lambda *args: not_done()),
     "race_speedups": (ex10.check_race_speedups, lambda curves, target, baseline: not_done()),
     "amdahl_bound": (ex10.check_amdahl_bound, lambda parts, speedups: not_done()),
@@ -170,7 +170,7 @@ def test_a_triton_answer_that_does_not_run_is_a_wrong_answer_with_tritons_messag
         return tl.max(x, 3)  # x is 2-d: no axis 3
 
     with pytest.raises(ExerciseError, match="failed to run") as err:
-        ex05.check_e8m0_block_scale(broken)
+        ex06t.check_e8m0_block_scale(broken)
     assert not isinstance(err.value, NotDoneError)
 
 
