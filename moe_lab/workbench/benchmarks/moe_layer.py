@@ -115,8 +115,9 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
         providers["fused"] = clone("fused")
         providers["fused_atomic"] = clone("fused_atomic")
     else:
-        notes.append("dropless triton, fused, fused_atomic: Triton is interpreted here; checked in "
-                     "tests, not timed")
+        notes.append(f"dropless triton, fused, fused_atomic: Triton is {capabilities().triton_mode} "
+                     "here; " + ("checked in tests, not timed" if capabilities().triton_mode == "interpreted"
+                                 else "not run (Triton installs on Linux only)"))
     if include_hf:
         try:
             for impl in ("eager", "batched_mm", "grouped_mm"):

@@ -33,7 +33,7 @@ from moe_lab.workbench.exercises import (
     solution,
 )
 from moe_lab.workbench.exercises import nb00_lab_bench as ex00
-from moe_lab.workbench.exercises import nb04_dropless_sync_free as ex03
+from moe_lab.workbench.exercises import nb04_dropless_sync_free_triton as ex04t
 from moe_lab.workbench.exercises import nb05_fused_router as ex04
 from moe_lab.workbench.exercises import nb05_fused_router_triton as ex05t
 from moe_lab.workbench.exercises import nb06_mxfp8_attention_triton as ex06t
@@ -141,8 +141,8 @@ def _stub_softmax(m_i, l_i, acc, s, v):
 
 STUBS = {
     "group_limited_selection": (ex04.check_group_limited_selection, lambda *args: not_done()),
-    "unpermute_kernel": (ex03.check_unpermute_kernel, _stub_unpermute),
-    "tile_schedule": (ex03.check_tile_schedule, _stub_schedule),
+    "unpermute_kernel": (ex04t.check_unpermute_kernel, _stub_unpermute),
+    "tile_schedule": (ex04t.check_tile_schedule, _stub_schedule),
     "group_limited_topk": (ex05t.check_group_limited_topk, _stub_topk),
     "e8m0_block_scale": (ex06t.check_e8m0_block_scale, _stub_scale),
     "online_softmax_step": (ex06t.check_online_softmax_step, _stub_softmax),

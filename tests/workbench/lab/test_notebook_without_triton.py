@@ -1,6 +1,6 @@
 """A notebook on a machine without Triton (macOS, Windows) runs to its end: its setup cell says
 Triton is absent, each cell marked ``# needs Triton`` prints what it needs instead of running,
-and every other cell runs on PyTorch. Notebooks 05-07 (their set-up through
+and every other cell runs on PyTorch. Notebooks 04-07 (their set-up through
 `interpret_without_cuda`) and 08 (`label_triton_cells`), through the workbook runner, with
 Triton hidden from the runner and its kernel (`support.without_triton`)."""
 
@@ -16,7 +16,8 @@ from moe_lab.workbench.lab.triton_mode import NEEDS_TRITON
 
 ROOT = Path(__file__).resolve().parents[3]
 # Each notebook, and a line one of its PyTorch cells prints after its first Triton cell.
-RAN_AFTER = {"05_fused_router": "imbalance",
+RAN_AFTER = {"04_dropless_sync_free": "inline permute → grouped GEMM → unpermute == dropless layer",
+             "05_fused_router": "imbalance",
              "06_mxfp8_attention": "bytes per attention forward",
              "07_fused_grouped_gemm": "of the unfused chain's time is in the stages the fusions remove",
              "08_cuda_graphs": "host syncs in 5 consecutive steps"}
