@@ -1,9 +1,10 @@
 """A notebook on a machine without Triton (macOS, Windows) runs to its end: its setup cell says
 Triton is absent, each cell marked ``# needs Triton`` prints what it needs instead of running,
-and every other cell runs on PyTorch. Notebooks 04-07 (their set-up through
-`interpret_without_cuda`) and 08 (`label_triton_cells`), through the workbook runner, with
-Triton hidden from the runner and its kernel (`support.without_triton`)."""
+and every other cell runs on PyTorch. Each notebook with Triton cells (03 and 08 call
+`label_triton_cells` in their set-up, 04-07 through `interpret_without_cuda`), through the
+workbook runner, with Triton hidden from the runner and its kernel (`support.without_triton`)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,47 @@ from moe_lab.workbench.lab.triton_mode import NEEDS_TRITON
 
 ROOT = Path(__file__).resolve().parents[3]
 # Each notebook, and a line one of its PyTorch cells prints after its first Triton cell.
-RAN_AFTER = {"04_dropless_sync_free": "inline permute → grouped GEMM → unpermute == dropless layer",
+RAN_AFTER = {"03_triton_from_zero": "the expert GEMM reaches the ridge at about",
+             "04_dropless_sync_free": "inline permute → grouped GEMM → unpermute == dropless layer",
              "05_fused_router": "imbalance",
              "06_mxfp8_attention": "bytes per attention forward",
              "07_fused_grouped_gemm": "of the unfused chain's time is in the stages the fusions remove",
              "08_cuda_graphs": "host syncs in 5 consecutive steps"}
+
+
+# What only runs with Triton installed: Triton itself, moe_lab's kernels, and the compile report
+# (which imports them). A code cell holding any of these must be marked.
+NEEDS_TRITON_CODE = re.compile(
+    r"^\s*(import triton|from triton\b|from moe_lab\.kernels\b|import moe_lab\.kernels\b"
+    r"|from moe_lab\.workbench\.compile_report\b|from moe_lab\.workbench\.exercises\.\w+_triton\b)"
+    r"|@(triton\.)?jit\b|\btl\.(constexpr|program_id|arange|load|store)\b"
+    r"|expert_backend=\"triton|router_impl=\"triton",
+    re.M)
+NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_every_cell_that_needs_triton_is_marked(notebook):
+    """The static half: no unmarked cell imports Triton, a kernel or the compile report, or asks
+    for a Triton implementation by name (the runs below catch what this misses)."""
+    cells = nbformat.read(ROOT / "notebooks" / f"{notebook}.ipynb", as_version=4).cells
+    code = [cell.source for cell in cells if cell.cell_type == "code"]
+    unmarked = [source for source in code
+                if not source.lstrip().startswith(NEEDS_TRITON) and NEEDS_TRITON_CODE.search(source)]
+    assert unmarked == [], f"{notebook}: cells that need Triton without {NEEDS_TRITON!r}:\n" + \
+        "\n---\n".join(unmarked)
+
+
+def test_the_static_check_finds_what_needs_triton():
+    for source in ("import triton", "from moe_lab.kernels import common", "@triton.jit\ndef k(): ...",
+                   "x = tl.arange(0, 4)", "def k(N: tl.constexpr): pass",
+                   'MoELayer(cfg, expert_backend="triton")',
+                   "from moe_lab.workbench.compile_report import traffic"):
+        assert NEEDS_TRITON_CODE.search(source), source
+    for source in ('BACKENDS = [b for b in ("torch", "triton") if b in EXPERT_BACKENDS]',
+                   "for label, tl in timelines.items(): print(tl.step_s)",
+                   "from moe_lab.workbench.lab.triton_mode import interpret_without_cuda"):
+        assert not NEEDS_TRITON_CODE.search(source), source
 
 
 def _text(cell) -> str:
