@@ -61,6 +61,7 @@ SAME_WORKER = {
     "mx_compiled": ("tests/workbench/compile_report/test_mx_compiled.py",),
     "tma_compiled": ("tests/workbench/compile_report/test_grouped_gemm_tma_compiled.py",),
     "workbook": ("tests/workbench/lab/test_workbook.py",),
+    "no_triton": ("tests/workbench/lab/test_notebook_without_triton.py",),
 }
 
 

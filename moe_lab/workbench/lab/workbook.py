@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -51,6 +52,8 @@ from moe_lab.workbench.measure.ledger import (
 )
 
 KERNEL_NAME = "python3"
+# What running a notebook needs beyond moe_lab (pyproject.toml's notebooks extra), by module.
+NOTEBOOK_TOOLING = ("papermill", "ipykernel", "nbformat", "nbconvert", "matplotlib")
 # Seconds each notebook should take under a profile (PROFILES in moe_lab.workbench.lab.profiles):
 # smoke is the CI size; full is for a GPU or a patient reader.
 NOTEBOOK_BUDGET_S = {"smoke": 90.0, "full": 1800.0}
@@ -472,7 +475,13 @@ def write_results_md(
 
 
 def run(args: argparse.Namespace) -> int:
-    """The ``workbook`` command: 0 when every notebook ran, 1 when any failed."""
+    """The ``workbook`` command: 0 when every notebook ran, 1 when any failed, 2 when the
+    notebooks' tooling is not installed (moe_lab installs without it: the ``notebooks`` extra)."""
+    missing = [name for name in NOTEBOOK_TOOLING if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"workbook: running the notebooks needs {', '.join(missing)}, not installed here: "
+              "pip install -e '.[lab]' (make workbook does)", file=sys.stderr)
+        return 2
     runs = run_workbook(
         profile=args.profile,
         only=args.only,

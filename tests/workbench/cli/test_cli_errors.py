@@ -325,3 +325,13 @@ def test_compile_prints_its_report_when_it_cannot_save_it(capsys, tmp_path, monk
     assert rows and all(not row.get("error") for row in rows)
     assert f"the report could not be written into {blocker / 'out'}" in err
     assert "error: the ledger" in err and "Traceback" not in err
+
+
+def test_the_workbook_without_the_notebook_tooling_says_what_to_install(capsys, monkeypatch, tmp_path):
+    """moe_lab installs without its notebook tooling (the notebooks extra): the workbook command
+    then names what is missing and the install line, and runs nothing."""
+    monkeypatch.setitem(sys.modules, "papermill", None)  # as if not installed: find_spec -> None
+    code, lines = _cli(capsys, "workbook", "--only", "01", "--no-html", "--out", str(tmp_path))
+    assert code == 2
+    _one_line(lines, "workbook: running the notebooks needs papermill", "pip install -e '.[lab]'")
+    assert list(tmp_path.iterdir()) == []

@@ -65,16 +65,28 @@ def _text(cell) -> str:
     return "".join(out.get("text", "") for out in outputs if out.get("output_type") == "stream")
 
 
+@pytest.fixture(scope="module")
+def workbook_without_triton(tmp_path_factory):
+    """Every notebook with Triton cells, run once by the workbook runner (one process, a kernel
+    each) with Triton hidden: ``(the runner's exit, its output, the build folder)``. The file is
+    one unit of tests/conftest.py's SAME_WORKER, so the run happens once."""
+    tmp = tmp_path_factory.mktemp("no_triton")
+    env = {**without_triton(tmp / "hide"), "MOE_LAB_RESULTS_DIR": str(tmp / "results")}
+    done = subprocess.run([sys.executable, "-m", "moe_lab", "workbook", "--only", *sorted(RAN_AFTER),
+                           "--no-html", "--out", str(tmp / "build")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    return done, tmp / "build"
+
+
 @pytest.mark.slow
 @pytest.mark.notebook
 @pytest.mark.parametrize("notebook", sorted(RAN_AFTER))
-def test_a_notebook_runs_to_its_end_with_its_triton_cells_labelled(notebook, tmp_path):
-    env = {**without_triton(tmp_path / "hide"), "MOE_LAB_RESULTS_DIR": str(tmp_path / "results")}
-    done = subprocess.run([sys.executable, "-m", "moe_lab", "workbook", "--only", notebook, "--no-html",
-                           "--out", str(tmp_path / "build")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    executed = nbformat.read(tmp_path / "build" / "workbook" / f"{notebook}.ipynb", as_version=4)
+def test_a_notebook_runs_to_its_end_with_its_triton_cells_labelled(notebook, workbook_without_triton):
+    done, build = workbook_without_triton
+    failed = [line for line in done.stderr.splitlines() if line.startswith(f"FAILED {notebook}")]
+    assert failed == [] and (build / "workbook" / f"{notebook}.ipynb").exists(), \
+        done.stdout[-3000:] + done.stderr[-3000:]
+    executed = nbformat.read(build / "workbook" / f"{notebook}.ipynb", as_version=4)
     code = [cell for cell in executed.cells if cell.cell_type == "code"]
     marked = [i for i, cell in enumerate(code) if cell.source.lstrip().startswith(NEEDS_TRITON)]
     assert marked, f"{notebook} has no cell marked {NEEDS_TRITON!r}"

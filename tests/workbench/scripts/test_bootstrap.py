@@ -35,7 +35,7 @@ def _python(env: Path) -> str:
 def test_moe_lab_installs_beside_the_pythons_own_torch_and_reports_each_notebook(tmp_path):
     checkout = _checkout(tmp_path)
     hosted = tmp_path / "hosted"
-    venv.EnvBuilder(with_pip=True).create(hosted)
+    venv.EnvBuilder(with_pip=False).create(hosted)  # pip too is the image's, found through the .pth
     ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     purelib = subprocess.run([_python(hosted), "-c", ask], check=True, capture_output=True,
                              text=True).stdout.strip()
