@@ -70,6 +70,19 @@ def build_wheel(out: Path) -> Path:
     return wheel
 
 
+def env_beside_this_python(env: Path) -> tuple[Path, Path]:
+    """A fresh virtual environment at ``env`` that sees this Python's packages (torch, triton,
+    pip) through a ``.pth`` line to their site-packages, as a GPU image's Python sees its own:
+    ``(its python, its own site-packages)``."""
+    venv.EnvBuilder(with_pip=False).create(env)
+    python = env / "bin" / "python"
+    ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = Path(subprocess.run([str(python), "-c", ask], check=True, capture_output=True,
+                                  text=True).stdout.strip())
+    (purelib / "beside.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python, purelib
+
+
 def missing_sources(wheel: Path) -> list[str]:
     """The plug-in's C++ sources the wheel does not hold."""
     with zipfile.ZipFile(wheel) as archive:
@@ -98,12 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2. the wheel holds the plug-in's {len(CPP_SOURCES)} C++ sources")
 
     env = out / "venv"
-    venv.EnvBuilder(with_pip=True).create(env)
-    env_python = env / "bin" / "python"
-    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    env_site = Path(subprocess.run([str(env_python), "-c", purelib], check=True, capture_output=True,
-                                   text=True).stdout.strip())
-    (env_site / "beside-torch.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    env_python, _ = env_beside_this_python(env)
     subprocess.run([str(env_python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     str(wheel)], check=True)
     print(f"3. installed into a fresh environment beside this Python's torch ({env})")

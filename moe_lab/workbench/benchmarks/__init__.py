@@ -14,3 +14,11 @@ BENCHMARKS = {
     "ep": "moe_lab.workbench.benchmarks.ep",
     "time-to-train": "moe_lab.workbench.benchmarks.ttt",
 }
+
+
+def untimed_triton(names: str, triton_mode: str) -> str:
+    """The note of a benchmark whose Triton providers ``names`` are not timed here, where
+    `capabilities().triton_mode` is ``"interpreted"`` or ``"absent"``."""
+    if triton_mode == "interpreted":
+        return f"{names}: Triton is interpreted here; checked in tests, not timed"
+    return f"{names}: Triton is not installed here (Linux only); not run"

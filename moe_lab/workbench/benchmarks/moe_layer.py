@@ -37,6 +37,7 @@ from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.layer import MoELayer
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.sync import count_syncs
+from moe_lab.workbench.benchmarks import untimed_triton
 from moe_lab.workbench.measure import ceilings, ledger
 from moe_lab.workbench.measure.timing import compare
 from moe_lab.workbench.quiet import library_notes_silenced
@@ -115,9 +116,7 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
         providers["fused"] = clone("fused")
         providers["fused_atomic"] = clone("fused_atomic")
     else:
-        notes.append(f"dropless triton, fused, fused_atomic: Triton is {capabilities().triton_mode} "
-                     "here; " + ("checked in tests, not timed" if capabilities().triton_mode == "interpreted"
-                                 else "not run (Triton installs on Linux only)"))
+        notes.append(untimed_triton("dropless triton, fused, fused_atomic", capabilities().triton_mode))
     if include_hf:
         try:
             for impl in ("eager", "batched_mm", "grouped_mm"):

@@ -32,6 +32,7 @@ from moe_lab.checks import positive_int
 from moe_lab.config import MoEConfig
 from moe_lab.moe.router import route_from_logits, routing_agreement
 from moe_lab.perf.capabilities import capabilities
+from moe_lab.workbench.benchmarks import untimed_triton
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.measure.kernel_count import count_compiled_kernels, count_kernels
 from moe_lab.workbench.measure.timing import compare
@@ -93,10 +94,8 @@ def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
             return fused_route_from_logits(logits, cfg, bias)
 
         providers["triton fp32"] = (triton_fp32, torch.float32)
-    elif capabilities().triton_mode == "interpreted":
-        notes.append("triton fp32: Triton is interpreted here; checked in tests, not timed")
     else:
-        notes.append("triton fp32: Triton is not installed here (Linux only); not run")
+        notes.append(untimed_triton("triton fp32", capabilities().triton_mode))
     notes.append("unfused: torch.topk as frameworks use it; compiled and triton keep the "
                  "lowest-index tie rule (the compiled chain by a top-k of packed keys)")
     return providers, notes

@@ -3,8 +3,8 @@ without reinstalling it, and reports the path each notebook takes. Here the "hos
 fresh virtual environment that sees this one's packages (torch, triton, the notebook tooling) the
 way a hosted image's Python sees its own: a ``.pth`` line to their site-packages."""
 
+import importlib.util
 import shutil
-import site
 import subprocess
 import venv
 from pathlib import Path
@@ -27,31 +27,31 @@ def _checkout(tmp_path: Path) -> Path:
     return copy
 
 
-def _python(env: Path) -> str:
-    return str(env / "bin" / "python")
+def _wheel_check():
+    """scripts/wheel_check.py, whose fresh environment beside this Python's packages stands in
+    for a hosted image's Python."""
+    spec = importlib.util.spec_from_file_location("wheel_check", ROOT / "scripts" / "wheel_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.slow
 def test_moe_lab_installs_beside_the_pythons_own_torch_and_reports_each_notebook(tmp_path):
     checkout = _checkout(tmp_path)
-    hosted = tmp_path / "hosted"
-    venv.EnvBuilder(with_pip=False).create(hosted)  # pip too is the image's, found through the .pth
-    ask = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    purelib = subprocess.run([_python(hosted), "-c", ask], check=True, capture_output=True,
-                             text=True).stdout.strip()
-    (Path(purelib) / "image.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    python, purelib = _wheel_check().env_beside_this_python(tmp_path / "hosted")
     import torch
 
-    done = subprocess.run([_python(hosted), str(checkout / "scripts" / "bootstrap.py")], cwd=tmp_path,
+    done = subprocess.run([str(python), str(checkout / "scripts" / "bootstrap.py")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert f"1. torch {torch.__version__}" in out
     assert "3. torch untouched" in out and "torch changed" not in done.stderr
     # Neither torch nor triton landed in the hosted environment; moe_lab did, from the checkout.
-    assert not (Path(purelib) / "torch").exists() and not (Path(purelib) / "triton").exists()
+    assert not (purelib / "torch").exists() and not (purelib / "triton").exists()
     ask = "import moe_lab, torch; print(moe_lab.__file__); print(torch.__file__)"
-    where = subprocess.run([_python(hosted), "-c", ask], cwd=tmp_path, capture_output=True, text=True,
+    where = subprocess.run([str(python), "-c", ask], cwd=tmp_path, capture_output=True, text=True,
                            check=True)
     moe_lab_file, torch_file = where.stdout.split()
     assert Path(moe_lab_file).is_relative_to(checkout) and torch_file == torch.__file__
@@ -65,7 +65,8 @@ def test_moe_lab_installs_beside_the_pythons_own_torch_and_reports_each_notebook
 def test_a_python_without_torch_is_told_where_to_go(tmp_path):
     bare = tmp_path / "bare"
     venv.EnvBuilder(with_pip=False).create(bare)
-    done = subprocess.run([_python(bare), str(ROOT / "scripts" / "bootstrap.py")], cwd=tmp_path,
+    script = str(ROOT / "scripts" / "bootstrap.py")
+    done = subprocess.run([str(bare / "bin" / "python"), script], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "this Python has no torch" in done.stderr and "Where to run it" in done.stderr
