@@ -23,8 +23,12 @@ them as the steady state of a 1F1B pipeline does (`moe_lab.parallel.merged_model
 of micro-batch ``i+1`` merged, block by block, with the backward of micro-batch ``i``, so that
 each one's expert-parallel all-to-alls travel while the other computes (``--chunks`` > 1
 also chunk-pipelines each MoE layer). The default ``--schedule plain`` runs the whole batch
-through autograd at once. The update is the same up to float32 rounding and the auxiliary
-losses, which 1f1b computes per micro-batch (as gradient accumulation does).
+through autograd at once. The update is the same up to rounding and the auxiliary losses,
+which 1f1b computes per micro-batch (as gradient accumulation does).
+
+On a GPU the model runs in bfloat16 (`model_dtype`), on a CPU in float32: the 1F1B stages
+run their expert GEMMs on ``torch._grouped_mm``, which on CUDA syncs the host inside the op
+in any other dtype (`moe_lab.moe.experts.check_no_hidden_sync`), and the schedule would stall there.
 """
 
 from __future__ import annotations
@@ -102,6 +106,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --seed must be an integer in [0, {MAX_SEED}], got {args.seed}")
 
 
+def model_dtype(device: torch.device) -> torch.dtype:
+    """What the model computes in: bfloat16 on CUDA (the only dtype in which the 1F1B stages'
+    ``torch._grouped_mm`` keeps off the host there), float32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def build_groups(ep_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """EP groups of consecutive ranks, and the expert-data-parallel groups across them."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -159,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(block.ffn, MoELayer) and not isinstance(block.ffn, EPMoELayer):
             block.ffn = from_layer(block.ffn, ep_group, mode=args.mode,
                                    capacity_factor=args.capacity_factor)
-    model.to(device)
+    dtype = model_dtype(device)
+    model.to(device, dtype)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -202,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     steady = sorted(times[1:] or times)
     summary = {
         "preset": args.preset, "world_size": world, "ep_size": ep_size, "backend": dist.get_backend(),
-        "device": device.type, "backend_reason": backend_reason, "mode": args.mode,
+        "device": device.type, "dtype": str(dtype).removeprefix("torch."),
+        "backend_reason": backend_reason, "mode": args.mode,
         "steps": args.steps, "schedule": args.schedule,
         "microbatches": args.microbatches if merged is not None else 1,
         "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],

@@ -1,5 +1,6 @@
-"""What several test files share: routings as a router makes them, and compiling a kernel
-module's `CompileSpec` list for a GPU the way the compile report does (no GPU needed).
+"""What several test files share: routings as a router makes them, MXFP8 operands, and
+compiling a kernel module's `CompileSpec` list for a GPU the way the compile report does (no
+GPU needed).
 
 On the path as ``support`` (pytest's ``pythonpath`` setting): ``from support import topk``.
 """
@@ -125,3 +126,34 @@ def mounted_tmpfs(options: str):
         if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(folder)], capture_output=True)
         folder.rmdir()
+
+
+def mx_operands(rows: int, k: int, device, spread: float = 4.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh MXFP8 operands ``(codes [rows, k], scales [rows, k/32])``: values over several
+    binades, quantized by the reference quantizer."""
+    from moe_lab.quant.mx import quantize
+
+    binades = torch.exp2(torch.randint(-6, 7, (rows, k // 32)).float()).repeat_interleave(32, 1)
+    mx = quantize(torch.randn(rows, k) * binades * spread, dim=-1)
+    return mx.data.to(device), mx.scale.to(device)
+
+
+def abs_product(a, a_s, b, b_s) -> torch.Tensor:
+    """``|dequant(a)| · |dequant(b)|ᵀ`` in float64 for MXFP8 operands: the scale of a
+    summation's rounding bound."""
+    from moe_lab.kernels.mx_gemm import mx_gemm_reference
+    from moe_lab.quant.mx import E4M3
+
+    ones_a, ones_b = a.view(torch.uint8) & 0x7F, b.view(torch.uint8) & 0x7F
+    return mx_gemm_reference(ones_a.view(E4M3), a_s, ones_b.view(E4M3), b_s)
+
+
+def grouped_mx_operands(gen, counts: list[int], n: int, k: int, device) -> list[torch.Tensor]:
+    """Operands of a grouped MXFP8 GEMM: ``[a, a_scale, b, b_scale, offsets]``, ``sum(counts)``
+    rows of ``a`` over ``len(counts)`` experts, each with an ``[n, k]`` weight."""
+    from moe_lab.quant.mx import quantize
+
+    a = quantize(torch.randn(sum(counts), k, generator=gen) * 3, dim=-1, scale_mode="rceil")
+    b = quantize(torch.randn(len(counts), n, k, generator=gen), dim=-1, scale_mode="rceil")
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    return [t.to(device) for t in (a.data, a.scale, b.data, b.scale, offsets)]

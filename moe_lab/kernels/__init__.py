@@ -14,7 +14,7 @@ Each module reads as a Triton tutorial does: the story, the kernels, the launch 
 ``launch_config`` and a wrapper that checks and allocates), the autograd binding, the
 reference. What they share — the `jit` that decides compiled or interpreted, the tile
 schedule, the K loops, the rounding store — is ``common``; ``launch`` holds `LaunchConfig`;
-``tuning`` the GPU's tuned table that overrides the grouped GEMM's rule, and the tuner.
+``tuning`` the GPU's tuned table that overrides the grouped GEMM's rule.
 """
 
 import importlib.util

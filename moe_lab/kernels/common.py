@@ -12,15 +12,19 @@ nothing set, and a caller's own ``@triton.jit`` kernels stay as Triton makes the
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from moe_lab.perf.capabilities import triton_interpreted
+
+if TYPE_CHECKING:
+    from triton.runtime.interpreter import InterpretedFunction
 
 Tensor = torch.Tensor
 
@@ -43,6 +47,7 @@ def _library_interpreted() -> Iterator[None]:
     compiled are swapped for interpreted copies (as Triton's interpreter swaps its builtins),
     then put back: outside moe_lab's launches the caller's Triton is as it was."""
     import triton.experimental.gluon  # noqa: F401 - imported lazily by a launch; it wants the library as made
+    from triton.runtime.interpreter import InterpretedFunction
     swapped = []
     for module in _LIBRARY:
         for name, value in list(vars(module).items()):
@@ -112,18 +117,26 @@ def _language_patched_once() -> Iterator[None]:
         interpreter._patch_lang = patch
 
 
-class _Interpreted(InterpretedFunction):
-    """An interpreted moe_lab kernel: each launch runs with Triton's library interpreted."""
+@functools.cache
+def _interpreted_kernel() -> type[InterpretedFunction]:
+    """The class of interpreted kernels, made at the first one: Triton's interpreter imports
+    NumPy, which a process that only compiles need not have (torch and triton suffice)."""
+    from triton.runtime.interpreter import InterpretedFunction
 
-    def run(self, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
-        with _library_interpreted(), _scalars_index(), _language_patched_once():
-            return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+    class _Interpreted(InterpretedFunction):
+        """An interpreted moe_lab kernel: each launch runs with Triton's library interpreted."""
+
+        def run(self, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
+            with _library_interpreted(), _scalars_index(), _language_patched_once():
+                return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    return _Interpreted
 
 
 def jit(fn: Callable[..., object]) -> JITFunction | InterpretedFunction:
     """``triton.jit`` by moe_lab's rule: a compiled `JITFunction`, or an `InterpretedFunction`
     where `interpreted` says so, whatever ``TRITON_INTERPRET`` said when Triton was imported."""
-    return _Interpreted(fn) if interpreted() else JITFunction(fn)
+    return _interpreted_kernel()(fn) if interpreted() else JITFunction(fn)
 
 
 def check_device(name: str, device: torch.device) -> None:

@@ -13,8 +13,8 @@ Two second GEMMs read them. `fused_moe_mlp_mxfp8`: a prologue decodes codes and 
 registers and feeds the tensor cores in the activation dtype (emulated MXFP8, on Hopper and
 Blackwell alike, weights unquantized), then the weighted-scatter epilogue combines.
 `fused_moe_mlp_mxfp8_native`: the weights are quantized too and both go to the grouped
-block-scaled GEMM (`moe_lab.kernels.mx_gemm`, ``tl.dot_scaled``: native on Blackwell). Forward
-only. The unfused chains close this file.
+block-scaled GEMM (`moe_lab.kernels.mx_gemm`: ``tl.dot_scaled`` on Blackwell, FP8 ``wgmma``
+per 32-wide K block on Hopper). Forward only. The unfused chains close this file.
 """
 
 from __future__ import annotations
@@ -245,9 +245,9 @@ def fused_moe_mlp_mxfp8_native(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row
                                offsets: Tensor, topk_weights: Tensor, *, n_rows: int | None = None) -> Tensor:
     """The MXFP8 path with both operands of the second GEMM in MXFP8, for block-scaled tensor
     cores: `gather_swiglu_mxfp8`'s codes and scales go straight to
-    `moe_lab.kernels.mx_gemm.grouped_mx_gemm` (block-scaled ``tcgen05.mma`` on Blackwell, an
-    upcast to bf16 on Hopper), with ``w_down`` quantized along ``F`` by the Triton quantizer;
-    then the weighted combine (`moe_lab.kernels.permute.unpermute`, not fused here). ``F`` a
+    `moe_lab.kernels.mx_gemm.grouped_mx_gemm` (block-scaled ``tcgen05.mma`` on Blackwell; on Hopper one
+    FP8 ``wgmma`` per 32-wide K block, scaled in fp32), with ``w_down`` quantized along ``F`` by the Triton
+    quantizer; then the weighted combine (`moe_lab.kernels.permute.unpermute`, not fused here). ``F`` a
     multiple of 32. In training the weights' MXFP8 copy would be made once per optimizer step."""
     check_mlp_args(x, w_gate_up, w_down, row_id_map, offsets, topk_weights)
     tokens, top_k = row_id_map.shape

@@ -24,7 +24,6 @@ int64 (one DeepSeek-V3 layer's expert weights hold 3.8·10⁹ elements). Each la
 ``torch.compile`` trace through it.
 """
 
-import dataclasses
 
 import torch
 import triton
@@ -235,25 +234,6 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
 # so whose ``GROUP_M`` is a tuning knob; "dw" walks its experts one after another
 # (`moe_lab.kernels.common.expert_tile_order`, a fixed ``DW_GROUP_K`` inside each).
 TILE_ORDERED = ("gemm", "swiglu")
-
-
-def tune_space(kernel: str, m: int, n: int, k: int, n_experts: int,
-               dtype: torch.dtype) -> list[LaunchConfig]:
-    """What the tuner (`moe_lab.kernels.tuning.autotune`) times for one launch: the rule's
-    config first, then the other tiles of `TILE_SPACE` for ``dtype`` (float32 takes only its
-    CUDA-core tiles), each with 3, 4 and 5 pipeline stages. For the kernels of `TILE_ORDERED`
-    every config carries its ``GROUP_M``: `tile_group`'s for its tile (the rule's order), and
-    the rule's tile and stages are also timed in a few other orders, ``GROUP_M`` = 1 (N tile
-    fastest) and half and twice the rule's: at most three configs more, not three times as many."""
-    rule = choose_config(kernel, m, n, k, n_experts, dtype)
-    fp32 = {"gemm": (0,), "swiglu": (2,), "dw": (0,)}[kernel]
-    tiles = [c for i, c in enumerate(TILE_SPACE[kernel]) if (i in fp32) == (dtype == torch.float32)]
-    space = [rule] + [LaunchConfig(c.blocks, c.num_warps, stages) for c in tiles for stages in (3, 4, 5)]
-    if kernel in TILE_ORDERED:
-        space = [dataclasses.replace(c, group_m=launch_group(c, m, n_experts)) for c in space]
-        group = space[0].group_m
-        space[1:1] = [dataclasses.replace(space[0], group_m=g) for g in (1, group // 2, 2 * group) if g]
-    return [c for i, c in enumerate(space) if c not in space[:i]]
 
 
 def launch_group(config: LaunchConfig, m: int, n_experts: int) -> int:

@@ -123,7 +123,8 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
     column in fp32 registers, added to ``acc`` — no bf16 copy of the operands. Hopper's FP8
     wgmma accumulates with reduced internal precision ("DeepSeek-V3 Technical Report",
     arXiv:2412.19437, on increasing accumulation precision); promoting every 32 products to
-    fp32 bounds that error to one 32-term sum. A GPU would measure it; no check here has.
+    fp32 bounds that error to one 32-term sum, and `moe_lab.workbench.measure.mx_bounds`
+    states the elementwise bound a GPU's result is checked against.
     Under Triton's interpreter it runs too, but its float8 dot decodes the E4M3 NaN code
     0x7F as 480 (hardware: NaN), so there only NaN scales poison.
     ``"emulate"`` (the interpreter's default): codes and scales decoded exactly to fp32, each
@@ -135,8 +136,10 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
     (per block, then across blocks; versus one dot). A 32-term sum is not exact in general
     (products span 2^-18 to 448²: up to 41 bits); any fp32 summation order of n terms is
     within ``γ(n-1) = (n-1)u / (1 - (n-1)u)``, ``u = 2^-24``, of ``Σ|terms|``
-    (Higham, Accuracy and Stability of Numerical Algorithms, 4.2), so each mode is within
-    ``γ(K_total - 1) · (|A|·|B|ᵀ)`` of the exact product (the tests' tolerance).
+    (Higham, Accuracy and Stability of Numerical Algorithms, 4.2), so under the interpreter,
+    whose every dot is IEEE fp32, each mode is within ``γ(K_total - 1) · (|A|·|B|ᵀ)`` of the
+    exact product (the interpreted tests' tolerance). On Hopper the FP8 ``wgmma`` sums each
+    block in a narrower accumulator: `moe_lab.workbench.measure.mx_bounds`.
     """
     if MX_MMA == "scaled":
         acc = tl.dot_scaled(a.to(tl.float8e4nv, bitcast=True), a_scale, "e4m3",
@@ -230,8 +233,9 @@ def launch_config(m: int, n: int, k: int, interpreted: bool, mma: str = "scaled"
     """Tiles for an ``[M, N, K]`` MXFP8 GEMM (one or grouped). Compiled: 128×128×64 (two
     scale bytes per row per step), 8 warps, 3 stages — 128 rows is the M of one block-scaled
     ``tcgen05.mma`` per CTA, and the FP8 tiles (8 KB each per stage) stay in shared memory.
-    At ``BLOCK_K`` 128 Hopper's upcast path (bf16 copies of both FP8 tiles in registers)
-    spills in the grouped kernel. ``mma="fp8_promote"`` (Hopper): 128×64×32, one FP8
+    (``mma="scaled"`` forced on sm_90 lowers ``tl.dot_scaled`` to bf16 copies of both FP8
+    tiles in registers, which spill in the grouped kernel at ``BLOCK_K`` 128; `mx_mma_mode`
+    gives sm_90 ``"fp8_promote"``.) ``mma="fp8_promote"`` (Hopper): 128×64×32, one FP8
     ``wgmma`` K block per step straight from shared memory (a wider K tile is split in
     registers); at ``BLOCK_N`` 128 the fp32 partial beside the accumulator spills.
     Interpreted: the interpreter pays per program, so blocks as large as the problem allows."""

@@ -1,25 +1,21 @@
-"""Launch configs measured rather than reasoned: the tuned table, and the tuner that fills it.
+"""Launch configs measured rather than reasoned: the tuned table a launch reads.
 
 `moe_lab.kernels.grouped_gemm.choose_config` is a rule: a reasoned default. On a GPU the
 right tile, warp count, pipeline depth and tile order (``GROUP_M``, otherwise
 `moe_lab.kernels.common.tile_group`'s) are a measurement, so the grouped GEMM's kernels
-(forward, SwiGLU, dW) look a launch up first in a *tuned table*:
-``results/<gpu>/tuned_configs.json`` beside the package, written by ``scripts/gpu_check.py``
-on that GPU and committed. (The fused kernels keep the rule: a prologue or epilogue changes
-their registers, so a tile tuned on the plain kernel need not suit them.) A table maps a *key*
-(kernel, dtype, rows per expert rounded up to a power of two, N, K) to the winning
-`LaunchConfig`. Keys the table lacks, a GPU without a table, Triton's interpreter and the
-compile report (which has no device) all get the rule, and so does the tile order of a row
-that records no ``group_m`` (tables written before the tuner varied it stay valid). The rule,
-in `tile_group`'s order, is also the first config of every tuning space
-(`moe_lab.kernels.grouped_gemm.tune_space`), so a tuned launch can only replace the rule
-by something that measured faster.
+(forward, SwiGLU, dW) look a launch up first in a *tuned table*,
+``moe_lab/kernels/tuned/<gpu>.json``. (The fused kernels keep the rule: a prologue or
+epilogue changes their registers, so a tile tuned on the plain kernel need not suit them.)
+A table maps a *key* (kernel, dtype, rows per expert rounded up to a power of two, N, K) to
+the winning `LaunchConfig`. Keys the table lacks, a GPU without a table, Triton's
+interpreter and the compile report (which has no device) all get the rule, and so does the
+tile order of a row that records no ``group_m``.
 
-`autotune` times each config of a space with a caller's timer (on CUDA
-``triton.testing.do_bench``, as ``triton.autotune`` does) by running the real op under
-`forcing`, and returns the fastest. It runs where it is called (gpu_check's tuning
-section), never inside a launch: timing a kernel is not allowed while a CUDA graph is being
-captured or ``torch.compile`` traces, and a step must not pause to benchmark itself.
+The tuner that fills a table is a measurement, not part of a launch
+(`moe_lab.workbench.measure.autotune`, times each config through the real op under
+`forcing`; the rule first, so a tuned launch can only replace it by something faster).
+``scripts/gpu_check.py`` writes a GPU's table into its run's results, never here: a table
+is adopted by copying it here and committing it, so no run reads back a table it wrote.
 """
 
 from __future__ import annotations
@@ -28,23 +24,24 @@ import contextlib
 import functools
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from moe_lab.kernels.launch import LaunchConfig
 
-TUNED_FILE = "tuned_configs.json"
-RESULTS = Path(__file__).resolve().parents[2] / "results"  # the repository's results folder
+TUNED_FILE = "tuned_configs.json"  # the name of the table in a gpu_check run's results
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"  # the tables launches read: <gpu slug>.json
 _FORCED: dict[str, LaunchConfig] = {}
 
 
 def gpu_slug(name: str) -> str:
     """The results folder of a GPU: ``"NVIDIA H200"`` -> ``"nvidia_h200"`` (each run of
     characters other than letters, digits, ``_``, ``.`` and ``-`` becomes one ``_``, none at
-    the ends, lower case). ``scripts/gpu_check.py`` writes a GPU's results, its tuned table
-    among them, to this folder and names its section files by it too."""
+    the ends, lower case). ``scripts/gpu_check.py`` writes a GPU's results to this folder
+    (under ``results/``) and names its section files by it too; an adopted tuned table is
+    ``TUNED_DIR/<slug>.json``."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower()
 
 
@@ -88,7 +85,7 @@ def tuned_config(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: tor
         return _FORCED[kernel]
     if device is None or device.type != "cuda":
         return None
-    path = RESULTS / gpu_slug(torch.cuda.get_device_name(device)) / TUNED_FILE
+    path = TUNED_DIR / f"{gpu_slug(torch.cuda.get_device_name(device))}.json"
     return load_table(path).get(table_key(kernel, m, n, k, n_experts, dtype))
 
 
@@ -110,33 +107,4 @@ def forcing(kernel: str, config: LaunchConfig) -> Iterator[None]:
             _FORCED[kernel] = previous
 
 
-def autotune(kernel: str, space: Sequence[LaunchConfig], run: Callable[[], object],
-             time_fn: Callable[[Callable[[], object]], float]) -> tuple[LaunchConfig, list[float]]:
-    """``(fastest config, seconds of each)``: ``run`` (a call of the op that launches
-    ``kernel``) timed by ``time_fn`` under each config of ``space``. A config that fails to
-    launch (out of shared memory on this GPU) is timed as infinite; if all fail, the error."""
-    if not space:
-        raise ValueError(f"space must hold at least one LaunchConfig for {kernel!r}")
-    times, errors = [], []
-    for config in space:
-        try:
-            with forcing(kernel, config):
-                times.append(float(time_fn(run)))
-        except (RuntimeError, ValueError) as exc:  # e.g. triton's OutOfResources
-            times.append(float("inf"))
-            errors.append(exc)
-    if len(errors) == len(space):
-        raise errors[0]
-    return space[min(range(len(space)), key=times.__getitem__)], times
-
-
-def table_entry(config: LaunchConfig) -> dict:
-    """``config`` as a tuned table stores it (``group_m`` only where the config sets it)."""
-    entry = {"blocks": dict(config.blocks), "num_warps": config.num_warps, "num_stages": config.num_stages}
-    if config.group_m is not None:
-        entry["group_m"] = config.group_m
-    return entry
-
-
-__all__ = ["RESULTS", "TUNED_FILE", "autotune", "forcing", "gpu_slug", "load_table", "table_entry",
-           "table_key", "tuned_config"]
+__all__ = ["TUNED_DIR", "TUNED_FILE", "forcing", "gpu_slug", "load_table", "table_key", "tuned_config"]

@@ -14,7 +14,8 @@ Ways to run all experts over rows grouped by expert (``grouped_forward(x, offset
 - ``loop`` — the reference: every expert on every row, each row keeping its own expert's
   result: ``n_experts`` times the work, plainly right and free of host syncs;
 - ``torch`` — ``torch._grouped_mm`` over the offsets, as the custom op
-  ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it;
+  ``moe_lab::grouped_mm`` so fake tensors and ``torch.compile`` can trace it (on CUDA
+  bfloat16 only: `check_no_hidden_sync`);
 - ``triton`` — moe_lab's Triton grouped GEMM with SwiGLU fused into the first GEMM's
   epilogue (`moe_lab.kernels.grouped_gemm`);
 - ``triton_tma`` — the persistent TMA grouped GEMM for both GEMMs, SwiGLU between them
@@ -138,6 +139,23 @@ def swiglu(h: Tensor) -> Tensor:
         return _SwiGLU.apply(h)
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _on_cuda(device: torch.device) -> bool:  # a named gate: the tests stand in for it
+    return device.type == "cuda"
+
+
+def check_no_hidden_sync(backend: str, device: torch.device, dtype: torch.dtype, name: str,
+                         fix: str = ".bfloat16() or expert_backend='triton'") -> None:
+    """Raise a ValueError naming ``name`` (and the ``fix``) where the expert backend ``backend``
+    would, for rows of ``dtype`` on ``device``, sync the host inside a C++ operator, out of sight
+    of `count_syncs` and of the fake-tensor certificate: ``torch`` on CUDA in any dtype but
+    bfloat16, where ``torch._grouped_mm`` takes a fallback that copies the offsets to the host,
+    https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/GroupedMMUtils.h"""
+    if backend == "torch" and _on_cuda(device) and dtype != torch.bfloat16:
+        raise ValueError(f"{name}: torch._grouped_mm (expert backend 'torch') in {dtype} on CUDA "
+                         "syncs the host inside the op, unseen by count_syncs and the certificate "
+                         f"(only bfloat16 takes its sync-free kernel); use {fix}")
 
 
 @dataclass(frozen=True)
@@ -286,9 +304,7 @@ def _loop_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
 
 
 def _torch_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
-    if x.is_cuda and x.dtype != torch.bfloat16:
-        raise ValueError(f"expert backend 'torch' on CUDA needs bfloat16 (torch._grouped_mm's CUDA "
-                         f"kernel), got {x.dtype}; use .bfloat16() or expert_backend='triton'")
+    check_no_hidden_sync("torch", x.device, x.dtype, "x")
     return experts.grouped_two_gemms(x, offsets, grouped_mm)
 
 

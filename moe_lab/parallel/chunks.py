@@ -31,7 +31,7 @@ import torch
 
 from moe_lab.checks import positive_int
 from moe_lab.moe.dispatch import sort_by_expert
-from moe_lab.moe.experts import grouped_mm, grouped_mm_wgrad, swiglu
+from moe_lab.moe.experts import check_no_hidden_sync, grouped_mm, grouped_mm_wgrad, swiglu
 from moe_lab.parallel.ep import EPMoELayer, received_order
 from moe_lab.parallel.timeline import Event, Timeline
 
@@ -132,8 +132,8 @@ class Chunk:
 class ChunkStages:
     """The stage arithmetic of a dropless `EPMoELayer` step, chunk by chunk (no collectives).
 
-    The experts run on ``moe_lab::grouped_mm`` whatever the layer's expert backend (on CUDA
-    that means bf16, ``torch._grouped_mm``'s restriction there). Parameter gradients accumulate
+    The experts run on ``moe_lab::grouped_mm`` whatever the layer's expert backend: on CUDA
+    bf16 only (anything else syncs inside: `check_no_hidden_sync`). Parameter gradients accumulate
     into the layer's ``.grad``. ``aux_scale``: None back-propagates the output's gradient only;
     a number also back-propagates the chunk's auxiliary and z losses (weighted by the config's
     coefficients) with that factor (a training step: 1 / micro-batches).
@@ -148,6 +148,10 @@ class ChunkStages:
         if layer.experts.quant is not None:
             raise ValueError("the chunked stages write the expert backward for unquantised experts; "
                              f"layer.experts.quant is {layer.experts.quant!r}")
+        w = layer.experts.w_gate_up
+        check_no_hidden_sync("torch", w.device, w.dtype, "layer (the stages run its experts on "
+                             f"moe_lab::grouped_mm, not on its backend {layer.experts.backend!r})",
+                             "model.bfloat16()")
         self.layer = layer
         self.aux_scale: float | None = None
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from moe_lab.checks import positive_int
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -125,14 +127,13 @@ def gpu_spec(name: str) -> GPUSpec:
 
 
 def roofline(peak_flops: float, bandwidth: float, intensity: float | np.ndarray) -> float | np.ndarray:
-    """Attainable FLOP/s = ``min(peak_flops, bandwidth * intensity)``.
-
-    ``peak_flops`` in FLOP/s, ``bandwidth`` in bytes/s, ``intensity`` in FLOP/byte (a
-    number or an array of them; the result has the same shape).
-    """
+    """Attainable FLOP/s = ``min(peak_flops, bandwidth * intensity)``: ``peak_flops`` in FLOP/s,
+    ``bandwidth`` in bytes/s, ``intensity`` in FLOP/byte (a number or an array of them; the
+    result has the same shape)."""
     for arg, value in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
         if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
             raise ValueError(f"{arg} must be a finite number > 0, got {value!r}")
+    import numpy as np  # here, not at the top: the GPU check imports this module without NumPy
     arr = np.asarray(intensity, dtype=float)
     if np.any(~(arr >= 0)):
         raise ValueError(f"intensity must be >= 0 FLOP/byte, got {intensity!r}")

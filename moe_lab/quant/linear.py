@@ -162,7 +162,7 @@ def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True,
 class _TritonMXLinearFunction(torch.autograd.Function):
     """`_MXLinearFunction`'s recipe with Triton kernels: every operand quantized by
     `moe_lab.kernels.mx_quantize.mx_quantize` (row- and column-wise copies from one read), every GEMM
-    an `moe_lab.kernels.mx_gemm.mx_gemm` (``tl.dot_scaled``) accumulating in float32."""
+    an `moe_lab.kernels.mx_gemm.mx_gemm` accumulating in float32 (`TritonMXLinear` says how)."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
@@ -206,10 +206,10 @@ class _TritonMXLinearFunction(torch.autograd.Function):
 
 
 class TritonMXLinear(MXLinear):
-    """`MXLinear` with its GEMMs on block-scaled tensor cores: the Triton quantizer and the
-    ``tl.dot_scaled`` GEMM (native MXFP8 on Blackwell; upcast to bf16 on Hopper; the
-    decomposed, exactly equivalent path under Triton's interpreter). Same recipe, same
-    parameters; its products differ from the emulation's only in summation order."""
+    """`MXLinear` on FP8 tensor cores: the Triton quantizer and MXFP8 GEMM (`moe_lab.kernels.mx_gemm.mx_dot`:
+    block-scaled ``tl.dot_scaled`` on Blackwell, one FP8 ``wgmma`` per 32-wide K block scaled in fp32 on
+    Hopper, decoded exactly under Triton's interpreter). Same recipe, same parameters; its products
+    differ from the emulation's only in summation order."""
 
     backend = "triton"
 
@@ -234,8 +234,8 @@ def triton_mxfp8_status() -> tuple[bool, str]:
         return False, "Triton does not compile for a GPU here"
     if not caps.native_mxfp8:
         major, minor = caps.cuda_capability
-        return False, (f"{caps.device_name} is SM {major}.{minor}: tl.dot_scaled upcasts to bf16 "
-                       "below SM 10.0")
+        return False, (f"{caps.device_name} is SM {major}.{minor}: no block-scaled MMA below SM 10.0 "
+                       "(the Triton GEMM runs FP8 wgmma per 32-wide K block, scales applied in fp32)")
     return True, "compiled Triton on an SM 10.0+ GPU: tl.dot_scaled is block-scaled tcgen05.mma"
 
 

@@ -50,6 +50,7 @@ from moe_lab.config import holds
 from moe_lab.data import Batch
 from moe_lab.model import MoETransformer
 from moe_lab.moe.balance import update_expert_bias
+from moe_lab.moe.experts import check_no_hidden_sync
 from moe_lab.moe.stash import PagedStash
 from moe_lab.training.optim import CLIP_STEPS, Schedule, lr_schedule
 from moe_lab.training.sync import assert_sync_free
@@ -227,7 +228,8 @@ class SyncFreeStep:
     ``model``. ``stash`` (a `moe_lab.moe.stash.PagedStash` attached to the model) pages the
     experts' saved activations; see ``StepConfig.overflow_policy``.
 
-    `certify` proves the whole step sync-free (`moe_lab.training.sync.assert_sync_free`).
+    `certify` proves the whole step sync-free (`moe_lab.training.sync.assert_sync_free`); a
+    sync inside a C++ operator it cannot see is refused here (`check_no_hidden_sync`).
     `moe_lab.training.graphs.GraphedStep` captures `run` in a CUDA graph. ``clip_step`` names
     the clip + optimizer update (`moe_lab.training.optim.CLIP_STEPS`), looked up once here.
     """
@@ -238,6 +240,9 @@ class SyncFreeStep:
                  clip_step: str = "torch") -> None:
         if not isinstance(model, MoETransformer):
             raise ValueError(f"model must be an MoETransformer, got {type(model).__name__}")
+        for ex in (layer.experts for layer in model.moe_layers):  # as the certificate runs them
+            check_no_hidden_sync(ex.backend, ex.w_gate_up.device, ex.w_gate_up.dtype, "model",
+                                 "model.bfloat16() or expert_backend='triton'")
         self.cfg = cfg or StepConfig()
         self.model = model
         self.optimizer = optimizer

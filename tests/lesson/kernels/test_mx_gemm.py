@@ -7,6 +7,8 @@ float64 reference is fp32 accumulation in another order, bounded by the standard
 summation bound ``|C − C₆₄| ≤ γ · (|A|·|B|ᵀ)`` with ``γ = (K + 2)·2⁻²⁴`` (one rounding per
 product and per addition, K terms). Where every product and partial sum is an integer
 below 2²⁴, no order rounds at all, and the kernel must equal the reference exactly.
+Hopper's FP8 ``wgmma`` sums each block in about 14 bits, outside that bound: its own is
+`moe_lab.workbench.measure.mx_bounds` (tests/workbench/measure/test_mx_bounds.py).
 (The compiled paths, ``MX_MMA="scaled"``/``"fp8_promote"``, are
 tests/workbench/compile_report/test_specs.py's.)
 """
@@ -15,35 +17,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import abs_product, grouped_mx_operands, mx_operands
 
 from moe_lab.kernels.mx_gemm import mx_gemm, mx_gemm_reference
-from moe_lab.quant.mx import E4M3, E8M0, quantize
+from moe_lab.quant.mx import E4M3, E8M0
 
 E4M3_MAX_CODE, E4M3_NAN_CODE, E8M0_NAN = 0x7E, 0x7F, 0xFF
 
 
-def operands(rows: int, k: int, device, spread: float = 4.0):
-    """Fresh MXFP8 operands: values over several binades, quantized by the reference."""
-    binades = torch.exp2(torch.randint(-6, 7, (rows, k // 32)).float()).repeat_interleave(32, 1)
-    x = torch.randn(rows, k) * binades
-    mx = quantize(x * spread, dim=-1)
-    return mx.data.to(device), mx.scale.to(device)
-
-
 def assert_within_fp32_bound(c: torch.Tensor, a, a_s, b, b_s) -> None:
     ref = mx_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())
-    absolute = _abs_product(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())
+    absolute = abs_product(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())
     k = a.shape[1]
     bound = (k + 2) * 2.0**-24 * absolute
     err = (c.cpu().double() - ref).abs()
     assert torch.isfinite(ref).all()
     assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
-
-
-def _abs_product(a, a_s, b, b_s) -> torch.Tensor:
-    """``|dequant(a)| · |dequant(b)|ᵀ`` in float64: the scale of the rounding bound."""
-    ones_a, ones_b = a.view(torch.uint8) & 0x7F, b.view(torch.uint8) & 0x7F
-    return mx_gemm_reference(ones_a.view(E4M3), a_s, ones_b.view(E4M3), b_s)
 
 
 @pytest.mark.parametrize("m, n, k", [
@@ -53,8 +42,8 @@ def _abs_product(a, a_s, b, b_s) -> torch.Tensor:
     (64, 64, 64),    # exactly one tile
 ])
 def test_matches_the_reference_within_the_fp32_summation_bound(device, m, n, k):
-    a, a_s = operands(m, k, device)
-    b, b_s = operands(n, k, device)
+    a, a_s = mx_operands(m, k, device)
+    b, b_s = mx_operands(n, k, device)
     assert_within_fp32_bound(mx_gemm(a, a_s, b, b_s), a, a_s, b, b_s)
 
 
@@ -74,7 +63,7 @@ def test_exact_where_no_summation_order_rounds(device):
     assert torch.equal(c.cpu().double(), mx_gemm_reference(a8, a_s, b8, b_s))
 
 
-def _smallest_scale_operands(m, n, k):
+def _smallest_scale_mx_operands(m, n, k):
     """Integer codes 1..15 whose a-blocks alternate between scale bytes 0 (2^-127, the E8M0
     value that is an fp32 subnormal) and 100 (2^-27), against b-scales 2^100 and 2^0: every
     product is an integer times 2^-27, every partial sum exact, so the kernel must give the
@@ -88,7 +77,7 @@ def _smallest_scale_operands(m, n, k):
 
 
 def test_the_smallest_scale_byte_decodes_to_two_to_the_minus_127(device):
-    a8, a_s, b8, b_s = _smallest_scale_operands(37, 19, 128)
+    a8, a_s, b8, b_s = _smallest_scale_mx_operands(37, 19, 128)
     want = mx_gemm_reference(a8, a_s, b8, b_s)
     only_small = mx_gemm_reference(a8[:, :32], a_s[:, :1], b8[:, :32], b_s[:, :1])
     assert (only_small != 0).all()  # the 2^-127 blocks contribute
@@ -97,8 +86,8 @@ def test_the_smallest_scale_byte_decodes_to_two_to_the_minus_127(device):
 
 
 def test_bf16_output_is_the_rounded_fp32_result(device):
-    a, a_s = operands(33, 64, device)
-    b, b_s = operands(17, 64, device)
+    a, a_s = mx_operands(33, 64, device)
+    b, b_s = mx_operands(17, 64, device)
     c32 = mx_gemm(a, a_s, b, b_s)
     c16 = mx_gemm(a, a_s, b, b_s, out_dtype=torch.bfloat16)
     assert c16.dtype == torch.bfloat16 and torch.equal(c16, c32.to(torch.bfloat16))
@@ -106,8 +95,8 @@ def test_bf16_output_is_the_rounded_fp32_result(device):
 
 def test_zero_blocks_and_max_magnitude_codes(device):
     m, n, k = 40, 24, 128
-    a, a_s = operands(m, k, device)
-    b, b_s = operands(n, k, device)
+    a, a_s = mx_operands(m, k, device)
+    b, b_s = mx_operands(n, k, device)
     a, a_s, b, b_s = (t.view(torch.uint8).clone() for t in (a, a_s, b, b_s))
     a[:, 32:64] = 0  # a zero block, with the all-zero scale 2^-127
     a_s[:, 1] = 0
@@ -121,8 +110,8 @@ def test_zero_blocks_and_max_magnitude_codes(device):
 
 def test_nan_codes_and_nan_scales_poison_their_row_or_column(device):
     m, n, k = 20, 12, 64
-    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
-    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    a, a_s = (t.view(torch.uint8).clone() for t in mx_operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in mx_operands(n, k, device))
     a[3, 40] = E4M3_NAN_CODE | 0x80  # -NaN code in row 3
     b_s[7, 1] = E8M0_NAN  # NaN scale for column 7's second block
     c = mx_gemm(a.view(E4M3), a_s, b.view(E4M3), b_s).cpu()
@@ -139,8 +128,8 @@ def test_a_nan_scale_reaches_only_its_own_column_when_k_ends_mid_tile(device):
     row's scales, where the next row's first scale byte sits. A mask off by one there reads
     it, and a NaN there poisons the column before it (0 × NaN is NaN)."""
     m, n, k = 9, 6, 96
-    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
-    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    a, a_s = (t.view(torch.uint8).clone() for t in mx_operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in mx_operands(n, k, device))
     b_s[4, 0] = E8M0_NAN  # column 4's first block; column 3's row of scales ends just before it
     a_s[6, 0] = E8M0_NAN  # row 6's first block; row 5's scales end just before it
     c = mx_gemm(a.view(E4M3), a_s, b.view(E4M3), b_s).cpu()
@@ -155,8 +144,8 @@ def test_a_nan_code_reaches_only_its_own_column_when_k_ends_mid_tile(device):
     """The same for the codes: past a row's last code (K = 96, mid tile) lies the next row's
     first, and a K mask off by one reads it (times a masked zero: NaN where it is NaN)."""
     m, n, k = 9, 6, 96
-    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
-    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    a, a_s = (t.view(torch.uint8).clone() for t in mx_operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in mx_operands(n, k, device))
     b[4, 0] = E4M3_NAN_CODE  # column 4's first code; column 3's codes end just before it
     a[6, 0] = E4M3_NAN_CODE  # row 6's first code; row 5's codes end just before it
     c = mx_gemm(a.view(E4M3), a_s, b.view(E4M3), b_s).cpu()
@@ -166,8 +155,8 @@ def test_a_nan_code_reaches_only_its_own_column_when_k_ends_mid_tile(device):
     assert torch.equal(torch.isnan(c), nan)
 
 def test_empty_rows_give_an_empty_result(device):
-    a, a_s = operands(0, 32, device)
-    b, b_s = operands(5, 32, device)
+    a, a_s = mx_operands(0, 32, device)
+    b, b_s = mx_operands(5, 32, device)
     assert mx_gemm(a, a_s, b, b_s).shape == (0, 5)
 
 
@@ -181,29 +170,19 @@ def test_empty_rows_give_an_empty_result(device):
     (lambda a, a_s, b, b_s: (a, a_s, b, b_s.tolist()), "must be torch.Tensors"),
 ])
 def test_bad_inputs_name_the_argument(change, message):
-    a, a_s = operands(8, 64, "cpu")
-    b, b_s = operands(4, 64, "cpu")
+    a, a_s = mx_operands(8, 64, "cpu")
+    b, b_s = mx_operands(4, 64, "cpu")
     with pytest.raises((ValueError, TypeError), match=message):
         mx_gemm(*change(a, a_s, b, b_s))
 
 
 def test_bad_output_dtype():
-    a, a_s = operands(8, 64, "cpu")
+    a, a_s = mx_operands(8, 64, "cpu")
     with pytest.raises(ValueError, match="out_dtype must be one of"):
         mx_gemm(a, a_s, a, a_s, out_dtype=torch.float16)
 
 
 # ------------------------------------------------------------------ grouped over experts
-
-
-def _grouped_operands(gen, counts, n, k, device):
-    from moe_lab.quant.mx import quantize
-
-    m = sum(counts)
-    a = quantize(torch.randn(m, k, generator=gen) * 3, dim=-1, scale_mode="rceil")
-    b = quantize(torch.randn(len(counts), n, k, generator=gen), dim=-1, scale_mode="rceil")
-    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
-    return [t.to(device) for t in (a.data, a.scale, b.data, b.scale, offsets)]
 
 
 @pytest.mark.parametrize("counts", [
@@ -217,7 +196,7 @@ def test_grouped_mx_gemm_matches_its_reference(counts, out_dtype, device):
     from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
 
     gen = torch.Generator().manual_seed(sum(counts) + len(counts))
-    a, a_s, b, b_s, offsets = _grouped_operands(gen, counts, 48, 96, device)
+    a, a_s, b, b_s, offsets = grouped_mx_operands(gen, counts, 48, 96, device)
     got = grouped_mx_gemm(a, a_s, b, b_s, offsets, out_dtype=out_dtype)
     want = grouped_mx_gemm_reference(a, a_s, b, b_s, offsets)
     assert got.shape == want.shape and got.dtype == out_dtype
@@ -228,7 +207,7 @@ def test_grouped_mx_gemm_matches_its_reference(counts, out_dtype, device):
 def test_grouped_mx_gemm_decodes_the_smallest_scale_byte(device):
     from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
 
-    a8, a_s, b8, b_s = _smallest_scale_operands(40, 24, 96)
+    a8, a_s, b8, b_s = _smallest_scale_mx_operands(40, 24, 96)
     b3 = torch.stack([b8.view(torch.uint8), b8.view(torch.uint8).flip(0)]).view(E4M3)
     b3_s = torch.stack([b_s, b_s])
     offsets = torch.tensor([0, 15, 40], dtype=torch.int32)
@@ -241,7 +220,7 @@ def test_grouped_mx_gemm_padding_rows_special_values_and_errors(device):
     from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
 
     gen = torch.Generator().manual_seed(7)
-    a, a_s, b, b_s, offsets = _grouped_operands(gen, [10, 20, 6], 40, 64, device)
+    a, a_s, b, b_s, offsets = grouped_mx_operands(gen, [10, 20, 6], 40, 64, device)
     offsets[-1] = 30  # rows 30..35 belong to no expert: zeros
     a_s = a_s.clone()
     a_s.view(torch.uint8)[3, 1] = 0xFF  # a NaN scale: that row's outputs are NaN, no other row's
@@ -267,19 +246,19 @@ def test_grouped_mx_gemm_padding_rows_special_values_and_errors(device):
 
 @pytest.mark.parametrize("m, n, k", [(70, 45, 96), (1, 3, 32), (64, 64, 64), (33, 20, 160)])
 def test_fp8_promote_is_within_the_fp32_summation_bound(device, m, n, k):
-    a, a_s = operands(m, k, device, spread=64.0)  # 13 binades between blocks
-    b, b_s = operands(n, k, device)
+    a, a_s = mx_operands(m, k, device, spread=64.0)  # 13 binades between blocks
+    b, b_s = mx_operands(n, k, device)
     c = mx_gemm(a, a_s, b, b_s, mma="fp8_promote")
     assert_within_fp32_bound(c, a, a_s, b, b_s)
     # Both modes within the bound of the exact product: within twice it of each other.
     err = (c - mx_gemm(a, a_s, b, b_s, mma="emulate")).abs().cpu().double()
-    assert (err <= 2 * (k + 2) * 2.0**-24 * _abs_product(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())).all()
+    assert (err <= 2 * (k + 2) * 2.0**-24 * abs_product(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu())).all()
 
 
 def test_the_bound_rejects_one_scale_for_the_whole_tile(device):
     """A plausible fp8_promote bug, block 0's scales applied to every K block, fails the check."""
-    a, a_s = operands(16, 64, device)
-    b, b_s = operands(8, 64, device)
+    a, a_s = mx_operands(16, 64, device)
+    b, b_s = mx_operands(8, 64, device)
     a_s, b_s = a_s.view(torch.uint8).clone(), b_s.view(torch.uint8).clone()
     a_s[:, 1] = a_s[:, 0] + 3  # the second block 8x the first's scale
     one_a, one_b = a_s[:, :1].expand(-1, 2).cpu(), b_s[:, :1].expand(-1, 2).cpu()
@@ -292,8 +271,8 @@ def test_fp8_promote_special_values_non_contiguous_and_grouped(device):
     from moe_lab.kernels.mx_gemm import grouped_mx_gemm, grouped_mx_gemm_reference
 
     m, n, k = 20, 12, 128
-    a, a_s = (t.view(torch.uint8).clone() for t in operands(m, k, device))
-    b, b_s = (t.view(torch.uint8).clone() for t in operands(n, k, device))
+    a, a_s = (t.view(torch.uint8).clone() for t in mx_operands(m, k, device))
+    b, b_s = (t.view(torch.uint8).clone() for t in mx_operands(n, k, device))
     a_s[:, 1] = 0  # 2^-127: the block's partial underflows to (almost) nothing, as emulated
     b_s[7, 2] = E8M0_NAN  # (no NaN code: the interpreter's float8 dot reads 0x7F as 480)
     args = (a.view(E4M3), a_s, b.view(E4M3), b_s)
@@ -303,7 +282,7 @@ def test_fp8_promote_special_values_non_contiguous_and_grouped(device):
     bt = b.view(E4M3).T.contiguous().T  # a column-major view: the wrapper copies it
     assert torch.equal(mx_gemm(a.view(E4M3), a_s, bt, b_s, mma="fp8_promote").isnan(), got.isnan())
     gen = torch.Generator().manual_seed(34)
-    a, a_s, b, b_s, offsets = _grouped_operands(gen, [5, 0, 37, 1], 48, 96, device)
+    a, a_s, b, b_s, offsets = grouped_mx_operands(gen, [5, 0, 37, 1], 48, 96, device)
     got = grouped_mx_gemm(a, a_s, b, b_s, offsets, mma="fp8_promote")
     torch.testing.assert_close(got.double(), grouped_mx_gemm_reference(a, a_s, b, b_s, offsets),
                                rtol=1e-6, atol=1e-5)

@@ -1,4 +1,5 @@
-"""The tuned table and the tuner (moe_lab.kernels.tuning): a committed table overrides the
+"""The tuned table (moe_lab.kernels.tuning) and the tuner (moe_lab.workbench.measure.autotune):
+a committed table overrides the
 grouped GEMM's rule for its GPU's launches only, its tile order (``GROUP_M``) too where a row
 records one; the rule, with `tile_group`'s order, is the first config of every space; every
 config of a space computes the same product; the tuner returns the fastest."""
@@ -15,10 +16,11 @@ from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels import tuning
 from moe_lab.kernels.common import tile_group
 from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.workbench.measure import autotune as tuner
 
 
 def test_a_gpus_folder_is_its_name_in_lower_case_with_one_underscore_per_gap():
-    # the folder gpu_check writes a GPU's results (its tuned table among them) to, and tuned_config reads
+    # the folder gpu_check writes a GPU's results to, and the name of its adopted tuned table
     assert tuning.gpu_slug("NVIDIA H200") == "nvidia_h200"
     assert tuning.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
     assert tuning.gpu_slug("Tesla V100-SXM2-16GB") == "tesla_v100-sxm2-16gb"
@@ -37,12 +39,12 @@ def test_a_key_buckets_rows_per_expert_and_keeps_n_and_k():
 @pytest.mark.parametrize("kernel", gg.KERNELS)
 @pytest.mark.parametrize("dtype", gg.KERNEL_DTYPES)
 def test_the_rule_comes_first_and_the_space_has_no_repeats(kernel, dtype):
-    space = gg.tune_space(kernel, 65536, 7168, 2048, 32, dtype)
+    space = tuner.tune_space(kernel, 65536, 7168, 2048, 32, dtype)
     rule = gg.choose_config(kernel, 65536, 7168, 2048, 32, dtype)
     ordered = kernel in gg.TILE_ORDERED
     group = tile_group(65536, 32, rule.blocks["BLOCK_M"]) if ordered else None
     assert space[0] == dataclasses.replace(rule, group_m=group)  # the rule, in the rule's order
-    assert len(space) == len({json.dumps(tuning.table_entry(c), sort_keys=True) for c in space}) > 1
+    assert len(space) == len({json.dumps(tuner.table_entry(c), sort_keys=True) for c in space}) > 1
     assert {c.num_stages for c in space} >= {3, 4, 5}
     if not ordered:  # dW's grid has no tile order to tune
         assert all(c.group_m is None for c in space)
@@ -56,14 +58,14 @@ def test_the_rule_comes_first_and_the_space_has_no_repeats(kernel, dtype):
 
 
 def test_tile_order_alternatives_are_distinct_and_at_least_one():
-    space = gg.tune_space("gemm", 96, 256, 64, 8, torch.bfloat16)  # 12 rows per expert: GROUP_M 1
+    space = tuner.tune_space("gemm", 96, 256, 64, 8, torch.bfloat16)  # 12 rows per expert: GROUP_M 1
     assert space[0].group_m == 1
     same_tile = [c for c in space if c.blocks == space[0].blocks and c.num_stages == space[0].num_stages]
     assert sorted(c.group_m for c in same_tile) == [1, 2]  # 1 once; no GROUP_M 0
 
 
 def test_without_a_device_or_a_table_the_rule_decides(tmp_path, monkeypatch):
-    monkeypatch.setattr(tuning, "RESULTS", tmp_path)
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     cfg = gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16)
     assert cfg == gg.choose_config("gemm", 4096, 1024, 512, 8, torch.bfloat16)
     assert tuning.tuned_config("gemm", 4096, 1024, 512, 8, torch.bfloat16, torch.device("cpu")) is None
@@ -77,10 +79,9 @@ def test_a_committed_table_overrides_the_rule_on_its_gpu_only(tmp_path, monkeypa
     tuning.load_table.cache_clear()
     winner = LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 5)
     key = tuning.table_key("gemm", 4096, 1024, 512, 8, torch.bfloat16)
-    (tmp_path / "nvidia_h200").mkdir()
-    (tmp_path / "nvidia_h200" / tuning.TUNED_FILE).write_text(
-        json.dumps({"configs": {key: tuning.table_entry(winner)}}))
-    monkeypatch.setattr(tuning, "RESULTS", tmp_path)
+    (tmp_path / "nvidia_h200.json").write_text(
+        json.dumps({"configs": {key: tuner.table_entry(winner)}}))
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     cuda = torch.device("cuda", 0)
     assert gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16,
@@ -105,11 +106,10 @@ def test_a_tables_group_m_reaches_the_launch(tmp_path, monkeypatch):
     ordered = LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4, group_m=1)
     plain = LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4)
     keys = [tuning.table_key("gemm", 4096, n, 512, 8, torch.bfloat16) for n in (1024, 2048)]
-    entries = {keys[0]: tuning.table_entry(ordered), keys[1]: tuning.table_entry(plain)}
+    entries = {keys[0]: tuner.table_entry(ordered), keys[1]: tuner.table_entry(plain)}
     assert entries[keys[0]]["group_m"] == 1 and "group_m" not in entries[keys[1]]
-    (tmp_path / "nvidia_h200").mkdir()
-    (tmp_path / "nvidia_h200" / tuning.TUNED_FILE).write_text(json.dumps({"configs": entries}))
-    monkeypatch.setattr(tuning, "RESULTS", tmp_path)
+    (tmp_path / "nvidia_h200.json").write_text(json.dumps({"configs": entries}))
+    monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     cuda = torch.device("cuda", 0)
     got = gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16, device=cuda)
@@ -151,7 +151,7 @@ def test_a_table_entry_round_trips_and_a_bad_group_m_is_named(tmp_path):
     tuning.load_table.cache_clear()
     configs = {"a": LaunchConfig({"BLOCK_M": 64}, 4, 3, group_m=2), "b": LaunchConfig({"BLOCK_M": 64}, 8, 5)}
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"configs": {key: tuning.table_entry(c) for key, c in configs.items()}}))
+    path.write_text(json.dumps({"configs": {key: tuner.table_entry(c) for key, c in configs.items()}}))
     assert tuning.load_table(path) == configs
     for bad in (0, "two", [2]):
         entry = {"blocks": {"BLOCK_M": 64}, "num_warps": 4, "num_stages": 3, "group_m": bad}
@@ -191,7 +191,7 @@ def test_every_config_of_a_space_computes_the_same_product():
     want = gg.grouped_gemm_reference(x, w, offsets)
     want_dw = torch.stack([x[int(a):int(b)].T @ dy[int(a):int(b)]
                            for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
-    space = gg.tune_space("gemm", x.shape[0], n, k, E, torch.float32)
+    space = tuner.tune_space("gemm", x.shape[0], n, k, E, torch.float32)
     tiles = {}  # each tile in each order (stages change nothing interpreted)
     for config in space:
         tiles.setdefault((json.dumps(config.blocks), config.group_m), config)
@@ -199,7 +199,7 @@ def test_every_config_of_a_space_computes_the_same_product():
     for config in tiles.values():
         with tuning.forcing("gemm", config):
             torch.testing.assert_close(gg.grouped_gemm(x, w, offsets), want, rtol=1e-5, atol=1e-4)
-    for config in gg.tune_space("dw", x.shape[0], n, k, E, torch.float32)[:3]:
+    for config in tuner.tune_space("dw", x.shape[0], n, k, E, torch.float32)[:3]:
         with tuning.forcing("dw", config):
             got = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets, x.shape[0])
             torch.testing.assert_close(got, want_dw, rtol=1e-5, atol=1e-4)
@@ -215,21 +215,48 @@ def test_forcing_is_undone_and_checked():
             pass
 
 
-def test_autotune_returns_the_fastest_and_survives_a_config_that_cannot_launch():
+def triton_launch_errors() -> list[BaseException]:
+    """What Triton really raises when a config cannot run on a GPU (none is a RuntimeError)."""
+    import ast
+
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return [OutOfResources(232448, 232448 - 1024, "shared memory"),
+            PTXASError("ptxas fatal: too many registers"),
+            CompilationError("def k(): pass", ast.parse("x").body[0], "unsupported layout"),
+            RuntimeError("CUDA error: too many resources requested for launch")]
+
+
+@pytest.mark.parametrize("error", range(4))
+def test_autotune_returns_the_fastest_and_survives_a_config_that_cannot_launch(error):
+    failure = triton_launch_errors()[error]
+    assert error == 3 or not isinstance(failure, RuntimeError)  # the real types, not a stand-in
     space = [LaunchConfig({"BLOCK_M": m}, 4, 3) for m in (16, 32, 64)]
-    cost = {16: 3.0, 32: 1.0, 64: None}  # 64: out of shared memory on this GPU
+    cost = {16: 3.0, 32: 1.0, 64: None}  # 64: cannot launch on this GPU
 
     def run() -> None:
         m = tuning._FORCED["gemm"].blocks["BLOCK_M"]
         if cost[m] is None:
-            raise RuntimeError("out of resources")
+            raise failure
         run.last = cost[m]
 
-    winner, times = tuning.autotune("gemm", space, run, lambda fn: (fn(), run.last)[1])
+    winner, times = tuner.autotune("gemm", space, run, lambda fn: (fn(), run.last)[1])
     assert winner == space[1] and times == [3.0, 1.0, float("inf")]
     assert "gemm" not in tuning._FORCED
     with pytest.raises(ValueError, match="at least one"):
-        tuning.autotune("gemm", [], run, lambda fn: 0.0)
+        tuner.autotune("gemm", [], run, lambda fn: 0.0)
     cost[16] = cost[32] = None
-    with pytest.raises(RuntimeError, match="out of resources"):
-        tuning.autotune("gemm", space, run, lambda fn: (fn(), 0.0)[1])
+    with pytest.raises(type(failure)):  # every config failed: the error, not a silent winner
+        tuner.autotune("gemm", space, run, lambda fn: (fn(), 0.0)[1])
+
+
+def test_autotune_does_not_hide_a_bug_in_the_op():
+    """Only launch failures make a config infinite: a bug in the caller's op is raised."""
+    space = [LaunchConfig({"BLOCK_M": m}, 4, 3) for m in (16, 32)]
+
+    def run() -> None:
+        raise TypeError("grouped_gemm() got an unexpected keyword argument")
+
+    with pytest.raises(TypeError):
+        tuner.autotune("gemm", space, run, lambda fn: (fn(), 0.0)[1])

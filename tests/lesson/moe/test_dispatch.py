@@ -7,7 +7,9 @@ import torch
 
 from moe_lab import MoELayer
 from moe_lab.config import MoEConfig
+from moe_lab.moe import experts
 from moe_lab.moe.dispatch import capacity_positions, expert_capacity, sort_by_expert
+from moe_lab.moe.experts import check_no_hidden_sync
 from moe_lab.training.sync import assert_sync_free, count_syncs
 
 BACKENDS = ["loop", "torch", "openmp", "triton"]
@@ -190,6 +192,31 @@ def test_sort_by_expert_is_a_stable_grouping():
 def test_bad_backend_is_refused():
     with pytest.raises(ValueError, match="expert_backend"):
         MoELayer(cfg(), "dropless", "cuda-magic")
+
+
+def test_check_no_hidden_sync_refuses_torch_grouped_mm_off_bf16_on_cuda_only():
+    """torch._grouped_mm on CUDA syncs inside the op in any dtype but bfloat16 (ATen's fallback
+    copies the offsets to the host), where no fake tensor shows it."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for dtype in (torch.float32, torch.float16):
+        with pytest.raises(ValueError, match=rf"w: torch\._grouped_mm \(expert backend 'torch'\) in "
+                           rf"{dtype} on CUDA .*; use \.bfloat16\(\) or expert_backend='triton'"):
+            check_no_hidden_sync("torch", cuda, dtype, "w")
+    check_no_hidden_sync("torch", cuda, torch.bfloat16, "w")
+    check_no_hidden_sync("torch", cpu, torch.float32, "w")  # the CPU tests' configuration
+    for backend in ("loop", "triton", "triton_tma"):
+        check_no_hidden_sync(backend, cuda, torch.float32, "w")
+
+
+def test_torch_backend_refuses_a_hidden_sync_at_forward(monkeypatch):
+    c = cfg()
+    layer = MoELayer(c, "dropless", "torch")
+    x = torch.randn(16, c.d_model)
+    layer(x)  # fp32 on a CPU runs
+    monkeypatch.setattr(experts, "_on_cuda", lambda device: True)  # as if on a GPU (none here)
+    with pytest.raises(ValueError, match=r"x: torch\._grouped_mm .* in torch\.float32 on CUDA"):
+        layer(x)
+    layer.bfloat16()(x.bfloat16())  # bfloat16 takes the sync-free kernel
 
 
 def test_experts_take_their_backend_and_permutation_from_the_registry():

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_lab import preset
+from moe_lab.model import MoETransformer
 from moe_lab.moe.layer import MoELayer
-from moe_lab.parallel.ep import EPMoELayer, ep_budget, rank_experts, split_sizes, traffic_matrix
+from moe_lab.parallel.ep import EPMoELayer, ep_budget, from_layer, rank_experts, split_sizes, traffic_matrix
 from moe_lab.workbench.ranks.equivalence import ep_check_rank
 from moe_lab.workbench.ranks.launch import run_ranks, run_torchrun
 
@@ -141,6 +143,29 @@ def test_train_ep_script_refuses_bad_schedule_arguments():
         assert message.startswith("error:") and all(w in message for w in words), message
     args = script.parse_args(["--schedule", "1f1b", "--microbatches", "4"])
     assert (args.schedule, args.microbatches, args.chunks) == ("1f1b", 4, 1)
+
+
+def test_train_ep_script_runs_bfloat16_on_cuda(one_rank_group, monkeypatch):
+    import importlib.util
+
+    from moe_lab.moe import experts
+    from moe_lab.parallel.merged_model import MergedModelStep
+
+    spec = importlib.util.spec_from_file_location("train_ep", ROOT / "scripts" / "train_ep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.model_dtype(torch.device("cuda")) == torch.bfloat16
+    assert script.model_dtype(torch.device("cpu")) == torch.float32
+    # a model as the script builds it, in the dtype it picks for CUDA, passes the 1F1B step's check
+    monkeypatch.setattr(experts, "_on_cuda", lambda device: True)  # no GPU here
+    torch.manual_seed(0)
+    model = MoETransformer(preset("tiny"), dispatcher="dropless", expert_backend="loop")
+    for block in model.blocks:
+        if isinstance(block.ffn, MoELayer):
+            block.ffn = from_layer(block.ffn)
+    with pytest.raises(ValueError, match="in torch.float32 on CUDA"):
+        MergedModelStep(model)
+    MergedModelStep(model.to(dtype=script.model_dtype(torch.device("cuda"))))
 
 
 def test_train_ep_script_refuses_nccl_without_a_gpu_per_rank(monkeypatch):

@@ -17,7 +17,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
@@ -30,14 +29,6 @@ CONSUMER = {"dispatch": "experts", "combine": "unpermute", "combine⁻¹": "dgra
             "dispatch⁻¹": "permute⁻¹"}
 READERS = {"experts_fwd": "experts", "unpermute": "unpermute", "experts_dgrad": "dgrad",
            "route_bwd": "permute⁻¹"}
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Stream:

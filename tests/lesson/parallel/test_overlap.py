@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from moe_lab.parallel.chunks import chunk_rows
+from moe_lab.config import MoEConfig
+from moe_lab.moe import experts
+from moe_lab.moe.layer import MoELayer
+from moe_lab.parallel.chunks import ChunkStages, chunk_rows
+from moe_lab.parallel.ep import from_layer
 from moe_lab.parallel.overlap import exposed_time
 from moe_lab.parallel.timeline import Event, Timeline
 from moe_lab.workbench.ranks.equivalence import overlap_check_rank
@@ -52,3 +57,17 @@ def test_chunk_rows_cover_the_tokens():
     assert [(r.start, r.stop) for r in chunk_rows(6, 4)] == [(0, 2), (2, 3), (3, 4), (4, 6)]
     with pytest.raises(ValueError, match="n_chunks must be a positive integer, got 0"):
         chunk_rows(10, 0)
+
+
+def test_chunk_stages_refuse_a_layer_whose_grouped_mm_would_sync_on_cuda(one_rank_group, monkeypatch):
+    """The stages run moe_lab::grouped_mm whatever the expert backend; on CUDA that syncs inside
+    the op in any dtype but bfloat16, and the overlapped schedule would stall there. No GPU
+    here: the experts' device check is mocked."""
+    torch.manual_seed(0)
+    layer = from_layer(MoELayer(MoEConfig(**CFG), "dropless", "loop"))
+    ChunkStages(layer)  # fp32 on a CPU is fine
+    monkeypatch.setattr(experts, "_on_cuda", lambda device: True)
+    with pytest.raises(ValueError, match=r"layer \(.*not on its backend 'loop'\): torch\._grouped_mm "
+                       r"\(expert backend 'torch'\) in torch\.float32 on CUDA.*model\.bfloat16\(\)"):
+        ChunkStages(layer)
+    ChunkStages(layer.bfloat16())  # bfloat16 takes the sync-free kernel

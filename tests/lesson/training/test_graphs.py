@@ -10,6 +10,7 @@ import torch
 import moe_lab.training.graphs as graphs
 from moe_lab import preset
 from moe_lab.model import MoETransformer
+from moe_lab.moe import experts
 from moe_lab.training.build import build_model, random_batch
 from moe_lab.training.graphs import EAGER_MODE, GraphedStep, NotCapturableError, capture_advice
 from moe_lab.training.optim import make_optimizer
@@ -56,6 +57,20 @@ def test_refuses_a_step_that_syncs_and_names_the_operator():
     message = str(err.value)
     assert "cannot be captured" in message and "aten.nonzero" in message
     assert "dispatch.py" in message and "Fix:" in message and "dropless" in err.value.advice
+
+
+def test_refuses_experts_that_sync_inside_an_op_before_the_certificate(monkeypatch):
+    """The certificate runs on fake tensors and cannot see torch._grouped_mm's sync inside the
+    op (CUDA, any dtype but bfloat16): the step refuses it before certifying. CUDA mocked."""
+    batch = random_batch(TINY, 2)
+    model, optimizer = build_model(TINY, expert_backend="torch")
+    monkeypatch.setattr(experts, "_on_cuda", lambda device: True)
+    with pytest.raises(ValueError, match=r"model: torch\._grouped_mm .* in torch\.float32 on CUDA"
+                       r".*model\.bfloat16\(\) or expert_backend='triton'"):
+        GraphedStep(model, optimizer, batch, quiet=True)
+    model.bfloat16()
+    graphed = GraphedStep(model, make_optimizer(model), batch, quiet=True)
+    assert graphed.certified and graphed.mode == EAGER_MODE  # no CUDA here to capture on
 
 
 def test_advice_for_each_kind_of_sync():

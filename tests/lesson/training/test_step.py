@@ -13,6 +13,7 @@ import torch
 
 from moe_lab import preset
 from moe_lab.model import MoETransformer
+from moe_lab.moe import experts
 from moe_lab.training.build import build_model, build_sync_free, random_batch
 from moe_lab.training.optim import lr_schedule, make_optimizer
 from moe_lab.training.steps import StepConfig, SyncFreeStep
@@ -74,6 +75,24 @@ def test_certificate_refuses_the_naive_dispatcher():
         step.certify()
     assert err.value.op == "aten.nonzero.default"
     assert "dispatch.py" in err.value.where
+
+
+def test_refuses_experts_that_sync_inside_an_op_on_cuda(monkeypatch):
+    """torch._grouped_mm on CUDA syncs inside the op in any dtype but bfloat16, where the
+    certificate cannot look: the step refuses it when built. No GPU here: the experts'
+    device check is mocked."""
+    batch = random_batch(TINY, 2)
+    model, optimizer = build_model(TINY, expert_backend="torch")
+    SyncFreeStep(model, optimizer, batch)  # fp32 on a CPU is fine
+    monkeypatch.setattr(experts, "_on_cuda", lambda device: True)
+    with pytest.raises(ValueError, match=r"model: torch\._grouped_mm \(expert backend 'torch'\) "
+                       r"in torch\.float32 on CUDA") as err:
+        SyncFreeStep(model, optimizer, batch)
+    assert "model.bfloat16() or expert_backend='triton'" in str(err.value)
+    model.bfloat16()
+    SyncFreeStep(model, make_optimizer(model), batch)  # bfloat16 takes the sync-free kernel
+    loop, loop_optimizer = build_model(TINY, expert_backend="loop")
+    SyncFreeStep(loop, loop_optimizer, batch)  # fp32 with no hidden sync
 
 
 def test_a_real_step_has_no_sync_and_a_read_is_one():

@@ -27,7 +27,7 @@ from moe_lab.kernels import grouped_gemm_tma as tma
 from moe_lab.kernels.common import tile_group
 from moe_lab.workbench.compile_report import reading
 from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, SPEC_TOKENS
-from moe_lab.workbench.compile_report.specs.grouped_gemm_tma import LAUNCHES
+from moe_lab.workbench.compile_report.specs.grouped_gemm_tma import LAUNCHES, PER_TILE
 
 COMPILE = """
 import importlib, json, sys
@@ -101,8 +101,13 @@ def test_tma_mbarriers_stages_persistent_grid_and_no_spills(compiled):
         assert loads >= 2 and stores >= 1 and row["async_copy"] == "TMA", (what, loads, stores)
         assert row["copies"]["cp_async"] == 0, what  # no per-thread copies left
         assert row["copies"]["mbarrier_inits"] > 0 and row["copies"]["mbarrier_waits"] > 0, what
-        # three descriptors (x, w[e], y) written on the device for each tile
+        # three descriptors (x, w[e], y) written on the device for each tile, each released to
+        # global memory and acquired before use: what the spec's label says (PER_TILE)
         assert sum(op.startswith("tensormap.replace.tile.global_address") for op in ops) == 3, what
+        assert sum(op.startswith("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release")
+                   for op in ops) == 3, what
+        assert sum(op.startswith("fence.proxy.tensormap::generic.acquire") for op in ops) == 3, what
+        assert PER_TILE in row["label"], what
         mma = "wgmma" if c["arch"] == "sm_90" else "tcgen05.mma"
         assert row["mma_class"] == mma and all("bf16" in k or "f16" in k for k in row["mma_kinds"]), what
         # >= 3 stages of both operand tiles in shared memory (bf16: 2 bytes)

@@ -4,6 +4,7 @@ the same files; every check the README promises is among them; a budget that run
 the run cleanly with what finished written; a router id flipped by a near-tie is counted,
 one flipped elsewhere fails."""
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -49,7 +51,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
                      "fused router seq_aux_loss", "graphed step loss vs eager reference (step 1)",
                      "paged stash round trip", "paged step gradients (vs unpaged)",
                      "grouped_gemm_tma bfloat16 fwd", "grouped_gemm_tma float32 dX",
-                     "grouped_gemm_tma bfloat16 dW"):
+                     "grouped_gemm_tma bfloat16 dW", "03 grouped matmul (solution) vs loop",
+                     "04 dropless layer (torch) vs naive", "04 dropless layer (triton) vs naive"):
         assert expected in names, expected
     from moe_lab.kernels.fusions import FUSIONS
 
@@ -72,15 +75,20 @@ def test_gpu_check_cpu_smoke(tmp_path):
     sections = json.loads((out / "sections.json").read_text())
     assert [s["status"] for s in sections] == ["done"] * len(sections)
     assert {s["section"] for s in sections} >= {"fused MoE", "TMA grouped GEMM", "paged stash",
-                                                "registers and spills",
-                                                "12 tokens/s of the optimised step"}
+                                                "registers and spills", "MXFP8 kernels",
+                                                "12 tokens/s of the optimised step", "tuning"}
+    notes = {s["section"]: s.get("note", "") for s in sections}
+    assert "no CUDA device" in notes["sync debug"]  # a no-op on a CPU, and it says so
+    assert {c["section"] for c in checks if "fp8_promote" in c["check"]} == {"MXFP8 kernels"}  # a child's
+    env = json.loads((out / "env.json").read_text())
+    assert env["triton_mode"] == "interpreted" and not [v for v in env["preflight"].values()
+                                                        if not v.startswith("ok")]
     assert len(list((out / "sections").glob("*.json"))) == len(sections)
     tuned = json.loads((out / "tuned_configs.json").read_text())  # the tuner ran, its winners kept
     from moe_lab.kernels import tuning
 
     assert tuned["configs"] and all(tuning._config(e, "test") for e in tuned["configs"].values())
     assert {b["bench"] for b in json.loads((out / "bench.json").read_text())} >= {"tuned gemm", "tuned dw"}
-    env = json.loads((out / "env.json").read_text())
     assert env["torch"] and "summary.md" in {p.name for p in out.iterdir()}
 
 
@@ -112,7 +120,7 @@ def test_a_spent_budget_stops_the_run_cleanly_with_what_finished_written(tmp_pat
 
 def test_bad_budget_is_refused_naming_the_argument(tmp_path):
     proc, _ = run_smoke(tmp_path, "--budget-s", "-1", timeout=60)
-    assert proc.returncode == 2 and "--budget-s must be a positive number of seconds" in proc.stderr
+    assert proc.returncode == 2 and "--budget-s: must be a positive number of seconds" in proc.stderr
 
 
 def load_script():
@@ -203,6 +211,228 @@ def test_the_budget_cuts_a_section_even_when_a_library_wraps_its_interrupt(tmp_p
     def broken():
         raise RuntimeError("a real failure")
 
-    report.run("broken", broken)
-    report.run("wrapped", wrapped)
+    report.run(gpu_check.Section("broken", broken))
+    report.run(gpu_check.Section("wrapped", wrapped))
     assert [s["status"] for s in report.sections] == ["failed", "cut at the budget"]
+
+
+# ------------------------------------------------------------------ a run that keeps its evidence
+
+
+def statuses(out: Path) -> dict[str, str]:
+    return {s["section"]: s["status"] for s in json.loads((out / "sections.json").read_text())}
+
+
+@pytest.mark.timeout(200)
+def test_a_hang_and_a_crash_in_child_sections_cost_those_sections_only_and_a_resume_reruns_them(tmp_path):
+    """The rehearsal: one child section hangs where nothing can interrupt it (the alarm
+    blocked, as in a device wait), another aborts; the sections around them finish, the two
+    are named with what happened, and ``--resume`` reruns just those, keeping the rest."""
+    out = tmp_path / "results"
+    sections = ["permute", "TMA grouped GEMM", "CUDA graph step", "MX quantizer"]
+    proc, _ = run_smoke(out, "--no-bench", "--section-timeout-s", "2", "--sections", *sections,
+                        "--inject", "TMA grouped GEMM=hang", "--inject", "CUDA graph step=crash", timeout=150)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = statuses(out)
+    assert list(got) == ["permute", "MX quantizer", "TMA grouped GEMM", "CUDA graph step"]  # children last
+    assert got["permute"] == got["MX quantizer"] == "done"
+    assert got["TMA grouped GEMM"] == "hung: killed after 2 s"
+    assert got["CUDA graph step"] == "crashed (killed by SIGABRT)"
+    checks = json.loads((out / "checks.json").read_text())
+    failed = {c["section"]: c["error"] for c in checks if not c["ok"]}
+    assert set(failed) == {"TMA grouped GEMM", "CUDA graph step"}, failed
+    assert {c["section"] for c in checks if c["ok"]} == {"permute", "MX quantizer"}
+    summary = (out / "summary.md").read_text()
+    assert "| TMA grouped GEMM | hung: killed after 2 s |" in summary and "SIGABRT" in summary
+
+    proc, _ = run_smoke(out, "--no-bench", "--resume", "--sections", "TMA grouped GEMM", "permute",
+                        timeout=150)  # permute: done already, not run again
+    # the crash is still on record
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = statuses(out)
+    assert again["TMA grouped GEMM"] == "done"
+    assert {k: v for k, v in again.items() if k != "TMA grouped GEMM"} == {
+        k: v for k, v in got.items() if k != "TMA grouped GEMM"}  # the first call's, kept
+    checks = json.loads((out / "checks.json").read_text())
+    assert any(c["check"].startswith("grouped_gemm_tma") and c["ok"] for c in checks)
+    assert any(c["section"] == "permute" and c["ok"] for c in checks)  # kept from the first call
+    assert [c for c in checks if not c["ok"]] == [c for c in checks if c["section"] == "CUDA graph step"]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_killed_from_outside_names_the_section_it_died_in(tmp_path):
+    out = tmp_path / "results"
+    args = ["--cpu-smoke", "--no-bench", "--out", str(out), "--sections", "permute", "TMA grouped GEMM",
+            "--inject", "TMA grouped GEMM=hang"]
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 100
+        while time.monotonic() < deadline:
+            if (out / "sections.json").exists() and statuses(out).get("TMA grouped GEMM") == "running":
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the run never marked its section running")
+    finally:
+        os.killpg(proc.pid, 9)  # the parent and its child, as a lost machine would
+        proc.wait()
+    got = statuses(out)
+    assert got == {"permute": "done", "TMA grouped GEMM": "running"}
+    part = json.loads((out / "sections" / "tma_grouped_gemm.json").read_text())
+    assert part["status"] == "running"
+
+
+def test_sections_skip_and_inject_are_checked_at_the_door(tmp_path, monkeypatch, capsys):
+    gc = load_script()
+    for name in ("TRITON_INTERPRET", "MOE_LAB_NO_CPU_EXTENSION", "TRITON_CACHE_DIR"):  # main sets them
+        monkeypatch.setenv(name, os.environ.get(name, "1" if name != "TRITON_CACHE_DIR" else str(tmp_path)))
+    for args, message in ((["--sections", "permutation"], "unknown section 'permutation'"),
+                          (["--skip", "nope"], "unknown section 'nope'"),
+                          (["--inject", "permute=hang"], "is not a section that runs in a child"),
+                          (["--inject", "TMA grouped GEMM=explode"], "SECTION=hang or SECTION=crash"),
+                          (["--resume"], "no earlier run")):
+        with pytest.raises(SystemExit) as stop:
+            gc.main(["--cpu-smoke", "--out", str(tmp_path / "never"), *args])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, args
+        assert not (tmp_path / "never" / "checks.json").exists()
+
+
+def test_the_smoke_run_writes_under_build_and_a_gpu_run_where_no_launch_reads(monkeypatch):
+    from moe_lab.kernels import tuning
+
+    gc = load_script()
+    assert gc.default_out(None).is_relative_to(gc.ROOT / "build")
+    gpu_out = gc.default_out("NVIDIA H200")
+    assert gpu_out == gc.ROOT / "results" / "nvidia_h200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    read = []
+    monkeypatch.setattr(tuning, "load_table", lambda path: read.append(path) or {})
+    tuning.tuned_config("gemm", 4096, 1024, 512, 8, torch.bfloat16, torch.device("cuda", 0))
+    assert read == [tuning.TUNED_DIR / "nvidia_h200.json"]
+    assert not read[0].is_relative_to(gc.ROOT / "results")  # a run's table is never read back
+
+
+def test_the_tuned_table_is_rewritten_after_every_launch_in_the_out_folder(tmp_path, monkeypatch):
+    from moe_lab.kernels import grouped_gemm, tuning  # noqa: F401 (registers the grouped GEMM ops)
+
+    gc = load_script()
+    out = tmp_path / "nvidia_h200"
+    rep = gc.Report(tmp_path / "report", {"gpu": "NVIDIA H200"}, 60.0)
+    shapes = {"a": dict(n_experts=2, tokens=8, top_k=2, d_model=32, d_expert=16)}
+    launches = gc.layer_launches(2, 16, 32, 16)
+    written, layouts = [], []
+    real_put = gc.put
+
+    def put(path, text):
+        real_put(path, text)
+        if path.name == tuning.TUNED_FILE:
+            written.append(len(json.loads(text)["configs"]))
+
+    def time_fn(fn):  # what the launches were handed
+        fn()
+        return 1.0
+
+    real_op = torch.ops.moe_lab.grouped_gemm
+
+    def record_layout(x, w, offsets, m_bound):
+        layouts.append(w.is_contiguous())
+        return real_op(x, w, offsets, m_bound)
+
+    monkeypatch.setattr(gc, "put", put)
+    monkeypatch.setattr(torch.ops.moe_lab, "grouped_gemm", record_layout)
+    gc.bench_tuning(torch, "cpu", rep, time_fn, shapes, out, small=True)
+    keys = {tuning.table_key(la.kernel, *la.dims, torch.bfloat16) for la in launches}
+    assert written == list(range(1, len(keys) + 1))  # one write per launch tuned, growing
+    assert (out / tuning.TUNED_FILE).is_file() and not any(tmp_path.glob("**/*.tmp"))
+    # the dX launches (the transposed view of the weight) are timed as the layer runs them
+    transposed = [la for la in launches if la.kernel == "gemm" and la.transposed]
+    assert transposed and layouts.count(False) == 2 * len(transposed)  # two configs each
+
+
+def test_the_preflight_stops_a_run_that_would_silently_interpret_on_a_gpu(tmp_path, monkeypatch):
+    gc = load_script()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert gc.main(["--out", str(tmp_path / "out")]) == 2
+    env = json.loads((tmp_path / "out" / "env.json").read_text())
+    assert "every kernel would run interpreted" in env["preflight"]["TRITON_INTERPRET"]
+    assert env["triton_mode"] == "interpreted"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["env.json"]  # nothing ran
+    found = gc.preflight(True, {"CC": str(tmp_path / "no-such-cc"),
+                                "TRITON_CACHE_DIR": str(tmp_path / "c")})
+    assert gc.preflight_failures(found) == [f"C compiler: no C compiler ({tmp_path / 'no-such-cc'}): "
+                                            "Triton builds each kernel's launcher with one"]
+    monkeypatch.setattr(gc.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
+    (tmp_path / "a-file").write_text("")  # a cache path under a file: unwritable, even for root
+    found = gc.preflight(True, {"TRITON_CACHE_DIR": str(tmp_path / "a-file" / "cache")})
+    failures = gc.preflight_failures(found)
+    assert [f.split(":")[0] for f in failures] == ["Python.h", "Triton cache"]
+    assert failures[0].startswith("Python.h: no Python.h in") and "set TRITON_CACHE_DIR" in failures[1]
+    found = gc.preflight(False, {"TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "c")})
+    assert not gc.preflight_failures(found) and "C compiler" not in found  # interpreted: not needed
+
+
+@contextlib.contextmanager
+def sync_debug_stand_in(torch_module, mode):
+    """What ``torch.cuda.set_sync_debug_mode`` does to a sync, on a CPU: ``.item()``,
+    ``.tolist()`` and ``.cpu()`` (a copy to the host, which the host-side counter does not
+    see on a CPU: the stand-in for a sync inside a C++ operator) raise (``"error"``) or warn
+    (``"warn"``) with CUDA's words."""
+    names = ("item", "tolist", "cpu")
+    real = {name: getattr(torch.Tensor, name) for name in names}
+
+    def syncing(name):
+        def call(self, *args, **kwargs):
+            if mode == "error":
+                raise RuntimeError("called a synchronizing CUDA operation")
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+            return real[name](self, *args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(torch.Tensor, name, syncing(name))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(torch.Tensor, name, real[name])
+
+
+def test_the_sync_debug_section_passes_the_sync_free_paths_and_names_a_planted_sync(tmp_path, monkeypatch):
+    gc = load_script()
+    rep = gc.Report(tmp_path, {}, 60.0)
+    rep.current = "sync debug"
+    rep.sections.append({"section": "sync debug", "status": "running"})
+    gc.section_sync_debug(torch, "cpu", rep, True)  # no CUDA, no stand-in: a no-op that says why
+    assert rep.checks == [] and "no CUDA device" in rep.sections[0]["note"]
+
+    monkeypatch.setattr(gc, "SYNC_DEBUG", sync_debug_stand_in)
+    paths = gc.sync_free_paths(torch, "cpu", small=True)
+    assert {"dropless layer fwd+bwd (torch, float32)", "sync-free training step (tiny)"} <= set(paths)
+    x = torch.ones(3)
+    paths["planted"] = lambda: x.sum().item() and None
+    counted = {"two reads": lambda: (x.tolist(), x.sum().item()) and None,
+               "a read the counter misses": lambda: (x.tolist(), x.cpu()) and None}
+    gc.section_sync_debug(torch, "cpu", rep, True, paths, counted)
+    by_name = {c["check"].split(": ", 1)[1]: c for c in rep.checks}
+    assert set(by_name) == set(paths) | set(counted)
+    planted = by_name.pop("planted")
+    assert not planted["ok"] and planted["counted_syncs"] == 1
+    assert "synchronizing" in planted["cuda_detector"] and "test_gpu_check.py" in planted["cuda_detector"]
+    assert (by_name["two reads"]["ok"], by_name["two reads"]["cuda_syncs"]) == (True, 2)
+    missed = by_name.pop("a read the counter misses")
+    assert not missed["ok"] and (missed["cuda_syncs"], missed["counted_syncs"]) == (2, 1)
+    assert all(c["ok"] and c["counted_syncs"] == 0 for name, c in by_name.items() if name != "two reads")
+
+
+def test_the_sync_debug_section_counts_the_1f1b_schedules_syncs(tmp_path, monkeypatch):
+    gc = load_script()
+    monkeypatch.setattr(gc, "SYNC_DEBUG", sync_debug_stand_in)
+    rep = gc.Report(tmp_path, {}, 60.0)
+    gc.section_sync_debug(torch, "cpu", rep, True, paths={})
+    (check,) = rep.checks
+    assert check["check"] == "CUDA's sync count = the counter's: 1F1B schedule step (tiny, one rank)"
+    assert check["counted_syncs"] >= 1 and check["cuda_syncs"] >= 1  # the count exchange, by design
