@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from moe_lab.perf.capabilities import triton_interpreted
+from moe_lab.perf.hardware import ARCHS, gpu_arch
 
 if TYPE_CHECKING:
     from triton.runtime.interpreter import InterpretedFunction
@@ -139,13 +140,25 @@ def jit(fn: Callable[..., object]) -> JITFunction | InterpretedFunction:
     return _interpreted_kernel()(fn) if interpreted() else JITFunction(fn)
 
 
-def check_device(name: str, device: torch.device) -> None:
+def check_device(name: str, device: torch.device, needs: str = "bf16_mma",
+                 what: str = "compiled Triton") -> None:
     """Compiled Triton reads and writes CUDA memory only: a tensor elsewhere is an error
-    naming it (interpreted, any device will do)."""
-    if device.type != "cuda" and not interpreted():
+    naming it (interpreted, any device will do). On CUDA the GPU's row in
+    `moe_lab.perf.hardware.ARCHS` must have ``needs`` (Triton itself needs ``bf16_mma``: sm_80
+    and newer), else one line naming the GPU and what ``what`` requires."""
+    if interpreted():
+        return
+    if device.type != "cuda":
         raise ValueError(
             f"{name} must be on a CUDA device for compiled Triton, got {device} (moe_lab's "
             "kernels run interpreted on a machine without CUDA, or with TRITON_INTERPRET=1)")
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = gpu_arch((major, minor))
+    needs, what = (needs, what) if arch.bf16_mma else ("bf16_mma", "compiled Triton")
+    if not getattr(arch, needs):
+        first = min((a for a in ARCHS.values() if getattr(a, needs)), key=lambda a: a.capability)
+        raise ValueError(f"{what} requires {needs} ({first.arch} or newer); this "
+                         f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}")
 
 
 # ------------------------------------------------------------------ kernel outputs

@@ -52,7 +52,8 @@ from moe_lab.kernels.common import (
     tile_rows,
     tile_schedule,
 )
-from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.kernels.launch import LaunchConfig, fit_stages
+from moe_lab.perf.hardware import GPUArch, gpu_arch
 
 Tensor = torch.Tensor
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -247,14 +248,15 @@ def launch_group(config: LaunchConfig, m: int, n_experts: int) -> int:
 
 def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
                   interpreted: bool, dtype: torch.dtype = torch.bfloat16,
-                  device: torch.device | None = None) -> LaunchConfig:
+                  device: torch.device | None = None, arch: GPUArch | None = None) -> LaunchConfig:
     """Tiles, warps and stages of one launch: ``kernel`` (one of `KERNELS`) over ``m``
     routed rows, ``n`` output columns (``F`` for "swiglu"), reduction depth ``k``, in
     ``dtype``, on ``device``. A config `moe_lab.kernels.tuning.forcing` imposes comes first,
     then on a CUDA device the GPU's tuned table (`moe_lab.kernels.tuning.tuned_config`).
     Otherwise: under the interpreter each program costs a Python round trip, so tiles are
-    as large as the problem allows (rows per expert for ``BLOCK_M``); compiled (and for the
-    compile report, which passes no device), `choose_config` picks from `TILE_SPACE`."""
+    as large as the problem allows (rows per expert for ``BLOCK_M``); compiled, `choose_config`
+    picks from `TILE_SPACE`, with no more stages than the GPU's shared memory holds
+    (`moe_lab.kernels.launch.fit_stages`; the compile report passes its target's ``arch``)."""
     one_of(kernel, "kernel", KERNELS)
     tuned = tuning.tuned_config(kernel, m, n, k, n_experts, dtype, device)
     if tuned is not None:
@@ -266,7 +268,14 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
             "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))),
         }
         return LaunchConfig(blocks, num_warps=4, num_stages=1)
-    return choose_config(kernel, m, n, k, n_experts, dtype)
+    cfg = choose_config(kernel, m, n, k, n_experts, dtype)
+    if device is not None and device.type == "cuda":
+        arch = arch or gpu_arch(torch.cuda.get_device_capability(device))
+    if arch is None:
+        return cfg
+    b = cfg.blocks  # a stage's operand tiles: x [BLOCK_M, BLOCK_K], w [BLOCK_K, BLOCK_N] (swiglu: 2)
+    tiles = (b["BLOCK_M"] + (2 if kernel == "swiglu" else 1) * b["BLOCK_N"]) * b["BLOCK_K"]
+    return fit_stages(cfg, tiles * dtype.itemsize, arch.max_shared_per_block)
 
 
 # --------------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from moe_lab.kernels.common import (
 )
 from moe_lab.kernels.grouped_gemm import KERNEL_DTYPES
 from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.perf.hardware import gpu_arch
 
 Tensor = torch.Tensor
 
@@ -140,8 +141,9 @@ def launch_config(m: int, n: int, k: int, n_experts: int, *, interpreted: bool,
 
 
 def warp_specialized(device: torch.device) -> bool:
-    """Whether the tile loop is warp-specialised: on Blackwell (compute capability 10)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 10
+    """Whether the tile loop is warp-specialised: where `moe_lab.perf.hardware.ARCHS` says so
+    (Blackwell, sm_100)."""
+    return device.type == "cuda" and gpu_arch(torch.cuda.get_device_capability(device)).warp_specialize
 
 
 def default_programs(device: torch.device) -> int:
@@ -264,7 +266,7 @@ def grouped_gemm_tma(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | No
     for name, t in (("w", w), ("offsets", offsets)):
         if t.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
-    check_device("x", x.device)
+    check_device("x", x.device, "tma", "the persistent TMA grouped GEMM (expert_backend='triton_tma')")
     m_bound = x.shape[0] if m_bound is None else int_in(m_bound, "m_bound", 0, x.shape[0])
     programs = positive_int(num_programs, "num_programs", or_none=True) or 0  # 0: the default
     return GroupedGEMMTMA.apply(x, w, offsets.contiguous(), m_bound, programs)

@@ -9,7 +9,7 @@ torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moe_lab.checks import one_of, positive_int
 
@@ -41,4 +41,12 @@ class LaunchConfig:
         positive_int(self.group_m, "LaunchConfig.group_m", or_none=True)
 
 
-__all__ = ["TOKENS_PER_GPU", "LaunchConfig"]
+def fit_stages(config: LaunchConfig, bytes_per_stage: int, max_shared: int) -> LaunchConfig:
+    """``config`` with no more pipeline stages than fit ``max_shared`` bytes of shared memory
+    (a block's limit on its GPU: `moe_lab.perf.hardware.GPUArch.max_shared_per_block`), each
+    stage holding ``bytes_per_stage`` of operand tiles; at least one."""
+    stages = max(1, min(config.num_stages, max_shared // bytes_per_stage))
+    return config if stages == config.num_stages else replace(config, num_stages=stages)
+
+
+__all__ = ["TOKENS_PER_GPU", "LaunchConfig", "fit_stages"]

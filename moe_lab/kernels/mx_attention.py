@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from moe_lab.checks import one_of
-from moe_lab.kernels.common import check_device, interpreted, jit
+from moe_lab.kernels.common import interpreted, jit
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, mx_dot, mx_mma_mode
+from moe_lab.kernels.mx_gemm import check_mma, e4m3_to_fp32, e8m0_to_fp32, mx_dot, mx_mma_mode
 from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor, padded_size
 
@@ -232,7 +232,7 @@ def mx_attention_forward(
     if len(devices) != 1:
         raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
     device = q.data.device
-    check_device("q", device)
+    check_mma("q", device, mma)
     out = torch.empty((bq, h, t_q, d), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out

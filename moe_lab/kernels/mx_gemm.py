@@ -41,6 +41,7 @@ from moe_lab.kernels.common import (
     tile_schedule,
 )
 from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.perf.hardware import GPUArch, gpu_arch
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
 
 Tensor = torch.Tensor
@@ -72,16 +73,36 @@ def e8m0_to_fp32(byte):
     return tl.where(s == 0xFF, float("nan"), bits.to(tl.float32, bitcast=True))
 
 
-MX_MMAS = ("scaled", "fp8_promote", "emulate")
+MX_MMAS = ("scaled", "fp8_promote", "bf16", "emulate")
+MX_MMA_NEEDS = {"scaled": "block_scaled_mma", "fp8_promote": "fp8_mma", "bf16": "bf16_mma"}  # ARCHS
 
 
 def mx_mma_mode(interpreted: bool, device: torch.device | None = None) -> str:
-    """The ``MX_MMA`` a wrapper compiles: ``"emulate"`` under Triton's interpreter,
-    ``"scaled"`` on sm_100 and later (block-scaled ``tcgen05.mma``), ``"fp8_promote"`` below
-    (Hopper: FP8 ``wgmma`` per 32-wide K block, scales applied in fp32 registers)."""
+    """The ``MX_MMA`` a wrapper compiles, by the GPU's row of `moe_lab.perf.hardware.ARCHS`:
+    ``"scaled"`` with block-scaled MMA (sm_100: ``tcgen05.mma``), ``"fp8_promote"`` with FP8
+    tensor cores (sm_89, sm_90: an FP8 MMA per 32-wide K block, scales applied in fp32
+    registers), ``"bf16"`` below (sm_80, sm_86: the operands decoded to bf16, one bf16 MMA);
+    ``"emulate"`` under Triton's interpreter."""
     if interpreted:
         return "emulate"
-    return "scaled" if torch.cuda.get_device_capability(device)[0] >= 10 else "fp8_promote"
+    return mx_mma_of(gpu_arch(torch.cuda.get_device_capability(device)))
+
+
+def mx_mma_of(arch: GPUArch) -> str:
+    """`mx_mma_mode`'s choice on ``arch``, compiled (``"none"`` below sm_80: no Triton there)."""
+    return next((mode for mode, needs in MX_MMA_NEEDS.items() if getattr(arch, needs)), "none")
+
+
+def check_mma(name: str, device: torch.device, mma: str | None) -> None:
+    """`check_device` for a wrapper's operand ``name``, and a forced ``mma`` (one of `MX_MMAS`)
+    this device runs: the GPU has what it needs; ``"bf16"`` runs compiled only (the
+    interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers)."""
+    if mma is not None:
+        one_of(mma, "mma", MX_MMAS)
+        if mma == "bf16" and interpreted():
+            raise ValueError("mma='bf16' runs compiled only: the interpreter's tl.dot multiplies bf16 "
+                             "bit patterns as integers (use 'emulate')")
+    check_device(name, device, MX_MMA_NEEDS.get(mma, "bf16_mma"), f"mma={mma!r}")
 
 
 @jit
@@ -147,13 +168,16 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
     elif MX_MMA == "fp8_promote":
         acc = _promote(a, a_scale, tl.trans(b), b_scale, acc, M, N, K)
     else:
-        tl.static_assert(MX_MMA == "emulate", "MX_MMA must be scaled, fp8_promote or emulate")
+        tl.static_assert((MX_MMA == "emulate") | (MX_MMA == "bf16"), "MX_MMA must be one of MX_MMAS")
         # [M, K] -> [M, K/32, 32] times [M, K/32, 1] -> [M, K]; b likewise as [N, K].
         a_f = tl.reshape(tl.reshape(e4m3_to_fp32(a), (M, K // 32, 32))
                          * e8m0_to_fp32(a_scale)[:, :, None], (M, K))
         b_f = tl.reshape(tl.reshape(e4m3_to_fp32(tl.trans(b)), (N, K // 32, 32))
                          * e8m0_to_fp32(b_scale)[:, :, None], (N, K))
-        acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
+        if MX_MMA == "bf16":  # exact: a 4-bit significand times 2^s fits bf16 (bar |x| < 2^-133)
+            acc = tl.dot(a_f.to(tl.bfloat16), tl.trans(b_f).to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(a_f, tl.trans(b_f), acc, input_precision="ieee")
     return acc
 
 
@@ -286,13 +310,11 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    if mma is not None:
-        one_of(mma, "mma", MX_MMAS)
     devices = {t.device for t in (a, a_scale, b, b_scale)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale must be on one device, got {sorted(map(str, devices))}")
     device = a.device
-    check_device("a", device)
+    check_mma("a", device, mma)
     (m, k), n = a.shape, b.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
@@ -342,14 +364,12 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
                          f"b's experts), got {getattr(offsets, 'dtype', None)} "
                          f"{tuple(getattr(offsets, 'shape', ()))}")
     one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    if mma is not None:
-        one_of(mma, "mma", MX_MMAS)
     devices = {t.device for t in (a, a_scale, b, b_scale, offsets)}
     if len(devices) != 1:
         raise ValueError(f"a, a_scale, b, b_scale, offsets must be on one device, got "
                          f"{sorted(map(str, devices))}")
     device = a.device
-    check_device("a", device)
+    check_mma("a", device, mma)
     m = a.shape[0]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:

@@ -1,11 +1,11 @@
 """What the hardware can do, and what a model asks of it: the capability probe, the GPUs'
-datasheet figures and the roofline, training FLOPs and MFU, the MLPerf results as data, and
-the bytes and launches that fusing moves out of an MoE layer.
+datasheet figures, their architectures' features and the roofline, training FLOPs and MFU,
+and the bytes and launches that fusing moves out of an MoE layer.
 
 - `capabilities` — this machine, probed on first use (``moe_lab.perf.capabilities``);
-- ``hardware`` — datasheet figures of H100/H200/B200/GB200/GB300, the roofline;
+- ``hardware`` — datasheet figures of H100/H200/B200/GB200/GB300, what each GPU
+  architecture a learner may have (sm_75 … sm_100) offers the kernels, the roofline;
 - ``flops`` — training FLOPs per token, TFLOPS per GPU, MFU;
-- ``mlperf`` — NVIDIA's MLPerf Training v6.0 results as data;
 - ``fusion`` — bytes and launches per MoE layer, unfused and fused.
 
 Measuring (timers, the ledger, ceilings, profiles) is the workbench's:

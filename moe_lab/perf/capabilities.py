@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lab.kernels import TRITON_MISSING
+from moe_lab.perf.hardware import gpu_arch
 
 # Blackwell data-centre parts (SM 10.0, 10.3) are the first with block-scaled (MX) FP8
 # tensor-core instructions; Transformer Engine's MXFP8BlockScaling recipe requires them.
@@ -35,8 +36,10 @@ class Capabilities:
 
     ``device`` is ``"cuda"`` or ``"cpu"``; ``device_name`` the GPU name or the CPU model;
     ``n_threads`` torch's intra-op thread count; ``cuda_capability`` ``(major, minor)`` or
-    ``None``; ``triton_mode`` ``"compiled"``, ``"interpreted"`` or ``"absent"`` (no Triton:
-    `moe_lab.kernels.TRITON_MISSING`); ``versions`` maps library names to version strings.
+    ``None``; ``triton_mode`` ``"compiled"``, ``"interpreted"``, ``"absent"`` (no Triton:
+    `moe_lab.kernels.TRITON_MISSING`) or ``"unsupported on sm_75"`` (a GPU older than Triton's
+    sm_80: `moe_lab.kernels.common.check_device` refuses its kernels there); ``versions`` maps
+    library names to version strings.
     """
 
     device: str
@@ -188,6 +191,8 @@ def capabilities() -> Capabilities:
     else:
         device_name, cc, n_devices = _cpu_model(), None, 1
     triton_mode = "absent" if TRITON_MISSING else "interpreted" if interprets_triton(cuda) else "compiled"
+    if triton_mode == "compiled" and cc and not gpu_arch(cc).bf16_mma:  # Triton supports sm_80 on
+        triton_mode = f"unsupported on sm_{cc[0]}{cc[1]}"
     return Capabilities(
         device="cuda" if cuda else "cpu",
         device_name=device_name,

@@ -6,9 +6,10 @@ Each row says where its numbers come from in its ``source`` field (``"datasheet"
 ``"third-party"``, with a note); a figure drawn from this table must be labelled as such.
 What this machine can really do is measured by `moe_lab.workbench.measure.ceilings`.
 
-`SM_LIMITS` holds what one SM of compute capability 9.0 (Hopper) and 10.0 (Blackwell) can
-keep resident — registers, warps, blocks, shared memory — from NVIDIA's programming guide;
-`moe_lab.workbench.compile_report.report` computes a compiled kernel's theoretical occupancy from them.
+`ARCHS` holds what each GPU architecture a reader may have — sm_75 (T4) to sm_100 (B200) —
+offers the kernels (the tensor-core types, TMA, block-scaled MMA) and what one SM of it can
+keep resident (registers, warps, blocks, shared memory): the kernels choose their paths and
+tiles by it, and the compile report computes a kernel's theoretical occupancy from it.
 
 The roofline model: a kernel that performs ``intensity`` FLOPs for every byte it moves
 between memory and the chip can go no faster than ``min(peak_flops, bandwidth *
@@ -152,21 +153,26 @@ def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2.0) -> 
 
 
 @dataclass(frozen=True)
-class SMLimits:
-    """What one streaming multiprocessor (SM) of a compute capability can hold at once: the
-    limits a kernel's theoretical occupancy is computed from (`moe_lab.workbench.compile_report.reading`).
-
-    ``arch``: the compile target (``"sm_90"``); ``gpu``: the table row (`GPUS`) it stands for
-    in reports. Per SM: ``registers_per_sm`` 32-bit registers, ``max_warps_per_sm`` and
-    ``max_blocks_per_sm`` resident warps and thread blocks, ``shared_per_sm`` bytes of shared
-    memory, of which one block may use ``max_shared_per_block``; the difference,
-    ``reserved_shared_per_block``, is kept by the system for every resident block. The
-    allocation units round a block's request up: registers are handed out per warp in
-    units of ``register_alloc_unit``, shared memory in units of ``shared_alloc_unit`` bytes.
-    """
+class GPUArch:
+    """What one GPU architecture offers the kernels, and what one of its streaming
+    multiprocessors (SM) holds at once (a kernel's occupancy follows from it:
+    `moe_lab.workbench.compile_report.reading`). ``gpu``: a GPU of it a reader may have;
+    ``mma``: the tensor-core instruction a Triton dot becomes there. Features: tensor cores
+    for ``bf16_mma`` and ``fp8_mma``, ``block_scaled_mma`` (MX scales applied by the MMA),
+    ``tma``, ``warp_specialize`` (moe_lab's persistent kernel splits its warps by role).
+    Per SM: registers, resident warps and blocks, ``shared_per_sm`` bytes of which a block
+    may use ``max_shared_per_block`` (the rest is reserved per block); registers are handed
+    out per warp in units of ``register_alloc_unit``, shared memory in units of
+    ``shared_alloc_unit`` bytes. ``l2_mb``: the L2 cache of ``gpu``."""
 
     arch: str
     gpu: str
+    mma: str
+    bf16_mma: bool
+    fp8_mma: bool
+    block_scaled_mma: bool
+    tma: bool
+    warp_specialize: bool
     registers_per_sm: int
     max_warps_per_sm: int
     max_blocks_per_sm: int
@@ -174,6 +180,7 @@ class SMLimits:
     max_shared_per_block: int
     register_alloc_unit: int
     shared_alloc_unit: int
+    l2_mb: float
     source: str
 
     @property
@@ -187,26 +194,46 @@ class SMLimits:
 
 
 _KIB = 1024
-_SM_LIMITS_SOURCE = (
-    "NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' "
-    "(registers, resident warps and blocks, shared memory per SM and per block; the 1 KB "
-    "difference is reserved for system use per block); allocation units as NVIDIA's CUDA "
-    "Occupancy Calculator applies them"
-)
+_LIMITS = ("NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' "
+           "(registers, resident warps and blocks, shared memory per SM and per block, 1 KB of it "
+           "reserved per block from 8.0 on); allocation units as NVIDIA's CUDA Occupancy Calculator "
+           "applies them")
+_FEATURES = ("tensor-core types: NVIDIA's Turing, Ampere (GA100, GA102), Ada, Hopper and Blackwell "
+             "architecture whitepapers; TMA from Hopper; block-scaled MMA (tcgen05.mma kind::mxf8f6f4): "
+             "PTX ISA, sm_100a; L2 of the named GPU from its datasheet")
 
-SM_LIMITS: dict[str, SMLimits] = {
-    limits.arch: limits
-    for limits in (
-        SMLimits("sm_90", "H200 SXM", 65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128,
-                 f"compute capability 9.0: {_SM_LIMITS_SOURCE}"),
-        SMLimits("sm_100", "B200", 65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128,
-                 f"compute capability 10.0: {_SM_LIMITS_SOURCE}"),
+def _source(capability: str) -> str:
+    return f"compute capability {capability}: {_LIMITS}; {_FEATURES}"
+
+
+ARCHS: dict[str, GPUArch] = {
+    a.arch: a
+    for a in (  # arch, gpu, mma; bf16 fp8 block-scaled TMA warp-specialised; per SM: registers,
+        #     warps, blocks, shared bytes, per block; allocation units (registers, shared), L2 MB
+        GPUArch("sm_75", "T4", "none", False, False, False, False, False,
+                65536, 32, 16, 64 * _KIB, 64 * _KIB, 256, 256, 4, _source("7.5")),
+        GPUArch("sm_80", "A100", "mma.sync", True, False, False, False, False,
+                65536, 64, 32, 164 * _KIB, 163 * _KIB, 256, 128, 40, _source("8.0")),
+        GPUArch("sm_86", "A10G", "mma.sync", True, False, False, False, False,
+                65536, 48, 16, 100 * _KIB, 99 * _KIB, 256, 128, 6, _source("8.6")),
+        GPUArch("sm_89", "L4", "mma.sync", True, True, False, False, False,
+                65536, 48, 24, 100 * _KIB, 99 * _KIB, 256, 128, 48, _source("8.9")),
+        GPUArch("sm_90", "H200 SXM", "wgmma", True, True, False, True, False,
+                65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128, 50, _source("9.0")),
+        GPUArch("sm_100", "B200", "tcgen05.mma", True, True, True, True, True,
+                65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128, 126, _source("10.0")),
     )
 }
 
 
-def sm_limits(arch: str) -> SMLimits:
-    """The per-SM limits of ``arch`` (``"sm_90"``, ``"sm_100"``)."""
-    if arch not in SM_LIMITS:
-        raise ValueError(f"arch must be one of {sorted(SM_LIMITS)}, got {arch!r}")
-    return SM_LIMITS[arch]
+def gpu_arch(arch: str | tuple[int, int]) -> GPUArch:
+    """The row of ``arch``: a name (``"sm_90"``) or a compute capability (``(8, 6)``): the
+    nearest row at or below it of its major version (an sm_87 is an sm_86); older than the
+    table, sm_75; newer, sm_89, whose features every later GPU has (``wgmma`` and
+    ``tcgen05`` are sm_90a's and sm_100a's alone: an sm_120 is no sm_100)."""
+    if isinstance(arch, str):
+        if arch not in ARCHS:
+            raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+        return ARCHS[arch]
+    same = [a for a in ARCHS.values() if a.capability // 10 == arch[0] and a.capability % 10 <= arch[1]]
+    return same[-1] if same else ARCHS["sm_75" if arch[0] < 8 else "sm_89"]

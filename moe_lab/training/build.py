@@ -25,6 +25,7 @@ from moe_lab.data import Batch
 from moe_lab.model import ModelImpls, MoETransformer
 from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.router import ROUTER_IMPLS
+from moe_lab.perf.capabilities import capabilities
 from moe_lab.quant.linear import apply_mxfp8
 from moe_lab.training.optim import make_optimizer, stock_optimizer
 from moe_lab.training.steps import StepConfig, SyncFreeStep
@@ -90,11 +91,13 @@ def default_impls(device: torch.device | str) -> ModelImpls:
     """The sync-free MoE implementations that run fastest on ``device`` in the core: on CUDA
     the Triton grouped GEMM and the fused Triton router (compiled there); on a CPU the
     ``torch._grouped_mm`` backend and the reference router (Triton is interpreted on a CPU:
-    correct, far too slow to train with). All of them are sync-free."""
-    if torch.device(device).type == "cuda":
+    correct, far too slow to train with); on a GPU without compiled Triton (older than
+    sm_80, say) the loop over experts, ``torch._grouped_mm`` syncing there. All sync-free."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda and capabilities().triton_mode == "compiled":
         router = "triton" if "triton" in ROUTER_IMPLS else "reference"
         return ModelImpls(dispatcher="dropless", expert_backend="triton", router_impl=router)
-    backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
+    backend = "torch" if hasattr(torch, "_grouped_mm") and not cuda else "loop"
     return ModelImpls(dispatcher="dropless", expert_backend=backend)
 
 

@@ -18,7 +18,7 @@ readings of the result tell a kernel's reviewer most of what matters before it e
   (``ld.global`` then ``st.shared``), in which case no copy overlaps the math.
 - **Occupancy**: how many blocks of the kernel fit on one SM at once, the minimum over
   what its registers, its shared memory, the warp limit and the block limit allow
-  (`moe_lab.perf.hardware.SMLimits`). More resident warps hide more latency; a kernel that
+  (`moe_lab.perf.hardware.GPUArch`). More resident warps hide more latency; a kernel that
   feeds its tensor cores asynchronously needs fewer.
 
 Pure text processing: nothing here imports Triton or torch.
@@ -31,7 +31,7 @@ import re
 from collections import Counter
 
 from moe_lab.checks import non_negative_int, positive_int
-from moe_lab.perf.hardware import SMLimits
+from moe_lab.perf.hardware import GPUArch
 
 # ------------------------------------------------------------------------------ resources
 
@@ -234,7 +234,7 @@ def loop_sketch(ptx: str, max_lines: int = 14, width: int = 96) -> list[str]:
 # ------------------------------------------------------------------------------ occupancy
 
 
-def occupancy(registers: int, shared_bytes: int, num_warps: int, limits: SMLimits) -> dict[str, object]:
+def occupancy(registers: int, shared_bytes: int, num_warps: int, limits: GPUArch) -> dict[str, object]:
     """Theoretical occupancy of a kernel using ``registers`` per thread and ``shared_bytes``
     of shared memory per block (its own static + dynamic; the system's reserved kilobyte per
     block, ``limits.reserved_shared_per_block``, is added here), launched with ``num_warps``

@@ -23,7 +23,7 @@ from moe_lab.kernels import fused_moe, fused_mxfp8, mx_gemm
 from moe_lab.kernels.common import DW_GROUP_K, tile_group
 from moe_lab.kernels.grouped_gemm import choose_config
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.perf.hardware import SM_LIMITS, gpu_spec
+from moe_lab.perf.hardware import ARCHS, GPUS, gpu_spec
 from moe_lab.perf.traffic import simulate, simulate_dw
 
 # The acceptance launches: (model, routed rows per expert on one rank, experts, d_model,
@@ -58,9 +58,10 @@ def _some_of(given, table: tuple, name: str) -> tuple[str, ...]:
 
 
 def reports(results: Path = RESULTS) -> dict[str, Path]:
-    """The GPU each compile target stands for (`moe_lab.perf.hardware.SM_LIMITS`) and its compile
-    report in ``results``: ``{"H200 SXM": results / "sm_90.json", "B200": results / "sm_100.json"}``."""
-    return {limits.gpu: Path(results) / f"{arch}.json" for arch, limits in SM_LIMITS.items()}
+    """The GPU each compile target with datasheet rates (`moe_lab.perf.hardware.ARCHS` whose GPU
+    is in `GPUS`) stands for, and its compile report in ``results``:
+    ``{"H200 SXM": results / "sm_90.json", "B200": results / "sm_100.json"}``."""
+    return {a.gpu: Path(results) / f"{arch}.json" for arch, a in ARCHS.items() if a.gpu in GPUS}
 
 
 def blocks_per_sm(report: dict, kernel: str, blocks: dict, warps: int, launch: str | None = None) -> int:

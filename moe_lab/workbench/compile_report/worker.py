@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.perf.hardware import SM_LIMITS, sm_limits
+from moe_lab.perf.hardware import ARCHS, gpu_arch
 from moe_lab.workbench.compile_report import reading
 from moe_lab.workbench.compile_report.specs import KERNEL_PACKAGE, CompileSpec, for_module
 
@@ -44,9 +44,9 @@ def parse_archs(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     """``"sm_90,sm_100"`` (or a list of names) → ``("sm_90", "sm_100")``, each checked."""
     names = [a.strip() for a in (text.split(",") if isinstance(text, str) else text) if a.strip()]
     if not names:
-        raise ValueError(f"arch must name at least one of {sorted(SM_LIMITS)}, got {text!r}")
+        raise ValueError(f"arch must name at least one of {sorted(ARCHS)}, got {text!r}")
     for name in names:
-        sm_limits(name)
+        gpu_arch(name)
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise ValueError(f"arch names {', '.join(twice)} more than once ({text!r}): every row and ledger "
@@ -120,7 +120,7 @@ def _loaded_figures(compiled: Any, arch: str) -> dict[str, Any] | None:
 def identity(spec: CompileSpec, arch: str) -> dict[str, Any]:
     """The fields of a row that say what was compiled, for which architecture, how."""
     return {
-        "kernel": spec.kernel, "label": spec.label, "arch": arch, "gpu": sm_limits(arch).gpu,
+        "kernel": spec.kernel, "label": spec.label, "arch": arch, "gpu": gpu_arch(arch).gpu,
         "blocks": {k: spec.constexprs_for(arch).get(k, v) for k, v in spec.config.blocks.items()},
         "num_warps": spec.config.num_warps,
         "num_stages": spec.config.num_stages, "note": spec.note,
@@ -138,7 +138,7 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    limits = sm_limits(arch)
+    limits = gpu_arch(arch)
     config = spec.config
     sig, constexprs, attrs, divisible = triton_signature(fn, spec.kernel, spec.signature,
                                                           spec.constexprs_for(arch))
@@ -370,7 +370,7 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
                 number += 1
                 rows.append(_compile_row(fn, spec, arch, request.get("cubin_dir"), f"[{number}/{total}]"))
     return {"archs": list(archs), "triton": triton.__version__,
-            "limits": {arch: dataclasses.asdict(sm_limits(arch)) for arch in archs}, "rows": rows}
+            "limits": {arch: dataclasses.asdict(gpu_arch(arch)) for arch in archs}, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 
-from moe_lab.perf import mlperf
+from moe_lab.workbench import mlperf
 from moe_lab.workbench.measure.ledger import format_value
 
 LADDER_METRIC = "step_tokens_per_s"
@@ -210,7 +210,7 @@ def _rung_label(record: dict) -> str:
 
 
 def reported_waterfall() -> Waterfall:
-    """NVIDIA's DeepSeek-V3 climb on GB300 as reported (`moe_lab.perf.mlperf`): before and
+    """NVIDIA's DeepSeek-V3 climb on GB300 as reported (`moe_lab.workbench.mlperf`): before and
     after three months of software work, TFLOPS per GPU. Only the two endpoints are
     published as figures; the per-technique gains are quoted in the text, not stacked here."""
     seed = mlperf.DEEPSEEK_V3_GB300

@@ -83,6 +83,7 @@ def test_a_committed_table_overrides_the_rule_on_its_gpu_only(tmp_path, monkeypa
         json.dumps({"configs": {key: tuner.table_entry(winner)}}))
     monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
     assert gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16,
                             device=cuda) == winner
@@ -111,6 +112,7 @@ def test_a_tables_group_m_reaches_the_launch(tmp_path, monkeypatch):
     (tmp_path / "nvidia_h200.json").write_text(json.dumps({"configs": entries}))
     monkeypatch.setattr(tuning, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda", 0)
     got = gg.launch_config("gemm", 4096, 1024, 512, 8, interpreted=False, dtype=torch.bfloat16, device=cuda)
     assert got == ordered and gg.launch_group(got, 4096, 8) == 1 != tile_group(4096, 8, 64)

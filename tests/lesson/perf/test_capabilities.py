@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import moe_lab.perf as perf
-from moe_lab.perf import hardware, mlperf
+from moe_lab.perf import hardware
+from moe_lab.workbench import mlperf
 
 # `moe_lab.perf.capabilities` names the function on the package, so the module itself is reached
 # through sys.modules.

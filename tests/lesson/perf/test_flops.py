@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from moe_lab.config import preset
-from moe_lab.perf import flops, mlperf
+from moe_lab.perf import flops
+from moe_lab.workbench import mlperf
 from moe_lab.workbench.cli import env as cli
 
 G = 1e9

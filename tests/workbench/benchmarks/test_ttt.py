@@ -390,8 +390,8 @@ def test_mfu_and_the_bound():
 
 
 def test_gb300_projection_is_labelled_and_consistent():
-    from moe_lab.perf import mlperf
     from moe_lab.perf.hardware import gpu_spec
+    from moe_lab.workbench import mlperf
 
     rows = ttt.gb300_projection({"naive": 0.2, "optimised": 0.4})
     kinds = [r["kind"] for r in rows]

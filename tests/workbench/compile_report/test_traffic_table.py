@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_lab.perf.hardware import SM_LIMITS
 from moe_lab.workbench.compile_report import traffic
+from moe_lab.workbench.compile_report.traffic import reports
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,10 @@ def kernel_rows():
 
 
 def test_the_committed_table_is_generated_for_every_compile_target(rows, dw_rows, kernel_rows):
-    assert len(rows) == len(SM_LIMITS) * len(traffic.LAUNCHES) * len(traffic.ACCEPTANCE)
-    assert len(dw_rows) == len(SM_LIMITS) * len(traffic.DW_LAUNCHES) * len(traffic.ACCEPTANCE)
-    assert len(kernel_rows) == len(SM_LIMITS) * len(traffic.KERNEL_LAUNCHES) * len(traffic.ACCEPTANCE)
-    assert {r["gpu"] for r in rows} == {limits.gpu for limits in SM_LIMITS.values()}
+    assert len(rows) == len(reports()) * len(traffic.LAUNCHES) * len(traffic.ACCEPTANCE)
+    assert len(dw_rows) == len(reports()) * len(traffic.DW_LAUNCHES) * len(traffic.ACCEPTANCE)
+    assert len(kernel_rows) == len(reports()) * len(traffic.KERNEL_LAUNCHES) * len(traffic.ACCEPTANCE)
+    assert {r["gpu"] for r in rows} == set(reports())
     assert (traffic.RESULTS / "traffic.md").read_text() == traffic.markdown(rows, dw_rows, kernel_rows)
 
 

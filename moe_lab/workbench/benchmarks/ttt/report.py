@@ -19,9 +19,9 @@ import uuid
 from collections.abc import Sequence
 
 from moe_lab.config import preset
-from moe_lab.perf import mlperf
 from moe_lab.perf.flops import mfu, training_flops_per_token
 from moe_lab.perf.hardware import gpu_spec
+from moe_lab.workbench import mlperf
 from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig, TTTRun
 from moe_lab.workbench.benchmarks.ttt.stacks import Stack
 from moe_lab.workbench.measure import ceilings, ledger
@@ -214,7 +214,7 @@ def gb300_from_reported(gpu: str = "GB300") -> list[dict]:
     Nothing measured here enters: the FLOPs per training token come from
     `moe_lab.perf.flops` (DeepSeek-V3's published config), the TFLOPS per GPU before and
     after three months of software work and the 2.02 minutes on 8,192 GB300 from NVIDIA's
-    MLPerf Training v6.0 blog post (`moe_lab.perf.mlperf`), the peaks from the datasheet table
+    MLPerf Training v6.0 blog post (`moe_lab.workbench.mlperf`), the peaks from the datasheet table
     (`moe_lab.perf.hardware`, third-party figures). Each row: its TFLOPS per GPU, that as a
     share of the BF16 and of the FP8 peak (``of_bf16_peak``, ``of_fp8_peak``: MFU against
     either; the reported run used MXFP8 for its linear layers, so neither alone is its
