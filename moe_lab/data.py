@@ -452,8 +452,8 @@ class TextFileCorpus:
         """``n_per_domain`` windows evenly spaced over ``split``; the same on every call."""
         _check_positive("TextFileCorpus.fixed_eval_set", "n_per_domain", n_per_domain)
         _check_split("TextFileCorpus.fixed_eval_set", split)
-        last = len(self._splits[split]) - self.seq_len - 1
-        starts = torch.linspace(0, last, n_per_domain).round().long()
+        last = len(self._splits[split]) - self.seq_len - 1  # integers: float32 is inexact past 2**24
+        starts = torch.arange(n_per_domain) * last // max(n_per_domain - 1, 1)
         return self._windows(split, starts)
 
 
