@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +25,53 @@ sys.path.insert(0, str(ROOT))
 
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN  # noqa: E402  (after the path is set)
 from moe_lab.workbench.lab.site import headline_rows, on_cpu_or_machine_free  # noqa: E402
-from moe_lab.workbench.measure.ledger import ledger_path, read  # noqa: E402
+from moe_lab.workbench.measure.ledger import LedgerWarning, ledger_path, read  # noqa: E402
+
+# Units whose figures cannot be negative: counts and ratios (a "%" gap and a bare number may be).
+COUNT_UNITS = ("syncs", "x", "×", "B", "warps", "kernels", "ops")
+
+
+def corrupt(record: dict) -> str:
+    """Why ``record`` cannot be published (a time that is not a date or is in the future, a
+    negative count or rate, a share outside [0, 1]), or ``""``: the README must not carry a
+    figure that a corrupted line made."""
+    try:
+        moment = datetime.fromisoformat(str(record.get("time")))
+    except ValueError:
+        return f"its time {record.get('time')!r} is not a date"
+    tomorrow = datetime.now(timezone.utc) + timedelta(days=1)  # a clock a little ahead is no corruption
+    if (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)) > tomorrow:
+        return f"its time {record.get('time')!r} is in the future"
+    value, unit = record["value"], str(record.get("unit") or "")
+    if unit == "fraction" and not 0 <= value <= 1:
+        return f"a fraction of {value!r}, outside [0, 1]"
+    if (unit in COUNT_UNITS or unit.endswith("/s")) and value < 0:
+        return f"a negative figure ({value!r} {unit})"
+    return ""
+
+
+def read_ledger(path: Path) -> list[dict]:
+    """The records of the ledger at ``path`` fit to publish, with a `LedgerWarning` for each
+    line skipped (not a record, or `corrupt`). ``ValueError`` when none is left: an empty or
+    garbage ledger would give a README table of "not measured yet"."""
+    with warnings.catch_warnings(record=True) as unreadable:
+        warnings.simplefilter("always")
+        records = read(path)
+    notes = [str(warning.message) for warning in unreadable]
+    good = []
+    for item in records:
+        why = corrupt(item)
+        if why:
+            notes.append(f"{path}: the record of {item.get('notebook')} / {item.get('metric')} was "
+                         f"skipped: {why}")
+        else:
+            good.append(item)
+    if not good:
+        raise ValueError(f"{path} holds no record fit to publish ({len(unreadable)} unreadable "
+                         f"line(s), {len(records)} corrupt record(s)); run `make workbook` first")
+    for note in notes:
+        warnings.warn(note, LedgerWarning, stacklevel=2)
+    return good
 
 
 def _cell(text: object) -> str:
@@ -66,14 +114,14 @@ def gpu_check_table(folder: Path) -> list[str]:
 
 
 def gains_markdown(ledger: Path | None, results: Path, notebooks: list[str]) -> str:
-    records = read(ledger) if ledger is not None else read()
+    records = read_ledger(ledger if ledger is not None else ledger_path())
     out = ["### Measured on a CPU (simulations and counts included)", "",
            *ledger_table(records, notebooks, on_cpu_or_machine_free)]
     if results.is_dir():
         for folder in sorted(p for p in results.iterdir() if p.is_dir()):
             section: list[str] = []
             if (folder / "ledger.jsonl").exists():
-                gpu_records = [r for r in read(folder / "ledger.jsonl")
+                gpu_records = [r for r in read_ledger(folder / "ledger.jsonl")
                                if not on_cpu_or_machine_free(r)]
                 section += ledger_table(gpu_records, notebooks, None)
             if (folder / "bench.json").exists():
@@ -97,7 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"readme_gains: no ledger at {ledger}; run `make workbook` first (or pass --ledger)",
               file=sys.stderr)
         return 1
-    print(gains_markdown(args.ledger, args.results, notebooks_in(args.notebooks)), end="")
+    try:
+        with warnings.catch_warnings():  # a line skipped: one line on stderr, not two
+            warnings.simplefilter("always", LedgerWarning)
+            warnings.showwarning = lambda message, *_: print(f"readme_gains: {message}", file=sys.stderr)
+            text = gains_markdown(ledger, args.results, notebooks_in(args.notebooks))
+    except (OSError, ValueError) as exc:  # an unreadable, empty or corrupt ledger: one line
+        print(f"readme_gains: {exc}", file=sys.stderr)
+        return 1
+    print(text, end="")
     return 0
 
 

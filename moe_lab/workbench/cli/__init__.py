@@ -27,11 +27,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
+
+
+def interrupted(what: str) -> int:
+    """Say in one line that Ctrl-C stopped ``what``; returns `EXIT_INTERRUPTED`."""
+    print(f"interrupted (Ctrl-C): {what} stopped before it finished", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    command = "python -m moe_lab"
+    try:  # Ctrl-C anywhere, start-up included (the parser imports every command's module)
+        args = build_parser().parse_args(argv)
+        command += f" {args.command}"
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # `train` catches its own, to say where its checkpoint stands
+        return interrupted(command)
     except ValueError as exc:  # bad input: one clear line, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -6,9 +6,15 @@ import argparse
 import importlib
 import sys
 
+from moe_lab.checks import non_negative_number, positive_int
 from moe_lab.workbench.benchmarks import BENCHMARKS
 from moe_lab.workbench.jsonout import dumps
 from moe_lab.workbench.measure import ledger
+
+#: The arguments that size a benchmark's work: each value given must be a positive integer
+#: (``--tokens 0`` is not "the default", ``--size 0 0`` is no measurement).
+SIZE_ARGUMENTS = ("tokens", "size", "attention", "batch_size", "chunks", "repeats", "ranks",
+                  "threads", "seeds", "max_steps")
 
 
 def _format(result: dict) -> str:
@@ -24,7 +30,58 @@ def _format(result: dict) -> str:
     return "\n".join(lines)
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """Refuse, before anything runs or is recorded, a size that is not a positive integer, a
+    ``--min-time`` that is not a finite number of seconds >= 0, an MX quantizer size that is not
+    whole blocks, and sizes whose tensors need more memory than this machine has
+    (`moe_lab.memory.check_fits`, naming how much)."""
+    for name in SIZE_ARGUMENTS:
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None:
+                positive_int(value, f"--{name.replace('_', '-')}")
+    if getattr(args, "min_time", None) is not None:
+        non_negative_number(args.min_time, "--min-time")
+    if args.benchmark == "mxfp8" and args.size:
+        from moe_lab.quant.mx import BLOCK_SIZE
+
+        if any(n % BLOCK_SIZE for n in args.size):
+            raise ValueError(f"--size M K must both be multiples of {BLOCK_SIZE} (the MX block: the "
+                             f"quantizer blocks rows and columns), got {args.size[0]} {args.size[1]}")
+    need = {"router": _router_bytes, "mxfp8": _mxfp8_bytes}.get(args.benchmark)
+    if need is not None:
+        from moe_lab.memory import check_fits
+        from moe_lab.perf.capabilities import capabilities
+
+        for what, nbytes in need(args):
+            check_fits(what, nbytes, f"use a smaller {what.split()[0]}", capabilities().device)
+
+
+def _router_bytes(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """A lower bound of ``bench router``'s memory: the float64 and float32 logits."""
+    from moe_lab.workbench.benchmarks.router import SHAPES
+
+    if args.tokens is None:
+        return []
+    experts = max(SHAPES[s]["n_experts"] for s in (SHAPES if args.shape == "all" else [args.shape]))
+    return [(f"--tokens {args.tokens} (x {experts} experts)", args.tokens * experts * (8 + 4))]
+
+
+def _mxfp8_bytes(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """Lower bounds of ``bench mxfp8``'s memory: the quantizer's input in float32 and bf16;
+    attention's Q, K, V in float32 and the reference's float32 scores, ``[B, H, T, T]``."""
+    need = []
+    if args.size:
+        m, k = args.size
+        need.append((f"--size {m} {k}", m * k * (4 + 2)))
+    if args.attention:
+        b, h, t, d = args.attention
+        need.append((f"--attention {b} {h} {t} {d}", 4 * b * h * t * (3 * d + t)))
+    return need
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_sizes(args)
     module = importlib.import_module(BENCHMARKS[args.benchmark])
     try:
         with ledger.keep_unwritten() as unwritten:

@@ -10,7 +10,6 @@ simulation; ``--json`` prints one JSON object marked ``"kind": "simulated"``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any
 
@@ -27,6 +26,14 @@ from moe_lab.sim.layout_search import (
     simulate_layout,
 )
 from moe_lab.sim.traffic import incast_traffic, moe_traffic, uniform_traffic
+from moe_lab.workbench.jsonout import dumps
+
+#: The most operations (forwards, backwards and weight gradients over every virtual stage and
+#: micro-batch) ``sim pipeline`` simulates: it holds each as Python objects, about
+#: PIPELINE_OP_BYTES bytes apiece, and steps through them one by one (this many: half a GiB and
+#: half a minute on a laptop).
+MAX_PIPELINE_OPS = 2**20
+PIPELINE_OP_BYTES = 500
 
 
 def pipeline_report(
@@ -54,6 +61,14 @@ def pipeline_report(
         n_chunks = given.n_chunks
         check_layout(given, cfg)
         layouts["given"] = given
+    ops = n_ranks * n_chunks * n_microbatches * (3 if delay_wgrad else 2)
+    if ops > MAX_PIPELINE_OPS:
+        raise ValueError(
+            f"stages x vpp x microbatches = {n_ranks} x {n_chunks} x {n_microbatches}, a forward and a "
+            f"backward{' and a weight gradient' if delay_wgrad else ''} each, is {ops:,} operations "
+            f"to simulate, about {ops * PIPELINE_OP_BYTES / 2**30:,.1f} GiB: more than the "
+            f"{MAX_PIPELINE_OPS:,} this simulator runs (here at most "
+            f"{MAX_PIPELINE_OPS // (ops // n_microbatches):,} micro-batches)")
     if n_ranks * n_chunks <= cfg.n_layers:
         layouts["even"] = even_layout(cfg, n_ranks, n_chunks)
     layouts["searched"] = search_layout(
@@ -94,7 +109,7 @@ def pipeline_command(args: argparse.Namespace) -> int:
         logits_scale=args.logits_scale, delay_wgrad=args.delay_wgrad, seq_len=args.seq_len,
     )
     if args.json:
-        print(json.dumps(report))
+        print(dumps(report))
         return 0
     print(f"{report['preset']}: {report['stages']} pipeline stages x {report['vpp']} chunks, "
           f"{report['microbatches']} micro-batches, {report['schedule']}, logits cost x "
@@ -111,6 +126,10 @@ def pipeline_command(args: argparse.Namespace) -> int:
 #: The most GPU pairs ``sim fabric`` simulates (4,096 GPUs): it keeps several float64
 #: values per pair, so a fabric beyond this needs gigabytes and minutes on a laptop.
 MAX_FABRIC_PAIRS = 4096 ** 2
+#: The most directed links it simulates: it keeps several float64 arrays of one value per link,
+#: about FABRIC_LINK_BYTES bytes per link in all (this many: 400 MiB, seconds).
+MAX_FABRIC_LINKS = 2**22
+FABRIC_LINK_BYTES = 100
 
 
 def fabric_report(
@@ -138,6 +157,12 @@ def fabric_report(
             f"hosts_per_leaf x leaves = {hosts_per_leaf} x {n_leaf} = {topo.n_hosts} GPUs is "
             f"{topo.n_hosts ** 2:.3g} GPU pairs, more than the {MAX_FABRIC_PAIRS:,} this simulator "
             f"holds in memory (at most {math.isqrt(MAX_FABRIC_PAIRS):,} GPUs)")
+    if topo.n_links > MAX_FABRIC_LINKS:
+        raise ValueError(
+            f"leaves x spines = {n_leaf} x {n_spine} makes {topo.n_links:,} directed links, about "
+            f"{topo.n_links * FABRIC_LINK_BYTES / 2**30:,.1f} GiB of per-link arrays: more than the "
+            f"{MAX_FABRIC_LINKS:,} this simulator holds (here at most "
+            f"{(MAX_FABRIC_LINKS - 2 * topo.n_hosts) // (2 * n_leaf):,} spines)")
     rng = np.random.default_rng(seed)
     nbytes = mb_per_pair * 2**20
     if traffic == "uniform":
@@ -179,7 +204,7 @@ def fabric_command(args: argparse.Namespace) -> int:
         n_senders=args.senders, routings=routings, pacings=pacings, seed=args.seed,
     )
     if args.json:
-        print(json.dumps(report))
+        print(dumps(report))
         return 0
     topo = report["topology"]
     print(f"{topo['n_gpus']} GPUs: {topo['leaves']} leaves x {topo['hosts_per_leaf']} GPUs, "
@@ -200,6 +225,26 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -245,10 +290,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fab.add_argument("--traffic", choices=("uniform", "moe", "incast"), default="uniform")
     fab.add_argument("--mb-per-pair", type=_positive_float, default=1.0,
                      help="MiB per GPU pair (uniform) or per sender (incast)")
-    fab.add_argument("--zipf", type=float, default=1.0, help="expert-popularity skew (moe)")
+    fab.add_argument("--zipf", type=_non_negative_float, default=1.0,
+                     help="expert-popularity skew (moe)")
     fab.add_argument("--senders", type=_positive_int, default=32, help="incast senders")
     fab.add_argument("--routing", choices=("ecmp", "adaptive", "both"), default="both")
     fab.add_argument("--pacing", choices=("on", "off", "both"), default="both")
-    fab.add_argument("--seed", type=int, default=0)
+    fab.add_argument("--seed", type=_non_negative_int, default=0)
     fab.add_argument("--json", action="store_true", help="print one JSON object")
     fab.set_defaults(func=fabric_command)

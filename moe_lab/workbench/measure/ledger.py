@@ -72,6 +72,9 @@ CORE_KEYS = ("notebook", "step", "metric", "value", "unit", "hardware", "version
 
 DEFAULT_KEYS = ("notebook", "step", "metric", "hardware")
 
+# Extra fields that give the size a figure was measured at: a positive integer when present.
+SIZE_FIELDS = ("tokens", "batch", "batch_size", "seq_len", "ranks", "tokens_per_rank", "n_chunks")
+
 # The notebooks were renumbered so that each idea is taught before it is used (the Triton
 # on-ramp became 03, the MX format comes before the fused MXFP8 epilogue). A ledger written
 # under the old names reads back under the new ones.
@@ -199,6 +202,20 @@ def _check_value(metric: str, value: object) -> int | float:
     return number
 
 
+def _check_measured(metric: str, number: int | float, unit: str, extra: dict[str, Any]) -> None:
+    """A figure is a measurement of something real: a rate (a unit per second) is > 0 (nothing
+    moved in no time is no measurement), and a size it was measured at (`SIZE_FIELDS`) is a
+    positive integer (``--size 0 0`` measured nothing)."""
+    if unit.endswith("/s") and not number > 0:
+        raise ValueError(f"value of metric {metric!r} is a rate ({unit}) and must be > 0, got {number!r}")
+    for field in SIZE_FIELDS:
+        size = extra.get(field)
+        if size is not None and (isinstance(size, bool) or not isinstance(size, numbers.Integral)
+                                 or size < 1):
+            raise ValueError(f"{field} of metric {metric!r} (the size it was measured at) must be a "
+                             f"positive integer, got {size!r}")
+
+
 def _append_line(path: Path, line: bytes) -> None:
     """Append ``line`` (ending in a newline) to ``path`` with one write on an O_APPEND fd."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +264,8 @@ def record(
             ``profile`` defaults to ``$MOE_LAB_PROFILE`` (set by the workbook runner).
 
     Raises:
-        ValueError: an empty name, a non-finite or non-numeric value, an extra field that
+        ValueError: an empty name, a non-finite or non-numeric value, a rate that is not > 0,
+            a size field (`SIZE_FIELDS`) that is not a positive integer, an extra field that
             would replace a core field, or an extra value JSON cannot hold.
     """
     for argument, name in (("notebook", notebook), ("step", step), ("metric", metric)):
@@ -255,6 +273,7 @@ def record(
     number = _check_value(metric, value)
     if not isinstance(unit, str):
         raise ValueError(f"unit of metric {metric!r} must be a string, got {unit!r}")
+    _check_measured(metric, number, unit, extra)
     if hardware is not None:
         _check_name("hardware", hardware)
     clashes = sorted(set(extra) & set(CORE_KEYS))
