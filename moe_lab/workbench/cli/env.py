@@ -76,8 +76,8 @@ def compile_command(args: argparse.Namespace) -> int:
     from moe_lab.workbench.compile_report import report as compile_report
 
     modules = None
-    if args.modules:
-        modules = [m if "." in m else f"moe_lab.kernels.{m}" for m in args.modules.split(",")]
+    if args.modules is not None:  # "" is no module, not every one: refused by compile_report
+        modules = [m if "." in m else f"moe_lab.kernels.{m}" for m in args.modules.split(",") if m]
     report = compile_report.compile_report(compile_report.parse_archs(args.arch), modules)
     rows = report["rows"]
     from moe_lab.workbench.cli.bench import report_unwritten

@@ -1,9 +1,10 @@
 """The ``train`` command: ``python -m moe_lab train [--preset tiny] [--steps N] ... [--json]``.
 
 A user error (a bad value, a missing or unreadable file, a checkpoint that does not fit
-the run) ends the command with one line on stderr and exit status 2; a run whose loss
-becomes non-finite with one line naming the step and the last checkpoint, status 1;
-Ctrl-C with one line saying where the last checkpoint is, status 130.
+the run, a checkpoint another run holds) ends the command with one line on stderr and exit
+status 2; a run whose loss becomes non-finite with one line naming the step and the last
+checkpoint, status 1; Ctrl-C, from start-up on, with one line saying where the last
+checkpoint is, status 130.
 """
 
 from __future__ import annotations
@@ -17,20 +18,23 @@ from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.experts import EXPERT_BACKENDS
 from moe_lab.training.build import STEP_KINDS
 from moe_lab.workbench.jsonout import dumps
-from moe_lab.workbench.training.loop import TrainConfig, TrainingDiverged, TrainingInterrupted, train
+from moe_lab.workbench.training.loop import (
+    TrainConfig,
+    TrainingDiverged,
+    TrainingInterrupted,
+    check_corpus,
+    train,
+)
 
 #: Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
 EXIT_INTERRUPTED = 130
 
 
-def _check_checkpoint_target(path: Path, corpus: str, resume: bool, overwrite: bool) -> None:
-    """Nothing the user saved is replaced unasked: the corpus never, an existing file only
-    with ``--overwrite`` (or continued with ``--resume``)."""
+def _check_checkpoint_target(path: Path, corpus: str) -> None:
+    """The corpus is never replaced by a checkpoint (an existing file only with
+    ``--overwrite``: `train` checks that once it holds the path)."""
     if corpus != "synthetic" and path.exists() and Path(corpus).exists() and path.samefile(corpus):
         raise ValueError(f"--checkpoint {path} is the --corpus file: a checkpoint would overwrite it")
-    if path.is_file() and not (resume or overwrite):
-        raise ValueError(f"--checkpoint {path} exists; pass --resume to continue it or --overwrite "
-                         "to replace it with this run")
 
 
 def _train(args: argparse.Namespace) -> dict:
@@ -42,11 +46,15 @@ def _train(args: argparse.Namespace) -> dict:
         raise ValueError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint PATH")
     if args.resume and not args.checkpoint:
         raise ValueError("--resume needs --checkpoint PATH (the checkpoint to continue)")
-    if args.overwrite and (args.resume or not args.checkpoint):
+    if args.overwrite and not args.checkpoint:
+        raise ValueError("--overwrite replaces an existing checkpoint file with this run: it "
+                         "needs --checkpoint PATH")
+    if args.overwrite and args.resume:
         raise ValueError("--overwrite replaces an existing --checkpoint PATH with a new run; "
                          "it does not go with --resume")
+    check_corpus(args.corpus, "--corpus")
     if args.checkpoint:
-        _check_checkpoint_target(Path(args.checkpoint), args.corpus, args.resume, args.overwrite)
+        _check_checkpoint_target(Path(args.checkpoint), args.corpus)
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         dispatcher=args.dispatcher, expert_backend=args.expert_backend, corpus=args.corpus,
@@ -55,11 +63,13 @@ def _train(args: argparse.Namespace) -> dict:
         checkpoint_path=args.checkpoint, checkpoint_every=args.checkpoint_every,
         progress=not args.json,
     )
-    result = train(model_cfg, cfg, resume=args.resume, override=args.override)
+    result = train(model_cfg, cfg, resume=args.resume, override=args.override,
+                   overwrite=args.overwrite)
     return {
         "preset": args.preset,
         "dispatcher": args.dispatcher,
-        "step": args.step,
+        "step": result.step_kind,  # what ran: a graphed step without CUDA runs sync_free
+        "step_requested": args.step,
         "steps": result.steps,
         "final_loss": result.history[-1]["loss"] if result.history else None,
         "eval": result.evals[-1] if result.evals else None,
@@ -103,12 +113,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="grouped GEMM of the dropless dispatcher")
     p.add_argument("--step", default=d.step, choices=list(STEP_KINDS),
                    help="the training step (sync_free and graphed need a dispatcher that does not "
-                        "sync the host: not naive)")
+                        "sync the host: not naive; without CUDA graphed runs sync_free, and "
+                        "--json reports the step that ran)")
     p.add_argument("--corpus", default="synthetic", help="'synthetic' or a path to a UTF-8 text file")
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--checkpoint", default=None,
                    help="checkpoint file, written when the run completes (and every "
-                        "--checkpoint-every steps), read by --resume")
+                        "--checkpoint-every steps), read by --resume; one run at a time holds it")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="also save every N steps (0: only at the end)")
     p.add_argument("--overwrite", action="store_true",

@@ -33,6 +33,7 @@ import ast
 import inspect
 import json
 import os
+import pkgutil
 import subprocess
 import sys
 import tempfile
@@ -103,10 +104,34 @@ def compile_report(archs: Archs = DEFAULT_ARCHS, modules: list[str] | None = Non
 
     jobs = None
     if modules is not None:
+        check_modules(modules)
         jobs = [{**module_job(m, **(select or {})), "coverage": True} for m in modules]
     request = {"archs": list(parse_archs(archs)), "jobs": jobs,
                "cubin_dir": None if cubin_dir is None else str(cubin_dir)}
     return {**run_in_child(request), "compiled_on": capabilities().hardware_label()}
+
+
+def known_modules() -> list[str]:
+    """The kernel modules that have compile specs (``specs/<name>.py`` describes
+    ``moe_lab.kernels.<name>``), read off the folder: nothing is imported."""
+    from moe_lab.workbench.compile_report import specs
+
+    return sorted(f"{specs.KERNEL_PACKAGE}.{info.name}" for info in pkgutil.iter_modules(specs.__path__))
+
+
+def check_modules(modules: list[str]) -> None:
+    """Refuse, before anything is compiled or written, ``modules`` naming a module without
+    compile specs (a typo) or one twice, naming the known ones."""
+    known = known_modules()
+    unknown = [m for m in modules if m not in known]
+    if unknown or not modules:
+        names = ", ".join(m.rpartition(".")[2] for m in known)
+        raise ValueError(f"modules must name kernel modules with compile specs, got {unknown or modules}; "
+                         f"known: {names} (each moe_lab.kernels.<name>)")
+    twice = sorted({m for m in modules if modules.count(m) > 1})
+    if twice:
+        raise ValueError(f"modules names {', '.join(twice)} more than once: every row and ledger "
+                         "record would be written twice")
 
 
 def _is_kernel(value: object) -> bool:
@@ -326,6 +351,19 @@ def exceptions_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(f"- {reason}\n" + "\n".join(items) for reason, items in groups.items()) + "\n"
 
 
+def refused_markdown(refused: list[dict[str, str]]) -> str:
+    """The launches a target refuses (its `moe_lab.perf.hardware.ARCHS` row lacks what the
+    kernel needs), not compiled there, as a list; nothing when none was."""
+    if not refused:
+        return ""
+    by_need: dict[tuple[str, str], list[str]] = {}
+    for r in refused:
+        by_need.setdefault((r["kernel"].split(":")[-1], r["needs"]), []).append(r["arch"])
+    return "\n## Refused before compiling\n\n" + "".join(
+        f"- {kernel} needs {needs}: refused on {', '.join(sorted(set(archs)))}\n"
+        for (kernel, needs), archs in by_need.items())
+
+
 def summary_markdown(report: dict[str, Any]) -> str:
     """``results/compile/summary.md``: what was compiled, with what, and the table."""
     limits = "; ".join(f"{arch}: {lim['gpu']}, {lim['registers_per_sm']:,} registers, "
@@ -350,31 +388,60 @@ def summary_markdown(report: dict[str, Any]) -> str:
         + (f"**{errors} row(s) failed** (see ERROR).\n\n" if errors else "")
         + format_markdown(report["rows"])
         + "\n## Off target, and why\n\n" + exceptions_markdown(report["rows"])
+        + refused_markdown(report.get("refused", []))
     )
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False,
-                                     encoding="utf-8") as tmp:
-        tmp.write(text)
+def _write_beside(path: Path, text: str) -> str:
+    """``text`` in a temporary file beside ``path`` (readable as the result will be); its name."""
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
+                                     delete=False, encoding="utf-8") as tmp:
+        try:
+            tmp.write(text)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
     os.chmod(tmp.name, 0o644)  # a temporary file is private; the result is not
-    os.replace(tmp.name, path)
+    return tmp.name
+
+
+def _failed_name(path: Path) -> Path:
+    """``sm_90.json`` -> ``sm_90.failed.json``: where a report with failed rows goes."""
+    return path.with_name(f"{path.stem}.failed{path.suffix}")
 
 
 def write_results(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Write ``<arch>.json`` for each arch and ``summary.md`` into ``out_dir``, each
-    atomically (a temporary file, then a rename). Returns the paths written."""
+    """Write ``<arch>.json`` for each arch and ``summary.md`` into ``out_dir``; returns the paths.
+
+    A report is replaced whole or not at all: every file is written beside its target first
+    and renamed into place only once all are written (a full disk or a Ctrl-C leaves the old
+    report and no temporaries). A report with failed rows never replaces one (a broken
+    toolchain would lose good figures): it is written as ``<arch>.failed.json`` and
+    ``summary.failed.md`` instead, which the next report without failed rows removes."""
     out = Path(out_dir)
-    written = []
+    texts = {}
     for arch in report["archs"]:
         part = {**report, "archs": [arch], "limits": {arch: report["limits"][arch]},
                 "rows": [row for row in report["rows"] if row.get("arch") in (arch, None)]}
-        path = out / f"{arch}.json"
-        _write_atomic(path, json.dumps(part, indent=1) + "\n")
-        written.append(path)
-    _write_atomic(out / "summary.md", summary_markdown(report))
-    return written + [out / "summary.md"]
+        texts[out / f"{arch}.json"] = json.dumps(part, indent=1) + "\n"
+    texts[out / "summary.md"] = summary_markdown(report)
+    failed = any(row.get("error") for row in report["rows"])
+    if failed:
+        texts = {_failed_name(path): text for path, text in texts.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    beside: dict[Path, str] = {}
+    try:
+        for path, text in texts.items():
+            beside[path] = _write_beside(path, text)
+        for path, tmp in beside.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in beside.values():  # those not renamed: a later write failed
+            Path(tmp).unlink(missing_ok=True)
+    if not failed:
+        for path in texts:
+            _failed_name(path).unlink(missing_ok=True)
+    return list(texts)
 
 
 def record(rows: list[dict[str, Any]], notebook: str = LEDGER_NOTEBOOK) -> int:

@@ -1,19 +1,23 @@
-"""Checkpoints: written atomically, read without unpickling code.
+"""Checkpoints: one writer each, written atomically, read without unpickling code.
 
 A training checkpoint (`moe_lab.workbench.training.loop.Trainer.state`) holds the model, the optimizer,
 the step's own device state where it has one, the data generator's state, torch's RNG and
-the history, so a resumed run continues the uninterrupted loss curve exactly. It is written
-to a temporary file in the same folder and renamed over the old one (``os.replace``), so a
-crash mid-write leaves the previous checkpoint intact; the temporary files such a crash
-leaves behind are removed at the next save of that checkpoint. It is read with
-``weights_only=True``: a file that is not a checkpoint (empty, truncated, anything else)
-is refused with a ``ValueError`` saying so.
+the history, so a resumed run continues the uninterrupted loss curve exactly. A run holds
+its checkpoint for its lifetime (`checkpoint_lock`: an exclusive lock on a file beside it),
+so a second run on the same path is refused at its start, naming the first. A save writes a
+temporary file in the same folder, named after the checkpoint and the writing process, and
+renames it over the old one (``os.replace``), so a crash mid-write leaves the previous
+checkpoint intact; the next save of that checkpoint removes the temporaries that processes
+no longer running left behind, and nothing else. It is read with ``weights_only=True``: a
+file that is not a checkpoint (empty, truncated, anything else) is refused with a
+``ValueError`` saying so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -23,41 +27,141 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["check_checkpoint_path", "load_checkpoint", "save_checkpoint"]
+try:
+    import fcntl
+except ImportError:  # Windows: its byte-range locks instead
+    fcntl = None
+    import msvcrt
+
+__all__ = ["CheckpointInUse", "check_checkpoint_path", "checkpoint_lock", "load_checkpoint",
+           "save_checkpoint"]
+
+
+class CheckpointInUse(OSError):
+    """Another run holds this checkpoint (`checkpoint_lock`)."""
 
 
 def _temp_prefix(path: Path) -> str:
-    return f".{path.name}."
+    """The start of the name of a temporary file this process writes for ``path``."""
+    return f".{path.name}.moe_lab-{os.getpid()}-"
 
 
 _TEMP_SUFFIX = ".tmp"
 
 
+def _temp_pid(path: Path, name: str) -> int | None:
+    """The process that wrote the temporary file ``name`` of ``path``; ``None`` if ``name``
+    is not one (a user's file, say)."""
+    pattern = re.escape(f".{path.name}.moe_lab-") + r"(\d+)-[a-z0-9_]{8}" + re.escape(_TEMP_SUFFIX)
+    match = re.fullmatch(pattern, name)
+    return int(match[1]) if match else None
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (where that cannot be asked safely: assumed so)."""
+    if os.name == "nt":  # os.kill would terminate it
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def check_checkpoint_path(path: str | os.PathLike) -> Path:
     """``path`` as a `Path` if a checkpoint can be written there; else a ``ValueError``
-    naming it (a directory, a folder that is a file, a folder that cannot be written).
+    naming it (a directory, a name ending in a separator, a folder that is a file, a folder
+    in which no file can be made: the check makes and removes one).
 
     Called before a run starts, so that a bad path costs nothing rather than the training
     done before the first save."""
+    raw = os.fspath(path)
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"checkpoint path '{path}' is a directory; expected a file name "
+        raise ValueError(f"checkpoint path '{raw}' is a directory; expected a file name "
+                         f"such as '{path / 'checkpoint.pt'}'")
+    if os.path.basename(raw) in ("", ".", "..", b"", b".", b".."):  # "sub/", "sub/.": no file name
+        raise ValueError(f"checkpoint path '{raw}' names a directory; expected a file name "
                          f"such as '{path / 'checkpoint.pt'}'")
     folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
     if not folder.is_dir():
         raise ValueError(f"checkpoint path '{path}': '{folder}' is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"checkpoint path '{path}': the folder '{folder}' is not writable")
+    try:  # a folder the system refuses files in whatever its permissions say (/proc)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=_temp_prefix(path), suffix=_TEMP_SUFFIX)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"checkpoint path '{path}': no file can be written in the folder "
+                         f"'{folder}' ({exc.strerror or type(exc).__name__})") from None
     return path
 
 
+def _lock(fd: int) -> bool:
+    """Take the exclusive lock on the open file ``fd`` without waiting; whether it was free."""
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    except OSError:
+        return False
+    return True
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock file ``fd``: the process id its holder wrote there."""
+    try:
+        pid = os.read(fd, 32).decode("ascii", "replace").strip()
+    except OSError:  # Windows: the locked byte cannot be read
+        pid = ""
+    return f"process {pid}" if pid.isdigit() else "another process"
+
+
+@contextlib.contextmanager
+def checkpoint_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold the checkpoint ``path`` for one run: an exclusive lock on ``.{name}.moe_lab.lock`` beside
+    it (its folder made if missing), which holds this process's id and is removed when the
+    block ends. A checkpoint another run holds raises `CheckpointInUse` naming that run's
+    process; the lock ends with the process that held it, however it ends."""
+    path = Path(path)
+    lock = path.parent / f".{path.name}.moe_lab.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        if not _lock(fd):
+            holder = _holder(fd)
+            os.close(fd)
+            raise CheckpointInUse(f"checkpoint '{path}' is in use by another run ({holder}); "
+                                  "wait for it to end, or give this run another checkpoint path")
+        # The holder before us removes the file as it lets go: if we locked the file it
+        # removed, the lock guards nothing; take the one now there.
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        if fcntl is not None:  # Windows cannot remove an open file: it stays, unlocked
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+        os.close(fd)
+
+
 def _remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporary files that interrupted saves of ``path`` left in its folder."""
-    for stale in path.parent.glob(f"{_temp_prefix(path)}*{_TEMP_SUFFIX}"):
-        try:
-            stale.unlink()
-        except FileNotFoundError:
-            pass
+    """Remove the temporary files that saves of ``path`` by processes no longer running left
+    in its folder; another process's save in progress and the user's own files stay."""
+    for stale in path.parent.iterdir():
+        pid = _temp_pid(path, stale.name)
+        if pid is not None and pid != os.getpid() and not _running(pid):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
 
 
 def _interrupted(exc: BaseException) -> bool:
@@ -98,14 +202,16 @@ def save_checkpoint(path: str | os.PathLike, state: dict,
     temporary file beside it, flushed to the disk (``fsync``), renamed over ``path``, and the
     folder's entry flushed too, so a power cut leaves either the old checkpoint or the new one.
 
-    Temporary files of earlier saves of ``path`` that never finished (a killed process)
-    are removed first. A save that fails (a full disk: torch then raises a bare
-    ``RuntimeError``) raises ``OSError`` saying why and whether ``path`` still holds the
-    checkpoint saved before, which it does whenever there was one. Ctrl-C while the file
-    is written raises ``KeyboardInterrupt`` (never a write error), the temporary file
-    removed and ``path`` as it was; from the rename on, through ``on_saved()`` (the
-    caller's note of what ``path`` now holds), a Ctrl-C waits until they are done, so the
-    caller never believes ``path`` holds an older checkpoint than it does."""
+    The temporary files that saves of ``path`` by processes no longer running left (a
+    killed run) are removed first; another process's save in progress and the user's own
+    files stay. One run at a time saves ``path``: `train` holds it (`checkpoint_lock`). A
+    save that fails (a full disk: torch then raises a bare ``RuntimeError``) raises
+    ``OSError`` saying why and whether ``path`` still holds the checkpoint saved before,
+    which it does whenever there was one. Ctrl-C while the file is written raises
+    ``KeyboardInterrupt`` (never a write error), the temporary file removed and ``path`` as
+    it was; from the rename on, through ``on_saved()`` (the caller's note of what ``path``
+    now holds), a Ctrl-C waits until they are done, so the caller never believes ``path``
+    holds an older checkpoint than it does."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(path)

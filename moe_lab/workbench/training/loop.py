@@ -17,18 +17,24 @@ each batch from pinned memory without blocking, one step ahead, and the step tim
 
 Runs are deterministic under a seed on the CPU. A checkpoint holds the model, optimizer,
 the step's device state, the data generator and the history, so a resumed run continues the
-uninterrupted loss curve exactly; it records the `RUN_SETTINGS`, and a resume with others is
-refused unless asked for (``override``). A non-finite loss stops the run (`TrainingDiverged`).
+uninterrupted loss curve exactly; it records the `RUN_SETTINGS` and the corpus file's size and
+hash, and a resume with others, or on a corpus whose contents changed, is refused unless asked
+for (``override``). A run holds its checkpoint path for its lifetime (a second run on it is
+refused). A non-finite loss stops the run (`TrainingDiverged`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import math
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -38,21 +44,26 @@ try:
 except ImportError:  # a machine with only torch and triton: runs train without a progress bar
     tqdm = None
 
-from moe_lab.checks import int_in, non_negative_ints, positive_ints
+from moe_lab.checks import boolean, int_in, non_negative_ints, non_negative_number, positive_ints
 from moe_lab.config import ModelConfig, holds
 from moe_lab.data import Batch, SyntheticCorpus, TextFileCorpus, load_corpus
 from moe_lab.memory import check_fits
 from moe_lab.model import MoETransformer
 from moe_lab.training.build import BuildConfig, build_model, random_batch, step_forward
-from moe_lab.training.graphs import GraphedStep
+from moe_lab.training.graphs import EAGER_MODE, GraphedStep
 from moe_lab.training.steps import EagerStep, StepConfig, SyncFreeStep
-from moe_lab.workbench.training.checkpoint import check_checkpoint_path, load_checkpoint, save_checkpoint
+from moe_lab.workbench.training.checkpoint import (
+    check_checkpoint_path,
+    checkpoint_lock,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 Tensor = torch.Tensor
 
 __all__ = ["MAX_SEED", "RUN_SETTINGS", "BatchStream", "DataConfig", "StepClock", "TrainConfig",
            "TrainResult", "Trainer", "TrainingDiverged", "TrainingInterrupted", "check_batch_fits",
-           "evaluate", "lr_at", "train"]
+           "check_corpus", "corpus_fingerprint", "evaluate", "lr_at", "train"]
 
 #: The `TrainConfig` fields that change what a run computes: a checkpoint records them, and
 #: resuming with other values is refused unless asked for (``train(..., override=True)``).
@@ -84,6 +95,11 @@ class DataConfig:
         positive_ints(self, "batch_size", "eval_per_domain")
         non_negative_ints(self, "eval_every")
         int_in(self.seed, "DataConfig.seed", 0, MAX_SEED)
+        corpus = os.fspath(self.corpus) if isinstance(self.corpus, os.PathLike) else self.corpus
+        if not isinstance(corpus, str) or not corpus:
+            raise ValueError('DataConfig.corpus must be "synthetic" or the path of a UTF-8 text '
+                             f"file, got {self.corpus!r}")
+        object.__setattr__(self, "corpus", corpus)  # a Path is kept as its str
 
 
 @holds(step_config=StepConfig, data=DataConfig, build=BuildConfig)
@@ -106,14 +122,64 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        non_negative_number(self.weight_decay, "TrainConfig.weight_decay")
+        path = self.checkpoint_path
+        if isinstance(path, os.PathLike):
+            path = self.checkpoint_path = os.fspath(path)
+        if path is not None and not (isinstance(path, str) and path):
+            raise ValueError(f"TrainConfig.checkpoint_path must be None or a file path, got {path!r}")
         non_negative_ints(self, "checkpoint_every")
         if self.checkpoint_every and not self.checkpoint_path:
             raise ValueError("TrainConfig.checkpoint_every needs checkpoint_path")
+        boolean(self.progress, "TrainConfig.progress")
 
     def run_settings(self) -> dict:
-        """The `RUN_SETTINGS` of this run (what a checkpoint records and a resume compares)."""
-        return {name: (list(v) if isinstance(v := getattr(self, name), tuple) else v)
-                for name in RUN_SETTINGS}
+        """The `RUN_SETTINGS` of this run (what a checkpoint records and a resume compares);
+        a corpus file by its absolute path, however it was spelled."""
+        settings = {name: (list(v) if isinstance(v := getattr(self, name), tuple) else v)
+                    for name in RUN_SETTINGS}
+        settings["corpus"] = _absolute_corpus(self.corpus)
+        return settings
+
+
+def _absolute_corpus(corpus: str) -> str:
+    return corpus if corpus == "synthetic" else str(Path(corpus).resolve())
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def check_corpus(corpus: str, name: str = "corpus") -> None:
+    """Refuse (``FileNotFoundError``, ``ValueError``) a ``corpus`` that is neither
+    ``"synthetic"`` nor a regular file, saying what it is instead (a directory, a FIFO, a
+    device: reading one would never end or mean nothing). ``name`` is the argument's name
+    in the message (``"--corpus"`` on the command line)."""
+    if corpus == "synthetic":
+        return
+    expected = 'expected "synthetic" or the path of a UTF-8 text file'
+    if not corpus:
+        raise ValueError(f"{name} '' is empty; {expected}")
+    try:
+        mode = os.stat(corpus).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{name} '{corpus}' is neither \"synthetic\" nor an existing "
+                                "file") from None
+    if not stat.S_ISREG(mode):
+        kind = next((kind for test, kind in _FILE_KINDS if test(mode)), "not a regular file")
+        raise ValueError(f"{name} '{corpus}' is {kind}; the corpus must be a regular text file "
+                         f"({expected})")
+
+
+def corpus_fingerprint(path: str | os.PathLike) -> dict:
+    """The size and BLAKE2b hash of the corpus file ``path`` (read in 1 MiB blocks: a fraction
+    of the cost of loading it), which a checkpoint records so a resume notices the text changed."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return {"bytes": os.stat(path).st_size, "blake2b": digest.hexdigest()}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -129,6 +195,8 @@ class TrainResult:
     domains: list[str] = field(default_factory=list)
     tokens_per_s: float = float("nan")
     steps: int = 0  # training steps taken, resumed ones included
+    step_kind: str = ""  # the step that ran: TrainConfig.step, or "sync_free" where a graphed
+    # step ran eagerly (no CUDA)
 
     def losses(self) -> list[float]:
         return [h["loss"] for h in self.history]
@@ -287,6 +355,7 @@ class Trainer:
         self.device = torch.device(device or "cpu")
         check_batch_fits(model_cfg, cfg.batch_size, self.device)
         if corpus is None:
+            check_corpus(cfg.corpus)
             corpus = load_corpus(cfg.corpus, seq_len=model_cfg.seq_len, seed=cfg.seed)
         self.corpus = corpus
         self.model, self.optimizer = build_model(
@@ -321,8 +390,15 @@ class Trainer:
         self.step = self._make_step(example)
         if checkpoint is not None:
             if self.step.state is not None:
-                self.step.state.load_state_dict(checkpoint["step_state"])
+                with self._restoring("step_state", "the step's device state"):
+                    self.step.state.load_state_dict(checkpoint["step_state"])
             self.step.host_steps = self.steps_done
+
+    @property
+    def step_kind(self) -> str:
+        """The step that runs: ``cfg.step``, or ``"sync_free"`` where a graphed step runs
+        eagerly (no CUDA)."""
+        return "sync_free" if getattr(self.step, "mode", None) == EAGER_MODE else self.cfg.step
 
     def _make_step(self, example: Batch) -> EagerStep | SyncFreeStep | GraphedStep:
         cfg = self.cfg
@@ -391,19 +467,63 @@ class Trainer:
             state["step_state"] = self.step.state.state_dict()
         return state
 
+    @contextlib.contextmanager
+    def _restoring(self, key: str, what: str) -> object:
+        """Turn torch's error on a checkpoint's ``key`` that does not fit this run (a
+        hand-made or foreign checkpoint: wrong shapes, types, sizes) into one ``ValueError``
+        naming the file and ``what`` is wrong."""
+        try:
+            yield
+        except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__  # torch's, on one line
+            reason = reason if len(reason) <= 200 else reason[:200] + "..."
+            raise ValueError(f"checkpoint '{self.cfg.checkpoint_path}': its {key} ({what}) does "
+                             f"not fit this run: {reason}") from None
+
     def _restore(self, state: dict) -> None:
+        path = self.cfg.checkpoint_path
         if state["model_cfg"] != self.model_cfg.to_dict():
-            raise ValueError("checkpoint was written for a different model config")
-        self.model.load_state_dict(state["model"])
+            raise ValueError(f"checkpoint '{path}' was written for a different model config")
+        saved_on_host = _host_optimizer(state["optimizer"].get("param_groups", []))
+        if saved_on_host != _host_optimizer(self.optimizer.param_groups):
+            saved = state.get("settings", {}).get("step", "eager" if saved_on_host else "sync_free")
+            where = ("host", "device") if saved_on_host else ("device", "host")
+            raise ValueError(
+                f"checkpoint '{path}' was written by the {saved} step, whose optimizer keeps its "
+                f"step count on the {where[0]}; the {self.cfg.step} step's keeps it on the "
+                f"{where[1]} and cannot continue it: resume with --step {saved} (step={saved!r})")
+        with self._restoring("model", "the model's weights"):
+            self.model.load_state_dict(state["model"])
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.load_state_dict(state["optimizer"])
+        with self._restoring("optimizer", "the optimizer's state"):
+            self.optimizer.load_state_dict(state["optimizer"])
+            _check_optimizer_state(self.optimizer)
         if isinstance(lr, Tensor):  # a device lr shared by every group stays that tensor
             lr.copy_(self.optimizer.param_groups[0]["lr"])
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        self.batches.set_state(state["data_gen"])
-        torch.set_rng_state(state["torch_rng"])
+        with self._restoring("data_gen", "the data generator's state"):
+            self.batches.set_state(state["data_gen"])
+        with self._restoring("torch_rng", "torch's RNG state"):
+            torch.set_rng_state(state["torch_rng"])
         self.steps_done = state["step"]
+
+
+def _host_optimizer(groups: list) -> bool:
+    """Whether an optimizer's param groups keep its step count on the host (the eager step's
+    stock AdamW) rather than the device (the sync-free step's fused, capturable one)."""
+    return not any(isinstance(g, dict) and (g.get("fused") or g.get("capturable")) for g in groups)
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``ValueError`` where a loaded state tensor (a moment) has another shape than its
+    parameter: torch loads it without a word and fails at the first step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, Tensor) and value.dim() and value.shape != p.shape:
+                    raise ValueError(f"{name} has shape {list(value.shape)}, its parameter "
+                                     f"{list(p.shape)}")
 
 
 class TrainingDiverged(RuntimeError):
@@ -460,28 +580,83 @@ def _where_to_resume(last_checkpoint: tuple[str, int] | None) -> str:
     return f"the last checkpoint is '{path}' (step {step})"
 
 
-def _check_resume(checkpoint: dict, cfg: TrainConfig, override: bool) -> None:
-    """Refuse a checkpoint that is not a training checkpoint, has nothing left to train
-    under ``cfg``, or was written with other `RUN_SETTINGS` (unless ``override``)."""
+def _is_state_tensor(value: object) -> bool:
+    return isinstance(value, Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+def _is_record(value: object, key: str, kind: type | tuple[type, ...]) -> bool:
+    return isinstance(value, dict) and isinstance(value.get(key), kind) and not isinstance(
+        value.get(key), bool)
+
+
+#: What each value of a training checkpoint must be (a test and its description), checked
+#: before any of it is loaded: a hand-made checkpoint with the right keys and wrong values
+#: gets one line naming the key.
+_CHECKPOINT_VALUES = {
+    "model": (lambda v: isinstance(v, dict), "a dict of tensors"),
+    "optimizer": (lambda v: isinstance(v, dict) and isinstance(v.get("state"), dict)
+                  and isinstance(v.get("param_groups"), list), "an optimizer state_dict"),
+    "data_gen": (_is_state_tensor, "a generator state (a 1-D uint8 tensor)"),
+    "torch_rng": (_is_state_tensor, "an RNG state (a 1-D uint8 tensor)"),
+    "model_cfg": (lambda v: isinstance(v, dict), "a model config dict"),
+    "history": (lambda v: isinstance(v, list) and all(
+        _is_record(h, "loss", (int, float)) and isinstance(h.get("imbalance"), list) for h in v),
+        "a list of step records, each with a loss and imbalance"),
+    "evals": (lambda v: isinstance(v, list) and all(_is_record(e, "step", int) for e in v),
+              "a list of eval records, each with a step"),
+    "step": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+             "a number of steps (an integer >= 0)"),
+    "settings": (lambda v: isinstance(v, dict), "a dict of run settings"),
+    "step_state": (lambda v: isinstance(v, dict), "a dict of tensors"),
+    "corpus_fingerprint": (lambda v: v is None or isinstance(v, dict), "None or a dict"),
+}
+_OPTIONAL_KEYS = ("settings", "step_state", "corpus_fingerprint")
+
+
+def _check_resume(checkpoint: dict, cfg: TrainConfig, override: bool,
+                  fingerprint: dict | None) -> None:
+    """Refuse a checkpoint that is not a training checkpoint (a key missing, a value of the
+    wrong kind), has nothing left to train under ``cfg``, or was written with other
+    `RUN_SETTINGS` or on a corpus file whose contents (``fingerprint``, now) have changed
+    (unless ``override``)."""
     path = cfg.checkpoint_path
-    missing = [k for k in ("model", "optimizer", "data_gen", "torch_rng", "model_cfg", "history",
-                           "evals", "step") if k not in checkpoint]
+    missing = [k for k in _CHECKPOINT_VALUES if k not in checkpoint and k not in _OPTIONAL_KEYS]
     if missing:
         raise ValueError(f"checkpoint '{path}' is not a training checkpoint: it has no "
                          f"{', '.join(missing)}")
+    for key, (valid, what) in _CHECKPOINT_VALUES.items():
+        if key in checkpoint and not valid(checkpoint[key]):
+            raise ValueError(f"checkpoint '{path}' is not a training checkpoint: its {key} is "
+                             f"not {what} ({type(checkpoint[key]).__name__})")
     done = checkpoint["step"]
     if done >= cfg.steps:
         raise ValueError(f"checkpoint '{path}' is at step {done}, and steps={cfg.steps}: nothing "
                          f"left to train; give more steps (--steps) to continue the run")
     if override or "settings" not in checkpoint:  # checkpoints written before settings were
         return
-    saved, now = checkpoint["settings"], cfg.run_settings()
+    saved, now = dict(checkpoint["settings"]), cfg.run_settings()
+    if isinstance(saved.get("corpus"), str):  # an older checkpoint's path, as it was spelled
+        saved["corpus"] = _absolute_corpus(saved["corpus"])
     differ = [f"{k} {saved[k]!r} (now {now[k]!r})" for k in RUN_SETTINGS
               if k in saved and saved[k] != now[k]]
     if differ:
         raise ValueError(f"checkpoint '{path}' was written with other settings: "
                          f"{', '.join(differ)}; resume with the same ones, or continue with "
                          "the new ones on purpose (--override, override=True)")
+    then = checkpoint.get("corpus_fingerprint")
+    if then is not None and fingerprint is not None and then != fingerprint:
+        size = (f"{then.get('bytes')} bytes then, {fingerprint['bytes']} now"
+                if then.get("bytes") != fingerprint["bytes"] else "same size, other bytes")
+        raise ValueError(f"corpus '{cfg.corpus}' has changed since checkpoint '{path}' was "
+                         f"written ({size}); resume on the text it was trained on, or continue "
+                         "on the new one on purpose (--override, override=True)")
+
+
+def _corpus_file(cfg: TrainConfig, corpus: SyntheticCorpus | TextFileCorpus | None) -> str | None:
+    """The file the run trains on, if it trains on one."""
+    if corpus is not None:
+        return getattr(corpus, "path", None)
+    return None if cfg.corpus == "synthetic" else cfg.corpus
 
 
 def train(
@@ -491,6 +666,7 @@ def train(
     corpus: SyntheticCorpus | TextFileCorpus | None = None,
     resume: bool = False,
     override: bool = False,
+    overwrite: bool = True,
     stop_after: int | None = None,
     callback: Callable[[int, dict | None], object] | None = None,
     device: torch.device | str | None = None,
@@ -498,31 +674,52 @@ def train(
     """Train a fresh model (or resume from ``cfg.checkpoint_path`` when ``resume``).
 
     With ``cfg.checkpoint_path`` the run is saved every ``cfg.checkpoint_every`` steps
-    (if > 0) and when it completes; the path is checked before anything is trained. A
-    resumed run must have steps left, and the `RUN_SETTINGS` it was saved with unless
-    ``override``. ``stop_after`` ends the run early after that many total steps, without a
-    final checkpoint (an interrupted run). ``callback(step, record)`` is called after every
-    step (``record`` is ``None`` where the step read nothing).
+    (if > 0) and when it completes; the path and the corpus are checked before anything is
+    trained, and the run holds the path until it ends (`checkpoint_lock`: a second run on it
+    raises `CheckpointInUse`). ``overwrite=False`` refuses a path that already holds a file
+    (unless ``resume``). A resumed run must have steps left, and the `RUN_SETTINGS` and
+    corpus contents it was saved with unless ``override``. ``stop_after`` ends the run early
+    after that many total steps, without a final checkpoint (an interrupted run).
+    ``callback(step, record)`` is called after every step (``record`` is ``None`` where the
+    step read nothing).
 
     A non-finite training loss raises `TrainingDiverged`, Ctrl-C `TrainingInterrupted`;
     both name the step and the last checkpoint.
     """
     cfg = cfg or TrainConfig()
-    checkpoint = None
-    last_checkpoint: tuple[str, int] | None = None
     if override and not resume:
         raise ValueError("override=True (--override) applies to a resumed run: add resume=True "
                          "(--resume)")
-    if cfg.checkpoint_path:
-        check_checkpoint_path(cfg.checkpoint_path)
-    if resume:
-        if not cfg.checkpoint_path:
-            raise ValueError("resume=True needs TrainConfig.checkpoint_path")
-        checkpoint = load_checkpoint(cfg.checkpoint_path)
-        _check_resume(checkpoint, cfg, override)
-        last_checkpoint = (str(cfg.checkpoint_path), checkpoint["step"])
-    trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device, checkpoint=checkpoint)
-    result = TrainResult(model=trainer.model, domains=trainer.domains)
+    if resume and not cfg.checkpoint_path:
+        raise ValueError("resume=True needs TrainConfig.checkpoint_path")
+    if corpus is None:
+        check_corpus(cfg.corpus)
+    if not cfg.checkpoint_path:
+        trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device)
+        return _run(trainer, None, None, stop_after, callback)
+    path = check_checkpoint_path(cfg.checkpoint_path)
+    with checkpoint_lock(path):
+        if not (resume or overwrite) and path.exists():
+            raise ValueError(f"--checkpoint {path} exists; pass --resume (resume=True) to continue "
+                             "it or --overwrite (overwrite=True) to replace it with this run")
+        corpus_file = _corpus_file(cfg, corpus)
+        fingerprint = None if corpus_file is None else corpus_fingerprint(corpus_file)
+        checkpoint = None
+        if resume:
+            checkpoint = load_checkpoint(path)
+            _check_resume(checkpoint, cfg, override, fingerprint)
+        trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device, checkpoint=checkpoint)
+        return _run(trainer, checkpoint, fingerprint, stop_after, callback)
+
+
+def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
+         stop_after: int | None, callback: Callable[[int, dict | None], object] | None,
+         ) -> TrainResult:
+    """`train`'s loop over a built ``trainer`` (resumed from ``checkpoint``, if given), its
+    checkpoints recording the corpus ``fingerprint``."""
+    cfg, model_cfg = trainer.cfg, trainer.model_cfg
+    last_checkpoint = None if checkpoint is None else (str(cfg.checkpoint_path), checkpoint["step"])
+    result = TrainResult(model=trainer.model, domains=trainer.domains, step_kind=trainer.step_kind)
     if checkpoint is not None:
         result.history, result.evals = checkpoint["history"], checkpoint["evals"]
     start = trainer.steps_done
@@ -542,7 +739,8 @@ def train(
         def saved() -> None:
             nonlocal last_checkpoint
             last_checkpoint = (str(cfg.checkpoint_path), trainer.steps_done)
-        save_checkpoint(cfg.checkpoint_path, trainer.state(result.history, result.evals), saved)
+        state = trainer.state(result.history, result.evals)
+        save_checkpoint(cfg.checkpoint_path, {**state, "corpus_fingerprint": fingerprint}, saved)
 
     try:
         for step in bar:

@@ -158,16 +158,6 @@ def test_the_trainer_advances_one_step_at_a_time():
         cfg(compiled_eval=True)
 
 
-def test_a_save_removes_the_temporaries_of_interrupted_saves(tmp_path):
-    path = tmp_path / "ck.pt"
-    stale = tmp_path / ".ck.pt.x1y2z3.tmp"  # what a process killed mid-save leaves
-    stale.write_bytes(b"half a checkpoint")
-    other = tmp_path / ".other.pt.abc.tmp"  # another checkpoint's: not ours to remove
-    other.write_bytes(b"")
-    save_checkpoint(path, {"step": 1})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.abc.tmp", "ck.pt"]
-
-
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_checkpoint(tmp_path):
     from moe_lab.workbench.training.loop import TrainingDiverged
 
