@@ -378,13 +378,12 @@ class TextFileCorpus:
         self.path = Path(path)
         self.seq_len = _check_positive("TextFileCorpus", "seq_len", seq_len)
         if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
-            raise ValueError(
-                f"TextFileCorpus val_fraction must be a number in (0, 1), got {val_fraction!r}"
-            )
+            raise ValueError(f"TextFileCorpus val_fraction must be a number in (0, 1), got {val_fraction!r}")
         if not self.path.exists():
             raise FileNotFoundError(f"TextFileCorpus: no such file: '{self.path}'")
         if not self.path.is_file():
-            raise ValueError(f"TextFileCorpus path must be a file, got the directory '{self.path}'")
+            kind = "a directory" if self.path.is_dir() else "not a regular file (a FIFO, a device?)"
+            raise ValueError(f"TextFileCorpus path must be a regular text file; '{self.path}' is {kind}")
         raw = self.path.read_bytes()
         try:
             raw.decode("utf-8")

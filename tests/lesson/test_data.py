@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import re
 from pathlib import Path
@@ -292,8 +293,11 @@ def test_text_corpus_errors(tmp_path):
         TextFileCorpus(lopsided, 32)  # 10 eval bytes cannot hold a 33-byte window
     with pytest.raises(ValueError, match="val_fraction must be a number in"):
         TextFileCorpus(lopsided, 8, val_fraction=1.0)
-    with pytest.raises(ValueError, match="must be a file"):
+    with pytest.raises(ValueError, match="must be a regular text file; .* is a directory"):
         TextFileCorpus(tmp_path, 8)
+    os.mkfifo(tmp_path / "pipe")  # named for what it is, not "the directory"
+    with pytest.raises(ValueError, match="'.*pipe' is not a regular file"):
+        TextFileCorpus(tmp_path / "pipe", 8)
 
 
 def test_decode():
