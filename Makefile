@@ -134,7 +134,7 @@ wheel-check: $(VENV)/.installed-test
 
 # Compiles in a child process with TRITON_INTERPRET=0, whatever this Makefile exports.
 compile: $(VENV)/.installed-test
-	$(BIN)/python -m moe_lab compile --arch sm_90,sm_100
+	$(BIN)/python -m moe_lab compile --arch sm_80,sm_86,sm_89,sm_90,sm_100
 
 lab: $(VENV)/.installed-workbook
 	cd notebooks && ../$(BIN)/jupyter lab

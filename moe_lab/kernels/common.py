@@ -142,10 +142,9 @@ def jit(fn: Callable[..., object]) -> JITFunction | InterpretedFunction:
 
 def check_device(name: str, device: torch.device, needs: str = "bf16_mma",
                  what: str = "compiled Triton") -> None:
-    """Compiled Triton reads and writes CUDA memory only: a tensor elsewhere is an error
-    naming it (interpreted, any device will do). On CUDA the GPU's row in
-    `moe_lab.perf.hardware.ARCHS` must have ``needs`` (Triton itself needs ``bf16_mma``: sm_80
-    and newer), else one line naming the GPU and what ``what`` requires."""
+    """Compiled Triton reads and writes CUDA memory only (interpreted, any device will do), of a
+    GPU whose `moe_lab.perf.hardware.ARCHS` row has ``needs`` (Triton itself: ``bf16_mma``,
+    sm_80 on): else one line naming the tensor or the GPU and what ``what`` requires."""
     if interpreted():
         return
     if device.type != "cuda":

@@ -271,9 +271,12 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
     cfg = choose_config(kernel, m, n, k, n_experts, dtype)
     if device is not None and device.type == "cuda":
         arch = arch or gpu_arch(torch.cuda.get_device_capability(device))
-    if arch is None:
-        return cfg
-    b = cfg.blocks  # a stage's operand tiles: x [BLOCK_M, BLOCK_K], w [BLOCK_K, BLOCK_N] (swiglu: 2)
+    return cfg if arch is None else fit_shared(kernel, cfg, dtype, arch)
+
+
+def fit_shared(kernel: str, cfg: LaunchConfig, dtype: torch.dtype, arch: GPUArch) -> LaunchConfig:
+    """``cfg`` with no more stages than ``arch``'s shared memory holds (a stage: x and w tiles)."""
+    b = cfg.blocks
     tiles = (b["BLOCK_M"] + (2 if kernel == "swiglu" else 1) * b["BLOCK_N"]) * b["BLOCK_K"]
     return fit_stages(cfg, tiles * dtype.itemsize, arch.max_shared_per_block)
 

@@ -175,7 +175,7 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool, mma: str = "sca
     warps, 3 stages. The promoted product keeps an fp32 partial beside each accumulator
     (``P·V``'s is ``[rows, BLOCK_D]``), and at 128 rows the two spill from head_dim 128 on
     (the compile report); 64 rows is one ``wgmma`` M, and the two warpgroups split its N, so
-    each thread holds half of its share at 128 rows.
+    each thread holds half of its share at 128 rows; so does ``"bf16"``'s decoded tiles (64 too).
     """
     head = {"BLOCK_D": max(16, triton.next_power_of_2(d)),
             "N_DB": triton.next_power_of_2(padded_size(d) // BLOCK_SIZE)}
@@ -184,7 +184,7 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool, mma: str = "sca
         block_m = min(block_n, max(16, triton.next_power_of_2(t_q)))
         return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": block_n, **head}, num_warps=4,
                             num_stages=1)
-    block_m = 64 if mma == "fp8_promote" else 128
+    block_m = 64 if mma in ("fp8_promote", "bf16") else 128
     return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": BLOCK_SIZE, **head}, num_warps=8, num_stages=3)
 
 

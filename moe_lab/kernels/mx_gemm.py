@@ -41,7 +41,7 @@ from moe_lab.kernels.common import (
     tile_schedule,
 )
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.perf.hardware import GPUArch, gpu_arch
+from moe_lab.perf.hardware import MX_MMA_NEEDS, gpu_arch, mx_mma_of
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
 
 Tensor = torch.Tensor
@@ -74,7 +74,6 @@ def e8m0_to_fp32(byte):
 
 
 MX_MMAS = ("scaled", "fp8_promote", "bf16", "emulate")
-MX_MMA_NEEDS = {"scaled": "block_scaled_mma", "fp8_promote": "fp8_mma", "bf16": "bf16_mma"}  # ARCHS
 
 
 def mx_mma_mode(interpreted: bool, device: torch.device | None = None) -> str:
@@ -87,10 +86,6 @@ def mx_mma_mode(interpreted: bool, device: torch.device | None = None) -> str:
         return "emulate"
     return mx_mma_of(gpu_arch(torch.cuda.get_device_capability(device)))
 
-
-def mx_mma_of(arch: GPUArch) -> str:
-    """`mx_mma_mode`'s choice on ``arch``, compiled (``"none"`` below sm_80: no Triton there)."""
-    return next((mode for mode, needs in MX_MMA_NEEDS.items() if getattr(arch, needs)), "none")
 
 
 def check_mma(name: str, device: torch.device, mma: str | None) -> None:
@@ -261,12 +256,12 @@ def launch_config(m: int, n: int, k: int, interpreted: bool, mma: str = "scaled"
     tiles in registers, which spill in the grouped kernel at ``BLOCK_K`` 128; `mx_mma_mode`
     gives sm_90 ``"fp8_promote"``.) ``mma="fp8_promote"`` (Hopper): 128×64×32, one FP8
     ``wgmma`` K block per step straight from shared memory (a wider K tile is split in
-    registers); at ``BLOCK_N`` 128 the fp32 partial beside the accumulator spills.
+    registers); at ``BLOCK_N`` 128 the fp32 partial spills, as "bf16"'s decoded copies do (its tile too).
     Interpreted: the interpreter pays per program, so blocks as large as the problem allows."""
     if interpreted:
         return LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64 if k >= 64 else 32},
                             num_warps=4, num_stages=1)
-    if mma == "fp8_promote":
+    if mma in ("fp8_promote", "bf16"):
         return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32}, num_warps=8, num_stages=3)
     return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)
 

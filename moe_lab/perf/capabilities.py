@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lab.kernels import TRITON_MISSING
-from moe_lab.perf.hardware import gpu_arch
+from moe_lab.perf.hardware import gpu_arch, mx_mma_of
 
 # Blackwell data-centre parts (SM 10.0, 10.3) are the first with block-scaled (MX) FP8
 # tensor-core instructions; Transformer Engine's MXFP8BlockScaling recipe requires them.
@@ -73,6 +73,9 @@ class Capabilities:
         if self.transformer_engine:
             te = "TE " + self.versions.get("transformer_engine", "present")
         mx = "native MXFP8" if self.native_mxfp8 else "MXFP8 emulated"
+        if self.cuda_capability:  # what this GPU's row of the architecture table lets the kernels run
+            a = gpu_arch(self.cuda_capability)
+            cc += f": kernels as {a.arch}, {a.mma}, MXFP8 product {mx_mma_of(a)}, {'' if a.tma else 'no '}TMA"
         return (
             f"{self.hardware_label()} ({self.device_name}{cc}, {self.n_threads} threads); "
             f"triton {self.triton_mode}; "

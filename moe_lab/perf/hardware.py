@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 class GPUSpec:
     """One GPU's published per-device figures (dense, no sparsity).
 
-    ``bf16_tflops``, ``fp8_tflops``: tensor-core peaks. ``mxfp8_tflops``: peak with MX
-    block-scaled FP8 in hardware, ``None`` where there are no such units (Hopper).
+    ``bf16_tflops``, ``fp8_tflops``: tensor-core peaks (``None``: no FP8 units, the A100).
+    ``mxfp8_tflops``: peak with MX block-scaled FP8 in hardware, ``None`` where there are
+    no such units (Hopper).
     ``hbm_gb`` capacity, ``hbm_tbps`` bandwidth (TB/s), ``nvlink_gbps`` per-GPU NVLink
     bandwidth (GB/s, both directions). ``source``: ``"datasheet"`` or ``"third-party"``.
     ``sms``: streaming multiprocessors. ``l2_mb``: L2 cache in MiB (the cache of
@@ -43,7 +44,7 @@ class GPUSpec:
 
     name: str
     bf16_tflops: float
-    fp8_tflops: float
+    fp8_tflops: float | None
     mxfp8_tflops: float | None
     hbm_gb: float
     hbm_tbps: float
@@ -86,28 +87,28 @@ class GPUSpec:
 
 GPUS: dict[str, GPUSpec] = {
     spec.name: spec
-    for spec in (
-        # NVIDIA H100 SXM datasheet (dense figures: half the "with sparsity" ones).
-        # L2 (50 MB) and 132 SMs: the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
+    for spec in (  # dense figures: half the datasheets' "with sparsity" ones
+        # [a100]: 80 GB SXM; no FP8 tensor cores (fp8 None); L2 40 MB, 108 SMs ([a100-whitepaper]).
+        GPUSpec("A100", 312, None, None, 80, 2.039, 600, "datasheet", "NVIDIA A100 datasheet; NVLink 3",
+                l2_mb=40, sms=108),
+        # [l4]: 24 GB GDDR6, PCIe (no NVLink: 0); L2 48 MB and 58 SMs of its AD104 ([ada-whitepaper]).
+        GPUSpec("L4", 121, 242, None, 24, 0.3, 0, "datasheet", "NVIDIA L4 datasheet; PCIe only", l2_mb=48,
+                sms=58),
+        # [h100]; L2 (50 MB) and 132 SMs: the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
         GPUSpec("H100 SXM", 989, 1979, None, 80, 3.35, 900, "datasheet",
                 "NVIDIA H100 datasheet; NVLink 4", l2_mb=50, sms=132),
-        # NVIDIA H200 datasheet: same tensor cores as H100, larger and faster HBM3e.
-        # L2 and SMs: the H100 SXM5's GH100 die, 50 MB and 132 SMs ([hopper-whitepaper]).
+        # [h200]: H100's tensor cores, larger and faster HBM3e; L2 and SMs of the same GH100 die.
         GPUSpec("H200 SXM", 989, 1979, None, 141, 4.8, 900, "datasheet",
                 "NVIDIA H200 datasheet; NVLink 4", l2_mb=50, sms=132),
-        # NVIDIA HGX B200 (1,000 W) figures as third parties tabulate them.
-        # L2: 126 MB over its two dies, 148 SMs, as Chips and Cheese report them ([chipsandcheese-b200]).
+        # [b200] (1,000 W) as third parties tabulate it; 126 MB L2, 148 SMs ([chipsandcheese-b200]).
         GPUSpec("B200", 2250, 4500, 4500, 180, 8.0, 1800, "third-party",
-                "HGX B200 per-GPU figures as tabulated by third parties; NVLink 5", l2_mb=126,
-                sms=148),
+                "HGX B200 per-GPU figures as tabulated by third parties; NVLink 5", l2_mb=126, sms=148),
         # GB200 NVL72 rack datasheet divided by its 72 GPUs (a derived, unverified figure).
         GPUSpec("GB200", 2500, 5000, 5000, 186, 8.0, 1800, "third-party",
                 "GB200 NVL72 rack figures / 72 GPUs; unverified"),
-        # GB300 (B300 in NVL72): third-party per-GPU tables; HBM quoted as 279-288 GB.
-        # L2: assumed the B200's 126 MB (no published figure found; unverified).
+        # [gb300] (B300 in NVL72), third-party tables, HBM quoted 279-288 GB; L2 assumed B200's (unverified).
         GPUSpec("GB300", 2500, 5000, 5000, 279, 8.0, 1800, "third-party",
-                "Blackwell Ultra per-GPU figures from third-party tables; 130 TB/s per NVL72",
-                l2_mb=126),
+                "Blackwell Ultra per-GPU figures from third-party tables; 130 TB/s per NVL72", l2_mb=126),
     )
 }
 
@@ -154,16 +155,13 @@ def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2.0) -> 
 
 @dataclass(frozen=True)
 class GPUArch:
-    """What one GPU architecture offers the kernels, and what one of its streaming
-    multiprocessors (SM) holds at once (a kernel's occupancy follows from it:
-    `moe_lab.workbench.compile_report.reading`). ``gpu``: a GPU of it a reader may have;
-    ``mma``: the tensor-core instruction a Triton dot becomes there. Features: tensor cores
-    for ``bf16_mma`` and ``fp8_mma``, ``block_scaled_mma`` (MX scales applied by the MMA),
-    ``tma``, ``warp_specialize`` (moe_lab's persistent kernel splits its warps by role).
-    Per SM: registers, resident warps and blocks, ``shared_per_sm`` bytes of which a block
-    may use ``max_shared_per_block`` (the rest is reserved per block); registers are handed
-    out per warp in units of ``register_alloc_unit``, shared memory in units of
-    ``shared_alloc_unit`` bytes. ``l2_mb``: the L2 cache of ``gpu``."""
+    """What one GPU architecture offers the kernels, and what one of its SMs holds at once (a
+    kernel's occupancy follows: `moe_lab.workbench.compile_report.reading`). ``gpu``: one a
+    reader may have; ``mma``: the instruction a Triton dot becomes. Features: tensor cores
+    for ``bf16_mma``, ``fp8_mma``, ``block_scaled_mma`` (MX scales applied by the MMA);
+    ``tma``; ``warp_specialize`` (moe_lab's persistent kernel splits its warps by role). Per
+    SM: registers, warps, blocks, ``shared_per_sm`` bytes of which a block may use
+    ``max_shared_per_block``; allocation units of registers (per warp) and shared bytes."""
 
     arch: str
     gpu: str
@@ -181,7 +179,10 @@ class GPUArch:
     register_alloc_unit: int
     shared_alloc_unit: int
     l2_mb: float
-    source: str
+
+    @property
+    def source(self) -> str:
+        return f"compute capability {self.capability // 10}.{self.capability % 10}: {_SOURCES}"
 
     @property
     def reserved_shared_per_block(self) -> int:
@@ -194,36 +195,38 @@ class GPUArch:
 
 
 _KIB = 1024
-_LIMITS = ("NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability' "
-           "(registers, resident warps and blocks, shared memory per SM and per block, 1 KB of it "
-           "reserved per block from 8.0 on); allocation units as NVIDIA's CUDA Occupancy Calculator "
-           "applies them")
-_FEATURES = ("tensor-core types: NVIDIA's Turing, Ampere (GA100, GA102), Ada, Hopper and Blackwell "
-             "architecture whitepapers; TMA from Hopper; block-scaled MMA (tcgen05.mma kind::mxf8f6f4): "
-             "PTX ISA, sm_100a; L2 of the named GPU from its datasheet")
-
-def _source(capability: str) -> str:
-    return f"compute capability {capability}: {_LIMITS}; {_FEATURES}"
-
+_SOURCES = ("NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability', and "
+            "the CUDA Occupancy Calculator's allocation units (SM limits); NVIDIA's Turing, Ampere, Ada, "
+            "Hopper and Blackwell whitepapers (tensor-core types, TMA from Hopper); PTX ISA, tcgen05.mma "
+            "kind::mxf8f6f4 on sm_100a (block-scaled MMA); the named GPU's datasheet (L2)")
 
 ARCHS: dict[str, GPUArch] = {
     a.arch: a
     for a in (  # arch, gpu, mma; bf16 fp8 block-scaled TMA warp-specialised; per SM: registers,
         #     warps, blocks, shared bytes, per block; allocation units (registers, shared), L2 MB
         GPUArch("sm_75", "T4", "none", False, False, False, False, False,
-                65536, 32, 16, 64 * _KIB, 64 * _KIB, 256, 256, 4, _source("7.5")),
+                65536, 32, 16, 64 * _KIB, 64 * _KIB, 256, 256, 4),
         GPUArch("sm_80", "A100", "mma.sync", True, False, False, False, False,
-                65536, 64, 32, 164 * _KIB, 163 * _KIB, 256, 128, 40, _source("8.0")),
+                65536, 64, 32, 164 * _KIB, 163 * _KIB, 256, 128, 40),
         GPUArch("sm_86", "A10G", "mma.sync", True, False, False, False, False,
-                65536, 48, 16, 100 * _KIB, 99 * _KIB, 256, 128, 6, _source("8.6")),
+                65536, 48, 16, 100 * _KIB, 99 * _KIB, 256, 128, 6),
         GPUArch("sm_89", "L4", "mma.sync", True, True, False, False, False,
-                65536, 48, 24, 100 * _KIB, 99 * _KIB, 256, 128, 48, _source("8.9")),
+                65536, 48, 24, 100 * _KIB, 99 * _KIB, 256, 128, 48),
         GPUArch("sm_90", "H200 SXM", "wgmma", True, True, False, True, False,
-                65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128, 50, _source("9.0")),
+                65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128, 50),
         GPUArch("sm_100", "B200", "tcgen05.mma", True, True, True, True, True,
-                65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128, 126, _source("10.0")),
+                65536, 64, 32, 228 * _KIB, 227 * _KIB, 256, 128, 126),
     )
 }
+
+
+# `moe_lab.kernels.mx_gemm.mx_dot`'s MXFP8 products (``MX_MMA``), best first: what each needs.
+MX_MMA_NEEDS = {"scaled": "block_scaled_mma", "fp8_promote": "fp8_mma", "bf16": "bf16_mma"}
+
+
+def mx_mma_of(arch: GPUArch) -> str:
+    """The MXFP8 product the kernels compile on ``arch`` (``"none"`` below sm_80: no Triton)."""
+    return next((mode for mode, needs in MX_MMA_NEEDS.items() if getattr(arch, needs)), "none")
 
 
 def gpu_arch(arch: str | tuple[int, int]) -> GPUArch:

@@ -58,10 +58,10 @@ def _some_of(given, table: tuple, name: str) -> tuple[str, ...]:
 
 
 def reports(results: Path = RESULTS) -> dict[str, Path]:
-    """The GPU each compile target with datasheet rates (`moe_lab.perf.hardware.ARCHS` whose GPU
-    is in `GPUS`) stands for, and its compile report in ``results``:
+    """The GPU each Hopper or Blackwell compile target stands for (the launches these models
+    project; `moe_lab.perf.hardware.ARCHS` rows with TMA) and its compile report in ``results``:
     ``{"H200 SXM": results / "sm_90.json", "B200": results / "sm_100.json"}``."""
-    return {a.gpu: Path(results) / f"{arch}.json" for arch, a in ARCHS.items() if a.gpu in GPUS}
+    return {a.gpu: Path(results) / f"{arch}.json" for arch, a in ARCHS.items() if a.tma and a.gpu in GPUS}
 
 
 def blocks_per_sm(report: dict, kernel: str, blocks: dict, warps: int, launch: str | None = None) -> int:

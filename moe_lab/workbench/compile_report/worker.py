@@ -121,9 +121,9 @@ def identity(spec: CompileSpec, arch: str) -> dict[str, Any]:
     """The fields of a row that say what was compiled, for which architecture, how."""
     return {
         "kernel": spec.kernel, "label": spec.label, "arch": arch, "gpu": gpu_arch(arch).gpu,
-        "blocks": {k: spec.constexprs_for(arch).get(k, v) for k, v in spec.config.blocks.items()},
-        "num_warps": spec.config.num_warps,
-        "num_stages": spec.config.num_stages, "note": spec.note,
+        "blocks": {k: spec.constexprs_for(arch).get(k, v) for k, v in spec.config_for(arch).blocks.items()},
+        "num_warps": spec.config_for(arch).num_warps,
+        "num_stages": spec.config_for(arch).num_stages, "note": spec.note,
         "constexprs": {k: v if isinstance(v, SCALARS) else str(v)
                        for k, v in spec.constexprs_for(arch).items()},
     }
@@ -139,7 +139,7 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
     from triton.compiler import ASTSource
 
     limits = gpu_arch(arch)
-    config = spec.config
+    config = spec.config_for(arch)
     sig, constexprs, attrs, divisible = triton_signature(fn, spec.kernel, spec.signature,
                                                           spec.constexprs_for(arch))
     log = io.StringIO()
@@ -362,15 +362,21 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
                  (requested if requested is not None else [{"module": m} for m in kernel_modules()])]
     total = sum(len(pairs) for pairs, _ in collected) * len(archs)
     rows: list[dict[str, Any]] = []
+    refused: list[dict[str, str]] = []  # what a launch there refuses: not compiled
     number = 0
     for pairs, errors in collected:  # rows in job order: a job's errors, then its compiles
         rows += errors
         for fn, spec in pairs:
             for arch in archs:
                 number += 1
+                if not getattr(gpu_arch(arch), spec.needs):
+                    refused.append({"kernel": spec.kernel, "label": spec.label, "arch": arch,
+                                    "needs": spec.needs})
+                    continue
                 rows.append(_compile_row(fn, spec, arch, request.get("cubin_dir"), f"[{number}/{total}]"))
     return {"archs": list(archs), "triton": triton.__version__,
-            "limits": {arch: dataclasses.asdict(gpu_arch(arch)) for arch in archs}, "rows": rows}
+            "limits": {arch: dataclasses.asdict(gpu_arch(arch)) for arch in archs}, "rows": rows,
+            "refused": refused}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,8 +7,7 @@ checks that the README holds exactly this table.
 
 from __future__ import annotations
 
-from moe_lab.kernels.mx_gemm import mx_mma_of
-from moe_lab.perf.hardware import ARCHS
+from moe_lab.perf.hardware import ARCHS, mx_mma_of
 
 MX_WORDS = {"scaled": "block-scaled MMA (`tl.dot_scaled`)",
             "fp8_promote": "FP8 MMA per 32-wide block, scales in fp32",
@@ -18,7 +17,7 @@ MX_WORDS = {"scaled": "block-scaled MMA (`tl.dot_scaled`)",
 
 def gpu_paths_markdown() -> str:
     """One row per architecture: the GPU, whether moe_lab's Triton kernels run there and on
-    which tensor-core instruction, the MXFP8 path (`moe_lab.kernels.mx_gemm.mx_mma_of`), the
+    which tensor-core instruction, the MXFP8 path (`moe_lab.perf.hardware.mx_mma_of`), the
     persistent TMA grouped GEMM, shared memory per block and L2."""
     lines = ["| arch | e.g. | Triton kernels | MXFP8 | TMA grouped GEMM | shared per block | L2 |",
              "|---|---|---|---|---|---:|---:|"]

@@ -104,19 +104,25 @@ def test_bf16_mxfp8_is_refused_under_the_interpreter():
         mx_gemm.check_mma("a", torch.device("cpu"), "bf16")
 
 
-def test_the_capability_probe_names_an_unsupported_gpu(monkeypatch):
+def test_the_capability_line_names_the_paths_of_the_gpu(monkeypatch):
+    """The line every notebook prints first says what this GPU runs."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
-    caps_module.capabilities.cache_clear()
-    try:
-        found = caps_module.capabilities()
-        assert found.triton_mode == "unsupported on sm_75"
-        assert "triton unsupported on sm_75" in found.summary()
-    finally:
+    lines = {}
+    for capability in ((7, 5), (8, 0), (9, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, c=capability: GPUS[c])
         caps_module.capabilities.cache_clear()
+        try:
+            found = caps_module.capabilities()
+            lines[capability] = (found.triton_mode, found.summary())
+        finally:
+            caps_module.capabilities.cache_clear()
+    assert lines[(7, 5)][0] == "unsupported on sm_75" and "triton unsupported on sm_75" in lines[(7, 5)][1]
+    assert "kernels as sm_80, mma.sync, MXFP8 product bf16, no TMA" in lines[(8, 0)][1]
+    assert lines[(9, 0)][0] == "compiled"
+    assert "kernels as sm_90, wgmma, MXFP8 product fp8_promote, TMA" in lines[(9, 0)][1]
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

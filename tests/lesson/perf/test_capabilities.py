@@ -90,10 +90,16 @@ def test_cpuinfo_reads_model_and_flags(monkeypatch, tmp_path):
 
 
 def test_hardware_table():
-    assert set(hardware.GPUS) == {"H100 SXM", "H200 SXM", "B200", "GB200", "GB300"}
+    assert set(hardware.GPUS) == {"A100", "L4", "H100 SXM", "H200 SXM", "B200", "GB200", "GB300"}
     for spec in hardware.GPUS.values():
         assert spec.source in ("datasheet", "third-party") and spec.note
-        assert spec.fp8_tflops == pytest.approx(2 * spec.bf16_tflops, rel=0.01)
+        if spec.name != "A100":  # no FP8 tensor cores
+            assert spec.fp8_tflops == pytest.approx(2 * spec.bf16_tflops, rel=0.01)
+    assert hardware.gpu_spec("A100").fp8_tflops is None
+    with pytest.raises(ValueError, match="no native fp8"):
+        hardware.gpu_spec("A100").peak_flops("fp8")
+    for arch in hardware.ARCHS.values():  # the table's GPU of each architecture, where it has rates
+        assert arch.gpu in hardware.GPUS or arch.arch in ("sm_75", "sm_86")
     h200 = hardware.gpu_spec("H200")
     assert h200 is hardware.gpu_spec("h200 sxm") is hardware.gpu_spec("NVIDIA H200 SXM")
     assert (h200.bf16_tflops, h200.hbm_tbps, h200.hbm_gb) == (989, 4.8, 141)
@@ -104,7 +110,7 @@ def test_hardware_table():
     with pytest.raises(ValueError, match="dtype"):
         h200.peak_flops("fp4")
     with pytest.raises(ValueError, match="name must be one of"):
-        hardware.gpu_spec("A100")
+        hardware.gpu_spec("V100")
 
 
 def test_roofline():

@@ -9,6 +9,7 @@ compiles what runs. `for_module` finds a kernel module's specs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import types
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_lab.kernels.launch import TOKENS_PER_GPU, LaunchConfig
+from moe_lab.kernels.mx_gemm import launch_config as mx_launch_config
+from moe_lab.perf.hardware import ARCHS, mx_mma_of
 
 KERNEL_PACKAGE = "moe_lab.kernels"
 
@@ -45,7 +48,10 @@ class CompileSpec:
     why this compilation may miss the report's targets (spilled bytes, no tensor cores),
     when it does by design — the report prints it beside each row off target;
     ``per_arch``: constexprs that differ by target (``{"sm_90": {"MX_MMA": "fp8_promote"}}``),
-    over ``constexprs`` for that arch (`constexprs_for`).
+    over ``constexprs`` for that arch (`constexprs_for`); ``per_arch_config``: a target's own
+    `LaunchConfig` where its launch picks another (fewer stages for less shared memory:
+    `config_for`); ``needs``: the feature of `moe_lab.perf.hardware.ARCHS` the launch
+    requires (a target without it is refused, as the wrapper refuses it, not compiled).
     """
 
     kernel: str
@@ -55,6 +61,11 @@ class CompileSpec:
     config: LaunchConfig
     note: str = ""
     per_arch: dict[str, dict[str, object]] = field(default_factory=dict)
+    per_arch_config: dict[str, LaunchConfig] = field(default_factory=dict)
+    needs: str = "bf16_mma"
+
+    def config_for(self, arch: str) -> LaunchConfig:
+        return self.per_arch_config.get(arch, self.config)
 
     def constexprs_for(self, arch: str) -> dict[str, object]:
         return {**self.constexprs, **self.per_arch.get(arch, {})}
@@ -64,11 +75,15 @@ class CompileSpec:
             raise ValueError(f"CompileSpec.kernel must be 'module:function', got {self.kernel!r}")
 
 
-# The MXFP8 kernels' inner product per target (`moe_lab.kernels.mx_gemm.mx_mma_mode`):
-# block-scaled tcgen05 from sm_100 on, FP8 wgmma per 32-wide K block on sm_90.
-# (The GEMMs take one K block per step there: `moe_lab.kernels.mx_gemm.launch_config`.)
-MX_MMA, MX_MMA_PER_ARCH = {"MX_MMA": "scaled"}, {"sm_90": {"MX_MMA": "fp8_promote"}}
-MX_GEMM_PER_ARCH = {"sm_90": {"MX_MMA": "fp8_promote", "BLOCK_N": 64, "BLOCK_K": 32}}
+# The MXFP8 kernels' inner product per target, as a launch there picks it
+# (`moe_lab.perf.hardware.mx_mma_of`): block-scaled tcgen05 on sm_100, an FP8 MMA per
+# 32-wide K block on sm_89 and sm_90, bf16 on sm_80 and sm_86. (The GEMMs' tiles follow:
+# `moe_lab.kernels.mx_gemm.launch_config`.)
+MX_MMA = {"MX_MMA": "scaled"}
+MX_MMA_PER_ARCH = {a.arch: {"MX_MMA": mx_mma_of(a)} for a in ARCHS.values()
+                   if mx_mma_of(a) not in ("scaled", "none")}
+MX_GEMM_PER_ARCH = {arch: {**mode, **mx_launch_config(1, 1, 64, False, mode["MX_MMA"]).blocks}
+                    for arch, mode in MX_MMA_PER_ARCH.items()}
 
 
 def int_args(**values: int) -> tuple[dict[str, str], dict[str, int]]:
@@ -94,12 +109,11 @@ def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
     for spec in specs:
         key = (spec.kernel, tuple(sorted(spec.signature.items())),
                tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())), repr(spec.config),
-               repr(spec.per_arch))
+               repr(spec.per_arch), repr(spec.per_arch_config), spec.needs)
         if key in merged:
             first = merged[key]
-            merged[key] = CompileSpec(first.kernel, f"{first.label} | {spec.label}", first.signature,
-                                      first.constexprs, first.config, first.note or spec.note,
-                                      first.per_arch)
+            merged[key] = dataclasses.replace(first, label=f"{first.label} | {spec.label}",
+                                              note=first.note or spec.note)
         else:
             merged[key] = spec
     return list(merged.values())

@@ -8,10 +8,13 @@ config of its `TILE_SPACE` ("[candidate …]"), so the report compiles the whole
 
 from __future__ import annotations
 
+import dataclasses
+
 from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import DW_GROUP_K, block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.perf.hardware import ARCHS
 from moe_lab.workbench.compile_report.specs import (
     FP32_NOTE,
     SPEC_DTYPES,
@@ -58,8 +61,11 @@ def _space_specs(kernel: str, fn: str, what: str, dtype: str, pointers: tuple[st
     # one config the rule gives it, so only that one is compiled (bf16-sized tiles would
     # only show float32 spilling where no launch puts it).
     space = gg.TILE_SPACE[kernel] if dtype == "bf16" else (chosen,)
-    specs = [_spec(fn, f"[{'chosen' if cfg == chosen else 'candidate'} {describe(cfg)}] {what}",
-                   dtype, pointers, cfg, ints, **constexprs)
+    specs = [dataclasses.replace(  # each target with the stages its shared memory holds
+                 _spec(fn, f"[{'chosen' if cfg == chosen else 'candidate'} {describe(cfg)}] {what}",
+                       dtype, pointers, cfg, ints, **constexprs),
+                 per_arch_config={a.arch: fitted for a in ARCHS.values() if a.bf16_mma
+                                  and (fitted := gg.fit_shared(kernel, cfg, SPEC_DTYPES[dtype], a)) != cfg})
              for cfg in space]
     first = space.index(chosen)
     return specs[first], specs[:first] + specs[first + 1:]

@@ -68,5 +68,5 @@ def compile_specs() -> list[CompileSpec]:
                      "GROUP_M": tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
                      "TRANS_W": trans, "DOT_BF16": dot_bf16(torch.bfloat16, interpreted=False),
                      "WARP_SPECIALIZE": ws},
-                    cfg))
+                    cfg, needs="tma"))
     return merge_specs(specs)

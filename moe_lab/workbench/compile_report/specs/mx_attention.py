@@ -45,15 +45,16 @@ def compile_specs() -> list[CompileSpec]:
             s_ob=h * t * d, s_oh=t * d, s_ot=d, s_od=1,
         )
         cfg = ma.launch_config(t, t, d, interpreted=False, mma=MX_MMA["MX_MMA"])
-        # Hopper's tile (`launch_config` for "fp8_promote"): other blocks, the same warps and stages.
-        hopper = ma.launch_config(t, t, d, interpreted=False, mma=MX_MMA_PER_ARCH["sm_90"]["MX_MMA"])
-        if (hopper.num_warps, hopper.num_stages) != (cfg.num_warps, cfg.num_stages):
+        # Each target's tile (`launch_config` for its mode): other blocks, the same warps and stages.
+        tiles = {arch: ma.launch_config(t, t, d, interpreted=False, mma=v["MX_MMA"])
+                 for arch, v in MX_MMA_PER_ARCH.items()}
+        if any((c.num_warps, c.num_stages) != (cfg.num_warps, cfg.num_stages) for c in tiles.values()):
             raise ValueError("the compile spec takes per-arch blocks only; launch_config now differs "
-                             "in warps or stages between sm_90 and sm_100")
-        per_arch = {arch: dict(v) for arch, v in MX_MMA_PER_ARCH.items()}
-        per_arch["sm_90"].update(hopper.blocks)
+                             "in warps or stages between targets")
+        per_arch = {arch: {**v, **tiles[arch].blocks} for arch, v in MX_MMA_PER_ARCH.items()}
         p = f"P {scale_mode}" if quantize_p else "P float32"
-        note = UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d > 128 else ""
+        note = (UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d > 128
+                else ADA_NOTE if d == 128 else "")
         specs.append(CompileSpec(
             kernel="moe_lab.kernels.mx_attention:_mx_attention_fwd_kernel",
             label=f"MXFP8 attention fwd, {name}: {h} heads ({h_kv} KV), seq {t}, d={d}, {p}",
@@ -74,6 +75,10 @@ UNQUANTIZED_P_NOTE = (
     "(exact under the interpreter and on sm_90's CUDA cores), and Triton 3.7 lowers it on "
     "sm_100 to tcgen05 kind::tf32 instead (see the tensor-core column): on Blackwell that "
     "dot rounds P and the dequantized V to TF32.")
+ADA_NOTE = (
+    "on sm_89 (Ada) fp8_promote runs on FP8 mma.sync, whose fragments hold more registers than "
+    "sm_90's wgmma: at head_dim 128 its fp32 partial beside P·V's accumulator spills about a "
+    "hundred bytes (the spill column); on sm_90 nothing does.")
 WIDE_HEAD_NOTE = (
     "head_dim 192 is padded to 256-wide Q, K and output tiles (tl.arange needs a power of two): "
     "on sm_90, which has no block-scaled MMA, fp8_promote keeps an fp32 partial beside each "
