@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -106,6 +107,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: --seed must be an integer in [0, {MAX_SEED}], got {args.seed}")
 
 
+# What torchrun (or any launcher of env:// process groups) gives every rank it starts.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launched_by_torchrun(argv: list[str]) -> None:
+    """Refuse, in one line saying how to launch it (with ``argv``, the script's arguments), a
+    run that no launcher started (``python scripts/train_ep.py``): its process group would
+    have no rendezvous to find."""
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        command = shlex.join(["torchrun", "--standalone", "--nproc_per_node=2",
+                              "scripts/train_ep.py", *argv])
+        raise SystemExit(f"error: scripts/train_ep.py runs one process per rank, started by "
+                         f"torchrun ({', '.join(missing)} not set): {command}")
+
+
 def model_dtype(device: torch.device) -> torch.dtype:
     """What the model computes in: bfloat16 on CUDA (the only dtype in which the 1F1B stages'
     ``torch._grouped_mm`` keeps off the host there), float32 elsewhere."""
@@ -155,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             None if args.backend == "auto" else args.backend)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
+    check_launched_by_torchrun(sys.argv[1:] if argv is None else argv)
     rank, world, device = init_from_env(collective_timeout_s=args.timeout, backend=backend_name)
     cfg = preset(args.preset)
     ep_size = args.ep_size or world

@@ -14,7 +14,9 @@ the vector instruction set ATen uses on this CPU
 (``torch.backends.cpu.get_cpu_capability()``: the kernels' elementwise loops are compiled for
 it) and whether it has AVX512_BF16 (`native_bf16`), so a cache shared by different machines
 never hands one a build it cannot run. ``make install`` builds it ahead
-(``python -m moe_lab.workbench.cpu``).
+(``python -m moe_lab.workbench.cpu``). A build, or a rebuild over an old one (ninja finds a
+source or a torch header newer than it: `rebuild_reason`), is announced, with its reason,
+before it starts.
 
 It needs a C++ compiler with OpenMP, the same one ``torch.compile`` needs on a CPU. Without
 one, `available` is False, `extension` raises with the reason, and every caller has a
@@ -34,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -193,12 +197,10 @@ def extension():
 
         name, build_dir = _name_and_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob(f"{name}*.so")):
-            # Progress, not a problem: stdout (a failed build raises, naming its cause).
-            print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, about a minute)...",
-                  flush=True)
         try:
             with build_guard(build_dir):
+                # Asked under the lock: a build another process just finished is loaded, not redone.
+                _say_what_the_load_builds(name, build_dir)
                 _ext = load(name, [str(path) for path in SOURCES], extra_cflags=_flags(),
                             extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # compiler missing, no OpenMP, another build that never ends...
@@ -208,6 +210,41 @@ def extension():
                       f"Use expert_backend='torch' and attention_impl='sdpa' instead")
             raise RuntimeError(_error) from exc
         return _ext
+
+
+def _say_what_the_load_builds(name: str, build_dir: Path) -> None:
+    """Say, before it starts, that loading will compile for a minute or more, and why: no
+    build yet, or one that ninja will redo (`rebuild_reason`). Progress, not a problem:
+    stdout (a failed build raises, naming its cause)."""
+    if not any(build_dir.glob(f"{name}*.so")):
+        print("moe_lab: building the CPU kernels (C++/OpenMP, once per machine, about a minute)...",
+              flush=True)
+    elif (reason := rebuild_reason(build_dir)) is not None:
+        print(f"moe_lab: rebuilding the CPU kernels in {build_dir} ({reason}; about a minute)...",
+              flush=True)
+
+
+def rebuild_reason(build_dir: Path) -> str | None:
+    """Why ninja would compile again in ``build_dir``, which holds an earlier build (a source
+    or a torch header newer than it, say after a reinstall or a checkout), in words; None
+    where it has nothing to do or cannot tell. Asks ninja itself (``ninja -n -d explain``: a
+    dry run, nothing built), so the answer is the build's own."""
+    ninja = shutil.which("ninja")
+    if ninja is None or not (build_dir / "build.ninja").exists():
+        return None
+    try:
+        dry = subprocess.run([ninja, "-n", "-d", "explain", "-C", str(build_dir)],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if dry.returncode != 0 or "no work to do" in dry.stdout:
+        return None
+    notes = [line.removeprefix("ninja explain: ") for line in dry.stderr.splitlines()
+             if line.startswith("ninja explain: ")]
+    for note in notes:  # "output X older than most recent input Y (t1 vs t2)"
+        if (match := re.match(r"output (\S+) older than most recent input (\S+)", note)):
+            return f"{match[2]} is newer than the {match[1]} built from it"
+    return notes[0] if notes else "ninja has work to do"
 
 
 @torch.compiler.assume_constant_result

@@ -12,7 +12,9 @@ writes a stock checkpoint; `unpatch_hf_model` writes the weights into the blocks
 
 Not carried over: Hugging Face records router logits with forward hooks on its router
 modules (``output_router_logits=True``), and those modules are gone after the swap; the
-model's own router aux loss is therefore refused rather than silently zero.
+model's own router aux loss is therefore refused rather than silently zero, whether asked
+for in the call or in ``model.config``, before or after the patch. Refused too: a dispatcher
+that drops tokens (`TOKEN_DROPPING`), which would change the logits the patch promises.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ HF_STATE_MAPS: dict[str, tuple[Callable, Callable]] = {
     "GptOssMLP": (gpt_oss_from_hf, gpt_oss_to_hf),
 }
 _HOOK = "_moe_lab_router_logits_hook"
+# Dispatchers that drop the assignments over an expert's capacity: a patched model would then
+# compute other logits than the model it replaces, whose blocks drop nothing.
+TOKEN_DROPPING = ("capacity",)
 
 
 class HFMoEAdapter(nn.Module):
@@ -125,10 +130,15 @@ def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backen
     the block it replaced}`` (`unpatch_hf_model` writes the weights back and restores them).
 
     Each layer copies its block's weights and takes its device, dtype and train/eval mode;
-    the model computes the same logits and gradients afterwards (to float32 rounding).
+    the model computes the same logits and gradients afterwards (to float32 rounding), which
+    is why a ``dispatcher`` that drops tokens (`TOKEN_DROPPING`) is refused.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if dispatcher in TOKEN_DROPPING:
+        raise ValueError(f"dispatcher={dispatcher!r} drops the tokens over an expert's capacity, "
+                         "so the patched model would not compute the model's logits (its blocks "
+                         "drop none); use dispatcher='dropless' (the default)")
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
         raise ValueError("model.config.output_router_logits=True is not supported: the router "
@@ -174,7 +184,13 @@ def unpatch_hf_model(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _refuse_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    # Asked for at call time, Hugging Face gathers the logits of router modules that are gone.
-    if kwargs.get("output_router_logits"):
+    # Asked for at call time, or by a config changed after the patch (the call's None falls
+    # back to it), Hugging Face gathers the logits of router modules that are gone.
+    asked = kwargs.get("output_router_logits")
+    if asked is None and getattr(getattr(module, "config", None), "output_router_logits", False):
+        raise ValueError("model.config.output_router_logits=True is not supported by a patched "
+                         "model: its routers are moe_lab's; set it to False and use each "
+                         "adapter's .stats for balance losses")
+    if asked:
         raise ValueError("output_router_logits=True is not supported by a patched model: its "
                          "routers are moe_lab's; use each adapter's .stats for balance losses")

@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moe_lab.perf.capabilities import capabilities, library_versions
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, export_html, write_text_atomically
@@ -50,6 +51,9 @@ from moe_lab.workbench.measure.ledger import (
     read,
     results_table_markdown,
 )
+
+if TYPE_CHECKING:
+    from traitlets.config import Config
 
 KERNEL_NAME = "python3"
 # What running a notebook needs beyond moe_lab (pyproject.toml's notebooks extra), by module.
@@ -202,6 +206,18 @@ def _stopped_cell(partial: Path) -> tuple[int | None, int | None, str]:
     return started[-1], cell.get("execution_count"), str(cell.get("source", ""))
 
 
+def _kernel_transport(folder: str) -> Config:
+    """The traitlets config that puts a kernel's channels on Unix sockets in ``folder``
+    (jupyter_client's ``ipc`` transport) instead of TCP ports on the loopback: only this user
+    can reach them, and the kernel no longer prints, for every notebook, its warning that TCP
+    carries code and outputs unencrypted. Windows, which has no such sockets, keeps TCP."""
+    from traitlets.config import Config
+
+    if os.name == "nt":
+        return Config()
+    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "kernel")}})
+
+
 def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
                   timeout: float) -> tuple[NotebookFailure | None, bool]:
     """One papermill run of ``source`` into ``partial``: (the failure, or ``None``; whether
@@ -210,17 +226,20 @@ def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
     from papermill.exceptions import PapermillExecutionError
 
     try:
-        papermill.execute_notebook(
-            str(source),
-            str(partial),
-            parameters=parameters,
-            kernel_name=KERNEL_NAME,
-            cwd=str(cwd),
-            progress_bar=False,
-            log_output=False,
-            execution_timeout=timeout,  # per cell (nbclient's timeout)
-            shutdown_kernel="immediate",  # a hung kernel is not waited for
-        )
+        # A short folder of its own: a Unix socket's path is limited to about 100 bytes.
+        with tempfile.TemporaryDirectory(prefix="moe_lab_kernel_", ignore_cleanup_errors=True) as sockets:
+            papermill.execute_notebook(
+                str(source),
+                str(partial),
+                parameters=parameters,
+                kernel_name=KERNEL_NAME,
+                cwd=str(cwd),
+                progress_bar=False,
+                log_output=False,
+                execution_timeout=timeout,  # per cell (nbclient's timeout)
+                shutdown_kernel="immediate",  # a hung kernel is not waited for
+                config=_kernel_transport(sockets),
+            )
     except PapermillExecutionError as exc:
         return NotebookFailure(
             ename=str(exc.ename),

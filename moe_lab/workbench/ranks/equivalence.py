@@ -11,7 +11,9 @@ autograd) computes, which the tests and notebook 09 assert on.
 - `merged_check_rank`: every 1F1B plan of `moe_lab.parallel.merged` against the plain schedule
   (bitwise) and autograd;
 - `merged_model_check_rank`: `moe_lab.parallel.merged_model.MergedModelStep` against the plain
-  step of the whole model.
+  step of the whole model;
+- `skewed_routing_rank`: `EPMoELayer` at DeepSeek-like routing (many experts, hot and idle
+  ones) against the single-process layer, returning its tensors for a bitwise re-run check.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from moe_lab.workbench.ranks.launch import rank_device
 
 Tensor = torch.Tensor
 
-__all__ = ["ep_check_rank", "overlap_check_rank", "merged_check_rank", "merged_model_check_rank"]
+__all__ = ["ep_check_rank", "overlap_check_rank", "merged_check_rank", "merged_model_check_rank",
+           "skewed_routing_rank"]
 
 
 def _rel(a: Tensor, b: Tensor) -> float:
@@ -237,3 +240,52 @@ def merged_model_check_rank(preset_name: str = "tiny", batch: int = 4, n_micro: 
                                                              strict=True)),
             "rel": max(_rel(a, b) for a, b in zip(results["1f1b"], plain, strict=True)),
             "loss": float(results["1f1b"][0]), "plain_loss": float(plain[0])}
+
+
+def skewed_routing_rank(cfg_fields: dict, tokens_per_rank: int, hot: tuple[int, ...],
+                        idle: tuple[int, ...], seed: int = 0) -> dict:
+    """The dropless `EPMoELayer` against the single-process layer under skewed routing: the
+    ``hot`` experts' selection bias (+0.5) draws a large share of the tokens, the ``idle``
+    ones' (-1e4) keeps them from ever being chosen, so some ranks may own only idle experts.
+
+    Every rank builds the same seeded layer and batch, runs the whole batch through the
+    single-process layer and its own slice through the EP layer, forward and backward.
+    Returns ``{"rank", "received": tokens per expert over all ranks, "errors": {quantity:
+    max abs difference}, "scale": max |y|, "tensors": {quantity: this rank's tensor}}``, the
+    tensors (output, input gradient, this rank's expert, router and shared-expert gradients,
+    the last two all-reduced) for a caller to compare two runs bit for bit."""
+    world, rank, device = dist.get_world_size(), dist.get_rank(), rank_device()
+    cfg = MoEConfig(**cfg_fields)
+    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
+    torch.manual_seed(seed)  # seeds every device: the same layer and batch on every rank
+    with torch.device(device):
+        ref = MoELayer(cfg, "dropless", "torch")
+        with torch.no_grad():
+            ref.router.expert_bias[list(hot)] = 0.5
+            ref.router.expert_bias[list(idle)] = -1e4
+        x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
+        g_all = torch.randn_like(x_all)
+    xr = x_all.detach().requires_grad_()
+    y_ref, ref_stats = ref(xr)
+    y_ref.backward(g_all)
+    ep = from_layer(ref)
+    ep.zero_grad(set_to_none=True)
+    x = x_all[lo:hi].detach().requires_grad_()
+    y, _ = ep(x)
+    y.backward(g_all[lo:hi])
+    replicated = {name: p.grad.clone() for name, p in ep.named_parameters()
+                  if not name.startswith("experts.")}
+    for grad in replicated.values():  # each rank holds the part of its own tokens
+        dist.all_reduce(grad)
+    local = rank_experts(cfg.n_experts, world, rank)
+    mine = {"y": y.detach(), "dx": x.grad,
+            "experts.w_gate_up": ep.experts.w_gate_up.grad,
+            "experts.w_down": ep.experts.w_down.grad, **replicated}
+    want = {"y": y_ref.detach()[lo:hi], "dx": xr.grad[lo:hi],
+            "experts.w_gate_up": ref.experts.w_gate_up.grad[local.start:local.stop],
+            "experts.w_down": ref.experts.w_down.grad[local.start:local.stop],
+            **{name: ref.get_parameter(name).grad for name in replicated}}
+    return {"rank": rank, "received": ref_stats.tokens_per_expert.tolist(),
+            "errors": {name: float((mine[name] - want[name]).abs().max()) for name in mine},
+            "scale": float(y_ref.detach().abs().max()),
+            "tensors": {name: t.detach().cpu() for name, t in mine.items()}}

@@ -36,22 +36,30 @@ def stderr_rank(*lines: str) -> int:
     return dist.get_rank()
 
 
-def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout_s: float = 5.0) -> int:
+def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout_s: float = 5.0,
+               peer_delay_s: float = 0.0) -> int:
     """A rank function that fails on purpose (for the tests and notebook 09).
 
     Every rank joins a barrier, then loops over small all-reduces; rank ``victim`` instead
     dies (``kind="crash"``: SIGKILL, as the out-of-memory killer would), raises
     (``"raise"``), or stops answering (``"hang"``: sleeps). Before each all-reduce the others
-    pass `check_peers`, so a missing rank is named. Returns the number of iterations done.
+    pass `check_peers`, so a missing rank is named. ``peer_delay_s`` holds the others back
+    that long before their first `check_peers`, as a loaded machine may (the victim then
+    fails first). Returns the number of iterations done.
     """
     one_of(kind, "kind", FAULTS)
+    x = torch.ones(1024, device=rank_device())
     dist.barrier()
     # The victim fails only once every peer has left the barrier (each says so in the job's
     # store): a rank that leaves a barrier first may die while a peer still waits inside it,
-    # which then fails there instead of in `check_peers`, the failure under test.
+    # which then fails there instead of in `check_peers`, the failure under test. A peer that
+    # is descheduled between saying so and its first `check_peers` (a loaded machine) can
+    # still find the victim gone before the barrier begins: gloo then fails it at once with
+    # "Connection closed by peer", without naming the rank; its log holds that exception.
     store, past = dist.distributed_c10d._get_default_store(), "moe_lab/fault_rank/past_barrier/{}"
     if dist.get_rank() != victim:
         store.set(past.format(dist.get_rank()), "1")
+        time.sleep(peer_delay_s)
     else:
         store.wait([past.format(rank) for rank in range(dist.get_world_size()) if rank != victim])
         if kind == "crash":
@@ -59,7 +67,6 @@ def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout
         if kind == "raise":
             raise RuntimeError(f"rank {victim} failed on purpose")
         time.sleep(3600)
-    x = torch.ones(1024, device=rank_device())
     for _ in range(iterations):
         check_peers(check_timeout_s)
         dist.all_reduce(x)

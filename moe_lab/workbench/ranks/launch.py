@@ -70,7 +70,8 @@ GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to ex
 
 class RankFailure(RuntimeError):
     """One or more ranks failed, hung or overran the deadline; ``statuses`` says which and how,
-    ``logs`` holds what each rank wrote to stderr (rank -> text, known-harmless lines left out)."""
+    ``logs`` holds what each rank wrote to stderr (rank -> text, known-harmless lines left out),
+    read once every rank has ended; a rank that raised has its traceback there."""
 
     def __init__(self, message: str, statuses: list[RankStatus],
                  logs: dict[int, str] | None = None) -> None:
@@ -204,6 +205,10 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 — everything a rank can die of is reported
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        # On its stderr too, as Python prints an uncaught exception: a failed rank's log then
+        # always holds why it failed, whether or not a library logged anything before raising
+        # (gloo logs a failed monitored barrier, but not a peer found gone before it began).
+        sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         # A broken process group can hang in its destructors; leave at once.
         os._exit(1)
@@ -239,7 +244,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             and explains (a fault demo). A job that succeeds writes it out either way.
 
     Each rank's stderr is collected and, when the job ends, written to this process's stderr
-    (rank by rank), less the lines `moe_lab.workbench.quiet` knows to be harmless.
+    (rank by rank), less the lines `moe_lab.workbench.quiet` knows to be harmless; a rank that
+    raised has written its traceback there, as Python does.
 
     Raises:
         RankFailure: a rank raised, died, or the deadline passed; the message names each rank.

@@ -74,13 +74,17 @@ def test_a_provoked_failure_keeps_the_ranks_stderr_on_the_exception(capsys):
     with pytest.raises(RankFailure) as failure:
         run_ranks(fault_rank, 2, "crash", 1, 1000, 2.0, timeout_s=30, collective_timeout_s=10,
                   threads_per_rank=1, quiet_failure=True)
-    assert "monitoredBarrier" in failure.value.logs[0], failure.value.logs  # gloo's error log
+    # Rank 0's log holds its exception, whichever gloo raised: "failed to pass monitoredBarrier"
+    # (logged by gloo too), or, where the victim died before rank 0's barrier began (one run in
+    # three on a loaded machine), "Connection closed by peer" (logged by nothing but the launcher).
+    rank0 = failure.value.statuses[0]
+    assert rank0.exitcode == 1 and rank0.error in failure.value.logs[0], failure.value.logs
     assert capsys.readouterr().err == ""
     with pytest.raises(RankFailure) as loud:  # by default it is written out
         run_ranks(fault_rank, 2, "crash", 1, 1000, 2.0, timeout_s=30, collective_timeout_s=10,
                   threads_per_rank=1)
-    assert "monitoredBarrier" in capsys.readouterr().err
-    assert "monitoredBarrier" in loud.value.logs[0]
+    err = capsys.readouterr().err
+    assert loud.value.statuses[0].error in loud.value.logs[0] and loud.value.logs[0] in err
 
 
 def test_functions_must_be_importable():
