@@ -18,7 +18,10 @@ BENCHMARKS = {
 
 def untimed_triton(names: str, triton_mode: str) -> str:
     """The note of a benchmark whose Triton providers ``names`` are not timed here, where
-    `capabilities().triton_mode` is ``"interpreted"`` or ``"absent"``."""
+    `capabilities().triton_mode` is ``"interpreted"``, ``"absent"`` or ``"unsupported on
+    sm_75"`` (a GPU older than Triton's sm_80)."""
     if triton_mode == "interpreted":
         return f"{names}: Triton is interpreted here; checked in tests, not timed"
+    if triton_mode.startswith("unsupported"):
+        return f"{names}: Triton's kernels need compute capability 8.0 or newer, {triton_mode}; not run"
     return f"{names}: Triton is not installed here (Linux only); not run"

@@ -97,7 +97,7 @@ def compile_command(args: argparse.Namespace) -> int:
             unsaved = not write_tables(out, modules)
     with ledger.keep_unwritten() as unwritten:
         compile_report.record(rows)
-    print(json.dumps(report) if args.json else compile_report.format_table(rows))
+    print(jsonout.dumps(report) if args.json else compile_report.format_table(rows))
     unsaved = report_unwritten(unwritten) or unsaved
     bad = [row for row in rows if row.get("error") or not row.get("agree", True)]
     for row in bad:

@@ -85,6 +85,9 @@ def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0,
             child.wait()
         finally:
             timer.cancel()
+            if child.poll() is None:  # interrupted (Ctrl-C, an error here): no orphaned compile
+                child.kill()
+                child.wait()
         if child.returncode != 0 or not result_path.exists():
             raise RuntimeError(f"the compile process exited with code {child.returncode} "
                                f"(timeout_s={timeout_s}); its last lines:\n" + "".join(tail))

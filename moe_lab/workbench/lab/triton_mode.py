@@ -23,6 +23,21 @@ from moe_lab.kernels import TRITON_MISSING
 NEEDS_TRITON = "# needs Triton"
 
 
+def why_no_triton() -> str | None:
+    """Why moe_lab's Triton kernels cannot run in this process, or ``None``: Triton is not
+    installed (`moe_lab.kernels.TRITON_MISSING`), or the GPU is older than Triton's sm_80
+    (`moe_lab.perf.capabilities`: its kernels are refused there, a T4's notebook runs on PyTorch)."""
+    if TRITON_MISSING:
+        return TRITON_MISSING
+    from moe_lab.perf.capabilities import capabilities
+
+    caps = capabilities()
+    if caps.triton_mode.startswith("unsupported"):
+        return (f"Triton's kernels need compute capability 8.0 or newer; this {caps.device_name} is "
+                f"{caps.triton_mode.removeprefix('unsupported on ')}")
+    return None
+
+
 def interpret_without_cuda() -> bool:
     """Set ``TRITON_INTERPRET=1`` for this process when it is unset and there is no CUDA
     device, printing one line that says so; otherwise change nothing. Returns whether it set
@@ -31,7 +46,7 @@ def interpret_without_cuda() -> bool:
     nothing and calls `label_triton_cells` instead."""
     import torch
 
-    if TRITON_MISSING:
+    if why_no_triton():
         label_triton_cells()
         return False
     if "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
@@ -45,10 +60,12 @@ def interpret_without_cuda() -> bool:
 
 
 def label_triton_cells() -> bool:
-    """Where Triton is not installed, make each cell run after this one whose first line is
-    `NEEDS_TRITON` print one line (what it needs, where to get it) instead of running, and say
-    so once. Returns whether it did: False where Triton is installed, or outside IPython."""
-    if TRITON_MISSING is None:
+    """Where Triton's kernels cannot run (`why_no_triton`: not installed, or a GPU older than
+    sm_80), make each cell run after this one whose first line is `NEEDS_TRITON` print one
+    line (why) instead of running, and say so once. Returns whether it did: False where
+    Triton runs, or outside IPython."""
+    why = why_no_triton()
+    if why is None:
         return False
     try:
         from IPython import get_ipython
@@ -57,7 +74,7 @@ def label_triton_cells() -> bool:
     shell = get_ipython()
     if shell is None:
         return False
-    label = f"this cell was skipped: {TRITON_MISSING}"
+    label = f"this cell was skipped: {why}"
 
     def skip_triton_cell(lines: list[str]) -> list[str]:
         if lines and lines[0].strip().lower().startswith(NEEDS_TRITON.lower()):
@@ -66,9 +83,9 @@ def label_triton_cells() -> bool:
 
     if not any(getattr(t, "__name__", "") == "skip_triton_cell" for t in shell.input_transformers_cleanup):
         shell.input_transformers_cleanup.append(skip_triton_cell)
-    print(f"Triton is not installed here: the cells marked {NEEDS_TRITON!r} say what they need "
+    print(f"Triton's kernels cannot run here ({why}): the cells marked {NEEDS_TRITON!r} say so "
           "instead of running; the others run on PyTorch")
     return True
 
 
-__all__ = ["NEEDS_TRITON", "interpret_without_cuda", "label_triton_cells"]
+__all__ = ["NEEDS_TRITON", "interpret_without_cuda", "label_triton_cells", "why_no_triton"]

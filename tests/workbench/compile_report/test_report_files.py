@@ -99,3 +99,31 @@ def test_a_report_is_replaced_whole_or_not_at_all(monkeypatch, good_report):
     with pytest.raises(OSError):
         compile_report.write_results(report, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_an_interrupted_compile_leaves_no_child_behind(monkeypatch):
+    """Ctrl-C (or any error) while the compile child runs kills it: no orphaned compile."""
+    killed = []
+
+    class Child:  # a compile process that the parent is interrupted while reading
+        returncode = None
+
+        def __init__(self, *args, **kwargs):
+            self.stdout = self
+
+        def __iter__(self):
+            raise KeyboardInterrupt
+
+        def poll(self):
+            return None if not killed else -9
+
+        def kill(self):
+            killed.append(True)
+
+        def wait(self):
+            return -9
+
+    monkeypatch.setattr(compile_report.subprocess, "Popen", Child)
+    with pytest.raises(KeyboardInterrupt):
+        compile_report.run_in_child({"archs": ["sm_90"]})
+    assert killed == [True]
