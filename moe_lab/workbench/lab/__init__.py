@@ -3,6 +3,8 @@
 - `workbook` — the runner behind ``python -m moe_lab workbook`` (papermill, HTML,
   ``build/RESULTS.md``)
 - `site` — the executed notebooks as pages and an index; each notebook's headline figure
+- `page_outputs` — what a cell's outputs become on a page: an exercise the reference
+  answered said so, progress bars collapsed, long outputs folded
 - `notebook_files` — what the runner and the site share: the ``NN_name.ipynb`` pattern,
   atomic writes, the HTML export
 - `widgets` — ipywidgets explorers (static figures when headless)

@@ -14,8 +14,10 @@ has no live state in a headless run: the explorers draw a static figure there in
 Every page links to the previous and next notebook and to the index. Known third-party
 noise on stderr (torchao failing to load a compiled extension, torch's deprecation notes;
 the list is `moe_lab.workbench.quiet`) is left out of the pages; moe_lab's own warnings are
-kept. Records of hand-run notebooks (`moe_lab.workbench.measure.ledger.lab_session`) never
-reach the headlines.
+kept. A page never shows a ``✓`` that the reference solution earned under an unsolved stub,
+shows a progress bar as its last line, and folds an output longer than a screen into
+``<details>`` (`moe_lab.workbench.lab.page_outputs`). Records of hand-run notebooks
+(`moe_lab.workbench.measure.ledger.lab_session`) never reach the headlines.
 
 The headline figure of each notebook is chosen by `HEADLINES` (a table, one entry per
 notebook, in order of preference) or, overriding it, by a ledger record carrying the extra
@@ -36,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from moe_lab.perf.capabilities import capabilities
+from moe_lab.workbench.lab import page_outputs
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, write_text_atomically
 from moe_lab.workbench.measure.ledger import format_value, latest, read, workbook_records
 from moe_lab.workbench.quiet import without_known_lines
@@ -423,9 +426,13 @@ def prepare_for_site(nb) -> tuple:
     third-party stderr noise dropped (a stream left empty is dropped too), a live
     widget's output replaced by a note saying where its controls work, and the cell
     papermill injects (tagged ``injected-parameters``: the run's settings, repeated from the
-    notebook's own parameters cell) left out."""
+    notebook's own parameters cell) left out. The outputs are then made honest and short
+    (`moe_lab.workbench.lab.page_outputs`): a check's ``✓`` earned by the reference under an
+    unsolved stub says "not done — the reference ran in its place", a progress bar is one
+    line, and an output longer than a screen is folded into ``<details>``."""
     nb = copy.deepcopy(nb)
     formulas: list[str] = []
+    page_outputs.honest_exercises(nb)  # before the injected cell goes: it says how the run ran
     nb.cells = [cell for cell in nb.cells
                 if "injected-parameters" not in cell.get("metadata", {}).get("tags", [])]
     for cell in nb.cells:
@@ -449,6 +456,8 @@ def prepare_for_site(nb) -> tuple:
                 data["text/markdown"] = protect_math(data["text/markdown"], formulas)
             outputs.append(out)
         cell.outputs = outputs
+    page_outputs.collapse_progress(nb)
+    page_outputs.fold_long_outputs(nb)
     return nb, formulas
 
 
@@ -497,7 +506,8 @@ def render_page(nb, nav: str = "") -> str:
     prepared, formulas = prepare_for_site(nb)
     exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"moe_site.html.j2": _PAGE_TEMPLATE})],
                             template_file="moe_site.html.j2")
-    body, _ = exporter.from_notebook_node(prepared, resources={"moe_nav": nav, "moe_nav_css": _NAV_CSS})
+    body, _ = exporter.from_notebook_node(
+        prepared, resources={"moe_nav": nav, "moe_nav_css": _NAV_CSS + page_outputs.FOLD_CSS})
     return restore_math(body, formulas)
 
 

@@ -1,0 +1,236 @@
+"""What a cell's outputs become on the site: exercises said honestly, progress bars collapsed,
+long outputs folded.
+
+The site (`moe_lab.workbench.lab.site`) shows an executed notebook as it ran, with three
+exceptions, each made by one function here on the notebook before it is exported:
+
+- `honest_exercises`: ``make workbook`` runs every notebook with ``SOLUTIONS=True`` (in a
+  cell papermill injects, which the page leaves out), so an exercise's check checks the
+  reference solution and prints ``✓``. Under the learner's stub, still unsolved, that ``✓``
+  would say the stub is right. Each ``✓`` line of a check that ran the reference becomes
+  ``◻ name: not done — the reference ran in its place`` (or, under an answer that is written,
+  that the reference ran instead and the answer was not checked).
+- `collapse_progress`: a text progress bar (tqdm's) redraws its line with carriage returns;
+  on the page only the last state of each line is kept, and consecutive outputs of one
+  stream are one block, as in JupyterLab.
+- `fold_long_outputs`: an output longer than a screen (more than `FOLD_LINES` lines) is
+  folded into a ``<details>`` element whose summary says how long it is and shows its first
+  line; a click opens it.
+
+`prepare_outputs` applies the three in that order; the checks in
+``tests/workbench/lab/test_page_outputs.py`` hold the rendered pages to them.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+#: An output longer than this many lines is folded on the page.
+FOLD_LINES = 60
+
+# What an unsolved stub holds: ``return not_done()``, or a Triton stub's
+# ``tl.static_assert(False, "exercise not solved yet")`` (the `NOT_DONE` message of
+# `moe_lab.workbench.exercises`, spelled out: importing that package imports torch).
+NOT_DONE = "exercise not solved yet"
+_STUB = re.compile(r"\bnot_done\(\)|" + re.escape(NOT_DONE))
+# A check called in learner or reference mode: ``check_x(answer, ..., solutions=SOLUTIONS)``.
+_CHECK_CALL = re.compile(r"\bcheck_\w+\s*\(")
+_SOLUTIONS_ARG = re.compile(r"\bsolutions\s*=\s*SOLUTIONS\b")
+_SOLUTIONS_SET = re.compile(r"^\s*SOLUTIONS\s*=\s*(True|False)\b", re.M)
+_PASSED = re.compile(r"^✓\s*([A-Za-z_][\w.]*)?:?(.*)$")
+
+_CARRIAGE_RETURN = re.compile(r"[^\n]*\r(?=[^\n])")
+_BACKSPACE = re.compile(r"[^\n]\x08")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else "".join(value or ())
+
+
+def _tags(cell) -> list[str]:
+    return list(cell.get("metadata", {}).get("tags", []))
+
+
+def run_solutions(nb) -> bool | None:
+    """The ``SOLUTIONS`` the notebook ``nb`` ran with: the value papermill injected (the cell
+    tagged ``injected-parameters``), else the value of its ``parameters`` cell, else ``None``."""
+    for tag in ("injected-parameters", "parameters"):
+        for cell in nb.cells:
+            if cell.cell_type == "code" and tag in _tags(cell):
+                found = _SOLUTIONS_SET.findall(_text(cell.source))
+                if found:
+                    return found[-1] == "True"
+    return None
+
+
+def is_unsolved_stub(source: str) -> bool:
+    """True when ``source`` (a cell's code) still holds an exercise's stub."""
+    return bool(_STUB.search(source))
+
+
+def is_exercise_check(source: str) -> bool:
+    """True when ``source`` calls an exercise's check in the notebook's mode
+    (``check_…(…, solutions=SOLUTIONS)``): with ``SOLUTIONS=True`` that check ran the
+    reference solution, not the answer above it."""
+    return bool(_CHECK_CALL.search(source) and _SOLUTIONS_ARG.search(source))
+
+
+def not_done_line(name: str) -> str:
+    """What the page says instead of a ``✓`` the reference earned under an unsolved stub."""
+    who = f"{name}: " if name else ""
+    return (f"◻ {who}not done — the reference ran in its place (this page was run with "
+            "SOLUTIONS=True; run the notebook yourself to have your answer checked)")
+
+
+def not_checked_line(name: str) -> str:
+    """What the page says instead of a ``✓`` the reference earned under a written answer."""
+    who = f"{name}: " if name else ""
+    return (f"◻ {who}not checked — the reference ran in place of the answer above (this "
+            "page was run with SOLUTIONS=True)")
+
+
+def honest_exercises(nb) -> int:
+    """Rewrite, in place, each ``✓`` line that a check printed for the reference solution:
+    in every exercise cell (`is_exercise_check`) of a notebook run with ``SOLUTIONS=True``,
+    and in every cell that still holds a stub (which can never pass its own check) whatever
+    the mode. Returns how many lines were rewritten."""
+    solutions = run_solutions(nb)
+    rewritten = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        source = _text(cell.source)
+        stub = is_unsolved_stub(source)
+        if not (stub or (solutions is True and is_exercise_check(source))):
+            continue
+        for out in cell.get("outputs", []):
+            if out.get("output_type") != "stream":
+                continue
+            lines = _text(out.get("text", "")).split("\n")
+            for i, line in enumerate(lines):
+                match = _PASSED.match(line)
+                if match:
+                    name = match.group(1) or ""
+                    lines[i] = not_done_line(name) if stub else not_checked_line(name)
+                    rewritten += 1
+            out["text"] = "\n".join(lines)
+    return rewritten
+
+
+def final_states(text: str) -> str:
+    """``text`` as a terminal leaves it: each line's last state after carriage returns (a
+    progress bar's redraws), backspaces applied; a line ended by ``\\r\\n`` is kept."""
+    text = text.replace("\r\n", "\n")
+    previous = None
+    while previous != text:
+        previous, text = text, _BACKSPACE.sub("", text)
+    text = _CARRIAGE_RETURN.sub("", text)
+    return text.replace("\r", "")
+
+
+def collapse_progress(nb) -> int:
+    """In place: consecutive stream outputs of one name in a cell become one output, and each
+    line keeps only its final state (`final_states`), so a progress bar is one line in one
+    block. Returns how many outputs were merged away."""
+    merged = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code" or not cell.get("outputs"):
+            continue
+        outputs = []
+        for out in cell.outputs:
+            last = outputs[-1] if outputs else None
+            if (out.get("output_type") == "stream" and last is not None
+                    and last.get("output_type") == "stream" and last.get("name") == out.get("name")):
+                last["text"] = _text(last.get("text", "")) + _text(out.get("text", ""))
+                merged += 1
+                continue
+            outputs.append(out)
+        for out in outputs:
+            if out.get("output_type") == "stream":
+                out["text"] = final_states(_text(out.get("text", "")))
+        cell.outputs = outputs
+    return merged
+
+
+def _line_count(text: str) -> int:
+    return len(text.rstrip("\n").split("\n")) if text.strip() else 0
+
+
+def fold(body_html: str, lines: int, first_line: str, what: str = "output") -> str:
+    """``body_html`` inside a ``<details>`` whose summary says it is ``lines`` lines of
+    ``what`` and shows ``first_line``."""
+    first = html.escape(_ANSI.sub("", first_line).strip())
+    if len(first) > 100:
+        first = first[:99] + "…"
+    head = f" — <code>{first}</code>" if first else ""
+    return (f'<details class="moe-fold"><summary>{lines} lines of {html.escape(what)} '
+            f"(folded; click to open){head}</summary>{body_html}</details>")
+
+
+def _folded_text(text: str, what: str) -> dict:
+    from nbconvert.filters.ansi import ansi2html  # escapes the text; keeps colours
+
+    first = next((line for line in text.split("\n") if line.strip()), "")
+    body = f'<pre class="moe-fold-text">{ansi2html(text)}</pre>'
+    return {"text/html": fold(body, _line_count(text), first, what)}
+
+
+def fold_long_outputs(nb, limit: int = FOLD_LINES) -> int:
+    """In place: every stream output, plain-text result and Markdown output longer than
+    ``limit`` lines becomes an HTML output folded into ``<details>`` (`fold`). Returns how
+    many were folded."""
+    import nbformat
+
+    folded = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code" or not cell.get("outputs"):
+            continue
+        outputs = []
+        for out in cell.outputs:
+            kind = out.get("output_type")
+            data = out.get("data", {})
+            if kind == "stream":
+                text = _text(out.get("text", ""))
+                if _line_count(text) > limit:
+                    what = "output" if out.get("name") == "stdout" else f"{out.get('name')} output"
+                    out = nbformat.v4.new_output("display_data", data=_folded_text(text, what))
+                    folded += 1
+            elif kind in ("execute_result", "display_data"):
+                if "text/markdown" in data and _line_count(_text(data["text/markdown"])) > limit:
+                    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+                    markdown = _text(data["text/markdown"])
+                    first = next((line for line in markdown.split("\n") if line.strip()), "")
+                    out["data"] = {"text/html": fold(markdown2html_mistune(markdown),
+                                                     _line_count(markdown), first)}
+                    folded += 1
+                elif (set(data) <= {"text/plain"} and "text/plain" in data
+                      and _line_count(_text(data["text/plain"])) > limit):
+                    out["data"] = _folded_text(_text(data["text/plain"]), "output")
+                    folded += 1
+            outputs.append(out)
+        cell.outputs = outputs
+    return folded
+
+
+def prepare_outputs(nb) -> None:
+    """`honest_exercises`, `collapse_progress` and `fold_long_outputs` on ``nb``, in place
+    (the injected-parameters cell must still be there: it says how the notebook ran)."""
+    honest_exercises(nb)
+    collapse_progress(nb)
+    fold_long_outputs(nb)
+
+
+#: Style of the folds, added to every page's CSS.
+FOLD_CSS = """
+details.moe-fold { margin: .3em 0; }
+details.moe-fold > summary { cursor: pointer; color: #0b5cad; font: 13px/1.5 system-ui, sans-serif; }
+details.moe-fold > pre { margin: .3em 0 0; white-space: pre; overflow-x: auto; }
+"""
+
+
+__all__ = ["FOLD_CSS", "FOLD_LINES", "collapse_progress", "final_states", "fold",
+           "fold_long_outputs", "honest_exercises", "is_exercise_check", "is_unsolved_stub",
+           "not_checked_line", "not_done_line", "prepare_outputs", "run_solutions"]
