@@ -70,11 +70,14 @@ def fabric_figure(
     hosts_per_leaf: int = 8,
     n_leaf: int = 8,
     seed: int = 0,
+    link_gbps: float = 400.0,
 ) -> Any:
     """The explorer's figure: one MoE dispatch all-to-all (Zipf skew ``zipf_s`` over the
     experts) on a leaf-spine fabric — the topology with its uplink loads, and the
-    distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches."""
-    topo = LeafSpine(hosts_per_leaf, n_leaf, n_spine, 400.0, max(1.0, oversubscription))
+    distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches.
+    ``link_gbps``: every GPU's NIC rate, an illustrative default (GB300 systems ship 800 Gb/s
+    NICs); the completion times scale with it, the fractions of line rate do not."""
+    topo = LeafSpine(hosts_per_leaf, n_leaf, n_spine, link_gbps, max(1.0, oversubscription))
     rng = np.random.default_rng(seed)
     traffic = moe_traffic(topo.n_hosts, tokens_per_gpu=512, zipf_s=zipf_s, rng=rng)
     result = simulate(topo, traffic, routing="adaptive" if adaptive else "ecmp",
@@ -92,7 +95,8 @@ def fabric_figure(
     right.legend(fontsize=8)
     right.set_title(f"bandwidth {result.algbw_fraction:.0%} of link, efficiency "
                     f"{result.efficiency:.0%}", fontsize=9)
-    fig.suptitle(f"{topo.n_hosts} GPUs, {result.routing}, pacing {'on' if pacing else 'off'}, "
+    fig.suptitle(f"{topo.n_hosts} GPUs at {topo.link_gbps:g} Gb/s (illustrative), {result.routing}, "
+                 f"pacing {'on' if pacing else 'off'}, "
                  f"zipf s={zipf_s:g}, oversubscription {topo.oversubscription:g}:1", fontsize=10)
     fig.tight_layout()
     return fig

@@ -27,7 +27,10 @@ def plot_gantt(
 ) -> Any:
     """Draw ``result`` as a Gantt chart: one row per rank, F blue, B green, W orange.
 
-    Chunks after the first are drawn lighter. Returns the matplotlib axes.
+    Chunks after the first are drawn lighter; a dotted line marks the end of the step (its
+    makespan). On axes that share their x-axis with others (``plt.subplots(..., sharex=True)``)
+    the common limit covers the longest step drawn on any of them, so no panel is cut.
+    Returns the matplotlib axes.
     """
     # matplotlib loads only to draw: the simulators (and the ``sim`` command) run on numpy.
     import matplotlib.pyplot as plt
@@ -56,7 +59,11 @@ def plot_gantt(
     ax.set_yticks(range(result.n_ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(result.n_ranks)])
     ax.invert_yaxis()
-    ax.set_xlim(0, result.makespan * 1.01)
+    ax.axvline(result.makespan, color="gray", linewidth=0.8, linestyle=":")
+    # One x-axis shared by several panels has one limit: the last panel drawn must not cut the
+    # others, so it covers the longest step on any of them (their bars are in their data limits).
+    others = [a for a in ax.get_shared_x_axes().get_siblings(ax) if a is not ax and a.has_data()]
+    ax.set_xlim(0, max([result.makespan, *(a.dataLim.x1 for a in others)]) * 1.01)
     ax.set_xlabel("simulated time (work units)")
     kinds_present = [k for k in OP_KINDS if (result.kind == k).any()]
     ax.legend(handles=[Patch(color=_OP_COLOURS[k], label=k) for k in kinds_present],

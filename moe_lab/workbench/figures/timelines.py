@@ -61,8 +61,9 @@ def plot_timeline(timelines: dict[str, Timeline | dict], ax: Axes | None = None,
                   title: str | None = None, unit: str = "ms") -> Axes:
     """A Gantt chart: for each labelled step, a compute lane and a communication lane; each
     bar is one stage of one chunk (numbered), backward stages hatched (in a 1F1B-merged
-    step: the other micro-batch). Events drawn to the same time scale; ``timelines`` may hold
-    `Timeline`s or their ``to_dict()`` form (what a rank returns)."""
+    step: the other micro-batch), the stages' legend to the right of the lanes. Events drawn
+    to the same time scale; ``timelines`` may hold `Timeline`s or their ``to_dict()`` form
+    (what a rank returns)."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -91,8 +92,12 @@ def plot_timeline(timelines: dict[str, Timeline | dict], ax: Axes | None = None,
         ax.axvline(tl.step_s * k, ymin=0, ymax=1, color="gray", linewidth=0.5, linestyle=":")
     ax.set_yticks(yticks, ylabels)
     ax.set_xlabel(f"time since the step began ({unit})")
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in used.items()], fontsize=7, ncol=4,
-              loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    # Beside the lanes it names, top-aligned; a second column when a single one would run past
+    # the lanes' height (about five entries per inch of axes at this font size).
+    height_in = ax.get_position().height * ax.figure.get_figheight()
+    ncol = max(1, -(-len(used) // max(1, int(5 * height_in))))
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in used.items()], fontsize=7, ncol=ncol,
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     if title:
         ax.set_title(title)
     return ax
