@@ -54,7 +54,16 @@ def check_group_limited_selection(fn: Callable) -> None:
     cases = [(64, 256, 8, 4), (40, 16, 4, 2), (30, 12, 4, 1), (25, 8, 8, 3), (0, 16, 4, 2)]
     for tokens, n_experts, n_groups, topk_groups in cases:
         scores = torch.rand(tokens, n_experts, generator=g)
-        got = call_answer(fn, scores.clone(), n_groups, topk_groups)
+        where = f"{tokens} tokens, {n_experts} experts in {n_groups} groups, best {topk_groups} kept"
+        try:
+            got = call_answer(fn, scores.clone(), n_groups, topk_groups)
+        except (RuntimeError, IndexError) as exc:
+            hint = ""
+            if n_experts // n_groups == 1:
+                hint = (" Here each group holds one expert, so it has no second best: a group's "
+                        "score is the sum of its top min(2, experts per group) scores.")
+            raise ExerciseError(f"({where}) your function raised {type(exc).__name__}: {exc}."
+                                + hint) from None
         want = group_limited_selection(scores, n_groups, topk_groups)
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             raise ExerciseError(f"expected a tensor of shape {tuple(want.shape)}, got "
@@ -64,8 +73,7 @@ def check_group_limited_selection(fn: Callable) -> None:
         if not torch.equal(got, want):
             bad = int((got != want).any(-1).sum())
             raise ExerciseError(
-                f"{bad} of {tokens} tokens get the wrong experts ({n_experts} experts in "
-                f"{n_groups} groups, best {topk_groups} kept). Hint: view the scores as "
+                f"{bad} of {tokens} tokens get the wrong experts ({where}). Hint: view the scores as "
                 "[tokens, groups, experts per group], score each group by the sum of its two "
                 "best experts, keep the best groups, and expand the group mask back")
         per_token = got.view(tokens, n_groups, n_experts // n_groups).any(-1).sum(-1)

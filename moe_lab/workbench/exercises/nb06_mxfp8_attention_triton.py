@@ -97,11 +97,17 @@ def check_e8m0_block_scale(fn: Callable) -> None:
     r = int((got != want).nonzero()[0])
     amax = x[r].abs().amax().item()
     largest = x[r][x[r].abs().argmax()].item()
+    # The same offset on every block without a NaN: the exponent is right, its bias is not.
+    finite = ~torch.isnan(x).any(1)
+    offsets = (got - want)[finite].unique()
     hint = ""
     if math.isnan(amax):  # first: 255 - 127 is also a byte a NaN-blind answer can give
         hint = " (a block holding a NaN gets 255, the E8M0 NaN)"
     elif got[r] == want[r] - 127 or got[r] == want[r] + 127:
         hint = " (the byte is biased: unbiased exponent + 127)"
+    elif len(offsets) == 1 and int(offsets[0]) != 8:
+        hint = (f" (every block's byte is off by {int(offsets[0]):+d}: the bias is wrong — the byte is the "
+                "clamped unbiased exponent + 127)")
     elif largest < 0:
         hint = (f" (the block's largest magnitude is a negative value, {largest:.6g}: its float32 "
                 "bits read as a negative int32, so clear the sign bit, bits & 0x7FFFFFFF, before "

@@ -92,9 +92,12 @@ def check_gather_tile(gather: Callable, block_m: int = 16, block_k: int = 16) ->
         ids = random_routing(g, tokens, n_experts, top_k)
         row_id_map, offsets = make_row_id_map_reference(ids, n_experts, align)
         n_rows = int(offsets[-1])
-        # x between rows of NaN: a token index below 0 or past T reads NaN, not zeros.
+        # x between rows of NaN: a token index below 0 or past T reads NaN, not zeros. The rows
+        # after x reach past T·TOP_K, so a row source used as a token index (src, not
+        # src // TOP_K) reads NaN too, never memory outside the buffer.
         nan_rows = torch.full((4, k_dim), float("nan"))
-        memory = torch.cat([nan_rows, torch.randn(tokens, k_dim, generator=g), nan_rows]).to(device)
+        nan_tail = torch.full((4 + tokens * (top_k - 1), k_dim), float("nan"))
+        memory = torch.cat([nan_rows, torch.randn(tokens, k_dim, generator=g), nan_tail]).to(device)
         x_d = memory[4:4 + tokens]
         x = x_d.cpu()
         src = row_source(row_id_map, n_rows)
@@ -114,7 +117,12 @@ def check_gather_tile(gather: Callable, block_m: int = 16, block_k: int = 16) ->
         if bad is not None:
             r, c = bad
             hint = ""
-            if torch.isnan(got[r, c]):
+            src_r = int(src[r]) if r < len(src) else -1
+            if top_k > 1 and src_r >= 0 and (src_r >= tokens or torch.equal(got[r], x[src_r])) \
+                    and src_r // top_k != src_r:
+                hint = (f" — row {r}'s source is {src_r} = t·TOP_K + j, a (token, slot) pair: its token is "
+                        f"src // TOP_K = {src_r // top_k}; load x[src // TOP_K], not x[src]")
+            elif torch.isnan(got[r, c]):
                 hint = (" — NaN: a row past T was loaded (a row without a source must be masked, "
                         "src < 0) or the tile was not returned in full")
             elif want[r].abs().sum() == 0:

@@ -66,13 +66,22 @@ def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 3
                     min(len(got_list), len(want)),
                 )
                 hints = []
+                # Forwards before the first backward: the warm-up ones and the first of the
+                # steady phase, which pairs a forward with a backward (fewer when m is small).
+                warm = min(p - rank - 1, m)
+                before_b0 = next((i for i, (kind, _) in enumerate(want) if kind == "B"), len(want))
                 gpipe = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
                 if got_list == gpipe:
-                    hints.append("that is GPipe: 1F1B starts backwards after p - rank - 1 forwards")
+                    hints.append(f"that is GPipe: under 1F1B rank {rank} of {p} starts its backwards after "
+                                 f"{before_b0} forwards (min(p - rank - 1, m) = {warm} warm-up forwards, "
+                                 "then forward and backward alternate)")
                 for extra, what in ((1, "one warm-up forward too many"), (-1, "one warm-up forward too few")):
-                    if got_list == _with_warmup(p - rank - 1 + extra, m):
-                        hints.append(f"{what}: rank {rank} of {p} runs p - rank - 1 = {p - rank - 1} "
-                                     "warm-up forwards before its first backward")
+                    if got_list == _with_warmup(warm + extra, m):
+                        then = (f"then its steady phase starts with a forward, so {before_b0} forwards come "
+                                "before its first backward" if warm < m else
+                                f"which are all {m} of its forwards")
+                        hints.append(f"{what}: rank {rank} of {p} runs min(p - rank - 1, m) = {warm} "
+                                     f"warm-up forwards, {then}")
                 hint = f" ({'; or '.join(hints)})" if hints else ""
                 raise ExerciseError(
                     f"one_f_one_b_order(rank={rank}, n_ranks={p}, n_microbatches={m}) "

@@ -4,6 +4,8 @@ Each function draws on an Axes (created if not given) and returns it."""
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
@@ -11,20 +13,27 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from moe_lab.perf import fusion
 
 # (label, kind) per lane: kind "k" a kernel launch, "m" a tensor in memory (HBM). Each lane is the
-# forward of one `moe_lab.perf.fusion` variant, one "k" box per launch that variant counts.
+# forward of one `moe_lab.perf.fusion` variant, one "k" box per launch that variant counts, in
+# the order the data flows (left to right).
 LANES = {
     "swiglu_epilogue": [("x [T, d]", "m"), ("permute", "k"), ("x perm. [Tk, d]", "m"),
                         ("GEMM1 + SwiGLU", "k"), ("h [Tk, F]", "m"), ("GEMM2", "k"),
                         ("y perm. [Tk, d]", "m"), ("unpermute ·w", "k"), ("out [T, d]", "m")],
-    "scatter_epilogue": [("x [T, d]", "m"), ("row source: fill", "k"), ("row source: scatter", "k"),
+    "scatter_epilogue": [("row-id map [T, k]", "m"), ("row source: fill", "k"), ("row source: scatter", "k"),
                          ("source ids [Tk]", "m"), ("gather ▸ GEMM1 + SwiGLU", "k"), ("h [Tk, F]", "m"),
                          ("GEMM2 ▸ ·w scatter", "k"), ("y [T, k, d]", "m"), ("sum over top-k", "k"),
                          ("out [T, d]", "m")],
 }
+# Inputs a lane's kernel also reads, drawn under it: the gather reads the token rows of x
+# themselves, through the source ids.
+SIDE_INPUTS = {"scatter_epilogue": {"gather ▸ GEMM1 + SwiGLU": "x [T, d]"}}
 
 
 _LANE_NAMES = {"swiglu_epilogue": "notebook 04's chain (SwiGLU epilogue)",
                "scatter_epilogue": "gather prologue + scatter epilogue"}
+
+_SLOT = 1.45  # distance between the centres of two neighbouring boxes
+_BOX_W, _BOX_H, _PAD = 1.1, 0.34, 0.03  # a box's width and height, and its rounded border
 
 
 def lane_counts(variant: str) -> tuple[int, int]:
@@ -38,34 +47,64 @@ def _lane_title(variant: str) -> str:
     return f"{_LANE_NAMES[variant]}: {kernels} launches, {between} tensors between them"
 
 
+def dataflow_note() -> str:
+    """What the launch counts of `plot_dataflow` mean, from the lanes it draws."""
+    unfused, _ = lane_counts("swiglu_epilogue")
+    fused, _ = lane_counts("scatter_epilogue")
+    more = fused - unfused
+    change = (f"{more} launch{'es' if abs(more) != 1 else ''} more" if more > 0 else
+              f"{-more} launch{'es' if abs(more) != 1 else ''} fewer" if more < 0 else "as many launches")
+    return (f"Forward launches only. The fused path has {change} ({unfused} → {fused}): the permute and "
+            "the combine are gone into the GEMMs, but the gather needs its row source (two small launches "
+            "over Tk integers) and the token-major scatter a sum over top-k.\nWhat fusion removes is bytes, "
+            "not launches: the permuted copy of x [Tk, d] becomes an index of Tk integers, and y is "
+            "summed as one contiguous stream instead of gathered row by row.")
+
+
+def _box(ax, x: float, y: float, label: str, kind: str) -> None:
+    color = "#cfe2f3" if kind == "k" else "#fff2cc"
+    style = f"square,pad={_PAD}" if kind == "k" else f"round,pad={_PAD}"
+    ax.add_patch(FancyBboxPatch((x - _BOX_W / 2, y - _BOX_H / 2), _BOX_W, _BOX_H, boxstyle=style, fc=color,
+                                ec="0.3", lw=0.8))
+    ax.text(x, y, label.replace(": ", ":\n").replace(" ▸ ", " ▸\n"), ha="center", va="center", fontsize=6.8)
+
+
+def _arrow(ax, start: tuple[float, float], end: tuple[float, float]) -> None:
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=10, color="0.3",
+                                 shrinkA=0, shrinkB=0))
+
+
 def plot_dataflow(ax=None):
-    """The forward expert path as kernels (boxes) and the tensors they write to memory
-    (rounded labels): notebook 04's chain (its SwiGLU epilogue already fused) above, the gather
-    prologue with the deterministic scatter epilogue below, one box per launch that
-    `moe_lab.perf.fusion` counts for each. The fused forward does not launch fewer kernels:
-    the gather trades the permuted copy of ``x`` (``[Tk, d]``) for an index array of ``Tk``
-    integers, built by two small launches; the scatter writes ``y`` token-major so that the
-    combine is a plain sum. What it removes is bytes, most of them in the backward."""
+    """The forward expert path as kernels (square boxes) and the tensors they write to memory
+    (rounded boxes), the data flowing left to right: notebook 04's chain (its SwiGLU
+    epilogue already fused) above, the gather prologue with the deterministic scatter
+    epilogue below, one box per launch that `moe_lab.perf.fusion` counts for each. A note
+    under the lanes (`dataflow_note`) says what their launch counts mean."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(13, 3.2))
-    for y, variant in ((1.0, "swiglu_epilogue"), (0.0, "scatter_epilogue")):
+        _, ax = plt.subplots(figsize=(14, 4.2))
+    edge = _BOX_W / 2 + _PAD + 0.04  # an arrow starts and ends just outside a box
+    for y, variant in ((2.0, "swiglu_epilogue"), (0.75, "scatter_epilogue")):
         lane = LANES[variant]
-        xs = np.linspace(0.5, 11.5, len(lane))
-        width = min(1.1, 0.92 * (xs[1] - xs[0]))
-        ax.text(0.0, y + 0.38, _lane_title(variant), fontsize=9, weight="bold")
+        xs = [0.7 + i * _SLOT for i in range(len(lane))]
+        ax.text(0.1, y + 0.36, _lane_title(variant), fontsize=9, weight="bold")
         for i, (label, kind) in enumerate(lane):
-            color = "#cfe2f3" if kind == "k" else "#fff2cc"
-            style = "square,pad=0.25" if kind == "k" else "round,pad=0.25"
-            ax.add_patch(FancyBboxPatch((xs[i] - width / 2, y - 0.16), width, 0.32, boxstyle=style, fc=color,
-                                        ec="0.3", lw=0.8))
-            ax.text(xs[i], y, label.replace(": ", ":\n").replace(" ▸ ", " ▸\n"), ha="center", va="center",
-                    fontsize=6.8)
+            _box(ax, xs[i], y, label, kind)
             if i:
-                ax.add_patch(FancyArrowPatch((xs[i - 1] + width / 2 + 0.07, y), (xs[i] - width / 2 - 0.07, y),
-                                             arrowstyle="-|>", mutation_scale=9, color="0.3"))
-    ax.text(11.9, 0.5, "kernel (blue)\ntensor in HBM (yellow)", fontsize=7.5, va="center")
-    ax.set_xlim(-0.2, 13.5)
-    ax.set_ylim(-0.4, 1.5)
+                _arrow(ax, (xs[i - 1] + edge, y), (xs[i] - edge, y))
+            side = SIDE_INPUTS.get(variant, {}).get(label)
+            if side is not None:  # an extra input, under its kernel, flowing up into it
+                below = y - 0.65
+                _box(ax, xs[i], below, side, "m")
+                _arrow(ax, (xs[i], below + _BOX_H / 2 + _PAD + 0.03), (xs[i], y - _BOX_H / 2 - _PAD - 0.03))
+    for x, style, color, what in ((11.0, "square", "#cfe2f3", "kernel launch"),
+                                  (12.5, "round", "#fff2cc", "tensor in HBM")):  # the legend
+        ax.add_patch(FancyBboxPatch((x, -0.02), 0.3, 0.14, boxstyle=f"{style},pad={_PAD}", fc=color, ec="0.3",
+                                    lw=0.8))
+        ax.text(x + 0.4, 0.05, what, fontsize=7.5, va="center")
+    note = "\n".join(textwrap.fill(part, 150) for part in dataflow_note().split("\n"))
+    ax.text(0.1, -0.35, note, fontsize=8, va="top")
+    ax.set_xlim(0, 14.6)
+    ax.set_ylim(-0.95, 2.5)
     ax.axis("off")
     return ax
 
