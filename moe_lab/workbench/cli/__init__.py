@@ -10,19 +10,23 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES = (
-    "moe_lab.workbench.cli.env",  # env, flops, compile
-    "moe_lab.workbench.cli.train",  # train
-    "moe_lab.workbench.lab.workbook",  # workbook
-    "moe_lab.workbench.cli.bench",  # bench NAME
-    "moe_lab.workbench.cli.sim",  # sim pipeline|fabric
-)
+COMMAND_MODULES = {  # command -> the module that registers it
+    "env": "moe_lab.workbench.cli.env", "flops": "moe_lab.workbench.cli.env",
+    "compile": "moe_lab.workbench.cli.env",
+    "train": "moe_lab.workbench.cli.train",
+    "workbook": "moe_lab.workbench.lab.workbook",
+    "bench": "moe_lab.workbench.cli.bench",
+    "sim": "moe_lab.workbench.cli.sim",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``command`` alone (only its module imported: a
+    command that needs no torch starts without it)."""
     parser = argparse.ArgumentParser(prog="python -m moe_lab", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    names = [COMMAND_MODULES[command]] if command in COMMAND_MODULES else COMMAND_MODULES.values()
+    for name in dict.fromkeys(names):
         importlib.import_module(name).register(sub)
     return parser
 
@@ -40,7 +44,8 @@ def interrupted(what: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     command = "python -m moe_lab"
     try:  # Ctrl-C anywhere, start-up included (the parser imports every command's module)
-        args = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else argv
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
         command += f" {args.command}"
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # `train` catches its own, to say where its checkpoint stands

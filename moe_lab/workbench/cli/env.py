@@ -73,11 +73,14 @@ def compile_command(args: argparse.Namespace) -> int:
     object), write ``<arch>.json`` and ``summary.md`` into ``--out`` (after a full compile also
     ``traffic.md`` and ``roofline.md``, `write_tables`), append the figures to the ledger. Exit
     status 1 when a row failed or its two accounts of a figure disagree."""
-    from moe_lab.workbench.compile_report import report as compile_report
+    from moe_lab.workbench.compile_report import check_modules
 
     modules = None
-    if args.modules is not None:  # "" is no module, not every one: refused by compile_report
+    if args.modules is not None:  # "" is no module, not every one
         modules = [m if "." in m else f"moe_lab.kernels.{m}" for m in args.modules.split(",") if m]
+        check_modules(modules)  # a typo refused before the first heavy import (Triton, torch)
+    from moe_lab.workbench.compile_report import report as compile_report
+
     report = compile_report.compile_report(compile_report.parse_archs(args.arch), modules)
     rows = report["rows"]
     from moe_lab.workbench.cli.bench import report_unwritten

@@ -33,7 +33,6 @@ import ast
 import inspect
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.workbench.compile_report import check_modules
 from moe_lab.workbench.compile_report.worker import SCALARS, parse_archs
 
 Archs = str | list[str] | tuple[str, ...]
@@ -112,29 +112,6 @@ def compile_report(archs: Archs = DEFAULT_ARCHS, modules: list[str] | None = Non
     request = {"archs": list(parse_archs(archs)), "jobs": jobs,
                "cubin_dir": None if cubin_dir is None else str(cubin_dir)}
     return {**run_in_child(request), "compiled_on": capabilities().hardware_label()}
-
-
-def known_modules() -> list[str]:
-    """The kernel modules that have compile specs (``specs/<name>.py`` describes
-    ``moe_lab.kernels.<name>``), read off the folder: nothing is imported."""
-    from moe_lab.workbench.compile_report import specs
-
-    return sorted(f"{specs.KERNEL_PACKAGE}.{info.name}" for info in pkgutil.iter_modules(specs.__path__))
-
-
-def check_modules(modules: list[str]) -> None:
-    """Refuse, before anything is compiled or written, ``modules`` naming a module without
-    compile specs (a typo) or one twice, naming the known ones."""
-    known = known_modules()
-    unknown = [m for m in modules if m not in known]
-    if unknown or not modules:
-        names = ", ".join(m.rpartition(".")[2] for m in known)
-        raise ValueError(f"modules must name kernel modules with compile specs, got {unknown or modules}; "
-                         f"known: {names} (each moe_lab.kernels.<name>)")
-    twice = sorted({m for m in modules if modules.count(m) > 1})
-    if twice:
-        raise ValueError(f"modules names {', '.join(twice)} more than once: every row and ledger "
-                         "record would be written twice")
 
 
 def _is_kernel(value: object) -> bool:

@@ -142,9 +142,10 @@ def test_ctrl_c_in_any_command_is_one_line_and_status_130(capsys, monkeypatch, r
 
 
 def test_ctrl_c_during_start_up_is_one_line_and_status_130():
-    """A real SIGINT while the command line loads (the parser imports torch)."""
+    """A real SIGINT while the command line loads (train's parser imports torch: its choices
+    are the registries' names)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moe_lab", "sim", "fabric"], cwd=ROOT, env=dict(os.environ),
+        [sys.executable, "-m", "moe_lab", "train", "--steps", "1"], cwd=ROOT, env=dict(os.environ),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # Ctrl-C reaches it as in a terminal: a suite started in the background (`make test &`)
         # runs with SIGINT ignored, and a child would inherit that.

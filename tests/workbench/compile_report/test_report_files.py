@@ -6,6 +6,8 @@ not at all."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -127,3 +129,16 @@ def test_an_interrupted_compile_leaves_no_child_behind(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         compile_report.run_in_child({"archs": ["sm_90"]})
     assert killed == [True]
+
+
+def test_a_modules_typo_is_refused_before_torch_or_triton_is_imported(tmp_path):
+    """The refusal comes in the first second: the command's parser alone is built, and the
+    modules are checked against the specs folder before any heavy import."""
+    code = ("import sys\nfrom moe_lab.workbench.cli import main\n"
+            f"rc = main(['compile', '--modules', 'permut', '--out', {str(tmp_path / 'out')!r}])\n"
+            "print(rc, 'torch' in sys.modules, 'triton' in sys.modules)")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False", "False"], done.stdout + done.stderr
+    assert "known: " in done.stderr and time.monotonic() - start < 10  # a loaded machine's margin
+    assert not (tmp_path / "out").exists()
