@@ -157,3 +157,20 @@ def grouped_mx_operands(gen, counts: list[int], n: int, k: int, device) -> list[
     b = quantize(torch.randn(len(counts), n, k, generator=gen), dim=-1, scale_mode="rceil")
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
     return [t.to(device) for t in (a.data, a.scale, b.data, b.scale, offsets)]
+
+
+def cli(capsys, *argv: str) -> tuple[int, list[str]]:
+    """Exit status and the stderr lines of ``python -m moe_lab *argv``, run in this process."""
+    from moe_lab.__main__ import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def one_line(lines: list[str], *words: str) -> str:
+    """The single stderr line of a refused command, with no traceback and each of ``words``."""
+    assert len(lines) == 1, lines
+    assert "Traceback" not in lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]

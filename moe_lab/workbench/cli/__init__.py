@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 COMMAND_MODULES = {  # command -> the module that registers it
@@ -29,6 +30,32 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name in dict.fromkeys(names):
         importlib.import_module(name).register(sub)
     return parser
+
+
+def _number(text: str, kind: type, ok, expected: str) -> int | float:
+    """``text`` as ``kind`` when ``ok(value)``, else argparse's error saying what was expected."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer > 0."""
+    return _number(text, int, lambda v: v > 0, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 0."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0."""
+    return _number(text, float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 
 
 #: Exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it).

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from moe_lab.config import PRESETS, preset
 from moe_lab.workbench import jsonout
+from moe_lab.workbench.cli import non_negative_float, positive_int
 
 
 def env_command(args: argparse.Namespace) -> int:
@@ -128,23 +128,6 @@ def write_tables(out, modules: list[str] | None) -> bool:
     return True
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``env``, ``flops`` and ``compile`` commands to ``python -m moe_lab``."""
     env = subparsers.add_parser("env", help="capabilities of this machine (detected once)")
@@ -153,9 +136,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     fl = subparsers.add_parser("flops", help="training FLOPs per token of a preset; TFLOPS/GPU")
     fl.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    fl.add_argument("--seq-len", type=_positive_int, default=None,
+    fl.add_argument("--seq-len", type=positive_int, default=None,
                     help="sequence length (default: the preset's)")
-    fl.add_argument("--tokens-per-s", type=_non_negative_float, default=None,
+    fl.add_argument("--tokens-per-s", type=non_negative_float, default=None,
                     help="tokens per second per GPU: also report TFLOPS/GPU")
     fl.add_argument("--no-mtp", action="store_true", help="leave multi-token prediction out")
     fl.add_argument("--json", action="store_true", help="print one JSON object")

@@ -26,6 +26,7 @@ from moe_lab.sim.layout_search import (
     simulate_layout,
 )
 from moe_lab.sim.traffic import incast_traffic, moe_traffic, uniform_traffic
+from moe_lab.workbench.cli import non_negative_float, non_negative_int, positive_int
 from moe_lab.workbench.jsonout import dumps
 
 #: The most operations (forwards, backwards and weight gradients over every virtual stage and
@@ -218,36 +219,6 @@ def fabric_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -268,33 +239,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     pipe = which.add_parser("pipeline", help="stage imbalance and bubble of pipeline layouts")
     pipe.add_argument("--preset", default="deepseek_v3", choices=sorted(PRESETS))
-    pipe.add_argument("--stages", type=_positive_int, default=8, help="pipeline ranks")
-    pipe.add_argument("--vpp", type=_positive_int, default=1, help="virtual stages per rank")
-    pipe.add_argument("--microbatches", type=_positive_int, default=16)
+    pipe.add_argument("--stages", type=positive_int, default=8, help="pipeline ranks")
+    pipe.add_argument("--vpp", type=positive_int, default=1, help="virtual stages per rank")
+    pipe.add_argument("--microbatches", type=positive_int, default=16)
     pipe.add_argument("--layout", default=None,
                       help='a Megatron layout string to evaluate too, e.g. "Et*3|(tt|)*29,m|L"')
     pipe.add_argument("--logits-scale", type=_positive_float, default=1.0,
                       help="cost factor of the logits GEMM (0.5: MXFP8)")
     pipe.add_argument("--delay-wgrad", action="store_true",
                       help="split backward into B and W and let W fill the bubbles")
-    pipe.add_argument("--seq-len", type=_positive_int, default=None)
+    pipe.add_argument("--seq-len", type=positive_int, default=None)
     pipe.add_argument("--json", action="store_true", help="print one JSON object")
     pipe.set_defaults(func=pipeline_command)
 
     fab = which.add_parser("fabric", help="all-to-all over a leaf-spine fabric")
-    fab.add_argument("--hosts-per-leaf", type=_positive_int, default=8)
-    fab.add_argument("--leaves", type=_positive_int, default=8)
-    fab.add_argument("--spines", type=_positive_int, default=8)
+    fab.add_argument("--hosts-per-leaf", type=positive_int, default=8)
+    fab.add_argument("--leaves", type=positive_int, default=8)
+    fab.add_argument("--spines", type=positive_int, default=8)
     fab.add_argument("--link-gbps", type=_positive_float, default=400.0)
     fab.add_argument("--oversubscription", type=_positive_float, default=1.0)
     fab.add_argument("--traffic", choices=("uniform", "moe", "incast"), default="uniform")
     fab.add_argument("--mb-per-pair", type=_positive_float, default=1.0,
                      help="MiB per GPU pair (uniform) or per sender (incast)")
-    fab.add_argument("--zipf", type=_non_negative_float, default=1.0,
+    fab.add_argument("--zipf", type=non_negative_float, default=1.0,
                      help="expert-popularity skew (moe)")
-    fab.add_argument("--senders", type=_positive_int, default=32, help="incast senders")
+    fab.add_argument("--senders", type=positive_int, default=32, help="incast senders")
     fab.add_argument("--routing", choices=("ecmp", "adaptive", "both"), default="both")
     fab.add_argument("--pacing", choices=("on", "off", "both"), default="both")
-    fab.add_argument("--seed", type=_non_negative_int, default=0)
+    fab.add_argument("--seed", type=non_negative_int, default=0)
     fab.add_argument("--json", action="store_true", help="print one JSON object")
     fab.set_defaults(func=fabric_command)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import cli, one_line
 
 from moe_lab.__main__ import main
 from moe_lab.workbench.jsonout import dumps
@@ -27,18 +28,6 @@ ROOT = Path(__file__).resolve().parents[3]
 TRAIN = ["train", "--steps", "2", "--batch-size", "2", "--eval-every", "0", "--json"]
 
 
-def _cli(capsys, *argv: str) -> tuple[int, list[str]]:
-    """Exit status and the stderr lines of ``python -m moe_lab *argv``."""
-    code = main(list(argv))
-    return code, capsys.readouterr().err.strip().splitlines()
-
-
-def _one_line(lines: list[str], *words: str) -> str:
-    assert len(lines) == 1, lines
-    assert "Traceback" not in lines[0]
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -70,26 +59,26 @@ def _copy(checkpoint: Path, folder: Path, data: bytes | None = None) -> Path:
     (["--dispatcher", "naive", "--step", "graphed"], ["'naive' syncs the host"]),
 ])
 def test_train_refuses_bad_values_in_one_line(capsys, argv, words):
-    code, err = _cli(capsys, *TRAIN, *argv)
+    code, err = cli(capsys, *TRAIN, *argv)
     assert code == 2
-    _one_line(err, "error:", *words)
+    one_line(err, "error:", *words)
 
 
 def test_train_refuses_missing_and_unreadable_checkpoints(capsys, tmp_path, checkpoint):
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(tmp_path / "none.pt"), "--resume")
+    code, err = cli(capsys, *TRAIN, "--checkpoint", str(tmp_path / "none.pt"), "--resume")
     assert code == 2
-    _one_line(err, "checkpoint not found", "none.pt")
+    one_line(err, "checkpoint not found", "none.pt")
     size = checkpoint.stat().st_size
     for data, words in [(b"", ["empty"]), (b"garbage\n", ["not a readable checkpoint"]),
                         (checkpoint.read_bytes()[: size // 2], ["not a readable checkpoint"])]:
         bad = _copy(checkpoint, tmp_path, data)
-        code, err = _cli(capsys, *TRAIN, "--checkpoint", str(bad), "--resume")
+        code, err = cli(capsys, *TRAIN, "--checkpoint", str(bad), "--resume")
         assert code == 2
-        line = _one_line(err, str(bad), *words)
+        line = one_line(err, str(bad), *words)
         assert "weights_only" not in line  # never advise running code from an unknown file
     torch.save(torch.ones(2), tmp_path / "tensor.pt")
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(tmp_path / "tensor.pt"), "--resume")
-    _one_line(err, "holds a Tensor")
+    code, err = cli(capsys, *TRAIN, "--checkpoint", str(tmp_path / "tensor.pt"), "--resume")
+    one_line(err, "holds a Tensor")
 
 
 def test_an_existing_file_is_never_overwritten_unasked(capsys, tmp_path, checkpoint):
@@ -100,46 +89,46 @@ def test_an_existing_file_is_never_overwritten_unasked(capsys, tmp_path, checkpo
     earlier = _copy(checkpoint, tmp_path)
     for path in (notes, earlier):
         before = path.read_bytes()
-        code, err = _cli(capsys, *TRAIN, "--checkpoint", str(path))
+        code, err = cli(capsys, *TRAIN, "--checkpoint", str(path))
         assert code == 2
-        _one_line(err, f"--checkpoint {path} exists", "--resume", "--overwrite")
+        one_line(err, f"--checkpoint {path} exists", "--resume", "--overwrite")
         assert path.read_bytes() == before
-    code, err = _cli(capsys, *TRAIN, "--corpus", str(notes), "--checkpoint", str(notes), "--overwrite")
+    code, err = cli(capsys, *TRAIN, "--corpus", str(notes), "--checkpoint", str(notes), "--overwrite")
     assert code == 2
-    _one_line(err, "is the --corpus file")
+    one_line(err, "is the --corpus file")
     assert notes.read_text() == "my notes\n" * 50
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(earlier), "--resume", "--overwrite")
+    code, err = cli(capsys, *TRAIN, "--checkpoint", str(earlier), "--resume", "--overwrite")
     assert code == 2
-    _one_line(err, "--overwrite", "--resume")
+    one_line(err, "--overwrite", "--resume")
     assert main([*TRAIN, "--checkpoint", str(notes), "--overwrite"]) == 0  # asked for: replaced
     assert not notes.read_bytes().startswith(b"my notes")
     assert main([*TRAIN, "--checkpoint", str(notes), "--resume", "--steps", "3", "--override"]) == 0
 
 
 def test_a_directory_as_checkpoint_is_refused_before_training(capsys, tmp_path):
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(tmp_path), "--checkpoint-every", "1")
+    code, err = cli(capsys, *TRAIN, "--checkpoint", str(tmp_path), "--checkpoint-every", "1")
     assert code == 2
-    _one_line(err, str(tmp_path), "is a directory")
+    one_line(err, str(tmp_path), "is a directory")
     assert list(tmp_path.iterdir()) == []  # nothing trained, nothing written
 
 
 def test_a_diverging_run_stops_naming_the_step_and_the_last_checkpoint(capsys, tmp_path):
     path = tmp_path / "run.pt"
-    code, err = _cli(capsys, *TRAIN, "--steps", "6", "--lr", "1e30", "--checkpoint", str(path),
+    code, err = cli(capsys, *TRAIN, "--steps", "6", "--lr", "1e30", "--checkpoint", str(path),
                      "--checkpoint-every", "1")
     assert code == 1
-    line = _one_line(err, "diverged", "at step 2", str(path), "(step 1)")
+    line = one_line(err, "diverged", "at step 2", str(path), "(step 1)")
     assert "nan" in line or "inf" in line
-    code, err = _cli(capsys, *TRAIN, "--lr", "1e30")
-    _one_line(err, "at step 2", "no checkpoint was written")
+    code, err = cli(capsys, *TRAIN, "--lr", "1e30")
+    one_line(err, "at step 2", "no checkpoint was written")
 
 
 def test_resume_refuses_other_settings_unless_overridden(capsys, tmp_path, checkpoint):
     path = _copy(checkpoint, tmp_path)
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(path), "--resume", "--steps", "4",
+    code, err = cli(capsys, *TRAIN, "--checkpoint", str(path), "--resume", "--steps", "4",
                      "--lr", "0.01", "--seed", "3", "--dispatcher", "dropless")
     assert code == 2
-    _one_line(err, "other settings", "lr 0.003 (now 0.01)", "seed 0 (now 3)",
+    one_line(err, "other settings", "lr 0.003 (now 0.01)", "seed 0 (now 3)",
               "dispatcher 'naive' (now 'dropless')", "--override")
     code = main([*TRAIN, "--checkpoint", str(path), "--resume", "--steps", "4", "--lr", "0.01",
                  "--override"])
@@ -151,9 +140,9 @@ def test_resume_refuses_other_settings_unless_overridden(capsys, tmp_path, check
 def test_resume_with_nothing_left_to_train_is_an_error(capsys, tmp_path, checkpoint):
     path = _copy(checkpoint, tmp_path)
     for steps in ("1", "2"):
-        code, err = _cli(capsys, *TRAIN, "--checkpoint", str(path), "--resume", "--steps", steps)
+        code, err = cli(capsys, *TRAIN, "--checkpoint", str(path), "--resume", "--steps", steps)
         assert code == 2
-        _one_line(err, "at step 2", f"steps={steps}", "nothing left to train")
+        one_line(err, "at step 2", f"steps={steps}", "nothing left to train")
 
 
 def test_checkpoint_without_every_saves_at_the_end(checkpoint):
@@ -163,22 +152,22 @@ def test_checkpoint_without_every_saves_at_the_end(checkpoint):
 
 
 def test_bench_refuses_bad_values_in_one_line(capsys, tmp_path):
-    code, err = _cli(capsys, "bench", "moe-layer", "--tokens", "0")
+    code, err = cli(capsys, "bench", "moe-layer", "--tokens", "0")
     assert code == 2
-    _one_line(err, "--tokens", "positive", "got 0")
-    code, err = _cli(capsys, "bench", "time-to-train", "--corpus", str(tmp_path / "missing.txt"),
+    one_line(err, "--tokens", "positive", "got 0")
+    code, err = cli(capsys, "bench", "time-to-train", "--corpus", str(tmp_path / "missing.txt"),
                      "--target", "1")
     assert code == 2
-    _one_line(err, "--corpus", "missing.txt", "not a file")
+    one_line(err, "--corpus", "missing.txt", "not a file")
 
 
 def test_bench_ep_refuses_fewer_tokens_than_chunks_before_launching_ranks(capsys):
     """``bench ep --tokens 1`` failed on every rank, naming the internal n_chunks."""
-    code, err = _cli(capsys, "bench", "ep", "--tokens", "1", "--no-link")
+    code, err = cli(capsys, "bench", "ep", "--tokens", "1", "--no-link")
     assert code == 2
-    _one_line(err, "--tokens (1 per rank and micro-batch) must be at least --chunks (4)")
-    code, err = _cli(capsys, "bench", "ep", "--tokens", "3", "--chunks", "4", "--no-link")
-    _one_line(err, "--tokens (3", "--chunks (4)")
+    one_line(err, "--tokens (1 per rank and micro-batch) must be at least --chunks (4)")
+    code, err = cli(capsys, "bench", "ep", "--tokens", "3", "--chunks", "4", "--no-link")
+    one_line(err, "--tokens (3", "--chunks (4)")
 
 
 def test_bench_refuses_an_unknown_provider_before_the_slow_part(capsys, monkeypatch):
@@ -189,9 +178,9 @@ def test_bench_refuses_an_unknown_provider_before_the_slow_part(capsys, monkeypa
         pytest.fail("timed the ceiling before checking --only")
 
     monkeypatch.setattr(moe_layer.ceilings, "matmul_peak", slow)
-    code, err = _cli(capsys, "bench", "moe-layer", "--only", "dropless torch", "bogus")
+    code, err = cli(capsys, "bench", "moe-layer", "--only", "dropless torch", "bogus")
     assert code == 2
-    _one_line(err, "--only", "'bogus'", "dropless torch")
+    one_line(err, "--only", "'bogus'", "dropless torch")
 
 
 def test_bench_keeps_its_result_when_the_ledger_cannot_be_written(capsys, tmp_path, monkeypatch):
@@ -207,7 +196,7 @@ def test_bench_keeps_its_result_when_the_ledger_cannot_be_written(capsys, tmp_pa
     assert code == 1
     result = json.loads(out)
     assert result["rows"] and all("median_ms" in row for row in result["rows"])
-    _one_line(err.strip().splitlines(), "error: the ledger", str(blocker / "results"),
+    one_line(err.strip().splitlines(), "error: the ledger", str(blocker / "results"),
               "records are not in it")
 
 
@@ -265,7 +254,7 @@ def test_ctrl_c_says_where_the_last_checkpoint_is(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130
-    _one_line(err.strip().splitlines(), "interrupted after step", str(path), "(step ")
+    one_line(err.strip().splitlines(), "interrupted after step", str(path), "(step ")
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-1", "lots"])
@@ -302,12 +291,12 @@ def test_sim_fabric_refuses_a_fabric_too_large_to_hold_before_allocating(capsys)
     import time
 
     start = time.monotonic()
-    code, err = _cli(capsys, "sim", "fabric", "--hosts-per-leaf", "100000", "--leaves", "1000")
+    code, err = cli(capsys, "sim", "fabric", "--hosts-per-leaf", "100000", "--leaves", "1000")
     assert code == 2 and time.monotonic() - start < 5
-    _one_line(err, "error:", "100000 x 1000", "4,096 GPUs")
-    code, err = _cli(capsys, "sim", "fabric", "--hosts-per-leaf", "8", "--leaves", "513")
+    one_line(err, "error:", "100000 x 1000", "4,096 GPUs")
+    code, err = cli(capsys, "sim", "fabric", "--hosts-per-leaf", "8", "--leaves", "513")
     assert code == 2
-    _one_line(err, "8 x 513 = 4104 GPUs")
+    one_line(err, "8 x 513 = 4104 GPUs")
 
 
 def test_compile_prints_its_report_when_it_cannot_save_it(capsys, tmp_path, monkeypatch):
@@ -331,7 +320,7 @@ def test_the_workbook_without_the_notebook_tooling_says_what_to_install(capsys, 
     """moe_lab installs without its notebook tooling (the notebooks extra): the workbook command
     then names what is missing and the install line, and runs nothing."""
     monkeypatch.setitem(sys.modules, "papermill", None)  # as if not installed: find_spec -> None
-    code, lines = _cli(capsys, "workbook", "--only", "01", "--no-html", "--out", str(tmp_path))
+    code, lines = cli(capsys, "workbook", "--only", "01", "--no-html", "--out", str(tmp_path))
     assert code == 2
-    _one_line(lines, "workbook: running the notebooks needs papermill", "pip install -e '.[lab]'")
+    one_line(lines, "workbook: running the notebooks needs papermill", "pip install -e '.[lab]'")
     assert list(tmp_path.iterdir()) == []

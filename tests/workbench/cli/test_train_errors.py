@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import cli, one_line
 
 from moe_lab import preset
 from moe_lab.__main__ import main
@@ -18,18 +19,6 @@ from moe_lab.workbench.training import loop
 TRAIN = ["train", "--steps", "2", "--batch-size", "2", "--eval-every", "0", "--json"]
 
 
-def _cli(capsys, *argv: str) -> tuple[int, list[str]]:
-    """Exit status and the stderr lines of ``python -m moe_lab *argv``."""
-    code = main(list(argv))
-    return code, capsys.readouterr().err.strip().splitlines()
-
-
-def _one_line(lines: list[str], *words: str) -> str:
-    assert len(lines) == 1, lines
-    assert "Traceback" not in lines[0]
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 @pytest.fixture
@@ -61,7 +50,7 @@ def test_a_run_on_a_checkpoint_another_run_holds_is_refused(capsys, tmp_path):
     first = loop.train(small, loop.TrainConfig(steps=2, batch_size=2, eval_every=0, progress=False,
                                                checkpoint_path=str(path)), callback=second_run)
     assert codes == [2]
-    _one_line(capsys.readouterr().err.strip().splitlines(), f"'{path}' is in use by another run",
+    one_line(capsys.readouterr().err.strip().splitlines(), f"'{path}' is in use by another run",
               f"(process {os.getpid()})")
     assert torch.load(path)["history"] == first.history
 
@@ -69,18 +58,18 @@ def test_a_run_on_a_checkpoint_another_run_holds_is_refused(capsys, tmp_path):
 @pytest.mark.parametrize("name", ["newdir/sub/", "newdir/sub/."])
 def test_a_checkpoint_path_naming_a_directory_is_refused(capsys, tmp_path, nothing_trained, name):
     """``--checkpoint newdir/sub/`` trained, then wrote a file named ``sub``."""
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", f"{tmp_path}/{name}")
+    code, err = cli(capsys, *TRAIN, "--checkpoint", f"{tmp_path}/{name}")
     assert code == 2
-    _one_line(err, "names a directory", "expected a file name")
+    one_line(err, "names a directory", "expected a file name")
     assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
 def test_a_checkpoint_folder_that_takes_no_file_is_refused_before_training(capsys, nothing_trained):
     """``--checkpoint /proc/c.pt`` trained, then failed naming a hidden temporary."""
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", "/proc/c.pt")
+    code, err = cli(capsys, *TRAIN, "--checkpoint", "/proc/c.pt")
     assert code == 2
-    line = _one_line(err, "/proc/c.pt", "no file can be written in the folder '/proc'")
+    line = one_line(err, "/proc/c.pt", "no file can be written in the folder '/proc'")
     assert ".tmp" not in line
 
 
@@ -127,19 +116,19 @@ def test_a_hand_made_checkpoint_with_wrong_values_is_one_line(capsys, tmp_path, 
     if callable(value):
         value = value(torch.load(checkpoint, weights_only=True)[key])
     bad = _resave(checkpoint, tmp_path, **{key: value})
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(bad), "--resume", "--steps", "3",
+    code, err = cli(capsys, *TRAIN, "--checkpoint", str(bad), "--resume", "--steps", "3",
                      "--override")
     assert code == 2
-    _one_line(err, f"checkpoint '{bad}'", *words)
+    one_line(err, f"checkpoint '{bad}'", *words)
 
 
 def test_a_sync_free_resume_of_an_eager_checkpoint_says_what_to_type(capsys, tmp_path, checkpoint):
     """It said "Use moe_lab.training.optim.make_optimizer": advice for Python, not the shell."""
     bad = _resave(checkpoint, tmp_path)
-    code, err = _cli(capsys, *TRAIN, "--checkpoint", str(bad), "--resume", "--steps", "3",
+    code, err = cli(capsys, *TRAIN, "--checkpoint", str(bad), "--resume", "--steps", "3",
                      "--dispatcher", "dropless", "--step", "sync_free", "--override")
     assert code == 2
-    line = _one_line(err, "written by the eager step", "the sync_free step", "--step eager")
+    line = one_line(err, "written by the eager step", "the sync_free step", "--step eager")
     assert "make_optimizer" not in line
 
 
@@ -155,16 +144,16 @@ def test_a_corpus_that_is_no_regular_file_is_named_for_what_it_is(capsys, tmp_pa
         pytest.skip("needs os.mkfifo")
     if words[0].startswith("'/dev/zero'") and not Path("/dev/zero").exists():
         pytest.skip("needs /dev/zero")
-    code, err = _cli(capsys, *TRAIN, "--corpus", make(tmp_path))
+    code, err = cli(capsys, *TRAIN, "--corpus", make(tmp_path))
     assert code == 2
-    line = _one_line(err, "--corpus", *words)
+    line = one_line(err, "--corpus", *words)
     assert "directory" not in line or words == ["is a directory"]
 
 
 def test_overwrite_without_a_checkpoint_asks_for_one(capsys):
-    code, err = _cli(capsys, *TRAIN, "--overwrite")
+    code, err = cli(capsys, *TRAIN, "--overwrite")
     assert code == 2
-    line = _one_line(err, "--overwrite", "needs --checkpoint PATH")
+    line = one_line(err, "--overwrite", "needs --checkpoint PATH")
     assert "--resume" not in line
 
 
@@ -181,6 +170,6 @@ def test_ctrl_c_during_start_up_is_one_line(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(loop, "load_corpus", interrupted)
-    code, err = _cli(capsys, *TRAIN)
+    code, err = cli(capsys, *TRAIN)
     assert code == 130
-    _one_line(err, "interrupted before the first step")
+    one_line(err, "interrupted before the first step")
