@@ -6,9 +6,11 @@
 
 One row per workbook notebook: its headline figure (chosen as the site's index chooses it,
 `moe_lab.workbench.lab.site.HEADLINES`) as measured on a CPU, the machine and date, and the command that
-reproduces it. Then, for every ``results/<gpu>/`` folder: the same table from its
-``ledger.jsonl`` when the workbook was run there with ``MOE_LAB_RESULTS_DIR=results/<gpu>``,
-and the benchmarks of ``scripts/gpu_check.py`` from its ``bench.json``.
+reproduces it, and beside it its GPU line (what the technique moves on an H200/B200/GB300,
+published or projected, `moe_lab.workbench.lab.site.GPU_LINES`). Then, for every
+``results/<gpu>/`` folder: the same table from its ``ledger.jsonl`` when the workbook was run
+there with ``MOE_LAB_RESULTS_DIR=results/<gpu>``, and the benchmarks of ``scripts/gpu_check.py``
+from its ``bench.json``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from moe_lab.workbench.lab.site import headline_rows, on_cpu_or_machine_free  # 
 from moe_lab.workbench.measure.ledger import LedgerWarning, ledger_path, read  # noqa: E402
 
 # Units whose figures cannot be negative: counts and ratios (a "%" gap and a bare number may be).
-COUNT_UNITS = ("syncs", "x", "×", "B", "warps", "kernels", "ops")
+COUNT_UNITS = ("syncs", "x", "×", "B", "warps", "kernels", "ops", "tokens")
 
 
 def corrupt(record: dict) -> str:
@@ -82,16 +84,30 @@ def notebooks_in(folder: Path) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
 
 
-def ledger_table(records: list[dict], notebooks: list[str], hardware=None) -> list[str]:
-    lines = ["| notebook | headline | figure | measured on | reproduce |",
-             "|---|---|---:|---|---|"]
+def gpu_line_cell(row: dict) -> str:
+    """The GPU line beside a headline: figure, GPU, and whether it is published or projected
+    (with the citation or the assumptions); ``—`` when the ledger holds none."""
+    gpu = row.get("gpu")
+    if not gpu:
+        return "—"
+    kind = "projection" if gpu["kind"] == "projection" else "published"
+    return _cell(f"{gpu['figure']} on {gpu['hardware']}: {gpu['label']} ({kind}: {gpu['basis']})")
+
+
+def ledger_table(records: list[dict], notebooks: list[str], hardware=None,
+                 gpu_lines: bool = False) -> list[str]:
+    """The headline table; with ``gpu_lines`` a column holds each notebook's GPU line."""
+    extra_head, extra_rule = (" on a GPU |", "---|") if gpu_lines else ("", "")
+    lines = [f"| notebook | headline | figure |{extra_head} measured on | reproduce |",
+             f"|---|---|---:|{extra_rule}---|---|"]
     for row in headline_rows(records, notebooks, hardware):
+        gpu = f" {gpu_line_cell(row)} |" if gpu_lines else ""
         if row["record"] is None:
-            lines.append(f"| {row['notebook']} | not measured yet | — | — | "
+            lines.append(f"| {row['notebook']} | not measured yet | — |{gpu} — | "
                          f"`{_cell(row['command'])}` |")
             continue
         profile = f", {row['profile']} profile" if row.get("profile") else ""
-        lines.append(f"| {row['notebook']} | {_cell(row['label'])} | {_cell(row['figure'])} | "
+        lines.append(f"| {row['notebook']} | {_cell(row['label'])} | {_cell(row['figure'])} |{gpu} "
                      f"{_cell(row['hardware'])}, {row['date']}{profile} | "
                      f"`{_cell(row['command'])}` |")
     return lines
@@ -116,7 +132,7 @@ def gpu_check_table(folder: Path) -> list[str]:
 def gains_markdown(ledger: Path | None, results: Path, notebooks: list[str]) -> str:
     records = read_ledger(ledger if ledger is not None else ledger_path())
     out = ["### Measured on a CPU (simulations and counts included)", "",
-           *ledger_table(records, notebooks, on_cpu_or_machine_free)]
+           *ledger_table(records, notebooks, on_cpu_or_machine_free, gpu_lines=True)]
     if results.is_dir():
         for folder in sorted(p for p in results.iterdir() if p.is_dir()):
             section: list[str] = []

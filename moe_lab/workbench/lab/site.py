@@ -24,6 +24,10 @@ notebook, in order of preference) or, overriding it, by a ledger record carrying
 field ``headline=True``. Among matching records a ``full``-profile figure is preferred to a
 ``smoke`` one, then the newest. `headline_rows` is shared with ``scripts/readme_gains.py``,
 which prints the README's gains table from the same choice.
+
+Beside each headline stands its GPU line (`GPU_LINES`): what the technique moves on an H200,
+B200 or GB300, recorded by the notebook's summary under the step ``"gpu line"`` as a projection
+(its assumptions in the record's ``basis``) or a citation (what was measured, by whom, where).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Headline:
     notebook: str | None = None  # default: the notebook the entry belongs to
     command: str | None = None  # default: the workbook command for that notebook
     pick: str = "newest"
+    unit: str | None = None  # the unit a matching record must carry (``"x"`` and ``"×"`` are one)
 
 
 def workbook_command(notebook: str, profile: str = "smoke") -> str:
@@ -68,77 +73,167 @@ def workbook_command(notebook: str, profile: str = "smoke") -> str:
     return f"python -m moe_lab workbook --only {notebook}{flag}"
 
 
+def _same_unit(a: object, b: object) -> bool:
+    aliases = {"x": "×"}
+    a, b = str(a or ""), str(b or "")
+    return aliases.get(a, a) == aliases.get(b, b)
+
+
+# Every entry names its unit: a record without it (an older ledger's bare ratio) is no headline.
 HEADLINES: dict[str, tuple[Headline, ...]] = {
     "00_lab_bench": (
-        Headline("matmul_fp32_gflops", "fp32 matmul ceiling of this machine", "ceilings"),),
+        Headline("matmul_fp32_gflops", "fp32 matmul ceiling of this machine", "ceilings",
+                 unit="GFLOP/s"),),
     "01_naive_moe": (
         Headline("syncs_per_step", "host syncs per forward + backward of the naive MoE layer",
-                 "naive"),),
+                 "naive", unit="syncs"),),
     "02_capacity_and_dropping": (
         Headline("dropped_frac", "share of token assignments dropped at capacity factor 1.0",
-                 "capacity cf1"),
-        Headline("vs_naive", "capacity dispatch speed vs naive", "capacity cf1"),),
+                 "capacity cf1", unit="fraction"),
+        Headline("vs_naive", "capacity dispatch speed vs naive", "capacity cf1", unit="x"),),
     "03_triton_from_zero": (
-        # What the reader's own kernel compiles to: read off the compiled code, no GPU run.
-        Headline("warps_per_sm", "warps per SM of the notebook's tiled bf16 matmul (3 stages) "
-                 "compiled for Hopper, from the compile report", "<inline>:matmul_kernel bf16, 3 stages"),),
+        # What the reader's own kernel compiles to: read off the compiled code, no GPU run. The
+        # figure shows its parts (blocks × warps, and what bounds them); the label says which
+        # way is good.
+        Headline("warps_per_sm", "warps resident per SM of the notebook's tiled bf16 matmul (3 "
+                 "stages) compiled for Hopper; for a large-tile matmul a few are enough, since its "
+                 "pipeline stages, not other warps, hide the wait for memory",
+                 "<inline>:matmul_kernel bf16, 3 stages", unit="warps"),),
     "04_dropless_sync_free": (
         # The technique's own figure, counted, the same on every machine: the host never
         # waits. (The CPU timings of the benchmark are explained in the notebook; the CPU
         # plug-in's are in its CPU appendix, never a headline.)
         Headline("syncs_per_step", "host syncs per forward + backward of the dropless layer, "
                  "fine-grained experts (the naive loop: at least one per expert), counted",
-                 "fine:dropless torch"),),
+                 "fine:dropless torch", unit="syncs"),),
     "05_fused_router": (
         Headline("bytes_vs_floor", "bytes a router call moves over the floor (one read of the "
                  "logits), fused FP32 Triton router, DeepSeek-V3 shape, counted",
-                 "deepseek_v3:triton fp32"),
+                 "deepseek_v3:triton fp32", unit="x"),
         # Where Triton is interpreted (a CPU) the kernel is not run by the benchmark; the
         # compiled FP32 chain (torch.compile fusing the same chain) is the fused router there.
         Headline("bytes_vs_floor", "bytes a router call moves over the floor (one read of the "
                  "logits), FP32 chain fused by torch.compile, DeepSeek-V3 shape, counted",
-                 "deepseek_v3:compiled fp32"),),
+                 "deepseek_v3:compiled fp32", unit="x"),),
     "06_mxfp8_attention": (
-        # Quality first: measured the same way on every machine (a CPU runs the quantizer
-        # kernel interpreted, so its bandwidth there says nothing about the format).
-        Headline("eval_loss_gap[MXFP8 attention vs baseline]",
-                 "eval loss of a model trained with MXFP8 attention (emulated) vs the baseline "
-                 "attention in the model's dtype (fp32 on a CPU)",
-                 "quality"),
-        Headline("quantizer_bandwidth", "MX quantizer bandwidth (Triton interpreted where there is "
-                 "no GPU: the interpreter's speed, not the format's)", "quantizer"),),
+        # Counted, the same on every machine: what the format saves in memory traffic. (The
+        # eval-loss gap of a short emulated training run is within its noise; it stays in the
+        # notebook, not here.)
+        Headline("bytes_vs_bf16[mxfp8]", "bytes one attention forward reads and writes with "
+                 "MXFP8 operands (E4M3 codes and a scale byte per 32), as a share of bf16, counted",
+                 "attention", unit="%"),),
     # What a GPU technique moves, where a CPU timing of it says little: counted bytes (the
     # same on every machine) rather than the interpreter's or the CPU's time.
     "07_fused_grouped_gemm": (
         Headline("saved_vs_unfused", "HBM bytes per MoE layer (fwd + bwd) the gather prologue and "
                  "scatter epilogue save over the unfused chain, GPT-OSS-20B at EP8, counted",
-                 "fusion:gpt_oss_20b:scatter_epilogue"),),
+                 "fusion:gpt_oss_20b:scatter_epilogue", unit="fraction"),),
     "08_cuda_graphs": (
         Headline("speedup", "whole training step, CUDA graph vs eager (small preset)",
-                 "small: graphed vs eager"),
+                 "small: graphed vs eager", unit="x"),
         Headline("syncs_per_step", "host syncs per training step, certified",
-                 "sync-free step (small)"),),
+                 "sync-free step (small)", unit="syncs"),),
     "09_expert_parallel_a2a": (
-        Headline("exposed_vs_sequential", "exposed all-to-all time vs sequential, best "
-                 "schedule", pick="min"),
-        Headline("max_abs_difference", "expert-parallel layer vs single process, max |diff|",
-                 "ep vs single process"),),
+        Headline("exposed_vs_sequential", "all-to-all time left exposed by the best schedule, as a "
+                 "share of the sequential schedule's (lower is better)", pick="min",
+                 unit="%"),),
     "10_pipeline_layout": (
         Headline("stage_imbalance_pp16_vpp1", "pipeline stage imbalance, searched layout "
-                 "(simulated)", "searched_mxfp8_logits"),
+                 "(simulated)", "searched_mxfp8_logits", unit="%"),
         Headline("stage_imbalance_pp16_vpp2", "pipeline stage imbalance, searched layout "
-                 "(simulated)", "searched"),),
+                 "(simulated)", "searched", unit="%"),),
     "11_network_fabric": (
-        Headline("a2a_bandwidth_over_link", "all-to-all bandwidth over link rate, adaptive "
-                 "routing (simulated)", "adaptive"),),
+        Headline("a2a_bandwidth_over_link", "all-to-all bandwidth as a share of the link rate, "
+                 "adaptive routing (simulated)", "adaptive", unit="%"),),
     "12_time_to_train": (
         Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
-                 "optimised vs naive"),
+                 "optimised vs naive", unit="x"),
         Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
                  "optimised vs naive", notebook="bench:time-to-train",
                  command=("python -m moe_lab bench time-to-train --profile full --seeds 10 --ladder "
-                          "--pick-router")),),
+                          "--pick-router"), unit="x"),),
 }
+
+
+# --------------------------------------------------------------------------------------
+# What each headline would be on a GPU
+# --------------------------------------------------------------------------------------
+
+# The step under which a notebook's summary records its GPU line: what the technique moves on
+# an H200, B200 or GB300, as a number with a unit, either published (``kind="citation"``: what
+# was measured, by whom, where) or projected (``kind="projection"``: the assumptions stated).
+#
+#     ledger.record(NOTEBOOK, "gpu line", METRIC, value, UNIT, hardware="H200",
+#                   kind="projection", basis="<assumptions, or the citation with its address>")
+GPU_LINE_STEP = "gpu line"
+GPU_LINE_KINDS = ("projection", "citation")
+GPU_LINE_HARDWARE = ("H200", "B200", "GB300")
+
+
+@dataclass(frozen=True)
+class GpuLine:
+    """A notebook's GPU line: what it says (``label``) and the metric its summary records
+    under `GPU_LINE_STEP` (``None``: whichever metric it records there)."""
+
+    label: str
+    metric: str | None = None
+
+
+GPU_LINES: dict[str, GpuLine] = {
+    "00_lab_bench": GpuLine("DeepSeek-V3 training throughput per GPU, MLPerf Training v6.0",
+                            "tflops_per_gpu[deepseek_v3 training]"),
+    "01_naive_moe": GpuLine("host syncs per forward + backward of a DeepSeek-V3 step with the naive "
+                            "loop in every MoE layer", "syncs_per_step[deepseek_v3 naive]"),
+    "02_capacity_and_dropping": GpuLine("tensor-core time per MoE layer (fwd + bwd) spent on empty "
+                                        "capacity slots at capacity factor 1.0, DeepSeek-V3",
+                                        "padding_ms_per_layer[deepseek_v3 cf1]"),
+    "03_triton_from_zero": GpuLine("tokens an expert needs before its GEMM stops being bound by "
+                                   "memory, DeepSeek-V3 expert shape",
+                                   "ridge_tokens[deepseek_v3 expert gemm]"),
+    "04_dropless_sync_free": GpuLine("what the dropless, sync-free layer moves on a GPU"),
+    "05_fused_router": GpuLine("router kernel speed-up from fusion and FP64 → FP32, DeepSeek-V3",
+                               "router_speedup[fusion + fp32]"),
+    "06_mxfp8_attention": GpuLine("one GPT-OSS-20B attention forward, MXFP8 vs bf16",
+                                  "attention_fwd_speedup[gpt_oss_20b mxfp8 vs bf16]"),
+    "07_fused_grouped_gemm": GpuLine("time per GPT-OSS-20B MoE layer (fwd + bwd) the fusions save "
+                                     "at EP8", "saved_ms_per_layer[gpt_oss_20b scatter_epilogue]"),
+    "08_cuda_graphs": GpuLine("what CUDA graphs move on a GPU"),
+    "09_expert_parallel_a2a": GpuLine("end-to-end gain of 1F1B all-to-all overlap, DeepSeek-V3",
+                                      "end_to_end_gain[1f1b a2a overlap]"),
+    "10_pipeline_layout": GpuLine("end-to-end gain of the balanced pipeline layout, DeepSeek-V3",
+                                  "end_to_end_gain[pipeline layout]"),
+    "11_network_fabric": GpuLine("all-to-all bandwidth per GPU adaptive routing adds over ECMP",
+                                 "a2a_gain_per_gpu[adaptive vs ecmp]"),
+    "12_time_to_train": GpuLine("DeepSeek-V3 throughput per GPU from three months of software "
+                                "work, MLPerf Training v6.0", "software_speedup[deepseek_v3]"),
+}
+
+
+def find_gpu_line(records: Iterable[dict], notebook: str) -> dict | None:
+    """The GPU line of ``notebook``: its newest record under `GPU_LINE_STEP` (a full-profile one
+    first) that is a projection or a citation, on an H200/B200/GB300, with a unit and a basis;
+    ``None`` when there is none."""
+    spec = GPU_LINES.get(notebook)
+    matches = [r for r in records if r.get("notebook") == notebook
+               and r.get("step") == GPU_LINE_STEP
+               and (spec is None or spec.metric is None or r.get("metric") == spec.metric)
+               and r.get("kind") in GPU_LINE_KINDS and str(r.get("unit") or "").strip()
+               and str(r.get("basis") or "").strip()
+               and str(r.get("hardware", "")).startswith(GPU_LINE_HARDWARE)]
+    return _best(matches)
+
+
+def describe_gpu_line(record: dict) -> str:
+    """``"On an H200 (projection: …)"`` / ``"On a GB300 (published: …)"``: where the figure is
+    from, in words."""
+    hardware = str(record.get("hardware", ""))
+    kind = "projection" if record.get("kind") == "projection" else "published"
+    return f"On {article(hardware)} {hardware} ({kind}: {record.get('basis', '')})"
+
+
+def article(name: str) -> str:
+    """``"an"`` before a name read out from a letter with a vowel sound (H200: "aitch"), else ``"a"``."""
+    return "an" if name[:1].upper() in "AEFHILMNORSX8" else "a"
 
 
 def _profile_rank(record: dict) -> int:
@@ -155,9 +250,9 @@ def _best(records: Sequence[dict], pick: str = "newest") -> dict | None:
     return max(records, key=lambda r: (_profile_rank(r), str(r.get("time", ""))))
 
 
-# Figures that no machine measured: simulations, counts, code compiled but not run. A CPU
-# table shows them too.
-MACHINE_FREE_KINDS = ("simulated", "calculation", "compiled")
+# Figures that no machine measured: simulations, counts, code compiled but not run, and the
+# GPU lines (projections and citations). A CPU table shows them too.
+MACHINE_FREE_KINDS = ("simulated", "calculation", "compiled", "projection", "citation")
 
 
 def on_cpu_or_machine_free(record: dict) -> bool:
@@ -202,7 +297,8 @@ def find_headline(records: Iterable[dict], notebook: str,
             source = spec.notebook or notebook
             matches = [r for r in records if r.get("notebook") == source
                        and r.get("metric") == spec.metric
-                       and (spec.step is None or r.get("step") == spec.step)]
+                       and (spec.step is None or r.get("step") == spec.step)
+                       and (spec.unit is None or _same_unit(r.get("unit"), spec.unit))]
             rec = _best(matches, spec.pick)
             if rec is not None:
                 found.append((rec, spec))
@@ -211,9 +307,15 @@ def find_headline(records: Iterable[dict], notebook: str,
     return None
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def format_figure(record: dict) -> str:
     """``"1.420×"``, ``"0 syncs"``, ``"91.30 GFLOP/s"``: value and unit as a table shows them,
-    with the range when the record carries one (``min``, ``max``: e.g. over seeds)."""
+    with the range when the record carries one (``min``, ``max``: e.g. over seeds). A figure
+    of one seed says so in words — a range of one value is no range. Warps per SM read off a
+    compile report show their parts: blocks × warps per block, and the resource that bounds them."""
     value = format_value(record.get("value"))
     unit = str(record.get("unit") or "")
     if unit in ("x", "×"):
@@ -222,12 +324,25 @@ def format_figure(record: dict) -> str:
         text = f"{100 * float(record['value']):.3g}%"
     else:
         text = f"{value} {unit}".strip()
+    blocks, warps = record.get("blocks_per_sm"), record.get("num_warps")
+    if unit == "warps" and _is_number(blocks) and _is_number(warps):
+        bound = f", bound by {record['limiter']}" if record.get("limiter") else ""
+        text += f" ({blocks} block{'s' if blocks != 1 else ''} × {warps} warps{bound})"
+    seeds = record.get("seeds")
     low, high = record.get("min"), record.get("max")
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)):
-        seeds = record.get("seeds")
-        over = f" over {seeds} seeds" if isinstance(seeds, int) else ""
+    if seeds == 1 and not isinstance(seeds, bool):
+        text += " (one seed)"
+    elif _is_number(low) and _is_number(high) and low != high:
+        over = f" over {seeds} seeds" if isinstance(seeds, int) and not isinstance(seeds, bool) else ""
         text += f" (range {format_value(float(low))}–{format_value(float(high))}{over})"
+    elif isinstance(seeds, int) and not isinstance(seeds, bool) and seeds > 1:
+        text += f" (the same over {seeds} seeds)"
     return text
+
+
+def format_gpu_line(record: dict) -> str:
+    """A GPU line as one sentence: ``"On an H200 (projection: …): 4.2 ms"``."""
+    return f"{describe_gpu_line(record)}: {format_figure(record)}"
 
 
 def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
@@ -237,9 +352,16 @@ def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
     rows = []
     for name in notebooks:
         found = find_headline(records, name, hardware)
+        gpu_rec = find_gpu_line(records, name)
+        gpu = None if gpu_rec is None else {
+            "record": gpu_rec, "figure": format_figure(gpu_rec),
+            "label": GPU_LINES[name].label if name in GPU_LINES else str(gpu_rec["metric"]),
+            "hardware": gpu_rec.get("hardware"), "kind": gpu_rec.get("kind"),
+            "basis": gpu_rec.get("basis"), "sentence": format_gpu_line(gpu_rec)}
         if found is None:
             rows.append({"notebook": name, "record": None, "label": None, "figure": None,
-                         "hardware": None, "date": None, "command": workbook_command(name)})
+                         "hardware": None, "date": None, "command": workbook_command(name),
+                         "gpu": gpu})
             continue
         rec, spec = found
         profile = rec.get("profile") or "smoke"
@@ -250,7 +372,7 @@ def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
         rows.append({"notebook": name, "record": rec, "label": label,
                      "figure": format_figure(rec), "hardware": rec.get("hardware"),
                      "date": str(rec.get("time", ""))[:10], "profile": rec.get("profile"),
-                     "command": command})
+                     "command": command, "gpu": gpu})
     return rows
 
 
@@ -577,6 +699,17 @@ def render_index(pages: Sequence[NotebookPage], *, title: str = "moe_lab workboo
         else:
             figure = ('<div class="figure meta">No figure in the ledger yet: run '
                       f'<code>{esc(workbook_command(page.name))}</code>.</div>')
+        gpu = (page.headline or {}).get("gpu")
+        if gpu:
+            g = gpu["record"]
+            hardware = str(g.get("hardware", ""))
+            kind = "projection" if g.get("kind") == "projection" else "published"
+            figure += (f'<div class="figure gpu">On {article(hardware)} '
+                       f'{esc(hardware)}: <b>{esc(gpu["figure"])}</b> — {esc(gpu["label"])} '
+                       f'<span class="meta">({kind}: {esc(str(g.get("basis", "")))})</span></div>')
+        elif page.headline is not None or page.status == "ok":
+            figure += ('<div class="figure meta">No GPU line in the ledger yet: the notebook\'s '
+                       'summary records it.</div>')
         number = ("" if (page.title or "").startswith(page.number)
                   else f'<span class="num">{esc(page.number)}</span>')
         items.append(
@@ -643,7 +776,7 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
         rows = headline_rows(records, [path.stem])
         pages.append(NotebookPage(name=path.stem, number=number, title=title_, summary=summary,
                                   learn=learn, href=href, status=status,
-                                  headline=rows[0] if rows[0]["record"] else None))
+                                  headline=rows[0] if rows[0]["record"] or rows[0]["gpu"] else None))
     try:
         machine = capabilities().summary()
     except Exception:
@@ -655,8 +788,10 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     return index
 
 
-__all__ = ["HEADLINES", "MACHINE_FREE_KINDS", "Headline", "NotebookPage",
-           "build_site", "describe_notebook", "export_page", "find_headline", "format_figure",
+__all__ = ["GPU_LINES", "GPU_LINE_HARDWARE", "GPU_LINE_KINDS", "GPU_LINE_STEP", "HEADLINES",
+           "MACHINE_FREE_KINDS", "GpuLine", "Headline", "NotebookPage",
+           "build_site", "describe_gpu_line", "describe_notebook", "export_page", "find_gpu_line",
+           "find_headline", "format_figure", "format_gpu_line",
            "headline_rows", "latex_to_mathml", "navigation", "on_cpu_or_machine_free",
            "prepare_for_site", "protect_math", "render_index", "render_page", "restore_math",
            "workbook_command"]

@@ -133,13 +133,70 @@ def test_the_benchmark_and_the_notebook_compete_for_one_figure():
 def test_flagged_record_overrides_and_pick_min():
     records = [_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs"),
                _rec("01_naive_moe", "naive", "train_tokens_per_s", 900.0, "tok/s", headline=True),
-               _rec("09_expert_parallel_a2a", "overlap", "exposed_vs_sequential", 0.3, ""),
-               _rec("09_expert_parallel_a2a", "sequential", "exposed_vs_sequential", 1.0, "")]
+               _rec("09_expert_parallel_a2a", "overlap", "exposed_vs_sequential", 30.0, "%"),
+               _rec("09_expert_parallel_a2a", "sequential", "exposed_vs_sequential", 100.0, "%"),
+               # an older ledger's bare ratio, smaller still: without a unit it is no headline
+               _rec("09_expert_parallel_a2a", "chunked", "exposed_vs_sequential", 0.2, "")]
     rec, _ = site.find_headline(records, "01_naive_moe")
     assert rec["metric"] == "train_tokens_per_s"
     rec, _ = site.find_headline(records, "09_expert_parallel_a2a")
-    assert rec["step"] == "overlap"
+    assert rec["step"] == "overlap" and site.format_figure(rec) == "30.00 %"
     assert site.find_headline(records, "99_unknown") is None
+
+
+def test_a_headline_needs_its_unit():
+    bare = _rec("11_network_fabric", "adaptive", "a2a_bandwidth_over_link", 1.0, "",
+                hardware="simulated", kind="simulated")
+    assert site.find_headline([bare], "11_network_fabric") is None
+    rec, _ = site.find_headline([{**bare, "value": 100.0, "unit": "%"}], "11_network_fabric")
+    assert site.format_figure(rec) == "100.0 %"
+    # "x" and "×" are one unit
+    rec, _ = site.find_headline([_rec("12_time_to_train", "optimised vs naive",
+                                      "time_to_target_speedup", 1.5, "×")], "12_time_to_train")
+    assert site.format_figure(rec) == "1.500×"
+
+
+def _gpu(notebook="01_naive_moe", metric="syncs_per_step[deepseek_v3 naive]", value=14848,
+         unit="syncs", kind="projection", hardware="H200", basis="256 experts x 58 layers", **extra):
+    return _rec(notebook, site.GPU_LINE_STEP, metric, value, unit, hardware=hardware, kind=kind,
+                basis=basis, **extra)
+
+
+def test_gpu_line_beside_the_headline():
+    records = [_rec("01_naive_moe", "naive", "syncs_per_step", 8, "syncs"), _gpu()]
+    (row,) = site.headline_rows(records, ["01_naive_moe"], site.on_cpu_or_machine_free)
+    assert row["figure"] == "8 syncs"
+    assert row["gpu"]["figure"] == "14,848 syncs" and row["gpu"]["kind"] == "projection"
+    assert row["gpu"]["sentence"] == ("On an H200 (projection: 256 experts x 58 layers): "
+                                      "14,848 syncs")
+    # a GPU line is never a CPU headline, and never counts as measured on a GPU
+    assert site.on_cpu_or_machine_free(_gpu())
+    assert site.find_headline([_gpu()], "01_naive_moe") is None
+    cited = _gpu("12_time_to_train", "software_speedup[deepseek_v3]", 1.27, "x", kind="citation",
+                 hardware="GB300", basis="NVIDIA, MLPerf Training v6.0 blog")
+    assert site.format_gpu_line(cited).startswith("On a GB300 (published: NVIDIA")
+
+
+@pytest.mark.parametrize("broken", [dict(unit=""), dict(kind="measured"), dict(basis=""),
+                                    dict(hardware="cpu:test x2"), dict(step="summary"),
+                                    dict(metric="another metric")])
+def test_a_gpu_line_without_unit_kind_basis_or_gpu_is_none(broken):
+    assert site.find_gpu_line([{**_gpu(), **broken}], "01_naive_moe") is None
+    assert site.find_gpu_line([_gpu()], "01_naive_moe") is not None
+
+
+def test_the_index_shows_the_gpu_line_labelled():
+    row = site.headline_rows([_rec("01_naive_moe", "naive", "syncs_per_step", 8, "syncs"), _gpu()],
+                             ["01_naive_moe"])[0]
+    page = site.NotebookPage(name="01_naive_moe", number="01", title="01 · naive", summary="s",
+                             headline=row)
+    text = site.render_index([page])
+    assert "On an H200: <b>14,848 syncs</b>" in text
+    assert "(projection: 256 experts x 58 layers)" in text
+    row_without = site.headline_rows([_rec("01_naive_moe", "naive", "syncs_per_step", 8, "syncs")],
+                                     ["01_naive_moe"])[0]
+    page.headline = row_without
+    assert "No GPU line in the ledger yet" in site.render_index([page])
 
 
 def test_cpu_table_keeps_simulations_and_counts():
@@ -161,6 +218,15 @@ def test_format_figure():
     assert site.format_figure({"value": 1.5, "unit": "x"}) == "1.500×"
     assert (site.format_figure({"value": 1.2, "unit": "x", "min": 0.9, "max": 1.25, "seeds": 3})
             == "1.200× (range 0.9000–1.250 over 3 seeds)")
+    # one seed is said in words: a range of one value is no range
+    one = site.format_figure({"value": 1.791, "unit": "x", "min": 1.791, "max": 1.791, "seeds": 1})
+    assert one == "1.791× (one seed)" and "range" not in one
+    assert (site.format_figure({"value": 1.2, "unit": "x", "min": 1.2, "max": 1.2, "seeds": 4})
+            == "1.200× (the same over 4 seeds)")
+    # warps per SM read off a compile report show their parts and what bounds them
+    assert (site.format_figure({"value": 8, "unit": "warps", "blocks_per_sm": 2, "num_warps": 4,
+                                "limiter": "registers"})
+            == "8 warps (2 blocks × 4 warps, bound by registers)")
 
 
 # ------------------------------------------------------------------------------ the site
@@ -251,6 +317,19 @@ def test_readme_gains_table(tmp_path):
     assert "| 02_capacity | not measured yet |" in cpu_part
     assert "| router fwd | speedup 5.25 |" in gpu_part
     assert "`python scripts/gpu_check.py`" in gpu_part
+
+
+def test_readme_gains_shows_the_gpu_line_beside_the_cpu_headline(tmp_path):
+    gains = _readme_gains()
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("\n".join(json.dumps(r) for r in [
+        _rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs"), _gpu()]) + "\n")
+    text = gains.gains_markdown(ledger, tmp_path / "results", ["01_naive_moe", "02_capacity"])
+    header, _, row_01, row_02 = text.splitlines()[2:6]
+    assert "| on a GPU |" in header
+    assert "| 24 syncs | 14,848 syncs on H200:" in row_01
+    assert "(projection: 256 experts x 58 layers)" in row_01
+    assert "| not measured yet | — | — |" in row_02
 
 
 def test_readme_gains_refuses_a_missing_ledger(tmp_path, capsys):
