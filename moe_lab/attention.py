@@ -38,9 +38,8 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only
-from moe_lab.kernels import TRITON_MISSING
 from moe_lab.quant.mx import fake_quantize
-from moe_lab.registry import Registry
+from moe_lab.registry import TRITON_MISSING, Registry
 
 Tensor = torch.Tensor
 ATTENTION_IMPLS: Registry[Callable[..., Tensor]] = Registry(

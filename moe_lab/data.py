@@ -210,22 +210,8 @@ def split_of(line: str) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Validation helpers
+# What both corpora share
 # --------------------------------------------------------------------------------------
-
-
-def _check_positive(owner: str, name: str, value: object) -> int:
-    return positive_int(value, f"{owner} {name}")
-
-
-def _check_batch(owner: str, batch_size: object, seq_len: int) -> int:
-    """``batch_size`` if it is a positive integer whose rows fit in memory (two int64
-    tensors of ``batch_size × seq_len`` tokens, ``x`` and ``y``): checked before any row
-    is drawn, so a typo is refused at once rather than by the allocator."""
-    _check_positive(owner, "batch_size", batch_size)
-    check_fits(f"{owner} batch_size={batch_size} (x seq_len {seq_len})",
-               16 * batch_size * seq_len, "use a smaller batch_size")
-    return batch_size  # type: ignore[return-value]
 
 
 def _check_split(owner: str, split: object) -> str:
@@ -234,22 +220,38 @@ def _check_split(owner: str, split: object) -> str:
     return split  # type: ignore[return-value]
 
 
-def _check_generator(owner: str, generator: object) -> torch.Generator | None:
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(
-            f"{owner} generator must be a torch.Generator or None, got {type(generator).__name__}"
-        )
-    return generator
+def _rows_to_batch(rows: torch.Tensor, domain: torch.Tensor) -> Batch:
+    """``rows: [B, T + 1]`` int64 → inputs, next-byte targets and each row's domain id."""
+    return Batch(x=rows[:, :-1].contiguous(), y=rows[:, 1:].contiguous(), domain=domain)
 
 
-def _to_batch(rows: list[bytes], domains: list[int], seq_len: int) -> Batch:
-    flat = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
-    data = flat.view(len(rows), seq_len + 1).long()
-    return Batch(
-        x=data[:, :-1].contiguous(),
-        y=data[:, 1:].contiguous(),
-        domain=torch.tensor(domains, dtype=torch.long),
-    )
+class _Corpus:
+    """What both corpora share: their public sampling methods, which check the arguments once
+    and leave the drawing to ``_sample`` and ``_fixed_eval_set``."""
+
+    vocab_size = VOCAB_SIZE
+    seq_len: int
+
+    def sample(self, batch_size: int, generator: torch.Generator | None = None,
+               split: str = "train") -> Batch:
+        """``batch_size`` rows of ``split`` (see the class). A ``batch_size`` whose rows would
+        not fit in memory (two int64 tensors of ``batch_size × seq_len`` tokens) is refused
+        before any row is drawn, so a typo does not reach the allocator."""
+        owner = f"{type(self).__name__}.sample"
+        positive_int(batch_size, f"{owner} batch_size")
+        check_fits(f"{owner} batch_size={batch_size} (x seq_len {self.seq_len})",
+                   16 * batch_size * self.seq_len, "use a smaller batch_size")
+        _check_split(owner, split)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(
+                f"{owner} generator must be a torch.Generator or None, got {type(generator).__name__}")
+        return self._sample(batch_size, generator, split)
+
+    def fixed_eval_set(self, n_per_domain: int, split: str = "eval") -> Batch:
+        """``n_per_domain`` rows of every domain of ``split``, the same on every call."""
+        owner = f"{type(self).__name__}.fixed_eval_set"
+        positive_int(n_per_domain, f"{owner} n_per_domain")
+        return self._fixed_eval_set(n_per_domain, _check_split(owner, split))
 
 
 # --------------------------------------------------------------------------------------
@@ -257,7 +259,7 @@ def _to_batch(rows: list[bytes], domains: list[int], seq_len: int) -> Batch:
 # --------------------------------------------------------------------------------------
 
 
-class SyntheticCorpus:
+class SyntheticCorpus(_Corpus):
     """Seven (or the chosen) synthetic domains as byte sequences of length ``seq_len``.
 
     Each row is one domain's example lines, ``\\n``-separated, starting at a line
@@ -267,10 +269,8 @@ class SyntheticCorpus:
     (one stream per split); ``domains`` picks and orders a subset of ``DOMAINS``.
     """
 
-    vocab_size = VOCAB_SIZE
-
     def __init__(self, seq_len: int, seed: int = 0, domains: Sequence[str] | None = None) -> None:
-        self.seq_len = _check_positive("SyntheticCorpus", "seq_len", seq_len)
+        self.seq_len = positive_int(seq_len, "SyntheticCorpus seq_len")
         self.seed = integer(seed, "SyntheticCorpus seed")
         names = list(DOMAINS) if domains is None else list(domains)
         if not names:
@@ -294,6 +294,11 @@ class SyntheticCorpus:
     def __repr__(self) -> str:
         return f"SyntheticCorpus(seq_len={self.seq_len}, seed={self.seed}, domains={self.domains})"
 
+    def _to_batch(self, rows: list[bytes], domains: list[int]) -> Batch:
+        flat = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
+        return _rows_to_batch(flat.view(len(rows), self.seq_len + 1).long(),
+                              torch.tensor(domains, dtype=torch.long))
+
     def _row(self, domain: int, rng: random.Random, split: str) -> bytes:
         generate = self._generators[domain]
         need = self.seq_len + 1
@@ -315,40 +320,30 @@ class SyntheticCorpus:
             length += len(line) + 1
         return ("\n".join(lines) + "\n").encode("ascii")[:need]
 
-    def sample(
-        self,
-        batch_size: int,
-        generator: torch.Generator | None = None,
-        split: str = "train",
-    ) -> Batch:
+    def _sample(self, batch_size: int, generator: torch.Generator | None, split: str) -> Batch:
         """``batch_size`` rows, each from a uniformly chosen domain.
 
         With ``generator`` the batch depends only on the generator's state (one draw is
         taken from it); without, on the corpus seed and how many batches of this split
         were drawn before.
         """
-        _check_batch("SyntheticCorpus.sample", batch_size, self.seq_len)
-        _check_split("SyntheticCorpus.sample", split)
-        _check_generator("SyntheticCorpus.sample", generator)
         if generator is None:
             seed = self._streams[split].getrandbits(63)
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         rng = random.Random(seed)
         domains = [rng.randrange(len(self.domains)) for _ in range(batch_size)]
-        return _to_batch([self._row(d, rng, split) for d in domains], domains, self.seq_len)
+        return self._to_batch([self._row(d, rng, split) for d in domains], domains)
 
-    def fixed_eval_set(self, n_per_domain: int, split: str = "eval") -> Batch:
+    def _fixed_eval_set(self, n_per_domain: int, split: str) -> Batch:
         """``n_per_domain`` rows of every domain, grouped by domain in ``self.domains``
         order; the same rows on every call (they depend on the corpus seed only)."""
-        _check_positive("SyntheticCorpus.fixed_eval_set", "n_per_domain", n_per_domain)
-        _check_split("SyntheticCorpus.fixed_eval_set", split)
         key = (n_per_domain, split)
         if key not in self._fixed:
             rng = random.Random(f"fixed/{self.seed}/{split}")
             domains = [d for d in range(len(self.domains)) for _ in range(n_per_domain)]
             rows = [self._row(d, rng, split) for d in domains]
-            self._fixed[key] = _to_batch(rows, domains, self.seq_len)
+            self._fixed[key] = self._to_batch(rows, domains)
         batch = self._fixed[key]
         return Batch(batch.x.clone(), batch.y.clone(), batch.domain.clone())
 
@@ -358,15 +353,13 @@ class SyntheticCorpus:
 # --------------------------------------------------------------------------------------
 
 
-class TextFileCorpus:
+class TextFileCorpus(_Corpus):
     """Random ``seq_len``-byte windows of a UTF-8 text file, with the same API as
     ``SyntheticCorpus`` (one domain, ``"text"``, id 0).
 
     The file's last ``val_fraction`` of bytes is the eval split, the rest is train; a
     window never crosses from one to the other.
     """
-
-    vocab_size = VOCAB_SIZE
 
     def __init__(
         self,
@@ -376,7 +369,7 @@ class TextFileCorpus:
         seed: int = 0,
     ) -> None:
         self.path = Path(path)
-        self.seq_len = _check_positive("TextFileCorpus", "seq_len", seq_len)
+        self.seq_len = positive_int(seq_len, "TextFileCorpus seq_len")
         if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
             raise ValueError(f"TextFileCorpus val_fraction must be a number in (0, 1), got {val_fraction!r}")
         if not self.path.exists():
@@ -424,33 +417,18 @@ class TextFileCorpus:
         return len(self._splits[_check_split("TextFileCorpus", split)])
 
     def _windows(self, split: str, starts: torch.Tensor) -> Batch:
-        data = self._splits[split]
-        rows = data[starts[:, None] + torch.arange(self.seq_len + 1)].long()
-        return Batch(
-            x=rows[:, :-1].contiguous(),
-            y=rows[:, 1:].contiguous(),
-            domain=torch.zeros(len(starts), dtype=torch.long),
-        )
+        rows = self._splits[split][starts[:, None] + torch.arange(self.seq_len + 1)].long()
+        return _rows_to_batch(rows, torch.zeros(len(starts), dtype=torch.long))
 
-    def sample(
-        self,
-        batch_size: int,
-        generator: torch.Generator | None = None,
-        split: str = "train",
-    ) -> Batch:
+    def _sample(self, batch_size: int, generator: torch.Generator | None, split: str) -> Batch:
         """``batch_size`` windows at uniformly random offsets within ``split``."""
-        _check_batch("TextFileCorpus.sample", batch_size, self.seq_len)
-        _check_split("TextFileCorpus.sample", split)
-        _check_generator("TextFileCorpus.sample", generator)
         g = self._generators[split] if generator is None else generator
         high = len(self._splits[split]) - self.seq_len  # starts in [0, high)
         starts = torch.randint(0, high, (batch_size,), generator=g, device=g.device).cpu()
         return self._windows(split, starts)
 
-    def fixed_eval_set(self, n_per_domain: int, split: str = "eval") -> Batch:
+    def _fixed_eval_set(self, n_per_domain: int, split: str) -> Batch:
         """``n_per_domain`` windows evenly spaced over ``split``; the same on every call."""
-        _check_positive("TextFileCorpus.fixed_eval_set", "n_per_domain", n_per_domain)
-        _check_split("TextFileCorpus.fixed_eval_set", split)
         last = len(self._splits[split]) - self.seq_len - 1  # integers: float32 is inexact past 2**24
         starts = torch.arange(n_per_domain) * last // max(n_per_domain - 1, 1)
         return self._windows(split, starts)

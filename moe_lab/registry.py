@@ -13,10 +13,18 @@ for the plug-in, no Triton for the kernels: `Registry.mark_unavailable`)."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+#: Why Triton kernels cannot run in this Python (Triton ships Linux wheels only), or ``None``; the
+#: registries mark their Triton names unavailable with it (`Registry.register`). Found without
+#: importing Triton.
+TRITON_MISSING: str | None = None if importlib.util.find_spec("triton") else (
+    "it needs Triton, which installs on Linux only: run it on Linux, in the container or on a "
+    "hosted GPU notebook (README, Where to run it)")
 
 #: What the error of an unknown name adds in a registry the CPU plug-in registers into.
 PLUGIN_HINT = "moe_lab.workbench.cpu.register() adds the CPU plug-in's names"

@@ -82,6 +82,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import traceback
 import warnings
@@ -352,7 +353,7 @@ class Report:
         sink.parent.mkdir(parents=True, exist_ok=True)
         sink.unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), *child_args, "--child", section.name,
-               "--child-sink", str(sink), "--budget-s", f"{timeout_s:.3f}"]
+               "--child-sink", str(sink), "--child-of", str(os.getpid()), "--budget-s", f"{timeout_s:.3f}"]
         proc = subprocess.Popen(cmd, start_new_session=True)  # its own group: killed as one
         try:
             rc = proc.wait(timeout=timeout_s + min(CHILD_GRACE_S, timeout_s / 2))
@@ -434,8 +435,8 @@ class Report:
 
 def slug(name: str) -> str:
     """A section's or a GPU's file name, as the GPU's folder is named: ``"MXFP8 kernels"`` ->
-    ``"mxfp8_kernels"`` (`moe_lab.kernels.tuning.gpu_slug`)."""
-    from moe_lab.kernels.tuning import gpu_slug
+    ``"mxfp8_kernels"`` (`moe_lab.workbench.measure.autotune.gpu_slug`)."""
+    from moe_lab.workbench.measure.autotune import gpu_slug
 
     return gpu_slug(name)
 
@@ -508,10 +509,8 @@ def timer(torch, cuda: bool):
 
 @contextlib.contextmanager
 def poisoned(torch):
-    """Both poisons: ``torch.empty`` here and the kernels' own `new_output`."""
-    from moe_lab.kernels.common import poison_outputs
-
-    with poisoned_outputs(torch), poison_outputs():
+    """Every output a kernel allocates (``torch.empty``) poisoned (`poisoned_outputs`)."""
+    with poisoned_outputs(torch):
         yield
 
 
@@ -985,7 +984,7 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
     against `fp8_promote_bound` instead (the check's figure is the largest error over the
     bound, at most 1), and the relative error it measured is recorded beside it — the figure
     notebook 06 has had to leave unmeasured."""
-    from moe_lab.kernels.common import interpreted
+    from moe_lab.kernels.common import INTERPRETED
     from moe_lab.kernels.mx_gemm import (
         grouped_mx_gemm,
         grouped_mx_gemm_reference,
@@ -996,8 +995,8 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
     from moe_lab.quant.mx import quantize
     from moe_lab.workbench.measure.mx_bounds import fp8_promote_bound
 
-    modes = (None, "fp8_promote") if interpreted() else (None,)  # None: the device's own
-    hardware_mode = None if interpreted() else mx_mma_mode(False, torch.device(dev))
+    modes = (None, "fp8_promote") if INTERPRETED else (None,)  # None: the device's own
+    hardware_mode = None if INTERPRETED else mx_mma_mode(False, torch.device(dev))
 
     def record(name: str, shape: str, got, want, tol: float, operands: tuple, offsets=None) -> None:
         if hardware_mode == "fp8_promote":
@@ -1042,14 +1041,14 @@ def section_attention(torch, dev, rep: Report, shapes: dict) -> None:
     import torch.nn.functional as F
 
     from moe_lab.attention import mxfp8_reference_attention
-    from moe_lab.kernels.common import interpreted
+    from moe_lab.kernels.common import INTERPRETED
     from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
 
     for label, (B, H, T, D) in shapes.items():
         g = torch.Generator(device=dev).manual_seed(T + D)
         q, k, v = (randn(torch, g, (B, H, T, D)) for _ in range(3))
         ref = mxfp8_reference_attention(q, k, v)
-        for mma in (None, "fp8_promote") if interpreted() else (None,):
+        for mma in (None, "fp8_promote") if INTERPRETED else (None,):
             with poisoned(torch):
                 out = mx_attention_forward(*quantize_qkv(q, k, v), mma=mma)
             rep.check(f"mxfp8 attention{f' ({mma})' if mma else ''} vs emulation", label,
@@ -1156,7 +1155,7 @@ SYNC_DEBUG = cuda_sync_debug
 def expert_backends_here(torch, dev) -> list[str]:
     """The sync-free expert backends of the core this device runs: ``torch``, ``triton`` where
     Triton is installed, ``triton_tma`` on sm_90 and later."""
-    from moe_lab.kernels import TRITON_MISSING
+    from moe_lab.registry import TRITON_MISSING
 
     backends = ["torch"] + ([] if TRITON_MISSING else ["triton"])
     if torch.device(dev).type == "cuda" and not TRITON_MISSING and torch.cuda.get_device_capability()[0] >= 9:
@@ -1299,11 +1298,11 @@ def section_notebook_branches(torch, dev, rep: Report, small: bool, time_fn) -> 
     (on CUDA ``triton.testing.do_bench``)."""
     from moe_lab import MoELayer
     from moe_lab.config import MoEConfig
-    from moe_lab.kernels.common import interpreted
+    from moe_lab.kernels.common import INTERPRETED
     from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
     from moe_lab.workbench.exercises import nb03_triton_from_zero as nb03
 
-    dtype = torch.float32 if interpreted() else torch.bfloat16  # as notebook 03's DOT_DTYPE
+    dtype = torch.float32 if INTERPRETED else torch.bfloat16  # as notebook 03's DOT_DTYPE
     counts = [5, 0, 37, 1] if small else [900, 0, 3000, 196]
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     K, N = (32, 48) if small else (1024, 2048)
@@ -1437,10 +1436,9 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
     launches read the weight through its transposed view): the winner (tile, warps, stages
     and, for the tile-ordered kernels, ``GROUP_M``) and its gain over the rule per launch, all
     timed in this run. The table of winners is rewritten to ``out/tuned_configs.json`` after
-    every launch tuned (a run cut short keeps what it tuned); launches never read it there
-    (`moe_lab.kernels.tuning.TUNED_DIR` is where an adopted table goes)."""
+    every launch tuned (a run cut short keeps what it tuned); no launch reads a table: a winner
+    is applied explicitly (`moe_lab.kernels.grouped_gemm.FORCED`)."""
     from moe_lab.kernels import grouped_gemm as gg
-    from moe_lab.kernels import tuning
     from moe_lab.workbench.measure import autotune as tuner
 
     dtype, table = torch.bfloat16, {}
@@ -1450,7 +1448,7 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
         offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
         for launch in layer_launches(E, m, d, f):
             kernel, (mm, n, k, ee) = launch.kernel, launch.dims
-            key = tuning.table_key(kernel, mm, n, k, ee, dtype)
+            key = tuner.table_key(kernel, mm, n, k, ee, dtype)
             if key in table:
                 continue
             if kernel == "dw":
@@ -1477,7 +1475,7 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
                       winner_group_m=winner.group_m, winner_ms=best * 1e3,
                       ratio_rule_to_winner=times[0] / best)
             out.mkdir(parents=True, exist_ok=True)
-            put(out / tuning.TUNED_FILE, dump({"gpu": rep.env.get("gpu"), "triton": rep.env.get("triton"),
+            put(out / tuner.TUNED_FILE, dump({"gpu": rep.env.get("gpu"), "triton": rep.env.get("triton"),
                                                "dtype": "bfloat16", "configs": table}))
 
 
@@ -1550,12 +1548,12 @@ def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tup
     """05: MXFP8 attention vs bf16 SDPA at each head dim, the MXFP8 GEMM vs a bf16 matmul."""
     import torch.nn.functional as F
 
-    from moe_lab.kernels.common import interpreted
+    from moe_lab.kernels.common import INTERPRETED
     from moe_lab.kernels.mx_attention import mx_attention_forward, quantize_qkv
     from moe_lab.kernels.mx_gemm import mx_gemm, mx_mma_mode
     from moe_lab.quant.mx import quantize
 
-    mx_mode = mx_mma_mode(interpreted(), torch.device(dev) if torch.device(dev).type == "cuda" else None)
+    mx_mode = mx_mma_mode(INTERPRETED, torch.device(dev) if torch.device(dev).type == "cuda" else None)
     for label, (B, H, T, D) in at_shapes.items():
         q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
         qm, km, vm = quantize_qkv(q, k, v)
@@ -1691,6 +1689,20 @@ def inject(what: str) -> None:
         time.sleep(3600)
 
 
+def exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
+    """A child ends when the run that started it (pid ``parent``, passed down: it may be gone
+    before the child gets here) is gone, killed from outside where nobody could kill the
+    child's group: a thread watches, since a hung section blocks the main thread and its
+    signals."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def default_out(gpu: str | None) -> Path:
     """Where a run writes without ``--out``: ``results/<gpu slug>/`` on a GPU (committed),
     under ``build/`` for the smoke run (``gpu`` None), which must never leave files in
@@ -1816,6 +1828,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="rehearsal: make an isolated section hang or crash in its child process")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # the section a child process runs
     ap.add_argument("--child-sink", help=argparse.SUPPRESS)
+    ap.add_argument("--child-of", type=int, help=argparse.SUPPRESS)  # the parent's pid
     args = ap.parse_args(argv)
 
     import torch
@@ -1837,6 +1850,7 @@ def main(argv: list[str] | None = None) -> int:
     time_fn = None if args.no_bench else timer(torch, cuda)
 
     if args.child:  # one section, in this fresh process; its records go to the sink
+        exit_with_parent(args.child_of)
         rep = Report(out, {}, args.budget_s, sink=Path(args.child_sink))
         section = next(s for s in plan(torch, dev, rep, cuda, small, time_fn, out) if s.name == args.child)
         faults = dict(args.inject)

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import textwrap
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -174,3 +175,27 @@ def one_line(lines: list[str], *words: str) -> str:
     for word in words:
         assert word in lines[0], (word, lines[0])
     return lines[0]
+
+
+@contextlib.contextmanager
+def poison_outputs() -> Iterator[None]:
+    """Inside this block every ``torch.empty``/``torch.empty_like`` (what a kernel's wrapper
+    allocates its outputs with) starts as NaN (integers: -7, unsigned bytes: 0xAB), not
+    uninitialised, so an element a kernel forgot to write fails any comparison. Nests."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        if t.dtype == torch.uint8:
+            return t.fill_(0xAB)
+        if t.dtype != torch.bool and not t.is_complex():
+            return t.fill_(-7)
+        return t
+
+    torch.empty = lambda *args, **kwargs: poisoned(real_empty(*args, **kwargs))
+    torch.empty_like = lambda *args, **kwargs: poisoned(real_empty_like(*args, **kwargs))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like

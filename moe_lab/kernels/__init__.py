@@ -10,17 +10,17 @@
 - ``mx_quantize``, ``mx_gemm``, ``mx_attention`` — the MXFP8 quantizer, the block-scaled GEMM
   and flash attention on MXFP8 operands (references: ``moe_lab.quant.mx``, ``moe_lab.attention``).
 
-Each module reads as a Triton tutorial does: the story, the kernels, the launch (its
-``launch_config`` and a wrapper that checks and allocates), the autograd binding, the
-reference. What they share — the `jit` that decides compiled or interpreted, the tile
-schedule, the K loops, the rounding store — is ``common``; ``launch`` holds `LaunchConfig`;
-``tuning`` the GPU's tuned table that overrides the grouped GEMM's rule.
+Each module reads as a Triton tutorial does: the story, the ``@triton.jit`` kernels, the launch
+(its ``launch_config`` and a wrapper that checks and allocates), the autograd binding, the
+reference. What several kernels share — the grouped tile order and schedule, the K loops, the
+rounding store — is ``common``; ``launch`` holds `LaunchConfig`. What makes the kernels run
+under Triton's interpreter on a machine without CUDA is ``interpreter``, which this package
+runs as it is imported, before any kernel is defined: no kernel module thinks about it.
 """
 
-import importlib.util
+from moe_lab.registry import TRITON_MISSING
 
-#: Why Triton kernels cannot run in this Python (Triton ships Linux wheels only), or ``None``; the
-#: registries mark their Triton names unavailable with it (`moe_lab.registry.Registry.register`).
-TRITON_MISSING: str | None = None if importlib.util.find_spec("triton") else (
-    "it needs Triton, which installs on Linux only: run it on Linux, in the container or on a "
-    "hosted GPU notebook (README, Where to run it)")
+if TRITON_MISSING is None:
+    from moe_lab.kernels.interpreter import install
+
+    install()

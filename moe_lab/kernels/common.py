@@ -1,143 +1,27 @@
-"""What the kernels share: the `jit` that decides compiled or interpreted, the grouped GEMM's
-tile schedule and K loops, the rounding store, the gather of token rows, kernel outputs.
+"""The Triton pieces several kernels share: the grouped tile order and the tile schedule over
+device offsets, the K loops and the SwiGLU epilogue of the fused kernels, the rounding store, the
+gather of token rows and the weighted scatter; and the device check of a compiled launch.
 
-Every moe_lab kernel is decorated with `jit`, not ``triton.jit``: Triton makes a kernel
-interpreted only when ``TRITON_INTERPRET`` is set as the decorator runs, so the choice would
-otherwise belong to whoever set the environment first. `jit` applies moe_lab's rule
-(`moe_lab.perf.capabilities.interprets_triton`: ``TRITON_INTERPRET`` when it is set, else
-interpreted exactly when no CUDA device is present), so moe_lab's kernels run on a CPU with
-nothing set, and a caller's own ``@triton.jit`` kernels stay as Triton makes them.
+The grouped GEMM (`moe_lab.kernels.grouped_gemm`) tells their story (its first kernel writes its
+K loop out, as Triton's matmul tutorial does) and owns their launch rule (``GROUP_M``, the grid);
+the fused kernels (`moe_lab.kernels.fused_moe`, `moe_lab.kernels.fused_mxfp8`) and the
+persistent TMA GEMM reuse them, so the grouped tile order exists once in Triton (its Python twin
+is the traffic model's, `moe_lab.perf.traffic.grouped_order`, tested equal). Nothing here changes
+Triton: what makes the kernels run interpreted on a CPU is `moe_lab.kernels.interpreter`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from moe_lab.perf.capabilities import triton_interpreted
 from moe_lab.perf.hardware import ARCHS, gpu_arch
 
-if TYPE_CHECKING:
-    from triton.runtime.interpreter import InterpretedFunction
-
 Tensor = torch.Tensor
-
-
-@torch.compiler.assume_constant_result  # decided once per process; torch.compile need not trace it
-def interpreted() -> bool:
-    """Whether moe_lab's kernels run under Triton's interpreter in this process."""
-    return triton_interpreted()
-
-
-# Triton's own library (tl.sum, tl.cumsum, tl.sigmoid, ...) is written with @triton.jit too,
-# so it is interpretable only if TRITON_INTERPRET was set when Triton was imported.
-_LIBRARY = (tl, tl.standard, tl.random)
-_LIBRARY_COPIES: dict[int, InterpretedFunction] = {}
-
-
-@contextlib.contextmanager
-def _library_interpreted() -> Iterator[None]:
-    """For the length of one interpreted launch, Triton's library functions that were made
-    compiled are swapped for interpreted copies (as Triton's interpreter swaps its builtins),
-    then put back: outside moe_lab's launches the caller's Triton is as it was."""
-    import triton.experimental.gluon  # noqa: F401 - imported lazily by a launch; it wants the library as made
-    from triton.runtime.interpreter import InterpretedFunction
-    swapped = []
-    for module in _LIBRARY:
-        for name, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                copy = _LIBRARY_COPIES.setdefault(id(value), InterpretedFunction(value.fn))
-                setattr(module, name, copy)
-                swapped.append((module, name, value))
-    try:
-        yield
-    finally:
-        for module, name, value in swapped:
-            setattr(module, name, value)
-
-
-# Triton's interpreter hands a kernel each scalar argument as a one-element array. Before 3.7 it
-# reads one as an index (a loop bound: ``range(0, K, BLOCK_K)``) with ``int(array)``, which NumPy
-# 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.7
-# squeezes the array first (https://github.com/triton-lang/triton/pull/9172). Under an older
-# Triton each moe_lab launch does the same.
-_INDEX_UNSQUEEZED = tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7)
-
-
-@contextlib.contextmanager
-def _scalars_index() -> Iterator[None]:
-    """For the length of one interpreted launch, a scalar reads as an index as in Triton 3.7."""
-    if not _INDEX_UNSQUEEZED:
-        yield
-        return
-    from triton.runtime import interpreter
-
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patch_tensor_squeezed(tensor: type, scope: object) -> None:
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patch_tensor_squeezed
-    try:
-        yield
-    finally:
-        interpreter._patch_lang_tensor = patch_tensor
-
-
-@contextlib.contextmanager
-def _language_patched_once() -> Iterator[None]:
-    """For the length of one interpreted launch, Triton's language is patched for the
-    interpreter once per set of language modules a function sees, not again at every call of
-    a ``@jit`` helper. The interpreter patches at each call (``_patch_lang``: every builtin of
-    ``triton.language`` looked up and wrapped) and keeps the patch in place after the call, so
-    a second patch of the same modules within a launch changes nothing, and costs more than
-    most helpers' own work."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang
-    scopes: dict[tuple[int, ...], object] = {}
-
-    def patch_once(fn: Callable[..., object]) -> object:
-        key = tuple(sorted({id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}))
-        if key not in scopes:
-            scopes[key] = patch(fn)
-        return scopes[key]
-
-    interpreter._patch_lang = patch_once
-    try:
-        yield
-    finally:
-        interpreter._patch_lang = patch
-
-
-@functools.cache
-def _interpreted_kernel() -> type[InterpretedFunction]:
-    """The class of interpreted kernels, made at the first one: Triton's interpreter imports
-    NumPy, which a process that only compiles need not have (torch and triton suffice)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    class _Interpreted(InterpretedFunction):
-        """An interpreted moe_lab kernel: each launch runs with Triton's library interpreted."""
-
-        def run(self, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
-            with _library_interpreted(), _scalars_index(), _language_patched_once():
-                return super().run(*args, grid=grid, warmup=warmup, **kwargs)
-
-    return _Interpreted
-
-
-def jit(fn: Callable[..., object]) -> JITFunction | InterpretedFunction:
-    """``triton.jit`` by moe_lab's rule: a compiled `JITFunction`, or an `InterpretedFunction`
-    where `interpreted` says so, whatever ``TRITON_INTERPRET`` said when Triton was imported."""
-    return _interpreted_kernel()(fn) if interpreted() else JITFunction(fn)
+#: Whether this process runs the kernels under Triton's interpreter: Triton's knob as the kernels
+#: were defined (`moe_lab.kernels.interpreter` sets it where there is no CUDA device).
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 
 def check_device(name: str, device: torch.device, needs: str = "bf16_mma",
@@ -145,7 +29,7 @@ def check_device(name: str, device: torch.device, needs: str = "bf16_mma",
     """Compiled Triton reads and writes CUDA memory only (interpreted, any device will do), of a
     GPU whose `moe_lab.perf.hardware.ARCHS` row has ``needs`` (Triton itself: ``bf16_mma``,
     sm_80 on): else one line naming the tensor or the GPU and what ``what`` requires."""
-    if interpreted():
+    if INTERPRETED:
         return
     if device.type != "cuda":
         raise ValueError(
@@ -158,49 +42,6 @@ def check_device(name: str, device: torch.device, needs: str = "bf16_mma",
         first = min((a for a in ARCHS.values() if getattr(a, needs)), key=lambda a: a.capability)
         raise ValueError(f"{what} requires {needs} ({first.arch} or newer); this "
                          f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}")
-
-
-# ------------------------------------------------------------------ kernel outputs
-
-_POISONED = [0]  # depth of `poison_outputs` blocks; a list, so the context manager can count
-
-
-@contextlib.contextmanager
-def poison_outputs() -> Iterator[None]:
-    """Inside this block every kernel output `new_output` allocates starts as NaN (integers:
-    -7, unsigned bytes: 0xAB), not uninitialised, so an element a kernel forgot to write
-    fails any comparison. For tests; it costs one fill per output."""
-    _POISONED[0] += 1
-    try:
-        yield
-    finally:
-        _POISONED[0] -= 1
-
-
-def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """An output the kernel writes completely: ``torch.empty``, or poisoned under
-    `poison_outputs`."""
-    if not _POISONED[0]:
-        return torch.empty(shape, dtype=dtype, device=device)
-    fill = float("nan") if dtype.is_floating_point else (-7 if dtype.is_signed else 0xAB)
-    return torch.full(shape, fill, dtype=dtype, device=device)
-
-
-# ------------------------------------------------------------------ launch arguments
-
-
-def block_e(n_experts: int) -> int:
-    """``BLOCK_E`` of `tile_schedule`: a power of two holding the ``E + 1`` segments."""
-    return triton.next_power_of_2(n_experts + 1)
-
-
-def tile_group(m: int, n_experts: int, block_m: int) -> int:
-    """``GROUP_M`` of `tile_order`: the row tiles of an average expert (``m // n_experts``
-    rows), rounded down to a power of two, at least 1. A group then spans about one expert's
-    rows, so the expert's weight is read once per group while its rows stay in L2 across the
-    N sweep (`moe_lab.perf.traffic` models the bytes each order moves)."""
-    tiles = max(1, m // max(1, n_experts) // block_m)
-    return 1 << (tiles.bit_length() - 1)
 
 
 # A dense GEMM's group (`dense_group`) keeps its row tiles' A panels in L2 while the group sweeps
@@ -221,35 +62,10 @@ def dense_group(m: int, k: int, block_m: int, elem_bytes: int) -> int:
     return 1 << (min(fits, triton.cdiv(max(m, 1), block_m)).bit_length() - 1)
 
 
-def grouped_grid(m: int, n_experts: int, n: int, block_m: int, block_n: int) -> tuple[int]:
-    """The 1-D grid of `tile_order`: ``(cdiv(m, block_m) + n_experts) * cdiv(n, block_n)``."""
-    return ((triton.cdiv(m, block_m) + n_experts) * triton.cdiv(n, block_n),)
-
-
-# ``GROUP_K`` of `expert_tile_order`: K tiles of dW per group. A weight gradient reads its
-# expert's rows of X and dY whole for every tile, so what matters is that an expert's tiles run
-# together (its X and dY then come from HBM once); any group from 4 up then keeps them in L2 at
-# DeepSeek-V3's and GPT-OSS-20B's shapes on an H200 (`moe_lab.perf.traffic.simulate_dw`).
-DW_GROUP_K = 8
-
-
-def expert_grid(n_experts: int, k: int, n: int, block_k: int, block_n: int) -> tuple[int]:
-    """The grid of `expert_tile_order`: ``(cdiv(k, block_k) * cdiv(n, block_n), E)``, one
-    expert's tiles along the first axis, which the hardware walks fastest."""
-    return (triton.cdiv(k, block_k) * triton.cdiv(n, block_n), n_experts)
-
-
-def dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
-    """``DOT_BF16`` of `mma`: bfloat16 tiles go to ``tl.dot`` as bfloat16 when compiled; the
-    interpreter's ``tl.dot`` multiplies bfloat16 bit patterns as integers, so it gets float32
-    tiles of the same values."""
-    return dtype == torch.bfloat16 and not interpreted
-
-
 # ------------------------------------------------------------------ Triton pieces
 
 
-@jit
+@triton.jit
 def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(segment, first row, end row)`` of row tile number ``tile``.
 
@@ -273,7 +89,7 @@ def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: 
     return seg, row0, row_end
 
 
-@jit
+@triton.jit
 def grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M: tl.constexpr):
     """``(row tile, N tile)`` of tile number ``t`` of ``n_row_tiles x n_col_tiles`` in grouped
     rasterisation: ``GROUP_M`` consecutive row tiles (the last group may be smaller) take every
@@ -286,21 +102,23 @@ def grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M: tl.constexpr):
     return first + inside % size, inside // size
 
 
-@jit
+@triton.jit
 def tile_order(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """``(row tile, N tile)`` of this program in a 1-D grid of ``(cdiv(M_ROWS, BLOCK_M) + E) x
     cdiv(N, BLOCK_N)`` programs, in grouped rasterisation (`grouped_tile`: ``GROUP_M``
-    consecutive row tiles take every N tile, row tile fastest; `tile_group` picks ``GROUP_M``
-    per launch; `moe_lab.perf.traffic` models the bytes each order moves)."""
+    consecutive row tiles take every N tile, row tile fastest;
+    `moe_lab.kernels.grouped_gemm.tile_group` picks ``GROUP_M`` per launch;
+    `moe_lab.perf.traffic` models the bytes each order moves)."""
     t_n = tl.cdiv(N, BLOCK_N)
     return grouped_tile(tl.program_id(0), tl.num_programs(0) // t_n, t_n, GROUP_M)
 
 
-@jit
+@triton.jit
 def expert_tile_order(K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr):
-    """``(expert, K tile, N tile)`` of this program in a weight gradient's grid (`expert_grid`):
-    expert after expert (the expert is the second axis), and inside one `grouped_tile`'s
-    rasterisation, ``GROUP_K`` K tiles taking every N tile, K tile fastest. (A
+    """``(expert, K tile, N tile)`` of this program in a weight gradient's grid
+    (`moe_lab.kernels.grouped_gemm.expert_grid`): expert after expert (the expert is the second
+    axis), and inside one `grouped_tile`'s rasterisation, ``GROUP_K`` K tiles taking every N
+    tile, K tile fastest. (A
     grid with the expert fastest has consecutive programs read different experts' rows and
     share nothing.) The expert as a program id, not a quotient, keeps the 64-bit address
     arithmetic that scales by it cheaper (a spill in the gathered dW otherwise)."""
@@ -308,7 +126,7 @@ def expert_tile_order(K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return tl.program_id(1), tile_k, tile_n
 
 
-@jit
+@triton.jit
 def tile_rows(row0, row_end, tile_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``(rows, cols, row_ok)`` of a scheduled program's output tile: its ``BLOCK_M`` rows from
     ``row0`` (those below ``row_end`` are its expert's) and its ``BLOCK_N`` columns (N tile
@@ -318,7 +136,7 @@ def tile_rows(row0, row_end, tile_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
     return rows, cols, rows < row_end
 
 
-@jit
+@triton.jit
 def cast_for_store(x, ptr):
     """float32 ``x`` in the element type of ``ptr``. bfloat16 is rounded to nearest even in
     integer arithmetic: Triton's interpreter truncates float32 -> bfloat16 casts, a GPU
@@ -331,7 +149,7 @@ def cast_for_store(x, ptr):
     return x.to(ptr.dtype.element_ty)
 
 
-@jit
+@triton.jit
 def mma(acc, a, b, DOT_BF16: tl.constexpr):
     """``acc + a @ b``, accumulated in float32, for tiles ``a``, ``b`` as loaded.
 
@@ -344,7 +162,7 @@ def mma(acc, a, b, DOT_BF16: tl.constexpr):
     return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
-@jit
+@triton.jit
 def gemm_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, N, K, s_xm, s_xk, s_wk, s_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 DOT_BF16: tl.constexpr):
@@ -362,7 +180,7 @@ def gemm_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, N, K, s_xm, s_xk, s_wk, s_wn,
     return acc
 
 
-@jit
+@triton.jit
 def swiglu_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, F, K, s_xm, s_xk, s_wk, s_wn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_BF16: tl.constexpr):
@@ -384,7 +202,7 @@ def swiglu_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, F, K, s_xm, s_xk, s_wk, s_wn
     return gate, up
 
 
-@jit
+@triton.jit
 def swiglu_epilogue(gate, up, out_ptr, out_ptrs, up_out_ptrs, dh_ptrs, mask, BACKWARD: tl.constexpr):
     """Forward: ``silu(gate) ⊙ up`` to ``out_ptrs``. Backward: ``dh`` in (``dh_ptrs``), the
     pre-activation's gradient out, ``dgate`` to ``out_ptrs`` and ``dup`` to ``up_out_ptrs``
@@ -401,7 +219,7 @@ def swiglu_epilogue(gate, up, out_ptr, out_ptrs, up_out_ptrs, dh_ptrs, mask, BAC
         tl.store(out_ptrs, cast_for_store(silu * up, out_ptr), mask=mask)
 
 
-@jit
+@triton.jit
 def gather_rows(src_ptr, rows, row_ok, TOP_K):
     """The gather prologue's row source: ``(token, src, valid)`` of permuted rows ``rows``,
     ``src[r] = t·k + j`` giving ``t``; a row no (token, slot) maps to (``src < 0``:
@@ -411,7 +229,7 @@ def gather_rows(src_ptr, rows, row_ok, TOP_K):
     return tl.where(ok, src // TOP_K, 0), src, ok
 
 
-@jit
+@triton.jit
 def scatter_rows(acc, out_ptr, weight_ptr, token, src, ok, cols, N, s_om, s_on,
                  HAS_WEIGHTS: tl.constexpr, ATOMIC: tl.constexpr):
     """The weighted-scatter epilogue: rows of ``acc`` times ``weight[src]`` (``HAS_WEIGHTS``)
@@ -436,8 +254,6 @@ def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
     return src.scatter_(0, row_id_map.reshape(-1).long(), entries)
 
 
-__all__ = ["DENSE_GROUP_BYTES", "DW_GROUP_K", "block_e", "cast_for_store", "check_device",
-           "dense_group", "dot_bf16", "expert_grid", "expert_tile_order", "gather_rows", "gemm_k_loop",
-           "grouped_grid", "grouped_tile", "interpreted", "jit", "mma", "new_output", "poison_outputs",
-           "row_source", "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_group", "tile_order",
-           "tile_rows", "tile_schedule"]
+__all__ = ["DENSE_GROUP_BYTES", "INTERPRETED", "cast_for_store", "check_device", "dense_group",
+           "expert_tile_order", "gather_rows", "gemm_k_loop", "grouped_tile", "mma", "row_source",
+           "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_order", "tile_rows", "tile_schedule"]

@@ -36,28 +36,28 @@ import triton.language as tl
 from moe_lab.checks import first_derivative_only, one_of
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import (
-    DW_GROUP_K,
-    block_e,
+    INTERPRETED,
     cast_for_store,
     check_device,
-    dot_bf16,
-    expert_grid,
     expert_tile_order,
     gather_rows,
     gemm_k_loop,
-    grouped_grid,
-    interpreted,
-    jit,
     mma,
-    new_output,
     row_source,
     scatter_rows,
     swiglu_epilogue,
     swiglu_k_loop,
-    tile_group,
     tile_order,
     tile_rows,
     tile_schedule,
+)
+from moe_lab.kernels.grouped_gemm import (
+    DW_GROUP_K,
+    block_e,
+    dot_bf16,
+    expert_grid,
+    grouped_grid,
+    tile_group,
 )
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.permute import permute_reference, unpermute_reference
@@ -71,7 +71,7 @@ SCATTER_MODES = ("deterministic", "atomic")
 # --------------------------------------------------------------------------------------
 
 
-@jit
+@triton.jit
 def _gather_swiglu_kernel(
     x_ptr, src_ptr, w_ptr, out_ptr, dh_ptr, offsets_ptr,
     M_ROWS, F, K, E, TOP_K,
@@ -101,7 +101,7 @@ def _gather_swiglu_kernel(
                     dh_ptr + rows[:, None] * s_dm + cols[None, :] * s_dn, mask, BACKWARD)
 
 
-@jit
+@triton.jit
 def _gemm_scatter_kernel(
     a_ptr, w_ptr, out_ptr, src_ptr, weight_ptr, offsets_ptr,
     M_ROWS, N, K, E, TOP_K,
@@ -125,7 +125,7 @@ def _gemm_scatter_kernel(
     scatter_rows(acc, out_ptr, weight_ptr, token, src, ok, cols, N, s_om, s_on, HAS_WEIGHTS, ATOMIC)
 
 
-@jit
+@triton.jit
 def _gather_gemm_kernel(
     g_ptr, src_ptr, w_ptr, h_ptr, weight_ptr, out_ptr, part_ptr, offsets_ptr,
     M_ROWS, N, K, E, TOP_K, N_TILES,
@@ -158,7 +158,7 @@ def _gather_gemm_kernel(
              cast_for_store(acc * wt[:, None], out_ptr), mask=mask)
 
 
-@jit
+@triton.jit
 def _gather_dw_kernel(
     x_ptr, dy_ptr, dw_ptr, src_ptr, weight_ptr, offsets_ptr,
     M_ROWS, N, K, TOP_K,
@@ -224,14 +224,14 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *, interp
 
 
 def _cfg(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype) -> LaunchConfig:
-    return launch_config(kernel, m, n, k, n_experts, interpreted=interpreted(), dtype=dtype)
+    return launch_config(kernel, m, n, k, n_experts, interpreted=INTERPRETED, dtype=dtype)
 
 
 def _launch_gather_swiglu(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int,
                           dh: Tensor | None) -> Tensor:
     m, (n_experts, k, two_f) = src.shape[0], w.shape
     f = two_f // 2
-    out = new_output((m, f if dh is None else two_f), x.dtype, x.device)
+    out = torch.empty((m, f if dh is None else two_f), dtype=x.dtype, device=x.device)
     if m and f:
         cfg = _cfg("swiglu", m, f, k, n_experts, x.dtype)
         grid = grouped_grid(m, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
@@ -240,7 +240,7 @@ def _launch_gather_swiglu(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, to
             x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k,
             *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
             **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
             BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
@@ -276,7 +276,7 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
     if atomic:
         out = torch.zeros((tokens, n), dtype=torch.float32, device=a.device)
     else:  # every (token, slot) has its row in some expert's segment: every element written
-        out = new_output((tokens * top_k, n), a.dtype, a.device)
+        out = torch.empty((tokens * top_k, n), dtype=a.dtype, device=a.device)
     if m and n and tokens:
         cfg = _cfg("gemm", m, n, k, n_experts, a.dtype)
         grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
@@ -284,7 +284,7 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
             a, w, out, src, src if weights is None else weights, offsets, m, n, k, n_experts, top_k,
             *a.stride(), *w.stride(), *out.stride(),
             **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(a.dtype, interpreted()),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(a.dtype, INTERPRETED),
             HAS_WEIGHTS=weights is not None, ATOMIC=atomic,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -306,15 +306,15 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
     (m, n), (n_experts, k, _) = h.shape, w.shape
     cfg = _cfg("gemm", m, n, k, n_experts, g.dtype)
     n_tiles = triton.cdiv(n, cfg.blocks["BLOCK_N"]) if n else 0
-    dh = new_output((m, n), g.dtype, g.device)
-    part = new_output((m, n_tiles), torch.float32, g.device)
+    dh = torch.empty((m, n), dtype=g.dtype, device=g.device)
+    part = torch.empty((m, n_tiles), dtype=torch.float32, device=g.device)
     if m and n:
         grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _gather_gemm_kernel[grid](
             g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k, n_tiles,
             *g.stride(), *w.stride(), *h.stride(), *dh.stride(),
             **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(g.dtype, interpreted()),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(g.dtype, INTERPRETED),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     per_row = part.sum(1)
@@ -334,14 +334,14 @@ def _(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tensor, offsets: Te
 def _gather_dw_op(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, offsets: Tensor,
                   top_k: int, gather_x: bool) -> Tensor:
     k, n, n_experts, m = x.shape[1], dy.shape[1], offsets.shape[0] - 1, src.shape[0]
-    dw = new_output((n_experts, k, n), x.dtype, x.device)
+    dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
     if k and n:
         cfg = _cfg("dw", m, n, k, n_experts, x.dtype)
         grid = expert_grid(n_experts, k, n, cfg.blocks["BLOCK_K"], cfg.blocks["BLOCK_N"])
         _gather_dw_kernel[grid](
             x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
             *x.stride(), *dy.stride(), *dw.stride(),
-            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, interpreted()), GATHER_X=gather_x,
+            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, INTERPRETED), GATHER_X=gather_x,
             GROUP_K=DW_GROUP_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

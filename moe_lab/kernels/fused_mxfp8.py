@@ -20,27 +20,23 @@ per 32-wide K block on Hopper). Forward only. The unfused chains close this file
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import (
-    block_e,
-    dot_bf16,
+    INTERPRETED,
     gather_rows,
-    grouped_grid,
-    interpreted,
-    jit,
     mma,
-    new_output,
     row_source,
     scatter_rows,
     swiglu_k_loop,
-    tile_group,
     tile_order,
     tile_rows,
     tile_schedule,
 )
 from moe_lab.kernels.fused_moe import check_mlp_args, gather_swiglu_unfused, gemm_scatter_unfused
+from moe_lab.kernels.grouped_gemm import block_e, dot_bf16, grouped_grid, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, grouped_mx_gemm
 from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
@@ -55,7 +51,7 @@ Tensor = torch.Tensor
 # --------------------------------------------------------------------------------------
 
 
-@jit
+@triton.jit
 def _gather_swiglu_mx_kernel(
     x_ptr, src_ptr, w_ptr, out_ptr, scale_ptr, offsets_ptr,
     M_ROWS, F, K, E, TOP_K,
@@ -102,7 +98,7 @@ def _gather_swiglu_mx_kernel(
              mask=row_ok[:, None] & (blocks[None, :] < n_scales))
 
 
-@jit
+@triton.jit
 def _gemm_scatter_mx_kernel(
     a_ptr, a_scale_ptr, w_ptr, out_ptr, src_ptr, weight_ptr, offsets_ptr,
     M_ROWS, N, K, E, TOP_K,
@@ -161,16 +157,16 @@ def _gather_swiglu_mx_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor,
                          top_k: int) -> tuple[Tensor, Tensor]:
     m, (n_experts, k, two_f) = src.shape[0], w.shape
     f = two_f // 2
-    codes = new_output((m, f), torch.uint8, x.device)
-    scales = new_output((m, f // 32), torch.uint8, x.device)
+    codes = torch.empty((m, f), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((m, f // 32), dtype=torch.uint8, device=x.device)
     if m and f:
-        cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=interpreted(), dtype=x.dtype)
+        cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
         grid = grouped_grid(m, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _gather_swiglu_mx_kernel[grid](
             x, src, w, codes, scales, offsets, m, f, k, n_experts, top_k,
             *x.stride(), *w.stride(), *codes.stride(),
             **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
             IS_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return codes, scales
@@ -188,15 +184,15 @@ def _gemm_scatter_mx_op(codes: Tensor, scales: Tensor, w: Tensor, src: Tensor, w
     """Token rows ``[tokens, N]`` in ``w``'s dtype: the weighted products of the decoded
     ``codes`` (u8) and ``scales`` (u8), scattered and summed over each token's rows."""
     (m, k), (n_experts, _, n) = codes.shape, w.shape
-    out = new_output((tokens * top_k, n), w.dtype, codes.device)
+    out = torch.empty((tokens * top_k, n), dtype=w.dtype, device=codes.device)
     if m and n and tokens:
-        cfg = launch_config("gemm", m, n, k, n_experts, interpreted=interpreted(), dtype=w.dtype)
+        cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=w.dtype)
         grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _gemm_scatter_mx_kernel[grid](
             codes, scales, w, out, src, weights, offsets, m, n, k, n_experts, top_k,
             *codes.stride(), *w.stride(), *out.stride(),
             **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(w.dtype, interpreted()),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(w.dtype, INTERPRETED),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(w.dtype)

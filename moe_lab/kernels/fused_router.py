@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moe_lab.checks import first_derivative_only
 from moe_lab.config import MoEConfig
-from moe_lab.kernels.common import interpreted, jit
+from moe_lab.kernels.common import INTERPRETED
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.moe.router_output import (
     RouterOutput,
@@ -50,7 +50,7 @@ _TINY = torch.finfo(torch.float32).tiny
 # --------------------------------------------------------------------------------------
 
 
-@jit
+@triton.jit
 def _load_logits(logits_ptr, t, e, t_ok, e_ok, s_lt, s_le):
     # [BLOCK_T, GP, EGP] float32. Padding lanes (no expert) are -inf, so they score 0 and
     # are never selected; rows past the last token are 0 (finite: no NaN in masked rows).
@@ -60,7 +60,7 @@ def _load_logits(logits_ptr, t, e, t_ok, e_ok, s_lt, s_le):
     return tl.where(t_ok[:, None, None] | ~e_ok[None, :, :], lg, 0.0)
 
 
-@jit
+@triton.jit
 def _scores(lg, SOFTMAX: tl.constexpr):
     # scores s, their sum, the log-sum-exp and the softmax q of the logits (z-loss).
     m = tl.max(tl.max(lg, 2), 1)  # [BLOCK_T]
@@ -75,7 +75,7 @@ def _scores(lg, SOFTMAX: tl.constexpr):
     return s, lse, q
 
 
-@jit
+@triton.jit
 def _router_fwd_kernel(
     logits_ptr, bias_ptr, ids_ptr, w_ptr, counts_ptr, psum_ptr, zsum_ptr,
     T, E, EG, G, SEQ_LEN, s_lt, s_le, scaling,
@@ -160,7 +160,7 @@ def _router_fwd_kernel(
     tl.atomic_add(zsum_ptr, tl.sum(tl.where(t_ok, lse * lse, 0.0), 0))
 
 
-@jit
+@triton.jit
 def _router_bwd_kernel(
     logits_ptr, ids_ptr, dw_ptr, dpsum_ptr, dz_ptr, dl_ptr,
     T, E, EG, G, SEQ_LEN, s_lt, s_le, s_dt, s_de, scaling,
@@ -287,7 +287,7 @@ def _fused_router_op(
     prob_sums = torch.zeros((n_seqs, n_experts), dtype=torch.float32, device=dev)
     z_sum = torch.zeros((1,), dtype=torch.float32, device=dev)
     if tokens:
-        config = launch_config(tokens, n_experts, n_groups, interpreted=interpreted(),
+        config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED,
                                block_t=block_t or None)
         _router_fwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
             logits, expert_bias if expert_bias is not None else logits, ids, weights, counts,
@@ -323,7 +323,7 @@ def _fused_router_bwd_op(
     top_k = ids.shape[1]
     grad_logits = torch.empty((tokens, n_experts), dtype=torch.float32, device=logits.device)
     if tokens:
-        config = launch_config(tokens, n_experts, n_groups, interpreted=interpreted(),
+        config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED,
                                block_t=block_t or None)
         _router_bwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
             logits, ids, grad_weights, grad_prob_sums, grad_z_sum, grad_logits,

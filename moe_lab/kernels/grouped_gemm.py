@@ -5,7 +5,8 @@ is one *grouped GEMM*: ``x: [M, K]`` is cut into segments, ``offsets[e]:offsets[
 each segment is multiplied by its own ``w[e]: [K, N]``. The segment lengths are the router's
 decision, so they live on the device. A loop over experts reads them on the host (a sync per
 step); this kernel does not. The key trick is the tile schedule
-(`moe_lab.kernels.common.tile_schedule`): the grid is sized from static shapes only — at most
+(`moe_lab.kernels.common.tile_schedule`, shared with the fused kernels): the grid is sized
+from static shapes only — at most
 ``cdiv(M, BLOCK_M) + E`` row tiles, since ``E`` segments add at most one partial tile each —
 and every program reads ``offsets`` from device memory to find its expert and rows (or exits:
 no work). Rows after ``offsets[E]`` are written as zeros. So the step can be captured in a
@@ -30,24 +31,14 @@ import triton
 import triton.language as tl
 
 from moe_lab.checks import first_derivative_only, int_in, one_of
-from moe_lab.kernels import tuning
 from moe_lab.kernels.common import (
-    DW_GROUP_K,
-    block_e,
+    INTERPRETED,
     cast_for_store,
     check_device,
-    dot_bf16,
-    expert_grid,
     expert_tile_order,
-    gemm_k_loop,
-    grouped_grid,
-    interpreted,
-    jit,
     mma,
-    new_output,
     swiglu_epilogue,
     swiglu_k_loop,
-    tile_group,
     tile_order,
     tile_rows,
     tile_schedule,
@@ -64,7 +55,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # --------------------------------------------------------------------------------------
 
 
-@jit
+@triton.jit
 def _grouped_gemm_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
     M_ROWS, N, K, E,
@@ -74,23 +65,37 @@ def _grouped_gemm_kernel(
 ):
     # x: [M, K]; w: [E, K, N] (any strides: dX passes Wᵀ as a view); y: [M, N];
     # offsets: [E + 1] int32, on device. Grid: 1-D, `grouped_grid` over N.
+    # 1. Which output tile: this program's (row tile, N tile) in the grouped order, then the
+    #    expert (segment) whose rows the row tile covers, read from the device offsets.
     tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
     seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:  # past the last tile: no work
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
+    # 2. Its rows and columns, as int64 indices (every index that multiplies a stride is).
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    row_ok = rows < row_end  # the rows of this expert
     y_ptrs = y_ptr + rows[:, None] * s_ym + cols[None, :] * s_yn
     y_mask = row_ok[:, None] & (cols[None, :] < N)
     if seg == E:  # padding rows
         tl.store(y_ptrs, cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr),
                  mask=y_mask)
         return
-    acc = gemm_k_loop(x_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
-                      s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
+    # 3. The K loop, as in Triton's matmul tutorial, against this expert's weight w[seg].
+    w_e_ptr = w_ptr + seg.to(tl.int64) * s_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        a = tl.load(x_ptr + rows[:, None] * s_xm + ks[None, :] * s_xk,
+                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+        b = tl.load(w_e_ptr + ks[:, None] * s_wk + cols[None, :] * s_wn,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = mma(acc, a, b, DOT_BF16)
+    # 4. Rounded once to y's dtype, stored.
     tl.store(y_ptrs, cast_for_store(acc, y_ptr), mask=y_mask)
 
 
-@jit
+@triton.jit
 def _grouped_gemm_swiglu_kernel(
     x_ptr, w_ptr, out_ptr, dh_ptr, offsets_ptr,
     M_ROWS, F, K, E,
@@ -122,7 +127,7 @@ def _grouped_gemm_swiglu_kernel(
                     dh_ptr + rows[:, None] * s_dm + cols[None, :] * s_dn, mask, BACKWARD)
 
 
-@jit
+@triton.jit
 def _grouped_gemm_dw_kernel(
     x_ptr, dy_ptr, dw_ptr, offsets_ptr,
     M_ROWS, N, K,
@@ -157,11 +162,19 @@ def _grouped_gemm_dw_kernel(
 # Which kernel a launch runs, as `launch_config` names it: "gemm" (the forward, and dX = the
 # same kernel fed Wᵀ), "swiglu" (the fused forward and its backward), "dw" (the weight gradient).
 KERNELS = ("gemm", "swiglu", "dw")
+# The kernels whose programs walk the grouped tile order (`moe_lab.kernels.common.tile_order`),
+# so whose ``GROUP_M`` is a knob; "dw" walks its experts one after another
+# (`moe_lab.kernels.common.expert_tile_order`, `DW_GROUP_K` K tiles per group inside each).
+TILE_ORDERED = ("gemm", "swiglu")
+# ``GROUP_K`` of "dw": a weight gradient reads its expert's rows of X and dY whole for every
+# tile, so what matters is that an expert's tiles run together (its X and dY then come from HBM
+# once); any group from 4 up keeps them in L2 at DeepSeek-V3's and GPT-OSS-20B's shapes on an
+# H200 (`moe_lab.perf.traffic.simulate_dw`).
+DW_GROUP_K = 8
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> LaunchConfig:
-    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps,
-                        num_stages=stages)
+def _config(bm: int, bn: int, bk: int, warps: int) -> LaunchConfig:
+    return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=3)
 
 
 # The compiled tile space of each kernel: a few configs, every one compiled by the compile
@@ -173,20 +186,20 @@ def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> LaunchConfig:
 # spill in float32 (on the CUDA cores), which is why the rule never picks them for float32.
 TILE_SPACE: dict[str, tuple[LaunchConfig, ...]] = {
     "gemm": (
-        _config(64, 64, 32, 4, 3),    # float32 (CUDA cores), or a narrow N
-        _config(64, 128, 64, 4, 3),   # bf16, few rows per expert, wide N
-        _config(128, 128, 64, 8, 3),  # bf16, many rows per expert, wide N
-        _config(128, 64, 64, 4, 3),   # bf16, many rows per expert, narrow N
+        _config(64, 64, 32, 4),    # float32 (CUDA cores), or a narrow N
+        _config(64, 128, 64, 4),   # bf16, few rows per expert, wide N
+        _config(128, 128, 64, 8),  # bf16, many rows per expert, wide N
+        _config(128, 64, 64, 4),   # bf16, many rows per expert, narrow N
     ),
     "swiglu": (  # two accumulators (gate, up) per output tile
-        _config(64, 64, 32, 4, 3),    # bf16, few rows per expert
-        _config(128, 64, 64, 8, 3),   # bf16, many rows per expert
-        _config(64, 64, 16, 8, 3),    # float32: 8 warps, a 16-deep K step (no spills)
+        _config(64, 64, 32, 4),    # bf16, few rows per expert
+        _config(128, 64, 64, 8),   # bf16, many rows per expert
+        _config(64, 64, 16, 8),    # float32: 8 warps, a 16-deep K step (no spills)
     ),
     "dw": (
-        _config(32, 64, 64, 4, 3),    # float32 (CUDA cores)
-        _config(64, 128, 64, 4, 3),   # bf16, few rows per expert (a short reduction)
-        _config(64, 128, 128, 8, 3),  # bf16, many rows per expert
+        _config(32, 64, 64, 4),    # float32 (CUDA cores)
+        _config(64, 128, 64, 4),   # bf16, few rows per expert (a short reduction)
+        _config(64, 128, 128, 8),  # bf16, many rows per expert
     ),
 }
 # From this many routed rows per expert on, a 128-row tile is chosen: below it, an expert's
@@ -195,13 +208,16 @@ MANY_ROWS = 512
 # From this many output columns on, a 128-wide tile is chosen: each loaded x tile then
 # feeds twice the columns.
 WIDE_N = 1024
+#: Configs applied explicitly, by kernel name (``FORCED["gemm"] = config``): the tuner times
+#: each config through the real op this way (`moe_lab.workbench.measure.autotune.forcing`), and
+#: a GPU's tuned winner is applied the same way by whoever measured it. Empty: the rule decides.
+FORCED: dict[str, LaunchConfig] = {}
 
 
 def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
                   dtype: torch.dtype) -> LaunchConfig:
     """The compiled config of ``kernel`` at one shape, from `TILE_SPACE` by a fixed rule: a
-    reasoned default, not a measurement. A GPU's tuned table, where one is committed,
-    overrides it (`launch_config`, `moe_lab.kernels.tuning`).
+    reasoned default, not a measurement (a measured one is applied explicitly: `FORCED`).
 
     float32 runs on the CUDA cores (IEEE products, no tensor cores), where a larger tile
     only adds registers: the first "gemm" and "dw" configs, and for "swiglu" 64 x 64 x 16 on
@@ -214,8 +230,8 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
     8 warps when ``r >= MANY_ROWS`` and otherwise the 64-deep one. ``k`` does not enter the
     rule: every config streams K in steps.
     """
-    one_of(kernel, "kernel", KERNELS)
-    one_of(dtype, "dtype", KERNEL_DTYPES)
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dtype must be one of {list(KERNEL_DTYPES)}, got {dtype}")
     space = TILE_SPACE[kernel]
     many_rows = m // max(1, n_experts) >= MANY_ROWS
     if kernel == "gemm":
@@ -231,19 +247,13 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
     return space[2 if many_rows else 1]
 
 
-# The kernels whose programs walk the grouped tile order (`moe_lab.kernels.common.tile_order`),
-# so whose ``GROUP_M`` is a tuning knob; "dw" walks its experts one after another
-# (`moe_lab.kernels.common.expert_tile_order`, a fixed ``DW_GROUP_K`` inside each).
-TILE_ORDERED = ("gemm", "swiglu")
-
-
-def launch_group(config: LaunchConfig, m: int, n_experts: int) -> int:
-    """``GROUP_M`` of a launch of a `TILE_ORDERED` kernel over ``m`` rows: the config's where it
-    sets one (a tuned table's row, a config the tuner forces), else the rule's,
-    `tile_group` of the config's ``BLOCK_M``."""
-    if config.group_m is not None:
-        return config.group_m
-    return tile_group(m, n_experts, config.blocks["BLOCK_M"])
+def tile_group(m: int, n_experts: int, block_m: int) -> int:
+    """``GROUP_M`` of `moe_lab.kernels.common.tile_order`: the row tiles of an average expert
+    (``m // n_experts`` rows), rounded down to a power of two, at least 1. A group then spans
+    about one expert's rows, so the expert's weight is read once per group while its rows stay
+    in L2 across the N sweep (`moe_lab.perf.traffic` models the bytes each order moves)."""
+    tiles = max(1, m // max(1, n_experts) // block_m)
+    return 1 << (tiles.bit_length() - 1)
 
 
 def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
@@ -251,16 +261,15 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
                   device: torch.device | None = None, arch: GPUArch | None = None) -> LaunchConfig:
     """Tiles, warps and stages of one launch: ``kernel`` (one of `KERNELS`) over ``m``
     routed rows, ``n`` output columns (``F`` for "swiglu"), reduction depth ``k``, in
-    ``dtype``, on ``device``. A config `moe_lab.kernels.tuning.forcing` imposes comes first,
-    then on a CUDA device the GPU's tuned table (`moe_lab.kernels.tuning.tuned_config`).
-    Otherwise: under the interpreter each program costs a Python round trip, so tiles are
-    as large as the problem allows (rows per expert for ``BLOCK_M``); compiled, `choose_config`
-    picks from `TILE_SPACE`, with no more stages than the GPU's shared memory holds
+    ``dtype``, on ``device``. A config applied through `FORCED` comes first. Otherwise: under
+    the interpreter each program costs a Python round trip, so tiles are as large as the
+    problem allows (rows per expert for ``BLOCK_M``); compiled, `choose_config` picks from
+    `TILE_SPACE`, with no more stages than the GPU's shared memory holds
     (`moe_lab.kernels.launch.fit_stages`; the compile report passes its target's ``arch``)."""
-    one_of(kernel, "kernel", KERNELS)
-    tuned = tuning.tuned_config(kernel, m, n, k, n_experts, dtype, device)
-    if tuned is not None:
-        return tuned
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if kernel in FORCED:
+        return FORCED[kernel]
     if interpreted:
         blocks = {
             "BLOCK_M": min(128, max(16, triton.next_power_of_2(max(1, m // max(1, n_experts))))),
@@ -281,6 +290,32 @@ def fit_shared(kernel: str, cfg: LaunchConfig, dtype: torch.dtype, arch: GPUArch
     return fit_stages(cfg, tiles * dtype.itemsize, arch.max_shared_per_block)
 
 
+def grouped_grid(m: int, n_experts: int, n: int, block_m: int, block_n: int) -> tuple[int]:
+    """The 1-D grid of `moe_lab.kernels.common.tile_order`: at most ``cdiv(m, block_m) + E``
+    row tiles (``E`` segments add at most one partial tile each) times ``cdiv(n, block_n)``."""
+    return ((triton.cdiv(m, block_m) + n_experts) * triton.cdiv(n, block_n),)
+
+
+def expert_grid(n_experts: int, k: int, n: int, block_k: int, block_n: int) -> tuple[int, int]:
+    """The grid of `moe_lab.kernels.common.expert_tile_order`: ``(cdiv(k, block_k) *
+    cdiv(n, block_n), E)``, one expert's tiles along the first axis, which the hardware walks
+    fastest."""
+    return (triton.cdiv(k, block_k) * triton.cdiv(n, block_n), n_experts)
+
+
+def block_e(n_experts: int) -> int:
+    """``BLOCK_E`` of `moe_lab.kernels.common.tile_schedule`: a power of two holding the
+    ``E + 1`` segments."""
+    return triton.next_power_of_2(n_experts + 1)
+
+
+def dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
+    """``DOT_BF16`` of `moe_lab.kernels.common.mma`: bfloat16 tiles go to ``tl.dot`` as
+    bfloat16 when compiled; the interpreter's ``tl.dot`` multiplies bfloat16 bit patterns as
+    integers, so it gets float32 tiles of the same values."""
+    return dtype == torch.bfloat16 and not interpreted
+
+
 # --------------------------------------------------------------------------------------
 # Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
 # --------------------------------------------------------------------------------------
@@ -290,17 +325,17 @@ def fit_shared(kernel: str, cfg: LaunchConfig, dtype: torch.dtype, arch: GPUArch
 def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
-    y = new_output((m, n), x.dtype, x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     y[m_bound:].zero_()  # rows past the static bound: a plain memset, sized on the host
     if m_bound and n:
-        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=interpreted(),
+        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=INTERPRETED,
                             dtype=x.dtype, device=x.device)
         grid = grouped_grid(m_bound, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         _grouped_gemm_kernel[grid](
             x, w, y, offsets, m_bound, n, k, n_experts,
             *x.stride(), *w.stride(), *y.stride(),
-            **cfg.blocks, GROUP_M=launch_group(cfg, m_bound, n_experts),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=cfg.group_m or tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return y
@@ -314,15 +349,15 @@ def _(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
 @torch.library.custom_op("moe_lab::grouped_gemm_dw", mutates_args=())
 def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
     k, n, n_experts = x.shape[1], dy.shape[1], offsets.shape[0] - 1
-    dw = new_output((n_experts, k, n), x.dtype, x.device)
+    dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
     if k and n:
-        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=interpreted(),
+        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=INTERPRETED,
                             dtype=x.dtype, device=x.device)
         grid = expert_grid(n_experts, k, n, cfg.blocks["BLOCK_K"], cfg.blocks["BLOCK_N"])
         _grouped_gemm_dw_kernel[grid](
             x, dy, dw, offsets, m_bound, n, k,
             *x.stride(), *dy.stride(), *dw.stride(),
-            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, interpreted()), GROUP_K=DW_GROUP_K,
+            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, INTERPRETED), GROUP_K=DW_GROUP_K,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw
@@ -337,18 +372,18 @@ def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
                    dh: Tensor | None) -> Tensor:
     m, k = x.shape
     n_experts, f = w.shape[0], w.shape[2] // 2
-    out = new_output((m, f if dh is None else 2 * f), x.dtype, x.device)
+    out = torch.empty((m, f if dh is None else 2 * f), dtype=x.dtype, device=x.device)
     out[m_bound:].zero_()
     if m_bound and f:
-        cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=interpreted(),
+        cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=INTERPRETED,
                             dtype=x.dtype, device=x.device)
         grid = grouped_grid(m_bound, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         dh_arg = out if dh is None else dh  # unused by the forward
         _grouped_gemm_swiglu_kernel[grid](
             x, w, out, dh_arg, offsets, m_bound, f, k, n_experts,
             *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
-            **cfg.blocks, GROUP_M=launch_group(cfg, m_bound, n_experts),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, interpreted()),
+            **cfg.blocks, GROUP_M=cfg.group_m or tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
+            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
             BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out

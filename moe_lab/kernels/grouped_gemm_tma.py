@@ -31,7 +31,7 @@ in flight at once hold consecutive tiles, and ``GROUP_M`` row tiles share each N
 weight tile fetched from HBM serves ``GROUP_M`` row tiles and those rows' ``x`` tiles stay in
 L2 while the group sweeps N; a group may straddle two experts (Triton's grouped ordering,
 https://triton-lang.org/main/getting-started/tutorials/03-matrix-multiplication.html).
-``GROUP_M`` is chosen per launch by `moe_lab.kernels.common.tile_group` (about one average
+``GROUP_M`` is chosen per launch by `moe_lab.kernels.grouped_gemm.tile_group` (about one average
 expert's row tiles), as for the other grouped kernels.
 
 The backward: ``dX = dY·W[e]ᵀ`` is this kernel on ``W`` transposed (``TRANS_W``: the descriptor
@@ -50,19 +50,8 @@ import triton.language as tl
 
 from moe_lab.checks import first_derivative_only, int_in, one_of, positive_int
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import (
-    block_e,
-    cast_for_store,
-    check_device,
-    dot_bf16,
-    grouped_tile,
-    interpreted,
-    jit,
-    mma,
-    new_output,
-    tile_group,
-)
-from moe_lab.kernels.grouped_gemm import KERNEL_DTYPES
+from moe_lab.kernels.common import INTERPRETED, cast_for_store, check_device, grouped_tile, mma
+from moe_lab.kernels.grouped_gemm import KERNEL_DTYPES, block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import gpu_arch
 
@@ -72,7 +61,7 @@ Tensor = torch.Tensor
 INTERPRETED_PROGRAMS = 3
 
 
-@jit
+@triton.jit
 def _tma_grouped_gemm_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
     M_ROWS, N, K, E, s_xm, s_we, s_wr, s_ym,
@@ -186,13 +175,13 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
                          num_programs: int) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
-    y = new_output((m, n), x.dtype, x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     y[m_bound:].zero_()
     if not k:  # no reduction (and a TMA tensor has no empty dimension): zeros
         y[:m_bound].zero_()
     elif m_bound and n:
         x, (stored, trans) = _tma_ready(x)[0], _tma_ready(w, swap=True)  # trans: stored [E, N, K]
-        cfg = launch_config(m_bound, n, k, n_experts, interpreted=interpreted(), dtype=x.dtype)
+        cfg = launch_config(m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
         b = cfg.blocks  # at most cdiv(m_bound, BLOCK_M) + E row tiles: a static bound on the list
         tiles = (triton.cdiv(m_bound, b["BLOCK_M"]) + n_experts) * triton.cdiv(n, b["BLOCK_N"])
         grid = (min(num_programs or default_programs(x.device), tiles),)
@@ -202,7 +191,7 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
                 x.stride(0), stored.stride(0), stored.stride(1), y.stride(0),
                 **cfg.blocks, BLOCK_E=block_e(n_experts),
                 GROUP_M=tile_group(m_bound, n_experts, b["BLOCK_M"]), TRANS_W=trans,
-                DOT_BF16=dot_bf16(x.dtype, interpreted()),
+                DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
                 WARP_SPECIALIZE=warp_specialized(x.device),  # the interpreter ignores it
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from moe_lab.checks import one_of
-from moe_lab.kernels.common import interpreted, jit
+from moe_lab.kernels.common import INTERPRETED
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.mx_gemm import check_mma, e4m3_to_fp32, e8m0_to_fp32, mx_dot, mx_mma_mode
 from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 
 
-@jit
+@triton.jit
 def _mx_attention_fwd_kernel(
     q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, o_ptr,
     H, KV_GROUP, T_Q, T_K, T_K_PAD, D, D_PAD, sm_scale_log2,
@@ -188,6 +188,28 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool, mma: str = "sca
     return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": BLOCK_SIZE, **head}, num_warps=8, num_stages=3)
 
 
+def _check_qkv(q: MXTensor, k: MXTensor, v: MXTensor, scale_mode: str) -> None:
+    """`mx_attention_forward`'s door: the operands' blocking, shapes, heads and device."""
+    _check_mx("q", q, 3)
+    _check_mx("k", k, 3)
+    _check_mx("v", v, 2)
+    one_of(scale_mode, "scale_mode", SCALE_MODES)
+    bq, h, t_q, d = q.shape
+    bk, h_kv, t_k, dk = k.shape
+    if (bk, dk) != (bq, d) or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(
+            f"q, k, v must agree: q [B, H, T_q, d], k and v [B, H_kv, T_k, d]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if h % h_kv:
+        raise ValueError(f"k heads ({h_kv}) must divide q heads ({h})")
+    if t_q > t_k:
+        raise ValueError(f"T_q = {t_q} must be <= T_k = {t_k} (causal: every query sees a key)")
+    devices = {q.data.device, k.data.device, v.data.device}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
+
+
 def mx_attention_forward(
     q: MXTensor,
     k: MXTensor,
@@ -213,32 +235,17 @@ def mx_attention_forward(
     Returns:
         ``[B, H, T_q, d]`` float32, on q's device.
     """
-    _check_mx("q", q, 3)
-    _check_mx("k", k, 3)
-    _check_mx("v", v, 2)
-    one_of(scale_mode, "scale_mode", SCALE_MODES)
+    _check_qkv(q, k, v, scale_mode)
     bq, h, t_q, d = q.shape
-    bk, h_kv, t_k, dk = k.shape
-    if (bk, dk) != (bq, d) or tuple(v.shape) != tuple(k.shape):
-        raise ValueError(
-            f"q, k, v must agree: q [B, H, T_q, d], k and v [B, H_kv, T_k, d]; got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if h % h_kv:
-        raise ValueError(f"k heads ({h_kv}) must divide q heads ({h})")
-    if t_q > t_k:
-        raise ValueError(f"T_q = {t_q} must be <= T_k = {t_k} (causal: every query sees a key)")
-    devices = {q.data.device, k.data.device, v.data.device}
-    if len(devices) != 1:
-        raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
+    h_kv, t_k = k.shape[1], k.shape[2]
     device = q.data.device
     check_mma("q", device, mma)
     out = torch.empty((bq, h, t_q, d), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
     t_k_pad = v.data.shape[2]
-    mma = mma or mx_mma_mode(interpreted(), device)
-    cfg = launch_config(t_q, t_k, d, interpreted(), mma)
+    mma = mma or mx_mma_mode(INTERPRETED, device)
+    cfg = launch_config(t_q, t_k, d, INTERPRETED, mma)
     u8 = torch.uint8
     qd, qs = q.data.view(u8), q.scale.view(u8)
     kd, ks = k.data.view(u8), k.scale.view(u8)

@@ -25,21 +25,19 @@ E4M3, ``a_scale: [M, K/32]`` E8M0; ``b: [N, K]`` (a weight ``[out, in]``), ``b_s
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from moe_lab.checks import one_of
 from moe_lab.kernels.common import (
-    block_e,
+    INTERPRETED,
     cast_for_store,
     check_device,
     dense_group,
-    grouped_grid,
-    interpreted,
-    jit,
-    tile_group,
     tile_order,
     tile_schedule,
 )
+from moe_lab.kernels.grouped_gemm import block_e, grouped_grid, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import MX_MMA_NEEDS, gpu_arch, mx_mma_of
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, MXTensor
@@ -48,7 +46,7 @@ Tensor = torch.Tensor
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@jit
+@triton.jit
 def e4m3_to_fp32(code):
     """E4M3 byte (uint8) → its fp32 value, by building the fp32 bit pattern: sign, exponent
     rebiased from 7 to 127, mantissa moved up 20 bits; subnormals are ``m · 2^-9`` (exact);
@@ -64,7 +62,7 @@ def e4m3_to_fp32(code):
     return tl.where((exp == 0xF) & (man == 0x7), float("nan"), value)
 
 
-@jit
+@triton.jit
 def e8m0_to_fp32(byte):
     """E8M0 byte (uint8) → ``2^(byte - 127)`` as fp32: the byte is the fp32 exponent field,
     except 0 (``2^-127``, an fp32 subnormal: bit 22) and 0xFF (NaN)."""
@@ -94,19 +92,19 @@ def check_mma(name: str, device: torch.device, mma: str | None) -> None:
     interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers)."""
     if mma is not None:
         one_of(mma, "mma", MX_MMAS)
-        if mma == "bf16" and interpreted():
+        if mma == "bf16" and INTERPRETED:
             raise ValueError("mma='bf16' runs compiled only: the interpreter's tl.dot multiplies bf16 "
                              "bit patterns as integers (use 'emulate')")
     check_device(name, device, MX_MMA_NEEDS.get(mma, "bf16_mma"), f"mma={mma!r}")
 
 
-@jit
+@triton.jit
 def _halves(x, R: tl.constexpr, C: tl.constexpr):
     """``x[:, :C/2], x[:, C/2:]`` of an ``[R, C]`` tile."""
     return tl.split(tl.permute(tl.reshape(x, (R, 2, C // 2)), (0, 2, 1)))
 
 
-@jit
+@triton.jit
 def _promote(a, a_scale, b_t, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
     """``acc`` plus, per 32-wide K block, the fp32 FP8 dot of its codes times its two scales
     (``b_t`` is ``b`` as ``[N, K]``); halves K until one block is left."""
@@ -126,7 +124,7 @@ def _promote(a, a_scale, b_t, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K:
     return acc
 
 
-@jit
+@triton.jit
 def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
            MX_MMA: tl.constexpr):
     """``acc + dequant(a) · dequant(b)`` for one tile: ``a`` ``[M, K]`` and ``b`` ``[K, N]``
@@ -176,7 +174,7 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
     return acc
 
 
-@jit
+@triton.jit
 def _mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,  # u8 [M, K], u8 [M, K/32], u8 [N, K], u8 [N, K/32], [M, N]
     M, N, K,  # K a multiple of 32; all tensors contiguous
@@ -207,7 +205,7 @@ def _mx_gemm_kernel(
     tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
 
-@jit
+@triton.jit
 def _grouped_mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, offsets_ptr,
     M_ROWS, N, K, E,
@@ -314,8 +312,8 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     c = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
         return c
-    mma = mma or mx_mma_mode(interpreted(), device)
-    cfg = launch_config(m, n, k, interpreted(), mma)
+    mma = mma or mx_mma_mode(INTERPRETED, device)
+    cfg = launch_config(m, n, k, INTERPRETED, mma)
     grid = grouped_grid(m, 0, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
     _mx_gemm_kernel[grid](
         a.contiguous().view(torch.uint8), a_scale.contiguous().view(torch.uint8),
@@ -369,8 +367,8 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    mma = mma or mx_mma_mode(interpreted(), device)
-    cfg = launch_config(m, n, k, interpreted(), mma)
+    mma = mma or mx_mma_mode(INTERPRETED, device)
+    cfg = launch_config(m, n, k, INTERPRETED, mma)
     grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
     u8 = torch.uint8
     _grouped_mx_gemm_kernel[grid](

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from moe_lab.checks import one_of
-from moe_lab.kernels.common import check_device, interpreted, jit
+from moe_lab.kernels.common import INTERPRETED, check_device
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.quant.mx import (
     BLOCK_SIZE,
@@ -39,7 +39,7 @@ Tensor = torch.Tensor
 KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@jit
+@triton.jit
 def mx_scale_byte(amax_bits, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr):
     """Biased E8M0 scale (int32 0..255) from the int32 bits of a block's ``|x|`` maximum."""
     exp_field = amax_bits >> 23
@@ -56,7 +56,7 @@ def mx_scale_byte(amax_bits, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr):
     return tl.where(amax_bits > 0x7F800000, 255, biased)
 
 
-@jit
+@triton.jit
 def fp8_code(bits, shift, nan_block, MBITS: tl.constexpr, BIAS: tl.constexpr,
              MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
     """FP8 byte (int32 0..255) of ``x * 2^-shift``, rounded to nearest even, saturating.
@@ -91,7 +91,7 @@ def fp8_code(bits, shift, nan_block, MBITS: tl.constexpr, BIAS: tl.constexpr,
     return tl.where(nan_block, NAN_CODE, code)
 
 
-@jit
+@triton.jit
 def _mx_quantize_kernel(
     x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
     M, K, M_PAD, K_PAD,
@@ -217,26 +217,11 @@ def mx_quantize(
         ``quantize(x, dim=-2)`` (data ``[.., M32, K]`` viewed from column-major storage
         ``[.., K, M32]``, scale ``[.., M32/32, K]``). ``None`` for a copy not asked for.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x must be [M, K] or [B, M, K], got shape {tuple(x.shape)}")
-    one_of(x.dtype, "x.dtype", KERNEL_INPUT_DTYPES)
-    one_of(scale_mode, "scale_mode", SCALE_MODES)
-    if not (rowwise or colwise):
-        raise ValueError("at least one of rowwise and colwise must be True, got both False")
-    elem_format(elem_dtype)  # raises on an unsupported element dtype
-    check_device("x", x.device)
+    _check_quantize(x, rowwise, colwise, elem_dtype, scale_mode, pad)
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(0) if squeeze else x
     nb, m, k = x3.shape
     m_pad, k_pad = padded_size(m), padded_size(k)
-    for flag, name, size, full in ((rowwise, "K", k, k_pad), (colwise, "M", m, m_pad)):
-        if flag and size != full and not pad:
-            raise ValueError(
-                f"x's {name} = {size} must be a multiple of {BLOCK_SIZE} for "
-                f"{'row' if name == 'K' else 'column'}-wise blocks (or pass pad=True)"
-            )
     dev = x.device
     row_data = torch.empty((nb, m, k_pad if rowwise else 0), dtype=torch.uint8, device=dev)
     row_scale = torch.empty((nb, m, k_pad // BLOCK_SIZE if rowwise else 0), dtype=torch.uint8,
@@ -248,7 +233,7 @@ def mx_quantize(
         # Read raw bits: float32 as int32, bfloat16 as int16 (widened in the kernel).
         bits = x3.view(torch.int16) if x.dtype == torch.bfloat16 else x3.view(torch.int32)
         grid_m, grid_k = m_pad if colwise else m, k_pad if rowwise else k
-        cfg = launch_config(grid_m, grid_k, interpreted())
+        cfg = launch_config(grid_m, grid_k, INTERPRETED)
         grid = (triton.cdiv(grid_m, cfg.blocks["BLOCK_M"]),
                 triton.cdiv(grid_k, cfg.blocks["BLOCK_K"]), nb)
         _mx_quantize_kernel[grid](
@@ -259,14 +244,41 @@ def mx_quantize(
         )
     row = col = None
     if rowwise:
-        data, scale = row_data.view(elem_dtype), row_scale.view(E8M0)
-        if squeeze:
-            data, scale = data[0], scale[0]
-        row = MXTensor(data, scale, elem_dtype, BLOCK_SIZE, x.dim() - 1, x.shape, scale_mode)
-    if colwise:
-        data = col_data.view(elem_dtype).transpose(-1, -2)
-        scale = col_scale.view(E8M0).transpose(-1, -2)
-        if squeeze:
-            data, scale = data[0], scale[0]
-        col = MXTensor(data, scale, elem_dtype, BLOCK_SIZE, x.dim() - 2, x.shape, scale_mode)
+        row = _as_mx(x, row_data, row_scale, x.dim() - 1, elem_dtype, scale_mode)
+    if colwise:  # the codes and scales were stored column-major: the transposed views
+        col = _as_mx(x, col_data.transpose(-1, -2), col_scale.transpose(-1, -2), x.dim() - 2,
+                     elem_dtype, scale_mode)
     return row, col
+
+
+def _check_quantize(x: Tensor, rowwise: bool, colwise: bool, elem_dtype: torch.dtype,
+                    scale_mode: str, pad: bool) -> None:
+    """`mx_quantize`'s door: ``x``'s type, rank, dtype and device, the options, and the
+    blocked dims' sizes (multiples of `BLOCK_SIZE` unless ``pad``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [M, K] or [B, M, K], got shape {tuple(x.shape)}")
+    one_of(x.dtype, "x.dtype", KERNEL_INPUT_DTYPES)
+    one_of(scale_mode, "scale_mode", SCALE_MODES)
+    if not (rowwise or colwise):
+        raise ValueError("at least one of rowwise and colwise must be True, got both False")
+    elem_format(elem_dtype)  # raises on an unsupported element dtype
+    check_device("x", x.device)
+    m, k = x.shape[-2:]
+    for flag, name, size in ((rowwise, "K", k), (colwise, "M", m)):
+        if flag and size != padded_size(size) and not pad:
+            raise ValueError(
+                f"x's {name} = {size} must be a multiple of {BLOCK_SIZE} for "
+                f"{'row' if name == 'K' else 'column'}-wise blocks (or pass pad=True)"
+            )
+
+
+def _as_mx(x: Tensor, codes: Tensor, scales: Tensor, dim: int, elem_dtype: torch.dtype,
+           scale_mode: str) -> MXTensor:
+    """The kernel's uint8 codes and scales of ``x`` as an `MXTensor` blocked along ``dim``
+    (without the batch dim a 2-D ``x`` did not have)."""
+    data, scale = codes.view(elem_dtype), scales.view(E8M0)
+    if x.dim() == 2:
+        data, scale = data[0], scale[0]
+    return MXTensor(data, scale, elem_dtype, BLOCK_SIZE, dim, x.shape, scale_mode)

@@ -20,13 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.checks import first_derivative_only, one_of
-from moe_lab.kernels.common import cast_for_store, check_device, interpreted, jit, new_output
+from moe_lab.checks import first_derivative_only
+from moe_lab.kernels.common import INTERPRETED, cast_for_store, check_device
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.permute_args import (  # noqa: F401 - KERNEL_DTYPES, permuted_rows: public here too
     KERNEL_DTYPES,
     check_map,
-    check_n_rows,
     check_rows,
     check_topk,
     check_weights,
@@ -41,7 +40,7 @@ Tensor = torch.Tensor
 # --------------------------------------------------------------------------------------
 
 
-@jit
+@triton.jit
 def _expert_histogram_kernel(ids_ptr, counts_ptr, N_ENTRIES, E,
                              BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     # ids: [N_ENTRIES] expert ids (flattened topk_ids); counts: [cdiv(N_ENTRIES, BLOCK), E]
@@ -54,7 +53,7 @@ def _expert_histogram_kernel(ids_ptr, counts_ptr, N_ENTRIES, E,
     tl.store(counts_ptr + pid * E + experts, tl.sum(hit, 0), mask=experts < E)
 
 
-@jit
+@triton.jit
 def _row_id_map_kernel(ids_ptr, base_ptr, map_ptr, N_ENTRIES, E,
                        BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     # ids: [N_ENTRIES]; base: [n_blocks, E] int32, first destination row of block b's
@@ -70,7 +69,7 @@ def _row_id_map_kernel(ids_ptr, base_ptr, map_ptr, N_ENTRIES, E,
     tl.store(map_ptr + i, tl.where(valid, base + rank, -1), mask=ok)
 
 
-@jit
+@triton.jit
 def _permute_kernel(
     x_ptr, map_ptr, w_ptr, y_ptr, T, D, N_ROWS, TOP_K,
     s_xt, s_xd, s_mt, s_mk, s_wt, s_wk, s_yr, s_yd,
@@ -95,7 +94,7 @@ def _permute_kernel(
                  cast_for_store(out, y_ptr), mask=ok[:, None] & d_ok[None, :])
 
 
-@jit
+@triton.jit
 def _unpermute_kernel(
     y_ptr, map_ptr, w_ptr, out_ptr, T, D, N_ROWS, TOP_K,
     s_yr, s_yd, s_mt, s_mk, s_wt, s_wk, s_ot, s_od,
@@ -120,7 +119,7 @@ def _unpermute_kernel(
              mask=t_ok[:, None] & d_ok[None, :])
 
 
-@jit
+@triton.jit
 def _unpermute_weight_grad_kernel(
     y_ptr, map_ptr, dout_ptr, dw_ptr, T, D, N_ROWS, TOP_K,
     s_yr, s_yd, s_mt, s_mk, s_gt, s_gd,
@@ -168,7 +167,8 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
     Under the interpreter each program is a Python round trip, so blocks are large;
     compiled, a one-hot tile of about 8K elements and 16-token row tiles, 4 warps.
     """
-    one_of(kernel, "kernel", KERNELS)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if kernel == "map":
         block_e = max(2, triton.next_power_of_2(width))
         if interpreted:
@@ -183,25 +183,13 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
                         num_stages=1 if interpreted else 3)
 
 
-def _map_config(n_entries: int, n_experts: int) -> LaunchConfig:
-    return launch_config("map", n_entries, n_experts, interpreted=interpreted())
-
-
-def _rows_config(tokens: int, d: int) -> LaunchConfig:
-    return launch_config("rows", tokens, d, interpreted=interpreted())
-
-
-def _rows_grid(tokens: int, d: int, cfg: LaunchConfig) -> tuple[int, int]:
-    return triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), triton.cdiv(d, cfg.blocks["BLOCK_D"])
-
-
 @torch.library.custom_op("moe_lab::expert_block_histogram", mutates_args=())
 def _expert_block_histogram_op(ids: Tensor, n_experts: int, block: int) -> Tensor:
     n = ids.shape[0]
     n_blocks = triton.cdiv(n, block)
-    counts = new_output((n_blocks, n_experts), torch.int32, ids.device)
+    counts = torch.empty((n_blocks, n_experts), dtype=torch.int32, device=ids.device)
     if n_blocks:
-        cfg = _map_config(n, n_experts)
+        cfg = launch_config("map", n, n_experts, interpreted=INTERPRETED)
         _expert_histogram_kernel[(n_blocks,)](
             ids, counts, n, n_experts, BLOCK=block, BLOCK_E=cfg.blocks["BLOCK_E"],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -217,9 +205,9 @@ def _(ids: Tensor, n_experts: int, block: int) -> Tensor:
 @torch.library.custom_op("moe_lab::row_id_map_from_bases", mutates_args=())
 def _row_id_map_op(ids: Tensor, base: Tensor, block: int) -> Tensor:
     n, n_experts = ids.shape[0], base.shape[1]
-    row_id_map = new_output((n,), torch.int32, ids.device)
+    row_id_map = torch.empty((n,), dtype=torch.int32, device=ids.device)
     if n:
-        cfg = _map_config(n, n_experts)
+        cfg = launch_config("map", n, n_experts, interpreted=INTERPRETED)
         _row_id_map_kernel[(triton.cdiv(n, block),)](
             ids, base, row_id_map, n, n_experts, BLOCK=block, BLOCK_E=cfg.blocks["BLOCK_E"],
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -237,13 +225,14 @@ def _permute_op(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: i
     (tokens, d), top_k = x.shape, row_id_map.shape[1]
     # Every row is some (token, slot)'s destination only when there is no padding.
     if n_rows == tokens * top_k:
-        y = new_output((n_rows, d), x.dtype, x.device)
+        y = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
     else:
         y = torch.zeros((n_rows, d), dtype=x.dtype, device=x.device)
     if tokens and d and top_k:
-        cfg = _rows_config(tokens, d)
+        cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
         w_arg = row_id_map if weights is None else weights  # unused without weights
-        _permute_kernel[_rows_grid(tokens, d, cfg)](
+        grid = (triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), triton.cdiv(d, cfg.blocks["BLOCK_D"]))
+        _permute_kernel[grid](
             x, row_id_map, w_arg, y, tokens, d, n_rows, top_k,
             *x.stride(), *row_id_map.stride(), *w_arg.stride(), *y.stride(),
             **cfg.blocks, HAS_WEIGHTS=weights is not None,
@@ -260,11 +249,12 @@ def _(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Ten
 @torch.library.custom_op("moe_lab::unpermute", mutates_args=())
 def _unpermute_op(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
-    out = new_output((tokens, d), y.dtype, y.device)
+    out = torch.empty((tokens, d), dtype=y.dtype, device=y.device)
     if tokens and d:
-        cfg = _rows_config(tokens, d)
+        cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
         w_arg = row_id_map if weights is None else weights
-        _unpermute_kernel[_rows_grid(tokens, d, cfg)](
+        grid = (triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), triton.cdiv(d, cfg.blocks["BLOCK_D"]))
+        _unpermute_kernel[grid](
             y, row_id_map, w_arg, out, tokens, d, n_rows, top_k,
             *y.stride(), *row_id_map.stride(), *w_arg.stride(), *out.stride(),
             **cfg.blocks, HAS_WEIGHTS=weights is not None,
@@ -281,9 +271,9 @@ def _(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
 @torch.library.custom_op("moe_lab::unpermute_weight_grad", mutates_args=())
 def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
-    dw = new_output((tokens, top_k), torch.float32, y.device)
+    dw = torch.empty((tokens, top_k), dtype=torch.float32, device=y.device)
     if tokens and top_k:
-        cfg = _rows_config(tokens, d)
+        cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
         _unpermute_weight_grad_kernel[(triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), top_k)](
             y, row_id_map, dout, dw, tokens, d, n_rows, top_k,
             *y.stride(), *row_id_map.stride(), *dout.stride(),
@@ -340,16 +330,13 @@ class Unpermute(torch.autograd.Function):
         return dy, None, dweights
 
 
-def _check_device(name: str, t: Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (the first argument's device), got {t.device}")
-    check_device(name, device)
-
-
-def _check_map(row_id_map: Tensor, tokens: int | None, n_rows: int, device: torch.device) -> None:
-    """``row_id_map: [T, k]`` int32 on ``device`` (``T = tokens`` unless None), ``T·k <= n_rows``."""
-    check_map(row_id_map, tokens, n_rows)
-    _check_device("row_id_map", row_id_map, device)
+def _check_devices(first: Tensor, **others: Tensor) -> None:
+    """Every tensor on ``first``'s device, one compiled Triton can run on (`check_device`)."""
+    for name, t in others.items():
+        if t.device != first.device:
+            raise ValueError(f"{name} must be on {first.device} (the first argument's device), "
+                             f"got {t.device}")
+    check_device("the tensors", first.device)
 
 
 def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
@@ -368,11 +355,17 @@ def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tupl
         needs ``permuted_rows(T, k, E, align)`` rows; ``offsets[E]`` is at most that.
     """
     check_topk(topk_ids, n_experts, align)
-    _check_device("topk_ids", topk_ids, topk_ids.device)
+    _check_devices(topk_ids)
+    return build_row_id_map(topk_ids, n_experts, align)
+
+
+def build_row_id_map(topk_ids: Tensor, n_experts: int, align: int = 1) -> tuple[Tensor, Tensor]:
+    """`make_row_id_map` for a caller that made ``topk_ids`` itself (a dispatcher, from the
+    router's output): the same counting sort, without the argument checks."""
     flat = topk_ids.reshape(-1).contiguous()
     torch._assert_async(((flat >= 0) & (flat < n_experts)).all(),
                         f"topk_ids must hold expert ids in [0, n_experts = {n_experts})")
-    block = _map_config(flat.shape[0], n_experts).blocks["BLOCK"]
+    block = launch_config("map", flat.shape[0], n_experts, interpreted=INTERPRETED).blocks["BLOCK"]
     block_counts = _expert_block_histogram_op(flat, n_experts, block)  # [n_blocks, E]
     counts = block_counts.sum(0, dtype=torch.int32)  # [E] tokens per expert
     if align > 1:
@@ -393,9 +386,8 @@ def permute(x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
     (token, slot) maps to are zero. Differentiable in ``x``.
     """
     check_rows("x", x)
-    _check_device("x", x, x.device)
-    check_n_rows(n_rows)
-    _check_map(row_id_map, x.shape[0], n_rows, x.device)
+    check_map(row_id_map, x.shape[0], n_rows)
+    _check_devices(x, row_id_map=row_id_map)
     return Permute.apply(x, row_id_map, n_rows)
 
 
@@ -407,11 +399,9 @@ def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> T
     in ``y``'s dtype. Differentiable in ``y`` and ``weights``.
     """
     check_rows("y", y)
-    _check_device("y", y, y.device)
-    _check_map(row_id_map, None, y.shape[0], y.device)
+    check_map(row_id_map, None, y.shape[0])
     check_weights(weights, row_id_map)
-    if weights is not None:
-        _check_device("weights", weights, y.device)
+    _check_devices(y, row_id_map=row_id_map, **({} if weights is None else {"weights": weights}))
     return Unpermute.apply(y, row_id_map, weights)
 
 

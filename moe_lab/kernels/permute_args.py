@@ -47,7 +47,9 @@ def check_n_rows(n_rows: object) -> None:
 
 
 def check_map(row_id_map: Tensor, tokens: int | None, n_rows: int) -> None:
-    """``row_id_map: [T, k]`` int32 (``T = tokens`` unless None), ``T·k <= n_rows``."""
+    """``row_id_map: [T, k]`` int32 (``T = tokens`` unless None), ``n_rows`` a non-negative int
+    with ``T·k <= n_rows``."""
+    non_negative_int(n_rows, "n_rows")
     if not isinstance(row_id_map, torch.Tensor):
         raise TypeError(f"row_id_map must be a torch.Tensor, got {type(row_id_map).__name__}")
     expected_t = "T" if tokens is None else f"T = {tokens}"

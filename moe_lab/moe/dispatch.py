@@ -19,10 +19,9 @@ an expert chosen more than ``C`` times drops the rest — those tokens skip the 
 computes the per-expert offsets on the device with a prefix sum, runs all experts as one
 grouped GEMM over those offsets, and scatters the weighted results back. Every buffer is
 ``tokens · top_k`` rows — a bound known from shapes alone — so nothing is dropped and the
-host never waits. How the tokens are sorted into expert order and brought back is a *token
-permutation* (`PERMUTATIONS`): ``torch`` is the reference chain above (argsort, gather,
-scatter-add); ``triton`` is one Triton kernel per move (`moe_lab.kernels.permute`); a plug-in
-may add more. The experts' backend names the permutation it pairs with.
+host never waits. How the tokens are sorted into expert order and brought back belongs to the
+expert backend (`moe_lab.moe.experts.ExpertBackend`: the PyTorch chain above for ``loop`` and
+``torch``, one Triton kernel per move for the Triton backends, `moe_lab.kernels.permute`).
 
 ``fused`` and ``fused_atomic`` are dropless with the two moves folded into the grouped
 GEMMs (`moe_lab.kernels.fused_moe`): the first GEMM gathers its rows through the row-id map
@@ -37,25 +36,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from moe_lab.checks import one_of, positive_number
 from moe_lab.config import MoEConfig
-from moe_lab.kernels import TRITON_MISSING
-from moe_lab.moe.experts import SwiGLUExperts
-from moe_lab.moe.router import tokens_per_expert_from_ids
-from moe_lab.registry import Registry
+from moe_lab.moe.experts import SwiGLUExperts, sort_by_expert  # noqa: F401 - sort_by_expert: public here too
+from moe_lab.registry import TRITON_MISSING, Registry
 
 Tensor = torch.Tensor
 
 #: How a dispatcher runs the experts, which decides what it pairs with (`check_pairing`):
 #: ``"methods"`` — through the experts' own methods, one expert or one padded batch at a time
 #: (any expert class; the expert backend is not used); ``"backend"`` — through the experts'
-#: backend over expert-sorted rows, sorted by the token permutation that backend names;
+#: backend over expert-sorted rows, sorted and brought back by that backend's permutation;
 #: ``"kernels"`` — in kernels of its own that read the experts' weights (plain
 #: `SwiGLUExperts` only; the expert backend is not used).
 EXPERT_PATHS = ("methods", "backend", "kernels")
@@ -162,81 +158,17 @@ def capacity_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts
     return out, (~keep).sum()
 
 
-def sort_by_expert(topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
-    """The dropless permutation, on the device.
-
-    Returns ``order: [T·k]`` (the flattened assignments sorted by expert, stable, so ties
-    keep token order) and ``offsets: [n_experts + 1] int32`` (expert ``e``'s rows are
-    ``offsets[e]:offsets[e+1]`` of the sorted buffer).
-    """
-    order = torch.argsort(topk_ids.reshape(-1), stable=True)
-    counts = tokens_per_expert_from_ids(topk_ids, n_experts)
-    offsets = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-    return order, offsets
-
-
-@dataclass(frozen=True)
-class TokenPermutation:
-    """The dropless layout's two moves.
-
-    ``permute(x, topk_ids, n_experts) -> (x_sorted, offsets, layout)``: ``x: [T, d]``,
-    ``topk_ids: [T, k]``; ``x_sorted: [T·k, d]``, row ``i`` the token of the ``i``-th
-    assignment in expert order; ``offsets: [n_experts + 1] int32`` on the device; ``layout``
-    whatever ``unpermute`` needs. ``unpermute(y_sorted, layout, topk_weights) -> [T, d]``:
-    ``out[t] = Σ_j topk_weights[t, j] · y_sorted[row of (t, j)]``. Both without a host sync.
-    """
-
-    permute: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, Any]]
-    unpermute: Callable[[Tensor, Any, Tensor], Tensor]
-
-
-# Each is tested against "torch".
-PERMUTATIONS: Registry[TokenPermutation] = Registry(
-    "token permutation", "the dropless layout's two moves, named by an expert backend "
-    "(a TokenPermutation)", plugin=True)
-
-
-def _torch_permute(x: Tensor, topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Any]:
-    order, offsets = sort_by_expert(topk_ids, n_experts)
-    token_of = order // topk_ids.shape[1]  # the token behind each sorted row
-    return x.index_select(0, token_of), offsets, (order, token_of)
-
-
-def _torch_unpermute(y_sorted: Tensor, layout: tuple[Tensor, Tensor], topk_weights: Tensor) -> Tensor:
-    order, token_of = layout
-    weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_sorted.dtype)
-    out = y_sorted.new_zeros(topk_weights.shape[0], y_sorted.shape[1])
-    return out.index_add_(0, token_of, y_sorted * weight)
-
-
-def _triton_permute(x: Tensor, topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Any]:
-    # Imported on first use: importing the layer does not import Triton.
-    from moe_lab.kernels.permute import make_row_id_map, permute
-
-    row_id_map, offsets = make_row_id_map(topk_ids, n_experts)
-    return permute(x, row_id_map, topk_ids.numel()), offsets, row_id_map
-
-
-def _triton_unpermute(y_sorted: Tensor, row_id_map: Tensor, topk_weights: Tensor) -> Tensor:
-    from moe_lab.kernels.permute import unpermute
-
-    return unpermute(y_sorted, row_id_map, topk_weights.to(y_sorted.dtype))
-
-
-PERMUTATIONS.register("torch", TokenPermutation(_torch_permute, _torch_unpermute))
-PERMUTATIONS.register("triton", TokenPermutation(_triton_permute, _triton_unpermute), missing=TRITON_MISSING)
-
-
 @register_dispatcher("dropless", "backend")
-def dropless_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
-                      cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
-    """Permute (the `TokenPermutation` the experts' backend names) → grouped GEMM over device
-    offsets → weighted unpermute. Never drops."""
-    moves = PERMUTATIONS.lookup(experts.permutation, "the permutation of the experts' backend")
-    x_sorted, offsets, layout = moves.permute(x, topk_ids, experts.n_experts)
-    y_sorted = experts.grouped_forward(x_sorted, offsets)
-    out = moves.unpermute(y_sorted, layout, topk_weights)
-    return out, torch.zeros((), dtype=torch.int64, device=x.device)
+def dropless_dispatch(x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor,
+                      experts: SwiGLUExperts, cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
+    """Permute → grouped GEMM over device offsets → weighted unpermute, each step the experts'
+    backend's (`moe_lab.moe.experts.ExpertBackend`). Never drops. (``T`` tokens, ``K`` choices
+    each, ``d`` features; ``M = T·K`` sorted rows.)"""
+    backend = experts.impl
+    x_MD, offsets, layout = backend.permute(x_TD, topk_ids_TK, experts.n_experts)
+    y_MD = experts.grouped_forward(x_MD, offsets)
+    out_TD = backend.unpermute(y_MD, layout, topk_weights_TK)
+    return out_TD, torch.zeros((), dtype=torch.int64, device=x_TD.device)
 
 
 def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
@@ -244,7 +176,7 @@ def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
                        cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
         # Imported on first use: importing the layer does not import Triton.
         from moe_lab.kernels.fused_moe import fused_moe_mlp
-        from moe_lab.kernels.permute import make_row_id_map
+        from moe_lab.kernels.permute import build_row_id_map
 
         # What the experts were set to after the layer was built (`check_pairing` checked
         # their class): quantization and an activation store are not fused.
@@ -252,7 +184,7 @@ def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
             raise ValueError("the fused dispatchers fuse plain SwiGLU experts, without "
                              f"quantization (quant={experts.quant!r}) or an activation store "
                              "(the paged stash); use 'dropless'")
-        row_id_map, offsets = make_row_id_map(topk_ids, experts.n_experts)
+        row_id_map, offsets = build_row_id_map(topk_ids, experts.n_experts)
         out = fused_moe_mlp(x, experts.w_gate_up.to(x.dtype), experts.w_down.to(x.dtype), row_id_map,
                             offsets, topk_weights, scatter=scatter)
         return out, torch.zeros((), dtype=torch.int64, device=x.device)
@@ -271,15 +203,11 @@ register_dispatcher("fused_atomic", "kernels", missing=TRITON_MISSING)(_fused("a
 
 def check_pairing(dispatcher: str, experts: SwiGLUExperts) -> Dispatcher:
     """The dispatcher named ``dispatcher``, once it is known to run ``experts``: one that runs
-    them through their backend needs the token permutation the backend names, one that runs
     them in its own kernels needs plain `SwiGLUExperts` (the kernels compute SwiGLU from the
     weights). Which backends an expert class runs on it checks itself
     (``SwiGLUExperts.BACKENDS``, as it takes its backend)."""
     fn = DISPATCHERS.lookup(dispatcher, "dispatcher")
-    if fn.runs_experts == "backend":
-        PERMUTATIONS.lookup(experts.permutation,
-                            f"the permutation of expert backend {experts.backend!r}")
-    elif fn.runs_experts == "kernels" and type(experts) is not SwiGLUExperts:
+    if fn.runs_experts == "kernels" and type(experts) is not SwiGLUExperts:
         raise ValueError(f"dispatcher {dispatcher!r} computes plain SwiGLU experts in its own "
                          f"kernels, so it cannot run {type(experts).__name__}; use 'dropless', "
                          "'naive' or 'capacity'")

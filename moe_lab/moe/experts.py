@@ -8,8 +8,10 @@ tokens run bf16 GEMMs against fp32 master weights (as ``torch.autocast`` does fo
 ``nn.Linear``). ``quant = "mxfp8"`` quantizes every expert matmul's operands to MXFP8 along
 the reduction dim first (emulated, `moe_lab.quant`).
 
-Ways to run all experts over rows grouped by expert (``grouped_forward(x, offsets)``) are
-*expert backends*, registered in `EXPERT_BACKENDS`:
+Ways to run the dropless layout — sort the (token, expert) assignments into expert order, run
+all experts over rows grouped by expert (``grouped_forward(x, offsets)``), bring the rows back —
+are *expert backends*, registered in `EXPERT_BACKENDS`: one name per choice, holding its three
+steps (`ExpertBackend`):
 
 - ``loop`` — the reference: every expert on every row, each row keeping its own expert's
   result: ``n_experts`` times the work, plainly right and free of host syncs;
@@ -21,10 +23,11 @@ Ways to run all experts over rows grouped by expert (``grouped_forward(x, offset
 - ``triton_tma`` — the persistent TMA grouped GEMM for both GEMMs, SwiGLU between them
   unfused (`moe_lab.kernels.grouped_gemm_tma`); a plug-in may add more (``openmp``).
 
-Each backend names the token permutation it pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`);
-each expert class names the backends it runs on (``BACKENDS``: a variant with biases only
-those that call its own methods). What the experts save for backward is kept by autograd,
-or by an *activation store* (`SwiGLUExperts.use_activation_store`, the paged stash of
+The first two sort and unsort with PyTorch ops (`torch_permute`: a stable argsort, a gather, a
+weighted scatter-add), the Triton ones with one Triton kernel per move
+(`moe_lab.kernels.permute`). Each expert class names the backends it runs on (``BACKENDS``: a
+variant with biases only those that call its own methods). What the experts save for backward
+is kept by autograd, or by an *activation store* (`SwiGLUExperts.use_activation_store`, the paged stash of
 `moe_lab.moe.stash`).
 """
 
@@ -41,9 +44,9 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only
-from moe_lab.kernels import TRITON_MISSING
+from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.quant.mx import fake_quantize
-from moe_lab.registry import Registry
+from moe_lab.registry import TRITON_MISSING, Registry
 
 Tensor = torch.Tensor
 
@@ -158,18 +161,50 @@ def check_no_hidden_sync(backend: str, device: torch.device, dtype: torch.dtype,
                          f"(only bfloat16 takes its sync-free kernel); use {fix}")
 
 
+def sort_by_expert(topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor]:
+    """The dropless permutation, on the device.
+
+    Returns ``order: [T·k]`` (the flattened assignments sorted by expert, stable, so ties
+    keep token order) and ``offsets: [n_experts + 1] int32`` (expert ``e``'s rows are
+    ``offsets[e]:offsets[e+1]`` of the sorted buffer).
+    """
+    order = torch.argsort(topk_ids.reshape(-1), stable=True)
+    counts = tokens_per_expert_from_ids(topk_ids, n_experts)
+    offsets = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+    return order, offsets
+
+
+def torch_permute(x_TD: Tensor, topk_ids_TK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, object]:
+    """The reference permute: ``(x_sorted [T·k, d], offsets [E + 1], layout)``, row ``i`` of
+    ``x_sorted`` the token of the ``i``-th assignment in expert order (`sort_by_expert`)."""
+    order, offsets = sort_by_expert(topk_ids_TK, n_experts)
+    token_of = order // topk_ids_TK.shape[1]  # the token behind each sorted row
+    return x_TD.index_select(0, token_of), offsets, (order, token_of)
+
+
+def torch_unpermute(y_sorted: Tensor, layout: tuple[Tensor, Tensor], topk_weights_TK: Tensor) -> Tensor:
+    """The reference unpermute: ``out[t] = Σ_j topk_weights[t, j] · y_sorted[row of (t, j)]``."""
+    order, token_of = layout
+    weight = topk_weights_TK.reshape(-1).index_select(0, order).unsqueeze(1).to(y_sorted.dtype)
+    out = y_sorted.new_zeros(topk_weights_TK.shape[0], y_sorted.shape[1])
+    return out.index_add_(0, token_of, y_sorted * weight)
+
+
 @dataclass(frozen=True)
 class ExpertBackend:
-    """One way to run the experts over expert-sorted rows.
+    """One way to run the dropless layout's three steps, without a host sync.
 
-    ``mlp(experts, x, offsets) -> y``: ``x: [M, d_model]`` sorted by expert,
-    ``offsets: [n_experts + 1] int32`` on x's device (``offsets[-1] <= M``); rows past
-    ``offsets[-1]`` belong to no expert and their output is undefined. No host sync.
-    ``permutation``: the name of the token permutation it pairs with
-    (`moe_lab.moe.dispatch.PERMUTATIONS`)."""
+    ``permute(x, topk_ids, n_experts) -> (x_sorted, offsets, layout)``: ``x: [T, d]``,
+    ``topk_ids: [T, k]``; ``x_sorted: [T·k, d]`` in expert order, ``offsets: [n_experts + 1]``
+    int32 on the device, ``layout`` whatever ``unpermute`` needs.
+    ``mlp(experts, x_sorted, offsets) -> y_sorted``: ``[M, d_model]``; rows past
+    ``offsets[-1]`` belong to no expert and their output is undefined.
+    ``unpermute(y_sorted, layout, topk_weights) -> [T, d]``:
+    ``out[t] = Σ_j topk_weights[t, j] · y_sorted[row of (t, j)]``."""
 
     mlp: Callable[[SwiGLUExperts, Tensor, Tensor], Tensor]
-    permutation: str = "torch"
+    permute: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, object]] = torch_permute
+    unpermute: Callable[[Tensor, object, Tensor], Tensor] = torch_unpermute
 
 
 # Each is tested against "loop" (tests/lesson/moe/test_dispatch.py).
@@ -212,18 +247,13 @@ class SwiGLUExperts(nn.Module):
         """The expert backend's name (set with `use_backend`)."""
         return self._backend_name
 
-    @property
-    def permutation(self) -> str:
-        """The token permutation the backend pairs with (`moe_lab.moe.dispatch.PERMUTATIONS`)."""
-        return self._backend.permutation
-
     def use_backend(self, name: str) -> None:
         """Run the experts with the backend registered as ``name`` from now on."""
         backend = EXPERT_BACKENDS.lookup(name, "expert_backend")
         if self.BACKENDS is not None and name not in self.BACKENDS:
             raise ValueError(f"expert_backend for {type(self).__name__} must be one of "
                              f"{self.BACKENDS} (the others do not run its own methods), got {name!r}")
-        self._backend, self._backend_name = backend, name
+        self.impl, self._backend_name = backend, name
 
     def use_activation_store(self, store: ActivationStore | None) -> None:
         """Keep the saved activations of `grouped_forward` in ``store`` (None: autograd's)."""
@@ -250,8 +280,8 @@ class SwiGLUExperts(nn.Module):
         """All experts over rows grouped by expert (see `ExpertBackend`): ``x: [M, d_model]``,
         ``offsets: [n_experts + 1] int32`` → ``[M, d_model]``. No host sync in any backend."""
         if self.activation_store is None:
-            return self._backend.mlp(self, x, offsets)
-        return self.activation_store.run(lambda: self._backend.mlp(self, x, offsets), x, offsets)
+            return self.impl.mlp(self, x, offsets)
+        return self.activation_store.run(lambda: self.impl.mlp(self, x, offsets), x, offsets)
 
     def grouped_two_gemms(self, x: Tensor, offsets: Tensor,
                           mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
@@ -308,14 +338,29 @@ def _torch_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor
     return experts.grouped_two_gemms(x, offsets, grouped_mm)
 
 
-def _triton_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
-    # Imported on first use: importing the layer does not import Triton.
-    from moe_lab.kernels.grouped_gemm import grouped_gemm, grouped_gemm_swiglu
+def _triton_backend(experts: SwiGLUExperts, x_MD: Tensor, offsets: Tensor) -> Tensor:
+    # Imported on first use: importing the layer does not import Triton. The autograd
+    # bindings, not the checking wrappers: the layer checked its input at its door.
+    from moe_lab.kernels.grouped_gemm import GroupedGEMM, GroupedGEMMSwiGLU
 
-    xq, w1 = experts.quantized(x, experts.w_gate_up, 1)
-    h = grouped_gemm_swiglu(xq, w1.to(xq.dtype), offsets)
-    hq, w2 = experts.quantized(h, experts.w_down, 1)
-    return grouped_gemm(hq, w2.to(hq.dtype), offsets)
+    offsets, m = offsets.contiguous(), x_MD.shape[0]
+    xq, w1_EDF2 = experts.quantized(x_MD, experts.w_gate_up, 1)
+    h_MF = GroupedGEMMSwiGLU.apply(xq, w1_EDF2.to(xq.dtype), offsets, m)
+    hq, w2_EFD = experts.quantized(h_MF, experts.w_down, 1)
+    return GroupedGEMM.apply(hq, w2_EFD.to(hq.dtype), offsets, m)
+
+
+def _triton_permute(x_TD: Tensor, topk_ids_TK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    from moe_lab.kernels.permute import Permute, build_row_id_map
+
+    row_id_map_TK, offsets = build_row_id_map(topk_ids_TK, n_experts)
+    return Permute.apply(x_TD, row_id_map_TK, topk_ids_TK.numel()), offsets, row_id_map_TK
+
+
+def _triton_unpermute(y_sorted: Tensor, row_id_map_TK: Tensor, topk_weights_TK: Tensor) -> Tensor:
+    from moe_lab.kernels.permute import Unpermute
+
+    return Unpermute.apply(y_sorted, row_id_map_TK, topk_weights_TK.to(y_sorted.dtype))
 
 
 def _triton_tma_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
@@ -329,8 +374,10 @@ def _triton_tma_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> T
 
 EXPERT_BACKENDS.register("loop", ExpertBackend(_loop_backend))
 EXPERT_BACKENDS.register("torch", ExpertBackend(_torch_backend))
-EXPERT_BACKENDS.register("triton", ExpertBackend(_triton_backend, "triton"), missing=TRITON_MISSING)
-EXPERT_BACKENDS.register("triton_tma", ExpertBackend(_triton_tma_backend, "triton"), missing=TRITON_MISSING)
+EXPERT_BACKENDS.register("triton", ExpertBackend(_triton_backend, _triton_permute, _triton_unpermute),
+                         missing=TRITON_MISSING)
+EXPERT_BACKENDS.register("triton_tma", ExpertBackend(_triton_tma_backend, _triton_permute, _triton_unpermute),
+                         missing=TRITON_MISSING)
 
 
 class SwiGLU(nn.Module):

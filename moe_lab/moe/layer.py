@@ -1,13 +1,18 @@
 """The MoE layer: router → dispatcher → experts (+ an optional shared expert).
 
 ``y, stats = MoELayer(cfg, dispatcher="naive")(x)`` with ``x: [tokens, d_model]`` or
-``[batch, seq, d_model]``. Each part is named: the dispatcher (`moe_lab.moe.dispatch.DISPATCHERS`),
-the experts' class and grouped GEMM (`moe_lab.moe.experts.EXPERT_KINDS`, ``EXPERT_BACKENDS``),
-the router (`moe_lab.moe.router.ROUTER_IMPLS`). The names pair by what their entries declare
-(a dispatcher how it runs the experts, an expert class the backends it runs on, a backend its
-token permutation), checked as the layer is built (`moe_lab.moe.dispatch.check_pairing`).
-Every pairing computes the same function (up to the dropped tokens ``stats`` counts) and is
-tested against ``naive``.
+``[batch, seq, d_model]``. Each choice is one name in one registry: the dispatcher
+(`moe_lab.moe.dispatch.DISPATCHERS`), the expert backend (`moe_lab.moe.experts.EXPERT_BACKENDS`:
+its grouped MLP and its token permutation), the experts' class (``EXPERT_KINDS``), the router
+(`moe_lab.moe.router.ROUTER_IMPLS`). What a dispatcher needs of the experts (an expert class
+the backends it runs on) is checked as the layer is built (`moe_lab.moe.dispatch.check_pairing`).
+Every combination computes the same function (up to the dropped tokens ``stats`` counts) and
+is tested against ``naive``.
+
+Shapes on the forward's path, in the tensors' names (the habit of torchtitan's ``x_RD``):
+``T`` tokens, ``D`` d_model, ``E`` experts, ``K`` top-k choices per token, ``M = T·K`` rows in
+expert order, ``F`` d_expert. ``x_TD`` is ``[T, D]``, ``topk_ids_TK`` ``[T, K]``, ``x_MD``
+``[M, D]``, ``w_gate_up_EDF2`` ``[E, D, 2F]``.
 """
 
 from __future__ import annotations
@@ -90,46 +95,53 @@ class MoELayer(nn.Module):
         self.dispatcher = dispatcher
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
-        if x.dim() not in (2, 3) or x.shape[-1] != self.cfg.d_model:
-            raise ValueError(
-                f"x must be [tokens, d_model={self.cfg.d_model}] or [batch, seq, d_model], "
-                f"got {tuple(x.shape)}"
-            )
-        if not x.is_floating_point():
-            raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
-        w = self.experts.w_gate_up
+        """``x: [T, D]`` or ``[B, S, D]`` → ``(y, stats)``, ``y`` shaped as ``x``.
+
+        0. The door: ``x`` is checked once, here (its shape, a floating dtype, the weights'
+           device and dtype, or autocast's); nothing after it checks again.
+        1. Route: the router scores each token against every expert, in its own dtype, and
+           keeps the top ``K`` (`moe_lab.moe.router`): ``topk_ids_TK``, ``topk_weights_TK``.
+        2. Permute: the dispatcher copies each token once per choice into expert order, ``x_MD``,
+           and counts each expert's rows into device ``offsets [E + 1]`` (``dropless``: the expert
+           backend's permutation, `moe_lab.moe.experts.ExpertBackend`).
+        3. Experts: every expert on its rows, one grouped GEMM per weight with SwiGLU between
+           (``grouped_forward``): ``y_MD``.
+        4. Unpermute: each token's ``K`` rows summed back, weighted by the router: ``y_TD``.
+        5. Combine: the shared expert's output added, the loss terms scaled into `MoEStats`.
+
+        (``naive`` and ``capacity`` do steps 2-4 their own way: a loop over experts, padded
+        buffers.) Under autocast the router still computes in its own dtype (a bf16 router flips
+        near-tie choices), the experts take the tokens in the autocast dtype, and the dispatcher
+        runs outside autocast so that its gathers and scatter-adds see one dtype.
+        """
+        cfg, w_gate_up_EDF2 = self.cfg, self.experts.w_gate_up
+        if x.dim() not in (2, 3) or x.shape[-1] != cfg.d_model or not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point [tokens, d_model={cfg.d_model}] or "
+                             f"[batch, seq, d_model], got {tuple(x.shape)} {x.dtype}")
         device_type = x.device.type
         autocast = autocast_enabled(device_type)
-        compute_dtype = torch.get_autocast_dtype(device_type) if autocast else w.dtype
-        if x.dtype not in (w.dtype, compute_dtype) or x.device != w.device:
+        compute_dtype = torch.get_autocast_dtype(device_type) if autocast else w_gate_up_EDF2.dtype
+        if x.dtype not in (w_gate_up_EDF2.dtype, compute_dtype) or x.device != w_gate_up_EDF2.device:
             raise ValueError(
                 f"x is {x.dtype} on {x.device} but the layer's weights are "
-                f"{w.dtype} on {w.device}"
-                + (f" (under autocast x may also be {compute_dtype})" if autocast else "")
-            )
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
-        # Under autocast the router still computes in its own dtype (cfg.router_dtype: a
-        # bf16 router flips near-tie choices), and the experts take the tokens in the
-        # autocast dtype; the dispatcher runs outside autocast so its gathers and
-        # scatter-adds see one dtype.
+                f"{w_gate_up_EDF2.dtype} on {w_gate_up_EDF2.device}"
+                + (f" (under autocast x may also be {compute_dtype})" if autocast else ""))
+        x_TD = x.reshape(-1, cfg.d_model)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
-            routing = self.router(tokens.to(self.router.weight.dtype))
-            y, dropped = DISPATCHERS[self.dispatcher](
-                tokens.to(compute_dtype), routing.topk_ids, routing.topk_weights, self.experts,
-                self.cfg
-            )
-        if self.shared is not None:
-            y = y + self.shared(tokens)
-        loss_dtype = w.dtype if autocast else x.dtype  # loss terms stay in full precision
+            routing = self.router(x_TD.to(self.router.weight.dtype))  # 1
+            y_TD, dropped = DISPATCHERS[self.dispatcher](  # 2, 3, 4
+                x_TD.to(compute_dtype), routing.topk_ids, routing.topk_weights, self.experts, cfg)
+        if self.shared is not None:  # 5
+            y_TD = y_TD + self.shared(x_TD)
+        loss_dtype = w_gate_up_EDF2.dtype if autocast else x.dtype  # loss terms stay in full precision
         stats = MoEStats(
             tokens_per_expert=routing.tokens_per_expert,
-            aux_loss=(routing.aux_loss * self.cfg.aux_loss_coef).to(loss_dtype),
-            z_loss=(routing.z_loss * self.cfg.z_loss_coef).to(loss_dtype),
+            aux_loss=(routing.aux_loss * cfg.aux_loss_coef).to(loss_dtype),
+            z_loss=(routing.z_loss * cfg.z_loss_coef).to(loss_dtype),
             dropped_tokens=dropped,
             routing=routing,
         )
-        return y.reshape(shape), stats
+        return y_TD.reshape(x.shape), stats
 
     def extra_repr(self) -> str:
         c = self.cfg

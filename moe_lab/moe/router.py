@@ -46,7 +46,6 @@ import torch
 import torch.nn as nn
 
 from moe_lab.config import MoEConfig
-from moe_lab.kernels import TRITON_MISSING
 from moe_lab.moe.router_output import (
     DTYPES,
     RouterOutput,
@@ -56,7 +55,7 @@ from moe_lab.moe.router_output import (
     gate_logits,
     require_fp32_router,
 )
-from moe_lab.registry import Registry
+from moe_lab.registry import TRITON_MISSING, Registry
 
 Tensor = torch.Tensor
 __all__ = [
@@ -201,6 +200,12 @@ def route_from_logits(
     if logits.dtype not in DTYPES.values():
         raise ValueError(f"logits must be float32 or float64, got {logits.dtype}")
     check_seq_len(logits.shape[0], seq_len)
+    return _routing_chain(logits, cfg, expert_bias, seq_len, lowest_index_ties, topk)
+
+
+def _routing_chain(logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None, seq_len: int | None,
+                   lowest_index_ties: bool, topk: Callable[[Tensor, int], Tensor]) -> RouterOutput:
+    """`route_from_logits` after its checks: scores, selection, top-k, weights, loss terms."""
     dtype = logits.dtype
     if cfg.score_func == "softmax":
         scores = logits.softmax(dim=-1)
@@ -241,10 +246,14 @@ def route(
 ) -> RouterOutput:
     """The reference routing chain. ``gate_weight: [n_experts, d_model]``; ``seq_len`` (the
     tokens are whole sequences of that length, in order) adds ``seq_aux_loss``; ``topk`` as
-    in `route_from_logits`."""
-    check_router_input(x, cfg)
-    logits = gate_logits(x, gate_weight, DTYPES[cfg.router_dtype])  # [T, E]
-    return route_from_logits(logits, cfg, expert_bias, seq_len=seq_len, topk=topk)
+    in `route_from_logits`. Checked here, once: ``x: [tokens, d_model]`` and ``seq_len``."""
+    if x.dim() != 2 or x.shape[1] != cfg.d_model:
+        raise ValueError(f"x must be [tokens, d_model={cfg.d_model}], got {tuple(x.shape)}")
+    if seq_len is not None:
+        check_seq_len(x.shape[0], seq_len)
+    dtype = DTYPES[cfg.router_dtype]
+    logits_TE = x.to(dtype) @ gate_weight.to(dtype).t()  # what `gate_logits` computes
+    return _routing_chain(logits_TE, cfg, expert_bias, seq_len, True, topk)
 
 
 # torch.compile of the chain after the matmul: the fair fused baseline on a CPU, where

@@ -78,6 +78,24 @@ class _Handle:
         self.waited = False
 
 
+def _wait(handle: _Handle, clock: StageClock) -> Tensor:
+    """Wait for a started collective (once) and stamp its event's end; returns its output."""
+    if not handle.waited:
+        if handle.work is not None:
+            handle.work.wait()  # NCCL: the current (compute) stream waits for the collective
+        if handle.stream is not None:
+            # 3. The compute stream waits for the side stream before it reads ``out`` (also
+            #    with no work handle: a group of one rank copies on the side stream), and
+            #    ``out``, allocated on the side stream, is marked as used on the compute one.
+            compute = torch.cuda.current_stream()
+            compute.wait_stream(handle.stream)
+            handle.out.record_stream(compute)
+        handle.work, handle.waited = None, True
+    if handle.event is not None and handle.event.get("end") is None:
+        handle.event["end"] = clock.now()
+    return handle.out
+
+
 class MergedStep:
     """Runs plans of `stage_graph` stages for one `EPMoELayer` (``dropless``), ``n_chunks``
     chunks per micro-batch (the stages' arithmetic: `ChunkStages`); `run` executes a plan over
@@ -100,7 +118,7 @@ class MergedStep:
         d = self.layer.cfg.d_model
         if x.dim() != 2 or x.shape[1] != d or (grad_out is not None and grad_out.shape != x.shape):
             raise ValueError(f"x and grad_out must be [tokens, d_model={d}], got {tuple(x.shape)} "
-                             f"and {tuple(grad_out.shape)}")
+                             f"and {None if grad_out is None else tuple(grad_out.shape)}")
         if x.shape[0] < self.n_chunks:
             raise ValueError(f"x has {x.shape[0]} tokens, fewer than n_chunks={self.n_chunks}")
         return MicroBatch(x, grad_out, key, owner=self)
@@ -129,31 +147,16 @@ class MergedStep:
         if self.keep_for_replay:
             self.cache[key] = out
         if wait_now:
-            self._wait(handle, clock)
+            _wait(handle, clock)
         return handle
-
-    def _wait(self, handle: _Handle, clock: StageClock) -> Tensor:
-        if not handle.waited:
-            if handle.work is not None:
-                handle.work.wait()  # NCCL: the current (compute) stream waits for the collective
-            if handle.stream is not None:
-                # 3. The compute stream waits for the side stream before it reads ``out`` (also
-                #    with no work handle: a group of one rank copies on the side stream), and
-                #    ``out``, allocated on the side stream, is marked as used on the compute one.
-                compute = torch.cuda.current_stream()
-                compute.wait_stream(handle.stream)
-                handle.out.record_stream(compute)
-            handle.work, handle.waited = None, True
-        if handle.event is not None and handle.event.get("end") is None:
-            handle.event["end"] = clock.now()
-        return handle.out
 
     # ----------------------------------------------------------------- running a plan
     def run(self, order: list[str], fwd: MicroBatch | None = None, bwd: MicroBatch | None = None,
             replay: bool = False, sequential: bool = False, label: str = "",
             before_stage: Callable[[str], None] | None = None) -> Timeline:
         """Execute ``order`` (a `plan`, or any order `check_plan` accepts) over the forward of
-        ``fwd`` and the backward of ``bwd`` (whose forward must have run). Each micro-batch
+        ``fwd`` and the backward of ``bwd`` (whose forward must have run, or run earlier in
+        ``order`` when ``bwd is fwd``). Each micro-batch
         runs the stages of its own step's layer (`microbatch`): in a model, ``F`` and ``B``
         are usually at different layers; their steps must have the same ``n_chunks`` and
         process group. ``sequential``:
@@ -164,108 +167,134 @@ class MergedStep:
         `Timeline` (events on a compute and a comm lane; the step's wall time)."""
         stages = stage_graph(self.n_chunks, forward=fwd is not None, backward=bwd is not None)
         check_plan(order, stages)
-        if fwd is not None and fwd.forward_done:
-            raise ValueError(f"micro-batch {fwd.key!r} has already run its forward")
-        if bwd is not None and (not bwd.forward_done or bwd.backward_done or bwd.grad_out is None):
-            raise ValueError(f"micro-batch {bwd.key!r} must have run its forward and not its backward, "
-                             "and have its grad_out")
         for mb in (fwd, bwd):
             if mb is not None and (mb.owner is None or mb.owner.n_chunks != self.n_chunks):
                 raise ValueError(f"micro-batch {mb.key!r} must come from a MergedStep with "
                                  f"n_chunks={self.n_chunks} (use step.microbatch)")
+        if (fwd is not None and fwd.forward_done) or (bwd is not None and (
+                bwd.backward_done or bwd.grad_out is None or not (bwd.forward_done or bwd is fwd))):
+            raise ValueError("fwd must not have run its forward; bwd must have run its forward, "
+                             "not its backward, and have its grad_out")
         if replay and not (fwd or bwd).owner.cache:
             raise ValueError("replay=True needs a real run first (nothing to replay)")
-        fops = fwd.owner.ops if fwd is not None else None
-        bops = bwd.owner.ops if bwd is not None else None
-        layer = (fwd or bwd).owner.layer
-        events: list[dict] = []
-        handles: dict[str, _Handle] = {}
-        results: dict[tuple, Tensor] = {}  # what a compute stage leaves for the next collective
-        row_bytes = layer.cfg.d_model * (fwd or bwd).x.element_size()
-        rank = layer.ep_rank
+        return _PlanRun(fwd, bwd, replay, sequential).execute(order, stages, label, before_stage)
+
+
+class _PlanRun:
+    """One execution of a plan: the stage actions (`ACTIONS`, one method per stage kind),
+    the collectives in flight, and the events recorded."""
+
+    def __init__(self, fwd: MicroBatch | None, bwd: MicroBatch | None, replay: bool,
+                 sequential: bool) -> None:
+        self.f, self.b = fwd, bwd
+        self.fops, self.bops = (mb.owner.ops if mb is not None else None for mb in (fwd, bwd))
+        self.replay, self.sequential = replay, sequential
+        self.layer = (fwd or bwd).owner.layer
+        self.row_bytes = self.layer.cfg.d_model * (fwd or bwd).x.element_size()
+        self.clock = StageClock(self.layer.experts.w_gate_up.device)
+        self.events: list[dict] = []
+        self.handles: dict[str, _Handle] = {}
+        self.results: dict[tuple, Tensor] = {}  # what a compute stage leaves for the next collective
         if fwd is not None:
-            rows = chunk_rows(fwd.x.shape[0], self.n_chunks)
-            fwd.chunks = [None] * self.n_chunks
+            self.rows = chunk_rows(fwd.x.shape[0], fwd.owner.n_chunks)
+            fwd.chunks = [None] * len(self.rows)
 
-        def comm(mb: MicroBatch, kind: str, c: int, send: Tensor, out_splits: list[int],
-                 in_splits: list[int]) -> None:
-            nbytes = (sum(in_splits) - in_splits[rank]) * row_bytes
-            event = None if replay else {"chunk": c, "lane": "comm", "name": DISPLAY_NAMES[kind],
-                                         "phase": "fwd" if mb is fwd else "bwd",
-                                         "start": clock.now(), "end": None, "nbytes": nbytes}
-            if event is not None:
-                events.append(event)
-            handles[_n("F" if mb is fwd else "B", kind, c)] = mb.owner._start(
-                (mb.key, kind, c), send, out_splits, in_splits, event, replay, sequential, clock)
-
-        def got(name: str) -> Tensor:
-            return self._wait(handles[name], clock)  # the same for every owner
-
-        def counts() -> None:
-            flayer, cache = fwd.owner.layer, fwd.owner.cache
-            if replay:
-                recv_all = cache[(fwd.key, "counts")]
-            else:
-                start = clock.now()
-                recv_all = exchange_counts(fops.send_counts(fwd.chunks), flayer.group)
-                events.append({"chunk": -1, "lane": "comm", "name": "counts", "phase": "fwd",
-                               "start": start, "end": clock.now(), "nbytes": 0})
-                cache[(fwd.key, "counts")] = recv_all
-            fops.take_counts(fwd.chunks, recv_all)
-
-        def execute(stage: Stage) -> None:
-            c, kind = stage.chunk, stage.kind
-            if stage.mb == "F":
-                ops = fops
-                ch = fwd.chunks[c] if c >= 0 else None
-                if kind == "route":
-                    fwd.chunks[c] = ops.route(fwd.x, rows[c])
-                elif kind == "counts":
-                    counts()
-                elif kind == "dispatch":
-                    comm(fwd, kind, c, ch.send.detach(), ch.recv_splits, ch.send_splits)
-                elif kind == "shared":
-                    ops.shared_fwd(ch)
-                elif kind == "experts":
-                    results[("F", c)] = ops.experts_fwd(ch, got(_n("F", "dispatch", c)))
-                elif kind == "combine":
-                    comm(fwd, kind, c, results.pop(("F", c)), ch.send_splits, ch.recv_splits)
-                elif kind == "unpermute":
-                    ops.unpermute(ch, got(_n("F", "combine", c)))
-                return
-            ops, ch = bops, bwd.chunks[c]
-            if kind == "unpermute⁻¹":
-                ops.unpermute_bwd(ch, bwd.grad_out[ch.rows])
-            elif kind == "combine⁻¹":
-                comm(bwd, kind, c, ch.y_back.grad, ch.recv_splits, ch.send_splits)
-            elif kind == "shared⁻¹":
-                ops.shared_bwd(ch)
-            elif kind == "dgrad":
-                results[("B", c)] = ops.experts_dgrad(ch, got(_n("B", "combine⁻¹", c)))
-            elif kind == "dispatch⁻¹":
-                comm(bwd, kind, c, results.pop(("B", c)), ch.send_splits, ch.recv_splits)
-            elif kind == "wgrad":
-                ops.experts_wgrad(ch)
-            elif kind == "permute⁻¹":
-                ops.route_bwd(ch, got(_n("B", "dispatch⁻¹", c)))
-
-        clock = StageClock(layer.experts.w_gate_up.device)
+    def execute(self, order: list[str], stages: dict[str, Stage], label: str,
+                before_stage: Callable[[str], None] | None) -> Timeline:
         for name in order:
             stage = stages[name]
             if before_stage is not None:
                 before_stage(name)
             if stage.lane == "comm":
-                execute(stage)
+                self.ACTIONS[stage.kind](self, stage.chunk)
                 continue
-            start = clock.now()
-            execute(stage)
-            events.append({"chunk": stage.chunk, "lane": "compute", "name": DISPLAY_NAMES[stage.kind],
-                           "phase": stage.phase, "start": start, "end": clock.now(), "nbytes": 0})
-        if fwd is not None:
-            fwd.forward_done = True
-        if bwd is not None:
-            bwd.backward_done = True
-        return clock.timeline(rank, label, events)
+            start = self.clock.now()
+            self.ACTIONS[stage.kind](self, stage.chunk)
+            self.events.append({"chunk": stage.chunk, "lane": "compute", "name": DISPLAY_NAMES[stage.kind],
+                                "phase": stage.phase, "start": start, "end": self.clock.now(), "nbytes": 0})
+        if self.f is not None:
+            self.f.forward_done = True
+        if self.b is not None:
+            self.b.backward_done = True
+        return self.clock.timeline(self.layer.ep_rank, label, self.events)
+
+    def comm(self, side: str, kind: str, c: int, send: Tensor, out_splits: list[int],
+             in_splits: list[int]) -> None:
+        mb = self.f if side == "F" else self.b
+        event = None
+        if not self.replay:
+            nbytes = (sum(in_splits) - in_splits[self.layer.ep_rank]) * self.row_bytes
+            event = {"chunk": c, "lane": "comm", "name": DISPLAY_NAMES[kind],
+                     "phase": "fwd" if side == "F" else "bwd", "start": self.clock.now(), "end": None,
+                     "nbytes": nbytes}
+            self.events.append(event)
+        self.handles[_n(side, kind, c)] = mb.owner._start(
+            (mb.key, kind, c), send, out_splits, in_splits, event, self.replay, self.sequential, self.clock)
+
+    def got(self, side: str, kind: str, c: int) -> Tensor:
+        return _wait(self.handles[_n(side, kind, c)], self.clock)
+
+    # the stages of F, the micro-batch going forward
+    def route(self, c: int) -> None:
+        self.f.chunks[c] = self.fops.route(self.f.x, self.rows[c])
+
+    def counts(self, _c: int) -> None:
+        f, cache = self.f, self.f.owner.cache
+        if self.replay:
+            recv_all = cache[(f.key, "counts")]
+        else:
+            start = self.clock.now()
+            recv_all = exchange_counts(self.fops.send_counts(f.chunks), f.owner.layer.group)
+            self.events.append({"chunk": -1, "lane": "comm", "name": "counts", "phase": "fwd",
+                                "start": start, "end": self.clock.now(), "nbytes": 0})
+            cache[(f.key, "counts")] = recv_all
+        self.fops.take_counts(f.chunks, recv_all)
+
+    def dispatch(self, c: int) -> None:
+        ch = self.f.chunks[c]
+        self.comm("F", "dispatch", c, ch.send.detach(), ch.recv_splits, ch.send_splits)
+
+    def shared(self, c: int) -> None:
+        self.fops.shared_fwd(self.f.chunks[c])
+
+    def experts(self, c: int) -> None:
+        self.results[("F", c)] = self.fops.experts_fwd(self.f.chunks[c], self.got("F", "dispatch", c))
+
+    def combine(self, c: int) -> None:
+        ch = self.f.chunks[c]
+        self.comm("F", "combine", c, self.results.pop(("F", c)), ch.send_splits, ch.recv_splits)
+
+    def unpermute(self, c: int) -> None:
+        self.fops.unpermute(self.f.chunks[c], self.got("F", "combine", c))
+
+    # the stages of B, the micro-batch going backward
+    def unpermute_bwd(self, c: int) -> None:
+        self.bops.unpermute_bwd(self.b.chunks[c], self.b.grad_out[self.b.chunks[c].rows])
+
+    def combine_bwd(self, c: int) -> None:
+        ch = self.b.chunks[c]
+        self.comm("B", "combine⁻¹", c, ch.y_back.grad, ch.recv_splits, ch.send_splits)
+
+    def shared_bwd(self, c: int) -> None:
+        self.bops.shared_bwd(self.b.chunks[c])
+
+    def dgrad(self, c: int) -> None:
+        self.results[("B", c)] = self.bops.experts_dgrad(self.b.chunks[c], self.got("B", "combine⁻¹", c))
+
+    def dispatch_bwd(self, c: int) -> None:
+        ch = self.b.chunks[c]
+        self.comm("B", "dispatch⁻¹", c, self.results.pop(("B", c)), ch.send_splits, ch.recv_splits)
+
+    def wgrad(self, c: int) -> None:
+        self.bops.experts_wgrad(self.b.chunks[c])
+
+    def permute_bwd(self, c: int) -> None:
+        self.bops.route_bwd(self.b.chunks[c], self.got("B", "dispatch⁻¹", c))
+
+    ACTIONS = {"route": route, "counts": counts, "dispatch": dispatch, "shared": shared,
+               "experts": experts, "combine": combine, "unpermute": unpermute,
+               "unpermute⁻¹": unpermute_bwd, "combine⁻¹": combine_bwd, "shared⁻¹": shared_bwd,
+               "dgrad": dgrad, "dispatch⁻¹": dispatch_bwd, "wgrad": wgrad, "permute⁻¹": permute_bwd}
 
 
 def two_microbatch_step(step: MergedStep, xs: tuple[Tensor, Tensor], grads: tuple[Tensor, Tensor],

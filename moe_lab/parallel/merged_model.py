@@ -72,8 +72,7 @@ class MergedModelStep:
             raise ValueError(f"model must be a MoETransformer, got {type(model).__name__}")
         one_of(schedule, "schedule", ("1f1b", "sequential"))
         blocks = list(model.blocks)
-        moe = [b.ffn for b in blocks if isinstance(b.ffn, EPMoELayer)]
-        if not moe:
+        if not any(isinstance(b.ffn, EPMoELayer) for b in blocks):
             raise ValueError("model has no EPMoELayer: convert its MoE layers with "
                              "moe_lab.parallel.ep.from_layer")
         self.model, self.n_chunks, self.schedule = model, n_chunks, schedule
@@ -97,16 +96,13 @@ class MergedModelStep:
         a = h + block.attn(block.norm1(h))
         z = block.norm2(a)
         p.pre.append((a, z))
-        shape = z.shape
-        mb = self.steps[k].microbatch(z.detach().reshape(-1, shape[-1]), None, f"{p.key}/{k}")
-        p.moe.append(mb)
-        return mb
+        p.moe.append(self.steps[k].microbatch(z.detach().reshape(-1, z.shape[-1]), None, f"{p.key}/{k}"))
+        return p.moe[-1]
 
     def _fwd_post(self, p: _Pass, k: int) -> None:
         if self.steps[k] is None:
             return
-        a, _ = p.pre[k]
-        mb = p.moe[k]
+        (a, _), mb = p.pre[k], p.moe[k]
         y = mb.y.view_as(a)
         p.aux = p.aux + sum(c.aux.detach() for c in mb.chunks if c.aux is not None) / len(mb.chunks)
         p.inputs.append((a.detach() + y).requires_grad_())
@@ -141,65 +137,38 @@ class MergedModelStep:
         p.pre[k] = None
         p.moe[k] = None
 
-    def _bwd_embed(self, p: _Pass) -> None:
-        torch.autograd.backward([p.embed_out], [p.grad])
-
     # ------------------------------------------------------------------ MoE plans
-    def _moe(self, k_fwd: int | None, f: MicroBatch | None, k_bwd: int | None, b: MicroBatch | None) -> None:
-        sequential = self.schedule == "sequential"
-        n = self.n_chunks
-        merged = "1f1b+chunked" if n > 1 else "1f1b"
+    def _moe(self, k_fwd: int, f: MicroBatch | None, k_bwd: int, b: MicroBatch | None) -> None:
+        """Run the MoE stages of ``f`` (block ``k_fwd``) and/or ``b`` (block ``k_bwd``), if any."""
+        if f is None and b is None:
+            return
+        sequential, n = self.schedule == "sequential", self.n_chunks
         if f is not None and b is not None and not sequential:
-            order = plan(merged, n)
+            order = plan("1f1b+chunked" if n > 1 else "1f1b", n)
         else:
             order = plan("sequential" if sequential else "chunked", n, forward=f is not None,
                          backward=b is not None)
-        step = (f or b).owner
-        self.timelines.append(step.run(order, fwd=f, bwd=b, sequential=sequential,
-                                       label=f"F{k_fwd} + B{k_bwd}"))
+        label = f"F{k_fwd if f is not None else None} + B{k_bwd if b is not None else None}"
+        self.timelines.append((f or b).owner.run(order, fwd=f, bwd=b, sequential=sequential, label=label))
 
-    def _forward_block(self, p: _Pass, k: int) -> None:
-        mb = self._fwd_pre(p, k)
-        if mb is not None:
-            self._moe(k, mb, None, None)
-        self._fwd_post(p, k)
-
-    def _backward_block(self, p: _Pass, k: int) -> None:
-        mb = self._bwd_post(p, k)
-        if mb is not None:
-            self._moe(None, None, k, mb)
-        self._bwd_pre(p, k)
-
-    def _forward(self, p: _Pass, n_micro: int) -> None:
-        with torch.enable_grad():
-            self._embed(p)
-            for k in range(len(self.steps)):
-                self._forward_block(p, k)
-            self._head(p, n_micro)
-
-    def _backward(self, p: _Pass) -> None:
-        for k in reversed(range(len(self.steps))):
-            self._backward_block(p, k)
-        self._bwd_embed(p)
-
-    def _merged(self, f: _Pass, b: _Pass, n_micro: int) -> None:
-        """F's forward through blocks 0…L−1 paired with B's backward through L−1…0."""
+    def _unit(self, f: _Pass | None, b: _Pass | None, n_micro: int) -> None:
+        """F's forward through blocks 0…L−1 paired with B's backward through L−1…0; either may
+        be None (the warm-up forward, the cool-down backward)."""
         n_blocks = len(self.steps)
         with torch.enable_grad():
-            self._embed(f)
+            if f is not None:
+                self._embed(f)
             for k in range(n_blocks):
                 j = n_blocks - 1 - k
-                fm = self._fwd_pre(f, k)
-                bm = self._bwd_post(b, j)
-                if fm is not None or bm is not None:
-                    if fm is not None and bm is not None:
-                        self._moe(k, fm, j, bm)
-                    else:
-                        self._moe(k if fm is not None else None, fm, j if bm is not None else None, bm)
-                self._fwd_post(f, k)
-                self._bwd_pre(b, j)
-            self._head(f, n_micro)
-            self._bwd_embed(b)
+                self._moe(k, f and self._fwd_pre(f, k), j, b and self._bwd_post(b, j))
+                if f is not None:
+                    self._fwd_post(f, k)
+                if b is not None:
+                    self._bwd_pre(b, j)
+            if f is not None:
+                self._head(f, n_micro)
+            if b is not None:
+                torch.autograd.backward([b.embed_out], [b.grad])
 
     # ------------------------------------------------------------------ the step
     def step(self, idx: Tensor, targets: Tensor, n_micro: int) -> Tensor:
@@ -219,11 +188,11 @@ class MergedModelStep:
                   enumerate(zip(idx.chunk(n_micro), targets.chunk(n_micro), strict=True))]
         if self.schedule == "sequential":
             for p in passes:
-                self._forward(p, n_micro)
-                self._backward(p)
+                self._unit(p, None, n_micro)
+                self._unit(None, p, n_micro)
         else:
-            self._forward(passes[0], n_micro)
+            self._unit(passes[0], None, n_micro)
             for i in range(1, n_micro):
-                self._merged(passes[i], passes[i - 1], n_micro)
-            self._backward(passes[-1])
+                self._unit(passes[i], passes[i - 1], n_micro)
+            self._unit(None, passes[-1], n_micro)
         return torch.stack([p.loss + p.aux for p in passes]).mean()

@@ -43,7 +43,7 @@ from moe_lab.checks import one_of, positive_int
 from moe_lab.parallel.timeline import Event, Timeline
 
 __all__ = [
-    "Stage", "stage_graph", "stage_name", "plan", "check_plan", "simulate_plan", "PlanError",
+    "Stage", "stage_graph", "stage_name", "plan", "chunked_plan", "check_plan", "simulate_plan", "PlanError",
     "SCHEDULES", "COMM_STAGES", "DISPLAY_NAMES", "MODEL_COSTS",
 ]
 
@@ -141,25 +141,33 @@ def _bwd_natural(n: int) -> list[str]:
             ("unpermute⁻¹", "combine⁻¹", "shared⁻¹", "dgrad", "dispatch⁻¹", "wgrad", "permute⁻¹")]
 
 
-def _fwd_chunked(n: int) -> list[str]:
-    order = [_n("F", "route", c) for c in range(n)] + [_n("F", "counts"), _n("F", "dispatch", 0)]
-    order += [_n("F", "shared", c) for c in range(n)]
-    for c in range(n):
-        if c + 1 < n:
-            order.append(_n("F", "dispatch", c + 1))
-        order += [_n("F", "experts", c), _n("F", "combine", c)]
-    return order + [_n("F", "unpermute", c) for c in range(n)]
-
-
-def _bwd_chunked(n: int) -> list[str]:
-    order = [_n("B", "unpermute⁻¹", c) for c in range(n)] + [_n("B", "combine⁻¹", 0)]
-    order += [_n("B", "shared⁻¹", c) for c in range(n)]
-    for c in range(n):
-        if c + 1 < n:
-            order.append(_n("B", "combine⁻¹", c + 1))
-        order += [_n("B", "dgrad", c), _n("B", "dispatch⁻¹", c)]
-    for c in range(n):  # delayed weight gradients fill the last dispatch⁻¹
-        order += [_n("B", "wgrad", c), _n("B", "permute⁻¹", c)]
+def chunked_plan(n_chunks: int, forward: bool = True, backward: bool = True, lookahead: int = 1,
+                 delay_wgrad: bool = True) -> list[str]:
+    """The chunk-pipelined order of one micro-batch's forward, then its backward:
+    ``lookahead`` chunks' dispatch (and combine⁻¹) in flight ahead of the chunk computing,
+    the shared expert under the first; ``delay_wgrad`` moves the weight gradients to the
+    end, under the last dispatch⁻¹."""
+    n, ahead = n_chunks, lookahead
+    order = []
+    if forward:
+        order += [_n("F", "route", c) for c in range(n)] + [_n("F", "counts")]
+        order += [_n("F", "dispatch", c) for c in range(min(ahead, n))]
+        order += [_n("F", "shared", c) for c in range(n)]
+        for c in range(n):
+            order += [_n("F", "dispatch", c + ahead)] if c + ahead < n else []
+            order += [_n("F", "experts", c), _n("F", "combine", c)]
+        order += [_n("F", "unpermute", c) for c in range(n)]
+    if backward:
+        order += [_n("B", "unpermute⁻¹", c) for c in range(n)]
+        order += [_n("B", "combine⁻¹", c) for c in range(min(ahead, n))]
+        order += [_n("B", "shared⁻¹", c) for c in range(n)]
+        wgrad = [[] if delay_wgrad else [_n("B", "wgrad", c)] for c in range(n)]
+        for c in range(n):
+            order += [_n("B", "combine⁻¹", c + ahead)] if c + ahead < n else []
+            order += [_n("B", "dgrad", c), _n("B", "dispatch⁻¹", c)] + wgrad[c]
+        for c in range(n):
+            order += [_n("B", "wgrad", c)] if delay_wgrad else []
+            order.append(_n("B", "permute⁻¹", c))
     return order
 
 
@@ -201,7 +209,7 @@ def plan(schedule: str, n_chunks: int = 1, forward: bool = True, backward: bool 
     if schedule == "sequential":
         return (_bwd_natural(n) if backward else []) + (_fwd_natural(n) if forward else [])
     if schedule == "chunked" or not (forward and backward):
-        return (_bwd_chunked(n) if backward else []) + (_fwd_chunked(n) if forward else [])
+        return chunked_plan(n, False, backward) + chunked_plan(n, forward, False)
     return _merged(n)
 
 

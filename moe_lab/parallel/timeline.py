@@ -42,17 +42,10 @@ class Timeline:
 
     def lane_time(self, lane: str) -> float:
         """Time during which ``lane`` was busy (the union of its events)."""
-        spans = sorted((e.start, e.end) for e in self.events if e.lane == lane)
-        total, cur_start, cur_end = 0.0, None, None
-        for s, e in spans:
-            if cur_end is None or s > cur_end:
-                if cur_end is not None:
-                    total += cur_end - cur_start
-                cur_start, cur_end = s, e
-            else:
-                cur_end = max(cur_end, e)
-        if cur_end is not None:
-            total += cur_end - cur_start
+        total, covered = 0.0, float("-inf")
+        for s, e in sorted((e.start, e.end) for e in self.events if e.lane == lane):
+            total += max(0.0, e - max(s, covered))  # the part not yet covered
+            covered = max(covered, e)
         return total
 
     @property

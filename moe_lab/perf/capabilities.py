@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lab.kernels import TRITON_MISSING
 from moe_lab.perf.hardware import gpu_arch, mx_mma_of
+from moe_lab.registry import TRITON_MISSING
 
 # Blackwell data-centre parts (SM 10.0, 10.3) are the first with block-scaled (MX) FP8
 # tensor-core instructions; Transformer Engine's MXFP8BlockScaling recipe requires them.
@@ -177,9 +177,9 @@ def interprets_triton(cuda: bool | None = None) -> bool:
     (``cuda``: whether there is one, probed when not given). So ``TRITON_INTERPRET=0`` on a
     machine without CUDA means compiled, as the compile report's process wants."""
     if "TRITON_INTERPRET" in os.environ:
-        from triton import knobs
+        from triton.knobs import getenv_bool
 
-        return bool(knobs.runtime.interpret)
+        return getenv_bool("TRITON_INTERPRET", False)
     return not (torch.cuda.is_available() if cuda is None else cuda)
 
 

@@ -122,10 +122,6 @@ def mtp_proj_macs(cfg: ModelConfig) -> int:
     return 2 * cfg.d_model * cfg.d_model
 
 
-def _mtp_count(cfg: ModelConfig, include_mtp: bool) -> int:
-    return cfg.mtp_layers if include_mtp else 0
-
-
 def flops_breakdown(
     cfg: ModelConfig, seq_len: int | None = None, *, include_mtp: bool = True
 ) -> dict[str, float]:
@@ -138,7 +134,7 @@ def flops_breakdown(
     logits are counted under the keys above).
     """
     s = _seq(cfg, seq_len)
-    n_mtp = _mtp_count(cfg, include_mtp)
+    n_mtp = cfg.mtp_layers if include_mtp else 0
     n_layers_attn = cfg.n_layers + n_mtp
     n_moe = cfg.n_moe_layers + n_mtp
     core = sum(
@@ -212,16 +208,8 @@ def layer_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[
 def active_params(cfg: ModelConfig, *, include_mtp: bool = False) -> int:
     """Weights one token's matmuls touch (embedding lookup excluded, output head included):
     ``training_flops_per_token`` minus the attention core, divided by 6."""
-    _check_cfg(cfg)
-    n_mtp = _mtp_count(cfg, include_mtp)
-    n_moe = cfg.n_moe_layers + n_mtp
-    return (
-        cfg.n_dense_layers * dense_mlp_macs(cfg)
-        + n_moe * (moe_mlp_macs(cfg) + router_macs(cfg))
-        + (cfg.n_layers + n_mtp) * attention_proj_macs(cfg)
-        + (1 + n_mtp) * logits_macs(cfg)
-        + n_mtp * mtp_proj_macs(cfg)
-    )
+    b = flops_breakdown(cfg, include_mtp=include_mtp)
+    return round((sum(b.values()) - b["attention_core"]) / _TRAIN)
 
 
 def tflops_per_gpu(

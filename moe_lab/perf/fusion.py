@@ -94,9 +94,7 @@ class Shape:
 
 def launches(variant: str, s: Shape) -> list[Launch]:
     """The launches of ``variant`` (one of `VARIANTS` or `MX_VARIANTS`) at shape ``s``."""
-    t, r, e, d, f, b = s.tokens, s.rows, s.n_experts, s.d, s.f, s.b
-    map_b, src_b, wt_b = t * s.top_k * 4, r * 4, t * s.top_k * 4  # row-id map, row source, weights
-    w1, w2 = e * d * 2 * f * b, e * f * d * b
+    r, d, f, b, w1 = s.rows, s.d, s.f, s.b, s.n_experts * s.d * 2 * s.f * s.b
     if variant in MX_VARIANTS:
         mx = r * f + r * f // 32  # codes + scales
         if variant == "mxfp8_unfused":
@@ -106,62 +104,74 @@ def launches(variant: str, s: Shape) -> list[Launch]:
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS + MX_VARIANTS}, got {variant!r}")
     level = VARIANTS.index(variant)
-    swiglu_fused, gather, scatter = level >= 1, level >= 2, level >= 3
-    atomic = variant == "scatter_atomic"
-    out: list[Launch] = []
-    add = out.append
-    # ---- forward
+    return _forward(level, s) + _backward(level, s)
+
+
+def _sizes(s: Shape, gather: bool) -> tuple:
+    """Bytes of the pieces: row-id map, row source, router weights, W1, W2, GEMM1's input."""
+    map_b, src_b = s.tokens * s.top_k * 4, s.rows * 4
+    x_in = s.rows * s.d * s.b + (src_b if gather else 0)  # gathered token rows read the row source
+    return map_b, src_b, map_b, s.n_experts * s.d * 2 * s.f * s.b, s.n_experts * s.f * s.d * s.b, x_in
+
+
+def _forward(level: int, s: Shape) -> list[Launch]:
+    t, r, d, f, b = s.tokens, s.rows, s.d, s.f, s.b
+    swiglu_fused, gather, scatter, atomic = level >= 1, level >= 2, level >= 3, level == 4
+    map_b, src_b, wt_b, w1, w2, x_in = _sizes(s, gather)
     if gather:
-        add(Launch("row source (fill)", 0, src_b, "fwd"))
-        add(Launch("row source (scatter)", map_b, src_b, "fwd"))
-        x_in = r * d * b + src_b  # gathered token rows
+        out = [Launch("row source (fill)", 0, src_b, "fwd"),
+               Launch("row source (scatter)", map_b, src_b, "fwd")]
     else:
-        add(Launch("permute", t * d * b + map_b, r * d * b, "fwd"))
-        x_in = r * d * b
+        out = [Launch("permute", t * d * b + map_b, r * d * b, "fwd")]
     if swiglu_fused:
-        add(Launch("GEMM1" + (" (gather)" if gather else "") + "+SwiGLU", x_in + w1, r * f * b, "fwd", w1))
+        name = "GEMM1" + (" (gather)" if gather else "") + "+SwiGLU"
+        out.append(Launch(name, x_in + w1, r * f * b, "fwd", w1))
     else:
-        add(Launch("GEMM1", x_in + w1, r * 2 * f * b, "fwd", w1))
-        add(Launch("SwiGLU", r * 2 * f * b, r * f * b, "fwd"))
+        out += [Launch("GEMM1", x_in + w1, r * 2 * f * b, "fwd", w1),
+                Launch("SwiGLU", r * 2 * f * b, r * f * b, "fwd")]
     if atomic:
-        add(Launch("zero fp32 accumulator", 0, t * d * 4, "fwd"))
-        add(Launch("GEMM2+weighted atomic scatter", r * f * b + w2 + src_b + wt_b, r * d * 4, "fwd", w2))
+        out += [Launch("zero fp32 accumulator", 0, t * d * 4, "fwd"),
+                Launch("GEMM2+weighted atomic scatter", r * f * b + w2 + src_b + wt_b, r * d * 4, "fwd", w2)]
         if b != 4:
-            add(Launch("cast fp32 -> output", t * d * 4, t * d * b, "fwd"))
+            out.append(Launch("cast fp32 -> output", t * d * 4, t * d * b, "fwd"))
     elif scatter:
-        add(Launch("GEMM2+weighted scatter (token-major)", r * f * b + w2 + src_b + wt_b, r * d * b, "fwd",
-                   w2))
-        add(Launch("sum over top-k", r * d * b, t * d * b, "fwd"))
+        out += [Launch("GEMM2+weighted scatter (token-major)", r * f * b + w2 + src_b + wt_b, r * d * b,
+                       "fwd", w2),
+                Launch("sum over top-k", r * d * b, t * d * b, "fwd")]
     else:
-        add(Launch("GEMM2", r * f * b + w2, r * d * b, "fwd", w2))
-        add(Launch("unpermute (weighted)", r * d * b + map_b + wt_b, t * d * b, "fwd"))
-    # ---- backward of the combine and GEMM2
-    if scatter:
-        n_tiles = max(1, -(-f // 64))
-        add(Launch("dout gather·W2ᵀ, dh + dweight epilogue",
-                   r * d * b + src_b + wt_b + w2 + r * f * b, r * f * b + r * n_tiles * 4, "bwd", w2))
-        add(Launch("dweights: sum partials + index_copy", r * n_tiles * 4 + src_b, wt_b, "bwd"))
-        add(Launch("dW2 (gathered weighted dout)", r * f * b + r * d * b + src_b + wt_b, w2, "bwd", w2))
-    else:
-        add(Launch("unpermute bwd: weighted permute", t * d * b + map_b + wt_b, r * d * b, "bwd"))
-        add(Launch("unpermute bwd: dweights", r * d * b + t * d * b + map_b, wt_b, "bwd"))
-        add(Launch("GEMM2 dX", r * d * b + w2, r * f * b, "bwd", w2))
-        add(Launch("GEMM2 dW", r * f * b + r * d * b, w2, "bwd", w2))
-    # ---- backward of SwiGLU and GEMM1
-    if swiglu_fused:
-        add(Launch("GEMM1 recompute+SwiGLU bwd" + (" (gather)" if gather else ""),
-                   x_in + w1 + r * f * b, r * 2 * f * b, "bwd", w1))
-    else:
-        add(Launch("SwiGLU bwd", r * 2 * f * b + r * f * b, r * 2 * f * b, "bwd"))
-    if gather:
-        add(Launch("GEMM1 dX+scatter (token-major)", r * 2 * f * b + w1 + src_b, r * d * b, "bwd", w1))
-        add(Launch("dx: sum over top-k", r * d * b, t * d * b, "bwd"))
-        add(Launch("GEMM1 dW (gather)", x_in + r * 2 * f * b, w1, "bwd", w1))
-    else:
-        add(Launch("GEMM1 dX", r * 2 * f * b + w1, r * d * b, "bwd", w1))
-        add(Launch("GEMM1 dW", r * d * b + r * 2 * f * b, w1, "bwd", w1))
-        add(Launch("permute bwd: unpermute", r * d * b + map_b, t * d * b, "bwd"))
+        out += [Launch("GEMM2", r * f * b + w2, r * d * b, "fwd", w2),
+                Launch("unpermute (weighted)", r * d * b + map_b + wt_b, t * d * b, "fwd")]
     return out
+
+
+def _backward(level: int, s: Shape) -> list[Launch]:
+    t, r, d, f, b = s.tokens, s.rows, s.d, s.f, s.b
+    swiglu_fused, gather, scatter = level >= 1, level >= 2, level >= 3
+    map_b, src_b, wt_b, w1, w2, x_in = _sizes(s, gather)
+    if scatter:  # the combine and GEMM2
+        n_tiles = max(1, -(-f // 64))
+        out = [Launch("dout gather·W2ᵀ, dh + dweight epilogue",
+                      r * d * b + src_b + wt_b + w2 + r * f * b, r * f * b + r * n_tiles * 4, "bwd", w2),
+               Launch("dweights: sum partials + index_copy", r * n_tiles * 4 + src_b, wt_b, "bwd"),
+               Launch("dW2 (gathered weighted dout)", r * f * b + r * d * b + src_b + wt_b, w2, "bwd", w2)]
+    else:
+        out = [Launch("unpermute bwd: weighted permute", t * d * b + map_b + wt_b, r * d * b, "bwd"),
+               Launch("unpermute bwd: dweights", r * d * b + t * d * b + map_b, wt_b, "bwd"),
+               Launch("GEMM2 dX", r * d * b + w2, r * f * b, "bwd", w2),
+               Launch("GEMM2 dW", r * f * b + r * d * b, w2, "bwd", w2)]
+    if swiglu_fused:  # SwiGLU and GEMM1
+        out.append(Launch("GEMM1 recompute+SwiGLU bwd" + (" (gather)" if gather else ""),
+                          x_in + w1 + r * f * b, r * 2 * f * b, "bwd", w1))
+    else:
+        out.append(Launch("SwiGLU bwd", r * 2 * f * b + r * f * b, r * 2 * f * b, "bwd"))
+    if gather:
+        return out + [
+            Launch("GEMM1 dX+scatter (token-major)", r * 2 * f * b + w1 + src_b, r * d * b, "bwd", w1),
+            Launch("dx: sum over top-k", r * d * b, t * d * b, "bwd"),
+            Launch("GEMM1 dW (gather)", x_in + r * 2 * f * b, w1, "bwd", w1)]
+    return out + [Launch("GEMM1 dX", r * 2 * f * b + w1, r * d * b, "bwd", w1),
+                  Launch("GEMM1 dW", r * d * b + r * 2 * f * b, w1, "bwd", w1),
+                  Launch("permute bwd: unpermute", r * d * b + map_b, t * d * b, "bwd")]
 
 
 def summary(variant: str, s: Shape) -> dict:

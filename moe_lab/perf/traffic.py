@@ -24,7 +24,7 @@ tile, whatever the order, so it counts in the modelled and the compulsory bytes 
 kept in the model's L2.
 
 Usage: ``python -m moe_lab.workbench.compile_report.traffic`` prints the acceptance table (today's
-row-fastest order against the order `moe_lab.kernels.common.tile_group` picks, at the compile
+row-fastest order against the order `moe_lab.kernels.grouped_gemm.tile_group` picks, at the compile
 report's tiles and occupancy) and writes ``results/compile/traffic.md``.
 """
 
@@ -121,6 +121,28 @@ class LRU:
         return size
 
 
+def _programs(rows: list[int], n: int, steps: int, block_m: int, block_n: int, b_panels: int,
+              tile_of: Callable[[int, int, int], tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """`simulate`'s programs with work, in launch order (``tile_of``): per program its A chunk's
+    key at K step 0 and its rows, its B chunk's key and its columns (B keys follow A keys)."""
+    tiles = []  # (expert, rows in tile) per real row tile, numbered as tile_schedule does
+    for e, r in enumerate(rows):
+        tiles += [(e, min(block_m, r - r0)) for r0 in range(0, r, block_m)]
+    t_m = -(-sum(rows) // block_m) + len(rows)
+    t_n = -(-n // block_n)
+    widths = [min(block_n, n - j * block_n) for j in range(t_n)]
+    programs = []
+    for pid in range(t_m * t_n):
+        tm, tn = tile_of(pid, t_m, t_n)
+        if not (0 <= tm < t_m and 0 <= tn < t_n):
+            raise ValueError(f"order maps program {pid} to tile {(tm, tn)}, outside {t_m} x {t_n}")
+        if tm < len(tiles):
+            programs.append((tm, tn))
+    b_base = len(tiles) * steps
+    return [(tm * steps, tiles[tm][1], b_base + (tiles[tm][0] * t_n + tn) * steps, widths[tn] * b_panels)
+            for tm, tn in programs]
+
+
 def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, block_k: int, *,
              in_flight: int, l2_bytes: int, order: Order = "row", a_bytes: int = 2,
              b_bytes: int = 2, c_bytes: int = 2, b_panels: int = 1, scaled: str = "",
@@ -147,27 +169,11 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
         raise ValueError(f"scaled must name operands among 'abc', got {scaled!r}")
     if set(scaled) & set("ab") and block_k % MX_BLOCK:
         raise ValueError(f"block_k must be a multiple of {MX_BLOCK} for a scaled A or B, got {block_k}")
-    tile_of = _order_fn(order)
-    tiles = []  # (expert, rows in tile) per real row tile, numbered as tile_schedule does
-    for e, r in enumerate(rows):
-        tiles += [(e, min(block_m, r - r0)) for r0 in range(0, r, block_m)]
-    t_m = -(-sum(rows) // block_m) + len(rows)
-    t_n, steps = -(-n // block_n), -(-k // block_k)
-    widths = [min(block_n, n - j * block_n) for j in range(t_n)]
+    steps = -(-k // block_k)
     depths = [min(block_k, k - s * block_k) for s in range(steps)]
     a_scale, b_scale = ("a" in scaled), ("b" in scaled)  # scale bytes per row (A) or column (B) per K block
-    programs = []
-    for pid in range(t_m * t_n):
-        tm, tn = tile_of(pid, t_m, t_n)
-        if not (0 <= tm < t_m and 0 <= tn < t_n):
-            raise ValueError(f"order maps program {pid} to tile {(tm, tn)}, outside {t_m} x {t_n}")
-        if tm < len(tiles):
-            programs.append((tm, tn))
-    b_base = len(tiles) * steps  # B keys follow the A keys
-    # Per program: its A chunk's key at K step 0 and rows, its B chunk's key and columns; per
-    # step, the bytes of one A row and one B column (codes and scales).
-    programs = [(tm * steps, tiles[tm][1], b_base + (tiles[tm][0] * t_n + tn) * steps,
-                 widths[tn] * b_panels) for tm, tn in programs]
+    programs = _programs(rows, n, steps, block_m, block_n, b_panels, _order_fn(order))
+    # Per step, the bytes of one A row and one B column (codes and scales).
     row_bytes = [depth * a_bytes + a_scale * -(-depth // MX_BLOCK) for depth in depths]
     col_bytes = [depth * b_bytes + b_scale * -(-depth // MX_BLOCK) for depth in depths]
     # The L2 as `LRU` keeps it, with the hit test inlined (this loop is the model's whole cost).

@@ -372,6 +372,33 @@ def apply_mxfp8(
 # ------------------------------------------------------------------ per-layer error statistics
 
 
+def _stats_row(layer: str, tensor: str, x: Tensor, dim: int, scale_mode: str) -> dict:
+    return {"layer": layer, "tensor": tensor,
+            **mx_error_stats(x.float(), dim=dim, scale_mode=scale_mode, pad=True)}
+
+
+def _attention_core_rows(layer: str, q: Tensor, k: Tensor, v: Tensor, scale_mode: str) -> list[dict]:
+    """The rows of one attention core: ``q``, ``k``, ``v``, the softmax probabilities ``p``,
+    and the MXFP8 emulation's ``output`` error against float32 attention."""
+    ke, ve = expand_kv(q, k, v)
+    rows = [_stats_row(layer, "q", q, -1, scale_mode), _stats_row(layer, "k", k, -1, scale_mode),
+            _stats_row(layer, "v", v, -2, scale_mode)]
+    scores = (q.float() @ ke.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    rows.append(_stats_row(layer, "p", probs, -1, scale_mode))
+    exact = probs @ ve.float()
+    emulated = mxfp8_reference_attention(q, k, v, scale_mode=scale_mode).float()
+    err = ((emulated - exact).norm() / exact.norm()).item()
+    rows.append({"layer": layer, "tensor": "output", "rel_error": err,
+                 "mean_rel_error": float("nan"),
+                 "max_abs_error": (emulated - exact).abs().max().item(),
+                 "saturated": 0, "underflow": 0, "numel": exact.numel(),
+                 "nonfinite": 0, "nan_block_values": 0, "bits_per_value": 8.25})
+    return rows
+
+
 @torch.no_grad()
 def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "rceil"
                          ) -> list[dict]:
@@ -391,42 +418,21 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
     The model runs as configured (its own attention implementation); nothing is changed.
     """
     rows: list[dict] = []
-
-    def add(layer: str, tensor: str, x: Tensor, dim: int) -> None:
-        rows.append({"layer": layer, "tensor": tensor,
-                     **mx_error_stats(x.float(), dim=dim, scale_mode=scale_mode, pad=True)})
-
     handles, saved_impls, temp_names = [], [], []
     try:
         for i, block in enumerate(_modules_named(model, ATTENTION_CLASS)):
             for name, lin in block.named_modules():
                 if isinstance(lin, nn.Linear):
                     def hook(mod: nn.Linear, args: tuple, layer: str = f"attention{i}.{name}") -> None:
-                        add(layer, "input", args[0], -1)
-                        add(layer, "weight", mod.weight, -1)
+                        rows.append(_stats_row(layer, "input", args[0], -1, scale_mode))
+                        rows.append(_stats_row(layer, "weight", mod.weight, -1, scale_mode))
 
                     handles.append(lin.register_forward_pre_hook(hook))
             original = block.attention_impl
 
             def recording(q: Tensor, k: Tensor, v: Tensor, layer: str = f"attention{i}.core",
                           original: Callable = original) -> Tensor:
-                ke, ve = expand_kv(q, k, v)
-                add(layer, "q", q, -1)
-                add(layer, "k", k, -1)
-                add(layer, "v", v, -2)
-                scores = (q.float() @ ke.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-                t_q, t_k = q.shape[-2], k.shape[-2]
-                mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-                probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-                add(layer, "p", probs, -1)
-                exact = probs @ ve.float()
-                emulated = mxfp8_reference_attention(q, k, v, scale_mode=scale_mode).float()
-                err = ((emulated - exact).norm() / exact.norm()).item()
-                rows.append({"layer": layer, "tensor": "output", "rel_error": err,
-                             "mean_rel_error": float("nan"),
-                             "max_abs_error": (emulated - exact).abs().max().item(),
-                             "saturated": 0, "underflow": 0, "numel": exact.numel(),
-                             "nonfinite": 0, "nan_block_values": 0, "bits_per_value": 8.25})
+                rows.extend(_attention_core_rows(layer, q, k, v, scale_mode))
                 return ATTENTION_IMPLS[original](q, k, v)
 
             temp = f"_mx_layer_error_stats_{id(block)}"
@@ -437,7 +443,7 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
         for j, experts in enumerate(_modules_named(model, EXPERTS_CLASS)):
             for name in ("w_gate_up", "w_down"):
                 if hasattr(experts, name):
-                    add(f"experts{j}", name, getattr(experts, name), -2)
+                    rows.append(_stats_row(f"experts{j}", name, getattr(experts, name), -2, scale_mode))
         model(*inputs)
     finally:
         for handle in handles:

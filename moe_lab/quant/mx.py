@@ -96,11 +96,6 @@ class ElemFormat:
         """Exponent of the smallest normal value (``1 - bias``)."""
         return 1 - self.bias
 
-    @property
-    def min_subnormal(self) -> float:
-        """The smallest positive value: ``2^(1 - bias - mbits)``."""
-        return 2.0 ** (self.min_normal_exp - self.mbits)
-
 
 ELEM_FORMATS: dict[torch.dtype, ElemFormat] = {
     # E4M3 "fn": finite only; 0x7F/0xFF is NaN, 0x7E = 1.75 * 2^8 = 448 the largest value.
@@ -133,10 +128,6 @@ def _check_args(x: Tensor, block_size: int, scale_mode: str) -> None:
     positive_int(block_size, "block_size")
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
-
-
-def _normalize_dim(dim: int, ndim: int) -> int:
-    return int_in(dim, "dim", -ndim, ndim - 1) % ndim
 
 
 def padded_size(size: int, block_size: int = BLOCK_SIZE) -> int:
@@ -270,7 +261,7 @@ def quantize(
     """
     _check_args(x, block_size, scale_mode)
     fmt = elem_format(elem_dtype)
-    dim = _normalize_dim(dim, x.dim())
+    dim = int_in(dim, "dim", -x.dim(), x.dim() - 1) % x.dim()
     size = x.shape[dim]
     full = padded_size(size, block_size)
     if full != size and not pad:

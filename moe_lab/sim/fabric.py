@@ -54,14 +54,13 @@ Figures are projections ("simulated"), not measurements; they are drawn by
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from moe_lab.checks import positive_ints, positive_number
+from moe_lab.checks import non_negative_number, positive_ints, positive_number
 from moe_lab.sim.fair_share import fluid_completion_times
 from moe_lab.sim.traffic import check_traffic
 
@@ -127,14 +126,6 @@ class LeafSpine:
         cap[2 * self.n_hosts :] = self.uplink_bytes_per_s
         return cap
 
-    def host_up(self, h: np.ndarray) -> np.ndarray:
-        """Link index of host ``h`` → its leaf."""
-        return np.asarray(h)
-
-    def host_down(self, h: np.ndarray) -> np.ndarray:
-        """Link index of the leaf → host ``h``."""
-        return self.n_hosts + np.asarray(h)
-
     def leaf_up(self, leaf: np.ndarray, spine: np.ndarray) -> np.ndarray:
         """Link index of ``leaf`` → ``spine``."""
         return 2 * self.n_hosts + np.asarray(leaf) * self.n_spine + np.asarray(spine)
@@ -143,10 +134,6 @@ class LeafSpine:
         """Link index of ``spine`` → ``leaf``."""
         base = 2 * self.n_hosts + self.n_leaf * self.n_spine
         return base + np.asarray(spine) * self.n_leaf + np.asarray(leaf)
-
-    def replace(self, **changes: Any) -> LeafSpine:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
 
 
 # ---------------------------------------------------------------------------- routing
@@ -181,17 +168,8 @@ class Flows:
         return int(self.src.size)
 
 
-def ecmp_spines(n_flows: int, n_spine: int, rng: np.random.Generator) -> np.ndarray:
-    """The ECMP hash of ``n_flows`` flows onto ``n_spine`` paths: uniform and independent."""
-    return rng.integers(0, n_spine, size=n_flows)
-
-
-def route(
-    topo: LeafSpine,
-    traffic: np.ndarray,
-    routing: str = "ecmp",
-    rng: np.random.Generator | None = None,
-) -> Flows:
+def route(topo: LeafSpine, traffic: np.ndarray, routing: str = "ecmp",
+          rng: np.random.Generator | None = None) -> Flows:
     """Turn ``traffic`` into flows with paths (ECMP hashing or adaptive spreading)."""
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
@@ -208,48 +186,29 @@ def route(
     cap = topo.capacities()
 
     links = np.full((n_flows, 4), -1, dtype=np.int64)
-    links[:, 0] = topo.host_up(src)
-    links[:, 3] = topo.host_down(dst)
+    links[:, 0] = src  # host h's uplink is link h, its downlink link H + h
+    links[:, 3] = topo.n_hosts + dst
     link_bytes = np.bincount(links[:, 0], weights=nbytes, minlength=topo.n_links)
     link_bytes += np.bincount(links[:, 3], weights=nbytes, minlength=topo.n_links)
     spine = np.full(n_flows, -1, dtype=np.int64)
     if routing == "ecmp":
-        spine[inter] = ecmp_spines(int(inter.sum()), S, rng)
+        spine[inter] = rng.integers(0, S, size=int(inter.sum()))  # the hash: uniform, independent
         links[inter, 1] = topo.leaf_up(a[inter], spine[inter])
         links[inter, 2] = topo.spine_down(spine[inter], b[inter])
         for hop in (1, 2):
-            link_bytes += np.bincount(
-                links[inter, hop], weights=nbytes[inter], minlength=topo.n_links
-            )
+            link_bytes += np.bincount(links[inter, hop], weights=nbytes[inter], minlength=topo.n_links)
         rate_links, rate_capacity = links, cap
     else:
         # Physical loads: every spine carries 1/S of each inter-leaf flow.
         leaf_out = np.bincount(a[inter], weights=nbytes[inter], minlength=A) / S
         leaf_in = np.bincount(b[inter], weights=nbytes[inter], minlength=A) / S
-        link_bytes[topo.leaf_up(np.repeat(np.arange(A), S), np.tile(np.arange(S), A))] = (
-            np.repeat(leaf_out, S)
-        )
-        link_bytes[topo.spine_down(np.repeat(np.arange(S), A), np.tile(np.arange(A), S))] = (
-            np.tile(leaf_in, S)
-        )
+        _spread(topo, link_bytes, leaf_out, leaf_in)
         # Rates: each leaf's S uplinks act as one link of S times the capacity.
         rate_links = links.copy()
         rate_links[inter, 1] = 2 * H + a[inter]
         rate_links[inter, 2] = 2 * H + A + b[inter]
-        rate_capacity = np.concatenate(
-            [cap[: 2 * H], np.full(2 * A, S * topo.uplink_bytes_per_s)]
-        )
-    return Flows(
-        routing=routing,
-        src=src,
-        dst=dst,
-        nbytes=nbytes,
-        spine=spine,
-        links=links,
-        link_bytes=link_bytes,
-        rate_links=rate_links,
-        rate_capacity=rate_capacity,
-    )
+        rate_capacity = np.concatenate([cap[: 2 * H], np.full(2 * A, S * topo.uplink_bytes_per_s)])
+    return Flows(routing, src, dst, nbytes, spine, links, link_bytes, rate_links, rate_capacity)
 
 
 # ---------------------------------------------------------------------------- burst model
@@ -271,9 +230,7 @@ class BurstModel:
 
     def __post_init__(self) -> None:
         for name in ("reaction_us", "buffer_kb", "rto_us"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"BurstModel.{name} must be a finite number >= 0, got {value!r}")
+            non_negative_number(getattr(self, name), f"BurstModel.{name}")
 
 
 def _pass_fraction(offered: np.ndarray, capacity: np.ndarray | float) -> np.ndarray:
@@ -284,58 +241,59 @@ def _pass_fraction(offered: np.ndarray, capacity: np.ndarray | float) -> np.ndar
     return out
 
 
-def _burst(flows: Flows, topo: LeafSpine, model: BurstModel) -> tuple[np.ndarray, np.ndarray]:
-    """Peak queue (bytes) and dropped bytes per physical link during the unpaced start.
+def _spread(topo: LeafSpine, out: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """Write per-leaf figures onto the physical links they stand for: ``up[a]`` on every
+    link leaf ``a`` → spine, ``down[b]`` on every link spine → leaf ``b``."""
+    A, S = topo.n_leaf, topo.n_spine
+    leaves, spines = np.repeat(np.arange(A), S), np.tile(np.arange(S), A)
+    out[topo.leaf_up(leaves, spines)] = np.repeat(up, S)
+    out[topo.spine_down(spines, leaves)] = np.repeat(down, S)
+    return out
+
+
+def _burst(flows: Flows, topo: LeafSpine, model: BurstModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Peak queue (bytes), dropped bytes and capacity per link during the unpaced start,
+    over the links the rates see (`Flows.rate_links`; an adaptive leaf's merged uplinks
+    carry the figures of each of its ``n_spine`` physical links, which share the load equally).
 
     Hop by hop: a flow arrives at the rate the previous hop let through; over the
     reaction window ``tau`` a link receives ``sum(min(rate * tau, flow bytes))`` and
     forwards ``capacity * tau``; the difference queues, and beyond the buffer it is lost.
     """
-    n_links = topo.n_links
-    cap = topo.capacities()
+    n_links = flows.rate_capacity.size
+    cap = topo.capacities()[:n_links]  # one physical link's capacity (the uplinks' past the hosts)
+    share = np.ones(n_links)
+    if flows.routing == "adaptive":
+        share[2 * topo.n_hosts:] = topo.n_spine  # a merged link's load spreads over the spines
     per_sender = np.bincount(flows.src, minlength=topo.n_hosts)
-    # Each sender splits its NIC evenly over its flows; adaptive flows spread over spines.
+    # Each sender splits its NIC evenly over its flows.
     arrive = topo.link_bytes_per_s / per_sender[flows.src]
     queue = np.zeros(n_links)
     dropped = np.zeros(n_links)
     tau = model.reaction_us * 1e-6
     buffer = model.buffer_kb * 1024
-    S = topo.n_spine
     for hop in range(4):
-        if flows.routing == "adaptive" and hop in (1, 2):
-            inter = topo.leaf_of(flows.src) != topo.leaf_of(flows.dst)
-            leaf = topo.leaf_of(flows.src if hop == 1 else flows.dst)
-            agg = np.bincount(leaf[inter], weights=arrive[inter], minlength=topo.n_leaf)
-            offered_per_link = agg / S  # every spine gets an equal share
-            scale_leaf = _pass_fraction(offered_per_link, topo.uplink_bytes_per_s)
-            window = np.minimum(arrive * tau, flows.nbytes)
-            window_per_link = np.bincount(leaf[inter], weights=window[inter],
-                                          minlength=topo.n_leaf) / S
-            excess = np.maximum(window_per_link - topo.uplink_bytes_per_s * tau, 0.0)
-            ids = (
-                topo.leaf_up(
-                    np.repeat(np.arange(topo.n_leaf), S), np.tile(np.arange(S), topo.n_leaf)
-                )
-                if hop == 1
-                else topo.spine_down(
-                    np.tile(np.arange(S), topo.n_leaf), np.repeat(np.arange(topo.n_leaf), S)
-                )
-            )
-            queue[ids] = np.repeat(np.minimum(excess, buffer), S)
-            dropped[ids] = np.repeat(np.maximum(excess - buffer, 0.0), S)
-            arrive = np.where(inter, arrive * scale_leaf[leaf], arrive)
-            continue
-        link = flows.links[:, hop]
+        link = flows.rate_links[:, hop]
         on = link >= 0
-        offered = np.bincount(link[on], weights=arrive[on], minlength=n_links)
+        offered = np.bincount(link[on], weights=arrive[on], minlength=n_links) / share
         window = np.minimum(arrive * tau, flows.nbytes)
-        window_bytes = np.bincount(link[on], weights=window[on], minlength=n_links)
+        window_bytes = np.bincount(link[on], weights=window[on], minlength=n_links) / share
         excess = np.maximum(window_bytes - cap * tau, 0.0)
         queue = np.maximum(queue, np.minimum(excess, buffer))
         dropped += np.maximum(excess - buffer, 0.0)
         scale = _pass_fraction(offered, cap)
         arrive = np.where(on, arrive * scale[np.where(on, link, 0)], arrive)
-    return queue, dropped
+    return queue, dropped, cap
+
+
+def _physical(values: np.ndarray, flows: Flows, topo: LeafSpine) -> np.ndarray:
+    """Per-rate-link figures (`_burst`) per physical link."""
+    if flows.routing != "adaptive":
+        return values
+    H, A = topo.n_hosts, topo.n_leaf
+    out = np.zeros(topo.n_links)
+    out[: 2 * H] = values[: 2 * H]
+    return _spread(topo, out, values[2 * H: 2 * H + A], values[2 * H + A:])
 
 
 # ---------------------------------------------------------------------------- results
@@ -391,22 +349,13 @@ class FabricResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The figures as plain JSON-able values, marked ``kind="simulated"``."""
-        return {
-            "routing": self.routing,
-            "pacing": self.pacing,
-            "n_gpus": self.topology.n_hosts,
-            "n_flows": self.flows.n_flows,
-            "makespan_us": self.makespan * 1e6,
-            "lower_bound_us": self.lower_bound * 1e6,
-            "algbw_fraction": self.algbw_fraction,
-            "efficiency": self.efficiency,
-            "fct_p50_us": self.fct_percentile(50),
-            "fct_p99_us": self.fct_percentile(99),
-            "uplink_max_over_mean": self.uplink_max_over_mean,
-            "dropped_bytes": float(self.dropped_bytes.sum()),
-            "flows_with_timeout": int(self.timed_out.sum()),
-            "kind": "simulated",
-        }
+        return {"routing": self.routing, "pacing": self.pacing, "n_gpus": self.topology.n_hosts,
+                "n_flows": self.flows.n_flows, "makespan_us": self.makespan * 1e6,
+                "lower_bound_us": self.lower_bound * 1e6, "algbw_fraction": self.algbw_fraction,
+                "efficiency": self.efficiency, "fct_p50_us": self.fct_percentile(50),
+                "fct_p99_us": self.fct_percentile(99), "uplink_max_over_mean": self.uplink_max_over_mean,
+                "dropped_bytes": float(self.dropped_bytes.sum()),
+                "flows_with_timeout": int(self.timed_out.sum()), "kind": "simulated"}
 
 
 def lower_bound_time(topo: LeafSpine, traffic: np.ndarray) -> float:
@@ -424,31 +373,9 @@ def lower_bound_time(topo: LeafSpine, traffic: np.ndarray) -> float:
     return float(max(nic, core))
 
 
-def _representative_path(flows: Flows, topo: LeafSpine) -> np.ndarray:
-    """One physical link per hop of each flow, ``[n_flows, 4]`` (``-1``: no such hop).
-
-    An adaptively routed flow crosses every uplink of its leaf; they carry equal loads, so
-    the one to spine 0 stands for all of them.
-    """
-    path = flows.links.copy()
-    if flows.routing == "adaptive":
-        inter = topo.leaf_of(flows.src) != topo.leaf_of(flows.dst)
-        path[inter, 1] = topo.leaf_up(topo.leaf_of(flows.src[inter]), 0)
-        path[inter, 2] = topo.spine_down(0, topo.leaf_of(flows.dst[inter]))
-    return path
-
-
-def simulate(
-    topo: LeafSpine,
-    traffic: np.ndarray,
-    *,
-    routing: str = "ecmp",
-    pacing: bool = True,
-    burst: BurstModel | None = None,
-    rng: np.random.Generator | None = None,
-    rel_tol: float = 0.01,
-    step_quantile: float = 0.1,
-) -> FabricResult:
+def simulate(topo: LeafSpine, traffic: np.ndarray, *, routing: str = "ecmp", pacing: bool = True,
+             burst: BurstModel | None = None, rng: np.random.Generator | None = None, rel_tol: float = 0.01,
+             step_quantile: float = 0.1) -> FabricResult:
     """Route ``traffic`` over ``topo`` and simulate the transfer.
 
     Flow completion time = fluid max-min completion (:func:`fluid_completion_times`)
@@ -459,34 +386,20 @@ def simulate(
     flows = route(topo, traffic, routing, rng)
     if flows.n_flows == 0:
         raise ValueError("traffic has no bytes between different GPUs: nothing to simulate")
-    fct = fluid_completion_times(
-        flows.nbytes, flows.rate_links, flows.rate_capacity, rel_tol=rel_tol,
-        step_quantile=step_quantile,
-    )
-    n_links = topo.n_links
-    queue, dropped = np.zeros(n_links), np.zeros(n_links)
+    fct = fluid_completion_times(flows.nbytes, flows.rate_links, flows.rate_capacity, rel_tol=rel_tol,
+                                 step_quantile=step_quantile)
+    queue, dropped = np.zeros(topo.n_links), np.zeros(topo.n_links)
+    timed_out = np.zeros(flows.n_flows, dtype=bool)
     if not pacing:
-        queue, dropped = _burst(flows, topo, burst)
-        path = _representative_path(flows, topo)
-        on = path >= 0
-        padded = np.where(on, path, 0)
-        wait = np.where(on, (queue / topo.capacities())[padded], 0.0).sum(axis=1)
+        queue, dropped, cap = _burst(flows, topo, burst)
+        on = flows.rate_links >= 0
+        padded = np.where(on, flows.rate_links, 0)
+        wait = np.where(on, (queue / cap)[padded], 0.0).sum(axis=1)
         timed_out = (np.where(on, dropped[padded], 0.0) > 0).any(axis=1)
         fct = fct + wait + timed_out * burst.rto_us * 1e-6
-    else:
-        timed_out = np.zeros(flows.n_flows, dtype=bool)
-    return FabricResult(
-        topology=topo,
-        routing=routing,
-        pacing=pacing,
-        flows=flows,
-        fct=fct,
-        makespan=float(fct.max()),
-        lower_bound=lower_bound_time(topo, traffic),
-        queue_bytes=queue,
-        dropped_bytes=dropped,
-        timed_out=timed_out,
-    )
+        queue, dropped = _physical(queue, flows, topo), _physical(dropped, flows, topo)
+    return FabricResult(topo, routing, pacing, flows, fct, float(fct.max()), lower_bound_time(topo, traffic),
+                        queue, dropped, timed_out)
 
 
 # ---------------------------------------------------------------------------- balls into bins

@@ -29,9 +29,7 @@ class _Incidence:
             raise ValueError("capacity must be a non-empty vector of positive numbers")
         self.n_links = cap.size
         if links.size and np.any(links >= self.n_links):
-            raise ValueError(
-                f"flow_links refers to link {int(links.max())}; only {self.n_links} exist"
-            )
+            raise ValueError(f"flow_links refers to link {int(links.max())}; only {self.n_links} exist")
         valid = links >= 0
         if links.shape[0] and np.any(~valid.any(axis=1)):
             raise ValueError("every flow must cross at least one link")
@@ -68,9 +66,7 @@ class _Incidence:
                 members = self.by_link[self.starts[link] : self.starts[link + 1]]
                 members = members[free[members]]
             else:
-                members = np.concatenate(
-                    [self.by_link[self.starts[link] : self.starts[link + 1]] for link in full]
-                )
+                members = np.concatenate([self.by_link[self.starts[k] : self.starts[k + 1]] for k in full])
                 # A flow through two links that fill together is counted once.
                 members = np.unique(members[free[members]])
             free[members] = False
@@ -82,9 +78,7 @@ class _Incidence:
         return rate
 
 
-def max_min_rates(
-    flow_links: np.ndarray, capacity: np.ndarray, *, rel_tol: float = 1e-9
-) -> np.ndarray:
+def max_min_rates(flow_links: np.ndarray, capacity: np.ndarray, *, rel_tol: float = 1e-9) -> np.ndarray:
     """Max-min fair rates by progressive filling.
 
     Args:
@@ -101,14 +95,8 @@ def max_min_rates(
     return inc.rates(np.ones(inc.padded.shape[0], dtype=bool), rel_tol)
 
 
-def fluid_completion_times(
-    nbytes: np.ndarray,
-    flow_links: np.ndarray,
-    capacity: np.ndarray,
-    *,
-    rel_tol: float = 0.01,
-    step_quantile: float = 0.1,
-) -> np.ndarray:
+def fluid_completion_times(nbytes: np.ndarray, flow_links: np.ndarray, capacity: np.ndarray, *,
+                           rel_tol: float = 0.01, step_quantile: float = 0.1) -> np.ndarray:
     """Completion time of every flow (all starting at 0) under max-min fair sharing.
 
     A fluid simulation in epochs: compute the max-min rates of the unfinished flows,
@@ -123,9 +111,7 @@ def fluid_completion_times(
     size = np.asarray(nbytes, dtype=float)
     links = np.asarray(flow_links, dtype=np.int64)
     if size.ndim != 1 or links.ndim != 2 or links.shape[0] != size.size:
-        raise ValueError(
-            f"nbytes [{size.size}] and flow_links {links.shape} must describe the same flows"
-        )
+        raise ValueError(f"nbytes [{size.size}] and flow_links {links.shape} must describe the same flows")
     if np.any(~np.isfinite(size)) or np.any(size < 0):
         raise ValueError("nbytes must be finite and >= 0 for every flow")
     if not 0 <= step_quantile < 1:
@@ -139,10 +125,7 @@ def fluid_completion_times(
         idx = np.flatnonzero(active)
         rates = incidence.rates(active, rel_tol)[idx]
         to_finish = remaining[idx] / rates
-        step = max(
-            float(to_finish.min()) * (1.0 + rel_tol),
-            float(np.quantile(to_finish, step_quantile)),
-        )
+        step = max(float(to_finish.min()) * (1.0 + rel_tol), float(np.quantile(to_finish, step_quantile)))
         finishing = to_finish <= step
         done[idx[finishing]] = now + to_finish[finishing]
         active[idx[finishing]] = False

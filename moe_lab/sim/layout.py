@@ -22,6 +22,7 @@ how the stages take turns on micro-batches is :mod:`moe_lab.sim.schedule`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
@@ -48,9 +49,6 @@ class _LayoutParser:
     def skip_cosmetic(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos] in ", \t\n":
             self.pos += 1
-
-    def parse(self) -> list[str]:
-        return self.items(open_pos=None)
 
     def items(self, open_pos: int | None) -> list[str]:
         out: list[str] = []
@@ -121,26 +119,18 @@ class Layout:
     def __post_init__(self) -> None:
         positive_ints(self, "n_ranks")
         if not self.stages or len(self.stages) % self.n_ranks:
-            raise ValueError(
-                f"Layout has {len(self.stages)} virtual stages; that must be a positive "
-                f"multiple of n_ranks={self.n_ranks}"
-            )
+            raise ValueError(f"Layout has {len(self.stages)} virtual stages; that must be a positive "
+                             f"multiple of n_ranks={self.n_ranks}")
         for k, stage in enumerate(self.stages):
             bad = set(stage) - set(LAYER_CHARS)
             if bad:
-                raise ValueError(
-                    f"Layout stage {k} {stage!r} holds {sorted(bad)}; expected only "
-                    f"{sorted(LAYER_CHARS)}"
-                )
+                raise ValueError(f"Layout stage {k} {stage!r} holds {sorted(bad)}; expected only "
+                                 f"{sorted(LAYER_CHARS)}")
 
     @property
     def n_chunks(self) -> int:
         """Virtual stages per rank (Megatron's VPP size)."""
         return len(self.stages) // self.n_ranks
-
-    def rank_of(self, stage: int) -> int:
-        """The rank that runs virtual stage ``stage``."""
-        return stage % self.n_ranks
 
     def rank_stages(self, rank: int) -> list[int]:
         """The virtual stages of ``rank``, chunk 0 first."""
@@ -166,7 +156,7 @@ def parse_layout(text: str, n_ranks: int | None = None) -> Layout:
     """
     if not isinstance(text, str):
         raise ValueError(f"layout must be a string, got {type(text).__name__}")
-    tokens = _LayoutParser(text).parse()
+    tokens = _LayoutParser(text).items(open_pos=None)
     if not tokens:
         raise ValueError(f"layout {text!r} holds no layers")
     stages = tuple("".join(tokens).split("|"))
@@ -174,25 +164,17 @@ def parse_layout(text: str, n_ranks: int | None = None) -> Layout:
         n_ranks = len(stages)
     positive_int(n_ranks, "n_ranks")
     if len(stages) % n_ranks:
-        raise ValueError(
-            f"layout {text!r} has {len(stages)} stages, which n_ranks={n_ranks} does not "
-            f"divide (expected a multiple of {n_ranks}: n_ranks x virtual stages per rank)"
-        )
+        raise ValueError(f"layout {text!r} has {len(stages)} stages, which n_ranks={n_ranks} does not "
+                         f"divide (expected a multiple of {n_ranks}: n_ranks x virtual stages per rank)")
     return Layout(stages, n_ranks)
 
 
 def _format_stage(stage: str) -> str:
+    """Each run of one layer as ``t*4`` where that is shorter than the run written out."""
     out = []
-    i = 0
-    while i < len(stage):
-        j = i
-        while j < len(stage) and stage[j] == stage[i]:
-            j += 1
-        run = j - i
-        literal = stage[i] * run
-        starred = f"{stage[i]}*{run}"
-        out.append(starred if len(starred) < len(literal) else literal)
-        i = j
+    for char, group in itertools.groupby(stage):
+        run = len(list(group))
+        out.append(f"{char}*{run}" if len(f"{char}*{run}") < run else char * run)
     return "".join(out)
 
 
@@ -205,12 +187,7 @@ def format_layout(layout: Layout | Sequence[str]) -> str:
     stages = list(layout.stages if isinstance(layout, Layout) else layout)
     if not stages:
         raise ValueError("format_layout needs at least one stage, got none")
-    runs: list[tuple[str, int]] = []
-    for stage in stages:
-        if runs and runs[-1][0] == stage:
-            runs[-1] = (stage, runs[-1][1] + 1)
-        else:
-            runs.append((stage, 1))
+    runs = [(stage, len(list(group))) for stage, group in itertools.groupby(stages)]
     out = ""
     for index, (stage, n) in enumerate(runs):
         text = _format_stage(stage)
@@ -218,29 +195,15 @@ def format_layout(layout: Layout | Sequence[str]) -> str:
         # n copies, each followed by '|' except after the very last stage of the layout.
         n_sep = n if not last else n - 1
         plain = "|".join([text] * n) + ("|" if not last else "")
-        grouped = None
-        if n_sep >= 2:
-            grouped = f"({text}|)*{n_sep}"
-            if last:
-                grouped += f",{text}" if text else ""
-            else:
-                grouped += ","
-        if grouped is not None and len(grouped) < len(plain):
-            out += grouped
-        else:
-            out += plain
+        grouped = f"({text}|)*{n_sep}" + ((f",{text}" if text else "") if last else ",")
+        out += grouped if n_sep >= 2 and len(grouped) < len(plain) else plain
     return out
 
 
 def model_layer_kinds(cfg: ModelConfig) -> list[str]:
     """The layer kinds of ``cfg`` in pipeline order: embedding, dense…, moe…, mtp…, logits."""
-    return (
-        ["embedding"]
-        + ["dense"] * cfg.n_dense_layers
-        + ["moe"] * cfg.n_moe_layers
-        + ["mtp"] * cfg.mtp_layers
-        + ["logits"]
-    )
+    return (["embedding"] + ["dense"] * cfg.n_dense_layers + ["moe"] * cfg.n_moe_layers
+            + ["mtp"] * cfg.mtp_layers + ["logits"])
 
 
 def model_layer_chars(cfg: ModelConfig) -> str:
@@ -258,18 +221,11 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     expected = model_layer_chars(cfg)
     counts = {c: layers.count(c) for c in LAYER_CHARS}
     wanted = {c: expected.count(c) for c in LAYER_CHARS}
-    problems = [
-        f"{counts[c]} × {c!r} ({LAYER_CHARS[c]}), expected {wanted[c]}"
-        for c in LAYER_CHARS
-        if counts[c] != wanted[c]
-    ]
+    problems = [f"{counts[c]} × {c!r} ({LAYER_CHARS[c]}), expected {wanted[c]}"
+                for c in LAYER_CHARS if counts[c] != wanted[c]]
     if problems:
-        raise ValueError(
-            f"layout {format_layout(layout)!r} does not cover the layers of "
-            f"{cfg.name!r}: " + "; ".join(problems)
-        )
+        raise ValueError(f"layout {format_layout(layout)!r} does not cover the layers of "
+                         f"{cfg.name!r}: " + "; ".join(problems))
     if layers != expected:
-        raise ValueError(
-            f"layout {format_layout(layout)!r} has the right layers in the wrong order: "
-            f"expected 'E' first, then the transformer layers, then 'm', then 'L' last"
-        )
+        raise ValueError(f"layout {format_layout(layout)!r} has the right layers in the wrong order: "
+                         f"expected 'E' first, then the transformer layers, then 'm', then 'L' last")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_lab.checks import positive_int
+from moe_lab.checks import non_negative_number, positive_int
 from moe_lab.config import ModelConfig
 from moe_lab.sim.layout import (
     LAYER_KINDS,
@@ -53,9 +53,7 @@ class LayerCosts:
 
     def __post_init__(self) -> None:
         for name in (*LAYER_KINDS, "backward_ratio", "wgrad_ratio"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"LayerCosts.{name} must be a finite number >= 0, got {value!r}")
+            non_negative_number(getattr(self, name), f"LayerCosts.{name}")
 
     def forward(self, kind: str) -> float:
         """Forward cost of one layer of ``kind`` (one of ``LAYER_KINDS``)."""
@@ -63,21 +61,12 @@ class LayerCosts:
             raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {kind!r}")
         return float(getattr(self, kind))
 
-    def replace(self, **changes: Any) -> LayerCosts:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
     def to_dict(self) -> dict[str, Any]:
         """The costs as a plain dict."""
         return dataclasses.asdict(self)
 
 
-def layer_costs(
-    cfg: ModelConfig,
-    seq_len: int | None = None,
-    *,
-    logits_scale: float = 1.0,
-) -> LayerCosts:
+def layer_costs(cfg: ModelConfig, seq_len: int | None = None, *, logits_scale: float = 1.0) -> LayerCosts:
     """Forward GFLOP per token of one layer of each kind, from the FLOPs model.
 
     ``moe_lab.perf.flops.layer_flops_per_token`` gives *training* FLOPs (forward +
@@ -98,13 +87,8 @@ def layer_costs(
     if cfg.mtp_layers and mtp > logits:
         # The MTP block holds a transformer layer, a projection and its own output head.
         mtp = mtp - logits + logits * logits_scale
-    return LayerCosts(
-        embedding=fwd["embedding"],
-        dense=fwd["dense"],
-        moe=fwd["moe"],
-        mtp=mtp,
-        logits=logits * logits_scale,
-    )
+    return LayerCosts(embedding=fwd["embedding"], dense=fwd["dense"], moe=fwd["moe"], mtp=mtp,
+                      logits=logits * logits_scale)
 
 
 def stage_forward_costs(layout: Layout, cfg: ModelConfig, costs: LayerCosts) -> np.ndarray:
@@ -132,10 +116,8 @@ def _check_stage_counts(cfg: ModelConfig, n_ranks: int, n_chunks: int) -> None:
     positive_int(n_chunks, "n_chunks")
     n_items = len(model_layer_chars(cfg))
     if n_ranks * n_chunks > n_items:
-        raise ValueError(
-            f"n_ranks x n_chunks = {n_ranks * n_chunks} virtual stages is impossible for "
-            f"{cfg.name!r}: it has only {n_items} layers including E, m and L"
-        )
+        raise ValueError(f"n_ranks x n_chunks = {n_ranks * n_chunks} virtual stages is impossible for "
+                         f"{cfg.name!r}: it has only {n_items} layers including E, m and L")
 
 
 def even_layout(cfg: ModelConfig, n_ranks: int, n_chunks: int = 1) -> Layout:
@@ -145,10 +127,8 @@ def even_layout(cfg: ModelConfig, n_ranks: int, n_chunks: int = 1) -> Layout:
     _check_stage_counts(cfg, n_ranks, n_chunks)
     n_vs = n_ranks * n_chunks
     if cfg.n_layers < n_vs:
-        raise ValueError(
-            f"even_layout needs at least one transformer layer per virtual stage: "
-            f"n_layers={cfg.n_layers} < n_ranks x n_chunks = {n_vs}"
-        )
+        raise ValueError(f"even_layout needs at least one transformer layer per virtual stage: "
+                         f"n_layers={cfg.n_layers} < n_ranks x n_chunks = {n_vs}")
     per = [len(a) for a in np.array_split(np.arange(cfg.n_layers), n_vs)]
     stages = ["t" * k for k in per]
     stages[0] = "E" + stages[0]
@@ -197,13 +177,8 @@ def _rank_objective(bounds: Sequence[int], prefix: np.ndarray, n_ranks: int) -> 
     return (round(float(loads.max()), 12), round(float(seg.max()), 12), float((loads**2).sum()))
 
 
-def _greedy_fill(
-    item_costs: np.ndarray,
-    n_ranks: int,
-    n_vs: int,
-    limit: float,
-    stage_limit: float = math.inf,
-) -> list[int] | None:
+def _greedy_fill(item_costs: np.ndarray, n_ranks: int, n_vs: int, limit: float,
+                 stage_limit: float = math.inf) -> list[int] | None:
     """Fill virtual stages in order, each up to what its rank has left under ``limit``
     (and at most ``stage_limit``) but at least one layer, leaving one for every later
     stage; the bounds, or None when the layers do not all fit."""
@@ -222,29 +197,26 @@ def _greedy_fill(
     return bounds if i == n else None
 
 
-def _greedy_rank_bounds(item_costs: np.ndarray, n_ranks: int, n_vs: int) -> list[list[int]]:
-    """Two greedy fills: under the smallest per-rank limit the greedy can meet, and under
-    that limit with the smallest per-stage limit it can then meet (bisections)."""
-    low, high = float(item_costs.max()), float(item_costs.sum())
-    best = _greedy_fill(item_costs, n_ranks, n_vs, high)
+def _bisect(fill: Any, low: float, high: float) -> tuple[float, list[int]]:
+    """The smallest limit in ``[low, high]`` (to 60 halvings) under which ``fill(limit)`` finds
+    bounds, and those bounds (``fill(high)`` must find some)."""
+    best = fill(high)
     for _ in range(60):
         mid = (low + high) / 2
-        found = _greedy_fill(item_costs, n_ranks, n_vs, mid)
+        found = fill(mid)
         if found is None:
             low = mid
         else:
             high, best = mid, found
-    assert best is not None  # the whole sum always fits in the first stage
-    limit = high
-    low, stage_high = 0.0, limit
-    balanced = best
-    for _ in range(60):
-        mid = (low + stage_high) / 2
-        found = _greedy_fill(item_costs, n_ranks, n_vs, limit, mid)
-        if found is None:
-            low = mid
-        else:
-            stage_high, balanced = mid, found
+    return high, best
+
+
+def _greedy_rank_bounds(item_costs: np.ndarray, n_ranks: int, n_vs: int) -> list[list[int]]:
+    """Two greedy fills: under the smallest per-rank limit the greedy can meet, and under
+    that limit with the smallest per-stage limit it can then meet (bisections)."""
+    limit, best = _bisect(lambda mid: _greedy_fill(item_costs, n_ranks, n_vs, mid),
+                          float(item_costs.max()), float(item_costs.sum()))
+    _, balanced = _bisect(lambda mid: _greedy_fill(item_costs, n_ranks, n_vs, limit, mid), 0.0, limit)
     return [best, balanced]
 
 
@@ -253,9 +225,7 @@ def _stage_objective(bounds: Sequence[int], prefix: np.ndarray, n_ranks: int) ->
     return (stage_max, rank_max, spread)
 
 
-def _local_search(
-    bounds: Sequence[int], prefix: np.ndarray, n_ranks: int, objective: Any
-) -> list[int]:
+def _local_search(bounds: Sequence[int], prefix: np.ndarray, n_ranks: int, objective: Any) -> list[int]:
     """Move layers across stage boundaries while ``objective`` (a tuple) goes down.
 
     A move shifts the boundaries ``k .. K-1`` together by one layer, which hands one layer
@@ -281,14 +251,8 @@ def _local_search(
     return [int(x) for x in bounds]
 
 
-def search_layout(
-    cfg: ModelConfig,
-    costs: LayerCosts,
-    n_ranks: int,
-    n_chunks: int = 1,
-    *,
-    n_microbatches: int | None = None,
-) -> Layout:
+def search_layout(cfg: ModelConfig, costs: LayerCosts, n_ranks: int, n_chunks: int = 1, *,
+                  n_microbatches: int | None = None) -> Layout:
     """A contiguous layout of ``cfg`` on ``n_ranks`` ranks that balances the work.
 
     One chunk per rank: exact. A dynamic programme over the contiguous cuts of
@@ -335,38 +299,16 @@ def layout_report(layout: Layout, cfg: ModelConfig, costs: LayerCosts) -> dict[s
     """The figures of one layout: stage and rank work, slowest rank, imbalance."""
     stage = stage_forward_costs(layout, cfg, costs)
     loads = rank_loads(layout, stage)
-    return {
-        "layout": format_layout(layout),
-        "n_ranks": layout.n_ranks,
-        "n_chunks": layout.n_chunks,
-        "stage_costs": stage.tolist(),
-        "rank_loads": loads.tolist(),
-        "max_rank_load": float(loads.max()),
-        "mean_rank_load": float(loads.mean()),
-        "imbalance": stage_imbalance(loads),
-        "unit": costs.unit,
-    }
+    return {"layout": format_layout(layout), "n_ranks": layout.n_ranks, "n_chunks": layout.n_chunks,
+            "stage_costs": stage.tolist(), "rank_loads": loads.tolist(), "max_rank_load": float(loads.max()),
+            "mean_rank_load": float(loads.mean()), "imbalance": stage_imbalance(loads), "unit": costs.unit}
 
 
-def simulate_layout(
-    layout: Layout,
-    cfg: ModelConfig,
-    costs: LayerCosts,
-    n_microbatches: int,
-    *,
-    schedule: str | None = None,
-    delay_wgrad: bool = False,
-    p2p_latency: float = 0.0,
-) -> PipelineResult:
+def simulate_layout(layout: Layout, cfg: ModelConfig, costs: LayerCosts, n_microbatches: int, *,
+                    schedule: str | None = None, delay_wgrad: bool = False,
+                    p2p_latency: float = 0.0) -> PipelineResult:
     """:func:`simulate` with per-stage costs taken from ``layout`` and ``costs``."""
     fwd = stage_forward_costs(layout, cfg, costs)
-    return simulate(
-        fwd,
-        fwd * costs.backward_ratio,
-        fwd * costs.wgrad_ratio,
-        n_microbatches=n_microbatches,
-        n_ranks=layout.n_ranks,
-        schedule=schedule,
-        delay_wgrad=delay_wgrad,
-        p2p_latency=p2p_latency,
-    )
+    return simulate(fwd, fwd * costs.backward_ratio, fwd * costs.wgrad_ratio, n_microbatches=n_microbatches,
+                    n_ranks=layout.n_ranks, schedule=schedule, delay_wgrad=delay_wgrad,
+                    p2p_latency=p2p_latency)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_lab.checks import positive_int
+from moe_lab.checks import non_negative_int, non_negative_number, one_of, positive_int
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OP_KINDS = ("F", "B", "W")
@@ -53,9 +53,7 @@ def bubble_interleaved(n_ranks: int, n_microbatches: int, n_chunks: int) -> floa
 Op = tuple[str, int, int]  # (kind "F"/"B"/"W", micro-batch, chunk)
 
 
-def schedule_order(
-    schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int = 1
-) -> list[list[Op]]:
+def schedule_order(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int = 1) -> list[list[Op]]:
     """Each rank's forward/backward operations in execution order.
 
     ``gpipe``: all forwards, then all backwards. ``1f1b``: rank ``r`` runs ``p - r - 1``
@@ -67,54 +65,34 @@ def schedule_order(
     """
     _check_schedule_args(schedule, n_ranks, n_microbatches, n_chunks)
     p, m, v = n_ranks, n_microbatches, n_chunks
+    # micro-batches in groups of p through chunk 0, then chunk 1, ... (one chunk: in order)
+    fwd = [(i, c) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]
+    bwd = [(i, v - 1 - c) for i, c in fwd]
     orders: list[list[Op]] = []
     for r in range(p):
         if schedule == "gpipe":
-            ops = [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
+            warm = m
         elif schedule == "1f1b":
             warm = min(p - r - 1, m)
-            ops = [("F", i, 0) for i in range(warm)]
-            for i in range(m - warm):
-                ops += [("F", warm + i, 0), ("B", i, 0)]
-            ops += [("B", i, 0) for i in range(m - warm, m)]
         else:
-            fwd = [
-                (i, c)
-                for g in range(0, m, p)
-                for c in range(v)
-                for i in range(g, min(g + p, m))
-            ]
-            bwd = [
-                (i, v - 1 - c)
-                for g in range(0, m, p)
-                for c in range(v)
-                for i in range(g, min(g + p, m))
-            ]
-            total = m * v
-            warm = total if m == p else min((p - r - 1) * 2 + (v - 1) * p, total)
-            ops = [("F", i, c) for i, c in fwd[:warm]]
-            for k in range(total - warm):
-                ops += [("F", *fwd[warm + k]), ("B", *bwd[k])]
-            ops += [("B", i, c) for i, c in bwd[total - warm :]]
-        orders.append(ops)
+            warm = m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        ops = [("F", *op) for op in fwd[:warm]]
+        for f_op, b_op in zip(fwd[warm:], bwd, strict=False):
+            ops += [("F", *f_op), ("B", *b_op)]
+        orders.append(ops + [("B", *op) for op in bwd[len(fwd) - warm:]])
     return orders
 
 
 def _check_schedule_args(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    one_of(schedule, "schedule", SCHEDULES)
     for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_chunks", n_chunks)):
         positive_int(value, name)
     if schedule != "interleaved" and n_chunks != 1:
-        raise ValueError(
-            f"schedule {schedule!r} runs one chunk per rank, got n_chunks={n_chunks} "
-            "(use schedule='interleaved')"
-        )
+        raise ValueError(f"schedule {schedule!r} runs one chunk per rank, got n_chunks={n_chunks} "
+                         "(use schedule='interleaved')")
     if schedule == "interleaved" and n_chunks > 1 and n_microbatches % n_ranks:
-        raise ValueError(
-            f"interleaved 1F1B takes micro-batches in groups of n_ranks={n_ranks}; "
-            f"n_microbatches={n_microbatches} must be a multiple of it"
-        )
+        raise ValueError(f"interleaved 1F1B takes micro-batches in groups of n_ranks={n_ranks}; "
+                         f"n_microbatches={n_microbatches} must be a multiple of it")
 
 
 def stage_imbalance(loads: Sequence[float]) -> float:
@@ -160,23 +138,13 @@ class PipelineResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The figures (not the timeline) as plain JSON-able values."""
-        return {
-            "schedule": self.schedule,
-            "n_ranks": self.n_ranks,
-            "n_chunks": self.n_chunks,
-            "n_microbatches": self.n_microbatches,
-            "delay_wgrad": self.delay_wgrad,
-            "makespan": self.makespan,
-            "bubble_fraction": self.bubble_fraction,
-            "imbalance": self.imbalance,
-            "busy": self.busy.tolist(),
-            "n_ops": int(self.rank.size),
-        }
+        return {"schedule": self.schedule, "n_ranks": self.n_ranks, "n_chunks": self.n_chunks,
+                "n_microbatches": self.n_microbatches, "delay_wgrad": self.delay_wgrad,
+                "makespan": self.makespan, "bubble_fraction": self.bubble_fraction,
+                "imbalance": self.imbalance, "busy": self.busy.tolist(), "n_ops": int(self.rank.size)}
 
 
-def _as_costs(name: str, values: Sequence[float] | None, n: int, default: np.ndarray) -> np.ndarray:
-    if values is None:
-        return default.copy()
+def _as_costs(name: str, values: Sequence[float], n: int) -> np.ndarray:
     arr = np.asarray(values, dtype=float).reshape(-1)
     if arr.size != n:
         raise ValueError(f"{name} must hold one cost per virtual stage ({n}), got {arr.size}")
@@ -185,18 +153,10 @@ def _as_costs(name: str, values: Sequence[float] | None, n: int, default: np.nda
     return arr
 
 
-def simulate(
-    forward: Sequence[float],
-    backward: Sequence[float] | None = None,
-    wgrad: Sequence[float] | None = None,
-    *,
-    n_microbatches: int,
-    n_ranks: int | None = None,
-    schedule: str | None = None,
-    delay_wgrad: bool = False,
-    p2p_latency: float = 0.0,
-    max_deferred_wgrad: int | None = None,
-) -> PipelineResult:
+def simulate(forward: Sequence[float], backward: Sequence[float] | None = None,
+             wgrad: Sequence[float] | None = None, *, n_microbatches: int, n_ranks: int | None = None,
+             schedule: str | None = None, delay_wgrad: bool = False, p2p_latency: float = 0.0,
+             max_deferred_wgrad: int | None = None) -> PipelineResult:
     """Simulate one training step of a pipeline, event by event.
 
     Args:
@@ -220,59 +180,51 @@ def simulate(
     Every rank executes its schedule's operations in order; an operation starts at the
     first moment its rank is free and its dependency has arrived.
     """
-    f = np.asarray(forward, dtype=float).reshape(-1)
-    n_vs = f.size
-    if n_vs == 0:
-        raise ValueError("forward must hold at least one virtual stage, got none")
-    if n_ranks is None:
-        n_ranks = n_vs
-    if not isinstance(n_ranks, int) or n_ranks < 1 or n_vs % n_ranks:
-        raise ValueError(
-            f"n_ranks must be a positive integer dividing the {n_vs} virtual stages, "
-            f"got {n_ranks!r}"
-        )
-    f = _as_costs("forward", f, n_vs, f)
-    b = _as_costs("backward", backward, n_vs, f)
-    w = _as_costs("wgrad", wgrad, n_vs, f)
+    n_vs = np.asarray(forward).size
+    n_ranks = n_vs if n_ranks is None else n_ranks
+    if n_vs == 0 or not isinstance(n_ranks, int) or n_ranks < 1 or n_vs % n_ranks:
+        raise ValueError(f"n_ranks must be a positive integer dividing the {n_vs} virtual stages "
+                         f"(at least one), got {n_ranks!r}")
+    f, b, w = (_as_costs(name, forward if values is None else values, n_vs) for name, values in
+               (("forward", forward), ("backward", backward), ("wgrad", wgrad)))
+    non_negative_number(p2p_latency, "p2p_latency")
+    if max_deferred_wgrad is not None:
+        non_negative_int(max_deferred_wgrad, "max_deferred_wgrad")
     p, v = n_ranks, n_vs // n_ranks
-    if schedule is None:
-        schedule = "1f1b" if v == 1 else "interleaved"
-    if not (isinstance(p2p_latency, (int, float)) and p2p_latency >= 0):
-        raise ValueError(f"p2p_latency must be a number >= 0, got {p2p_latency!r}")
-    if max_deferred_wgrad is not None and (
-        not isinstance(max_deferred_wgrad, int) or max_deferred_wgrad < 0
-    ):
-        raise ValueError(
-            f"max_deferred_wgrad must be None or an integer >= 0, got {max_deferred_wgrad!r}"
-        )
+    schedule = schedule or ("1f1b" if v == 1 else "interleaved")
     order = schedule_order(schedule, p, n_microbatches, v)
-    m = n_microbatches
-    last = n_vs - 1
+    costs = {"F": f, "B": b if delay_wgrad else b + w, "W": w}  # without delay, B and W run as one
+    eps = 1e-12 * (float(f.sum() + b.sum() + w.sum()) * n_microbatches + 1.0)
+    rows = _run_ranks(order, costs, delay_wgrad, p2p_latency, max_deferred_wgrad, eps)
+    cols = list(zip(*rows))  # rank, kind, micro-batch, chunk, start, end
+    rank, mb, chunk = (np.array(cols[i], dtype=np.int64) for i in (0, 2, 3))
+    start, end = (np.array(cols[i], dtype=float) for i in (4, 5))
+    return PipelineResult(schedule, p, v, n_microbatches, delay_wgrad, rank, np.array(cols[1]), mb, chunk,
+                          start, end, makespan=float(end.max()),
+                          busy=np.bincount(rank, weights=end - start, minlength=p))
 
+
+def _run_ranks(order: list[list[Op]], costs: dict[str, np.ndarray], delay_wgrad: bool,
+               p2p_latency: float, max_deferred_wgrad: int | None, eps: float) -> list[tuple]:
+    """The event loop of `simulate`: rows ``(rank, kind, micro-batch, chunk, start, end)``."""
+    p, last = len(order), costs["F"].size - 1
     end: dict[tuple[str, int, int], float] = {}
 
     def arrival(kind: str, mb: int, vs: int) -> float:
+        """When the input of F or B of micro-batch ``mb`` on virtual stage ``vs`` is there."""
         if kind == "F":
             dep = ("F", mb, vs - 1) if vs > 0 else None
-        elif kind == "B":
-            dep = ("B", mb, vs + 1) if vs < last else ("F", mb, vs)
         else:
-            dep = ("B", mb, vs)
+            dep = ("B", mb, vs + 1) if vs < last else ("F", mb, vs)
         if dep is None:
             return 0.0
-        done = end.get(dep)
-        if done is None:
-            return math.inf
         crosses = dep[2] % p != vs % p
-        return done + (p2p_latency if crosses else 0.0)
+        return end.get(dep, math.inf) + (p2p_latency if crosses else 0.0)
 
-    free_at = [0.0] * p
-    ptr = [0] * p
-    pending: list[deque[Op]] = [deque() for _ in range(p)]
+    free_at, ptr = [0.0] * p, [0] * p
+    pending: list[deque[Op]] = [deque() for _ in range(p)]  # deferred W operations
     rows: list[tuple[int, str, int, int, float, float]] = []
     events = [0.0]
-    scale = float(f.sum() + b.sum() + w.sum()) * m + 1.0
-    eps = 1e-12 * scale
     while events:
         t = heapq.heappop(events)
         while events and events[0] <= t + eps:
@@ -283,31 +235,18 @@ def simulate(
             for r in range(p):
                 if free_at[r] > t + eps:
                     continue
-                choice: Op | None = None
-                if max_deferred_wgrad is not None and len(pending[r]) > max_deferred_wgrad:
-                    choice = pending[r].popleft()
-                elif ptr[r] < len(order[r]):
-                    kind, mb, c = order[r][ptr[r]]
-                    if arrival(kind, mb, c * p + r) <= t + eps:
-                        choice = (kind, mb, c)
-                        ptr[r] += 1
-                    elif pending[r]:
-                        choice = pending[r].popleft()
+                nxt = order[r][ptr[r]] if ptr[r] < len(order[r]) else None
+                backlog = max_deferred_wgrad is not None and len(pending[r]) > max_deferred_wgrad
+                if nxt is not None and not backlog and arrival(nxt[0], nxt[1], nxt[2] * p + r) <= t + eps:
+                    choice = nxt
+                    ptr[r] += 1
                 elif pending[r]:
                     choice = pending[r].popleft()
-                if choice is None:
+                else:
                     continue
                 kind, mb, c = choice
-                vs = c * p + r
-                if kind == "F":
-                    duration = f[vs]
-                elif kind == "B":
-                    duration = b[vs] if delay_wgrad else b[vs] + w[vs]
-                else:
-                    duration = w[vs]
-                stop = t + float(duration)
-                end[(kind, mb, vs)] = stop
-                free_at[r] = stop
+                stop = t + float(costs[kind][c * p + r])
+                end[(kind, mb, c * p + r)] = free_at[r] = stop
                 rows.append((r, kind, mb, c, t, stop))
                 if kind == "B" and delay_wgrad:
                     pending[r].append(("W", mb, c))
@@ -317,25 +256,6 @@ def simulate(
                 progressed = True
     unfinished = [r for r in range(p) if ptr[r] < len(order[r]) or pending[r]]
     if unfinished:
-        raise RuntimeError(
-            f"schedule {schedule!r} deadlocked with p={p}, v={v}, m={m}: ranks {unfinished} "
-            "wait for operations that never run"
-        )
-    arr = np.array([row[4:] for row in rows], dtype=float)
-    ranks = np.array([row[0] for row in rows], dtype=np.int64)
-    busy = np.bincount(ranks, weights=arr[:, 1] - arr[:, 0], minlength=p)
-    return PipelineResult(
-        schedule=schedule,
-        n_ranks=p,
-        n_chunks=v,
-        n_microbatches=m,
-        delay_wgrad=delay_wgrad,
-        rank=ranks,
-        kind=np.array([row[1] for row in rows]),
-        microbatch=np.array([row[2] for row in rows], dtype=np.int64),
-        chunk=np.array([row[3] for row in rows], dtype=np.int64),
-        start=arr[:, 0],
-        end=arr[:, 1],
-        makespan=float(arr[:, 1].max()),
-        busy=busy,
-    )
+        raise RuntimeError(f"the schedule deadlocked with p={p}: ranks {unfinished} wait for operations "
+                           "that never run")
+    return rows

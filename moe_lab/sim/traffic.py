@@ -20,16 +20,12 @@ def check_traffic(traffic: np.ndarray, n_hosts: int | None = None) -> np.ndarray
     if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
         raise ValueError(f"traffic must be a square [n_gpus, n_gpus] matrix, got shape {arr.shape}")
     if n_hosts is not None and arr.shape[0] != n_hosts:
-        raise ValueError(
-            f"traffic is {arr.shape[0]} × {arr.shape[0]} but the fabric has {n_hosts} hosts"
-        )
+        raise ValueError(f"traffic is {arr.shape[0]} × {arr.shape[0]} but the fabric has {n_hosts} hosts")
     if not np.all(np.isfinite(arr)):
         raise ValueError("traffic must hold finite byte counts, got NaN or inf")
     if np.any(arr < 0):
         i, j = np.argwhere(arr < 0)[0]
-        raise ValueError(
-            f"traffic must be >= 0 bytes everywhere, got {float(arr[i, j])!r} at [{i}, {j}]"
-        )
+        raise ValueError(f"traffic must be >= 0 bytes everywhere, got {float(arr[i, j])!r} at [{i}, {j}]")
     return arr
 
 
@@ -54,9 +50,7 @@ def zipf_expert_probs(n_experts: int, s: float, rng: np.random.Generator) -> np.
     return weights / weights.sum()
 
 
-def traffic_from_expert_loads(
-    tokens: np.ndarray, experts_per_gpu: int, bytes_per_token: float
-) -> np.ndarray:
+def traffic_from_expert_loads(tokens: np.ndarray, experts_per_gpu: int, bytes_per_token: float) -> np.ndarray:
     """GPU × GPU bytes of one dispatch from per-source expert loads.
 
     ``tokens[g, e]``: token copies GPU ``g`` sends to expert ``e``; expert ``e`` lives on
@@ -71,24 +65,15 @@ def traffic_from_expert_loads(
     n_gpus, n_experts = loads.shape
     positive_int(experts_per_gpu, "experts_per_gpu")
     if n_experts != n_gpus * experts_per_gpu:
-        raise ValueError(
-            f"tokens has {n_experts} experts; expected n_gpus × experts_per_gpu = "
-            f"{n_gpus} × {experts_per_gpu} = {n_gpus * experts_per_gpu}"
-        )
+        raise ValueError(f"tokens has {n_experts} experts; expected n_gpus × experts_per_gpu = "
+                         f"{n_gpus} × {experts_per_gpu} = {n_gpus * experts_per_gpu}")
     per_gpu = loads.reshape(n_gpus, n_gpus, experts_per_gpu).sum(axis=2)
     return per_gpu * float(bytes_per_token)
 
 
-def moe_traffic(
-    n_gpus: int,
-    *,
-    experts_per_gpu: int = 4,
-    tokens_per_gpu: int = 4096,
-    top_k: int = 8,
-    bytes_per_token: float = 7168 * 2,
-    zipf_s: float = 0.0,
-    rng: np.random.Generator | None = None,
-) -> np.ndarray:
+def moe_traffic(n_gpus: int, *, experts_per_gpu: int = 4, tokens_per_gpu: int = 4096, top_k: int = 8,
+                bytes_per_token: float = 7168 * 2, zipf_s: float = 0.0,
+                rng: np.random.Generator | None = None) -> np.ndarray:
     """The dispatch all-to-all of one MoE layer with Zipf-skewed expert popularity.
 
     Each GPU routes ``tokens_per_gpu × top_k`` token copies; the expert of each copy is
@@ -103,15 +88,8 @@ def moe_traffic(
     return traffic_from_expert_loads(tokens, experts_per_gpu, bytes_per_token)
 
 
-def incast_traffic(
-    n_gpus: int,
-    n_senders: int,
-    bytes_per_sender: float,
-    *,
-    receiver: int = 0,
-    background_bytes: float = 0.0,
-    rng: np.random.Generator | None = None,
-) -> np.ndarray:
+def incast_traffic(n_gpus: int, n_senders: int, bytes_per_sender: float, *, receiver: int = 0,
+                   background_bytes: float = 0.0, rng: np.random.Generator | None = None) -> np.ndarray:
     """``n_senders`` GPUs (chosen at random) each send ``bytes_per_sender`` to ``receiver``,
     on top of an optional uniform all-to-all of ``background_bytes`` per pair."""
     if not isinstance(n_senders, int) or not 1 <= n_senders < n_gpus:
@@ -119,9 +97,7 @@ def incast_traffic(
     if not 0 <= receiver < n_gpus:
         raise ValueError(f"receiver must be in [0, {n_gpus - 1}], got {receiver!r}")
     rng = rng if rng is not None else np.random.default_rng(0)
-    out = uniform_traffic(n_gpus, background_bytes) if background_bytes > 0 else np.zeros(
-        (n_gpus, n_gpus)
-    )
+    out = uniform_traffic(n_gpus, background_bytes) if background_bytes > 0 else np.zeros((n_gpus, n_gpus))
     others = np.delete(np.arange(n_gpus), receiver)
     senders = rng.choice(others, size=n_senders, replace=False)
     out[senders, receiver] += float(bytes_per_sender)

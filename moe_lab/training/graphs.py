@@ -31,7 +31,7 @@ from moe_lab.checks import positive_int
 from moe_lab.data import Batch
 from moe_lab.model import MoETransformer
 from moe_lab.moe.stash import PagedStash
-from moe_lab.training.steps import StepConfig, StepState, SyncFreeStep
+from moe_lab.training.steps import StepConfig, SyncFreeStep
 from moe_lab.training.sync import SyncError
 
 Tensor = torch.Tensor
@@ -54,34 +54,29 @@ _KEEP_ON_DEVICE = ("keep the value on the device: accumulate statistics in devic
 
 #: What to do about each sync operator, keyed like `moe_lab.training.sync.SYNC_OPS`.
 ADVICE: dict[str, str] = {
-    "aten._local_scalar_dense": _KEEP_ON_DEVICE,
-    "aten.is_nonzero": _KEEP_ON_DEVICE,
-    "Tensor.tolist": _KEEP_ON_DEVICE,
-    "Tensor.numpy": _KEEP_ON_DEVICE,
-    "Tensor.__array__": _KEEP_ON_DEVICE,
-    "Tensor.__repr__": "do not print tensors inside the step; print what read_stats returns",
-    "Tensor.__str__": "do not print tensors inside the step; print what read_stats returns",
+    **dict.fromkeys(("aten._local_scalar_dense", "aten.is_nonzero", "Tensor.tolist", "Tensor.numpy",
+                     "Tensor.__array__"), _KEEP_ON_DEVICE),
+    **dict.fromkeys(("Tensor.__repr__", "Tensor.__str__"),
+                    "do not print tensors inside the step; print what read_stats returns"),
     "Tensor.__format__": "do not format tensors inside the step; format what read_stats returns",
     "aten.nonzero": "an output sized by the data: use the dropless dispatcher (sort by expert, "
                     "offsets on the device), torch.where(cond, a, b), or nonzero_static(size=...)",
     "aten.index": "x[bool_mask] has a data-dependent size: keep the shape and mask the values "
                   "(x * mask, torch.where, masked_fill)",
-    "aten.index_put_": "x[bool_mask] = v: use torch.where or masked_fill",
-    "aten.index_put": "x[bool_mask] = v: use torch.where or masked_fill",
-    "aten._index_put_impl_": "x[bool_mask] = v: use torch.where or masked_fill",
+    **dict.fromkeys(("aten.index_put_", "aten.index_put", "aten._index_put_impl_"),
+                    "x[bool_mask] = v: use torch.where or masked_fill"),
     "aten.masked_select": "keep the shape: torch.where(mask, x, 0)",
     "aten.bincount": "count with scatter_add_ (moe_lab.moe.router.tokens_per_expert_from_ids)",
     "aten.repeat_interleave": "pass output_size= (the static bound), or search the offsets "
                               "(torch.searchsorted) for each row",
-    "aten._unique2": "a fixed-size answer: F.one_hot(ids, n).amax(0) marks the values present",
-    "aten._unique": "a fixed-size answer: F.one_hot(ids, n).amax(0) marks the values present",
-    "aten.unique_dim": "a fixed-size answer: F.one_hot(ids, n).amax(0) marks the values present",
+    **dict.fromkeys(("aten._unique2", "aten._unique", "aten.unique_dim"),
+                    "a fixed-size answer: F.one_hot(ids, n).amax(0) marks the values present"),
     "aten.unique_consecutive": "keep the shape: mark run starts with x[1:] != x[:-1]",
     "aten.histc": "pass min= and max=",
     "aten.equal": "compare on the device: (a == b).all() stays a tensor",
     "aten.allclose": "compare on the device: torch.isclose(a, b).all() stays a tensor",
-    "aten._to_copy": "move data before the step (static inputs) or after it (read_stats)",
-    "aten.copy_": "move data before the step (static inputs) or after it (read_stats)",
+    **dict.fromkeys(("aten._to_copy", "aten.copy_"),
+                    "move data before the step (static inputs) or after it (read_stats)"),
     "F.one_hot without num_classes": "pass num_classes",
 }
 
@@ -122,27 +117,10 @@ class NotCapturableError(SyncError):
     def __str__(self) -> str:
         return self.args[0]
 
-    @classmethod
-    def from_sync_error(cls, err: SyncError) -> NotCapturableError:
-        return cls(err.op, err.where, err.phase, capture_advice(err))
-
 
 # --------------------------------------------------------------------------------------
 # GraphedStep
 # --------------------------------------------------------------------------------------
-
-
-class _Snapshot:
-    """In-place copies of tensors, restored in place (a graph holds their addresses)."""
-
-    def __init__(self, tensors: list[Tensor]) -> None:
-        self.saved = [(t, t.detach().clone()) for t in tensors]
-        self.ids = {id(t) for t in tensors}
-
-    @torch.no_grad()
-    def restore(self) -> None:
-        for t, value in self.saved:
-            t.copy_(value)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
@@ -150,12 +128,12 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
             if isinstance(v, Tensor)]
 
 
-class GraphedStep:
+class GraphedStep(SyncFreeStep):
     """The sync-free training step, captured as one CUDA graph and replayed per batch.
 
     ``graphed = GraphedStep(model, optimizer, example_batch)``; ``stats = graphed(batch)``
-    as with `moe_lab.training.steps.SyncFreeStep` (same arguments: ``cfg``, ``forward``,
-    ``stash``, ``clip_step``).
+    as with `moe_lab.training.steps.SyncFreeStep`, which it is, with `launch` replaying the
+    graph (same arguments: ``cfg``, ``forward``, ``stash``, ``clip_step``).
     ``warmup`` iterations on a side stream precede the capture; afterwards the weights,
     the optimizer state and the step's buffers are restored, so the first replay is the
     first training step. ``certify=False`` skips the certificate (capture then fails with
@@ -172,94 +150,72 @@ class GraphedStep:
                  clip_step: str = "torch", warmup: int = 3, certify: bool = True,
                  quiet: bool = False) -> None:
         positive_int(warmup, "warmup")
-        self.step = SyncFreeStep(model, optimizer, example_batch, cfg, forward=forward,
-                                 stash=stash, clip_step=clip_step)
-        self.step.load(example_batch)
+        super().__init__(model, optimizer, example_batch, cfg, forward=forward, stash=stash,
+                         clip_step=clip_step)
+        self.load(example_batch)
         self.certified = False
         if certify:
             try:
-                self.step.certify()
+                self.certify()
             except SyncError as err:
-                raise NotCapturableError.from_sync_error(err) from err
+                raise NotCapturableError(err.op, err.where, err.phase, capture_advice(err)) from err
             self.certified = True
         self.graph = None
-        if self.step.device.type == "cuda" and torch.cuda.is_available():
+        if self.device.type == "cuda" and torch.cuda.is_available():
             self._capture(warmup)
             self.mode = GRAPHED_MODE
             self.notice = f"captured the training step as one CUDA graph ({warmup} warm-up steps)"
         else:
             self.mode = EAGER_MODE
             why = ("no CUDA device" if not torch.cuda.is_available()
-                   else f"the model is on {self.step.device}")
+                   else f"the model is on {self.device}")
             self.notice = (f"GraphedStep: {why} — running the step eagerly (mode "
                            f"{EAGER_MODE!r}); the certificate ran: it would be capturable")
             _show_once(self.notice, quiet)
 
     def _capture(self, warmup: int) -> None:
-        step = self.step
-        tensors = [*step.model.parameters(), *step.model.buffers(), *step.state.buffers(),
-                   *_optimizer_tensors(step.optimizer)]
-        if step.stash is not None:
-            tensors += list(step.stash.buffers())
-        snapshot = _Snapshot(tensors)
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.state.buffers(),
+                   *_optimizer_tensors(self.optimizer)]
+        if self.stash is not None:
+            tensors += list(self.stash.buffers())
+        saved = [(t, t.detach().clone()) for t in tensors]  # restored in place: the graph holds addresses
+        kept = {id(t) for t in tensors}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                step.run()
+                self.run()
         torch.cuda.current_stream().wait_stream(side)
-        step.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                step.run(zero_grad=False)
+                self.run(zero_grad=False)
         except RuntimeError as err:
             raise RuntimeError(
                 "GraphedStep: CUDA refused to capture the step although assert_sync_free "
                 f"passed: {err}\nThe usual cause is a host tensor used inside the step (a CPU "
                 "tensor argument, torch.tensor(...) of a Python value) or a library call that "
                 "synchronises outside PyTorch's operators.") from err
-        snapshot.restore()
-        with torch.no_grad():  # Adam state created by the warm-up starts from zero, as fresh
-            for t in _optimizer_tensors(step.optimizer):
-                if id(t) not in snapshot.ids:
+        with torch.no_grad():
+            for t, value in saved:
+                t.copy_(value)
+            for t in _optimizer_tensors(self.optimizer):  # Adam state the warm-up created starts at zero
+                if id(t) not in kept:
                     t.zero_()
-        step.state.zero_window()
+        self.state.zero_window()
         self.graph = graph
 
     def launch(self, batch: Batch) -> None:
         """Copy ``batch`` into the static inputs and replay the graph (or run eagerly)."""
-        self.step.load(batch)
+        self.load(batch)
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.step.run()
-
-    def __call__(self, batch: Batch) -> dict | None:
-        self.launch(batch)
-        return self.step.finish()
-
-    def read_stats(self) -> dict:
-        return self.step.read_stats()
-
-    def flush(self) -> dict | None:
-        return self.step.flush()
-
-    @property
-    def state(self) -> StepState:
-        """The step's device state (`moe_lab.training.steps.StepState`)."""
-        return self.step.state
-
-    @property
-    def host_steps(self) -> int:
-        return self.step.host_steps
-
-    @host_steps.setter
-    def host_steps(self, value: int) -> None:
-        self.step.host_steps = value
+            self.run()
 
     def __repr__(self) -> str:
-        return f"GraphedStep(mode={self.mode!r}, batch={self.step.batch_shape}, certified={self.certified})"
+        return f"GraphedStep(mode={self.mode!r}, batch={self.batch_shape}, certified={self.certified})"
 
 
 def _show_once(message: str, quiet: bool) -> None:

@@ -122,19 +122,15 @@ class StepState(nn.Module):
 
     def __init__(self, example_batch: Batch, lr: Tensor, n_moe_layers: int, n_experts: int) -> None:
         super().__init__()
-        device = lr.device
-        self.register_buffer("x", torch.zeros_like(example_batch.x, device=device))
-        self.register_buffer("y", torch.zeros_like(example_batch.y, device=device))
-        self.register_buffer("step", torch.zeros((), dtype=torch.float32, device=device))
-        self.register_buffer("lr", lr)
-        self.register_buffer("skip", torch.zeros((), dtype=torch.float32, device=device))
-        self.register_buffer("grad_scale", torch.ones((), dtype=torch.float32, device=device))
-        self.register_buffer("scalars", torch.zeros(len(_SCALARS), dtype=torch.float64,
-                                                    device=device))
-        self.register_buffer("tokens_per_expert", torch.zeros(n_moe_layers, n_experts,
-                                                              dtype=torch.float64, device=device))
-        self.register_buffer("imbalance", torch.zeros(n_moe_layers, dtype=torch.float64,
-                                                      device=device))
+        f32, f64 = dict(dtype=torch.float32, device=lr.device), dict(dtype=torch.float64, device=lr.device)
+        for name, value in (("x", torch.zeros_like(example_batch.x, device=lr.device)),
+                            ("y", torch.zeros_like(example_batch.y, device=lr.device)),
+                            ("step", torch.zeros((), **f32)), ("lr", lr), ("skip", torch.zeros((), **f32)),
+                            ("grad_scale", torch.ones((), **f32)),
+                            ("scalars", torch.zeros(len(_SCALARS), **f64)),
+                            ("tokens_per_expert", torch.zeros(n_moe_layers, n_experts, **f64)),
+                            ("imbalance", torch.zeros(n_moe_layers, **f64))):
+            self.register_buffer(name, value)
 
     def zero_window(self) -> None:
         self.scalars.zero_()
@@ -243,9 +239,7 @@ class SyncFreeStep:
         for ex in (layer.experts for layer in model.moe_layers):  # as the certificate runs them
             check_no_hidden_sync(ex.backend, ex.w_gate_up.device, ex.w_gate_up.dtype, "model",
                                  "model.bfloat16() or expert_backend='triton'")
-        self.cfg = cfg or StepConfig()
-        self.model = model
-        self.optimizer = optimizer
+        self.cfg, self.model, self.optimizer = cfg or StepConfig(), model, optimizer
         self.forward = forward if forward is not None else model
         lr = _shared_lr(optimizer)
         param = next(model.parameters())
@@ -255,16 +249,14 @@ class SyncFreeStep:
         if x.dim() != 2 or x.shape != y.shape or x.dtype != torch.int64:
             raise ValueError(f"example_batch.x and .y must be [batch, seq] int64 of one shape, "
                              f"got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
-        n_experts = model.cfg.moe.n_experts
-        self.state = StepState(example_batch, lr, len(model.moe_layers), n_experts)
+        self.state = StepState(example_batch, lr, len(model.moe_layers), model.cfg.moe.n_experts)
         # A fused optimizer clips for free: it divides the gradients by ``grad_scale`` as it
         # reads them. Any other optimizer gets clip_grad_norm_'s in-place multiply.
         self.fused_clip = all(g.get("fused") for g in optimizer.param_groups)
         # A registered clip + optimizer step (CLIP_STEPS) replaces torch's path where it can
         # drive this optimizer; decided once here, as fused_clip is.
         self.clip_step = clip_step
-        clip_factory = CLIP_STEPS.lookup(clip_step, "clip_step")
-        self.clip = clip_factory(optimizer) if self.fused_clip else None
+        self.clip = CLIP_STEPS.lookup(clip_step, "clip_step")(optimizer) if self.fused_clip else None
         if self.fused_clip:
             optimizer.grad_scale = self.state.grad_scale
         self.stash = stash
@@ -358,20 +350,11 @@ class SyncFreeStep:
         n = max(scalars["steps"], 1.0)
         counts = [[int(round(c)) for c in rest[i * n_experts:(i + 1) * n_experts]]
                   for i in range(n_layers)]
-        return {
-            "step": int(round(total)),
-            "steps": int(round(scalars["steps"])),
-            "skipped": int(round(scalars["skipped"])),
-            "loss": scalars["loss"] / n,
-            "lm_loss": scalars["lm_loss"] / n,
-            "aux_loss": scalars["aux_loss"] / n,
-            "grad_norm": scalars["grad_norm"] / n,
-            "grad_norm_max": scalars["grad_norm_max"],
-            "lr": lr,
-            "tokens_per_expert": counts,
-            "imbalance": [v / n for v in rest[n_layers * n_experts:]],
-            "reruns": self.reruns,
-        }
+        return {"step": int(round(total)), "steps": int(round(scalars["steps"])),
+                "skipped": int(round(scalars["skipped"])),
+                **{name: scalars[name] / n for name in ("loss", "lm_loss", "aux_loss", "grad_norm")},
+                "grad_norm_max": scalars["grad_norm_max"], "lr": lr, "tokens_per_expert": counts,
+                "imbalance": [v / n for v in rest[n_layers * n_experts:]], "reruns": self.reruns}
 
     def flush(self) -> dict | None:
         """The statistics of a window still open (fewer than ``read_every`` steps since the
@@ -383,13 +366,11 @@ class SyncFreeStep:
     def finish(self) -> dict | None:
         """After a step was launched: re-run it without stashing if the paged stash
         overflowed (policy ``"rerun"``), count it, and every ``read_every`` steps read."""
-        if self.stash is not None and self.cfg.overflow_policy == "rerun":
-            if bool(self.stash.overflow):  # one flag, read after the whole step is queued
-                self.rerun_without_stash()
+        # one flag, read after the whole step is queued
+        if self.stash is not None and self.cfg.overflow_policy == "rerun" and bool(self.stash.overflow):
+            self.rerun_without_stash()
         self.host_steps += 1
-        if self.host_steps % self.cfg.read_every == 0:
-            return self.read_stats()
-        return None
+        return None if self.host_steps % self.cfg.read_every else self.read_stats()
 
     def rerun_without_stash(self) -> None:
         """Repeat the step eagerly with stashing off. The overflowed run updated nothing
@@ -441,9 +422,7 @@ class EagerStep:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  cfg: StepConfig | None = None, *, forward: Callable | None = None) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.cfg = cfg or StepConfig()
+        self.model, self.optimizer, self.cfg = model, optimizer, cfg or StepConfig()
         self.forward = forward if forward is not None else model
         self.host_steps = 0
         self.state = None  # no device state: everything is read back every step
@@ -468,18 +447,11 @@ class EagerStep:
                                cfg.expert_bias_rate)
         counts = [s.tokens_per_expert.tolist() for s in out.moe_stats]
         self.host_steps += 1
-        return {
-            "step": step,
-            "loss": out.loss.item(),
-            "lm_loss": out.lm_loss.item(),
-            "aux_loss": out.aux_loss.item(),
-            "lr": lr,
-            "grad_norm": grad_norm.item(),
-            "tokens_per_expert": counts,
-            "imbalance": [max(c) / (sum(c) / len(c)) for c in counts],
-            "dropped_tokens": sum(int(s.dropped_tokens) for s in out.moe_stats),
-            "step_time_s": time.perf_counter() - t0,
-        }
+        return {"step": step, "loss": out.loss.item(), "lm_loss": out.lm_loss.item(),
+                "aux_loss": out.aux_loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+                "tokens_per_expert": counts, "imbalance": [max(c) / (sum(c) / len(c)) for c in counts],
+                "dropped_tokens": sum(int(s.dropped_tokens) for s in out.moe_stats),
+                "step_time_s": time.perf_counter() - t0}
 
     def flush(self) -> None:
         """Nothing accumulates between steps: every record was returned."""

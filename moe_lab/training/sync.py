@@ -50,7 +50,7 @@ import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -115,34 +115,13 @@ SYNC_OPS: dict[str, str] = {
 # index_add_ with integer indices, one_hot(t, num_classes), topk, sort, argsort, cumsum,
 # embedding backward, multinomial (its checks are device asserts in torch 2.x).
 
-_UNIQUE = {
-    aten._unique,
-    aten._unique2,
-    aten.unique_dim,
-    aten.unique_consecutive,
-    aten.unique_dim_consecutive,
-}
-_ALWAYS = {
-    aten._local_scalar_dense,
-    aten.nonzero,
-    aten.masked_select,
-    aten.bincount,
-    aten.equal,
-    aten.allclose,
-    aten.is_nonzero,
-    *_UNIQUE,
-}
 _INDEX_PUT = {aten.index_put, aten.index_put_, aten._index_put_impl_}
 _COPIES = {aten._to_copy, aten.copy_}
-
-_HOST_READS = {
-    torch.Tensor.tolist: "Tensor.tolist",
-    torch.Tensor.numpy: "Tensor.numpy",
-    torch.Tensor.__array__: "Tensor.__array__",
-    torch.Tensor.__repr__: "Tensor.__repr__",
-    torch.Tensor.__str__: "Tensor.__str__",
-    torch.Tensor.__format__: "Tensor.__format__",
-}
+# The ATen operators of SYNC_OPS that sync in every form; `_classify` looks at the others' arguments.
+_ALWAYS = ({getattr(aten, name[5:]) for name in SYNC_OPS if name.startswith("aten.")}
+           - _INDEX_PUT - _COPIES - {aten.index, aten.repeat_interleave, aten.histc})
+# Host reads that bypass the dispatcher on a CPU, seen by the function mode.
+_HOST_READS = {getattr(torch.Tensor, name[7:]): name for name in SYNC_OPS if name.startswith("Tensor.")}
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
@@ -159,24 +138,12 @@ class SyncError(RuntimeError):
     """
 
     def __init__(self, op: str, where: str | None = None, phase: str = "fn") -> None:
-        self.op = op
-        self.where = where
-        self.phase = phase
+        self.op, self.where, self.phase = op, where, phase
         during = "in the backward pass" if phase == "backward" else "in the function"
-        msg = f"host sync {during}: {op}"
-        reason = _reason(op)
-        if reason:
-            msg += f" ({reason})"
-        if where:
-            msg += f"\n  at {where}"
-        super().__init__(msg)
-
-
-def _reason(op: str) -> str | None:
-    """The ``SYNC_OPS`` entry for a recorded name such as ``aten.nonzero.default``."""
-    if op in SYNC_OPS:
-        return SYNC_OPS[op]
-    return SYNC_OPS.get(op.split(" ")[0].rsplit(".", 1)[0])
+        # the SYNC_OPS entry of a recorded name such as ``aten.nonzero.default (bool mask)``
+        reason = SYNC_OPS.get(op) or SYNC_OPS.get(op.split(" ")[0].rsplit(".", 1)[0])
+        super().__init__(f"host sync {during}: {op}" + (f" ({reason})" if reason else "")
+                         + (f"\n  at {where}" if where else ""))
 
 
 # --------------------------------------------------------------------------------------
@@ -199,13 +166,6 @@ def _bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, A
 
 def _is_mask(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
-
-
-def _crosses_host(src: torch.device, dst: torch.device) -> bool:
-    if src.type == dst.type:
-        return False
-    # meta has no data: moving to or from it never waits for anything.
-    return "meta" not in (src.type, dst.type) and "cpu" in (src.type, dst.type)
 
 
 def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
@@ -244,7 +204,9 @@ def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
             src, dst = b["self"].device, b.get("device")
         else:
             src, dst = b["src"].device, b["self"].device
-        if dst is None or not _crosses_host(src, torch.device(dst)):
+        types = {src.type, torch.device(dst).type} if dst is not None else {src.type}
+        # Only a copy between the host and a device waits (meta has no data: never).
+        if len(types) < 2 or "meta" in types or "cpu" not in types:
             return None
         direction = "device->host" if torch.device(dst).type == "cpu" else "host->device"
         return f"{func} ({direction})"
@@ -402,11 +364,8 @@ def _user_line(frames: list[tuple[FrameType, int]]) -> str | None:
         if code in _ENTRY_CODES:
             return None
         filename = code.co_filename
-        if filename.startswith(_TORCH_DIR) or filename.startswith("<frozen"):
-            continue
-        if os.path.normcase(os.path.abspath(filename)) == _THIS_FILE:
-            continue
-        if filename == contextlib.__file__:
+        if (filename.startswith((_TORCH_DIR, "<frozen")) or filename == contextlib.__file__
+                or os.path.normcase(os.path.abspath(filename)) == _THIS_FILE):
             continue
         source = linecache.getline(filename, lineno, frame.f_globals).strip()
         return f"{filename}:{lineno} in {code.co_name}: {source}"
@@ -414,16 +373,7 @@ def _user_line(frames: list[tuple[FrameType, int]]) -> str | None:
 
 
 def _user_line_from_stack() -> str | None:
-    frames = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        frames.append((frame, frame.f_lineno))
-        frame = frame.f_back
-    return _user_line(frames)
-
-
-def _user_line_from_traceback(tb: TracebackType | None) -> str | None:
-    return _user_line(list(reversed(list(traceback.walk_tb(tb)))))
+    return _user_line(list(traceback.walk_stack(sys._getframe(1))))
 
 
 # --------------------------------------------------------------------------------------
@@ -542,21 +492,14 @@ def assert_sync_free(
             with mode, _watch(state):
                 result = _call_fn(fn, fake_args, fake_kwargs)
                 if backward:
-                    root = next(
-                        (
-                            t
-                            for t in tree_leaves(result)
-                            if isinstance(t, torch.Tensor) and t.requires_grad
-                        ),
-                        None,
-                    )
+                    root = next((t for t in tree_leaves(result)
+                                 if isinstance(t, torch.Tensor) and t.requires_grad), None)
                     if root is not None:
                         state.phase = "backward"
                         _backward(root)
         except (DynamicOutputShapeException, DataDependentOutputException) as err:
-            raise SyncError(
-                str(err.func), where=_user_line_from_traceback(err.__traceback__), phase=state.phase
-            ) from err
+            where = _user_line(list(reversed(list(traceback.walk_tb(err.__traceback__)))))
+            raise SyncError(str(err.func), where=where, phase=state.phase) from err
         except SyncError:
             raise
         except Exception as err:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCE = (
-    "NVIDIA Technical Blog, 'NVIDIA Blackwell Tops MLPerf Training 6.0 with Industry-Leading "
-    "Scale and Performance' (June 2026), and MLCommons' MLPerf Training v6.0 results "
-    "(docs/references.md)"
-)
+SOURCE = ("NVIDIA Technical Blog, 'NVIDIA Blackwell Tops MLPerf Training 6.0 with Industry-Leading "
+          "Scale and Performance' (June 2026), and MLCommons' MLPerf Training v6.0 results "
+          "(docs/references.md)")
 
 
 @dataclass(frozen=True)
@@ -43,13 +41,8 @@ RESULTS: tuple[MLPerfResult, ...] = (
 )
 
 # DeepSeek-V3 on GB300 over three months of software work (same source).
-DEEPSEEK_V3_GB300 = {
-    "tflops_per_gpu_before": 1298.0,
-    "tflops_per_gpu": 1648.0,
-    "tokens_per_s_per_gpu": 6338.0,
-    "seq_len": 4096,
-    "gpu": "GB300",
-}
+DEEPSEEK_V3_GB300 = {"tflops_per_gpu_before": 1298.0, "tflops_per_gpu": 1648.0,
+                     "tokens_per_s_per_gpu": 6338.0, "seq_len": 4096, "gpu": "GB300"}
 
 
 def result(benchmark: str) -> MLPerfResult:
@@ -57,19 +50,14 @@ def result(benchmark: str) -> MLPerfResult:
     for row in RESULTS:
         if row.benchmark.lower() == benchmark.lower():
             return row
-    raise ValueError(
-        f"benchmark must be one of {[r.benchmark for r in RESULTS]}, got {benchmark!r}"
-    )
+    raise ValueError(f"benchmark must be one of {[r.benchmark for r in RESULTS]}, got {benchmark!r}")
 
 
 def results_table(markdown: bool = True) -> str:
     """The results as a markdown table (or aligned plain text), with the source beneath."""
     header = ("benchmark", "system", "GPUs", "minutes", "GPU-hours", "MoE")
-    rows = [
-        (r.benchmark, r.system, f"{r.n_gpus:,}", f"{r.minutes:g}", f"{r.gpu_hours:,.1f}",
-         "yes" if r.moe else "")
-        for r in RESULTS
-    ]
+    rows = [(r.benchmark, r.system, f"{r.n_gpus:,}", f"{r.minutes:g}", f"{r.gpu_hours:,.1f}",
+             "yes" if r.moe else "") for r in RESULTS]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]

@@ -43,12 +43,12 @@ def test_a_name_registered_with_what_is_missing_is_refused_with_the_reason():
 def test_the_core_registries_describe_themselves_and_only_the_plugins_say_it_adds_names():
     from moe_lab.attention import ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS
     from moe_lab.model import EMBEDDING_IMPLS
-    from moe_lab.moe.dispatch import DISPATCHERS, PERMUTATIONS
+    from moe_lab.moe.dispatch import DISPATCHERS
     from moe_lab.moe.experts import EXPERT_BACKENDS, EXPERT_KINDS
     from moe_lab.moe.router import ROUTER_IMPLS
     from moe_lab.training.optim import CLIP_STEPS
 
-    extended = [ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS, EMBEDDING_IMPLS, PERMUTATIONS,
+    extended = [ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS, EMBEDDING_IMPLS,
                 EXPERT_BACKENDS, ROUTER_IMPLS, CLIP_STEPS]  # moe_lab.workbench.cpu.register's
     for registry in [*extended, DISPATCHERS, EXPERT_KINDS]:
         assert registry.description, registry.kind
@@ -69,6 +69,6 @@ def test_every_registry_of_the_lesson_says_what_it_holds():
         for name, value in vars(module).items():
             if isinstance(value, Registry):
                 found[f"{info.name}.{name}"] = value
-    assert len({id(r) for r in found.values()}) >= 10, sorted(found)
+    assert len({id(r) for r in found.values()}) >= 9, sorted(found)
     silent = sorted(name for name, registry in found.items() if not registry.description)
     assert not silent, f"registries without a description: {silent}"

@@ -24,7 +24,7 @@ except ImportError as e:
 
 import moe_lab
 from moe_lab import MoELayer, MoETransformer, preset
-from moe_lab.kernels import TRITON_MISSING
+from moe_lab.registry import TRITON_MISSING
 from moe_lab.moe.router import route
 from moe_lab.quant import mx
 

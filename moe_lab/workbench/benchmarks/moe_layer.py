@@ -26,7 +26,6 @@ is how much of the chain the fusions remove (permute, SwiGLU, weighted unpermute
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -38,6 +37,7 @@ from moe_lab.moe.layer import MoELayer
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.sync import count_syncs
 from moe_lab.workbench.benchmarks import untimed_triton
+from moe_lab.workbench.benchmarks.ttt.stacks import cpu_plugin_status
 from moe_lab.workbench.measure import ceilings, ledger
 from moe_lab.workbench.measure.timing import compare
 from moe_lab.workbench.quiet import library_notes_silenced
@@ -106,7 +106,7 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
     else:
         providers["dropless torch"] = clone("dropless", "torch")
     if device == "cpu":
-        why = _cpu_plugin_status()
+        why = cpu_plugin_status()
         if why is None:
             providers["dropless openmp"] = clone("dropless", "openmp")
         else:
@@ -174,8 +174,7 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
     x = torch.randn(tokens, cfg.d_model, device=device, dtype=dtype)
     grad = torch.randn(tokens, cfg.d_model, device=device, dtype=dtype)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    steps, reference = {}, None
-    syncs = {}
+    steps, syncs, reference = {}, {}, None
     for name, module in providers.items():
         step, forward = _step_fn(module, x, grad)
         y = forward()
@@ -190,13 +189,10 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
     timings = compare(steps, min_time_s=min_time_s)
     flops = expert_flops(tokens, cfg.top_k, cfg.d_model, cfg.d_expert)
     naive_s = timings["naive"].median_s
-    rows = []
-    for name, t in timings.items():
-        rows.append({
-            "shape": shape, "provider": name, "median_ms": t.median_s * 1e3,
-            "tokens_per_s": tokens / t.median_s, "vs_naive": naive_s / t.median_s,
-            "syncs_per_step": syncs[name], "expert_gflops": flops / t.median_s / 1e9,
-        })
+    rows = [{"shape": shape, "provider": name, "median_ms": t.median_s * 1e3,
+             "tokens_per_s": tokens / t.median_s, "vs_naive": naive_s / t.median_s,
+             "syncs_per_step": syncs[name], "expert_gflops": flops / t.median_s / 1e9}
+            for name, t in timings.items()]
     return {"shape": shape, "tokens": tokens, "config": s, "device": device,
             "dtype": str(dtype).replace("torch.", ""), "rows": rows, "notes": notes}
 
@@ -252,16 +248,9 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
 def floor_backends(device: str) -> list[str]:
     """The grouped-GEMM expert backends that run here (the floor comparison's subjects)."""
     backends = ["torch"] if hasattr(torch, "_grouped_mm") else []
-    if device == "cpu" and _cpu_plugin_status() is None:
+    if device == "cpu" and cpu_plugin_status() is None:
         backends.append("openmp")
     return backends
-
-
-def _cpu_plugin_status() -> str | None:
-    # Imported on use: the plug-in's ops load torch._dynamo, a second of every CLI start-up.
-    from moe_lab.workbench import cpu
-
-    return cpu.status()
 
 
 CHAIN_STAGES = ("permute", "GEMM1", "SwiGLU", "GEMM2", "weighted unpermute")
@@ -377,18 +366,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    positive_int(args.tokens, "--tokens", or_none=True)
+    # --tokens and --min-time are checked at the door (`moe_lab.workbench.cli.bench.check_sizes`).
     unknown = sorted(set(args.only or ()) - set(PROVIDERS))
     if unknown:  # before the slow part (the CPU plug-in's build, the ceiling's timing)
         raise ValueError(f"--only: unknown providers {unknown}; known {list(PROVIDERS)}")
-    if not math.isfinite(args.min_time) or args.min_time < 0:
-        raise ValueError(f"--min-time must be a finite number of seconds >= 0, got {args.min_time}")
     tokens = TOKENS[args.profile] if args.tokens is None else args.tokens
     shapes = list(SHAPES) if args.shape == "all" else [args.shape]
     device, dtype = _device_dtype()
     # A lower bound: the input and its gradient, and each token's top-k expert activations.
-    widest = max(SHAPES[s]["top_k"] * SHAPES[s]["d_expert"] + 2 * SHAPES[s]["d_model"]
-                 for s in shapes)
+    widest = max(SHAPES[s]["top_k"] * SHAPES[s]["d_expert"] + 2 * SHAPES[s]["d_model"] for s in shapes)
     check_fits(f"--tokens {tokens}", tokens * widest * 4, "use fewer --tokens", device)
     ceiling = ceilings.matmul_peak(dtype, n=1024 if args.profile == "smoke" else 2048, device=device)
     result: dict = {"tokens": tokens, "matmul_ceiling_gflops": ceiling.giga, "rows": [],
@@ -403,8 +389,7 @@ def run(args: argparse.Namespace) -> dict:
                 ceiling_n=1024 if args.profile == "smoke" else 2048, backend=backend))
     for row in result["rows"]:
         step = f"{row['shape']}:{row['provider']}"
-        ledger.record(args.notebook, step, "tokens_per_s", row["tokens_per_s"], "tok/s",
-                      tokens=tokens)
+        ledger.record(args.notebook, step, "tokens_per_s", row["tokens_per_s"], "tok/s", tokens=tokens)
         ledger.record(args.notebook, step, "vs_naive", row["vs_naive"], "x", tokens=tokens)
         ledger.record(args.notebook, step, "syncs_per_step", row["syncs_per_step"], "syncs")
     for f in result["floor"]:

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 import torch
 
 from moe_lab.config import ModelConfig
 from moe_lab.config import preset as get_preset
-from moe_lab.data import Batch
 from moe_lab.moe.stash import PagedStash
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.build import build_model, random_batch
@@ -42,10 +40,13 @@ from moe_lab.workbench.measure.timing import compare
 DESCRIPTION = "one training step: naive / sync-free eager / compiled / CUDA-graphed; syncs, ops, memory"
 
 MIN_TIME = {"smoke": 0.3, "full": 2.0}
-
-
-def _naive_step(model_cfg: ModelConfig, batch: Batch) -> Callable[[], object]:
-    return ladder_step(model_cfg, batch, 0)
+# The ledger's figures: (metric, key of the result's row or memory, unit).
+ROW_FIGURES = (("iteration_ms", "median_ms", "ms"), ("tokens_per_s", "tokens_per_s", "tok/s"),
+               ("vs_eager", "vs_eager", "x"), ("syncs_per_step", "syncs_per_iter", "syncs"),
+               ("ops_per_step", "ops_per_iter", "ops"))
+MEMORY_FIGURES = (("stash_saving_vs_worst_case", "saving_vs_worst", "fraction"),
+                  ("stash_pool_mb", "pool_mb", "MiB"), ("worst_case_mb", "worst_case_mb", "MiB"),
+                  ("peak_mb_no_stash", "peak_mb_no_stash", "MiB"), ("peak_mb_stash", "peak_mb_stash", "MiB"))
 
 
 def stash_memory(model_cfg: ModelConfig, batch_size: int, page_rows: int = 32, capacity_factor: float = 1.25,
@@ -94,7 +95,7 @@ def run_step_bench(preset: str = "small", batch_size: int = 2, min_time_s: float
     notes: list[str] = []
     providers: dict[str, object] = {}
     if device.type == "cpu":
-        providers["naive"] = _naive_step(model_cfg, batch)
+        providers["naive"] = ladder_step(model_cfg, batch, 0)
     else:
         notes.append("naive: not timed on CUDA (its per-expert syncs dominate; see notebook 01)")
     model, optimizer = build_model(model_cfg, device=device, seed=seed)
@@ -134,14 +135,9 @@ def run_step_bench(preset: str = "small", batch_size: int = 2, min_time_s: float
     eager.certify()
     timings = compare(providers, min_time_s=min_time_s)
     tokens = batch_size * model_cfg.seq_len
-    rows = []
-    for name, t in timings.items():
-        rows.append({
-            "provider": name, "median_ms": t.median_s * 1e3, "iqr_ms": t.iqr_s * 1e3,
-            "tokens_per_s": tokens / t.median_s,
-            "vs_eager": timings["eager"].median_s / t.median_s,
-            "ops_per_iter": ops[name], "syncs_per_iter": syncs[name],
-        })
+    rows = [{"provider": name, "median_ms": t.median_s * 1e3, "iqr_ms": t.iqr_s * 1e3,
+             "tokens_per_s": tokens / t.median_s, "vs_eager": timings["eager"].median_s / t.median_s,
+             "ops_per_iter": ops[name], "syncs_per_iter": syncs[name]} for name, t in timings.items()]
     memory = stash_memory(model_cfg, batch_size, device=device)
     if device.type == "cuda":
         memory.update(cuda_peak_memory(model_cfg, batch_size))
@@ -163,28 +159,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.batch_size <= 0:
-        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
-    result = run_step_bench(args.preset, args.batch_size, MIN_TIME[args.profile],
-                            compile=not args.no_compile)
+    # --batch-size is checked at the door (`moe_lab.workbench.cli.bench.check_sizes`).
+    result = run_step_bench(args.preset, args.batch_size, MIN_TIME[args.profile], compile=not args.no_compile)
     extra = {"preset": args.preset, "batch_size": args.batch_size}
-    for row in result["rows"]:
-        step = f"{args.preset}:{row['provider']}"
-        ledger.record(args.notebook, step, "iteration_ms", row["median_ms"], "ms", **extra)
-        ledger.record(args.notebook, step, "tokens_per_s", row["tokens_per_s"], "tok/s", **extra)
-        ledger.record(args.notebook, step, "vs_eager", row["vs_eager"], "x", **extra)
-        if row["syncs_per_iter"] is not None:
-            ledger.record(args.notebook, step, "syncs_per_step", row["syncs_per_iter"], "syncs",
+    for row in result["rows"]:  # a figure not counted for a provider is None
+        for metric, key, unit in ROW_FIGURES:
+            if row[key] is not None:
+                step = f"{args.preset}:{row['provider']}"
+                ledger.record(args.notebook, step, metric, row[key], unit, **extra)
+    for metric, key, unit in MEMORY_FIGURES:  # the peaks only where CUDA measured them
+        if key in result["memory"]:
+            ledger.record(args.notebook, f"{args.preset}:paged stash", metric, result["memory"][key], unit,
                           **extra)
-        if row["ops_per_iter"] is not None:
-            ledger.record(args.notebook, step, "ops_per_step", row["ops_per_iter"], "ops", **extra)
-    memory = result["memory"]
-    step = f"{args.preset}:paged stash"
-    ledger.record(args.notebook, step, "stash_saving_vs_worst_case", memory["saving_vs_worst"],
-                  "fraction", **extra)
-    ledger.record(args.notebook, step, "stash_pool_mb", memory["pool_mb"], "MiB", **extra)
-    ledger.record(args.notebook, step, "worst_case_mb", memory["worst_case_mb"], "MiB", **extra)
-    for key in ("peak_mb_no_stash", "peak_mb_stash"):
-        if key in memory:
-            ledger.record(args.notebook, step, key, memory[key], "MiB", **extra)
     return result

@@ -53,6 +53,11 @@ def non_negative_int(text: str) -> int:
     return _number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0."""
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+
+
 def non_negative_float(text: str) -> float:
     """An argparse ``type``: a finite number >= 0."""
     return _number(text, float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")

@@ -36,18 +36,12 @@ def flops_report(name: str, seq_len: int | None, tokens_per_s: float | None = No
     cfg = preset(name)
     seq = cfg.seq_len if seq_len is None else seq_len
     breakdown = flops.flops_breakdown(cfg, seq, include_mtp=include_mtp)
-    report = {
-        "preset": name,
-        "seq_len": seq,
-        "include_mtp": include_mtp,
-        "gflop_per_token": sum(breakdown.values()) / 1e9,
-        "breakdown_gflop_per_token": {k: v / 1e9 for k, v in breakdown.items()},
-    }
+    report = {"preset": name, "seq_len": seq, "include_mtp": include_mtp,
+              "gflop_per_token": sum(breakdown.values()) / 1e9,
+              "breakdown_gflop_per_token": {k: v / 1e9 for k, v in breakdown.items()}}
     if tokens_per_s is not None:
         report["tokens_per_s"] = tokens_per_s
-        report["tflops_per_gpu"] = flops.tflops_per_gpu(
-            cfg, seq, tokens_per_s, include_mtp=include_mtp
-        )
+        report["tflops_per_gpu"] = flops.tflops_per_gpu(cfg, seq, tokens_per_s, include_mtp=include_mtp)
     return report
 
 

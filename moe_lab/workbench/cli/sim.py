@@ -26,7 +26,7 @@ from moe_lab.sim.layout_search import (
     simulate_layout,
 )
 from moe_lab.sim.traffic import incast_traffic, moe_traffic, uniform_traffic
-from moe_lab.workbench.cli import non_negative_float, non_negative_int, positive_int
+from moe_lab.workbench.cli import non_negative_float, non_negative_int, positive_float, positive_int
 from moe_lab.workbench.jsonout import dumps
 
 #: The most operations (forwards, backwards and weight gradients over every virtual stage and
@@ -37,17 +37,9 @@ MAX_PIPELINE_OPS = 2**20
 PIPELINE_OP_BYTES = 500
 
 
-def pipeline_report(
-    preset_name: str = "deepseek_v3",
-    n_ranks: int = 8,
-    n_microbatches: int = 16,
-    *,
-    n_chunks: int = 1,
-    layout: str | None = None,
-    logits_scale: float = 1.0,
-    delay_wgrad: bool = False,
-    seq_len: int | None = None,
-) -> dict[str, Any]:
+def pipeline_report(preset_name: str = "deepseek_v3", n_ranks: int = 8, n_microbatches: int = 16, *,
+                    n_chunks: int = 1, layout: str | None = None, logits_scale: float = 1.0,
+                    delay_wgrad: bool = False, seq_len: int | None = None) -> dict[str, Any]:
     """The ``sim pipeline`` answer as a dict: per layout, its string, rank loads,
     imbalance and the simulated step (makespan in GFLOP/token units, bubble)."""
     cfg = preset(preset_name)
@@ -56,9 +48,7 @@ def pipeline_report(
     if layout is not None:
         given = parse_layout(layout, n_ranks)
         if given.n_chunks != n_chunks and n_chunks != 1:
-            raise ValueError(
-                f"--layout has {given.n_chunks} chunks per rank but --vpp is {n_chunks}"
-            )
+            raise ValueError(f"--layout has {given.n_chunks} chunks per rank but --vpp is {n_chunks}")
         n_chunks = given.n_chunks
         check_layout(given, cfg)
         layouts["given"] = given
@@ -72,43 +62,27 @@ def pipeline_report(
             f"{MAX_PIPELINE_OPS // (ops // n_microbatches):,} micro-batches)")
     if n_ranks * n_chunks <= cfg.n_layers:
         layouts["even"] = even_layout(cfg, n_ranks, n_chunks)
-    layouts["searched"] = search_layout(
-        cfg, costs, n_ranks, n_chunks, n_microbatches=n_microbatches if n_chunks > 1 else None
-    )
-    schedule = "1f1b" if n_chunks == 1 else "interleaved"
+    layouts["searched"] = search_layout(cfg, costs, n_ranks, n_chunks,
+                                        n_microbatches=n_microbatches if n_chunks > 1 else None)
     out: dict[str, Any] = {
-        "preset": preset_name,
-        "stages": n_ranks,
-        "vpp": n_chunks,
-        "microbatches": n_microbatches,
-        "schedule": schedule,
-        "delay_wgrad": delay_wgrad,
-        "logits_scale": logits_scale,
-        "unit": costs.unit,
-        "kind": "simulated",
-        "layouts": {},
-    }
+        "preset": preset_name, "stages": n_ranks, "vpp": n_chunks, "microbatches": n_microbatches,
+        "schedule": "1f1b" if n_chunks == 1 else "interleaved", "delay_wgrad": delay_wgrad,
+        "logits_scale": logits_scale, "unit": costs.unit, "kind": "simulated", "layouts": {}}
     for name, lay in layouts.items():
-        report = layout_report(lay, cfg, costs)
         step = simulate_layout(lay, cfg, costs, n_microbatches, delay_wgrad=delay_wgrad)
-        report.update(
-            makespan=step.makespan,
-            bubble_fraction=step.bubble_fraction,
-        )
-        out["layouts"][name] = report
+        out["layouts"][name] = {**layout_report(lay, cfg, costs), "makespan": step.makespan,
+                                "bubble_fraction": step.bubble_fraction}
     if "even" in out["layouts"]:
-        out["searched_over_even_step_time"] = (
-            out["layouts"]["searched"]["makespan"] / out["layouts"]["even"]["makespan"]
-        )
+        out["searched_over_even_step_time"] = (out["layouts"]["searched"]["makespan"]
+                                               / out["layouts"]["even"]["makespan"])
     return out
 
 
 def pipeline_command(args: argparse.Namespace) -> int:
     """Print the ``sim pipeline`` report (a summary, or one JSON object with ``--json``)."""
-    report = pipeline_report(
-        args.preset, args.stages, args.microbatches, n_chunks=args.vpp, layout=args.layout,
-        logits_scale=args.logits_scale, delay_wgrad=args.delay_wgrad, seq_len=args.seq_len,
-    )
+    report = pipeline_report(args.preset, args.stages, args.microbatches, n_chunks=args.vpp,
+                             layout=args.layout, logits_scale=args.logits_scale,
+                             delay_wgrad=args.delay_wgrad, seq_len=args.seq_len)
     if args.json:
         print(dumps(report))
         return 0
@@ -133,21 +107,11 @@ MAX_FABRIC_LINKS = 2**22
 FABRIC_LINK_BYTES = 100
 
 
-def fabric_report(
-    *,
-    hosts_per_leaf: int = 8,
-    n_leaf: int = 8,
-    n_spine: int = 8,
-    link_gbps: float = 400.0,
-    oversubscription: float = 1.0,
-    traffic: str = "uniform",
-    mb_per_pair: float = 1.0,
-    zipf_s: float = 1.0,
-    n_senders: int = 32,
-    routings: tuple[str, ...] = ("ecmp", "adaptive"),
-    pacings: tuple[bool, ...] = (True, False),
-    seed: int = 0,
-) -> dict[str, Any]:
+def fabric_report(*, hosts_per_leaf: int = 8, n_leaf: int = 8, n_spine: int = 8, link_gbps: float = 400.0,
+                  oversubscription: float = 1.0, traffic: str = "uniform", mb_per_pair: float = 1.0,
+                  zipf_s: float = 1.0, n_senders: int = 32,
+                  routings: tuple[str, ...] = ("ecmp", "adaptive"),
+                  pacings: tuple[bool, ...] = (True, False), seed: int = 0) -> dict[str, Any]:
     """The ``sim fabric`` answer as a dict: one entry per routing × pacing.
 
     Refuses, before allocating anything, a fabric of more than `MAX_FABRIC_PAIRS` GPU pairs:
@@ -166,44 +130,29 @@ def fabric_report(
             f"{(MAX_FABRIC_LINKS - 2 * topo.n_hosts) // (2 * n_leaf):,} spines)")
     rng = np.random.default_rng(seed)
     nbytes = mb_per_pair * 2**20
-    if traffic == "uniform":
-        matrix = uniform_traffic(topo.n_hosts, nbytes)
-    elif traffic == "moe":
-        matrix = moe_traffic(topo.n_hosts, zipf_s=zipf_s, rng=rng)
-    elif traffic == "incast":
-        matrix = incast_traffic(topo.n_hosts, n_senders, nbytes, rng=rng)
-    else:
-        raise ValueError(f"traffic must be one of ('uniform', 'moe', 'incast'), got {traffic!r}")
-    runs = []
-    for routing in routings:
-        for pacing in pacings:
-            result = fabric.simulate(topo, matrix, routing=routing, pacing=pacing,
-                                     rng=np.random.default_rng(seed + 1))
-            runs.append(result.to_dict())
-    return {
-        "topology": {
-            "hosts_per_leaf": hosts_per_leaf, "leaves": n_leaf, "spines": n_spine,
-            "link_gbps": link_gbps, "oversubscription": oversubscription,
-            "n_gpus": topo.n_hosts,
-        },
-        "traffic": traffic,
-        "total_bytes": float(matrix.sum() - np.trace(matrix)),
-        "seed": seed,
-        "kind": "simulated",
-        "runs": runs,
-    }
+    makers = {"uniform": lambda: uniform_traffic(topo.n_hosts, nbytes),
+              "moe": lambda: moe_traffic(topo.n_hosts, zipf_s=zipf_s, rng=rng),
+              "incast": lambda: incast_traffic(topo.n_hosts, n_senders, nbytes, rng=rng)}
+    if traffic not in makers:
+        raise ValueError(f"traffic must be one of {tuple(makers)}, got {traffic!r}")
+    matrix = makers[traffic]()
+    runs = [fabric.simulate(topo, matrix, routing=routing, pacing=pacing,
+                            rng=np.random.default_rng(seed + 1)).to_dict()
+            for routing in routings for pacing in pacings]
+    topology = {"hosts_per_leaf": hosts_per_leaf, "leaves": n_leaf, "spines": n_spine, "link_gbps": link_gbps,
+                "oversubscription": oversubscription, "n_gpus": topo.n_hosts}
+    return {"topology": topology, "traffic": traffic, "total_bytes": float(matrix.sum() - np.trace(matrix)),
+            "seed": seed, "kind": "simulated", "runs": runs}
 
 
 def fabric_command(args: argparse.Namespace) -> int:
     """Print the ``sim fabric`` report (a summary, or one JSON object with ``--json``)."""
     routings = ("ecmp", "adaptive") if args.routing == "both" else (args.routing,)
     pacings = {"both": (True, False), "on": (True,), "off": (False,)}[args.pacing]
-    report = fabric_report(
-        hosts_per_leaf=args.hosts_per_leaf, n_leaf=args.leaves, n_spine=args.spines,
-        link_gbps=args.link_gbps, oversubscription=args.oversubscription,
-        traffic=args.traffic, mb_per_pair=args.mb_per_pair, zipf_s=args.zipf,
-        n_senders=args.senders, routings=routings, pacings=pacings, seed=args.seed,
-    )
+    report = fabric_report(hosts_per_leaf=args.hosts_per_leaf, n_leaf=args.leaves, n_spine=args.spines,
+                           link_gbps=args.link_gbps, oversubscription=args.oversubscription,
+                           traffic=args.traffic, mb_per_pair=args.mb_per_pair, zipf_s=args.zipf,
+                           n_senders=args.senders, routings=routings, pacings=pacings, seed=args.seed)
     if args.json:
         print(dumps(report))
         return 0
@@ -217,16 +166,6 @@ def fabric_command(args: argparse.Namespace) -> int:
               f"{run['efficiency']:.1%}, FCT p50 {run['fct_p50_us']:,.0f} us, "
               f"p99 {run['fct_p99_us']:,.0f} us, timeouts {run['flows_with_timeout']}")
     return 0
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -244,7 +183,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pipe.add_argument("--microbatches", type=positive_int, default=16)
     pipe.add_argument("--layout", default=None,
                       help='a Megatron layout string to evaluate too, e.g. "Et*3|(tt|)*29,m|L"')
-    pipe.add_argument("--logits-scale", type=_positive_float, default=1.0,
+    pipe.add_argument("--logits-scale", type=positive_float, default=1.0,
                       help="cost factor of the logits GEMM (0.5: MXFP8)")
     pipe.add_argument("--delay-wgrad", action="store_true",
                       help="split backward into B and W and let W fill the bubbles")
@@ -256,10 +195,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fab.add_argument("--hosts-per-leaf", type=positive_int, default=8)
     fab.add_argument("--leaves", type=positive_int, default=8)
     fab.add_argument("--spines", type=positive_int, default=8)
-    fab.add_argument("--link-gbps", type=_positive_float, default=400.0)
-    fab.add_argument("--oversubscription", type=_positive_float, default=1.0)
+    fab.add_argument("--link-gbps", type=positive_float, default=400.0)
+    fab.add_argument("--oversubscription", type=positive_float, default=1.0)
     fab.add_argument("--traffic", choices=("uniform", "moe", "incast"), default="uniform")
-    fab.add_argument("--mb-per-pair", type=_positive_float, default=1.0,
+    fab.add_argument("--mb-per-pair", type=positive_float, default=1.0,
                      help="MiB per GPU pair (uniform) or per sender (incast)")
     fab.add_argument("--zipf", type=non_negative_float, default=1.0,
                      help="expert-popularity skew (moe)")

@@ -17,6 +17,7 @@ from moe_lab.config import preset
 from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.experts import EXPERT_BACKENDS
 from moe_lab.training.build import STEP_KINDS
+from moe_lab.workbench.cli import EXIT_INTERRUPTED
 from moe_lab.workbench.jsonout import dumps
 from moe_lab.workbench.training.loop import (
     TrainConfig,
@@ -25,9 +26,6 @@ from moe_lab.workbench.training.loop import (
     check_corpus,
     train,
 )
-
-#: Exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
-EXIT_INTERRUPTED = 130
 
 
 def _check_checkpoint_target(path: Path, corpus: str) -> None:
@@ -55,31 +53,20 @@ def _train(args: argparse.Namespace) -> dict:
     check_corpus(args.corpus, "--corpus")
     if args.checkpoint:
         _check_checkpoint_target(Path(args.checkpoint), args.corpus)
-    cfg = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        dispatcher=args.dispatcher, expert_backend=args.expert_backend, corpus=args.corpus,
-        step=args.step, eval_every=args.eval_every,
-        warmup_steps=min(20, args.steps // 10),
-        checkpoint_path=args.checkpoint, checkpoint_every=args.checkpoint_every,
-        progress=not args.json,
-    )
-    result = train(model_cfg, cfg, resume=args.resume, override=args.override,
-                   overwrite=args.overwrite)
-    return {
-        "preset": args.preset,
-        "dispatcher": args.dispatcher,
-        "step": result.step_kind,  # what ran: a graphed step without CUDA runs sync_free
-        "step_requested": args.step,
-        "steps": result.steps,
-        "final_loss": result.history[-1]["loss"] if result.history else None,
-        "eval": result.evals[-1] if result.evals else None,
-        "tokens_per_s": result.tokens_per_s,
-        "mean_imbalance": (
-            sum(sum(h["imbalance"]) / max(1, len(h["imbalance"])) for h in result.history)
-            / max(1, len(result.history))
-        ),
-        "checkpoint": args.checkpoint,
-    }
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      dispatcher=args.dispatcher, expert_backend=args.expert_backend, corpus=args.corpus,
+                      step=args.step, eval_every=args.eval_every, warmup_steps=min(20, args.steps // 10),
+                      checkpoint_path=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                      progress=not args.json)
+    result = train(model_cfg, cfg, resume=args.resume, override=args.override, overwrite=args.overwrite)
+    history = result.history
+    imbalance = sum(sum(h["imbalance"]) / max(1, len(h["imbalance"])) for h in history) / max(1, len(history))
+    return {"preset": args.preset, "dispatcher": args.dispatcher,
+            "step": result.step_kind,  # what ran: a graphed step without CUDA runs sync_free
+            "step_requested": args.step, "steps": result.steps,
+            "final_loss": history[-1]["loss"] if history else None,
+            "eval": result.evals[-1] if result.evals else None, "tokens_per_s": result.tokens_per_s,
+            "mean_imbalance": imbalance, "checkpoint": args.checkpoint}
 
 
 def _run_cli(args: argparse.Namespace) -> int:

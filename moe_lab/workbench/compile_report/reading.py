@@ -67,13 +67,9 @@ def parse_ptxas_log(text: str) -> dict[str, int]:
     if registers is None or frame is None:
         raise ValueError(f"text must be a `ptxas -v` log with 'Used N registers', got {text[:300]!r}")
     shared = re.search(r"(\d+) bytes smem", text)
-    return {
-        "registers": int(registers.group(1)),
-        "stack_bytes": int(frame.group(1)),
-        "spill_store_bytes": int(frame.group(2)),
-        "spill_load_bytes": int(frame.group(3)),
-        "shared_bytes": int(shared.group(1)) if shared else 0,
-    }
+    return {"registers": int(registers.group(1)), "stack_bytes": int(frame.group(1)),
+            "spill_store_bytes": int(frame.group(2)), "spill_load_bytes": int(frame.group(3)),
+            "shared_bytes": int(shared.group(1)) if shared else 0}
 
 
 # ------------------------------------------------------------------------------ instructions
@@ -149,16 +145,13 @@ def async_copies(ptx: str) -> dict[str, object]:
     tma = sum(op.startswith("cp.async.bulk.tensor") for op in ops)
     per_thread = sum(op.startswith(("cp.async.ca.", "cp.async.cg.")) for op in ops)
     pending = [int(m) for m in re.findall(r"\bcp\.async\.wait_group\s+(\d+)", ptx)]
-    return {
-        "kind": "TMA" if tma else ("cp.async" if per_thread else "none"),
-        "tma": tma,
-        "cp_async": per_thread,
-        "commit_groups": sum(op == "cp.async.commit_group" for op in ops),
-        "max_pending_groups": max(pending, default=0),
-        "mbarrier_inits": sum(op.startswith("mbarrier.init") for op in ops),
-        "mbarrier_waits": sum(op.startswith("mbarrier.try_wait") for op in ops),
-        "global_loads": sum(op.startswith("ld.global") for op in ops),
-    }
+    return {"kind": "TMA" if tma else ("cp.async" if per_thread else "none"), "tma": tma,
+            "cp_async": per_thread,
+            "commit_groups": sum(op == "cp.async.commit_group" for op in ops),
+            "max_pending_groups": max(pending, default=0),
+            "mbarrier_inits": sum(op.startswith("mbarrier.init") for op in ops),
+            "mbarrier_waits": sum(op.startswith("mbarrier.try_wait") for op in ops),
+            "global_loads": sum(op.startswith("ld.global") for op in ops)}
 
 
 # The instructions a loop sketch keeps: data movement into and out of shared memory,
@@ -262,13 +255,9 @@ def occupancy(registers: int, shared_bytes: int, num_warps: int, limits: GPUArch
           "warps": limits.max_warps_per_sm // num_warps, "blocks": limits.max_blocks_per_sm}
     limiter = min(by, key=lambda name: by[name])  # min keeps the first of equal values
     blocks = by[limiter]
-    return {
-        "blocks_per_sm": blocks,
-        "warps_per_sm": blocks * num_warps,
-        "occupancy": blocks * num_warps / limits.max_warps_per_sm,
-        "limiter": limiter,
-        **{f"by_{name}": count for name, count in by.items()},
-    }
+    return {"blocks_per_sm": blocks, "warps_per_sm": blocks * num_warps,
+            "occupancy": blocks * num_warps / limits.max_warps_per_sm, "limiter": limiter,
+            **{f"by_{name}": count for name, count in by.items()}}
 
 
 __all__ = ["MMA_CLASSES", "async_copies", "instructions", "loop_sketch", "mma_instructions",

@@ -29,7 +29,6 @@ stride) is a constexpr, as a launch makes it.
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
 import os
@@ -129,29 +128,12 @@ def _in_package(fn: Any) -> bool:
     return module.startswith("moe_lab.") and getattr(sys.modules.get(module), fn.fn.__name__, None) is fn
 
 
-def _decorator_names(fn: Any) -> set[str]:
-    """The names the decorators of kernel ``fn`` use (``@jit``, ``@common.jit``): its source,
-    which the compile process runs, carries them, and the function's code does not."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn.fn)))
-    decorators = tree.body[0].decorator_list if tree.body else []
-    return {node.id for d in decorators for node in ast.walk(d) if isinstance(node, ast.Name)}
-
-
-def _package_function(value: object) -> bool:
-    """Whether ``value`` is a function of a moe_lab module, reachable there by its name (as
-    `moe_lab.kernels.common.jit` is)."""
-    module, name = getattr(value, "__module__", None) or "", getattr(value, "__name__", None)
-    return (isinstance(value, types.FunctionType) and module.startswith("moe_lab.")
-            and getattr(sys.modules.get(module), name or "", None) is value)
-
-
 def _portable_globals(fn: Any) -> dict[str, list]:
-    """The globals an inline kernel refers to (its decorators' included), in a form the
-    compile process can rebuild."""
+    """The globals an inline kernel refers to, in a form the compile process can rebuild (which
+    gives it ``triton`` and ``tl``, what its ``@triton.jit`` decorator needs)."""
     out: dict[str, list] = {}
     scope = fn.fn.__globals__
-    decorators = _decorator_names(fn)
-    for name in [*fn.fn.__code__.co_names, *sorted(decorators)]:
+    for name in fn.fn.__code__.co_names:
         if name not in scope:
             continue
         value = scope[name]
@@ -159,8 +141,6 @@ def _portable_globals(fn: Any) -> dict[str, list]:
             out[name] = ["module", value.__name__]
         elif _is_kernel(value) and _in_package(value):
             out[name] = ["attr", value.fn.__module__, value.fn.__name__]
-        elif name in decorators and _package_function(value):
-            out[name] = ["attr", value.__module__, value.__name__]
         elif isinstance(value, SCALARS):
             out[name] = ["value", value]
         else:

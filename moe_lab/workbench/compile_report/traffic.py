@@ -1,7 +1,7 @@
 """The tile-order acceptance table: `moe_lab.perf.traffic`'s modelled HBM bytes over the compulsory
 bytes for the grouped GEMM forward, dX and the gather + SwiGLU forward on each GPU the compile
 report targets (H200 from ``results/compile/sm_90.json``, B200 from ``sm_100.json``): today's
-row-fastest order beside the grouped order the wrappers launch (`moe_lab.kernels.common.tile_group`),
+row-fastest order beside the grouped order the wrappers launch (`moe_lab.kernels.grouped_gemm.tile_group`),
 at the tiles `choose_config` picks and the resident blocks per SM the compile report gives, and the
 grouped order once more with its waves on expert bounds (`on_expert_bounds`): what it would move if
 no lockstep wave straddled two experts. Beside it, the weight gradients (`dw_tables`) and every
@@ -20,8 +20,7 @@ import torch
 
 from moe_lab.checks import positive_int
 from moe_lab.kernels import fused_moe, fused_mxfp8, mx_gemm
-from moe_lab.kernels.common import DW_GROUP_K, tile_group
-from moe_lab.kernels.grouped_gemm import choose_config
+from moe_lab.kernels.grouped_gemm import DW_GROUP_K, choose_config, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import ARCHS, GPUS, gpu_spec
 from moe_lab.perf.traffic import simulate, simulate_dw
@@ -87,44 +86,62 @@ def on_expert_bounds(expert_tiles: int, in_flight: int) -> int:
     return max(d for d in range(1, min(expert_tiles, in_flight) + 1) if expert_tiles % d == 0)
 
 
+def _models(models: tuple[str, ...]):
+    """``(model, routed rows per expert, experts, {"d", "f", "2f"} dimensions)`` of the chosen
+    `ACCEPTANCE` models."""
+    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
+        if model in models:
+            yield model, per_expert, experts, {"d": d_model, "f": d_expert, "2f": 2 * d_expert}
+
+
+def _grouped_launch(spec, report: dict, per_expert: int, experts: int, n: int, k: int, cfg: LaunchConfig,
+                    kernel: str, label: str, keywords: dict, always_aligned: bool) -> dict:
+    """One launch's row, shared by `acceptance` and `kernel_tables`: the row-fastest and grouped
+    orders at ``cfg``'s tile and the compile report's resident blocks (``kernel`` at the row
+    whose label holds ``label``), and the grouped order with its waves on expert bounds — always,
+    or (not ``always_aligned``) only where the grouped order is above compulsory and its waves
+    straddle experts (``aligned`` None otherwise)."""
+    b = cfg.blocks
+    in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
+    group = tile_group(per_expert * experts, experts, b["BLOCK_M"])
+    expert_tiles = -(-per_expert // b["BLOCK_M"]) * -(-n // b["BLOCK_N"])
+    aligned = on_expert_bounds(expert_tiles, in_flight)
+
+    def run(order, flight: int):
+        return _simulated((per_expert,) * experts, n, k, b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
+                          in_flight=flight, l2_bytes=spec.l2_bytes, order=order, **keywords)
+
+    traffic = {"row": run("row", in_flight), "grouped": run(group, in_flight)}
+    if always_aligned or (traffic["grouped"].ratio > 1.005 and aligned != in_flight):
+        traffic["aligned"] = run(group, aligned)
+    return {"gpu": spec.name, "per_expert": per_expert, "experts": experts, "n": n, "k": k,
+            "panels": keywords.get("b_panels", 1), "tiles": "x".join(map(str, b.values())),
+            "in_flight": in_flight, "programs": expert_tiles * experts, "expert_tiles": expert_tiles,
+            "aligned_in_flight": aligned, "group_m": group, "compulsory": traffic["row"].compulsory,
+            "aligned": None, "aligned_bytes": None,
+            **{f"{name}_bytes": t.total for name, t in traffic.items()},
+            **{name: t.ratio for name, t in traffic.items()}}
+
+
 @functools.lru_cache(maxsize=8)
 def _acceptance(gpu: str, report_text: str, models: tuple[str, ...],
                 launches: tuple[str, ...]) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
-    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
-        if model not in models:
-            continue
-        m = per_expert * experts
-        dims = {"d": d_model, "f": d_expert}
+    for model, per_expert, experts, dims in _models(models):
         for launch, kind, kernel, label, n_dim, k_dim, panels in LAUNCHES:
             if launch not in launches:
                 continue
             n, k = dims[n_dim], dims[k_dim]
-            cfg = choose_config(kind, m, n, k, experts, torch.bfloat16)
-            b = cfg.blocks
-            in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
-            group = tile_group(m, experts, b["BLOCK_M"])
-            t_n = -(-n // b["BLOCK_N"])
-            expert_tiles = -(-per_expert // b["BLOCK_M"]) * t_n
-            aligned = on_expert_bounds(expert_tiles, in_flight)
-            traffic = {name: _simulated((per_expert,) * experts, n, k, b["BLOCK_M"], b["BLOCK_N"],
-                                        b["BLOCK_K"], in_flight=flight, l2_bytes=spec.l2_bytes, order=order,
-                                        b_panels=panels)
-                       for name, order, flight in (("row", "row", in_flight), ("grouped", group, in_flight),
-                                                   ("aligned", group, aligned))}
+            cfg = choose_config(kind, per_expert * experts, n, k, experts, torch.bfloat16)
+            row = _grouped_launch(spec, report, per_expert, experts, n, k, cfg, kernel, label,
+                                  {"b_panels": panels}, always_aligned=True)
             # The least one wave touches over its K sweep (g row tiles x in_flight / g N tiles): above
             # the L2, nothing a wave reads survives to the next, whatever the order.
+            b, in_flight = cfg.blocks, row["in_flight"]
             wave = min(k * 2 * (g * b["BLOCK_M"] + -(-in_flight // g) * b["BLOCK_N"] * panels)
                        for g in (1 << i for i in range(in_flight.bit_length())))
-            out.append(dict(gpu=spec.name, model=model, launch=launch, per_expert=per_expert,
-                            experts=experts, n=n, k=k, panels=panels,
-                            tiles="x".join(map(str, b.values())), in_flight=in_flight,
-                            programs=expert_tiles * experts, expert_tiles=expert_tiles,
-                            aligned_in_flight=aligned, group_m=group, wave_l2=wave / spec.l2_bytes,
-                            compulsory=traffic["row"].compulsory,
-                            **{f"{name}_bytes": t.total for name, t in traffic.items()},
-                            **{name: t.ratio for name, t in traffic.items()}))
+            out.append(dict(model=model, launch=launch, **row, wave_l2=wave / spec.l2_bytes))
     return tuple(out)
 
 
@@ -132,7 +149,7 @@ def acceptance(gpu: str = "H200", report_path: Path | None = None,
                models: tuple[str, ...] | None = None, launches: tuple[str, ...] | None = None) -> list[dict]:
     """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
     gather + SwiGLU forward at `ACCEPTANCE`'s shapes on ``gpu``'s L2: today's row-fastest order
-    (``row``), the grouped order `moe_lab.kernels.common.tile_group` picks (``grouped``) and the
+    (``row``), the grouped order `moe_lab.kernels.grouped_gemm.tile_group` picks (``grouped``) and the
     grouped order with ``in_flight`` cut to `on_expert_bounds` (``aligned``). Tiles are
     `choose_config`'s; resident blocks per SM the compile report's (``report_path``, by default
     the report of the target that stands for ``gpu``) for the launch's own row. Each row also
@@ -168,13 +185,10 @@ DW_LAUNCHES = (("dW (down)", "dW = Xᵀ·dY per expert (down", "f", "d"),
 def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
-    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
-        if model not in models:
-            continue
-        m, dims = per_expert * experts, {"d": d_model, "f": d_expert, "2f": 2 * d_expert}
+    for model, per_expert, experts, dims in _models(models):
         for launch, label, k_dim, n_dim in DW_LAUNCHES:
             k, n = dims[k_dim], dims[n_dim]
-            cfg = choose_config("dw", m, n, k, experts, torch.bfloat16)
+            cfg = choose_config("dw", per_expert * experts, n, k, experts, torch.bfloat16)
             b = cfg.blocks
             in_flight = spec.sms * blocks_per_sm(report, "_grouped_gemm_dw_kernel", b, cfg.num_warps, label)
             traffic = {name: simulate_dw([per_expert] * experts, k, n, b["BLOCK_M"], b["BLOCK_K"],
@@ -257,42 +271,17 @@ def _kernel_rows(gpu: str, report_text: str, models: tuple[str, ...],
                  launches: tuple[str, ...]) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
-    for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
-        if model not in models:
-            continue
-        m, dims = per_expert * experts, {"d": d_model, "f": d_expert, "2f": 2 * d_expert}
+    for model, per_expert, experts, dims in _models(models):
         for launch, kernel, source, kind, label, n_dim, k_dim, keywords in KERNEL_LAUNCHES:
             if launch not in launches:
                 continue
             n, k = dims[n_dim], dims[k_dim]
-            cfg = kernel_config(source, kind, m, n, k, experts, spec.name)
-            b = cfg.blocks
-            in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
-            group = tile_group(m, experts, b["BLOCK_M"])
-            expert_tiles = -(-per_expert // b["BLOCK_M"]) * -(-n // b["BLOCK_N"])
-            aligned = on_expert_bounds(expert_tiles, in_flight)
-            runs = {"row": ("row", in_flight), "grouped": (group, in_flight)}
-            traffic = {name: _simulated((per_expert,) * experts, n, k, b["BLOCK_M"], b["BLOCK_N"],
-                                        b["BLOCK_K"], in_flight=flight, l2_bytes=spec.l2_bytes, order=order,
-                                        **keywords)
-                       for name, (order, flight) in runs.items()}
-            # Above compulsory, where the waves straddle experts: the same order once more with
-            # its waves on expert bounds, as in the acceptance table (None where not run).
-            straddles = traffic["grouped"].ratio > 1.005 and aligned != in_flight
-            if straddles:
-                traffic["aligned"] = _simulated((per_expert,) * experts, n, k, b["BLOCK_M"], b["BLOCK_N"],
-                                                b["BLOCK_K"], in_flight=aligned, l2_bytes=spec.l2_bytes,
-                                                order=group, **keywords)
-            out.append(dict(gpu=spec.name, model=model, launch=launch, kernel=kernel, per_expert=per_expert,
-                            experts=experts, n=n, k=k, panels=keywords.get("b_panels", 1),
-                            mma="8-bit" if source == "mx" else "bf16", programs=expert_tiles * experts,
-                            tiles="x".join(map(str, b.values())), num_warps=cfg.num_warps,
-                            in_flight=in_flight, group_m=group, expert_tiles=expert_tiles,
-                            aligned_in_flight=aligned, compulsory=traffic["row"].compulsory,
-                            aligned=traffic["aligned"].ratio if straddles else None,
-                            aligned_bytes=traffic["aligned"].total if straddles else None,
-                            **{f"{name}_bytes": traffic[name].total for name in runs},
-                            **{name: traffic[name].ratio for name in runs}))
+            cfg = kernel_config(source, kind, per_expert * experts, n, k, experts, spec.name)
+            row = _grouped_launch(spec, report, per_expert, experts, n, k, cfg, kernel, label, keywords,
+                                  always_aligned=False)
+            mma = "8-bit" if source == "mx" else "bf16"
+            out.append(dict(model=model, launch=launch, kernel=kernel, mma=mma, num_warps=cfg.num_warps,
+                            **row))
     return tuple(out)
 
 

@@ -179,41 +179,26 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
     mma = reading.mma_instructions(ptx)
     copies = reading.async_copies(ptx)
     return {
-        **identity(spec, arch),
-        "registers": res["REG"],
-        "spill_bytes": ptxas["spill_store_bytes"],
-        "stack_bytes": res["STACK"],
-        "local_bytes": res["LOCAL"],
-        "shared_static": res["SHARED"],
+        **identity(spec, arch), "registers": res["REG"], "spill_bytes": ptxas["spill_store_bytes"],
+        "stack_bytes": res["STACK"], "local_bytes": res["LOCAL"], "shared_static": res["SHARED"],
         "shared_dynamic": meta.shared,
         "shared_bytes": res["SHARED"] + meta.shared,  # static (in the cubin) + dynamic (at launch)
-        "tmem_columns": getattr(meta, "tmem_size", 0),
-        "block_warps": meta.num_warps,
+        "tmem_columns": getattr(meta, "tmem_size", 0), "block_warps": meta.num_warps,
         "warp_specialized": specialised,
         # A persistent grid: a loop of the kernel steps by the number of programs (each program
         # walks tiles pid, pid + programs, ...); reading the number alone (a rasterisation) is not.
         "persistent": any(re.search(rf"scf\.for [^\n]* step {re.escape(v)}\b", compiled.asm["ttir"])
                           for v in re.findall(r"(%\w+) = tt\.get_num_programs", compiled.asm["ttir"])),
         **reading.occupancy(res["REG"], ptxas["shared_bytes"] + meta.shared, meta.num_warps, limits),
-        "mma_class": mma["class"],
-        "mma_kinds": mma["kinds"],
-        "mma_count": mma["count"],
-        "block_scaled": mma["block_scaled"],
-        "fp8_upcasts": mma["fp8_upcasts"],
+        "mma_class": mma["class"], "mma_kinds": mma["kinds"], "mma_count": mma["count"],
+        "block_scaled": mma["block_scaled"], "fp8_upcasts": mma["fp8_upcasts"],
         # A matrix product in the kernel's Triton IR (``tt.dot`` or ``tt.dot_scaled``): what
         # makes it GEMM-like, whatever instruction it became.
         "has_dot": "tt.dot" in compiled.asm["ttir"],
-        "async_copy": copies["kind"],
-        "copies": copies,
-        "loop": reading.loop_sketch(ptx),
-        "divisible_by_16": divisible,
-        "compile_s": round(seconds, 3),
-        "ptxas": ptxas,
-        "checks": checks,
-        "agree": all(a == b for a, b in checks.values()),
-        "loaded": loaded,
-        "cubin": str(cubin) if cubin_dir is not None else None,
-        "error": None,
+        "async_copy": copies["kind"], "copies": copies, "loop": reading.loop_sketch(ptx),
+        "divisible_by_16": divisible, "compile_s": round(seconds, 3), "ptxas": ptxas, "checks": checks,
+        "agree": all(a == b for a, b in checks.values()), "loaded": loaded,
+        "cubin": str(cubin) if cubin_dir is not None else None, "error": None,
     }
 
 

@@ -9,8 +9,8 @@ enter the core only through its registries, by name, when `register` is called:
 ========================  =========================================  ==============================
 registry                  name                                       implementation
 ========================  =========================================  ==============================
-``EXPERT_BACKENDS``       ``openmp``                                 `moe_lab.workbench.cpu.grouped`
-``PERMUTATIONS``          ``openmp`` (paired with the backend above)  `moe_lab.workbench.cpu.permute`
+``EXPERT_BACKENDS``       ``openmp`` (MLP and token permutation)     `moe_lab.workbench.cpu.grouped`,
+                                                                     `moe_lab.workbench.cpu.permute`
 ``ATTENTION_IMPLS``       ``cpu_fused`` (and its packed RoPE form)   `moe_lab.workbench.cpu.attention`
 ``ROUTER_IMPLS``          ``cpu_topk`` (the reference chain, C++      `moe_lab.workbench.cpu.permute`
                           top-k)
@@ -30,7 +30,6 @@ import threading
 
 from moe_lab.attention import ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS
 from moe_lab.model import EMBEDDING_IMPLS
-from moe_lab.moe.dispatch import PERMUTATIONS, TokenPermutation
 from moe_lab.moe.experts import EXPERT_BACKENDS, ExpertBackend
 from moe_lab.moe.router import ROUTER_IMPLS, route
 from moe_lab.training.optim import CLIP_STEPS
@@ -39,7 +38,7 @@ from moe_lab.workbench.cpu import attention, build, embedding, grouped, optim, p
 _lock = threading.Lock()
 _registered: bool | None = None
 
-NAMES = {"expert backend": "openmp", "token permutation": "openmp", "attention": "cpu_fused",
+NAMES = {"expert backend": "openmp", "attention": "cpu_fused",
          "router impl": "cpu_topk", "clip step": "cpu_one_call"}
 
 
@@ -53,7 +52,7 @@ def register() -> bool:
         if _registered is not None:
             return _registered
         EMBEDDING_IMPLS.register("opaque_grad", embedding.embed)
-        registries = [(EXPERT_BACKENDS, "openmp"), (PERMUTATIONS, "openmp"),
+        registries = [(EXPERT_BACKENDS, "openmp"),
                       (ATTENTION_IMPLS, "cpu_fused"), (PACKED_ATTENTION_IMPLS, "cpu_fused"),
                       (ROUTER_IMPLS, "cpu_topk"), (CLIP_STEPS, "cpu_one_call")]
         if not build.available():
@@ -62,8 +61,7 @@ def register() -> bool:
                 registry.mark_unavailable(name, reason)
             _registered = False
             return False
-        EXPERT_BACKENDS.register("openmp", ExpertBackend(grouped.openmp_mlp, permutation="openmp"))
-        PERMUTATIONS.register("openmp", TokenPermutation(permute.permute_tokens,
+        EXPERT_BACKENDS.register("openmp", ExpertBackend(grouped.openmp_mlp, permute.permute_tokens,
                                                          permute.unpermute_tokens))
         ATTENTION_IMPLS.register("cpu_fused", attention.grouped_query_attention)
         PACKED_ATTENTION_IMPLS.register("cpu_fused", attention.PackedRope())

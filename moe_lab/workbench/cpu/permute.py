@@ -218,13 +218,13 @@ def topk_lowest_index(values: Tensor, k: int) -> Tensor:
 
 
 def permute_tokens(x: Tensor, topk_ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``PERMUTATIONS["openmp"].permute``: ``(x_sorted [T·k, d], offsets [E + 1], row_id_map)``."""
+    """``EXPERT_BACKENDS["openmp"].permute``: ``(x_sorted [T·k, d], offsets [E + 1], row_id_map)``."""
     row_id_map, offsets = make_row_id_map(topk_ids, n_experts)
     return permute(x, row_id_map, topk_ids.numel()), offsets, row_id_map
 
 
 def unpermute_tokens(y_sorted: Tensor, row_id_map: Tensor, topk_weights: Tensor) -> Tensor:
-    """``PERMUTATIONS["openmp"].unpermute``: the weighted sum of each token's rows."""
+    """``EXPERT_BACKENDS["openmp"].unpermute``: the weighted sum of each token's rows."""
     return unpermute(y_sorted, row_id_map, topk_weights)
 
 

@@ -18,19 +18,10 @@ from moe_lab.workbench.training.loop import TrainConfig, train
 __all__ = ["compare_balancing"]
 
 
-def compare_balancing(
-    model_cfg: ModelConfig,
-    steps: int,
-    *,
-    batch_size: int = 8,
-    seed: int = 0,
-    aux_loss_coef: float = 0.01,
-    bias_rate: float = 0.01,
-    dispatcher: str = "naive",
-    expert_backend: str = "loop",
-    router_impl: str = "reference",
-    progress: bool = False,
-) -> dict[str, list[dict]]:
+def compare_balancing(model_cfg: ModelConfig, steps: int, *, batch_size: int = 8, seed: int = 0,
+                      aux_loss_coef: float = 0.01, bias_rate: float = 0.01, dispatcher: str = "naive",
+                      expert_backend: str = "loop", router_impl: str = "reference",
+                      progress: bool = False) -> dict[str, list[dict]]:
     """Train ``model_cfg`` three times on the same data — ``"none"`` (no balancing),
     ``"aux loss"`` (``aux_loss_coef``), ``"bias"`` (aux-loss-free, ``bias_rate``) — and
     return, per run, one record per step: ``loss`` (the language-model loss, comparable

@@ -1,7 +1,7 @@
 """What the Triton exercises share: where their tensors live, and launching the learner's code.
 
 A Triton exercise hands the learner's ``@triton.jit`` function to a small kernel of its
-notebook's module (a moe_lab ``@jit`` kernel) as a ``tl.constexpr`` argument (Triton inlines a
+notebook's module (a ``@triton.jit`` kernel) as a ``tl.constexpr`` argument (Triton inlines a
 jitted function passed that way), or launches the learner's kernel itself. On a GPU it is
 compiled; on a CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``, which the
 notebook's setup cell sets where there is no CUDA:

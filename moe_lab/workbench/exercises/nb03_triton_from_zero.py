@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import jit
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
 from moe_lab.workbench.exercises import ExerciseError, exercise, reference_solution
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
@@ -38,7 +37,7 @@ from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answ
 
 
 @reference_solution("row_softmax_kernel")
-@jit
+@triton.jit
 def row_softmax_kernel(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     """``out[row] = softmax(x[row])`` in float32, one program per row; ``BLOCK_N >= N``.
     Grid: ``(M,)``."""
@@ -143,7 +142,7 @@ def check_row_softmax(kernel: object) -> None:
 
 
 @reference_solution("expert_rows")
-@jit
+@triton.jit
 def expert_rows(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     """``(rows, row_ok)`` of tile ``t`` of expert ``e``: ``BLOCK_M`` rows from
     ``offsets[e] + t·BLOCK_M`` (int64), those before ``offsets[e + 1]`` its expert's."""
@@ -153,7 +152,7 @@ def expert_rows(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     return rows, rows < end
 
 
-@jit
+@triton.jit
 def _claim_rows(offsets_ptr, claims_ptr, M_ROWS, BLOCK_M: tl.constexpr, EXPERT_ROWS: tl.constexpr):
     # claims: [E, M_ROWS] int32. Program (e, t) adds 1 to claims[e, r] for each row r its
     # tile owns. Rows outside [0, M_ROWS) are not written (a wrong lookup must not address
@@ -165,7 +164,7 @@ def _claim_rows(offsets_ptr, claims_ptr, M_ROWS, BLOCK_M: tl.constexpr, EXPERT_R
     tl.atomic_add(claims_ptr + e.to(tl.int64) * M_ROWS + rows, tl.full((BLOCK_M,), 1, tl.int32), mask=ok)
 
 
-@jit
+@triton.jit
 def grouped_matmul_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M_ROWS, N, K,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           EXPERT_ROWS: tl.constexpr):

@@ -27,7 +27,6 @@ import triton.language as tl
 
 from moe_lab.kernels import common
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import jit
 from moe_lab.kernels.permute import make_row_id_map_reference, unpermute_reference
 from moe_lab.workbench.exercises import (
     ExerciseError,
@@ -42,7 +41,7 @@ from moe_lab.workbench.exercises.nb04_dropless_sync_free import offsets_of
 
 
 @reference_solution("unpermute_kernel")
-@jit
+@triton.jit
 def unpermute_kernel(y_ptr, map_ptr, w_ptr, out_ptr, T, D, N_ROWS, TOP_K,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[t] = Σ_j w[t, j] · y[row_id_map[t, j]]`` in float32; all tensors contiguous,
@@ -145,13 +144,13 @@ def check_unpermute_kernel(kernel: object) -> None:
 
 
 @reference_solution("tile_schedule")
-@jit
+@triton.jit
 def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(segment, first row, end row)`` of row tile ``tile``: the kernel's own schedule."""
     return common.tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M, BLOCK_E)
 
 
-@jit
+@triton.jit
 def _schedule_probe(offsets_ptr, out_ptr, E, M_ROWS, BLOCK_M: tl.constexpr,
                     BLOCK_E: tl.constexpr, SCHEDULE: tl.constexpr):
     # out: [n_programs, 3] int32, what SCHEDULE says program p owns.
@@ -162,7 +161,7 @@ def _schedule_probe(offsets_ptr, out_ptr, E, M_ROWS, BLOCK_M: tl.constexpr,
     tl.store(out_ptr + 3 * p + 2, row_end)
 
 
-@jit
+@triton.jit
 def _scheduled_gemm(x_ptr, w_ptr, y_ptr, offsets_ptr, M_ROWS, N, K, E,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, SCHEDULE: tl.constexpr):

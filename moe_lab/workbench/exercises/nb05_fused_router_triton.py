@@ -17,14 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import jit
 from moe_lab.moe.router import group_limited_mask, topk_lowest_index
 from moe_lab.workbench.exercises import ExerciseError, exercise, reference_solution
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer
 
 
 @reference_solution("group_limited_topk")
-@jit
+@triton.jit
 def group_limited_topk(sel, BLOCK_T: tl.constexpr, G: tl.constexpr, EG: tl.constexpr,
                        TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr):
     """``sel: [BLOCK_T, G, EG]`` float32 selection scores (expert ``g · EG + j``) →
@@ -60,7 +59,7 @@ def group_limited_topk(sel, BLOCK_T: tl.constexpr, G: tl.constexpr, EG: tl.const
     return ids
 
 
-@jit
+@triton.jit
 def _group_topk_kernel(scores_ptr, ids_ptr, T, FN: tl.constexpr, BLOCK_T: tl.constexpr,
                        G: tl.constexpr, EG: tl.constexpr, TOP_K: tl.constexpr,
                        TOPK_GROUPS: tl.constexpr):

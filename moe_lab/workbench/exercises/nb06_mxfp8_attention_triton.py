@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from moe_lab.attention import reference_attention
-from moe_lab.kernels.common import jit
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, block_scale_exponent
 from moe_lab.workbench.exercises import ExerciseError, exercise, reference_solution
 from moe_lab.workbench.exercises.kernel_checks import (
@@ -41,7 +40,7 @@ from moe_lab.workbench.exercises.kernel_checks import (
 
 
 @reference_solution("e8m0_block_scale")
-@jit
+@triton.jit
 def e8m0_block_scale(x):
     """``x: [ROWS, 32]`` float32, one MX block per row → ``[ROWS]`` int32 biased E8M0 bytes,
     OCP's ``floor`` rule for E4M3: ``clamp(floor(log2(amax)) - 8, -127, 127) + 127``, 255 for
@@ -53,7 +52,7 @@ def e8m0_block_scale(x):
     return tl.where(amax > 0x7F800000, 255, biased)
 
 
-@jit
+@triton.jit
 def _block_scale_kernel(x_ptr, out_ptr, ROWS, FN: tl.constexpr, BLOCK_R: tl.constexpr,
                         MX: tl.constexpr):
     # x: [ROWS, MX] float32 contiguous; out: [ROWS] int32. Grid: (cdiv(ROWS, BLOCK_R),).
@@ -124,7 +123,7 @@ def check_e8m0_block_scale(fn: Callable) -> None:
 
 
 @reference_solution("online_softmax_step")
-@jit
+@triton.jit
 def online_softmax_step(m_i, l_i, acc, s, v):
     """One tile of flash attention. ``m_i, l_i: [BLOCK_M]`` the running maximum and sum of
     ``exp(s - m)``, ``acc: [BLOCK_M, D]`` the unnormalised output, ``s: [BLOCK_M, BLOCK_N]``
@@ -138,7 +137,7 @@ def online_softmax_step(m_i, l_i, acc, s, v):
     return m_new, l_new, acc
 
 
-@jit
+@triton.jit
 def _online_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, sm_scale, FN: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     # One head, causal: q, k, v, o [T, D] float32 contiguous. Grid: (cdiv(T, BLOCK_M),).

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import jit, row_source
+from moe_lab.kernels.common import row_source
 from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference
 from moe_lab.workbench.exercises import (
     ExerciseError,
@@ -34,7 +34,7 @@ from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answ
 
 
 @reference_solution("gather_tile")
-@jit
+@triton.jit
 def gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
     """``[BLOCK_M, BLOCK_K]`` tile ``x[src[rows] // TOP_K, ks]`` (``x: [T, K]`` contiguous),
     zero where ``rows >= row_end``, ``src < 0`` or ``ks >= K``."""
@@ -44,7 +44,7 @@ def gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
     return tl.load(x_ptr + token[:, None] * K + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
 
 
-@jit
+@triton.jit
 def _gather_probe(x_ptr, src_ptr, out_ptr, offsets_ptr, M_ROWS, K, K_PAD, TOP_K, gather,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # One program per (expert e, row tile, K tile): the tile of e's rows, gathered by the
@@ -60,7 +60,7 @@ def _gather_probe(x_ptr, src_ptr, out_ptr, offsets_ptr, M_ROWS, K, K_PAD, TOP_K,
              mask=(rows[:, None] < end) & (ks[None, :] < K_PAD))
 
 
-@jit
+@triton.jit
 def _gather_gemm(x_ptr, src_ptr, w_ptr, y_ptr, offsets_ptr, N, K, TOP_K, gather,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # y[rows of e] = gathered x rows · w[e] (w: [E, K, N], y: [M_ROWS, N], contiguous).

@@ -25,9 +25,7 @@ def plot_tokens_per_expert(counts: Sequence[float], capacity: float | None = Non
     ax.axhline(counts.mean(), color="k", ls=":", lw=1, label=f"mean {counts.mean():.0f}")
     if capacity is not None:
         ax.axhline(capacity, color="tab:red", ls="--", lw=1, label=f"capacity {capacity:.0f}")
-    ax.set_xlabel("expert")
-    ax.set_ylabel("tokens")
-    ax.set_title(title)
+    ax.set(xlabel="expert", ylabel="tokens", title=title)
     ax.legend(fontsize=8)
     return ax
 
@@ -40,8 +38,7 @@ def plot_routing_heatmap(matrix, row_labels: Sequence[str], ax=None,
     m = m / np.maximum(m.sum(axis=1, keepdims=True), 1e-12)
     im = ax.imshow(m, aspect="auto", cmap="viridis")
     ax.set_yticks(range(len(row_labels)), row_labels)
-    ax.set_xlabel("expert")
-    ax.set_title(title)
+    ax.set(xlabel="expert", title=title)
     plt.colorbar(im, ax=ax, fraction=0.03)
     return ax
 
@@ -52,8 +49,7 @@ def plot_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], ax=N
     ax = _ax(ax)
     for name, (x, y) in curves.items():
         ax.plot(x, y, label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     if logy:
         ax.set_yscale("log")
     if title:

@@ -52,8 +52,7 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
     ax.text(0.0, 0.9, "spines", va="center", fontsize=8)
     ax.text(0.0, 0.35, "leaves", va="center", fontsize=8)
     ax.text(0.0, 0.08, "GPUs", va="center", fontsize=8)
-    ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(0, 1)
+    ax.set(xlim=(-0.02, 1.02), ylim=(0, 1))
     ax.axis("off")
     plt.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.03,
                  label="uplink load / mean")
@@ -61,17 +60,9 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
     return ax
 
 
-def fabric_figure(
-    zipf_s: float = 0.0,
-    oversubscription: float = 1.0,
-    n_spine: int = 8,
-    adaptive: int = 0,
-    pacing: int = 1,
-    hosts_per_leaf: int = 8,
-    n_leaf: int = 8,
-    seed: int = 0,
-    link_gbps: float = 400.0,
-) -> Any:
+def fabric_figure(zipf_s: float = 0.0, oversubscription: float = 1.0, n_spine: int = 8, adaptive: int = 0,
+                  pacing: int = 1, hosts_per_leaf: int = 8, n_leaf: int = 8, seed: int = 0,
+                  link_gbps: float = 400.0) -> Any:
     """The explorer's figure: one MoE dispatch all-to-all (Zipf skew ``zipf_s`` over the
     experts) on a leaf-spine fabric — the topology with its uplink loads, and the
     distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches.
@@ -89,9 +80,7 @@ def fabric_figure(
     right.plot(fct_us, np.arange(1, fct_us.size + 1) / fct_us.size, drawstyle="steps-post")
     right.axvline(result.fct_percentile(99), color="tab:red", ls="--", lw=1,
                   label=f"p99 {result.fct_percentile(99):,.0f} us")
-    right.set_xscale("log")
-    right.set_xlabel("flow completion time (us, simulated)")
-    right.set_ylabel("fraction of flows")
+    right.set(xscale="log", xlabel="flow completion time (us, simulated)", ylabel="fraction of flows")
     right.legend(fontsize=8)
     right.set_title(f"bandwidth {result.algbw_fraction:.0%} of link, efficiency "
                     f"{result.efficiency:.0%}", fontsize=9)

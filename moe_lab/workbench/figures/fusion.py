@@ -103,8 +103,7 @@ def plot_dataflow(ax=None):
         ax.text(x + 0.4, 0.05, what, fontsize=7.5, va="center")
     note = "\n".join(textwrap.fill(part, 150) for part in dataflow_note().split("\n"))
     ax.text(0.1, -0.35, note, fontsize=8, va="top")
-    ax.set_xlim(0, 14.6)
-    ax.set_ylim(-0.95, 2.5)
+    ax.set(xlim=(0, 14.6), ylim=(-0.95, 2.5))
     ax.axis("off")
     return ax
 

@@ -75,14 +75,8 @@ def plot_gantt(
     return ax
 
 
-def step_figure(
-    n_ranks: int = 8,
-    n_chunks: int = 1,
-    microbatches: int = 16,
-    mxfp8_logits: int = 0,
-    delay_wgrad: int = 0,
-    preset_name: str = "deepseek_v3",
-) -> Any:
+def step_figure(n_ranks: int = 8, n_chunks: int = 1, microbatches: int = 16, mxfp8_logits: int = 0,
+                delay_wgrad: int = 0, preset_name: str = "deepseek_v3") -> Any:
     """The explorer's figure: a preset's even and searched layouts on ``n_ranks`` ranks —
     the work per rank of each, and the Gantt chart of the searched one's simulated step.
 
@@ -114,8 +108,7 @@ def step_figure(
                 label=f"{name}: imbalance {report['imbalance']:.1%}, step {step.makespan:,.0f}")
         notes.append(f"{name} {format_layout(lay)}")
     top.axhline(loads.mean(), color="k", ls=":", lw=1)
-    top.set_xlabel("pipeline rank")
-    top.set_ylabel(f"forward work ({costs.unit})")
+    top.set(xlabel="pipeline rank", ylabel=f"forward work ({costs.unit})")
     top.legend(fontsize=7, loc="lower right")
     top.set_title(f"{preset_name}, logits {'MXFP8 (x0.5)' if mxfp8_logits else 'bf16'} — "
                   "simulated, from the FLOPs model", fontsize=9)

@@ -47,8 +47,7 @@ def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None,
         if p == max(n_pages, used):
             ax.add_patch(Rectangle((x, y), 0.92, 0.85, facecolor="0.9", hatch="xx",
                                    edgecolor="0.5"))
-    ax.set_xlim(-0.1, per_row + 0.1)
-    ax.set_ylim(-n_rows + 0.9, 0.95)
+    ax.set(xlim=(-0.1, per_row + 0.1), ylim=(-n_rows + 0.9, 0.95))
     ax.set_aspect("equal")
     ax.axis("off")
     status = f"{used} of {n_pages} pages used" + (" — OVERFLOW" if used > n_pages else "")

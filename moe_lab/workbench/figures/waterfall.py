@@ -153,8 +153,7 @@ def _noisy(recs: Sequence[dict], max_rel_iqr: float | None) -> bool:
 
 
 def waterfalls_from_ledger(records: Iterable[dict], *, metric: str = LADDER_METRIC,
-                           notebook: str | Sequence[str] | None = None,
-                           hardware: str | None = None,
+                           notebook: str | Sequence[str] | None = None, hardware: str | None = None,
                            max_rel_iqr: float | None = 0.5) -> list[Waterfall]:
     """Every ladder in ``records`` with ``metric``, newest measurement per (notebook, ladder,
     hardware), one `Waterfall` each, ordered by notebook, ladder and hardware.
@@ -284,8 +283,7 @@ def plot_waterfall(wf: Waterfall, ax=None, *, show_total: bool = True):
         ax.text(x, b + h, note, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel(wf.unit)
-    ax.set_ylim(0, max(b + h for b, h in zip(bottoms, heights)) * 1.22)
+    ax.set(ylabel=wf.unit, ylim=(0, max(b + h for b, h in zip(bottoms, heights)) * 1.22))
     ax.set_title(wf.heading(), fontsize=9)
     return ax
 

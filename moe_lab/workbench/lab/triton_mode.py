@@ -1,6 +1,6 @@
 """Where a notebook lets the learner's own Triton kernels run: the one visible switch.
 
-moe_lab's kernels decide compiled or interpreted for themselves (`moe_lab.kernels.common.jit`),
+moe_lab's kernels decide compiled or interpreted for themselves (`moe_lab.kernels.interpreter`),
 but a kernel the learner writes with ``@triton.jit`` is Triton's: interpreted only when
 ``TRITON_INTERPRET`` is set as Triton is imported and the kernel defined. A notebook whose
 learner writes kernels calls `interpret_without_cuda` first in its setup cell, before it
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-from moe_lab.kernels import TRITON_MISSING
+from moe_lab.registry import TRITON_MISSING
 
 #: The first line of a notebook cell that cannot run without Triton.
 NEEDS_TRITON = "# needs Triton"

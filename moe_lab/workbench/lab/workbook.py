@@ -27,18 +27,19 @@ which notebook and which cell stopped, and goes on to the next notebook.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest import mock
 
 from moe_lab.perf.capabilities import capabilities, library_versions
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, export_html, write_text_atomically
@@ -131,10 +132,8 @@ def project_root() -> Path:
     """The moe_lab checkout: above the current directory, else above this package."""
     root = find_project_root() or find_project_root(Path(__file__).resolve().parent)
     if root is None:
-        raise ValueError(
-            "the workbook runs from the moe_lab checkout: no pyproject.toml with "
-            "[project] name 'moe-lab' above the current directory"
-        )
+        raise ValueError("the workbook runs from the moe_lab checkout: no pyproject.toml with "
+                         "[project] name 'moe-lab' above the current directory")
     return root
 
 
@@ -142,11 +141,8 @@ def find_notebooks(notebooks_dir: Path) -> list[Path]:
     """The workbook's notebooks, ``NN_name.ipynb``, sorted by name (so by number)."""
     if not notebooks_dir.is_dir():
         raise ValueError(f"notebooks_dir must be a directory, got {str(notebooks_dir)!r}")
-    return sorted(
-        path
-        for path in notebooks_dir.iterdir()
-        if path.is_file() and NOTEBOOK_PATTERN.match(path.name)
-    )
+    return sorted(path for path in notebooks_dir.iterdir()
+                  if path.is_file() and NOTEBOOK_PATTERN.match(path.name))
 
 
 def select_notebooks(notebooks: Sequence[Path], only: Sequence[str] | None) -> list[Path]:
@@ -159,11 +155,8 @@ def select_notebooks(notebooks: Sequence[Path], only: Sequence[str] | None) -> l
     chosen: set[Path] = set()
     for wanted in only:
         key = wanted.removesuffix(".ipynb")
-        matches = [
-            path
-            for path in notebooks
-            if key in (path.stem, *NOTEBOOK_PATTERN.match(path.name).groups())
-        ]
+        matches = [path for path in notebooks
+                   if key in (path.stem, *NOTEBOOK_PATTERN.match(path.name).groups())]
         if not matches:
             available = ", ".join(path.stem for path in notebooks) or "none"
             raise ValueError(f"--only: no notebook named {wanted!r}; available: {available}")
@@ -172,21 +165,6 @@ def select_notebooks(notebooks: Sequence[Path], only: Sequence[str] | None) -> l
 
 
 # ------------------------------------------------------------------------------ execution
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """Set environment variables (which the kernel inherits) for the duration."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _stopped_cell(partial: Path) -> tuple[int | None, int | None, str]:
@@ -228,26 +206,15 @@ def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
     try:
         # A short folder of its own: a Unix socket's path is limited to about 100 bytes.
         with tempfile.TemporaryDirectory(prefix="moe_lab_kernel_", ignore_cleanup_errors=True) as sockets:
-            papermill.execute_notebook(
-                str(source),
-                str(partial),
-                parameters=parameters,
-                kernel_name=KERNEL_NAME,
-                cwd=str(cwd),
-                progress_bar=False,
-                log_output=False,
-                execution_timeout=timeout,  # per cell (nbclient's timeout)
-                shutdown_kernel="immediate",  # a hung kernel is not waited for
-                config=_kernel_transport(sockets),
-            )
+            # execution_timeout: per cell (nbclient's); shutdown "immediate": a hung kernel is not waited for
+            papermill.execute_notebook(str(source), str(partial), parameters=parameters,
+                                       kernel_name=KERNEL_NAME, cwd=str(cwd), progress_bar=False,
+                                       log_output=False, execution_timeout=timeout,
+                                       shutdown_kernel="immediate", config=_kernel_transport(sockets))
     except PapermillExecutionError as exc:
-        return NotebookFailure(
-            ename=str(exc.ename),
-            evalue=str(exc.evalue),
-            cell_index=exc.cell_index,
-            exec_count=exc.exec_count,
-            source=str(exc.source),
-        ), False
+        failure = NotebookFailure(str(exc.ename), str(exc.evalue), exc.cell_index, exc.exec_count,
+                                  str(exc.source))
+        return failure, False
     except Exception as exc:  # a dead or silent kernel, an unreadable notebook
         ename = type(exc).__name__
         if ename not in STOPPED:
@@ -275,31 +242,18 @@ def _execute(source: Path, output: Path, parameters: dict, cwd: Path,
         first_stop = failure
         failure, stopped = _execute_once(source, partial, parameters, cwd, timeout)
         if stopped:
-            failure = NotebookFailure(
-                ename=failure.ename,
-                evalue=f"{failure.evalue}, again after one kernel restart",
-                cell_index=failure.cell_index,
-                exec_count=failure.exec_count,
-                source=failure.source,
-            )
+            failure = dataclasses.replace(failure, evalue=f"{failure.evalue}, again after one kernel restart")
     if partial.exists():
         os.replace(partial, output)
     return failure, first_stop
 
 
-def run_workbook(
-    profile: str = "smoke",
-    only: Sequence[str] | None = None,
-    html: bool = True,
-    out: str | os.PathLike[str] | None = None,
-    solutions: bool = True,
-    *,
-    root: str | os.PathLike[str] | None = None,
-    notebooks_dir: str | os.PathLike[str] | None = None,
-    results_dir: str | os.PathLike[str] | None = None,
-    progress: bool = True,
-    cell_timeout: float | None = None,
-) -> list[NotebookRun]:
+def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html: bool = True,
+                 out: str | os.PathLike[str] | None = None, solutions: bool = True, *,
+                 root: str | os.PathLike[str] | None = None,
+                 notebooks_dir: str | os.PathLike[str] | None = None,
+                 results_dir: str | os.PathLike[str] | None = None, progress: bool = True,
+                 cell_timeout: float | None = None) -> list[NotebookRun]:
     """Execute the workbook's notebooks and write ``<out>/RESULTS.md``.
 
     Args:
@@ -357,17 +311,14 @@ def run_workbook(
 
     parameters = {"PROFILE": profile, "SOLUTIONS": bool(solutions)}
     runs: list[NotebookRun] = []
-    environment = {
-        "MOE_LAB_PROFILE": profile,
-        "MOE_LAB_RESULTS_DIR": str(ledger_dir.resolve()),
-        # No front end renders widgets in a headless run: explorers draw static figures.
-        "MOE_LAB_HEADLESS": "1",
-        # The kernel runs in notebooks/: it imports this checkout's moe_lab first, not
-        # whichever one is installed (an editable install may point at another checkout).
-        "PYTHONPATH": os.pathsep.join(
-            [str(root_dir), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
-    with _environment(**environment):
+    # Set for the duration, inherited by each kernel. MOE_LAB_HEADLESS: no front end renders widgets in
+    # a headless run, so explorers draw static figures. PYTHONPATH: the kernel runs in notebooks/ and
+    # imports this checkout's moe_lab first, not whichever one is installed (an editable install may
+    # point at another checkout).
+    path = os.pathsep.join([str(root_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
+    environment = {"MOE_LAB_PROFILE": profile, "MOE_LAB_RESULTS_DIR": str(ledger_dir.resolve()),
+                   "MOE_LAB_HEADLESS": "1", "PYTHONPATH": path}
+    with mock.patch.dict(os.environ, environment):
         bar = tqdm(notebooks, desc="workbook", unit="notebook", disable=not progress)
         for source in bar:
             bar.set_postfix_str(source.stem)
@@ -387,12 +338,8 @@ def run_workbook(
                 except Exception as exc:  # the notebook ran; say the export failed
                     html_path = None
                     if failure is None:
-                        failure = NotebookFailure(
-                            ename=type(exc).__name__, evalue=f"HTML export: {exc}"
-                        )
-            run = NotebookRun(source.stem, source, output, html_path, seconds, failure,
-                              restarted)
-            runs.append(run)
+                        failure = NotebookFailure(type(exc).__name__, f"HTML export: {exc}")
+            runs.append(NotebookRun(source.stem, source, output, html_path, seconds, failure, restarted))
             if failure is not None:
                 tqdm.write(f"FAILED {source.stem}: {failure.describe()}", file=sys.stderr)
         bar.close()
@@ -439,52 +386,27 @@ def results_markdown(runs: Sequence[NotebookRun], ledger_dir: Path, profile: str
     """The text of RESULTS.md: machine, the latest ledger figures, notebook times."""
     summary, versions = _machine_summary()
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        "# moe_lab workbook results",
-        "",
-        f"Generated by `python -m moe_lab workbook --profile {profile}` on {stamp}. "
-        "Every figure below is read from the results ledger; none is typed by hand.",
-        "",
-        "## Machine",
-        "",
-        "```text",
-        summary.rstrip(),
-        "```",
-        "",
-        f"Libraries: {versions}",
-        "",
-        "## Figures (latest per notebook, step, metric and hardware)",
-        "",
-        results_table_markdown(latest(read(ledger_dir / LEDGER_NAME))).rstrip(),
-        "",
-        "## Notebooks",
-        "",
-        "| notebook | status | time (s) |",
-        "|---|---|---:|",
-    ]
-    for run in runs:
-        status = "ok" if run.ok else "FAILED"
-        lines.append(f"| {run.name} | {status} | {run.seconds:.1f} |")
+    figures = results_table_markdown(latest(read(ledger_dir / LEDGER_NAME))).rstrip()
+    lines = ["# moe_lab workbook results", "",
+             f"Generated by `python -m moe_lab workbook --profile {profile}` on {stamp}. "
+             "Every figure below is read from the results ledger; none is typed by hand.", "",
+             "## Machine", "", "```text", summary.rstrip(), "```", "", f"Libraries: {versions}", "",
+             "## Figures (latest per notebook, step, metric and hardware)", "", figures, "",
+             "## Notebooks", "", "| notebook | status | time (s) |", "|---|---|---:|"]
+    lines += [f"| {run.name} | {'ok' if run.ok else 'FAILED'} | {run.seconds:.1f} |" for run in runs]
     total = sum(run.seconds for run in runs)
     lines.append(f"| total | {sum(run.ok for run in runs)}/{len(runs)} ok | {total:.1f} |")
-    restarted = [run for run in runs if run.restarted is not None]
-    if restarted:
-        lines += ["", "## Restarted once in a fresh kernel", ""]
-        for run in restarted:
-            description = run.restarted.describe().replace("`", "'")
-            lines.append(f"- **{run.name}**: `{description}`")
-    failed = [run for run in runs if not run.ok]
-    if failed:
-        lines += ["", "## Failures", ""]
-        for run in failed:
-            description = run.failure.describe().replace("`", "'")
-            lines.append(f"- **{run.name}**: `{description}`")
+    for title, field in (("Restarted once in a fresh kernel", "restarted"), ("Failures", "failure")):
+        listed = [(run.name, getattr(run, field)) for run in runs if getattr(run, field) is not None]
+        if listed:
+            lines += ["", f"## {title}", ""]
+            for name, why in listed:
+                description = why.describe().replace("`", "'")
+                lines.append(f"- **{name}**: `{description}`")
     return "\n".join(lines) + "\n"
 
 
-def write_results_md(
-    path: Path, runs: Sequence[NotebookRun], ledger_dir: Path, profile: str
-) -> Path:
+def write_results_md(path: Path, runs: Sequence[NotebookRun], ledger_dir: Path, profile: str) -> Path:
     """Write RESULTS.md atomically (a temporary file renamed into place); return its path."""
     write_text_atomically(path, results_markdown(runs, ledger_dir, profile))
     return path
@@ -501,13 +423,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"workbook: running the notebooks needs {', '.join(missing)}, not installed here: "
               "pip install -e '.[lab]' (make workbook does)", file=sys.stderr)
         return 2
-    runs = run_workbook(
-        profile=args.profile,
-        only=args.only,
-        html=args.html,
-        out=args.out,
-        solutions=args.solutions,
-    )
+    runs = run_workbook(profile=args.profile, only=args.only, html=args.html, out=args.out,
+                        solutions=args.solutions)
     failed = [run for run in runs if not run.ok]
     build = Path(args.out) if args.out is not None else project_root() / "build"
     print(f"{len(runs) - len(failed)}/{len(runs)} notebooks ran; see {build / 'RESULTS.md'}")
@@ -518,31 +435,14 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``workbook`` command to the CLI."""
-    parser = subparsers.add_parser(
-        "workbook",
-        help="execute every notebook, export HTML, write build/RESULTS.md",
-        description=__doc__.splitlines()[0],
-    )
-    parser.add_argument(
-        "--profile", choices=PROFILES, default="smoke", help="smoke (CI-sized) or full"
-    )
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        metavar="NAME",
-        help="run only these notebooks (e.g. 01_naive_moe, naive_moe or 01)",
-    )
-    parser.add_argument(
-        "--no-html", dest="html", action="store_false", help="skip the HTML export"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=None, help="build directory (default: <project>/build)"
-    )
-    parser.add_argument(
-        "--no-solutions",
-        dest="solutions",
-        action="store_false",
-        help="run with SOLUTIONS=False (learner mode): your answers are checked, and each "
-        "exercise not done yet is reported and its reference solution used",
-    )
+    parser = subparsers.add_parser("workbook", description=__doc__.splitlines()[0],
+                                   help="execute every notebook, export HTML, write build/RESULTS.md")
+    parser.add_argument("--profile", choices=PROFILES, default="smoke", help="smoke (CI-sized) or full")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="run only these notebooks (e.g. 01_naive_moe, naive_moe or 01)")
+    parser.add_argument("--no-html", dest="html", action="store_false", help="skip the HTML export")
+    parser.add_argument("--out", type=Path, default=None, help="build directory (default: <project>/build)")
+    parser.add_argument("--no-solutions", dest="solutions", action="store_false",
+                        help="run with SOLUTIONS=False (learner mode): your answers are checked, and each "
+                        "exercise not done yet is reported and its reference solution used")
     parser.set_defaults(func=run)

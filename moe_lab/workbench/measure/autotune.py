@@ -3,24 +3,62 @@
 `moe_lab.kernels.grouped_gemm.choose_config` is a rule; `tune_space` lists what else to
 time for one launch (the rule first), `autotune` times each config with a caller's timer
 (on CUDA ``triton.testing.do_bench``, as ``triton.autotune`` does) by running the real op
-under `moe_lab.kernels.tuning.forcing`, and `table_entry` is a winner as the tuned table
-stores it. It runs where it is called (``scripts/gpu_check.py``'s tuning section), never
+under `forcing`, and `table_entry` is a winner as a tuned table stores it, under its
+`table_key`. It runs where it is called (``scripts/gpu_check.py``'s tuning section), never
 inside a launch: timing a kernel is not allowed while a CUDA graph is being captured or
-``torch.compile`` traces, and a step must not pause to benchmark itself.
+``torch.compile`` traces, and a step must not pause to benchmark itself. No launch reads a
+table: a measured winner is applied explicitly (`moe_lab.kernels.grouped_gemm.FORCED`), and
+the launch rule stays the default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources, PTXASError
 
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels import tuning
 from moe_lab.kernels.launch import LaunchConfig
+
+TUNED_FILE = "tuned_configs.json"  # the name of the table in a gpu_check run's results
+
+
+def gpu_slug(name: str) -> str:
+    """The results folder of a GPU: ``"NVIDIA H200"`` -> ``"nvidia_h200"`` (each run of
+    characters other than letters, digits, ``_``, ``.`` and ``-`` becomes one ``_``, none at
+    the ends, lower case). ``scripts/gpu_check.py`` writes a GPU's results to this folder
+    (under ``results/``) and names its section files by it too."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_").lower()
+
+
+def table_key(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype) -> str:
+    """A tuned table's key of a launch: rows per expert bucketed to the next power of two (a
+    routing's counts move from step to step; its tile choice should not), N and K exact."""
+    rows = max(1, m // max(1, n_experts))
+    return f"{kernel}|{str(dtype).removeprefix('torch.')}|rows<={1 << (rows - 1).bit_length()}|n={n}|k={k}"
+
+
+@contextlib.contextmanager
+def forcing(kernel: str, config: LaunchConfig) -> Iterator[None]:
+    """Every launch of the grouped GEMM's ``kernel`` inside the block runs ``config``
+    (`moe_lab.kernels.grouped_gemm.FORCED`): the tuner's way to time one config through the
+    real op; under the interpreter too, to check each config's numerics."""
+    if not isinstance(config, LaunchConfig):
+        raise TypeError(f"config must be a LaunchConfig, got {type(config).__name__}")
+    previous = gg.FORCED.get(kernel)
+    gg.FORCED[kernel] = config
+    try:
+        yield
+    finally:
+        if previous is None:
+            del gg.FORCED[kernel]
+        else:
+            gg.FORCED[kernel] = previous
 
 
 def tune_space(kernel: str, m: int, n: int, k: int, n_experts: int,
@@ -37,7 +75,8 @@ def tune_space(kernel: str, m: int, n: int, k: int, n_experts: int,
     tiles = [c for i, c in enumerate(gg.TILE_SPACE[kernel]) if (i in fp32) == (dtype == torch.float32)]
     space = [rule] + [LaunchConfig(c.blocks, c.num_warps, stages) for c in tiles for stages in (3, 4, 5)]
     if kernel in gg.TILE_ORDERED:
-        space = [dataclasses.replace(c, group_m=gg.launch_group(c, m, n_experts)) for c in space]
+        space = [dataclasses.replace(c, group_m=c.group_m or gg.tile_group(m, n_experts, c.blocks["BLOCK_M"]))
+                 for c in space]
         group = space[0].group_m
         space[1:1] = [dataclasses.replace(space[0], group_m=g) for g in (1, group // 2, 2 * group) if g]
     return [c for i, c in enumerate(space) if c not in space[:i]]
@@ -55,7 +94,7 @@ def autotune(kernel: str, space: Sequence[LaunchConfig], run: Callable[[], objec
     times, errors = [], []
     for config in space:
         try:
-            with tuning.forcing(kernel, config):
+            with forcing(kernel, config):
                 times.append(float(time_fn(run)))
         except (OutOfResources, PTXASError, CompilationError, RuntimeError, ValueError) as exc:
             times.append(float("inf"))
@@ -73,4 +112,4 @@ def table_entry(config: LaunchConfig) -> dict:
     return entry
 
 
-__all__ = ["autotune", "table_entry", "tune_space"]
+__all__ = ["TUNED_FILE", "autotune", "forcing", "gpu_slug", "table_entry", "table_key", "tune_space"]

@@ -21,14 +21,9 @@ from moe_lab.checks import positive_int
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.measure.timing import BenchResult, bench
 
-_DTYPES = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
+_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPES = {**{name: dtype for dtype, name in _NAMES.items()}, "float32": torch.float32,
+           "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # profile -> (matmul n, copy bytes, min_time_s) per device. The CPU smoke sizes keep the
 # run short on a laptop CPU; every copy is larger than a typical last-level cache, so it
@@ -61,17 +56,9 @@ class Ceiling:
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {dtype}")
-        return dtype
-    if dtype not in _DTYPES:
+    if dtype not in (_NAMES if isinstance(dtype, torch.dtype) else _DTYPES):
         raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return _DTYPES.get(dtype, dtype)
 
 
 def _device(device: str | None) -> str:
@@ -81,9 +68,8 @@ def _device(device: str | None) -> str:
     return device
 
 
-def matmul_operands(
-    dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def matmul_operands(dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None,
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ceiling's problem: ``a, b`` random normal ``[n, n]`` and ``out``, for
     ``torch.matmul(a, b, out=out)`` (``2 n^3`` FLOPs) — for timing it beside other work."""
     positive_int(n, "n")
@@ -94,31 +80,21 @@ def matmul_operands(
     return a, b, torch.empty(n, n, device=dev, dtype=dt)
 
 
-def matmul_peak(
-    dtype: str | torch.dtype = "fp32",
-    n: int = 1024,
-    *,
-    device: str | None = None,
-    min_time_s: float = 0.3,
-    seed: int = 0,
-) -> Ceiling:
+def matmul_peak(dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None,
+                min_time_s: float = 0.3, seed: int = 0) -> Ceiling:
     """Measured FLOP/s of ``[n, n] @ [n, n]`` in ``dtype`` on random normal data.
 
     ``device`` defaults to this machine's (`capabilities`). ``2 n^3`` FLOPs per call.
     """
-    dt, dev = _dtype(dtype), _device(device)
-    a, b, out = matmul_operands(dt, n, device=dev, seed=seed)
+    a, b, out = matmul_operands(dtype, n, device=device, seed=seed)
     result = bench(torch.matmul, a, b, out=out, warmup=2, min_time_s=min_time_s)
-    return Ceiling(
-        name=f"matmul_{_dtype_name(dt)}", value=result.per_second(2.0 * n**3), unit="FLOP/s",
-        result=result, params={"n": n, "dtype": _dtype_name(dt), "device": dev},
-        hardware=capabilities().hardware_label() if dev == capabilities().device else dev,
-    )
+    dt, dev = _NAMES[a.dtype], a.device.type
+    return Ceiling(f"matmul_{dt}", result.per_second(2.0 * n**3), "FLOP/s", result,
+                   {"n": n, "dtype": dt, "device": dev}, _hardware(dev))
 
 
-def copy_bandwidth(
-    nbytes: int = 128 * 2**20, *, device: str | None = None, min_time_s: float = 0.3, seed: int = 0
-) -> Ceiling:
+def copy_bandwidth(nbytes: int = 128 * 2**20, *, device: str | None = None, min_time_s: float = 0.3,
+                   seed: int = 0) -> Ceiling:
     """Measured bytes/s of copying a random fp32 tensor of ``nbytes`` into another:
     ``2 * nbytes`` (read + write) per copy."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 4:
@@ -128,17 +104,16 @@ def copy_bandwidth(
     src = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dev)
     dst = torch.empty_like(src)
     result = bench(dst.copy_, src, warmup=2, min_time_s=min_time_s)
-    moved = 2 * numel * 4
-    return Ceiling(
-        name="copy", value=result.per_second(moved), unit="B/s", result=result,
-        params={"nbytes": numel * 4, "device": dev},
-        hardware=capabilities().hardware_label() if dev == capabilities().device else dev,
-    )
+    return Ceiling("copy", result.per_second(2 * numel * 4), "B/s", result,
+                   {"nbytes": numel * 4, "device": dev}, _hardware(dev))
 
 
-def measure_ceilings(
-    profile: str = "smoke", *, dtypes: tuple[str, ...] = ("fp32", "bf16")
-) -> dict[str, Ceiling]:
+def _hardware(device: str) -> str:
+    return capabilities().hardware_label() if device == capabilities().device else device
+
+
+def measure_ceilings(profile: str = "smoke", *,
+                     dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, Ceiling]:
     """This machine's ceilings: ``matmul_<dtype>`` for each of ``dtypes`` and ``copy``.
 
     ``profile="smoke"`` uses sizes that keep a small CPU busy for seconds, not minutes;
@@ -148,9 +123,6 @@ def measure_ceilings(
         raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     dev = capabilities().device
     n, nbytes, min_time_s = PROFILES[profile][dev]
-    out: dict[str, Ceiling] = {}
-    for dt in dtypes:
-        c = matmul_peak(dt, n, device=dev, min_time_s=min_time_s)
-        out[c.name] = c
+    out = {c.name: c for c in (matmul_peak(dt, n, device=dev, min_time_s=min_time_s) for dt in dtypes)}
     out["copy"] = copy_bandwidth(nbytes, device=dev, min_time_s=min_time_s)
     return out

@@ -25,6 +25,7 @@ bytes are the sizes of the buffers it is passed.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import time
@@ -234,34 +235,11 @@ def _numel(shape_text: str) -> int:
     return math.prod(int(d) for d in dims) if dims else 1
 
 
-def _split_args(text: str) -> list[str]:
-    """Top-level comma-separated arguments of a call."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
-
-
-def _call_args(line: str, start: int) -> str:
-    depth = 0
-    for i in range(start, len(line)):
-        if line[i] == "(":
-            depth += 1
-        elif line[i] == ")":
-            depth -= 1
-            if depth == 0:
-                return line[start + 1:i]
-    return line[start + 1:]
+def _call_args(line: str) -> list[str]:
+    """The arguments of the call on one line of generated code, keyword arguments by value."""
+    node = ast.parse(line).body[0]
+    call = node.value
+    return [ast.get_source_segment(line, arg) for arg in [*call.args, *(k.value for k in call.keywords)]]
 
 
 def kernels_in_inductor_code(code: str) -> list[OpRecord]:
@@ -320,8 +298,7 @@ def kernels_in_inductor_code(code: str) -> list[OpRecord]:
         m = re.match(rf"(?:({_NAME}) = )?((?:cpp_fused|triton_|extern_kernels\.|torch\.ops\.|"
                      rf"aten\.)[\w.]*?)(?:\.run)?\(", s)
         if m:
-            args = [a.split("=", 1)[-1].strip() if re.match(r"^\w+=", a) else a
-                    for a in _split_args(_call_args(s, m.end() - 1))]
+            args = _call_args(s)
             tensors = [a for a in args if a.startswith("reinterpret_tensor(") or a in sizes]
             first = re.sub(r"^reinterpret_tensor\(|,.*$", "", tensors[0]) if tensors else ""
             names.append(m.group(2))

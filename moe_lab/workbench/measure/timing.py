@@ -156,15 +156,8 @@ def _check_counts(warmup: int, repeat: int | None, min_time_s: float, max_repeat
         raise ValueError(f"min_time_s must be a finite number >= 0, got {min_time_s!r}")
 
 
-def bench(
-    fn: Callable,
-    *args,
-    warmup: int = 3,
-    repeat: int | None = None,
-    min_time_s: float = 0.2,
-    max_repeat: int = 1000,
-    **kwargs,
-) -> BenchResult:
+def bench(fn: Callable, *args, warmup: int = 3, repeat: int | None = None, min_time_s: float = 0.2,
+          max_repeat: int = 1000, **kwargs) -> BenchResult:
     """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then calls timed one by one.
 
     With ``repeat`` given, exactly that many timed calls; with ``repeat=None`` (adaptive),
@@ -175,20 +168,8 @@ def bench(
     """
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
-    _check_counts(warmup, repeat, min_time_s, max_repeat)
-    device = infer_device(args, kwargs)
-    timer = _Timer(device)
-    for _ in range(warmup):
-        fn(*args, **kwargs)
-    if repeat is not None:
-        for _ in range(repeat):
-            timer.call(fn, args, kwargs)
-    else:
-        total, n = 0.0, 0
-        while n < max_repeat and (n < MIN_ADAPTIVE_REPEAT or total < min_time_s):
-            total += timer.call(fn, args, kwargs)
-            n += 1
-    return BenchResult.from_times(timer.collect(), device)
+    return compare({"fn": fn}, *args, warmup=warmup, repeat=repeat, min_time_s=min_time_s,
+                   max_repeat=max_repeat, **kwargs)["fn"]
 
 
 class Comparison(dict):
@@ -219,16 +200,9 @@ class Comparison(dict):
         return "\n".join(lines)
 
 
-def compare(
-    fns: dict[str, Callable],
-    *args,
-    alternate: bool = True,
-    warmup: int = 3,
-    repeat: int | None = None,
-    min_time_s: float = 0.2,
-    max_repeat: int = 1000,
-    **kwargs,
-) -> Comparison:
+def compare(fns: dict[str, Callable], *args, alternate: bool = True, warmup: int = 3,
+            repeat: int | None = None, min_time_s: float = 0.2, max_repeat: int = 1000,
+            **kwargs) -> Comparison:
     """Time several providers of the same computation on the same ``args`` in one run.
 
     ``fns`` maps a provider name to a callable; every callable gets ``*args, **kwargs``.
@@ -259,16 +233,10 @@ def compare(
             fns[name](*args, **kwargs)
     totals = dict.fromkeys(names, 0.0)
     rounds = 0
-    while True:
-        if repeat is not None:
-            if rounds >= repeat:
-                break
-        elif rounds >= max_repeat or (
-            # the slowest provider sets the pace: waiting for the fastest to reach min_time_s
-            # would run a slow one thousands of times
-            rounds >= MIN_ADAPTIVE_REPEAT and max(totals.values()) >= min_time_s
-        ):
-            break
+    # Adaptive: the slowest provider sets the pace (waiting for the fastest to reach
+    # min_time_s would run a slow one thousands of times).
+    while rounds < (max_repeat if repeat is None else repeat) and not (
+            repeat is None and rounds >= MIN_ADAPTIVE_REPEAT and max(totals.values()) >= min_time_s):
         order = names if rounds % 2 == 0 else names[::-1]
         for name in order:
             totals[name] += timers[name].call(fns[name], args, kwargs)

@@ -47,6 +47,37 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def _layer_pair(cfg: MoEConfig, tokens_per_rank: int, seed: int, bias: dict, expert_backend: str = "torch",
+                confident: bool = False, **ep_options: object) -> dict:
+    """The same seeded single-process dropless layer and batch on every rank (``bias``: expert
+    -> selection bias; ``confident``: router weights drawn N(0, 1), so near-ties are
+    improbable), run forward and backward on the whole batch, and the `EPMoELayer` made from
+    it (``ep_options``) run on this rank's slice: ``{"ref", "xr", "y_ref", "ref_stats", "ep",
+    "x", "y", "stats", "lo", "hi"}``."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(seed)  # seeds every device: the same layer and batch on every rank
+    with torch.device(rank_device()):
+        ref = MoELayer(cfg, "dropless", expert_backend)
+        with torch.no_grad():
+            if confident:
+                ref.router.weight.normal_(0.0, 1.0)
+            for expert, value in bias.items():
+                ref.router.expert_bias[expert] = value
+        x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
+        g_all = torch.randn_like(x_all)
+    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
+    xr = x_all.detach().requires_grad_()
+    y_ref, ref_stats = ref(xr)
+    y_ref.backward(g_all)
+    ep = from_layer(ref, **ep_options)
+    ep.zero_grad(set_to_none=True)
+    x = x_all[lo:hi].detach().requires_grad_()
+    y, stats = ep(x)
+    y.backward(g_all[lo:hi])
+    return {"ref": ref, "xr": xr, "y_ref": y_ref, "ref_stats": ref_stats, "ep": ep, "x": x, "y": y,
+            "stats": stats, "lo": lo, "hi": hi}
+
+
 def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
                   cases: tuple[tuple[str, float, float], ...] = (("dropless", 0.0, 1.25),
                                                                  ("budget", 0.0, 1.25)),
@@ -64,9 +95,8 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
     "skew", max abs errors "y", "dx", "dw_gate_up", "dw_down", "drouter", "scale",
     "overflow", "reruns", "budget", "a2a_bytes", "dropped"}, ...]}``.
     """
-    world, rank, device = dist.get_world_size(), dist.get_rank(), rank_device()
+    world, rank = dist.get_world_size(), dist.get_rank()
     cfg = MoEConfig(**cfg_fields)
-    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
     experts = rank_experts(cfg.n_experts, world, rank)
     result: dict = {"rank": rank, "cases": []}
 
@@ -76,22 +106,10 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
     for case in cases:
         mode, skew, capacity_factor = case[:3]
         on_overflow = case[3] if len(case) > 3 else "rerun"
-        torch.manual_seed(seed)  # seeds every device: the same layer and batch on every rank
-        with torch.device(device):
-            ref = MoELayer(cfg, "dropless", expert_backend)
-            with torch.no_grad():
-                ref.router.weight.normal_(0.0, 1.0)  # confident routing: near-ties are improbable
-                ref.router.expert_bias[0] = skew
-            x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
-            g_all = torch.randn_like(x_all)
-        xr = x_all.detach().requires_grad_()
-        y_ref, _ = ref(xr)
-        y_ref.backward(g_all)
-        ep = from_layer(ref, mode=mode, capacity_factor=capacity_factor, on_overflow=on_overflow)
-        ep.zero_grad(set_to_none=True)
-        x = x_all[lo:hi].detach().requires_grad_()
-        y, stats = ep(x)
-        y.backward(g_all[lo:hi])
+        run = _layer_pair(cfg, tokens_per_rank, seed, {0: skew}, expert_backend, confident=True, mode=mode,
+                          capacity_factor=capacity_factor, on_overflow=on_overflow)
+        ref, xr, y_ref, ep, x, y, stats = (run[k] for k in ("ref", "xr", "y_ref", "ep", "x", "y", "stats"))
+        lo, hi = run["lo"], run["hi"]
         router_grad = ep.router.weight.grad.clone()
         dist.all_reduce(router_grad)
         result.setdefault("routing", stats.routing.topk_ids)
@@ -254,25 +272,11 @@ def skewed_routing_rank(cfg_fields: dict, tokens_per_rank: int, hot: tuple[int, 
     max abs difference}, "scale": max |y|, "tensors": {quantity: this rank's tensor}}``, the
     tensors (output, input gradient, this rank's expert, router and shared-expert gradients,
     the last two all-reduced) for a caller to compare two runs bit for bit."""
-    world, rank, device = dist.get_world_size(), dist.get_rank(), rank_device()
+    world, rank = dist.get_world_size(), dist.get_rank()
     cfg = MoEConfig(**cfg_fields)
-    lo, hi = rank * tokens_per_rank, (rank + 1) * tokens_per_rank
-    torch.manual_seed(seed)  # seeds every device: the same layer and batch on every rank
-    with torch.device(device):
-        ref = MoELayer(cfg, "dropless", "torch")
-        with torch.no_grad():
-            ref.router.expert_bias[list(hot)] = 0.5
-            ref.router.expert_bias[list(idle)] = -1e4
-        x_all = torch.randn(world * tokens_per_rank, cfg.d_model)
-        g_all = torch.randn_like(x_all)
-    xr = x_all.detach().requires_grad_()
-    y_ref, ref_stats = ref(xr)
-    y_ref.backward(g_all)
-    ep = from_layer(ref)
-    ep.zero_grad(set_to_none=True)
-    x = x_all[lo:hi].detach().requires_grad_()
-    y, _ = ep(x)
-    y.backward(g_all[lo:hi])
+    run = _layer_pair(cfg, tokens_per_rank, seed, {**dict.fromkeys(hot, 0.5), **dict.fromkeys(idle, -1e4)})
+    ref, xr, y_ref, ep, x, y = (run[k] for k in ("ref", "xr", "y_ref", "ep", "x", "y"))
+    lo, hi = run["lo"], run["hi"]
     replicated = {name: p.grad.clone() for name, p in ep.named_parameters()
                   if not name.startswith("experts.")}
     for grad in replicated.values():  # each rank holds the part of its own tokens
@@ -285,7 +289,7 @@ def skewed_routing_rank(cfg_fields: dict, tokens_per_rank: int, hot: tuple[int, 
             "experts.w_gate_up": ref.experts.w_gate_up.grad[local.start:local.stop],
             "experts.w_down": ref.experts.w_down.grad[local.start:local.stop],
             **{name: ref.get_parameter(name).grad for name in replicated}}
-    return {"rank": rank, "received": ref_stats.tokens_per_expert.tolist(),
+    return {"rank": rank, "received": run["ref_stats"].tokens_per_expert.tolist(),
             "errors": {name: float((mine[name] - want[name]).abs().max()) for name in mine},
             "scale": float(y_ref.detach().abs().max()),
             "tensors": {name: t.detach().cpu() for name, t in mine.items()}}

@@ -61,6 +61,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from moe_lab.checks import int_in, positive_number
+from moe_lab.workbench.training.checkpoint import process_running
 
 __all__ = [
     "EmulatedLink", "LinkUnavailable", "available", "enter_namespace", "cleanup_stale",
@@ -134,16 +135,6 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> list[str]:
     """Delete namespaces left by moe_lab processes that died without tearing down; returns
     their names. Namespaces of live processes (another developer's run) are left alone."""
@@ -151,7 +142,7 @@ def cleanup_stale() -> list[str]:
     for name in _namespaces():
         parts = name.split("-")
         if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit():
-            if not _pid_alive(int(parts[1])):
+            if not process_running(int(parts[1])):
                 _run("ip", "netns", "delete", name, check=False)
                 removed.append(name)
     return removed

@@ -57,7 +57,7 @@ def _temp_pid(path: Path, name: str) -> int | None:
     return int(match[1]) if match else None
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether process ``pid`` exists (where that cannot be asked safely: assumed so)."""
     if os.name == "nt":  # os.kill would terminate it
         return True
@@ -159,7 +159,7 @@ def _remove_stale_temporaries(path: Path) -> None:
     in its folder; another process's save in progress and the user's own files stay."""
     for stale in path.parent.iterdir():
         pid = _temp_pid(path, stale.name)
-        if pid is not None and pid != os.getpid() and not _running(pid):
+        if pid is not None and pid != os.getpid() and not process_running(pid):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
 

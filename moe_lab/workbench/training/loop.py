@@ -411,10 +411,6 @@ class Trainer:
         return SyncFreeStep(self.model, self.optimizer, example, step_cfg, forward=self.forward,
                             clip_step=cfg.clip_step)
 
-    def next_batch(self) -> Batch:
-        """The next training batch of the stream, on the model's device."""
-        return self.batches.take()
-
     def train_on(self, batch: Batch) -> dict | None:
         """One training step on ``batch``; the statistics the step read, or ``None``."""
         record = self.step(batch)
@@ -425,7 +421,7 @@ class Trainer:
         """One training step on the next batch of the stream (timed into `step_times`); the
         batch after it is drawn and its copy queued while the GPU runs the step."""
         start = self.clock.start()
-        record = self.train_on(self.next_batch())
+        record = self.train_on(self.batches.take())
         self.batches.prefetch()
         self.clock.stop(start)
         return record
@@ -452,17 +448,10 @@ class Trainer:
 
     def state(self, history: list[dict], evals: list[dict]) -> dict:
         """A checkpoint of the run so far (`moe_lab.workbench.training.checkpoint.save_checkpoint`)."""
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "data_gen": self.batches.state(),
-            "torch_rng": torch.get_rng_state(),
-            "model_cfg": self.model_cfg.to_dict(),
-            "settings": self.cfg.run_settings(),
-            "history": history,
-            "evals": evals,
-            "step": self.steps_done,
-        }
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "data_gen": self.batches.state(), "torch_rng": torch.get_rng_state(),
+                 "model_cfg": self.model_cfg.to_dict(), "settings": self.cfg.run_settings(),
+                 "history": history, "evals": evals, "step": self.steps_done}
         if self.step.state is not None:
             state["step_state"] = self.step.state.state_dict()
         return state
@@ -557,22 +546,6 @@ def _progress_bar(steps: range, **options: object) -> object:
     return tqdm.auto.tqdm(steps, **options)
 
 
-class _NoBar:
-    """The steps without a progress bar (where tqdm is not installed)."""
-
-    def __init__(self, steps: range) -> None:
-        self.steps = steps
-
-    def __iter__(self) -> object:
-        return iter(self.steps)
-
-    def set_postfix(self, **_: object) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _where_to_resume(last_checkpoint: tuple[str, int] | None) -> str:
     if last_checkpoint is None:
         return "no checkpoint was written (--checkpoint PATH keeps one)"
@@ -659,18 +632,11 @@ def _corpus_file(cfg: TrainConfig, corpus: SyntheticCorpus | TextFileCorpus | No
     return None if cfg.corpus == "synthetic" else cfg.corpus
 
 
-def train(
-    model_cfg: ModelConfig,
-    cfg: TrainConfig | None = None,
-    *,
-    corpus: SyntheticCorpus | TextFileCorpus | None = None,
-    resume: bool = False,
-    override: bool = False,
-    overwrite: bool = True,
-    stop_after: int | None = None,
-    callback: Callable[[int, dict | None], object] | None = None,
-    device: torch.device | str | None = None,
-) -> TrainResult:
+def train(model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
+          corpus: SyntheticCorpus | TextFileCorpus | None = None, resume: bool = False,
+          override: bool = False, overwrite: bool = True, stop_after: int | None = None,
+          callback: Callable[[int, dict | None], object] | None = None,
+          device: torch.device | str | None = None) -> TrainResult:
     """Train a fresh model (or resume from ``cfg.checkpoint_path`` when ``resume``).
 
     With ``cfg.checkpoint_path`` the run is saved every ``cfg.checkpoint_every`` steps
@@ -724,8 +690,10 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
         result.history, result.evals = checkpoint["history"], checkpoint["evals"]
     start = trainer.steps_done
     end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    bar = (_progress_bar(range(start, end), desc=f"train {model_cfg.name}", disable=not cfg.progress,
-                         initial=start, total=end) if tqdm is not None else _NoBar(range(start, end)))
+    steps = range(start, end)
+    bar = (None if tqdm is None else  # no progress bar where tqdm is not installed
+           _progress_bar(steps, desc=f"train {model_cfg.name}", disable=not cfg.progress, initial=start,
+                         total=end))
 
     def check_finite(record: dict) -> None:
         if not math.isfinite(record["loss"]):
@@ -743,12 +711,12 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
         save_checkpoint(cfg.checkpoint_path, {**state, "corpus_fingerprint": fingerprint}, saved)
 
     try:
-        for step in bar:
+        for step in steps if bar is None else bar:
             record = trainer.advance()
             if record is not None:
                 check_finite(record)
                 result.history.append(record)
-                if cfg.progress:
+                if cfg.progress and bar is not None:
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 result.evals.append({"step": step + 1, **trainer.evaluate()})
@@ -769,7 +737,8 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
             f"interrupted after step {trainer.steps_done}; {_where_to_resume(last_checkpoint)}",
             trainer.steps_done, last_checkpoint) from None
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     times = trainer.step_times
     if times:
         tokens_per_step = cfg.batch_size * model_cfg.seq_len

@@ -1,11 +1,12 @@
-"""What the kernels share (moe_lab.kernels.common): the rule that decides compiled or interpreted,
-applied where moe_lab defines its kernels and nowhere else, and the poisoned outputs the kernel
-tests allocate.
+"""What makes the kernels run interpreted (moe_lab.kernels.interpreter, run as the kernel package
+is imported), the device check the kernels share (moe_lab.kernels.common), and the poisoned
+outputs the kernel tests allocate (support.poison_outputs).
 
 The rule (`moe_lab.perf.capabilities.interprets_triton`) is checked on every value of
-``TRITON_INTERPRET``; a fresh process with the variable unset runs a moe_lab kernel on the CPU,
-leaves its environment as it was, and a ``@triton.jit`` kernel of its own is Triton's compiled
-`JITFunction`, its library (``tl.sum``) too.
+``TRITON_INTERPRET``; a fresh process with the variable unset runs a moe_lab kernel on the CPU and
+leaves its environment as it was; there, Triton interprets every ``@triton.jit`` kernel defined
+after moe_lab's kernels were imported (the caller's own too: without CUDA it could not run
+compiled), and its library (``tl.sum``) is made interpretable.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import textwrap
 
 import pytest
 import torch
+import triton
 import triton.language as tl
+from support import poison_outputs
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -42,31 +45,30 @@ def test_the_rule_reads_triton_interpret_as_triton_does_else_asks_for_cuda(monke
 
 
 def test_every_moe_lab_kernel_follows_the_rule_of_this_session():
-    kind = InterpretedFunction if common.interpreted() else JITFunction
+    kind = InterpretedFunction if common.INTERPRETED else JITFunction
+    assert common.INTERPRETED == interprets_triton()
     for fn in (gg._grouped_gemm_kernel, common.tile_schedule, common.swiglu_k_loop, common.cast_for_store):
         assert isinstance(fn, kind), fn
 
 
 def test_poison_outputs_fills_what_kernels_should_write_and_nests():
-    shape, cpu = (2, 3), torch.device("cpu")
-    assert common.new_output(shape, torch.float32, cpu).shape == shape
-    with common.poison_outputs():
-        with common.poison_outputs():
-            assert torch.isnan(common.new_output(shape, torch.bfloat16, cpu)).all()
-        assert (common.new_output(shape, torch.int32, cpu) == -7).all()
-        assert (common.new_output(shape, torch.uint8, cpu) == 0xAB).all()
-    # outside the block nothing is filled: an uninitialised buffer (it may hold anything)
-    assert common._POISONED == [0]
+    shape, empty = (2, 3), torch.empty
+    with poison_outputs():
+        with poison_outputs():
+            assert torch.isnan(torch.empty(shape, dtype=torch.bfloat16)).all()
+        assert (torch.empty(shape, dtype=torch.int32) == -7).all()
+        assert (torch.empty_like(torch.zeros(shape, dtype=torch.uint8)) == 0xAB).all()
+    assert torch.empty is empty  # outside the block, torch's own again
 
 
 def test_the_device_check_names_the_argument(monkeypatch):
-    monkeypatch.setattr(common, "interpreted", lambda: False)
+    monkeypatch.setattr(common, "INTERPRETED", False)
     with pytest.raises(ValueError, match="x must be on a CUDA device for compiled Triton, got cpu"):
         common.check_device("x", torch.device("cpu"))
 
 
 
-@common.jit
+@triton.jit
 def _sum_in_blocks(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     acc = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, n, BLOCK):  # a loop bound from a scalar argument, as the K loops have
@@ -77,19 +79,20 @@ def _sum_in_blocks(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def test_a_loop_bound_read_from_a_scalar_argument(device):
     # Triton 3.6's interpreter with NumPy 2.4 failed here ("only 0-dimensional arrays can be
-    # converted to Python scalars") until moe_lab's launches read the scalar as Triton 3.7 does.
+    # converted to Python scalars") until moe_lab.kernels.interpreter read the scalar as Triton
+    # 3.7 does.
     x = torch.arange(37, dtype=torch.float32, device=device)
     out = torch.zeros(1, dtype=torch.float32, device=device)
     _sum_in_blocks[(1,)](x, out, x.numel(), BLOCK=8)
     assert out.item() == 666.0  # 0 + 1 + ... + 36
 
 
-@common.jit
+@triton.jit
 def _twice(x):
     return 2 * x
 
 
-@common.jit
+@triton.jit
 def _six_times(x_ptr, out_ptr, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offsets)
@@ -98,8 +101,8 @@ def _six_times(x_ptr, out_ptr, BLOCK: tl.constexpr):
 
 def test_an_interpreted_launch_patches_the_language_once_and_puts_the_interpreter_back(
         interpreted, monkeypatch):
-    # Triton's interpreter patches the language at every call of a @jit helper; within one of
-    # moe_lab's launches only the launch's own patch is made (common._language_patched_once).
+    # Triton's interpreter patches the language at every call of a @jit helper; within one
+    # interpreted launch only the launch's own patch is made (moe_lab.kernels.interpreter).
     if not interpreted:
         pytest.skip("compiled kernels: the interpreter is not used")
     from triton.runtime import interpreter
@@ -134,18 +137,21 @@ x, w = torch.randn(10, 8), torch.randn(2, 8, 4)
 offsets = torch.tensor([0, 3, 10], dtype=torch.int32)
 torch.testing.assert_close(gg.grouped_gemm(x, w, offsets), gg.grouped_gemm_reference(x, w, offsets))
 changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+x = torch.arange(4.0)
+users_kernel[(1,)](x)
 print(json.dumps({"changed": changed, "kernel": type(gg._grouped_gemm_kernel).__name__,
-                  "users": type(users_kernel).__name__, "library": type(tl.sum).__name__}))
+                  "users": type(users_kernel).__name__, "library": type(tl.sum).__name__,
+                  "sum": x[0].item()}))
 '''
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the rule compiles: nothing runs on the CPU")
-def test_a_fresh_process_without_triton_interpret_runs_moe_lab_kernels_and_keeps_its_own(tmp_path):
+def test_a_fresh_process_without_triton_interpret_runs_the_kernels_interpreted(tmp_path):
     script = tmp_path / "fresh.py"  # Triton reads a kernel's source from its file
     script.write_text(textwrap.dedent(_FRESH))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen == {"changed": [], "kernel": "_Interpreted", "users": "JITFunction",
-                    "library": "JITFunction"}, seen
+    assert seen == {"changed": [], "kernel": "InterpretedFunction", "users": "InterpretedFunction",
+                    "library": "InterpretedFunction", "sum": 6.0}, seen

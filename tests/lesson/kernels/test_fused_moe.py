@@ -19,10 +19,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from support import poison_outputs
 
 from moe_lab.kernels import fused_moe as fm
 from moe_lab.kernels import fused_mxfp8 as fmx
-from moe_lab.kernels.common import poison_outputs, row_source
+from moe_lab.kernels.common import row_source
 from moe_lab.kernels.fusions import FUSIONS
 from moe_lab.kernels.permute import make_row_id_map, permuted_rows
 from moe_lab.quant.mx import quantize

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 import triton.language as tl
+from support import poison_outputs
 
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import dot_bf16, poison_outputs
 from moe_lab.kernels.grouped_gemm import (
+    dot_bf16,
     grouped_gemm,
     grouped_gemm_reference,
     grouped_gemm_swiglu,

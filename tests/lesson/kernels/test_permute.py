@@ -15,10 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from support import topk
+from support import poison_outputs, topk
 
 from moe_lab.kernels import permute as pm
-from moe_lab.kernels.common import poison_outputs
 from moe_lab.kernels.permute import (
     make_row_id_map,
     make_row_id_map_reference,

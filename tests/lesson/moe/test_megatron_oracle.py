@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from moe_lab.config import ModelConfig, MoEConfig
-from moe_lab.moe.dispatch import PERMUTATIONS
+from moe_lab.moe.experts import EXPERT_BACKENDS
 from moe_lab.moe.router import ROUTER_IMPLS, route_from_logits, sequence_aux_loss, switch_aux_loss
 from moe_lab.sim.layout import check_layout, parse_layout
 
@@ -185,7 +185,7 @@ def test_permute_unpermute_match_megatron(permutation, device):
     probs = torch.zeros(tokens, n_experts).scatter_(1, topk_ids, weights)
     want_x, _, sorted_indices = moe_utils.permute(x, routing_map)
     dev = device if permutation == "triton" else torch.device("cpu")
-    moves = PERMUTATIONS[permutation]
+    moves = EXPERT_BACKENDS[permutation]  # the backend's permute and unpermute
     got_x, offsets, layout = moves.permute(x.to(dev), topk_ids.to(dev), n_experts)
     # Both group the rows by expert, each expert's tokens in token order.
     torch.testing.assert_close(got_x.cpu(), want_x, rtol=0, atol=0)

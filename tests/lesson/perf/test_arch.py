@@ -27,7 +27,7 @@ def gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: GPUS[capability])
         for module in (common, mx_gemm):
-            monkeypatch.setattr(module, "interpreted", lambda: False)
+            monkeypatch.setattr(module, "INTERPRETED", False)
     return use
 
 

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import expert_grid, expert_tile_order, jit, tile_group, tile_order
+from moe_lab.kernels.common import expert_tile_order, tile_order
+from moe_lab.kernels.grouped_gemm import expert_grid, tile_group
 from moe_lab.perf.traffic import LRU, expert_fastest, expert_order, grouped_order, simulate, simulate_dw
 
 BM = BN = BK = 32
@@ -78,7 +79,7 @@ def test_grouped_order_visits_every_tile_once_and_its_limits_are_the_two_plain_o
         (p // t_n, p % t_n) for p in range(t_m * t_n)]
 
 
-@jit
+@triton.jit
 def _order_kernel(out_ptr, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
     pid = tl.program_id(0)
@@ -255,7 +256,7 @@ def test_dw_orders_visit_every_tile_once():
         expert_order(e * t_k * t_n, e, t_k, t_n, 2)
 
 
-@jit
+@triton.jit
 def _expert_order_kernel(out_ptr, K, N, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                          GROUP_K: tl.constexpr):
     e, tile_k, tile_n = expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)

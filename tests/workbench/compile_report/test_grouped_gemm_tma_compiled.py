@@ -24,7 +24,7 @@ from support import checked_compile_specs
 
 from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm_tma as tma
-from moe_lab.kernels.common import tile_group
+from moe_lab.kernels.grouped_gemm import tile_group
 from moe_lab.workbench.compile_report import reading
 from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, SPEC_TOKENS
 from moe_lab.workbench.compile_report.specs.grouped_gemm_tma import LAUNCHES, PER_TILE

@@ -19,11 +19,10 @@ import pytest
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import jit
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import ARCHS as TABLE
 from moe_lab.perf.hardware import gpu_arch
-from moe_lab.workbench.compile_report import reading, worker
+from moe_lab.workbench.compile_report import reading
 from moe_lab.workbench.compile_report import report as compile_report
 
 # Every module of moe_lab.kernels that launches a kernel of its own (read from the sources,
@@ -31,7 +30,7 @@ from moe_lab.workbench.compile_report import report as compile_report
 KERNEL_MODULES = tuple(sorted(
     f"moe_lab.kernels.{path.stem}"
     for path in (Path(__file__).resolve().parents[3] / "moe_lab" / "kernels").glob("*.py")
-    if re.search(r"^@jit\ndef (\w+)\(", path.read_text(encoding="utf-8"), re.MULTILINE)
+    if re.search(r"^@(?:triton\.)?jit\ndef (\w+)\(", path.read_text(encoding="utf-8"), re.MULTILINE)
     and re.search(r"\b_\w+_kernel\[", path.read_text(encoding="utf-8"))))
 ARCHS = ("sm_90", "sm_100")
 
@@ -234,20 +233,6 @@ def test_compile_kernel_sends_an_inline_kernel_as_source():
     assert "wgmma.mma_async" in text and "tcgen05.mma" in text
     with pytest.raises(ValueError, match="kernel must be"):
         compile_report.compile_kernel(len, {})
-
-
-@jit
-def _probe_moe_lab_jit(x_ptr, BLOCK: tl.constexpr):
-    tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)
-
-
-def test_an_inline_kernel_decorated_with_moe_labs_jit_travels_with_its_decorator():
-    """A notebook's kernel decorated as moe_lab's are (``@jit``) is sent with the decorator's
-    name, so the compile process can run its source (a NameError before)."""
-    job = compile_report.kernel_job(_probe_moe_lab_jit, {"x_ptr": "*fp32"}, {"BLOCK": 64})
-    assert job["inline"]["source"].startswith("@jit\n")
-    assert job["inline"]["globals"]["jit"] == ["attr", "moe_lab.kernels.common", "jit"]
-    assert worker.inline_kernel(job["inline"]).fn.__name__ == "_probe_moe_lab_jit"
 
 
 def test_compile_errors_are_rows_not_crashes(capsys):

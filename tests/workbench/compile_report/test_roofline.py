@@ -36,16 +36,12 @@ def test_the_bound_switches_where_the_intensity_crosses_the_ridge():
     # Doubling the bytes halves the intensity and the attainable rate, and doubles the time.
     worse = roofline.project(999.0, 20.0, peak, bandwidth)
     assert worse.intensity == pytest.approx(below.intensity / 2) and worse.time_s == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="bytes_moved"):
-        roofline.project(1.0, 0, peak, bandwidth)
 
 
 def test_wave_efficiency():
     assert roofline.wave_efficiency(256, 128) == 1.0
     assert roofline.wave_efficiency(256, 132) == pytest.approx(256 / 264)  # two waves, 8 slots idle
     assert roofline.wave_efficiency(10, 132) == pytest.approx(10 / 132)
-    with pytest.raises(ValueError, match="in_flight"):
-        roofline.wave_efficiency(10, 0)
 
 
 def test_the_eight_bit_rate_is_mxfp8_only_where_there_are_units():

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import jit
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
 from moe_lab.workbench.exercises import ExerciseError, NotDoneError, solution
 from moe_lab.workbench.exercises import nb03_triton_from_zero as ex
 
 
-@jit
+@triton.jit
 def _softmax_stub(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     tl.static_assert(False, "exercise not solved yet")
 
 
-@jit
+@triton.jit
 def _rows_stub(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     tl.static_assert(False, "exercise not solved yet")
 

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 import moe_lab.workbench.exercises as exercises
-from moe_lab.kernels.common import jit
 from moe_lab.perf.flops import TRAIN_MULTIPLIER
 from moe_lab.workbench.exercises import ExerciseError, NotDoneError, solution
 from moe_lab.workbench.exercises import nb00_lab_bench as ex00
@@ -145,7 +144,7 @@ def _buffer_token_major(x, topk_ids, n_experts, factor, multiple=1):
 # ------------------------------------------------------------ 03 · Triton from zero
 
 
-@jit
+@triton.jit
 def _softmax_zero_padding(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     # Masked lanes loaded as 0, not -inf: they count in the sum.
     row = tl.program_id(0).to(tl.int64)
@@ -156,7 +155,7 @@ def _softmax_zero_padding(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK
     tl.store(out_ptr + row * out_row_stride + cols, num / tl.sum(num, axis=0), mask=mask)
 
 
-@jit
+@triton.jit
 def _softmax_no_max(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     # Right on small logits; exp overflows on large ones.
     row = tl.program_id(0).to(tl.int64)
@@ -167,7 +166,7 @@ def _softmax_no_max(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl
     tl.store(out_ptr + row * out_row_stride + cols, num / tl.sum(num, axis=0), mask=mask)
 
 
-@jit
+@triton.jit
 def _softmax_rows_n_apart(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     # Right on contiguous rows only.
     row = tl.program_id(0).to(tl.int64)
@@ -178,7 +177,7 @@ def _softmax_rows_n_apart(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK
     tl.store(out_ptr + row * N + cols, num / tl.sum(num, axis=0), mask=mask)
 
 
-@jit
+@triton.jit
 def _softmax_out_stride_of_x(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     # x's row stride used for out too.
     row = tl.program_id(0).to(tl.int64)
@@ -189,7 +188,7 @@ def _softmax_out_stride_of_x(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BL
     tl.store(out_ptr + row * x_row_stride + cols, num / tl.sum(num, axis=0), mask=mask)
 
 
-@jit
+@triton.jit
 def _softmax_unmasked_store(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -198,7 +197,7 @@ def _softmax_unmasked_store(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLO
     tl.store(out_ptr + row * out_row_stride + cols, num / tl.sum(num, axis=0))
 
 
-@jit
+@triton.jit
 def _softmax_unmasked_load(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -208,25 +207,25 @@ def _softmax_unmasked_load(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOC
 
 
 
-@jit
+@triton.jit
 def _rows_unmasked(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     rows = tl.load(offsets_ptr + e).to(tl.int64) + t * BLOCK_M + tl.arange(0, BLOCK_M)
     return rows, rows >= 0
 
 
-@jit
+@triton.jit
 def _rows_one_past_the_end(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     rows = tl.load(offsets_ptr + e).to(tl.int64) + t * BLOCK_M + tl.arange(0, BLOCK_M)
     return rows, rows <= tl.load(offsets_ptr + e + 1)
 
 
-@jit
+@triton.jit
 def _rows_every_tile_the_first(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     rows = tl.load(offsets_ptr + e).to(tl.int64) + tl.arange(0, BLOCK_M)
     return rows, rows < tl.load(offsets_ptr + e + 1)
 
 
-@jit
+@triton.jit
 def _rows_from_zero(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     # Tiles counted from row 0, not from offsets[e].
     rows = (t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -56,15 +56,9 @@ def summarise(runs: Sequence[TTTRun], baseline: str = "naive") -> list[dict]:
         per_seed = [base[r.seed].time_to_target_s / r.time_to_target_s for r in reached
                     if r.seed in base and base[r.seed].reached]
         rows.append({
-            "stack": name,
-            "description": mine[0].description,
-            "hardware": mine[0].hardware,
-            "seeds": len(mine),
-            "reached": len(reached),
-            "target_loss": mine[0].target_loss,
-            "time_to_target_s": t["median"],
-            "time_min_s": t["min"],
-            "time_max_s": t["max"],
+            "stack": name, "description": mine[0].description, "hardware": mine[0].hardware,
+            "seeds": len(mine), "reached": len(reached), "target_loss": mine[0].target_loss,
+            "time_to_target_s": t["median"], "time_min_s": t["min"], "time_max_s": t["max"],
             "time_iqr_s": t["iqr"],
             "steps_to_target": (statistics.median(r.steps for r in reached) if reached else None),
             "tokens_per_s": statistics.median(r.tokens_per_s for r in mine),

@@ -15,7 +15,7 @@ import triton
 
 from moe_lab.config import preset
 from moe_lab.kernels import fused_moe as fm
-from moe_lab.kernels.common import DW_GROUP_K, block_e, dot_bf16, tile_group
+from moe_lab.kernels.grouped_gemm import DW_GROUP_K, block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.specs import (
     FP32_NOTE,

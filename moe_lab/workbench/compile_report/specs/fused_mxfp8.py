@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from moe_lab.kernels import fused_mxfp8 as fmx
-from moe_lab.kernels.common import block_e
+from moe_lab.kernels.grouped_gemm import block_e
 from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, CompileSpec
 from moe_lab.workbench.compile_report.specs.fused_moe import fused_spec, layer_shape
 

@@ -12,7 +12,7 @@ import dataclasses
 
 from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import DW_GROUP_K, block_e, dot_bf16, tile_group
+from moe_lab.kernels.grouped_gemm import DW_GROUP_K, block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import ARCHS
 from moe_lab.workbench.compile_report.specs import (

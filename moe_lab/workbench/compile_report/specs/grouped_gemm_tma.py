@@ -17,7 +17,7 @@ import torch
 
 from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm_tma as tma
-from moe_lab.kernels.common import block_e, dot_bf16, tile_group
+from moe_lab.kernels.grouped_gemm import block_e, dot_bf16, tile_group
 from moe_lab.workbench.compile_report.specs import (
     SPEC_PRESETS,
     SPEC_TOKENS,

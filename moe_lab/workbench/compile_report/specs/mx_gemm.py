@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from moe_lab.config import preset
 from moe_lab.kernels import mx_gemm as mg
-from moe_lab.kernels.common import block_e, dense_group, tile_group
+from moe_lab.kernels.common import dense_group
+from moe_lab.kernels.grouped_gemm import block_e, tile_group
 from moe_lab.workbench.compile_report.specs import (
     MX_GEMM_PER_ARCH,
     MX_MMA,
