@@ -1,7 +1,9 @@
-"""Model configuration: two dataclasses, a handful of named presets, and `holds`.
+"""Model configuration: three dataclasses, a handful of named presets, and `holds`.
 
 `MoEConfig` describes one Mixture-of-Experts layer (router, experts, dispatcher);
-`ModelConfig` describes the decoder-only transformer around it. Both validate
+`ModelConfig` describes the decoder-only transformer around it; `ModelImpls` names how it is
+computed (one name per registry, and the precision), the one place those names and their
+defaults are written. Both validate
 themselves on construction (`moe_lab.checks`), so a bad value fails where it is written,
 with the field's name and the range that was expected, not deep inside a forward pass.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -40,6 +41,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("position", "probability")
 ROUTER_DTYPES = ("fp32", "fp64")
 ATTENTION_KINDS = ("mha", "mla")
+MXFP8_TARGETS = ("attention", "experts")
 
 
 def holds(**parts: type) -> Callable[[type[C]], type[C]]:
@@ -49,46 +51,30 @@ def holds(**parts: type) -> Callable[[type[C]], type[C]]:
     ``C(lr=1e-3)`` is ``C(schedule=replace(C's default schedule, lr=1e-3))`` (with
     ``schedule=`` given too, the fields change that one), and ``c.lr`` reads ``c.schedule.lr``.
     Each field is then declared and validated once, in the part that owns it; a part may hold
-    parts of its own, whose fields the holder takes as well."""
+    parts of its own, whose fields the holder takes as well (``held_fields``: field → part)."""
 
     def decorate(cls: type[C]) -> type[C]:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        flat: dict[str, str] = {}  # a part's field -> the part holding it
-        for part, part_cls in parts.items():
-            for name in [f.name for f in dataclasses.fields(part_cls)] + list(
-                    getattr(part_cls, "held_fields", {})):
-                if name in fields or name in flat:
-                    raise TypeError(f"{cls.__name__}: field {name!r} of part {part!r} is "
-                                    "declared twice")
-                flat[name] = part
-
-        def default(part: str) -> object:
-            f = fields[part]
-            return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-
+        flat = {name: part for part, part_cls in parts.items()
+                for name in [*(f.name for f in dataclasses.fields(part_cls)),
+                             *getattr(part_cls, "held_fields", {})]}
+        default = {f.name: f.default_factory for f in dataclasses.fields(cls) if f.name in parts}
         own_init = cls.__init__
 
         @functools.wraps(own_init)
         def __init__(self: C, *args: object, **kwargs: object) -> None:
-            changes: dict[str, dict] = {}
-            for name in [n for n in kwargs if n in flat]:
-                changes.setdefault(flat[name], {})[name] = kwargs.pop(name)
-            for part, values in changes.items():
-                kwargs[part] = dataclasses.replace(kwargs.get(part, default(part)), **values)
+            for part in parts:
+                values = {name: kwargs.pop(name) for name in list(kwargs) if flat.get(name) == part}
+                if values:
+                    kwargs[part] = dataclasses.replace(kwargs.get(part) or default[part](), **values)
             own_init(self, *args, **kwargs)
             for part, part_cls in parts.items():
                 if not isinstance(getattr(self, part), part_cls):
                     raise ValueError(f"{cls.__name__}.{part} must be a {part_cls.__name__}, "
                                      f"got {type(getattr(self, part)).__name__}")
 
-        own = inspect.signature(own_init).parameters.values()
-        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY,
-                                   default=getattr(default(p), n)) for n, p in flat.items()]
-        __init__.__signature__ = inspect.Signature([*own, *extra])
         cls.__init__ = __init__
         for name, part in flat.items():
-            setattr(cls, name, property(lambda self, p=part, n=name: getattr(getattr(self, p), n),
-                                        doc=f"``{part}.{name}``"))
+            setattr(cls, name, property(lambda self, p=part, n=name: getattr(getattr(self, p), n)))
         cls.held_fields = flat
         return cls
 
@@ -260,6 +246,39 @@ class ModelConfig:
         d = dict(d)
         d["moe"] = MoEConfig(**d["moe"])
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class ModelImpls:
+    """How a model is computed: the implementation names it is built with, one per registry —
+    ``dispatcher`` (`moe_lab.moe.dispatch.DISPATCHERS`), ``expert_backend``
+    (`moe_lab.moe.experts.EXPERT_BACKENDS`), ``router_impl`` (`moe_lab.moe.router.ROUTER_IMPLS`),
+    ``attention_impl`` (`moe_lab.attention.ATTENTION_IMPLS`), ``embedding_impl``
+    (`moe_lab.model.EMBEDDING_IMPLS`) — and its precision: ``mxfp8`` names the parts computed in
+    emulated MXFP8 (`MXFP8_TARGETS`: ``"attention"``, its projections as
+    `moe_lab.quant.linear.make_mxfp8_linear` builds them and the ``"mxfp8"`` core;
+    ``"experts"``, every expert GEMM on MXFP8 operands), and ``fp32_logits`` keeps the output
+    projection in FP32 under autocast. ``MoETransformer(cfg, impls)``; each name is checked
+    by its registry where the part is built."""
+
+    dispatcher: str = "naive"
+    expert_backend: str = "loop"
+    router_impl: str = "reference"
+    attention_impl: str = "sdpa"
+    embedding_impl: str = "reference"
+    mxfp8: tuple[str, ...] = ()
+    fp32_logits: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mxfp8", (self.mxfp8,) if isinstance(self.mxfp8, str) else tuple(self.mxfp8))
+        for part in self.mxfp8:
+            one_of(part, "ModelImpls.mxfp8", MXFP8_TARGETS)
+        boolean(self.fp32_logits, "ModelImpls.fp32_logits")
+
+    @property
+    def experts_quant(self) -> str | None:
+        """The experts' ``quant`` (`moe_lab.moe.experts.SwiGLUExperts`)."""
+        return "mxfp8" if "experts" in self.mxfp8 else None
 
 
 def _tiny() -> ModelConfig:

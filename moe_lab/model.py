@@ -3,9 +3,9 @@
 Pre-norm blocks (RMSNorm → attention → residual, RMSNorm → FFN → residual) with rotary
 position embeddings and grouped-query attention. The first ``cfg.n_dense_layers``
 blocks use a dense SwiGLU FFN, the rest an MoE layer (DeepSeek-V3 keeps its first three
-layers dense the same way). Implementations are picked by name — the dispatcher for
-the MoE layers, ``attention_impl`` for attention — never by ``if`` scattered through
-the model.
+layers dense the same way). Implementations are picked by name, all of them in one
+`moe_lab.config.ModelImpls` passed whole (``MoETransformer(cfg, impls)``), never by ``if``
+scattered through the model.
 
 ``model(idx, targets)`` with ``idx: [batch, seq] int64`` returns ``ModelOutput`` with
 ``logits: [batch, seq, vocab]``, ``loss`` (cross-entropy + the MoE auxiliary losses, or
@@ -15,16 +15,17 @@ the model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from moe_lab.attention import ATTENTION_IMPLS, PACKED_ATTENTION_IMPLS, causal_attention
-from moe_lab.config import ModelConfig
+from moe_lab.config import ModelConfig, ModelImpls
 from moe_lab.moe.experts import SwiGLU
 from moe_lab.moe.layer import MoELayer, MoEStats, autocast_enabled
+from moe_lab.quant.linear import make_mxfp8_linear
 from moe_lab.registry import Registry
 
 Tensor = torch.Tensor
@@ -36,25 +37,6 @@ EMBEDDING_IMPLS: Registry[Callable[[nn.Embedding, Tensor], Tensor]] = Registry(
     "embedding", "token embeddings: fn(module: nn.Embedding, idx) -> [*idx.shape, dim]",
     plugin=True)
 EMBEDDING_IMPLS.register("reference", lambda module, idx: module(idx))
-
-
-@dataclass(frozen=True)
-class ModelImpls:
-    """The implementation names a model is built with, one per registry:
-    ``dispatcher`` (`moe_lab.moe.dispatch.DISPATCHERS`), ``expert_backend``
-    (`moe_lab.moe.experts.EXPERT_BACKENDS`), ``router_impl`` (`moe_lab.moe.router.ROUTER_IMPLS`),
-    ``attention_impl`` (`moe_lab.attention.ATTENTION_IMPLS`) and ``embedding_impl``
-    (`EMBEDDING_IMPLS`). ``MoETransformer(cfg, **dataclasses.asdict(impls))`` or
-    ``impls.build(cfg)``."""
-
-    dispatcher: str = "naive"
-    expert_backend: str = "loop"
-    router_impl: str = "reference"
-    attention_impl: str = "sdpa"
-    embedding_impl: str = "reference"
-
-    def build(self, cfg: ModelConfig) -> MoETransformer:
-        return MoETransformer(cfg, **asdict(self))
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float = 10_000.0) -> tuple[Tensor, Tensor]:
@@ -78,7 +60,7 @@ class Attention(nn.Module):
     rotary embedding and the split into heads run inside it: the same function without the
     layout passes around the core (``fuse_rope = False`` keeps them, to compare)."""
 
-    def __init__(self, cfg: ModelConfig, attention_impl: str = "sdpa") -> None:
+    def __init__(self, cfg: ModelConfig, attention_impl: str = ModelImpls.attention_impl) -> None:
         super().__init__()
         if cfg.attention != "mha":
             raise ValueError(
@@ -116,18 +98,22 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, dispatcher: str, attention_impl: str,
-                 expert_backend: str = "loop", router_impl: str = "reference") -> None:
+    """Attention, then the FFN: an MoE layer where ``moe`` (its ``ffn`` may be swapped for a
+    layer of the same contract, `moe_lab.parallel.ep.EPMoELayer`), a dense SwiGLU elsewhere."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, impls: ModelImpls) -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
-        self.attn = Attention(cfg, attention_impl)
+        # MXFP8 projections feed the emulated MXFP8 core.
+        self.attn = Attention(cfg, "mxfp8" if "attention" in impls.mxfp8 else impls.attention_impl)
         self.norm2 = nn.RMSNorm(cfg.d_model)
-        self.ffn = (MoELayer(cfg.moe, dispatcher, expert_backend, router_impl) if moe
-                    else SwiGLU(cfg.d_model, cfg.d_ff))
+        self.moe = moe
+        self.ffn = (MoELayer(cfg.moe, impls.dispatcher, impls.expert_backend, impls.router_impl,
+                             quant=impls.experts_quant) if moe else SwiGLU(cfg.d_model, cfg.d_ff))
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats | None]:
         x = x + self.attn(self.norm1(x))
-        if isinstance(self.ffn, MoELayer):
+        if self.moe:
             y, stats = self.ffn(self.norm2(x))
             return x + y, stats
         return x + self.ffn(self.norm2(x)), None
@@ -146,29 +132,29 @@ class ModelOutput:
 
 
 class MoETransformer(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, dispatcher: str = "naive", attention_impl: str = "sdpa",
-        expert_backend: str = "loop", router_impl: str = "reference",
-        embedding_impl: str = "reference",
-    ) -> None:
+    """The model of ``cfg``, computed as ``impls`` names (`moe_lab.config.ModelImpls`); its
+    fields may be given as keywords instead: ``MoETransformer(cfg, dispatcher="dropless")`` is
+    ``MoETransformer(cfg, ModelImpls(dispatcher="dropless"))``."""
+
+    def __init__(self, cfg: ModelConfig, impls: ModelImpls | None = None, **names: object) -> None:
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-        self.cfg = cfg
-        self.embedding_impl = EMBEDDING_IMPLS.check(embedding_impl, "embedding_impl")
+        self.cfg, self.impls = cfg, replace(impls or ModelImpls(), **names)
+        self.embedding_impl = EMBEDDING_IMPLS.check(self.impls.embedding_impl, "embedding_impl")
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(
-            Block(cfg, i >= cfg.n_dense_layers, dispatcher, attention_impl, expert_backend,
-                  router_impl)
-            for i in range(cfg.n_layers)
-        )
+        self.blocks = nn.ModuleList(Block(cfg, i >= cfg.n_dense_layers, self.impls)
+                                    for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         # Under autocast, compute the logits in FP32 (see `_logits`); off, nothing changes.
-        self.fp32_logits = False
+        self.fp32_logits = self.impls.fp32_logits
         self.apply(self._init)
+        if "attention" in self.impls.mxfp8:  # after the init: a Transformer Engine linear copies it
+            for attn in (block.attn for block in self.blocks):
+                attn.qkv, attn.out = make_mxfp8_linear(attn.qkv), make_mxfp8_linear(attn.out)
 
     @staticmethod
     def _init(module: nn.Module) -> None:
@@ -179,13 +165,7 @@ class MoETransformer(nn.Module):
 
     @property
     def moe_layers(self) -> list[MoELayer]:
-        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoELayer)]
-
-    def set_dispatcher(self, name: str, expert_backend: str | None = None) -> None:
-        """Switch every MoE layer to dispatcher ``name`` (and, given, ``expert_backend``);
-        weights unchanged."""
-        for layer in self.moe_layers:
-            layer.set_dispatcher(name, expert_backend)
+        return [b.ffn for b in self.blocks if b.moe]
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> ModelOutput:
         if idx.dim() != 2 or idx.dtype != torch.int64:

@@ -87,6 +87,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -114,8 +115,7 @@ SMOKE = {  # the same roles at interpreter sizes
 
 
 def gpu_env(torch) -> dict:
-    env = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "python": platform.python_version(), "torch": torch.__version__}
+    env = {"python": platform.python_version(), "torch": torch.__version__}
     try:
         import triton
 
@@ -138,29 +138,26 @@ def gpu_env(torch) -> dict:
 
 
 @contextlib.contextmanager
-def poisoned_outputs(torch):
+def poisoned(torch):
     """Every ``torch.empty``/``empty_like`` inside the block returns NaN (floats) or -7
     (integers): a kernel that leaves an element unwritten is caught by the comparison."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
+    real = torch.empty, torch.empty_like
 
-    def fill(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool and not t.is_complex():
-            t.fill_(-7)
-        return t
+    def poisoning(make):
+        def made(*args, **kwargs):
+            t = make(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            elif t.dtype != torch.bool and not t.is_complex():
+                t.fill_(-7)
+            return t
+        return made
 
-    def empty(*args, **kwargs):
-        return fill(real_empty(*args, **kwargs))
-
-    def empty_like(*args, **kwargs):
-        return fill(real_empty_like(*args, **kwargs))
-
-    torch.empty, torch.empty_like = empty, empty_like
+    torch.empty, torch.empty_like = map(poisoning, real)
     try:
         yield
     finally:
-        torch.empty, torch.empty_like = real_empty, real_empty_like
+        torch.empty, torch.empty_like = real
 
 
 def randn(torch, g, size: tuple[int, ...], dtype=None, scale: float = 1.0):
@@ -175,6 +172,23 @@ def rel_error(got, want) -> float:
         return float("nan")
     denom = want.norm().item()
     return (got - want).norm().item() / denom if denom else (got - want).norm().item()
+
+
+def vs_reference(torch, fn, ref, inputs: tuple, dout, *args, ref_dtype=None) -> list[float]:
+    """The relative errors of ``fn`` on copies of ``inputs`` (its outputs poisoned) against
+    ``ref`` on copies in ``ref_dtype`` (default float64), each given ``args`` after them: the
+    output's, then each input's gradient through ``dout`` (a tensor, or a call that draws it
+    for the reference's output)."""
+    mine = [t.detach().clone().requires_grad_() for t in inputs]
+    refs = [t.detach().to(ref_dtype or torch.float64).requires_grad_() for t in inputs]
+    with poisoned(torch):
+        y = fn(*mine, *args)
+    r = ref(*refs, *args)
+    dout = dout(r) if callable(dout) else dout
+    with poisoned(torch):
+        got = torch.autograd.grad(y, mine, dout.to(y.dtype))
+    want = torch.autograd.grad(r, refs, dout.to(r.dtype))
+    return [rel_error(a, b) for a, b in zip((y, *got), (r, *want), strict=True)]
 
 
 class BudgetExceeded(BaseException):
@@ -200,6 +214,7 @@ RECORDS = ("checks", "bench", "gains", "kernels", "launched")
 #: Seconds a child gets past its own timeout to stop by itself (its interpreter starts first),
 #: at most half the timeout.
 CHILD_GRACE_S = 10.0
+CHILD_START_S = 120.0  # a child's start-up (Python, torch, the device) before its section's clock runs
 
 
 class Report:
@@ -225,43 +240,38 @@ class Report:
         if self.sink is not None:
             put(self.sink, dump({k: getattr(self, k) for k in (*RECORDS, "sections")}))
 
-    def check(self, name: str, shape: str, err: float, tol: float, **extra: object) -> None:
-        ok = math.isfinite(err) and err <= tol
-        self.checks.append({"section": self.current, "check": name, "shape": shape,
-                            "rel_error": err, "tol": tol, "ok": ok, **extra})
-        print(f"  [{'ok' if ok else 'FAIL'}] {name:<40} {shape:<28} rel.err {err:.2e} (tol {tol:.0e})",
-              flush=True)
+    def _add(self, records: str, row: dict, line: str) -> None:
+        """``row`` (of the running section) onto the list ``records``, ``line`` printed."""
+        getattr(self, records).append({"section": self.current, **row})
+        print(f"  {line}", flush=True)
         self._recorded()
 
+    def check(self, name: str, shape: str, err: float, tol: float, **extra: object) -> None:
+        ok = math.isfinite(err) and err <= tol
+        self._add("checks", {"check": name, "shape": shape, "rel_error": err, "tol": tol, "ok": ok, **extra},
+                  f"[{'ok' if ok else 'FAIL'}] {name:<40} {shape:<28} rel.err {err:.2e} (tol {tol:.0e})")
+
     def exact(self, name: str, shape: str, equal: bool, **extra: object) -> None:
-        self.checks.append({"section": self.current, "check": name, "shape": shape,
-                            "rel_error": 0.0 if equal else float("nan"), "tol": 0.0,
-                            "ok": bool(equal), **extra})
-        print(f"  [{'ok' if equal else 'FAIL'}] {name:<40} {shape:<28} exact: {bool(equal)}", flush=True)
-        self._recorded()
+        self._add("checks", {"check": name, "shape": shape, "rel_error": 0.0 if equal else float("nan"),
+                             "tol": 0.0, "ok": bool(equal), **extra},
+                  f"[{'ok' if equal else 'FAIL'}] {name:<40} {shape:<28} exact: {bool(equal)}")
 
     def failed(self, name: str, error: BaseException | str) -> None:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self.checks.append({"section": self.current, "check": name, "shape": "-", "ok": False,
-                            "error": text})
-        print(f"  [FAIL] {name}: {text}", flush=True)
+        self._add("checks", {"check": name, "shape": "-", "ok": False, "error": text},
+                  f"[FAIL] {name}: {text}")
         if not isinstance(error, str):
             traceback.print_exc(limit=4)
-        self._recorded()
 
     def timed(self, name: str, **fields: object) -> None:
-        self.bench.append({"section": self.current, "bench": name, **fields})
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-        print(f"  {name}: {shown}", flush=True)
-        self._recorded()
+        self._add("bench", {"bench": name, **fields}, f"{name}: {shown}")
 
     def gain(self, notebook: str, what: str, value: float, unit: str, basis: str) -> None:
         """A notebook's headline figure as measured here: ``value`` in ``unit`` (e.g. ``x``
         for a speedup), ``basis`` what it compares."""
-        self.gains.append({"section": self.current, "notebook": notebook, "what": what, "value": value,
-                           "unit": unit, "basis": basis})
-        print(f"  headline {notebook}: {what} = {value:.4g} {unit} ({basis})", flush=True)
-        self._recorded()
+        self._add("gains", {"notebook": notebook, "what": what, "value": value, "unit": unit, "basis": basis},
+                  f"headline {notebook}: {what} = {value:.4g} {unit} ({basis})")
 
     def note(self, text: str) -> None:
         """A word on the running section (why it checked nothing, say), kept in its entry."""
@@ -331,14 +341,12 @@ class Report:
         try:
             section.run()
             return "done"
-        except Exception as exc:  # record and go on: one broken section must not hide the rest
-            if fired:  # the budget's interrupt, turned into another error by a library that
-                # caught it (Triton's interpreter re-raises what a kernel's Python raises)
-                print(f"   budget of {self.budget_s:g} s spent during {section.name}: cut", flush=True)
-                return "cut at the budget"
-            self.failed(section.name, exc)
-            return "failed"
-        except BudgetExceeded:
+        except (Exception, BudgetExceeded) as exc:
+            if not fired:  # record and go on: one broken section must not hide the rest
+                self.failed(section.name, exc)
+                return "failed"
+            # the budget's interrupt, itself or turned into another error by a library that caught
+            # it (Triton's interpreter re-raises what a kernel's Python raises)
             print(f"   budget of {self.budget_s:g} s spent during {section.name}: cut", flush=True)
             return "cut at the budget"
         finally:
@@ -348,14 +356,20 @@ class Report:
     def _run_child(self, section: Section, child_args: list[str], timeout_s: float) -> str:
         """The section in a fresh interpreter running this script with ``--child``; its
         records come back through a file it rewrites after each one, so a crash or a kill
-        keeps what it had checked. Killed (its whole process group) after ``timeout_s``."""
+        keeps what it had checked. Killed (its whole process group) ``timeout_s`` after it has
+        started (its marker file: a loaded machine may take seconds to import torch)."""
         sink = self.out / "children" / f"{slug(section.name)}.json"
+        started = sink.with_suffix(".started")
         sink.parent.mkdir(parents=True, exist_ok=True)
         sink.unlink(missing_ok=True)
+        started.unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), *child_args, "--child", section.name,
                "--child-sink", str(sink), "--child-of", str(os.getpid()), "--budget-s", f"{timeout_s:.3f}"]
         proc = subprocess.Popen(cmd, start_new_session=True)  # its own group: killed as one
         try:
+            start_by = time.monotonic() + min(CHILD_START_S, max(self.left_s() - timeout_s, 1.0))
+            while proc.poll() is None and not started.exists() and time.monotonic() < start_by:
+                time.sleep(0.05)
             rc = proc.wait(timeout=timeout_s + min(CHILD_GRACE_S, timeout_s / 2))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -419,10 +433,8 @@ class Report:
             part = {**s, **{key: [r for r in getattr(self, key) if r.get("section") == name]
                             for key in ("checks", "bench", "gains")}}
             put(out / "sections" / f"{slug(name)}.json", dump(part))
-        for name, data in (("env", self.env), ("checks", self.checks), ("bench", self.bench),
-                           ("gains", self.gains), ("kernels", self.kernels), ("launched", self.launched),
-                           ("sections", self.sections)):
-            put(out / f"{name}.json", dump(data))
+        for name in ("env", *RECORDS, "sections"):
+            put(out / f"{name}.json", dump(getattr(self, name)))
         put(out / "summary.md", summary_markdown(self))
         if os.environ.get("OUT"):
             dest = Path(os.environ["OUT"])
@@ -505,13 +517,6 @@ def timer(torch, cuda: bool):
     from moe_lab.workbench.measure.timing import bench
 
     return lambda fn: bench(fn, warmup=1, min_time_s=0.02).median_s
-
-
-@contextlib.contextmanager
-def poisoned(torch):
-    """Every output a kernel allocates (``torch.empty``) poisoned (`poisoned_outputs`)."""
-    with poisoned_outputs(torch):
-        yield
 
 
 # ----------------------------------------------------------------------------- sections: checks
@@ -660,26 +665,15 @@ def section_grouped_gemm(torch, dev, rep: Report, shapes: dict, cuda: bool) -> N
         h_in, w, x, w2 = (randn(torch, g, size, dtype, size[-2] ** -0.25 if len(size) == 3 else 1.0)
                           for size in ((m, f), (E, f, d), (m, d), (E, d, 2 * f)))
         dy, dh = randn(torch, g, (m, d), dtype), randn(torch, g, (m, f), dtype)
-        name = f"grouped_gemm {str(dtype)[6:]}"
-        hg, wg, xg, w2g = (t.clone().requires_grad_() for t in (h_in, w, x, w2))
-        with poisoned(torch):
-            y = gg.grouped_gemm(hg, wg, c.offsets)
-            gx, gw = torch.autograd.grad(y, (hg, wg), dy)
-            h = gg.grouped_gemm_swiglu(xg, w2g, c.offsets)
-            hx, hw = torch.autograd.grad(h, (xg, w2g), dh)
-        del hg, wg, xg, w2g
-        hr, wr, xr, w2r = (t.double().requires_grad_() for t in (h_in, w, x, w2))
-        yr = gg.grouped_gemm_reference(hr, wr, c.offsets)
-        gxr, gwr = torch.autograd.grad(yr, (hr, wr), dy.double())
-        for what, got, want in (("fwd", y, yr), ("dX", gx, gxr), ("dW", gw, gwr)):
-            rep.check(f"{name} {what}", c.shape, rel_error(got, want), c.tol, config=configs[what])
-        del yr, gxr, gwr, y, gx, gw
-        out = swiglu_reference(gg.grouped_gemm_reference(xr, w2r, c.offsets))
-        hxr, hwr = torch.autograd.grad(out, (xr, w2r), dh.double())
-        for what, got, want in (("fwd", h, out), ("dX", hx, hxr), ("dW", hw, hwr)):
-            rep.check(f"grouped_gemm_swiglu {str(dtype)[6:]} {what}", c.shape,
-                      rel_error(got, want), c.tol, config=configs["swiglu"])
-        del out, hxr, hwr, h, hx, hw, hr, wr, xr, w2r
+        errors = vs_reference(torch, gg.grouped_gemm, gg.grouped_gemm_reference, (h_in, w), dy, c.offsets)
+        for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
+            rep.check(f"grouped_gemm {str(dtype)[6:]} {what}", c.shape, err, c.tol, config=configs[what])
+        errors = vs_reference(torch, gg.grouped_gemm_swiglu,
+                              lambda x, w, o: swiglu_reference(gg.grouped_gemm_reference(x, w, o)),
+                              (x, w2), dh, c.offsets)
+        for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
+            rep.check(f"grouped_gemm_swiglu {str(dtype)[6:]} {what}", c.shape, err, c.tol,
+                      config=configs["swiglu"])
     if cuda:
         chosen = production_configs(torch, PRODUCTION)
         launched: dict[str, set[str]] = {}
@@ -706,17 +700,10 @@ def section_grouped_gemm_tma(torch, dev, rep: Report, shapes: dict) -> None:
     for c in grouped_layouts(torch, dev, shapes, seed=1, idle=-1):
         E, m, d, f, dtype, g = c.n_experts, c.m, c.d_model, c.d_expert, c.dtype, c.generator
         h, w = randn(torch, g, (m, f), dtype), randn(torch, g, (E, f, d), dtype, f ** -0.5)
-        dy = randn(torch, g, (m, d), dtype)
-        hg, wg = h.clone().requires_grad_(), w.clone().requires_grad_()
-        with poisoned(torch):
-            y = grouped_gemm_tma(hg, wg, c.offsets)
-            gx, gw = torch.autograd.grad(y, (hg, wg), dy)
-        hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
-        yr = gg.grouped_gemm_reference(hr, wr, c.offsets)
-        gxr, gwr = torch.autograd.grad(yr, (hr, wr), dy.double())
-        for what, got, want in (("fwd", y, yr), ("dX", gx, gxr), ("dW", gw, gwr)):
-            rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", c.shape, rel_error(got, want), c.tol)
-        del hg, wg, y, gx, gw, hr, wr, yr, gxr, gwr
+        errors = vs_reference(torch, grouped_gemm_tma, gg.grouped_gemm_reference, (h, w),
+                              randn(torch, g, (m, d), dtype), c.offsets)
+        for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
+            rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", c.shape, err, c.tol)
 
 
 def swiglu_reference(h):
@@ -783,23 +770,21 @@ def section_fused_moe(torch, dev, rep: Report, shapes: dict, mxfp8: bool) -> Non
 
                         def call(fn, x, w1, w2, wt, rmap=rmap, offsets=offsets, n_rows=n_rows):
                             return fn(x, w1, w2, rmap, offsets, wt, n_rows=n_rows)
-                    grads = not mx
-                    mine = [t.detach().clone().requires_grad_(grads) for t in inputs]
-                    ref = [t.detach().clone().float().requires_grad_(grads) for t in inputs]
-                    with poisoned(torch):
-                        y = call(entry.fused, *mine)
-                    r = call(entry.unfused, *ref)
-                    if isinstance(y, tuple):  # MXFP8 codes and scales: compare the values
-                        y, r = (c.float() * sc.float().repeat_interleave(32, dim=-1) for c, sc in (y, r))
+                    if mx:  # float32 in, no gradients
+                        with poisoned(torch):
+                            y = call(entry.fused, *inputs)
+                        r = call(entry.unfused, *inputs)
+                        if isinstance(y, tuple):  # MXFP8 codes and scales: compare the values
+                            y, r = (c.float() * sc.float().repeat_interleave(32, dim=-1) for c, sc in (y, r))
+                        errors = [rel_error(y, r)]
+                    else:
+                        errors = vs_reference(torch, partial(call, entry.fused), partial(call, entry.unfused),
+                                              inputs, lambda r, g=g: randn(torch, g, tuple(r.shape)),
+                                              ref_dtype=torch.float32)
                     tol = 1e-3 if mx else (1e-4 if dtype == torch.float32 else 2e-2)
                     shape = f"{label} {str(dtype)[6:]}" + (f", padded to {align}" if align > 1 else "")
-                    rep.check(f"fused_moe {name} fwd", shape, rel_error(y, r), tol)
-                    if grads:
-                        dout = randn(torch, g, tuple(r.shape))
-                        got = torch.autograd.grad(y, mine, dout.to(y.dtype))
-                        want = torch.autograd.grad(r, ref, dout)
-                        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-                            rep.check(f"fused_moe {name} grad {i}", shape, rel_error(a, b), tol)
+                    for i, err in enumerate(errors):
+                        rep.check(f"fused_moe {name} {f'grad {i - 1}' if i else 'fwd'}", shape, err, tol)
 
 
 def section_permute(torch, dev, rep: Report, shapes: dict) -> None:
@@ -818,25 +803,20 @@ def section_permute(torch, dev, rep: Report, shapes: dict) -> None:
                 x, y_in, dy, dout = (randn(torch, g, size, dtype)
                                      for size in ((T, d), (n_rows, d), (n_rows, d), (T, d)))
                 wts = torch.rand(T, k, generator=g, device=dev)
-                xg, yg, wg = (t.clone().requires_grad_() for t in (x, y_in, wts))
                 with poisoned(torch):
                     rmap, offsets = P.make_row_id_map(ids, E, align=align)
-                    y = P.permute(xg, rmap, n_rows)
-                    (dx,) = torch.autograd.grad(y, xg, dy)
-                    back = P.unpermute(yg, rmap, wg)
-                    d_y, d_w = torch.autograd.grad(back, (yg, wg), dout)
+                    y = P.permute(x, rmap, n_rows)
                 rep.exact("row_id_map", shape, torch.equal(rmap.long(), rmap_ref.long())
                           and torch.equal(offsets.long(), off_ref.long()))
                 rep.exact("permute", shape, torch.equal(y, P.permute_reference(x, rmap_ref, n_rows)))
-                xr, yr, wr = (t.double().requires_grad_() for t in (x, y_in, wts))
-                (dxr,) = torch.autograd.grad(P.permute_reference(xr, rmap_ref, n_rows), xr, dy.double())
-                back_r = P.unpermute_reference(yr, rmap_ref, wr)
-                d_yr, d_wr = torch.autograd.grad(back_r, (yr, wr), dout.double())
-                for name, got, want in (("permute backward dX", dx, dxr),
-                                        ("unpermute (weighted)", back, back_r),
-                                        ("unpermute backward dY", d_y, d_yr),
-                                        ("unpermute backward d(router weights)", d_w, d_wr)):
-                    rep.check(name, shape, rel_error(got, want), tol)
+                _, dx = vs_reference(torch, lambda x, m=rmap, n=n_rows: P.permute(x, m, n),
+                                     lambda x, m=rmap_ref, n=n_rows: P.permute_reference(x, m, n), (x,), dy)
+                errors = vs_reference(torch, lambda y, w, m=rmap: P.unpermute(y, m, w),
+                                      lambda y, w, m=rmap_ref: P.unpermute_reference(y, m, w),
+                                      (y_in, wts), dout)
+                for name, err in zip(("permute backward dX", "unpermute (weighted)", "unpermute backward dY",
+                                      "unpermute backward d(router weights)"), (dx, *errors), strict=True):
+                    rep.check(name, shape, err, tol)
 
 
 def section_mx(torch, dev, rep: Report, shapes: dict) -> None:
@@ -998,41 +978,35 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
     modes = (None, "fp8_promote") if INTERPRETED else (None,)  # None: the device's own
     hardware_mode = None if INTERPRETED else mx_mma_mode(False, torch.device(dev))
 
-    def record(name: str, shape: str, got, want, tol: float, operands: tuple, offsets=None) -> None:
-        if hardware_mode == "fp8_promote":
-            bound = fp8_promote_bound(*operands, offsets, out_dtype=got.dtype)
-            ratio = bound_ratio(torch, got, want, bound)
-            rep.check(f"{name} within the fp8_promote bound", shape, ratio, 1.0,
-                      measured_rel_error=rel_error(got, want),
-                      note="figure: largest |error| / bound; measured_rel_error: the hardware's")
-        else:
-            rep.check(name, shape, rel_error(got, want), tol)
+    def cases():  # (name, kernel, reference, shape, operands, offsets), the plain GEMMs first
+        for label, (M, N, K) in shapes.items():
+            g = torch.Generator(device=dev).manual_seed(M + N + K)
+            a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (N, K)))
+            yield "mx_gemm", mx_gemm, mx_gemm_reference, label, (a.data, a.scale, b.data, b.scale), None
+        for label, s in grouped_shapes.items():
+            E, M, N, K = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
+            g = torch.Generator(device=dev).manual_seed(E + M)
+            counts = torch.bincount(torch.randint(1, E, (M,), generator=g, device=dev), minlength=E)
+            offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+            a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (E, N, K)))
+            yield ("grouped_mx_gemm", grouped_mx_gemm, grouped_mx_gemm_reference,
+                   f"{label} M={M} N={N} K={K}", (a.data, a.scale, b.data, b.scale), offsets)
 
-    for label, (M, N, K) in shapes.items():
-        g = torch.Generator(device=dev).manual_seed(M + N + K)
-        a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (N, K)))
-        want = mx_gemm_reference(a.data, a.scale, b.data, b.scale)
+    for kernel_name, kernel, reference, shape, operands, offsets in cases():
+        grouped = () if offsets is None else (offsets,)
+        want = reference(*operands, *grouped)
         for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
             for mma in modes:
                 with poisoned(torch):
-                    got = mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype=out_dtype, mma=mma)
-                record(f"mx_gemm {str(out_dtype)[6:]} out{f' ({mma})' if mma else ''} vs float64", label,
-                       got, want, tol, (a.data, a.scale, b.data, b.scale))
-    for label, s in grouped_shapes.items():
-        E, M, N, K = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
-        g = torch.Generator(device=dev).manual_seed(E + M)
-        counts = torch.bincount(torch.randint(1, E, (M,), generator=g, device=dev), minlength=E)
-        offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-        a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (E, N, K)))
-        want = grouped_mx_gemm_reference(a.data, a.scale, b.data, b.scale, offsets)
-        for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-            for mma in modes:
-                with poisoned(torch):
-                    got = grouped_mx_gemm(a.data, a.scale, b.data, b.scale, offsets, out_dtype=out_dtype,
-                                          mma=mma)
-                record(f"grouped_mx_gemm {str(out_dtype)[6:]} out{f' ({mma})' if mma else ''} vs float64",
-                       f"{label} M={M} N={N} K={K}", got, want, tol, (a.data, a.scale, b.data, b.scale),
-                       offsets)
+                    got = kernel(*operands, *grouped, out_dtype=out_dtype, mma=mma)
+                name = f"{kernel_name} {str(out_dtype)[6:]} out{f' ({mma})' if mma else ''} vs float64"
+                if hardware_mode != "fp8_promote":
+                    rep.check(name, shape, rel_error(got, want), tol)
+                    continue
+                bound = fp8_promote_bound(*operands, offsets, out_dtype=got.dtype)
+                rep.check(f"{name} within the fp8_promote bound", shape, bound_ratio(torch, got, want, bound),
+                          1.0, measured_rel_error=rel_error(got, want),
+                          note="figure: largest |error| / bound; measured_rel_error: the hardware's")
 
 
 def section_attention(torch, dev, rep: Report, shapes: dict) -> None:
@@ -1381,18 +1355,11 @@ def section_registers(torch, rep: Report, cuda: bool) -> None:
                             "registers": k["registers"], "spills": k["spills"],
                             "report_registers": "/".join(map(str, regs)) or "not in the report",
                             "report_spill_bytes": "/".join(map(str, spills)) or "-"})
-    if not cuda:
-        seen = set()
-        for row in report_rows:
-            k = key(row["kernel"], row.get("blocks", {}), row["num_warps"], row["num_stages"])
-            if k not in seen:
-                seen.add(k)
-                rep.kernels.append({"kernel": row["kernel"],
-                                    "config": describe_config(row.get("blocks", {}), row["num_warps"],
-                                                              row["num_stages"]),
-                                    "registers": None, "spills": None,
-                                    "report_registers": row["registers"],
-                                    "report_spill_bytes": row.get("spill_bytes")})
+    for row in [] if cuda else [rows[0] for rows in by_key.values()]:  # each config the report has, once
+        config = describe_config(row.get("blocks", {}), row["num_warps"], row["num_stages"])
+        rep.kernels.append({"kernel": row["kernel"], "config": config, "registers": None, "spills": None,
+                            "report_registers": row["registers"],
+                            "report_spill_bytes": row.get("spill_bytes")})
     print(f"  {len(launched)} compiled kernels read; {len(report_rows)} rows in {path.name}", flush=True)
 
 
@@ -1660,13 +1627,10 @@ def preflight_failures(found: dict[str, str]) -> list[str]:
 
 
 def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
+    with contextlib.suppress(ValueError):
+        if math.isfinite(value := float(text)) and value > 0:
+            return value
+    raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
 
 
 def injection(text: str) -> tuple[str, str]:
@@ -1851,6 +1815,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.child:  # one section, in this fresh process; its records go to the sink
         exit_with_parent(args.child_of)
+        Path(args.child_sink).with_suffix(".started").touch()  # the parent's clock for it starts now
         rep = Report(out, {}, args.budget_s, sink=Path(args.child_sink))
         section = next(s for s in plan(torch, dev, rep, cuda, small, time_fn, out) if s.name == args.child)
         faults = dict(args.inject)

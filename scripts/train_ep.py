@@ -130,25 +130,19 @@ def model_dtype(device: torch.device) -> torch.dtype:
 
 
 def build_groups(ep_size: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """EP groups of consecutive ranks, and the expert-data-parallel groups across them."""
+    """EP groups of consecutive ranks, and the expert-data-parallel groups across them (``ep_size``
+    divides the world size: `check_args`). Every rank creates every group, in the same order,
+    and keeps the two it is in: its EP group first."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % ep_size:
-        raise ValueError(f"--ep-size must divide the world size {world}, got {ep_size}")
     if ep_size == world:
         return None, None
-    ep_groups = [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(world // ep_size)]
-    dp_groups = [list(range(i, world, ep_size)) for i in range(ep_size)]
-    ep_group = None
-    dp_group = None
-    for ranks in ep_groups:  # every rank must create every group, in the same order
-        g = dist.new_group(ranks)
+    mine = []
+    for ranks in [*(range(g * ep_size, (g + 1) * ep_size) for g in range(world // ep_size)),
+                  *(range(i, world, ep_size) for i in range(ep_size))]:
+        group = dist.new_group(list(ranks))
         if rank in ranks:
-            ep_group = g
-    for ranks in dp_groups:
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = g
-    return ep_group, dp_group
+            mine.append(group)
+    return mine[0], mine[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.utils._device
 
 _COMPILE = """
 import importlib, json, sys
@@ -193,9 +194,25 @@ def poison_outputs() -> Iterator[None]:
             return t.fill_(-7)
         return t
 
+    # `with torch.device(...)` knows its constructors from a set it builds once and caches
+    # (torch.utils._device): built while the stand-ins are in place, it would hold them
+    # instead of torch.empty, and every device context after would be ignored. So the set is
+    # built from the real functions before the swap, and again after it.
+    constructors = getattr(torch.utils._device, "_device_constructors", None)
+    outermost = not _poisoning
+    if constructors is not None and outermost:
+        constructors.cache_clear()
+        constructors()
+    _poisoning.append(True)
     torch.empty = lambda *args, **kwargs: poisoned(real_empty(*args, **kwargs))
     torch.empty_like = lambda *args, **kwargs: poisoned(real_empty_like(*args, **kwargs))
     try:
         yield
     finally:
         torch.empty, torch.empty_like = real_empty, real_empty_like
+        _poisoning.pop()
+        if constructors is not None and outermost:
+            constructors.cache_clear()
+
+
+_poisoning: list[bool] = []  # one entry per open `poison_outputs` block

@@ -2,8 +2,9 @@
 device offsets, the K loops and the SwiGLU epilogue of the fused kernels, the rounding store, the
 gather of token rows and the weighted scatter; and the device check of a compiled launch.
 
-The grouped GEMM (`moe_lab.kernels.grouped_gemm`) tells their story (its first kernel writes its
-K loop out, as Triton's matmul tutorial does) and owns their launch rule (``GROUP_M``, the grid);
+The grouped GEMM (`moe_lab.kernels.grouped_gemm`) tells their story (its first kernel runs the
+K loop of Triton's matmul tutorial, `gemm_k_loop`, which the fused kernels run too) and owns their
+launch (``GROUP_M``, the grid: `moe_lab.kernels.grouped_gemm.launch`);
 the fused kernels (`moe_lab.kernels.fused_moe`, `moe_lab.kernels.fused_mxfp8`) and the
 persistent TMA GEMM reuse them, so the grouped tile order exists once in Triton (its Python twin
 is the traffic model's, `moe_lab.perf.traffic.grouped_order`, tested equal). Nothing here changes
@@ -166,7 +167,8 @@ def mma(acc, a, b, DOT_BF16: tl.constexpr):
 def gemm_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, N, K, s_xm, s_xk, s_wk, s_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 DOT_BF16: tl.constexpr):
-    """The grouped GEMM's K loop: ``x[a_rows] · w`` in float32, ``[BLOCK_M, BLOCK_N]``, for
+    """The grouped GEMM's K loop, as Triton's matmul tutorial writes it: one ``BLOCK_K`` slice of
+    A and of B per step, multiplied into a float32 accumulator. ``x[a_rows] · w``, ``[BLOCK_M, BLOCK_N]``, for
     rows ``a_rows`` of ``x`` (``a_ok`` masks them: a masked row contributes zeros) and
     columns ``cols`` of one expert's ``w: [K, N]``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)

@@ -51,14 +51,6 @@ from moe_lab.kernels.common import (
     tile_rows,
     tile_schedule,
 )
-from moe_lab.kernels.grouped_gemm import (
-    DW_GROUP_K,
-    block_e,
-    dot_bf16,
-    expert_grid,
-    grouped_grid,
-    tile_group,
-)
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.permute import permute_reference, unpermute_reference
 
@@ -223,48 +215,32 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *, interp
     return gg.launch_config(kernel, m, n, k, n_experts, interpreted=interpreted, dtype=dtype)
 
 
-def _cfg(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype) -> LaunchConfig:
-    return launch_config(kernel, m, n, k, n_experts, interpreted=INTERPRETED, dtype=dtype)
+def _launch_args(kernel: str, m: int, n: int, k: int, n_experts: int,
+                 dtype: torch.dtype) -> tuple[tuple[int, ...], dict[str, object]]:
+    """`moe_lab.kernels.grouped_gemm.launch_args` at `launch_config`'s tile for ``kernel``."""
+    cfg = launch_config(kernel, m, n, k, n_experts, interpreted=INTERPRETED, dtype=dtype)
+    return gg.launch_args(cfg, m, n, k, n_experts, dtype, dw=kernel == "dw")
 
 
-def _launch_gather_swiglu(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int,
-                          dh: Tensor | None) -> Tensor:
+@torch.library.custom_op("moe_lab::gather_swiglu", mutates_args=())
+def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int,
+                      dh: Tensor | None = None) -> Tensor:
+    """The forward ``h: [M, F]``; given ``dh`` (the backward), ``[dgate, dup]: [M, 2F]``."""
     m, (n_experts, k, two_f) = src.shape[0], w.shape
     f = two_f // 2
     out = torch.empty((m, f if dh is None else two_f), dtype=x.dtype, device=x.device)
     if m and f:
-        cfg = _cfg("swiglu", m, f, k, n_experts, x.dtype)
-        grid = grouped_grid(m, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         dh_arg = out if dh is None else dh
-        _gather_swiglu_kernel[grid](
-            x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k,
-            *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
-            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
-            BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid, launch = _launch_args("swiglu", m, f, k, n_experts, x.dtype)
+        _gather_swiglu_kernel[grid](x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k, *x.stride(),
+                                    *w.stride(), *out.stride(), *dh_arg.stride(), BACKWARD=dh is not None,
+                                    **launch)
     return out
 
 
-@torch.library.custom_op("moe_lab::gather_swiglu", mutates_args=())
-def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int) -> Tensor:
-    return _launch_gather_swiglu(x, src, w, offsets, top_k, None)
-
-
 @_gather_swiglu_op.register_fake
-def _(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int) -> Tensor:
-    return x.new_empty((src.shape[0], w.shape[2] // 2))
-
-
-@torch.library.custom_op("moe_lab::gather_swiglu_bwd", mutates_args=())
-def _gather_swiglu_bwd_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, dh: Tensor,
-                          top_k: int) -> Tensor:
-    return _launch_gather_swiglu(x, src, w, offsets, top_k, dh)
-
-
-@_gather_swiglu_bwd_op.register_fake
-def _(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, dh: Tensor, top_k: int) -> Tensor:
-    return x.new_empty((src.shape[0], w.shape[2]))
+def _(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int, dh: Tensor | None = None) -> Tensor:
+    return x.new_empty((src.shape[0], w.shape[2] // 2 if dh is None else w.shape[2]))
 
 
 @torch.library.custom_op("moe_lab::gemm_scatter", mutates_args=())
@@ -278,16 +254,10 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
     else:  # every (token, slot) has its row in some expert's segment: every element written
         out = torch.empty((tokens * top_k, n), dtype=a.dtype, device=a.device)
     if m and n and tokens:
-        cfg = _cfg("gemm", m, n, k, n_experts, a.dtype)
-        grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
-        _gemm_scatter_kernel[grid](
-            a, w, out, src, src if weights is None else weights, offsets, m, n, k, n_experts, top_k,
-            *a.stride(), *w.stride(), *out.stride(),
-            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(a.dtype, INTERPRETED),
-            HAS_WEIGHTS=weights is not None, ATOMIC=atomic,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid, launch = _launch_args("gemm", m, n, k, n_experts, a.dtype)
+        _gemm_scatter_kernel[grid](a, w, out, src, src if weights is None else weights, offsets, m, n, k,
+                                   n_experts, top_k, *a.stride(), *w.stride(), *out.stride(),
+                                   HAS_WEIGHTS=weights is not None, ATOMIC=atomic, **launch)
     if atomic:
         return out.to(a.dtype)  # float32: no pass at all; bfloat16: one cast
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(a.dtype)
@@ -304,19 +274,14 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
                     top_k: int) -> tuple[Tensor, Tensor]:
     """``(dh: [M, N], dweights: [T·k] float32)`` of the weighted combine."""
     (m, n), (n_experts, k, _) = h.shape, w.shape
-    cfg = _cfg("gemm", m, n, k, n_experts, g.dtype)
+    cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=g.dtype)
     n_tiles = triton.cdiv(n, cfg.blocks["BLOCK_N"]) if n else 0
     dh = torch.empty((m, n), dtype=g.dtype, device=g.device)
     part = torch.empty((m, n_tiles), dtype=torch.float32, device=g.device)
     if m and n:
-        grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
-        _gather_gemm_kernel[grid](
-            g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k, n_tiles,
-            *g.stride(), *w.stride(), *h.stride(), *dh.stride(),
-            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(g.dtype, INTERPRETED),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid, launch = gg.launch_args(cfg, m, n, k, n_experts, g.dtype)
+        _gather_gemm_kernel[grid](g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k,
+                                  n_tiles, *g.stride(), *w.stride(), *h.stride(), *dh.stride(), **launch)
     per_row = part.sum(1)
     # Back from permuted rows to (token, slot) entries; rows without a source are dropped.
     dweights = torch.zeros(weights.shape[0] + 1, dtype=torch.float32, device=g.device)
@@ -336,15 +301,9 @@ def _gather_dw_op(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, of
     k, n, n_experts, m = x.shape[1], dy.shape[1], offsets.shape[0] - 1, src.shape[0]
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
     if k and n:
-        cfg = _cfg("dw", m, n, k, n_experts, x.dtype)
-        grid = expert_grid(n_experts, k, n, cfg.blocks["BLOCK_K"], cfg.blocks["BLOCK_N"])
-        _gather_dw_kernel[grid](
-            x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
-            *x.stride(), *dy.stride(), *dw.stride(),
-            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, INTERPRETED), GATHER_X=gather_x,
-            GROUP_K=DW_GROUP_K,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid, launch = _launch_args("dw", m, n, k, n_experts, x.dtype)
+        _gather_dw_kernel[grid](x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
+                                *x.stride(), *dy.stride(), *dw.stride(), GATHER_X=gather_x, **launch)
     return dw
 
 
@@ -373,7 +332,7 @@ class GatherSwiGLU(torch.autograd.Function):
     @first_derivative_only("the fused gather + SwiGLU kernel")
     def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
         x, w, src, offsets = ctx.saved_tensors
-        dpre = _gather_swiglu_bwd_op(x, src, w, offsets, dh.contiguous(), ctx.top_k)
+        dpre = _gather_swiglu_op(x, src, w, offsets, ctx.top_k, dh.contiguous())
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dX back to the tokens: the scatter epilogue, unweighted
             dx = _gemm_scatter_op(dpre, w.transpose(1, 2), src, None, offsets, x.shape[0],

@@ -36,7 +36,6 @@ from moe_lab.kernels.common import (
     tile_schedule,
 )
 from moe_lab.kernels.fused_moe import check_mlp_args, gather_swiglu_unfused, gemm_scatter_unfused
-from moe_lab.kernels.grouped_gemm import block_e, dot_bf16, grouped_grid, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, grouped_mx_gemm
 from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
@@ -161,14 +160,10 @@ def _gather_swiglu_mx_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor,
     scales = torch.empty((m, f // 32), dtype=torch.uint8, device=x.device)
     if m and f:
         cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
-        grid = grouped_grid(m, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
-        _gather_swiglu_mx_kernel[grid](
-            x, src, w, codes, scales, offsets, m, f, k, n_experts, top_k,
-            *x.stride(), *w.stride(), *codes.stride(),
-            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
-            IS_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid, launch = gg.launch_args(cfg, m, f, k, n_experts, x.dtype)
+        _gather_swiglu_mx_kernel[grid](x, src, w, codes, scales, offsets, m, f, k, n_experts, top_k,
+                                       *x.stride(), *w.stride(), *codes.stride(),
+                                       IS_BF16=x.dtype == torch.bfloat16, **launch)
     return codes, scales
 
 
@@ -187,14 +182,9 @@ def _gemm_scatter_mx_op(codes: Tensor, scales: Tensor, w: Tensor, src: Tensor, w
     out = torch.empty((tokens * top_k, n), dtype=w.dtype, device=codes.device)
     if m and n and tokens:
         cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=w.dtype)
-        grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
-        _gemm_scatter_mx_kernel[grid](
-            codes, scales, w, out, src, weights, offsets, m, n, k, n_experts, top_k,
-            *codes.stride(), *w.stride(), *out.stride(),
-            **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(w.dtype, INTERPRETED),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid, launch = gg.launch_args(cfg, m, n, k, n_experts, w.dtype)
+        _gemm_scatter_mx_kernel[grid](codes, scales, w, out, src, weights, offsets, m, n, k, n_experts, top_k,
+                                      *codes.stride(), *w.stride(), *out.stride(), **launch)
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(w.dtype)
 
 

@@ -42,7 +42,6 @@ from moe_lab.moe.router_output import (
 )
 
 Tensor = torch.Tensor
-_TINY = torch.finfo(torch.float32).tiny
 
 
 # --------------------------------------------------------------------------------------

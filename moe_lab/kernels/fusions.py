@@ -8,10 +8,9 @@ same result); tests/lesson/kernels/test_fused_moe.py runs each against its chain
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from moe_lab.kernels import fused_moe as fm
 from moe_lab.kernels import fused_mxfp8 as fmx
@@ -27,10 +26,6 @@ class Fusion:
     what: str
 
 
-def _atomic_gemm_scatter(*args: object, **kwargs: object) -> torch.Tensor:
-    return fm.gemm_scatter(*args, **kwargs, scatter="atomic")
-
-
 FUSIONS: Registry[Fusion] = Registry(
     "fusion", "memory-bound work fused into the grouped GEMMs, each beside the unfused chain it replaces")
 FUSIONS.register("gather_prologue", Fusion(
@@ -40,7 +35,7 @@ FUSIONS.register("scatter_epilogue", Fusion(
     fm.gemm_scatter, fm.gemm_scatter_unfused,
     "second GEMM weights its rows and sends them to their tokens (deterministic)"))
 FUSIONS.register("scatter_epilogue_atomic", Fusion(
-    _atomic_gemm_scatter, fm.gemm_scatter_unfused,
+    functools.partial(fm.gemm_scatter, scatter="atomic"), fm.gemm_scatter_unfused,
     "second GEMM adds its weighted rows into the tokens with float32 atomics"))
 FUSIONS.register("mxfp8_epilogue", Fusion(
     fmx.gather_swiglu_mxfp8, fmx.gather_swiglu_mxfp8_unfused,

@@ -36,6 +36,7 @@ from moe_lab.kernels.common import (
     cast_for_store,
     check_device,
     expert_tile_order,
+    gemm_k_loop,
     mma,
     swiglu_epilogue,
     swiglu_k_loop,
@@ -72,25 +73,16 @@ def _grouped_gemm_kernel(
     if seg > E:  # past the last tile: no work
         return
     # 2. Its rows and columns, as int64 indices (every index that multiplies a stride is).
-    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_ok = rows < row_end  # the rows of this expert
+    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * s_ym + cols[None, :] * s_yn
     y_mask = row_ok[:, None] & (cols[None, :] < N)
     if seg == E:  # padding rows
         tl.store(y_ptrs, cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr),
                  mask=y_mask)
         return
-    # 3. The K loop, as in Triton's matmul tutorial, against this expert's weight w[seg].
-    w_e_ptr = w_ptr + seg.to(tl.int64) * s_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        a = tl.load(x_ptr + rows[:, None] * s_xm + ks[None, :] * s_xk,
-                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-        b = tl.load(w_e_ptr + ks[:, None] * s_wk + cols[None, :] * s_wn,
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc = mma(acc, a, b, DOT_BF16)
+    # 3. The K loop of Triton's matmul tutorial (`gemm_k_loop`) against this expert's w[seg].
+    acc = gemm_k_loop(x_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
+                      s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
     # 4. Rounded once to y's dtype, stored.
     tl.store(y_ptrs, cast_for_store(acc, y_ptr), mask=y_mask)
 
@@ -230,8 +222,6 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
     8 warps when ``r >= MANY_ROWS`` and otherwise the 64-deep one. ``k`` does not enter the
     rule: every config streams K in steps.
     """
-    if dtype not in KERNEL_DTYPES:
-        raise ValueError(f"dtype must be one of {list(KERNEL_DTYPES)}, got {dtype}")
     space = TILE_SPACE[kernel]
     many_rows = m // max(1, n_experts) >= MANY_ROWS
     if kernel == "gemm":
@@ -266,8 +256,6 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
     problem allows (rows per expert for ``BLOCK_M``); compiled, `choose_config` picks from
     `TILE_SPACE`, with no more stages than the GPU's shared memory holds
     (`moe_lab.kernels.launch.fit_stages`; the compile report passes its target's ``arch``)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if kernel in FORCED:
         return FORCED[kernel]
     if interpreted:
@@ -316,6 +304,26 @@ def dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
     return dtype == torch.bfloat16 and not interpreted
 
 
+def launch_args(cfg: LaunchConfig, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype,
+                dw: bool = False) -> tuple[tuple[int, ...], dict[str, object]]:
+    """``(grid, keywords)`` of a launch at ``cfg`` (this module's kernels and the fused ones of
+    `moe_lab.kernels.fused_moe` and `moe_lab.kernels.fused_mxfp8`: ``kernel[grid](..., **keywords)``)
+    over ``m`` rows of ``n_experts`` experts, ``n`` output columns, reduction depth ``k``: a weight
+    gradient's (``dw``) on `expert_grid`, ``GROUP_K`` = `DW_GROUP_K`; any other on `grouped_grid`,
+    ``GROUP_M`` the config's else `tile_group`'s. The keywords hold the blocks, ``DOT_BF16``, the
+    warps and the stages; the kernel's own flags the caller adds."""
+    b = cfg.blocks
+    if dw:
+        grid = expert_grid(n_experts, k, n, b["BLOCK_K"], b["BLOCK_N"])
+        order = {"GROUP_K": DW_GROUP_K}
+    else:
+        grid = grouped_grid(m, n_experts, n, b["BLOCK_M"], b["BLOCK_N"])
+        group_m = cfg.group_m or tile_group(m, n_experts, b["BLOCK_M"])
+        order = {"GROUP_M": group_m, "BLOCK_E": block_e(n_experts)}
+    return grid, {**b, **order, "DOT_BF16": dot_bf16(dtype, INTERPRETED), "num_warps": cfg.num_warps,
+                  "num_stages": cfg.num_stages}
+
+
 # --------------------------------------------------------------------------------------
 # Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
 # --------------------------------------------------------------------------------------
@@ -328,16 +336,11 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     y[m_bound:].zero_()  # rows past the static bound: a plain memset, sized on the host
     if m_bound and n:
-        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=INTERPRETED,
-                            dtype=x.dtype, device=x.device)
-        grid = grouped_grid(m_bound, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
-        _grouped_gemm_kernel[grid](
-            x, w, y, offsets, m_bound, n, k, n_experts,
-            *x.stride(), *w.stride(), *y.stride(),
-            **cfg.blocks, GROUP_M=cfg.group_m or tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
+                            device=x.device)
+        grid, launch = launch_args(cfg, m_bound, n, k, n_experts, x.dtype)
+        _grouped_gemm_kernel[grid](x, w, y, offsets, m_bound, n, k, n_experts,
+                                   *x.stride(), *w.stride(), *y.stride(), **launch)
     return y
 
 
@@ -351,15 +354,11 @@ def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) ->
     k, n, n_experts = x.shape[1], dy.shape[1], offsets.shape[0] - 1
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
     if k and n:
-        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=INTERPRETED,
-                            dtype=x.dtype, device=x.device)
-        grid = expert_grid(n_experts, k, n, cfg.blocks["BLOCK_K"], cfg.blocks["BLOCK_N"])
-        _grouped_gemm_dw_kernel[grid](
-            x, dy, dw, offsets, m_bound, n, k,
-            *x.stride(), *dy.stride(), *dw.stride(),
-            **cfg.blocks, DOT_BF16=dot_bf16(x.dtype, INTERPRETED), GROUP_K=DW_GROUP_K,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
+                            device=x.device)
+        grid, launch = launch_args(cfg, m_bound, n, k, n_experts, x.dtype, dw=True)
+        _grouped_gemm_dw_kernel[grid](x, dy, dw, offsets, m_bound, n, k,
+                                      *x.stride(), *dy.stride(), *dw.stride(), **launch)
     return dw
 
 
@@ -368,8 +367,10 @@ def _(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
     return x.new_empty((offsets.shape[0] - 1, x.shape[1], dy.shape[1]))
 
 
-def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
-                   dh: Tensor | None) -> Tensor:
+@torch.library.custom_op("moe_lab::grouped_gemm_swiglu", mutates_args=())
+def _grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
+                            dh: Tensor | None = None) -> Tensor:
+    """The forward ``h: [M, F]``; given ``dh`` (the backward), ``[dgate, dup]: [M, 2F]``."""
     m, k = x.shape
     n_experts, f = w.shape[0], w.shape[2] // 2
     out = torch.empty((m, f if dh is None else 2 * f), dtype=x.dtype, device=x.device)
@@ -377,42 +378,34 @@ def _launch_swiglu(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     if m_bound and f:
         cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=INTERPRETED,
                             dtype=x.dtype, device=x.device)
-        grid = grouped_grid(m_bound, n_experts, f, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
         dh_arg = out if dh is None else dh  # unused by the forward
-        _grouped_gemm_swiglu_kernel[grid](
-            x, w, out, dh_arg, offsets, m_bound, f, k, n_experts,
-            *x.stride(), *w.stride(), *out.stride(), *dh_arg.stride(),
-            **cfg.blocks, GROUP_M=cfg.group_m or tile_group(m_bound, n_experts, cfg.blocks["BLOCK_M"]),
-            BLOCK_E=block_e(n_experts), DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
-            BACKWARD=dh is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid, launch = launch_args(cfg, m_bound, f, k, n_experts, x.dtype)
+        _grouped_gemm_swiglu_kernel[grid](x, w, out, dh_arg, offsets, m_bound, f, k, n_experts, *x.stride(),
+                                          *w.stride(), *out.stride(), *dh_arg.stride(),
+                                          BACKWARD=dh is not None, **launch)
     return out
 
 
-@torch.library.custom_op("moe_lab::grouped_gemm_swiglu", mutates_args=())
-def _grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
-    return _launch_swiglu(x, w, offsets, m_bound, None)
-
-
 @_grouped_gemm_swiglu_op.register_fake
-def _(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[2] // 2))
-
-
-@torch.library.custom_op("moe_lab::grouped_gemm_swiglu_bwd", mutates_args=())
-def _grouped_gemm_swiglu_bwd_op(x: Tensor, w: Tensor, offsets: Tensor, dh: Tensor,
-                                m_bound: int) -> Tensor:
-    return _launch_swiglu(x, w, offsets, m_bound, dh)
-
-
-@_grouped_gemm_swiglu_bwd_op.register_fake
-def _(x: Tensor, w: Tensor, offsets: Tensor, dh: Tensor, m_bound: int) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[2]))
+def _(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int, dh: Tensor | None = None) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[2] // 2 if dh is None else w.shape[2]))
 
 
 # --------------------------------------------------------------------------------------
 # Autograd and the public wrappers
 # --------------------------------------------------------------------------------------
+
+
+def _gemm_grads(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, offsets: Tensor,
+                dy: Tensor) -> tuple[Tensor | None, ...]:
+    """The backward of ``y = grouped_gemm(x, w, offsets)``: ``dX = dY·W[e]ᵀ`` (the forward
+    kernel on ``Wᵀ``), ``dW[e] = X_eᵀ·dY_e``, each where autograd asks for it."""
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = _grouped_gemm_op(dy, w.transpose(1, 2), offsets, ctx.m_bound)
+    if ctx.needs_input_grad[1]:
+        dw = _grouped_gemm_dw_op(x, dy, offsets, ctx.m_bound)
+    return dx, dw, None, None
 
 
 class GroupedGEMM(torch.autograd.Function):
@@ -429,12 +422,7 @@ class GroupedGEMM(torch.autograd.Function):
     @first_derivative_only("the Triton grouped GEMM")
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, w, offsets = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _grouped_gemm_op(dy, w.transpose(1, 2), offsets, ctx.m_bound)
-        if ctx.needs_input_grad[1]:
-            dw = _grouped_gemm_dw_op(x, dy, offsets, ctx.m_bound)
-        return dx, dw, None, None
+        return _gemm_grads(ctx, x, w, offsets, dy)
 
 
 class GroupedGEMMSwiGLU(torch.autograd.Function):
@@ -451,13 +439,8 @@ class GroupedGEMMSwiGLU(torch.autograd.Function):
     @first_derivative_only("the Triton grouped GEMM + SwiGLU")
     def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
         x, w, offsets = ctx.saved_tensors
-        dpre = _grouped_gemm_swiglu_bwd_op(x, w, offsets, dh, ctx.m_bound)  # [M, 2F]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _grouped_gemm_op(dpre, w.transpose(1, 2), offsets, ctx.m_bound)
-        if ctx.needs_input_grad[1]:
-            dw = _grouped_gemm_dw_op(x, dpre, offsets, ctx.m_bound)
-        return dx, dw, None, None
+        dpre = _grouped_gemm_swiglu_op(x, w, offsets, ctx.m_bound, dh)  # [M, 2F]
+        return _gemm_grads(ctx, x, w, offsets, dpre)  # of the GEMM that made the pre-activation
 
 
 def _check(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int | None, w_name: str) -> int:

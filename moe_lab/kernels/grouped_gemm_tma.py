@@ -121,7 +121,6 @@ def launch_config(m: int, n: int, k: int, n_experts: int, *, interpreted: bool,
     with 4 stages (the persistent tutorial's tile: four stages of both operands' tiles and the
     output tile fit an H100's shared memory); float32 (the CUDA cores): 64 x 64 x 32 on 4 warps,
     3 stages. Interpreted: `moe_lab.kernels.grouped_gemm.launch_config`'s (large tiles)."""
-    one_of(dtype, "dtype", KERNEL_DTYPES)
     if interpreted:
         return gg.launch_config("gemm", m, n, k, n_experts, interpreted=True)
     if dtype == torch.float32:

@@ -282,6 +282,22 @@ def _check_operand(name: str, codes: Tensor, scales: Tensor) -> None:
                          f"{BLOCK_SIZE} elements of {name}'s rows), got {tuple(scales.shape)}")
 
 
+def _checked_output(out_dtype: torch.dtype, mma: str | None, n: int, **tensors: Tensor) -> tuple[Tensor, str]:
+    """What both wrappers check once their operands are checked (``a`` and ``b`` share K,
+    ``out_dtype``, one device for ``tensors``, ``mma``); returns the empty ``[M, n]`` output and
+    the MMA to run."""
+    a, b = tensors["a"], tensors["b"]
+    if a.shape[1] != b.shape[-1]:
+        raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
+    one_of(out_dtype, "out_dtype", OUT_DTYPES)
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"{', '.join(tensors)} must be on one device, got {sorted(map(str, devices))}")
+    check_mma("a", a.device, mma)
+    c = torch.empty((a.shape[0], n), dtype=out_dtype, device=a.device)
+    return c, mma or mx_mma_mode(INTERPRETED, a.device)
+
+
 def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
             out_dtype: torch.dtype = torch.float32, mma: str | None = None) -> Tensor:
     """``dequant(a) · dequant(b)ᵀ`` from MXFP8 operands blocked along K.
@@ -300,19 +316,10 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     """
     _check_operand("a", a, a_scale)
     _check_operand("b", b, b_scale)
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
-    one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    devices = {t.device for t in (a, a_scale, b, b_scale)}
-    if len(devices) != 1:
-        raise ValueError(f"a, a_scale, b, b_scale must be on one device, got {sorted(map(str, devices))}")
-    device = a.device
-    check_mma("a", device, mma)
+    c, mma = _checked_output(out_dtype, mma, b.shape[0], a=a, a_scale=a_scale, b=b, b_scale=b_scale)
     (m, k), n = a.shape, b.shape[0]
-    c = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
         return c
-    mma = mma or mx_mma_mode(INTERPRETED, device)
     cfg = launch_config(m, n, k, INTERPRETED, mma)
     grid = grouped_grid(m, 0, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
     _mx_gemm_kernel[grid](
@@ -349,25 +356,15 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
     n_experts, n, k = b.shape
     _check_operand("a", a, a_scale)
     _check_operand("b", b.reshape(n_experts * n, k), b_scale.reshape(n_experts * n, -1))
-    if a.shape[1] != k:
-        raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or tuple(offsets.shape) != (
             n_experts + 1,):
         raise ValueError(f"offsets must be an int32 tensor of shape ({n_experts + 1},) (one more than "
                          f"b's experts), got {getattr(offsets, 'dtype', None)} "
                          f"{tuple(getattr(offsets, 'shape', ()))}")
-    one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    devices = {t.device for t in (a, a_scale, b, b_scale, offsets)}
-    if len(devices) != 1:
-        raise ValueError(f"a, a_scale, b, b_scale, offsets must be on one device, got "
-                         f"{sorted(map(str, devices))}")
-    device = a.device
-    check_mma("a", device, mma)
+    c, mma = _checked_output(out_dtype, mma, n, a=a, a_scale=a_scale, b=b, b_scale=b_scale, offsets=offsets)
     m = a.shape[0]
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    mma = mma or mx_mma_mode(INTERPRETED, device)
     cfg = launch_config(m, n, k, INTERPRETED, mma)
     grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
     u8 = torch.uint8

@@ -167,8 +167,6 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
     Under the interpreter each program is a Python round trip, so blocks are large;
     compiled, a one-hot tile of about 8K elements and 16-token row tiles, 4 warps.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     if kernel == "map":
         block_e = max(2, triton.next_power_of_2(width))
         if interpreted:
@@ -183,41 +181,33 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
                         num_stages=1 if interpreted else 3)
 
 
-@torch.library.custom_op("moe_lab::expert_block_histogram", mutates_args=())
-def _expert_block_histogram_op(ids: Tensor, n_experts: int, block: int) -> Tensor:
+@torch.library.custom_op("moe_lab::row_id_map", mutates_args=())
+def _row_id_map_op(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
+    """The counting sort of `build_row_id_map` over ``ids: [T·k]``: ``(row_id_map [T·k], offsets)``."""
     n = ids.shape[0]
-    n_blocks = triton.cdiv(n, block)
-    counts = torch.empty((n_blocks, n_experts), dtype=torch.int32, device=ids.device)
-    if n_blocks:
-        cfg = launch_config("map", n, n_experts, interpreted=INTERPRETED)
-        _expert_histogram_kernel[(n_blocks,)](
-            ids, counts, n, n_experts, BLOCK=block, BLOCK_E=cfg.blocks["BLOCK_E"],
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return counts
-
-
-@_expert_block_histogram_op.register_fake
-def _(ids: Tensor, n_experts: int, block: int) -> Tensor:
-    return ids.new_empty(((ids.shape[0] + block - 1) // block, n_experts), dtype=torch.int32)
-
-
-@torch.library.custom_op("moe_lab::row_id_map_from_bases", mutates_args=())
-def _row_id_map_op(ids: Tensor, base: Tensor, block: int) -> Tensor:
-    n, n_experts = ids.shape[0], base.shape[1]
+    cfg = launch_config("map", n, n_experts, interpreted=INTERPRETED)
+    grid = (triton.cdiv(n, cfg.blocks["BLOCK"]),)
+    launch = {**cfg.blocks, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    block_counts = torch.empty((grid[0], n_experts), dtype=torch.int32, device=ids.device)
     row_id_map = torch.empty((n,), dtype=torch.int32, device=ids.device)
     if n:
-        cfg = launch_config("map", n, n_experts, interpreted=INTERPRETED)
-        _row_id_map_kernel[(triton.cdiv(n, block),)](
-            ids, base, row_id_map, n, n_experts, BLOCK=block, BLOCK_E=cfg.blocks["BLOCK_E"],
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return row_id_map
+        _expert_histogram_kernel[grid](ids, block_counts, n, n_experts, **launch)  # [n_blocks, E]
+    counts = block_counts.sum(0, dtype=torch.int32)  # [E] tokens per expert
+    if align > 1:
+        counts = (counts + (align - 1)) // align * align
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
+    # First row of block b's entries for expert e: the expert's start plus the entries of
+    # that expert in the blocks before b.
+    base = block_counts.cumsum(0, dtype=torch.int32) - block_counts + offsets[:-1]
+    if n:
+        _row_id_map_kernel[grid](ids, base, row_id_map, n, n_experts, **launch)
+    return row_id_map, offsets
 
 
 @_row_id_map_op.register_fake
-def _(ids: Tensor, base: Tensor, block: int) -> Tensor:
-    return ids.new_empty((ids.shape[0],), dtype=torch.int32)
+def _(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
+    int32 = torch.int32
+    return ids.new_empty((ids.shape[0],), dtype=int32), ids.new_empty((n_experts + 1,), dtype=int32)
 
 
 @torch.library.custom_op("moe_lab::permute", mutates_args=())
@@ -365,16 +355,7 @@ def build_row_id_map(topk_ids: Tensor, n_experts: int, align: int = 1) -> tuple[
     flat = topk_ids.reshape(-1).contiguous()
     torch._assert_async(((flat >= 0) & (flat < n_experts)).all(),
                         f"topk_ids must hold expert ids in [0, n_experts = {n_experts})")
-    block = launch_config("map", flat.shape[0], n_experts, interpreted=INTERPRETED).blocks["BLOCK"]
-    block_counts = _expert_block_histogram_op(flat, n_experts, block)  # [n_blocks, E]
-    counts = block_counts.sum(0, dtype=torch.int32)  # [E] tokens per expert
-    if align > 1:
-        counts = (counts + (align - 1)) // align * align
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
-    # First row of block b's entries for expert e: the expert's start plus the entries of
-    # that expert in the blocks before b.
-    base = block_counts.cumsum(0, dtype=torch.int32) - block_counts + offsets[:-1]
-    row_id_map = _row_id_map_op(flat, base, block)
+    row_id_map, offsets = _row_id_map_op(flat, n_experts, align)
     return row_id_map.view(topk_ids.shape), offsets
 
 

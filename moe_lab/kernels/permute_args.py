@@ -41,11 +41,6 @@ def check_rows(name: str, t: Tensor) -> None:
     one_of(t.dtype, f"{name}.dtype", KERNEL_DTYPES)
 
 
-def check_n_rows(n_rows: object) -> None:
-    """``n_rows``: a non-negative int (the permuted buffer's rows)."""
-    non_negative_int(n_rows, "n_rows")
-
-
 def check_map(row_id_map: Tensor, tokens: int | None, n_rows: int) -> None:
     """``row_id_map: [T, k]`` int32 (``T = tokens`` unless None), ``n_rows`` a non-negative int
     with ``T·k <= n_rows``."""

@@ -5,8 +5,8 @@ stacked tensors (``w_gate_up: [E, d_model, 2·d_expert]``, ``w_down: [E, d_exper
 rather than ``E`` separate ``nn.Linear`` modules is what lets a grouped GEMM treat them as
 one batched problem. The weights are cast to the tokens' dtype at each matmul, so bf16
 tokens run bf16 GEMMs against fp32 master weights (as ``torch.autocast`` does for
-``nn.Linear``). ``quant = "mxfp8"`` quantizes every expert matmul's operands to MXFP8 along
-the reduction dim first (emulated, `moe_lab.quant`).
+``nn.Linear``). Built with ``quant="mxfp8"``, every expert matmul quantizes its operands to
+MXFP8 along the reduction dim first (emulated, `moe_lab.quant`).
 
 Ways to run the dropless layout — sort the (token, expert) assignments into expert order, run
 all experts over rows grouped by expert (``grouped_forward(x, offsets)``), bring the rows back —
@@ -43,7 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
-from moe_lab.checks import first_derivative_only
+from moe_lab.checks import first_derivative_only, one_of
+from moe_lab.config import ModelImpls
 from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.quant.mx import fake_quantize
 from moe_lab.registry import TRITON_MISSING, Registry
@@ -224,36 +225,29 @@ class ActivationStore(Protocol):
 class SwiGLUExperts(nn.Module):
     """``n_experts`` SwiGLU FFNs ``d_model -> d_expert -> d_model`` in two stacked weights,
     run by the expert backend named ``backend`` (`EXPERT_BACKENDS`; ``BACKENDS`` lists the
-    ones a class runs on, ``None`` every one)."""
+    ones a class runs on, ``None`` every one), on MXFP8 operands where ``quant`` is ``"mxfp8"``
+    (`quantized`)."""
 
     BACKENDS: ClassVar[tuple[str, ...] | None] = None
+    QUANTS: ClassVar[tuple[str | None, ...]] = (None, "mxfp8")
 
-    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop") -> None:
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = ModelImpls.expert_backend,
+                 quant: str | None = None) -> None:
         super().__init__()
         self.n_experts, self.d_model, self.d_expert = n_experts, d_model, d_expert
         self.w_gate_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
-        self.quant: str | None = None
-        self.use_backend(backend)
+        self.impl = EXPERT_BACKENDS.lookup(backend, "expert_backend")
+        if self.BACKENDS is not None and backend not in self.BACKENDS:
+            raise ValueError(f"expert_backend for {type(self).__name__} must be one of "
+                             f"{self.BACKENDS} (the others do not run its own methods), got {backend!r}")
+        self.backend, self.quant = backend, one_of(quant, "quant", self.QUANTS)
         self.activation_store: ActivationStore | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w_gate_up, std=1 / math.sqrt(self.d_model))
         nn.init.normal_(self.w_down, std=1 / math.sqrt(self.d_expert))
-
-    @property
-    def backend(self) -> str:
-        """The expert backend's name (set with `use_backend`)."""
-        return self._backend_name
-
-    def use_backend(self, name: str) -> None:
-        """Run the experts with the backend registered as ``name`` from now on."""
-        backend = EXPERT_BACKENDS.lookup(name, "expert_backend")
-        if self.BACKENDS is not None and name not in self.BACKENDS:
-            raise ValueError(f"expert_backend for {type(self).__name__} must be one of "
-                             f"{self.BACKENDS} (the others do not run its own methods), got {name!r}")
-        self.impl, self._backend_name = backend, name
 
     def use_activation_store(self, store: ActivationStore | None) -> None:
         """Keep the saved activations of `grouped_forward` in ``store`` (None: autograd's)."""
@@ -262,14 +256,12 @@ class SwiGLUExperts(nn.Module):
     def quantized(self, x: Tensor, w: Tensor, w_dim: int) -> tuple[Tensor, Tensor]:
         """``(x, w)`` as the expert GEMMs take them: with ``quant = "mxfp8"`` both quantized
         along the reduction dim (``x``'s last, ``w``'s ``w_dim``), else unchanged."""
-        if self.quant == "mxfp8":
-            # Activations' gradients are quantized (they feed the next GEMM); the weights'
-            # gradient goes to the optimizer in full precision, as the recipe does.
-            return (fake_quantize(x, dim=-1, quantize_grad=True),
-                    fake_quantize(w, dim=w_dim, quantize_grad=False))
-        if self.quant is not None:
-            raise ValueError(f"SwiGLUExperts.quant must be None or 'mxfp8', got {self.quant!r}")
-        return x, w
+        if self.quant is None:
+            return x, w
+        # Activations' gradients are quantized (they feed the next GEMM); the weights'
+        # gradient goes to the optimizer in full precision, as the recipe does.
+        return (fake_quantize(x, dim=-1, quantize_grad=True),
+                fake_quantize(w, dim=w_dim, quantize_grad=False))
 
     def _mm(self, x: Tensor, w: Tensor) -> Tensor:
         # x: [n, K], w: [K, N]; the reduction dim is x's last and w's first.
@@ -419,9 +411,9 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
 
     BACKENDS = ("loop", "torch")
 
-    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop",
-                 alpha: float = 1.702, limit: float = 7.0) -> None:
-        super().__init__(n_experts, d_model, d_expert, backend)
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = ModelImpls.expert_backend,
+                 quant: str | None = None, alpha: float = 1.702, limit: float = 7.0) -> None:
+        super().__init__(n_experts, d_model, d_expert, backend, quant)
         if not alpha > 0 or not limit > 0:
             raise ValueError(f"ClampedSwiGLUExperts: alpha and limit must be > 0, got alpha={alpha!r}, "
                              f"limit={limit!r}")
@@ -468,6 +460,6 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
 # "swiglu" is the reference.
 EXPERT_KINDS: Registry[type[SwiGLUExperts]] = Registry(
     "expert kind", "expert classes a layer is built with, each called as "
-    "cls(n_experts, d_model, d_expert, backend, **options)")
+    "cls(n_experts, d_model, d_expert, backend, quant=, **options)")
 EXPERT_KINDS.register("swiglu", SwiGLUExperts)
 EXPERT_KINDS.register("clamped_swiglu", ClampedSwiGLUExperts)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from moe_lab.config import MoEConfig
+from moe_lab.config import ModelImpls, MoEConfig
 from moe_lab.moe.dispatch import DISPATCHERS, check_pairing
 from moe_lab.moe.experts import EXPERT_KINDS, SwiGLU
 from moe_lab.moe.router import Router, RouterOutput
@@ -57,12 +57,20 @@ class MoEStats:
         return load.max() / load.mean().clamp_min(1e-9)
 
 
-class MoELayer(nn.Module):
-    """Router, dispatcher and experts of ``cfg``, each named (see the module docstring);
-    ``expert_options`` go to the expert class (``alpha=``, ``limit=`` of ``clamped_swiglu``)."""
+def shared_expert(cfg: MoEConfig) -> SwiGLU | None:
+    """The shared expert every token passes through (DeepSeek-V3's), where ``cfg`` has one."""
+    return SwiGLU(cfg.d_model, cfg.d_expert * cfg.n_shared_experts) if cfg.n_shared_experts else None
 
-    def __init__(self, cfg: MoEConfig, dispatcher: str = "naive",
-                 expert_backend: str = "loop", router_impl: str = "reference", *,
+
+class MoELayer(nn.Module):
+    """Router, dispatcher and experts of ``cfg``, each named (see the module docstring; the
+    defaults are `moe_lab.config.ModelImpls`'s); ``quant="mxfp8"`` runs the expert GEMMs on MXFP8
+    operands; ``expert_options`` go to the expert class (``alpha=``, ``limit=`` of
+    ``clamped_swiglu``)."""
+
+    def __init__(self, cfg: MoEConfig, dispatcher: str = ModelImpls.dispatcher,
+                 expert_backend: str = ModelImpls.expert_backend,
+                 router_impl: str = ModelImpls.router_impl, *, quant: str | None = None,
                  expert_kind: str = "swiglu", **expert_options: float) -> None:
         super().__init__()
         if not isinstance(cfg, MoEConfig):
@@ -71,28 +79,10 @@ class MoELayer(nn.Module):
         self.router = Router(cfg, impl=router_impl)
         experts = EXPERT_KINDS.lookup(expert_kind, "expert_kind")
         self.experts = experts(cfg.n_experts, cfg.d_model, cfg.d_expert, expert_backend,
-                               **expert_options)
+                               quant=quant, **expert_options)
         check_pairing(dispatcher, self.experts)
         self.dispatcher = dispatcher
-        self.shared = (
-            SwiGLU(cfg.d_model, cfg.d_expert * cfg.n_shared_experts)
-            if cfg.n_shared_experts
-            else None
-        )
-
-    def set_dispatcher(self, dispatcher: str, expert_backend: str | None = None) -> None:
-        """Switch to ``dispatcher`` (and, given, the experts to ``expert_backend``); the
-        weights stay."""
-        DISPATCHERS.check(dispatcher, "dispatcher")
-        previous = self.experts.backend
-        if expert_backend is not None:
-            self.experts.use_backend(expert_backend)
-        try:
-            check_pairing(dispatcher, self.experts)
-        except ValueError:
-            self.experts.use_backend(previous)
-            raise
-        self.dispatcher = dispatcher
+        self.shared = shared_expert(cfg)
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats]:
         """``x: [T, D]`` or ``[B, S, D]`` → ``(y, stats)``, ``y`` shaped as ``x``.

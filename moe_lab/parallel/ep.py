@@ -43,13 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 from moe_lab.checks import one_of, positive_int, positive_number
-from moe_lab.config import MoEConfig
+from moe_lab.config import ModelImpls, MoEConfig
 from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.experts import SwiGLUExperts
-from moe_lab.moe.layer import MoELayer, MoEStats
+from moe_lab.moe.layer import MoELayer, MoEStats, shared_expert
+from moe_lab.moe.router import Router
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Work
@@ -203,14 +205,16 @@ class EPStats(MoEStats):
     a2a_bytes: int = 0  # bytes this rank sent to other ranks in the forward (dispatch + combine)
 
 
-class EPMoELayer(MoELayer):
-    """An `MoELayer` whose experts are sharded over the process group ``group``.
+class EPMoELayer(nn.Module):
+    """The MoE layer with its experts sharded over the process group ``group``, composed of the
+    pieces it needs: the router and the shared expert every rank runs on its own tokens, this
+    rank's ``E / W`` experts, and the exchange (``mode``).
 
     ``forward(x)`` takes this rank's tokens ``x: [tokens, d_model]`` (or ``[b, s, d]``) and
-    returns ``(y, EPStats)`` like `MoELayer`; every rank of the group must call it together.
-    ``mode="dropless"`` exchanges counts and sends exactly the routed rows;
-    ``mode="budget"`` sends fixed ``[W, B, d]`` blocks (see the module docstring) with
-    ``B = ep_budget(tokens, top_k, W, capacity_factor)``.
+    returns ``(y, EPStats)`` as `MoELayer` does, so a model's block takes it in place of one;
+    every rank of the group must call it together. ``mode="dropless"`` exchanges counts and
+    sends exactly the routed rows; ``mode="budget"`` sends fixed ``[W, B, d]`` blocks (see the
+    module docstring) with ``B = ep_budget(tokens, top_k, W, capacity_factor)``.
 
     Build it from a single-process layer with `from_layer` (same router, shared expert and
     this rank's slice of the experts), or fresh from a config (then seed every rank alike).
@@ -218,8 +222,9 @@ class EPMoELayer(MoELayer):
 
     def __init__(self, cfg: MoEConfig, group: ProcessGroup | None = None, mode: str = "dropless",
                  capacity_factor: float = 1.25, on_overflow: str = "rerun",
-                 expert_backend: str = "torch", router_impl: str = "reference",
-                 budget_multiple: int = 1) -> None:
+                 expert_backend: str = ModelImpls.expert_backend,
+                 router_impl: str = ModelImpls.router_impl, budget_multiple: int = 1, *,
+                 quant: str | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: start the ranks with "
                                "moe_lab.workbench.ranks.launch.run_ranks or torchrun first")
@@ -231,34 +236,29 @@ class EPMoELayer(MoELayer):
         if cfg.n_experts % world:
             raise ValueError(f"cfg.n_experts={cfg.n_experts} must be divisible by the EP group "
                              f"size {world}")
-        super().__init__(cfg, dispatcher="dropless", expert_backend=expert_backend,
-                         router_impl=router_impl)
-        self.dispatcher = "ep"
-        self.group = group
-        self.ep_size = world
-        self.ep_rank = dist.get_rank(group)
+        super().__init__()
+        self.cfg, self.group, self.ep_size, self.ep_rank = cfg, group, world, dist.get_rank(group)
         self.n_local = cfg.n_experts // world
         self.local_experts = rank_experts(cfg.n_experts, world, self.ep_rank)
-        self.mode = mode
-        self.capacity_factor = capacity_factor
-        self.on_overflow = on_overflow
-        self.budget_multiple = budget_multiple
-        # This rank's shard replaces the full set the parent built.
-        self.experts = SwiGLUExperts(self.n_local, cfg.d_model, cfg.d_expert, expert_backend)
+        self.mode, self.capacity_factor = mode, capacity_factor
+        self.on_overflow, self.budget_multiple = on_overflow, budget_multiple
+        self.router = Router(cfg, impl=router_impl)
+        self.experts = SwiGLUExperts(self.n_local, cfg.d_model, cfg.d_expert, expert_backend, quant)
+        self.shared = shared_expert(cfg)
 
     @classmethod
     def from_layer(cls, layer: MoELayer, group: ProcessGroup | None = None,
                    **kwargs: Any) -> EPMoELayer:
         """This rank's part of ``layer``: its router and shared expert, and the slice of its
         experts this rank owns. ``kwargs`` go to the constructor (``mode``, ...); the
-        expert backend defaults to ``layer``'s."""
+        expert backend, router and precision are ``layer``'s."""
         if not isinstance(layer, MoELayer):
             raise ValueError(f"layer must be a MoELayer, got {type(layer).__name__}")
         kwargs.setdefault("expert_backend", layer.experts.backend)
         kwargs.setdefault("router_impl", layer.router.impl)
         w = layer.experts.w_gate_up
         with torch.device(w.device):  # built where ``layer`` lives, not on the default device
-            ep = cls(layer.cfg, group, **kwargs)
+            ep = cls(layer.cfg, group, quant=layer.experts.quant, **kwargs)
         ep.to(dtype=w.dtype)
         lo, hi = ep.local_experts.start, ep.local_experts.stop
         with torch.no_grad():
@@ -267,7 +267,6 @@ class EPMoELayer(MoELayer):
                 ep.shared.load_state_dict(layer.shared.state_dict())
             ep.experts.w_gate_up.copy_(layer.experts.w_gate_up[lo:hi])
             ep.experts.w_down.copy_(layer.experts.w_down[lo:hi])
-        ep.experts.quant = layer.experts.quant
         ep.train(layer.training)
         return ep
 

@@ -1,3 +1,3 @@
 """Quantization to the MX (microscaling) formats: `mx` holds the format (`quantize`,
 `MXTensor`, `fake_quantize`, `mx_error_stats`), `linear` the MXFP8 linear layer
-(`MXLinear`, `apply_mxfp8`). Imported lazily: ``from moe_lab.quant.mx import quantize``."""
+(`MXLinear`, `make_mxfp8_linear`). Imported lazily: ``from moe_lab.quant.mx import quantize``."""

@@ -24,16 +24,18 @@ that are not a multiple of 32 are padded with zero tokens for the wgrad GEMM (th
 nothing to the sum); the feature dims must be multiples of 32.
 
 Where Transformer Engine is importable and the GPU has MX tensor cores (SM 10.0+,
-Blackwell), `make_mxfp8_linear` / `apply_mxfp8` with ``backend="auto"`` (or ``"te"``)
+Blackwell), `make_mxfp8_linear` with ``backend="auto"`` (or ``"te"``)
 build a ``te.Linear`` run under the ``MXFP8BlockScaling`` recipe instead: real MXFP8
 GEMMs. Elsewhere ``"auto"`` falls back to the emulation and says so in the module's
-``backend`` attribute and repr, and ``"te"`` raises with the reason. Nothing pretends.
+``backend`` attribute and repr, and ``"te"`` raises with the reason. Nothing pretends. A model
+takes MXFP8 where it is built: ``ModelImpls(mxfp8=("attention", "experts"))``
+(`moe_lab.config.ModelImpls`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -45,7 +47,6 @@ from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, mx_error_stats, quan
 
 Tensor = torch.Tensor
 BACKENDS = ("auto", "emulated", "triton", "te")
-TARGETS = ("attention", "experts")
 ATTENTION_CLASS = "Attention"
 EXPERTS_CLASS = "SwiGLUExperts"
 
@@ -314,59 +315,6 @@ def make_mxfp8_linear(linear: nn.Linear, backend: str = "auto") -> nn.Module:
 
 def _modules_named(model: nn.Module, class_name: str) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == class_name]
-
-
-def apply_mxfp8(
-    model: nn.Module,
-    targets: Iterable[str] = ("attention",),
-    *,
-    backend: str = "auto",
-    attention_impl: str = "mxfp8",
-) -> nn.Module:
-    """Switch parts of ``model`` to MXFP8, in place; returns ``model``.
-
-    ``"attention"``: every ``nn.Linear`` inside modules of class ``Attention`` (the ``qkv``
-    and ``out`` projections) becomes `make_mxfp8_linear(linear, backend)`, and their
-    ``attention_impl`` is set to ``attention_impl`` (``"mxfp8"``: the emulated MXFP8
-    attention core; ``"mxfp8_triton"``: the Triton kernel). ``"experts"``: every
-    ``SwiGLUExperts`` module gets ``quant = "mxfp8"`` (its matmuls fake-quantize their
-    operands along the reduction dim). A target that matches no module is an error.
-    """
-    if isinstance(targets, str):
-        targets = (targets,)
-    targets = tuple(targets)
-    unknown = [t for t in targets if t not in TARGETS]
-    if unknown or not targets:
-        raise ValueError(f"targets must be a non-empty subset of {TARGETS}, got {targets!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(
-            f"attention_impl must be one of {sorted(ATTENTION_IMPLS)}, got {attention_impl!r}"
-        )
-    if "attention" in targets:
-        blocks = _modules_named(model, ATTENTION_CLASS)
-        if not blocks:
-            raise ValueError(f"targets has 'attention' but the model has no {ATTENTION_CLASS} "
-                             "module")
-        for block in blocks:
-            for parent in list(block.modules()):
-                for name, child in list(parent.named_children()):
-                    if type(child) is nn.Linear:  # exactly nn.Linear: never wrap twice
-                        setattr(parent, name, make_mxfp8_linear(child, backend))
-            if not hasattr(block, "attention_impl"):
-                raise ValueError(f"{ATTENTION_CLASS} module has no attention_impl attribute")
-            block.attention_impl = attention_impl
-    if "experts" in targets:
-        experts = _modules_named(model, EXPERTS_CLASS)
-        if not experts:
-            raise ValueError(f"targets has 'experts' but the model has no {EXPERTS_CLASS} module")
-        for module in experts:
-            if not hasattr(module, "quant"):
-                raise ValueError(f"{EXPERTS_CLASS} module has no 'quant' attribute to set")
-            module.quant = "mxfp8"
-    return model
-
 
 
 # ------------------------------------------------------------------ per-layer error statistics

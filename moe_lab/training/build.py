@@ -13,20 +13,19 @@ GEMM does, where eager autograd would run them in FP32.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch._functorch.config as functorch_config
 
 from moe_lab.checks import one_of, positive_int
-from moe_lab.config import ModelConfig, holds
+from moe_lab.config import ModelConfig, ModelImpls, holds
 from moe_lab.data import Batch
-from moe_lab.model import ModelImpls, MoETransformer
+from moe_lab.model import MoETransformer
 from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.router import ROUTER_IMPLS
 from moe_lab.perf.capabilities import capabilities
-from moe_lab.quant.linear import apply_mxfp8
 from moe_lab.training.optim import make_optimizer, stock_optimizer
 from moe_lab.training.steps import StepConfig, SyncFreeStep
 
@@ -55,19 +54,17 @@ class BuildConfig:
     given flat: ``dispatcher=``, ``expert_backend=``, ...), the step kind (`STEP_KINDS`) and a
     sync-free step's clip + optimizer update (``clip_step``,
     `moe_lab.training.optim.CLIP_STEPS`); ``amp`` runs the forward under autocast in that
-    dtype (`AMP_DTYPES`) and ``fp32_logits`` keeps the logits in FP32 there; ``compile`` wraps
+    dtype (`AMP_DTYPES`), where ``fp32_logits`` keeps the logits in FP32; ``compile`` wraps
     the model in ``torch.compile`` (`COMPILE_MODES`) and ``compiled_eval`` evaluates through a
-    second, static-shape compile; ``mxfp8`` names the parts run in emulated MXFP8
-    (``("attention",)``, ``("experts",)`` or both)."""
+    second, static-shape compile. The precision is the model's (``impls.mxfp8``,
+    ``impls.fp32_logits``)."""
 
     impls: ModelImpls = field(default_factory=ModelImpls)
     step: str = "eager"
     clip_step: str = "torch"
     amp: str = ""
-    fp32_logits: bool = False
     compile: str = ""
     compiled_eval: bool = False
-    mxfp8: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         one_of(self.step, "BuildConfig.step", STEP_KINDS)
@@ -79,7 +76,7 @@ class BuildConfig:
                 f"{sorted(n for n, d in DISPATCHERS.items() if not d.syncs_host)}, or step='eager'")
         one_of(self.amp, "BuildConfig.amp", AMP_DTYPES)
         one_of(self.compile, "BuildConfig.compile", COMPILE_MODES)
-        if self.fp32_logits and not self.amp:
+        if self.impls.fp32_logits and not self.amp:
             raise ValueError("BuildConfig.fp32_logits keeps the logits in FP32 under autocast; "
                              "set amp")
         if self.compiled_eval and not self.compile:
@@ -103,27 +100,20 @@ def default_impls(device: torch.device | str) -> ModelImpls:
 
 def build_model(model_cfg: ModelConfig, impls: ModelImpls | None = None, *,
                 step: str = "sync_free", device: torch.device | str = "cpu", seed: int = 0,
-                lr: float = 3e-3, weight_decay: float = 0.1, fp32_logits: bool = False,
-                mxfp8: Sequence[str] = (), **names: str,
+                lr: float = 3e-3, weight_decay: float = 0.1, **names: object,
                 ) -> tuple[MoETransformer, torch.optim.Optimizer]:
     """A fresh model and the optimizer its ``step`` kind takes (`STEP_KINDS`).
 
     The model is seeded with ``seed`` just before it is built (every caller with the same
     seed gets the same weights), built with ``impls`` — by default `ModelImpls` (the naive
     ones) for the eager step and `default_impls` of ``device`` for the others; ``names``
-    override single fields, e.g. ``expert_backend="loop"`` — and moved to ``device``.
-    ``fp32_logits`` keeps the logits in FP32 under autocast
-    (`moe_lab.model.MoETransformer.fp32_logits`); ``mxfp8`` names the parts run in emulated
-    MXFP8 (`moe_lab.quant.linear.apply_mxfp8`)."""
+    override single fields, e.g. ``expert_backend="loop"`` or ``mxfp8=("experts",)`` — and
+    moved to ``device``."""
     one_of(step, "step", STEP_KINDS)
     if impls is None:
         impls = ModelImpls() if step == "eager" else default_impls(device)
-    impls = replace(impls, **names) if names else impls
     torch.manual_seed(seed)
-    model = impls.build(model_cfg).to(device)
-    model.fp32_logits = fp32_logits
-    if mxfp8:
-        apply_mxfp8(model, tuple(mxfp8))
+    model = MoETransformer(model_cfg, impls, **names).to(device)
     make = stock_optimizer if step == "eager" else make_optimizer
     return model, make(model, lr=lr, weight_decay=weight_decay)
 

@@ -101,7 +101,6 @@ def test_replace_revalidates_and_propagates_d_model():
 
 def test_holds_builds_and_reads_a_held_config_field_by_field():
     import dataclasses
-    import inspect
 
     from moe_lab.config import holds
 
@@ -125,10 +124,7 @@ def test_holds_builds_and_reads_a_held_config_field_by_field():
     assert Whole(part=Part(7), b=8).part == Part(7, 8)  # fields change the part given
     assert dataclasses.replace(w, b=9).part == Part(5, 9)
     assert Whole.held_fields == {"a": "part", "b": "part"}
-    assert {"a", "b", "c", "part"} <= set(inspect.signature(Whole).parameters)
     with pytest.raises(ValueError, match="Part.a"):  # validated once, in the part
         Whole(a=-1)
     with pytest.raises(ValueError, match="Whole.part must be a Part, got int"):
         Whole(part=3)
-    with pytest.raises(TypeError, match="'a' of part 'part' is declared twice"):
-        holds(part=Part)(dataclasses.dataclass(type("Clash", (), {"__annotations__": {"a": int}})))

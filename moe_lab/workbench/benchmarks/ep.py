@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from moe_lab.checks import positive_int, positive_number
+from moe_lab.checks import positive_int
 from moe_lab.parallel.plan import SCHEDULES
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.ranks import netem
@@ -62,8 +62,6 @@ DEFAULT_RATE_MBIT = 200.0
 def spec_for(profile: str, ranks: int, tokens: int | None = None, n_chunks: int | None = None,
              repeats: int | None = None, seed: int = 0) -> dict:
     """The rank spec (`moe_lab.workbench.ranks.harness.merged_rank_main`) of a profile."""
-    if profile not in PROFILES:
-        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     p = PROFILES[profile]
     if CFG["n_experts"] % ranks:
         raise ValueError(f"ranks must divide n_experts={CFG['n_experts']}, got {ranks}")
@@ -244,13 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    try:
-        for name in ("ranks", "threads", "tokens", "chunks", "repeats"):
-            if getattr(args, name) is not None:  # None: the profile's
-                positive_int(getattr(args, name), f"--{name}")
-        positive_number(args.rate_mbit, "--rate-mbit")
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    # The sizes are checked at the door (`moe_lab.workbench.cli.bench.check_sizes`).
     spec = spec_for(args.profile, args.ranks, args.tokens, args.chunks, args.repeats)
     rate = None if args.no_link else args.rate_mbit
     report = run_ep_benchmark(args.ranks, rate, spec, threads_per_rank=args.threads)

@@ -30,7 +30,6 @@ import math
 import re
 from collections import Counter
 
-from moe_lab.checks import non_negative_int, positive_int
 from moe_lab.perf.hardware import GPUArch
 
 # ------------------------------------------------------------------------------ resources
@@ -239,9 +238,6 @@ def occupancy(registers: int, shared_bytes: int, num_warps: int, limits: GPUArch
     (``by_registers``, ``by_shared``, ``by_warps``, ``by_blocks``). A block asking for more
     shared memory than ``limits.max_shared_per_block`` cannot launch: 0 blocks.
     """
-    non_negative_int(registers, "registers")
-    non_negative_int(shared_bytes, "shared_bytes")
-    positive_int(num_warps, "num_warps")
     unit = limits.register_alloc_unit
     registers_per_warp = math.ceil(max(registers, 1) * 32 / unit) * unit
     by_registers = (limits.registers_per_sm // registers_per_warp) // num_warps

@@ -201,13 +201,6 @@ def compile_jobs(*jobs: dict[str, Any], archs: Archs = DEFAULT_ARCHS,
     return run_in_child(request, progress=progress or sys.stdout)["rows"]
 
 
-def compile_kernel(kernel: str | Any, signature: dict[str, str], constexprs: dict[str, Any] | None = None,
-                   config: LaunchConfig | None = None, archs: Archs = DEFAULT_ARCHS, label: str | None = None
-                   ) -> list[dict[str, Any]]:
-    """`compile_jobs` of one `kernel_job`: the kernel's rows for each of ``archs``."""
-    return compile_jobs(kernel_job(kernel, signature, constexprs, config, label), archs=archs)
-
-
 # ------------------------------------------------------------------------------ showing it
 
 COLUMNS = ("kernel", "arch", "regs", "spill B", "shared KB", "blocks/SM", "warps/SM", "limit",

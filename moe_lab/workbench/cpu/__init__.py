@@ -38,9 +38,6 @@ from moe_lab.workbench.cpu import attention, build, embedding, grouped, optim, p
 _lock = threading.Lock()
 _registered: bool | None = None
 
-NAMES = {"expert backend": "openmp", "attention": "cpu_fused",
-         "router impl": "cpu_topk", "clip step": "cpu_one_call"}
-
 
 def register() -> bool:
     """Register the plug-in's implementations into the core's registries (once; later calls
@@ -92,4 +89,4 @@ def unavailable_reason() -> str | None:
     return None
 
 
-__all__ = ["NAMES", "available", "register", "status", "unavailable_reason"]
+__all__ = ["available", "register", "status", "unavailable_reason"]

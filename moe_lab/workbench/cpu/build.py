@@ -41,11 +41,12 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from moe_lab.workbench.filelock import file_lock
 
 HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("cpu_grouped_gemm.cpp", "cpu_attention.cpp", "cpu_permute.cpp",
@@ -115,65 +116,27 @@ def _name_and_dir() -> tuple[str, Path]:
 
 @contextlib.contextmanager
 def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[None]:
-    """Hold an exclusive operating-system lock on ``build_dir`` (``fcntl.flock`` on
-    ``moe_lab.lock`` inside it, which then names this process) for a build or load there,
+    """Hold an exclusive operating-system lock on ``build_dir`` (`moe_lab.workbench.filelock`
+    on ``moe_lab.lock`` inside it, which then names this process) for a build or load there,
     and remove the stale ``lock`` file of ``torch.utils.cpp_extension`` that a killed build
     left behind.
 
     Waits for another process holding the lock, naming it after 2 s and every 30 s; raises
-    ``TimeoutError`` naming the folder after ``wait_limit_s`` (default `WAIT_LIMIT_S`).
-    Where ``fcntl`` does not exist (Windows), only torch's own file guards the folder."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
+    ``TimeoutError`` naming the folder after ``wait_limit_s`` (default `WAIT_LIMIT_S`)."""
     limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
-    build_dir.mkdir(parents=True, exist_ok=True)
     path = build_dir / "moe_lab.lock"
-    with open(path, "a+") as handle:
-        start = time.monotonic()
-        said = -1
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                waited = time.monotonic() - start
-                if waited >= limit:
-                    raise TimeoutError(
-                        f"{_holder(path)} has been holding {path} for over {limit:.0f} s while it builds "
-                        f"or loads moe_lab's CPU kernels; wait for it to end or stop it") from None
-                # First word after 2 s (a short wait on a load in progress says nothing), then every 30 s.
-                if waited >= 2 and int((waited - 2) // 30) > said:
-                    said = int((waited - 2) // 30)
-                    # Progress, not a problem: stdout (a wait that never ends raises below).
-                    print(f"moe_lab: waiting for {_holder(path)}, which holds {path} while it builds or "
-                          f"loads the CPU kernels ({waited:.0f} s so far)...", flush=True)
-                time.sleep(0.2)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        try:
-            baton = build_dir / "lock"
-            if baton.exists():
-                print(f"moe_lab: removing {baton}, left behind by a build that was killed",
-                      file=sys.stderr, flush=True)
-                baton.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
+    def refuse(holder: str) -> TimeoutError:
+        return TimeoutError(f"{holder} has been holding {path} for over {limit:.0f} s while it builds "
+                            f"or loads moe_lab's CPU kernels; wait for it to end or stop it")
 
-def _holder(path: Path) -> str:
-    """Who holds the build lock, as its holder wrote it: ``"process 1234"``, or ``"another
-    process"`` where the file names none."""
-    try:
-        pid = path.read_text().split()[0]
-    except (OSError, IndexError):
-        return "another process"
-    return f"process {pid}" if pid.isdigit() else "another process"
+    with file_lock(path, refuse, limit, f"{path} while it builds or loads the CPU kernels"):
+        baton = build_dir / "lock"
+        if baton.exists():
+            print(f"moe_lab: removing {baton}, left behind by a build that was killed",
+                  file=sys.stderr, flush=True)
+            baton.unlink(missing_ok=True)
+        yield
 
 
 def extension():

@@ -50,18 +50,10 @@ from moe_lab.workbench.cpu.build import available, bf16_gemms, compiler, extensi
 Tensor = torch.Tensor
 
 
-def _check(x: Tensor, *others: Tensor) -> None:
-    for t in (x, *others):
-        if t.device.type != "cpu":
-            raise ValueError(f"the openmp grouped GEMM runs on the CPU, got a tensor on {t.device}; "
-                             f"use expert_backend='torch' or 'triton' on a GPU")
-
-
 @torch.library.custom_op("moe_lab::openmp_grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """``x: [M, K]``, ``w: [E, K, N]`` (any strides), ``offs: [E]`` cumulative row ends →
     ``[M, N]``, rows past ``offs[-1]`` zero."""
-    _check(x, w, offs)
     return extension().grouped_mm(x, w, offs)
 
 
@@ -73,7 +65,6 @@ def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
 @torch.library.custom_op("moe_lab::openmp_grouped_mm_wgrad", mutates_args=())
 def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     """``dW[e] = x[rows of e]ᵀ · dy[rows of e]``: ``[E, K, N]`` (zeros for an empty expert)."""
-    _check(x, dy, offs)
     return extension().grouped_mm_wgrad(x, dy, offs)
 
 
@@ -84,7 +75,6 @@ def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
 
 @torch.library.custom_op("moe_lab::openmp_expert_mlp", mutates_args=())
 def _expert_mlp(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
-    _check(x, w1, w2, offs)
     y, h = extension().expert_mlp(x, w1, w2, offs)
     return y, h
 
@@ -97,7 +87,6 @@ def _(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("moe_lab::openmp_expert_mlp_backward", mutates_args=())
 def _expert_mlp_backward(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
                          dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    _check(x, h, w1, w2, offs, dy)
     dx, dw1, dw2 = extension().expert_mlp_backward(x, h, w1, w2, offs, dy)
     return dx, dw1, dw2
 
@@ -151,7 +140,6 @@ def takes_fp32_weights(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> bool:
     return (x.dtype == torch.bfloat16 and w_gate_up.dtype == w_down.dtype == torch.float32
             and x.shape[-1] % 2 == 0 and w_gate_up.shape[-1] % 4 == 0 and w_down.shape[-1] % 2 == 0
             and bf16_gemms())
-
 
 
 register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)

@@ -35,7 +35,6 @@ from moe_lab.checks import first_derivative_only
 from moe_lab.kernels.permute_args import (
     KERNEL_DTYPES,
     check_map,
-    check_n_rows,
     check_rows,
     check_topk,
     check_weights,
@@ -176,7 +175,6 @@ def permute(x: Tensor, row_id_map: Tensor, n_rows: int, weights: Tensor | None =
     from `make_row_id_map`; ``n_rows >= T·k``. Differentiable in ``x`` and ``weights``.
     """
     check_rows("x", x)
-    check_n_rows(n_rows)
     check_map(row_id_map, x.shape[0], n_rows)
     check_weights(weights, row_id_map)
     for name, t in (("x", x), ("row_id_map", row_id_map), ("weights", weights)):

@@ -79,13 +79,5 @@ def where_differs(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: floa
     return tuple(bad.nonzero()[0].tolist())
 
 
-def assert_tensor(name: str, got: object, shape: tuple[int, ...]) -> torch.Tensor:
-    """``got`` as a tensor of ``shape``, or `ExerciseError`."""
-    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(shape):
-        raise ExerciseError(f"{name}: expected a tensor of shape {tuple(shape)}, got "
-                            f"{getattr(got, 'shape', type(got).__name__)}")
-    return got
-
-
-__all__ = ["assert_tensor", "interpreted", "kernel_device", "launch_answer", "where_differs"]
+__all__ = ["interpreted", "kernel_device", "launch_answer", "where_differs"]
 

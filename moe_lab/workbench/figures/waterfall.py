@@ -222,17 +222,6 @@ def reported_waterfall() -> Waterfall:
                     source=mlperf.SOURCE)))
 
 
-def projected_waterfall(title: str, labels: Sequence[str], values: Sequence[float], unit: str,
-                        hardware: str) -> Waterfall:
-    """A ladder computed by a model (a roofline, a FLOPs count times a datasheet rate):
-    drawn as a projection."""
-    if len(labels) != len(values):
-        raise ValueError(f"labels ({len(labels)}) and values ({len(values)}) must pair up")
-    label = hardware if "projection" in hardware.lower() else f"{hardware} (projection)"
-    return Waterfall(title=title, rungs=tuple(Rung(lab, float(v), unit, label, "projection")
-                                              for lab, v in zip(labels, values)))
-
-
 # --------------------------------------------------------------------------------------
 # Drawing
 # --------------------------------------------------------------------------------------
@@ -305,4 +294,4 @@ def plot_waterfalls(waterfalls: Sequence[Waterfall], *, ncols: int = 2, width: f
 
 
 __all__ = ["KINDS", "LADDER_METRIC", "Rung", "Waterfall", "plot_waterfall", "plot_waterfalls",
-           "projected_waterfall", "reported_waterfall", "waterfalls_from_ledger"]
+           "reported_waterfall", "waterfalls_from_ledger"]

@@ -21,7 +21,6 @@ from moe_lab.workbench.interop.gpt_oss import BiasedRouter, GptOssMoELayer, from
 from moe_lab.workbench.interop.mixtral import from_hf_mixtral
 from moe_lab.workbench.interop.patch import (
     HF_MOE_BLOCKS,
-    HF_STATE_MAPS,
     HFMoEAdapter,
     patch_hf_model,
     unpatch_hf_model,
@@ -29,7 +28,7 @@ from moe_lab.workbench.interop.patch import (
 from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe
 
 __all__ = [
-    "HF_MOE_BLOCKS", "HF_STATE_MAPS", "BiasedRouter", "GptOssMoELayer", "HFMoEAdapter",
+    "HF_MOE_BLOCKS", "BiasedRouter", "GptOssMoELayer", "HFMoEAdapter",
     "from_hf_deepseek_v3", "from_hf_gpt_oss", "from_hf_mixtral", "from_hf_qwen3_moe",
     "patch_hf_model", "unpatch_hf_model",
 ]

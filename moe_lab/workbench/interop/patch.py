@@ -33,21 +33,15 @@ from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe
 
 Tensor = torch.Tensor
 
-# Hugging Face MoE block class name -> (builder, whether the block also returns router scores).
-HF_MOE_BLOCKS: dict[str, tuple[Callable[..., MoELayer], bool]] = {
-    "MixtralSparseMoeBlock": (from_hf_mixtral, False),
-    "Qwen3MoeSparseMoeBlock": (from_hf_qwen3_moe, False),
-    "OlmoeSparseMoeBlock": (from_hf_qwen3_moe, False),
-    "DeepseekV3MoE": (from_hf_deepseek_v3, False),
-    "GptOssMLP": (from_hf_gpt_oss, True),
-}
-
 _SWIGLU = (hf.swiglu_from_hf, hf.swiglu_to_hf)
-# Hugging Face MoE block class name -> (block state -> layer state, layer state -> block state).
-HF_STATE_MAPS: dict[str, tuple[Callable, Callable]] = {
-    "MixtralSparseMoeBlock": _SWIGLU, "Qwen3MoeSparseMoeBlock": _SWIGLU,
-    "OlmoeSparseMoeBlock": _SWIGLU, "DeepseekV3MoE": (deepseek_v3_from_hf, deepseek_v3_to_hf),
-    "GptOssMLP": (gpt_oss_from_hf, gpt_oss_to_hf),
+# Hugging Face MoE block class name -> (builder of the equal moe_lab layer, whether the block
+# also returns the router scores, block state -> layer state, layer state -> block state).
+HF_MOE_BLOCKS: dict[str, tuple[Callable[..., MoELayer], bool, Callable, Callable]] = {
+    "MixtralSparseMoeBlock": (from_hf_mixtral, False, *_SWIGLU),
+    "Qwen3MoeSparseMoeBlock": (from_hf_qwen3_moe, False, *_SWIGLU),
+    "OlmoeSparseMoeBlock": (from_hf_qwen3_moe, False, *_SWIGLU),
+    "DeepseekV3MoE": (from_hf_deepseek_v3, False, deepseek_v3_from_hf, deepseek_v3_to_hf),
+    "GptOssMLP": (from_hf_gpt_oss, True, gpt_oss_from_hf, gpt_oss_to_hf),
 }
 _HOOK = "_moe_lab_router_logits_hook"
 # Dispatchers that drop the assignments over an expert's capacity: a patched model would then
@@ -71,7 +65,7 @@ class HFMoEAdapter(nn.Module):
         self.stats: MoEStats | None = None
         self._block = [block]  # a list hides it from nn.Module's registry
         if block is not None:
-            self._from_hf, self._to_hf = HF_STATE_MAPS[type(block).__name__]
+            _, _, self._from_hf, self._to_hf = HF_MOE_BLOCKS[type(block).__name__]
             self.register_state_dict_post_hook(_state_dict_in_hf_keys)
             self.register_load_state_dict_pre_hook(_load_hf_keys)
 
@@ -155,7 +149,7 @@ def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backen
                          f"(expected one of {sorted(HF_MOE_BLOCKS)})")
     replaced: dict[str, nn.Module] = {}
     for name, block in targets:
-        build, returns_scores = HF_MOE_BLOCKS[type(block).__name__]
+        build, returns_scores, _, _ = HF_MOE_BLOCKS[type(block).__name__]
         layer = build(block, dispatcher=dispatcher, expert_backend=expert_backend,
                       router_impl=router_impl)
         adapter = HFMoEAdapter(layer, returns_router_scores=returns_scores, block=block)

@@ -633,14 +633,6 @@ def render_page(nb, nav: str = "") -> str:
     return restore_math(body, formulas)
 
 
-def export_page(notebook: Path, target: Path, nav: str = "") -> Path:
-    """Render one executed notebook to ``target`` with `render_page`."""
-    import nbformat
-
-    write_text_atomically(target, render_page(nbformat.read(notebook, as_version=4), nav))
-    return target
-
-
 _CSS = """
 body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0;
        color: #1d1d1f; background: #fafafa; }
@@ -790,7 +782,7 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
 
 __all__ = ["GPU_LINES", "GPU_LINE_HARDWARE", "GPU_LINE_KINDS", "GPU_LINE_STEP", "HEADLINES",
            "MACHINE_FREE_KINDS", "GpuLine", "Headline", "NotebookPage",
-           "build_site", "describe_gpu_line", "describe_notebook", "export_page", "find_gpu_line",
+           "build_site", "describe_gpu_line", "describe_notebook", "find_gpu_line",
            "find_headline", "format_figure", "format_gpu_line",
            "headline_rows", "latex_to_mathml", "navigation", "on_cpu_or_machine_free",
            "prepare_for_site", "protect_math", "render_index", "render_page", "restore_math",

@@ -77,9 +77,6 @@ def breakdown_from_events(events, wall_s: float, steps: int) -> dict:
     """Sum the self times of profiler ``events`` (``prof.events()``) over ``steps`` steps that
     took ``wall_s`` in all: ``{"wall_ms", "by_kind", "by_phase", "table"}``, in ms per step;
     ``table[phase][kind]``. `BETWEEN` (wall time no event covers) is put in `REST`."""
-    positive_int(steps, "steps")
-    if not wall_s > 0:
-        raise ValueError(f"wall_s must be > 0, got {wall_s!r}")
     table = {p: dict.fromkeys(KINDS, 0.0) for p in (*PHASES, REST)}
     covered = 0.0
     for event in events:
@@ -97,8 +94,6 @@ def step_breakdown(step: Callable[[], None], steps: int = 5, warmup: int = 2) ->
     """Run ``step()`` ``warmup`` times, then ``steps`` times under the profiler; the split of
     its time (`breakdown_from_events`). ``step`` must finish its work before it returns
     (on a CPU it does; on CUDA pass one that synchronizes — only CPU time is recorded)."""
-    if not callable(step):
-        raise ValueError(f"step must be callable, got {type(step).__name__}")
     positive_int(steps, "steps")
     non_negative_int(warmup, "warmup")
     for _ in range(warmup):

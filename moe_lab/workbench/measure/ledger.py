@@ -35,6 +35,7 @@ figure and loses a figure when two writers rename at once, so it is not used her
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import numbers
@@ -48,16 +49,6 @@ from pathlib import Path
 from typing import Any
 
 from moe_lab.perf.capabilities import capabilities, library_versions
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: no tomllib; a [project] name line suffices.
-    tomllib = None
-
-try:
-    import fcntl
-except ModuleNotFoundError:  # Windows: no advisory locks; appends stay single writes
-    fcntl = None
 
 RESULTS_ENV = "MOE_LAB_RESULTS_DIR"
 PROFILE_ENV = "MOE_LAB_PROFILE"
@@ -105,16 +96,10 @@ def _is_moe_lab_pyproject(path: Path) -> bool:
         text = path.read_text(encoding="utf-8")
     except OSError:
         return False
-    if tomllib is None:
-        section = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
-        return bool(section) and bool(
-            re.search(rf'^name\s*=\s*["\']{PROJECT_NAME}["\']', section.group(1), re.M)
-        )
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        return False
-    return data.get("project", {}).get("name") == PROJECT_NAME
+    # The [project] table's name line (read as text: Python 3.10 has no tomllib).
+    section = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    return bool(section) and bool(
+        re.search(rf'^name\s*=\s*["\']{PROJECT_NAME}["\']', section.group(1), re.M))
 
 
 def find_project_root(start: str | os.PathLike[str] | None = None) -> Path | None:
@@ -222,10 +207,9 @@ def _append_line(path: Path, line: bytes) -> None:
     # Read-write only so the last byte can be checked; O_APPEND still puts every write at the end.
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        if fcntl is not None:
-            # Only for the torn-line check below: another writer's long line may be half
-            # copied in when we look at the last byte. The write itself needs no lock.
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        # Only for the torn-line check below: another writer's long line may be half
+        # copied in when we look at the last byte. The write itself needs no lock.
+        fcntl.flock(fd, fcntl.LOCK_EX)
         size = os.fstat(fd).st_size
         # A crash mid-write may have left a torn last line: start on a fresh one so the
         # torn bytes stay a line of their own (which `read` skips) instead of

@@ -62,7 +62,7 @@ from moe_lab.workbench.ranks.netem import IFNAME, EmulatedLink, enter_namespace
 
 __all__ = [
     "RankFailure", "RankStatus", "run_ranks", "init_from_env", "rank_device", "check_peers",
-    "whoami", "choose_backend", "default_backend", "torchrun_command", "run_torchrun",
+    "whoami", "choose_backend", "torchrun_command", "run_torchrun",
 ]
 
 GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to exit by themselves
@@ -141,11 +141,6 @@ def choose_backend(local_ranks: int, link: EmulatedLink | None = None,
         return "gloo", (f"{local_ranks} ranks > {gpus} GPU(s), and NCCL refuses two ranks on one "
                         "GPU: gloo on the CPU")
     return "nccl", f"{local_ranks} ranks on {gpus} GPU(s): one GPU per rank"
-
-
-def default_backend(local_ranks: int = 1) -> str:
-    """`choose_backend`'s pick for ``local_ranks`` ranks on this machine, without a link."""
-    return choose_backend(local_ranks)[0]
 
 
 # Modules the fork server imports once, so that every rank forked from it starts with torch

@@ -27,11 +27,7 @@ from pathlib import Path
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # Windows: its byte-range locks instead
-    fcntl = None
-    import msvcrt
+from moe_lab.workbench.filelock import file_lock
 
 __all__ = ["CheckpointInUse", "check_checkpoint_path", "checkpoint_lock", "load_checkpoint",
            "save_checkpoint"]
@@ -59,8 +55,6 @@ def _temp_pid(path: Path, name: str) -> int | None:
 
 def process_running(pid: int) -> bool:
     """Whether process ``pid`` exists (where that cannot be asked safely: assumed so)."""
-    if os.name == "nt":  # os.kill would terminate it
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -100,58 +94,20 @@ def check_checkpoint_path(path: str | os.PathLike) -> Path:
     return path
 
 
-def _lock(fd: int) -> bool:
-    """Take the exclusive lock on the open file ``fd`` without waiting; whether it was free."""
-    try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        else:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-    except OSError:
-        return False
-    return True
-
-
-def _holder(fd: int) -> str:
-    """Who holds the lock file ``fd``: the process id its holder wrote there."""
-    try:
-        pid = os.read(fd, 32).decode("ascii", "replace").strip()
-    except OSError:  # Windows: the locked byte cannot be read
-        pid = ""
-    return f"process {pid}" if pid.isdigit() else "another process"
-
-
 @contextlib.contextmanager
 def checkpoint_lock(path: str | os.PathLike) -> Iterator[None]:
     """Hold the checkpoint ``path`` for one run: an exclusive lock on ``.{name}.moe_lab.lock`` beside
-    it (its folder made if missing), which holds this process's id and is removed when the
-    block ends. A checkpoint another run holds raises `CheckpointInUse` naming that run's
-    process; the lock ends with the process that held it, however it ends."""
+    it (`moe_lab.workbench.filelock`; its folder made if missing), which holds this process's id
+    and is removed when the block ends. A checkpoint another run holds raises `CheckpointInUse`
+    naming that run's process; the lock ends with the process that held it, however it ends."""
     path = Path(path)
-    lock = path.parent / f".{path.name}.moe_lab.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        if not _lock(fd):
-            holder = _holder(fd)
-            os.close(fd)
-            raise CheckpointInUse(f"checkpoint '{path}' is in use by another run ({holder}); "
-                                  "wait for it to end, or give this run another checkpoint path")
-        # The holder before us removes the file as it lets go: if we locked the file it
-        # removed, the lock guards nothing; take the one now there.
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(lock)):
-                break
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+
+    def refuse(holder: str) -> CheckpointInUse:
+        return CheckpointInUse(f"checkpoint '{path}' is in use by another run ({holder}); "
+                               "wait for it to end, or give this run another checkpoint path")
+
+    with file_lock(path.parent / f".{path.name}.moe_lab.lock", refuse):
         yield
-    finally:
-        if fcntl is not None:  # Windows cannot remove an open file: it stays, unlocked
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-        os.close(fd)
 
 
 def _remove_stale_temporaries(path: Path) -> None:

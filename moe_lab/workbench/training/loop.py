@@ -360,7 +360,7 @@ class Trainer:
         self.corpus = corpus
         self.model, self.optimizer = build_model(
             model_cfg, cfg.impls, step=cfg.step, device=self.device, seed=cfg.seed, lr=cfg.lr,
-            weight_decay=cfg.weight_decay, fp32_logits=cfg.fp32_logits, mxfp8=cfg.mxfp8)
+            weight_decay=cfg.weight_decay)
         self.model.train()
         self.data_gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.batches = BatchStream(corpus, cfg.batch_size, self.data_gen, self.device)

@@ -61,6 +61,16 @@ def test_poison_outputs_fills_what_kernels_should_write_and_nests():
     assert torch.empty is empty  # outside the block, torch's own again
 
 
+def test_poison_outputs_leaves_device_contexts_working():
+    """`with torch.device(...)` caches its constructors once: built inside the block it would
+    hold the stand-ins, and every later device context would be ignored."""
+    for _ in range(2):
+        with poison_outputs(), poison_outputs(), torch.device("meta"):
+            assert torch.empty(2).device.type == "meta"
+        with torch.device("meta"):
+            assert torch.empty(2).device.type == "meta"
+
+
 def test_the_device_check_names_the_argument(monkeypatch):
     monkeypatch.setattr(common, "INTERPRETED", False)
     with pytest.raises(ValueError, match="x must be on a CUDA device for compiled Triton, got cpu"):

@@ -390,7 +390,7 @@ def test_bf16_dot_branch_is_exact_on_small_integers(monkeypatch: pytest.MonkeyPa
     w2 = small_integers(len(counts), k, 2 * n, device=device)
     h = grouped_gemm_swiglu(x.detach(), w2, offsets)
     dh = small_integers(m, n, device=device)
-    dpre = gg._grouped_gemm_swiglu_bwd_op(x.detach(), w2, offsets, dh, m)
+    dpre = gg._grouped_gemm_swiglu_op(x.detach(), w2, offsets, m, dh)
     pre = grouped_gemm_reference(x.detach().float(), w2.float(), offsets)
     expected_h, (expected_dpre,) = reference_grads(swiglu, [pre], dh)
     one_rounding = {"rtol": 2**-7, "atol": 1e-6}
@@ -404,10 +404,6 @@ def test_launch_config_compiled_and_interpreted():
     assert compiled.num_stages >= 2 and set(compiled.blocks) == {"BLOCK_M", "BLOCK_N", "BLOCK_K"}
     interpreted = gg.launch_config("dw", 100, 40, 48, 4, interpreted=True)
     assert interpreted.blocks == {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
-    with pytest.raises(ValueError, match="kernel must be one of \\['dw', 'gemm', 'swiglu'\\], got 'mlp'"):
-        gg.launch_config("mlp", 1, 1, 1, 1, interpreted=False)
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        gg.choose_config("gemm", 1, 1, 1, 1, torch.float16)
     assert dot_bf16(torch.bfloat16, interpreted=False)
     assert not dot_bf16(torch.bfloat16, interpreted=True)
     assert not dot_bf16(torch.float32, interpreted=False)

@@ -225,10 +225,10 @@ def test_experts_take_their_backend_and_permutation_from_the_registry():
     layer = MoELayer(cfg(), "dropless", "triton")
     assert layer.experts.backend == "triton" and layer.experts.impl is EXPERT_BACKENDS["triton"]
     assert layer.experts.impl.permute is not torch_permute  # the Triton kernels' moves
-    layer.set_dispatcher("dropless", "torch")
+    layer = MoELayer(cfg(), "dropless", "torch")
     assert layer.experts.backend == "torch" and layer.experts.impl.permute is torch_permute
     with pytest.raises(ValueError, match="dispatcher must be one of"):
-        layer.set_dispatcher("teleport")
+        MoELayer(cfg(), "teleport")
     assert layer.dispatcher == "dropless"
 
 
@@ -249,7 +249,7 @@ def test_pairing_rules_are_declared_and_checked_where_the_layer_is_built():
     layer = MoELayer(cfg(), "naive", expert_kind="clamped_swiglu", limit=3.0)
     assert layer.experts.limit == 3.0 and SwiGLUExperts.BACKENDS is None
     with pytest.raises(ValueError, match="cannot run ClampedSwiGLUExperts"):
-        layer.set_dispatcher("fused_atomic")
+        MoELayer(cfg(), "fused_atomic", expert_kind="clamped_swiglu")
     assert layer.dispatcher == "naive"
     with pytest.raises(ValueError, match="expert_kind must be one of"):
         MoELayer(cfg(), expert_kind="dense")

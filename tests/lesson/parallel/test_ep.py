@@ -92,7 +92,19 @@ def test_ep_layer_needs_a_process_group():
 
     with pytest.raises(RuntimeError, match="not initialised"):
         EPMoELayer(MoEConfig(**CFG))
-    assert issubclass(EPMoELayer, MoELayer)  # the model's blocks accept it in place
+
+
+def test_from_layer_composes_the_layers_pieces(one_rank_group):
+    """The EP layer holds the router, shared expert and this rank's experts, built with the
+    single-process layer's names and precision (nothing copied onto it afterwards)."""
+    from moe_lab.config import MoEConfig
+
+    layer = MoELayer(MoEConfig(**CFG), "dropless", "torch", quant="mxfp8")
+    ep = from_layer(layer)
+    assert not isinstance(ep, MoELayer)
+    assert (ep.experts.backend, ep.experts.quant, ep.router.impl) == ("torch", "mxfp8", "reference")
+    assert [n for n, _ in ep.named_children()] == ["router", "experts", "shared"]
+    assert torch.equal(ep.experts.w_down, layer.experts.w_down) and ep.n_local == CFG["n_experts"]
 
 
 @pytest.mark.slow

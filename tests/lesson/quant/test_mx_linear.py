@@ -1,5 +1,5 @@
 """MXFP8 linear layers (moe_lab.quant.linear): the three GEMMs of the recipe, the
-drop-in contract, ``apply_mxfp8`` and the Transformer Engine gate."""
+drop-in contract, a model built with MXFP8 parts and the Transformer Engine gate."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch.nn as nn
 from moe_lab.quant.linear import (
     MXLinear,
     TritonMXLinear,
-    apply_mxfp8,
     make_mxfp8_linear,
     te_mxfp8_status,
 )
@@ -92,60 +91,37 @@ def test_empty_batch():
     assert y.shape == (0, 32) and torch.equal(lin.weight.grad, torch.zeros(32, 32))
 
 
-# ------------------------------------------------------------------------- apply_mxfp8
+# ------------------------------------------------------------------------- a model in MXFP8
 
 
-class Attention(nn.Module):
-    """Stands in for moe_lab.model.Attention: apply_mxfp8 matches on the class name."""
+def _tiny_model(**names):
+    from moe_lab.config import preset
+    from moe_lab.model import MoETransformer
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.qkv = nn.Linear(64, 192, bias=False)
-        self.out = nn.Linear(64, 64, bias=False)
-        self.attention_impl = "sdpa"
-
-
-class SwiGLUExperts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(2, 64, 64))
-        self.quant = None
-
-
-class Toy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attn = Attention()
-        self.experts = SwiGLUExperts()
-        self.head = nn.Linear(64, 256)
+    torch.manual_seed(0)
+    return MoETransformer(preset("tiny"), **names)
 
 
 @pytest.mark.parametrize("targets", [("attention",), ("experts",), ("attention", "experts")])
-def test_apply_mxfp8_switches_only_the_targets(targets):
-    model = apply_mxfp8(Toy(), targets)
+def test_mxfp8_impls_switch_only_the_targets(targets):
+    model = _tiny_model(mxfp8=targets)
     in_attention = "attention" in targets
-    assert isinstance(model.attn.qkv, MXLinear) == in_attention
-    assert isinstance(model.attn.out, MXLinear) == in_attention
-    assert model.attn.attention_impl == ("mxfp8" if in_attention else "sdpa")
-    assert model.experts.quant == ("mxfp8" if "experts" in targets else None)
-    assert type(model.head) is nn.Linear  # outside attention: untouched
-    again = apply_mxfp8(model, targets)  # idempotent: never wraps twice
-    assert type(again.attn.qkv) is (MXLinear if in_attention else nn.Linear)
+    for block in model.blocks:
+        assert isinstance(block.attn.qkv, MXLinear) == in_attention
+        assert isinstance(block.attn.out, MXLinear) == in_attention
+        assert block.attn.attention_impl == ("mxfp8" if in_attention else "sdpa")
+        assert block.ffn.experts.quant == ("mxfp8" if "experts" in targets else None)
+    assert type(model.lm_head) is nn.Linear  # outside attention: untouched
 
 
-def test_apply_mxfp8_rejects_what_it_cannot_do():
-    with pytest.raises(ValueError, match="targets must be a non-empty subset"):
-        apply_mxfp8(Toy(), ("router",))
-    with pytest.raises(ValueError, match="has no Attention module"):
-        apply_mxfp8(nn.Sequential(nn.Linear(32, 32)), ("attention",))
-    with pytest.raises(ValueError, match="has no SwiGLUExperts module"):
-        apply_mxfp8(nn.Sequential(nn.Linear(32, 32)), "experts")
+def test_mxfp8_impls_reject_what_they_cannot_do():
+    from moe_lab.config import ModelImpls
+
+    with pytest.raises(ValueError, match="ModelImpls.mxfp8 must be one of"):
+        ModelImpls(mxfp8=("router",))
+    assert ModelImpls(mxfp8="experts").mxfp8 == ("experts",)
     with pytest.raises(ValueError, match="backend must be one of"):
-        apply_mxfp8(Toy(), backend="cutlass")
-    with pytest.raises(ValueError, match="attention_impl must be one of"):
-        apply_mxfp8(Toy(), attention_impl="fp4")
-    model = apply_mxfp8(Toy(), attention_impl="mxfp8_triton")
-    assert model.attn.attention_impl == "mxfp8_triton"
+        make_mxfp8_linear(nn.Linear(64, 64), backend="cutlass")
 
 
 def test_transformer_engine_gate_says_why():
@@ -159,17 +135,12 @@ def test_transformer_engine_gate_says_why():
     assert isinstance(auto, MXLinear) and auto.backend == "emulated"
 
 
-def test_apply_mxfp8_on_the_model():
-    model_mod = pytest.importorskip("moe_lab.model")
-    from moe_lab.config import preset
-
-    torch.manual_seed(0)
-    model = model_mod.MoETransformer(preset("tiny"))
-    idx = torch.randint(0, 256, (2, 32))
+def test_mxfp8_on_the_model():
+    idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        before = model(idx, idx)
+        before = _tiny_model()(idx, idx)
     base, base_logits = before.lm_loss.item(), before.logits
-    apply_mxfp8(model, ("attention", "experts"))
+    model = _tiny_model(mxfp8=("attention", "experts"))  # the same weights, seeded alike
     attn = [m for m in model.modules() if type(m).__name__ == "Attention"]
     assert attn and all(isinstance(m.qkv, MXLinear) and m.attention_impl == "mxfp8"
                         for m in attn)

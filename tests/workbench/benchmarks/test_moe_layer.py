@@ -20,15 +20,6 @@ def test_run_shape_checks_and_reports_every_provider():
         assert any("triton" in n for n in r["notes"]) and "dropless triton" not in rows
 
 
-def test_bad_arguments():
-    with pytest.raises(ValueError, match="shape"):
-        run_shape("medium", tokens=8)
-    with pytest.raises(ValueError, match="tokens"):
-        run_shape("coarse", tokens=0)
-    with pytest.raises(ValueError, match="only"):
-        run_shape("coarse", tokens=8, include_hf=False, only=["warp drive"])
-
-
 def test_expert_flops():
     # per assignment: 2·d·2f forward for gate+up, 2·f·d for down, backward twice that
     assert expert_flops(10, 2, 8, 4) == 3 * 10 * 2 * (2 * 8 * 2 * 4 + 2 * 4 * 8)

@@ -159,6 +159,10 @@ def test_bench_refuses_bad_values_in_one_line(capsys, tmp_path):
                      "--target", "1")
     assert code == 2
     one_line(err, "--corpus", "missing.txt", "not a file")
+    for argv in (["ep", "--chunks", "0"], ["ep", "--rate-mbit", "0"], ["time-to-train", "--seeds", "0"]):
+        code, err = cli(capsys, "bench", *argv)
+        assert code == 2
+        one_line(err, argv[1], "got 0")
 
 
 def test_bench_ep_refuses_fewer_tokens_than_chunks_before_launching_ranks(capsys):

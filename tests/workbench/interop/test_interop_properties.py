@@ -29,7 +29,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from moe_lab.workbench.interop import HF_STATE_MAPS, HFMoEAdapter, patch_hf_model, unpatch_hf_model  # noqa: E402
+from moe_lab.workbench.interop import HF_MOE_BLOCKS, HFMoEAdapter, patch_hf_model, unpatch_hf_model  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MOE_LAB_HYPOTHESIS_EXAMPLES", "200"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -175,7 +175,7 @@ def check_family(cfg, model_name, seed, bias_std, dispatch):
         return
     want, want_grads = logits_and_grads(model, ids, g)
     replaced = patch_hf_model(patched, *dispatch)
-    assert replaced and all(type(b).__name__ in HF_STATE_MAPS for b in replaced.values())
+    assert replaced and all(type(b).__name__ in HF_MOE_BLOCKS for b in replaced.values())
     got, got_grads = logits_and_grads(patched, ids, g)
     scale = want.abs().max()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, msg="logits")

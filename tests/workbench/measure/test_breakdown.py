@@ -79,14 +79,8 @@ def test_events_are_summed_by_phase_and_kind():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="steps"):
-        breakdown_from_events([], wall_s=1.0, steps=0)
-    with pytest.raises(ValueError, match="wall_s"):
-        breakdown_from_events([], wall_s=0.0, steps=1)
     with pytest.raises(ValueError, match="phase"):
         phase("loading")
-    with pytest.raises(ValueError, match="callable"):
-        step_breakdown(42)
     with pytest.raises(ValueError, match="steps"):
         step_breakdown(lambda: None, steps=0)
     with pytest.raises(ValueError, match="warmup"):

@@ -19,7 +19,6 @@ def test_one_gpu_per_rank_gets_nccl(monkeypatch):
     _gpus(monkeypatch, 8)
     assert launch.choose_backend(4)[0] == "nccl"
     assert launch.choose_backend(8, backend="nccl")[0] == "nccl"
-    assert launch.default_backend(8) == "nccl"
 
 
 def test_more_ranks_than_gpus_run_on_gloo_and_say_why(monkeypatch):

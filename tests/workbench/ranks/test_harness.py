@@ -27,14 +27,3 @@ def test_overlap_rank_main_reports_every_schedule():
         assert all(t["events"] for t in report["timelines"].values())
     # every rank reports the slowest rank's time per run
     assert reports[0]["runs_s"] == reports[1]["runs_s"]
-
-
-def test_runs_are_checked_before_any_collective():
-    from moe_lab.workbench.ranks.harness import measure_overlap, measure_schedules
-
-    with pytest.raises(ValueError, match="repeats must be a positive integer, got 0"):
-        measure_overlap(None, None, None, repeats=0)
-    with pytest.raises(ValueError, match="runs must include"):
-        measure_overlap(None, None, None, runs=("overlap",))
-    with pytest.raises(ValueError, match="runs must be among"):
-        measure_schedules(None, None, None, None, None, runs=("sequential", "compute only", "2f2b"))

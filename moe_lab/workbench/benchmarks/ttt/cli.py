@@ -9,7 +9,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import moe_lab.workbench.benchmarks.ttt.report as report
-from moe_lab.checks import positive_int
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.benchmarks.ttt.contest import PROFILES, TTTConfig, pick_router_impl
 from moe_lab.workbench.benchmarks.ttt.racing import (
@@ -62,7 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> TTTConfig:
     cfg = PROFILES[args.profile]
     changes: dict = {}
-    positive_int(args.seeds, "--seeds")
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ValueError(f"--max-seconds must be a number of seconds > 0, got {args.max_seconds}")
     if args.corpus != "synthetic":

@@ -148,8 +148,7 @@ def stack_model(stack: Stack, cfg: TTTConfig,
     """The model ``stack`` trains under ``cfg``, as its trainer builds it (same seed, same
     implementations, FP32 logits and MXFP8 where the stack asks), without its step."""
     model, _ = build_model(cfg.model_config(stack.router_dtype), stack.impls, step=stack.step,
-                           device=device_of(device), seed=cfg.seed, lr=cfg.lr,
-                           fp32_logits=stack.fp32_logits, mxfp8=stack.mxfp8)
+                           device=device_of(device), seed=cfg.seed, lr=cfg.lr)
     return model
 
 

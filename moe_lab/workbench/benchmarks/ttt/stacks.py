@@ -1,7 +1,7 @@
 """The stacks of the time-to-train contest: sets of registered implementation names.
 
 A `Stack` is a set of choices, each a name of the package, never a code path of its own: the
-model's implementations (a `moe_lab.model.ModelImpls`), the router's precision, the training
+model's implementations (a `moe_lab.config.ModelImpls`), the router's precision, the training
 step (`moe_lab.training.build.STEP_KINDS`), its clip + optimizer update
 (`moe_lab.training.optim.CLIP_STEPS`), ``torch.compile``
 (`moe_lab.training.build.COMPILE_MODES`), autocast, MXFP8. `NAIVE` is the starting point;
