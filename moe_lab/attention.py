@@ -45,7 +45,6 @@ Tensor = torch.Tensor
 ATTENTION_IMPLS: Registry[Callable[..., Tensor]] = Registry(
     "attention", "causal attention cores: fn(q, k, v) -> out, all [batch, heads, seq, head_dim] "
     "(k, v may have fewer heads)", plugin=True)
-register_attention = ATTENTION_IMPLS.register
 
 
 class PackedAttention(Protocol):
@@ -66,8 +65,8 @@ PACKED_ATTENTION_IMPLS: Registry[PackedAttention] = Registry(
 
 
 def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"k heads ({k.shape[1]}) must divide q heads ({q.shape[1]})")
+    """``k, v`` with their heads repeated to ``q``'s (grouped-query attention: ``k`` heads divide
+    ``q`` heads)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
@@ -75,7 +74,7 @@ def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return k, v
 
 
-@register_attention("reference")
+@ATTENTION_IMPLS.register("reference")
 def reference_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """softmax(QKᵀ/√d + causal mask)·V in float32, cast back to ``q.dtype``."""
     k, v = expand_kv(q, k, v)
@@ -86,14 +85,14 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
-@register_attention("sdpa")
+@ATTENTION_IMPLS.register("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """PyTorch's fused attention (flash / memory-efficient / math, whichever applies)."""
     k, v = expand_kv(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-@register_attention("sdpa_fp32")
+@ATTENTION_IMPLS.register("sdpa_fp32")
 def sdpa_fp32_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """`sdpa_attention` with the core in float32 whatever the inputs' dtype (output cast back
     to ``q.dtype``). For bf16 autocast on a CPU, where PyTorch's bf16 flash-attention
@@ -147,7 +146,7 @@ def mxfp8_reference_attention(
     return (probs @ vf).to(q.dtype)
 
 
-@register_attention("mxfp8")
+@ATTENTION_IMPLS.register("mxfp8")
 def mxfp8_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """MXFP8 reference emulation: Q, K quantized along head_dim, P and V along the keys."""
     return mxfp8_reference_attention(q, k, v)
@@ -175,7 +174,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
         return torch.autograd.grad(out, (q, k, v), grad)
 
 
-@register_attention("mxfp8_triton", missing=TRITON_MISSING)
+@ATTENTION_IMPLS.register("mxfp8_triton", missing=TRITON_MISSING)
 def mxfp8_triton_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """MXFP8 attention forward as one Triton flash-attention pass on MX inputs (compiled
     on CUDA, interpreted on the CPU); backward through the reference emulation."""

@@ -95,10 +95,6 @@ def one_of(value: object, name: str, choices: tuple | list | dict) -> object:
     return value
 
 
-__all__ = ["int_in", "integer", "non_negative_int", "non_negative_ints", "one_of", "positive_int",
-           "positive_ints", "positive_number"]
-
-
 def first_derivative_only(what: str) -> Callable[[Callable], Callable]:
     """Decorator for a custom backward: in a backward run with ``create_graph=True`` (a double
     backward, e.g. a gradient penalty) it raises, in one line naming ``what``, instead of

@@ -28,6 +28,7 @@ from typing import TypeVar
 
 from moe_lab.checks import (
     boolean,
+    int_in,
     non_negative_ints,
     non_negative_number,
     one_of,
@@ -67,10 +68,6 @@ def holds(**parts: type) -> Callable[[type[C]], type[C]]:
                 if values:
                     kwargs[part] = dataclasses.replace(kwargs.get(part) or default[part](), **values)
             own_init(self, *args, **kwargs)
-            for part, part_cls in parts.items():
-                if not isinstance(getattr(self, part), part_cls):
-                    raise ValueError(f"{cls.__name__}.{part} must be a {part_cls.__name__}, "
-                                     f"got {type(getattr(self, part)).__name__}")
 
         cls.__init__ = __init__
         for name, part in flat.items():
@@ -89,10 +86,9 @@ class MoEConfig:
     experts are split into groups and only the ``topk_groups`` best groups (by the sum of
     each group's top-2 scores, DeepSeek-V3 style) may be chosen. ``renormalize`` rescales
     the chosen weights to sum to one; ``scaling_factor`` multiplies them afterwards.
-    ``capacity_factor``, ``capacity_multiple`` (round the per-expert capacity up to a
-    multiple, as kernels like) and ``drop_policy`` (which assignments an over-full expert
-    keeps: the earliest by ``position`` or the most confident by router ``probability``)
-    are used by the capacity dispatcher only.
+    ``capacity_factor`` and ``drop_policy`` (which assignments an over-full expert keeps: the
+    earliest by ``position`` or the most confident by router ``probability``) are used by the
+    capacity dispatcher only.
     """
 
     d_model: int
@@ -108,23 +104,18 @@ class MoEConfig:
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     capacity_factor: float = 1.25
-    capacity_multiple: int = 1
     drop_policy: str = "position"
     router_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        positive_ints(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups",
-                      "capacity_multiple")
+        positive_ints(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups")
         non_negative_ints(self, "n_shared_experts")
         one_of(self.drop_policy, "MoEConfig.drop_policy", DROP_POLICIES)
         one_of(self.score_func, "MoEConfig.score_func", SCORE_FUNCS)
         one_of(self.router_dtype, "MoEConfig.router_dtype", ROUTER_DTYPES)
         positive_number(self.capacity_factor, "MoEConfig.capacity_factor")
         positive_number(self.scaling_factor, "MoEConfig.scaling_factor")
-        if self.top_k > self.n_experts:
-            raise ValueError(
-                f"MoEConfig.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}"
-            )
+        int_in(self.top_k, "MoEConfig.top_k (at most n_experts)", 1, self.n_experts)
         non_negative_number(self.aux_loss_coef, "MoEConfig.aux_loss_coef")
         non_negative_number(self.z_loss_coef, "MoEConfig.z_loss_coef")
         boolean(self.renormalize, "MoEConfig.renormalize")
@@ -132,11 +123,7 @@ class MoEConfig:
             raise ValueError(
                 f"MoEConfig.n_groups must divide n_experts={self.n_experts}, got {self.n_groups}"
             )
-        if self.topk_groups > self.n_groups:
-            raise ValueError(
-                f"MoEConfig.topk_groups must be in [1, n_groups={self.n_groups}], "
-                f"got {self.topk_groups}"
-            )
+        int_in(self.topk_groups, "MoEConfig.topk_groups (at most n_groups)", 1, self.n_groups)
         if self.n_groups > 1 and self.top_k > self.topk_groups * (self.n_experts // self.n_groups):
             raise ValueError(
                 f"MoEConfig.top_k={self.top_k} exceeds the experts in the {self.topk_groups} "
@@ -206,11 +193,7 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.n_kv_heads must divide n_heads={self.n_heads}, got {self.n_kv_heads}"
             )
-        if self.n_dense_layers > self.n_layers:
-            raise ValueError(
-                f"ModelConfig.n_dense_layers must be in [0, n_layers={self.n_layers}], "
-                f"got {self.n_dense_layers}"
-            )
+        int_in(self.n_dense_layers, "ModelConfig.n_dense_layers (at most n_layers)", 0, self.n_layers)
         one_of(self.attention, "ModelConfig.attention", ATTENTION_KINDS)
         if self.attention == "mla":
             positive_ints(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -241,12 +224,6 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        d = dict(d)
-        d["moe"] = MoEConfig(**d["moe"])
-        return cls(**d)
-
 
 @dataclass(frozen=True)
 class ModelImpls:
@@ -275,42 +252,28 @@ class ModelImpls:
             one_of(part, "ModelImpls.mxfp8", MXFP8_TARGETS)
         boolean(self.fp32_logits, "ModelImpls.fp32_logits")
 
-    @property
-    def experts_quant(self) -> str | None:
-        """The experts' ``quant`` (`moe_lab.moe.experts.SwiGLUExperts`)."""
-        return "mxfp8" if "experts" in self.mxfp8 else None
 
-
-def _tiny() -> ModelConfig:
-    return ModelConfig(
+PRESETS = {
+    "tiny": ModelConfig(
         name="tiny", vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256,
         n_dense_layers=0, seq_len=64,
         moe=MoEConfig(d_model=64, n_experts=8, top_k=2, d_expert=64),
-    )
-
-
-def _small() -> ModelConfig:
-    return ModelConfig(
+    ),
+    "small": ModelConfig(
         name="small", vocab_size=256, d_model=128, n_layers=4, n_heads=4, d_ff=512,
         n_dense_layers=1, seq_len=128,
         moe=MoEConfig(d_model=128, n_experts=16, top_k=4, d_expert=128, n_shared_experts=1),
-    )
-
-
-def _gpt_oss_20b() -> ModelConfig:
+    ),
     # Shapes from the published Hugging Face config of openai/gpt-oss-20b.
-    return ModelConfig(
+    "gpt_oss_20b": ModelConfig(
         name="gpt_oss_20b", vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64,
         n_kv_heads=8, head_dim=64, d_ff=2880, n_dense_layers=0, seq_len=4096,
         sliding_window=128, sliding_every=2,
         moe=MoEConfig(d_model=2880, n_experts=32, top_k=4, d_expert=2880,
                       score_func="softmax", renormalize=True),
-    )
-
-
-def _deepseek_v3() -> ModelConfig:
+    ),
     # Shapes from DeepSeek-V3's published inference/configs/config_671B.json.
-    return ModelConfig(
+    "deepseek_v3": ModelConfig(
         name="deepseek_v3", vocab_size=129_280, d_model=7168, n_layers=61, n_heads=128,
         d_ff=18_432, n_dense_layers=3, seq_len=4096, mtp_layers=1, attention="mla",
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -318,20 +281,11 @@ def _deepseek_v3() -> ModelConfig:
         moe=MoEConfig(d_model=7168, n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1,
                       score_func="sigmoid", renormalize=True, scaling_factor=2.5,
                       n_groups=8, topk_groups=4, aux_loss_coef=0.0001),
-    )
-
-
-PRESETS = {
-    "tiny": _tiny,
-    "small": _small,
-    "gpt_oss_20b": _gpt_oss_20b,
-    "deepseek_v3": _deepseek_v3,
+    ),
 }
 
 
 def preset(name: str, **changes: object) -> ModelConfig:
     """The named preset, optionally with fields changed: ``preset("tiny", n_layers=4)``."""
-    if name not in PRESETS:
-        raise ValueError(f"preset name must be one of {sorted(PRESETS)}, got {name!r}")
-    cfg = PRESETS[name]()
+    cfg = PRESETS[one_of(name, "preset name", PRESETS)]
     return cfg.replace(**changes) if changes else cfg

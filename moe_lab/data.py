@@ -36,34 +36,18 @@ import os
 import random
 import string
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from moe_lab.checks import integer, positive_int
+from moe_lab.checks import integer, one_of, positive_int
 from moe_lab.memory import check_fits
-
-__all__ = [
-    "DOMAINS",
-    "MARKOV",
-    "VOCAB_SIZE",
-    "Batch",
-    "MarkovLanguage",
-    "SyntheticCorpus",
-    "TextFileCorpus",
-    "decode",
-    "is_balanced",
-    "load_corpus",
-    "make_example",
-    "split_of",
-]
 
 VOCAB_SIZE = 256
 SPLITS = ("train", "eval")
 EVAL_ONE_IN = 10  # one example line in ten belongs to the eval split
-_MAX_REJECTED = 10_000
 
 
 class Batch(NamedTuple):
@@ -136,51 +120,43 @@ def _repeat(rng: random.Random) -> str:
     return f"rep:{k}*{unit}={unit * k}"
 
 
-class MarkovLanguage:
-    """A first-order Markov chain over its own alphabet. Each symbol has three possible
-    successors: the next symbol of a fixed cycle through the whole alphabet (probability
-    0.5) and two other symbols (0.3 and 0.2), never itself. The chain is fixed by
-    ``seed``: it is part of the language, not of the corpus seed."""
-
-    WEIGHTS = (0.5, 0.3, 0.2)
-
-    def __init__(self, alphabet: str, seed: int) -> None:
-        rng = random.Random(seed)
-        cycle = rng.sample(alphabet, len(alphabet))
-        self.alphabet = alphabet
-        self.successors: dict[str, tuple[str, ...]] = {}
-        for i, c in enumerate(cycle):
-            following = cycle[(i + 1) % len(cycle)]
-            others = rng.sample([o for o in alphabet if o not in (c, following)], 2)
-            self.successors[c] = (following, *others)
-
-    def allows(self, a: str, b: str) -> bool:
-        """Whether ``b`` may follow ``a``."""
-        return b in self.successors.get(a, ())
-
-    def generate(self, rng: random.Random, length: int) -> str:
-        """``length`` symbols of the chain, from a uniformly chosen first symbol."""
-        c = rng.choice(self.alphabet)
-        out = [c]
-        for _ in range(length - 1):
-            r = rng.random()
-            nxt = self.successors[c]
-            c = nxt[0] if r < 0.5 else nxt[1] if r < 0.8 else nxt[2]
-            out.append(c)
-        return "".join(out)
+def markov_chain(alphabet: str, seed: int) -> dict[str, tuple[str, str, str]]:
+    """A first-order Markov chain over ``alphabet``: each symbol's three possible successors,
+    the next symbol of a fixed cycle through the whole alphabet (probability 0.5) and two
+    other symbols (0.3 and 0.2), never itself. The chain is fixed by ``seed``: it is part of
+    the language, not of the corpus seed."""
+    rng = random.Random(seed)
+    cycle = rng.sample(alphabet, len(alphabet))
+    successors = dict.fromkeys(alphabet)  # keyed in the alphabet's order
+    for i, c in enumerate(cycle):
+        following = cycle[(i + 1) % len(cycle)]
+        others = rng.sample([o for o in alphabet if o not in (c, following)], 2)
+        successors[c] = (following, *others)
+    return successors
 
 
+#: name -> the chain of a Markov domain (`markov_chain`); its keys, in order, are the alphabet.
 MARKOV = {
-    "markov_a": MarkovLanguage("aeilnorst ", seed=101),
-    "markov_b": MarkovLanguage("bcdghkpuwy ", seed=202),
+    "markov_a": markov_chain("aeilnorst ", seed=101),
+    "markov_b": markov_chain("bcdghkpuwy ", seed=202),
 }
 
 
 def _markov(name: str, tag: str) -> Callable[[random.Random], str]:
-    language = MARKOV[name]
+    successors = MARKOV[name]
+    alphabet = "".join(successors)
 
     def generate(rng: random.Random) -> str:
-        return tag + language.generate(rng, rng.randint(12, 30))
+        """12 to 30 symbols of the chain, from a uniformly chosen first symbol."""
+        length = rng.randint(12, 30)
+        c = rng.choice(alphabet)
+        out = [c]
+        for _ in range(length - 1):
+            r = rng.random()
+            nxt = successors[c]
+            c = nxt[0] if r < 0.5 else nxt[1] if r < 0.8 else nxt[2]
+            out.append(c)
+        return tag + "".join(out)
 
     return generate
 
@@ -197,13 +173,6 @@ DOMAINS: dict[str, tuple[str, Callable[[random.Random], str]]] = {
 }
 
 
-def make_example(domain: str, rng: random.Random) -> str:
-    """One example line of ``domain`` (tag included, no newline), from ``rng``."""
-    if domain not in DOMAINS:
-        raise ValueError(f"domain must be one of {list(DOMAINS)}, got {domain!r}")
-    return DOMAINS[domain][1](rng)
-
-
 def split_of(line: str) -> str:
     """The split an example line belongs to: ``"eval"`` for one line in ten, by hash."""
     return "eval" if zlib.crc32(line.encode("ascii")) % EVAL_ONE_IN == 0 else "train"
@@ -212,12 +181,6 @@ def split_of(line: str) -> str:
 # --------------------------------------------------------------------------------------
 # What both corpora share
 # --------------------------------------------------------------------------------------
-
-
-def _check_split(owner: str, split: object) -> str:
-    if split not in SPLITS:
-        raise ValueError(f"{owner} split must be one of {SPLITS}, got {split!r}")
-    return split  # type: ignore[return-value]
 
 
 def _rows_to_batch(rows: torch.Tensor, domain: torch.Tensor) -> Batch:
@@ -229,7 +192,6 @@ class _Corpus:
     """What both corpora share: their public sampling methods, which check the arguments once
     and leave the drawing to ``_sample`` and ``_fixed_eval_set``."""
 
-    vocab_size = VOCAB_SIZE
     seq_len: int
 
     def sample(self, batch_size: int, generator: torch.Generator | None = None,
@@ -241,7 +203,7 @@ class _Corpus:
         positive_int(batch_size, f"{owner} batch_size")
         check_fits(f"{owner} batch_size={batch_size} (x seq_len {self.seq_len})",
                    16 * batch_size * self.seq_len, "use a smaller batch_size")
-        _check_split(owner, split)
+        one_of(split, f"{owner} split", SPLITS)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(
                 f"{owner} generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -251,7 +213,7 @@ class _Corpus:
         """``n_per_domain`` rows of every domain of ``split``, the same on every call."""
         owner = f"{type(self).__name__}.fixed_eval_set"
         positive_int(n_per_domain, f"{owner} n_per_domain")
-        return self._fixed_eval_set(n_per_domain, _check_split(owner, split))
+        return self._fixed_eval_set(n_per_domain, one_of(split, f"{owner} split", SPLITS))
 
 
 # --------------------------------------------------------------------------------------
@@ -260,39 +222,24 @@ class _Corpus:
 
 
 class SyntheticCorpus(_Corpus):
-    """Seven (or the chosen) synthetic domains as byte sequences of length ``seq_len``.
+    """The seven synthetic domains of ``DOMAINS``, in that order, as byte sequences of length
+    ``seq_len``.
 
     Each row is one domain's example lines, ``\\n``-separated, starting at a line
     boundary (so the row opens with the domain's tag), cut to ``seq_len + 1`` bytes.
 
     ``seed`` fixes the streams that ``sample`` draws from when no generator is given
-    (one stream per split); ``domains`` picks and orders a subset of ``DOMAINS``.
+    (one stream per split).
     """
 
-    def __init__(self, seq_len: int, seed: int = 0, domains: Sequence[str] | None = None) -> None:
+    def __init__(self, seq_len: int, seed: int = 0) -> None:
         self.seq_len = positive_int(seq_len, "SyntheticCorpus seq_len")
         self.seed = integer(seed, "SyntheticCorpus seed")
-        names = list(DOMAINS) if domains is None else list(domains)
-        if not names:
-            raise ValueError("SyntheticCorpus domains must name at least one domain, got []")
-        for name in names:
-            if name not in DOMAINS:
-                raise ValueError(
-                    f"SyntheticCorpus domains: unknown domain {name!r}, expected names from "
-                    f"{list(DOMAINS)}"
-                )
-        if len(set(names)) != len(names):
-            raise ValueError(f"SyntheticCorpus domains must not repeat, got {names}")
-        self.domains: list[str] = names
-        self.tags: list[str] = [DOMAINS[n][0] for n in names]
-        self._generators = [DOMAINS[n][1] for n in names]
+        self.domains: list[str] = list(DOMAINS)
+        self._generators = [generate for _, generate in DOMAINS.values()]
         self._streams = {
             split: random.Random(seed * len(SPLITS) + i) for i, split in enumerate(SPLITS)
         }
-        self._fixed: dict[tuple[int, str], Batch] = {}
-
-    def __repr__(self) -> str:
-        return f"SyntheticCorpus(seq_len={self.seq_len}, seed={self.seed}, domains={self.domains})"
 
     def _to_batch(self, rows: list[bytes], domains: list[int]) -> Batch:
         flat = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
@@ -304,18 +251,10 @@ class SyntheticCorpus(_Corpus):
         need = self.seq_len + 1
         lines: list[str] = []
         length = 0
-        rejected = 0
         while length < need:
             line = generate(rng)
             if split_of(line) != split:
-                rejected += 1
-                if rejected > _MAX_REJECTED:  # a generator whose lines all hash elsewhere
-                    raise RuntimeError(
-                        f"domain {self.domains[domain]!r} produced {rejected} lines in a row "
-                        f"outside the {split!r} split"
-                    )
                 continue
-            rejected = 0
             lines.append(line)
             length += len(line) + 1
         return ("\n".join(lines) + "\n").encode("ascii")[:need]
@@ -338,14 +277,9 @@ class SyntheticCorpus(_Corpus):
     def _fixed_eval_set(self, n_per_domain: int, split: str) -> Batch:
         """``n_per_domain`` rows of every domain, grouped by domain in ``self.domains``
         order; the same rows on every call (they depend on the corpus seed only)."""
-        key = (n_per_domain, split)
-        if key not in self._fixed:
-            rng = random.Random(f"fixed/{self.seed}/{split}")
-            domains = [d for d in range(len(self.domains)) for _ in range(n_per_domain)]
-            rows = [self._row(d, rng, split) for d in domains]
-            self._fixed[key] = self._to_batch(rows, domains)
-        batch = self._fixed[key]
-        return Batch(batch.x.clone(), batch.y.clone(), batch.domain.clone())
+        rng = random.Random(f"fixed/{self.seed}/{split}")
+        domains = [d for d in range(len(self.domains)) for _ in range(n_per_domain)]
+        return self._to_batch([self._row(d, rng, split) for d in domains], domains)
 
 
 # --------------------------------------------------------------------------------------
@@ -372,12 +306,10 @@ class TextFileCorpus(_Corpus):
         self.seq_len = positive_int(seq_len, "TextFileCorpus seq_len")
         if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
             raise ValueError(f"TextFileCorpus val_fraction must be a number in (0, 1), got {val_fraction!r}")
-        if not self.path.exists():
-            raise FileNotFoundError(f"TextFileCorpus: no such file: '{self.path}'")
-        if not self.path.is_file():
+        if self.path.exists() and not self.path.is_file():  # reading a FIFO would never end
             kind = "a directory" if self.path.is_dir() else "not a regular file (a FIFO, a device?)"
             raise ValueError(f"TextFileCorpus path must be a regular text file; '{self.path}' is {kind}")
-        raw = self.path.read_bytes()
+        raw = self.path.read_bytes()  # a missing file: FileNotFoundError, naming the path
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -402,19 +334,10 @@ class TextFileCorpus(_Corpus):
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         self._splits = {"train": data[: len(raw) - n_eval], "eval": data[len(raw) - n_eval :]}
         self.domains: list[str] = ["text"]
-        self.tags: list[str] = [""]
-        self.seed = seed
         self._generators = {
             split: torch.Generator().manual_seed(seed * len(SPLITS) + i)
             for i, split in enumerate(SPLITS)
         }
-
-    def __repr__(self) -> str:
-        return f"TextFileCorpus('{self.path.name}', seq_len={self.seq_len})"
-
-    def split_bytes(self, split: str) -> int:
-        """The number of bytes in ``split``."""
-        return len(self._splits[_check_split("TextFileCorpus", split)])
 
     def _windows(self, split: str, starts: torch.Tensor) -> Batch:
         rows = self._splits[split][starts[:, None] + torch.arange(self.seq_len + 1)].long()
@@ -434,35 +357,11 @@ class TextFileCorpus(_Corpus):
         return self._windows(split, starts)
 
 
-# --------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------
-
-
-def decode(tokens: torch.Tensor | Sequence[int]) -> str:
-    """Bytes back to text: ``tokens`` is a 1-D tensor or sequence of ints in [0, 255];
-    invalid UTF-8 (a window may cut a character in half) becomes U+FFFD."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1:
-            raise ValueError(f"decode tokens must be 1-D, got shape {tuple(tokens.shape)}")
-        values = tokens.tolist()
-    else:
-        values = list(tokens)
-    bad = [v for v in values if not isinstance(v, int) or not 0 <= v < VOCAB_SIZE]
-    if bad:
-        raise ValueError(f"decode tokens must be ints in [0, 255], got {bad[0]!r}")
-    return bytes(values).decode("utf-8", errors="replace")
-
-
 def load_corpus(
     name_or_path: str | os.PathLike[str], seq_len: int, seed: int = 0
 ) -> SyntheticCorpus | TextFileCorpus:
     """``"synthetic"`` gives a ``SyntheticCorpus``; anything else is read as the path of
     a UTF-8 text file (``TextFileCorpus``)."""
-    if isinstance(name_or_path, str) and name_or_path == "synthetic":
+    if name_or_path == "synthetic":
         return SyntheticCorpus(seq_len, seed=seed)
-    if isinstance(name_or_path, str) and not Path(name_or_path).exists():
-        raise FileNotFoundError(
-            f"corpus '{name_or_path}' is neither \"synthetic\" nor an existing file"
-        )
     return TextFileCorpus(name_or_path, seq_len, seed=seed)

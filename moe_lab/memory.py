@@ -19,8 +19,6 @@ try:
 except ImportError:  # pragma: no cover - Windows
     resource = None
 
-__all__ = ["check_fits", "memory_limit"]
-
 GIB = 2**30
 
 

@@ -58,7 +58,7 @@ class Attention(nn.Module):
     ``moe_lab.attention.ATTENTION_IMPLS``). Where that name also has a packed variant
     (``moe_lab.attention.PACKED_ATTENTION_IMPLS``) that accepts the projection's output, the
     rotary embedding and the split into heads run inside it: the same function without the
-    layout passes around the core (``fuse_rope = False`` keeps them, to compare)."""
+    layout passes around the core."""
 
     def __init__(self, cfg: ModelConfig, attention_impl: str = ModelImpls.attention_impl) -> None:
         super().__init__()
@@ -70,7 +70,6 @@ class Attention(nn.Module):
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim_head
         ATTENTION_IMPLS.check(attention_impl, "attention_impl")
         self.attention_impl = attention_impl
-        self.fuse_rope = True
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head,
                              bias=False)
         self.out = nn.Linear(cfg.n_heads * cfg.dim_head, cfg.d_model, bias=False)
@@ -81,7 +80,7 @@ class Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
         qkv = self.qkv(x)
-        packed = PACKED_ATTENTION_IMPLS.get(self.attention_impl) if self.fuse_rope else None
+        packed = PACKED_ATTENTION_IMPLS.get(self.attention_impl)
         if packed is not None and packed.accepts(qkv, self.n_heads, self.kv_heads):
             # q, k, v read where the projection wrote them, the heads written side by side
             return self.out(packed(qkv, self.cos, self.sin, self.n_heads))
@@ -104,12 +103,13 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: bool, impls: ModelImpls) -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
-        # MXFP8 projections feed the emulated MXFP8 core.
+        # MXFP8 projections feed the emulated MXFP8 core; MXFP8 experts quantize every GEMM's operands.
         self.attn = Attention(cfg, "mxfp8" if "attention" in impls.mxfp8 else impls.attention_impl)
         self.norm2 = nn.RMSNorm(cfg.d_model)
         self.moe = moe
+        quant = "mxfp8" if "experts" in impls.mxfp8 else None
         self.ffn = (MoELayer(cfg.moe, impls.dispatcher, impls.expert_backend, impls.router_impl,
-                             quant=impls.experts_quant) if moe else SwiGLU(cfg.d_model, cfg.d_ff))
+                             quant=quant) if moe else SwiGLU(cfg.d_model, cfg.d_ff))
 
     def forward(self, x: Tensor) -> tuple[Tensor, MoEStats | None]:
         x = x + self.attn(self.norm1(x))
@@ -158,9 +158,7 @@ class MoETransformer(nn.Module):
 
     @staticmethod
     def _init(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
-        elif isinstance(module, nn.Embedding):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
 
     @property
@@ -203,13 +201,6 @@ class MoETransformer(nn.Module):
                 return F.linear(h.float(), self.lm_head.weight.float())
         return self.lm_head(h)
 
-    def num_parameters(self, active: bool = False) -> int:
-        """Parameters in total, or active per token (top_k of n_experts routed experts)."""
-        total = sum(p.numel() for p in self.parameters())
-        if not active:
-            return total
-        inactive = 0
-        for layer in self.moe_layers:
-            per_expert = layer.experts.w_gate_up[0].numel() + layer.experts.w_down[0].numel()
-            inactive += per_expert * (layer.cfg.n_experts - layer.cfg.top_k)
-        return total - inactive
+    def num_parameters(self) -> int:
+        """Parameters in total."""
+        return sum(p.numel() for p in self.parameters())

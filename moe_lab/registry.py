@@ -48,8 +48,6 @@ class Registry(dict, Generic[T]):
                  ) -> Callable[[T], T] | T:
         """``registry.register(name, impl)``, or ``@registry.register(name)`` as a decorator;
         given ``missing`` (why ``impl`` cannot run here), `mark_unavailable` instead."""
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
 
         def add(obj: T) -> T:
             if missing:

@@ -12,9 +12,9 @@ check of the script itself), and the answer is the median of the paired differen
 of a package cannot share one; paired and alternated, because a shared machine's speed drifts
 by more than the differences worth finding.
 
-The revision must have the contest — ``moe_lab.workbench.benchmarks.ttt``, or
-``moe_lab.bench.ttt`` before the lesson and the workbench were split — with ``optimised_stack``,
-``make_trainer`` and ``PROFILES`` (every revision since the contest exists).
+The revision must have the contest as the package ``moe_lab.workbench.benchmarks.ttt`` (every
+revision since the lesson and the workbench were split), with ``optimised_stack``,
+``make_trainer``, ``PROFILES`` and ``load_contest_corpus``.
 """
 
 from __future__ import annotations
@@ -34,43 +34,23 @@ ROOT = Path(__file__).resolve().parents[1]
 # Run in each child: the working tree's or the exported revision's moe_lab, whichever the
 # child's sys.path finds first.
 CHILD = r"""
-import importlib, json, os, pathlib, statistics, sys, time
+import json, os, statistics, sys, time
 import torch
-if not torch.cuda.is_available():  # as the Makefile does (and as `import moe_lab` once did)
+if not torch.cuda.is_available():  # as the Makefile does
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import moe_lab
-
-# The contest's package in this revision's own tree (an import that fails here could be
-# answered by another tree's editable install): where it lives since the lesson and the
-# workbench were split, or where it lived before.
-root = pathlib.Path(moe_lab.__file__).parent
-package = next((p for p in ("workbench.benchmarks.ttt", "bench.ttt")
-                if root.joinpath(*p.split(".")).exists()
-                or root.joinpath(*p.split(".")).with_suffix(".py").exists()), None)
-if package is None:
-    raise SystemExit(f"no time-to-train contest in {root}")
-ttt = importlib.import_module("moe_lab." + package)
-contest = root.joinpath(*package.split("."), "contest.py")
+from moe_lab.workbench.benchmarks.ttt.contest import PROFILES, load_contest_corpus, make_trainer
+from moe_lab.workbench.benchmarks.ttt.stacks import optimised_stack
 
 profile, steps, compile = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-cfg = ttt.PROFILES[profile]
+cfg = PROFILES[profile]
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-stack = ttt.optimised_stack(device, compile=None if compile else False)
+stack = optimised_stack(device, compile=None if compile else False)
 gen = torch.Generator().manual_seed(cfg.seed + 1)
-if contest.exists():  # the contest as a package: the trainer draws from the contest's corpus
-    corpus = importlib.import_module(f"moe_lab.{package}.contest").load_contest_corpus(cfg)
-    trainer = ttt.make_trainer(stack, cfg, device, corpus=corpus)
-    def one_step(batch):
-        trainer.train_on(batch)
-        trainer.sync()
-else:  # the single-module contest of earlier revisions
-    from moe_lab.data import load_corpus
-    from moe_lab.config import preset
-    corpus = load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)
-    trainer = ttt.make_trainer(stack, cfg, device)
-    def one_step(batch):
-        trainer.step(0, batch)
-        trainer.sync()
+corpus = load_contest_corpus(cfg)
+trainer = make_trainer(stack, cfg, device, corpus=corpus)
+def one_step(batch):
+    trainer.train_on(batch)
+    trainer.sync()
 batches = [corpus.sample(cfg.batch_size, generator=gen, split="train") for _ in range(4)]
 batches = [type(b)(b.x.to(device), b.y.to(device), b.domain.to(device)) for b in batches]
 for i in range(5):

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_lab.data import SyntheticCorpus
     from moe_lab.model import MoETransformer
     from moe_lab.moe.layer import MoELayer
-    from moe_lab.parallel.ep import EPMoELayer, clip_grad_norm_ep, from_layer, sync_gradients
+    from moe_lab.parallel.ep import clip_grad_norm_ep, from_layer, sync_gradients
     from moe_lab.parallel.merged_model import MergedModelStep
     from moe_lab.workbench.ranks.launch import choose_backend, init_from_env
     from moe_lab.workbench.training.loop import TrainConfig, lr_at
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)  # the same initial model on every rank
     model = MoETransformer(cfg, dispatcher="dropless", expert_backend=backend)
     for block in model.blocks:
-        if isinstance(block.ffn, MoELayer) and not isinstance(block.ffn, EPMoELayer):
+        if isinstance(block.ffn, MoELayer):
             block.ffn = from_layer(block.ffn, ep_group, mode=args.mode,
                                    capacity_factor=args.capacity_factor)
     dtype = model_dtype(device)

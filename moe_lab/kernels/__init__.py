@@ -11,11 +11,12 @@
   and flash attention on MXFP8 operands (references: ``moe_lab.quant.mx``, ``moe_lab.attention``).
 
 Each module reads as a Triton tutorial does: the story, the ``@triton.jit`` kernels, the launch
-(its ``launch_config`` and a wrapper that checks and allocates), the autograd binding, the
-reference. What several kernels share — the grouped tile order and schedule, the K loops, the
-rounding store — is ``common``; ``launch`` holds `LaunchConfig`. What makes the kernels run
-under Triton's interpreter on a machine without CUDA is ``interpreter``, which this package
-runs as it is imported, before any kernel is defined: no kernel module thinks about it.
+(its ``launch_config`` and a wrapper that checks and allocates), the custom op and its autograd
+binding, the reference. What several kernels share — the grouped tile order and schedule, the K
+loops, the rounding store, the custom-op binding `kernel_op` — is ``common``; ``launch`` holds
+`LaunchConfig`. What makes the kernels run under Triton's interpreter on a machine without CUDA
+is ``interpreter``, which this package runs as it is imported, before any kernel is defined: no
+kernel module thinks about it.
 """
 
 from moe_lab.registry import TRITON_MISSING

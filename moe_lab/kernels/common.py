@@ -1,6 +1,8 @@
 """The Triton pieces several kernels share: the grouped tile order and the tile schedule over
 device offsets, the K loops and the SwiGLU epilogue of the fused kernels, the rounding store, the
-gather of token rows and the weighted scatter; and the device check of a compiled launch.
+gather of token rows and the weighted scatter; the device check of a compiled launch; and
+`kernel_op`, which makes a launch a ``torch.library`` custom op that is its own fake
+implementation (on fake tensors it allocates its outputs and launches nothing).
 
 The grouped GEMM (`moe_lab.kernels.grouped_gemm`) tells their story (its first kernel runs the
 K loop of Triton's matmul tutorial, `gemm_k_loop`, which the fused kernels run too) and owns their
@@ -12,6 +14,8 @@ Triton: what makes the kernels run interpreted on a CPU is `moe_lab.kernels.inte
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -43,6 +47,18 @@ def check_device(name: str, device: torch.device, needs: str = "bf16_mma",
         first = min((a for a in ARCHS.values() if getattr(a, needs)), key=lambda a: a.capability)
         raise ValueError(f"{what} requires {needs} ({first.arch} or newer); this "
                          f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}")
+
+
+def kernel_op(name: str) -> Callable[[Callable[..., object]], object]:
+    """``fn`` as the custom op ``moe_lab::<name>``, so that ``FakeTensorMode`` and
+    ``torch.compile`` trace through it: ``fn`` is its own fake implementation too, which on
+    fake tensors (a shape, no memory) allocates the outputs and launches nothing: each op
+    launches its kernel only ``if not isinstance(x, FakeTensor)``."""
+    def register(fn: Callable[..., object]) -> object:
+        op = torch.library.custom_op(f"moe_lab::{name}", fn, mutates_args=())
+        op.register_fake(fn)
+        return op
+    return register
 
 
 # A dense GEMM's group (`dense_group`) keeps its row tiles' A panels in L2 while the group sweeps
@@ -255,7 +271,3 @@ def row_source(row_id_map: Tensor, n_rows: int) -> Tensor:
     entries = torch.arange(row_id_map.numel(), dtype=torch.int32, device=row_id_map.device)
     return src.scatter_(0, row_id_map.reshape(-1).long(), entries)
 
-
-__all__ = ["DENSE_GROUP_BYTES", "INTERPRETED", "cast_for_store", "check_device", "dense_group",
-           "expert_tile_order", "gather_rows", "gemm_k_loop", "grouped_tile", "mma", "row_source",
-           "scatter_rows", "swiglu_epilogue", "swiglu_k_loop", "tile_order", "tile_rows", "tile_schedule"]

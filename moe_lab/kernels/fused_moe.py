@@ -32,16 +32,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses import FakeTensor
+from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only, one_of
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import (
     INTERPRETED,
     cast_for_store,
-    check_device,
     expert_tile_order,
     gather_rows,
     gemm_k_loop,
+    kernel_op,
     mma,
     row_source,
     scatter_rows,
@@ -53,6 +55,7 @@ from moe_lab.kernels.common import (
 )
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.permute import permute_reference, unpermute_reference
+from moe_lab.kernels.permute_args import check_map
 
 Tensor = torch.Tensor
 SCATTER_MODES = ("deterministic", "atomic")
@@ -196,7 +199,7 @@ def _gather_dw_kernel(
 
 
 # --------------------------------------------------------------------------------------
-# Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
+# Launches (custom ops, `kernel_op`: FakeTensorMode and torch.compile see the shapes, not the kernel)
 # --------------------------------------------------------------------------------------
 
 # The gathered weight gradient in float32 (CUDA cores): the grouped GEMM's 32 x 64 x 64 on
@@ -222,14 +225,14 @@ def _launch_args(kernel: str, m: int, n: int, k: int, n_experts: int,
     return gg.launch_args(cfg, m, n, k, n_experts, dtype, dw=kernel == "dw")
 
 
-@torch.library.custom_op("moe_lab::gather_swiglu", mutates_args=())
+@kernel_op("gather_swiglu")
 def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int,
                       dh: Tensor | None = None) -> Tensor:
     """The forward ``h: [M, F]``; given ``dh`` (the backward), ``[dgate, dup]: [M, 2F]``."""
     m, (n_experts, k, two_f) = src.shape[0], w.shape
     f = two_f // 2
     out = torch.empty((m, f if dh is None else two_f), dtype=x.dtype, device=x.device)
-    if m and f:
+    if m and f and not isinstance(x, FakeTensor):
         dh_arg = out if dh is None else dh
         grid, launch = _launch_args("swiglu", m, f, k, n_experts, x.dtype)
         _gather_swiglu_kernel[grid](x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k, *x.stride(),
@@ -238,12 +241,7 @@ def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k:
     return out
 
 
-@_gather_swiglu_op.register_fake
-def _(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int, dh: Tensor | None = None) -> Tensor:
-    return x.new_empty((src.shape[0], w.shape[2] // 2 if dh is None else w.shape[2]))
-
-
-@torch.library.custom_op("moe_lab::gemm_scatter", mutates_args=())
+@kernel_op("gemm_scatter")
 def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, offsets: Tensor,
                      tokens: int, top_k: int, atomic: bool) -> Tensor:
     """Token rows ``[tokens, N]``: the scattered, weighted products summed over each
@@ -253,7 +251,7 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
         out = torch.zeros((tokens, n), dtype=torch.float32, device=a.device)
     else:  # every (token, slot) has its row in some expert's segment: every element written
         out = torch.empty((tokens * top_k, n), dtype=a.dtype, device=a.device)
-    if m and n and tokens:
+    if m and n and tokens and not isinstance(a, FakeTensor):
         grid, launch = _launch_args("gemm", m, n, k, n_experts, a.dtype)
         _gemm_scatter_kernel[grid](a, w, out, src, src if weights is None else weights, offsets, m, n, k,
                                    n_experts, top_k, *a.stride(), *w.stride(), *out.stride(),
@@ -263,13 +261,7 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(a.dtype)
 
 
-@_gemm_scatter_op.register_fake
-def _(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, offsets: Tensor, tokens: int,
-      top_k: int, atomic: bool) -> Tensor:
-    return a.new_empty((tokens, w.shape[2]))
-
-
-@torch.library.custom_op("moe_lab::gather_gemm_combine_bwd", mutates_args=())
+@kernel_op("gather_gemm_combine_bwd")
 def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tensor, offsets: Tensor,
                     top_k: int) -> tuple[Tensor, Tensor]:
     """``(dh: [M, N], dweights: [T·k] float32)`` of the weighted combine."""
@@ -278,7 +270,7 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
     n_tiles = triton.cdiv(n, cfg.blocks["BLOCK_N"]) if n else 0
     dh = torch.empty((m, n), dtype=g.dtype, device=g.device)
     part = torch.empty((m, n_tiles), dtype=torch.float32, device=g.device)
-    if m and n:
+    if m and n and not isinstance(g, FakeTensor):
         grid, launch = gg.launch_args(cfg, m, n, k, n_experts, g.dtype)
         _gather_gemm_kernel[grid](g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k,
                                   n_tiles, *g.stride(), *w.stride(), *h.stride(), *dh.stride(), **launch)
@@ -289,106 +281,85 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
     return dh, dweights[:-1]
 
 
-@_gather_gemm_op.register_fake
-def _(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tensor, offsets: Tensor,
-      top_k: int) -> tuple[Tensor, Tensor]:
-    return h.new_empty(h.shape), weights.new_empty(weights.shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("moe_lab::gather_dw", mutates_args=())
+@kernel_op("gather_dw")
 def _gather_dw_op(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, offsets: Tensor,
                   top_k: int, gather_x: bool) -> Tensor:
     k, n, n_experts, m = x.shape[1], dy.shape[1], offsets.shape[0] - 1, src.shape[0]
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
-    if k and n:
+    if k and n and not isinstance(x, FakeTensor):
         grid, launch = _launch_args("dw", m, n, k, n_experts, x.dtype)
         _gather_dw_kernel[grid](x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
                                 *x.stride(), *dy.stride(), *dw.stride(), GATHER_X=gather_x, **launch)
     return dw
 
 
-@_gather_dw_op.register_fake
-def _(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, offsets: Tensor, top_k: int,
-      gather_x: bool) -> Tensor:
-    return x.new_empty((offsets.shape[0] - 1, x.shape[1], dy.shape[1]))
-
-
 # --------------------------------------------------------------------------------------
-# Autograd and the public functions
+# Autograd (each op's backward, registered on the op) and the public functions
 # --------------------------------------------------------------------------------------
 
 
-class GatherSwiGLU(torch.autograd.Function):
-    """``h[r] = swiglu(x[token(r)]·W1[e])``: the first GEMM with the gather prologue."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, src: Tensor,
-                offsets: Tensor, top_k: int) -> Tensor:
-        ctx.save_for_backward(x, w, src, offsets)
-        ctx.top_k = top_k
-        return _gather_swiglu_op(x, src, w, offsets, top_k)
-
-    @staticmethod
-    @first_derivative_only("the fused gather + SwiGLU kernel")
-    def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
-        x, w, src, offsets = ctx.saved_tensors
-        dpre = _gather_swiglu_op(x, src, w, offsets, ctx.top_k, dh.contiguous())
-        dx = dw = None
-        if ctx.needs_input_grad[0]:  # dX back to the tokens: the scatter epilogue, unweighted
-            dx = _gemm_scatter_op(dpre, w.transpose(1, 2), src, None, offsets, x.shape[0],
-                                  ctx.top_k, False)
-        if ctx.needs_input_grad[1]:
-            dw = _gather_dw_op(x, dpre, src, None, offsets, ctx.top_k, True)
-        return dx, dw, None, None, None
+def _gather_swiglu_setup(ctx: FunctionCtx, inputs: tuple, output: Tensor) -> None:
+    x, src, w, offsets, ctx.top_k, _ = inputs
+    ctx.save_for_backward(x, src, w, offsets)
 
 
-class GemmScatter(torch.autograd.Function):
-    """``out[t] = Σ_j w[t, j]·(h[row(t, j)]·W2[e])``: the second GEMM with the weighted
-    scatter epilogue (the combine)."""
+@first_derivative_only("the fused gather + SwiGLU kernel")
+def _gather_swiglu_backward(ctx: FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
+    """``h[r] = swiglu(x[token(r)]·W1[e])``, the first GEMM with the gather prologue: the
+    pre-activation's gradient recomputed in the same kernel, ``dX`` back to the tokens by the
+    scatter epilogue (unweighted), ``dW1`` with ``x`` gathered."""
+    x, src, w, offsets = ctx.saved_tensors
+    dpre = _gather_swiglu_op(x, src, w, offsets, ctx.top_k, dh.contiguous())
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = _gemm_scatter_op(dpre, w.transpose(1, 2), src, None, offsets, x.shape[0], ctx.top_k, False)
+    if ctx.needs_input_grad[2]:
+        dw = _gather_dw_op(x, dpre, src, None, offsets, ctx.top_k, True)
+    return dx, None, dw, None, None, None
 
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, h: Tensor, w: Tensor, weights: Tensor,
-                src: Tensor, offsets: Tensor, tokens: int, top_k: int, atomic: bool) -> Tensor:
-        ctx.save_for_backward(h, w, weights, src, offsets)
-        ctx.top_k = top_k
-        return _gemm_scatter_op(h, w, src, weights, offsets, tokens, top_k, atomic)
 
-    @staticmethod
-    @first_derivative_only("the fused GEMM + scatter kernel")
-    def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
-        h, w, weights, src, offsets = ctx.saved_tensors
-        dout = dout.contiguous()
-        dh, dweights = _gather_gemm_op(dout, src, w.transpose(1, 2), h, weights, offsets, ctx.top_k)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = _gather_dw_op(h, dout, src, weights, offsets, ctx.top_k, False)
-        return dh, dw, dweights, None, None, None, None, None
+_gather_swiglu_op.register_autograd(_gather_swiglu_backward, setup_context=_gather_swiglu_setup)
+
+
+def _gemm_scatter_setup(ctx: FunctionCtx, inputs: tuple, output: Tensor) -> None:
+    h, w, src, weights, offsets, _, ctx.top_k, _ = inputs
+    ctx.save_for_backward(h, w, src, weights, offsets)
+
+
+@first_derivative_only("the fused GEMM + scatter kernel")
+def _gemm_scatter_backward(ctx: FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
+    """``out[t] = Σ_j w[t, j]·(h[row(t, j)]·W2[e])``, the second GEMM with the weighted scatter
+    epilogue (the combine): ``dh`` and the routing weights' gradient from one gathered GEMM,
+    ``dW2`` with the weighted ``dout`` gathered."""
+    h, w, src, weights, offsets = ctx.saved_tensors
+    dout = dout.contiguous()
+    dh, dweights = _gather_gemm_op(dout, src, w.transpose(1, 2), h, weights, offsets, ctx.top_k)
+    dw = None
+    if ctx.needs_input_grad[1]:
+        dw = _gather_dw_op(h, dout, src, weights, offsets, ctx.top_k, False)
+    return dh, dw, None, dweights, None, None, None, None
+
+
+_gemm_scatter_op.register_autograd(_gemm_scatter_backward, setup_context=_gemm_scatter_setup)
 
 
 def check_mlp_args(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row_id_map: Tensor, offsets: Tensor,
                    topk_weights: Tensor) -> None:
-    """The arguments of a fused expert MLP (`fused_moe_mlp`'s, the MXFP8 paths' too): shapes,
-    dtypes, devices; ``ValueError`` naming the first one wrong."""
-    if x.dim() != 2 or x.dtype not in gg.KERNEL_DTYPES:
-        raise ValueError(f"x must be [T, d] float32 or bfloat16, got {tuple(x.shape)} {x.dtype}")
-    t, d = x.shape
-    if w_gate_up.dim() != 3 or w_gate_up.shape[1] != d or w_gate_up.shape[2] % 2:
-        raise ValueError(f"w_gate_up must be [E, d={d}, 2F], got {tuple(w_gate_up.shape)}")
-    n_experts, f = w_gate_up.shape[0], w_gate_up.shape[2] // 2
-    if tuple(w_down.shape) != (n_experts, f, d):
-        raise ValueError(f"w_down must be [E={n_experts}, F={f}, d={d}], got {tuple(w_down.shape)}")
-    for name, wt in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if wt.dtype != x.dtype or wt.device != x.device:
-            raise ValueError(f"{name} must be {x.dtype} on {x.device}, got {wt.dtype} on {wt.device}")
-    if row_id_map.dim() != 2 or row_id_map.shape[0] != t or row_id_map.dtype != torch.int32:
-        raise ValueError(f"row_id_map must be [T={t}, k] int32, got {tuple(row_id_map.shape)} "
-                         f"{row_id_map.dtype}")
+    """The door of a fused expert MLP (`fused_moe_mlp`'s, the MXFP8 paths' too): ``x: [T, d]``,
+    ``w_gate_up: [E, d, 2F]`` and ``offsets`` as the grouped GEMM's
+    (`moe_lab.kernels.grouped_gemm.check_operands`), ``w_down: [E, F, d]`` like them,
+    ``row_id_map: [T, k]`` int32 as permute's and ``topk_weights`` its shape; ``ValueError``
+    naming the first one wrong."""
+    gg.check_operands(x, w_gate_up, offsets, None, "w_gate_up")
+    n_experts, d, two_f = w_gate_up.shape
+    if two_f % 2 or tuple(w_down.shape) != (n_experts, two_f // 2, d):
+        raise ValueError(f"w_gate_up must be [E, d, 2F] and w_down [E, F, d], got {tuple(w_gate_up.shape)} "
+                         f"and {tuple(w_down.shape)}")
+    if w_down.dtype != x.dtype or w_down.device != x.device:
+        raise ValueError(f"w_down must be {x.dtype} on {x.device}, got {w_down.dtype} on {w_down.device}")
+    check_map(row_id_map, x.shape[0], row_id_map.numel())
     if tuple(topk_weights.shape) != tuple(row_id_map.shape):
         raise ValueError(f"topk_weights must be {tuple(row_id_map.shape)}, got {tuple(topk_weights.shape)}")
-    if offsets.dtype != torch.int32 or tuple(offsets.shape) != (n_experts + 1,):
-        raise ValueError(f"offsets must be [E + 1 = {n_experts + 1}] int32, got "
-                         f"{tuple(offsets.shape)} {offsets.dtype}")
-    check_device("x", x.device)
 
 
 def fused_moe_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row_id_map: Tensor, offsets: Tensor,
@@ -414,9 +385,9 @@ def fused_moe_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row_id_map: Tens
     tokens, top_k = row_id_map.shape
     src = row_source(row_id_map, tokens * top_k if n_rows is None else n_rows)
     offsets = offsets.contiguous()
-    h = GatherSwiGLU.apply(x, w_gate_up, src, offsets, top_k)
+    h = _gather_swiglu_op(x, src, w_gate_up, offsets, top_k)
     weights = topk_weights.reshape(-1).float()
-    return GemmScatter.apply(h, w_down, weights, src, offsets, tokens, top_k, scatter == "atomic")
+    return _gemm_scatter_op(h, w_down, src, weights, offsets, tokens, top_k, scatter == "atomic")
 
 
 def gather_swiglu(x: Tensor, w_gate_up: Tensor, row_id_map: Tensor, offsets: Tensor, *,
@@ -426,7 +397,7 @@ def gather_swiglu(x: Tensor, w_gate_up: Tensor, row_id_map: Tensor, offsets: Ten
     (token, slot) maps. Differentiable in ``x`` and ``w_gate_up``."""
     tokens, top_k = row_id_map.shape
     src = row_source(row_id_map, tokens * top_k if n_rows is None else n_rows)
-    return GatherSwiGLU.apply(x, w_gate_up, src, offsets.contiguous(), top_k)
+    return _gather_swiglu_op(x, src, w_gate_up, offsets.contiguous(), top_k)
 
 
 def gemm_scatter(h: Tensor, w_down: Tensor, row_id_map: Tensor, offsets: Tensor, topk_weights: Tensor,
@@ -437,8 +408,8 @@ def gemm_scatter(h: Tensor, w_down: Tensor, row_id_map: Tensor, offsets: Tensor,
     one_of(scatter, "scatter", SCATTER_MODES)
     tokens, top_k = row_id_map.shape
     src = row_source(row_id_map, h.shape[0])
-    return GemmScatter.apply(h, w_down, topk_weights.reshape(-1).float(), src, offsets.contiguous(),
-                             tokens, top_k, scatter == "atomic")
+    return _gemm_scatter_op(h, w_down, src, topk_weights.reshape(-1).float(), offsets.contiguous(),
+                            tokens, top_k, scatter == "atomic")
 
 
 # --------------------------------------------------------------------------------------
@@ -470,6 +441,3 @@ def fused_moe_mlp_unfused(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row_id_m
     h = gather_swiglu_unfused(x, w_gate_up, row_id_map, offsets, n_rows=n_rows)
     return gemm_scatter_unfused(h, w_down, row_id_map, offsets, topk_weights)
 
-
-__all__ = ["GATHER_DW_FP32", "SCATTER_MODES", "check_mlp_args", "fused_moe_mlp", "fused_moe_mlp_unfused",
-           "gather_swiglu", "gather_swiglu_unfused", "gemm_scatter", "gemm_scatter_unfused", "launch_config"]

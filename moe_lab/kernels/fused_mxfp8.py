@@ -22,11 +22,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses import FakeTensor
 
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import (
     INTERPRETED,
+    cast_for_store,
     gather_rows,
+    kernel_op,
     mma,
     row_source,
     scatter_rows,
@@ -38,7 +41,7 @@ from moe_lab.kernels.common import (
 from moe_lab.kernels.fused_moe import check_mlp_args, gather_swiglu_unfused, gemm_scatter_unfused
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.mx_gemm import e4m3_to_fp32, e8m0_to_fp32, grouped_mx_gemm
-from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
+from moe_lab.kernels.mx_quantize import mx_block_codes, mx_quantize
 from moe_lab.kernels.permute import unpermute
 from moe_lab.quant.mx import E4M3, E8M0, quantize
 
@@ -75,21 +78,15 @@ def _gather_swiglu_mx_kernel(
         gate, up = swiglu_k_loop(x_ptr, token, a_ok, w_ptr + seg.to(tl.int64) * s_we, cols, F, K,
                                  s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
     h = gate * tl.sigmoid(gate) * up
-    # Round to the activation dtype first (the unfused chain stores h there), then quantize
-    # its bits: 32-element blocks along F, E4M3 codes, rceil E8M0 scales.
+    # Round to the activation dtype first (the unfused chain stores h there; x's dtype), then
+    # quantize its bits: 32-element blocks along F, E4M3 codes, rceil E8M0 scales.
     if IS_BF16:
-        hb = h.to(tl.uint32, bitcast=True)
-        hb = (hb + 0x7FFF + ((hb >> 16) & 1)) >> 16
-        hb = tl.where(h != h, (h.to(tl.uint32, bitcast=True) >> 16) | 0x40, hb)
-        bits = (hb << 16).to(tl.int32, bitcast=True)
+        bits = cast_for_store(h, x_ptr).to(tl.uint16, bitcast=True).to(tl.int32) << 16
     else:
         bits = h.to(tl.int32, bitcast=True)
     n_blocks: tl.constexpr = BLOCK_N // 32
-    amax = tl.max(tl.reshape(bits & 0x7FFFFFFF, (BLOCK_M, n_blocks, 32)), axis=2)
-    scale = mx_scale_byte(amax, 8, True)  # E4M3: largest power of two 2^8
-    shift = tl.where(scale == 0, 0, scale - 127)
-    code = fp8_code(tl.reshape(bits, (BLOCK_M, n_blocks, 32)), shift[:, :, None],
-                    (scale == 255)[:, :, None], 3, 7, 0x7E, 0x7F)
+    # E4M3: largest power of two 2^8, 3 mantissa bits, bias 7
+    code, scale = mx_block_codes(tl.reshape(bits, (BLOCK_M, n_blocks, 32)), 2, 8, True, 3, 7, 0x7E, 0x7F)
     tl.store(out_ptrs, tl.reshape(code, (BLOCK_M, BLOCK_N)).to(tl.uint8), mask=mask)
     blocks = tile_n * n_blocks + tl.arange(0, n_blocks)
     n_scales = F // 32
@@ -135,7 +132,7 @@ def _gemm_scatter_mx_kernel(
 
 
 # --------------------------------------------------------------------------------------
-# Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
+# Launches (custom ops, `kernel_op`: FakeTensorMode and torch.compile see the shapes, not the kernel)
 # --------------------------------------------------------------------------------------
 
 
@@ -151,14 +148,14 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *, interp
     return LaunchConfig({**cfg.blocks, axis: 32}, cfg.num_warps, cfg.num_stages)
 
 
-@torch.library.custom_op("moe_lab::gather_swiglu_mx", mutates_args=())
+@kernel_op("gather_swiglu_mx")
 def _gather_swiglu_mx_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor,
                          top_k: int) -> tuple[Tensor, Tensor]:
     m, (n_experts, k, two_f) = src.shape[0], w.shape
     f = two_f // 2
     codes = torch.empty((m, f), dtype=torch.uint8, device=x.device)
     scales = torch.empty((m, f // 32), dtype=torch.uint8, device=x.device)
-    if m and f:
+    if m and f and not isinstance(x, FakeTensor):
         cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
         grid, launch = gg.launch_args(cfg, m, f, k, n_experts, x.dtype)
         _gather_swiglu_mx_kernel[grid](x, src, w, codes, scales, offsets, m, f, k, n_experts, top_k,
@@ -167,31 +164,19 @@ def _gather_swiglu_mx_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor,
     return codes, scales
 
 
-@_gather_swiglu_mx_op.register_fake
-def _(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
-    m, f = src.shape[0], w.shape[2] // 2
-    return x.new_empty((m, f), dtype=torch.uint8), x.new_empty((m, f // 32), dtype=torch.uint8)
-
-
-@torch.library.custom_op("moe_lab::gemm_scatter_mx", mutates_args=())
+@kernel_op("gemm_scatter_mx")
 def _gemm_scatter_mx_op(codes: Tensor, scales: Tensor, w: Tensor, src: Tensor, weights: Tensor,
                         offsets: Tensor, tokens: int, top_k: int) -> Tensor:
     """Token rows ``[tokens, N]`` in ``w``'s dtype: the weighted products of the decoded
     ``codes`` (u8) and ``scales`` (u8), scattered and summed over each token's rows."""
     (m, k), (n_experts, _, n) = codes.shape, w.shape
     out = torch.empty((tokens * top_k, n), dtype=w.dtype, device=codes.device)
-    if m and n and tokens:
+    if m and n and tokens and not isinstance(codes, FakeTensor):
         cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=w.dtype)
         grid, launch = gg.launch_args(cfg, m, n, k, n_experts, w.dtype)
         _gemm_scatter_mx_kernel[grid](codes, scales, w, out, src, weights, offsets, m, n, k, n_experts, top_k,
                                       *codes.stride(), *w.stride(), *out.stride(), **launch)
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(w.dtype)
-
-
-@_gemm_scatter_mx_op.register_fake
-def _(codes: Tensor, scales: Tensor, w: Tensor, src: Tensor, weights: Tensor, offsets: Tensor, tokens: int,
-      top_k: int) -> Tensor:
-    return w.new_empty((tokens, w.shape[2]))
 
 
 # --------------------------------------------------------------------------------------
@@ -276,7 +261,3 @@ def fused_moe_mlp_mxfp8_native_unfused(x: Tensor, w_gate_up: Tensor, w_down: Ten
     wq = quantize(w_down, dim=1, scale_mode="rceil").dequantize(torch.float32)
     return gemm_scatter_unfused(hq, wq, row_id_map, offsets, topk_weights).to(x.dtype)
 
-
-__all__ = ["fused_moe_mlp_mxfp8", "fused_moe_mlp_mxfp8_native", "fused_moe_mlp_mxfp8_native_unfused",
-           "fused_moe_mlp_mxfp8_unfused", "gather_swiglu_mxfp8", "gather_swiglu_mxfp8_unfused",
-           "launch_config"]

@@ -16,10 +16,10 @@ leaves is ``[T, k]`` ids and weights and ``[S, E]`` statistics; the losses are f
 ``[E]``-sized tensors. The backward is a second kernel that *recomputes* the scores from the
 logits rather than storing ``[T, E]`` of them.
 
-Both launches are custom ops with fake implementations (FakeTensorMode, ``torch.compile``); the
-forward's autograd is ``register_autograd``. Atomic float adds make the statistics' last bits
-depend on the order programs finish; the ids, weights and counts do not. No ``tl.dot``:
-compiled, the router runs on the CUDA cores.
+Both launches are custom ops (`moe_lab.kernels.common.kernel_op`: FakeTensorMode and
+``torch.compile`` trace them); the forward's autograd is ``register_autograd``. Atomic float
+adds make the statistics' last bits depend on the order programs finish; the ids, weights and
+counts do not. No ``tl.dot``: compiled, the router runs on the CUDA cores.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses import FakeTensor
 
 from moe_lab.checks import first_derivative_only
 from moe_lab.config import MoEConfig
-from moe_lab.kernels.common import INTERPRETED
+from moe_lab.kernels.common import INTERPRETED, kernel_op
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.moe.router_output import (
     RouterOutput,
@@ -220,14 +221,8 @@ def _router_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------
-# Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
+# Launches (custom ops, `kernel_op`: FakeTensorMode and torch.compile see the shapes, not the kernel)
 # --------------------------------------------------------------------------------------
-
-
-def _layout(n_experts: int, n_groups: int) -> tuple[int, int, int]:
-    """``(experts per group, groups padded, experts per group padded)`` to powers of two."""
-    per_group = n_experts // n_groups
-    return per_group, triton.next_power_of_2(n_groups), triton.next_power_of_2(per_group)
 
 
 def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bool,
@@ -243,7 +238,7 @@ def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bo
     the kernel keeps several such tiles live, logits, scores and masks, in registers).
     ``num_stages`` is Triton's default: the kernel has no loop that loads, so there is
     nothing to pipeline."""
-    _, gp, egp = _layout(n_experts, n_groups)
+    gp, egp = triton.next_power_of_2(n_groups), triton.next_power_of_2(n_experts // n_groups)
     width = gp * egp
     if block_t is None:
         if interpreted:
@@ -268,24 +263,20 @@ def bwd_constexprs(top_k: int, softmax: bool, renormalize: bool) -> dict[str, ob
                 RENORM=renormalize and top_k > 1)
 
 
-def _n_seqs(tokens: int, seq_len: int) -> int:
-    return tokens // seq_len if seq_len else 1
-
-
-@torch.library.custom_op("moe_lab::fused_router", mutates_args=())
+@kernel_op("fused_router")
 def _fused_router_op(
     logits: Tensor, expert_bias: Tensor | None, top_k: int, softmax: bool, n_groups: int,
     topk_groups: int, renormalize: bool, scaling_factor: float, seq_len: int, block_t: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     tokens, n_experts = logits.shape
     dev = logits.device
-    n_seqs = _n_seqs(tokens, seq_len)
+    n_seqs = tokens // seq_len if seq_len else 1
     ids = torch.empty((tokens, top_k), dtype=torch.int64, device=dev)
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=dev)
     counts = torch.zeros((n_seqs, n_experts), dtype=torch.int32, device=dev)
     prob_sums = torch.zeros((n_seqs, n_experts), dtype=torch.float32, device=dev)
     z_sum = torch.zeros((1,), dtype=torch.float32, device=dev)
-    if tokens:
+    if tokens and not isinstance(logits, FakeTensor):
         config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED,
                                block_t=block_t or None)
         _router_fwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
@@ -299,20 +290,7 @@ def _fused_router_op(
     return ids, weights, counts, prob_sums, z_sum
 
 
-@_fused_router_op.register_fake
-def _(logits: Tensor, expert_bias: Tensor | None, top_k: int, softmax: bool, n_groups: int,
-      topk_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
-      block_t: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    tokens, n_experts = logits.shape
-    n_seqs = _n_seqs(tokens, seq_len)
-    return (logits.new_empty((tokens, top_k), dtype=torch.int64),
-            logits.new_empty((tokens, top_k)),
-            logits.new_empty((n_seqs, n_experts), dtype=torch.int32),
-            logits.new_empty((n_seqs, n_experts)),
-            logits.new_empty((1,)))
-
-
-@torch.library.custom_op("moe_lab::fused_router_bwd", mutates_args=())
+@kernel_op("fused_router_bwd")
 def _fused_router_bwd_op(
     logits: Tensor, ids: Tensor, grad_weights: Tensor, grad_prob_sums: Tensor, grad_z_sum: Tensor,
     softmax: bool, n_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
@@ -321,7 +299,7 @@ def _fused_router_bwd_op(
     tokens, n_experts = logits.shape
     top_k = ids.shape[1]
     grad_logits = torch.empty((tokens, n_experts), dtype=torch.float32, device=logits.device)
-    if tokens:
+    if tokens and not isinstance(logits, FakeTensor):
         config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED,
                                block_t=block_t or None)
         _router_bwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
@@ -334,33 +312,17 @@ def _fused_router_bwd_op(
     return grad_logits
 
 
-@_fused_router_bwd_op.register_fake
-def _(logits: Tensor, ids: Tensor, grad_weights: Tensor, grad_prob_sums: Tensor, grad_z_sum: Tensor,
-      softmax: bool, n_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
-      block_t: int) -> Tensor:
-    return logits.new_empty(logits.shape)
-
-
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
     logits, _, _, softmax, n_groups, _, renormalize, scaling_factor, seq_len, block_t = inputs
-    ids = output[0]
-    ctx.save_for_backward(logits, ids)
+    ctx.save_for_backward(logits, output[0])
     ctx.args = (softmax, n_groups, renormalize, scaling_factor, seq_len, block_t)
-    ctx.n_seqs = output[3].shape[0]
 
 
 @first_derivative_only("the fused Triton router")
-def _backward(ctx: torch.autograd.function.FunctionCtx, d_ids: Tensor | None, d_weights: Tensor | None,
-              d_counts: Tensor | None, d_prob_sums: Tensor | None,
-              d_z_sum: Tensor | None) -> tuple[Tensor | None, ...]:
+def _backward(ctx: torch.autograd.function.FunctionCtx, d_ids: Tensor, d_weights: Tensor,
+              d_counts: Tensor, d_prob_sums: Tensor, d_z_sum: Tensor) -> tuple[Tensor | None, ...]:
+    # Autograd hands an output nobody differentiated in as zeros (it materializes them).
     logits, ids = ctx.saved_tensors
-    # An output nobody differentiated arrives as None: its gradient is zero.
-    if d_weights is None:
-        d_weights = logits.new_zeros(ids.shape)
-    if d_prob_sums is None:
-        d_prob_sums = logits.new_zeros((ctx.n_seqs, logits.shape[1]))
-    if d_z_sum is None:
-        d_z_sum = logits.new_zeros((1,))
     grad = _fused_router_bwd_op(logits, ids, d_weights.float().contiguous(),
                                 d_prob_sums.float().contiguous(), d_z_sum.float().contiguous(),
                                 *ctx.args)

@@ -49,5 +49,3 @@ FUSIONS.register("mxfp8_mlp_forward_native", Fusion(
 FUSIONS.register("fused_mlp", Fusion(
     fm.fused_moe_mlp, fm.fused_moe_mlp_unfused, "gather prologue + SwiGLU + weighted scatter"))
 
-
-__all__ = ["FUSIONS", "Fusion"]

@@ -21,14 +21,16 @@ written; its backward recomputes it in the same kernel rather than saving it.
 Products accumulate in float32 (`moe_lab.kernels.common.mma`: bfloat16 tiles to the tensor
 cores compiled, exact float32 products interpreted); every index that multiplies a stride is
 int64 (one DeepSeek-V3 layer's expert weights hold 3.8·10⁹ elements). Each launch is a
-``torch.library.custom_op`` with a fake implementation, so ``FakeTensorMode`` and
+``torch.library`` custom op (`moe_lab.kernels.common.kernel_op`), so ``FakeTensorMode`` and
 ``torch.compile`` trace through it.
 """
 
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses import FakeTensor
 
 from moe_lab.checks import first_derivative_only, int_in, one_of
 from moe_lab.kernels.common import (
@@ -37,6 +39,7 @@ from moe_lab.kernels.common import (
     check_device,
     expert_tile_order,
     gemm_k_loop,
+    kernel_op,
     mma,
     swiglu_epilogue,
     swiglu_k_loop,
@@ -44,7 +47,7 @@ from moe_lab.kernels.common import (
     tile_rows,
     tile_schedule,
 )
-from moe_lab.kernels.launch import LaunchConfig, fit_stages
+from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import GPUArch, gpu_arch
 
 Tensor = torch.Tensor
@@ -255,7 +258,7 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
     the interpreter each program costs a Python round trip, so tiles are as large as the
     problem allows (rows per expert for ``BLOCK_M``); compiled, `choose_config` picks from
     `TILE_SPACE`, with no more stages than the GPU's shared memory holds
-    (`moe_lab.kernels.launch.fit_stages`; the compile report passes its target's ``arch``)."""
+    (`fit_shared`; the compile report passes its target's ``arch``)."""
     if kernel in FORCED:
         return FORCED[kernel]
     if interpreted:
@@ -272,10 +275,13 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
 
 
 def fit_shared(kernel: str, cfg: LaunchConfig, dtype: torch.dtype, arch: GPUArch) -> LaunchConfig:
-    """``cfg`` with no more stages than ``arch``'s shared memory holds (a stage: x and w tiles)."""
+    """``cfg`` with no more pipeline stages than ``arch``'s shared memory per block holds
+    (`moe_lab.perf.hardware.GPUArch.max_shared_per_block`; a stage: one x and one w tile, two
+    w tiles for "swiglu"), at least one."""
     b = cfg.blocks
     tiles = (b["BLOCK_M"] + (2 if kernel == "swiglu" else 1) * b["BLOCK_N"]) * b["BLOCK_K"]
-    return fit_stages(cfg, tiles * dtype.itemsize, arch.max_shared_per_block)
+    stages = max(1, min(cfg.num_stages, arch.max_shared_per_block // (tiles * dtype.itemsize)))
+    return cfg if stages == cfg.num_stages else replace(cfg, num_stages=stages)
 
 
 def grouped_grid(m: int, n_experts: int, n: int, block_m: int, block_n: int) -> tuple[int]:
@@ -325,17 +331,17 @@ def launch_args(cfg: LaunchConfig, m: int, n: int, k: int, n_experts: int, dtype
 
 
 # --------------------------------------------------------------------------------------
-# Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
+# Launches (custom ops, `kernel_op`: FakeTensorMode and torch.compile see the shapes, not the kernel)
 # --------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_lab::grouped_gemm", mutates_args=())
+@kernel_op("grouped_gemm")
 def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     y[m_bound:].zero_()  # rows past the static bound: a plain memset, sized on the host
-    if m_bound and n:
+    if m_bound and n and not isinstance(x, FakeTensor):
         cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
                             device=x.device)
         grid, launch = launch_args(cfg, m_bound, n, k, n_experts, x.dtype)
@@ -344,16 +350,11 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
     return y
 
 
-@_grouped_gemm_op.register_fake
-def _(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-@torch.library.custom_op("moe_lab::grouped_gemm_dw", mutates_args=())
+@kernel_op("grouped_gemm_dw")
 def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
     k, n, n_experts = x.shape[1], dy.shape[1], offsets.shape[0] - 1
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
-    if k and n:
+    if k and n and not isinstance(x, FakeTensor):
         cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
                             device=x.device)
         grid, launch = launch_args(cfg, m_bound, n, k, n_experts, x.dtype, dw=True)
@@ -362,12 +363,7 @@ def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) ->
     return dw
 
 
-@_grouped_gemm_dw_op.register_fake
-def _(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
-    return x.new_empty((offsets.shape[0] - 1, x.shape[1], dy.shape[1]))
-
-
-@torch.library.custom_op("moe_lab::grouped_gemm_swiglu", mutates_args=())
+@kernel_op("grouped_gemm_swiglu")
 def _grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
                             dh: Tensor | None = None) -> Tensor:
     """The forward ``h: [M, F]``; given ``dh`` (the backward), ``[dgate, dup]: [M, 2F]``."""
@@ -375,7 +371,7 @@ def _grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     n_experts, f = w.shape[0], w.shape[2] // 2
     out = torch.empty((m, f if dh is None else 2 * f), dtype=x.dtype, device=x.device)
     out[m_bound:].zero_()
-    if m_bound and f:
+    if m_bound and f and not isinstance(x, FakeTensor):
         cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=INTERPRETED,
                             dtype=x.dtype, device=x.device)
         dh_arg = out if dh is None else dh  # unused by the forward
@@ -384,11 +380,6 @@ def _grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
                                           *w.stride(), *out.stride(), *dh_arg.stride(),
                                           BACKWARD=dh is not None, **launch)
     return out
-
-
-@_grouped_gemm_swiglu_op.register_fake
-def _(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int, dh: Tensor | None = None) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[2] // 2 if dh is None else w.shape[2]))
 
 
 # --------------------------------------------------------------------------------------
@@ -443,19 +434,19 @@ class GroupedGEMMSwiGLU(torch.autograd.Function):
         return _gemm_grads(ctx, x, w, offsets, dpre)  # of the GEMM that made the pre-activation
 
 
-def _check(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int | None, w_name: str) -> int:
-    """Validate the arguments of a grouped GEMM; returns ``m_bound`` filled in."""
+def check_operands(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int | None, w_name: str) -> int:
+    """The door of a grouped GEMM (this module's wrappers, the TMA one's, the fused expert MLP's):
+    ``x: [M, K]`` and ``w: [E, K, N]`` (named ``w_name``, at least one expert) in one of
+    `KERNEL_DTYPES`, ``offsets: [E + 1]`` int32, all on one device compiled Triton runs on;
+    returns ``m_bound`` filled in."""
     for name, t in (("x", x), (w_name, w), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
-    if w.dim() != 3 or w.shape[1] != x.shape[1]:
-        raise ValueError(
-            f"{w_name} must be [E, K={x.shape[1]}, N] (K = x.shape[1]), got shape {tuple(w.shape)}"
-        )
-    if w.shape[0] < 1:
-        raise ValueError(f"{w_name} must hold at least one expert, got shape {tuple(w.shape)}")
+    if w.dim() != 3 or w.shape[1] != x.shape[1] or w.shape[0] < 1:
+        raise ValueError(f"{w_name} must be [E, K={x.shape[1]}, N]: {w_name} [E >= 1, K, N] holds at least "
+                         f"one expert, and its K is x.shape[1]; got shape {tuple(w.shape)}")
     one_of(x.dtype, "x.dtype", KERNEL_DTYPES)
     if w.dtype != x.dtype:
         raise ValueError(f"{w_name}.dtype must equal x.dtype = {x.dtype}, got {w.dtype}")
@@ -489,7 +480,7 @@ def grouped_gemm(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | None =
         ``y: [M, N]`` in ``x``'s dtype (accumulated in float32); rows from ``offsets[E]``
         on are zeros. Differentiable in ``x`` and ``w``.
     """
-    m_bound = _check(x, w, offsets, m_bound, "w")
+    m_bound = check_operands(x, w, offsets, m_bound, "w")
     return GroupedGEMM.apply(x, w, offsets.contiguous(), m_bound)
 
 
@@ -502,7 +493,7 @@ def grouped_gemm_swiglu(x: Tensor, w_gate_up: Tensor, offsets: Tensor, *,
     Returns ``h: [M, F]``, zero rows from ``offsets[E]`` on. Differentiable in ``x`` and
     ``w_gate_up``; the backward recomputes the pre-activation instead of saving it.
     """
-    m_bound = _check(x, w_gate_up, offsets, m_bound, "w_gate_up")
+    m_bound = check_operands(x, w_gate_up, offsets, m_bound, "w_gate_up")
     if w_gate_up.shape[2] % 2:
         raise ValueError(
             f"w_gate_up must be [E, K, 2F] (an even last dim), got shape {tuple(w_gate_up.shape)}"

@@ -47,11 +47,19 @@ from collections.abc import Iterator
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses import FakeTensor
 
-from moe_lab.checks import first_derivative_only, int_in, one_of, positive_int
+from moe_lab.checks import first_derivative_only, positive_int
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import INTERPRETED, cast_for_store, check_device, grouped_tile, mma
-from moe_lab.kernels.grouped_gemm import KERNEL_DTYPES, block_e, dot_bf16, tile_group
+from moe_lab.kernels.common import (
+    INTERPRETED,
+    cast_for_store,
+    check_device,
+    grouped_tile,
+    kernel_op,
+    mma,
+)
+from moe_lab.kernels.grouped_gemm import block_e, dot_bf16, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import gpu_arch
 
@@ -169,7 +177,7 @@ def _tma_ready(t: Tensor, swap: bool = False) -> tuple[Tensor, bool]:
     return t.clone(memory_format=torch.contiguous_format), False  # fresh, so aligned
 
 
-@torch.library.custom_op("moe_lab::grouped_gemm_tma", mutates_args=())
+@kernel_op("grouped_gemm_tma")
 def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
                          num_programs: int) -> Tensor:
     m, k = x.shape
@@ -178,7 +186,7 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     y[m_bound:].zero_()
     if not k:  # no reduction (and a TMA tensor has no empty dimension): zeros
         y[:m_bound].zero_()
-    elif m_bound and n:
+    elif m_bound and n and not isinstance(x, FakeTensor):
         x, (stored, trans) = _tma_ready(x)[0], _tma_ready(w, swap=True)  # trans: stored [E, N, K]
         cfg = launch_config(m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
         b = cfg.blocks  # at most cdiv(m_bound, BLOCK_M) + E row tiles: a static bound on the list
@@ -197,32 +205,25 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
     return y
 
 
-@_grouped_gemm_tma_op.register_fake
-def _(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int, num_programs: int) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[2]))
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
+    x, w, offsets, ctx.m_bound, ctx.num_programs = inputs
+    ctx.save_for_backward(x, w, offsets)
 
 
-class GroupedGEMMTMA(torch.autograd.Function):
-    """``y = grouped_gemm_tma(x, w, offsets)``; backward ``dX`` by this kernel on ``Wᵀ``,
-    ``dW`` by the grouped dW kernel of `moe_lab.kernels.grouped_gemm`."""
+@first_derivative_only("the TMA grouped GEMM")
+def _backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
+    """``dX`` by this kernel on ``Wᵀ``, ``dW`` by the grouped dW kernel of
+    `moe_lab.kernels.grouped_gemm`."""
+    x, w, offsets = ctx.saved_tensors
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = _grouped_gemm_tma_op(dy, w.transpose(1, 2), offsets, ctx.m_bound, ctx.num_programs)
+    if ctx.needs_input_grad[1]:
+        dw = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets, ctx.m_bound)
+    return dx, dw, None, None, None
 
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, offsets: Tensor,
-                m_bound: int, num_programs: int) -> Tensor:
-        ctx.save_for_backward(x, w, offsets)
-        ctx.m_bound, ctx.num_programs = m_bound, num_programs
-        return _grouped_gemm_tma_op(x, w, offsets, m_bound, num_programs)
 
-    @staticmethod
-    @first_derivative_only("the TMA grouped GEMM")
-    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w, offsets = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _grouped_gemm_tma_op(dy, w.transpose(1, 2), offsets, ctx.m_bound, ctx.num_programs)
-        if ctx.needs_input_grad[1]:
-            dw = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets, ctx.m_bound)
-        return dx, dw, None, None, None
+_grouped_gemm_tma_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_gemm_tma(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | None = None,
@@ -235,30 +236,12 @@ def grouped_gemm_tma(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | No
     made where TMA cannot read them). ``num_programs``: the persistent grid (default: one
     program per SM on CUDA, `INTERPRETED_PROGRAMS` interpreted), capped at the tile count.
     """
-    for name, t in (("x", x), ("w", w), ("offsets", offsets)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dim() != 2 or w.dim() != 3 or w.shape[1] != x.shape[1] or w.shape[0] < 1:
-        raise ValueError(f"x must be [M, K] and w [E >= 1, K, N] with K = x.shape[1], got shapes "
-                         f"{tuple(x.shape)} and {tuple(w.shape)}")
-    one_of(x.dtype, "x.dtype", KERNEL_DTYPES)
-    if w.dtype != x.dtype:
-        raise ValueError(f"w.dtype must equal x.dtype = {x.dtype}, got {w.dtype}")
+    m_bound = gg.check_operands(x, w, offsets, m_bound, "w")
     unit = 16 // x.element_size()
     if x.shape[1] % unit or w.shape[2] % unit:
         raise ValueError(f"the TMA grouped GEMM needs 16-byte rows: K = x.shape[1] and N = w.shape[2] "
                          f"must be multiples of {unit} in {x.dtype}, got K={x.shape[1]}, N={w.shape[2]}")
-    if offsets.dtype != torch.int32 or tuple(offsets.shape) != (w.shape[0] + 1,):
-        raise ValueError(f"offsets must be [E + 1 = {w.shape[0] + 1}] int32, "
-                         f"got shape {tuple(offsets.shape)} {offsets.dtype}")
-    for name, t in (("w", w), ("offsets", offsets)):
-        if t.device != x.device:
-            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
     check_device("x", x.device, "tma", "the persistent TMA grouped GEMM (expert_backend='triton_tma')")
-    m_bound = x.shape[0] if m_bound is None else int_in(m_bound, "m_bound", 0, x.shape[0])
     programs = positive_int(num_programs, "num_programs", or_none=True) or 0  # 0: the default
-    return GroupedGEMMTMA.apply(x, w, offsets.contiguous(), m_bound, programs)
+    return _grouped_gemm_tma_op(x, w, offsets.contiguous(), m_bound, programs)
 
-
-__all__ = ["INTERPRETED_PROGRAMS", "GroupedGEMMTMA", "default_programs", "grouped_gemm_tma",
-           "launch_config", "warp_specialized"]

@@ -9,7 +9,7 @@ torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 # A realistic load per GPU: the tokens one MoE layer routes on each GPU in a training step,
 # each to top_k experts. The tile rules are reasoned at it (with DeepSeek-V3's and
@@ -32,13 +32,3 @@ class LaunchConfig:
     num_stages: int = 3
     group_m: int | None = None
 
-
-def fit_stages(config: LaunchConfig, bytes_per_stage: int, max_shared: int) -> LaunchConfig:
-    """``config`` with no more pipeline stages than fit ``max_shared`` bytes of shared memory
-    (a block's limit on its GPU: `moe_lab.perf.hardware.GPUArch.max_shared_per_block`), each
-    stage holding ``bytes_per_stage`` of operand tiles; at least one."""
-    stages = max(1, min(config.num_stages, max_shared // bytes_per_stage))
-    return config if stages == config.num_stages else replace(config, num_stages=stages)
-
-
-__all__ = ["TOKENS_PER_GPU", "LaunchConfig", "fit_stages"]

@@ -29,7 +29,7 @@ from moe_lab.checks import one_of
 from moe_lab.kernels.common import INTERPRETED
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.mx_gemm import check_mma, e4m3_to_fp32, e8m0_to_fp32, mx_dot, mx_mma_mode
-from moe_lab.kernels.mx_quantize import fp8_code, mx_quantize, mx_scale_byte
+from moe_lab.kernels.mx_quantize import mx_block_codes, mx_quantize
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor, padded_size
 
 Tensor = torch.Tensor
@@ -115,12 +115,8 @@ def _mx_attention_fwd_kernel(
             # P to MXFP8 along the keys, in integer arithmetic (the bits do not depend on
             # the device's float casts): [BLOCK_M, N_KB, 32] blocks, one scale byte each.
             p_bits = tl.reshape(p, (BLOCK_M, N_KB, MX)).to(tl.int32, bitcast=True)
-            p_scale = mx_scale_byte(tl.max(p_bits & 0x7FFFFFFF, axis=2), 8, RCEIL)
-            shift = p_scale - 127
-            if RCEIL:
-                shift = tl.where(p_scale == 0, 0, shift)
-            p_codes = fp8_code(p_bits, shift[:, :, None], (p_scale == 255)[:, :, None],
-                               3, 7, 0x7E, 0x7F)  # E4M3: 3 mantissa bits, bias 7
+            # E4M3: largest power of two 2^8, 3 mantissa bits, bias 7
+            p_codes, p_scale = mx_block_codes(p_bits, 2, 8, RCEIL, 3, 7, 0x7E, 0x7F)
             p_codes = tl.reshape(p_codes, (BLOCK_M, BLOCK_N)).to(tl.uint8)
             acc = mx_dot(p_codes, p_scale.to(tl.uint8), v_codes, v_scale, acc,
                          BLOCK_M, BLOCK_D, BLOCK_N, MX_MMA)

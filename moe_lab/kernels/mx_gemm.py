@@ -175,6 +175,29 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
 
 
 @triton.jit
+def _mx_k_loop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm, rn, m_in, n_in, K,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX_MMA: tl.constexpr):
+    """``dequant(a[rm]) · dequant(b[rn])ᵀ`` over the whole of K, one `mx_dot` per ``BLOCK_K``
+    step: rows ``rm`` of ``a: [M, K]`` and ``rn`` of ``b: [N, K]`` (int64, masked by ``m_in``,
+    ``n_in``), their scale bytes ``[rows, K/32]``. Masked codes and scale bytes read as 0: a zero
+    element contributes nothing."""
+    rk = tl.arange(0, BLOCK_K)
+    rs = tl.arange(0, BLOCK_K // 32)
+    n_scales = K // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks, ss = k0 + rk, k0 // 32 + rs
+        a = tl.load(a_ptr + rm[:, None] * K + ks[None, :], mask=m_in[:, None] & (ks < K)[None, :], other=0)
+        b = tl.load(b_ptr + rn[None, :] * K + ks[:, None], mask=n_in[None, :] & (ks < K)[:, None], other=0)
+        a_s = tl.load(a_scale_ptr + rm[:, None] * n_scales + ss[None, :],
+                      mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_M, BLOCK_K/32]
+        b_s = tl.load(b_scale_ptr + rn[:, None] * n_scales + ss[None, :],
+                      mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_N, BLOCK_K/32]
+        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
+    return acc
+
+
+@triton.jit
 def _mx_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,  # u8 [M, K], u8 [M, K/32], u8 [N, K], u8 [N, K/32], [M, N]
     M, N, K,  # K a multiple of 32; all tensors contiguous
@@ -185,22 +208,10 @@ def _mx_gemm_kernel(
     pid_m, pid_n = tile_order(N, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rs = tl.arange(0, BLOCK_K // 32)
-    n_scales = K // 32
     m_in, n_in = rm < M, rn < N
     rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks, ss = k0 + rk, k0 // 32 + rs
-        # Masked codes and scale bytes read as 0: a zero element contributes nothing.
-        a = tl.load(a_ptr + rm64[:, None] * K + ks[None, :], mask=m_in[:, None] & (ks < K)[None, :], other=0)
-        b = tl.load(b_ptr + rn64[None, :] * K + ks[:, None], mask=n_in[None, :] & (ks < K)[:, None], other=0)
-        a_s = tl.load(a_scale_ptr + rm64[:, None] * n_scales + ss[None, :],
-                      mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_M, BLOCK_K/32]
-        b_s = tl.load(b_scale_ptr + rn64[:, None] * n_scales + ss[None, :],
-                      mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_N, BLOCK_K/32]
-        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
+    acc = _mx_k_loop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm64, rn64, m_in, n_in, K,
+                     BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
     c_ptrs = c_ptr + rm64[:, None] * N + rn64[None, :]
     tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
@@ -228,21 +239,10 @@ def _grouped_mx_gemm_kernel(
         tl.store(c_ptrs, cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), c_ptr),
                  mask=m_in[:, None] & n_in[None, :])
         return
-    n_scales = K // 32
     b_ptr += seg.to(tl.int64) * N * K
-    b_scale_ptr += seg.to(tl.int64) * N * n_scales
-    rk = tl.arange(0, BLOCK_K)
-    rs = tl.arange(0, BLOCK_K // 32)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks, ss = k0 + rk, k0 // 32 + rs
-        a = tl.load(a_ptr + rm[:, None] * K + ks[None, :], mask=m_in[:, None] & (ks < K)[None, :], other=0)
-        b = tl.load(b_ptr + rn[None, :] * K + ks[:, None], mask=n_in[None, :] & (ks < K)[:, None], other=0)
-        a_s = tl.load(a_scale_ptr + rm[:, None] * n_scales + ss[None, :],
-                      mask=m_in[:, None] & (ss < n_scales)[None, :], other=0)
-        b_s = tl.load(b_scale_ptr + rn[:, None] * n_scales + ss[None, :],
-                      mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)
-        acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
+    b_scale_ptr += seg.to(tl.int64) * N * (K // 32)
+    acc = _mx_k_loop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm, rn, m_in, n_in, K,
+                     BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
     tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
 
@@ -404,6 +404,3 @@ def mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) ->
 
     return dequant(a, a_scale) @ dequant(b, b_scale).T
 
-
-__all__ = ["OUT_DTYPES", "e4m3_to_fp32", "e8m0_to_fp32", "grouped_mx_gemm", "grouped_mx_gemm_reference",
-           "launch_config", "MX_MMAS", "mx_dot", "mx_mma_mode", "mx_gemm", "mx_gemm_reference"]

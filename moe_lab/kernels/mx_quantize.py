@@ -92,6 +92,22 @@ def fp8_code(bits, shift, nan_block, MBITS: tl.constexpr, BIAS: tl.constexpr,
 
 
 @triton.jit
+def mx_block_codes(bits, AXIS: tl.constexpr, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr,
+                   MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
+    """``(codes, scales)`` (int32) of a 3-D tile of float32 bit patterns ``bits`` (int32) cut
+    into MX blocks of 32 along ``AXIS``: each block's E8M0 scale from its ``|x|`` maximum
+    (`mx_scale_byte`), each element's code `fp8_code` of ``x`` over the scale (a NaN scale: every
+    element NaN)."""
+    scale = mx_scale_byte(tl.max(bits & 0x7FFFFFFF, axis=AXIS), EMAX_POW2, RCEIL)
+    shift = scale - 127
+    if RCEIL:
+        shift = tl.where(scale == 0, 0, shift)
+    code = fp8_code(bits, tl.expand_dims(shift, AXIS), tl.expand_dims(scale == 255, AXIS),
+                    MBITS, BIAS, MAX_CODE, NAN_CODE)
+    return code, scale
+
+
+@triton.jit
 def _mx_quantize_kernel(
     x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
     M, K, M_PAD, K_PAD,
@@ -116,17 +132,11 @@ def _mx_quantize_kernel(
         bits = tl.load(ptrs, mask=inside, other=0).to(tl.int32) << 16
     else:
         bits = tl.load(ptrs, mask=inside, other=0)
-    mag = bits & 0x7FFFFFFF
 
     if ROWWISE:
         n_kb: tl.constexpr = BLOCK_K // MX_BLOCK
-        amax = tl.max(tl.reshape(mag, (BLOCK_M, n_kb, MX_BLOCK)), axis=2)
-        scale = mx_scale_byte(amax, EMAX_POW2, RCEIL)
-        shift = scale - 127
-        if RCEIL:
-            shift = tl.where(scale == 0, 0, shift)
-        code = fp8_code(tl.reshape(bits, (BLOCK_M, n_kb, MX_BLOCK)), shift[:, :, None],
-                        (scale == 255)[:, :, None], MBITS, BIAS, MAX_CODE, NAN_CODE)
+        code, scale = mx_block_codes(tl.reshape(bits, (BLOCK_M, n_kb, MX_BLOCK)), 2, EMAX_POW2, RCEIL,
+                                     MBITS, BIAS, MAX_CODE, NAN_CODE)
         code = tl.reshape(code, (BLOCK_M, BLOCK_K))
         out_ok = (offs_m[:, None] < M) & (offs_k[None, :] < K_PAD)
         out = row_data_ptr + (pid_b * M + offs_m[:, None]) * K_PAD + offs_k[None, :]
@@ -139,13 +149,8 @@ def _mx_quantize_kernel(
 
     if COLWISE:
         n_mb: tl.constexpr = BLOCK_M // MX_BLOCK
-        amax = tl.max(tl.reshape(mag, (n_mb, MX_BLOCK, BLOCK_K)), axis=1)
-        scale = mx_scale_byte(amax, EMAX_POW2, RCEIL)
-        shift = scale - 127
-        if RCEIL:
-            shift = tl.where(scale == 0, 0, shift)
-        code = fp8_code(tl.reshape(bits, (n_mb, MX_BLOCK, BLOCK_K)), shift[:, None, :],
-                        (scale == 255)[:, None, :], MBITS, BIAS, MAX_CODE, NAN_CODE)
+        code, scale = mx_block_codes(tl.reshape(bits, (n_mb, MX_BLOCK, BLOCK_K)), 1, EMAX_POW2, RCEIL,
+                                     MBITS, BIAS, MAX_CODE, NAN_CODE)
         code = tl.reshape(code, (BLOCK_M, BLOCK_K))
         out_ok = (offs_m[:, None] < M_PAD) & (offs_k[None, :] < K)
         out = col_data_ptr + (pid_b * K + offs_k[None, :]) * M_PAD + offs_m[:, None]

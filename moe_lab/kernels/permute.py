@@ -19,12 +19,12 @@ product ``<dout[t], y[row_id_map[t, j]]>``. Every index that multiplies a stride
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses import FakeTensor
 
 from moe_lab.checks import first_derivative_only
-from moe_lab.kernels.common import INTERPRETED, cast_for_store, check_device
+from moe_lab.kernels.common import INTERPRETED, cast_for_store, check_device, kernel_op
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.kernels.permute_args import (  # noqa: F401 - KERNEL_DTYPES, permuted_rows: public here too
-    KERNEL_DTYPES,
+from moe_lab.kernels.permute_args import (  # noqa: F401 - permuted_rows: public here too
     check_map,
     check_rows,
     check_topk,
@@ -146,7 +146,7 @@ def _unpermute_weight_grad_kernel(
 
 
 # --------------------------------------------------------------------------------------
-# Launches (custom ops: FakeTensorMode and torch.compile see the shapes, not the kernel)
+# Launches (custom ops, `kernel_op`: FakeTensorMode and torch.compile see the shapes, not the kernel)
 # --------------------------------------------------------------------------------------
 
 
@@ -181,7 +181,7 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
                         num_stages=1 if interpreted else 3)
 
 
-@torch.library.custom_op("moe_lab::row_id_map", mutates_args=())
+@kernel_op("row_id_map")
 def _row_id_map_op(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
     """The counting sort of `build_row_id_map` over ``ids: [T·k]``: ``(row_id_map [T·k], offsets)``."""
     n = ids.shape[0]
@@ -190,7 +190,7 @@ def _row_id_map_op(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Ten
     launch = {**cfg.blocks, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     block_counts = torch.empty((grid[0], n_experts), dtype=torch.int32, device=ids.device)
     row_id_map = torch.empty((n,), dtype=torch.int32, device=ids.device)
-    if n:
+    if n and not isinstance(ids, FakeTensor):
         _expert_histogram_kernel[grid](ids, block_counts, n, n_experts, **launch)  # [n_blocks, E]
     counts = block_counts.sum(0, dtype=torch.int32)  # [E] tokens per expert
     if align > 1:
@@ -199,70 +199,43 @@ def _row_id_map_op(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Ten
     # First row of block b's entries for expert e: the expert's start plus the entries of
     # that expert in the blocks before b.
     base = block_counts.cumsum(0, dtype=torch.int32) - block_counts + offsets[:-1]
-    if n:
+    if n and not isinstance(ids, FakeTensor):
         _row_id_map_kernel[grid](ids, base, row_id_map, n, n_experts, **launch)
     return row_id_map, offsets
 
 
-@_row_id_map_op.register_fake
-def _(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
-    int32 = torch.int32
-    return ids.new_empty((ids.shape[0],), dtype=int32), ids.new_empty((n_experts + 1,), dtype=int32)
-
-
-@torch.library.custom_op("moe_lab::permute", mutates_args=())
-def _permute_op(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
-    (tokens, d), top_k = x.shape, row_id_map.shape[1]
-    # Every row is some (token, slot)'s destination only when there is no padding.
-    if n_rows == tokens * top_k:
-        y = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
+@kernel_op("permute")
+def _permute_op(src: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int,
+                inverse: bool) -> Tensor:
+    """permute: token rows ``src: [T, d]`` (times ``weights``) to their rows of a new
+    ``[n_rows, d]``; ``inverse``, unpermute: ``src: [n_rows, d]`` back to ``[T, d]``, each
+    token's rows (times ``weights``) summed. Each is the other's transpose."""
+    (tokens, top_k), d = row_id_map.shape, src.shape[1]
+    if inverse:
+        out = torch.empty((tokens, d), dtype=src.dtype, device=src.device)
+    elif n_rows == tokens * top_k:  # every row is some (token, slot)'s destination: no padding
+        out = torch.empty((n_rows, d), dtype=src.dtype, device=src.device)
     else:
-        y = torch.zeros((n_rows, d), dtype=x.dtype, device=x.device)
-    if tokens and d and top_k:
+        out = torch.zeros((n_rows, d), dtype=src.dtype, device=src.device)
+    if tokens and d and not isinstance(src, FakeTensor):
         cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
         w_arg = row_id_map if weights is None else weights  # unused without weights
         grid = (triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), triton.cdiv(d, cfg.blocks["BLOCK_D"]))
-        _permute_kernel[grid](
-            x, row_id_map, w_arg, y, tokens, d, n_rows, top_k,
-            *x.stride(), *row_id_map.stride(), *w_arg.stride(), *y.stride(),
-            **cfg.blocks, HAS_WEIGHTS=weights is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return y
-
-
-@_permute_op.register_fake
-def _(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
-    return x.new_empty((n_rows, x.shape[1]))
-
-
-@torch.library.custom_op("moe_lab::unpermute", mutates_args=())
-def _unpermute_op(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
-    (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
-    out = torch.empty((tokens, d), dtype=y.dtype, device=y.device)
-    if tokens and d:
-        cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
-        w_arg = row_id_map if weights is None else weights
-        grid = (triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), triton.cdiv(d, cfg.blocks["BLOCK_D"]))
-        _unpermute_kernel[grid](
-            y, row_id_map, w_arg, out, tokens, d, n_rows, top_k,
-            *y.stride(), *row_id_map.stride(), *w_arg.stride(), *out.stride(),
+        kernel = _unpermute_kernel if inverse else _permute_kernel
+        kernel[grid](
+            src, row_id_map, w_arg, out, tokens, d, n_rows, top_k,
+            *src.stride(), *row_id_map.stride(), *w_arg.stride(), *out.stride(),
             **cfg.blocks, HAS_WEIGHTS=weights is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out
 
 
-@_unpermute_op.register_fake
-def _(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
-    return y.new_empty((row_id_map.shape[0], y.shape[1]))
-
-
-@torch.library.custom_op("moe_lab::unpermute_weight_grad", mutates_args=())
+@kernel_op("unpermute_weight_grad")
 def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
     dw = torch.empty((tokens, top_k), dtype=torch.float32, device=y.device)
-    if tokens and top_k:
+    if tokens and top_k and not isinstance(y, FakeTensor):
         cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
         _unpermute_weight_grad_kernel[(triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), top_k)](
             y, row_id_map, dout, dw, tokens, d, n_rows, top_k,
@@ -270,11 +243,6 @@ def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Te
             **cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return dw
-
-
-@_unpermute_weight_grad_op.register_fake
-def _(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
-    return y.new_empty(tuple(row_id_map.shape), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------
@@ -289,13 +257,13 @@ class Permute(torch.autograd.Function):
     def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, row_id_map: Tensor,
                 n_rows: int) -> Tensor:
         ctx.save_for_backward(row_id_map)
-        return _permute_op(x, row_id_map, None, n_rows)
+        return _permute_op(x, row_id_map, None, n_rows, False)
 
     @staticmethod
     @first_derivative_only("the Triton permute")
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
         (row_id_map,) = ctx.saved_tensors
-        return _unpermute_op(dy, row_id_map, None), None, None
+        return _permute_op(dy, row_id_map, None, dy.shape[0], True), None, None
 
 
 class Unpermute(torch.autograd.Function):
@@ -306,7 +274,7 @@ class Unpermute(torch.autograd.Function):
     def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, row_id_map: Tensor,
                 weights: Tensor | None) -> Tensor:
         ctx.save_for_backward(y, row_id_map, weights)
-        return _unpermute_op(y, row_id_map, weights)
+        return _permute_op(y, row_id_map, weights, y.shape[0], True)
 
     @staticmethod
     @first_derivative_only("the Triton unpermute")
@@ -314,7 +282,7 @@ class Unpermute(torch.autograd.Function):
         y, row_id_map, weights = ctx.saved_tensors
         dy = dweights = None
         if ctx.needs_input_grad[0]:
-            dy = _permute_op(dout, row_id_map, weights, y.shape[0])
+            dy = _permute_op(dout, row_id_map, weights, y.shape[0], False)
         if weights is not None and ctx.needs_input_grad[2]:
             dweights = _unpermute_weight_grad_op(y, row_id_map, dout).to(weights.dtype)
         return dy, None, dweights

@@ -28,29 +28,8 @@ import torch.nn as nn
 
 from moe_lab.checks import positive_number
 from moe_lab.moe.layer import MoELayer
-from moe_lab.moe.router import Router
 
 Tensor = torch.Tensor
-
-
-def _routers(model_or_layers: nn.Module | Iterable[nn.Module]) -> list[Router]:
-    """The routers of a model, a layer, a router, or an iterable of them, in order."""
-    if isinstance(model_or_layers, Router):
-        return [model_or_layers]
-    if isinstance(model_or_layers, MoELayer):
-        return [model_or_layers.router]
-    if isinstance(model_or_layers, nn.Module):
-        layers = getattr(model_or_layers, "moe_layers", None)
-        if layers is None:
-            layers = [m for m in model_or_layers.modules() if isinstance(m, MoELayer)]
-        return [layer.router for layer in layers]
-    routers: list[Router] = []
-    for item in model_or_layers:
-        if not isinstance(item, (Router, MoELayer)):
-            raise ValueError(f"model_or_layers must hold Router or MoELayer modules, got "
-                             f"{type(item).__name__}")
-        routers += _routers(item)
-    return routers
 
 
 def update_expert_bias(
@@ -60,16 +39,15 @@ def update_expert_bias(
 ) -> None:
     """``bias_e += rate · sign(mean_load − load_e)`` for every router, in place.
 
-    ``model_or_layers``: an ``MoETransformer``, an ``MoELayer``, a ``Router``, or an
-    iterable of layers or routers. ``tokens_per_expert``: one ``[E]`` load per router, as a
+    ``model_or_layers``: a model with ``moe_layers`` (an ``MoETransformer``), or an iterable
+    of MoE layers or of routers. ``tokens_per_expert``: one ``[E]`` load per router, as a
     ``[n_routers, E]`` tensor or a sequence (of tensors, or of lists of ints). Device tensors
     (``MoEStats.tokens_per_expert``) keep the update free of host syncs. Call it after the
     optimizer step, with the loads of the step just taken.
     """
     positive_number(rate, "rate")
-    routers = _routers(model_or_layers)
-    if isinstance(tokens_per_expert, Tensor) and tokens_per_expert.dim() == 1:
-        tokens_per_expert = tokens_per_expert.unsqueeze(0)
+    layers = getattr(model_or_layers, "moe_layers", model_or_layers)
+    routers = [getattr(layer, "router", layer) for layer in layers]
     if len(tokens_per_expert) != len(routers):
         raise ValueError(f"tokens_per_expert must hold one load per router ({len(routers)}), "
                          f"got {len(tokens_per_expert)}")
@@ -104,34 +82,26 @@ class ExpertBiasBalancer:
 
     def __init__(self, rate: float) -> None:
         self.rate = positive_number(rate, "rate")
-        self.layers: list[MoELayer] = []
-        self._loads: dict[int, Tensor] = {}
-        self._handle = None
+        self._loads: dict[MoELayer, Tensor] = {}  # keyed by the module itself (by identity)
         self.updates = 0
 
     def _hook(self, module: nn.Module, inputs: tuple, output: tuple) -> None:
         if isinstance(module, MoELayer) and module.training:
             counts = output[1].tokens_per_expert.detach()
-            key = id(module)
-            if key not in self._loads:
-                if not any(layer is module for layer in self.layers):
-                    self.layers.append(module)
-                self._loads[key] = counts.clone()
+            if module in self._loads:
+                self._loads[module] += counts
             else:
-                self._loads[key] += counts
+                self._loads[module] = counts.clone()
 
     def __enter__(self) -> ExpertBiasBalancer:
         self._handle = nn.modules.module.register_module_forward_hook(self._hook)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self._handle.remove()
 
     def __call__(self, step: int, record: dict | None = None) -> None:
-        layers = [layer for layer in self.layers if id(layer) in self._loads]
-        if layers:
-            update_expert_bias(layers, [self._loads[id(layer)] for layer in layers], self.rate)
+        if self._loads:
+            update_expert_bias(list(self._loads), list(self._loads.values()), self.rate)
             self.updates += 1
         self._loads.clear()

@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moe_lab.checks import one_of, positive_number
+from moe_lab.checks import positive_number
 from moe_lab.config import MoEConfig
 from moe_lab.moe.experts import SwiGLUExperts, sort_by_expert  # noqa: F401 - sort_by_expert: public here too
 from moe_lab.registry import TRITON_MISSING, Registry
@@ -78,8 +78,6 @@ def register_dispatcher(name: str, runs_experts: str, *, syncs_host: bool = Fals
     """``@register_dispatcher(name, runs_experts)``: the function, declared to run the
     experts by ``runs_experts`` (`EXPERT_PATHS`) and whether it ``syncs_host``, registered
     in `DISPATCHERS` (or, with ``missing``, marked unavailable: `Registry.register`)."""
-    one_of(runs_experts, "runs_experts", EXPERT_PATHS)
-
     def add(fn: Callable) -> Dispatcher:
         fn.runs_experts = runs_experts
         fn.syncs_host = syncs_host
@@ -141,7 +139,7 @@ def capacity_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts
     """Padded ``[E, C, d]`` buffers and one batched matmul; over-capacity assignments dropped."""
     tokens, k = topk_ids.shape
     n_experts = experts.n_experts
-    capacity = expert_capacity(tokens, k, n_experts, cfg.capacity_factor, cfg.capacity_multiple)
+    capacity = expert_capacity(tokens, k, n_experts, cfg.capacity_factor)
     rank = capacity_positions(topk_ids, topk_weights, n_experts, cfg.drop_policy)
     keep = rank < capacity
     # Dropped assignments are written to one extra "trash" slot past the end and ignored.
@@ -172,28 +170,29 @@ def dropless_dispatch(x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor
 
 
 def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The fused dispatcher whose epilogue scatters as ``scatter`` says: ``"deterministic"`` (a
+    token-major store, then a sum over the top-k) or ``"atomic"`` (float32 atomics)."""
+
     def fused_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
                        cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
+        """Dropless with the permute and the combine fused into the grouped GEMMs
+        (`moe_lab.kernels.fused_moe`): a gather prologue and a weighted-scatter epilogue
+        (deterministic or atomic, as registered), so neither the permuted tokens nor the
+        expert-ordered output is written. Never drops."""
         # Imported on first use: importing the layer does not import Triton.
         from moe_lab.kernels.fused_moe import fused_moe_mlp
         from moe_lab.kernels.permute import build_row_id_map
 
         # What the experts were set to after the layer was built (`check_pairing` checked
-        # their class): quantization and an activation store are not fused.
-        if experts.quant is not None or experts.activation_store is not None:
+        # their class): quantization is not fused. (The paged stash attaches to 'dropless' only.)
+        if experts.quant is not None:
             raise ValueError("the fused dispatchers fuse plain SwiGLU experts, without "
-                             f"quantization (quant={experts.quant!r}) or an activation store "
-                             "(the paged stash); use 'dropless'")
+                             f"quantization (quant={experts.quant!r}); use 'dropless'")
         row_id_map, offsets = build_row_id_map(topk_ids, experts.n_experts)
         out = fused_moe_mlp(x, experts.w_gate_up.to(x.dtype), experts.w_down.to(x.dtype), row_id_map,
                             offsets, topk_weights, scatter=scatter)
         return out, torch.zeros((), dtype=torch.int64, device=x.device)
 
-    fused_dispatch.__doc__ = (
-        "Dropless with the permute and the combine fused into the grouped GEMMs "
-        f"(`moe_lab.kernels.fused_moe`): a gather prologue and a {scatter} weighted-scatter "
-        "epilogue, so neither the permuted tokens nor the expert-ordered output is written. "
-        "Never drops.")
     return fused_dispatch
 
 

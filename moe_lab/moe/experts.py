@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -214,12 +214,10 @@ EXPERT_BACKENDS: Registry[ExpertBackend] = Registry(
     plugin=True)
 
 
-class ActivationStore(Protocol):
-    """Where the experts' saved activations live until backward (see `SwiGLUExperts`)."""
-
-    def run(self, compute: Callable[[], Tensor], x: Tensor, offsets: Tensor) -> Tensor:
-        """``compute()`` (the expert MLP on ``x`` grouped by ``offsets``), with its saved
-        activations kept by this store."""
+#: Where the experts' saved activations live until backward (see `SwiGLUExperts`):
+#: ``store(compute, x, offsets)`` runs ``compute()`` (the expert MLP on ``x`` grouped by
+#: ``offsets``) with its saved activations kept by the store.
+ActivationStore = Callable[[Callable[[], Tensor], Tensor, Tensor], Tensor]
 
 
 class SwiGLUExperts(nn.Module):
@@ -229,7 +227,6 @@ class SwiGLUExperts(nn.Module):
     (`quantized`)."""
 
     BACKENDS: ClassVar[tuple[str, ...] | None] = None
-    QUANTS: ClassVar[tuple[str | None, ...]] = (None, "mxfp8")
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = ModelImpls.expert_backend,
                  quant: str | None = None) -> None:
@@ -241,7 +238,7 @@ class SwiGLUExperts(nn.Module):
         if self.BACKENDS is not None and backend not in self.BACKENDS:
             raise ValueError(f"expert_backend for {type(self).__name__} must be one of "
                              f"{self.BACKENDS} (the others do not run its own methods), got {backend!r}")
-        self.backend, self.quant = backend, one_of(quant, "quant", self.QUANTS)
+        self.backend, self.quant = backend, one_of(quant, "quant", (None, "mxfp8"))
         self.activation_store: ActivationStore | None = None
         self.reset_parameters()
 
@@ -273,24 +270,27 @@ class SwiGLUExperts(nn.Module):
         ``offsets: [n_experts + 1] int32`` → ``[M, d_model]``. No host sync in any backend."""
         if self.activation_store is None:
             return self.impl.mlp(self, x, offsets)
-        return self.activation_store.run(lambda: self.impl.mlp(self, x, offsets), x, offsets)
+        return self.activation_store(lambda: self.impl.mlp(self, x, offsets), x, offsets)
+
+    def two_gemms(self, x: Tensor, gemm: Callable[..., Tensor], *grouping: Tensor) -> Tensor:
+        """``gemm(swiglu(gemm(x, W_gate_up, *grouping)), W_down, *grouping)``: the experts' MLP
+        through any GEMM that runs each expert on its own rows (``grouping`` says which), on
+        quantized operands where ``quant`` says."""
+        xq, w1 = self.quantized(x, self.w_gate_up, 1)
+        h = swiglu(gemm(xq, w1.to(x.dtype), *grouping))
+        hq, w2 = self.quantized(h, self.w_down, 1)
+        return gemm(hq, w2.to(x.dtype), *grouping)
 
     def grouped_two_gemms(self, x: Tensor, offsets: Tensor,
                           mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
-        """``mm(swiglu(mm(x, W_gate_up)), W_down)`` with ``mm(x, w, ends)`` a grouped GEMM over
-        the groups' row ends ``offsets[1:]`` (quantized operands where ``quant`` says)."""
-        xq, w1 = self.quantized(x, self.w_gate_up, 1)
-        h = swiglu(mm(xq, w1.to(x.dtype), offsets[1:]))
-        hq, w2 = self.quantized(h, self.w_down, 1)
-        return mm(hq, w2.to(x.dtype), offsets[1:])
+        """`two_gemms` with ``mm(x, w, ends)`` a grouped GEMM over the groups' row ends
+        ``offsets[1:]``."""
+        return self.two_gemms(x, mm, offsets[1:])
 
     def batched_forward(self, x: Tensor) -> Tensor:
         """``x: [n_experts, capacity, d_model]`` → same shape: expert ``e`` on ``x[e]``
         (the capacity dispatcher's padded buffers; one batched matmul per weight)."""
-        xq, w1 = self.quantized(x, self.w_gate_up, 1)
-        h = swiglu(torch.bmm(xq, w1.to(xq.dtype)))
-        hq, w2 = self.quantized(h, self.w_down, 1)
-        return torch.bmm(hq, w2.to(hq.dtype))
+        return self.two_gemms(x, torch.bmm)
 
     def per_expert(self) -> list[tuple[Tensor, ...]]:
         """Each expert's weights, views of the stacked parameters, for a loop over the experts
@@ -307,10 +307,6 @@ class SwiGLUExperts(nn.Module):
         w1, w2 = weights[expert] if weights is not None else (self.w_gate_up[expert], self.w_down[expert])
         h = swiglu(self._mm(x, w1))
         return self._mm(h, w2)
-
-    def extra_repr(self) -> str:
-        return (f"n_experts={self.n_experts}, d_model={self.d_model}, d_expert={self.d_expert}, "
-                f"backend={self.backend!r}")
 
 
 def _loop_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
@@ -358,10 +354,7 @@ def _triton_unpermute(y_sorted: Tensor, row_id_map_TK: Tensor, topk_weights_TK: 
 def _triton_tma_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
     from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
 
-    xq, w1 = experts.quantized(x, experts.w_gate_up, 1)
-    h = swiglu(grouped_gemm_tma(xq, w1.to(xq.dtype), offsets))
-    hq, w2 = experts.quantized(h, experts.w_down, 1)
-    return grouped_gemm_tma(hq, w2.to(hq.dtype), offsets)
+    return experts.two_gemms(x, grouped_gemm_tma, offsets)
 
 
 EXPERT_BACKENDS.register("loop", ExpertBackend(_loop_backend))
@@ -452,9 +445,6 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
         h = self._unit(torch.bmm(xq, w1.to(xq.dtype)) + self.b_gate_up.to(xq.dtype).unsqueeze(1))
         hq, w2 = self.quantized(h, self.w_down, 1)
         return torch.bmm(hq, w2.to(hq.dtype)) + self.b_down.to(hq.dtype).unsqueeze(1)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, alpha={self.alpha}, limit={self.limit}"
 
 
 # "swiglu" is the reference.

@@ -132,8 +132,3 @@ class MoELayer(nn.Module):
             routing=routing,
         )
         return y_TD.reshape(x.shape), stats
-
-    def extra_repr(self) -> str:
-        c = self.cfg
-        return (f"experts={c.n_experts}, top_k={c.top_k}, dispatcher={self.dispatcher!r}, "
-                f"expert_backend={self.experts.backend!r}")

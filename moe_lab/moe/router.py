@@ -40,12 +40,13 @@ Every step here is sync-free: counts come from ``scatter_add_``, not ``bincount`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
-from moe_lab.config import MoEConfig
+from moe_lab.config import ModelImpls, MoEConfig
 from moe_lab.moe.router_output import (
     DTYPES,
     RouterOutput,
@@ -58,12 +59,6 @@ from moe_lab.moe.router_output import (
 from moe_lab.registry import TRITON_MISSING, Registry
 
 Tensor = torch.Tensor
-__all__ = [
-    "DTYPES", "ROUTER_IMPLS", "Router", "RouterOutput", "check_seq_len", "compiled_route",
-    "fused_route", "gate_logits", "group_limited_mask", "route", "route_from_logits",
-    "router_z_loss", "routing_agreement", "sequence_aux_loss", "switch_aux_loss",
-    "tokens_per_expert_from_ids", "topk_by_unique_keys", "topk_lowest_index",
-]
 
 
 def topk_lowest_index(values: Tensor, k: int) -> Tensor:
@@ -157,7 +152,6 @@ def sequence_aux_loss(scores: Tensor, topk_ids: Tensor, top_k: int, seq_len: int
     ``seq_len`` consecutive tokens, averaged over sequences. It keeps every *sequence*
     balanced, not just the batch. ``tokens`` must be a multiple of ``seq_len``."""
     tokens, n_experts = scores.shape
-    check_seq_len(tokens, seq_len)
     if tokens == 0:
         return scores.sum() * 0
     n_seqs = tokens // seq_len
@@ -256,19 +250,18 @@ def route(
     return _routing_chain(logits_TE, cfg, expert_bias, seq_len, True, topk)
 
 
-# torch.compile of the chain after the matmul: the fair fused baseline on a CPU, where
-# Inductor fuses the elementwise steps into a few loops. Compiled on first use.
-_COMPILED: dict[str, object] = {}
+@functools.cache
+def _compiled_chain() -> Callable[..., RouterOutput]:
+    # torch.compile of the chain after the matmul: the fair fused baseline on a CPU, where
+    # Inductor fuses the elementwise steps into a few loops. Compiled on first use.
+    return torch.compile(route_from_logits, dynamic=False)
 
 
 def compiled_route_from_logits(
     logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None
 ) -> RouterOutput:
     """`route_from_logits` under ``torch.compile`` (same function, same tie rule)."""
-    fn = _COMPILED.get("chain")
-    if fn is None:
-        fn = _COMPILED["chain"] = torch.compile(route_from_logits, dynamic=False)
-    return fn(logits, cfg, expert_bias, seq_len=seq_len)
+    return _compiled_chain()(logits, cfg, expert_bias, seq_len=seq_len)
 
 
 def compiled_route(
@@ -318,7 +311,7 @@ class Router(nn.Module):
     `moe_lab.moe.balance.update_expert_bias` moves it after each optimizer step.
     """
 
-    def __init__(self, cfg: MoEConfig, impl: str = "reference") -> None:
+    def __init__(self, cfg: MoEConfig, impl: str = ModelImpls.router_impl) -> None:
         super().__init__()
         ROUTER_IMPLS.check(impl, "router_impl")
         if impl == "triton":
@@ -336,6 +329,3 @@ class Router(nn.Module):
         """Route ``x: [tokens, d_model]``; with ``seq_len`` (the tokens are whole sequences of
         that length, in order) the output carries ``seq_aux_loss`` too."""
         return ROUTER_IMPLS[self.impl](x, self.weight, self.cfg, self.expert_bias, seq_len=seq_len)
-
-    def extra_repr(self) -> str:
-        return f"n_experts={self.cfg.n_experts}, d_model={self.cfg.d_model}, impl={self.impl!r}"

@@ -30,7 +30,8 @@ expert) per stashed tensor instead of the worst case; restoring gathers the same
 so the saved activations round-trip bit for bit.
 
 `PagedStash.attach(model, example_batch)` gives each MoE layer's experts an activation store
-(`moe_lab.moe.experts.SwiGLUExperts.use_activation_store`) that runs their compute under
+(`moe_lab.moe.experts.SwiGLUExperts.use_activation_store`, `PagedStash.run_paged` bound to the
+layer) that runs their compute under
 ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor with one row per sorted
 assignment goes into the pool; weights and offsets are kept as they are. A first forward
 pass on the example batch plans the pools (one per activation width and dtype).
@@ -41,6 +42,7 @@ skews, for one device of an expert-parallel group.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -50,15 +52,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe_lab.checks import positive_int
+from moe_lab.checks import positive_int, positive_number
 from moe_lab.data import Batch
 
 Tensor = torch.Tensor
-
-__all__ = [
-    "PagedStash", "StashCall", "max_pages", "page_table", "pages_per_expert",
-    "simulate_expert_parallel", "expert_parallel_counts",
-]
 
 
 # --------------------------------------------------------------------------------------
@@ -66,14 +63,9 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 
-def _check_page_rows(page_rows: int) -> None:
-    positive_int(page_rows, "page_rows")
-
-
 def pages_per_expert(offsets: Tensor, page_rows: int) -> Tensor:
     """``[E]`` int64: ``ceil(rows[e] / page_rows)`` with ``rows[e] = offsets[e+1] - offsets[e]``
     (``offsets: [E + 1]``, on the device)."""
-    _check_page_rows(page_rows)
     counts = (offsets[1:] - offsets[:-1]).long()
     return (counts + page_rows - 1) // page_rows
 
@@ -112,7 +104,6 @@ def max_pages(tokens: int, top_k: int, n_experts: int, page_rows: int) -> int:
     worst routing gives one row to as many experts as it can, ``m = min(E, T·k)``, and
     spends the rest on further pages — at most ``ceil(T / page_rows) - 1`` more per expert.
     """
-    _check_page_rows(page_rows)
     rows = tokens * top_k
     m = min(n_experts, rows)
     if m == 0:
@@ -138,20 +129,6 @@ class StashCall:
     n_experts: int
     top_k: int
 
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def exact_bytes(self) -> int:
-        """What eager PyTorch keeps: exactly the routed rows."""
-        return self.rows * self.width * self.itemsize
-
-    @property
-    def worst_case_bytes(self) -> int:
-        """A static buffer with room for every token at every expert: ``E · T`` rows."""
-        return self.n_experts * (self.rows // self.top_k) * self.width * self.itemsize
-
 
 @dataclass
 class _Stashed:
@@ -161,19 +138,6 @@ class _Stashed:
     offsets: Tensor
     first_page: Tensor
     shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class _LayerStore:
-    """One MoE layer's activation store: the experts' compute, paged by ``stash``."""
-
-    stash: PagedStash
-    layer: int
-    top_k: int
-
-    def run(self, compute: Callable[[], Tensor], x: Tensor, offsets: Tensor) -> Tensor:
-        return self.stash.run_paged(compute, self.layer, self.top_k, x, offsets)
 
 
 class PagedStash(nn.Module):
@@ -194,24 +158,16 @@ class PagedStash(nn.Module):
 
     def __init__(self, page_rows: int = 32, capacity_factor: float = 1.25) -> None:
         super().__init__()
-        _check_page_rows(page_rows)
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}")
-        self.page_rows = page_rows
-        self.capacity_factor = capacity_factor
+        self.page_rows = positive_int(page_rows, "page_rows")
+        self.capacity_factor = positive_number(capacity_factor, "capacity_factor")
         self.enabled = True
         self.plan: list[StashCall] = []
         self.pool_keys: list[tuple[int, torch.dtype]] = []
         self._planning: list[StashCall] | None = None
-        self._attached: list[nn.Module] = []
         self._model_ref = lambda: None
         self.register_buffer("overflow", torch.zeros((), dtype=torch.bool))
 
     # -- setting up ----------------------------------------------------------------------
-
-    def pages_for(self, call: StashCall) -> int:
-        """Pages the pool sets aside for one planned activation."""
-        return math.ceil(self.capacity_factor * call.rows / self.page_rows) + call.n_experts
 
     def attach(self, model: nn.Module, example_batch: Batch) -> PagedStash:
         """Wrap the expert compute of every MoE layer of ``model`` and size the pools from
@@ -219,16 +175,14 @@ class PagedStash(nn.Module):
         layers = list(getattr(model, "moe_layers", []))
         if not layers:
             raise ValueError("PagedStash.attach: the model has no MoE layers (model.moe_layers)")
-        if self._attached:
-            raise ValueError("PagedStash.attach: already attached; detach() first")
+        if self._model_ref() is not None:
+            raise ValueError("PagedStash.attach: already attached (a stash serves one model)")
         for index, layer in enumerate(layers):
             if layer.dispatcher != "dropless":
                 raise ValueError(f"PagedStash.attach: MoE layer {index} uses dispatcher "
                                  f"{layer.dispatcher!r}; paging needs the dropless dispatcher's "
                                  "expert-sorted rows and offsets")
-            experts = layer.experts
-            experts.use_activation_store(_LayerStore(self, index, layer.cfg.top_k))
-            self._attached.append(experts)
+            layer.experts.use_activation_store(functools.partial(self.run_paged, index, layer.cfg.top_k))
         self._model_ref = weakref.ref(model)  # not a submodule: the stash does not own the model
         self._planning = []
         try:
@@ -239,27 +193,18 @@ class PagedStash(nn.Module):
         self._allocate(planned, next(model.parameters()).device)
         return self
 
-    def detach(self) -> None:
-        """Give the experts back to autograd's saving (the pools stay allocated until the
-        stash is dropped)."""
-        for experts in self._attached:
-            experts.use_activation_store(None)
-        self._attached = []
-
     def check_attached(self, model: nn.Module) -> None:
-        if not self._attached or self._model_ref() is not model:
+        if self._model_ref() is not model:
             raise ValueError("the paged stash is not attached to this model: "
                              "call stash.attach(model, example_batch) first")
 
     def _allocate(self, planned: list[StashCall], device: torch.device) -> None:
         self.plan = planned
-        keys: list[tuple[int, torch.dtype]] = []
-        for call in planned:
-            if (call.width, call.dtype) not in keys:
-                keys.append((call.width, call.dtype))
-        self.pool_keys = keys
-        for i, (width, dtype) in enumerate(keys):
-            n_pages = sum(self.pages_for(c) for c in planned if (c.width, c.dtype) == (width, dtype))
+        self.pool_keys = list(dict.fromkeys((call.width, call.dtype) for call in planned))
+        for i, (width, dtype) in enumerate(self.pool_keys):
+            # Each planned activation sets aside ceil(capacity_factor · rows / page_rows) + E pages.
+            n_pages = sum(math.ceil(self.capacity_factor * c.rows / self.page_rows) + c.n_experts
+                          for c in planned if (c.width, c.dtype) == (width, dtype))
             self.register_buffer(f"pool{i}", torch.zeros(n_pages + 1, self.page_rows, width,
                                                          dtype=dtype, device=device))
             self.register_buffer(f"head{i}", torch.zeros((), dtype=torch.int64, device=device))
@@ -298,7 +243,7 @@ class PagedStash(nn.Module):
         head.add_(used)
         dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
         pool.view(-1, pool.shape[-1]).index_copy_(0, dest, t)
-        return _Stashed(i, offsets, first_page, tuple(t.shape), t.dtype)
+        return _Stashed(i, offsets, first_page, tuple(t.shape))
 
     def restore(self, handle: _Stashed) -> Tensor:
         """The stashed tensor, gathered back from its pages (a contiguous copy)."""
@@ -308,35 +253,29 @@ class PagedStash(nn.Module):
         dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
         return pool.view(-1, pool.shape[-1]).index_select(0, dest).view(handle.shape)
 
-    def run_paged(self, compute: Callable[[], Tensor], layer: int, top_k: int, x: Tensor,
+    def run_paged(self, layer: int, top_k: int, compute: Callable[[], Tensor], x: Tensor,
                   offsets: Tensor) -> Tensor:
         """``compute()`` — layer ``layer``'s expert MLP on ``x`` grouped by ``offsets`` — with
-        its saved activations paged (planned, during `attach`)."""
+        its saved activations paged (planned, during `attach`): the activation store `attach`
+        gives each layer's experts, with ``layer`` and ``top_k`` bound."""
         if not self.enabled or (self._planning is None and not self.pool_keys):
             return compute()
         rows = x.shape[0]
 
-        def pageable(t: Tensor) -> bool:
+        def pack(t: Tensor) -> Tensor | _Stashed:
             # Activations: one row per sorted assignment. Not the weights (leaves that
             # require grad) nor the offsets.
-            return (t.dim() == 2 and t.shape[0] == rows and t.is_floating_point()
-                    and not (t.is_leaf and t.requires_grad))
-
-        if self._planning is not None:
-            def pack(t: Tensor) -> Tensor:
-                if pageable(t):
-                    self._planning.append(StashCall(layer, t.shape[1], t.dtype, rows,
-                                                    offsets.shape[0] - 1, top_k))
+            pageable = (t.dim() == 2 and t.shape[0] == rows and t.is_floating_point()
+                        and not (t.is_leaf and t.requires_grad))
+            if not pageable:
                 return t
+            if self._planning is None:
+                return self.stash(t, offsets)
+            self._planning.append(StashCall(layer, t.shape[1], t.dtype, rows, offsets.shape[0] - 1, top_k))
+            return t  # planning: kept as it is
 
-            def unpack(t: Tensor) -> Tensor:
-                return t
-        else:
-            def pack(t: Tensor) -> Tensor | _Stashed:
-                return self.stash(t, offsets) if pageable(t) else t
-
-            def unpack(t: Tensor | _Stashed) -> Tensor:
-                return self.restore(t) if isinstance(t, _Stashed) else t
+        def unpack(t: Tensor | _Stashed) -> Tensor:
+            return self.restore(t) if isinstance(t, _Stashed) else t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return compute()
@@ -351,13 +290,15 @@ class PagedStash(nn.Module):
 
     @property
     def exact_bytes(self) -> int:
-        """Bytes of the planned activations at their exact size (eager PyTorch, one device)."""
-        return sum(c.exact_bytes for c in self.plan)
+        """Bytes of the planned activations at their exact size, the routed rows (eager PyTorch,
+        one device)."""
+        return sum(c.rows * c.width * c.dtype.itemsize for c in self.plan)
 
     @property
     def worst_case_bytes(self) -> int:
-        """Bytes of static per-expert buffers with room for every token at every expert."""
-        return sum(c.worst_case_bytes for c in self.plan)
+        """Bytes of static per-expert buffers with room for every token at every expert:
+        ``E · T`` rows per planned activation."""
+        return sum(c.n_experts * (c.rows // c.top_k) * c.width * c.dtype.itemsize for c in self.plan)
 
     def pages_used(self) -> list[int]:
         """Pages taken in each pool by the last step (reads the device: for reports only)."""
@@ -377,25 +318,6 @@ class PagedStash(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
-def expert_parallel_counts(tokens_per_rank: int, n_experts: int, top_k: int, ep_size: int,
-                           skew: float, seed: int = 0) -> Tensor:
-    """``[ep_size, n_experts // ep_size]`` int64: the rows each device receives for each of
-    its experts when every one of ``ep_size`` ranks routes ``tokens_per_rank`` tokens top-k
-    among ``n_experts`` with Zipf-like popularity ``p_e ∝ (e + 1) ** -skew`` (skew 0:
-    uniform; device 0 holds the most popular experts)."""
-    if n_experts % ep_size:
-        raise ValueError(f"ep_size must divide n_experts={n_experts}, got {ep_size}")
-    if skew < 0:
-        raise ValueError(f"skew must be >= 0, got {skew}")
-    g = torch.Generator().manual_seed(seed)
-    popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
-    ids = torch.multinomial(popularity.expand(tokens_per_rank * ep_size, n_experts), top_k,
-                            replacement=False, generator=g)
-    counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(
-        0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int64))
-    return counts.view(ep_size, n_experts // ep_size)
-
-
 def simulate_expert_parallel(tokens_per_rank: int, n_experts: int, top_k: int, ep_size: int,
                              skews: Sequence[float], page_rows: int = 32, capacity_factor: float = 1.25,
                              seed: int = 0) -> list[dict]:
@@ -404,31 +326,28 @@ def simulate_expert_parallel(tokens_per_rank: int, n_experts: int, top_k: int, e
     ``paged`` (its pages × page_rows), ``pool`` (the fixed pool:
     ``ceil(cf · T·k / page_rows) + E_local`` pages), ``worst_case`` (a static buffer for
     every token of the group at each local expert: ``E_local · ep · T = E · T``), and
-    whether any device ``overflow`` s its pool. The pages come from `page_table`."""
-    _check_page_rows(page_rows)
-    local = n_experts // ep_size if n_experts % ep_size == 0 else None
-    if local is None:
+    whether any device ``overflow`` s its pool. The pages come from `pages_per_expert`.
+
+    The routing is simulated: every one of ``ep_size`` ranks routes ``tokens_per_rank``
+    tokens top-k among ``n_experts`` with Zipf-like popularity ``p_e ∝ (e + 1) ** -skew``
+    (skew 0: uniform; device 0 holds the most popular experts)."""
+    if n_experts % ep_size:
         raise ValueError(f"ep_size must divide n_experts={n_experts}, got {ep_size}")
+    local = n_experts // ep_size
     pool_pages = math.ceil(capacity_factor * tokens_per_rank * top_k / page_rows) + local
-    worst = n_experts * tokens_per_rank
     rows_out = []
     for skew in skews:
-        counts = expert_parallel_counts(tokens_per_rank, n_experts, top_k, ep_size, skew, seed)
-        pages = []
-        for device_counts in counts:
-            offsets = F.pad(device_counts.cumsum(0), (1, 0))
-            pages.append(int(pages_per_expert(offsets, page_rows).sum()))
+        g = torch.Generator().manual_seed(seed)
+        popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
+        ids = torch.multinomial(popularity.expand(tokens_per_rank * ep_size, n_experts), top_k,
+                                replacement=False, generator=g)
+        counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(
+            0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int64)).view(ep_size, local)
+        pages = [int(pages_per_expert(F.pad(c.cumsum(0), (1, 0)), page_rows).sum()) for c in counts]
         busiest = int(counts.sum(1).argmax())
         rows_out.append({
             "skew": float(skew), "exact": int(counts[busiest].sum()),
             "paged": pages[busiest] * page_rows, "pool": pool_pages * page_rows,
-            "worst_case": worst, "overflow": any(p > pool_pages for p in pages),
-            "devices_overflowing": sum(p > pool_pages for p in pages),
-            "imbalance": float(counts.sum(1).max() / counts.sum(1).float().mean()),
+            "worst_case": n_experts * tokens_per_rank, "overflow": any(p > pool_pages for p in pages),
         })
     return rows_out
-
-
-# --------------------------------------------------------------------------------------
-# The picture
-# --------------------------------------------------------------------------------------

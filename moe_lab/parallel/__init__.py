@@ -13,20 +13,5 @@
   (`MergedModelStep`, used by ``scripts/train_ep.py --schedule 1f1b``);
 - ``timeline`` — the per-chunk events such a step records (`Timeline`).
 
-Submodules load on first use: ``import moe_lab.parallel`` imports nothing heavy.
+``import moe_lab.parallel`` imports nothing: import the submodule you need.
 """
-
-from __future__ import annotations
-
-import importlib
-from types import ModuleType
-
-__all__ = ["ep", "chunks", "overlap", "plan", "merged", "merged_model", "timeline"]
-
-
-def __getattr__(name: str) -> ModuleType:
-    if name in __all__:
-        module = importlib.import_module(f"{__name__}.{name}")
-        globals()[name] = module
-        return module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_lab.checks import positive_int
 from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.experts import check_no_hidden_sync, grouped_mm, grouped_mm_wgrad, swiglu
 from moe_lab.parallel.ep import EPMoELayer, received_order
@@ -40,12 +39,9 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["Chunk", "ChunkStages", "StageClock", "chunk_rows", "mark_end_when_done"]
-
 
 def chunk_rows(tokens: int, n_chunks: int) -> list[slice]:
     """``n_chunks`` contiguous, near-equal row ranges covering ``tokens`` rows."""
-    positive_int(n_chunks, "n_chunks")
     bounds = [round(i * tokens / n_chunks) for i in range(n_chunks + 1)]  # host arithmetic
     return [slice(bounds[i], bounds[i + 1]) for i in range(n_chunks)]
 
@@ -56,11 +52,7 @@ class StageClock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.origin = torch.cuda.Event(enable_timing=True)
-            self.origin.record()
-        else:
-            self.origin = time.perf_counter()
+        self.origin = self.now()
 
     def now(self) -> float | torch.cuda.Event:
         if self.cuda:
@@ -77,29 +69,25 @@ class StageClock:
     def timeline(self, rank: int, label: str, events: list[dict]) -> Timeline:
         """The step so far as a `Timeline`: its wall time and every recorded event (dicts
         with ``chunk, lane, name, phase, start, end, nbytes``; an event never ended lasts 0)."""
+        end = self.now()
         if self.cuda:
-            end = self.now()
             torch.cuda.synchronize()
-            step_s = self.seconds(end)
-        else:
-            step_s = time.perf_counter() - self.origin
-        return Timeline(rank, label, step_s, [
+        return Timeline(rank, label, self.seconds(end), [
             Event(e["chunk"], e["lane"], e["name"], e["phase"], self.seconds(e["start"]),
                   self.seconds(e["end"] if e["end"] is not None else e["start"]), e["nbytes"])
             for e in events])
 
+    def mark_end_when_done(self, work: Work | None, event: dict) -> None:
+        """On the CPU, stamp ``event["end"]`` when gloo's thread completes ``work``: a transfer
+        that finished while the processor computed shows where it really ended."""
+        if work is None:
+            return
 
-def mark_end_when_done(work: Work | None, event: dict) -> None:
-    """On the CPU, stamp ``event["end"]`` when gloo's thread completes ``work``: a transfer
-    that finished while the processor computed shows where it really ended."""
-    if work is None:
-        return
+        def done(_future: object) -> None:
+            if event.get("end") is None:
+                event["end"] = time.perf_counter()
 
-    def done(_future: object) -> None:
-        if event.get("end") is None:
-            event["end"] = time.perf_counter()
-
-    work.get_future().add_done_callback(done)
+        work.get_future().add_done_callback(done)
 
 
 @dataclass
@@ -140,8 +128,6 @@ class ChunkStages:
     """
 
     def __init__(self, layer: EPMoELayer) -> None:
-        if not isinstance(layer, EPMoELayer):
-            raise ValueError(f"layer must be an EPMoELayer, got {type(layer).__name__}")
         if layer.mode != "dropless":
             raise ValueError(f"the chunked stages schedule the dropless exchange; layer.mode is "
                              f"{layer.mode!r}")

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe_lab.checks import one_of, positive_int, positive_number
+from moe_lab.checks import one_of, positive_number
 from moe_lab.config import ModelImpls, MoEConfig
 from moe_lab.moe.dispatch import sort_by_expert
 from moe_lab.moe.experts import SwiGLUExperts
@@ -58,16 +58,9 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = [
-    "AllToAll", "all_to_all", "exchange_rows", "exchange_counts", "EPMoELayer", "EPStats",
-    "from_layer", "DISPATCH_MODES", "OVERFLOW_POLICIES", "rank_experts", "traffic_matrix",
-    "split_sizes", "ep_budget", "received_order", "sync_gradients", "clip_grad_norm_ep",
-]
-
 DISPATCH_MODES = ("dropless", "budget")
 OVERFLOW_POLICIES = ("rerun", "drop")
-_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")
-                if hasattr(torch, n))
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 
 
 # --------------------------------------------------------------------------------------
@@ -82,7 +75,7 @@ def exchange_rows(x: Tensor, output_splits: list[int] | None, input_splits: list
 
     ``x: [rows, ...]`` → ``[sum(output_splits) or rows, ...]``. With ``async_op`` returns
     ``(output, work)``; the output is valid after ``work.wait()`` (``work`` is None on a
-    group of one rank). Not differentiable: `all_to_all` is.
+    group of one rank). Not differentiable: `AllToAll` is.
     """
     x = x.contiguous()
     rows = x.shape[0] if output_splits is None else int(sum(output_splits))
@@ -99,7 +92,9 @@ def exchange_rows(x: Tensor, output_splits: list[int] | None, input_splits: list
 
 
 class AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` as an autograd function: its backward is the reverse
+    """``all_to_all_single`` as an autograd function: ``AllToAll.apply(x, output_splits,
+    input_splits, group)`` sends ``input_splits[j]`` rows of ``x`` to rank ``j`` and receives
+    ``output_splits[i]`` from rank ``i`` (``None``: equal blocks). Its backward is the reverse
     all-to-all of the gradient (input and output splits swapped)."""
 
     @staticmethod
@@ -115,19 +110,9 @@ class AllToAll(torch.autograd.Function):
         return exchange_rows(grad, input_splits, output_splits, ctx.group), None, None, None
 
 
-def all_to_all(x: Tensor, output_splits: list[int] | None = None,
-               input_splits: list[int] | None = None, group: ProcessGroup | None = None) -> Tensor:
-    """Differentiable all-to-all of the rows of ``x``: ``input_splits[j]`` rows go to rank
-    ``j``, ``output_splits[i]`` rows arrive from rank ``i`` (``None``: equal blocks)."""
-    return AllToAll.apply(x, output_splits, input_splits, group)
-
-
 def exchange_counts(send_counts: Tensor, group: ProcessGroup | None = None) -> Tensor:
     """``send_counts: [W, n]`` (row ``j``: what this rank sends rank ``j``) → ``[W, n]``
     (row ``i``: what rank ``i`` sends this rank). Equal splits: no sizes needed on the host."""
-    world = dist.get_world_size(group)
-    if send_counts.dim() != 2 or send_counts.shape[0] != world:
-        raise ValueError(f"send_counts must be [world_size={world}, n], got {tuple(send_counts.shape)}")
     return exchange_rows(send_counts, None, None, group)
 
 
@@ -161,13 +146,11 @@ def traffic_matrix(topk_ids_per_rank: list[Tensor], n_experts: int) -> Tensor:
     return torch.stack([split_sizes(ids, n_experts, world) for ids in topk_ids_per_rank])
 
 
-def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float,
-              multiple: int = 1) -> int:
+def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float) -> int:
     """Rows per (source, destination) block in the budgeted mode:
-    ``ceil(capacity_factor · tokens · top_k / world_size)``, rounded up to ``multiple``."""
+    ``ceil(capacity_factor · tokens · top_k / world_size)``, at least 1."""
     positive_number(capacity_factor, "capacity_factor")
-    b = math.ceil(capacity_factor * tokens * top_k / world_size)
-    return max(1, -(-b // multiple) * multiple)
+    return max(1, math.ceil(capacity_factor * tokens * top_k / world_size))
 
 
 def _local_order(row_expert: Tensor) -> tuple[Tensor, Tensor]:
@@ -223,52 +206,22 @@ class EPMoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, group: ProcessGroup | None = None, mode: str = "dropless",
                  capacity_factor: float = 1.25, on_overflow: str = "rerun",
                  expert_backend: str = ModelImpls.expert_backend,
-                 router_impl: str = ModelImpls.router_impl, budget_multiple: int = 1, *,
-                 quant: str | None = None) -> None:
+                 router_impl: str = ModelImpls.router_impl, *, quant: str | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: start the ranks with "
                                "moe_lab.workbench.ranks.launch.run_ranks or torchrun first")
         one_of(mode, "mode", DISPATCH_MODES)
         one_of(on_overflow, "on_overflow", OVERFLOW_POLICIES)
         positive_number(capacity_factor, "capacity_factor")
-        positive_int(budget_multiple, "budget_multiple")
-        world = dist.get_world_size(group)
-        if cfg.n_experts % world:
-            raise ValueError(f"cfg.n_experts={cfg.n_experts} must be divisible by the EP group "
-                             f"size {world}")
         super().__init__()
+        world = dist.get_world_size(group)
         self.cfg, self.group, self.ep_size, self.ep_rank = cfg, group, world, dist.get_rank(group)
+        self.local_experts = rank_experts(cfg.n_experts, world, self.ep_rank)  # checks n_experts
         self.n_local = cfg.n_experts // world
-        self.local_experts = rank_experts(cfg.n_experts, world, self.ep_rank)
-        self.mode, self.capacity_factor = mode, capacity_factor
-        self.on_overflow, self.budget_multiple = on_overflow, budget_multiple
+        self.mode, self.capacity_factor, self.on_overflow = mode, capacity_factor, on_overflow
         self.router = Router(cfg, impl=router_impl)
         self.experts = SwiGLUExperts(self.n_local, cfg.d_model, cfg.d_expert, expert_backend, quant)
         self.shared = shared_expert(cfg)
-
-    @classmethod
-    def from_layer(cls, layer: MoELayer, group: ProcessGroup | None = None,
-                   **kwargs: Any) -> EPMoELayer:
-        """This rank's part of ``layer``: its router and shared expert, and the slice of its
-        experts this rank owns. ``kwargs`` go to the constructor (``mode``, ...); the
-        expert backend, router and precision are ``layer``'s."""
-        if not isinstance(layer, MoELayer):
-            raise ValueError(f"layer must be a MoELayer, got {type(layer).__name__}")
-        kwargs.setdefault("expert_backend", layer.experts.backend)
-        kwargs.setdefault("router_impl", layer.router.impl)
-        w = layer.experts.w_gate_up
-        with torch.device(w.device):  # built where ``layer`` lives, not on the default device
-            ep = cls(layer.cfg, group, quant=layer.experts.quant, **kwargs)
-        ep.to(dtype=w.dtype)
-        lo, hi = ep.local_experts.start, ep.local_experts.stop
-        with torch.no_grad():
-            ep.router.load_state_dict(layer.router.state_dict())
-            if layer.shared is not None:
-                ep.shared.load_state_dict(layer.shared.state_dict())
-            ep.experts.w_gate_up.copy_(layer.experts.w_gate_up[lo:hi])
-            ep.experts.w_down.copy_(layer.experts.w_down[lo:hi])
-        ep.train(layer.training)
-        return ep
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: Tensor) -> tuple[Tensor, EPStats]:
@@ -278,26 +231,30 @@ class EPMoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
+        # 1. permute: this rank's T·k rows sorted by expert, hence grouped by destination rank
+        order, _ = sort_by_expert(routing.topk_ids, self.cfg.n_experts)
+        token_of = order // routing.topk_ids.shape[1]
+        x_sorted = tokens.index_select(0, token_of)  # [T·k, d]
+        counts = routing.tokens_per_expert.view(self.ep_size, self.n_local)  # [W, E_local]
+        # 2.–5. the exchange and this rank's experts: each permuted row's expert output
         if self.mode == "dropless":
-            y, info = self._dropless(tokens, routing.topk_ids, routing.topk_weights,
-                                     routing.tokens_per_expert)
+            y_rows, info = self._dropless(x_sorted, counts)
         else:
-            budget = ep_budget(tokens.shape[0], self.cfg.top_k, self.ep_size,
-                               self.capacity_factor, self.budget_multiple)
-            y, info = self._budgeted(tokens, routing.topk_ids, routing.topk_weights,
-                                     routing.tokens_per_expert, budget)
+            row_dest = routing.topk_ids.reshape(-1).index_select(0, order) // self.n_local  # [T·k]
+            budget = ep_budget(tokens.shape[0], self.cfg.top_k, self.ep_size, self.capacity_factor)
+            y_rows, info = self._budgeted(x_sorted, row_dest, counts, budget)
             if self.on_overflow == "rerun" and bool(info["overflow"]):
                 # The one host read of the budgeted path, taken only to decide on a re-run
                 # (a production stack defers it to the end of the step). Every rank sees the
                 # same flag, so all re-run together, with the largest block any rank needs.
-                needed = int(info["needed"])
-                y, again = self._budgeted(tokens, routing.topk_ids, routing.topk_weights,
-                                          routing.tokens_per_expert,
-                                          -(-needed // self.budget_multiple) * self.budget_multiple)
+                y_rows, again = self._budgeted(x_sorted, row_dest, counts, int(info["needed"]))
                 again["reruns"] = 1
                 again["a2a_bytes"] += info["a2a_bytes"]
                 again["overflow"] = info["overflow"]
                 info = again
+        # 6. unpermute: weight by the router and sum each token's k rows
+        weight = routing.topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_rows.dtype)
+        y = torch.zeros_like(tokens).index_add_(0, token_of, y_rows * weight)
         if self.shared is not None:
             y = y + self.shared(tokens)
         stats = EPStats(
@@ -310,30 +267,18 @@ class EPMoELayer(nn.Module):
         )
         return y.reshape(shape), stats
 
-    def _row_bytes(self, x: Tensor) -> int:
-        return x.shape[-1] * x.element_size()
-
-    def _dropless(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                  tokens_per_expert: Tensor) -> tuple[Tensor, dict]:
-        k = topk_ids.shape[1]
-        world, n_local = self.ep_size, self.n_local
-        order, _ = sort_by_expert(topk_ids, self.cfg.n_experts)
-        token_of = order // k
-        x_sorted = tokens.index_select(0, token_of)  # [T·k, d], grouped by destination rank
-        send_counts = tokens_per_expert.view(world, n_local)
+    def _dropless(self, x_sorted: Tensor, send_counts: Tensor) -> tuple[Tensor, dict]:
         recv_counts = exchange_counts(send_counts, self.group)  # [W, E_local]
         # all_to_all_single takes its split sizes as Python ints: the host must see them.
         send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
-        x_recv = all_to_all(x_sorted, recv_splits, send_splits, self.group)
+        x_recv = AllToAll.apply(x_sorted, recv_splits, send_splits, self.group)
         y_recv = self._experts_on_received(x_recv, recv_counts)
-        y_back = all_to_all(y_recv, send_splits, recv_splits, self.group)
-        weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_back.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_of, y_back * weight)
+        y_back = AllToAll.apply(y_recv, send_splits, recv_splits, self.group)
         sent = sum(send_splits) - send_splits[self.ep_rank]
         returned = sum(recv_splits) - recv_splits[self.ep_rank]
-        info = {"dropped": torch.zeros((), dtype=torch.int64, device=tokens.device),
-                "a2a_bytes": (sent + returned) * self._row_bytes(tokens)}
-        return out, info
+        info = {"dropped": torch.zeros((), dtype=torch.int64, device=x_sorted.device),
+                "a2a_bytes": (sent + returned) * x_sorted.shape[1] * x_sorted.element_size()}
+        return y_back, info
 
     def _experts_on_received(self, x_recv: Tensor, recv_counts: Tensor) -> Tensor:
         """Rows grouped by (source rank, local expert) → local experts → same row order."""
@@ -341,23 +286,17 @@ class EPMoELayer(nn.Module):
         y = self.experts.grouped_forward(x_recv.index_select(0, order), F.pad(ends, (1, 0)))
         return y.index_select(0, inverse)
 
-    def _budgeted(self, tokens: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                  tokens_per_expert: Tensor, budget: int) -> tuple[Tensor, dict]:
-        k = topk_ids.shape[1]
+    def _budgeted(self, x_sorted: Tensor, row_dest: Tensor, counts: Tensor,
+                  budget: int) -> tuple[Tensor, dict]:
         world, n_local = self.ep_size, self.n_local
-        rows, d = topk_ids.numel(), tokens.shape[1]
-        device = tokens.device
-        order, _ = sort_by_expert(topk_ids, self.cfg.n_experts)
-        token_of = order // k
-        counts = tokens_per_expert.view(world, n_local)
+        rows, d = x_sorted.shape
         per_dest = counts.sum(1)  # [W]
         dest_start = F.pad(per_dest.cumsum(0), (1, 0))[:-1]
-        row_dest = topk_ids.reshape(-1).index_select(0, order) // n_local  # [T·k], sorted
-        position = torch.arange(rows, device=device) - dest_start.index_select(0, row_dest)
+        position = torch.arange(rows, device=x_sorted.device) - dest_start.index_select(0, row_dest)
         keep = position < budget
         trash = world * budget  # dropped rows land on one extra row that is never sent
         slot = torch.where(keep, row_dest * budget + position, torch.full_like(position, trash))
-        send = tokens.new_zeros(trash + 1, d).index_add(0, slot, tokens.index_select(0, token_of))
+        send = x_sorted.new_zeros(trash + 1, d).index_add(0, slot, x_sorted)
         # Rows kept per (destination, local expert): each destination's block is sorted by
         # expert, so the kept rows are a prefix of it.
         kept_cum = counts.cumsum(1).clamp(max=budget)
@@ -367,17 +306,15 @@ class EPMoELayer(nn.Module):
         meta = torch.cat([kept, overflow_local.expand(world, 1), per_dest.max().expand(world, 1)], 1)
         meta_recv = exchange_counts(meta, self.group)  # [W, E_local + 2]
         recv_kept = meta_recv[:, :n_local]
-        x_recv = all_to_all(send[:trash], None, None, self.group)  # [W·B, d]
+        x_recv = AllToAll.apply(send[:trash], None, None, self.group)  # [W·B, d]
         y_recv = self._experts_on_budget(x_recv, recv_kept, budget)
-        y_back = all_to_all(y_recv, None, None, self.group)
+        y_back = AllToAll.apply(y_recv, None, None, self.group)
         y_rows = torch.cat([y_back, y_back.new_zeros(1, d)]).index_select(0, slot)
-        weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_rows.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_of, y_rows * weight)
         # Every rank's flag reaches every rank, so all agree on a re-run.
         info = {"dropped": (~keep).sum(), "overflow": meta_recv[:, n_local].amax() > 0,
                 "needed": meta_recv[:, n_local + 1].amax(), "budget": budget, "reruns": 0,
-                "a2a_bytes": 2 * (world - 1) * budget * self._row_bytes(tokens)}
-        return out, info
+                "a2a_bytes": 2 * (world - 1) * budget * d * x_sorted.element_size()}
+        return y_rows, info
 
     def _experts_on_budget(self, x_recv: Tensor, recv_kept: Tensor, budget: int) -> Tensor:
         """``x_recv: [W·B, d]``, block ``i`` from rank ``i`` holding ``recv_kept[i].sum()`` real
@@ -393,16 +330,28 @@ class EPMoELayer(nn.Module):
         y = self.experts.grouped_forward(x_recv.index_select(0, order), offsets.to(torch.int32))
         return y.index_select(0, inverse)
 
-    def extra_repr(self) -> str:
-        c = self.cfg
-        return (f"experts={c.n_experts} ({self.n_local} on rank {self.ep_rank} of {self.ep_size}), "
-                f"top_k={c.top_k}, mode={self.mode!r}, expert_backend={self.experts.backend!r}")
 
-
-def from_layer(layer: MoELayer, group: ProcessGroup | None = None,
-               **kwargs: Any) -> EPMoELayer:
-    """`EPMoELayer.from_layer`: this rank's expert-parallel part of a single-process layer."""
-    return EPMoELayer.from_layer(layer, group, **kwargs)
+def from_layer(layer: MoELayer, group: ProcessGroup | None = None, **kwargs: Any) -> EPMoELayer:
+    """This rank's `EPMoELayer` part of the single-process ``layer``: its router and shared
+    expert, and the slice of its experts this rank owns. ``kwargs`` go to the constructor
+    (``mode``, ...); the expert backend, router and precision are ``layer``'s."""
+    if not isinstance(layer, MoELayer):
+        raise ValueError(f"layer must be a MoELayer, got {type(layer).__name__}")
+    kwargs.setdefault("expert_backend", layer.experts.backend)
+    kwargs.setdefault("router_impl", layer.router.impl)
+    w = layer.experts.w_gate_up
+    with torch.device(w.device):  # built where ``layer`` lives, not on the default device
+        ep = EPMoELayer(layer.cfg, group, quant=layer.experts.quant, **kwargs)
+    ep.to(dtype=w.dtype)
+    lo, hi = ep.local_experts.start, ep.local_experts.stop
+    with torch.no_grad():
+        ep.router.load_state_dict(layer.router.state_dict())
+        if layer.shared is not None:
+            ep.shared.load_state_dict(layer.shared.state_dict())
+        ep.experts.w_gate_up.copy_(layer.experts.w_gate_up[lo:hi])
+        ep.experts.w_down.copy_(layer.experts.w_down[lo:hi])
+    ep.train(layer.training)
+    return ep
 
 
 def _expert_param_ids(model: torch.nn.Module) -> set[int]:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_lab.checks import positive_int
-from moe_lab.parallel.chunks import Chunk, ChunkStages, StageClock, chunk_rows, mark_end_when_done
+from moe_lab.parallel.chunks import Chunk, ChunkStages, StageClock, chunk_rows
 from moe_lab.parallel.ep import EPMoELayer, exchange_counts, exchange_rows
 from moe_lab.parallel.plan import DISPLAY_NAMES, Stage, check_plan, plan, stage_graph
 from moe_lab.parallel.plan import stage_name as _n
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     from torch.distributed import Work
 
 Tensor = torch.Tensor
-
-__all__ = ["MergedStep", "MicroBatch", "two_microbatch_step"]
 
 
 @dataclass
@@ -56,8 +54,6 @@ class MicroBatch:
     key: str
     owner: MergedStep | None = None  # the step (hence the layer) whose stages it runs
     chunks: list[Chunk] = field(default_factory=list)
-    forward_done: bool = False
-    backward_done: bool = False
 
     @property
     def y(self) -> Tensor:
@@ -115,12 +111,11 @@ class MergedStep:
 
     def microbatch(self, x: Tensor, grad_out: Tensor | None, key: str) -> MicroBatch:
         """A micro-batch of this step's layer; ``grad_out`` may be None until its backward."""
-        d = self.layer.cfg.d_model
-        if x.dim() != 2 or x.shape[1] != d or (grad_out is not None and grad_out.shape != x.shape):
-            raise ValueError(f"x and grad_out must be [tokens, d_model={d}], got {tuple(x.shape)} "
-                             f"and {None if grad_out is None else tuple(grad_out.shape)}")
-        if x.shape[0] < self.n_chunks:
-            raise ValueError(f"x has {x.shape[0]} tokens, fewer than n_chunks={self.n_chunks}")
+        d, n = self.layer.cfg.d_model, self.n_chunks
+        if (x.dim() != 2 or x.shape[1] != d or x.shape[0] < n
+                or (grad_out is not None and grad_out.shape != x.shape)):
+            raise ValueError(f"x and grad_out must be [tokens >= n_chunks={n}, d_model={d}], got "
+                             f"{tuple(x.shape)} and {None if grad_out is None else tuple(grad_out.shape)}")
         return MicroBatch(x, grad_out, key, owner=self)
 
     # ----------------------------------------------------------------- collectives
@@ -143,7 +138,7 @@ class MergedStep:
             out, work = exchange_rows(x, out_splits, in_splits, layer.group, async_op=True)
             handle = _Handle(out, work, event)
             if event is not None:
-                mark_end_when_done(work, event)
+                clock.mark_end_when_done(work, event)
         if self.keep_for_replay:
             self.cache[key] = out
         if wait_now:
@@ -167,16 +162,6 @@ class MergedStep:
         `Timeline` (events on a compute and a comm lane; the step's wall time)."""
         stages = stage_graph(self.n_chunks, forward=fwd is not None, backward=bwd is not None)
         check_plan(order, stages)
-        for mb in (fwd, bwd):
-            if mb is not None and (mb.owner is None or mb.owner.n_chunks != self.n_chunks):
-                raise ValueError(f"micro-batch {mb.key!r} must come from a MergedStep with "
-                                 f"n_chunks={self.n_chunks} (use step.microbatch)")
-        if (fwd is not None and fwd.forward_done) or (bwd is not None and (
-                bwd.backward_done or bwd.grad_out is None or not (bwd.forward_done or bwd is fwd))):
-            raise ValueError("fwd must not have run its forward; bwd must have run its forward, "
-                             "not its backward, and have its grad_out")
-        if replay and not (fwd or bwd).owner.cache:
-            raise ValueError("replay=True needs a real run first (nothing to replay)")
         return _PlanRun(fwd, bwd, replay, sequential).execute(order, stages, label, before_stage)
 
 
@@ -212,10 +197,6 @@ class _PlanRun:
             self.ACTIONS[stage.kind](self, stage.chunk)
             self.events.append({"chunk": stage.chunk, "lane": "compute", "name": DISPLAY_NAMES[stage.kind],
                                 "phase": stage.phase, "start": start, "end": self.clock.now(), "nbytes": 0})
-        if self.f is not None:
-            self.f.forward_done = True
-        if self.b is not None:
-            self.b.backward_done = True
         return self.clock.timeline(self.layer.ep_rank, label, self.events)
 
     def comm(self, side: str, kind: str, c: int, send: Tensor, out_splits: list[int],
@@ -304,8 +285,6 @@ def two_microbatch_step(step: MergedStep, xs: tuple[Tensor, Tensor], grads: tupl
     the backward of 1 (cool-down). Gradients accumulate into the layer. Returns the outputs,
     the input gradients and the three timelines. With ``schedule="sequential"`` every
     collective is waited for at once: the plain schedule the merged one must equal."""
-    if len(xs) != 2 or len(grads) != 2:
-        raise ValueError(f"xs and grads must hold two micro-batches each, got {len(xs)} and {len(grads)}")
     seq = schedule == "sequential"
     n = step.n_chunks
     mb0, mb1 = step.microbatch(xs[0], grads[0], "mb0"), step.microbatch(xs[1], grads[1], "mb1")

@@ -41,8 +41,6 @@ from moe_lab.parallel.timeline import Timeline
 
 Tensor = torch.Tensor
 
-__all__ = ["ChunkedStep", "SCHEDULES", "exposed_time"]
-
 SCHEDULES = ("sequential", "overlap")
 
 
@@ -58,13 +56,11 @@ class ChunkedStep:
 
     ``run(x, grad_out, schedule=..., delay_wgrad=..., replay=...)`` returns ``(y, dx,
     Timeline)``; parameter gradients accumulate into ``layer``'s ``.grad`` as ``backward()``
-    would (see `ChunkStages` for ``ops.aux_scale``).
+    would (see `ChunkStages` for ``merged.ops.aux_scale``).
     """
 
     def __init__(self, layer: EPMoELayer, n_chunks: int) -> None:
         self.merged = MergedStep(layer, n_chunks)  # checks the layer
-        self.layer, self.n_chunks = layer, n_chunks
-        self.ops, self.cache = self.merged.ops, self.merged.cache
 
     def run(self, x: Tensor, grad_out: Tensor, schedule: str = "overlap", delay_wgrad: bool = False,
             replay: bool = False, label: str | None = None,
@@ -75,10 +71,8 @@ class ChunkedStep:
         of the chunk being computed; more absorbs more jitter, at the cost of buffers."""
         positive_int(lookahead, "lookahead")
         one_of(schedule, "schedule", SCHEDULES)
-        if grad_out is None:
-            raise ValueError("grad_out must be a tensor shaped like x, got None")
         mb = self.merged.microbatch(x, grad_out, "x")
-        order = chunked_plan(self.n_chunks, lookahead=lookahead, delay_wgrad=delay_wgrad)
+        order = chunked_plan(self.merged.n_chunks, lookahead=lookahead, delay_wgrad=delay_wgrad)
         label = label or ("compute only" if replay else schedule) + " + delayed wgrad" * delay_wgrad
         timeline = self.merged.run(order, mb, mb, replay, schedule == "sequential", label)
         return mb.y, mb.dx, timeline

@@ -42,11 +42,6 @@ from dataclasses import dataclass
 from moe_lab.checks import one_of, positive_int
 from moe_lab.parallel.timeline import Event, Timeline
 
-__all__ = [
-    "Stage", "stage_graph", "stage_name", "plan", "chunked_plan", "check_plan", "simulate_plan", "PlanError",
-    "SCHEDULES", "COMM_STAGES", "DISPLAY_NAMES", "MODEL_COSTS",
-]
-
 SCHEDULES = ("sequential", "chunked", "1f1b", "1f1b+chunked")
 COMM_STAGES = ("counts", "dispatch", "combine", "combine⁻¹", "dispatch⁻¹")
 # the names stages carry on a timeline
@@ -96,8 +91,6 @@ def stage_graph(n_chunks: int = 1, forward: bool = True, backward: bool = True) 
     """The stages of one merged unit (``F``'s forward and/or ``B``'s backward of one MoE
     layer, ``n_chunks`` chunks each), by name, with their dependencies."""
     positive_int(n_chunks, "n_chunks")
-    if not (forward or backward):
-        raise ValueError("stage_graph needs forward=True or backward=True (or both)")
     stages: list[Stage] = []
 
     def add(mb: str, kind: str, c: int | None, deps: list[str]) -> None:
@@ -204,8 +197,7 @@ def plan(schedule: str, n_chunks: int = 1, forward: bool = True, backward: bool 
     half (the warm-up forward or the cool-down backward), the 1F1B plans fall back to the
     chunked order of that half: there is no other micro-batch to merge with."""
     one_of(schedule, "schedule", SCHEDULES)
-    stage_graph(n_chunks, forward, backward)  # checks the arguments
-    n = n_chunks
+    n = positive_int(n_chunks, "n_chunks")
     if schedule == "sequential":
         return (_bwd_natural(n) if backward else []) + (_fwd_natural(n) if forward else [])
     if schedule == "chunked" or not (forward and backward):
@@ -243,7 +235,7 @@ MODEL_COSTS = {"route": 0.25, "shared": 0.5, "experts": 1.0, "unpermute": 0.25,
                "counts": 0.0, "dispatch": 1.0, "combine": 1.0, "combine⁻¹": 1.0, "dispatch⁻¹": 1.0}
 
 
-def simulate_plan(order: Iterable[str], stages: dict[str, Stage], costs: dict[str, float] | None = None,
+def simulate_plan(order: Iterable[str], stages: dict[str, Stage],
                   label: str = "model") -> tuple[list[dict], Timeline]:
     """Execute ``order`` on a model machine and return its event log and `Timeline`.
 
@@ -251,13 +243,12 @@ def simulate_plan(order: Iterable[str], stages: dict[str, Stage], costs: dict[st
     collectives one after another, in the order they were started (a collective starts
     when it is issued or when the link frees up, whichever is later); a compute stage
     that needs a collective's result *waits* until that collective has finished.
-    ``costs`` (default `MODEL_COSTS`): seconds per stage kind, divided by the chunk count.
+    Stage costs: `MODEL_COSTS` (seconds per stage kind), divided by the chunk count.
     The log lists, in order, ``{"op": "run" | "start" | "wait", "stage", "t", "end"}``;
     a ``wait`` entry has ``"finish"`` (when its collective ends) and ``"idle"`` (how long
     the processor stood still for it).
     """
     check_plan(order, stages)
-    costs = dict(MODEL_COSTS, **(costs or {}))
     n_chunks = max(1, max(s.chunk for s in stages.values()) + 1)
     now = link_free = 0.0
     finish: dict[str, float] = {}
@@ -266,7 +257,7 @@ def simulate_plan(order: Iterable[str], stages: dict[str, Stage], costs: dict[st
     waited: set[str] = set()
     for name in order:
         s = stages[name]
-        cost = costs[s.kind] / (1 if s.kind == "counts" else n_chunks)
+        cost = MODEL_COSTS[s.kind] / (1 if s.kind == "counts" else n_chunks)
         if s.lane == "comm":
             start = max(now, link_free)
             link_free = finish[name] = start + cost

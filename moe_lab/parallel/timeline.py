@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["Event", "Timeline"]
-
 
 @dataclass
 class Event:

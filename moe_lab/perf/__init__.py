@@ -17,6 +17,4 @@ from __future__ import annotations
 # The function `capabilities` shares its name with its submodule; binding it here, after the
 # submodule's import, keeps ``moe_lab.perf.capabilities`` meaning the function however the
 # submodule is imported later. Importing it probes nothing: the probe runs on first call.
-from moe_lab.perf.capabilities import Capabilities, capabilities
-
-__all__ = ["Capabilities", "capabilities"]
+from moe_lab.perf.capabilities import capabilities as capabilities

@@ -18,7 +18,7 @@ import importlib.util
 import os
 import platform
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -45,14 +45,14 @@ class Capabilities:
     device: str
     device_name: str
     n_threads: int
-    cuda_capability: tuple[int, int] | None
     n_devices: int
+    cuda_capability: tuple[int, int] | None
     triton_mode: str
     transformer_engine: bool
     native_mxfp8: bool
     has_grouped_mm: bool
-    versions: dict[str, str] = field(default_factory=dict)
     cpu_bf16: bool = False  # the CPU has bf16 matmul instructions (AVX512-BF16, AMX, Arm BF16)
+    versions: dict[str, str] = field(default_factory=dict)
 
     def hardware_label(self) -> str:
         """A short label for figures and the ledger: ``"H200"``, ``"H200 x8"``, or
@@ -64,41 +64,26 @@ class Capabilities:
 
     def summary(self) -> str:
         """One line: device, Triton mode, Transformer Engine, MXFP8, library versions."""
-        cc = (
-            f" sm_{self.cuda_capability[0]}{self.cuda_capability[1]}"
-            if self.cuda_capability
-            else ""
-        )
-        te = "no TE"
-        if self.transformer_engine:
-            te = "TE " + self.versions.get("transformer_engine", "present")
+        version = self.versions.get("transformer_engine", "present")
+        te = f"TE {version}" if self.transformer_engine else "no TE"
         mx = "native MXFP8" if self.native_mxfp8 else "MXFP8 emulated"
+        cc = ""
         if self.cuda_capability:  # what this GPU's row of the architecture table lets the kernels run
+            major, minor = self.cuda_capability
             a = gpu_arch(self.cuda_capability)
-            cc += f": kernels as {a.arch}, {a.mma}, MXFP8 product {mx_mma_of(a)}, {'' if a.tma else 'no '}TMA"
-        return (
-            f"{self.hardware_label()} ({self.device_name}{cc}, {self.n_threads} threads); "
-            f"triton {self.triton_mode}; "
-            f"{te}; {mx}; torch {self.versions.get('torch', '?')}, "
-            f"triton {self.versions.get('triton', '?')}, python {self.versions.get('python', '?')}"
-        )
+            cc = (f" sm_{major}{minor}: kernels as {a.arch}, {a.mma}, MXFP8 product {mx_mma_of(a)}, "
+                  f"{'' if a.tma else 'no '}TMA")
+        return (f"{self.hardware_label()} ({self.device_name}{cc}, {self.n_threads} threads); "
+                f"triton {self.triton_mode}; {te}; {mx}; torch {self.versions.get('torch', '?')}, "
+                f"triton {self.versions.get('triton', '?')}, python {self.versions.get('python', '?')}")
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict (tuples become lists), with the hardware label added."""
-        return {
-            "device": self.device,
-            "device_name": self.device_name,
-            "hardware_label": self.hardware_label(),
-            "n_threads": self.n_threads,
-            "n_devices": self.n_devices,
-            "cuda_capability": list(self.cuda_capability) if self.cuda_capability else None,
-            "triton_mode": self.triton_mode,
-            "transformer_engine": self.transformer_engine,
-            "native_mxfp8": self.native_mxfp8,
-            "has_grouped_mm": self.has_grouped_mm,
-            "cpu_bf16": self.cpu_bf16,
-            "versions": dict(self.versions),
-        }
+        """A JSON-ready dict of the fields, in their order (tuples become lists), with the
+        hardware label after the device name."""
+        fields = asdict(self)
+        fields["cuda_capability"] = list(self.cuda_capability) if self.cuda_capability else None
+        named = {"device": self.device, "device_name": self.device_name}
+        return {**named, "hardware_label": self.hardware_label(), **fields}
 
 
 def _short_gpu_name(name: str) -> str:
@@ -140,35 +125,15 @@ def _cpu_model() -> str:
     return _cpuinfo()[0] or platform.processor() or platform.machine() or "unknown cpu"
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def library_versions() -> dict[str, str]:
     """Versions of python, torch, triton, numpy and (when installed) Transformer Engine."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for key, dists in (
-        ("triton", ("triton",)),
-        ("numpy", ("numpy",)),
-        ("transformer_engine", ("transformer-engine", "transformer_engine")),
-    ):
-        for dist in dists:
-            v = _version(dist)
-            if v is not None:
-                versions[key] = v
-                break
+    for dist in ("triton", "numpy", "transformer_engine"):  # the lookup reads "-" and "_" alike
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return versions
-
-
-def _transformer_engine_importable() -> bool:
-    # find_spec, not import: Transformer Engine loads CUDA libraries at import time.
-    try:
-        return importlib.util.find_spec("transformer_engine") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def interprets_triton(cuda: bool | None = None) -> bool:
@@ -203,7 +168,8 @@ def capabilities() -> Capabilities:
         cuda_capability=cc,
         n_devices=n_devices,
         triton_mode=triton_mode,
-        transformer_engine=_transformer_engine_importable(),
+        # find_spec, not import: Transformer Engine loads CUDA libraries at import time.
+        transformer_engine=importlib.util.find_spec("transformer_engine") is not None,
         native_mxfp8=cc is not None and cc >= MXFP8_MIN_CAPABILITY,
         has_grouped_mm=hasattr(torch, "_grouped_mm"),
         versions=library_versions(),

@@ -27,7 +27,7 @@ All counts are per token of a training sequence of length ``seq_len`` (default
 
 from __future__ import annotations
 
-from moe_lab.checks import non_negative_int, positive_int
+from moe_lab.checks import positive_int
 from moe_lab.config import ModelConfig
 
 FLOPS_PER_MAC = 2
@@ -35,16 +35,8 @@ TRAIN_MULTIPLIER = 3  # forward + backward (input grad + weight grad)
 _TRAIN = FLOPS_PER_MAC * TRAIN_MULTIPLIER
 
 
-def _check_cfg(cfg: ModelConfig) -> None:
-    if not isinstance(cfg, ModelConfig):
-        raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-
-
 def _seq(cfg: ModelConfig, seq_len: int | None) -> int:
-    _check_cfg(cfg)
-    if seq_len is None:
-        return cfg.seq_len
-    return positive_int(seq_len, "seq_len", or_none=True)
+    return cfg.seq_len if seq_len is None else positive_int(seq_len, "seq_len", or_none=True)
 
 
 def attended_keys(seq_len: int, window: int = 0) -> float:
@@ -54,8 +46,6 @@ def attended_keys(seq_len: int, window: int = 0) -> float:
     window ``w < seq_len``: ``w - w^2 / (2 seq_len)`` (the band of width ``w`` below the
     diagonal of the ``seq_len x seq_len`` score matrix, per row). ``window=0``: no window.
     """
-    positive_int(seq_len, "seq_len")
-    non_negative_int(window, "window")
     if window == 0 or window >= seq_len:
         return seq_len / 2
     return window - window * window / (2 * seq_len)
@@ -203,13 +193,6 @@ def layer_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[
         else 0.0,
         "logits": float(_TRAIN * logits_macs(cfg)),
     }
-
-
-def active_params(cfg: ModelConfig, *, include_mtp: bool = False) -> int:
-    """Weights one token's matmuls touch (embedding lookup excluded, output head included):
-    ``training_flops_per_token`` minus the attention core, divided by 6."""
-    b = flops_breakdown(cfg, include_mtp=include_mtp)
-    return round((sum(b.values()) - b["attention_core"]) / _TRAIN)
 
 
 def tflops_per_gpu(

@@ -32,8 +32,8 @@ round trip" argument, and what `moe_lab.kernels.fused_moe` changes:
 
 Gathered reads are charged as many bytes as the rows they read (a token row read by ``k``
 tiles counts ``k`` times), the conservative choice. Weights are counted once per GEMM that
-reads or writes them, for the experts on one GPU: ``E / ep`` of them under expert
-parallelism ``ep`` (default 8, the size the DeepEP and HybridEP figures in the seed's
+reads or writes them, for the experts on one GPU: ``E / EP`` of them under expert
+parallelism `EP` (8, the size the DeepEP and HybridEP figures in the seed's
 sources are quoted at; an assumption, stated in every table), each GPU receiving on
 average ``tokens · k`` routed rows. Activation bytes, the part fusion changes, are
 reported apart from weight bytes. The projected
@@ -185,46 +185,39 @@ def summary(variant: str, s: Shape) -> dict:
             "bytes_fwd": sum(x.bytes for x in ls if x.phase == "fwd")}
 
 
-DEFAULT_EP = 8
+EP = 8  # the expert parallelism the tables assume (see the module doc)
+GPUS = ("H200", "GB300")  # the projected times' GPUs
 
 
-def preset_shape(name: str, tokens: int | None = None, ep: int = DEFAULT_EP) -> Shape:
-    """A `moe_lab.config.preset`'s MoE layer on one GPU: ``tokens`` per GPU (default
-    `moe_lab.kernels.launch.TOKENS_PER_GPU`, the compile report's load), its ``E / ep``
-    local experts, bfloat16."""
+def preset_shape(name: str) -> Shape:
+    """A `moe_lab.config.preset`'s MoE layer on one GPU: `moe_lab.kernels.launch.TOKENS_PER_GPU`
+    tokens (the compile report's load), its ``E / EP`` local experts, bfloat16."""
     from moe_lab.config import preset
     from moe_lab.kernels.launch import TOKENS_PER_GPU
 
     m = preset(name).moe
-    if ep < 1 or m.n_experts % ep:
-        raise ValueError(f"ep must divide n_experts = {m.n_experts}, got {ep}")
-    return Shape(TOKENS_PER_GPU if tokens is None else tokens, m.top_k, m.n_experts // ep, m.d_model,
-                 m.d_expert)
+    return Shape(TOKENS_PER_GPU, m.top_k, m.n_experts // EP, m.d_model, m.d_expert)
 
 
-def fusion_table(presets: tuple[str, ...] = ("deepseek_v3", "gpt_oss_20b"),
-                 gpus: tuple[str, ...] = ("H200", "GB300"), tokens: int | None = None,
-                 ep: int = DEFAULT_EP) -> list[dict]:
+def fusion_table(presets: tuple[str, ...] = ("deepseek_v3", "gpt_oss_20b")) -> list[dict]:
     """One row per (preset, variant): `summary` plus ``saved_vs_unfused`` (fraction of the
     unfused chain's bytes) and the projected memory time ``projected_ms_<gpu>`` = bytes /
-    HBM bandwidth (a projection from the datasheet bandwidth, not a measurement)."""
+    HBM bandwidth on each of `GPUS` (a projection from the datasheet bandwidth, not a
+    measurement)."""
     from moe_lab.perf.hardware import gpu_spec
 
     rows = []
     for name in presets:
-        s = preset_shape(name, tokens, ep)
+        s = preset_shape(name)
         base = summary("unfused", s)["bytes"]
         mx_base = summary("mxfp8_unfused", s)["bytes"]
         for variant in VARIANTS + MX_VARIANTS:
-            row = {"preset": name, "tokens": s.tokens, "ep": ep, "local_experts": s.n_experts,
+            row = {"preset": name, "tokens": s.tokens, "ep": EP, "local_experts": s.n_experts,
                    **summary(variant, s)}
             ref = mx_base if variant in MX_VARIANTS else base
             row["saved_vs_unfused"] = 1.0 - row["bytes"] / ref
-            for gpu in gpus:
+            for gpu in GPUS:
                 row[f"projected_ms_{gpu}"] = row["bytes"] / gpu_spec(gpu).bandwidth * 1e3
             rows.append(row)
     return rows
 
-
-__all__ = ["LABELS", "MX_VARIANTS", "VARIANTS", "Launch", "Shape", "fusion_table", "launches",
-           "preset_shape", "summary", "DEFAULT_EP"]

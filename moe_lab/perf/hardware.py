@@ -56,9 +56,7 @@ class GPUSpec:
 
     @property
     def l2_bytes(self) -> int:
-        """L2 cache in bytes."""
-        if self.l2_mb is None:
-            raise ValueError(f"{self.name} has no L2 size in the table (l2_mb=None)")
+        """L2 cache in bytes (of a row that tabulates it)."""
         return int(self.l2_mb * 2**20)
 
     @property
@@ -117,15 +115,11 @@ _ALIASES = {"H100": "H100 SXM", "H200": "H200 SXM", "B300": "GB300"}
 
 def gpu_spec(name: str) -> GPUSpec:
     """The table row for ``name`` (case-insensitive; ``"H200"`` means ``"H200 SXM"``)."""
-    if not isinstance(name, str):
-        raise ValueError(f"name must be a GPU name string, got {name!r}")
+    known = {canonical.upper(): canonical for canonical in GPUS} | _ALIASES
     key = name.strip().upper().replace("NVIDIA ", "")
-    for canonical in GPUS:
-        if key == canonical.upper():
-            return GPUS[canonical]
-    if key in _ALIASES:
-        return GPUS[_ALIASES[key]]
-    raise ValueError(f"name must be one of {sorted(GPUS) + sorted(_ALIASES)}, got {name!r}")
+    if key not in known:
+        raise ValueError(f"name must be one of {sorted(GPUS) + sorted(_ALIASES)}, got {name!r}")
+    return GPUS[known[key]]
 
 
 def roofline(peak_flops: float, bandwidth: float, intensity: float | np.ndarray) -> float | np.ndarray:

@@ -1,5 +1,5 @@
 """MXFP8 linear layers: every GEMM of a linear layer fed MX operands blocked along its own
-reduction dimension — emulated anywhere, on MX tensor cores through Transformer Engine.
+reduction dimension — emulated anywhere, on MX tensor cores through Transformer Engine or Triton.
 
 A linear layer ``Y = X Wᵀ + b`` (``X: [M, K]`` tokens × features, ``W: [N, K]``) runs three
 GEMMs per training step, each reducing over a different dimension, and MXFP8 blocks must
@@ -24,11 +24,12 @@ that are not a multiple of 32 are padded with zero tokens for the wgrad GEMM (th
 nothing to the sum); the feature dims must be multiples of 32.
 
 Where Transformer Engine is importable and the GPU has MX tensor cores (SM 10.0+,
-Blackwell), `make_mxfp8_linear` with ``backend="auto"`` (or ``"te"``)
-build a ``te.Linear`` run under the ``MXFP8BlockScaling`` recipe instead: real MXFP8
-GEMMs. Elsewhere ``"auto"`` falls back to the emulation and says so in the module's
-``backend`` attribute and repr, and ``"te"`` raises with the reason. Nothing pretends. A model
-takes MXFP8 where it is built: ``ModelImpls(mxfp8=("attention", "experts"))``
+Blackwell), `make_mxfp8_linear` with ``backend="auto"`` (or ``"te"``) builds a ``te.Linear``
+run under the ``MXFP8BlockScaling`` recipe instead: real MXFP8 GEMMs. Without Transformer
+Engine, ``"auto"`` takes `TritonMXLinear` where Triton compiles ``tl.dot_scaled`` natively.
+Elsewhere ``"auto"`` falls back to the emulation and says so in the module's ``backend``
+attribute and repr, and ``"te"`` raises with the reason. Nothing pretends. A model takes MXFP8
+where it is built: ``ModelImpls(mxfp8=("attention", "experts"))``
 (`moe_lab.config.ModelImpls`).
 """
 
@@ -42,6 +43,7 @@ import torch.nn as nn
 from torch.autograd.function import FunctionCtx
 
 from moe_lab.attention import ATTENTION_IMPLS, expand_kv, mxfp8_reference_attention
+from moe_lab.checks import one_of
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, mx_error_stats, quantize
 
@@ -102,34 +104,30 @@ class MXLinear(nn.Linear):
 
     ``x: [..., in_features]`` → ``[..., out_features]`` in ``x.dtype``. ``in_features`` and
     ``out_features`` must be multiples of 32. ``backend`` is always ``"emulated"`` here;
-    the Transformer Engine path is `TEMXFP8Linear` (see `make_mxfp8_linear`).
+    the native paths are `TEMXFP8Linear` and `TritonMXLinear` (see `make_mxfp8_linear`).
     """
 
     backend = "emulated"
+    function = _MXLinearFunction
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  *, scale_mode: str = "rceil") -> None:
         _check_features(in_features, out_features)
-        if scale_mode not in SCALE_MODES:
-            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+        one_of(scale_mode, "scale_mode", SCALE_MODES)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.scale_mode = scale_mode
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, scale_mode: str = "rceil") -> MXLinear:
-        """An MXLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+    def from_linear(cls, linear: nn.Linear) -> MXLinear:
+        """An MXLinear (``rceil`` scales) sharing ``linear``'s weight and bias Parameters (no copy)."""
         _check_features(linear.in_features, linear.out_features)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
-        if scale_mode not in SCALE_MODES:
-            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         new.register_parameter("weight", linear.weight)
         new.register_parameter("bias", linear.bias)
-        new.scale_mode = scale_mode
+        new.scale_mode = "rceil"
         return new
 
     def forward(self, x: Tensor) -> Tensor:
@@ -137,7 +135,7 @@ class MXLinear(nn.Linear):
             raise ValueError(
                 f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
             )
-        return _MXLinearFunction.apply(x, self.weight, self.bias, self.scale_mode)
+        return self.function.apply(x, self.weight, self.bias, self.scale_mode)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mxfp8=emulated, scale_mode={self.scale_mode}"
@@ -187,8 +185,6 @@ class _TritonMXLinearFunction(torch.autograd.Function):
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors  # both column-wise, transposed
         x_dtype, w_dtype = ctx.dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if g2.dtype not in (torch.float32, torch.bfloat16):
-            g2 = g2.float()
         g_rows, g_cols = _mx_operands(g2, ctx.scale_mode, rows=ctx.needs_input_grad[0],
                                       cols=ctx.needs_input_grad[1])
         grad_x = grad_w = grad_b = None
@@ -213,15 +209,12 @@ class TritonMXLinear(MXLinear):
     differ from the emulation's only in summation order."""
 
     backend = "triton"
+    function = _TritonMXLinearFunction
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
-            )
         if x.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"x.dtype must be torch.float32 or torch.bfloat16, got {x.dtype}")
-        return _TritonMXLinearFunction.apply(x, self.weight, self.bias, self.scale_mode)
+        return super().forward(x)
 
     def extra_repr(self) -> str:
         return f"{nn.Linear.extra_repr(self)}, mxfp8=triton tl.dot_scaled, scale_mode={self.scale_mode}"
@@ -304,8 +297,7 @@ def make_mxfp8_linear(linear: nn.Linear, backend: str = "auto") -> nn.Module:
     Transformer Engine cannot run but `triton_mxfp8_status` says the Triton GEMM is native)
     or the emulating `MXLinear` (``"emulated"``, or ``"auto"`` elsewhere). ``backend="te"``
     where TE cannot run raises ``RuntimeError`` with why."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    one_of(backend, "backend", BACKENDS)
     if backend == "te" or (backend == "auto" and te_mxfp8_status()[0]):
         return TEMXFP8Linear(linear)
     if backend == "triton" or (backend == "auto" and triton_mxfp8_status()[0]):
@@ -390,8 +382,7 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
             block.attention_impl = temp
         for j, experts in enumerate(_modules_named(model, EXPERTS_CLASS)):
             for name in ("w_gate_up", "w_down"):
-                if hasattr(experts, name):
-                    rows.append(_stats_row(f"experts{j}", name, getattr(experts, name), -2, scale_mode))
+                rows.append(_stats_row(f"experts{j}", name, getattr(experts, name), -2, scale_mode))
         model(*inputs)
     finally:
         for handle in handles:

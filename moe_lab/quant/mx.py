@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
-from moe_lab.checks import int_in, positive_int
+from moe_lab.checks import int_in, one_of, positive_int
 
 Tensor = torch.Tensor
 
@@ -82,7 +82,6 @@ class ElemFormat:
     """
 
     name: str
-    dtype: torch.dtype
     ebits: int
     mbits: int
     bias: int
@@ -99,10 +98,10 @@ class ElemFormat:
 
 ELEM_FORMATS: dict[torch.dtype, ElemFormat] = {
     # E4M3 "fn": finite only; 0x7F/0xFF is NaN, 0x7E = 1.75 * 2^8 = 448 the largest value.
-    E4M3: ElemFormat("e4m3", E4M3, ebits=4, mbits=3, bias=7, max_pos=448.0, emax_pow2=8,
+    E4M3: ElemFormat("e4m3", ebits=4, mbits=3, bias=7, max_pos=448.0, emax_pow2=8,
                      max_code=0x7E, nan_code=0x7F),
     # E5M2: IEEE-like; 0x7C = Inf, 0x7D..0x7F NaN, 0x7B = 1.75 * 2^15 = 57344 the largest.
-    E5M2: ElemFormat("e5m2", E5M2, ebits=5, mbits=2, bias=15, max_pos=57344.0, emax_pow2=15,
+    E5M2: ElemFormat("e5m2", ebits=5, mbits=2, bias=15, max_pos=57344.0, emax_pow2=15,
                      max_code=0x7B, nan_code=0x7F),
 }
 
@@ -114,20 +113,6 @@ def elem_format(elem_dtype: torch.dtype) -> ElemFormat:
             f"elem_dtype must be one of {[str(d) for d in ELEM_FORMATS]}, got {elem_dtype!r}"
         )
     return ELEM_FORMATS[elem_dtype]
-
-
-def _check_args(x: Tensor, block_size: int, scale_mode: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in INPUT_DTYPES:
-        raise ValueError(
-            f"x.dtype must be one of {[str(d) for d in INPUT_DTYPES]}, got {x.dtype}"
-        )
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dimension to block along, got a 0-d tensor")
-    positive_int(block_size, "block_size")
-    if scale_mode not in SCALE_MODES:
-        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
 
 
 def padded_size(size: int, block_size: int = BLOCK_SIZE) -> int:
@@ -158,7 +143,7 @@ def block_scale_exponent(amax: Tensor, elem_dtype: torch.dtype, scale_mode: str)
     if scale_mode == "floor":
         exponent = ((amax.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2), -127 for 0
         unbiased = exponent - fmt.emax_pow2
-    elif scale_mode == "rceil":
+    else:  # rceil
         q = amax / fmt.max_pos
         bits = q.view(torch.int32)
         exp_field, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
@@ -168,8 +153,6 @@ def block_scale_exponent(amax: Tensor, elem_dtype: torch.dtype, scale_mode: str)
         ceil_subnormal = torch.where(mantissa > 0x400000, -126, -127).to(torch.int32)
         unbiased = torch.where(exp_field == 0, ceil_subnormal, ceil_normal)
         unbiased = torch.where(torch.isinf(q), 127, unbiased)
-    else:
-        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     biased = unbiased.clamp(-127, 127) + 127
     return torch.where(torch.isnan(amax), E8M0_NAN, biased).to(torch.int32)
 
@@ -203,11 +186,6 @@ class MXTensor:
     scale_mode: str
 
     @property
-    def padded(self) -> bool:
-        """True when ``dim`` was padded with zeros to a multiple of ``block_size``."""
-        return self.data.shape[self.dim] != self.shape[self.dim]
-
-    @property
     def nbytes(self) -> int:
         """Bytes of the elements and the scales together."""
         return self.data.numel() * self.data.element_size() + self.scale.numel()
@@ -226,13 +204,6 @@ class MXTensor:
         values = (blocks * factor.unsqueeze(-1)).reshape(data.shape)
         values = values[..., : self.shape[self.dim]].movedim(-1, self.dim)
         return values.to(dtype)
-
-    def __repr__(self) -> str:
-        return (
-            f"MXTensor(shape={tuple(self.shape)}, elem_dtype={self.elem_dtype}, "
-            f"block_size={self.block_size}, dim={self.dim}, scale_mode={self.scale_mode!r}, "
-            f"device={self.data.device})"
-        )
 
 
 def quantize(
@@ -259,7 +230,11 @@ def quantize(
         `MXTensor` with ``data`` ``[..., ceil(n / block_size) * block_size, ...]`` and
         ``scale`` ``[..., ceil(n / block_size), ...]``.
     """
-    _check_args(x, block_size, scale_mode)
+    one_of(x.dtype, "x.dtype", INPUT_DTYPES)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension to block along, got a 0-d tensor")
+    positive_int(block_size, "block_size")
+    one_of(scale_mode, "scale_mode", SCALE_MODES)
     fmt = elem_format(elem_dtype)
     dim = int_in(dim, "dim", -x.dim(), x.dim() - 1) % x.dim()
     size = x.shape[dim]
@@ -286,40 +261,25 @@ def quantize(
     return MXTensor(data, scale, elem_dtype, block_size, dim, x.shape, scale_mode)
 
 
-def dequantize(mx: MXTensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``mx.dequantize(dtype)``."""
-    return mx.dequantize(dtype)
-
-
 class _FakeQuantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, dim: int, elem_dtype: str, block_size: int, scale_mode: str,
-                pad: bool, quantize_grad: bool) -> Tensor:
-        ctx.args = (dim, elem_dtype, block_size, scale_mode, pad, quantize_grad)
-        mx = quantize(x, elem_dtype, block_size, dim, scale_mode, pad=pad)
-        return mx.dequantize(x.dtype)
+    def forward(ctx: FunctionCtx, x: Tensor, dim: int, scale_mode: str, pad: bool,
+                quantize_grad: bool) -> Tensor:
+        ctx.args = (dim, scale_mode, pad, quantize_grad)
+        return quantize(x, E4M3, BLOCK_SIZE, dim, scale_mode, pad=pad).dequantize(x.dtype)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        dim, elem_dtype, block_size, scale_mode, pad, quantize_grad = ctx.args
+        dim, scale_mode, pad, quantize_grad = ctx.args
         if quantize_grad and grad.numel():
-            grad = quantize(grad, elem_dtype, block_size, dim, scale_mode, pad=pad).dequantize(
-                grad.dtype
-            )
-        return grad, None, None, None, None, None, None
+            grad = quantize(grad, E4M3, BLOCK_SIZE, dim, scale_mode, pad=pad).dequantize(grad.dtype)
+        return grad, None, None, None, None
 
 
-def fake_quantize(
-    x: Tensor,
-    dim: int = -1,
-    elem_dtype: torch.dtype = E4M3,
-    block_size: int = BLOCK_SIZE,
-    scale_mode: str = "rceil",
-    *,
-    pad: bool = False,
-    quantize_grad: bool = True,
-) -> Tensor:
-    """Quantize to MX along ``dim`` and straight back: same shape and dtype as ``x``.
+def fake_quantize(x: Tensor, dim: int = -1, scale_mode: str = "rceil", *, pad: bool = False,
+                  quantize_grad: bool = True) -> Tensor:
+    """Quantize to MXFP8 (E4M3 elements, blocks of 32) along ``dim`` and straight back: same
+    shape and dtype as ``x``.
 
     This is how MXFP8 training is emulated where there are no MX matrix units: a GEMM
     on ``fake_quantize``-d operands sees exactly the values the FP8 tensor cores would
@@ -337,10 +297,9 @@ def fake_quantize(
 
     Args:
         x: ``[..., n, ...]`` float32/bfloat16/float16; ``n`` (along ``dim``) a multiple of
-            ``block_size`` unless ``pad=True``.
+            32 unless ``pad=True``.
     """
-    _check_args(x, block_size, scale_mode)
-    return _FakeQuantize.apply(x, dim, elem_dtype, block_size, scale_mode, pad, quantize_grad)
+    return _FakeQuantize.apply(x, dim, scale_mode, pad, quantize_grad)
 
 
 @torch.no_grad()

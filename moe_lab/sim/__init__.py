@@ -25,10 +25,3 @@ The network (notebook 11):
 Every figure these modules produce is a projection, not a measurement: record it as
 ``kind="simulated"`` in the ledger and draw it as such.
 """
-
-from __future__ import annotations
-
-__all__ = [
-    "layout", "schedule", "layout_search",
-    "traffic", "fair_share", "fabric",
-]

@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_lab.checks import non_negative_number, positive_ints, positive_number
+from moe_lab.checks import non_negative_number, one_of, positive_ints, positive_number
 from moe_lab.sim.fair_share import fluid_completion_times
 from moe_lab.sim.traffic import check_traffic
 
@@ -171,8 +171,7 @@ class Flows:
 def route(topo: LeafSpine, traffic: np.ndarray, routing: str = "ecmp",
           rng: np.random.Generator | None = None) -> Flows:
     """Turn ``traffic`` into flows with paths (ECMP hashing or adaptive spreading)."""
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    one_of(routing, "routing", ROUTINGS)
     arr = check_traffic(traffic, topo.n_hosts)
     rng = rng if rng is not None else np.random.default_rng(0)
     mask = arr > 0
@@ -233,14 +232,6 @@ class BurstModel:
             non_negative_number(getattr(self, name), f"BurstModel.{name}")
 
 
-def _pass_fraction(offered: np.ndarray, capacity: np.ndarray | float) -> np.ndarray:
-    """The share of the offered rate a link forwards: ``min(1, capacity / offered)``."""
-    out = np.ones_like(offered)
-    over = offered > capacity
-    out[over] = (np.broadcast_to(capacity, offered.shape)[over]) / offered[over]
-    return out
-
-
 def _spread(topo: LeafSpine, out: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """Write per-leaf figures onto the physical links they stand for: ``up[a]`` on every
     link leaf ``a`` → spine, ``down[b]`` on every link spine → leaf ``b``."""
@@ -281,7 +272,8 @@ def _burst(flows: Flows, topo: LeafSpine, model: BurstModel) -> tuple[np.ndarray
         excess = np.maximum(window_bytes - cap * tau, 0.0)
         queue = np.maximum(queue, np.minimum(excess, buffer))
         dropped += np.maximum(excess - buffer, 0.0)
-        scale = _pass_fraction(offered, cap)
+        # The share of the offered rate each link forwards: min(1, capacity / offered).
+        scale = np.divide(cap, offered, out=np.ones_like(offered), where=offered > cap)
         arrive = np.where(on, arrive * scale[np.where(on, link, 0)], arrive)
     return queue, dropped, cap
 
@@ -306,9 +298,9 @@ class FabricResult:
     ``fct`` in seconds per flow; ``algbw_fraction``: bytes each GPU sends on average,
     over the transfer time, as a fraction of its link capacity (1 = line rate);
     ``efficiency``: the time a perfectly balanced fabric would need (the busiest NIC or
-    leaf's uplinks) over the simulated time. ``queue_bytes`` / ``dropped_bytes``: per
-    physical link, during the unpaced burst (zeros when paced); ``timed_out[f]``: flow ``f``
-    lost packets and paid a retransmission timeout.
+    leaf's uplinks) over the simulated time. ``dropped_bytes``: per physical link, during the
+    unpaced burst (zeros when paced); ``timed_out[f]``: flow ``f`` lost packets and paid a
+    retransmission timeout.
     """
 
     topology: LeafSpine
@@ -318,7 +310,6 @@ class FabricResult:
     fct: np.ndarray
     makespan: float
     lower_bound: float
-    queue_bytes: np.ndarray
     dropped_bytes: np.ndarray
     timed_out: np.ndarray
 
@@ -361,7 +352,7 @@ class FabricResult:
 def lower_bound_time(topo: LeafSpine, traffic: np.ndarray) -> float:
     """The transfer time of a perfectly balanced fabric: the busiest NIC (send or
     receive) or the busiest leaf's uplinks (inter-leaf bytes over their total capacity)."""
-    arr = check_traffic(traffic, topo.n_hosts).copy()
+    arr = np.array(traffic, dtype=float)
     np.fill_diagonal(arr, 0.0)
     nic = max(arr.sum(axis=1).max(), arr.sum(axis=0).max()) / topo.link_bytes_per_s
     leaves = topo.leaf_of(np.arange(topo.n_hosts))
@@ -374,8 +365,7 @@ def lower_bound_time(topo: LeafSpine, traffic: np.ndarray) -> float:
 
 
 def simulate(topo: LeafSpine, traffic: np.ndarray, *, routing: str = "ecmp", pacing: bool = True,
-             burst: BurstModel | None = None, rng: np.random.Generator | None = None, rel_tol: float = 0.01,
-             step_quantile: float = 0.1) -> FabricResult:
+             burst: BurstModel | None = None, rng: np.random.Generator | None = None) -> FabricResult:
     """Route ``traffic`` over ``topo`` and simulate the transfer.
 
     Flow completion time = fluid max-min completion (:func:`fluid_completion_times`)
@@ -386,9 +376,8 @@ def simulate(topo: LeafSpine, traffic: np.ndarray, *, routing: str = "ecmp", pac
     flows = route(topo, traffic, routing, rng)
     if flows.n_flows == 0:
         raise ValueError("traffic has no bytes between different GPUs: nothing to simulate")
-    fct = fluid_completion_times(flows.nbytes, flows.rate_links, flows.rate_capacity, rel_tol=rel_tol,
-                                 step_quantile=step_quantile)
-    queue, dropped = np.zeros(topo.n_links), np.zeros(topo.n_links)
+    fct = fluid_completion_times(flows.nbytes, flows.rate_links, flows.rate_capacity)
+    dropped = np.zeros(topo.n_links)
     timed_out = np.zeros(flows.n_flows, dtype=bool)
     if not pacing:
         queue, dropped, cap = _burst(flows, topo, burst)
@@ -397,9 +386,9 @@ def simulate(topo: LeafSpine, traffic: np.ndarray, *, routing: str = "ecmp", pac
         wait = np.where(on, (queue / cap)[padded], 0.0).sum(axis=1)
         timed_out = (np.where(on, dropped[padded], 0.0) > 0).any(axis=1)
         fct = fct + wait + timed_out * burst.rto_us * 1e-6
-        queue, dropped = _physical(queue, flows, topo), _physical(dropped, flows, topo)
+        dropped = _physical(dropped, flows, topo)
     return FabricResult(topo, routing, pacing, flows, fct, float(fct.max()), lower_bound_time(topo, traffic),
-                        queue, dropped, timed_out)
+                        dropped, timed_out)
 
 
 # ---------------------------------------------------------------------------- balls into bins
@@ -423,8 +412,6 @@ def expected_max_load(n_balls: int, n_bins: int) -> float:
     ``m``-th power of the truncated Poisson generating function, computed by convolution.
     Then ``E[max] = sum_k P(max > k)``.
     """
-    if n_balls < 0 or n_bins < 1:
-        raise ValueError(f"need n_balls >= 0 and n_bins >= 1, got {n_balls}, {n_bins}")
     if n_balls == 0:
         return 0.0
     lam = n_balls / n_bins

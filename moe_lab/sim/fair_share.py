@@ -22,18 +22,9 @@ class _Incidence:
 
     def __init__(self, flow_links: np.ndarray, capacity: np.ndarray) -> None:
         links = np.asarray(flow_links, dtype=np.int64)
-        cap = np.asarray(capacity, dtype=float)
-        if links.ndim != 2:
-            raise ValueError(f"flow_links must be [n_flows, hops], got shape {links.shape}")
-        if cap.ndim != 1 or cap.size == 0 or np.any(~(cap > 0)):
-            raise ValueError("capacity must be a non-empty vector of positive numbers")
-        self.n_links = cap.size
-        if links.size and np.any(links >= self.n_links):
-            raise ValueError(f"flow_links refers to link {int(links.max())}; only {self.n_links} exist")
+        self.capacity = np.asarray(capacity, dtype=float)
+        self.n_links = self.capacity.size
         valid = links >= 0
-        if links.shape[0] and np.any(~valid.any(axis=1)):
-            raise ValueError("every flow must cross at least one link")
-        self.capacity = cap
         self.padded = np.where(valid, links, self.n_links)
         flow_of = np.repeat(np.arange(links.shape[0]), links.shape[1])[valid.ravel()]
         link_of = links.ravel()[valid.ravel()]
@@ -109,14 +100,7 @@ def fluid_completion_times(nbytes: np.ndarray, flow_links: np.ndarray, capacity:
     ``rel_tol`` is exact: one epoch per completion.
     """
     size = np.asarray(nbytes, dtype=float)
-    links = np.asarray(flow_links, dtype=np.int64)
-    if size.ndim != 1 or links.ndim != 2 or links.shape[0] != size.size:
-        raise ValueError(f"nbytes [{size.size}] and flow_links {links.shape} must describe the same flows")
-    if np.any(~np.isfinite(size)) or np.any(size < 0):
-        raise ValueError("nbytes must be finite and >= 0 for every flow")
-    if not 0 <= step_quantile < 1:
-        raise ValueError(f"step_quantile must be in [0, 1), got {step_quantile!r}")
-    incidence = _Incidence(links, capacity)
+    incidence = _Incidence(flow_links, capacity)
     done = np.zeros(size.size)
     remaining = size.copy()
     active = remaining > 0

@@ -23,11 +23,12 @@ how the stages take turns on micro-batches is :mod:`moe_lab.sim.schedule`.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from moe_lab.checks import positive_int, positive_ints
+from moe_lab.checks import positive_int
 from moe_lab.config import ModelConfig
 
 LAYER_CHARS = {"E": "embedding", "t": "transformer", "m": "mtp", "L": "logits"}
@@ -35,74 +36,54 @@ LAYER_KINDS = ("embedding", "dense", "moe", "mtp", "logits")
 MAX_LAYOUT_ITEMS = 100_000  # a typo like "t*99999999" fails fast instead of eating memory
 
 
-class _LayoutParser:
-    """Recursive descent over the grammar in the module docstring; positions are 0-based."""
+_TOKEN = re.compile(r"\*(\d*)|.", re.DOTALL)  # a repeat '*count', or any one character
 
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.pos = 0
 
-    def fail(self, pos: int, problem: str) -> NoReturn:
-        shown = self.text[:pos] + " <here> " + self.text[pos:]
-        raise ValueError(f"layout {self.text!r}: {problem} at position {pos} ({shown!r})")
+def _expand(text: str) -> list[str]:
+    """The layer characters and '|' of ``text`` with every group and repeat expanded: one pass
+    over the grammar in the module docstring, a stack of open groups; positions are 0-based."""
 
-    def skip_cosmetic(self) -> None:
-        while self.pos < len(self.text) and self.text[self.pos] in ", \t\n":
-            self.pos += 1
+    def fail(pos: int, problem: str) -> NoReturn:
+        shown = text[:pos] + " <here> " + text[pos:]
+        raise ValueError(f"layout {text!r}: {problem} at position {pos} ({shown!r})")
 
-    def items(self, open_pos: int | None) -> list[str]:
-        out: list[str] = []
-        while True:
-            self.skip_cosmetic()
-            if self.pos >= len(self.text):
-                if open_pos is not None:
-                    self.fail(open_pos, "'(' is never closed")
-                return out
-            ch = self.text[self.pos]
-            if ch == ")":
-                if open_pos is None:
-                    self.fail(self.pos, "')' without a matching '('")
-                if not out:
-                    self.fail(self.pos, "empty group '()'")
-                return out
-            start = self.pos
-            atom = self.atom()
-            out.extend(atom * self.count())
-            if len(out) > MAX_LAYOUT_ITEMS:
-                self.fail(start, f"the layout expands to more than {MAX_LAYOUT_ITEMS} items")
-
-    def atom(self) -> list[str]:
-        ch = self.text[self.pos]
+    groups: list[tuple[int, list[str]]] = [(-1, [])]  # per open '(': its position, its items so far
+    atom, start = None, 0  # what a '*' would repeat (None: nothing), and where it starts
+    for token in _TOKEN.finditer(text):
+        pos, ch = token.start(), token.group()
+        items = groups[-1][1]
         if ch in LAYER_CHARS or ch == "|":
-            self.pos += 1
-            return [ch]
-        if ch == "(":
-            open_pos = self.pos
-            self.pos += 1
-            inner = self.items(open_pos)
-            self.pos += 1  # the ')' that items() stopped at
-            return inner
-        if ch == "*":
-            self.fail(self.pos, "'*' must follow a layer, '|' or a ')'")
-        self.fail(
-            self.pos,
-            f"unknown character {ch!r} (expected one of E t m L | ( ) * digits ,)",
-        )
-
-    def count(self) -> int:
-        if self.pos >= len(self.text) or self.text[self.pos] != "*":
-            return 1
-        star = self.pos
-        self.pos += 1
-        start = self.pos
-        while self.pos < len(self.text) and self.text[self.pos].isdigit():
-            self.pos += 1
-        if start == self.pos:
-            self.fail(start, "expected a repeat count (digits) after '*'")
-        value = int(self.text[start : self.pos])
-        if value < 1:
-            self.fail(star, f"repeat count must be >= 1, got {value}")
-        return value
+            atom, start = [ch], pos
+            items.append(ch)
+        elif ch == "(":
+            groups.append((pos, []))
+            atom = None
+        elif ch == ")":
+            if len(groups) == 1:
+                fail(pos, "')' without a matching '('")
+            start, atom = groups.pop()
+            if not atom:
+                fail(pos, "empty group '()'")
+            groups[-1][1].extend(atom)
+        elif ch[0] == "*":
+            if atom is None:
+                fail(pos, "'*' must follow a layer, '|' or a ')'")
+            if not token.group(1):
+                fail(pos + 1, "expected a repeat count (digits) after '*'")
+            count = int(token.group(1))
+            if count < 1:
+                fail(pos, f"repeat count must be >= 1, got {count}")
+            items.extend(atom * (count - 1))
+            atom = None
+        elif ch in ", \t\n":  # cosmetic
+            atom = None
+        else:
+            fail(pos, f"unknown character {ch!r} (expected one of E t m L | ( ) * digits ,)")
+        if len(groups[-1][1]) > MAX_LAYOUT_ITEMS:
+            fail(start, f"the layout expands to more than {MAX_LAYOUT_ITEMS} items")
+    if len(groups) > 1:
+        fail(groups[-1][0], "'(' is never closed")
+    return groups[0][1]
 
 
 @dataclass(frozen=True)
@@ -115,17 +96,6 @@ class Layout:
 
     stages: tuple[str, ...]
     n_ranks: int
-
-    def __post_init__(self) -> None:
-        positive_ints(self, "n_ranks")
-        if not self.stages or len(self.stages) % self.n_ranks:
-            raise ValueError(f"Layout has {len(self.stages)} virtual stages; that must be a positive "
-                             f"multiple of n_ranks={self.n_ranks}")
-        for k, stage in enumerate(self.stages):
-            bad = set(stage) - set(LAYER_CHARS)
-            if bad:
-                raise ValueError(f"Layout stage {k} {stage!r} holds {sorted(bad)}; expected only "
-                                 f"{sorted(LAYER_CHARS)}")
 
     @property
     def n_chunks(self) -> int:
@@ -154,9 +124,7 @@ def parse_layout(text: str, n_ranks: int | None = None) -> Layout:
         ValueError: naming the position of a syntax error, or a stage count that
             ``n_ranks`` does not divide.
     """
-    if not isinstance(text, str):
-        raise ValueError(f"layout must be a string, got {type(text).__name__}")
-    tokens = _LayoutParser(text).items(open_pos=None)
+    tokens = _expand(text)
     if not tokens:
         raise ValueError(f"layout {text!r} holds no layers")
     stages = tuple("".join(tokens).split("|"))
@@ -185,8 +153,6 @@ def format_layout(layout: Layout | Sequence[str]) -> str:
     become ``(tt|)*29`` followed by a cosmetic comma, as in Megatron's documentation.
     """
     stages = list(layout.stages if isinstance(layout, Layout) else layout)
-    if not stages:
-        raise ValueError("format_layout needs at least one stage, got none")
     runs = [(stage, len(list(group))) for stage, group in itertools.groupby(stages)]
     out = ""
     for index, (stage, n) in enumerate(runs):

@@ -12,7 +12,6 @@ balanced as the layer granularity allows.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_lab.checks import non_negative_number, positive_int
+from moe_lab.checks import positive_int
 from moe_lab.config import ModelConfig
 from moe_lab.sim.layout import (
     LAYER_KINDS,
@@ -37,9 +36,9 @@ from moe_lab.sim.schedule import PipelineResult, simulate, stage_imbalance
 class LayerCosts:
     """Forward work of one micro-batch through one layer of each kind.
 
-    Backward is split into the input gradient B (``backward_ratio`` × forward) and the
-    weight gradient W (``wgrad_ratio`` × forward); for a GEMM each is about one forward,
-    which gives the familiar "backward = 2 × forward".
+    Backward is split into the input gradient B and the weight gradient W; for a GEMM each
+    is about one forward, so the simulations take each equal to the forward (the familiar
+    "backward = 2 × forward").
     """
 
     embedding: float
@@ -47,23 +46,11 @@ class LayerCosts:
     moe: float
     mtp: float
     logits: float
-    backward_ratio: float = 1.0
-    wgrad_ratio: float = 1.0
     unit: str = "GFLOP/token"
-
-    def __post_init__(self) -> None:
-        for name in (*LAYER_KINDS, "backward_ratio", "wgrad_ratio"):
-            non_negative_number(getattr(self, name), f"LayerCosts.{name}")
 
     def forward(self, kind: str) -> float:
         """Forward cost of one layer of ``kind`` (one of ``LAYER_KINDS``)."""
-        if kind not in LAYER_KINDS:
-            raise ValueError(f"layer kind must be one of {LAYER_KINDS}, got {kind!r}")
         return float(getattr(self, kind))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The costs as a plain dict."""
-        return dataclasses.asdict(self)
 
 
 def layer_costs(cfg: ModelConfig, seq_len: int | None = None, *, logits_scale: float = 1.0) -> LayerCosts:
@@ -107,10 +94,6 @@ def rank_loads(layout: Layout, stage_costs: Sequence[float]) -> np.ndarray:
     return costs.reshape(layout.n_chunks, layout.n_ranks).sum(axis=0)
 
 
-def _layout_from_bounds(chars: str, bounds: Sequence[int], n_ranks: int) -> Layout:
-    return Layout(tuple(chars[bounds[k] : bounds[k + 1]] for k in range(len(bounds) - 1)), n_ranks)
-
-
 def _check_stage_counts(cfg: ModelConfig, n_ranks: int, n_chunks: int) -> None:
     positive_int(n_ranks, "n_ranks")
     positive_int(n_chunks, "n_chunks")
@@ -145,8 +128,6 @@ def balanced_partition(costs: Sequence[float], n_parts: int) -> list[int]:
     """
     arr = np.asarray(costs, dtype=float).reshape(-1)
     n = len(arr)
-    if not isinstance(n_parts, int) or not 1 <= n_parts <= n:
-        raise ValueError(f"n_parts must be an integer in [1, {n}] (one item each), got {n_parts!r}")
     prefix = np.concatenate([[0.0], np.cumsum(arr)])
     inf = (math.inf, math.inf)
     best = [[inf] * (n + 1) for _ in range(n_parts + 1)]
@@ -287,12 +268,11 @@ def search_layout(cfg: ModelConfig, costs: LayerCosts, n_ranks: int, n_chunks: i
         else:
             def step_time(b: list[int]) -> tuple:
                 fwd = prefix[np.asarray(b[1:])] - prefix[np.asarray(b[:-1])]
-                result = simulate(fwd, fwd * costs.backward_ratio, fwd * costs.wgrad_ratio,
-                                  n_microbatches=n_microbatches, n_ranks=n_ranks)
+                result = simulate(fwd, n_microbatches=n_microbatches, n_ranks=n_ranks)
                 return (round(result.makespan, 9), _rank_objective(b, prefix, n_ranks))
 
             bounds = min(candidates, key=step_time)
-    return _layout_from_bounds(chars, bounds, n_ranks)
+    return Layout(tuple(chars[bounds[k] : bounds[k + 1]] for k in range(len(bounds) - 1)), n_ranks)
 
 
 def layout_report(layout: Layout, cfg: ModelConfig, costs: LayerCosts) -> dict[str, Any]:
@@ -305,10 +285,8 @@ def layout_report(layout: Layout, cfg: ModelConfig, costs: LayerCosts) -> dict[s
 
 
 def simulate_layout(layout: Layout, cfg: ModelConfig, costs: LayerCosts, n_microbatches: int, *,
-                    schedule: str | None = None, delay_wgrad: bool = False,
-                    p2p_latency: float = 0.0) -> PipelineResult:
-    """:func:`simulate` with per-stage costs taken from ``layout`` and ``costs``."""
+                    delay_wgrad: bool = False) -> PipelineResult:
+    """:func:`simulate` with per-stage costs taken from ``layout`` and ``costs`` (backward and
+    weight gradient each as long as the forward), in the layout's default schedule."""
     fwd = stage_forward_costs(layout, cfg, costs)
-    return simulate(fwd, fwd * costs.backward_ratio, fwd * costs.wgrad_ratio, n_microbatches=n_microbatches,
-                    n_ranks=layout.n_ranks, schedule=schedule, delay_wgrad=delay_wgrad,
-                    p2p_latency=p2p_latency)
+    return simulate(fwd, n_microbatches=n_microbatches, n_ranks=layout.n_ranks, delay_wgrad=delay_wgrad)

@@ -16,11 +16,13 @@ nothing downstream waits for) lets W fill the holes, as zero-bubble schedules do
 This module is an honest discrete-event simulation, not a formula: every rank executes
 its operations in its schedule's order, and an operation starts when its rank is free and
 its dependency is done (the previous stage's forward of the same micro-batch, the next
-stage's backward, plus an optional point-to-point latency between ranks). The closed
-forms above come *out* of the simulation and the tests hold it to them.
+stage's backward). The closed forms above come *out* of the simulation and the tests hold
+it to them.
 
-The simulation takes one cost per virtual stage; virtual stage ``k`` lives on rank
-``k % p`` as its chunk ``k // p`` (Megatron's convention, :mod:`moe_lab.sim.layout`).
+The simulation takes one cost per virtual stage, the forward's; the input gradient B and the
+weight gradient W each take as long (as they do for a GEMM: backward = 2 × forward). Virtual
+stage ``k`` lives on rank ``k % p`` as its chunk ``k // p`` (Megatron's convention,
+:mod:`moe_lab.sim.layout`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from moe_lab.checks import non_negative_int, non_negative_number, one_of, positive_int
+from moe_lab.checks import non_negative_int, one_of, positive_int
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 OP_KINDS = ("F", "B", "W")
@@ -116,7 +117,6 @@ class PipelineResult:
     n_ranks: int
     n_chunks: int
     n_microbatches: int
-    delay_wgrad: bool
     rank: np.ndarray
     kind: np.ndarray
     microbatch: np.ndarray
@@ -136,34 +136,16 @@ class PipelineResult:
         """``(max - mean) / mean`` of the ranks' busy time."""
         return stage_imbalance(self.busy)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The figures (not the timeline) as plain JSON-able values."""
-        return {"schedule": self.schedule, "n_ranks": self.n_ranks, "n_chunks": self.n_chunks,
-                "n_microbatches": self.n_microbatches, "delay_wgrad": self.delay_wgrad,
-                "makespan": self.makespan, "bubble_fraction": self.bubble_fraction,
-                "imbalance": self.imbalance, "busy": self.busy.tolist(), "n_ops": int(self.rank.size)}
 
-
-def _as_costs(name: str, values: Sequence[float], n: int) -> np.ndarray:
-    arr = np.asarray(values, dtype=float).reshape(-1)
-    if arr.size != n:
-        raise ValueError(f"{name} must hold one cost per virtual stage ({n}), got {arr.size}")
-    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-        raise ValueError(f"{name} must be finite and >= 0, got {arr.tolist()}")
-    return arr
-
-
-def simulate(forward: Sequence[float], backward: Sequence[float] | None = None,
-             wgrad: Sequence[float] | None = None, *, n_microbatches: int, n_ranks: int | None = None,
-             schedule: str | None = None, delay_wgrad: bool = False, p2p_latency: float = 0.0,
+def simulate(forward: Sequence[float], *, n_microbatches: int, n_ranks: int | None = None,
+             schedule: str | None = None, delay_wgrad: bool = False,
              max_deferred_wgrad: int | None = None) -> PipelineResult:
     """Simulate one training step of a pipeline, event by event.
 
     Args:
         forward: forward time of one micro-batch on each virtual stage, ``[p * v]`` in
-            pipeline order (virtual stage ``k`` on rank ``k % p``).
-        backward: input-gradient time B per virtual stage; default = ``forward``.
-        wgrad: weight-gradient time W per virtual stage; default = ``forward``.
+            pipeline order (virtual stage ``k`` on rank ``k % p``); the input gradient B and
+            the weight gradient W each take as long.
         n_microbatches: micro-batches per step, ``m`` >= 1.
         n_ranks: pipeline ranks ``p``; default ``len(forward)`` (one chunk each).
         schedule: "gpipe", "1f1b" or "interleaved"; default "1f1b" for one chunk per
@@ -172,7 +154,6 @@ def simulate(forward: Sequence[float], backward: Sequence[float] | None = None,
             W whenever its next F/B is not ready yet (or the backlog exceeds
             ``max_deferred_wgrad``), and drains the rest at the end. Without it, B and W
             run as one backward operation.
-        p2p_latency: added to a dependency that crosses ranks (send/recv time).
         max_deferred_wgrad: with ``delay_wgrad``, the most W operations a rank may hold
             back (each keeps a layer's activations and output gradient alive); ``p - 1``
             matches zero-bubble H1's memory, ``None`` is unlimited.
@@ -180,32 +161,32 @@ def simulate(forward: Sequence[float], backward: Sequence[float] | None = None,
     Every rank executes its schedule's operations in order; an operation starts at the
     first moment its rank is free and its dependency has arrived.
     """
-    n_vs = np.asarray(forward).size
+    f = np.asarray(forward, dtype=float).reshape(-1)
+    n_vs = f.size
     n_ranks = n_vs if n_ranks is None else n_ranks
     if n_vs == 0 or not isinstance(n_ranks, int) or n_ranks < 1 or n_vs % n_ranks:
         raise ValueError(f"n_ranks must be a positive integer dividing the {n_vs} virtual stages "
                          f"(at least one), got {n_ranks!r}")
-    f, b, w = (_as_costs(name, forward if values is None else values, n_vs) for name, values in
-               (("forward", forward), ("backward", backward), ("wgrad", wgrad)))
-    non_negative_number(p2p_latency, "p2p_latency")
+    if not np.all(np.isfinite(f)) or np.any(f < 0):
+        raise ValueError(f"forward must be finite and >= 0, got {f.tolist()}")
     if max_deferred_wgrad is not None:
         non_negative_int(max_deferred_wgrad, "max_deferred_wgrad")
     p, v = n_ranks, n_vs // n_ranks
     schedule = schedule or ("1f1b" if v == 1 else "interleaved")
     order = schedule_order(schedule, p, n_microbatches, v)
-    costs = {"F": f, "B": b if delay_wgrad else b + w, "W": w}  # without delay, B and W run as one
-    eps = 1e-12 * (float(f.sum() + b.sum() + w.sum()) * n_microbatches + 1.0)
-    rows = _run_ranks(order, costs, delay_wgrad, p2p_latency, max_deferred_wgrad, eps)
+    costs = {"F": f, "B": f if delay_wgrad else 2 * f, "W": f}  # without delay, B and W run as one
+    eps = 1e-12 * (3 * float(f.sum()) * n_microbatches + 1.0)
+    rows = _run_ranks(order, costs, delay_wgrad, max_deferred_wgrad, eps)
     cols = list(zip(*rows))  # rank, kind, micro-batch, chunk, start, end
     rank, mb, chunk = (np.array(cols[i], dtype=np.int64) for i in (0, 2, 3))
     start, end = (np.array(cols[i], dtype=float) for i in (4, 5))
-    return PipelineResult(schedule, p, v, n_microbatches, delay_wgrad, rank, np.array(cols[1]), mb, chunk,
+    return PipelineResult(schedule, p, v, n_microbatches, rank, np.array(cols[1]), mb, chunk,
                           start, end, makespan=float(end.max()),
                           busy=np.bincount(rank, weights=end - start, minlength=p))
 
 
 def _run_ranks(order: list[list[Op]], costs: dict[str, np.ndarray], delay_wgrad: bool,
-               p2p_latency: float, max_deferred_wgrad: int | None, eps: float) -> list[tuple]:
+               max_deferred_wgrad: int | None, eps: float) -> list[tuple]:
     """The event loop of `simulate`: rows ``(rank, kind, micro-batch, chunk, start, end)``."""
     p, last = len(order), costs["F"].size - 1
     end: dict[tuple[str, int, int], float] = {}
@@ -213,13 +194,8 @@ def _run_ranks(order: list[list[Op]], costs: dict[str, np.ndarray], delay_wgrad:
     def arrival(kind: str, mb: int, vs: int) -> float:
         """When the input of F or B of micro-batch ``mb`` on virtual stage ``vs`` is there."""
         if kind == "F":
-            dep = ("F", mb, vs - 1) if vs > 0 else None
-        else:
-            dep = ("B", mb, vs + 1) if vs < last else ("F", mb, vs)
-        if dep is None:
-            return 0.0
-        crosses = dep[2] % p != vs % p
-        return end.get(dep, math.inf) + (p2p_latency if crosses else 0.0)
+            return end.get(("F", mb, vs - 1), math.inf) if vs > 0 else 0.0
+        return end.get(("B", mb, vs + 1) if vs < last else ("F", mb, vs), math.inf)
 
     free_at, ptr = [0.0] * p, [0] * p
     pending: list[deque[Op]] = [deque() for _ in range(p)]  # deferred W operations
@@ -251,11 +227,5 @@ def _run_ranks(order: list[list[Op]], costs: dict[str, np.ndarray], delay_wgrad:
                 if kind == "B" and delay_wgrad:
                     pending[r].append(("W", mb, c))
                 heapq.heappush(events, stop)
-                if p2p_latency:
-                    heapq.heappush(events, stop + p2p_latency)
                 progressed = True
-    unfinished = [r for r in range(p) if ptr[r] < len(order[r]) or pending[r]]
-    if unfinished:
-        raise RuntimeError(f"the schedule deadlocked with p={p}: ranks {unfinished} wait for operations "
-                           "that never run")
     return rows

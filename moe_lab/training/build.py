@@ -24,7 +24,6 @@ from moe_lab.config import ModelConfig, ModelImpls, holds
 from moe_lab.data import Batch
 from moe_lab.model import MoETransformer
 from moe_lab.moe.dispatch import DISPATCHERS
-from moe_lab.moe.router import ROUTER_IMPLS
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.optim import make_optimizer, stock_optimizer
 from moe_lab.training.steps import StepConfig, SyncFreeStep
@@ -92,9 +91,8 @@ def default_impls(device: torch.device | str) -> ModelImpls:
     sm_80, say) the loop over experts, ``torch._grouped_mm`` syncing there. All sync-free."""
     cuda = torch.device(device).type == "cuda"
     if cuda and capabilities().triton_mode == "compiled":
-        router = "triton" if "triton" in ROUTER_IMPLS else "reference"
-        return ModelImpls(dispatcher="dropless", expert_backend="triton", router_impl=router)
-    backend = "torch" if hasattr(torch, "_grouped_mm") and not cuda else "loop"
+        return ModelImpls(dispatcher="dropless", expert_backend="triton", router_impl="triton")
+    backend = "loop" if cuda else "torch"
     return ModelImpls(dispatcher="dropless", expert_backend=backend)
 
 
@@ -130,13 +128,11 @@ def random_batch(model_cfg: ModelConfig, batch_size: int, device: torch.device |
 
 
 def build_sync_free(model_cfg: ModelConfig, batch_size: int, *, device: torch.device | str = "cpu",
-                    seed: int = 0, cfg: StepConfig | None = None, weight_decay: float = 0.1,
-                    **names: str) -> SyncFreeStep:
+                    seed: int = 0, cfg: StepConfig | None = None, **names: str) -> SyncFreeStep:
     """`build_model` (``names`` override `default_impls`) and a `SyncFreeStep` around it,
     its static inputs shaped by a random batch of ``batch_size`` sequences."""
     cfg = cfg or StepConfig()
-    model, optimizer = build_model(model_cfg, device=device, seed=seed, lr=cfg.lr,
-                                   weight_decay=weight_decay, **names)
+    model, optimizer = build_model(model_cfg, device=device, seed=seed, lr=cfg.lr, **names)
     example = random_batch(model_cfg, batch_size, device, torch.Generator().manual_seed(seed))
     return SyncFreeStep(model, optimizer, example, cfg)
 
@@ -149,7 +145,6 @@ def autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = F
 
     A ``torch.compile``d ``fn`` traces its backward graph here, during the forward: with
     ``backward_pass_autocast`` pinned to ``"same_as_forward"``, whatever PyTorch's default."""
-    one_of(amp, "amp", AMP_DTYPES[1:])
     dtype = {"bf16": torch.bfloat16}[amp]
 
     def forward(x: Tensor, y: Tensor | None = None) -> object:
@@ -166,7 +161,6 @@ def step_forward(model: torch.nn.Module, *, compile: str = "", amp: str = "",
     ``COMPILE_MODES[compile]`` (``dynamic`` as ``torch.compile``'s), under ``amp``
     autocast (without the cast cache when ``graphed`` on CUDA); ``None`` when neither
     applies (the step calls the model)."""
-    one_of(compile, "compile", COMPILE_MODES)
     forward = None
     if compile:
         forward = torch.compile(model, options=COMPILE_MODES[compile] or None, dynamic=dynamic)
@@ -175,8 +169,3 @@ def step_forward(model: torch.nn.Module, *, compile: str = "", amp: str = "",
         forward = autocast_forward(model if forward is None else forward, device_type, amp,
                                    graphed=graphed and device_type == "cuda")
     return forward
-
-
-__all__ = ["AMP_DTYPES", "BACKWARD_PASS_AUTOCAST", "COMPILE_MODES", "STEP_KINDS", "BuildConfig",
-           "autocast_forward", "build_model", "build_sync_free", "default_impls", "random_batch",
-           "step_forward"]

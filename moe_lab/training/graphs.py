@@ -39,8 +39,6 @@ Tensor = torch.Tensor
 EAGER_MODE = "eager (no CUDA)"
 GRAPHED_MODE = "graphed (CUDA)"
 
-__all__ = ["EAGER_MODE", "GRAPHED_MODE", "GraphedStep", "NotCapturableError", "capture_advice"]
-
 _EAGER_NOTICE_SHOWN = False
 
 
@@ -102,20 +100,16 @@ def capture_advice(err: SyncError) -> str:
 
 class NotCapturableError(SyncError):
     """The step cannot be captured in a CUDA graph: the `SyncError` of the certificate (``op``,
-    ``where``, ``phase``), with ``advice`` on how to remove it."""
+    ``where``, ``phase``), with ``advice`` on how to remove it (`capture_advice`)."""
 
-    def __init__(self, op: str, where: str | None = None, phase: str = "fn",
-                 advice: str = "") -> None:
-        super().__init__(op, where, phase)
-        self.advice = advice
+    def __init__(self, err: SyncError) -> None:
+        super().__init__(err.op, err.where, err.phase)
+        self.advice = capture_advice(err)
         self.args = (
             "GraphedStep: this training step cannot be captured in a CUDA graph — a graph "
             "replays kernels without the host, and the step needs the host here.\n"
-            f"{self.args[0]}\nFix: {advice}",
+            f"{self.args[0]}\nFix: {self.advice}",
         )
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 # --------------------------------------------------------------------------------------
@@ -136,8 +130,8 @@ class GraphedStep(SyncFreeStep):
     graph (same arguments: ``cfg``, ``forward``, ``stash``, ``clip_step``).
     ``warmup`` iterations on a side stream precede the capture; afterwards the weights,
     the optimizer state and the step's buffers are restored, so the first replay is the
-    first training step. ``certify=False`` skips the certificate (capture then fails with
-    CUDA's own error instead of a `NotCapturableError`).
+    first training step. The certificate runs first: a step that syncs is refused with a
+    `NotCapturableError` before anything is captured.
 
     ``mode`` is ``"graphed (CUDA)"``, or ``"eager (no CUDA)"`` when there is no CUDA device
     or the model is not on one: then every call runs the step eagerly, and a one-time
@@ -147,31 +141,26 @@ class GraphedStep(SyncFreeStep):
     def __init__(self, model: MoETransformer, optimizer: torch.optim.Optimizer,
                  example_batch: Batch, cfg: StepConfig | None = None, *,
                  forward: Callable | None = None, stash: PagedStash | None = None,
-                 clip_step: str = "torch", warmup: int = 3, certify: bool = True,
-                 quiet: bool = False) -> None:
+                 clip_step: str = "torch", warmup: int = 3, quiet: bool = False) -> None:
         positive_int(warmup, "warmup")
         super().__init__(model, optimizer, example_batch, cfg, forward=forward, stash=stash,
                          clip_step=clip_step)
         self.load(example_batch)
-        self.certified = False
-        if certify:
-            try:
-                self.certify()
-            except SyncError as err:
-                raise NotCapturableError(err.op, err.where, err.phase, capture_advice(err)) from err
-            self.certified = True
+        try:
+            self.certify()
+        except SyncError as err:
+            raise NotCapturableError(err) from err
+        self.certified = True
         self.graph = None
         if self.device.type == "cuda" and torch.cuda.is_available():
             self._capture(warmup)
             self.mode = GRAPHED_MODE
-            self.notice = f"captured the training step as one CUDA graph ({warmup} warm-up steps)"
         else:
             self.mode = EAGER_MODE
             why = ("no CUDA device" if not torch.cuda.is_available()
                    else f"the model is on {self.device}")
-            self.notice = (f"GraphedStep: {why} — running the step eagerly (mode "
-                           f"{EAGER_MODE!r}); the certificate ran: it would be capturable")
-            _show_once(self.notice, quiet)
+            _show_once(f"GraphedStep: {why} — running the step eagerly (mode {EAGER_MODE!r}); the "
+                       "certificate ran: it would be capturable", quiet)
 
     def _capture(self, warmup: int) -> None:
         tensors = [*self.model.parameters(), *self.model.buffers(), *self.state.buffers(),
@@ -213,9 +202,6 @@ class GraphedStep(SyncFreeStep):
             self.graph.replay()
         else:
             self.run()
-
-    def __repr__(self) -> str:
-        return f"GraphedStep(mode={self.mode!r}, batch={self.batch_shape}, certified={self.certified})"
 
 
 def _show_once(message: str, quiet: bool) -> None:

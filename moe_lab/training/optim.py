@@ -6,7 +6,7 @@ learning rate, one parameter at a time — and `make_optimizer`, the one a CUDA 
 hold — ``fused=True, capturable=True``, the step counts and the learning rate on the device.
 
 The schedule (`Schedule`, held by every training config) is linear warm-up then cosine
-decay, written twice on purpose: `warmup_cosine` on the host (the naive loop sets a float)
+decay, written twice on purpose: `Schedule.lr_at` on the host (the naive loop sets a float)
 and `lr_schedule` on the device (the sync-free step rewrites the optimizer's learning-rate
 tensor in place, so a captured graph replays the schedule).
 
@@ -47,18 +47,6 @@ def torch_clip_step(optimizer: torch.optim.Optimizer) -> ClipStep | None:
     return None
 
 
-def warmup_cosine(step: int, lr: float, warmup_steps: int, total_steps: int,
-                  min_lr_ratio: float) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to
-    ``lr * min_lr_ratio`` at ``total_steps`` (``step`` counts from 0)."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
-    floor = lr * min_lr_ratio
-    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
-
-
 @dataclass(frozen=True)
 class Schedule:
     """The learning rate of a run: linear warm-up to ``lr`` over ``warmup_steps``, then cosine
@@ -77,8 +65,14 @@ class Schedule:
             raise ValueError(f"Schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (from 0), on the host (`warmup_cosine`)."""
-        return warmup_cosine(step, self.lr, self.warmup_steps, self.steps, self.min_lr_ratio)
+        """The learning rate of step ``step`` (from 0), on the host."""
+        lr, warmup_steps = self.lr, self.warmup_steps
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        span = max(1, self.steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        floor = lr * self.min_lr_ratio
+        return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
 
 
 def lr_schedule(step: Tensor, schedule: Schedule) -> Tensor:
@@ -100,24 +94,23 @@ def lr_schedule(step: Tensor, schedule: Schedule) -> Tensor:
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: weight decay on matrices except the embedding, none elsewhere."""
     params = list(model.named_parameters())
-    if not params:
-        raise ValueError("the model has no parameters")
     decay = [p for n, p in params if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in params if p.dim() < 2 or "embed" in n]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def stock_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1,
-                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+# Both AdamWs' moment decay rates.
+BETAS = (0.9, 0.95)
+
+
+def stock_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1) -> torch.optim.AdamW:
     """The naive loop's AdamW: a Python learning rate, the step count on the host, one
     parameter at a time (``foreach=False``)."""
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas,
-                             foreach=False)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=BETAS, foreach=False)
 
 
-def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1,
-                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1) -> torch.optim.AdamW:
     """AdamW that a graph can hold: ``fused=True, capturable=True`` and the learning rate a
     0-dim tensor on the parameters' device, shared by every parameter group (the schedule
     writes it in place).
@@ -129,8 +122,4 @@ def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1
     groups = param_groups(model, weight_decay)
     device = next(model.parameters()).device
     lr_t = torch.tensor(float(lr), dtype=torch.float32, device=device)
-    return torch.optim.AdamW(groups, lr=lr_t, betas=betas, fused=True, capturable=True)
-
-
-__all__ = ["CLIP_STEPS", "Schedule", "lr_schedule", "make_optimizer", "param_groups", "stock_optimizer",
-           "torch_clip_step", "warmup_cosine"]
+    return torch.optim.AdamW(groups, lr=lr_t, betas=BETAS, fused=True, capturable=True)

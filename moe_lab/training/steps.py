@@ -57,9 +57,6 @@ from moe_lab.training.sync import assert_sync_free
 
 Tensor = torch.Tensor
 
-__all__ = ["OVERFLOW_POLICIES", "PHASES", "EagerStep", "StepConfig", "StepState", "SyncFreeStep",
-           "optimizer_on_fake_params", "phase"]
-
 # The profiler ranges a step opens around its phases, which the workbench's profiled breakdown
 # (`moe_lab.workbench.measure.breakdown`) adds up; without a profiler running each costs a few
 # microseconds.
@@ -138,25 +135,6 @@ class StepState(nn.Module):
         self.imbalance.zero_()
 
 
-def _shared_lr(optimizer: torch.optim.Optimizer) -> Tensor:
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    if not all(isinstance(lr, Tensor) for lr in lrs):
-        raise ValueError(
-            "optimizer: every param group's lr must be a device tensor, so that the schedule "
-            f"needs no host value; got {[type(lr).__name__ for lr in lrs]}. Build the optimizer "
-            "with moe_lab.training.optim.make_optimizer")
-    if any(lr is not lrs[0] for lr in lrs):
-        raise ValueError("optimizer: every param group must share one lr tensor "
-                         "(moe_lab.training.optim.make_optimizer builds it so)")
-    for i, g in enumerate(optimizer.param_groups):
-        if not (g.get("capturable") or g.get("fused")):
-            raise ValueError(
-                f"optimizer: param group {i} has capturable=False and fused=False: its step "
-                "count lives on the host and is read every step. Use "
-                "moe_lab.training.optim.make_optimizer (fused=True, capturable=True)")
-    return lrs[0]
-
-
 @contextlib.contextmanager
 def optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> Iterator[None]:
     """Point ``optimizer`` at the fake twins of its parameters (and of its state, its lr,
@@ -168,11 +146,7 @@ def optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module)
     optimizer would not be certified at all. ``from_tensor`` memoises, so each parameter
     maps to the very fake twin the model now holds.
     """
-    fake = next((p for p in model.parameters() if isinstance(p, FakeTensor)), None)
-    if fake is None:
-        raise RuntimeError("optimizer_on_fake_params: the model's parameters are not fake; "
-                           "call it inside assert_sync_free")
-    mode = fake.fake_mode
+    mode = next(p for p in model.parameters() if isinstance(p, FakeTensor)).fake_mode
 
     def to_fake(value: object) -> object:
         return mode.from_tensor(value) if isinstance(value, Tensor) else value
@@ -241,10 +215,15 @@ class SyncFreeStep:
                                  "model.bfloat16() or expert_backend='triton'")
         self.cfg, self.model, self.optimizer = cfg or StepConfig(), model, optimizer
         self.forward = forward if forward is not None else model
-        lr = _shared_lr(optimizer)
-        param = next(model.parameters())
-        if lr.device != param.device:
-            raise ValueError(f"optimizer lr is on {lr.device} but the model on {param.device}")
+        lr = optimizer.param_groups[0]["lr"]
+        if not (isinstance(lr, Tensor) and lr.device == next(model.parameters()).device
+                and all(g["lr"] is lr and (g.get("capturable") or g.get("fused"))
+                        for g in optimizer.param_groups)):
+            raise ValueError(
+                "optimizer: its lr must be a device tensor on the model's device, shared by every "
+                "param group, and its step count must live on the device (fused=True or "
+                f"capturable=True), so that the step needs no host value; got lr {lr!r}. Build "
+                "it with moe_lab.training.optim.make_optimizer")
         x, y = example_batch.x, example_batch.y
         if x.dim() != 2 or x.shape != y.shape or x.dtype != torch.int64:
             raise ValueError(f"example_batch.x and .y must be [batch, seq] int64 of one shape, "
@@ -365,19 +344,17 @@ class SyncFreeStep:
 
     def finish(self) -> dict | None:
         """After a step was launched: re-run it without stashing if the paged stash
-        overflowed (policy ``"rerun"``), count it, and every ``read_every`` steps read."""
+        overflowed (policy ``"rerun"``), count it, and every ``read_every`` steps read.
+
+        The re-run repeats the step eagerly with stashing off. The overflowed run updated
+        nothing (the optimizer saw ``found_inf = 1``), so this is the step the data asked for."""
         # one flag, read after the whole step is queued
         if self.stash is not None and self.cfg.overflow_policy == "rerun" and bool(self.stash.overflow):
-            self.rerun_without_stash()
+            self.reruns += 1
+            with self.stash.disabled():
+                self.run(zero_grad=True)
         self.host_steps += 1
         return None if self.host_steps % self.cfg.read_every else self.read_stats()
-
-    def rerun_without_stash(self) -> None:
-        """Repeat the step eagerly with stashing off. The overflowed run updated nothing
-        (the optimizer saw ``found_inf = 1``), so this is the step the data asked for."""
-        self.reruns += 1
-        with self.stash.disabled():
-            self.run(zero_grad=True)
 
     def launch(self, batch: Batch) -> None:
         """Copy ``batch`` into the static inputs and run the step (no host read)."""

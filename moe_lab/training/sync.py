@@ -66,8 +66,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-__all__ = ["SYNC_OPS", "SyncError", "assert_sync_free", "count_syncs"]
-
 aten = torch.ops.aten
 
 #: Every operator counted as a host sync, with the reason, keyed by operator name. In
@@ -214,14 +212,16 @@ def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
 
 
 # --------------------------------------------------------------------------------------
-# The two modes and their shared state
+# The two modes: the dispatch mode holds the count, the function mode feeds it
 # --------------------------------------------------------------------------------------
 
 
-class _SyncState:
-    """What the two modes share: the counter, or (strict) the wish to raise at once."""
+class _SyncDispatchMode(TorchDispatchMode):
+    """Sees every ATen operator, forward and backward, after autograd and decompositions, and
+    holds what both modes share: the counter, or (strict) the wish to raise at once."""
 
     def __init__(self, strict: bool) -> None:
+        super().__init__()
         self.strict = strict
         self.counts: Counter[str] = Counter()
         self.suppress = 0
@@ -235,7 +235,8 @@ class _SyncState:
         if self.suppress:
             return
         if self.strict:
-            raise SyncError(op, where=_user_line_from_stack(), phase=self.phase)
+            where = _user_line(list(traceback.walk_stack(sys._getframe(1))))
+            raise SyncError(op, where=where, phase=self.phase)
         self.counts[op] += 1
 
     @contextlib.contextmanager
@@ -258,6 +259,19 @@ class _SyncState:
         ptr = _storage_ptr(t)
         return ptr is not None and ptr in self._host_ptrs
 
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple[type, ...],
+                           args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        op = _classify(func, args, kwargs)
+        if op is not None and not (
+            func.overloadpacket is aten._local_scalar_dense and self.is_host_copy(args[0])
+        ):
+            self.record(op)
+        out = func(*args, **kwargs)
+        if op is not None and op.endswith("(device->host)"):
+            self.remember_host_copy(out if func.overloadpacket is aten._to_copy else args[0])
+        return out
+
 
 def _storage_ptr(t: object) -> int | None:
     if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type != "cpu":
@@ -269,31 +283,10 @@ def _storage_ptr(t: object) -> int | None:
     return ptr or None
 
 
-class _SyncDispatchMode(TorchDispatchMode):
-    """Sees every ATen operator, forward and backward, after autograd and decompositions."""
-
-    def __init__(self, state: _SyncState) -> None:
-        super().__init__()
-        self.state = state
-
-    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple[type, ...],
-                           args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        op = _classify(func, args, kwargs)
-        if op is not None and not (
-            func.overloadpacket is aten._local_scalar_dense and self.state.is_host_copy(args[0])
-        ):
-            self.state.record(op)
-        out = func(*args, **kwargs)
-        if op is not None and op.endswith("(device->host)"):
-            self.state.remember_host_copy(out if func.overloadpacket is aten._to_copy else args[0])
-        return out
-
-
 class _SyncFunctionMode(TorchFunctionMode):
     """Sees torch-level calls: host reads that bypass the dispatcher, and ``F.one_hot``."""
 
-    def __init__(self, state: _SyncState) -> None:
+    def __init__(self, state: _SyncDispatchMode) -> None:
         super().__init__()
         self.state = state
 
@@ -316,12 +309,6 @@ class _SyncFunctionMode(TorchFunctionMode):
                 with self.state.suppressed():
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _watch(state: _SyncState) -> Iterator[None]:
-    with _SyncFunctionMode(state), _SyncDispatchMode(state):
-        yield
 
 
 # --------------------------------------------------------------------------------------
@@ -372,10 +359,6 @@ def _user_line(frames: list[tuple[FrameType, int]]) -> str | None:
     return None
 
 
-def _user_line_from_stack() -> str | None:
-    return _user_line(list(traceback.walk_stack(sys._getframe(1))))
-
-
 # --------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------
@@ -392,8 +375,8 @@ def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any,
     """
     if not callable(fn):
         raise ValueError(f"count_syncs: fn must be callable, got {type(fn).__name__}")
-    state = _SyncState(strict=False)
-    with _watch(state):
+    state = _SyncDispatchMode(strict=False)
+    with _SyncFunctionMode(state), state:
         result = _call_fn(fn, args, kwargs)
     return result, state.counts
 
@@ -485,11 +468,11 @@ def assert_sync_free(
     if not callable(fn):
         raise ValueError(f"assert_sync_free: fn must be callable, got {type(fn).__name__}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    state = _SyncState(strict=True)
+    state = _SyncDispatchMode(strict=True)
     fake_args, fake_kwargs = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
     with _fake_parameters(_modules_of(fn, args, kwargs), mode):
         try:
-            with mode, _watch(state):
+            with mode, _SyncFunctionMode(state), state:
                 result = _call_fn(fn, fake_args, fake_kwargs)
                 if backward:
                     root = next((t for t in tree_leaves(result)

@@ -13,8 +13,6 @@ import json
 import math
 from typing import Any
 
-__all__ = ["dumps", "finite"]
-
 
 def finite(value: Any) -> Any:
     """``value`` with every non-finite float (in dicts, lists and tuples, at any depth)

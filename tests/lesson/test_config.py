@@ -27,7 +27,6 @@ def moe(**kw):
         ({"n_shared_experts": -1}, "n_shared_experts"),
         ({"aux_loss_coef": -0.1}, "aux_loss_coef"),
         ({"top_k": 2.0}, "top_k"),
-        ({"capacity_multiple": 0}, "capacity_multiple"),
         ({"drop_policy": "random"}, "drop_policy"),
         # Values a hostile user tried: each accepted before, and inf/nan trained silently.
         ({"capacity_factor": float("inf")}, "capacity_factor"),
@@ -96,7 +95,6 @@ def test_replace_revalidates_and_propagates_d_model():
     assert cfg.replace(moe={"top_k": 4}).moe.top_k == 4
     with pytest.raises(ValueError, match="top_k"):
         cfg.replace(moe={"top_k": 99})
-    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_holds_builds_and_reads_a_held_config_field_by_field():
@@ -126,5 +124,3 @@ def test_holds_builds_and_reads_a_held_config_field_by_field():
     assert Whole.held_fields == {"a": "part", "b": "part"}
     with pytest.raises(ValueError, match="Part.a"):  # validated once, in the part
         Whole(a=-1)
-    with pytest.raises(ValueError, match="Whole.part must be a Part, got int"):
-        Whole(part=3)

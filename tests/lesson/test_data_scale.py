@@ -24,7 +24,7 @@ def test_fixed_eval_set_reaches_the_end_of_an_eval_split_over_2_24_bytes(tmp_pat
         f.seek(0, 2)
         f.write(tail)
     corpus = TextFileCorpus(path, seq_len, val_fraction=0.5)
-    assert corpus.split_bytes("eval") == n_eval > 2**24
+    assert len(corpus._splits["eval"]) == n_eval > 2**24
     fixed = corpus.fixed_eval_set(3)
     rows = torch.cat([fixed.x, fixed.y[:, -1:]], 1)
     assert bytes(rows[-1].tolist()) == tail[-(seq_len + 1):]  # the very last window
@@ -42,7 +42,7 @@ def _distinct(tmp_path: Path, n: int) -> Path:
 
 def test_a_split_of_exactly_one_window_samples_it(tmp_path):
     corpus = TextFileCorpus(_distinct(tmp_path, 90), seq_len=8, val_fraction=0.1)
-    assert corpus.split_bytes("eval") == 9  # seq_len + 1: one window
+    assert len(corpus._splits["eval"]) == 9  # seq_len + 1: one window
     batch = corpus.sample(4, split="eval")
     window = corpus._splits["eval"].long()
     assert all(torch.equal(torch.cat([x, y[-1:]]), window) for x, y in zip(batch.x, batch.y))

@@ -171,18 +171,15 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+# The hardware a row's figure holds for, by its kind (a measured row: this machine's).
+HARDWARE_OF_KIND = {"projection": "GB300 (projection)", "computed": "any (computed)"}
+
+
 def _record(rows: list[dict], hardware: str) -> None:
     for row in rows:
         if not math.isfinite(row["value"]):
             continue
         metric = f"{row['what']} [{row['provider']}]"
-        extra = {"kind": row["kind"], "note": row["note"], "source": "bench mxfp8"}
-        if row["kind"] == "projection":
-            ledger.record(NOTEBOOK, "bench", metric, row["value"], row["unit"],
-                          hardware="GB300 (projection)", **extra)
-        elif row["kind"] == "computed":
-            ledger.record(NOTEBOOK, "bench", metric, row["value"], row["unit"],
-                          hardware="any (computed)", **extra)
-        else:
-            ledger.record(NOTEBOOK, "bench", metric, row["value"], row["unit"],
-                          hardware=hardware, **extra)
+        ledger.record(NOTEBOOK, "bench", metric, row["value"], row["unit"],
+                      hardware=HARDWARE_OF_KIND.get(row["kind"], hardware), kind=row["kind"],
+                      note=row["note"], source="bench mxfp8")

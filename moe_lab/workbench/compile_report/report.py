@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.workbench.compile_report import check_modules
 from moe_lab.workbench.compile_report.worker import SCALARS, parse_archs
 
 Archs = str | list[str] | tuple[str, ...]
@@ -93,23 +92,16 @@ def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0,
         return json.loads(result_path.read_text())
 
 
-def compile_report(archs: Archs = DEFAULT_ARCHS, modules: list[str] | None = None,
-                   select: dict[str, Any] | None = None,
-                   cubin_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def compile_report(archs: tuple[str, ...] = DEFAULT_ARCHS,
+                   modules: list[str] | None = None) -> dict[str, Any]:
     """The report of ``modules`` (default: every module of `moe_lab.kernels` that launches
-    a kernel) for ``archs``: ``{"archs", "triton", "limits", "rows",
+    a kernel) for ``archs`` (checked: `parse_archs`): ``{"archs", "triton", "limits", "rows",
     "compiled_on"}``, one row per spec × arch, and an error row for what is missing or
-    fails (a module without specs, a launched kernel no spec covers, a failed
-    compile). ``select`` narrows each module's specs: the arguments of `module_job`.
-    ``cubin_dir``: keep the cubins there (each row's ``cubin``)."""
+    fails (a module without specs, a launched kernel no spec covers, a failed compile)."""
     from moe_lab.perf.capabilities import capabilities
 
-    jobs = None
-    if modules is not None:
-        check_modules(modules)
-        jobs = [{**module_job(m, **(select or {})), "coverage": True} for m in modules]
-    request = {"archs": list(parse_archs(archs)), "jobs": jobs,
-               "cubin_dir": None if cubin_dir is None else str(cubin_dir)}
+    jobs = None if modules is None else [{**module_job(m), "coverage": True} for m in modules]
+    request = {"archs": list(archs), "jobs": jobs}
     return {**run_in_child(request), "compiled_on": capabilities().hardware_label()}
 
 
@@ -254,9 +246,8 @@ def format_table(rows: list[dict[str, Any]], label_width: int | None = 60) -> st
 
 def format_markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
-    escape = lambda text: text.replace("|", "\\|")  # noqa: E731
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(escape(c) for c in table_cells(row)) + " |" for row in rows]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in table_cells(row)) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -110,7 +110,7 @@ def eight_bit_rate(spec: GPUSpec) -> tuple[str, float]:
 
 
 def projections(rows: list[dict]) -> list[dict]:
-    """One projection row per `moe_lab.workbench.compile_report.traffic.acceptance` row: FLOPs,
+    """One projection row per `moe_lab.workbench.compile_report.traffic.tables` row: FLOPs,
     compulsory and modelled (grouped order) bytes, the intensity against the ridge, the projected
     time and bound of the grouped order and of the row-fastest (old) order, the compute floor at
     the 8-bit rate (`eight_bit_rate`) and the wave efficiency at the launch's programs in flight."""
@@ -148,13 +148,11 @@ def markdown(rows: list[dict]) -> str:
              "compute where the intensity (FLOPs / modelled bytes) reaches the ridge point (bf16 peak / "
              f"HBM bandwidth), memory below it. Ridge points: {ridges}. The 8-bit column is FLOPs / "
              "that rate, the compute floor alone (the bytes stay the bf16 ones). Wave efficiency: "
-             "programs / (waves x programs in flight), left out of the projected time."
-             + (" dW rows: old is the grid with the expert fastest, new expert after expert "
-                "(`traffic.md`'s weight-gradient table)." if any(r["launch"].startswith("dW") for r in rows)
-                else "")
-             + " The other grouped kernels (fused, SwiGLU backward, dX of the up/gate projection) are "
-               "`traffic.md`'s third table, those with bf16 MMAs; the grouped MXFP8 GEMM is not on "
-               "this bf16 roofline.", "",
+             "programs / (waves x programs in flight), left out of the projected time. dW rows: old is "
+             "the grid with the expert fastest, new expert after expert (`traffic.md`'s weight-gradient "
+             "table). The other grouped kernels (fused, SwiGLU backward, dX of the up/gate projection) are "
+             "`traffic.md`'s third table, those with bf16 MMAs; the grouped MXFP8 GEMM is not on "
+             "this bf16 roofline.", "",
              "| GPU | model | launch | GFLOP | compulsory MB | modelled MB (grouped) | FLOP/byte "
              "| ridge | bound | projected µs (grouped, new) | projected µs (row-fastest, old) | bound (old) "
              "| 8-bit compute floor µs | wave efficiency |",
@@ -234,7 +232,3 @@ def plot(rows: list[dict], ax=None):
 if __name__ == "__main__":
     for written in write_tables():
         print(f"wrote {written}")
-
-
-__all__ = ["Projection", "bf16_rows", "eight_bit_rate", "launch_flops", "launch_rows", "markdown", "plot",
-           "project", "projections", "wave_efficiency", "write_tables"]

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from moe_lab.checks import positive_int
 from moe_lab.kernels import fused_moe, fused_mxfp8, mx_gemm
 from moe_lab.kernels.grouped_gemm import DW_GROUP_K, choose_config, tile_group
 from moe_lab.kernels.launch import LaunchConfig
@@ -46,16 +45,6 @@ def _simulated(rows: tuple[int, ...], *args: int, **keywords: object):
     return simulate(list(rows), *args, **keywords)
 
 
-def _some_of(given, table: tuple, name: str) -> tuple[str, ...]:
-    """``given`` names (None: every one) among the first fields of ``table``'s entries, as a tuple;
-    a ValueError naming the argument ``name`` if one is unknown or none is given."""
-    known = tuple(entry[0] for entry in table)
-    chosen = known if given is None else tuple(given)
-    if not chosen or any(item not in known for item in chosen):
-        raise ValueError(f"{name} must be some of {known}, got {chosen!r}")
-    return chosen
-
-
 def reports(results: Path = RESULTS) -> dict[str, Path]:
     """The GPU each Hopper or Blackwell compile target stands for (the launches these models
     project; `moe_lab.perf.hardware.ARCHS` rows with TMA) and its compile report in ``results``:
@@ -81,22 +70,20 @@ def on_expert_bounds(expert_tiles: int, in_flight: int) -> int:
     ``expert_tiles`` output tiles: waves of that many programs start and end on expert bounds (in
     the grouped order an expert's tiles are consecutive programs), so no wave straddles two
     experts and reads both experts' panels at once."""
-    positive_int(expert_tiles, "expert_tiles")
-    positive_int(in_flight, "in_flight")
     return max(d for d in range(1, min(expert_tiles, in_flight) + 1) if expert_tiles % d == 0)
 
 
-def _models(models: tuple[str, ...]):
+def _models(models: tuple[str, ...] | None):
     """``(model, routed rows per expert, experts, {"d", "f", "2f"} dimensions)`` of the chosen
-    `ACCEPTANCE` models."""
+    `ACCEPTANCE` models (None: every one)."""
     for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
-        if model in models:
+        if models is None or model in models:
             yield model, per_expert, experts, {"d": d_model, "f": d_expert, "2f": 2 * d_expert}
 
 
 def _grouped_launch(spec, report: dict, per_expert: int, experts: int, n: int, k: int, cfg: LaunchConfig,
                     kernel: str, label: str, keywords: dict, always_aligned: bool) -> dict:
-    """One launch's row, shared by `acceptance` and `kernel_tables`: the row-fastest and grouped
+    """One launch's row, shared by `tables` and `kernel_tables`: the row-fastest and grouped
     orders at ``cfg``'s tile and the compile report's resident blocks (``kernel`` at the row
     whose label holds ``label``), and the grouped order with its waves on expert bounds — always,
     or (not ``always_aligned``) only where the grouped order is above compulsory and its waves
@@ -124,13 +111,13 @@ def _grouped_launch(spec, report: dict, per_expert: int, experts: int, n: int, k
 
 
 @functools.lru_cache(maxsize=8)
-def _acceptance(gpu: str, report_text: str, models: tuple[str, ...],
-                launches: tuple[str, ...]) -> tuple[dict, ...]:
+def _acceptance(gpu: str, report_text: str, models: tuple[str, ...] | None,
+                launches: tuple[str, ...] | None) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
     for model, per_expert, experts, dims in _models(models):
         for launch, kind, kernel, label, n_dim, k_dim, panels in LAUNCHES:
-            if launch not in launches:
+            if launches is not None and launch not in launches:
                 continue
             n, k = dims[n_dim], dims[k_dim]
             cfg = choose_config(kind, per_expert * experts, n, k, experts, torch.bfloat16)
@@ -145,34 +132,20 @@ def _acceptance(gpu: str, report_text: str, models: tuple[str, ...],
     return tuple(out)
 
 
-def acceptance(gpu: str = "H200", report_path: Path | None = None,
-               models: tuple[str, ...] | None = None, launches: tuple[str, ...] | None = None) -> list[dict]:
-    """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
-    gather + SwiGLU forward at `ACCEPTANCE`'s shapes on ``gpu``'s L2: today's row-fastest order
-    (``row``), the grouped order `moe_lab.kernels.grouped_gemm.tile_group` picks (``grouped``) and the
-    grouped order with ``in_flight`` cut to `on_expert_bounds` (``aligned``). Tiles are
-    `choose_config`'s; resident blocks per SM the compile report's (``report_path``, by default
-    the report of the target that stands for ``gpu``) for the launch's own row. Each row also
-    holds the bytes (``compulsory``, ``row_bytes``, ``grouped_bytes``, ``aligned_bytes``) and the
-    programs that have work (``programs``, ``expert_tiles`` of them per expert). ``models`` and
-    ``launches``: the `ACCEPTANCE` models and `LAUNCHES` to run (default: all)."""
-    spec = gpu_spec(gpu)
-    models = _some_of(models, ACCEPTANCE, "models")
-    launches = _some_of(launches, LAUNCHES, "launches")
-    if report_path is None:
-        by_gpu = reports()
-        if spec.name not in by_gpu:
-            raise ValueError(f"gpu must be one of the compile targets' GPUs {sorted(by_gpu)}, got {gpu!r}")
-        report_path = by_gpu[spec.name]
-    path = Path(report_path)
-    return [dict(row) for row in _acceptance(spec.name, path.read_text(), models, launches)]
-
-
 def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
            launches: tuple[str, ...] | None = None) -> list[dict]:
-    """`acceptance` on every compile target's GPU, each from its report in ``results``."""
-    return [row for gpu, path in reports(results).items()
-            for row in acceptance(gpu, path, models, launches)]
+    """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
+    gather + SwiGLU forward at `ACCEPTANCE`'s shapes on every compile target's GPU's L2: today's
+    row-fastest order (``row``), the grouped order `moe_lab.kernels.grouped_gemm.tile_group` picks
+    (``grouped``) and the grouped order with ``in_flight`` cut to `on_expert_bounds`
+    (``aligned``). Tiles are `choose_config`'s; resident blocks per SM those of the compile
+    report in ``results`` of the target that stands for the GPU, for the launch's own row. Each
+    row also holds the bytes (``compulsory``, ``row_bytes``, ``grouped_bytes``,
+    ``aligned_bytes``) and the programs that have work (``programs``, ``expert_tiles`` of them
+    per expert). ``models`` and ``launches``: the `ACCEPTANCE` models and `LAUNCHES` to run
+    (default: all)."""
+    return [dict(row) for gpu, path in reports(results).items()
+            for row in _acceptance(gpu_spec(gpu).name, Path(path).read_text(), models, launches)]
 
 
 # The weight gradients: (launch, compile-report label piece, K, N) of dW[e] = X_eᵀ·dY_e, a reduction
@@ -182,7 +155,7 @@ DW_LAUNCHES = (("dW (down)", "dW = Xᵀ·dY per expert (down", "f", "d"),
 
 
 @functools.lru_cache(maxsize=8)
-def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...]) -> tuple[dict, ...]:
+def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...] | None) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
     for model, per_expert, experts, dims in _models(models):
@@ -209,10 +182,9 @@ def dw_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) ->
     """The grouped GEMM weight gradients (`DW_LAUNCHES`) at `ACCEPTANCE`'s shapes on every compile
     target's GPU (`moe_lab.perf.traffic.simulate_dw`): ``row`` the old grid's order, the expert
     fastest; ``grouped`` the kernels' order today, expert after expert with ``DW_GROUP_K`` K tiles
-    per group (`moe_lab.kernels.common.expert_tile_order`). Rows shaped as `acceptance`'s for
+    per group (`moe_lab.kernels.common.expert_tile_order`). Rows shaped as `tables`' for
     `moe_lab.workbench.compile_report.roofline`, at `choose_config`'s tile and the compile report's
     resident blocks for the launch's own row."""
-    models = _some_of(models, ACCEPTANCE, "models")
     return [dict(row) for gpu, path in reports(results).items()
             for row in _dw_acceptance(gpu_spec(gpu).name, Path(path).read_text(), models)]
 
@@ -260,20 +232,18 @@ def kernel_config(source: str, kind: str | None, m: int, n: int, k: int, experts
         return fused_moe.launch_config(kind, m, n, k, experts, interpreted=False)
     if source == "fused_mx":
         return fused_mxfp8.launch_config(kind, m, n, k, experts, interpreted=False)
-    if source == "mx":
-        mma = "scaled" if gpu_spec(gpu).native_mxfp8 else "fp8_promote"
-        return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
-    raise ValueError(f"source must be 'grouped', 'fused', 'fused_mx' or 'mx', got {source!r}")
+    mma = "scaled" if gpu_spec(gpu).native_mxfp8 else "fp8_promote"  # "mx"
+    return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
 
 
 @functools.lru_cache(maxsize=8)
-def _kernel_rows(gpu: str, report_text: str, models: tuple[str, ...],
-                 launches: tuple[str, ...]) -> tuple[dict, ...]:
+def _kernel_rows(gpu: str, report_text: str, models: tuple[str, ...] | None,
+                 launches: tuple[str, ...] | None) -> tuple[dict, ...]:
     spec, report = gpu_spec(gpu), json.loads(report_text)
     out = []
     for model, per_expert, experts, dims in _models(models):
         for launch, kernel, source, kind, label, n_dim, k_dim, keywords in KERNEL_LAUNCHES:
-            if launch not in launches:
+            if launches is not None and launch not in launches:
                 continue
             n, k = dims[n_dim], dims[k_dim]
             cfg = kernel_config(source, kind, per_expert * experts, n, k, experts, spec.name)
@@ -296,8 +266,6 @@ def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None
     kernel multiplies bf16 tiles (the fused MXFP8 kernels decode or quantize in registers around
     a bf16 MMA) or 8-bit ones (the grouped MXFP8 GEMM). ``models`` and
     ``launches``: the `ACCEPTANCE` models and `KERNEL_LAUNCHES` to run (default: all)."""
-    models = _some_of(models, ACCEPTANCE, "models")
-    launches = _some_of(launches, KERNEL_LAUNCHES, "launches")
     return [dict(row) for gpu, path in reports(results).items()
             for row in _kernel_rows(gpu_spec(gpu).name, Path(path).read_text(), models, launches)]
 
@@ -325,9 +293,8 @@ def _aligned_cell(row: dict) -> str:
     return f"{row['aligned']:.3f} at {row['aligned_in_flight']} in flight"
 
 
-def markdown(rows: list[dict], dw_rows: list[dict] | tuple[dict, ...] = (),
-             kernel_rows: list[dict] | tuple[dict, ...] = ()) -> str:
-    """`acceptance`'s rows (any GPUs), `dw_tables`' and `kernel_tables`' as the tables of
+def markdown(rows: list[dict], dw_rows: list[dict], kernel_rows: list[dict]) -> str:
+    """`tables`' rows (any GPUs), `dw_tables`' and `kernel_tables`' as the tables of
     ``results/compile/traffic.md``."""
     gpus = list(dict.fromkeys(r["gpu"] for r in rows))
     lines = [f"# Modelled HBM bytes / compulsory bytes, {' and '.join(gpus)} L2",
@@ -346,38 +313,36 @@ def markdown(rows: list[dict], dw_rows: list[dict] | tuple[dict, ...] = (),
               f"| {r['in_flight']} | {r['wave_l2']:.2f} | {r['group_m']} | {r['row']:.3f} "
               f"| {r['grouped']:.3f} "
               f"| {r['aligned_in_flight']} | {r['aligned']:.3f} |" for r in rows]
-    if dw_rows:
-        lines += ["", "## Weight gradients", "",
-                  "dW[e] = X_eᵀ·dY_e: a program owns one K x N tile of one expert's dW and reduces over "
-                  "the expert's rows (`moe_lab.perf.traffic.simulate_dw`). Old: the grid's first axis, "
-                  "the one walked fastest, was the expert, so consecutive programs read different "
-                  "experts' rows. New: expert after expert, GROUP_K K tiles taking every N tile "
-                  "(`moe_lab.kernels.common.expert_tile_order`).", "",
-                  "| GPU | model | launch | K | N | tile MxNxK | in flight | GROUP_K | expert fastest (old) "
-                  "| expert after expert (new) |", "|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | {r['k']} | {r['n']} | {r['tiles']} "
-                  f"| {r['in_flight']} | {r['group_k']} | {r['row']:.3f} | {r['grouped']:.3f} |"
-                  for r in dw_rows]
-    if kernel_rows:
-        lines += ["", "## The other grouped kernels", "",
-                  "The dX of the up/gate projection, the SwiGLU backward, the fused kernels of "
-                  "`moe_lab.kernels.fused_moe` and `fused_mxfp8`, and the grouped MXFP8 GEMM, each at its "
-                  "own launch's tile (the grouped MXFP8 GEMM's per GPU: FP8 wgmma steps of one 32-wide "
-                  "K block on the H200, block-scaled MMAs on the B200). Old: the 2-D grid with the row "
-                  "tile fastest; new: `tile_order` at `tile_group`'s GROUP_M. MXFP8 operands count one "
-                  "E8M0 byte per 32 elements beside their 1-byte codes; an epilogue's read of a tensor "
-                  "of the output's shape (`dh`, `h`) counts once in both the modelled and the compulsory "
-                  "bytes. Gathered rows count as routed rows, scattered rows as the token-major rows "
-                  "the kernel writes; the combine backward's per-row partial sums (rows x N tiles, "
-                  "float32) and the routing vectors are left out.", "",
-                  straddle_sentence([r for r in kernel_rows if r["aligned"] is not None]), "",
-                  "| GPU | model | launch | kernel | N | K | tile MxNxK | warps | in flight | GROUP_M "
-                  "| compulsory MB | row-fastest (old) | grouped (new) | grouped, on expert bounds |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | `{r['kernel']}` | {r['n']} | {r['k']} "
-                  f"| {r['tiles']} | {r['num_warps']} | {r['in_flight']} | {r['group_m']} "
-                  f"| {r['compulsory'] / 1e6:,.1f} | {r['row']:.3f} | {r['grouped']:.3f} "
-                  f"| {_aligned_cell(r)} |" for r in kernel_rows]
+    lines += ["", "## Weight gradients", "",
+              "dW[e] = X_eᵀ·dY_e: a program owns one K x N tile of one expert's dW and reduces over "
+              "the expert's rows (`moe_lab.perf.traffic.simulate_dw`). Old: the grid's first axis, "
+              "the one walked fastest, was the expert, so consecutive programs read different "
+              "experts' rows. New: expert after expert, GROUP_K K tiles taking every N tile "
+              "(`moe_lab.kernels.common.expert_tile_order`).", "",
+              "| GPU | model | launch | K | N | tile MxNxK | in flight | GROUP_K | expert fastest (old) "
+              "| expert after expert (new) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | {r['k']} | {r['n']} | {r['tiles']} "
+              f"| {r['in_flight']} | {r['group_k']} | {r['row']:.3f} | {r['grouped']:.3f} |"
+              for r in dw_rows]
+    lines += ["", "## The other grouped kernels", "",
+              "The dX of the up/gate projection, the SwiGLU backward, the fused kernels of "
+              "`moe_lab.kernels.fused_moe` and `fused_mxfp8`, and the grouped MXFP8 GEMM, each at its "
+              "own launch's tile (the grouped MXFP8 GEMM's per GPU: FP8 wgmma steps of one 32-wide "
+              "K block on the H200, block-scaled MMAs on the B200). Old: the 2-D grid with the row "
+              "tile fastest; new: `tile_order` at `tile_group`'s GROUP_M. MXFP8 operands count one "
+              "E8M0 byte per 32 elements beside their 1-byte codes; an epilogue's read of a tensor "
+              "of the output's shape (`dh`, `h`) counts once in both the modelled and the compulsory "
+              "bytes. Gathered rows count as routed rows, scattered rows as the token-major rows "
+              "the kernel writes; the combine backward's per-row partial sums (rows x N tiles, "
+              "float32) and the routing vectors are left out.", "",
+              straddle_sentence([r for r in kernel_rows if r["aligned"] is not None]), "",
+              "| GPU | model | launch | kernel | N | K | tile MxNxK | warps | in flight | GROUP_M "
+              "| compulsory MB | row-fastest (old) | grouped (new) | grouped, on expert bounds |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | `{r['kernel']}` | {r['n']} | {r['k']} "
+              f"| {r['tiles']} | {r['num_warps']} | {r['in_flight']} | {r['group_m']} "
+              f"| {r['compulsory'] / 1e6:,.1f} | {r['row']:.3f} | {r['grouped']:.3f} "
+              f"| {_aligned_cell(r)} |" for r in kernel_rows]
     return "\n".join(lines) + "\n"
 
 
@@ -385,8 +350,3 @@ if __name__ == "__main__":
     table = markdown(tables(), dw_tables(), kernel_tables())
     print(table, end="")
     (RESULTS / "traffic.md").write_text(table)
-
-
-__all__ = ["ACCEPTANCE", "DW_LAUNCHES", "KERNEL_LAUNCHES", "LAUNCHES", "REPORT", "RESULTS", "acceptance",
-           "blocks_per_sm", "dw_tables", "kernel_config", "kernel_tables", "markdown", "on_expert_bounds",
-           "reports", "straddle_sentence", "tables"]

@@ -22,7 +22,6 @@ import importlib
 import inspect
 import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -233,14 +232,9 @@ def launched_kernels(module: types.ModuleType) -> list[str]:
 
 
 def _resolve(kernel: str) -> Any:
-    from triton.runtime.jit import JITFunction
-
+    """The compiled ``@triton.jit`` function ``"module:function"`` names."""
     module_name, _, name = kernel.partition(":")
-    fn = getattr(importlib.import_module(module_name), name, None)
-    if not isinstance(fn, JITFunction):
-        raise ValueError(f"CompileSpec.kernel {kernel!r} must name a compiled @jit function, got a "
-                         f"{type(fn).__name__} (is TRITON_INTERPRET=0 in the compile process?)")
-    return fn
+    return getattr(importlib.import_module(module_name), name)
 
 
 def module_specs(module_name: str, select: dict[str, Any]) -> tuple[list[CompileSpec], list[str]]:
@@ -253,9 +247,6 @@ def module_specs(module_name: str, select: dict[str, Any]) -> tuple[list[Compile
         specs = for_module(module_name)
     except ValueError as exc:
         return [], [str(exc)]
-    wrong = [s for s in specs if not isinstance(s, CompileSpec)]
-    if wrong:
-        return [], [f"the specs of {module_name} must be CompileSpec objects, got {wrong[0]!r}"]
     covered = {s.kernel for s in specs}
     missing = [f"{module_name}:{name} is launched but no CompileSpec covers it"
                for name in launched_kernels(module) if f"{module_name}:{name}" not in covered]
@@ -341,7 +332,7 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
     are kept in ``cubin_dir`` when the request names one."""
     import triton
 
-    archs = parse_archs(request["archs"])
+    archs = request["archs"]  # checked by the caller (`parse_archs`)
     requested = request.get("jobs")
     collected = [_collect(job) for job in
                  (requested if requested is not None else [{"module": m} for m in kernel_modules()])]
@@ -367,6 +358,5 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """``python -c "…main()" REQUEST.json RESULT.json``: read a request, write the result."""
     request_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
-    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
     result = run_request(json.loads(Path(request_path).read_text()))
     Path(result_path).write_text(json.dumps(result))

@@ -75,11 +75,6 @@ def status() -> str | None:
     return unavailable_reason() or "the CPU plug-in's kernels are unavailable"
 
 
-def available() -> bool:
-    """Whether the C++ kernels are built or can be built here (builds them if need be)."""
-    return build.available()
-
-
 def unavailable_reason() -> str | None:
     """Why the C++ kernels are not available here, or None when they are."""
     try:
@@ -87,6 +82,3 @@ def unavailable_reason() -> str | None:
     except RuntimeError as exc:
         return str(exc)
     return None
-
-
-__all__ = ["available", "register", "status", "unavailable_reason"]

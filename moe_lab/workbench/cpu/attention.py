@@ -49,7 +49,7 @@ import torch
 
 from moe_lab.attention import expand_kv
 from moe_lab.checks import first_derivative_only
-from moe_lab.workbench.cpu.build import available, bf16_gemms, extension
+from moe_lab.workbench.cpu.build import extension
 
 Tensor = torch.Tensor
 
@@ -162,19 +162,6 @@ def rope_causal_attention(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> 
     wrote them and writes the output and the gradients where the next GEMM reads them. The
     gradients of q and k leave the kernel after the rotary gradient, rounded once (the
     unfused path rounds dq and dk, then their rotary gradients)."""
-    if qkv.device.type != "cpu":
-        raise ValueError(f"cpu_fused attention runs on the CPU, got qkv on {qkv.device}")
-    if qkv.dtype != torch.bfloat16 or qkv.dim() != 3:
-        raise ValueError(f"qkv must be a bfloat16 [batch, seq, 3 * heads * head_dim] tensor, got "
-                         f"{qkv.dtype} of shape {tuple(qkv.shape)}")
-    if heads < 1 or qkv.shape[-1] % (3 * heads) or (qkv.shape[-1] // (3 * heads)) % 2:
-        raise ValueError(f"qkv's last dimension ({qkv.shape[-1]}) must be 3 * heads * head_dim "
-                         f"with heads = {heads} and an even head_dim")
-    half = qkv.shape[-1] // (3 * heads) // 2
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 2 or t.shape[0] < qkv.shape[1] or t.shape[1] != half:
-            raise ValueError(f"{name} must be [>= seq, head_dim / 2] = [>= {qkv.shape[1]}, {half}], "
-                             f"got {tuple(t.shape)}")
     with torch.autocast("cpu", enabled=False):
         out, _ = _rope_attention(qkv, cos.float(), sin.float(), heads)
     return out
@@ -189,18 +176,12 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     bfloat16 inputs (all three, even ``head_dim``) run bfloat16 GEMMs with float32
     accumulation and a float32 softmax, ``P`` rounded to bfloat16 for ``P V`` (forward and
     backward, as a GPU flash attention does); float32 inputs compute in float32; anything
-    else (float16, an odd ``head_dim``, or a CPU without bfloat16 GEMMs, see `bf16_gemms`)
-    is widened to float32 and the output rounded back."""
+    else (float16, an odd ``head_dim``, or a CPU without bfloat16 GEMMs, see
+    `moe_lab.workbench.cpu.build.bf16_gemms`) is widened to float32 and the output rounded back."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cpu":
-            raise ValueError(f"cpu_fused attention runs on the CPU, got {name} on {t.device}; "
-                             "use attention_impl='sdpa' on a GPU")
-        if t.dtype not in DTYPES:
+        if t.dtype not in DTYPES:  # the kernel checks the rest; float64 would be narrowed unseen
             raise ValueError(f"cpu_fused attention takes float32, bfloat16 or float16 inputs, got "
                              f"{name} in {t.dtype}")
-        if t.dim() != 4:
-            raise ValueError(f"cpu_fused attention takes [batch, heads, seq, head_dim] tensors, got "
-                             f"{name} of shape {tuple(t.shape)}")
     with torch.autocast("cpu", enabled=False):
         if q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] % 2 == 0:
             out, _ = _attention(q, k, v)  # widened inside when this CPU has no bf16 GEMMs
@@ -225,7 +206,3 @@ class PackedRope:
 
     def __call__(self, qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
         return rope_causal_attention(qkv, cos, sin, heads)
-
-
-__all__ = ["PackedRope", "available", "bf16_gemms", "causal_attention", "grouped_query_attention",
-           "rope_causal_attention", "rope_fusable"]

@@ -115,22 +115,21 @@ def _name_and_dir() -> tuple[str, Path]:
 
 
 @contextlib.contextmanager
-def build_guard(build_dir: Path, wait_limit_s: float | None = None) -> Iterator[None]:
+def build_guard(build_dir: Path) -> Iterator[None]:
     """Hold an exclusive operating-system lock on ``build_dir`` (`moe_lab.workbench.filelock`
     on ``moe_lab.lock`` inside it, which then names this process) for a build or load there,
     and remove the stale ``lock`` file of ``torch.utils.cpp_extension`` that a killed build
     left behind.
 
     Waits for another process holding the lock, naming it after 2 s and every 30 s; raises
-    ``TimeoutError`` naming the folder after ``wait_limit_s`` (default `WAIT_LIMIT_S`)."""
-    limit = WAIT_LIMIT_S if wait_limit_s is None else wait_limit_s
+    ``TimeoutError`` naming the folder after `WAIT_LIMIT_S`."""
     path = build_dir / "moe_lab.lock"
 
     def refuse(holder: str) -> TimeoutError:
-        return TimeoutError(f"{holder} has been holding {path} for over {limit:.0f} s while it builds "
+        return TimeoutError(f"{holder} has been holding {path} for over {WAIT_LIMIT_S:.0f} s while it builds "
                             f"or loads moe_lab's CPU kernels; wait for it to end or stop it")
 
-    with file_lock(path, refuse, limit, f"{path} while it builds or loads the CPU kernels"):
+    with file_lock(path, refuse, WAIT_LIMIT_S, f"{path} while it builds or loads the CPU kernels"):
         baton = build_dir / "lock"
         if baton.exists():
             print(f"moe_lab: removing {baton}, left behind by a build that was killed",
@@ -237,13 +236,6 @@ def available() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-def loaded() -> bool:
-    """Whether the kernels are already loaded in this process (never builds or loads them):
-    for callers that use them only where something else has paid for them, e.g. the
-    reference router's top-k."""
-    return _ext is not None
 
 
 def main() -> int:

@@ -59,6 +59,3 @@ def embed(module: nn.Embedding, idx: Tensor) -> Tensor:
             and not module.sparse):
         return _Embedding.apply(module.weight, idx)
     return module(idx)
-
-
-__all__ = ["embed", "embedding_grad"]

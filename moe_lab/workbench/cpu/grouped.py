@@ -45,7 +45,7 @@ import torch
 
 from moe_lab.checks import first_derivative_only
 from moe_lab.moe.experts import SwiGLUExperts, register_grouped_mm_autograd
-from moe_lab.workbench.cpu.build import available, bf16_gemms, compiler, extension
+from moe_lab.workbench.cpu.build import bf16_gemms, extension
 
 Tensor = torch.Tensor
 
@@ -156,7 +156,3 @@ def openmp_mlp(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
         # them as it repacks them and returns fp32 gradients)
         return expert_mlp(x, experts.w_gate_up, experts.w_down, offsets[1:])
     return experts.grouped_two_gemms(x, offsets, grouped_mm)
-
-
-__all__ = ["available", "bf16_gemms", "compiler", "expert_mlp", "extension", "grouped_mm",
-           "grouped_mm_wgrad", "openmp_mlp", "takes_fp32_weights"]

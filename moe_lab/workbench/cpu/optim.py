@@ -80,22 +80,10 @@ def clip_adamw_(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tenso
     divided by it as it is read (the gradients themselves are not changed). ``skip`` (a
     one-element float32 tensor) nonzero leaves everything as it was. Parameters without a
     gradient are left alone, as AdamW does. Returns the global norm, a 0-dim tensor.
-    """
-    if not supports(optimizer):
-        raise ValueError("clip_adamw_: optimizer must be a fused float32 CPU torch.optim.AdamW "
-                         "whose groups share lr, betas and eps (the sync-free make_optimizer), "
-                         "with moe_lab's CPU kernels built; see moe_lab.workbench.cpu.optim.supports")
-    if not max_norm > 0:
-        raise ValueError(f"clip_adamw_: max_norm must be > 0, got {max_norm!r}")
-    return step_checked(optimizer, max_norm, grad_scale, skip)
 
-
-def step_checked(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tensor,
-                 skip: Tensor) -> Tensor:
-    """`clip_adamw_` for a caller that has already checked ``supports(optimizer)`` and
-    ``max_norm > 0`` once (`one_call_step`, at construction): the per-step path,
-    without walking every parameter to check it again. The kernel still checks each tensor's
-    dtype, layout and size."""
+    For an optimizer `supports` takes (`one_call_step` asks once, at construction, so the
+    per-step path does not walk every parameter to check it again); the kernel checks each
+    tensor's dtype, layout and size, and ``max_norm > 0``."""
     params, grads, avgs, sqs, steps, decays = [], [], [], [], [], []
     first = optimizer.param_groups[0]
     lr, betas, eps = first["lr"], first["betas"], first["eps"]
@@ -123,7 +111,7 @@ def step_checked(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tens
 
 def one_call_step(optimizer: torch.optim.Optimizer):
     """The clip step ``cpu_one_call`` (``CLIP_STEPS`` of the sync-free step): for an optimizer
-    `supports` takes, ``fn(max_norm, grad_scale, skip) -> norm`` running `step_checked`, or
+    `supports` takes, ``fn(max_norm, grad_scale, skip) -> norm`` running `clip_adamw_`, or
     None (not applicable now) while step hooks are registered; None for any other optimizer."""
     if not supports(optimizer):
         return None
@@ -131,6 +119,6 @@ def one_call_step(optimizer: torch.optim.Optimizer):
     def step(max_norm: float, grad_scale: Tensor, skip: Tensor) -> Tensor | None:
         if has_step_hooks(optimizer):
             return None
-        return step_checked(optimizer, max_norm, grad_scale, skip)
+        return clip_adamw_(optimizer, max_norm, grad_scale, skip)
 
     return step

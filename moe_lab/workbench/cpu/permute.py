@@ -32,16 +32,8 @@ from __future__ import annotations
 import torch
 
 from moe_lab.checks import first_derivative_only
-from moe_lab.kernels.permute_args import (
-    KERNEL_DTYPES,
-    check_map,
-    check_rows,
-    check_topk,
-    check_weights,
-    permuted_rows,
-)
 from moe_lab.moe.router import topk_lowest_index as reference_topk
-from moe_lab.workbench.cpu.build import available, extension
+from moe_lab.workbench.cpu.build import extension
 
 Tensor = torch.Tensor
 
@@ -143,27 +135,19 @@ def _(values: Tensor, k: int) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------
-# The public functions (checked arguments; the kernels check indices themselves)
+# The public functions (the kernels check their arguments and indices themselves)
 # --------------------------------------------------------------------------------------
-
-
-def _check_cpu(name: str, t: Tensor | None) -> None:
-    if t is not None and t.device.type != "cpu":
-        raise ValueError(f"{name} must be on the CPU (moe_lab.workbench.cpu.permute), got {t.device}; "
-                         "on a GPU use moe_lab.kernels.permute")
 
 
 def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
     """Where each (token, slot) goes in the expert-sorted buffer, and where experts start.
 
-    ``topk_ids: [T, k]`` int64 or int32 expert ids in ``[0, n_experts)`` (checked: an id out
-    of range raises). Returns ``row_id_map: [T, k]`` int32, stable by (expert, token, slot),
-    and ``offsets: [E + 1]`` int32: expert ``e``'s rows are ``offsets[e]:offsets[e+1]``, its
-    tokens first, then zero padding up to a multiple of ``align``. The buffer needs
-    `permuted_rows` ``(T, k, E, align)`` rows.
+    ``topk_ids: [T, k]`` int64 or int32 expert ids in ``[0, n_experts)`` (an id out of range
+    raises). Returns ``row_id_map: [T, k]`` int32, stable by (expert, token, slot), and
+    ``offsets: [E + 1]`` int32: expert ``e``'s rows are ``offsets[e]:offsets[e+1]``, its
+    tokens first, then zero padding up to a multiple of ``align``: the buffer needs at least
+    ``offsets[-1]`` rows.
     """
-    check_topk(topk_ids, n_experts, align)
-    _check_cpu("topk_ids", topk_ids)
     return _row_id_map_op(topk_ids, n_experts, align)
 
 
@@ -174,11 +158,6 @@ def permute(x: Tensor, row_id_map: Tensor, n_rows: int, weights: Tensor | None =
     ``x: [T, d]`` float32, bfloat16 or float16 (any strides); ``row_id_map: [T, k]`` int32
     from `make_row_id_map`; ``n_rows >= T·k``. Differentiable in ``x`` and ``weights``.
     """
-    check_rows("x", x)
-    check_map(row_id_map, x.shape[0], n_rows)
-    check_weights(weights, row_id_map)
-    for name, t in (("x", x), ("row_id_map", row_id_map), ("weights", weights)):
-        _check_cpu(name, t)
     return _permute_op(x, row_id_map, weights, n_rows)
 
 
@@ -189,11 +168,6 @@ def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> T
     router's float32) or None. Returns ``[T, d]`` in ``y``'s dtype. Differentiable in ``y``
     and ``weights``.
     """
-    check_rows("y", y)
-    check_map(row_id_map, None, y.shape[0])
-    check_weights(weights, row_id_map)
-    for name, t in (("y", y), ("row_id_map", row_id_map), ("weights", weights)):
-        _check_cpu(name, t)
     return _unpermute_op(y, row_id_map, weights)
 
 
@@ -205,13 +179,6 @@ def topk_lowest_index(values: Tensor, k: int) -> Tensor:
     ``values: [T, n]`` float32 on the CPU (any strides); ``0 <= k <= n``. Indices carry no
     gradient: ``values`` is read detached.
     """
-    if not isinstance(values, Tensor) or values.dim() != 2 or values.dtype != torch.float32:
-        raise ValueError("values must be a [T, n] float32 tensor, got "
-                         + (f"{tuple(values.shape)} {values.dtype}" if isinstance(values, Tensor)
-                            else type(values).__name__))
-    _check_cpu("values", values)
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= values.shape[1]:
-        raise ValueError(f"k must be an int in [0, n = {values.shape[1]}], got {k!r}")
     return _topk_op(values.detach(), k)
 
 
@@ -234,7 +201,3 @@ def router_topk(values: Tensor, k: int) -> Tensor:
             and values.shape[-1] > 0:
         return topk_lowest_index(values, k)
     return reference_topk(values, k)
-
-
-__all__ = ["KERNEL_DTYPES", "available", "make_row_id_map", "permute", "permute_tokens",
-           "permuted_rows", "router_topk", "topk_lowest_index", "unpermute", "unpermute_tokens"]

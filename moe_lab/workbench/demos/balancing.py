@@ -15,13 +15,9 @@ from moe_lab.data import load_corpus
 from moe_lab.moe.balance import ExpertBiasBalancer, load_imbalance
 from moe_lab.workbench.training.loop import TrainConfig, train
 
-__all__ = ["compare_balancing"]
-
 
 def compare_balancing(model_cfg: ModelConfig, steps: int, *, batch_size: int = 8, seed: int = 0,
-                      aux_loss_coef: float = 0.01, bias_rate: float = 0.01, dispatcher: str = "naive",
-                      expert_backend: str = "loop", router_impl: str = "reference",
-                      progress: bool = False) -> dict[str, list[dict]]:
+                      aux_loss_coef: float = 0.01, bias_rate: float = 0.01) -> dict[str, list[dict]]:
     """Train ``model_cfg`` three times on the same data — ``"none"`` (no balancing),
     ``"aux loss"`` (``aux_loss_coef``), ``"bias"`` (aux-loss-free, ``bias_rate``) — and
     return, per run, one record per step: ``loss`` (the language-model loss, comparable
@@ -34,9 +30,8 @@ def compare_balancing(model_cfg: ModelConfig, steps: int, *, batch_size: int = 8
     for name, (coef, rate) in runs.items():
         cfg = model_cfg.replace(moe={"aux_loss_coef": coef})
         train_cfg = TrainConfig(steps=steps, batch_size=batch_size, seed=seed, eval_every=0,
-                                warmup_steps=max(1, steps // 10), dispatcher=dispatcher,
-                                expert_backend=expert_backend, router_impl=router_impl,
-                                progress=progress)
+                                warmup_steps=max(1, steps // 10), dispatcher="naive",
+                                expert_backend="loop", router_impl="reference", progress=False)
         if rate is None:
             result = train(cfg, train_cfg, corpus=corpus)
         else:

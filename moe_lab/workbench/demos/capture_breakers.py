@@ -18,9 +18,6 @@ import torch.nn.functional as F
 
 from moe_lab.training.sync import SyncError, assert_sync_free
 
-__all__ = ["CAPTURE_BREAKERS", "CaptureBreaker", "capture_gallery"]
-
-
 # --------------------------------------------------------------------------------------
 # The gallery: what breaks capture, and the rewrite that does not
 # --------------------------------------------------------------------------------------
@@ -162,12 +159,12 @@ CAPTURE_BREAKERS: tuple[CaptureBreaker, ...] = (
 )
 
 
-def capture_gallery(breakers=CAPTURE_BREAKERS) -> list[dict]:
+def capture_gallery() -> list[dict]:
     """Run `assert_sync_free` on each snippet and its rewrite. One row per snippet:
     ``title``, ``broken_source``, ``fixed_source``, ``op`` (what the certificate named),
     ``fixed_passes`` (whether the rewrite is certified sync-free)."""
     rows = []
-    for b in breakers:
+    for b in CAPTURE_BREAKERS:
         op = None
         try:
             assert_sync_free(b.broken, *b.make_args(), backward=False)
@@ -178,13 +175,7 @@ def capture_gallery(breakers=CAPTURE_BREAKERS) -> list[dict]:
             fixed_passes = True
         except SyncError:
             fixed_passes = False
-        rows.append({"title": b.title, "broken_source": _source(b.broken),
-                     "fixed_source": _source(b.fixed), "op": op, "fixed_passes": fixed_passes})
+        rows.append({"title": b.title, "broken_source": inspect.getsource(b.broken).strip(),
+                     "fixed_source": inspect.getsource(b.fixed).strip(), "op": op,
+                     "fixed_passes": fixed_passes})
     return rows
-
-
-def _source(fn: Callable) -> str:
-    try:
-        return inspect.getsource(fn).strip()
-    except (OSError, TypeError):
-        return getattr(fn, "__name__", repr(fn))

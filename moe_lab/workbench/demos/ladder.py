@@ -18,8 +18,6 @@ from moe_lab.data import Batch
 from moe_lab.training.build import build_model, build_sync_free, default_impls
 from moe_lab.training.steps import EagerStep, StepConfig
 
-__all__ = ["LADDER", "ladder_step"]
-
 #: The fixes, in the order notebook 08 applies them: (name, what was wrong, what fixes it).
 LADDER: tuple[tuple[str, str, str], ...] = (
     ("dropless dispatch",

@@ -41,9 +41,6 @@ from moe_lab.config import ModelConfig
 from moe_lab.training.build import build_model, build_sync_free, random_batch
 from moe_lab.training.steps import EagerStep, StepConfig
 
-__all__ = ["MESSAGE", "MODES", "SyncDebugReport", "SyncSite", "sync_debug_demo",
-           "sync_debug_report"]
-
 #: What PyTorch says, as a warning or an error, at each synchronizing CUDA call.
 MESSAGE = "called a synchronizing CUDA operation"
 
@@ -140,8 +137,6 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
     ``RuntimeError`` that is not the mode's own propagates (after the mode is restored)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not callable(fn):
-        raise ValueError(f"sync_debug_report: fn must be callable, got {type(fn).__name__}")
     label = label or getattr(fn, "__qualname__", type(fn).__name__)
     if not torch.cuda.is_available():
         return SyncDebugReport(label, mode, ran=False,

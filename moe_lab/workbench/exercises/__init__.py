@@ -30,12 +30,12 @@ interpreter on a CPU (`moe_lab.workbench.exercises.kernel_checks`).
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
 from collections.abc import Callable
 from typing import NoReturn
 
 import torch
+
+from moe_lab.training.sync import count_syncs
 
 #: The message a Triton stub's ``tl.static_assert(False, NOT_DONE)`` line carries, and what
 #: ``not_done()`` raises: how a check tells "not written yet" from "wrong".
@@ -55,13 +55,9 @@ class NotDoneError(ExerciseError):
         self.todo = todo
 
 
-class NotDone(NotImplementedError):
-    """Raised by ``not_done()``, the body of an unsolved stub."""
-
-
 def not_done(*_args: object, **_kwargs: object) -> NoReturn:
-    """The body of an unsolved stub."""
-    raise NotDone(f"{NOT_DONE}: write your answer in the cell above")
+    """The body of an unsolved stub: a ``NotImplementedError`` carrying `NOT_DONE`."""
+    raise NotImplementedError(f"{NOT_DONE}: write your answer in the cell above")
 
 
 def call_answer(fn: Callable, *args: object, **kwargs: object) -> object:
@@ -76,14 +72,26 @@ def call_answer(fn: Callable, *args: object, **kwargs: object) -> object:
         raise ExerciseError(f"{name}: {exc}") from None
 
 
+def require_sync_free(fn: Callable, args: tuple, advice: str) -> None:
+    """Raise `ExerciseError` (with ``advice``) when ``fn(*args)``, an answer already found
+    right, makes the host wait for the device (`moe_lab.training.sync.count_syncs`)."""
+    _, syncs = count_syncs(fn, *args)
+    if sum(syncs.values()):
+        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; {advice}")
+
+
 def random_routing(g: torch.Generator, tokens: int, n_experts: int, top_k: int) -> torch.Tensor:
     """``[tokens, top_k]`` distinct expert ids per token, drawn from a random, skewed
     popularity (some experts likely get nothing): fresh inputs for a check."""
-    if tokens == 0:
-        return torch.zeros(0, top_k, dtype=torch.int64)
     popularity = torch.rand(n_experts, generator=g, dtype=torch.float64) ** 3 + 1e-3
     return torch.multinomial(popularity.expand(tokens, n_experts), top_k, replacement=False,
                              generator=g)
+
+
+def offsets_of(counts: list[int]) -> torch.Tensor:
+    """``[len(counts) + 1]`` int32: where each of experts with ``counts`` rows starts."""
+    return torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()],
+                        dtype=torch.int32)
 
 
 # name -> reference solution; each notebook's module registers its own.
@@ -94,30 +102,10 @@ def reference_solution(name: str) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn`` as the reference solution of exercise ``name``."""
 
     def register(fn: Callable) -> Callable:
-        if name in SOLUTIONS:
-            raise ValueError(f"exercise {name!r} is registered twice")
         SOLUTIONS[name] = fn
         return fn
 
     return register
-
-
-def solution(name: str) -> Callable:
-    """The reference solution of exercise ``name`` (what ``SOLUTIONS=True`` uses). A check's
-    solution sits in its own module, imported with it; any other name imports every notebook's
-    module (which needs Triton for notebooks 03-07)."""
-    if name not in SOLUTIONS:
-        _import_all()
-    try:
-        return SOLUTIONS[name]
-    except KeyError:
-        raise ValueError(f"exercise name must be one of {sorted(SOLUTIONS)}, got {name!r}") from None
-
-
-def not_done_message(name: str, err: NotDoneError) -> str:
-    """What a notebook prints for an exercise not written yet."""
-    return (f"◻ exercise {name!r} is not done yet. To do: {err.todo}; the check then says "
-            "whether your answer is right.\n  Meanwhile the cells below use the reference solution.")
 
 
 def exercise(name: str) -> Callable[[Callable], Callable]:
@@ -126,7 +114,7 @@ def exercise(name: str) -> Callable[[Callable], Callable]:
     The decorated check takes a keyword ``solutions``: None (the default) only checks;
     True checks the reference solution and returns it; False checks ``answer`` and returns
     it when right, raises ``ExerciseError`` when wrong, and when the stub is not written
-    yet prints so (`not_done_message`) and returns the reference solution.
+    yet prints so and returns the reference solution.
     """
 
     def wrap(check: Callable) -> Callable:
@@ -135,23 +123,18 @@ def exercise(name: str) -> Callable[[Callable], Callable]:
             if solutions is not None and not isinstance(solutions, bool):  # -p SOLUTIONS false: "false"
                 raise ValueError(f"solutions must be True, False or None, got {solutions!r}")
             if solutions:
-                answer = solution(name)
-            if solutions is None or solutions:
-                check(answer, *args, **kwargs)
-                return answer
+                answer = SOLUTIONS[name]
             try:
                 check(answer, *args, **kwargs)
             except NotDoneError as err:
-                print(not_done_message(name, err))
-                return solution(name)
+                if solutions is None:
+                    raise
+                print(f"◻ exercise {name!r} is not done yet. To do: {err.todo}; the check then says whether "
+                      "your answer is right.\n  Meanwhile the cells below use the reference solution.")
+                return SOLUTIONS[name]
             return answer
 
         run.exercise_name = name
         return run
 
     return wrap
-
-
-def _import_all() -> None:
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")

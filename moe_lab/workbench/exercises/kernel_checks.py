@@ -23,21 +23,17 @@ import torch
 from moe_lab.workbench.exercises import NOT_DONE, ExerciseError, NotDoneError
 
 
-def kernel_device() -> torch.device:
-    """Where a Triton exercise's tensors live: the GPU when Triton compiles for it, else the
-    CPU (interpreted Triton reads and writes host memory)."""
-    from moe_lab.perf.capabilities import triton_interpreted
-
-    if torch.cuda.is_available() and not triton_interpreted():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 def interpreted() -> bool:
     """True when Triton runs under its interpreter here."""
     from moe_lab.perf.capabilities import triton_interpreted
 
     return triton_interpreted()
+
+
+def kernel_device() -> torch.device:
+    """Where a Triton exercise's tensors live: the GPU when Triton compiles for it, else the
+    CPU (interpreted Triton reads and writes host memory)."""
+    return torch.device("cuda" if torch.cuda.is_available() and not interpreted() else "cpu")
 
 
 def launch_answer(name: str, kernel: object, grid: Sequence[int], *args: object, **kwargs: object) -> None:
@@ -46,14 +42,13 @@ def launch_answer(name: str, kernel: object, grid: Sequence[int], *args: object,
     launch `ExerciseError` with Triton's message."""
     try:
         kernel[tuple(grid)](*args, **kwargs)
-    except ExerciseError:
-        raise
     except Exception as exc:  # the interpreter's and the compiler's errors have no common base
         text = _messages(exc)
         if NOT_DONE in text:
             raise NotDoneError(name, f"in {name}, replace the line `tl.static_assert(False, "
                                f"\"{NOT_DONE}\")` with your answer and run the cell again") from None
-        raise ExerciseError(f"{name}: your Triton code failed to run:\n{_last_lines(text)}") from None
+        last_lines = "\n".join([line for line in text.splitlines() if line.strip()][-12:])
+        raise ExerciseError(f"{name}: your Triton code failed to run:\n{last_lines}") from None
 
 
 def _messages(exc: BaseException) -> str:
@@ -65,11 +60,6 @@ def _messages(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
-def _last_lines(text: str, n: int = 12) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return "\n".join(lines[-n:])
-
-
 def where_differs(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple | None:
     """The first index where ``got`` and ``want`` differ beyond the tolerance (NaN equal to
     NaN), or None."""
@@ -77,7 +67,4 @@ def where_differs(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: floa
     if not bool(bad.any()):
         return None
     return tuple(bad.nonzero()[0].tolist())
-
-
-__all__ = ["interpreted", "kernel_device", "launch_answer", "where_differs"]
 

@@ -5,8 +5,6 @@
   (``d_model x n_experts``), its ``top_k`` routed experts and every shared expert (each a
   SwiGLU of three ``d_model x d_expert`` matrices). Checked against `moe_lab.perf.flops`
   on random configurations and the presets.
-- ``expert_training_flops(d_model, d_expert)``: the same for one SwiGLU expert (the
-  notebook's former first exercise, kept for its check).
 - ``matmul_attainable_flops(m, n, k, bytes_per_element, peak_flops, bandwidth)``: the
   roofline's bound for ``[m, k] @ [k, n]`` on a machine with that peak and bandwidth.
 
@@ -24,13 +22,6 @@ from moe_lab.config import MoEConfig, preset
 from moe_lab.perf.flops import FLOPS_PER_MAC, TRAIN_MULTIPLIER, moe_mlp_macs, router_macs
 from moe_lab.perf.hardware import matmul_intensity, roofline
 from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
-
-
-@reference_solution("expert_training_flops")
-def expert_training_flops(d_model: int, d_expert: int) -> float:
-    """Training FLOPs per token of one SwiGLU expert: 3 matrices of ``d_model x d_expert``
-    MACs, 2 FLOPs per MAC, 3x for forward + backward."""
-    return float(3 * d_model * d_expert * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
 
 
 @reference_solution("matmul_attainable_flops")
@@ -103,29 +94,6 @@ def _close(got: object, want: float, rel: float = 1e-6) -> bool:
         return math.isclose(float(got), want, rel_tol=rel)
     except (TypeError, ValueError):
         return False
-
-
-@exercise("expert_training_flops")
-def check_expert_training_flops(fn: Callable[[int, int], float], trials: int = 20) -> None:
-    """Raise `ExerciseError` unless ``fn(d_model, d_expert)`` matches the reference."""
-    rng = random.Random()
-    for _ in range(trials):
-        d_model, d_expert = rng.randint(1, 8192), rng.randint(1, 8192)
-        want = expert_training_flops(d_model, d_expert)
-        got = call_answer(fn, d_model, d_expert)
-        if not _close(got, want):
-            hint = ""
-            if _close(got, want / TRAIN_MULTIPLIER):
-                hint = " (that is the forward pass only: the backward pass costs twice as much)"
-            elif _close(got, want / FLOPS_PER_MAC):
-                hint = " (that counts MACs: one multiply-accumulate is 2 FLOPs)"
-            elif _close(got, want * 2 / 3):
-                hint = " (SwiGLU has three matrices: gate, up and down)"
-            raise ExerciseError(
-                f"expert_training_flops(d_model={d_model}, d_expert={d_expert}) returned "
-                f"{got!r}, expected {want:.6g}{hint}"
-            )
-    print("✓ expert_training_flops is correct")
 
 
 @exercise("matmul_attainable_flops")

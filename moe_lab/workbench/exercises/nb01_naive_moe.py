@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 
 from moe_lab.moe.router import tokens_per_expert_from_ids
-from moe_lab.training.sync import count_syncs
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.workbench.exercises import (
+    ExerciseError,
+    call_answer,
+    exercise,
+    reference_solution,
+    require_sync_free,
+)
 
 
 @reference_solution("tokens_per_expert")
@@ -42,10 +47,7 @@ def check_tokens_per_expert(fn) -> None:
         if not torch.equal(got.to(torch.int64), want):
             raise ExerciseError(f"counts differ for ids of shape {tuple(ids.shape)} with "
                                 f"{n} experts: got {got.tolist()}, expected {want.tolist()}")
-    _, syncs = count_syncs(fn, cases[0][0], 8)
-    if sum(syncs.values()):
-        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; "
-                            "try scatter_add_ or one_hot(...).sum(...)")
+    require_sync_free(fn, (cases[0][0], 8), "try scatter_add_ or one_hot(...).sum(...)")
     print("✓ tokens_per_expert is correct and sync-free")
 
 

@@ -1,8 +1,5 @@
 """Exercises of notebook 02 (capacity and dropping): sizing the buffers, choosing the drops.
 
-- ``expert_capacity(tokens, top_k, n_experts, capacity_factor, multiple)``: the slots each
-  expert gets, ``ceil(tokens · top_k · capacity_factor / n_experts)`` rounded up to a
-  multiple of ``multiple`` — a Python int computed from shapes, never from data.
 - ``keep_mask(topk_ids, n_experts, capacity)``: which (token, choice) assignments the
   ``position`` drop policy keeps. Assignments are ranked per expert, every token's first
   choice before any token's second choice, and by token order within a choice; an
@@ -16,24 +13,19 @@ raises `ExerciseError` when an answer differs from the reference in
 
 from __future__ import annotations
 
-import math
-import operator
 import random
 from collections.abc import Callable
 
 import torch
 
 from moe_lab.moe import dispatch
-from moe_lab.training.sync import count_syncs
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
-
-
-@reference_solution("expert_capacity")
-def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float,
-                    multiple: int = 1) -> int:
-    """Slots per expert (a Python int): the even share of the ``tokens · top_k``
-    assignments, times ``capacity_factor``, rounded up, then up to a multiple of ``multiple``."""
-    return dispatch.expert_capacity(tokens, top_k, n_experts, capacity_factor, multiple)
+from moe_lab.workbench.exercises import (
+    ExerciseError,
+    call_answer,
+    exercise,
+    reference_solution,
+    require_sync_free,
+)
 
 
 @reference_solution("keep_mask")
@@ -43,87 +35,6 @@ def keep_mask(topk_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Te
     rank = dispatch.capacity_positions(topk_ids, torch.zeros(topk_ids.shape), n_experts,
                                        "position")
     return rank < capacity
-
-
-# Random cases avoid a capacity that is an integer only up to rounding: there a different,
-# equally correct order of the float operations could round across it. (Multiplying by a
-# power of two is exact in binary floating point, so those factors need no such care.)
-_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 0.3, 1.1, 1.17, 0.9)
-_EXACT_FACTORS = (0.5, 1.0, 2.0)
-
-
-def _capacity_cases(rng: random.Random, trials: int) -> list[tuple[int, int, int, float, int]]:
-    cases = [
-        (64, 2, 8, 1.0, 1),  # exactly the even share: 16
-        (100, 2, 8, 1.25, 1),  # 31.25 -> 32
-        (100, 2, 8, 1.0, 16),  # 25 -> 32 with a multiple of 16
-        (0, 2, 8, 1.0, 1),  # no tokens: no slots
-        (7, 4, 4, 1.0, 1),  # top_k == n_experts: every expert sees every token
-        (1, 1, 64, 0.5, 1),  # less than one assignment per expert: still one slot
-        (4096, 8, 256, 1.0, 128),
-    ]
-    while len(cases) < trials:
-        tokens, n_experts = rng.randint(0, 5000), rng.choice([1, 2, 4, 8, 16, 60, 64, 256])
-        top_k = rng.randint(1, min(8, n_experts))
-        factor, multiple = rng.choice(_FACTORS), rng.choice([1, 1, 1, 4, 8, 16, 128])
-        exact = tokens * top_k * factor / n_experts
-        if abs(exact - round(exact)) < 1e-6 and factor not in _EXACT_FACTORS:
-            continue  # on an integer only up to rounding: either answer would be defensible
-        cases.append((tokens, top_k, n_experts, factor, multiple))
-    return cases
-
-
-@exercise("expert_capacity")
-def check_expert_capacity(fn: Callable[..., int], trials: int = 40) -> None:
-    """Raise `ExerciseError` unless ``fn(tokens, top_k, n_experts, capacity_factor,
-    multiple)`` returns the reference capacity (an int) on every case."""
-    rng = random.Random()
-    for tokens, top_k, n_experts, factor, multiple in _capacity_cases(rng, trials):
-        want = expert_capacity(tokens, top_k, n_experts, factor, multiple)
-        got = call_answer(fn, tokens, top_k, n_experts, factor, multiple)
-        args = (f"tokens={tokens}, top_k={top_k}, n_experts={n_experts}, "
-                f"capacity_factor={factor}, multiple={multiple}")
-        if isinstance(got, torch.Tensor):
-            raise ExerciseError(f"({args}): return a Python int, not a tensor — the capacity "
-                                "sizes buffers, so it must be known on the host without a sync")
-        try:
-            ok = int(got) == got and int(got) == want
-        except (TypeError, ValueError, OverflowError):
-            ok = False
-        if ok and not _is_integer(got):
-            raise ExerciseError(f"expert_capacity({args}) returned {got!r}: return a Python int, not "
-                                f"{type(got).__name__} — the capacity sizes tensors (torch.zeros(E, C, d) "
-                                "takes no float); math.ceil gives an int")
-        if not ok:
-            share = tokens * top_k / n_experts
-            hint = ""
-            unrounded = math.ceil(share * factor)
-            if multiple > 1 and _equals(got, unrounded):
-                hint = f" (then round up to a multiple of {multiple})"
-            elif _equals(got, math.floor(share * factor)) and unrounded != share * factor:
-                hint = " (rounded down: a fractional slot must still be a whole slot, round up)"
-            elif _equals(got, math.ceil(tokens * factor / n_experts)):
-                hint = " (every token makes top_k assignments: multiply by top_k)"
-            elif _equals(got, math.ceil(share)):
-                hint = " (the capacity factor scales the even share)"
-            raise ExerciseError(f"expert_capacity({args}) returned {got!r}, expected {want}{hint}")
-    print("✓ expert_capacity is correct")
-
-
-def _is_integer(got: object) -> bool:
-    """An int (or a numpy integer) — not a float, even one with an integral value, not a bool."""
-    try:
-        operator.index(got)
-    except TypeError:
-        return False
-    return not isinstance(got, bool)
-
-
-def _equals(got: object, value: int) -> bool:
-    try:
-        return int(got) == value
-    except (TypeError, ValueError, OverflowError):
-        return False
 
 
 def _token_major_keep(topk_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
@@ -140,8 +51,6 @@ def _routing(g: torch.Generator, tokens: int, n_experts: int, top_k: int,
     popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
     perm = torch.randperm(n_experts, generator=g)
     probs = popularity[perm].expand(tokens, n_experts)
-    if tokens == 0:
-        return torch.zeros(0, top_k, dtype=torch.int64)
     return torch.multinomial(probs, top_k, replacement=False, generator=g)
 
 
@@ -181,11 +90,8 @@ def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
         raise ExerciseError(f"({where}): assignment (token {bad[0]}, choice {bad[1]}) should be "
                             f"{'kept' if want[bad[0], bad[1]] else 'dropped'}{hint}")
     ids, n_experts, capacity = cases[1]
-    _, syncs = count_syncs(fn, ids, n_experts, capacity)
-    if sum(syncs.values()):
-        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; the capacity "
-                            "dispatcher must stay sync-free — try a cumulative sum over a "
-                            "one-hot of the expert ids")
+    require_sync_free(fn, (ids, n_experts, capacity), "the capacity dispatcher must stay sync-free "
+                      "— try a cumulative sum over a one-hot of the expert ids")
     print("✓ keep_mask is correct and sync-free")
 
 
@@ -245,9 +151,7 @@ def check_capacity_buffer(fn: Callable[..., torch.Tensor]) -> None:
             raise ExerciseError(f"({where}): expert {e}, slot {c} holds the wrong row{hint}; "
                                 "rank the assignments as keep_mask does (first choices first)")
     ids = _routing(g, 64, 8, 2, 1.0)
-    _, syncs = count_syncs(fn, torch.randn(64, 16, generator=g), ids, 8, 1.0, 1)
-    if sum(syncs.values()):
-        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; C comes from "
-                            "shapes (Python numbers), the slots from a cumulative sum, the copy "
-                            "from index_add_ or scatter")
+    require_sync_free(fn, (torch.randn(64, 16, generator=g), ids, 8, 1.0, 1), "C comes from shapes "
+                      "(Python numbers), the slots from a cumulative sum, the copy from index_add_ or "
+                      "scatter")
     print("✓ capacity_buffer is correct and sync-free")

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
-from moe_lab.workbench.exercises import ExerciseError, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, exercise, offsets_of, reference_solution
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
 
 # ------------------------------------------------------------------ Triton: a masked row softmax
@@ -60,19 +60,14 @@ def run_row_softmax(kernel: object, x: torch.Tensor, out: torch.Tensor | None = 
                     block_n: int | None = None) -> torch.Tensor:
     """Launch ``kernel`` (the learner's ``row_softmax_kernel``) over the rows of the 2-d
     float32 ``x`` (its columns contiguous, its rows any stride apart) into ``out`` (made
-    when not given, the shape of ``x``); ``block_n`` defaults to the next power of two of
-    the width."""
+    when not given; else float32, the shape of ``x``, its columns contiguous); ``block_n``
+    (at least the width) defaults to the next power of two of the width."""
     if x.dim() != 2 or x.dtype != torch.float32 or (x.shape[1] > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be a 2-d float32 tensor with contiguous rows, got {x.dtype} "
                          f"of shape {tuple(x.shape)}, strides {x.stride()}")
     rows, width = x.shape
     out = torch.empty(rows, width, device=x.device) if out is None else out
-    if out.shape != x.shape or out.dtype != torch.float32 or (width > 1 and out.stride(1) != 1):
-        raise ValueError(f"out must be a float32 tensor of shape {tuple(x.shape)} with contiguous rows, "
-                         f"got {out.dtype} of shape {tuple(out.shape)}, strides {out.stride()}")
     block_n = block_n or triton.next_power_of_2(max(width, 1))
-    if block_n < width:
-        raise ValueError(f"block_n must be at least the row width {width}, got {block_n}")
     if rows:
         launch_answer("row_softmax_kernel", kernel, (rows,), x, out, width, x.stride(0), out.stride(0),
                       BLOCK_N=block_n)
@@ -204,11 +199,6 @@ def run_grouped_matmul(lookup: object, x: torch.Tensor, w: torch.Tensor, offsets
     return y
 
 
-def _offsets(counts: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()],
-                        dtype=torch.int32)
-
-
 def _check_claims(claims: torch.Tensor, offsets: torch.Tensor, where: str) -> None:
     """`ExerciseError` unless ``claims[e, r]`` (how many programs of expert ``e`` claimed row
     ``r``) is 1 where ``offsets[e] <= r < offsets[e + 1]`` and 0 elsewhere."""
@@ -256,7 +246,7 @@ def check_expert_rows(lookup: object, block_m: int = 16) -> None:
              [rng.choice([0, 1, 7, 16, 17, 33]) for _ in range(6)]]
     for counts in cases:
         pad = rng.choice([0, 3, 19])
-        offsets = _offsets(counts)
+        offsets = offsets_of(counts)
         total = sum(counts)
         m_rows = total + pad
         where = f"rows per expert {counts}, {pad} padding rows, BLOCK_M {block_m}"

@@ -26,13 +26,15 @@ from collections.abc import Callable
 import torch
 
 from moe_lab.moe.dispatch import sort_by_expert
-from moe_lab.training.sync import SyncError, assert_sync_free, count_syncs
+from moe_lab.training.sync import SyncError, assert_sync_free
 from moe_lab.workbench.exercises import (
     ExerciseError,
     call_answer,
     exercise,
+    offsets_of,
     random_routing,
     reference_solution,
+    require_sync_free,
 )
 
 
@@ -108,17 +110,9 @@ def check_expert_permutation(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]
             raise ExerciseError(f"({where}): offsets are right but {offsets.dtype}; grouped GEMM "
                                 "kernels take int32 offsets (.to(torch.int32))")
     ids, n_experts = cases[1]
-    _, syncs = count_syncs(fn, ids, n_experts)
-    if sum(syncs.values()):
-        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; count with "
-                            "scatter_add_ (bincount reads the maximum id on the host)")
+    require_sync_free(fn, (ids, n_experts), "count with scatter_add_ (bincount reads the maximum id "
+                      "on the host)")
     print("✓ expert_permutation is correct and sync-free")
-
-
-def offsets_of(counts: list[int]) -> torch.Tensor:
-    """``[len(counts) + 1]`` int32: where each of experts with ``counts`` rows starts."""
-    return torch.tensor([0, *torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()],
-                        dtype=torch.int32)
 
 
 @exercise("expert_of_row")

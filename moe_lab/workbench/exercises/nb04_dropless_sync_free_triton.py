@@ -31,11 +31,11 @@ from moe_lab.kernels.permute import make_row_id_map_reference, unpermute_referen
 from moe_lab.workbench.exercises import (
     ExerciseError,
     exercise,
+    offsets_of,
     random_routing,
     reference_solution,
 )
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
-from moe_lab.workbench.exercises.nb04_dropless_sync_free import offsets_of
 
 # ------------------------------------------------------------------ Triton: the combine
 

@@ -15,8 +15,13 @@ from collections.abc import Callable
 import torch
 
 from moe_lab.moe.router import group_limited_mask
-from moe_lab.training.sync import count_syncs
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.workbench.exercises import (
+    ExerciseError,
+    call_answer,
+    exercise,
+    reference_solution,
+    require_sync_free,
+)
 from moe_lab.workbench.measure.kernel_count import count_kernels
 
 
@@ -79,10 +84,8 @@ def check_group_limited_selection(fn: Callable) -> None:
         per_token = got.view(tokens, n_groups, n_experts // n_groups).any(-1).sum(-1)
         if tokens and not bool((per_token == topk_groups).all()):
             raise ExerciseError(f"each token must keep exactly {topk_groups} groups")
-    _, syncs = count_syncs(fn, torch.rand(32, 64, generator=g), 8, 4)
-    if sum(syncs.values()):
-        raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; build the "
-                            "mask with scatter_ or a comparison, not with nonzero or a loop")
+    require_sync_free(fn, (torch.rand(32, 64, generator=g), 8, 4), "build the mask with scatter_ or a "
+                      "comparison, not with nonzero or a loop")
     print("✓ group_limited_selection is correct and sync-free")
 
 

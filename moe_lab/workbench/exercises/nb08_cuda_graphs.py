@@ -78,11 +78,6 @@ def sync_free_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     return torch.zeros_like(x).index_add_(0, token_of, y_sorted * weight)
 
 
-def _experts(n_experts: int, d_model: int, d_expert: int) -> SwiGLUExperts:
-    return SwiGLUExperts(n_experts, d_model, d_expert,
-                         backend="torch" if hasattr(torch, "_grouped_mm") else "loop")
-
-
 @exercise("sync_free_dispatch")
 def check_sync_free_dispatch(fn: Callable[..., torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(x, topk_ids, topk_weights, experts)`` equals the
@@ -91,7 +86,7 @@ def check_sync_free_dispatch(fn: Callable[..., torch.Tensor]) -> None:
     g = torch.Generator().manual_seed(random.randrange(2**31))
     cases = [(37, 8, 2), (64, 16, 4), (5, 4, 4), (0, 8, 2)]
     for tokens, n_experts, top_k in cases:
-        experts = _experts(n_experts, 16, 24)
+        experts = SwiGLUExperts(n_experts, 16, 24, backend="torch")
         x = torch.randn(tokens, 16, generator=g)
         ids = random_routing(g, tokens, n_experts, top_k)
         weights = torch.rand(tokens, top_k, generator=g)
@@ -109,7 +104,7 @@ def check_sync_free_dispatch(fn: Callable[..., torch.Tensor]) -> None:
         except AssertionError as err:
             raise ExerciseError(f"({where}): y differs from the dropless dispatcher: {err}") from None
     # Every token on expert 5, and experts with no tokens at all.
-    experts = _experts(8, 16, 24)
+    experts = SwiGLUExperts(8, 16, 24, backend="torch")
     x = torch.randn(19, 16, generator=g)
     ids = torch.full((19, 1), 5, dtype=torch.int64)
     weights = torch.ones(19, 1)

@@ -137,11 +137,6 @@ def merged_order(stages: dict[str, Stage]) -> list[str]:
     return plan("1f1b", 1)
 
 
-def _describe_stages(stages: dict[str, Stage]) -> str:
-    return "; ".join(f"{name} ({s.lane}, after {', '.join(s.deps) or 'nothing'})"
-                     for name, s in stages.items())
-
-
 @exercise("merged_order")
 def check_merged_order(fn: Callable[[dict[str, Stage]], list[str]]) -> None:
     """Raises ExerciseError unless ``fn(stages)`` returns an order of every stage of
@@ -158,7 +153,9 @@ def check_merged_order(fn: Callable[[dict[str, Stage]], list[str]]) -> None:
     try:
         check_plan(order, stages)
     except PlanError as exc:
-        raise ExerciseError(f"{exc}. The stages: {_describe_stages(stages)}") from None
+        described = "; ".join(f"{name} ({s.lane}, after {', '.join(s.deps) or 'nothing'})"
+                              for name, s in stages.items())
+        raise ExerciseError(f"{exc}. The stages: {described}") from None
     log, _ = simulate_plan(order, stages)
     early = [e for e in log if e["op"] == "wait" and e["idle"] > 1e-9 and e["stage"] != "F.counts"]
     if early:

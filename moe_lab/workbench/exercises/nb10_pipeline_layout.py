@@ -27,16 +27,12 @@ from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, re
 def one_f_one_b_order(rank: int, n_ranks: int, n_microbatches: int) -> list[tuple[str, int]]:
     """1F1B on ``rank``: ``min(p - rank - 1, m)`` warm-up forwards, then alternate one
     forward and one backward, then drain the backwards."""
-    warm = min(n_ranks - rank - 1, n_microbatches)
-    ops = [("F", i) for i in range(warm)]
-    for i in range(n_microbatches - warm):
-        ops += [("F", warm + i), ("B", i)]
-    ops += [("B", i) for i in range(n_microbatches - warm, n_microbatches)]
-    return ops
+    return _with_warmup(n_ranks - rank - 1, n_microbatches)
 
 
 def _with_warmup(warm: int, n_microbatches: int) -> list[tuple[str, int]]:
-    """1F1B's shape with ``warm`` warm-up forwards (the right number or not)."""
+    """1F1B's shape with ``warm`` warm-up forwards (the right number or not; clamped to
+    ``[0, n_microbatches]``)."""
     warm = max(0, min(warm, n_microbatches))
     ops = [("F", i) for i in range(warm)]
     for i in range(n_microbatches - warm):

@@ -6,9 +6,6 @@
   k)``, with ``P(max ≤ k)`` counted (a truncated generating function raised to the
   ``n_spines``-th power, or a recursion over uplinks). Checked against
   `moe_lab.sim.fabric.expected_max_load`.
-- ``expected_idle_uplinks(n_flows, n_spines)``: ECMP hashes ``n_flows`` flows of a leaf
-  onto its ``n_spines`` uplinks uniformly at random; how many uplinks carry no flow at
-  all, on average?
 - ``fair_share(demands, capacity)``: one link of ``capacity`` shared by flows that each
   want at most ``demands[i]``; the max-min fair rates (water-filling: every flow gets the
   same rate, except flows that want less, which get what they want).
@@ -25,41 +22,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from moe_lab.sim.fabric import expected_empty_bins, expected_max_load
+from moe_lab.sim.fabric import expected_max_load
 from moe_lab.sim.fair_share import max_min_rates
 from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
-
-
-@reference_solution("expected_idle_uplinks")
-def expected_idle_uplinks(n_flows: int, n_spines: int) -> float:
-    """Each uplink is missed by every flow with probability ``(1 - 1/S)^n``."""
-    return expected_empty_bins(n_flows, n_spines)
-
-
-@exercise("expected_idle_uplinks")
-def check_expected_idle_uplinks(fn: Callable[[int, int], float], trials: int = 30) -> None:
-    """Raise `ExerciseError` unless ``fn`` gives the balls-into-bins expectation."""
-    rng = np.random.default_rng()
-    for _ in range(trials):
-        n, s = int(rng.integers(1, 200)), int(rng.integers(1, 65))
-        want = expected_idle_uplinks(n, s)
-        got = call_answer(fn, n, s)
-        try:
-            ok = math.isclose(float(got), want, rel_tol=1e-6, abs_tol=1e-12)
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            hint = ""
-            try:
-                if math.isclose(float(got), want / s, rel_tol=1e-6):
-                    hint = " (that is the chance one uplink is idle: multiply by the uplinks)"
-            except (TypeError, ValueError):
-                pass
-            raise ExerciseError(
-                f"expected_idle_uplinks(n_flows={n}, n_spines={s}) returned {got!r}, "
-                f"expected {want:.6g}{hint}"
-            )
-    print("✓ expected_idle_uplinks is correct")
 
 
 @reference_solution("expected_fullest_uplink")

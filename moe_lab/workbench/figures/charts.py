@@ -9,7 +9,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
-def _ax(ax=None, figsize=(6, 3.5)):
+def ax_or_new(ax=None, figsize=(6, 3.5)):
+    """``ax``, or the Axes of a new figure of ``figsize`` when it is None."""
     if ax is None:
         _, ax = plt.subplots(figsize=figsize)
     return ax
@@ -18,7 +19,7 @@ def _ax(ax=None, figsize=(6, 3.5)):
 def plot_tokens_per_expert(counts: Sequence[float], capacity: float | None = None, ax=None,
                            title: str = "tokens per expert"):
     """Bar chart of the load of each expert, with the capacity line if given."""
-    ax = _ax(ax)
+    ax = ax_or_new(ax)
     counts = np.asarray(counts, dtype=float)
     colors = ["tab:red" if capacity is not None and c > capacity else "tab:blue" for c in counts]
     ax.bar(np.arange(len(counts)), counts, color=colors)
@@ -33,7 +34,7 @@ def plot_tokens_per_expert(counts: Sequence[float], capacity: float | None = Non
 def plot_routing_heatmap(matrix, row_labels: Sequence[str], ax=None,
                          title: str = "share of each domain's tokens per expert"):
     """Heat map ``[domains, experts]``; rows are normalised to sum to one."""
-    ax = _ax(ax, figsize=(7, 0.45 * len(row_labels) + 1.5))
+    ax = ax_or_new(ax, (7, 0.45 * len(row_labels) + 1.5))
     m = np.asarray(matrix, dtype=float)
     m = m / np.maximum(m.sum(axis=1, keepdims=True), 1e-12)
     im = ax.imshow(m, aspect="auto", cmap="viridis")
@@ -44,14 +45,12 @@ def plot_routing_heatmap(matrix, row_labels: Sequence[str], ax=None,
 
 
 def plot_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], ax=None,
-                xlabel: str = "step", ylabel: str = "loss", title: str = "", logy: bool = False):
+                xlabel: str = "step", ylabel: str = "loss", title: str = ""):
     """Several named (x, y) curves on one Axes."""
-    ax = _ax(ax)
+    ax = ax_or_new(ax)
     for name, (x, y) in curves.items():
         ax.plot(x, y, label=name)
     ax.set(xlabel=xlabel, ylabel=ylabel)
-    if logy:
-        ax.set_yscale("log")
     if title:
         ax.set_title(title)
     ax.legend(fontsize=8)
@@ -62,7 +61,7 @@ def plot_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], ax=N
 def plot_bars(values: dict[str, float], ax=None, ylabel: str = "", title: str = "",
               fmt: str = "{:.3g}"):
     """A labelled bar per entry, the value written on each bar."""
-    ax = _ax(ax)
+    ax = ax_or_new(ax)
     names, vals = list(values), [values[k] for k in values]
     bars = ax.bar(names, vals, color="tab:blue")
     for b, v in zip(bars, vals, strict=True):

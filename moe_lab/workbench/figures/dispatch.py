@@ -16,15 +16,9 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
-from moe_lab.checks import positive_int
+from moe_lab.workbench.figures.charts import ax_or_new
 
 _CMAP = plt.get_cmap("tab20")
-
-
-def _ax(ax=None, figsize=(7, 3.5)):
-    if ax is None:
-        _, ax = plt.subplots(figsize=figsize)
-    return ax
 
 
 def expert_color(e: int):
@@ -38,7 +32,7 @@ def plot_capacity_buffer(counts: Sequence[int], capacity: int, ax=None, title: s
     assignments past the capacity line that are dropped (red)."""
     counts = np.asarray(counts, dtype=int)
     n = len(counts)
-    ax = _ax(ax, figsize=(7, 0.28 * n + 1.4))
+    ax = ax_or_new(ax, (7, 0.28 * n + 1.4))
     used = np.minimum(counts, capacity)
     ax.barh(range(n), used, color="tab:blue", label="token in a slot")
     ax.barh(range(n), capacity - used, left=used, color="0.85", hatch="//", edgecolor="0.6",
@@ -65,7 +59,7 @@ def plot_drops_by_position(dropped: dict[str, torch.Tensor], n_bins: int = 16, a
                            title: str = "where the dropped assignments are"):
     """``dropped``: policy name -> ``[T, k]`` bool (True = dropped). Share of each bin of
     consecutive tokens whose assignments were dropped, one line per policy."""
-    ax = _ax(ax)
+    ax = ax_or_new(ax, (7, 3.5))
     for name, mask in dropped.items():
         per_token = mask.float().mean(dim=1)  # share of this token's k assignments dropped
         bins = per_token.tensor_split(n_bins)
@@ -89,7 +83,7 @@ def plot_permutation(topk_ids: torch.Tensor, n_experts: int, ax=None):
     counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     n = flat.numel()
-    ax = _ax(ax, figsize=(max(6.0, 0.32 * n), 3.0))
+    ax = ax_or_new(ax, (max(6.0, 0.32 * n), 3.0))
     destination = torch.empty_like(order).scatter_(0, order, torch.arange(n))
     for i in range(n):
         e = int(flat[i])
@@ -151,7 +145,7 @@ def plot_tile_schedule(offsets: torch.Tensor, block_m: int, m_rows: int, ax=None
     grey for padding rows, hatched white for a program that finds no work and exits."""
     schedule = tile_schedule(offsets, block_m, m_rows)
     n_experts = offsets.numel() - 1
-    ax = _ax(ax, figsize=(9, 3.2))
+    ax = ax_or_new(ax, (9, 3.2))
     bounds = [int(o) for o in offsets] + [m_rows]
     for e in range(n_experts + 1):
         lo, hi = bounds[e], bounds[e + 1]
@@ -201,11 +195,6 @@ def pipeline_schedule(steps: int, load: float, mma: float,
     — so ``stages=1`` serialises everything and more stages keep copies in flight while the
     tensor cores work. Returns ``(load_start, load_end, mma_start, mma_end)`` per step.
     """
-    for name, value in (("steps", steps), ("stages", stages)):
-        positive_int(value, name)
-    for name, value in (("load", load), ("mma", mma)):
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
     out: list[tuple[float, float, float, float]] = []
     for k in range(steps):
         issue = out[k - 1][0] if k else 0.0
@@ -220,7 +209,7 @@ def pipeline_schedule(steps: int, load: float, mma: float,
 def plot_pipeline(load: float, mma: float, stages: Sequence[int] = (1, 2, 4), steps: int = 8, ax=None):
     """A Gantt chart of `pipeline_schedule` for each number of ``stages``: loads in grey,
     MMAs in blue, one pair of rows per choice (a toy model; time in units of one MMA)."""
-    ax = _ax(ax, figsize=(8, 0.9 + 0.9 * len(stages)))
+    ax = ax_or_new(ax, (8, 0.9 + 0.9 * len(stages)))
     labels = []
     for i, s in enumerate(stages):
         sched = pipeline_schedule(steps, load, mma, s)

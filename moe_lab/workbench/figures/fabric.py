@@ -12,6 +12,7 @@ from matplotlib.colors import Normalize
 
 from moe_lab.sim.fabric import FabricResult, LeafSpine, simulate
 from moe_lab.sim.traffic import moe_traffic
+from moe_lab.workbench.figures.charts import ax_or_new
 
 
 def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = None) -> Any:
@@ -21,8 +22,7 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
     Returns the matplotlib axes.
     """
     topo = result.topology
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 4))
+    ax = ax_or_new(ax, (9, 4))
     A, S = topo.n_leaf, topo.n_spine
     spine_x = np.linspace(0, 1, S + 2)[1:-1]
     leaf_x = np.linspace(0, 1, A + 2)[1:-1]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import textwrap
 
-import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 from moe_lab.perf import fusion
+from moe_lab.workbench.figures.charts import ax_or_new
 
 # (label, kind) per lane: kind "k" a kernel launch, "m" a tensor in memory (HBM). Each lane is the
 # forward of one `moe_lab.perf.fusion` variant, one "k" box per launch that variant counts, in
@@ -80,8 +80,7 @@ def plot_dataflow(ax=None):
     epilogue already fused) above, the gather prologue with the deterministic scatter
     epilogue below, one box per launch that `moe_lab.perf.fusion` counts for each. A note
     under the lanes (`dataflow_note`) says what their launch counts mean."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(14, 4.2))
+    ax = ax_or_new(ax, (14, 4.2))
     edge = _BOX_W / 2 + _PAD + 0.04  # an arrow starts and ends just outside a box
     for y, variant in ((2.0, "swiglu_epilogue"), (0.75, "scatter_epilogue")):
         lane = LANES[variant]
@@ -111,17 +110,11 @@ def plot_dataflow(ax=None):
 def plot_bytes(table: list[dict], preset: str, ax=None, variants: tuple[str, ...] = fusion.VARIANTS):
     """Stacked bars of one preset's bytes per MoE layer (activations, weights), one bar per
     variant, the launches written on top: forward + backward for `fusion.VARIANTS` (the
-    default), forward only for `fusion.MX_VARIANTS`; the axis says which, so the two kinds
-    are not drawn on one axis."""
-    kinds = {v in fusion.MX_VARIANTS for v in variants}
-    if len(kinds) != 1:
-        raise ValueError(f"variants: draw fusion.VARIANTS (forward + backward) or fusion.MX_VARIANTS "
-                         f"(forward only), not a mix of both; got {variants}")
+    default), forward only for `fusion.MX_VARIANTS` (one or the other, never a mix); the axis
+    says which."""
+    forward_only = variants[0] in fusion.MX_VARIANTS
     rows = [r for r in table if r["preset"] == preset and r["variant"] in variants]
-    if not rows:
-        raise ValueError(f"preset: no rows of {preset!r} with variants {variants} in the table")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 3.6))
+    ax = ax_or_new(ax, (7, 3.6))
     x = np.arange(len(rows))
     act = np.array([r["activation_bytes"] for r in rows]) / 1e9
     wts = np.array([r["weight_bytes"] for r in rows]) / 1e9
@@ -130,7 +123,7 @@ def plot_bytes(table: list[dict], preset: str, ax=None, variants: tuple[str, ...
     for i, r in enumerate(rows):
         ax.text(i, act[i] + wts[i], f"{r['launches']} launches", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, [r["label"] for r in rows], rotation=25, ha="right", fontsize=7.5)
-    ax.set_ylabel(f"GB per layer ({'fwd only' if kinds == {True} else 'fwd + bwd'}), counted")
+    ax.set_ylabel(f"GB per layer ({'fwd only' if forward_only else 'fwd + bwd'}), counted")
     ax.set_title(f"{preset}: {rows[0]['tokens']} tokens/GPU, {rows[0]['local_experts']} local experts "
                  f"(EP{rows[0]['ep']})", fontsize=9)
     ax.legend(fontsize=8)
@@ -144,8 +137,7 @@ def plot_projection(table: list[dict], gpus: tuple[str, ...] = ("H200", "GB300")
     rows = [r for r in table if variants is None or r["variant"] in variants]
     presets = list(dict.fromkeys(r["preset"] for r in rows))
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.6))
+    ax = ax_or_new(ax, (8, 3.6))
     width = 0.8 / (len(presets) * len(gpus))
     x = np.arange(len(labels))
     i = 0

@@ -27,24 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from moe_lab.checks import positive_int
 from moe_lab.perf import hardware
 from moe_lab.perf.traffic import grouped_order
+from moe_lab.workbench.figures.charts import ax_or_new
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-
-__all__ = ["TENSOR_CORE_PATHS", "down_projection_rows", "persistent_schedule",
-           "plot_persistent_grid", "plot_tensor_core_paths", "plot_tile_order",
-           "plot_tma_vs_cp_async", "projection_markdown", "tiles_in_flight"]
-
-
-def _ax(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        _, ax = plt.subplots(figsize=figsize)
-    return ax
 
 
 def _box(ax: Axes, x: float, y: float, w: float, h: float, text: str, color: str,
@@ -83,7 +71,7 @@ def plot_tensor_core_paths(ax: Axes | None = None) -> Axes:
     """One column per instruction of `TENSOR_CORE_PATHS`: the operands' way from HBM to the
     tensor cores (top to bottom), the accumulator's home beside the tensor cores, and who
     issues the instruction. A schematic, not a measurement."""
-    ax = _ax(ax, (10, 4.2))
+    ax = ax_or_new(ax, (10, 4.2))
     w, h, gap = 1.5, 0.42, 0.78
     for col, (name, (gen, issuer, path, acc)) in enumerate(TENSOR_CORE_PATHS.items()):
         x = col * 3.2
@@ -116,9 +104,7 @@ def plot_tma_vs_cp_async(tile: int = 8, threads: int = 16, ax: Axes | None = Non
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    positive_int(tile, "tile")
-    positive_int(threads, "threads")
-    ax = _ax(ax, (11, 4.0))
+    ax = ax_or_new(ax, (11, 4.0))
     cmap = plt.get_cmap("tab20")
     cell = 2.6 / tile
     for i in range(tile):
@@ -161,10 +147,6 @@ def persistent_schedule(n_tiles: int, n_sms: int, setup: float, tile: float,
     ``"tile"``. One program per tile (``persistent=False``): tile ``t`` runs on SM
     ``t % n_sms`` in wave ``t // n_sms``, each program paying ``setup``. Persistent: SM ``s``
     runs one program that pays ``setup`` once and then takes tiles ``s, s + n_sms, …``."""
-    positive_int(n_tiles, "n_tiles")
-    positive_int(n_sms, "n_sms")
-    if not (setup >= 0 and tile > 0):
-        raise ValueError(f"setup must be >= 0 and tile > 0, got {setup!r} and {tile!r}")
     out: list[list[tuple[float, float, str, int]]] = [[] for _ in range(n_sms)]
     for sm in range(n_sms):
         t = 0.0
@@ -181,7 +163,7 @@ def plot_persistent_grid(n_tiles: int = 10, n_sms: int = 4, setup: float = 0.4, 
                          ax: Axes | None = None) -> Axes:
     """`persistent_schedule` both ways, one row per SM: one program per tile on top, one
     persistent program per SM below; setups hatched, tiles numbered. A toy model."""
-    ax = _ax(ax, (9, 0.9 + 0.45 * 2 * n_sms))
+    ax = ax_or_new(ax, (9, 0.9 + 0.45 * 2 * n_sms))
     for block, persistent in enumerate((False, True)):
         sched = persistent_schedule(n_tiles, n_sms, setup, tile, persistent)
         base = (1 - block) * (n_sms + 1.2)
@@ -216,8 +198,6 @@ def tiles_in_flight(t_m: int, t_n: int, group_m: int, in_flight: int) -> dict[st
     tiles they read: ``{"tiles": [(m, n)], "a_tiles": rows of x, "b_tiles": columns of w,
     "operands": a + b}``. Programs in flight together that share an operand tile can find it
     in L2; each distinct one is a trip to HBM."""
-    for name, value in (("t_m", t_m), ("t_n", t_n), ("group_m", group_m), ("in_flight", in_flight)):
-        positive_int(value, name)
     tiles = [grouped_order(pid, t_m, t_n, group_m) for pid in range(min(in_flight, t_m * t_n))]
     a, b = len({m for m, _ in tiles}), len({n for _, n in tiles})
     return {"tiles": tiles, "a_tiles": a, "b_tiles": b, "operands": a + b}
@@ -230,7 +210,7 @@ def plot_tile_order(t_m: int, t_n: int, group_m: int, in_flight: int, ax: Axes |
     the title counts the operand tiles they read (`tiles_in_flight`)."""
     from matplotlib.patches import Rectangle
 
-    ax = _ax(ax, (0.5 * t_n + 1.5, 0.45 * t_m + 1.2))
+    ax = ax_or_new(ax, (0.5 * t_n + 1.5, 0.45 * t_m + 1.2))
     seen = tiles_in_flight(t_m, t_n, group_m, in_flight)
     first = set(seen["tiles"])
     for pid in range(t_m * t_n):
@@ -265,14 +245,8 @@ def down_projection_rows(n_experts: int, d_model: int, d_expert: int, rows_per_g
     intensity)`` with the GPU's published bf16 peak and HBM bandwidth
     (`moe_lab.perf.hardware`). A projection, not a measurement.
     """
-    for name, value in (("n_experts", n_experts), ("d_model", d_model), ("d_expert", d_expert),
-                        ("rows_per_gpu", rows_per_gpu), ("bytes_per_element", bytes_per_element)):
-        positive_int(value, name)
     out = []
     for local in experts_per_gpu:
-        positive_int(local, "experts_per_gpu")
-        if n_experts % local:
-            raise ValueError(f"experts_per_gpu must divide n_experts={n_experts}, got {local}")
         flops = 2 * rows_per_gpu * d_expert * d_model
         weight_bytes = bytes_per_element * local * d_expert * d_model
         moved = weight_bytes + bytes_per_element * rows_per_gpu * (d_expert + d_model)
@@ -307,4 +281,3 @@ def projection_markdown(rows: Sequence[dict[str, Any]], unrealistic: str = "") -
                      f"{r['intensity']:.0f} ({r['ridge']:.0f}) | {r['bound']} | "
                      + (f"{time:.2f} ms" if time >= 1 else f"{time * 1e3:.0f} µs") + " |")
     return head + "\n".join(lines) + "\n"
-

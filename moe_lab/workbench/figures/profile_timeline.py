@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moe_lab.training.sync import SYNC_OPS
+from moe_lab.workbench.figures.charts import ax_or_new
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-
-__all__ = ["SYNC_EVENT_NAMES", "Span", "TimelineRows", "plot_profile_timeline", "profile_timeline"]
 
 # SYNC_OPS entries that sync in every form; index / index_put_ / copies / repeat_interleave /
 # histc sync only with some arguments, which a profiler event does not carry.
@@ -72,12 +71,8 @@ def _is_sync(event: Any) -> bool:
 
 def _top_level_op(event: Any) -> bool:
     """An operator called from Python: no parent, or only named spans above it."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if not getattr(parent, "is_user_annotation", False):
-            return False
-        parent = parent.cpu_parent
-    return not getattr(event, "is_user_annotation", False)
+    return not getattr(event, "is_user_annotation", False) and all(
+        getattr(p, "is_user_annotation", False) for p in _parents(event))
 
 
 def profile_timeline(prof: Any) -> TimelineRows:
@@ -89,9 +84,6 @@ def profile_timeline(prof: Any) -> TimelineRows:
     Times are in µs from the first event.
     """
     events = list(prof.events()) if hasattr(prof, "events") else list(prof)
-    if not events:
-        raise ValueError("prof has no events: profile something inside `with profile(...)` "
-                         "and pass the profiler after the block has closed")
     t0 = min(e.time_range.start for e in events)
 
     def span(e: Any, sync: bool = False) -> Span:
@@ -128,33 +120,16 @@ def _parents(event: Any) -> Iterable[Any]:
 
 
 def plot_profile_timeline(prof: Any, ax: Axes | None = None, title: str | None = None,
-                          zoom: str | None = None,
                           window_us: tuple[float, float] | None = None) -> Axes:
     """Draw `profile_timeline(prof)`: one row of bars per row, host syncs in red with a red
     line through every row, the named spans labelled. ``prof`` is a finished
-    ``torch.profiler.profile`` (or a `TimelineRows`). ``zoom``, the name of a span, or
-    ``window_us``, a ``(start, end)`` in µs from the start of the recording, limits the time
-    axis (operators far shorter than the whole step are too thin to see at its scale).
-    Returns the Axes."""
-    import matplotlib.pyplot as plt
-
+    ``torch.profiler.profile`` (or a `TimelineRows`). ``window_us``, a ``(start, end)`` in µs
+    from the start of the recording, limits the time axis (operators far shorter than the
+    whole step are too thin to see at its scale). Returns the Axes."""
     timeline = prof if isinstance(prof, TimelineRows) else profile_timeline(prof)
     labels = list(timeline.rows)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(12, 0.8 + 0.7 * len(labels)))
-    if zoom is not None and window_us is not None:
-        raise ValueError(f"give zoom or window_us, not both (got {zoom!r} and {window_us!r})")
-    window = (0.0, timeline.end_us)
-    if window_us is not None:
-        if not 0 <= window_us[0] < window_us[1]:
-            raise ValueError(f"window_us must be (start, end) with 0 <= start < end, got {window_us!r}")
-        window = (float(window_us[0]), float(window_us[1]))
-    if zoom is not None:
-        named = [s for s in timeline.rows.get("spans", []) if s.name == zoom]
-        if not named:
-            raise ValueError(f"zoom must name a span of the recording "
-                             f"({[s.name for s in timeline.rows.get('spans', [])]}), got {zoom!r}")
-        window = (named[0].start_us, named[0].end_us)
+    ax = ax_or_new(ax, (12, 0.8 + 0.7 * len(labels)))
+    window = (0.0, timeline.end_us) if window_us is None else (float(window_us[0]), float(window_us[1]))
     width_us = window[1] - window[0]
     scale, unit = (1e3, "ms") if width_us > 5e3 else (1.0, "µs")
     n = len(labels)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_lab.moe.stash import pages_per_expert
+from moe_lab.workbench.figures.charts import ax_or_new
 
 
 def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None,
@@ -29,8 +30,7 @@ def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None,
         page_fill += [1.0] * full + ([rest / page_rows] if rest else [])
     cells = max(n_pages, used) + 1  # + the trash page
     n_rows = math.ceil(cells / per_row)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(0.55 * per_row, 0.7 + 0.6 * n_rows))
+    ax = ax_or_new(ax, (0.55 * per_row, 0.7 + 0.6 * n_rows))
     cmap = plt.get_cmap("tab10")
     for p in range(cells):
         r, c = divmod(p, per_row)

@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from moe_lab.parallel.timeline import Timeline
+from moe_lab.workbench.figures.charts import ax_or_new
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-
-__all__ = ["plot_launch_timeline", "plot_timeline"]
 
 
 def plot_launch_timeline(n_kernels: int = 10, launch_us: float = 5.0, kernel_us: float = 2.0,
@@ -64,15 +63,13 @@ def plot_timeline(timelines: dict[str, Timeline | dict], ax: Axes | None = None,
     step: the other micro-batch), the stages' legend to the right of the lanes. Events drawn
     to the same time scale; ``timelines`` may hold `Timeline`s or their ``to_dict()`` form
     (what a rank returns)."""
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     k = 1e3 if unit == "ms" else 1.0
 
     items = [(label, t if isinstance(t, Timeline) else Timeline.from_dict(t))
              for label, t in timelines.items()]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 1.1 + 0.9 * len(items)))
+    ax = ax_or_new(ax, (11, 1.1 + 0.9 * len(items)))
     yticks, ylabels, used = [], [], {}
     for row, (label, tl) in enumerate(items):
         for lane_index, lane in enumerate(("compute", "comm")):

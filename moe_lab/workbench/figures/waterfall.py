@@ -9,13 +9,13 @@ green, down in red, labelled with the ratio), and the last bar is the total.
 The rules this module keeps:
 
 - **One waterfall, one machine.** A ladder is only meaningful when every rung ran on the
-  same hardware, the same model and the same batch, in one measurement. `Waterfall` refuses
-  rungs from different hardware or in different units; `waterfalls_from_ledger` draws one
-  panel per hardware label and never stacks gains measured on different machines.
+  same hardware, the same model and the same batch, in one measurement.
+  `waterfalls_from_ledger` makes one `Waterfall` per hardware label and never stacks gains
+  measured on different machines.
 - **Only the ledger.** Every measured bar is a ledger record; nothing is typed by hand. A
-  ladder is a set of records with the metric `LADDER_METRIC` (or another metric given) and
-  the extra fields ``rung`` (its position), ``ladder`` (its name) and ``run`` (one id per
-  measurement, so rungs of two measurements are never mixed); `moe_lab.workbench.benchmarks.ttt.record_ladder`
+  ladder is a set of records with the metric `LADDER_METRIC` and the extra fields ``rung``
+  (its position), ``ladder`` (its name) and ``run`` (one id per measurement, so rungs of
+  two measurements are never mixed); `moe_lab.workbench.benchmarks.ttt.record_ladder`
   writes them.
 - **Say what kind of figure it is.** ``kind`` is ``"measured"`` (solid bars), ``"projection"``
   (hatched bars with a dashed edge and "projection" in the title: a model's output, not a
@@ -25,17 +25,19 @@ The rules this module keeps:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 
 from moe_lab.workbench import mlperf
+from moe_lab.workbench.figures.charts import ax_or_new
 from moe_lab.workbench.measure.ledger import format_value
 
 LADDER_METRIC = "step_tokens_per_s"
-KINDS = ("measured", "projection", "reported")
+# A measurement whose rung spread (inter-quartile range) exceeds this share of its median is
+# passed over for a steadier one (`waterfalls_from_ledger`).
+MAX_REL_IQR = 0.5
 
 _UP, _DOWN, _BASE, _TOTAL = "tab:green", "tab:red", "0.55", "tab:blue"
 
@@ -48,37 +50,17 @@ class Rung:
     value: float
     unit: str
     hardware: str
-    kind: str = "measured"
+    kind: str = "measured"  # "measured", "projection" or "reported"
     time: str = ""
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.value, (int, float)) and math.isfinite(self.value)
-                and self.value > 0):
-            raise ValueError(f"Rung {self.label!r}: value must be a finite number > 0, "
-                             f"got {self.value!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"Rung {self.label!r}: kind must be one of {KINDS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
 class Waterfall:
-    """A ladder of rungs measured (or projected, or reported) on one hardware."""
+    """A ladder of rungs measured (or projected, or reported) on one hardware: a baseline and
+    at least one more rung, all of one hardware, unit and kind."""
 
     title: str
     rungs: tuple[Rung, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.rungs) < 2:
-            raise ValueError(f"Waterfall {self.title!r}: needs a baseline and at least one "
-                             f"more rung, got {len(self.rungs)}")
-        for attr, what in (("hardware", "gains measured on different hardware are never "
-                                        "mixed in one waterfall"),
-                           ("unit", "rungs must share one unit"),
-                           ("kind", "measured, projected and reported figures are drawn apart")):
-            values = sorted({getattr(r, attr) for r in self.rungs})
-            if len(values) > 1:
-                raise ValueError(f"Waterfall {self.title!r}: rungs have {attr}s {values}: {what}")
 
     @property
     def hardware(self) -> str:
@@ -138,48 +120,41 @@ def _kind(record: dict) -> str:
     return "measured"
 
 
-def _noisy(recs: Sequence[dict], max_rel_iqr: float | None) -> bool:
-    """Whether a rung of this measurement spread more than ``max_rel_iqr`` of its median
+def _noisy(recs: Sequence[dict]) -> bool:
+    """Whether a rung of this measurement spread more than `MAX_REL_IQR` of its median
     (records carrying ``iqr_ms`` and ``median_ms``, as `moe_lab.workbench.benchmarks.ttt.record_ladder`
     writes them): a machine busy with other work, not a property of the code."""
-    if max_rel_iqr is None:
-        return False
     for rec in recs:
         iqr, median = rec.get("iqr_ms"), rec.get("median_ms")
         if isinstance(iqr, (int, float)) and isinstance(median, (int, float)) and median > 0:
-            if iqr / median > max_rel_iqr:
+            if iqr / median > MAX_REL_IQR:
                 return True
     return False
 
 
-def waterfalls_from_ledger(records: Iterable[dict], *, metric: str = LADDER_METRIC,
-                           notebook: str | Sequence[str] | None = None, hardware: str | None = None,
-                           max_rel_iqr: float | None = 0.5) -> list[Waterfall]:
-    """Every ladder in ``records`` with ``metric``, newest measurement per (notebook, ladder,
-    hardware), one `Waterfall` each, ordered by notebook, ladder and hardware.
+def waterfalls_from_ledger(records: Iterable[dict], *,
+                           notebook: Sequence[str] | None = None) -> list[Waterfall]:
+    """Every ladder in ``records`` with `LADDER_METRIC`, newest measurement per (notebook,
+    ladder, hardware), one `Waterfall` each, ordered by notebook, ladder and hardware.
 
     A ladder record carries ``rung`` (int), ``ladder`` (str) and ``run`` (one id per
-    measurement); records without them are not ladders and are skipped. ``notebook`` and
-    ``hardware`` filter. A measurement in which some rung's inter-quartile range exceeds
-    ``max_rel_iqr`` of its median is passed over for the newest steadier one; when every
-    measurement is that noisy, the newest is drawn with "NOISY" in its title.
+    measurement); records without them are not ladders and are skipped. ``notebook``, the
+    notebooks' names, filters. A measurement in which some rung's inter-quartile range
+    exceeds `MAX_REL_IQR` of its median is passed over for the newest steadier one; when
+    every measurement is that noisy, the newest is drawn with "NOISY" in its title.
     """
-    if isinstance(notebook, str):
-        notebook = [notebook]
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for rec in records:
-        if rec.get("metric") != metric or not isinstance(rec.get("rung"), int):
+        if rec.get("metric") != LADDER_METRIC or not isinstance(rec.get("rung"), int):
             continue
         if notebook is not None and rec.get("notebook") not in notebook:
-            continue
-        if hardware is not None and rec.get("hardware") != hardware:
             continue
         key = (str(rec.get("notebook")), str(rec.get("ladder", "")), str(rec.get("hardware")))
         groups.setdefault(key, {}).setdefault(str(rec.get("run", "")), []).append(rec)
     out = []
     for key in sorted(groups):
         runs = groups[key]
-        steady = [recs for recs in runs.values() if not _noisy(recs, max_rel_iqr)]
+        steady = [recs for recs in runs.values() if not _noisy(recs)]
         newest = max(steady or list(runs.values()),
                      key=lambda recs: max(str(r.get("time", "")) for r in recs))
         noisy = not steady
@@ -191,14 +166,13 @@ def waterfalls_from_ledger(records: Iterable[dict], *, metric: str = LADDER_METR
         nb, name, hw = key
         rungs = tuple(
             Rung(label=_rung_label(rec), value=float(rec["value"]), unit=str(rec.get("unit", "")),
-                 hardware=hw, kind=_kind(rec), time=str(rec.get("time", ""))[:10],
-                 source=f"{nb}:{rec.get('step')}")
+                 hardware=hw, kind=_kind(rec), time=str(rec.get("time", ""))[:10])
             for _, rec in sorted(by_rung.items()))
         date = max(r.time for r in rungs)
         title = f"{nb}: {name}" if name else nb
         title = f"{title} ({date})" if date else title
         if noisy:
-            title += f" — NOISY: a rung's IQR > {max_rel_iqr:.0%} of its median"
+            title += f" — NOISY: a rung's IQR > {MAX_REL_IQR:.0%} of its median"
         out.append(Waterfall(title=title, rungs=rungs))
     return out
 
@@ -216,10 +190,8 @@ def reported_waterfall() -> Waterfall:
     hw = f"{seed['gpu']} (NVIDIA, MLPerf Training v6.0)"
     return Waterfall(
         title="DeepSeek-V3 671B, software only (three months)",
-        rungs=(Rung("before", seed["tflops_per_gpu_before"], "TFLOPS/GPU", hw, "reported",
-                    source=mlperf.SOURCE),
-               Rung("after", seed["tflops_per_gpu"], "TFLOPS/GPU", hw, "reported",
-                    source=mlperf.SOURCE)))
+        rungs=(Rung("before", seed["tflops_per_gpu_before"], "TFLOPS/GPU", hw, "reported"),
+               Rung("after", seed["tflops_per_gpu"], "TFLOPS/GPU", hw, "reported")))
 
 
 # --------------------------------------------------------------------------------------
@@ -236,62 +208,40 @@ def _style(kind: str, color: str) -> dict:
     return {"facecolor": color, "edgecolor": "black", "linewidth": 0.6}
 
 
-def plot_waterfall(wf: Waterfall, ax=None, *, show_total: bool = True):
+def plot_waterfall(wf: Waterfall, ax=None):
     """Draw ``wf`` on ``ax`` (created if not given) and return it: the baseline bar, one
     floating bar per optimisation labelled with its ratio, and the total."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(1.3 * (len(wf.rungs) + 2), 3.8))
-    labels, bottoms, heights, colors, notes = [], [], [], [], []
-    first = wf.rungs[0]
-    labels.append(first.label)
-    bottoms.append(0.0)
-    heights.append(first.value)
-    colors.append(_BASE)
-    notes.append(_fmt(first.value))
+    ax = ax_or_new(ax, (1.3 * (len(wf.rungs) + 2), 3.8))
+    first, last = wf.rungs[0], wf.rungs[-1]
+    # (label, bottom, height, colour, note) of each bar: the baseline, one per optimisation, the total
+    bars = [(first.label, 0.0, first.value, _BASE, _fmt(first.value))]
     for step, rung in zip(wf.steps(), wf.rungs[1:]):
-        labels.append(rung.label)
         low, high = sorted((step["before"], step["after"]))
-        bottoms.append(low)
-        heights.append(max(high - low, 1e-12))
-        colors.append(_UP if step["ratio"] >= 1 else _DOWN)
-        notes.append(f"×{step['ratio']:.2f}")
-    if show_total:
-        labels.append("total")
-        bottoms.append(0.0)
-        heights.append(wf.rungs[-1].value)
-        colors.append(_TOTAL)
-        notes.append(f"{_fmt(wf.rungs[-1].value)}\n×{wf.total:.2f}")
-    xs = range(len(labels))
-    for x, b, h, c in zip(xs, bottoms, heights, colors):
-        ax.bar(x, h, bottom=b, width=0.7, **_style(wf.kind, c))
-    # connectors from the top of one rung to the next
-    tops = [r.value for r in wf.rungs]
-    for x, top in enumerate(tops[:-1]):
-        ax.plot([x + 0.35, x + 0.65], [top, top], color="0.3", lw=0.8, ls=":")
-    for x, b, h, note in zip(xs, bottoms, heights, notes):
-        ax.text(x, b + h, note, ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-    ax.set(ylabel=wf.unit, ylim=(0, max(b + h for b, h in zip(bottoms, heights)) * 1.22))
+        bars.append((rung.label, low, max(high - low, 1e-12), _UP if step["ratio"] >= 1 else _DOWN,
+                     f"×{step['ratio']:.2f}"))
+    bars.append(("total", 0.0, last.value, _TOTAL, f"{_fmt(last.value)}\n×{wf.total:.2f}"))
+    for x, (_, bottom, height, color, _) in enumerate(bars):
+        ax.bar(x, height, bottom=bottom, width=0.7, **_style(wf.kind, color))
+    for x, rung in enumerate(wf.rungs[:-1]):  # connectors from the top of one rung to the next
+        ax.plot([x + 0.35, x + 0.65], [rung.value, rung.value], color="0.3", lw=0.8, ls=":")
+    for x, (_, bottom, height, _, note) in enumerate(bars):
+        ax.text(x, bottom + height, note, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(range(len(bars))))
+    ax.set_xticklabels([bar[0] for bar in bars], rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel=wf.unit, ylim=(0, max(bar[1] + bar[2] for bar in bars) * 1.22))
     ax.set_title(wf.heading(), fontsize=9)
     return ax
 
 
-def plot_waterfalls(waterfalls: Sequence[Waterfall], *, ncols: int = 2, width: float = 6.5,
-                    height: float = 4.0):
-    """One panel per waterfall (so per hardware and kind); returns the figure."""
-    if not waterfalls:
-        raise ValueError("waterfalls must hold at least one Waterfall, got none")
+def plot_waterfalls(waterfalls: Sequence[Waterfall], *, ncols: int = 2):
+    """One panel per waterfall (so per hardware and kind), 6.5 x 4 inches each; returns the
+    figure."""
     ncols = max(1, min(ncols, len(waterfalls)))
     nrows = -(-len(waterfalls) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.0 * nrows), squeeze=False)
     for ax, wf in zip(axes.flat, waterfalls):
         plot_waterfall(wf, ax)
     for ax in list(axes.flat)[len(waterfalls):]:
         ax.axis("off")
     fig.tight_layout()
     return fig
-
-
-__all__ = ["KINDS", "LADDER_METRIC", "Rung", "Waterfall", "plot_waterfall", "plot_waterfalls",
-           "reported_waterfall", "waterfalls_from_ledger"]

@@ -17,7 +17,7 @@ read through their attributes and recognised by their class names.
 """
 
 from moe_lab.workbench.interop.deepseek_v3 import from_hf_deepseek_v3
-from moe_lab.workbench.interop.gpt_oss import BiasedRouter, GptOssMoELayer, from_hf_gpt_oss
+from moe_lab.workbench.interop.gpt_oss import GptOssMoELayer, from_hf_gpt_oss
 from moe_lab.workbench.interop.mixtral import from_hf_mixtral
 from moe_lab.workbench.interop.patch import (
     HF_MOE_BLOCKS,
@@ -28,7 +28,7 @@ from moe_lab.workbench.interop.patch import (
 from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe
 
 __all__ = [
-    "HF_MOE_BLOCKS", "BiasedRouter", "GptOssMoELayer", "HFMoEAdapter",
+    "HF_MOE_BLOCKS", "GptOssMoELayer", "HFMoEAdapter",
     "from_hf_deepseek_v3", "from_hf_gpt_oss", "from_hf_mixtral", "from_hf_qwen3_moe",
     "patch_hf_model", "unpatch_hf_model",
 ]

@@ -56,7 +56,7 @@ def from_hf_deepseek_v3(block: torch.nn.Module, dispatcher: str = "dropless",
     hf.require_silu(block.experts)
     hf.require_silu(shared)
     top_k, renormalize = int(gate.top_k), bool(gate.norm_topk_prob)
-    hf.require_renormalized_top1(top_k, renormalize, knob="num_experts_per_tok")
+    hf.require_renormalized_top1(top_k, renormalize)
     n_experts, two_i, hidden = block.experts.gate_up_proj.shape
     d_expert = two_i // 2
     d_shared = shared.gate_proj.weight.shape[0]

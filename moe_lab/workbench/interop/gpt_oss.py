@@ -47,8 +47,6 @@ class BiasedRouter(Router):
         self.bias = nn.Parameter(torch.zeros(cfg.n_experts))
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> RouterOutput:
-        if x.dim() != 2 or x.shape[1] != self.cfg.d_model:
-            raise ValueError(f"x must be [tokens, d_model={self.cfg.d_model}], got {tuple(x.shape)}")
         dtype = DTYPES[self.cfg.router_dtype]
         logits = gate_logits(x, self.weight, dtype) + self.bias.to(dtype)
         chain = route_from_logits if self.impl == "reference" else compiled_route_from_logits
@@ -107,7 +105,7 @@ def from_hf_gpt_oss(block: torch.nn.Module, dispatcher: str = "dropless",
     require_attrs(experts, "GptOssExperts", "gate_up_proj", "gate_up_proj_bias", "down_proj",
                   "down_proj_bias", "alpha", "limit")
     top_k = int(router.top_k)
-    require_renormalized_top1(top_k, True, knob="num_experts_per_tok")
+    require_renormalized_top1(top_k, True)
     n_experts, hidden, two_i = experts.gate_up_proj.shape
     cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
                     score_func="softmax", renormalize=True, aux_loss_coef=0.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 
 Tensor = torch.Tensor
@@ -38,12 +39,12 @@ def require_silu(experts: torch.nn.Module) -> None:
                          f"act_fn={type(act).__name__}")
 
 
-def require_renormalized_top1(top_k: int, renormalize: bool, knob: str = "top_k") -> None:
+def require_renormalized_top1(top_k: int, renormalize: bool) -> None:
     """Hugging Face renormalises a single chosen weight to 1; moe_lab's router keeps the
-    top-1 probability (Switch style). Refuse the combination (``knob``: the config's name)."""
+    top-1 probability (Switch style). Refuse the combination."""
     if top_k == 1 and renormalize:
-        raise ValueError(f"{knob}=1 (top_k=1) with renormalised weights (every weight 1.0) is not "
-                         "supported: moe_lab keeps the top-1 probability as the weight")
+        raise ValueError("num_experts_per_tok=1 (top_k=1) with renormalised weights (every weight 1.0) "
+                         "is not supported: moe_lab keeps the top-1 probability as the weight")
 
 
 def swiglu_from_hf(state: dict[str, Tensor], router: str = "gate") -> dict[str, Tensor]:
@@ -66,3 +67,17 @@ def load_layer(layer: MoELayer, state: dict[str, Tensor], like: Tensor) -> MoELa
     layer.to(device=like.device, dtype=like.dtype)
     layer.load_state_dict(state, strict=True)
     return layer
+
+
+def softmax_swiglu_layer(block: torch.nn.Module, top_k: int, renormalize: bool, dispatcher: str,
+                         expert_backend: str, router_impl: str) -> MoELayer:
+    """The ``MoELayer`` of a block with a plain gate (softmax over all experts, top-k, the chosen
+    weights renormalised where ``renormalize``) and stacked SwiGLU experts: Mixtral, Qwen3-MoE,
+    OLMoE. Its experts' activation and a renormalised top-1 are refused."""
+    require_silu(block.experts)
+    require_renormalized_top1(top_k, renormalize)
+    n_experts, two_i, hidden = block.experts.gate_up_proj.shape
+    cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
+                    score_func="softmax", renormalize=renormalize, aux_loss_coef=0.0)
+    layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
+    return load_layer(layer, swiglu_from_hf(block.state_dict()), block.experts.gate_up_proj)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 import moe_lab.workbench.interop.hf_blocks as hf
-from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 
 
@@ -22,11 +21,4 @@ def from_hf_mixtral(block: torch.nn.Module, dispatcher: str = "dropless",
     if getattr(block, "jitter_noise", 0) and block.jitter_noise > 0:
         raise ValueError(f"block.jitter_noise={block.jitter_noise} is not supported; build the "
                          "block with router_jitter_noise=0")
-    hf.require_silu(block.experts)
-    top_k = int(block.top_k)
-    hf.require_renormalized_top1(top_k, True, knob="num_experts_per_tok")
-    n_experts, two_i, hidden = block.experts.gate_up_proj.shape
-    cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
-                    score_func="softmax", renormalize=True, aux_loss_coef=0.0)
-    layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
-    return hf.load_layer(layer, hf.swiglu_from_hf(block.state_dict()), block.experts.gate_up_proj)
+    return hf.softmax_swiglu_layer(block, int(block.top_k), True, dispatcher, expert_backend, router_impl)

@@ -50,24 +50,22 @@ TOKEN_DROPPING = ("capacity",)
 
 
 class HFMoEAdapter(nn.Module):
-    """A moe_lab ``layer`` behind a Hugging Face MoE block's interface: ``forward(hidden_states)``
-    returns ``y`` (or ``(y, router_scores: [tokens, top_k])`` with ``returns_router_scores``).
+    """A moe_lab ``layer`` behind the interface of the Hugging Face MoE ``block`` it replaces:
+    ``forward(hidden_states)`` returns ``y`` (or ``(y, router_scores: [tokens, top_k])`` where
+    the block's family returns the router scores, `HF_MOE_BLOCKS`).
 
-    Given the ``block`` it replaces, it keeps it (not as a submodule) for `to_hf`, and its
-    ``state_dict`` / ``load_state_dict`` use the block's keys and layouts.
+    It keeps the block (not as a submodule) for `to_hf`, and its ``state_dict`` /
+    ``load_state_dict`` use the block's keys and layouts.
     """
 
-    def __init__(self, layer: MoELayer, returns_router_scores: bool = False,
-                 block: nn.Module | None = None) -> None:
+    def __init__(self, layer: MoELayer, block: nn.Module) -> None:
         super().__init__()
         self.layer = layer
-        self.returns_router_scores = returns_router_scores
         self.stats: MoEStats | None = None
         self._block = [block]  # a list hides it from nn.Module's registry
-        if block is not None:
-            _, _, self._from_hf, self._to_hf = HF_MOE_BLOCKS[type(block).__name__]
-            self.register_state_dict_post_hook(_state_dict_in_hf_keys)
-            self.register_load_state_dict_pre_hook(_load_hf_keys)
+        _, self.returns_router_scores, self._from_hf, self._to_hf = HF_MOE_BLOCKS[type(block).__name__]
+        self.register_state_dict_post_hook(_state_dict_in_hf_keys)
+        self.register_load_state_dict_pre_hook(_load_hf_keys)
 
     def block_state_dict(self) -> dict[str, Tensor]:
         """The layer's weights in the block's keys and layouts (a lost selection bias refused)."""
@@ -82,8 +80,6 @@ class HFMoEAdapter(nn.Module):
         """The replaced block with the layer's weights written in, on the layer's device and
         dtype, in the adapter's train/eval mode."""
         block = self._block[0]
-        if block is None:
-            raise ValueError("this adapter was built with block=None: nothing to write back into")
         w = self.layer.experts.w_gate_up
         block.to(device=w.device, dtype=w.dtype)
         block.load_state_dict(self.block_state_dict(), strict=True)
@@ -149,10 +145,10 @@ def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backen
                          f"(expected one of {sorted(HF_MOE_BLOCKS)})")
     replaced: dict[str, nn.Module] = {}
     for name, block in targets:
-        build, returns_scores, _, _ = HF_MOE_BLOCKS[type(block).__name__]
+        build = HF_MOE_BLOCKS[type(block).__name__][0]
         layer = build(block, dispatcher=dispatcher, expert_backend=expert_backend,
                       router_impl=router_impl)
-        adapter = HFMoEAdapter(layer, returns_router_scores=returns_scores, block=block)
+        adapter = HFMoEAdapter(layer, block)
         adapter.train(block.training)
         model.set_submodule(name, adapter)
         replaced[name] = block

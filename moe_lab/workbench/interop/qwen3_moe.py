@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 import moe_lab.workbench.interop.hf_blocks as hf
-from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 
 
@@ -18,11 +17,5 @@ def from_hf_qwen3_moe(block: torch.nn.Module, dispatcher: str = "dropless",
     hf.require_attrs(block, "Qwen3MoeSparseMoeBlock", "gate", "experts")
     gate = block.gate
     hf.require_attrs(gate, "Qwen3MoeTopKRouter", "weight", "top_k", "norm_topk_prob")
-    hf.require_silu(block.experts)
-    top_k, renormalize = int(gate.top_k), bool(gate.norm_topk_prob)
-    hf.require_renormalized_top1(top_k, renormalize, knob="num_experts_per_tok")
-    n_experts, two_i, hidden = block.experts.gate_up_proj.shape
-    cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
-                    score_func="softmax", renormalize=renormalize, aux_loss_coef=0.0)
-    layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
-    return hf.load_layer(layer, hf.swiglu_from_hf(block.state_dict()), block.experts.gate_up_proj)
+    return hf.softmax_swiglu_layer(block, int(gate.top_k), bool(gate.norm_topk_prob), dispatcher,
+                                   expert_backend, router_impl)

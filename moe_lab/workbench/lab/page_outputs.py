@@ -17,8 +17,8 @@ exceptions, each made by one function here on the notebook before it is exported
   folded into a ``<details>`` element whose summary says how long it is and shows its first
   line; a click opens it.
 
-`prepare_outputs` applies the three in that order; the checks in
-``tests/workbench/lab/test_page_outputs.py`` hold the rendered pages to them.
+The site applies the three in that order (`moe_lab.workbench.lab.site.prepare_for_site`); the
+checks in ``tests/workbench/lab/test_page_outputs.py`` hold the rendered pages to them.
 """
 
 from __future__ import annotations
@@ -77,27 +77,12 @@ def is_exercise_check(source: str) -> bool:
     return bool(_CHECK_CALL.search(source) and _SOLUTIONS_ARG.search(source))
 
 
-def not_done_line(name: str) -> str:
-    """What the page says instead of a ``✓`` the reference earned under an unsolved stub."""
-    who = f"{name}: " if name else ""
-    return (f"◻ {who}not done — the reference ran in its place (this page was run with "
-            "SOLUTIONS=True; run the notebook yourself to have your answer checked)")
-
-
-def not_checked_line(name: str) -> str:
-    """What the page says instead of a ``✓`` the reference earned under a written answer."""
-    who = f"{name}: " if name else ""
-    return (f"◻ {who}not checked — the reference ran in place of the answer above (this "
-            "page was run with SOLUTIONS=True)")
-
-
-def honest_exercises(nb) -> int:
+def honest_exercises(nb) -> None:
     """Rewrite, in place, each ``✓`` line that a check printed for the reference solution:
     in every exercise cell (`is_exercise_check`) of a notebook run with ``SOLUTIONS=True``,
     and in every cell that still holds a stub (which can never pass its own check) whatever
-    the mode. Returns how many lines were rewritten."""
+    the mode. Under a stub it says "not done", under a written answer "not checked"."""
     solutions = run_solutions(nb)
-    rewritten = 0
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
@@ -111,12 +96,16 @@ def honest_exercises(nb) -> int:
             lines = _text(out.get("text", "")).split("\n")
             for i, line in enumerate(lines):
                 match = _PASSED.match(line)
-                if match:
-                    name = match.group(1) or ""
-                    lines[i] = not_done_line(name) if stub else not_checked_line(name)
-                    rewritten += 1
+                if not match:
+                    continue
+                who = f"{match.group(1)}: " if match.group(1) else ""
+                if stub:
+                    lines[i] = (f"◻ {who}not done — the reference ran in its place (this page was run "
+                                "with SOLUTIONS=True; run the notebook yourself to have your answer checked)")
+                else:
+                    lines[i] = (f"◻ {who}not checked — the reference ran in place of the answer above "
+                                "(this page was run with SOLUTIONS=True)")
             out["text"] = "\n".join(lines)
-    return rewritten
 
 
 def final_states(text: str) -> str:
@@ -130,11 +119,10 @@ def final_states(text: str) -> str:
     return text.replace("\r", "")
 
 
-def collapse_progress(nb) -> int:
+def collapse_progress(nb) -> None:
     """In place: consecutive stream outputs of one name in a cell become one output, and each
     line keeps only its final state (`final_states`), so a progress bar is one line in one
-    block. Returns how many outputs were merged away."""
-    merged = 0
+    block."""
     for cell in nb.cells:
         if cell.cell_type != "code" or not cell.get("outputs"):
             continue
@@ -144,14 +132,12 @@ def collapse_progress(nb) -> int:
             if (out.get("output_type") == "stream" and last is not None
                     and last.get("output_type") == "stream" and last.get("name") == out.get("name")):
                 last["text"] = _text(last.get("text", "")) + _text(out.get("text", ""))
-                merged += 1
                 continue
             outputs.append(out)
         for out in outputs:
             if out.get("output_type") == "stream":
                 out["text"] = final_states(_text(out.get("text", "")))
         cell.outputs = outputs
-    return merged
 
 
 def _line_count(text: str) -> int:
@@ -177,13 +163,11 @@ def _folded_text(text: str, what: str) -> dict:
     return {"text/html": fold(body, _line_count(text), first, what)}
 
 
-def fold_long_outputs(nb, limit: int = FOLD_LINES) -> int:
+def fold_long_outputs(nb) -> None:
     """In place: every stream output, plain-text result and Markdown output longer than
-    ``limit`` lines becomes an HTML output folded into ``<details>`` (`fold`). Returns how
-    many were folded."""
+    `FOLD_LINES` lines becomes an HTML output folded into ``<details>`` (`fold`)."""
     import nbformat
 
-    folded = 0
     for cell in nb.cells:
         if cell.cell_type != "code" or not cell.get("outputs"):
             continue
@@ -193,34 +177,22 @@ def fold_long_outputs(nb, limit: int = FOLD_LINES) -> int:
             data = out.get("data", {})
             if kind == "stream":
                 text = _text(out.get("text", ""))
-                if _line_count(text) > limit:
+                if _line_count(text) > FOLD_LINES:
                     what = "output" if out.get("name") == "stdout" else f"{out.get('name')} output"
                     out = nbformat.v4.new_output("display_data", data=_folded_text(text, what))
-                    folded += 1
             elif kind in ("execute_result", "display_data"):
-                if "text/markdown" in data and _line_count(_text(data["text/markdown"])) > limit:
+                if "text/markdown" in data and _line_count(_text(data["text/markdown"])) > FOLD_LINES:
                     from nbconvert.filters.markdown_mistune import markdown2html_mistune
 
                     markdown = _text(data["text/markdown"])
                     first = next((line for line in markdown.split("\n") if line.strip()), "")
                     out["data"] = {"text/html": fold(markdown2html_mistune(markdown),
                                                      _line_count(markdown), first)}
-                    folded += 1
                 elif (set(data) <= {"text/plain"} and "text/plain" in data
-                      and _line_count(_text(data["text/plain"])) > limit):
+                      and _line_count(_text(data["text/plain"])) > FOLD_LINES):
                     out["data"] = _folded_text(_text(data["text/plain"]), "output")
-                    folded += 1
             outputs.append(out)
         cell.outputs = outputs
-    return folded
-
-
-def prepare_outputs(nb) -> None:
-    """`honest_exercises`, `collapse_progress` and `fold_long_outputs` on ``nb``, in place
-    (the injected-parameters cell must still be there: it says how the notebook ran)."""
-    honest_exercises(nb)
-    collapse_progress(nb)
-    fold_long_outputs(nb)
 
 
 #: Style of the folds, added to every page's CSS.
@@ -230,7 +202,3 @@ details.moe-fold > summary { cursor: pointer; color: #0b5cad; font: 13px/1.5 sys
 details.moe-fold > pre { margin: .3em 0 0; white-space: pre; overflow-x: auto; }
 """
 
-
-__all__ = ["FOLD_CSS", "FOLD_LINES", "collapse_progress", "final_states", "fold",
-           "fold_long_outputs", "honest_exercises", "is_exercise_check", "is_unsolved_stub",
-           "not_checked_line", "not_done_line", "prepare_outputs", "run_solutions"]

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from moe_lab.checks import int_in, integer, non_negative_int
 
-__all__ = ["PROFILES", "SEED_RANGE", "check_parameters", "check_profile"]
-
 PROFILES = ("smoke", "full")
 # The seeds a notebook takes: non-negative, and with room above for the ones it derives
 # (``SEED + 1``, ``SEED + 2``, ...), each within the training loop's own range (``[0, 2**32 - 1]``,

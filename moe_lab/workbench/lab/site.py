@@ -20,8 +20,7 @@ shows a progress bar as its last line, and folds an output longer than a screen 
 (`moe_lab.workbench.measure.ledger.lab_session`) never reach the headlines.
 
 The headline figure of each notebook is chosen by `HEADLINES` (a table, one entry per
-notebook, in order of preference) or, overriding it, by a ledger record carrying the extra
-field ``headline=True``. Among matching records a ``full``-profile figure is preferred to a
+notebook, in order of preference). Among matching records a ``full``-profile figure is preferred to a
 ``smoke`` one, then the newest. `headline_rows` is shared with ``scripts/readme_gains.py``,
 which prints the README's gains table from the same choice.
 
@@ -36,7 +35,7 @@ import copy
 import html
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,8 +54,8 @@ from moe_lab.workbench.quiet import without_known_lines
 @dataclass(frozen=True)
 class Headline:
     """One candidate headline: the ledger record (``notebook``, ``step``, ``metric``) and
-    how to describe and reproduce it. ``step=None`` matches any step; then ``pick`` chooses
-    among the steps' newest records (``"min"`` or ``"max"`` value)."""
+    how to describe and reproduce it. ``step=None`` matches any step; then ``pick="min"``
+    chooses the least value among the steps' newest records."""
 
     metric: str
     label: str
@@ -223,14 +222,6 @@ def find_gpu_line(records: Iterable[dict], notebook: str) -> dict | None:
     return _best(matches)
 
 
-def describe_gpu_line(record: dict) -> str:
-    """``"On an H200 (projection: …)"`` / ``"On a GB300 (published: …)"``: where the figure is
-    from, in words."""
-    hardware = str(record.get("hardware", ""))
-    kind = "projection" if record.get("kind") == "projection" else "published"
-    return f"On {article(hardware)} {hardware} ({kind}: {record.get('basis', '')})"
-
-
 def article(name: str) -> str:
     """``"an"`` before a name read out from a letter with a vowel sound (H200: "aitch"), else ``"a"``."""
     return "an" if name[:1].upper() in "AEFHILMNORSX8" else "a"
@@ -243,10 +234,9 @@ def _profile_rank(record: dict) -> int:
 def _best(records: Sequence[dict], pick: str = "newest") -> dict | None:
     if not records:
         return None
-    if pick in ("min", "max"):
+    if pick == "min":
         newest = latest(records, keys=("notebook", "step", "metric", "hardware"))
-        choose = min if pick == "min" else max
-        return choose(newest, key=lambda r: (float(r["value"]), str(r.get("time", ""))))
+        return min(newest, key=lambda r: (float(r["value"]), str(r.get("time", ""))))
     return max(records, key=lambda r: (_profile_rank(r), str(r.get("time", ""))))
 
 
@@ -264,27 +254,15 @@ def on_cpu_or_machine_free(record: dict) -> bool:
             or record.get("kind") in MACHINE_FREE_KINDS)
 
 
-def _matches_hardware(record: dict, hardware) -> bool:
-    if hardware is None:
-        return True
-    if callable(hardware):
-        return bool(hardware(record))
-    return str(record.get("hardware", "")).startswith(hardware)
-
-
 def find_headline(records: Iterable[dict], notebook: str,
-                  hardware=None) -> tuple[dict, Headline] | None:
+                  hardware: Callable[[dict], bool] | None = None) -> tuple[dict, Headline] | None:
     """The headline record of ``notebook`` (and the `Headline` that chose it), or ``None``.
 
-    ``hardware``: a label prefix (``"cpu:"``: any CPU) or a predicate on the record
-    (`on_cpu_or_machine_free`); ``None`` takes every record. A record with
-    ``headline=True`` wins over the `HEADLINES` table.
+    ``hardware``: a predicate on the record (`on_cpu_or_machine_free`); ``None`` takes every
+    record.
     """
-    records = [r for r in records if _matches_hardware(r, hardware)]
-    flagged = [r for r in records if r.get("notebook") == notebook and r.get("headline") is True]
-    if flagged:
-        rec = _best(flagged)
-        return rec, Headline(rec["metric"], str(rec.get("label") or rec["metric"]), rec.get("step"))
+    if hardware is not None:
+        records = [r for r in records if hardware(r)]
     # Entries naming the same figure (metric and step) from different sources — a notebook
     # and the benchmark command behind it — compete: the full-profile, then the newest, wins.
     # Different figures keep the table's order of preference.
@@ -340,13 +318,8 @@ def format_figure(record: dict) -> str:
     return text
 
 
-def format_gpu_line(record: dict) -> str:
-    """A GPU line as one sentence: ``"On an H200 (projection: …): 4.2 ms"``."""
-    return f"{describe_gpu_line(record)}: {format_figure(record)}"
-
-
 def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
-                  hardware=None) -> list[dict]:
+                  hardware: Callable[[dict], bool] | None = None) -> list[dict]:
     """One row per notebook: its headline figure (or ``None``), what it is, where and when
     it was measured, and the command that reproduces it."""
     rows = []
@@ -357,7 +330,7 @@ def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
             "record": gpu_rec, "figure": format_figure(gpu_rec),
             "label": GPU_LINES[name].label if name in GPU_LINES else str(gpu_rec["metric"]),
             "hardware": gpu_rec.get("hardware"), "kind": gpu_rec.get("kind"),
-            "basis": gpu_rec.get("basis"), "sentence": format_gpu_line(gpu_rec)}
+            "basis": gpu_rec.get("basis")}
         if found is None:
             rows.append({"notebook": name, "record": None, "label": None, "figure": None,
                          "hardware": None, "date": None, "command": workbook_command(name),
@@ -395,23 +368,15 @@ class NotebookPage:
     headline: dict | None = None
 
 
-def describe_notebook(notebook) -> tuple[str, str, list[str]]:
-    """``(title, summary, learn)`` from the first markdown cell of ``notebook`` (a path or an
+def describe_notebook(nb) -> tuple[str, str, list[str]]:
+    """``(title, summary, learn)`` from the first markdown cell of the notebook ``nb`` (an
     nbformat node): the first heading, the first paragraph after it, and the bullets of its
     "you will learn" list."""
-    import nbformat  # slow to import (jsonschema); only reading a notebook needs it
-
-    nb = notebook if not isinstance(notebook, (str, os.PathLike)) else nbformat.read(
-        notebook, as_version=4)
     cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
     if cell is None:
         return "", "", []
     lines = cell.source.splitlines()
-    title = ""
-    for line in lines:
-        if line.lstrip().startswith("#"):
-            title = line.lstrip("# ").strip()
-            break
+    title = next((line.lstrip("# ").strip() for line in lines if line.lstrip().startswith("#")), "")
     paragraphs, current = [], []
     for line in lines:
         if line.lstrip().startswith("#"):
@@ -528,12 +493,6 @@ def _inline_markdown(text: str) -> str:
     return restore_math(rendered, formulas)
 
 
-def _without_noise(text: str) -> str:
-    # Known third-party lines (`moe_lab.workbench.quiet`, the one list), in case an executed
-    # notebook still holds one: they are silenced where they start, so a workbook run has none.
-    return without_known_lines(text)
-
-
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 WIDGET_PLACEHOLDER = (
     '<div class="moe-widget-placeholder" style="border:1px dashed #999;padding:.6em 1em;'
@@ -566,7 +525,9 @@ def prepare_for_site(nb) -> tuple:
         outputs = []
         for out in cell.get("outputs", []):
             if out.get("output_type") == "stream" and out.get("name") == "stderr":
-                out["text"] = _without_noise(out.get("text", ""))
+                # Known third-party lines (`moe_lab.workbench.quiet`, the one list), in case an executed
+                # notebook still holds one: silenced where they start, a workbook run has none.
+                out["text"] = without_known_lines(out.get("text", ""))
                 if not out["text"].strip():
                     continue
             data = out.get("data", {})
@@ -663,17 +624,17 @@ footer { color: #777; font-size: .85rem; margin-top: 2rem; }
 """
 
 
-def render_index(pages: Sequence[NotebookPage], *, title: str = "moe_lab workbook",
-                 machine: str = "", generated: str = "") -> str:
+_STATUS_HTML = {"error": '<span class="status error">a cell failed</span>',
+                "not executed": '<span class="status missing">not executed</span>'}
+
+
+def render_index(pages: Sequence[NotebookPage], machine: str = "", generated: str = "") -> str:
     """The index page as one self-contained HTML string (inline CSS, no scripts)."""
     esc = html.escape
+    title = "moe_lab workbook"
     items = []
     for page in pages:
-        status = ""
-        if page.status == "error":
-            status = '<span class="status error">a cell failed</span>'
-        elif page.status == "not executed":
-            status = '<span class="status missing">not executed</span>'
+        status = _STATUS_HTML.get(page.status, "")
         heading = (f'<a href="{esc(page.href)}">{esc(page.title or page.name)}</a>' if page.href
                    else esc(page.title or page.name))
         learn = "".join(f"<li>{_inline_markdown(b)}</li>" for b in page.learn)
@@ -722,24 +683,19 @@ def render_index(pages: Sequence[NotebookPage], *, title: str = "moe_lab workboo
 
 
 def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str],
-               ledger_path: str | os.PathLike[str] | None = None, *,
-               title: str = "moe_lab workbook") -> Path:
+               ledger_path: str | os.PathLike[str]) -> Path:
     """Render every executed notebook in ``workbook_dir`` to ``out`` and write
     ``out/index.html``; return the index's path.
 
-    ``ledger_path``: the results ledger for the headline figures (default: the ledger's
-    usual place, `moe_lab.workbench.measure.ledger.ledger_path`). A notebook whose page cannot be
-    rendered is still listed, without a link.
+    ``ledger_path``: the results ledger for the headline figures. A notebook whose page cannot
+    be rendered is still listed, without a link.
     """
     import nbformat
 
     source = Path(workbook_dir)
-    if not source.is_dir():
-        raise ValueError(f"workbook_dir must be a directory of executed notebooks, got "
-                         f"{str(source)!r}")
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
-    records = workbook_records(read(ledger_path) if ledger_path is not None else read())
+    records = workbook_records(read(ledger_path))
     notebooks = sorted(p for p in source.iterdir() if p.is_file() and NOTEBOOK_PATTERN.match(p.name))
     described = []
     for path in notebooks:
@@ -749,7 +705,7 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
         except Exception:  # an unreadable notebook is still listed
             described.append((path, None, path.stem, "", [], "not executed"))
     pages = []
-    for i, (path, nb, title_, summary, learn, status) in enumerate(described):
+    for i, (path, nb, title, summary, learn, status) in enumerate(described):
         number = NOTEBOOK_PATTERN.match(path.name).group(1)
         prev = described[i - 1] if i > 0 else None
         nxt = described[i + 1] if i + 1 < len(described) else None
@@ -766,24 +722,11 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
             print(f"site: {path.name} could not be rendered: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
         rows = headline_rows(records, [path.stem])
-        pages.append(NotebookPage(name=path.stem, number=number, title=title_, summary=summary,
+        pages.append(NotebookPage(name=path.stem, number=number, title=title, summary=summary,
                                   learn=learn, href=href, status=status,
                                   headline=rows[0] if rows[0]["record"] or rows[0]["gpu"] else None))
-    try:
-        machine = capabilities().summary()
-    except Exception:
-        machine = ""
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     index = target / "index.html"
-    write_text_atomically(index, render_index(pages, title=title, machine=machine,
-                                               generated=stamp))
+    write_text_atomically(index, render_index(pages, capabilities().summary(), stamp))
     return index
 
-
-__all__ = ["GPU_LINES", "GPU_LINE_HARDWARE", "GPU_LINE_KINDS", "GPU_LINE_STEP", "HEADLINES",
-           "MACHINE_FREE_KINDS", "GpuLine", "Headline", "NotebookPage",
-           "build_site", "describe_gpu_line", "describe_notebook", "find_gpu_line",
-           "find_headline", "format_figure", "format_gpu_line",
-           "headline_rows", "latex_to_mathml", "navigation", "on_cpu_or_machine_free",
-           "prepare_for_site", "protect_math", "render_index", "render_page", "restore_math",
-           "workbook_command"]

@@ -87,5 +87,3 @@ def label_triton_cells() -> bool:
           "instead of running; the others run on PyTorch")
     return True
 
-
-__all__ = ["NEEDS_TRITON", "interpret_without_cuda", "label_triton_cells", "why_no_triton"]

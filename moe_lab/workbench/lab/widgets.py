@@ -54,45 +54,23 @@ def simulate_routing(n_tokens: int, n_experts: int, top_k: int, skew: float,
     return torch.multinomial(probs, top_k, replacement=False, generator=g)
 
 
-def routing_summary(expert_ids: torch.Tensor, n_experts: int, capacity_factor: float = 1.0) -> dict:
-    """Tokens per expert, imbalance (max/mean) and the assignments over capacity."""
-    counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(
-        0, expert_ids.flatten(), torch.ones(expert_ids.numel(), dtype=torch.int64))
-    capacity = math.ceil(expert_ids.numel() * capacity_factor / n_experts)
-    over = int((counts - capacity).clamp_min(0).sum())
-    return {"counts": counts, "imbalance": float(counts.max() / counts.float().mean()),
-            "capacity": capacity, "over_capacity": over,
-            "over_capacity_frac": over / max(1, expert_ids.numel())}
-
-
 def routing_figure(n_experts: int = 16, top_k: int = 2, skew: float = 1.0,
                    n_tokens: int = 4096, capacity_factor: float = 1.0):
+    """Tokens per expert of a simulated routing, their imbalance (max/mean) and the share of
+    assignments over capacity."""
     top_k = min(top_k, n_experts)  # a slider may ask for more than there are
     ids = simulate_routing(n_tokens, n_experts, top_k, skew)
-    s = routing_summary(ids, n_experts, capacity_factor)
+    counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(
+        0, ids.flatten(), torch.ones(ids.numel(), dtype=torch.int64))
+    capacity = math.ceil(ids.numel() * capacity_factor / n_experts)
+    over_frac = int((counts - capacity).clamp_min(0).sum()) / max(1, ids.numel())
     fig, ax = plt.subplots(figsize=(7, 3.2))
     plot_tokens_per_expert(
-        s["counts"].tolist(), capacity=s["capacity"], ax=ax,
-        title=(f"E={n_experts}, top-{top_k}, skew={skew:.1f}: imbalance {s['imbalance']:.2f}, "
-               f"{100 * s['over_capacity_frac']:.1f}% over capacity (cf {capacity_factor})"))
+        counts.tolist(), capacity=capacity, ax=ax,
+        title=(f"E={n_experts}, top-{top_k}, skew={skew:.1f}: imbalance "
+               f"{float(counts.max() / counts.float().mean()):.2f}, "
+               f"{100 * over_frac:.1f}% over capacity (cf {capacity_factor})"))
     return fig
-
-
-def _control(w, name: str, default, opts: dict):
-    """One control for ``name``: a checkbox for a bool, else an int or float slider. The
-    label is the whole name (or ``opts["label"]``) on its own line above the control, so no
-    label is cut however many controls there are; ``opts["tooltip"]`` is shown on hover."""
-    opts = dict(opts)
-    label = opts.pop("label", name.replace("_", " "))
-    tooltip = opts.pop("tooltip", label)
-    if isinstance(default, bool):
-        control = w.Checkbox(value=default, description=label, indent=False, tooltip=tooltip,
-                             layout=w.Layout(width="auto"))
-        return control
-    cls = w.IntSlider if isinstance(default, int) else w.FloatSlider
-    slider = cls(value=default, continuous_update=False, tooltip=tooltip,
-                 layout=w.Layout(width="95%"), **opts)
-    return slider
 
 
 def explorer(figure_fn: Callable, **sliders) -> None:
@@ -100,8 +78,9 @@ def explorer(figure_fn: Callable, **sliders) -> None:
 
     ``sliders``: name -> (default, options), e.g. ``n_experts=(16, dict(min=2, max=64,
     step=2))``: an int gives an IntSlider, a float a FloatSlider, a bool a checkbox.
-    ``options`` may also hold ``label`` (default: the name, with spaces) and ``tooltip``.
-    The controls sit in a grid of labelled cells, two per row, above the figure.
+    ``options`` may also hold ``label`` (default: the name, with spaces), shown whole (and on
+    hover) on its own line above the control, so no label is cut however many controls there
+    are. The controls sit in a grid of labelled cells, two per row, above the figure.
     Displays the explorer and returns ``None``, so a cell ending in the call shows it once.
     """
     defaults = {k: v[0] for k, v in sliders.items()}
@@ -114,13 +93,17 @@ def explorer(figure_fn: Callable, **sliders) -> None:
 
     controls, cells = {}, []
     for name, (default, opts) in sliders.items():
-        control = _control(w, name, default, opts)
-        controls[name] = control
-        if isinstance(control, w.Checkbox):
-            cells.append(w.VBox([control]))
-        else:
-            title = opts.get("label", name.replace("_", " "))
-            cells.append(w.VBox([w.Label(title, tooltip=opts.get("tooltip", title)), control]))
+        options = dict(opts)
+        label = options.pop("label", name.replace("_", " "))
+        if isinstance(default, bool):
+            controls[name] = w.Checkbox(value=default, description=label, indent=False, tooltip=label,
+                                        layout=w.Layout(width="auto"))
+            cells.append(w.VBox([controls[name]]))
+            continue
+        slider = w.IntSlider if isinstance(default, int) else w.FloatSlider
+        controls[name] = slider(value=default, continuous_update=False, tooltip=label,
+                                layout=w.Layout(width="95%"), **options)
+        cells.append(w.VBox([w.Label(label, tooltip=label), controls[name]]))
 
     out = w.Output()
     out.outputs = (_display_output(figure_fn(**defaults)),)  # drawn now, nothing captured

@@ -17,7 +17,7 @@ A notebook that fails does not stop the run: the others still execute, the failu
 reported with the error's name and the cell it came from, and the command exits non-zero.
 
 No notebook can stop the run forever. Each cell runs under a time limit,
-``CELL_TIMEOUT_FACTOR`` times the profile's per-notebook budget (`notebook_budget_s`: 90 s
+``CELL_TIMEOUT_FACTOR`` times the profile's per-notebook budget (`NOTEBOOK_BUDGET_S`: 90 s
 for ``smoke``), so a hanging cell, or a kernel gone silent, ends there; a kernel that dies
 is seen within seconds. Either way the notebook is run again once, from its first cell, in
 a fresh kernel (its state is gone with the old one); if it stops again, the run reports
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import math
 import os
 import sys
 import tempfile
@@ -68,14 +67,9 @@ CELL_TIMEOUT_FACTOR = 3  # a cell may take this many times a whole notebook's bu
 STOPPED = ("CellTimeoutError", "DeadKernelError")
 
 
-def notebook_budget_s(profile: str) -> float:
-    """The seconds a notebook should take under ``profile``."""
-    return NOTEBOOK_BUDGET_S[profile]
-
-
 def cell_timeout_s(profile: str) -> float:
     """The time limit of one cell under ``profile``: ``CELL_TIMEOUT_FACTOR`` budgets."""
-    return CELL_TIMEOUT_FACTOR * notebook_budget_s(profile)
+    return CELL_TIMEOUT_FACTOR * NOTEBOOK_BUDGET_S[profile]
 
 
 @dataclass(frozen=True)
@@ -247,7 +241,6 @@ def _execute(source: Path, output: Path, parameters: dict, cwd: Path,
 def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html: bool = True,
                  out: str | os.PathLike[str] | None = None, solutions: bool = True, *,
                  root: str | os.PathLike[str] | None = None,
-                 notebooks_dir: str | os.PathLike[str] | None = None,
                  results_dir: str | os.PathLike[str] | None = None, progress: bool = True,
                  cell_timeout: float | None = None) -> list[NotebookRun]:
     """Execute the workbook's notebooks and write ``<out>/RESULTS.md``.
@@ -261,34 +254,30 @@ def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html
             default is ``False``, learner mode): ``True`` checks the reference solutions;
             ``False`` checks your answers, reports each exercise not done yet and carries on
             with its reference solution.
-        root: the project root; default: the moe_lab checkout (see ``project_root``).
-        notebooks_dir: where the notebooks are; default ``<root>/notebooks``.
+        root: the project root, whose ``notebooks/`` are run; default: the moe_lab checkout
+            (see ``project_root``).
         results_dir: the ledger's directory; default ``$MOE_LAB_RESULTS_DIR``, else
             ``<out>/results`` (with the default ``out``, the ledger's usual place).
         progress: show a progress bar over the notebooks.
-        cell_timeout: the seconds one cell may run; default `cell_timeout_s` of the profile
-            (``CELL_TIMEOUT_FACTOR`` times its per-notebook budget). A notebook whose cell
-            times out, or whose kernel dies, is run once more in a fresh kernel.
+        cell_timeout: the seconds one cell may run (a positive number); default `cell_timeout_s`
+            of the profile (``CELL_TIMEOUT_FACTOR`` times its per-notebook budget). A notebook
+            whose cell times out, or whose kernel dies, is run once more in a fresh kernel.
 
     Returns:
         One ``NotebookRun`` per notebook, in order; failed ones carry ``failure``. A
         failure does not raise: the remaining notebooks still run.
 
     Raises:
-        ValueError: an unknown profile, an ``only`` name that matches no notebook, no
-            notebooks at all, or a ``cell_timeout`` that is not a positive number.
+        ValueError: an unknown profile, an ``only`` name that matches no notebook, or no
+            notebooks at all.
     """
     from tqdm.auto import tqdm  # probes for IPython and ipywidgets; only a run needs it
 
     if profile not in PROFILES:
         raise ValueError(f"profile must be one of {PROFILES}, got {profile!r}")
-    if cell_timeout is None:
-        cell_timeout = cell_timeout_s(profile)
-    elif (isinstance(cell_timeout, bool) or not isinstance(cell_timeout, (int, float))
-          or not math.isfinite(cell_timeout) or cell_timeout <= 0):
-        raise ValueError(f"cell_timeout must be a positive number of seconds, got {cell_timeout!r}")
+    cell_timeout = cell_timeout or cell_timeout_s(profile)
     root_dir = Path(root).resolve() if root is not None else project_root()
-    source_dir = Path(notebooks_dir) if notebooks_dir is not None else root_dir / "notebooks"
+    source_dir = root_dir / "notebooks"
     build = Path(out) if out is not None else root_dir / "build"
     if results_dir is not None:
         ledger_dir = Path(results_dir)
@@ -340,9 +329,14 @@ def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html
                 tqdm.write(f"FAILED {source.stem}: {failure.describe()}", file=sys.stderr)
         bar.close()
 
-    write_results_md(build / "RESULTS.md", runs, ledger_dir, profile)
+    write_text_atomically(build / "RESULTS.md", results_markdown(runs, ledger_dir, profile))
     if html:
-        _build_site(executed_dir, build / "site", ledger_dir)
+        # build/site/ (`moe_lab.workbench.lab.site`): a failure is said, not raised (the notebooks
+        # ran and RESULTS.md is written).
+        try:
+            build_site(executed_dir, build / "site", ledger_dir / LEDGER_NAME)
+        except Exception as exc:
+            print(f"site: not built ({type(exc).__name__}: {exc})", file=sys.stderr)
     return runs
 
 
@@ -358,29 +352,13 @@ def _check_writable(folder: Path, what: str) -> None:
                          "nothing was run") from None
 
 
-def _build_site(executed_dir: Path, site_dir: Path, ledger_dir: Path) -> None:
-    """``build/site/``: every executed notebook as HTML and an index (`moe_lab.workbench.lab.site`).
-    A failure here is reported, not raised: the notebooks ran and RESULTS.md is written."""
-    try:
-        build_site(executed_dir, site_dir, ledger_dir / LEDGER_NAME)
-    except Exception as exc:
-        print(f"site: not built ({type(exc).__name__}: {exc})", file=sys.stderr)
-
-
 # ------------------------------------------------------------------------------ RESULTS.md
-
-
-def _machine_summary() -> tuple[str, str]:
-    """(summary of the machine, library versions)."""
-    caps = capabilities()
-    summary = caps.summary() if hasattr(caps, "summary") else caps.hardware_label()
-    versions = ", ".join(f"{name} {version}" for name, version in library_versions().items())
-    return str(summary), versions
 
 
 def results_markdown(runs: Sequence[NotebookRun], ledger_dir: Path, profile: str) -> str:
     """The text of RESULTS.md: machine, the latest ledger figures, notebook times."""
-    summary, versions = _machine_summary()
+    summary = capabilities().summary()
+    versions = ", ".join(f"{name} {version}" for name, version in library_versions().items())
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     figures = results_table_markdown(latest(read(ledger_dir / LEDGER_NAME))).rstrip()
     lines = ["# moe_lab workbook results", "",
@@ -400,12 +378,6 @@ def results_markdown(runs: Sequence[NotebookRun], ledger_dir: Path, profile: str
                 description = why.describe().replace("`", "'")
                 lines.append(f"- **{name}**: `{description}`")
     return "\n".join(lines) + "\n"
-
-
-def write_results_md(path: Path, runs: Sequence[NotebookRun], ledger_dir: Path, profile: str) -> Path:
-    """Write RESULTS.md atomically (a temporary file renamed into place); return its path."""
-    write_text_atomically(path, results_markdown(runs, ledger_dir, profile))
-    return path
 
 
 # ------------------------------------------------------------------------------ CLI

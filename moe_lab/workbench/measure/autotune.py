@@ -110,6 +110,3 @@ def table_entry(config: LaunchConfig) -> dict:
     if config.group_m is not None:
         entry["group_m"] = config.group_m
     return entry
-
-
-__all__ = ["TUNED_FILE", "autotune", "forcing", "gpu_slug", "table_entry", "table_key", "tune_space"]

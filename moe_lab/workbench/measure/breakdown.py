@@ -31,7 +31,6 @@ from collections.abc import Callable
 
 from torch.profiler import ProfilerActivity, profile
 
-from moe_lab.checks import non_negative_int, positive_int
 from moe_lab.training.steps import PHASE_PREFIX, PHASES
 
 REST = "rest of the step"
@@ -94,8 +93,6 @@ def step_breakdown(step: Callable[[], None], steps: int = 5, warmup: int = 2) ->
     """Run ``step()`` ``warmup`` times, then ``steps`` times under the profiler; the split of
     its time (`breakdown_from_events`). ``step`` must finish its work before it returns
     (on a CPU it does; on CUDA pass one that synchronizes — only CPU time is recorded)."""
-    positive_int(steps, "steps")
-    non_negative_int(warmup, "warmup")
     for _ in range(warmup):
         step()
     prof = profile(activities=[ProfilerActivity.CPU])

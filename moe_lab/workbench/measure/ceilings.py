@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_lab.checks import positive_int
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.measure.timing import BenchResult, bench
 
@@ -55,25 +54,12 @@ class Ceiling:
         return f"{self.name}: {self.giga:,.1f} G{self.unit} on {self.hardware} ({self.result})"
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if dtype not in (_NAMES if isinstance(dtype, torch.dtype) else _DTYPES):
-        raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}, got {dtype!r}")
-    return _DTYPES.get(dtype, dtype)
-
-
-def _device(device: str | None) -> str:
-    device = device or capabilities().device
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    return device
-
-
 def matmul_operands(dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None,
                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ceiling's problem: ``a, b`` random normal ``[n, n]`` and ``out``, for
-    ``torch.matmul(a, b, out=out)`` (``2 n^3`` FLOPs) — for timing it beside other work."""
-    positive_int(n, "n")
-    dt, dev = _dtype(dtype), _device(device)
+    ``torch.matmul(a, b, out=out)`` (``2 n^3`` FLOPs) — for timing it beside other work.
+    ``dtype``: a float dtype or its name (``"fp32"``, ``"bf16"``, ``"fp16"``, or torch's)."""
+    dt, dev = _DTYPES.get(dtype, dtype), device or capabilities().device
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
     b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
@@ -97,9 +83,7 @@ def copy_bandwidth(nbytes: int = 128 * 2**20, *, device: str | None = None, min_
                    seed: int = 0) -> Ceiling:
     """Measured bytes/s of copying a random fp32 tensor of ``nbytes`` into another:
     ``2 * nbytes`` (read + write) per copy."""
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 4:
-        raise ValueError(f"nbytes must be an integer >= 4, got {nbytes!r}")
-    dev = _device(device)
+    dev = device or capabilities().device
     numel = nbytes // 4
     src = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dev)
     dst = torch.empty_like(src)
@@ -119,8 +103,6 @@ def measure_ceilings(profile: str = "smoke", *,
     ``profile="smoke"`` uses sizes that keep a small CPU busy for seconds, not minutes;
     ``"full"`` uses larger ones.
     """
-    if profile not in PROFILES:
-        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
     dev = capabilities().device
     n, nbytes, min_time_s = PROFILES[profile][dev]
     out = {c.name: c for c in (matmul_peak(dt, n, device=dev, min_time_s=min_time_s) for dt in dtypes)}

@@ -34,13 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-try:
-    from torch._library.custom_ops import _maybe_get_opdef
-except ImportError:  # a torch without it: a custom op's inner calls go uncounted
-    _maybe_get_opdef = None
 
 aten = torch.ops.aten
 
@@ -169,8 +165,6 @@ def _estimate(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) 
 def _custom_op_body(func: torch._ops.OpOverload) -> Callable | None:
     """The Python function behind a ``torch.library.custom_op`` (None for other operators).
     Calling it directly, rather than ``func``, keeps the mode from seeing ``func`` again."""
-    if _maybe_get_opdef is None:
-        return None
     opdef = _maybe_get_opdef(func)
     return getattr(opdef, "_init_fn", None) if opdef is not None else None
 
@@ -319,8 +313,6 @@ def count_compiled_kernels(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     # that count eager kernels never load it.
     from torch._inductor.utils import run_and_get_code
 
-    if not callable(fn):
-        raise ValueError(f"count_compiled_kernels: fn must be callable, got {type(fn).__name__}")
     target = fn if hasattr(fn, "_torchdynamo_orig_callable") else torch.compile(fn)
     _, codes = run_and_get_code(target, *args, **kwargs)
     if not codes:

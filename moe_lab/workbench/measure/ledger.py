@@ -66,22 +66,6 @@ DEFAULT_KEYS = ("notebook", "step", "metric", "hardware")
 # Extra fields that give the size a figure was measured at: a positive integer when present.
 SIZE_FIELDS = ("tokens", "batch", "batch_size", "seq_len", "ranks", "tokens_per_rank", "n_chunks")
 
-# The notebooks were renumbered so that each idea is taught before it is used (the Triton
-# on-ramp became 03, the MX format comes before the fused MXFP8 epilogue). A ledger written
-# under the old names reads back under the new ones.
-RENAMED_NOTEBOOKS = {
-    "02b_triton_from_zero": "03_triton_from_zero",
-    "03_dropless_sync_free": "04_dropless_sync_free",
-    "04_fused_router": "05_fused_router",
-    "05_mxfp8_attention": "06_mxfp8_attention",
-    "03_fused_grouped_gemm": "07_fused_grouped_gemm",
-    "06_cuda_graphs": "08_cuda_graphs",
-    "07_expert_parallel_a2a": "09_expert_parallel_a2a",
-    "08_pipeline_layout": "10_pipeline_layout",
-    "09_network_fabric": "11_network_fabric",
-    "10_time_to_train": "12_time_to_train",
-}
-
 
 class LedgerWarning(UserWarning):
     """A ledger line could not be read (a torn write, a hand edit) and was skipped."""
@@ -357,9 +341,6 @@ def _read_file(file: Path) -> list[dict[str, Any]]:
                 stacklevel=3,
             )
             continue
-        renamed = RENAMED_NOTEBOOKS.get(item.get("notebook"))  # type: ignore[arg-type]
-        if renamed:
-            item["notebook"] = renamed
         records.append(item)
     return records
 

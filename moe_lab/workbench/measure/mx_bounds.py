@@ -85,6 +85,3 @@ def fp8_promote_bound(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, of
     relative = block + gamma(k // BLOCK_SIZE, 2.0**-24) * (1 + block)  # step 4
     u_out = 0.0 if out_dtype == torch.float32 else 2.0**-8  # step 5
     return (relative * (1 + u_out) + u_out) * magnitude
-
-
-__all__ = ["HOPPER_FP8_ACCUMULATOR_BITS", "fp8_promote_bound"]

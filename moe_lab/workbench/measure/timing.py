@@ -8,9 +8,9 @@ median with its spread (min, max, inter-quartile range). On the CPU each call is
 pair of CUDA events and the device is synchronised before the times are read.
 
 `compare` times several implementations ("providers") of the same thing on the same
-inputs in one run. With ``alternate=True`` it interleaves them round by round (and flips
-the order every other round), so a burst of background noise lands on all of them rather
-than on whichever happened to run at that moment; it reports ratios against the first.
+inputs in one run. It interleaves them round by round (and flips the order every other
+round), so a burst of background noise lands on all of them rather than on whichever
+happened to run at that moment; it reports ratios against the first.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ import torch
 from moe_lab.checks import non_negative_int, positive_int
 
 # Adaptive runs (repeat=None) time at least this many calls, however slow each one is,
-# so the median and IQR are never computed from one or two samples.
+# so the median and IQR are never computed from one or two samples, and at most the other.
 MIN_ADAPTIVE_REPEAT = 5
+MAX_ADAPTIVE_REPEAT = 1000
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,7 @@ class BenchResult:
 
     @classmethod
     def from_times(cls, times: list[float], device: str) -> BenchResult:
-        """Summarise a list of per-call durations (seconds)."""
-        if not times:
-            raise ValueError("times must hold at least one duration, got an empty list")
+        """Summarise a non-empty list of per-call durations (seconds)."""
         times = [float(t) for t in times]
         if len(times) >= 2:
             q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
@@ -148,28 +147,26 @@ class _Timer:
         return self.times
 
 
-def _check_counts(warmup: int, repeat: int | None, min_time_s: float, max_repeat: int) -> None:
+def _check_counts(warmup: int, repeat: int | None, min_time_s: float) -> None:
     non_negative_int(warmup, "warmup")
     positive_int(repeat, "repeat (None: adaptive)", or_none=True)
-    positive_int(max_repeat, "max_repeat")
     if not (isinstance(min_time_s, (int, float)) and min_time_s >= 0 and math.isfinite(min_time_s)):
         raise ValueError(f"min_time_s must be a finite number >= 0, got {min_time_s!r}")
 
 
 def bench(fn: Callable, *args, warmup: int = 3, repeat: int | None = None, min_time_s: float = 0.2,
-          max_repeat: int = 1000, **kwargs) -> BenchResult:
+          **kwargs) -> BenchResult:
     """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then calls timed one by one.
 
     With ``repeat`` given, exactly that many timed calls; with ``repeat=None`` (adaptive),
     calls continue until their total reaches ``min_time_s`` and at least
-    ``MIN_ADAPTIVE_REPEAT`` were made, never more than ``max_repeat``. Returns a
+    ``MIN_ADAPTIVE_REPEAT`` were made, never more than ``MAX_ADAPTIVE_REPEAT``. Returns a
     `BenchResult` (median and spread). Never time on all-zero inputs: hardware and
     libraries take shortcuts on zeros that real data does not allow.
     """
     if not callable(fn):
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
-    return compare({"fn": fn}, *args, warmup=warmup, repeat=repeat, min_time_s=min_time_s,
-                   max_repeat=max_repeat, **kwargs)["fn"]
+    return compare({"fn": fn}, *args, warmup=warmup, repeat=repeat, min_time_s=min_time_s, **kwargs)["fn"]
 
 
 class Comparison(dict):
@@ -200,31 +197,24 @@ class Comparison(dict):
         return "\n".join(lines)
 
 
-def compare(fns: dict[str, Callable], *args, alternate: bool = True, warmup: int = 3,
-            repeat: int | None = None, min_time_s: float = 0.2, max_repeat: int = 1000,
-            **kwargs) -> Comparison:
+def compare(fns: dict[str, Callable], *args, warmup: int = 3, repeat: int | None = None,
+            min_time_s: float = 0.2, **kwargs) -> Comparison:
     """Time several providers of the same computation on the same ``args`` in one run.
 
     ``fns`` maps a provider name to a callable; every callable gets ``*args, **kwargs``.
-    With ``alternate=True`` each round calls every provider once (the order reversed every
-    other round) so that noise is shared; with ``alternate=False`` each is benched in turn.
-    Rounds follow `bench`'s rule: ``repeat`` rounds, or adaptive until the slowest provider
-    has run ``min_time_s`` in total (at least ``MIN_ADAPTIVE_REPEAT``, at most ``max_repeat``
-    rounds), so every provider gets the same number of timed calls. Returns a `Comparison`
-    (a dict of `BenchResult`) whose ``ratios()`` are speed-ups over the first provider.
+    Each round calls every provider once (the order reversed every other round) so that
+    noise is shared. Rounds follow `bench`'s rule: ``repeat`` rounds, or adaptive until the
+    slowest provider has run ``min_time_s`` in total (at least ``MIN_ADAPTIVE_REPEAT``, at
+    most ``MAX_ADAPTIVE_REPEAT`` rounds), so every provider gets the same number of timed
+    calls. Returns a `Comparison` (a dict of `BenchResult`) whose ``ratios()`` are speed-ups
+    over the first provider.
     """
     if not isinstance(fns, dict) or not fns:
         raise ValueError(f"fns must be a non-empty dict of name -> callable, got {fns!r}")
     for name, fn in fns.items():
         if not callable(fn):
             raise ValueError(f"fns[{name!r}] must be callable, got {type(fn).__name__}")
-    _check_counts(warmup, repeat, min_time_s, max_repeat)
-    if not alternate:
-        return Comparison(
-            (name, bench(fn, *args, warmup=warmup, repeat=repeat, min_time_s=min_time_s,
-                         max_repeat=max_repeat, **kwargs))
-            for name, fn in fns.items()
-        )
+    _check_counts(warmup, repeat, min_time_s)
     device = infer_device(args, kwargs)
     names = list(fns)
     timers = {name: _Timer(device) for name in names}
@@ -235,7 +225,7 @@ def compare(fns: dict[str, Callable], *args, alternate: bool = True, warmup: int
     rounds = 0
     # Adaptive: the slowest provider sets the pace (waiting for the fastest to reach
     # min_time_s would run a slow one thousands of times).
-    while rounds < (max_repeat if repeat is None else repeat) and not (
+    while rounds < (MAX_ADAPTIVE_REPEAT if repeat is None else repeat) and not (
             repeat is None and rounds >= MIN_ADAPTIVE_REPEAT and max(totals.values()) >= min_time_s):
         order = names if rounds % 2 == 0 else names[::-1]
         for name in order:

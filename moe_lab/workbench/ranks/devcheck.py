@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["with_default_device"]
-
 
 def with_default_device(default: str, calls: Sequence[tuple[Callable, tuple]]) -> list[Any]:
     """Run each ``fn(*args)`` of ``calls`` with ``torch.set_default_device(default)`` (a rank

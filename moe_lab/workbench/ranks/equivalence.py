@@ -35,9 +35,6 @@ from moe_lab.workbench.ranks.launch import rank_device
 
 Tensor = torch.Tensor
 
-__all__ = ["ep_check_rank", "overlap_check_rank", "merged_check_rank", "merged_model_check_rank",
-           "skewed_routing_rank"]
-
 
 def _rel(a: Tensor, b: Tensor) -> float:
     """``max|a − b| / max|b|`` (the absolute difference where ``b`` is all zeros)."""
@@ -47,8 +44,8 @@ def _rel(a: Tensor, b: Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _layer_pair(cfg: MoEConfig, tokens_per_rank: int, seed: int, bias: dict, expert_backend: str = "torch",
-                confident: bool = False, **ep_options: object) -> dict:
+def _layer_pair(cfg: MoEConfig, tokens_per_rank: int, seed: int, bias: dict, confident: bool = False,
+                **ep_options: object) -> dict:
     """The same seeded single-process dropless layer and batch on every rank (``bias``: expert
     -> selection bias; ``confident``: router weights drawn N(0, 1), so near-ties are
     improbable), run forward and backward on the whole batch, and the `EPMoELayer` made from
@@ -57,7 +54,7 @@ def _layer_pair(cfg: MoEConfig, tokens_per_rank: int, seed: int, bias: dict, exp
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)  # seeds every device: the same layer and batch on every rank
     with torch.device(rank_device()):
-        ref = MoELayer(cfg, "dropless", expert_backend)
+        ref = MoELayer(cfg, "dropless", "torch")
         with torch.no_grad():
             if confident:
                 ref.router.weight.normal_(0.0, 1.0)
@@ -80,8 +77,7 @@ def _layer_pair(cfg: MoEConfig, tokens_per_rank: int, seed: int, bias: dict, exp
 
 def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
                   cases: tuple[tuple[str, float, float], ...] = (("dropless", 0.0, 1.25),
-                                                                 ("budget", 0.0, 1.25)),
-                  expert_backend: str = "torch") -> dict:
+                                                                 ("budget", 0.0, 1.25))) -> dict:
     """EP against the single-process layer.
 
     For each ``(mode, skew, capacity_factor[, on_overflow])`` in ``cases``: builds the same
@@ -106,7 +102,7 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
     for case in cases:
         mode, skew, capacity_factor = case[:3]
         on_overflow = case[3] if len(case) > 3 else "rerun"
-        run = _layer_pair(cfg, tokens_per_rank, seed, {0: skew}, expert_backend, confident=True, mode=mode,
+        run = _layer_pair(cfg, tokens_per_rank, seed, {0: skew}, confident=True, mode=mode,
                           capacity_factor=capacity_factor, on_overflow=on_overflow)
         ref, xr, y_ref, ep, x, y, stats = (run[k] for k in ("ref", "xr", "y_ref", "ep", "x", "y", "stats"))
         lo, hi = run["lo"], run["hi"]
@@ -177,22 +173,16 @@ def merged_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 
     outputs, input gradients and parameter gradients equal to the plain schedule's), ``"rel"``
     (the largest `_rel` against autograd over every quantity) and ``"events"``, plus the
     tokens each expert received."""
-    cfg, device = MoEConfig(**cfg_fields), rank_device()
-    torch.manual_seed(seed)
-    with torch.device(device):
-        ref_layer = MoELayer(cfg, "dropless", "torch")
+    ep, (x0, x1, g0, g1) = layer_and_batches({"cfg": cfg_fields, "tokens": tokens, "seed": seed})
     with torch.no_grad():
-        ref_layer.router.expert_bias[0] = skew
+        ep.router.expert_bias[0] = skew
         if starve is not None:
-            ref_layer.router.expert_bias[starve] = -1e4
-    ep = from_layer(ref_layer)
-    g = torch.Generator(device).manual_seed(seed * 1000 + dist.get_rank() + 1)
-    xs = [torch.randn(tokens, cfg.d_model, generator=g, device=device) for _ in range(2)]
-    gs = [torch.randn(tokens, cfg.d_model, generator=g, device=device) for _ in range(2)]
+            ep.router.expert_bias[starve] = -1e4
+    xs, gs = [x0, x1], [g0, g1]
     # Autograd through the layer: two micro-batches, gradients accumulated.
     ep.zero_grad(set_to_none=True)
     ys_ref, dxs_ref = [], []
-    received = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
+    received = torch.zeros(ep.cfg.n_experts, dtype=torch.int64, device=x0.device)
     for x, gr in zip(xs, gs, strict=True):
         xr = x.detach().requires_grad_()
         y, stats = ep(xr)

@@ -1,10 +1,9 @@
 """Ranks that fail on purpose: what the launcher's guards are tested against (and notebook 09).
 
 A rank can die (killed, out of memory), raise, or hang; its peers then wait inside a collective
-for a message that never comes. `fault_rank` fails between small all-reduces, `merged_fault_rank`
-in the middle of a 1F1B-merged step, with collectives of both micro-batches in flight. Either
-way `moe_lab.workbench.ranks.launch.run_ranks` must raise `RankFailure` naming the rank, within
-its timeouts, and never hang.
+for a message that never comes. `fault_rank` fails between small all-reduces;
+`moe_lab.workbench.ranks.launch.run_ranks` must raise `RankFailure` naming the rank, within its
+timeouts, and never hang.
 """
 
 from __future__ import annotations
@@ -18,12 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe_lab.checks import one_of
-from moe_lab.parallel.merged import MergedStep
-from moe_lab.parallel.plan import plan
-from moe_lab.workbench.ranks.harness import layer_and_batches
 from moe_lab.workbench.ranks.launch import check_peers, rank_device
-
-__all__ = ["FAULTS", "fault_rank", "merged_fault_rank", "stderr_rank"]
 
 FAULTS = ("crash", "raise", "hang")
 
@@ -71,34 +65,3 @@ def fault_rank(kind: str, victim: int = 1, iterations: int = 1000, check_timeout
         check_peers(check_timeout_s)
         dist.all_reduce(x)
     return iterations
-
-
-def merged_fault_rank(kind: str, victim: int = 1, at_stage: str = "B.dgrad[0]",
-                      steps: int = 1000) -> int:
-    """A rank function for the fault tests: every rank runs merged steps in a loop; rank
-    ``victim``, on reaching ``at_stage`` of its second step (collectives of both
-    micro-batches in flight), dies (``kind="crash"``: SIGKILL), raises (``"raise"``) or
-    stops answering (``"hang"``). Returns the number of steps done (never, for the others:
-    they must fail)."""
-    one_of(kind, "kind", FAULTS)
-    cfg = dict(d_model=32, n_experts=8, top_k=2, d_expert=48, n_shared_experts=1)
-    ep, (xa, ga, xb, gb) = layer_and_batches({"cfg": cfg, "tokens": 32, "seed": 0})
-    step = MergedStep(ep, 2)
-    count = {"steps": 0}
-
-    def before(name: str) -> None:
-        if dist.get_rank() == victim and count["steps"] == 1 and name == at_stage:
-            if kind == "crash":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if kind == "raise":
-                raise RuntimeError(f"rank {victim} failed on purpose at {name}")
-            time.sleep(3600)
-
-    for i in range(steps):
-        a = step.microbatch(xa, ga, f"A{i}")
-        step.run(plan("1f1b+chunked", 2, backward=False), fwd=a)
-        b = step.microbatch(xb, gb, f"B{i}")
-        step.run(plan("1f1b+chunked", 2), fwd=b, bwd=a, before_stage=before)
-        step.cache.clear()
-        count["steps"] += 1
-    return count["steps"]

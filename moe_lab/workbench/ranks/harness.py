@@ -1,8 +1,7 @@
 """Timing the expert-parallel schedules on real ranks: what ``bench ep`` and notebook 09 run.
 
 Every function here runs on every rank together, inside `moe_lab.workbench.ranks.launch.run_ranks`
-(or torchrun). `measure_overlap` times the chunked step's schedules
-(`moe_lab.parallel.overlap.ChunkedStep`), `measure_schedules` the four 1F1B plans
+(or torchrun). `measure_schedules` times the four 1F1B plans
 (`moe_lab.parallel.merged.MergedStep`), interleaved, each run preceded by a barrier; a run's
 time is its slowest rank's, and `summarise_runs` reports medians. Exposed communication is
 measured two ways: the time the ranks spent outside compute in the step (which a busy shared
@@ -11,8 +10,8 @@ machine disturbs less), and the step minus a compute-only replay on the same dat
 work (gloo's copies, the kernel's TCP) slows the compute it overlaps: the first does not see
 that cost, the second does. `a2a_bandwidth` times one all-to-all alone.
 
-`overlap_rank_main` and `merged_rank_main` are the rank entry points: a spec in, a report of
-plain data out. Every rank computes on `moe_lab.workbench.ranks.launch.rank_device`.
+`merged_rank_main` is the rank entry point: a spec in, a report of plain data out. Every rank
+computes on `moe_lab.workbench.ranks.launch.rank_device`.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 from moe_lab.parallel.ep import EPMoELayer, exchange_rows, from_layer
 from moe_lab.parallel.merged import MergedStep, two_microbatch_step
-from moe_lab.parallel.overlap import ChunkedStep, exposed_time
+from moe_lab.parallel.overlap import exposed_time
 from moe_lab.parallel.plan import plan
 from moe_lab.parallel.timeline import Timeline
 from moe_lab.workbench.ranks.launch import rank_device
@@ -38,13 +37,8 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = [
-    "OVERLAP_RUNS", "MERGED_RUNS", "measure_overlap", "measure_schedules", "summarise_runs",
-    "a2a_bandwidth", "layer_and_batches", "overlap_rank_main", "merged_rank_main",
-]
-
-# ----------------------------------------------------------------------------- the chunked step
-
+# The chunked step's schedules (`moe_lab.parallel.overlap.ChunkedStep`), as the equivalence check
+# runs them (`moe_lab.workbench.ranks.equivalence.overlap_check_rank`).
 OVERLAP_RUNS = {  # label: (schedule, delay_wgrad, replay)
     "sequential": ("sequential", False, False),
     "overlap": ("overlap", False, False),
@@ -53,51 +47,16 @@ OVERLAP_RUNS = {  # label: (schedule, delay_wgrad, replay)
 }
 
 
-def measure_overlap(layer: EPMoELayer, x: Tensor, grad_out: Tensor, n_chunks: int = 4,
-                    repeats: int = 5, warmup: int = 1, runs: tuple[str, ...] = tuple(OVERLAP_RUNS),
-                    lookahead: int = 1) -> dict:
-    """Time the schedules of `OVERLAP_RUNS` interleaved (call on every rank together).
-
-    Every run is preceded by a barrier; a run's time is its slowest rank's. Returns
-    ``{"median_s": {label: s}, "exposed_s": {label: s}, "exposed_fraction": {label: exposed /
-    step}, "exposed_vs_sequential", "exposed_replay_s", "exposed_replay_vs_sequential",
-    "timelines": {label: this rank's Timeline of the median run}, "a2a_bytes": per step,
-    "a2a_s": comm lane time of the sequential run, "runs_s", "n_chunks", "repeats",
-    "world_size"}`` (`summarise_runs`).
-    """
-    step = ChunkedStep(layer, n_chunks)
-    order = ["sequential"] + [r for r in runs if r != "sequential"]  # a real run before replay
-
-    def one(label: str) -> Timeline:
-        schedule, delay, replay = OVERLAP_RUNS[label]
-        layer.zero_grad(set_to_none=True)
-        dist.barrier(group=layer.group)
-        return step.run(x, grad_out, schedule=schedule, delay_wgrad=delay, replay=replay, label=label,
-                        lookahead=lookahead)[2]
-
-    for _ in range(warmup):  # allocations, first calls; also fills the replay cache
-        one("sequential")
-    timelines: dict[str, list[Timeline]] = {label: [] for label in order}
-    for r in range(repeats):
-        # alternate the order (the first real run stays first: replay reuses its data)
-        rest = order[1:] if r % 2 == 0 else order[1:][::-1]
-        for label in [order[0], *rest]:
-            timelines[label].append(one(label))
-    real = [label for label in order if label != "compute only"]
-    return summarise_runs(layer, timelines, {k: "compute only" for k in real}, n_chunks, repeats)
-
-
 def summarise_runs(layer: EPMoELayer, timelines: dict[str, list[Timeline]], reference: dict[str, str],
                    n_chunks: int, repeats: int) -> dict:
-    """What `measure_overlap` and `measure_schedules` report from the
-    interleaved runs of each label (call on every rank together, ``timelines`` in the same
-    order on each): a run's time is its slowest rank's; ``reference`` maps each real
-    (non-replay) label, "sequential" among them, to the compute-only replay it is measured
-    against.
+    """What `measure_schedules` reports from the interleaved runs of each label (call on every
+    rank together, ``timelines`` in the same order on each): a run's time is its slowest
+    rank's; ``reference`` maps each real (non-replay) label, "sequential" among them, to the
+    compute-only replay it is measured against.
 
     Exposed communication, two ways: within each run as the time its ranks spent outside
     compute (averaged over ranks), which a busy shared machine disturbs less, and against
-    the compute-only (replay) run. Returns the dict both document."""
+    the compute-only (replay) run. Returns the dict `measure_schedules` documents."""
     order = list(timelines)
     device = layer.experts.w_gate_up.device  # where the collectives run (NCCL: the GPU)
     steps = torch.tensor([[t.step_s for t in timelines[label]] for label in order],
@@ -167,32 +126,6 @@ def a2a_bandwidth(rows_per_rank: int, d_model: int, repeats: int = 5,
     median = statistics.median(t.tolist())
     sent = (world - 1) * rows_per_rank * d_model * x.element_size()
     return {"bytes_per_rank": sent, "median_s": median, "bytes_per_s": sent / median}
-
-
-def overlap_rank_main(spec: dict) -> dict:
-    """A rank's part of the overlap benchmark (for ``run_ranks``; used by ``bench ep`` and
-    notebook 09). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank), ``n_chunks``,
-    ``repeats``, ``seed``, ``runs`` (labels of `OVERLAP_RUNS`), ``bandwidth_rows`` (0: skip the
-    bandwidth probe). Returns the `measure_overlap` report with timelines as dicts, plus
-    the all-to-all probe, and whether ``ChunkedStep`` matched the autograd layer.
-    """
-    rank = dist.get_rank()
-    ep, (x, grad) = layer_and_batches(spec, 2)
-    # The hand-scheduled step computes what autograd computes.
-    y_ref, _ = ep(x.detach().requires_grad_())
-    y, _, _ = ChunkedStep(ep, spec["n_chunks"]).run(x, grad, schedule="overlap", delay_wgrad=True)
-    matches = bool(torch.allclose(y, y_ref.detach(), rtol=1e-4, atol=1e-5))
-    report = measure_overlap(ep, x, grad, spec["n_chunks"], spec.get("repeats", 5),
-                             spec.get("warmup", 1), tuple(spec.get("runs", OVERLAP_RUNS)),
-                             spec.get("lookahead", 1))
-    report["timelines"] = {k: t.to_dict() for k, t in report["timelines"].items()}
-    report["matches_autograd"] = matches
-    report["rank"] = rank
-    report["backend"], report["device"] = dist.get_backend(), str(rank_device())
-    report["tokens_per_rank"] = spec["tokens"]
-    if spec.get("bandwidth_rows"):
-        report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model, group=None)
-    return report
 
 
 # ----------------------------------------------------------------------------- the 1F1B plans
@@ -293,5 +226,3 @@ def merged_rank_main(spec: dict) -> dict:
     if spec.get("bandwidth_rows"):
         report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model, group=None)
     return report
-
-

@@ -60,11 +60,6 @@ from moe_lab.checks import positive_int, positive_number
 from moe_lab.workbench.quiet import without_known_lines
 from moe_lab.workbench.ranks.netem import IFNAME, EmulatedLink, enter_namespace
 
-__all__ = [
-    "RankFailure", "RankStatus", "run_ranks", "init_from_env", "rank_device", "check_peers",
-    "whoami", "choose_backend", "torchrun_command", "run_torchrun",
-]
-
 GRACE_S = 5.0  # beyond the collective timeout, for peers of a failed rank to exit by themselves
 
 
@@ -116,7 +111,6 @@ def choose_backend(local_ranks: int, link: EmulatedLink | None = None,
     `rank_device`). An explicit ``backend`` is checked against the same rules and refused
     in one line when it cannot work.
     """
-    positive_int(local_ranks, "local_ranks")
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -214,8 +208,7 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
               collective_timeout_s: float = 30.0, backend: str | None = None,
-              link: EmulatedLink | None = None,
-              threads_per_rank: int | None = None, env: dict[str, str] | None = None,
+              link: EmulatedLink | None = None, threads_per_rank: int | None = None,
               grace_s: float = GRACE_S, quiet_failure: bool = False) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes joined in a process group.
 
@@ -231,7 +224,6 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             (loopback).
         threads_per_rank: torch intra-op threads per rank (default: the CPU count divided
             among the ranks, at least 1).
-        env: extra environment variables for every rank.
         grace_s: after a rank fails, how long beyond ``collective_timeout_s`` the others may
             take to fail by themselves before they are killed.
         quiet_failure: when the job fails, keep the ranks' stderr on the `RankFailure`
@@ -263,7 +255,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     ctx = _context()
     # A forked rank inherits the fork server's environment, not ours: send ours along.
-    rank_env = {**os.environ, **(env or {})}
+    rank_env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="moe_lab_ranks_") as result_dir:
         procs = []
         for rank in range(world_size):
@@ -281,7 +273,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
                 sys.stderr.write(text)
             sys.stderr.flush()
         if failed:
-            raise RankFailure(_failure_message(statuses, timeout_s), statuses, logs)
+            raise RankFailure(_failure_message(statuses), statuses, logs)
         return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
 
@@ -334,13 +326,12 @@ def _watch(procs: Sequence, timeout_s: float, grace_s: float, result_dir: Path) 
     return statuses
 
 
-def _failure_message(statuses: list[RankStatus], timeout_s: float) -> str:
-    failed = [s for s in statuses if not s.ok]
-    head = f"{len(failed)} of {len(statuses)} ranks failed"
+def _failure_message(statuses: list[RankStatus]) -> str:
+    failed = sum(not s.ok for s in statuses)
     # Name the likely culprit first: a rank killed by a signal or by the launcher is more
     # often the cause than the peers that then lost their connection to it.
     order = sorted(statuses, key=lambda s: (s.ok, s.exitcode is not None and s.exitcode > 0))
-    return head + ":\n  " + "\n  ".join(s.describe() for s in order)
+    return f"{failed} of {len(statuses)} ranks failed:\n  " + "\n  ".join(s.describe() for s in order)
 
 
 def check_peers(timeout_s: float = 10.0, group: dist.ProcessGroup | None = None) -> None:
@@ -368,13 +359,10 @@ def init_from_env(collective_timeout_s: float = 60.0,
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        options = None
-        nccl_options = getattr(dist, "ProcessGroupNCCL", None)
-        if nccl_options is not None:
-            # Collectives on high-priority streams: the all-to-all is scheduled ahead of
-            # the compute kernels it overlaps with.
-            options = nccl_options.Options()
-            options.is_high_priority_stream = True
+        # Collectives on high-priority streams: the all-to-all is scheduled ahead of the
+        # compute kernels it overlaps with.
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
         dist.init_process_group("nccl", timeout=timeout, pg_options=options, device_id=device)
     else:
         device = torch.device("cpu")
@@ -407,7 +395,6 @@ def whoami() -> dict:
 def torchrun_command(script: str | os.PathLike, nproc: int, *script_args: str) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc_per_node=N script args...``
     (the ``torchrun`` entry point, run with this interpreter)."""
-    positive_int(nproc, "nproc")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc_per_node={nproc}", str(script), *map(str, script_args)]
 

@@ -29,9 +29,6 @@ import torch
 
 from moe_lab.workbench.filelock import file_lock
 
-__all__ = ["CheckpointInUse", "check_checkpoint_path", "checkpoint_lock", "load_checkpoint",
-           "save_checkpoint"]
-
 
 class CheckpointInUse(OSError):
     """Another run holds this checkpoint (`checkpoint_lock`)."""

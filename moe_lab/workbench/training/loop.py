@@ -61,10 +61,6 @@ from moe_lab.workbench.training.checkpoint import (
 
 Tensor = torch.Tensor
 
-__all__ = ["MAX_SEED", "RUN_SETTINGS", "BatchStream", "DataConfig", "StepClock", "TrainConfig",
-           "TrainResult", "Trainer", "TrainingDiverged", "TrainingInterrupted", "check_batch_fits",
-           "check_corpus", "corpus_fingerprint", "evaluate", "lr_at", "train"]
-
 #: The `TrainConfig` fields that change what a run computes: a checkpoint records them, and
 #: resuming with other values is refused unless asked for (``train(..., override=True)``).
 #: The others choose how it is computed (implementations, compilation), what is measured
@@ -515,24 +511,22 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                      f"{list(p.shape)}")
 
 
-class TrainingDiverged(RuntimeError):
+class _RunStopped:
+    """A run that ended early says where it stood: ``step`` steps taken, and ``last_checkpoint``,
+    ``(path, step)`` of the last checkpoint written or resumed from, or ``None``."""
+
+    def __init__(self, message: str, step: int, last_checkpoint: tuple[str, int] | None) -> None:
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
+
+
+class TrainingDiverged(_RunStopped, RuntimeError):
     """The training loss became non-finite (NaN or infinite): the run stops there rather than
-    train on, and save, weights that are no longer numbers. ``step`` is the number of steps
-    taken when it was read, ``last_checkpoint`` ``(path, step)`` of the last checkpoint
-    written or resumed from, or ``None``."""
-
-    def __init__(self, message: str, step: int, last_checkpoint: tuple[str, int] | None) -> None:
-        super().__init__(message)
-        self.step, self.last_checkpoint = step, last_checkpoint
+    train on, and save, weights that are no longer numbers."""
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during `train`: a ``KeyboardInterrupt`` that says where the run stood —
-    ``step`` steps taken — and ``last_checkpoint``, ``(path, step)`` or ``None``."""
-
-    def __init__(self, message: str, step: int, last_checkpoint: tuple[str, int] | None) -> None:
-        super().__init__(message)
-        self.step, self.last_checkpoint = step, last_checkpoint
+class TrainingInterrupted(_RunStopped, KeyboardInterrupt):
+    """Ctrl-C during `train`: a ``KeyboardInterrupt`` that says where the run stood."""
 
 
 def _progress_bar(steps: range, **options: object) -> object:

@@ -22,7 +22,7 @@ def cfg(**kw) -> MoEConfig:
 
 def test_update_is_rate_times_sign_of_mean_minus_load():
     router = Router(cfg())
-    update_expert_bias(router, torch.tensor([10, 0, 5, 5]), rate=0.1)  # mean 5
+    update_expert_bias([router], [torch.tensor([10, 0, 5, 5])], rate=0.1)  # mean 5
     torch.testing.assert_close(router.expert_bias, torch.tensor([-0.1, 0.1, 0.0, 0.0]))
     update_expert_bias([router], [[10, 0, 5, 5]], rate=0.1)
     torch.testing.assert_close(router.expert_bias, torch.tensor([-0.2, 0.2, 0.0, 0.0]))
@@ -35,26 +35,24 @@ def test_update_reaches_every_router_of_a_model_in_order():
     update_expert_bias(model, loads, rate=1.0)
     assert layers[0].router.expert_bias.tolist() == [1.0] * 4 + [-1.0] * 4
     assert layers[1].router.expert_bias.tolist() == [-1.0] * 4 + [1.0] * 4
-    update_expert_bias(layers[0], loads[0], rate=1.0)  # one layer, one [E] load
+    update_expert_bias(layers[:1], loads[:1], rate=1.0)  # one layer, one [E] load
     assert layers[0].router.expert_bias.tolist() == [2.0] * 4 + [-2.0] * 4
 
 
 def test_update_refuses_bad_arguments():
     router = Router(cfg())
     with pytest.raises(ValueError, match="rate"):
-        update_expert_bias(router, torch.ones(4), rate=0)
+        update_expert_bias([router], torch.ones(1, 4), rate=0)
     with pytest.raises(ValueError, match="one load per router"):
-        update_expert_bias(router, torch.ones(2, 4), rate=0.1)
+        update_expert_bias([router], torch.ones(2, 4), rate=0.1)
     with pytest.raises(ValueError, match=r"n_experts=4"):
-        update_expert_bias(router, torch.ones(1, 5), rate=0.1)
-    with pytest.raises(ValueError, match="Router or MoELayer"):
-        update_expert_bias([torch.nn.Linear(2, 2)], torch.ones(1, 4), rate=0.1)
+        update_expert_bias([router], torch.ones(1, 5), rate=0.1)
 
 
 def test_update_is_sync_free_with_device_loads():
     router = Router(cfg())
     loads = router(torch.randn(20, 16)).tokens_per_expert
-    _, syncs = count_syncs(update_expert_bias, router, loads, 0.01)
+    _, syncs = count_syncs(update_expert_bias, [router], [loads], 0.01)
     assert sum(syncs.values()) == 0, dict(syncs)
 
 
@@ -66,7 +64,7 @@ def test_bias_balances_a_skewed_router():
     x = torch.randn(512, 16) + 0.5
     before = float(load_imbalance(router(x).tokens_per_expert))
     for _ in range(60):
-        update_expert_bias(router, router(torch.randn(512, 16) + 0.5).tokens_per_expert, 0.02)
+        update_expert_bias([router], [router(torch.randn(512, 16) + 0.5).tokens_per_expert], 0.02)
     after = float(load_imbalance(router(x).tokens_per_expert))
     assert before > 2.0 and after < 1.5, (before, after)
     assert load_imbalance(torch.tensor([[2, 2], [4, 0]])).tolist() == [1.0, 2.0]
@@ -84,7 +82,7 @@ def test_balancer_counts_training_forwards_only_and_updates_after_each_step():
         _, s2 = layer(torch.randn(8, 16))  # two forwards, one step: loads summed
         load = (s1.tokens_per_expert + s2.tokens_per_expert).float()
         balancer(1, {})
-        assert balancer.updates == 1 and balancer.layers == [layer]
+        assert balancer.updates == 1
         torch.testing.assert_close(layer.router.expert_bias, 0.5 * torch.sign(load.mean() - load))
     bias = layer.router.expert_bias.clone()
     layer(torch.randn(8, 16))  # hook removed on exit

@@ -82,7 +82,6 @@ def test_split_sizes_and_traffic_matrix():
 def test_budget_is_capacity_factor_over_the_average():
     assert ep_budget(tokens=100, top_k=2, world_size=4, capacity_factor=1.0) == 50
     assert ep_budget(100, 2, 4, 1.25) == 63
-    assert ep_budget(100, 2, 4, 1.25, multiple=8) == 64
     with pytest.raises(ValueError, match="capacity_factor"):
         ep_budget(100, 2, 4, 0.0)
 

@@ -66,12 +66,6 @@ def test_deepseek_v3_parts_by_hand():
     assert b["mtp"] == pytest.approx(2 * 7168 * 7168 * 6, rel=1e-12)
 
 
-def test_active_params_match_published_counts():
-    # Published: DeepSeek-V3 37B active, GPT-OSS-20B 3.6B active per token.
-    assert flops.active_params(preset("deepseek_v3")) / G == pytest.approx(37, rel=0.03)
-    assert flops.active_params(preset("gpt_oss_20b")) / G == pytest.approx(3.6, rel=0.03)
-
-
 def test_core_attention_grows_with_seq_len_and_projections_do_not():
     cfg = preset("deepseek_v3")
     short, long = flops.flops_breakdown(cfg, 2048), flops.flops_breakdown(cfg, 8192)
@@ -244,10 +238,6 @@ def test_tflops_and_mfu():
 def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="seq_len"):
         flops.training_flops_per_token(preset("tiny"), 0)
-    with pytest.raises(ValueError, match="cfg"):
-        flops.training_flops_per_token({"d_model": 64})
-    with pytest.raises(ValueError, match="window"):
-        flops.attended_keys(64, -1)
 
 
 def test_include_mtp_only_matters_with_mtp_layers():

@@ -1,5 +1,5 @@
 """The tile-traffic model on cases computed by hand, its tile order against the kernels' own
-(`moe_lab.kernels.common.tile_order`, run under the interpreter), and its input checks."""
+(`moe_lab.kernels.common.tile_order`, run under the interpreter), and the input check it keeps."""
 
 from __future__ import annotations
 
@@ -104,17 +104,10 @@ def test_tile_group_is_an_experts_row_tiles_as_a_power_of_two():
     assert tile_group(10, 4, 128) == 1
 
 
-@pytest.mark.parametrize(("kwargs", "name"), [
-    (dict(rows=[4, -1]), r"rows\[1\]"), (dict(block_m=0), "block_m"), (dict(block_k=0), "block_k"),
-    (dict(in_flight=0), "in_flight"), (dict(l2_bytes=-1), "l2_bytes"), (dict(order="diagonal"), "order"),
-    (dict(order=lambda pid, t_m, t_n: (t_m, 0)), "order maps program 0"),
-    (dict(scaled="ax"), "scaled"), (dict(scaled="b", block_k=16), "block_k must be a multiple of 32"),
-    (dict(epilogue_bytes=-1), "epilogue_bytes"),
-])
-def test_bad_input_names_the_argument(kwargs, name):
-    args = dict(rows=[4, 8], n=16, k=16, block_m=8, block_n=8, block_k=8, in_flight=2, l2_bytes=1024)
-    with pytest.raises(ValueError, match=name):
-        simulate(**{**args, **kwargs})
+def test_a_scaled_operand_needs_whole_mx_blocks_along_k():
+    args = dict(rows=[4, 8], n=16, k=16, block_m=8, block_n=8, block_k=16, in_flight=2, l2_bytes=1024)
+    with pytest.raises(ValueError, match="block_k must be a multiple of 32"):
+        simulate(**args, scaled="b")
 
 
 def test_mxfp8_scales_and_an_epilogue_by_hand():
@@ -217,7 +210,7 @@ def _simulate_dw_with_lru(rows, k, n, bm, bk, bn, in_flight, l2_bytes, order):
     must equal."""
     t_k, t_n = -(-k // bk), -(-n // bn)
     programs = [expert_fastest(p, len(rows), t_k, t_n) if order == "expert_fastest"
-                else expert_order(p, len(rows), t_k, t_n, order) for p in range(len(rows) * t_k * t_n)]
+                else expert_order(p, t_k, t_n, order) for p in range(len(rows) * t_k * t_n)]
     l2, x, dy = LRU(l2_bytes), 0, 0
     for w in range(0, len(programs), in_flight):
         wave = programs[w:w + in_flight]
@@ -249,11 +242,9 @@ def test_dw_orders_visit_every_tile_once():
     every = sorted((a, b, c) for a in range(e) for b in range(t_k) for c in range(t_n))
     assert sorted(expert_fastest(p, e, t_k, t_n) for p in range(e * t_k * t_n)) == every
     for group in (1, 2, 3, 5, 9):
-        order = [expert_order(p, e, t_k, t_n, group) for p in range(e * t_k * t_n)]
+        order = [expert_order(p, t_k, t_n, group) for p in range(e * t_k * t_n)]
         assert sorted(order) == every
         assert [x[0] for x in order] == sorted(x[0] for x in order)  # expert after expert
-    with pytest.raises(ValueError, match="pid must lie in"):
-        expert_order(e * t_k * t_n, e, t_k, t_n, 2)
 
 
 @triton.jit
@@ -275,15 +266,5 @@ def test_the_dw_kernels_tile_order_is_the_models(group):
     programs = n_experts * t_k * t_n
     out = torch.full((programs, 3), -1, dtype=torch.int32)
     _expert_order_kernel[grid](out, k, n, BLOCK_K=block_k, BLOCK_N=block_n, GROUP_K=group)
-    assert [tuple(r) for r in out.tolist()] == [expert_order(p, n_experts, t_k, t_n, group)
+    assert [tuple(r) for r in out.tolist()] == [expert_order(p, t_k, t_n, group)
                                                  for p in range(programs)]
-
-
-@pytest.mark.parametrize(("kwargs", "name"), [
-    (dict(rows=[4, -1]), r"rows\[1\]"), (dict(block_k=0), "block_k"), (dict(in_flight=0), "in_flight"),
-    (dict(l2_bytes=-1), "l2_bytes"), (dict(order="row"), "order"), (dict(order=True), "order"),
-])
-def test_dw_bad_input_names_the_argument(kwargs, name):
-    args = dict(rows=[4, 8], k=16, n=16, block_m=8, block_k=8, block_n=8, in_flight=2, l2_bytes=1024)
-    with pytest.raises(ValueError, match=name):
-        simulate_dw(**{**args, **kwargs})

@@ -35,18 +35,8 @@ DROPLESS = ModelImpls(dispatcher="dropless")
 
 
 def test_stack_validates_its_choices():
-    with pytest.raises(ValueError, match="dispatcher"):
-        Stack("x", impls=ModelImpls(dispatcher="teleport"))
-    with pytest.raises(ValueError, match="embedding_impl"):
-        Stack("x", impls=ModelImpls(embedding_impl="teleport"))
-    with pytest.raises(ValueError, match="router_dtype"):
-        Stack("x", impls=ModelImpls(router_impl="triton"), router_dtype="fp64")
-    with pytest.raises(ValueError, match="sync_free"):
-        Stack("x", compile="default")
     with pytest.raises(ValueError, match="step"):
         Stack("x", step="teleport")
-    with pytest.raises(ValueError, match="clip_step"):
-        Stack("x", impls=DROPLESS, step="sync_free", clip_step="teleport")
     with pytest.raises(ValueError, match="compiled_eval"):
         Stack("x", impls=DROPLESS, step="sync_free", compiled_eval=True)
     with pytest.raises(ValueError, match="fp32_logits"):
@@ -90,8 +80,6 @@ def test_optimised_stack_on_a_cpu():
     assert forced.amp == "bf16" and "BF16 autocast" in forced.describe()
     with pytest.raises(ValueError, match="amp"):
         ttt.optimised_stack("cpu", amp="fp8")
-    with pytest.raises(ValueError, match="sync_free"):
-        Stack("x", amp="bf16")
     with pytest.raises(ValueError, match="amp"):
         Stack("x", impls=DROPLESS, step="sync_free", amp="fp16")
 
@@ -292,8 +280,6 @@ def test_compare_alternates_the_order(monkeypatch):
     runs = ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1])  # a CPU: interleaved
     assert raced == [["naive", "b"], ["b", "naive"]]
     assert [r.stack for r in runs] == ["naive", "b", "b", "naive"]
-    with pytest.raises(ValueError):
-        ttt.compare_stacks([], MICRO)
 
 
 def test_the_race_gives_each_stack_its_own_clock():
@@ -382,27 +368,7 @@ def test_mfu_and_the_bound():
                         {"stack": "optimised", "tokens_per_s": 3000.0}], MICRO,
                        {"naive": 1e12, "optimised": 2e12})
     assert two[1]["mfu"] == pytest.approx(1.5 * two[0]["mfu"]) and two[1]["ceiling_gflops"] == 2000
-    with pytest.raises(ValueError, match="optimised"):
-        ttt.mfu_rows([{"stack": "optimised", "tokens_per_s": 1.0}], MICRO, {"naive": 1e12})
     assert ttt.speedup_bound(0.5) == 2.0
-    with pytest.raises(ValueError):
-        ttt.speedup_bound(0.0)
-
-
-def test_gb300_projection_is_labelled_and_consistent():
-    from moe_lab.perf.hardware import gpu_spec
-    from moe_lab.workbench import mlperf
-
-    rows = ttt.gb300_projection({"naive": 0.2, "optimised": 0.4})
-    kinds = [r["kind"] for r in rows]
-    assert kinds == ["projection", "projection", "reported", "bound"]
-    naive, best, reported, bound = rows
-    assert best["tokens_per_s_per_gpu"] == pytest.approx(2 * naive["tokens_per_s_per_gpu"])
-    assert best["minutes_on_8192"] == pytest.approx(naive["minutes_on_8192"] / 2)
-    assert reported["tokens_per_s_per_gpu"] == mlperf.DEEPSEEK_V3_GB300["tokens_per_s_per_gpu"]
-    assert reported["minutes_on_8192"] == mlperf.result("DeepSeek-V3 671B").minutes
-    assert reported["mfu"] == pytest.approx(1648e12 / gpu_spec("GB300").peak_flops("bf16"))
-    assert bound["mfu"] == 1.0 and bound["minutes_on_8192"] < reported["minutes_on_8192"]
 
 
 # ------------------------------------------------------------------------------ CLI

@@ -41,8 +41,6 @@ def test_every_kernel_module_has_its_specs_and_nothing_else_does():
     assert for_module("moe_lab.kernels.grouped_gemm") == for_module(gg)
     with pytest.raises(ValueError, match="moe_lab.kernels.launch has no compile specs"):
         for_module("moe_lab.kernels.launch")
-    with pytest.raises(ValueError, match="must be a module of moe_lab.kernels"):
-        for_module("moe_lab.config")
 
 
 def test_int_args_and_merge_specs():
@@ -53,8 +51,6 @@ def test_int_args_and_merge_specs():
                           CompileSpec("m:k", "third", {"x": "*fp32"}, {"B": 1}, cfg)])
     assert [s.label for s in merged] == ["first | second", "third"] and merged[0].note == "why"
     assert describe(cfg) == "64x64x32 (M x N x K blocks), 4 warps, 3 stages"
-    with pytest.raises(ValueError, match="module:function"):
-        CompileSpec("no_colon", "x", {}, {}, cfg)
 
 
 # ------------------------------------------------------------------------------ grouped GEMM

@@ -63,10 +63,6 @@ def test_a_subset_of_the_kernel_table_is_its_own_rows(kernel_rows):
     some = traffic.kernel_tables(models=("GPT-OSS-20B",), launches=("fused combine backward",))
     assert some == [r for r in kernel_rows if r["model"] == "GPT-OSS-20B"
                     and r["launch"] == "fused combine backward"]
-    with pytest.raises(ValueError, match="launches must be"):
-        traffic.kernel_tables(launches=("dX (down)",))
-    with pytest.raises(ValueError, match="source must be"):
-        traffic.kernel_config("cutlass", "gemm", 1024, 128, 128, 4, "H200")
 
 
 def test_the_weight_gradients_order_reads_each_experts_rows_once_the_old_one_did_not(dw_rows):
@@ -111,8 +107,6 @@ def test_on_expert_bounds_is_the_largest_divisor_at_most_in_flight():
     assert traffic.on_expert_bounds(184, 132) == 92  # 8 x 23
     assert traffic.on_expert_bounds(97, 96) == 1  # a prime
     assert traffic.on_expert_bounds(64, 132) == 64  # one wave holds a whole expert
-    with pytest.raises(ValueError, match="in_flight"):
-        traffic.on_expert_bounds(64, 0)
 
 
 def test_blocks_per_sm_reads_the_launch_own_row():
@@ -128,5 +122,3 @@ def test_blocks_per_sm_reads_the_launch_own_row():
 def test_a_subset_of_the_table_is_its_own_rows(rows):
     some = traffic.tables(models=("GPT-OSS-20B",), launches=("dX (down)",))
     assert some == [r for r in rows if r["model"] == "GPT-OSS-20B" and r["launch"] == "dX (down)"]
-    with pytest.raises(ValueError, match="launches must be"):
-        traffic.acceptance("H200", launches=("dW",))

@@ -28,7 +28,7 @@ def test_no_lock_no_word(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_live_builder_is_waited_for_then_given_up(tmp_path, capsys):
+def test_live_builder_is_waited_for_then_given_up(tmp_path, capsys, monkeypatch):
     """Another process holds the folder: its ``lock`` file is left alone, the wait is reported
     on stdout with the holder's PID, and it ends in an error naming the lock; once the holder is killed
     with SIGKILL, the next load proceeds."""
@@ -44,8 +44,9 @@ def test_live_builder_is_waited_for_then_given_up(tmp_path, capsys):
     try:
         assert holder.stdout.readline().strip() == "holding"
         start = time.monotonic()
+        monkeypatch.setattr(build, "WAIT_LIMIT_S", 3)
         with pytest.raises(TimeoutError, match=f"process {holder.pid} .*{tmp_path}"):
-            with build.build_guard(tmp_path, wait_limit_s=3):
+            with build.build_guard(tmp_path):
                 pytest.fail("entered the guard while another process held it")
         assert time.monotonic() - start < 15
         assert (tmp_path / "lock").exists()
@@ -55,7 +56,8 @@ def test_live_builder_is_waited_for_then_given_up(tmp_path, capsys):
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     # The holder died: the operating system dropped its lock, so its file is stale now.
-    with build.build_guard(tmp_path, wait_limit_s=5):
+    monkeypatch.setattr(build, "WAIT_LIMIT_S", 5)
+    with build.build_guard(tmp_path):
         assert not (tmp_path / "lock").exists()
 
 

@@ -5,8 +5,9 @@ import torch
 
 from moe_lab.training.sync import assert_sync_free
 from moe_lab.workbench.cpu import grouped as cpu_grouped
+from moe_lab.workbench.cpu.build import compiler
 
-pytestmark = [pytest.mark.skipif(cpu_grouped.compiler() is None,
+pytestmark = [pytest.mark.skipif(compiler() is None,
                                 reason="no C++ compiler: the CPU grouped GEMM cannot be built"),
               pytest.mark.usefixtures("cpu_plugin")]
 

@@ -9,7 +9,12 @@ import pytest
 import torch
 from support import topk  # the Triton kernels' routings generator: distinct experts per token
 
-from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference, unpermute_reference
+from moe_lab.kernels.permute import (
+    make_row_id_map_reference,
+    permute_reference,
+    permuted_rows,
+    unpermute_reference,
+)
 from moe_lab.workbench.cpu import permute as cp
 from moe_lab.workbench.cpu.build import compiler
 
@@ -40,7 +45,7 @@ def test_row_id_map_equals_stable_argsort(name, align):
     assert row_id_map.shape == ids.shape and offsets.shape == (n_experts + 1,)
     assert torch.equal(row_id_map, ref_map)
     assert torch.equal(offsets, ref_offsets)
-    assert int(offsets[-1]) <= cp.permuted_rows(*ids.shape, n_experts, align)
+    assert int(offsets[-1]) <= permuted_rows(*ids.shape, n_experts, align)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -49,7 +54,7 @@ def test_row_id_map_equals_stable_argsort(name, align):
 def test_permute_is_index_copy_bit_for_bit(name, dtype):
     ids, n_experts = ROUTINGS[name]()
     row_id_map, _ = cp.make_row_id_map(ids, n_experts, align=8)
-    n_rows = cp.permuted_rows(*ids.shape, n_experts, 8)
+    n_rows = permuted_rows(*ids.shape, n_experts, 8)
     # Dirty memory of the output's size first, so a padding row left unwritten shows.
     torch.full((n_rows, 48), float("nan"), dtype=dtype).sum()
     x = torch.randn(ids.shape[0], 96).to(dtype)[:, ::2]  # non-contiguous rows
@@ -63,7 +68,7 @@ def test_weighted_permute_and_unpermute_match_the_references(name, dtype):
     ids, n_experts = ROUTINGS[name]()
     tokens, k = ids.shape
     row_id_map, _ = cp.make_row_id_map(ids, n_experts, align=4)
-    n_rows = cp.permuted_rows(tokens, k, n_experts, 4)
+    n_rows = permuted_rows(tokens, k, n_experts, 4)
     x = torch.randn(tokens, 40).to(dtype)
     w = torch.rand(tokens, k)
     y = cp.permute(x, row_id_map, n_rows, weights=w)
@@ -83,7 +88,7 @@ def test_weighted_permute_and_unpermute_match_the_references(name, dtype):
 def test_gradients_match_autograd_on_the_references(dtype):
     ids, n_experts = topk(300, 4, 16, skew=1.0), 16
     row_id_map, _ = cp.make_row_id_map(ids, n_experts, align=16)
-    n_rows = cp.permuted_rows(300, 4, n_experts, 16)
+    n_rows = permuted_rows(300, 4, n_experts, 16)
     x = torch.randn(300, 64).to(dtype).requires_grad_()
     w = torch.rand(300, 4, requires_grad=True)
     out = cp.unpermute(cp.permute(x, row_id_map, n_rows).sin(), row_id_map, w)
@@ -107,7 +112,7 @@ def test_gradients_match_autograd_on_the_references(dtype):
 def test_a_nan_stays_in_its_token():
     ids, n_experts = topk(50, 2, 6), 6
     row_id_map, _ = cp.make_row_id_map(ids, n_experts, align=8)
-    n_rows = cp.permuted_rows(50, 2, n_experts, 8)
+    n_rows = permuted_rows(50, 2, n_experts, 8)
     x = torch.randn(50, 16)
     x[7, 3] = float("nan")
     y = cp.permute(x, row_id_map, n_rows)
@@ -124,7 +129,7 @@ def test_compiled_matches_eager():
 
     def layer(x, ids, w):
         row_id_map, offsets = cp.make_row_id_map(ids, n_experts, align=4)
-        y = cp.permute(x, row_id_map, cp.permuted_rows(64, 2, n_experts, 4))
+        y = cp.permute(x, row_id_map, permuted_rows(64, 2, n_experts, 4))
         return cp.unpermute(y * 2.0, row_id_map, w), offsets
 
     eager, off = layer(x, ids, w)
@@ -145,24 +150,22 @@ def test_bad_input_raises_with_the_argument_named():
         cp.make_row_id_map(torch.tensor([[0, 4]]), 4)
     with pytest.raises(RuntimeError, match=r"expert ids in \[0, 4\)"):
         cp.make_row_id_map(torch.tensor([[-1, 0]]), 4)
-    with pytest.raises(ValueError, match="topk_ids must be"):
+    with pytest.raises(RuntimeError, match="topk_ids must be"):
         cp.make_row_id_map(ids.float(), 4)
-    with pytest.raises(ValueError, match="n_experts"):
+    with pytest.raises(RuntimeError, match="n_experts"):
         cp.make_row_id_map(ids, 0)
-    with pytest.raises(ValueError, match="align"):
+    with pytest.raises(RuntimeError, match="align"):
         cp.make_row_id_map(ids, 4, align=0)
-    with pytest.raises(ValueError, match="row_id_map must be"):
+    with pytest.raises(RuntimeError, match="row_id_map must be"):
         cp.permute(x, row_id_map.long(), 20)
-    with pytest.raises(ValueError, match="row_id_map must be"):
+    with pytest.raises(RuntimeError, match="row_id_map must be"):
         cp.permute(x[:9], row_id_map, 20)
-    with pytest.raises(ValueError, match="n_rows must be at least"):
+    with pytest.raises(RuntimeError, match="n_rows must be at least"):
         cp.permute(x, row_id_map, 19)
-    with pytest.raises(ValueError, match="x.dtype"):
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
         cp.permute(x.double(), row_id_map, 20)
-    with pytest.raises(ValueError, match="weights must be"):
+    with pytest.raises(RuntimeError, match="weights must be"):
         cp.unpermute(torch.randn(20, 8), row_id_map, torch.rand(10, 3))
-    with pytest.raises(ValueError, match="on the CPU"):
-        cp.permute(x.to("meta"), row_id_map, 20)
     outside = row_id_map.clone()
     outside[3, 1] = 20
     with pytest.raises(RuntimeError, match="outside the 20 rows"):
@@ -265,13 +268,11 @@ def test_the_cpu_topk_router_takes_the_kernel_and_the_reference_never_does(monke
 
 def test_topk_lowest_index_bad_input():
     x = torch.randn(4, 6)
-    with pytest.raises(ValueError, match=r"k must be an int in \[0, n = 6\]"):
+    with pytest.raises(RuntimeError, match=r"k must be in \[0, n = 6\]"):
         cp.topk_lowest_index(x, 7)
-    with pytest.raises(ValueError, match="k must be"):
+    with pytest.raises(RuntimeError, match="k must be"):
         cp.topk_lowest_index(x, -1)
-    with pytest.raises(ValueError, match=r"values must be a \[T, n\] float32"):
+    with pytest.raises(RuntimeError, match=r"values must be \[T, n\] float32"):
         cp.topk_lowest_index(x.double(), 2)
-    with pytest.raises(ValueError, match=r"values must be a \[T, n\] float32"):
+    with pytest.raises(RuntimeError, match=r"values must be \[T, n\] float32"):
         cp.topk_lowest_index(x[0], 2)
-    with pytest.raises(ValueError, match="on the CPU"):
-        cp.topk_lowest_index(x.to("meta"), 2)

@@ -30,7 +30,6 @@ from moe_lab.workbench.exercises import (
     exercise,
     not_done,
     reference_solution,
-    solution,
 )
 from moe_lab.workbench.exercises import nb00_lab_bench as ex00
 from moe_lab.workbench.exercises import nb04_dropless_sync_free_triton as ex04t
@@ -160,7 +159,7 @@ def test_the_stub_is_not_done_and_learner_mode_returns_the_reference(name, capsy
     assert check.exercise_name == name
     with pytest.raises(NotDoneError):
         check(stub)
-    assert check(stub, solutions=False) is solution(name)
+    assert check(stub, solutions=False) is SOLUTIONS[name]
     assert "is not done yet" in capsys.readouterr().out
 
 

@@ -42,7 +42,8 @@ def _executed(path: Path, title: str, error: bool = False) -> None:
 
 
 def test_describe_a_real_notebook():
-    title, summary, learn = site.describe_notebook(ROOT / "notebooks" / "01_naive_moe.ipynb")
+    title, summary, learn = site.describe_notebook(
+        nbformat.read(ROOT / "notebooks" / "01_naive_moe.ipynb", as_version=4))
     assert title.startswith("01") and "naive" in title
     assert "Mixture-of-Experts" in summary and not summary.startswith("#")
     assert len(learn) >= 3
@@ -51,7 +52,7 @@ def test_describe_a_real_notebook():
 @pytest.mark.parametrize("name", ["00_lab_bench", "05_fused_router", "06_mxfp8_attention",
                                   "09_expert_parallel_a2a", "10_pipeline_layout"])
 def test_learn_bullets_are_whole_where_the_source_wraps(name):
-    _, _, learn = site.describe_notebook(ROOT / "notebooks" / f"{name}.ipynb")
+    _, _, learn = site.describe_notebook(nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4))
     assert learn and all(item.rstrip().endswith((";", ".", ":")) for item in learn), learn
 
 
@@ -112,7 +113,7 @@ def test_headline_from_the_table_prefers_full_then_newest():
     assert rec["value"] == 1.6 and spec.metric == "time_to_target_speedup"
     (row,) = site.headline_rows(records, ["12_time_to_train"])
     assert row["figure"] == "1.600×" and row["command"].endswith("--profile full")
-    assert site.find_headline(records, "12_time_to_train", hardware="H200") is None
+    assert site.find_headline(records, "12_time_to_train", lambda r: r["hardware"] == "H200") is None
 
 
 def test_the_benchmark_and_the_notebook_compete_for_one_figure():
@@ -130,15 +131,11 @@ def test_the_benchmark_and_the_notebook_compete_for_one_figure():
                               "--pick-router")
 
 
-def test_flagged_record_overrides_and_pick_min():
-    records = [_rec("01_naive_moe", "naive", "syncs_per_step", 24, "syncs"),
-               _rec("01_naive_moe", "naive", "train_tokens_per_s", 900.0, "tok/s", headline=True),
-               _rec("09_expert_parallel_a2a", "overlap", "exposed_vs_sequential", 30.0, "%"),
+def test_pick_min():
+    records = [_rec("09_expert_parallel_a2a", "overlap", "exposed_vs_sequential", 30.0, "%"),
                _rec("09_expert_parallel_a2a", "sequential", "exposed_vs_sequential", 100.0, "%"),
                # an older ledger's bare ratio, smaller still: without a unit it is no headline
                _rec("09_expert_parallel_a2a", "chunked", "exposed_vs_sequential", 0.2, "")]
-    rec, _ = site.find_headline(records, "01_naive_moe")
-    assert rec["metric"] == "train_tokens_per_s"
     rec, _ = site.find_headline(records, "09_expert_parallel_a2a")
     assert rec["step"] == "overlap" and site.format_figure(rec) == "30.00 %"
     assert site.find_headline(records, "99_unknown") is None
@@ -167,14 +164,9 @@ def test_gpu_line_beside_the_headline():
     (row,) = site.headline_rows(records, ["01_naive_moe"], site.on_cpu_or_machine_free)
     assert row["figure"] == "8 syncs"
     assert row["gpu"]["figure"] == "14,848 syncs" and row["gpu"]["kind"] == "projection"
-    assert row["gpu"]["sentence"] == ("On an H200 (projection: 256 experts x 58 layers): "
-                                      "14,848 syncs")
     # a GPU line is never a CPU headline, and never counts as measured on a GPU
     assert site.on_cpu_or_machine_free(_gpu())
     assert site.find_headline([_gpu()], "01_naive_moe") is None
-    cited = _gpu("12_time_to_train", "software_speedup[deepseek_v3]", 1.27, "x", kind="citation",
-                 hardware="GB300", basis="NVIDIA, MLPerf Training v6.0 blog")
-    assert site.format_gpu_line(cited).startswith("On a GB300 (published: NVIDIA")
 
 
 @pytest.mark.parametrize("broken", [dict(unit=""), dict(kind="measured"), dict(basis=""),
@@ -280,11 +272,6 @@ def test_site_opens_without_a_server(built):
         assert text.count('href="index.html"') == 2  # the navigation bar, top and bottom
     assert re.search(r'<a (?=[^>]*rel="next")(?=[^>]*href="12_time_to_train.html")', first)
     assert re.search(r'<a (?=[^>]*rel="prev")(?=[^>]*href="01_naive_moe.html")', last)
-
-
-def test_build_site_needs_a_folder(tmp_path):
-    with pytest.raises(ValueError, match="workbook_dir"):
-        site.build_site(tmp_path / "nope", tmp_path / "site")
 
 
 # ------------------------------------------------------------------------------ README table

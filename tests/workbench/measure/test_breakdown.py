@@ -81,10 +81,6 @@ def test_events_are_summed_by_phase_and_kind():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="phase"):
         phase("loading")
-    with pytest.raises(ValueError, match="steps"):
-        step_breakdown(lambda: None, steps=0)
-    with pytest.raises(ValueError, match="warmup"):
-        step_breakdown(lambda: None, warmup=-1)
 
 
 def test_a_profiled_step():
@@ -123,5 +119,3 @@ def test_both_stacks_of_the_contest():
         for p in PHASES:  # every trainer opens the three ranges
             assert result["by_phase"][p] > 0, (name, p)
         assert result["by_kind"][MATMUL] > 0, name
-    with pytest.raises(ValueError, match="stacks"):
-        ttt.step_breakdowns([], cfg)

@@ -325,25 +325,6 @@ def test_results_table_markdown_without_records():
     assert "|" not in text and "No figures" in text
 
 
-def test_a_record_under_a_notebook_s_old_name_reads_back_under_its_new_one(results):
-    """The notebooks were renumbered: a ledger written before reads under today's names, so
-    its figures still reach the recaps, the site and the README (and `latest` sees the old
-    and the new record of one figure as one)."""
-    path = results / "ledger.jsonl"
-    old = {"notebook": "03_dropless_sync_free", "step": "fine:dropless torch", "metric": "vs_naive",
-           "value": 2.5, "unit": "x", "hardware": "cpu", "versions": {}, "time": "2026-11-01T00:00:00+00:00"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(old) + "\n" + json.dumps({**old, "notebook": "01_naive_moe"}) + "\n")
-    ledger.record("04_dropless_sync_free", "fine:dropless torch", "vs_naive", 3.0, "x", hardware="cpu")
-    records = ledger.read(path)
-    assert [r["notebook"] for r in records] == ["04_dropless_sync_free", "01_naive_moe",
-                                               "04_dropless_sync_free"]
-    (newest,) = [r for r in ledger.latest(records) if r["notebook"] == "04_dropless_sync_free"]
-    assert newest["value"] == 3.0
-    notebooks = Path(__file__).parents[3] / "notebooks"
-    assert set(ledger.RENAMED_NOTEBOOKS.values()) <= {p.stem for p in notebooks.glob("*.ipynb")}
-
-
 def test_figures_table_shows_only_the_chosen_steps_and_metrics_in_order():
     def rec(step, metric, value, unit, hardware="cpu:x"):
         return {"notebook": "04_x", "step": step, "metric": metric, "value": value, "unit": unit,

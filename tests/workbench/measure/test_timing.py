@@ -27,8 +27,6 @@ def test_bench_result_statistics():
     assert "median" in str(r) and "n=5" in str(r)
     one = BenchResult.from_times([0.5], "cpu")
     assert one.iqr_s == 0.0 and one.median_s == 0.5
-    with pytest.raises(ValueError, match="times"):
-        BenchResult.from_times([], "cpu")
     with pytest.raises(ValueError, match="items"):
         r.per_second(-1)
 
@@ -40,13 +38,14 @@ def test_bench_counts_warmup_and_repeat_calls():
     assert r.n == 7 and len(r.times) == 7 and r.device == "cpu"
 
 
-def test_bench_adaptive_stops_on_min_time_or_cap():
+def test_bench_adaptive_stops_on_min_time_or_cap(monkeypatch):
     calls = []
     r = bench(lambda: calls.append(1), warmup=0, min_time_s=0.0)
     assert r.n == MIN_ADAPTIVE_REPEAT == len(calls)
     r = bench(lambda: time.sleep(0.002), warmup=0, min_time_s=0.03)
     assert sum(r.times) >= 0.03 and r.n >= MIN_ADAPTIVE_REPEAT
-    r = bench(lambda: None, warmup=0, min_time_s=100.0, max_repeat=7)
+    monkeypatch.setattr(bench_mod, "MAX_ADAPTIVE_REPEAT", 7)
+    r = bench(lambda: None, warmup=0, min_time_s=100.0)
     assert r.n == 7
 
 
@@ -63,7 +62,6 @@ def test_bench_times_each_call_separately():
         ({"repeat": 0}, "repeat"),
         ({"repeat": 2.5}, "repeat"),
         ({"warmup": -1}, "warmup"),
-        ({"max_repeat": 0}, "max_repeat"),
         ({"min_time_s": -0.1}, "min_time_s"),
         ({"min_time_s": math.inf}, "min_time_s"),
     ],
@@ -91,20 +89,17 @@ def test_compare_interleaves_rounds_and_alternates_order():
     assert list(res) == ["a", "b"] and all(r.n == 4 for r in res.values())
     # warm-up a,b; then rounds a,b / b,a / a,b / b,a
     assert "".join(log) == "ab" + "abbaabba"
-    log.clear()
-    compare(fns, torch.ones(2), warmup=0, repeat=3, alternate=False)
-    assert "".join(log) == "aaabbb"
 
 
-def test_compare_adaptive_is_paced_by_the_slowest_provider():
+def test_compare_adaptive_is_paced_by_the_slowest_provider(monkeypatch):
     res = compare({"fast": lambda: None, "slow": lambda: time.sleep(0.002)},
                   warmup=0, min_time_s=0.02)
     assert res["fast"].n == res["slow"].n >= MIN_ADAPTIVE_REPEAT  # one call each per round
     assert sum(res["slow"].times) >= 0.02
     # 0.02 s of 2 ms sleeps needs at most 10 rounds; pacing by the fast one would need ~max
     assert res["slow"].n <= 11
-    capped = compare({"a": lambda: None, "b": lambda: None}, warmup=0, min_time_s=10.0,
-                     max_repeat=6)
+    monkeypatch.setattr(bench_mod, "MAX_ADAPTIVE_REPEAT", 6)
+    capped = compare({"a": lambda: None, "b": lambda: None}, warmup=0, min_time_s=10.0)
     assert capped["a"].n == capped["b"].n == 6
 
 

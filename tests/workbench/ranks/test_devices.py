@@ -23,17 +23,16 @@ def test_rank_functions_create_everything_on_the_rank_device():
         (equivalence.overlap_check_rank, (CFG, 24, 2)),
         (equivalence.merged_check_rank, (CFG, 24, 2)),
         (equivalence.merged_model_check_rank, ("tiny", 2, 2, 1)),
-        (harness.overlap_rank_main, (spec,)),
         (harness.merged_rank_main, (spec,)),
     ]
     results = run_ranks(with_default_device, 2, "meta", calls, timeout_s=110, threads_per_rank=1)
-    for rank, (who, ep, overlap, merged, model, overlap_report, merged_report) in enumerate(results):
+    for rank, (who, ep, overlap, merged, model, merged_report) in enumerate(results):
         assert who["sum_of_ranks"] == 1 and who["device"] == "cpu"
         assert ep["rank"] == rank and all(c["y"] <= 1e-5 * c["scale"] for c in ep["cases"])
         assert all(e["y"] <= 1e-5 for e in overlap.values())
         assert all(s["bitwise"] for s in merged["schedules"].values())
         assert model["bitwise"]
-        assert overlap_report["matches_autograd"] and merged_report["merged_equals_plain"]
+        assert merged_report["merged_equals_plain"]
         assert merged_report["device"] == "cpu" and merged_report["backend"] == "gloo"
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from moe_lab.workbench.ranks.faults import fault_rank, merged_fault_rank, stderr_rank
+from moe_lab.workbench.ranks.faults import fault_rank, stderr_rank
 from moe_lab.workbench.ranks.launch import RankFailure, run_ranks, whoami
 
 
@@ -90,43 +90,3 @@ def test_a_provoked_failure_keeps_the_ranks_stderr_on_the_exception(capsys):
 def test_functions_must_be_importable():
     with pytest.raises(ValueError, match="module-level"):
         run_ranks(lambda: 0, 2)
-
-
-# The same guarantees in the middle of a 1F1B-merged step, with collectives of both
-# micro-batches in flight when the victim stops (moe_lab.workbench.ranks.faults.merged_fault_rank).
-
-
-@pytest.mark.timeout(45)
-def test_a_rank_killed_mid_merged_step_fails_the_job_fast():
-    start = time.monotonic()
-    with pytest.raises(RankFailure) as failure:
-        run_ranks(merged_fault_rank, 2, "crash", timeout_s=40, collective_timeout_s=10, threads_per_rank=1)
-    elapsed = time.monotonic() - start
-    message = str(failure.value)
-    statuses = {s.rank: s for s in failure.value.statuses}
-    assert statuses[1].exitcode == -9, message
-    # the survivor, waiting on an in-flight all-to-all, sees the closed connection
-    assert statuses[0].exitcode == 1, message
-    assert elapsed < 10 + 8, f"took {elapsed:.1f} s"
-
-
-@pytest.mark.timeout(45)
-def test_a_rank_hung_mid_merged_step_is_killed_within_the_timeout():
-    start = time.monotonic()
-    with pytest.raises(RankFailure) as failure:
-        run_ranks(merged_fault_rank, 2, "hang", timeout_s=40, collective_timeout_s=3, grace_s=2,
-                  threads_per_rank=1)
-    elapsed = time.monotonic() - start
-    message = str(failure.value)
-    statuses = {s.rank: s for s in failure.value.statuses}
-    assert statuses[1].exitcode is None and "killed by the launcher" in message, message
-    # the survivor's in-flight all-to-all times out after the collective timeout
-    assert statuses[0].exitcode == 1, message
-    assert elapsed < 3 + 3 + 2 + 8, f"took {elapsed:.1f} s"
-
-
-@pytest.mark.timeout(30)
-def test_an_exception_mid_merged_step_is_reported_with_its_message():
-    with pytest.raises(RankFailure, match="failed on purpose at B.dgrad"):
-        run_ranks(merged_fault_rank, 2, "raise", timeout_s=25, collective_timeout_s=10,
-                  threads_per_rank=1)

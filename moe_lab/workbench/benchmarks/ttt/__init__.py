@@ -44,7 +44,6 @@ from moe_lab.workbench.benchmarks.ttt.racing import (
 from moe_lab.workbench.benchmarks.ttt.report import (
     LADDER_METRIC,
     NOTEBOOK,
-    gb300_projection,
     loss_gap,
     mfu_rows,
     record_ladder,
@@ -64,7 +63,7 @@ from moe_lab.workbench.benchmarks.ttt.stacks import (
 __all__ = [
     "DESCRIPTION", "LADDER_METRIC", "NAIVE", "NOTEBOOK", "PROFILES", "Stack", "TTTConfig",
     "TTTRun", "add_arguments", "compare_stacks", "config_from_args", "cpu_plugin_status",
-    "deterministic_algorithms", "gb300_projection", "ladder", "ladder_throughput", "loss_gap",
+    "deterministic_algorithms", "ladder", "ladder_throughput", "loss_gap",
     "make_trainer", "mfu_rows", "optimised_stack", "pick_router_impl", "race",
     "record_ladder", "record_summary", "run", "speedup_bound", "stack_ceilings",
     "stack_model", "step_breakdowns", "summarise", "time_to_train",

@@ -26,8 +26,6 @@ from moe_lab.workbench.measure import ledger
 
 DESCRIPTION = "time to a target eval loss (a mini MLPerf): naive stack vs optimised stack"
 
-__all__ = ["DESCRIPTION", "add_arguments", "config_from_args", "run"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="smoke", choices=list(PROFILES),

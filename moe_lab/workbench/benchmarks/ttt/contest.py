@@ -26,9 +26,6 @@ from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, Stack, cpu_plugin_sta
 from moe_lab.workbench.measure.timing import compare
 from moe_lab.workbench.training.loop import DataConfig, TrainConfig, Trainer
 
-__all__ = ["PROFILES", "TTTConfig", "TTTRun", "load_contest_corpus", "make_trainer",
-           "pick_router_impl", "stack_model"]
-
 
 @holds(schedule=Schedule, data=DataConfig)
 @dataclass(frozen=True)

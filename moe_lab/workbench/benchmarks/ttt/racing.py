@@ -32,9 +32,6 @@ from moe_lab.workbench.training.loop import Trainer
 
 Corpus = SyntheticCorpus | TextFileCorpus
 
-__all__ = ["compare_stacks", "deterministic_algorithms", "ladder_throughput", "race",
-           "step_breakdowns", "time_to_train"]
-
 
 def _to(batch: Batch, device: torch.device) -> Batch:
     if device.type == "cpu":
@@ -85,8 +82,6 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus: Corpus | None = Non
     several stacks on CUDA are refused (run them one at a time, ``interleave=False`` in
     `compare_stacks`).
     """
-    if not stacks:
-        raise ValueError("stacks must name at least one Stack, got none")
     device = device_of(device)
     if len(stacks) > 1 and device.type != "cpu":
         raise ValueError(f"race: interleaving several stacks needs a CPU (got {device}); on "
@@ -185,10 +180,6 @@ def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int]
     seed in lockstep (`race`); otherwise they run one after the other, their order
     alternating from seed to seed. Either way a slow spell of a shared machine does not
     land on one stack only."""
-    if not stacks:
-        raise ValueError("stacks must name at least one Stack, got none")
-    if not seeds:
-        raise ValueError("seeds must hold at least one seed, got none")
     device = device_of(device)
     if interleave is None:
         interleave = device.type == "cpu"
@@ -244,8 +235,6 @@ def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, 
     (`moe_lab.workbench.measure.breakdown.step_breakdown`: ms per step by phase and by kind, under the
     profiler). Each stack's trainer is built as for the race and steps on the contest's
     training batches, ``warmup`` steps first (compiling happens when the trainer is built)."""
-    if not stacks:
-        raise ValueError("stacks must name at least one Stack, got none")
     device = device_of(device)
     corpus = load_contest_corpus(cfg) if corpus is None else corpus
     batches = _step_batches(cfg, device, corpus)

@@ -4,9 +4,8 @@
 naive stack; `loss_gap` compares the stacks' eval losses at the same step, paired by seed;
 `mfu_rows` and `stack_ceilings` put the training throughput against this machine's
 measured matmul ceiling, `speedup_bound` says what that leaves; `gb300_from_reported`
-projects DeepSeek-V3 on GB300 from the FLOPs model and NVIDIA's reported figures alone, and
-`gb300_projection` what an efficiency measured here would mean there (a projection,
-labelled so; notebook 12 no longer uses it: a CPU's MFU says little about a GB300). The
+projects DeepSeek-V3 on GB300 from the FLOPs model and NVIDIA's reported figures alone (a
+CPU's MFU says little about a GB300, so nothing measured here enters it). The
 `record_*` functions write the figures to the ledger (`moe_lab.workbench.measure.ledger`), the ladder in
 the form `moe_lab.workbench.figures.waterfall` draws.
 """
@@ -29,9 +28,6 @@ from moe_lab.workbench.measure.timing import BenchResult
 
 NOTEBOOK = "bench:time-to-train"
 LADDER_METRIC = "step_tokens_per_s"
-
-__all__ = ["LADDER_METRIC", "NOTEBOOK", "gb300_from_reported", "gb300_projection", "loss_gap", "mfu_rows",
-           "record_ladder", "record_summary", "speedup_bound", "stack_ceilings", "summarise"]
 
 
 def _spread(values: Sequence[float]) -> dict:
@@ -103,11 +99,12 @@ def loss_gap(runs: Sequence[TTTRun], baseline: str = "naive") -> list[dict]:
 
 
 def record_ladder(rows: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK,
-                  ladder_name: str | None = None, **extra: object) -> list[dict]:
+                  **extra: object) -> list[dict]:
     """Write the ladder to the ledger as `moe_lab.workbench.figures.waterfall` reads it: metric
-    ``step_tokens_per_s``, one record per rung with ``rung``, ``ladder`` and one ``run`` id."""
+    ``step_tokens_per_s``, one record per rung with ``rung``, ``ladder`` (the preset and batch)
+    and one ``run`` id."""
     run_id = uuid.uuid4().hex[:12]
-    ladder_name = ladder_name or f"{cfg.preset}, batch {cfg.batch_size}"
+    ladder_name = f"{cfg.preset}, batch {cfg.batch_size}"
     return [ledger.record(notebook, f"ladder:{row['label']}", LADDER_METRIC, row["tokens_per_s"],
                           "tok/s", rung=row["rung"], ladder=ladder_name, run=run_id,
                           median_ms=row["median_ms"], iqr_ms=row["iqr_ms"], n_repeats=row["n"],
@@ -129,13 +126,7 @@ def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: float | dict[s
     per_token = training_flops_per_token(preset(cfg.preset))
     rows = []
     for row in summary:
-        if isinstance(peak_flops, dict):
-            if row["stack"] not in peak_flops:
-                raise ValueError(f"peak_flops has no ceiling for stack {row['stack']!r}: "
-                                 f"got {sorted(peak_flops)}")
-            peak = peak_flops[row["stack"]]
-        else:
-            peak = peak_flops
+        peak = peak_flops[row["stack"]] if isinstance(peak_flops, dict) else peak_flops
         rows.append({"stack": row["stack"], "tokens_per_s": row["tokens_per_s"],
                      "achieved_gflops": row["tokens_per_s"] * per_token / 1e9,
                      "ceiling_gflops": peak / 1e9,
@@ -158,48 +149,7 @@ def speedup_bound(mfu_value: float) -> float:
     """The most any change that keeps the arithmetic (same FLOPs, same precision) can speed
     up a step running at ``mfu_value`` of the machine's measured ceiling: at best the step
     becomes pure matmul at the ceiling, so ``1 / mfu``."""
-    if not (isinstance(mfu_value, (int, float)) and mfu_value > 0):
-        raise ValueError(f"mfu_value must be a number > 0, got {mfu_value!r}")
     return 1.0 / mfu_value
-
-
-def gb300_projection(mfu_by_stack: dict[str, float], gpu: str = "GB300",
-                     dtype: str = "bf16") -> list[dict]:
-    """What-if rows for DeepSeek-V3 (seq 4096) on ``gpu``, beside NVIDIA's reported result.
-
-    A *projection*, not a measurement: each stack's MFU measured here, times ``gpu``'s
-    datasheet ``dtype`` peak (`moe_lab.perf.hardware`), divided by DeepSeek-V3's training
-    FLOPs per token (`moe_lab.perf.flops`), gives tokens/s per GPU; the minutes to train
-    scale the reported 2.02 min on 8,192 GB300 by the reported over the projected tokens/s
-    (the same tokens, the same GPUs). MFU on a 2-core CPU running a model of a few million
-    parameters says little about a 671B model on a GB300: the rows show what the measured
-    efficiency would mean at that scale, and how far the reported figure is from the
-    datasheet bound.
-    """
-    spec = gpu_spec(gpu)
-    peak = spec.peak_flops(dtype)
-    seed = mlperf.DEEPSEEK_V3_GB300
-    per_token = training_flops_per_token(preset("deepseek_v3"), seed["seq_len"])
-    reported = mlperf.result("DeepSeek-V3 671B")
-    reported_tps = seed["tokens_per_s_per_gpu"]
-
-    def row(name: str, kind: str, mfu_value: float, note: str) -> dict:
-        tps = mfu_value * peak / per_token
-        return {"name": name, "kind": kind, "mfu": mfu_value, "tflops_per_gpu": mfu_value * peak / 1e12,
-                "tokens_per_s_per_gpu": tps,
-                "minutes_on_8192": reported.minutes * reported_tps / tps if tps > 0 else math.inf,
-                "note": note}
-
-    rows = [row(f"{name} stack's MFU (measured here) on {spec.name}", "projection", value,
-                f"MFU measured on this machine x {spec.name} {dtype} datasheet peak")
-            for name, value in mfu_by_stack.items()]
-    rows.append({"name": f"reported by NVIDIA ({reported.n_gpus:,} x {reported.system})",
-                 "kind": "reported", "mfu": seed["tflops_per_gpu"] * 1e12 / peak,
-                 "tflops_per_gpu": seed["tflops_per_gpu"], "tokens_per_s_per_gpu": reported_tps,
-                 "minutes_on_8192": reported.minutes, "note": mlperf.SOURCE})
-    rows.append(row(f"{spec.name} {dtype} datasheet peak (MFU = 1)", "bound", 1.0,
-                    f"{spec.source} figure; unreachable"))
-    return rows
 
 
 def gb300_from_reported(gpu: str = "GB300") -> list[dict]:

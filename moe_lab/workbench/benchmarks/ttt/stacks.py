@@ -18,7 +18,7 @@ import torch
 
 from moe_lab.attention import ATTENTION_IMPLS
 from moe_lab.checks import one_of
-from moe_lab.config import ROUTER_DTYPES, holds
+from moe_lab.config import holds
 from moe_lab.model import EMBEDDING_IMPLS, ModelImpls
 from moe_lab.moe.dispatch import DISPATCHERS
 from moe_lab.moe.experts import EXPERT_BACKENDS
@@ -28,9 +28,6 @@ from moe_lab.quant.linear import triton_mxfp8_status
 from moe_lab.training.build import AMP_DTYPES, BuildConfig
 from moe_lab.training.optim import CLIP_STEPS
 
-__all__ = ["NAIVE", "Stack", "cpu_plugin_status", "cpu_router", "device_of", "ladder",
-           "optimised_stack"]
-
 
 @holds(build=BuildConfig)
 @dataclass(frozen=True)
@@ -39,7 +36,9 @@ class Stack:
     `moe_lab.training.build.BuildConfig`, its fields given and read flat — ``impls``,
     ``step``, ``clip_step``, ``compile``, ``amp``, ``fp32_logits``, ``compiled_eval``,
     ``mxfp8``), the router's precision ``router_dtype``, and ``notes`` saying why a choice was
-    made or left out on this machine. Every name must be registered.
+    made or left out on this machine. Every name must be registered; a stack is built here
+    (`NAIVE`, `optimised_stack`, `ladder`) from the registries' own names, and the model's
+    build refuses an unknown one where it looks it up.
 
     The steps: ``"eager"`` (`moe_lab.training.steps.EagerStep`: the stock AdamW, statistics
     read every step), ``"sync_free"`` (`moe_lab.training.steps.SyncFreeStep`: fused AdamW,
@@ -56,20 +55,6 @@ class Stack:
     build: BuildConfig = field(default_factory=BuildConfig)
     router_dtype: str = "fp64"
     notes: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        for registry, attr in ((DISPATCHERS, "dispatcher"), (EXPERT_BACKENDS, "expert_backend"),
-                               (ROUTER_IMPLS, "router_impl"), (ATTENTION_IMPLS, "attention_impl"),
-                               (EMBEDDING_IMPLS, "embedding_impl")):
-            registry.check(getattr(self.impls, attr), f"Stack.impls.{attr}")
-        CLIP_STEPS.check(self.clip_step, "Stack.clip_step")
-        one_of(self.router_dtype, "Stack.router_dtype", ROUTER_DTYPES)
-        if self.impls.router_impl == "triton" and self.router_dtype != "fp32":
-            raise ValueError("Stack: router_impl 'triton' computes in FP32; router_dtype must be "
-                             f"'fp32', got {self.router_dtype!r}")
-        if (self.compile or self.amp or self.clip_step != "torch") and not self.sync_free:
-            raise ValueError("Stack: compile, amp and clip_step apply to the sync-free step; set "
-                             "step='sync_free' (or 'graphed')")
 
     @property
     def sync_free(self) -> bool:
@@ -277,7 +262,7 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
     dropless = with_impls(NAIVE, "dropless", dispatcher="dropless",
                           expert_backend=best.impls.expert_backend)
     rungs.append((f"+ dropless, {best.impls.expert_backend} grouped GEMM", dropless))
-    # One replace: a Triton router checks that its stack's router dtype is FP32.
+    # The router and its precision change together: a Triton router computes in FP32.
     fp32 = replace(dropless, name="fp32 router", impls=replace(dropless.impls, router_impl=eager_router),
                    router_dtype="fp32", notes=())
     rungs.append((f"+ FP32 router ({eager_router})", fp32))

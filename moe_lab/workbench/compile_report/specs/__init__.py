@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_lab.config import MoEConfig, preset
+from moe_lab.kernels.grouped_gemm import dot_bf16, tile_group
 from moe_lab.kernels.launch import TOKENS_PER_GPU, LaunchConfig
 from moe_lab.kernels.mx_gemm import launch_config as mx_launch_config
 from moe_lab.perf.hardware import ARCHS, mx_mma_of
@@ -70,10 +72,6 @@ class CompileSpec:
     def constexprs_for(self, arch: str) -> dict[str, object]:
         return {**self.constexprs, **self.per_arch.get(arch, {})}
 
-    def __post_init__(self) -> None:
-        if ":" not in self.kernel:
-            raise ValueError(f"CompileSpec.kernel must be 'module:function', got {self.kernel!r}")
-
 
 # The MXFP8 kernels' inner product per target, as a launch there picks it
 # (`moe_lab.perf.hardware.mx_mma_of`): block-scaled tcgen05 on sm_100, an FP8 MMA per
@@ -119,6 +117,33 @@ def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
     return list(merged.values())
 
 
+def layer_shape(name: str, model: str, dtype: str) -> tuple[MoEConfig, int, str]:
+    """``(the preset's MoEConfig, routed rows, the labels' shape)`` of preset ``name`` (``model``
+    in the labels) at `SPEC_TOKENS` tokens in ``dtype``."""
+    moe = preset(name).moe
+    m = SPEC_TOKENS * moe.top_k
+    return moe, m, (f"{dtype}, {model}: E={moe.n_experts}, d_model={moe.d_model}, d_expert={moe.d_expert}, "
+                    f"{SPEC_TOKENS} tokens x top-{moe.top_k} = {m} rows")
+
+
+def grouped_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict[str, str],
+                 cfg: LaunchConfig, ints: dict[str, int], dtype: str, tag: str = "",
+                 **constexprs: object) -> CompileSpec:
+    """A `CompileSpec` of a grouped-GEMM ``kernel`` of ``module``, labelled ``"[<tag><the config,
+    `describe`>] <label>"``: ``pointers`` (and ``offsets_ptr`` to int32), ``ints`` typed as a
+    launch types them, ``cfg``'s blocks, ``DOT_BF16`` and, for the kernels with a tile order
+    over experts' row tiles (those that take ``E``), ``GROUP_M`` as the wrapper picks them
+    (`tile_group`), besides ``constexprs``."""
+    signature, constants = int_args(**ints)
+    group = {"GROUP_M": tile_group(ints["M_ROWS"], ints["E"], cfg.blocks["BLOCK_M"])} if "E" in ints else {}
+    return CompileSpec(
+        f"{module.__name__}:{kernel}", f"[{tag}{describe(cfg)}] {label}",
+        {**pointers, "offsets_ptr": "*i32", **signature},
+        {**constants, **cfg.blocks, "DOT_BF16": dot_bf16(SPEC_DTYPES[dtype], interpreted=False), **group,
+         **constexprs},
+        cfg, FP32_NOTE if dtype == "fp32" else "")
+
+
 def describe(cfg: LaunchConfig) -> str:
     """A GEMM's config as the report's labels show it: ``"64x128x64 (M x N x K blocks),
     4 warps, 3 stages"``."""
@@ -136,8 +161,6 @@ def for_module(kernel_module: str | types.ModuleType) -> list[CompileSpec]:
     """The `CompileSpec` list of a kernel module (its name or the module); ``ValueError``
     when it has none."""
     name = kernel_module if isinstance(kernel_module, str) else kernel_module.__name__
-    if not name.startswith(KERNEL_PACKAGE + "."):
-        raise ValueError(f"kernel_module must be a module of {KERNEL_PACKAGE}, got {name!r}")
     try:
         specs = importlib.import_module(spec_module_name(name))
     except ModuleNotFoundError as exc:
@@ -145,7 +168,3 @@ def for_module(kernel_module: str | types.ModuleType) -> list[CompileSpec]:
             raise
         raise ValueError(f"{name} has no compile specs ({spec_module_name(name)} does not exist)") from None
     return list(specs.compile_specs())
-
-
-__all__ = ["FP32_NOTE", "KERNEL_PACKAGE", "SPEC_DTYPES", "SPEC_PRESETS", "SPEC_TOKENS", "CompileSpec",
-           "describe", "for_module", "int_args", "merge_specs", "spec_module_name"]

@@ -9,55 +9,18 @@ gather GEMM, and the two gathered weight-gradient GEMMs.
 
 from __future__ import annotations
 
-import types
-
 import triton
 
-from moe_lab.config import preset
 from moe_lab.kernels import fused_moe as fm
-from moe_lab.kernels.grouped_gemm import DW_GROUP_K, block_e, dot_bf16, tile_group
-from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.kernels.grouped_gemm import DW_GROUP_K, block_e
 from moe_lab.workbench.compile_report.specs import (
-    FP32_NOTE,
     SPEC_DTYPES,
     SPEC_PRESETS,
-    SPEC_TOKENS,
     CompileSpec,
-    describe,
-    int_args,
+    grouped_spec,
+    layer_shape,
     merge_specs,
 )
-
-
-def _group(ints: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
-    """``GROUP_M`` as the wrapper picks it (`tile_group`), for the kernels with a tile order
-    (those over experts' row tiles: they take ``E``)."""
-    return {"GROUP_M": tile_group(ints["M_ROWS"], ints["E"], cfg.blocks["BLOCK_M"])} if "E" in ints else {}
-
-
-
-def fused_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict[str, str],
-               cfg: LaunchConfig, ints: dict[str, int], dtype: str, **constexprs: object) -> CompileSpec:
-    """A `CompileSpec` of a fused grouped-GEMM ``kernel`` of ``module``: ``pointers`` (and
-    ``offsets_ptr`` to int32), ``ints`` typed as a launch types them, ``cfg``'s blocks and
-    ``DOT_BF16`` as the wrapper picks it, besides ``constexprs``; the config in the label."""
-    signature, constants = int_args(**ints)
-    return CompileSpec(
-        f"{module.__name__}:{kernel}", f"[{describe(cfg)}] {label}",
-        {**pointers, "offsets_ptr": "*i32", **signature},
-        {**constants, **cfg.blocks, "DOT_BF16": dot_bf16(SPEC_DTYPES[dtype], interpreted=False),
-         **_group(ints, cfg), **constexprs},
-        cfg,
-        FP32_NOTE if dtype == "fp32" else "",
-    )
-
-
-def layer_shape(name: str, model: str, dtype: str) -> tuple[object, int, str]:
-    """``(the preset's MoEConfig, routed rows, the label's shape)`` at `SPEC_TOKENS` tokens."""
-    moe = preset(name).moe
-    m = SPEC_TOKENS * moe.top_k
-    return moe, m, (f"{dtype}, {model}: E={moe.n_experts}, d_model={moe.d_model}, d_expert={moe.d_expert}, "
-                    f"{SPEC_TOKENS} tokens x top-{moe.top_k} = {m} rows")
 
 
 def compile_specs() -> list[CompileSpec]:
@@ -74,7 +37,7 @@ def compile_specs() -> list[CompileSpec]:
             pointers = {"x_ptr": p, "src_ptr": "*i32", "w_ptr": p, "out_ptr": p, "dh_ptr": p}
             for backward in (False, True):
                 what = "backward (recomputed, dgate/dup epilogue)" if backward else "forward"
-                specs.append(fused_spec(
+                specs.append(grouped_spec(
                     fm, "_gather_swiglu_kernel", f"gather prologue + SwiGLU GEMM {what}, {at}", pointers, cfg,
                     {**ints, "s_om": 2 * f if backward else f}, dtype, BLOCK_E=blocks_e, BACKWARD=backward))
             # The scatter epilogue: the down projection's combine (weighted), and the first
@@ -86,7 +49,7 @@ def compile_specs() -> list[CompileSpec]:
                 cfg = fm.launch_config("gemm", m, n, k, n_experts, interpreted=False, dtype=torch_dtype)
                 for atomic in (False, True):
                     scheme = "fp32 atomics" if atomic else "token-major store"
-                    specs.append(fused_spec(
+                    specs.append(grouped_spec(
                         fm, "_gemm_scatter_kernel", f"grouped GEMM {what}, {scheme}, {at}",
                         {"a_ptr": p, "w_ptr": p, "out_ptr": "*fp32" if atomic else p, "src_ptr": "*i32",
                          "weight_ptr": "*fp32" if weighted else "*i32"}, cfg,
@@ -95,7 +58,7 @@ def compile_specs() -> list[CompileSpec]:
                         dtype, BLOCK_E=blocks_e, HAS_WEIGHTS=weighted, ATOMIC=atomic))
             cfg = fm.launch_config("gemm", m, f, d, n_experts, interpreted=False, dtype=torch_dtype)
             n_tiles = triton.cdiv(f, cfg.blocks["BLOCK_N"])
-            specs.append(fused_spec(
+            specs.append(grouped_spec(
                 fm, "_gather_gemm_kernel", f"combine backward: gathered dout·W2ᵀ, dh and weight-gradient "
                 f"epilogue, {at}",
                 {"g_ptr": p, "src_ptr": "*i32", "w_ptr": p, "h_ptr": p, "weight_ptr": "*fp32", "out_ptr": p,
@@ -106,7 +69,7 @@ def compile_specs() -> list[CompileSpec]:
             for what, k, n, gather_x in (("up/gate projection, gathered x", d, 2 * f, True),
                                          ("down projection, gathered weighted dout", f, d, False)):
                 cfg = fm.launch_config("dw", m, n, k, n_experts, interpreted=False, dtype=torch_dtype)
-                specs.append(fused_spec(
+                specs.append(grouped_spec(
                     fm, "_gather_dw_kernel", f"grouped GEMM dW per expert ({what}), {at}",
                     {"x_ptr": p, "dy_ptr": p, "dw_ptr": p, "src_ptr": "*i32",
                      "weight_ptr": "*i32" if gather_x else "*fp32"}, cfg,

@@ -14,8 +14,7 @@ import torch
 
 from moe_lab.kernels import fused_mxfp8 as fmx
 from moe_lab.kernels.grouped_gemm import block_e
-from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, CompileSpec
-from moe_lab.workbench.compile_report.specs.fused_moe import fused_spec, layer_shape
+from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, CompileSpec, grouped_spec, layer_shape
 
 
 def compile_specs() -> list[CompileSpec]:
@@ -25,7 +24,7 @@ def compile_specs() -> list[CompileSpec]:
         moe, m, at = layer_shape(name, model, "bf16")
         n_experts, d, f, top_k = moe.n_experts, moe.d_model, moe.d_expert, moe.top_k
         cfg = fmx.launch_config("swiglu", m, f, d, n_experts, interpreted=False, dtype=torch.bfloat16)
-        specs.append(fused_spec(
+        specs.append(grouped_spec(
             fmx, "_gather_swiglu_mx_kernel",
             f"gather prologue + SwiGLU GEMM + MXFP8-quantize epilogue, {at}",
             {"x_ptr": "*bf16", "src_ptr": "*i32", "w_ptr": "*bf16", "out_ptr": "*u8", "scale_ptr": "*u8"},
@@ -34,7 +33,7 @@ def compile_specs() -> list[CompileSpec]:
                  s_wn=1, s_om=f, s_on=1),
             "bf16", BLOCK_E=block_e(n_experts), IS_BF16=True))
         cfg = fmx.launch_config("gemm", m, d, f, n_experts, interpreted=False, dtype=torch.bfloat16)
-        specs.append(dataclasses.replace(fused_spec(
+        specs.append(dataclasses.replace(grouped_spec(
             fmx, "_gemm_scatter_mx_kernel", "grouped GEMM down projection + weighted scatter (the combine), "
             f"A as MXFP8 codes + scales decoded in registers, token-major store, {at}",
             {"a_ptr": "*u8", "a_scale_ptr": "*u8", "w_ptr": "*bf16", "out_ptr": "*bf16", "src_ptr": "*i32",

@@ -10,44 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.grouped_gemm import DW_GROUP_K, block_e, dot_bf16, tile_group
-from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.kernels.grouped_gemm import DW_GROUP_K, block_e
 from moe_lab.perf.hardware import ARCHS
 from moe_lab.workbench.compile_report.specs import (
-    FP32_NOTE,
     SPEC_DTYPES,
     SPEC_PRESETS,
-    SPEC_TOKENS,
     CompileSpec,
-    describe,
-    int_args,
+    grouped_spec,
+    layer_shape,
     merge_specs,
 )
-
-
-def _group(ints: dict[str, int], cfg: LaunchConfig) -> dict[str, int]:
-    """``GROUP_M`` as the wrapper picks it (`tile_group`), for the kernels with a tile order
-    (those over experts' row tiles: they take ``E``)."""
-    return {"GROUP_M": tile_group(ints["M_ROWS"], ints["E"], cfg.blocks["BLOCK_M"])} if "E" in ints else {}
-
-
-
-def _spec(kernel: str, label: str, dtype: str, pointers: tuple[str, ...], cfg: LaunchConfig,
-          ints: dict[str, int], **constexprs: object) -> CompileSpec:
-    """A `CompileSpec` of ``kernel`` in this module: ``pointers`` to ``dtype`` tensors (and
-    ``offsets_ptr`` to int32), ``ints`` typed as a launch types them, ``cfg``'s blocks and
-    ``DOT_BF16`` as the wrapper picks it, besides ``constexprs``."""
-    signature, constants = int_args(**ints)
-    return CompileSpec(
-        f"{gg.__name__}:{kernel}", label,
-        {**{p: f"*{dtype}" for p in pointers}, "offsets_ptr": "*i32", **signature},
-        {**constants, **cfg.blocks, "DOT_BF16": dot_bf16(SPEC_DTYPES[dtype], interpreted=False),
-         **_group(ints, cfg), **constexprs},
-        cfg,
-        FP32_NOTE if dtype == "fp32" else "",
-    )
 
 
 def _space_specs(kernel: str, fn: str, what: str, dtype: str, pointers: tuple[str, ...],
@@ -62,8 +35,8 @@ def _space_specs(kernel: str, fn: str, what: str, dtype: str, pointers: tuple[st
     # only show float32 spilling where no launch puts it).
     space = gg.TILE_SPACE[kernel] if dtype == "bf16" else (chosen,)
     specs = [dataclasses.replace(  # each target with the stages its shared memory holds
-                 _spec(fn, f"[{'chosen' if cfg == chosen else 'candidate'} {describe(cfg)}] {what}",
-                       dtype, pointers, cfg, ints, **constexprs),
+                 grouped_spec(gg, fn, what, {p: f"*{dtype}" for p in pointers}, cfg, ints, dtype,
+                              tag="chosen " if cfg == chosen else "candidate ", **constexprs),
                  per_arch_config={a.arch: fitted for a in ARCHS.values() if a.bf16_mma
                                   and (fitted := gg.fit_shared(kernel, cfg, SPEC_DTYPES[dtype], a)) != cfg})
              for cfg in space]
@@ -87,14 +60,10 @@ def compile_specs() -> list[CompileSpec]:
         candidates.extend(pair[1])
 
     for name, model in SPEC_PRESETS.items():
-        moe = preset(name).moe
-        n_experts, d, f = moe.n_experts, moe.d_model, moe.d_expert
-        m = SPEC_TOKENS * moe.top_k
-        shape = (f"{model}: E={n_experts}, d_model={d}, d_expert={f}, "
-                 f"{SPEC_TOKENS} tokens x top-{moe.top_k} = {m} rows")
-        blocks_e = block_e(n_experts)
         for dtype in SPEC_DTYPES:
-            at = f"{dtype}, {shape}"
+            moe, m, at = layer_shape(name, model, dtype)
+            n_experts, d, f = moe.n_experts, moe.d_model, moe.d_expert
+            blocks_e = block_e(n_experts)
             # y = x @ w[e] with x: [M, K], w: [E, K, N], y: [M, N] and their strides.
             gemms = [
                 ("grouped GEMM forward (down projection)", d, f, (f, 1), (f * d, d, 1), (d, 1)),

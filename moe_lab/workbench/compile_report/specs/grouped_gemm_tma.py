@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from moe_lab.config import preset
 from moe_lab.kernels import grouped_gemm_tma as tma
 from moe_lab.kernels.grouped_gemm import block_e, dot_bf16, tile_group
 from moe_lab.workbench.compile_report.specs import (
     SPEC_PRESETS,
-    SPEC_TOKENS,
     CompileSpec,
     describe,
     int_args,
+    layer_shape,
     merge_specs,
 )
 
@@ -42,11 +41,8 @@ def compile_specs() -> list[CompileSpec]:
     wrapper picks it (`tile_group`)."""
     specs = []
     for name, model in SPEC_PRESETS.items():
-        moe = preset(name).moe
+        moe, m, at = layer_shape(name, model, "bf16")
         n_experts, d, f = moe.n_experts, moe.d_model, moe.d_expert
-        m = SPEC_TOKENS * moe.top_k
-        shape = (f"{model}: E={n_experts}, d_model={d}, d_expert={f}, "
-                 f"{SPEC_TOKENS} tokens x top-{moe.top_k} = {m} rows")
         # (what, K, N, TRANS_W): y = x @ w[e], x: [M, K], w: [E, K, N] stored [K, N] or
         # (TRANS_W, dX = dY·Wᵀ) the forward's weight [E, N, K] as stored.
         gemms = [("forward (up/gate projection)", d, 2 * f, False),
@@ -60,8 +56,7 @@ def compile_specs() -> list[CompileSpec]:
                     M_ROWS=m, N=n, K=k, E=n_experts, s_xm=k, s_we=k * n, s_wr=k if trans else n, s_ym=n)
                 specs.append(CompileSpec(
                     f"{tma.__name__}:_tma_grouped_gemm_kernel",
-                    f"[{arch} launch, {describe(cfg)}] persistent TMA grouped GEMM {what}, bf16, {shape}; "
-                    f"{PER_TILE}",
+                    f"[{arch} launch, {describe(cfg)}] persistent TMA grouped GEMM {what}, {at}; {PER_TILE}",
                     {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offsets_ptr": "*i32",
                      **signature},
                     {**constants, **cfg.blocks, "BLOCK_E": block_e(n_experts),
