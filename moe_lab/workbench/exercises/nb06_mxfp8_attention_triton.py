@@ -1,10 +1,11 @@
 """The Triton exercises of notebook 06 (MXFP8 attention); the PyTorch ones are
 `nb06_mxfp8_attention`.
 
-- ``e8m0_block_scale`` (Triton): the scale of ``e8m0_scale_byte`` inside a kernel, for a
-  ``[ROWS, 32]`` tile of float32 values, one MX block per row, ``"floor"`` rule — in integer
-  arithmetic on the float32 bits, as `moe_lab.kernels.mx_quantize` does (a block maximum from
-  ``bits & 0x7FFFFFFF``, the exponent field, the clamp and the bias, 255 for a NaN). Checked
+- ``e8m0_block_scale`` (Triton): the biased E8M0 scale byte of MXFP8 (E4M3) inside a kernel,
+  for a ``[ROWS, 32]`` tile of float32 values, one MX block per row, ``"floor"`` rule
+  (``floor(log2(amax)) - 8``) — in integer arithmetic on the float32 bits, as
+  `moe_lab.kernels.mx_quantize` does (a block maximum from ``bits & 0x7FFFFFFF``, the exponent
+  field, the clamp and the bias, 255 for a NaN). Checked
   against `moe_lab.quant.mx.block_scale_exponent`.
 - ``online_softmax_step`` (Triton): one step of flash attention's online softmax — given the
   running maximum ``m``, running sum ``l`` and output accumulator ``acc`` of a block of query

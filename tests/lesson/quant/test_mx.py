@@ -410,9 +410,7 @@ def test_exercise_stubs_are_not_done():
     """The references passing and the wrong answers failing:
     tests/workbench/exercises/test_wrong_answers.py."""
     from moe_lab.workbench.exercises import NotDoneError, not_done
-    from moe_lab.workbench.exercises.nb06_mxfp8_attention import check_decode_e4m3, check_e8m0_scale_byte
+    from moe_lab.workbench.exercises.nb06_mxfp8_attention import check_decode_e4m3
 
     with pytest.raises(NotDoneError):
         check_decode_e4m3(lambda byte: not_done())
-    with pytest.raises(NotDoneError):
-        check_e8m0_scale_byte(lambda block, mode: not_done())

@@ -355,22 +355,6 @@ def _decode_without_sign(byte):
     return abs(SOLUTIONS["decode_e4m3"](byte))
 
 
-def _scale_byte_unbiased(block, scale_mode="floor"):
-    return SOLUTIONS["e8m0_scale_byte"](block, scale_mode) - 127
-
-
-def _scale_byte_rceil_rounded_down(block, scale_mode="floor"):
-    if scale_mode == "floor" or torch.isnan(block).any():
-        return SOLUTIONS["e8m0_scale_byte"](block, scale_mode)
-    amax = block.abs().max().item()
-    unbiased = math.floor(math.log2(amax / 448.0)) if amax else -127
-    return int(min(max(unbiased, -127), 127) + 127)
-
-
-def _scale_byte_nan_ignored(block, scale_mode="floor"):
-    return SOLUTIONS["e8m0_scale_byte"](torch.nan_to_num(block, nan=0.0), scale_mode)
-
-
 @triton.jit
 def _unbiased_scale(x):
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1)
@@ -614,10 +598,6 @@ WRONG_ANSWERS: dict[str, list[tuple[object, str]]] = {
     "decode_e4m3": [(_decode_subnormal_with_hidden_one, "a subnormal, 0.mmm x 2\\^-6, no hidden 1"),
                     (_decode_without_sign, "check the sign bit"),
                     (lambda byte: float(byte), r"decode_e4m3\(\d+\) = decode_e4m3\(0b[01]{8}\) returned")],
-    "e8m0_scale_byte": [(_scale_byte_unbiased, "remember the bias"),
-                        (_scale_byte_rceil_rounded_down, "rceil rounds up"),
-                        (lambda block, mode: SOLUTIONS["e8m0_scale_byte"](block, "floor"), "rceil rounds up"),
-                        (_scale_byte_nan_ignored, "a NaN gets 255")],
     "e8m0_block_scale": [(_unbiased_scale, "biased"),
                          (_scale_without_sign_mask, r"clear the sign bit.*0x7FFFFFFF")],
     "online_softmax_step": [(_no_rescale_softmax, "rescale")],
@@ -671,7 +651,7 @@ def _label(answer: object) -> str:
 def test_every_check_of_every_notebook_has_wrong_answers():
     """A ``check_…`` added to a notebook's module without an entry here fails this test, as
     does an entry for an exercise that has no check any more."""
-    assert len(CHECKS) >= 34  # every check a notebook calls (and e8m0_scale_byte, kept for test_mx.py)
+    assert len(CHECKS) >= 33  # every check a notebook calls
     missing = sorted(set(CHECKS) - set(WRONG_ANSWERS))
     assert not missing, f"checks without plausible wrong answers in WRONG_ANSWERS: {missing}"
     stale = sorted(set(WRONG_ANSWERS) - set(CHECKS))
@@ -697,20 +677,6 @@ def test_a_plausible_wrong_answer_fails_naming_the_slip(name, i):
     assert not isinstance(err.value, NotDoneError)
     with pytest.raises(ExerciseError, match=hint):
         CHECKS[name](wrong, solutions=False)
-
-
-def test_a_nan_blind_scale_byte_is_told_about_the_nan_when_it_also_looks_unbiased(monkeypatch):
-    """A NaN block whose other values have amax in [2^9, 2^10): the NaN-blind answer gives
-    128, which is also 255 less the bias, so both slips fit and the NaN one must be named.
-    (A random draw hit this once in CI and the check named only the bias.)"""
-    from moe_lab.workbench.exercises import nb06_mxfp8_attention as ex06
-
-    block = torch.full((32,), 600.0)
-    block[3] = math.nan
-    monkeypatch.setattr(ex06, "_blocks", lambda rng: [block])
-    with pytest.raises(ExerciseError, match="a NaN gets 255") as err:
-        ex06.check_e8m0_scale_byte(_scale_byte_nan_ignored)
-    assert "returned 128, expected 255" in str(err.value)
 
 
 def test_a_sign_blind_decode_is_told_about_the_sign_on_a_negative_subnormal(monkeypatch):
