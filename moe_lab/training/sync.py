@@ -149,7 +149,7 @@ class SyncError(RuntimeError):
 # --------------------------------------------------------------------------------------
 
 
-def _bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
+def bind_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by schema name (defaults filled in)."""
     bound: dict[str, Any] = {}
     for i, arg in enumerate(func._schema.arguments):
@@ -172,10 +172,10 @@ def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
     if packet in _ALWAYS:
         return str(func)
     if packet is aten.index:
-        indices = _bind(func, args, kwargs).get("indices") or []
+        indices = bind_arguments(func, args, kwargs).get("indices") or []
         return f"{func} (bool mask)" if any(_is_mask(i) for i in indices) else None
     if packet in _INDEX_PUT:
-        b = _bind(func, args, kwargs)
+        b = bind_arguments(func, args, kwargs)
         indices = [i for i in (b.get("indices") or []) if i is not None]
         if not any(_is_mask(i) for i in indices):
             return None
@@ -190,12 +190,12 @@ def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
         )
         return None if masked_fill else f"{func} (bool mask)"
     if packet is aten.repeat_interleave and func._overloadname in ("Tensor", "self_Tensor"):
-        return None if _bind(func, args, kwargs).get("output_size") is not None else str(func)
+        return None if bind_arguments(func, args, kwargs).get("output_size") is not None else str(func)
     if packet is aten.histc:
-        b = _bind(func, args, kwargs)
+        b = bind_arguments(func, args, kwargs)
         return f"{func} (range from data)" if b.get("min", 0) == b.get("max", 0) else None
     if packet in _COPIES:
-        b = _bind(func, args, kwargs)
+        b = bind_arguments(func, args, kwargs)
         if b.get("non_blocking", False):
             return None
         if packet is aten._to_copy:

@@ -38,6 +38,8 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from moe_lab.training.sync import bind_arguments
+
 aten = torch.ops.aten
 
 # Operators that allocate without touching the memory, or only make new metadata for the
@@ -135,16 +137,9 @@ def _does_no_work(func: torch._ops.OpOverload) -> bool:
     return func.is_view or func.overloadpacket in _NO_WORK
 
 
-def _bind(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = dict(kwargs)
-    for arg, value in zip(func._schema.arguments, args, strict=False):
-        bound[arg.name] = value
-    return bound
-
-
 def _estimate(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one operator call."""
-    bound = _bind(func, args, kwargs)
+    bound = bind_arguments(func, args, kwargs)
     not_read: set[int] = set()
     for arg in func._schema.arguments:
         value = bound.get(arg.name)
