@@ -13,6 +13,7 @@ are defined (`moe_lab.kernels`), for them alone.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from moe_lab.config import ModelConfig, MoEConfig, preset
@@ -25,14 +26,11 @@ __all__ = ["MoEConfig", "ModelConfig", "preset", "MoELayer", "MoETransformer"]
 __version__ = "0.1.0"
 
 
+# Lazy: `import moe_lab` stays cheap (no torch) until a layer or a model is asked for.
+_LAZY = {"MoELayer": "moe_lab.moe.layer", "MoETransformer": "moe_lab.model"}
+
+
 def __getattr__(name: str) -> type:
-    # Lazy: `import moe_lab` stays cheap (no torch) until a layer or a model is asked for.
-    if name == "MoELayer":
-        from moe_lab.moe.layer import MoELayer
-
-        return MoELayer
-    if name == "MoETransformer":
-        from moe_lab.model import MoETransformer
-
-        return MoETransformer
-    raise AttributeError(f"module 'moe_lab' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'moe_lab' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

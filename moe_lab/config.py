@@ -213,11 +213,10 @@ class ModelConfig:
     def replace(self, **changes: object) -> ModelConfig:
         """A copy with some fields changed (validated again). ``moe=`` may be a dict of
         MoE field changes; ``d_model`` changes propagate to the MoE config."""
-        moe = changes.pop("moe", None)
+        moe = changes.pop("moe", self.moe)
         if isinstance(moe, dict):
             moe = self.moe.replace(**moe)
-        moe = moe if moe is not None else self.moe
-        if "d_model" in changes and moe.d_model != changes["d_model"]:
+        if "d_model" in changes:
             moe = moe.replace(d_model=changes["d_model"])
         return dataclasses.replace(self, moe=moe, **changes)
 

@@ -236,7 +236,6 @@ class SyntheticCorpus(_Corpus):
         self.seq_len = positive_int(seq_len, "SyntheticCorpus seq_len")
         self.seed = integer(seed, "SyntheticCorpus seed")
         self.domains: list[str] = list(DOMAINS)
-        self._generators = [generate for _, generate in DOMAINS.values()]
         self._streams = {
             split: random.Random(seed * len(SPLITS) + i) for i, split in enumerate(SPLITS)
         }
@@ -247,7 +246,7 @@ class SyntheticCorpus(_Corpus):
                               torch.tensor(domains, dtype=torch.long))
 
     def _row(self, domain: int, rng: random.Random, split: str) -> bytes:
-        generate = self._generators[domain]
+        _, generate = DOMAINS[self.domains[domain]]
         need = self.seq_len + 1
         lines: list[str] = []
         length = 0

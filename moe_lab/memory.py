@@ -10,6 +10,7 @@ is smaller — before anything is built.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -28,10 +29,8 @@ def memory_limit(device: torch.device | str = "cpu") -> int | None:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     limits = []
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):  # not a POSIX system that reports it
         limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
-        pass
     if resource is not None:
         soft, _ = resource.getrlimit(resource.RLIMIT_AS)
         if soft != resource.RLIM_INFINITY:

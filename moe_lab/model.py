@@ -68,8 +68,7 @@ class Attention(nn.Module):
                 f"(preset {cfg.name!r} is for the FLOPs model and simulators)"
             )
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim_head
-        ATTENTION_IMPLS.check(attention_impl, "attention_impl")
-        self.attention_impl = attention_impl
+        self.attention_impl = ATTENTION_IMPLS.check(attention_impl, "attention_impl")
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head,
                              bias=False)
         self.out = nn.Linear(cfg.n_heads * cfg.dim_head, cfg.d_model, bias=False)
@@ -84,13 +83,10 @@ class Attention(nn.Module):
         if packed is not None and packed.accepts(qkv, self.n_heads, self.kv_heads):
             # q, k, v read where the projection wrote them, the heads written side by side
             return self.out(packed(qkv, self.cos, self.sin, self.n_heads))
-        q, k, v = qkv.split(
-            [self.n_heads * self.head_dim, self.kv_heads * self.head_dim,
-             self.kv_heads * self.head_dim], dim=-1,
-        )
-        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        heads = (self.n_heads, self.kv_heads, self.kv_heads)
+        # each [b, t, heads·head_dim] -> [b, heads, t, head_dim]
+        q, k, v = [part.view(b, t, h, self.head_dim).transpose(1, 2)
+                   for part, h in zip(qkv.split([h * self.head_dim for h in heads], dim=-1), heads)]
         q, k = apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
         y = causal_attention(q, k, v, impl=self.attention_impl)
         return self.out(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
@@ -184,9 +180,8 @@ class MoETransformer(nn.Module):
         logits = self._logits(self.norm(x))
         out = ModelOutput(logits=logits, loss=None, lm_loss=None, moe_stats=stats)
         if targets is not None:
-            lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-            out.lm_loss = lm
-            out.loss = lm + out.aux_loss.float()
+            out.lm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+            out.loss = out.lm_loss + out.aux_loss.float()
         return out
 
     def _logits(self, h: Tensor) -> Tensor:

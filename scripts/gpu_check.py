@@ -29,10 +29,10 @@ for production layers are the ones launched:
   against its unfused chain; the row-id map, permute and unpermute; the MX quantizer bit
   for bit; the MXFP8 GEMM and the grouped MXFP8 GEMM (in Hopper's ``fp8_promote`` mode
   within `moe_lab.workbench.measure.mx_bounds.fp8_promote_bound`, its measured error recorded); MXFP8
-  attention at head dims 64, 128 and 192; the fused router forward and backward; the paged
-  stash's round trip and a paged training step; the training step captured as a CUDA graph
-  against the eager reference; each sync-free path under CUDA's own sync detector
-  (`section_sync_debug`); the device branches of notebooks 03 and 04.
+  attention at head dims 64, 128 and 192; the fused router forward and backward; the
+  training step captured as a CUDA graph against the eager reference; each sync-free path
+  under CUDA's own sync detector (`section_sync_debug`); the device branches of notebooks 03
+  and 04.
 - Router ids: the fused kernel computes ``exp`` and the sigmoid with fast approximate
   instructions, so where the reference's top-k margin (the smallest gap between the
   selection scores it ranks, expert or group, at the top-k cut and inside it) is below
@@ -85,7 +85,6 @@ import sysconfig
 import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -509,29 +508,14 @@ def timer(torch, cuda: bool):
 # ----------------------------------------------------------------------------- sections: checks
 
 
-class Launch(NamedTuple):
-    """One grouped GEMM launch as `launch_config` takes it (``kernel``, ``m``, ``n``, ``k``,
-    ``n_experts``), and whether its weight operand is the transposed view of the stored
+def layer_launches(d: int, f: int) -> list[tuple[str, int, int, bool]]:
+    """The grouped GEMM launches of one MoE layer's experts (``d_model`` ``d``, expert width
+    ``f``), forward and backward, as ``(kernel, n, k, transposed)`` over the layer's rows and
+    experts: the down projection (forward, dX, dW), the SwiGLU up/gate projection (forward)
+    and its dX, dW. ``transposed``: the weight operand is the transposed view of the stored
     weight (``[E, N, K]`` read as ``[E, K, N]``: the dX launches)."""
-
-    kernel: str
-    m: int
-    n: int
-    k: int
-    n_experts: int
-    transposed: bool = False
-
-    @property
-    def dims(self) -> tuple[int, int, int, int]:
-        return self.m, self.n, self.k, self.n_experts
-
-
-def layer_launches(E: int, m: int, d: int, f: int) -> list[Launch]:
-    """The grouped GEMM launches of one MoE layer's experts, forward and backward: the down
-    projection (forward, dX, dW), the SwiGLU up/gate projection (forward) and its dX, dW."""
-    return [Launch("gemm", m, d, f, E), Launch("gemm", m, f, d, E, transposed=True), Launch("dw", m, d, f, E),
-            Launch("swiglu", m, f, d, E), Launch("gemm", m, d, 2 * f, E, transposed=True),
-            Launch("dw", m, 2 * f, d, E)]
+    return [("gemm", d, f, False), ("gemm", f, d, True), ("dw", d, f, False),
+            ("swiglu", f, d, False), ("gemm", d, 2 * f, True), ("dw", 2 * f, d, False)]
 
 
 def describe_config(blocks: dict, warps: int, stages: int) -> str:
@@ -581,29 +565,14 @@ def compiled_kernels() -> list[dict]:
     return rows
 
 
-class GroupedLayout(NamedTuple):
-    """One routed layout the grouped GEMM sections check: ``m`` rows over ``n_experts``
-    experts as ``offsets`` (``[E + 1]`` int32, on the device), the layer's ``d_model`` and
-    ``d_expert``, in ``dtype`` within ``tol``; ``shape`` labels the check, ``generator`` (which
-    drew the routing) draws the inputs next."""
-
-    n_experts: int
-    m: int
-    d_model: int
-    d_expert: int
-    dtype: object
-    tol: float
-    offsets: object
-    shape: str
-    generator: object
-
-
 def grouped_layouts(torch, dev, shapes: dict, seed: int, idle: int, align: int = 16):
     """Per layer of ``shapes``, fp32 and bf16 (with their tolerances), packed and padded: the
     routed counts of ``tokens x top_k`` random picks over the experts, expert ``idle`` given
     none; padded, each count rounded up to ``align`` rows and the buffer sized from the
-    static bound ``M + E (align - 1)`` as the layer's is (rows past the last segment). Each
-    layout's generator starts from ``seed``."""
+    static bound ``M + E (align - 1)`` as the layer's is (rows past the last segment). Yields
+    ``(layer, m, dtype, tol, offsets, shape, generator)``: the layer's entry of ``shapes``,
+    ``m`` rows, ``offsets`` (``[E + 1]`` int32, on the device), ``shape`` the check's label,
+    ``generator`` (which drew the routing, from ``seed``) to draw the inputs next."""
     for label, s in shapes.items():
         E, M = s["n_experts"], s["tokens"] * s["top_k"]
         for dtype, tol in ((torch.float32, 5e-3), (torch.bfloat16, 2e-2)):
@@ -616,7 +585,7 @@ def grouped_layouts(torch, dev, shapes: dict, seed: int, idle: int, align: int =
                 offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
                 m = M + E * (align - 1) if padded else int(counts.sum())
                 shape = f"{label} M={m}" + (f", padded to {align}" if padded else "")
-                yield GroupedLayout(E, m, s["d_model"], s["d_expert"], dtype, tol, offsets, shape, g)
+                yield s, m, dtype, tol, offsets, shape, g
 
 
 def section_grouped_gemm(torch, dev, rep: Report, shapes: dict) -> None:
@@ -626,19 +595,18 @@ def section_grouped_gemm(torch, dev, rep: Report, shapes: dict) -> None:
     textbook loop in float64."""
     from moe_lab.kernels import grouped_gemm as gg
 
-    for c in grouped_layouts(torch, dev, shapes, seed=0, idle=0):
-        E, m, d, f, dtype, g = c.n_experts, c.m, c.d_model, c.d_expert, c.dtype, c.generator
+    for s, m, dtype, tol, offsets, shape, g in grouped_layouts(torch, dev, shapes, seed=0, idle=0):
+        E, d, f = s["n_experts"], s["d_model"], s["d_expert"]
         h_in, w, x, w2 = (randn(torch, g, size, dtype, size[-2] ** -0.25 if len(size) == 3 else 1.0)
                           for size in ((m, f), (E, f, d), (m, d), (E, d, 2 * f)))
         dy, dh = randn(torch, g, (m, d), dtype), randn(torch, g, (m, f), dtype)
-        errors = vs_reference(torch, gg.grouped_gemm, gg.grouped_gemm_reference, (h_in, w), dy, c.offsets)
-        for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
-            rep.check(f"grouped_gemm {str(dtype)[6:]} {what}", c.shape, err, c.tol)
-        errors = vs_reference(torch, gg.grouped_gemm_swiglu,
-                              lambda x, w, o: swiglu_reference(gg.grouped_gemm_reference(x, w, o)),
-                              (x, w2), dh, c.offsets)
-        for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
-            rep.check(f"grouped_gemm_swiglu {str(dtype)[6:]} {what}", c.shape, err, c.tol)
+        for name, fn, ref, inputs, dout in (
+                ("grouped_gemm", gg.grouped_gemm, gg.grouped_gemm_reference, (h_in, w), dy),
+                ("grouped_gemm_swiglu", gg.grouped_gemm_swiglu,
+                 lambda x, w, o: swiglu_reference(gg.grouped_gemm_reference(x, w, o)), (x, w2), dh)):
+            errors = vs_reference(torch, fn, ref, inputs, dout, offsets)
+            for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
+                rep.check(f"{name} {str(dtype)[6:]} {what}", shape, err, tol)
 
 
 def section_grouped_gemm_tma(torch, dev, rep: Report, shapes: dict) -> None:
@@ -648,13 +616,13 @@ def section_grouped_gemm_tma(torch, dev, rep: Report, shapes: dict) -> None:
     from moe_lab.kernels import grouped_gemm as gg
     from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
 
-    for c in grouped_layouts(torch, dev, shapes, seed=1, idle=-1):
-        E, m, d, f, dtype, g = c.n_experts, c.m, c.d_model, c.d_expert, c.dtype, c.generator
+    for s, m, dtype, tol, offsets, shape, g in grouped_layouts(torch, dev, shapes, seed=1, idle=-1):
+        E, d, f = s["n_experts"], s["d_model"], s["d_expert"]
         h, w = randn(torch, g, (m, f), dtype), randn(torch, g, (E, f, d), dtype, f ** -0.5)
         errors = vs_reference(torch, grouped_gemm_tma, gg.grouped_gemm_reference, (h, w),
-                              randn(torch, g, (m, d), dtype), c.offsets)
+                              randn(torch, g, (m, d), dtype), offsets)
         for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
-            rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", c.shape, err, c.tol)
+            rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", shape, err, tol)
 
 
 def swiglu_reference(h):
@@ -706,21 +674,17 @@ def section_fused_moe(torch, dev, rep: Report, shapes: dict, mxfp8: bool) -> Non
                     x = randn(torch, g, (T, d), dtype)
                     w1 = randn(torch, g, (E, d, 2 * f), dtype, d**-0.5)
                     w2 = randn(torch, g, (E, f, d), dtype, f**-0.5)
-                    if family == "gather":
-                        inputs = (x, w1)
-
-                        def call(fn, x, w1, rmap=rmap, offsets=offsets, n_rows=n_rows):
-                            return fn(x, w1, rmap, offsets, n_rows=n_rows)
-                    elif family == "scatter":
+                    if family == "scatter":  # the fused second GEMM: the SwiGLU output h in
                         inputs = (randn(torch, g, (n_rows, f), dtype), w2, wts)
-
-                        def call(fn, h, w2, wt, rmap=rmap, offsets=offsets):
-                            return fn(h, w2, rmap, offsets, wt)
                     else:
-                        inputs = (x, w1, w2, wts)
+                        inputs = (x, w1) if family == "gather" else (x, w1, w2, wts)
+                    # fn(x, w1, rmap, offsets, n_rows=), fn(h, w2, rmap, offsets, wts),
+                    # fn(x, w1, w2, rmap, offsets, wts, n_rows=): the routing after 2 or 3 operands
+                    lead = 3 if family == "mlp" else 2
+                    extra = {} if family == "scatter" else {"n_rows": n_rows}
 
-                        def call(fn, x, w1, w2, wt, rmap=rmap, offsets=offsets, n_rows=n_rows):
-                            return fn(x, w1, w2, rmap, offsets, wt, n_rows=n_rows)
+                    def call(fn, *operands, lead=lead, routed=(rmap, offsets), extra=extra):
+                        return fn(*operands[:lead], *routed, *operands[lead:], **extra)
                     if mx:  # float32 in, no gradients
                         with poisoned(torch):
                             y = call(entry.fused, *inputs)
@@ -981,43 +945,6 @@ def section_attention(torch, dev, rep: Report, shapes: dict) -> None:
         rep.check("mxfp8 attention vs fp64", label, rel_error(out, exact), 1e-1)
 
 
-def section_stash(torch, dev, rep: Report, shapes: dict) -> None:
-    """The paged stash (`moe_lab.moe.stash`): the experts' two saved activations (the
-    pre-activation ``[rows, 2F]`` and ``h`` ``[rows, F]``, bf16) into their pools and back,
-    bit for bit, at each shape; then a paged training step of the tiny preset against the
-    same step unpaged: the same gradients bit for bit (deterministic algorithms on)."""
-    from moe_lab.config import preset
-    from moe_lab.moe.stash import PagedStash, StashCall
-    from moe_lab.training.build import build_model, random_batch
-    from moe_lab.training.steps import StepConfig, SyncFreeStep
-    from moe_lab.workbench.benchmarks.ttt.racing import deterministic_algorithms
-
-    for label, s in shapes.items():
-        rows, E, k, f = s["tokens"] * s["top_k"], s["n_experts"], s["top_k"], s["d_expert"]
-        stash = PagedStash(page_rows=32, capacity_factor=1.25)
-        stash._allocate([StashCall(0, 2 * f, torch.bfloat16, rows, E, k),
-                         StashCall(0, f, torch.bfloat16, rows, E, k)], torch.device(dev))
-        _, offsets, _, _, g = routing(torch, dev, s, 1, seed=7)
-        pre, h = randn(torch, g, (rows, 2 * f), torch.bfloat16), randn(torch, g, (rows, f), torch.bfloat16)
-        handles = [stash.stash(t, offsets) for t in (pre, h)]
-        back = [stash.restore(hd) for hd in handles]
-        same = all(torch.equal(a, b) for a, b in zip(back, (pre, h), strict=True))
-        rep.exact("paged stash round trip", f"{label} rows={rows}", same and not bool(stash.overflow),
-                  note=f"pages used {stash.pages_used()} of {stash.pool_pages()}")
-    tiny = preset("tiny")
-    batch = random_batch(tiny, 4, dev, torch.Generator().manual_seed(0))
-    grads = []
-    with deterministic_algorithms():
-        for paged in (False, True):
-            model, optimizer = build_model(tiny, device=dev, seed=0)
-            stash = PagedStash(16, 1.25).attach(model, batch) if paged else None
-            step = SyncFreeStep(model, optimizer, batch, StepConfig(read_every=1), stash=stash)
-            step.launch(batch)
-            grads.append([p.grad.clone() for p in model.parameters()])
-    rep.exact("paged step gradients (vs unpaged)", "tiny",
-              all(torch.equal(a, b) for a, b in zip(*grads, strict=True)))
-
-
 def section_graphs(torch, dev, rep: Report, quick: bool) -> None:
     """The graphed step (`moe_lab.training.graphs.GraphedStep` over the fast implementations
     of this device: on CUDA the Triton kernels) against the *eager reference*: the same
@@ -1043,36 +970,15 @@ def section_graphs(torch, dev, rep: Report, quick: bool) -> None:
     model.load_state_dict(ref_model.state_dict())  # the same weights, whatever the impls
     graphed = GraphedStep(model, optimizer, batches[0], cfg, warmup=3, quiet=True)
     losses = [(reference(b)["loss"], graphed(b)["loss"]) for b in batches]
+    want, got = torch.tensor(losses, dtype=torch.float64).T
     impls = {"graphed": f"{graphed.mode}: {fast}", "reference": f"eager: {ModelImpls()}"}
-
-    def rel(a: float, b: float) -> float:
-        return abs(a - b) / max(abs(a), 1e-12)
-
-    rep.check("graphed step loss vs eager reference (step 1)", "small",
-              rel(*losses[0]), 1e-4, **impls)
-    mean_ref, mean_graphed = (sum(col) / steps for col in zip(*losses, strict=True))
+    rep.check("graphed step loss vs eager reference (step 1)", "small", rel_error(got[0], want[0]), 1e-4,
+              **impls)
     rep.check(f"graphed step loss vs eager reference (mean of {steps})", "small",
-              rel(mean_ref, mean_graphed), 1e-3, **impls)
+              rel_error(got.mean(), want.mean()), 1e-3, **impls)
 
 
 # ----------------------------------------------------------------------------- sections: CUDA's own word
-
-
-@contextlib.contextmanager
-def cuda_sync_debug(torch, mode: str):
-    """CUDA's own sync detector over the block, ``torch.cuda.set_sync_debug_mode(mode)``
-    (``"error"``: the first device-to-host sync raises, naming the operator; ``"warn"``: each
-    one warns), restored after. It sees what a host-side counter cannot: a sync inside a C++
-    operator. The test suite replaces it with a stand-in (no CUDA there)."""
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)  # "warn": each sync a UserWarning, "error": a RuntimeError
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
-SYNC_DEBUG = cuda_sync_debug
 
 
 def expert_backends_here(torch, dev) -> list[str]:
@@ -1121,7 +1027,7 @@ def sync_free_paths(torch, dev, small: bool) -> dict:
 @contextlib.contextmanager
 def one_f_one_b_path(torch, dev):
     """The 1F1B schedule (`moe_lab.parallel.merged_model.MergedModelStep`) of the tiny preset
-    on a process group of one rank made here, as a call: one step of two micro-batches. It
+    on a process group of one rank made here, as ``{name: call}``: one step of two micro-batches. It
     syncs by design (the split sizes of its count exchange go to the host)."""
     import tempfile
 
@@ -1146,7 +1052,7 @@ def one_f_one_b_path(torch, dev):
                     block.ffn = from_layer(block.ffn)
             batch = random_batch(cfg, 2, dev, torch.Generator().manual_seed(0))
             step = MergedModelStep(model, 1, "1f1b")
-            yield lambda: step.step(batch.x, batch.y, 2) and None
+            yield {"1F1B schedule step (tiny, one rank)": lambda: step.step(batch.x, batch.y, 2) and None}
         finally:
             dist.destroy_process_group()
 
@@ -1154,63 +1060,44 @@ def one_f_one_b_path(torch, dev):
 def section_sync_debug(torch, dev, rep: Report, small: bool, paths: dict | None = None,
                        counted: dict | None = None) -> None:
     """Ground truth for syncs: each sync-free path (`sync_free_paths`, or ``paths``) once to
-    warm up, then under CUDA's detector in ``"error"`` mode, where any device-to-host sync
+    warm up, then under CUDA's detector in ``"error"`` mode
+    (`moe_lab.workbench.demos.sync_debug.sync_debug_report`), where any device-to-host sync
     fails by name — one inside a C++ operator too — beside what
     `moe_lab.training.sync.count_syncs` (the host-side count the notebooks and the certificate
     rest on) counts for the same call. A path that syncs by design (the 1F1B schedule, or
     ``counted``) runs in ``"warn"`` mode instead: CUDA's count of syncs must equal the
     counter's. On a CPU there is no CUDA detector: the section says so and checks nothing."""
     from moe_lab.training.sync import count_syncs
+    from moe_lab.workbench.demos.sync_debug import sync_debug_report
 
-    if torch.device(dev).type != "cuda" and SYNC_DEBUG is cuda_sync_debug:
+    if not torch.cuda.is_available():
         rep.note("no-op: torch.cuda.set_sync_debug_mode watches CUDA syncs; this run has no CUDA device")
         return
-    with one_f_one_b_path(torch, dev) if counted is None else contextlib.nullcontext() as step:
-        if counted is None:
-            counted = {"1F1B schedule step (tiny, one rank)": step}
+    with one_f_one_b_path(torch, dev) if counted is None else contextlib.nullcontext(counted) as counted:
         for name, call in counted.items():
             call()  # warm-up
             _, by_counter = count_syncs(call)
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                with SYNC_DEBUG(torch, "warn"):
-                    call()
-            by_cuda = sum("synchroniz" in str(w.message) for w in seen)
+            by_cuda = sync_debug_report(call, mode="warn").syncs
             rep.exact(f"CUDA's sync count = the counter's: {name}", "CUDA sync debug mode 'warn'",
                       by_cuda == sum(by_counter.values()), cuda_syncs=by_cuda,
                       counted_syncs=sum(by_counter.values()), note=", ".join(sorted(by_counter)))
     for name, call in (paths if paths is not None else sync_free_paths(torch, dev, small)).items():
         call()  # warm-up: first calls compile, allocate, read device properties
-        _, counted = count_syncs(call)
-        caught = None
-        try:
-            with SYNC_DEBUG(torch, "error"):
-                call()
-                if torch.device(dev).type == "cuda":
-                    torch.cuda.synchronize()  # ourselves, outside the path: after the detector
-        except RuntimeError as exc:
-            if "synchroniz" not in str(exc):
-                raise
-            caught = f"{str(exc).splitlines()[0]} (at {last_user_frame(exc)})"
+        _, by_counter = count_syncs(call)
+        cuda = sync_debug_report(call, mode="error")
+        caught = cuda.stopped_at and f"{cuda.error} (at {cuda.stopped_at.where})"
         rep.exact(f"no device-to-host sync: {name}", "CUDA sync debug mode 'error'",
-                  caught is None and not counted, cuda_detector=caught or "no sync",
-                  counted_syncs=sum(counted.values()), note=caught or "")
+                  not caught and not by_counter, cuda_detector=caught or "no sync",
+                  counted_syncs=sum(by_counter.values()), note=caught or "")
 
 
-def last_user_frame(exc: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``exc`` outside torch: the call that synced."""
-    torch_dir = str(Path(sys.modules["torch"].__file__).parent)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
-    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
-
-
-def section_notebook_branches(torch, dev, rep: Report, small: bool, time_fn) -> None:
+def section_notebook_branches(torch, dev, rep: Report, small: bool) -> None:
     """The notebooks' own device branches, through the package functions they call: 03's
     grouped matmul (the learner's kernel as its reference solution, with the solution's
     row lookup, `nb03_triton_from_zero.run_grouped_matmul`) against the textbook loop in
     the dtype the notebook's device multiplies in, and 04's dropless layer on each expert
-    backend against the naive layer of the same weights, forward and backward; each timed
-    (on CUDA ``triton.testing.do_bench``)."""
+    backend against the naive layer of the same weights (the layer's speed is notebook 04's
+    headline, timed by `bench_dispatch`)."""
     from moe_lab import MoELayer
     from moe_lab.config import MoEConfig
     from moe_lab.kernels.common import INTERPRETED
@@ -1229,10 +1116,6 @@ def section_notebook_branches(torch, dev, rep: Report, small: bool, time_fn) -> 
     rows = int(offsets[-1])
     rep.check("03 grouped matmul (solution) vs loop", f"E={len(counts)} M={rows} K={K} N={N}",
               rel_error(y[:rows], want[:rows]), 1e-2 if dtype == torch.bfloat16 else 1e-5)
-    if time_fn is not None:
-        t = time_fn(lambda: nb03.run_grouped_matmul(nb03.expert_rows, x, w, offsets))
-        rep.timed("03 grouped matmul", shape=f"E={len(counts)} M={rows} K={K} N={N} {str(dtype)[6:]}",
-                  ms=t * 1e3, tflops=2 * rows * K * N / t / 1e12)
     cfg = MoEConfig(d_model=64 if small else 1024, n_experts=8, top_k=2, d_expert=32 if small else 512)
     layer_dtype = torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
     tokens = randn(torch, g, (64 if small else 8192, cfg.d_model), layer_dtype)
@@ -1244,28 +1127,6 @@ def section_notebook_branches(torch, dev, rep: Report, small: bool, time_fn) -> 
         got, _ = layer(tokens)
         rep.check(f"04 dropless layer ({backend}) vs naive", f"T={tokens.shape[0]} {str(layer_dtype)[6:]}",
                   rel_error(got, want), 2e-2 if layer_dtype == torch.bfloat16 else 1e-5)
-        if time_fn is not None:
-            xg = tokens.clone().requires_grad_()
-            t = time_fn(lambda layer=layer, xg=xg: layer(xg)[0].sum().backward())
-            rep.timed(f"04 dropless layer fwd+bwd ({backend})", shape=f"T={tokens.shape[0]}", ms=t * 1e3)
-
-
-def section_notebooks_papermill(rep: Report, out: Path, small: bool) -> None:
-    """Notebooks 03 and 04 whole, with papermill, where its wheels were carried (it is not
-    part of a GPU image); executed copies under ``out/notebooks``."""
-    import importlib.util
-
-    missing = [m for m in ("papermill", "nbformat", "ipykernel") if importlib.util.find_spec(m) is None]
-    if missing:
-        rep.note(f"not run: {', '.join(missing)} not installed (carry their wheels to run the notebooks)")
-        return
-    if small:
-        rep.note("not run in the smoke run: the test suite executes every notebook")
-        return
-    proc = subprocess.run([sys.executable, "-m", "moe_lab", "workbook", "--only", "03", "04", "--no-html",
-                           "--out", str(out / "notebooks")], capture_output=True, text=True)
-    rep.exact("notebooks 03 and 04 run (papermill, smoke profile)", "-", proc.returncode == 0,
-              note=(proc.stdout + proc.stderr)[-300:].replace("\n", " "))
 
 
 def section_registers(torch, rep: Report, cuda: bool) -> None:
@@ -1313,12 +1174,14 @@ def section_ceilings(torch, dev, rep: Report, small: bool) -> None:
     rep.timed("ceilings", copy_gbps=copy.giga, bf16_matmul_tflops=peak.giga / 1e3)
 
 
-def bench_grouped_gemm(torch, dev, rep: Report, time_fn, E: int, M: int, K: int, N: int) -> None:
+def bench_grouped_gemm(torch, dev, rep: Report, time_fn, small: bool) -> None:
     """The grouped GEMM forward, bf16, against ``torch._grouped_mm`` (where this torch has one
-    for this GPU) and the persistent TMA kernel (``K`` and ``N`` multiples of 8: TMA's
-    16-byte rows)."""
+    for this GPU) and the persistent TMA kernel, at DeepSeek-V3's up/gate projection on one
+    GPU of EP8 (``K`` and ``N`` multiples of 8: TMA's 16-byte rows)."""
     from moe_lab.kernels.grouped_gemm import grouped_gemm
     from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
+
+    E, M, K, N = (4, 256, 64, 128) if small else (32, 16384, 7168, 4096)
 
     counts = torch.full((E,), M // E, device=dev)
     offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
@@ -1328,11 +1191,10 @@ def bench_grouped_gemm(torch, dev, rep: Report, time_fn, E: int, M: int, K: int,
     t_tr = time_fn(lambda: grouped_gemm(x, w, offsets))
     row = {"shape": f"E={E} M={M} K={K} N={N} bf16", "triton_ms": t_tr * 1e3,
            "triton_tflops": flops / t_tr / 1e12}
-    if hasattr(torch, "_grouped_mm"):
-        with contextlib.suppress(RuntimeError):  # no _grouped_mm kernel for this GPU or dtype
-            t_ref = time_fn(lambda: torch._grouped_mm(x, w, offs=offsets[1:]))
-            row.update(torch_grouped_mm_ms=t_ref * 1e3, torch_tflops=flops / t_ref / 1e12,
-                       ratio_triton_to_torch=t_ref / t_tr)
+    with contextlib.suppress(RuntimeError):  # no _grouped_mm kernel for this GPU or dtype
+        t_ref = time_fn(lambda: torch._grouped_mm(x, w, offs=offsets[1:]))
+        row.update(torch_grouped_mm_ms=t_ref * 1e3, torch_tflops=flops / t_ref / 1e12,
+                   ratio_triton_to_torch=t_ref / t_tr)
     t_tma = time_fn(lambda: grouped_gemm_tma(x, w, offsets))
     row.update(tma_ms=t_tma * 1e3, tma_tflops=flops / t_tma / 1e12, ratio_tma_to_cp_async=t_tr / t_tma)
     rep.timed("grouped GEMM fwd", **row)
@@ -1355,29 +1217,28 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
         E, m, d, f = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
         counts = torch.full((E,), m // E, device=dev)
         offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-        for launch in layer_launches(E, m, d, f):
-            kernel, (mm, n, k, ee) = launch.kernel, launch.dims
-            key = tuner.table_key(kernel, mm, n, k, ee, dtype)
+        for kernel, n, k, transposed in layer_launches(d, f):
+            key = tuner.table_key(kernel, m, n, k, E, dtype)
             if key in table:
                 continue
             if kernel == "dw":
-                x, dy = (torch.randn(mm, c, device=dev, dtype=dtype) for c in (k, n))
-                run = partial(torch.ops.moe_lab.grouped_gemm_dw, x, dy, offsets, mm)
+                x, dy = (torch.randn(m, c, device=dev, dtype=dtype) for c in (k, n))
+                run = partial(torch.ops.moe_lab.grouped_gemm_dw, x, dy, offsets, m)
             else:
-                x = torch.randn(mm, k, device=dev, dtype=dtype)
+                x = torch.randn(m, k, device=dev, dtype=dtype)
                 n_w = 2 * n if kernel == "swiglu" else n
-                w = (torch.randn(ee, n_w, k, device=dev, dtype=dtype).transpose(1, 2) if launch.transposed
-                     else torch.randn(ee, k, n_w, device=dev, dtype=dtype))
+                w = (torch.randn(E, n_w, k, device=dev, dtype=dtype).transpose(1, 2) if transposed
+                     else torch.randn(E, k, n_w, device=dev, dtype=dtype))
                 if kernel == "swiglu":
                     run = partial(gg.grouped_gemm_swiglu, x, w, offsets)
                 else:  # the op the forward and the dX launch (no copy of the transposed view)
-                    run = partial(torch.ops.moe_lab.grouped_gemm, x, w, offsets, mm)
-            space = tuner.tune_space(kernel, mm, n, k, ee, dtype)[:2 if small else None]
+                    run = partial(torch.ops.moe_lab.grouped_gemm, x, w, offsets, m)
+            space = tuner.tune_space(kernel, m, n, k, E, dtype)[:2 if small else None]
             winner, times = tuner.autotune(kernel, space, run, time_fn)
             table[key] = tuner.table_entry(winner)
             best = min(times)
             rep.timed(f"tuned {kernel}", shape=f"{label} {key}", configs=len(space),
-                      weight="transposed view" if launch.transposed else "contiguous",
+                      weight="transposed view" if transposed else "contiguous",
                       rule=describe_config(space[0].blocks, space[0].num_warps, space[0].num_stages),
                       rule_group_m=space[0].group_m, rule_ms=times[0] * 1e3,
                       winner=describe_config(winner.blocks, winner.num_warps, winner.num_stages),
@@ -1401,12 +1262,13 @@ def bench_mx_quantize(torch, dev, rep: Report, time_fn, M: int, K: int) -> None:
               fraction_of_copy=gbps / copy_gbps if copy_gbps else None)
 
 
-def bench_dispatch(torch, rep: Report, tokens: int, min_time_s: float, shape: str = "fine") -> None:
+def bench_dispatch(rep: Report, small: bool) -> None:
     """04 and 07: the MoE layer's forward + backward at the notebooks' fine-grained shape
     (the smoke run: the coarse one), every dispatcher against the naive one
     (`moe_lab.workbench.benchmarks.moe_layer`)."""
     from moe_lab.workbench.benchmarks.moe_layer import run_shape
 
+    tokens, min_time_s, shape = (64, 0.02, "coarse") if small else (16384, 0.3, "fine")
     result = run_shape(shape, tokens, min_time_s=min_time_s, include_hf=False,
                        only=["dropless torch", "dropless triton", "fused", "fused_atomic"])
     rows = {r["provider"]: r for r in result["rows"]}
@@ -1414,10 +1276,9 @@ def bench_dispatch(torch, rep: Report, tokens: int, min_time_s: float, shape: st
         rep.timed(f"MoE layer fwd+bwd ({r['provider']})", shape=f"{shape}, {tokens} tokens",
                   median_ms=r["median_ms"], vs_naive=r["vs_naive"], syncs_per_step=r["syncs_per_step"])
     dropless = "dropless triton" if "dropless triton" in rows else "dropless torch"
-    if dropless in rows:
-        rep.gain("04", f"{dropless} vs naive dispatch", rows[dropless]["vs_naive"], "x",
-                 f"MoE layer fwd+bwd, {shape} shape, {tokens} tokens, {result['dtype']}")
-    if "fused" in rows and dropless in rows:
+    rep.gain("04", f"{dropless} vs naive dispatch", rows[dropless]["vs_naive"], "x",
+             f"MoE layer fwd+bwd, {shape} shape, {tokens} tokens, {result['dtype']}")
+    if "fused" in rows:  # a Triton kernel: timed where Triton runs compiled
         rep.gain("07", "fused vs unfused dropless", rows[dropless]["median_ms"] / rows["fused"]["median_ms"],
                  "x", f"MoE layer fwd+bwd, {shape} shape, {tokens} tokens, fused vs {dropless}")
     for note in result["notes"]:
@@ -1446,16 +1307,10 @@ def bench_router(torch, dev, rep: Report, time_fn, T: int, moe: dict) -> None:
              "x", f"router forward, {shape}")
 
 
-#: What each `moe_lab.kernels.mx_gemm.mx_mma_mode` runs, for the benchmark rows' notes.
-MX_MODE_WORDS = {
-    "scaled": "tl.dot_scaled, block-scaled tcgen05.mma (sm_100)",
-    "fp8_promote": "one FP8 wgmma per 32-wide K block, its partial scaled and added in fp32 (sm_90)",
-    "emulate": "codes and scales decoded to fp32, one IEEE fp32 tl.dot (Triton's interpreter)",
-}
-
-
 def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tuple) -> None:
-    """05: MXFP8 attention vs bf16 SDPA at each head dim, the MXFP8 GEMM vs a bf16 matmul."""
+    """06: MXFP8 attention vs bf16 SDPA at each head dim, the MXFP8 GEMM vs a bf16 matmul; the
+    notes name the MX mode the kernels ran in (`moe_lab.kernels.mx_gemm.mx_mma_mode` says what
+    each computes)."""
     import torch.nn.functional as F
 
     from moe_lab.kernels.common import INTERPRETED
@@ -1472,7 +1327,7 @@ def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tup
         flops = 4 * B * H * T * T * D / 2
         rep.timed("attention fwd", shape=label, mxfp8_triton_ms=t_mx * 1e3, bf16_sdpa_ms=t_bf * 1e3,
                   mxfp8_tflops=flops / t_mx / 1e12, sdpa_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
-                  note=f"QK^T and PV in MX mode {mx_mode}: {MX_MODE_WORDS[mx_mode]}")
+                  note=f"QK^T and PV in MX mode {mx_mode}")
         rep.gain("06", f"MXFP8 attention vs bf16 SDPA (head dim {D})", t_bf / t_mx, "x",
                  f"causal forward {label}")
     M, N, K = mg_shape
@@ -1484,7 +1339,7 @@ def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tup
     flops = 2 * M * N * K
     rep.timed("MXFP8 GEMM", shape=f"{M}x{N}x{K}", mx_gemm_ms=t_mx * 1e3, bf16_matmul_ms=t_bf * 1e3,
               mx_tflops=flops / t_mx / 1e12, bf16_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
-              note=f"MX mode {mx_mode}: {MX_MODE_WORDS[mx_mode]}")
+              note=f"MX mode {mx_mode}")
     rep.gain("06", "MXFP8 GEMM vs bf16 matmul", t_bf / t_mx, "x", f"{M}x{N}x{K}")
 
 
@@ -1625,7 +1480,7 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, time_fn, out: Pa
     their ``fp8_promote`` mode, CUDA-graph capture), CUDA's sync detector and the notebooks'
     device branches, each in a child process; the driver's registers; the figures, each
     headline after the checks of its kernels have passed; the tuner after the headlines
-    (what a short budget cuts first); the notebooks whole last."""
+    (what a short budget cuts first)."""
     shapes = SMOKE if small else {"small": SMOKE["small"], **PRODUCTION}
     pm_shapes = {"T=64 k=2 E=8 d=64": (64, 2, 8, 64)}
     mx_shapes = {"128x256": (128, 256), "96x320": (96, 320)}  # 320: a second K tile
@@ -1655,47 +1510,37 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, time_fn, out: Pa
         section_attention(torch, dev, rep, at_shapes)
         section_fused_moe(torch, dev, rep, shapes, mxfp8=True)
 
+    router_tokens, _, router_moe = list(rt_shapes.values())[-1]  # the largest router, timed
     sections = [
         Section("grouped GEMM", lambda: section_grouped_gemm(torch, dev, rep, shapes)),
         Section("fused MoE", lambda: section_fused_moe(torch, dev, rep, shapes, mxfp8=False)),
         Section("permute", lambda: section_permute(torch, dev, rep, pm_shapes)),
         Section("MX quantizer", lambda: section_mx(torch, dev, rep, mx_shapes)),
         Section("fused router", lambda: section_router(torch, dev, rep, rt_shapes)),
-        Section("paged stash", lambda: section_stash(torch, dev, rep, shapes)),
         Section("TMA grouped GEMM", lambda: section_grouped_gemm_tma(torch, dev, rep, shapes), isolated=True),
         Section("MXFP8 kernels", mxfp8_kernels, isolated=True),
         Section("CUDA graph step", lambda: section_graphs(torch, dev, rep, small), isolated=True),
         # a no-op without CUDA, and the notebooks' branches are the core's kernels: in a child on a GPU
         Section("sync debug", lambda: section_sync_debug(torch, dev, rep, small), isolated=cuda),
         Section("notebooks 03 and 04 on the device",
-                lambda: section_notebook_branches(torch, dev, rep, small, time_fn), isolated=cuda),
+                lambda: section_notebook_branches(torch, dev, rep, small), isolated=cuda),
         Section("registers and spills", lambda: section_registers(torch, rep, cuda)),
+        Section("ceilings", lambda: section_ceilings(torch, dev, rep, small)),
+        Section("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, time_fn, small),
+                needs="TMA grouped GEMM"),
+        Section("MX quantizer bench", lambda: bench_mx_quantize(torch, dev, rep, time_fn,
+                                                                *list(mx_shapes.values())[-1])),
+        Section("04 dispatch vs naive and 07 fused vs unfused", lambda: bench_dispatch(rep, small)),
+        Section("04 router", lambda: bench_router(torch, dev, rep, time_fn, router_tokens, router_moe)),
+        Section("06 MXFP8 attention and GEMM vs bf16", lambda: bench_mxfp8(
+            torch, dev, rep, time_fn, {k: v for k, v in at_shapes.items() if small or v[2] > 64},
+            list(mg_shapes.values())[-1]), needs="MXFP8 kernels"),
+        Section("06 graphed vs eager", lambda: bench_graphs(torch, dev, rep, small), needs="CUDA graph step"),
+        Section("12 tokens/s of the optimised step", lambda: bench_optimised_step(torch, dev, rep, small),
+                needs="CUDA graph step"),
+        Section("tuning", lambda: bench_tuning(torch, dev, rep, time_fn, shapes if small else PRODUCTION,
+                                               out, small)),
     ]
-    if time_fn is not None:
-        E, M, K, N = (4, 256, 64, 128) if small else (32, 16384, 7168, 4096)
-        last_router = list(rt_shapes.values())[-1]
-        sections += [
-            Section("ceilings", lambda: section_ceilings(torch, dev, rep, small)),
-            Section("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, time_fn, E, M, K, N),
-                    needs="TMA grouped GEMM"),
-            Section("MX quantizer bench", lambda: bench_mx_quantize(torch, dev, rep, time_fn,
-                                                                    *list(mx_shapes.values())[-1])),
-            Section("04 dispatch vs naive and 07 fused vs unfused",
-                    lambda: bench_dispatch(torch, rep, 64 if small else 16384, 0.02 if small else 0.3,
-                                           "coarse" if small else "fine")),
-            Section("04 router", lambda: bench_router(torch, dev, rep, time_fn, last_router[0],
-                                                      last_router[2])),
-            Section("06 MXFP8 attention and GEMM vs bf16", lambda: bench_mxfp8(
-                torch, dev, rep, time_fn, {k: v for k, v in at_shapes.items() if small or v[2] > 64},
-                list(mg_shapes.values())[-1]), needs="MXFP8 kernels"),
-            Section("06 graphed vs eager", lambda: bench_graphs(torch, dev, rep, small),
-                    needs="CUDA graph step"),
-            Section("12 tokens/s of the optimised step", lambda: bench_optimised_step(torch, dev, rep, small),
-                    needs="CUDA graph step"),
-            Section("tuning", lambda: bench_tuning(torch, dev, rep, time_fn, shapes if small else PRODUCTION,
-                                                   out, small)),
-        ]
-    sections.append(Section("notebooks (papermill)", lambda: section_notebooks_papermill(rep, out, small)))
     return sections
 
 
@@ -1720,7 +1565,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None,
                     help="results folder (default results/<gpu-name>; --cpu-smoke: build/gpu_check/...)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the interpreter")
-    ap.add_argument("--no-bench", action="store_true", help="checks only")
     ap.add_argument("--budget-s", type=positive_seconds, default=480.0,
                     help="stop cleanly after this many seconds (default 480), results written")
     ap.add_argument("--section-timeout-s", type=positive_seconds, default=150.0,
@@ -1753,7 +1597,7 @@ def main(argv: list[str] | None = None) -> int:
     small = args.cpu_smoke
     out = Path(args.out) if args.out else default_out(None if small else torch.cuda.get_device_name(0))
     torch.manual_seed(0)
-    time_fn = None if args.no_bench else timer(torch, cuda)
+    time_fn = timer(torch, cuda)
 
     if args.child:  # one section, in this fresh process; its records go to the sink
         exit_with_parent(args.child_of)
@@ -1805,7 +1649,7 @@ def main(argv: list[str] | None = None) -> int:
     else:  # a fresh run: no section file of an earlier one stays beside this one's
         for old in [*out.glob("sections/*.json"), *out.glob("children/*.json")]:
             old.unlink()
-    # a child is given this call's arguments (it uses --cpu-smoke, --no-bench, --inject) and the folder
+    # a child is given this call's arguments (it uses --cpu-smoke, --inject) and the folder
     child_args = [*(sys.argv[1:] if argv is None else argv), "--out", str(out)]
     rep.write()
     for section in chosen:

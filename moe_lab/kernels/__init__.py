@@ -2,8 +2,7 @@
 
 - ``grouped_gemm`` — the grouped GEMM over device offsets (and SwiGLU fused into the first
   GEMM's epilogue), the expert backend ``triton``; ``grouped_gemm_tma`` — persistent, TMA-fed;
-- ``permute`` — the dropless layout's token permutation (``permute_args``: the argument
-  checks it shares with the CPU plug-in's permutation);
+- ``permute`` — the dropless layout's token permutation (the row-id map, permute, unpermute);
 - ``fused_moe`` — the permute and the combine fused into the grouped GEMMs; ``fused_mxfp8``
   — the MXFP8-quantize epilogue; ``fusions`` — each fusion beside the chain it replaces;
 - ``fused_router`` — the whole routing chain in one kernel (reference: ``moe_lab.moe.router``);

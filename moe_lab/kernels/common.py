@@ -30,10 +30,14 @@ INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 
 def check_device(name: str, device: torch.device, needs: str = "bf16_mma",
-                 what: str = "compiled Triton") -> None:
-    """Compiled Triton reads and writes CUDA memory only (interpreted, any device will do), of a
-    GPU whose `moe_lab.perf.hardware.ARCHS` row has ``needs`` (Triton itself: ``bf16_mma``,
-    sm_80 on): else one line naming the tensor or the GPU and what ``what`` requires."""
+                 what: str = "compiled Triton", **others: Tensor | None) -> None:
+    """Every tensor of ``others`` (by name; None: absent) on ``device``, ``name``'s. Compiled Triton
+    reads and writes CUDA memory only (interpreted, any device will do), of a GPU whose
+    `moe_lab.perf.hardware.ARCHS` row has ``needs`` (Triton itself: ``bf16_mma``, sm_80 on): else
+    one line naming the tensor or the GPU and what ``what`` requires."""
+    for other, t in others.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{other} must be on {device} ({name}'s device), got {t.device}")
     if INTERPRETED:
         return
     if device.type != "cuda":

@@ -54,8 +54,7 @@ from moe_lab.kernels.common import (
     tile_schedule,
 )
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.kernels.permute import permute_reference, unpermute_reference
-from moe_lab.kernels.permute_args import check_map
+from moe_lab.kernels.permute import check_map, permute_reference, unpermute_reference
 
 Tensor = torch.Tensor
 SCATTER_MODES = ("deterministic", "atomic")
@@ -218,11 +217,11 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *, interp
     return gg.launch_config(kernel, m, n, k, n_experts, interpreted=interpreted, dtype=dtype)
 
 
-def _launch_args(kernel: str, m: int, n: int, k: int, n_experts: int,
-                 dtype: torch.dtype) -> tuple[tuple[int, ...], dict[str, object]]:
-    """`moe_lab.kernels.grouped_gemm.launch_args` at `launch_config`'s tile for ``kernel``."""
+def _launch(kernel: str, fn: object, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype,
+            *args: object, **flags: object) -> None:
+    """`moe_lab.kernels.grouped_gemm.launch` of ``fn`` at `launch_config`'s tile for ``kernel``."""
     cfg = launch_config(kernel, m, n, k, n_experts, interpreted=INTERPRETED, dtype=dtype)
-    return gg.launch_args(cfg, m, n, k, n_experts, dtype, dw=kernel == "dw")
+    gg.launch(fn, cfg, m, n, k, n_experts, dtype, *args, dw=kernel == "dw", **flags)
 
 
 @kernel_op("gather_swiglu")
@@ -234,10 +233,9 @@ def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k:
     out = torch.empty((m, f if dh is None else two_f), dtype=x.dtype, device=x.device)
     if m and f and not isinstance(x, FakeTensor):
         dh_arg = out if dh is None else dh
-        grid, launch = _launch_args("swiglu", m, f, k, n_experts, x.dtype)
-        _gather_swiglu_kernel[grid](x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k, *x.stride(),
-                                    *w.stride(), *out.stride(), *dh_arg.stride(), BACKWARD=dh is not None,
-                                    **launch)
+        _launch("swiglu", _gather_swiglu_kernel, m, f, k, n_experts, x.dtype,
+                x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k, *x.stride(), *w.stride(),
+                *out.stride(), *dh_arg.stride(), BACKWARD=dh is not None)
     return out
 
 
@@ -252,10 +250,9 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
     else:  # every (token, slot) has its row in some expert's segment: every element written
         out = torch.empty((tokens * top_k, n), dtype=a.dtype, device=a.device)
     if m and n and tokens and not isinstance(a, FakeTensor):
-        grid, launch = _launch_args("gemm", m, n, k, n_experts, a.dtype)
-        _gemm_scatter_kernel[grid](a, w, out, src, src if weights is None else weights, offsets, m, n, k,
-                                   n_experts, top_k, *a.stride(), *w.stride(), *out.stride(),
-                                   HAS_WEIGHTS=weights is not None, ATOMIC=atomic, **launch)
+        _launch("gemm", _gemm_scatter_kernel, m, n, k, n_experts, a.dtype,
+                a, w, out, src, src if weights is None else weights, offsets, m, n, k, n_experts, top_k,
+                *a.stride(), *w.stride(), *out.stride(), HAS_WEIGHTS=weights is not None, ATOMIC=atomic)
     if atomic:
         return out.to(a.dtype)  # float32: no pass at all; bfloat16: one cast
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(a.dtype)
@@ -271,9 +268,9 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
     dh = torch.empty((m, n), dtype=g.dtype, device=g.device)
     part = torch.empty((m, n_tiles), dtype=torch.float32, device=g.device)
     if m and n and not isinstance(g, FakeTensor):
-        grid, launch = gg.launch_args(cfg, m, n, k, n_experts, g.dtype)
-        _gather_gemm_kernel[grid](g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k,
-                                  n_tiles, *g.stride(), *w.stride(), *h.stride(), *dh.stride(), **launch)
+        gg.launch(_gather_gemm_kernel, cfg, m, n, k, n_experts, g.dtype,
+                  g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k, n_tiles,
+                  *g.stride(), *w.stride(), *h.stride(), *dh.stride())
     per_row = part.sum(1)
     # Back from permuted rows to (token, slot) entries; rows without a source are dropped.
     dweights = torch.zeros(weights.shape[0] + 1, dtype=torch.float32, device=g.device)
@@ -287,9 +284,9 @@ def _gather_dw_op(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, of
     k, n, n_experts, m = x.shape[1], dy.shape[1], offsets.shape[0] - 1, src.shape[0]
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
     if k and n and not isinstance(x, FakeTensor):
-        grid, launch = _launch_args("dw", m, n, k, n_experts, x.dtype)
-        _gather_dw_kernel[grid](x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
-                                *x.stride(), *dy.stride(), *dw.stride(), GATHER_X=gather_x, **launch)
+        _launch("dw", _gather_dw_kernel, m, n, k, n_experts, x.dtype,
+                x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
+                *x.stride(), *dy.stride(), *dw.stride(), GATHER_X=gather_x)
     return dw
 
 

@@ -19,6 +19,8 @@ per 32-wide K block on Hopper). Forward only. The unfused chains close this file
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -143,9 +145,7 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *, interp
     ``BLOCK_N`` columns, the decoding prologue reads blocks of ``BLOCK_K``."""
     cfg = gg.launch_config(kernel, m, n, k, n_experts, interpreted=interpreted, dtype=dtype)
     axis = "BLOCK_N" if kernel == "swiglu" else "BLOCK_K"
-    if cfg.blocks[axis] >= 32:
-        return cfg
-    return LaunchConfig({**cfg.blocks, axis: 32}, cfg.num_warps, cfg.num_stages)
+    return dataclasses.replace(cfg, blocks={**cfg.blocks, axis: max(32, cfg.blocks[axis])})
 
 
 @kernel_op("gather_swiglu_mx")
@@ -157,10 +157,9 @@ def _gather_swiglu_mx_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor,
     scales = torch.empty((m, f // 32), dtype=torch.uint8, device=x.device)
     if m and f and not isinstance(x, FakeTensor):
         cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
-        grid, launch = gg.launch_args(cfg, m, f, k, n_experts, x.dtype)
-        _gather_swiglu_mx_kernel[grid](x, src, w, codes, scales, offsets, m, f, k, n_experts, top_k,
-                                       *x.stride(), *w.stride(), *codes.stride(),
-                                       IS_BF16=x.dtype == torch.bfloat16, **launch)
+        gg.launch(_gather_swiglu_mx_kernel, cfg, m, f, k, n_experts, x.dtype,
+                  x, src, w, codes, scales, offsets, m, f, k, n_experts, top_k, *x.stride(), *w.stride(),
+                  *codes.stride(), IS_BF16=x.dtype == torch.bfloat16)
     return codes, scales
 
 
@@ -173,9 +172,9 @@ def _gemm_scatter_mx_op(codes: Tensor, scales: Tensor, w: Tensor, src: Tensor, w
     out = torch.empty((tokens * top_k, n), dtype=w.dtype, device=codes.device)
     if m and n and tokens and not isinstance(codes, FakeTensor):
         cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=w.dtype)
-        grid, launch = gg.launch_args(cfg, m, n, k, n_experts, w.dtype)
-        _gemm_scatter_mx_kernel[grid](codes, scales, w, out, src, weights, offsets, m, n, k, n_experts, top_k,
-                                      *codes.stride(), *w.stride(), *out.stride(), **launch)
+        gg.launch(_gemm_scatter_mx_kernel, cfg, m, n, k, n_experts, w.dtype,
+                  codes, scales, w, out, src, weights, offsets, m, n, k, n_experts, top_k,
+                  *codes.stride(), *w.stride(), *out.stride())
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(w.dtype)
 
 

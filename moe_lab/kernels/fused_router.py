@@ -225,14 +225,13 @@ def _router_bwd_kernel(
 # --------------------------------------------------------------------------------------
 
 
-def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bool,
-                  block_t: int | None = None) -> LaunchConfig:
+def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bool) -> LaunchConfig:
     """Blocks, warps and stages of a forward or backward router launch over ``tokens`` rows
     of ``n_experts`` logits in ``n_groups`` groups.
 
     Blocks: ``GP`` and ``EGP``, the groups and the experts per group padded to powers of two
     (the register tile of one token is ``[GP, EGP]``; either is 1 for one group or one expert
-    per group), and ``BLOCK_T`` tokens per program — ``block_t`` when given, else: under the
+    per group), and ``BLOCK_T`` tokens per program: under the
     interpreter as many as fit 64K tile elements (each program is a Python round trip);
     compiled, a ``[BLOCK_T, GP, EGP]`` tile of about 2K elements (16 per thread of 4 warps:
     the kernel keeps several such tiles live, logits, scores and masks, in registers).
@@ -240,11 +239,10 @@ def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bo
     nothing to pipeline."""
     gp, egp = triton.next_power_of_2(n_groups), triton.next_power_of_2(n_experts // n_groups)
     width = gp * egp
-    if block_t is None:
-        if interpreted:
-            block_t = max(2, min(triton.next_power_of_2(max(tokens, 1)), 65536 // width))
-        else:
-            block_t = max(2, min(64, 2048 // width))
+    if interpreted:
+        block_t = max(2, min(triton.next_power_of_2(max(tokens, 1)), 65536 // width))
+    else:
+        block_t = max(2, min(64, 2048 // width))
     return LaunchConfig({"BLOCK_T": block_t, "GP": gp, "EGP": egp}, num_warps=4, num_stages=3)
 
 
@@ -263,10 +261,19 @@ def bwd_constexprs(top_k: int, softmax: bool, renormalize: bool) -> dict[str, ob
                 RENORM=renormalize and top_k > 1)
 
 
+def _launch(kernel: object, tokens: int, n_experts: int, n_groups: int, *args: object,
+            **constexprs: object) -> None:
+    """``kernel`` over ``tokens`` rows of logits in `launch_config`'s blocks, one program per
+    ``BLOCK_T`` tokens."""
+    config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED)
+    kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
+        *args, **constexprs, **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 @kernel_op("fused_router")
 def _fused_router_op(
     logits: Tensor, expert_bias: Tensor | None, top_k: int, softmax: bool, n_groups: int,
-    topk_groups: int, renormalize: bool, scaling_factor: float, seq_len: int, block_t: int,
+    topk_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     tokens, n_experts = logits.shape
     dev = logits.device
@@ -277,16 +284,12 @@ def _fused_router_op(
     prob_sums = torch.zeros((n_seqs, n_experts), dtype=torch.float32, device=dev)
     z_sum = torch.zeros((1,), dtype=torch.float32, device=dev)
     if tokens and not isinstance(logits, FakeTensor):
-        config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED,
-                               block_t=block_t or None)
-        _router_fwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
-            logits, expert_bias if expert_bias is not None else logits, ids, weights, counts,
-            prob_sums, z_sum, tokens, n_experts, n_experts // n_groups, n_groups,
-            seq_len or tokens, *logits.stride(), float(scaling_factor),
-            **fwd_constexprs(top_k, softmax, n_experts, n_groups, topk_groups, renormalize,
-                              expert_bias is not None),
-            **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        _launch(_router_fwd_kernel, tokens, n_experts, n_groups,
+                logits, expert_bias if expert_bias is not None else logits, ids, weights, counts,
+                prob_sums, z_sum, tokens, n_experts, n_experts // n_groups, n_groups,
+                seq_len or tokens, *logits.stride(), float(scaling_factor),
+                **fwd_constexprs(top_k, softmax, n_experts, n_groups, topk_groups, renormalize,
+                                 expert_bias is not None))
     return ids, weights, counts, prob_sums, z_sum
 
 
@@ -294,28 +297,23 @@ def _fused_router_op(
 def _fused_router_bwd_op(
     logits: Tensor, ids: Tensor, grad_weights: Tensor, grad_prob_sums: Tensor, grad_z_sum: Tensor,
     softmax: bool, n_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
-    block_t: int,
 ) -> Tensor:
     tokens, n_experts = logits.shape
     top_k = ids.shape[1]
     grad_logits = torch.empty((tokens, n_experts), dtype=torch.float32, device=logits.device)
     if tokens and not isinstance(logits, FakeTensor):
-        config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED,
-                               block_t=block_t or None)
-        _router_bwd_kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
-            logits, ids, grad_weights, grad_prob_sums, grad_z_sum, grad_logits,
-            tokens, n_experts, n_experts // n_groups, n_groups, seq_len or tokens,
-            *logits.stride(), *grad_logits.stride(), float(scaling_factor),
-            **bwd_constexprs(top_k, softmax, renormalize),
-            **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        _launch(_router_bwd_kernel, tokens, n_experts, n_groups,
+                logits, ids, grad_weights, grad_prob_sums, grad_z_sum, grad_logits,
+                tokens, n_experts, n_experts // n_groups, n_groups, seq_len or tokens,
+                *logits.stride(), *grad_logits.stride(), float(scaling_factor),
+                **bwd_constexprs(top_k, softmax, renormalize))
     return grad_logits
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    logits, _, _, softmax, n_groups, _, renormalize, scaling_factor, seq_len, block_t = inputs
+    logits, _, _, softmax, n_groups, _, renormalize, scaling_factor, seq_len = inputs
     ctx.save_for_backward(logits, output[0])
-    ctx.args = (softmax, n_groups, renormalize, scaling_factor, seq_len, block_t)
+    ctx.args = (softmax, n_groups, renormalize, scaling_factor, seq_len)
 
 
 @first_derivative_only("the fused Triton router")
@@ -326,7 +324,7 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, d_ids: Tensor, d_weights
     grad = _fused_router_bwd_op(logits, ids, d_weights.float().contiguous(),
                                 d_prob_sums.float().contiguous(), d_z_sum.float().contiguous(),
                                 *ctx.args)
-    return grad, None, None, None, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None, None
 
 
 _fused_router_op.register_autograd(_backward, setup_context=_setup_context)
@@ -339,7 +337,6 @@ _fused_router_op.register_autograd(_backward, setup_context=_setup_context)
 
 def fused_router(
     logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None,
-    block_t: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The raw kernel outputs for ``logits: [T, E]`` float32 (any strides):
     ``(topk_ids [T, k] int64, topk_weights [T, k] float32, counts [S, E] int32,
@@ -347,19 +344,12 @@ def fused_router(
     ``seq_len``), ``counts[s, e]`` the routed slots of sequence ``s`` to expert ``e``,
     ``prob_sums[s, e]`` the sum over its tokens of ``scores[t, e] / Σ_e scores[t, e]`` and
     ``z_sum`` the sum over tokens of ``logsumexp(logits[t])²``. Differentiable in ``logits``
-    through ``topk_weights``, ``prob_sums`` and ``z_sum``.
-
-    ``block_t``: tokens per program (a power of two >= 2), forward and backward; default
-    `launch_config`'s choice. Tests force it small to run the many programs a GPU launch
-    runs, with blocks that straddle sequences."""
+    through ``topk_weights``, ``prob_sums`` and ``z_sum``."""
     check_logits(logits, cfg)
     if logits.dtype != torch.float32:
         raise ValueError(f"the fused router computes in float32: logits must be float32, "
                          f"got {logits.dtype}")
     check_seq_len(logits.shape[0], seq_len)
-    if block_t is not None and (isinstance(block_t, bool) or not isinstance(block_t, int)
-                                or block_t < 2 or block_t & (block_t - 1)):
-        raise ValueError(f"block_t must be a power of two >= 2 (tokens per program), got {block_t!r}")
     if expert_bias is not None:
         if expert_bias.shape != (cfg.n_experts,):
             raise ValueError(f"expert_bias must be [n_experts={cfg.n_experts}], got "
@@ -369,30 +359,23 @@ def fused_router(
         expert_bias = expert_bias.detach().float().contiguous()
     return _fused_router_op(logits, expert_bias, cfg.top_k, cfg.score_func == "softmax",
                             cfg.n_groups, cfg.topk_groups, cfg.renormalize,
-                            float(cfg.scaling_factor), seq_len or 0, block_t or 0)
+                            float(cfg.scaling_factor), seq_len or 0)
 
 
 def fused_route_from_logits(
     logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None,
-    block_t: int | None = None,
 ) -> RouterOutput:
     """`moe_lab.moe.router.route_from_logits`, fused: one kernel, then the losses from the
-    ``[S, E]`` statistics. ``scores`` is ``None`` (never materialised); ``block_t`` as in
-    `fused_router`."""
-    ids, weights, counts, prob_sums, z_sum = fused_router(logits, cfg, expert_bias, seq_len=seq_len,
-                                                          block_t=block_t)
-    tokens, n_experts, k = logits.shape[0], cfg.n_experts, cfg.top_k
+    ``[S, E]`` statistics. ``scores`` is ``None`` (never materialised). With no tokens the
+    statistics are empty sums and every loss is 0 (the divisors are taken at least 1)."""
+    ids, weights, counts, prob_sums, z_sum = fused_router(logits, cfg, expert_bias, seq_len=seq_len)
+    tokens, n_experts, k = max(logits.shape[0], 1), cfg.n_experts, cfg.top_k
     tokens_per_expert = counts.sum(dim=0)  # int64
-    if tokens == 0:
-        zero = prob_sums.sum() * 0
-        seq_aux = None if seq_len is None else zero
-        return RouterOutput(ids, weights, None, logits, tokens_per_expert, zero, zero.clone(),
-                            seq_aux)
     # E · Σ_e f_e · P_e with f_e = count_e / (T·k) and P_e = prob_sum_e / T.
     aux = (tokens_per_expert.float() * prob_sums.sum(dim=0)).sum() * (n_experts / (tokens * k * tokens))
     seq_aux = None
     if seq_len is not None:
-        n_seqs = tokens // seq_len
+        n_seqs = max(logits.shape[0] // seq_len, 1)
         seq_aux = (counts.float() * prob_sums).sum() * (
             n_experts / (seq_len * k * seq_len * n_seqs))
     z = z_sum.view(()) / tokens
@@ -409,17 +392,3 @@ def fused_route(
     return fused_route_from_logits(gate_logits(x, gate_weight, torch.float32), cfg, expert_bias,
                                    seq_len=seq_len)
 
-
-def check_finite_logits(logits: Tensor) -> None:
-    """Raise ``ValueError`` if any logit is NaN or any token's logits are all -inf.
-
-    The routers themselves do not check (a check reads a flag back to the host: a sync per
-    call); call this where a sync is acceptable, e.g. while debugging a diverging run."""
-    nan_tokens = torch.isnan(logits).any(dim=-1)
-    dead_tokens = (logits == float("-inf")).all(dim=-1) if logits.shape[-1] else nan_tokens
-    bad = (nan_tokens | dead_tokens).nonzero().flatten().tolist()
-    if bad:
-        raise ValueError(
-            f"logits must be finite or -inf with at least one finite value per token; "
-            f"tokens {bad[:8]}{' ...' if len(bad) > 8 else ''} hold NaN or only -inf"
-        )

@@ -257,16 +257,13 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
     ``dtype``, on ``device``. A config applied through `FORCED` comes first. Otherwise: under
     the interpreter each program costs a Python round trip, so tiles are as large as the
     problem allows (rows per expert for ``BLOCK_M``); compiled, `choose_config` picks from
-    `TILE_SPACE`, with no more stages than the GPU's shared memory holds
-    (`fit_shared`; the compile report passes its target's ``arch``)."""
+    `TILE_SPACE`, with no more stages than the shared memory of a CUDA ``device``'s GPU, or of
+    ``arch``, holds (`fit_shared`)."""
     if kernel in FORCED:
         return FORCED[kernel]
     if interpreted:
-        blocks = {
-            "BLOCK_M": min(128, max(16, triton.next_power_of_2(max(1, m // max(1, n_experts))))),
-            "BLOCK_N": min(128, max(16, triton.next_power_of_2(n))),
-            "BLOCK_K": min(128, max(16, triton.next_power_of_2(k))),
-        }
+        sizes = {"BLOCK_M": m // max(1, n_experts), "BLOCK_N": n, "BLOCK_K": k}
+        blocks = {name: min(128, max(16, triton.next_power_of_2(size))) for name, size in sizes.items()}
         return LaunchConfig(blocks, num_warps=4, num_stages=1)
     cfg = choose_config(kernel, m, n, k, n_experts, dtype)
     if device is not None and device.type == "cuda":
@@ -310,14 +307,14 @@ def dot_bf16(dtype: torch.dtype, interpreted: bool) -> bool:
     return dtype == torch.bfloat16 and not interpreted
 
 
-def launch_args(cfg: LaunchConfig, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype,
-                dw: bool = False) -> tuple[tuple[int, ...], dict[str, object]]:
-    """``(grid, keywords)`` of a launch at ``cfg`` (this module's kernels and the fused ones of
-    `moe_lab.kernels.fused_moe` and `moe_lab.kernels.fused_mxfp8`: ``kernel[grid](..., **keywords)``)
-    over ``m`` rows of ``n_experts`` experts, ``n`` output columns, reduction depth ``k``: a weight
-    gradient's (``dw``) on `expert_grid`, ``GROUP_K`` = `DW_GROUP_K`; any other on `grouped_grid`,
-    ``GROUP_M`` the config's else `tile_group`'s. The keywords hold the blocks, ``DOT_BF16``, the
-    warps and the stages; the kernel's own flags the caller adds."""
+def launch(kernel: object, cfg: LaunchConfig, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype,
+           *args: object, dw: bool = False, **flags: object) -> None:
+    """``kernel[grid](*args, **flags, ...)`` at ``cfg`` (this module's kernels and the fused ones of
+    `moe_lab.kernels.fused_moe` and `moe_lab.kernels.fused_mxfp8`) over ``m`` rows of ``n_experts``
+    experts, ``n`` output columns, reduction depth ``k``: a weight gradient's (``dw``) on
+    `expert_grid`, ``GROUP_K`` = `DW_GROUP_K`; any other on `grouped_grid`, ``GROUP_M`` the config's
+    else `tile_group`'s. It adds the blocks, ``DOT_BF16``, the warps and the stages to the kernel's
+    own ``flags``."""
     b = cfg.blocks
     if dw:
         grid = expert_grid(n_experts, k, n, b["BLOCK_K"], b["BLOCK_N"])
@@ -326,8 +323,8 @@ def launch_args(cfg: LaunchConfig, m: int, n: int, k: int, n_experts: int, dtype
         grid = grouped_grid(m, n_experts, n, b["BLOCK_M"], b["BLOCK_N"])
         group_m = cfg.group_m or tile_group(m, n_experts, b["BLOCK_M"])
         order = {"GROUP_M": group_m, "BLOCK_E": block_e(n_experts)}
-    return grid, {**b, **order, "DOT_BF16": dot_bf16(dtype, INTERPRETED), "num_warps": cfg.num_warps,
-                  "num_stages": cfg.num_stages}
+    kernel[grid](*args, **flags, **b, **order, DOT_BF16=dot_bf16(dtype, INTERPRETED), num_warps=cfg.num_warps,
+                 num_stages=cfg.num_stages)
 
 
 # --------------------------------------------------------------------------------------
@@ -344,9 +341,8 @@ def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Ten
     if m_bound and n and not isinstance(x, FakeTensor):
         cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
                             device=x.device)
-        grid, launch = launch_args(cfg, m_bound, n, k, n_experts, x.dtype)
-        _grouped_gemm_kernel[grid](x, w, y, offsets, m_bound, n, k, n_experts,
-                                   *x.stride(), *w.stride(), *y.stride(), **launch)
+        launch(_grouped_gemm_kernel, cfg, m_bound, n, k, n_experts, x.dtype,
+               x, w, y, offsets, m_bound, n, k, n_experts, *x.stride(), *w.stride(), *y.stride())
     return y
 
 
@@ -357,9 +353,8 @@ def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) ->
     if k and n and not isinstance(x, FakeTensor):
         cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
                             device=x.device)
-        grid, launch = launch_args(cfg, m_bound, n, k, n_experts, x.dtype, dw=True)
-        _grouped_gemm_dw_kernel[grid](x, dy, dw, offsets, m_bound, n, k,
-                                      *x.stride(), *dy.stride(), *dw.stride(), **launch)
+        launch(_grouped_gemm_dw_kernel, cfg, m_bound, n, k, n_experts, x.dtype,
+               x, dy, dw, offsets, m_bound, n, k, *x.stride(), *dy.stride(), *dw.stride(), dw=True)
     return dw
 
 
@@ -375,10 +370,9 @@ def _grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
         cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=INTERPRETED,
                             dtype=x.dtype, device=x.device)
         dh_arg = out if dh is None else dh  # unused by the forward
-        grid, launch = launch_args(cfg, m_bound, f, k, n_experts, x.dtype)
-        _grouped_gemm_swiglu_kernel[grid](x, w, out, dh_arg, offsets, m_bound, f, k, n_experts, *x.stride(),
-                                          *w.stride(), *out.stride(), *dh_arg.stride(),
-                                          BACKWARD=dh is not None, **launch)
+        launch(_grouped_gemm_swiglu_kernel, cfg, m_bound, f, k, n_experts, x.dtype,
+               x, w, out, dh_arg, offsets, m_bound, f, k, n_experts, *x.stride(), *w.stride(), *out.stride(),
+               *dh_arg.stride(), BACKWARD=dh is not None)
     return out
 
 
@@ -455,10 +449,7 @@ def check_operands(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int | None, w
             f"offsets must be [E + 1 = {w.shape[0] + 1}] int32, "
             f"got shape {tuple(offsets.shape)} {offsets.dtype}"
         )
-    for name, t in ((w_name, w), ("offsets", offsets)):
-        if t.device != x.device:
-            raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
-    check_device("x", x.device)
+    check_device("x", x.device, **{w_name: w, "offsets": offsets})
     if m_bound is None:
         return x.shape[0]
     return int_in(m_bound, "m_bound", 0, x.shape[0])

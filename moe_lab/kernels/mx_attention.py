@@ -137,16 +137,11 @@ def _mx_attention_fwd_kernel(
 def _check_mx(name: str, mx: MXTensor, dim: int) -> None:
     if not isinstance(mx, MXTensor):
         raise TypeError(f"{name} must be an MXTensor, got {type(mx).__name__}")
-    if mx.elem_dtype != E4M3 or mx.block_size != BLOCK_SIZE:
+    if mx.elem_dtype != E4M3 or mx.block_size != BLOCK_SIZE or len(mx.shape) != 4 or mx.dim != dim:
         raise ValueError(
-            f"{name} must be MXFP8 E4M3 with block_size {BLOCK_SIZE}, got "
-            f"{mx.elem_dtype} with block_size {mx.block_size}"
-        )
-    if len(mx.shape) != 4 or mx.dim != dim:
-        raise ValueError(
-            f"{name} must be a [batch, heads, seq, head_dim] MXTensor blocked along dim {dim}, "
-            f"got shape {tuple(mx.shape)} blocked along dim {mx.dim}"
-        )
+            f"{name} must be a [batch, heads, seq, head_dim] MXFP8 E4M3 MXTensor (block_size {BLOCK_SIZE}) "
+            f"blocked along dim {dim}, got {mx.elem_dtype} (block_size {mx.block_size}) of shape "
+            f"{tuple(mx.shape)} blocked along dim {mx.dim}")
 
 
 def mode_constexprs(quantize_p: bool, scale_mode: str, mma: str) -> dict[str, object]:
@@ -185,7 +180,8 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool, mma: str = "sca
 
 
 def _check_qkv(q: MXTensor, k: MXTensor, v: MXTensor, scale_mode: str) -> None:
-    """`mx_attention_forward`'s door: the operands' blocking, shapes, heads and device."""
+    """`mx_attention_forward`'s door: the operands' blocking, shapes and heads (their device:
+    `moe_lab.kernels.mx_gemm.check_mma`)."""
     _check_mx("q", q, 3)
     _check_mx("k", k, 3)
     _check_mx("v", v, 2)
@@ -201,9 +197,6 @@ def _check_qkv(q: MXTensor, k: MXTensor, v: MXTensor, scale_mode: str) -> None:
         raise ValueError(f"k heads ({h_kv}) must divide q heads ({h})")
     if t_q > t_k:
         raise ValueError(f"T_q = {t_q} must be <= T_k = {t_k} (causal: every query sees a key)")
-    devices = {q.data.device, k.data.device, v.data.device}
-    if len(devices) != 1:
-        raise ValueError(f"q, k, v must be on one device, got {sorted(map(str, devices))}")
 
 
 def mx_attention_forward(
@@ -235,7 +228,7 @@ def mx_attention_forward(
     bq, h, t_q, d = q.shape
     h_kv, t_k = k.shape[1], k.shape[2]
     device = q.data.device
-    check_mma("q", device, mma)
+    check_mma("q", device, mma, k=k.data, v=v.data)
     out = torch.empty((bq, h, t_q, d), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
@@ -266,23 +259,15 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
 
     ``q``: ``[B, H, T_q, d]``; ``k``, ``v``: ``[B, H_kv, T_k, d]``; float32 or bfloat16.
     """
-    def rows(x: Tensor) -> MXTensor:
-        b, h, t, d = x.shape
-        mx, _ = mx_quantize(x.reshape(b * h * t, d), colwise=False, scale_mode=scale_mode,
-                            pad=True)
-        d_pad = mx.data.shape[-1]
-        return MXTensor(mx.data.reshape(b, h, t, d_pad), mx.scale.reshape(b, h, t, d_pad // 32),
-                        E4M3, BLOCK_SIZE, 3, x.shape, scale_mode)
-
-    def keys(x: Tensor) -> MXTensor:
-        b, h, t, d = x.shape
-        _, mx = mx_quantize(x.reshape(b * h, t, d), rowwise=False, scale_mode=scale_mode,
-                            pad=True)
-        t_pad = mx.data.shape[-2]
-        return MXTensor(mx.data.reshape(b, h, t_pad, d), mx.scale.reshape(b, h, t_pad // 32, d),
-                        E4M3, BLOCK_SIZE, 2, x.shape, scale_mode)
-
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    def blocked(name: str, x: Tensor, dim: int) -> MXTensor:
         if x.dim() != 4:
             raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got {tuple(x.shape)}")
-    return rows(q), rows(k), keys(v)
+        b, h, t, d = x.shape
+        row, col = mx_quantize(x.reshape(b * h, t, d), rowwise=dim == 3, colwise=dim == 2,
+                               scale_mode=scale_mode, pad=True)
+        mx = row if dim == 3 else col
+        data, scale = mx.data, mx.scale
+        return MXTensor(data.reshape(b, h, *data.shape[1:]), scale.reshape(b, h, *scale.shape[1:]),
+                        E4M3, BLOCK_SIZE, dim, x.shape, scale_mode)
+
+    return blocked("q", q, 3), blocked("k", k, 3), blocked("v", v, 2)

@@ -86,16 +86,16 @@ def mx_mma_mode(interpreted: bool, device: torch.device | None = None) -> str:
 
 
 
-def check_mma(name: str, device: torch.device, mma: str | None) -> None:
-    """`check_device` for a wrapper's operand ``name``, and a forced ``mma`` (one of `MX_MMAS`)
-    this device runs: the GPU has what it needs; ``"bf16"`` runs compiled only (the
-    interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers)."""
+def check_mma(name: str, device: torch.device, mma: str | None, **others: Tensor) -> None:
+    """`check_device` for a wrapper's operand ``name`` (and ``others`` on its device), and a forced
+    ``mma`` (one of `MX_MMAS`) this device runs: the GPU has what it needs; ``"bf16"`` runs
+    compiled only (the interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers)."""
     if mma is not None:
         one_of(mma, "mma", MX_MMAS)
         if mma == "bf16" and INTERPRETED:
             raise ValueError("mma='bf16' runs compiled only: the interpreter's tl.dot multiplies bf16 "
                              "bit patterns as integers (use 'emulate')")
-    check_device(name, device, MX_MMA_NEEDS.get(mma, "bf16_mma"), f"mma={mma!r}")
+    check_device(name, device, MX_MMA_NEEDS.get(mma, "bf16_mma"), f"mma={mma!r}", **others)
 
 
 @triton.jit
@@ -264,36 +264,35 @@ def launch_config(m: int, n: int, k: int, interpreted: bool, mma: str = "scaled"
     return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)
 
 
-def _check_operand(name: str, codes: Tensor, scales: Tensor) -> None:
+def _check_operand(name: str, codes: Tensor, scales: Tensor, shape: str = "[rows, K]") -> None:
+    """``codes``: E4M3 of ``shape`` (``[rows, K]``, or a grouped weight's ``[E, N, K]``), K a
+    positive multiple of 32; ``scales``: their E8M0 bytes, one per 32 along K."""
     if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
         raise TypeError(f"{name} and {name}_scale must be torch.Tensors, got "
                         f"{type(codes).__name__} and {type(scales).__name__}")
-    if codes.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, K], got shape {tuple(codes.shape)}")
+    if codes.dim() != len(shape.split(",")):
+        raise ValueError(f"{name} must be {len(shape.split(','))}-D {shape}, got shape {tuple(codes.shape)}")
     if codes.dtype != E4M3:
         raise ValueError(f"{name}.dtype must be {E4M3} (E4M3 codes), got {codes.dtype}")
     if scales.dtype not in (E8M0, torch.uint8):
         raise ValueError(f"{name}_scale.dtype must be {E8M0} or torch.uint8 (E8M0 bytes), got {scales.dtype}")
-    rows, k = codes.shape
+    k = codes.shape[-1]
     if k == 0 or k % BLOCK_SIZE:
         raise ValueError(f"{name}'s K = {k} must be a positive multiple of {BLOCK_SIZE}")
-    if tuple(scales.shape) != (rows, k // BLOCK_SIZE):
-        raise ValueError(f"{name}_scale must have shape {(rows, k // BLOCK_SIZE)} (one byte per "
+    if tuple(scales.shape) != (*codes.shape[:-1], k // BLOCK_SIZE):
+        raise ValueError(f"{name}_scale must have shape {(*codes.shape[:-1], k // BLOCK_SIZE)} (one byte per "
                          f"{BLOCK_SIZE} elements of {name}'s rows), got {tuple(scales.shape)}")
 
 
 def _checked_output(out_dtype: torch.dtype, mma: str | None, n: int, **tensors: Tensor) -> tuple[Tensor, str]:
     """What both wrappers check once their operands are checked (``a`` and ``b`` share K,
-    ``out_dtype``, one device for ``tensors``, ``mma``); returns the empty ``[M, n]`` output and
+    ``out_dtype``, ``tensors`` on ``a``'s device, ``mma``); returns the empty ``[M, n]`` output and
     the MMA to run."""
-    a, b = tensors["a"], tensors["b"]
+    a, b = tensors.pop("a"), tensors["b"]
     if a.shape[1] != b.shape[-1]:
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        raise ValueError(f"{', '.join(tensors)} must be on one device, got {sorted(map(str, devices))}")
-    check_mma("a", a.device, mma)
+    check_mma("a", a.device, mma, **tensors)
     c = torch.empty((a.shape[0], n), dtype=out_dtype, device=a.device)
     return c, mma or mx_mma_mode(INTERPRETED, a.device)
 
@@ -348,14 +347,9 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
     ``tcgen05.mma`` on Blackwell) or FP8 ``wgmma`` per K block (Hopper), interpreted
     through the emulated path.
     """
-    if not isinstance(b, torch.Tensor) or b.dim() != 3:
-        raise ValueError(f"b must be a 3-D [E, N, K] tensor, got {getattr(b, 'shape', type(b).__name__)}")
-    if not isinstance(b_scale, torch.Tensor) or b_scale.dim() != 3:
-        raise ValueError(f"b_scale must be a 3-D [E, N, K/32] tensor, got "
-                         f"{getattr(b_scale, 'shape', type(b_scale).__name__)}")
-    n_experts, n, k = b.shape
     _check_operand("a", a, a_scale)
-    _check_operand("b", b.reshape(n_experts * n, k), b_scale.reshape(n_experts * n, -1))
+    _check_operand("b", b, b_scale, "[E, N, K]")
+    n_experts, n, k = b.shape
     if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or tuple(offsets.shape) != (
             n_experts + 1,):
         raise ValueError(f"offsets must be an int32 tensor of shape ({n_experts + 1},) (one more than "

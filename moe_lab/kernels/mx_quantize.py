@@ -223,17 +223,15 @@ def mx_quantize(
         ``[.., K, M32]``, scale ``[.., M32/32, K]``). ``None`` for a copy not asked for.
     """
     _check_quantize(x, rowwise, colwise, elem_dtype, scale_mode, pad)
-    squeeze = x.dim() == 2
-    x3 = x.unsqueeze(0) if squeeze else x
+    x3 = x.unsqueeze(0) if x.dim() == 2 else x
     nb, m, k = x3.shape
     m_pad, k_pad = padded_size(m), padded_size(k)
-    dev = x.device
-    row_data = torch.empty((nb, m, k_pad if rowwise else 0), dtype=torch.uint8, device=dev)
-    row_scale = torch.empty((nb, m, k_pad // BLOCK_SIZE if rowwise else 0), dtype=torch.uint8,
-                            device=dev)
-    col_data = torch.empty((nb, k, m_pad if colwise else 0), dtype=torch.uint8, device=dev)
-    col_scale = torch.empty((nb, k, m_pad // BLOCK_SIZE if colwise else 0), dtype=torch.uint8,
-                            device=dev)
+    # Without a batch dim when x has none: the kernel writes [nb, ...] contiguous either way.
+    batch, dev = x.shape[:-2], x.device
+    row_data = torch.empty((*batch, m, k_pad if rowwise else 0), dtype=torch.uint8, device=dev)
+    row_scale = torch.empty((*batch, m, k_pad // BLOCK_SIZE if rowwise else 0), dtype=torch.uint8, device=dev)
+    col_data = torch.empty((*batch, k, m_pad if colwise else 0), dtype=torch.uint8, device=dev)
+    col_scale = torch.empty((*batch, k, m_pad // BLOCK_SIZE if colwise else 0), dtype=torch.uint8, device=dev)
     if x3.numel():
         # Read raw bits: float32 as int32, bfloat16 as int16 (widened in the kernel).
         bits = x3.view(torch.int16) if x.dtype == torch.bfloat16 else x3.view(torch.int32)
@@ -249,10 +247,11 @@ def mx_quantize(
         )
     row = col = None
     if rowwise:
-        row = _as_mx(x, row_data, row_scale, x.dim() - 1, elem_dtype, scale_mode)
+        row = MXTensor(row_data.view(elem_dtype), row_scale.view(E8M0), elem_dtype, BLOCK_SIZE, x.dim() - 1,
+                       x.shape, scale_mode)
     if colwise:  # the codes and scales were stored column-major: the transposed views
-        col = _as_mx(x, col_data.transpose(-1, -2), col_scale.transpose(-1, -2), x.dim() - 2,
-                     elem_dtype, scale_mode)
+        col = MXTensor(col_data.transpose(-1, -2).view(elem_dtype), col_scale.transpose(-1, -2).view(E8M0),
+                       elem_dtype, BLOCK_SIZE, x.dim() - 2, x.shape, scale_mode)
     return row, col
 
 
@@ -278,12 +277,3 @@ def _check_quantize(x: Tensor, rowwise: bool, colwise: bool, elem_dtype: torch.d
                 f"{'row' if name == 'K' else 'column'}-wise blocks (or pass pad=True)"
             )
 
-
-def _as_mx(x: Tensor, codes: Tensor, scales: Tensor, dim: int, elem_dtype: torch.dtype,
-           scale_mode: str) -> MXTensor:
-    """The kernel's uint8 codes and scales of ``x`` as an `MXTensor` blocked along ``dim``
-    (without the batch dim a 2-D ``x`` did not have)."""
-    data, scale = codes.view(elem_dtype), scales.view(E8M0)
-    if x.dim() == 2:
-        data, scale = data[0], scale[0]
-    return MXTensor(data, scale, elem_dtype, BLOCK_SIZE, dim, x.shape, scale_mode)

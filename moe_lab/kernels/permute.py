@@ -21,18 +21,12 @@ import triton
 import triton.language as tl
 from torch._subclasses import FakeTensor
 
-from moe_lab.checks import first_derivative_only
+from moe_lab.checks import first_derivative_only, non_negative_int, one_of, positive_int
 from moe_lab.kernels.common import INTERPRETED, cast_for_store, check_device, kernel_op
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.kernels.permute_args import (  # noqa: F401 - permuted_rows: public here too
-    check_map,
-    check_rows,
-    check_topk,
-    check_weights,
-    permuted_rows,
-)
 
 Tensor = torch.Tensor
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # --------------------------------------------------------------------------------------
@@ -288,13 +282,39 @@ class Unpermute(torch.autograd.Function):
         return dy, None, dweights
 
 
-def _check_devices(first: Tensor, **others: Tensor) -> None:
-    """Every tensor on ``first``'s device, one compiled Triton can run on (`check_device`)."""
-    for name, t in others.items():
-        if t.device != first.device:
-            raise ValueError(f"{name} must be on {first.device} (the first argument's device), "
-                             f"got {t.device}")
-    check_device("the tensors", first.device)
+def permuted_rows(tokens: int, top_k: int, n_experts: int, align: int = 1) -> int:
+    """Static size of the permuted buffer: ``T·k``, plus ``E·(align − 1)`` padding rows
+    when each expert's segment is rounded up to a multiple of ``align``."""
+    return tokens * top_k + n_experts * (align - 1)
+
+
+def check_rows(name: str, t: Tensor) -> None:
+    """``t: [rows, d]`` in one of `KERNEL_DTYPES`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, d], got shape {tuple(t.shape)}")
+    one_of(t.dtype, f"{name}.dtype", KERNEL_DTYPES)
+
+
+def check_map(row_id_map: Tensor, tokens: int | None, n_rows: int) -> None:
+    """``row_id_map: [T, k]`` int32 (``T = tokens`` unless None), ``n_rows`` a non-negative int
+    with ``T·k <= n_rows`` (the doors of `permute`, `unpermute` and the fused expert MLP)."""
+    non_negative_int(n_rows, "n_rows")
+    if not isinstance(row_id_map, torch.Tensor):
+        raise TypeError(f"row_id_map must be a torch.Tensor, got {type(row_id_map).__name__}")
+    expected_t = "T" if tokens is None else f"T = {tokens}"
+    if (row_id_map.dim() != 2 or row_id_map.dtype != torch.int32
+            or (tokens is not None and row_id_map.shape[0] != tokens)):
+        raise ValueError(
+            f"row_id_map must be [{expected_t}, k] int32, "
+            f"got shape {tuple(row_id_map.shape)} {row_id_map.dtype}"
+        )
+    if n_rows < row_id_map.numel():
+        raise ValueError(
+            f"n_rows must be at least T·k = {row_id_map.numel()} (one row per token and slot), "
+            f"got {n_rows}"
+        )
 
 
 def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
@@ -312,8 +332,14 @@ def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tupl
         ``offsets[e]:offsets[e+1]`` (its tokens first, then zero padding). The buffer
         needs ``permuted_rows(T, k, E, align)`` rows; ``offsets[E]`` is at most that.
     """
-    check_topk(topk_ids, n_experts, align)
-    _check_devices(topk_ids)
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"topk_ids must be [T, k] int64 or int32, got shape {tuple(topk_ids.shape)} "
+                         f"{topk_ids.dtype}")
+    positive_int(n_experts, "n_experts")
+    positive_int(align, "align")
+    check_device("topk_ids", topk_ids.device)
     return build_row_id_map(topk_ids, n_experts, align)
 
 
@@ -336,7 +362,7 @@ def permute(x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
     """
     check_rows("x", x)
     check_map(row_id_map, x.shape[0], n_rows)
-    _check_devices(x, row_id_map=row_id_map)
+    check_device("x", x.device, row_id_map=row_id_map)
     return Permute.apply(x, row_id_map, n_rows)
 
 
@@ -349,8 +375,14 @@ def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> T
     """
     check_rows("y", y)
     check_map(row_id_map, None, y.shape[0])
-    check_weights(weights, row_id_map)
-    _check_devices(y, row_id_map=row_id_map, **({} if weights is None else {"weights": weights}))
+    if weights is not None:
+        if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+            got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise ValueError(f"weights must be a floating-point tensor or None, got {got}")
+        if weights.shape != row_id_map.shape:
+            raise ValueError(f"weights must be [T, k] = {tuple(row_id_map.shape)} like row_id_map, "
+                             f"got {tuple(weights.shape)}")
+    check_device("y", y.device, row_id_map=row_id_map, weights=weights)
     return Unpermute.apply(y, row_id_map, weights)
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -169,45 +170,35 @@ def dropless_dispatch(x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor
     return out_TD, torch.zeros((), dtype=torch.int64, device=x_TD.device)
 
 
-def _fused(scatter: str) -> Callable[..., tuple[Tensor, Tensor]]:
-    """The fused dispatcher whose epilogue scatters as ``scatter`` says: ``"deterministic"`` (a
-    token-major store, then a sum over the top-k) or ``"atomic"`` (float32 atomics)."""
+def fused_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
+                   cfg: MoEConfig | None = None, *, scatter: str) -> tuple[Tensor, Tensor]:
+    """Dropless with the permute and the combine fused into the grouped GEMMs
+    (`moe_lab.kernels.fused_moe`): a gather prologue and a weighted-scatter epilogue, so neither
+    the permuted tokens nor the expert-ordered output is written. Never drops. ``scatter``, as
+    registered: ``"deterministic"`` (``fused``: a token-major store, then a sum over the top-k)
+    or ``"atomic"`` (``fused_atomic``: float32 atomics)."""
+    # Imported on first use: importing the layer does not import Triton.
+    from moe_lab.kernels.fused_moe import fused_moe_mlp
+    from moe_lab.kernels.permute import build_row_id_map
 
-    def fused_dispatch(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, experts: SwiGLUExperts,
-                       cfg: MoEConfig | None = None) -> tuple[Tensor, Tensor]:
-        """Dropless with the permute and the combine fused into the grouped GEMMs
-        (`moe_lab.kernels.fused_moe`): a gather prologue and a weighted-scatter epilogue
-        (deterministic or atomic, as registered), so neither the permuted tokens nor the
-        expert-ordered output is written. Never drops."""
-        # Imported on first use: importing the layer does not import Triton.
-        from moe_lab.kernels.fused_moe import fused_moe_mlp
-        from moe_lab.kernels.permute import build_row_id_map
-
-        # What the experts were set to after the layer was built (`check_pairing` checked
-        # their class): quantization is not fused. (The paged stash attaches to 'dropless' only.)
-        if experts.quant is not None:
-            raise ValueError("the fused dispatchers fuse plain SwiGLU experts, without "
-                             f"quantization (quant={experts.quant!r}); use 'dropless'")
-        row_id_map, offsets = build_row_id_map(topk_ids, experts.n_experts)
-        out = fused_moe_mlp(x, experts.w_gate_up.to(x.dtype), experts.w_down.to(x.dtype), row_id_map,
-                            offsets, topk_weights, scatter=scatter)
-        return out, torch.zeros((), dtype=torch.int64, device=x.device)
-
-    return fused_dispatch
+    row_id_map, offsets = build_row_id_map(topk_ids, experts.n_experts)
+    out = fused_moe_mlp(x, experts.w_gate_up.to(x.dtype), experts.w_down.to(x.dtype), row_id_map,
+                        offsets, topk_weights, scatter=scatter)
+    return out, torch.zeros((), dtype=torch.int64, device=x.device)
 
 
-register_dispatcher("fused", "kernels", missing=TRITON_MISSING)(_fused("deterministic"))
-register_dispatcher("fused_atomic", "kernels", missing=TRITON_MISSING)(_fused("atomic"))
+for _name, _scatter in (("fused", "deterministic"), ("fused_atomic", "atomic")):
+    register_dispatcher(_name, "kernels", missing=TRITON_MISSING)(partial(fused_dispatch, scatter=_scatter))
 
 
 def check_pairing(dispatcher: str, experts: SwiGLUExperts) -> Dispatcher:
     """The dispatcher named ``dispatcher``, once it is known to run ``experts``: one that runs
-    them in its own kernels needs plain `SwiGLUExperts` (the kernels compute SwiGLU from the
-    weights). Which backends an expert class runs on it checks itself
-    (``SwiGLUExperts.BACKENDS``, as it takes its backend)."""
+    them in its own kernels needs plain `SwiGLUExperts` without quantization (the kernels
+    compute SwiGLU from the weights, unquantized). Which backends an expert class runs on it
+    checks itself (``SwiGLUExperts.BACKENDS``, as it takes its backend)."""
     fn = DISPATCHERS.lookup(dispatcher, "dispatcher")
-    if fn.runs_experts == "kernels" and type(experts) is not SwiGLUExperts:
-        raise ValueError(f"dispatcher {dispatcher!r} computes plain SwiGLU experts in its own "
-                         f"kernels, so it cannot run {type(experts).__name__}; use 'dropless', "
-                         "'naive' or 'capacity'")
+    if fn.runs_experts == "kernels" and (type(experts) is not SwiGLUExperts or experts.quant is not None):
+        raise ValueError(f"dispatcher {dispatcher!r} computes plain SwiGLU experts, without quantization, "
+                         f"in its own kernels, so it cannot run {type(experts).__name__} with "
+                         f"quant={experts.quant!r}; use 'dropless', 'naive' or 'capacity'")
     return fn

@@ -135,10 +135,8 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(h: Tensor) -> Tensor:
-    """``[..., 2f] -> [..., f]``: ``silu(gate) * up`` with gate and up the two halves."""
-    if h.shape[-1] % 2:
-        raise ValueError(f"swiglu: the last dim of h holds gate and up halves and must be even, "
-                         f"got shape {tuple(h.shape)}")
+    """``[..., 2f] -> [..., f]``: ``silu(gate) * up`` with gate and up the two halves (every
+    caller's ``h`` comes from a ``2f``-wide GEMM)."""
     if h.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return _SwiGLU.apply(h)
     gate, up = h.chunk(2, dim=-1)

@@ -33,7 +33,7 @@ Defined behaviour, kept by every implementation:
 - **NaN logits** propagate: the token's scores, and through them the weights or the
   auxiliary statistics, become NaN, so the loss shows it; the ids stay valid indices, but
   which ones is not specified. Nothing is checked on the host (that would be a sync);
-  `moe_lab.kernels.fused_router.check_finite_logits` is the explicit, syncing check.
+  ``torch.isfinite(logits).all()`` is the explicit, syncing check.
 
 Every step here is sync-free: counts come from ``scatter_add_``, not ``bincount``.
 """

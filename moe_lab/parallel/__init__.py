@@ -4,9 +4,8 @@
   a process group, tokens moved by two all-to-alls (dropless, or budgeted and sync-free);
 - ``chunks`` — that layer's step cut into stages over chunks of tokens, the experts'
   backward written out (dgrad and wgrad), for a schedule to order;
-- ``overlap`` — a chunked step that overlaps one chunk's all-to-all with another's expert
-  compute (`ChunkedStep`, `exposed_time`);
-- ``plan`` — 1F1B merging as data: the stages of a merged unit, the four schedules,
+- ``plan`` — chunk pipelining and 1F1B merging as data: the stages of a merged unit, the
+  chunked plan that overlaps one chunk's all-to-all with another's experts, the four schedules,
   `check_plan`, and `simulate_plan` on a model machine;
 - ``merged`` — the plans run on real ranks (`MergedStep`, `two_microbatch_step`);
 - ``merged_model`` — a whole model trained on merged 1F1B units, block by block

@@ -1,6 +1,6 @@
 """The stages of one chunk of an expert-parallel step, written out for a schedule to order.
 
-A schedule that hides the all-to-all (`moe_lab.parallel.overlap.ChunkedStep`, the 1F1B
+A schedule that hides the all-to-all (a chunked or 1F1B plan run by
 `moe_lab.parallel.merged.MergedStep`) cannot call the layer's ``forward`` and let autograd run
 the backward: it must start each collective itself and put compute between. So the dropless
 `EPMoELayer` step is cut here into stages over one `Chunk` of a rank's tokens:
@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_lab.moe.dispatch import sort_by_expert
-from moe_lab.moe.experts import check_no_hidden_sync, grouped_mm, grouped_mm_wgrad, swiglu
+from moe_lab.moe.experts import check_no_hidden_sync, grouped_mm, grouped_mm_wgrad, swiglu, torch_permute
 from moe_lab.parallel.ep import EPMoELayer, received_order
 from moe_lab.parallel.timeline import Event, Timeline
 
@@ -115,6 +114,7 @@ class Chunk:
     w_leaf: Tensor | None = None
     out: Tensor | None = None
     aux: Tensor | None = None  # the chunk's weighted auxiliary + z losses (with aux_scale)
+    aux_scale: float | None = None  # the factor ``aux`` is back-propagated with (see `ChunkStages`)
 
 
 class ChunkStages:
@@ -122,9 +122,10 @@ class ChunkStages:
 
     The experts run on ``moe_lab::grouped_mm`` whatever the layer's expert backend: on CUDA
     bf16 only (anything else syncs inside: `check_no_hidden_sync`). Parameter gradients accumulate
-    into the layer's ``.grad``. ``aux_scale``: None back-propagates the output's gradient only;
-    a number also back-propagates the chunk's auxiliary and z losses (weighted by the config's
-    coefficients) with that factor (a training step: 1 / micro-batches).
+    into the layer's ``.grad``. A micro-batch's ``aux_scale`` (`route`): None back-propagates
+    the output's gradient only; a number also back-propagates the chunk's auxiliary and z
+    losses (weighted by the config's coefficients) with that factor (a training step:
+    1 / micro-batches).
     """
 
     def __init__(self, layer: EPMoELayer) -> None:
@@ -139,7 +140,6 @@ class ChunkStages:
                              f"moe_lab::grouped_mm, not on its backend {layer.experts.backend!r})",
                              "model.bfloat16()")
         self.layer = layer
-        self.aux_scale: float | None = None
 
     # ------------------------------------------------------------------ counts
     def send_counts(self, chunks: list[Chunk]) -> Tensor:
@@ -158,20 +158,18 @@ class ChunkStages:
             c.send_splits, c.recv_splits = sizes[0][i], sizes[1][i]
 
     # ------------------------------------------------------------------ forward
-    def route(self, x: Tensor, rows: slice) -> Chunk:
+    def route(self, x: Tensor, rows: slice, aux_scale: float | None) -> Chunk:
         layer = self.layer
         with torch.enable_grad():
             xc = x[rows].detach().requires_grad_()
             routing = layer.router(xc)
-            order, _ = sort_by_expert(routing.topk_ids, layer.cfg.n_experts)
-            token_of = order // layer.cfg.top_k
-            send = xc.index_select(0, token_of)
+            send, _, (order, token_of) = torch_permute(xc, routing.topk_ids, layer.cfg.n_experts)
             w_sorted = routing.topk_weights.reshape(-1).index_select(0, order)
             aux = None
-            if self.aux_scale is not None:
+            if aux_scale is not None:
                 aux = routing.aux_loss * layer.cfg.aux_loss_coef + routing.z_loss * layer.cfg.z_loss_coef
         counts = routing.tokens_per_expert.view(layer.ep_size, layer.n_local)
-        return Chunk(rows, xc, token_of, send, w_sorted, counts, aux=aux)
+        return Chunk(rows, xc, token_of, send, w_sorted, counts, aux=aux, aux_scale=aux_scale)
 
     def shared_fwd(self, c: Chunk) -> None:
         if self.layer.shared is not None:
@@ -239,5 +237,5 @@ class ChunkStages:
         tensors, grads = [c.send, c.w_sorted], [dsend, c.w_leaf.grad]
         if c.aux is not None and c.aux.requires_grad:
             tensors.append(c.aux)
-            grads.append(torch.full_like(c.aux, self.aux_scale))
+            grads.append(torch.full_like(c.aux, c.aux_scale))
         torch.autograd.backward(tensors, grads)

@@ -48,8 +48,7 @@ import torch.nn.functional as F
 
 from moe_lab.checks import one_of, positive_number
 from moe_lab.config import ModelImpls, MoEConfig
-from moe_lab.moe.dispatch import sort_by_expert
-from moe_lab.moe.experts import SwiGLUExperts
+from moe_lab.moe.experts import SwiGLUExperts, torch_permute, torch_unpermute
 from moe_lab.moe.layer import MoELayer, MoEStats, shared_expert
 from moe_lab.moe.router import Router
 
@@ -148,8 +147,8 @@ def traffic_matrix(topk_ids_per_rank: list[Tensor], n_experts: int) -> Tensor:
 
 def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float) -> int:
     """Rows per (source, destination) block in the budgeted mode:
-    ``ceil(capacity_factor · tokens · top_k / world_size)``, at least 1."""
-    positive_number(capacity_factor, "capacity_factor")
+    ``ceil(capacity_factor · tokens · top_k / world_size)``, at least 1 (``capacity_factor``
+    checked by the layer)."""
     return max(1, math.ceil(capacity_factor * tokens * top_k / world_size))
 
 
@@ -232,15 +231,13 @@ class EPMoELayer(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
         # 1. permute: this rank's T·k rows sorted by expert, hence grouped by destination rank
-        order, _ = sort_by_expert(routing.topk_ids, self.cfg.n_experts)
-        token_of = order // routing.topk_ids.shape[1]
-        x_sorted = tokens.index_select(0, token_of)  # [T·k, d]
+        x_sorted, _, layout = torch_permute(tokens, routing.topk_ids, self.cfg.n_experts)  # [T·k, d]
         counts = routing.tokens_per_expert.view(self.ep_size, self.n_local)  # [W, E_local]
         # 2.–5. the exchange and this rank's experts: each permuted row's expert output
         if self.mode == "dropless":
             y_rows, info = self._dropless(x_sorted, counts)
         else:
-            row_dest = routing.topk_ids.reshape(-1).index_select(0, order) // self.n_local  # [T·k]
+            row_dest = routing.topk_ids.reshape(-1).index_select(0, layout[0]) // self.n_local  # [T·k]
             budget = ep_budget(tokens.shape[0], self.cfg.top_k, self.ep_size, self.capacity_factor)
             y_rows, info = self._budgeted(x_sorted, row_dest, counts, budget)
             if self.on_overflow == "rerun" and bool(info["overflow"]):
@@ -253,8 +250,7 @@ class EPMoELayer(nn.Module):
                 again["overflow"] = info["overflow"]
                 info = again
         # 6. unpermute: weight by the router and sum each token's k rows
-        weight = routing.topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_rows.dtype)
-        y = torch.zeros_like(tokens).index_add_(0, token_of, y_rows * weight)
+        y = torch_unpermute(y_rows, layout, routing.topk_weights)
         if self.shared is not None:
             y = y + self.shared(tokens)
         stats = EPStats(
@@ -343,13 +339,10 @@ def from_layer(layer: MoELayer, group: ProcessGroup | None = None, **kwargs: Any
     with torch.device(w.device):  # built where ``layer`` lives, not on the default device
         ep = EPMoELayer(layer.cfg, group, quant=layer.experts.quant, **kwargs)
     ep.to(dtype=w.dtype)
+    # The same names as the layer's (router, experts, shared); the experts' weights sliced.
     lo, hi = ep.local_experts.start, ep.local_experts.stop
-    with torch.no_grad():
-        ep.router.load_state_dict(layer.router.state_dict())
-        if layer.shared is not None:
-            ep.shared.load_state_dict(layer.shared.state_dict())
-        ep.experts.w_gate_up.copy_(layer.experts.w_gate_up[lo:hi])
-        ep.experts.w_down.copy_(layer.experts.w_down[lo:hi])
+    state = layer.state_dict()
+    ep.load_state_dict({k: v[lo:hi] if k.startswith("experts.") else v for k, v in state.items()})
     ep.train(layer.training)
     return ep
 

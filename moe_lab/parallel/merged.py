@@ -24,7 +24,6 @@ cool-down backward), which the tests compare with the plain schedule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,12 +46,13 @@ Tensor = torch.Tensor
 class MicroBatch:
     """One micro-batch's tokens ``x: [tokens, d_model]`` and output gradient (may be set
     after its forward, before its backward), and the state its forward leaves for its
-    backward. ``key`` names it in the replay cache."""
+    backward. ``key`` names it in the replay cache; ``aux_scale``: see `ChunkStages`."""
 
     x: Tensor
     grad_out: Tensor | None
     key: str
     owner: MergedStep | None = None  # the step (hence the layer) whose stages it runs
+    aux_scale: float | None = None
     chunks: list[Chunk] = field(default_factory=list)
 
     @property
@@ -96,27 +96,29 @@ class MergedStep:
     """Runs plans of `stage_graph` stages for one `EPMoELayer` (``dropless``), ``n_chunks``
     chunks per micro-batch (the stages' arithmetic: `ChunkStages`); `run` executes a plan over
     a forward and/or a backward micro-batch. Every rank of the layer's group must run the same
-    plans in the same order.
+    plans in the same order. ``keep_for_replay``: keep what the collectives delivered, for
+    ``run(..., replay=True)``.
     """
 
-    def __init__(self, layer: EPMoELayer, n_chunks: int) -> None:
+    def __init__(self, layer: EPMoELayer, n_chunks: int, keep_for_replay: bool = True) -> None:
         self.ops = ChunkStages(layer)  # checks the layer
         self.layer, self.n_chunks = layer, positive_int(n_chunks, "n_chunks")
         self.cache: dict = {}
-        self.keep_for_replay = True  # keep what the collectives delivered (for replay=True)
+        self.keep_for_replay = keep_for_replay
         self.comm_stream = None
         w = layer.experts.w_gate_up
         if w.is_cuda:  # not yet run on a GPU
             self.comm_stream = torch.cuda.Stream(device=w.device, priority=-1)
 
-    def microbatch(self, x: Tensor, grad_out: Tensor | None, key: str) -> MicroBatch:
+    def microbatch(self, x: Tensor, grad_out: Tensor | None, key: str,
+                   aux_scale: float | None = None) -> MicroBatch:
         """A micro-batch of this step's layer; ``grad_out`` may be None until its backward."""
         d, n = self.layer.cfg.d_model, self.n_chunks
         if (x.dim() != 2 or x.shape[1] != d or x.shape[0] < n
                 or (grad_out is not None and grad_out.shape != x.shape)):
             raise ValueError(f"x and grad_out must be [tokens >= n_chunks={n}, d_model={d}], got "
                              f"{tuple(x.shape)} and {None if grad_out is None else tuple(grad_out.shape)}")
-        return MicroBatch(x, grad_out, key, owner=self)
+        return MicroBatch(x, grad_out, key, owner=self, aux_scale=aux_scale)
 
     # ----------------------------------------------------------------- collectives
     def _start(self, key: tuple, x: Tensor, out_splits: list[int], in_splits: list[int],
@@ -147,8 +149,7 @@ class MergedStep:
 
     # ----------------------------------------------------------------- running a plan
     def run(self, order: list[str], fwd: MicroBatch | None = None, bwd: MicroBatch | None = None,
-            replay: bool = False, sequential: bool = False, label: str = "",
-            before_stage: Callable[[str], None] | None = None) -> Timeline:
+            replay: bool = False, sequential: bool = False, label: str = "") -> Timeline:
         """Execute ``order`` (a `plan`, or any order `check_plan` accepts) over the forward of
         ``fwd`` and the backward of ``bwd`` (whose forward must have run, or run earlier in
         ``order`` when ``bwd is fwd``). Each micro-batch
@@ -157,12 +158,11 @@ class MergedStep:
         process group. ``sequential``:
         wait for every collective as soon as it starts. ``replay``: no collectives, the
         tensors the last real run received instead (the compute-only reference).
-        ``before_stage(name)``, if given, is called before each stage (the fault tests use
-        it). Parameter gradients accumulate into the layer's ``.grad``. Returns this rank's
+        Parameter gradients accumulate into the layer's ``.grad``. Returns this rank's
         `Timeline` (events on a compute and a comm lane; the step's wall time)."""
         stages = stage_graph(self.n_chunks, forward=fwd is not None, backward=bwd is not None)
         check_plan(order, stages)
-        return _PlanRun(fwd, bwd, replay, sequential).execute(order, stages, label, before_stage)
+        return _PlanRun(fwd, bwd, replay, sequential).execute(order, stages, label)
 
 
 class _PlanRun:
@@ -184,19 +184,17 @@ class _PlanRun:
             self.rows = chunk_rows(fwd.x.shape[0], fwd.owner.n_chunks)
             fwd.chunks = [None] * len(self.rows)
 
-    def execute(self, order: list[str], stages: dict[str, Stage], label: str,
-                before_stage: Callable[[str], None] | None) -> Timeline:
+    def execute(self, order: list[str], stages: dict[str, Stage], label: str) -> Timeline:
         for name in order:
             stage = stages[name]
-            if before_stage is not None:
-                before_stage(name)
             if stage.lane == "comm":
                 self.ACTIONS[stage.kind](self, stage.chunk)
                 continue
             start = self.clock.now()
             self.ACTIONS[stage.kind](self, stage.chunk)
-            self.events.append({"chunk": stage.chunk, "lane": "compute", "name": DISPLAY_NAMES[stage.kind],
-                                "phase": stage.phase, "start": start, "end": self.clock.now(), "nbytes": 0})
+            self.events.append({"chunk": stage.chunk, "lane": "compute",
+                                "name": DISPLAY_NAMES.get(stage.kind, stage.kind), "phase": stage.phase,
+                                "start": start, "end": self.clock.now(), "nbytes": 0})
         return self.clock.timeline(self.layer.ep_rank, label, self.events)
 
     def comm(self, side: str, kind: str, c: int, send: Tensor, out_splits: list[int],
@@ -205,7 +203,7 @@ class _PlanRun:
         event = None
         if not self.replay:
             nbytes = (sum(in_splits) - in_splits[self.layer.ep_rank]) * self.row_bytes
-            event = {"chunk": c, "lane": "comm", "name": DISPLAY_NAMES[kind],
+            event = {"chunk": c, "lane": "comm", "name": DISPLAY_NAMES.get(kind, kind),
                      "phase": "fwd" if side == "F" else "bwd", "start": self.clock.now(), "end": None,
                      "nbytes": nbytes}
             self.events.append(event)
@@ -217,7 +215,7 @@ class _PlanRun:
 
     # the stages of F, the micro-batch going forward
     def route(self, c: int) -> None:
-        self.f.chunks[c] = self.fops.route(self.f.x, self.rows[c])
+        self.f.chunks[c] = self.fops.route(self.f.x, self.rows[c], self.f.aux_scale)
 
     def counts(self, _c: int) -> None:
         f, cache = self.f, self.f.owner.cache

@@ -49,6 +49,7 @@ class _Pass:
     idx: Tensor
     targets: Tensor
     key: str
+    aux_scale: float  # the weight of its MoE layers' auxiliary losses in the step's loss
     inputs: list[Tensor] = field(default_factory=list)  # leaf input of each block (and of the head)
     pre: list = field(default_factory=list)  # per block: (a, z) of the dense part, or the block output
     moe: list[MicroBatch | None] = field(default_factory=list)
@@ -72,7 +73,8 @@ class MergedModelStep:
             raise ValueError("model has no EPMoELayer: convert its MoE layers with "
                              "moe_lab.parallel.ep.from_layer")
         self.model, self.n_chunks, self.schedule = model, n_chunks, schedule
-        self.steps = [MergedStep(b.ffn, n_chunks) if isinstance(b.ffn, EPMoELayer) else None for b in blocks]
+        self.steps = [MergedStep(b.ffn, n_chunks, keep_for_replay=False) if isinstance(b.ffn, EPMoELayer)
+                      else None for b in blocks]
         self.timelines: list[Timeline] = []
 
     # ------------------------------------------------------------------ pieces
@@ -92,7 +94,8 @@ class MergedModelStep:
         a = h + block.attn(block.norm1(h))
         z = block.norm2(a)
         p.pre.append((a, z))
-        p.moe.append(self.steps[k].microbatch(z.detach().reshape(-1, z.shape[-1]), None, f"{p.key}/{k}"))
+        p.moe.append(self.steps[k].microbatch(z.detach().reshape(-1, z.shape[-1]), None, f"{p.key}/{k}",
+                                              p.aux_scale))
         return p.moe[-1]
 
     def _fwd_post(self, p: _Pass, k: int) -> None:
@@ -138,12 +141,10 @@ class MergedModelStep:
         """Run the MoE stages of ``f`` (block ``k_fwd``) and/or ``b`` (block ``k_bwd``), if any."""
         if f is None and b is None:
             return
-        sequential, n = self.schedule == "sequential", self.n_chunks
-        if f is not None and b is not None and not sequential:
-            order = plan("1f1b+chunked" if n > 1 else "1f1b", n)
-        else:
-            order = plan("sequential" if sequential else "chunked", n, forward=f is not None,
-                         backward=b is not None)
+        # "1f1b" merges F and B (each chunked, with several chunks); with one of them only, the
+        # chunked order of that half.
+        sequential = self.schedule == "sequential"
+        order = plan(self.schedule, self.n_chunks, forward=f is not None, backward=b is not None)
         label = f"F{k_fwd if f is not None else None} + B{k_bwd if b is not None else None}"
         self.timelines.append((f or b).owner.run(order, fwd=f, bwd=b, sequential=sequential, label=label))
 
@@ -175,20 +176,14 @@ class MergedModelStep:
         if idx.dim() != 2 or idx.shape != targets.shape or idx.shape[0] % n_micro:
             raise ValueError(f"idx and targets must be [batch, seq] with batch divisible by "
                              f"n_micro={n_micro}, got {tuple(idx.shape)} and {tuple(targets.shape)}")
-        for s in self.steps:
-            if s is not None:
-                s.ops.aux_scale = 1.0 / (n_micro * self.n_chunks)
-                s.keep_for_replay = False
         self.timelines = []
-        passes = [_Pass(i, t, f"mb{n}") for n, (i, t) in
+        aux_scale = 1.0 / (n_micro * self.n_chunks)
+        passes = [_Pass(i, t, f"mb{n}", aux_scale) for n, (i, t) in
                   enumerate(zip(idx.chunk(n_micro), targets.chunk(n_micro), strict=True))]
+        # 1F1B: F(0) · [F(1) + B(0)] · … · B(m−1); sequential: F(0) · B(0) · F(1) · B(1) · …
+        units = list(zip([*passes, None], [None, *passes], strict=True))
         if self.schedule == "sequential":
-            for p in passes:
-                self._unit(p, None, n_micro)
-                self._unit(None, p, n_micro)
-        else:
-            self._unit(passes[0], None, n_micro)
-            for i in range(1, n_micro):
-                self._unit(passes[i], passes[i - 1], n_micro)
-            self._unit(None, passes[-1], n_micro)
+            units = [unit for p in passes for unit in ((p, None), (None, p))]
+        for f, b in units:
+            self._unit(f, b, n_micro)
         return torch.stack([p.loss + p.aux for p in passes]).mean()

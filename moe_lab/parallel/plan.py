@@ -1,7 +1,26 @@
 """1F1B merging as data: the stages of a merged unit, the four plans, a model machine to run them.
 
-Chunk pipelining (`moe_lab.parallel.overlap`) hides one chunk's all-to-all behind another
-chunk's experts inside one micro-batch's layer. It cannot hide the edges: the first dispatch
+Chunk pipelining (`chunked_plan`) hides one chunk's all-to-all behind another chunk's experts
+inside one micro-batch's layer. A collective started with ``async_op=True`` returns a *work
+handle* at once; ``work.wait()`` blocks only when its result is needed (on CUDA, NCCL runs
+collectives on its own streams, so the same handles overlap kernels). Cut the step's tokens into
+``n`` chunks and, while chunk ``c``'s experts compute, let chunk ``c+1``'s dispatch and chunk
+``c``'s combine travel::
+
+    forward   route+permute all chunks · one count exchange · dispatch(0) in flight while the
+              shared expert runs · for each chunk: wait dispatch(c), start dispatch(c+1),
+              experts(c), start combine(c) · then unpermute each chunk as its combine lands
+    backward  unpermute⁻¹ all chunks · combine⁻¹(0) in flight while the shared expert's
+              backward runs · for each chunk: wait combine⁻¹(c), start combine⁻¹(c+1),
+              expert dgrad(c), start dispatch⁻¹(c), [expert wgrad(c)] · then, for each chunk,
+              [expert wgrad(c)] and permute⁻¹(c) as its dispatch⁻¹ lands
+
+``delay_wgrad=True`` postpones the experts' weight gradients, which nothing waits for, to fill
+the last dispatch⁻¹. What is hidden is measured against a compute-only run of the same stages
+with the collectives replaced by the tensors they delivered last time
+(``MergedStep.run(..., replay=True)``): exposed communication = step time − compute-only time.
+
+Chunk pipelining cannot hide the edges: the first dispatch
 has only the shared expert under it, the last dispatch⁻¹ only the delayed weight gradients. In
 the steady state of a 1F1B pipeline (notebook 10) every stage alternates the forward of
 micro-batch ``i+1`` with the backward of micro-batch ``i``: two *independent* streams of work,
@@ -23,8 +42,8 @@ result. A plan is an order of the stages (`check_plan`); the four of `plan`:
 
 - ``sequential``: the backward of ``B``, then the forward of ``F``, every collective waited
   for as soon as it starts;
-- ``chunked``: the same two halves one after the other, each chunk-pipelined (what
-  `moe_lab.parallel.overlap.ChunkedStep` does, with delayed weight gradients);
+- ``chunked``: the same two halves one after the other, each chunk-pipelined (`chunked_plan`,
+  with delayed weight gradients);
 - ``1f1b``: the two micro-batches merged: ``F``'s dispatch and ``B``'s combine⁻¹ travel under
   the two shared experts, ``B``'s combine⁻¹ under ``F``'s experts, ``F``'s combine under ``B``'s
   dgrad, ``B``'s dispatch⁻¹ under ``B``'s weight gradients;
@@ -44,12 +63,9 @@ from moe_lab.parallel.timeline import Event, Timeline
 
 SCHEDULES = ("sequential", "chunked", "1f1b", "1f1b+chunked")
 COMM_STAGES = ("counts", "dispatch", "combine", "combine⁻¹", "dispatch⁻¹")
-# the names stages carry on a timeline
-DISPLAY_NAMES = {"route": "route+permute", "shared": "shared expert", "experts": "experts",
-            "unpermute": "unpermute", "unpermute⁻¹": "unpermute⁻¹", "shared⁻¹": "shared expert⁻¹",
-            "dgrad": "experts dgrad", "wgrad": "experts wgrad", "permute⁻¹": "route+permute⁻¹",
-            "counts": "counts", "dispatch": "dispatch", "combine": "combine",
-            "combine⁻¹": "combine⁻¹", "dispatch⁻¹": "dispatch⁻¹"}
+# the names stages carry on a timeline, where not their kind (``DISPLAY_NAMES.get(kind, kind)``)
+DISPLAY_NAMES = {"route": "route+permute", "shared": "shared expert", "shared⁻¹": "shared expert⁻¹",
+                 "dgrad": "experts dgrad", "wgrad": "experts wgrad", "permute⁻¹": "route+permute⁻¹"}
 
 
 class PlanError(ValueError):
@@ -110,15 +126,16 @@ def stage_graph(n_chunks: int = 1, forward: bool = True, backward: bool = True) 
             add("F", "unpermute", c, [_n("F", "combine", c), _n("F", "shared", c)])
     if backward:
         for c in chunks:
-            prev = (lambda kind, c=c: [_n("B", kind, c - 1)] if c else [])  # noqa: E731
+            # the gradient sums keep chunk order: each follows the previous chunk's
+            prev = {kind: [_n("B", kind, c - 1)] if c else [] for kind in ("shared⁻¹", "wgrad", "permute⁻¹")}
             add("B", "unpermute⁻¹", c, [])
             add("B", "combine⁻¹", c, [_n("B", "unpermute⁻¹", c)])
-            add("B", "shared⁻¹", c, [_n("B", "unpermute⁻¹", c)] + prev("shared⁻¹"))
+            add("B", "shared⁻¹", c, [_n("B", "unpermute⁻¹", c)] + prev["shared⁻¹"])
             add("B", "dgrad", c, [_n("B", "combine⁻¹", c)])
             add("B", "dispatch⁻¹", c, [_n("B", "dgrad", c)])
-            add("B", "wgrad", c, [_n("B", "dgrad", c)] + prev("wgrad"))
+            add("B", "wgrad", c, [_n("B", "dgrad", c)] + prev["wgrad"])
             add("B", "permute⁻¹", c, [_n("B", "dispatch⁻¹", c), _n("B", "unpermute⁻¹", c)]
-                + prev("permute⁻¹"))
+                + prev["permute⁻¹"])
     return {s.name: s for s in stages}
 
 
@@ -134,29 +151,27 @@ def _bwd_natural(n: int) -> list[str]:
             ("unpermute⁻¹", "combine⁻¹", "shared⁻¹", "dgrad", "dispatch⁻¹", "wgrad", "permute⁻¹")]
 
 
-def chunked_plan(n_chunks: int, forward: bool = True, backward: bool = True, lookahead: int = 1,
+def chunked_plan(n_chunks: int, forward: bool = True, backward: bool = True,
                  delay_wgrad: bool = True) -> list[str]:
-    """The chunk-pipelined order of one micro-batch's forward, then its backward:
-    ``lookahead`` chunks' dispatch (and combine⁻¹) in flight ahead of the chunk computing,
-    the shared expert under the first; ``delay_wgrad`` moves the weight gradients to the
-    end, under the last dispatch⁻¹."""
-    n, ahead = n_chunks, lookahead
+    """The chunk-pipelined order of one micro-batch's forward, then its backward: the next
+    chunk's dispatch (and combine⁻¹) in flight while a chunk computes, the shared expert under
+    the first; ``delay_wgrad`` moves the weight gradients to the end, under the last
+    dispatch⁻¹."""
+    n = n_chunks
     order = []
     if forward:
-        order += [_n("F", "route", c) for c in range(n)] + [_n("F", "counts")]
-        order += [_n("F", "dispatch", c) for c in range(min(ahead, n))]
+        order += [_n("F", "route", c) for c in range(n)] + [_n("F", "counts"), _n("F", "dispatch", 0)]
         order += [_n("F", "shared", c) for c in range(n)]
         for c in range(n):
-            order += [_n("F", "dispatch", c + ahead)] if c + ahead < n else []
+            order += [_n("F", "dispatch", c + 1)] if c + 1 < n else []
             order += [_n("F", "experts", c), _n("F", "combine", c)]
         order += [_n("F", "unpermute", c) for c in range(n)]
     if backward:
-        order += [_n("B", "unpermute⁻¹", c) for c in range(n)]
-        order += [_n("B", "combine⁻¹", c) for c in range(min(ahead, n))]
+        order += [_n("B", "unpermute⁻¹", c) for c in range(n)] + [_n("B", "combine⁻¹", 0)]
         order += [_n("B", "shared⁻¹", c) for c in range(n)]
         wgrad = [[] if delay_wgrad else [_n("B", "wgrad", c)] for c in range(n)]
         for c in range(n):
-            order += [_n("B", "combine⁻¹", c + ahead)] if c + ahead < n else []
+            order += [_n("B", "combine⁻¹", c + 1)] if c + 1 < n else []
             order += [_n("B", "dgrad", c), _n("B", "dispatch⁻¹", c)] + wgrad[c]
         for c in range(n):
             order += [_n("B", "wgrad", c)] if delay_wgrad else []
@@ -257,12 +272,13 @@ def simulate_plan(order: Iterable[str], stages: dict[str, Stage],
     waited: set[str] = set()
     for name in order:
         s = stages[name]
+        shown = DISPLAY_NAMES.get(s.kind, s.kind)
         cost = MODEL_COSTS[s.kind] / (1 if s.kind == "counts" else n_chunks)
         if s.lane == "comm":
             start = max(now, link_free)
             link_free = finish[name] = start + cost
             log.append({"op": "start", "stage": name, "t": now, "end": finish[name]})
-            events.append(Event(s.chunk, "comm", DISPLAY_NAMES[s.kind], s.phase, start, finish[name]))
+            events.append(Event(s.chunk, "comm", shown, s.phase, start, finish[name]))
             if s.kind == "counts":  # blocking: its sizes go to the host at once
                 log.append({"op": "wait", "stage": name, "t": now, "end": finish[name],
                             "finish": finish[name], "idle": finish[name] - now})
@@ -277,6 +293,6 @@ def simulate_plan(order: Iterable[str], stages: dict[str, Stage],
                 now += idle
                 waited.add(dep)
         log.append({"op": "run", "stage": name, "t": now, "end": now + cost})
-        events.append(Event(s.chunk, "compute", DISPLAY_NAMES[s.kind], s.phase, now, now + cost))
+        events.append(Event(s.chunk, "compute", shown, s.phase, now, now + cost))
         now += cost
     return log, Timeline(0, label, max(now, link_free), events)

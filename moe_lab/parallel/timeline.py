@@ -1,6 +1,6 @@
 """What a scheduled step did, and when: per-chunk events on a compute and a communication lane.
 
-A scheduled step (`moe_lab.parallel.overlap`, `moe_lab.parallel.merged`, the model machine of
+A scheduled step (`moe_lab.parallel.merged`, the model machine of
 `moe_lab.parallel.plan.simulate_plan`) records one `Event` per stage of every chunk and returns
 them as one rank's `Timeline`. A timeline says how long each lane was busy (overlapping events
 count once) and how long the step waited outside compute. Plain data: no torch needed.
@@ -56,8 +56,7 @@ class Timeline:
         return sum(e.nbytes for e in self.events if e.lane == "comm")
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "label": self.label, "step_s": self.step_s,
-                "events": [asdict(e) for e in self.events]}
+        return asdict(self)  # the events as dicts too
 
     @classmethod
     def from_dict(cls, d: dict) -> Timeline:

@@ -3,7 +3,7 @@ datasheet figures, their architectures' features and the roofline, training FLOP
 and the bytes and launches that fusing moves out of an MoE layer.
 
 - `capabilities` — this machine, probed on first use (``moe_lab.perf.capabilities``);
-- ``hardware`` — datasheet figures of H100/H200/B200/GB200/GB300, what each GPU
+- ``hardware`` — datasheet figures of A100/L4/H200/B200/GB300, what each GPU
   architecture a learner may have (sm_75 … sm_100) offers the kernels, the roofline;
 - ``flops`` — training FLOPs per token, TFLOPS per GPU, MFU;
 - ``fusion`` — bytes and launches per MoE layer, unfused and fused.

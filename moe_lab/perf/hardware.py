@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_lab.checks import positive_int
+from moe_lab.checks import one_of, positive_int
 
 if TYPE_CHECKING:
     import numpy as np
@@ -66,8 +66,7 @@ class GPUSpec:
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Peak FLOP/s for ``dtype`` in ``{"bf16", "fp8", "mxfp8"}``."""
         values = {"bf16": self.bf16_tflops, "fp8": self.fp8_tflops, "mxfp8": self.mxfp8_tflops}
-        if dtype not in values:
-            raise ValueError(f"dtype must be one of {sorted(values)}, got {dtype!r}")
+        one_of(dtype, "dtype", values)
         if values[dtype] is None:
             raise ValueError(f"{self.name} has no native {dtype} tensor cores (dtype={dtype!r})")
         return values[dtype] * 1e12
@@ -92,25 +91,20 @@ GPUS: dict[str, GPUSpec] = {
         # [l4]: 24 GB GDDR6, PCIe (no NVLink: 0); L2 48 MB and 58 SMs of its AD104 ([ada-whitepaper]).
         GPUSpec("L4", 121, 242, None, 24, 0.3, 0, "datasheet", "NVIDIA L4 datasheet; PCIe only", l2_mb=48,
                 sms=58),
-        # [h100]; L2 (50 MB) and 132 SMs: the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
-        GPUSpec("H100 SXM", 989, 1979, None, 80, 3.35, 900, "datasheet",
-                "NVIDIA H100 datasheet; NVLink 4", l2_mb=50, sms=132),
-        # [h200]: H100's tensor cores, larger and faster HBM3e; L2 and SMs of the same GH100 die.
+        # [h200]: H100's tensor cores ([h100]), larger and faster HBM3e; L2 (50 MB) and 132 SMs of the
+        # same GH100 die, the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
         GPUSpec("H200 SXM", 989, 1979, None, 141, 4.8, 900, "datasheet",
                 "NVIDIA H200 datasheet; NVLink 4", l2_mb=50, sms=132),
         # [b200] (1,000 W) as third parties tabulate it; 126 MB L2, 148 SMs ([chipsandcheese-b200]).
         GPUSpec("B200", 2250, 4500, 4500, 180, 8.0, 1800, "third-party",
                 "HGX B200 per-GPU figures as tabulated by third parties; NVLink 5", l2_mb=126, sms=148),
-        # GB200 NVL72 rack datasheet divided by its 72 GPUs (a derived, unverified figure).
-        GPUSpec("GB200", 2500, 5000, 5000, 186, 8.0, 1800, "third-party",
-                "GB200 NVL72 rack figures / 72 GPUs; unverified"),
         # [gb300] (B300 in NVL72), third-party tables, HBM quoted 279-288 GB; L2 assumed B200's (unverified).
         GPUSpec("GB300", 2500, 5000, 5000, 279, 8.0, 1800, "third-party",
                 "Blackwell Ultra per-GPU figures from third-party tables; 130 TB/s per NVL72", l2_mb=126),
     )
 }
 
-_ALIASES = {"H100": "H100 SXM", "H200": "H200 SXM", "B300": "GB300"}
+_ALIASES = {"H200": "H200 SXM"}
 
 
 def gpu_spec(name: str) -> GPUSpec:
@@ -175,10 +169,6 @@ class GPUArch:
     l2_mb: float
 
     @property
-    def source(self) -> str:
-        return f"compute capability {self.capability // 10}.{self.capability % 10}: {_SOURCES}"
-
-    @property
     def reserved_shared_per_block(self) -> int:
         return self.shared_per_sm - self.max_shared_per_block
 
@@ -189,10 +179,10 @@ class GPUArch:
 
 
 _KIB = 1024
-_SOURCES = ("NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute Capability', and "
-            "the CUDA Occupancy Calculator's allocation units (SM limits); NVIDIA's Turing, Ampere, Ada, "
-            "Hopper and Blackwell whitepapers (tensor-core types, TMA from Hopper); PTX ISA, tcgen05.mma "
-            "kind::mxf8f6f4 on sm_100a (block-scaled MMA); the named GPU's datasheet (L2)")
+# Sources of every row: NVIDIA CUDA C++ Programming Guide, 'Technical Specifications per Compute
+# Capability', and the CUDA Occupancy Calculator's allocation units (SM limits); NVIDIA's Turing,
+# Ampere, Ada, Hopper and Blackwell whitepapers (tensor-core types, TMA from Hopper); PTX ISA,
+# tcgen05.mma kind::mxf8f6f4 on sm_100a (block-scaled MMA); the named GPU's datasheet (L2).
 
 ARCHS: dict[str, GPUArch] = {
     a.arch: a

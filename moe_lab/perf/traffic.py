@@ -31,10 +31,8 @@ report's tiles and occupancy) and writes ``results/compile/traffic.md``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-Order = str | int | Callable[[int, int, int], tuple[int, int]]
 
 # Elements per E8M0 scale of an MXFP8 operand (the OCP MX block).
 MX_BLOCK = 32
@@ -51,27 +49,16 @@ def grouped_order(pid: int, t_m: int, t_n: int, group_m: int) -> tuple[int, int]
     return first + (pid % per_group) % size, (pid % per_group) // size
 
 
-def _order_fn(order: Order) -> Callable[[int, int, int], tuple[int, int]]:
-    if callable(order):
-        return order
-    if order == "row":
-        return lambda pid, t_m, t_n: (pid % t_m, pid // t_m)
-    group = 1 if order == "n" else order
-    return lambda pid, t_m, t_n: grouped_order(pid, t_m, t_n, group)
-
-
 @dataclass(frozen=True)
 class Traffic:
-    """Modelled HBM bytes per operand (``a``, ``b`` read, ``c`` written) and the compulsory
-    ones (each operand once); ``epilogue`` the bytes an epilogue reads beside the output (read
-    once whatever the order: modelled and compulsory at once)."""
+    """Modelled HBM bytes per operand (``a``, ``b`` read, ``c`` written); ``epilogue`` the bytes
+    an epilogue reads beside the output (read once whatever the order: modelled and compulsory
+    at once); ``compulsory`` the bytes of each operand once, the epilogue's included."""
 
     a: int
     b: int
     c: int
-    compulsory_a: int
-    compulsory_b: int
-    compulsory_c: int
+    compulsory: int
     epilogue: int = 0
 
     @property
@@ -79,25 +66,9 @@ class Traffic:
         return self.a + self.b + self.c + self.epilogue
 
     @property
-    def compulsory(self) -> int:
-        return self.compulsory_a + self.compulsory_b + self.compulsory_c + self.epilogue
-
-    @property
     def ratio(self) -> float:
         """Modelled over compulsory bytes (1.0 when there is no work)."""
         return self.total / self.compulsory if self.compulsory else 1.0
-
-
-def _admit(chunks: OrderedDict, key: object, size: int, l2_bytes: int, used: int) -> int:
-    """A missed chunk enters the L2 as its most recent (unless it is larger than the L2), the
-    least recent leave until the rest fits; returns the bytes held. The one place of the
-    model's eviction policy: `LRU` and the simulations' inlined hit test share it."""
-    if size <= l2_bytes:
-        chunks[key] = size
-        used += size
-        while used > l2_bytes:
-            used -= chunks.popitem(last=False)[1]
-    return used
 
 
 class LRU:
@@ -108,17 +79,23 @@ class LRU:
         self.chunks: OrderedDict[object, int] = OrderedDict()
 
     def touch(self, key: object, size: int) -> int:
-        """Read chunk ``key`` of ``size`` bytes: the bytes it moves from HBM (0 on a hit)."""
+        """Read chunk ``key`` of ``size`` bytes: the bytes it moves from HBM (0 on a hit). A hit
+        makes the chunk the most recent; a missed chunk enters as the most recent (unless it is
+        larger than the L2), the least recent leave until the rest fits."""
         if key in self.chunks:
             self.chunks.move_to_end(key)
             return 0
-        self.used = _admit(self.chunks, key, size, self.l2_bytes, self.used)
+        if size <= self.l2_bytes:
+            self.chunks[key] = size
+            self.used += size
+            while self.used > self.l2_bytes:
+                self.used -= self.chunks.popitem(last=False)[1]
         return size
 
 
 def _programs(rows: list[int], n: int, steps: int, block_m: int, block_n: int, b_panels: int,
-              tile_of: Callable[[int, int, int], tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """`simulate`'s programs with work, in launch order (``tile_of``): per program its A chunk's
+              order: str | int) -> list[tuple[int, int, int, int]]:
+    """`simulate`'s programs with work, in launch order (``order``): per program its A chunk's
     key at K step 0 and its rows, its B chunk's key and its columns (B keys follow A keys)."""
     tiles = []  # (expert, rows in tile) per real row tile, numbered as tile_schedule does
     for e, r in enumerate(rows):
@@ -126,9 +103,10 @@ def _programs(rows: list[int], n: int, steps: int, block_m: int, block_n: int, b
     t_m = -(-sum(rows) // block_m) + len(rows)
     t_n = -(-n // block_n)
     widths = [min(block_n, n - j * block_n) for j in range(t_n)]
+    group = {"row": t_m, "n": 1}.get(order, order)  # row fastest is one group of every row tile
     programs = []
     for pid in range(t_m * t_n):
-        tm, tn = tile_of(pid, t_m, t_n)
+        tm, tn = grouped_order(pid, t_m, t_n, group)
         if tm < len(tiles):
             programs.append((tm, tn))
     b_base = len(tiles) * steps
@@ -137,7 +115,7 @@ def _programs(rows: list[int], n: int, steps: int, block_m: int, block_n: int, b
 
 
 def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, block_k: int, *,
-             in_flight: int, l2_bytes: int, order: Order = "row", a_bytes: int = 2,
+             in_flight: int, l2_bytes: int, order: str | int = "row", a_bytes: int = 2,
              b_bytes: int = 2, c_bytes: int = 2, b_panels: int = 1, scaled: str = "",
              epilogue_bytes: int = 0) -> Traffic:
     """Modelled HBM traffic of one grouped GEMM launch.
@@ -145,7 +123,7 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
     ``rows``: routed rows per expert (any skew, zeros allowed); ``n`` output columns, ``k``
     the reduction depth; ``block_*`` the tile; ``in_flight`` programs resident at once;
     ``l2_bytes`` the cache; ``order`` ``"row"`` (row tile fastest, today's 2-D grid), ``"n"``
-    (N fastest), a group size (`grouped_order`) or ``f(pid, t_m, t_n) -> (row tile, N tile)``;
+    (N fastest) or a group size (`grouped_order`);
     ``*_bytes`` element sizes; ``b_panels`` B columns read per output column; ``scaled`` the
     MXFP8 operands among ``"abc"``, each with one scale byte per `MX_BLOCK` elements (along K
     for A and B, which then needs ``block_k`` a multiple of `MX_BLOCK`; along N for C);
@@ -156,35 +134,24 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
     steps = -(-k // block_k)
     depths = [min(block_k, k - s * block_k) for s in range(steps)]
     a_scale, b_scale = ("a" in scaled), ("b" in scaled)  # scale bytes per row (A) or column (B) per K block
-    programs = _programs(rows, n, steps, block_m, block_n, b_panels, _order_fn(order))
+    programs = _programs(rows, n, steps, block_m, block_n, b_panels, order)
     # Per step, the bytes of one A row and one B column (codes and scales).
     row_bytes = [depth * a_bytes + a_scale * -(-depth // MX_BLOCK) for depth in depths]
     col_bytes = [depth * b_bytes + b_scale * -(-depth // MX_BLOCK) for depth in depths]
-    # The L2 as `LRU` keeps it, with the hit test inlined (this loop is the model's whole cost).
-    chunks: OrderedDict[int, int] = OrderedDict()
-    recent, used, moved_a, moved_b = chunks.move_to_end, 0, 0, 0
+    touch, moved_a, moved_b = LRU(l2_bytes).touch, 0, 0
     for w in range(0, len(programs), in_flight):
         wave = programs[w:w + in_flight]
         for s, (a_row, b_col) in enumerate(zip(row_bytes, col_bytes)):
-            for a_key, m_rows, b_key, cols in wave:
-                key = a_key + s  # the A chunk, then the B chunk: a hit makes it recent
-                if key in chunks:
-                    recent(key)
-                else:
-                    moved_a += m_rows * a_row
-                    used = _admit(chunks, key, m_rows * a_row, l2_bytes, used)
-                key = b_key + s
-                if key in chunks:
-                    recent(key)
-                else:
-                    moved_b += cols * b_col
-                    used = _admit(chunks, key, cols * b_col, l2_bytes, used)
+            for a_key, m_rows, b_key, cols in wave:  # the A chunk, then the B chunk
+                moved_a += touch(a_key + s, m_rows * a_row)
+                moved_b += touch(b_key + s, cols * b_col)
     m, k_blocks = sum(rows), -(-k // MX_BLOCK)
     experts = sum(1 for r in rows if r)  # an expert without rows never reads its weight
     c = m * (n * c_bytes + ("c" in scaled) * -(-n // MX_BLOCK))
-    return Traffic(a=moved_a, b=moved_b, c=c, compulsory_a=m * (k * a_bytes + a_scale * k_blocks),
-                   compulsory_b=experts * n * b_panels * (k * b_bytes + b_scale * k_blocks),
-                   compulsory_c=c, epilogue=m * n * epilogue_bytes)
+    epilogue = m * n * epilogue_bytes
+    compulsory = (m * (k * a_bytes + a_scale * k_blocks) + c + epilogue
+                  + experts * n * b_panels * (k * b_bytes + b_scale * k_blocks))
+    return Traffic(moved_a, moved_b, c, compulsory, epilogue)
 
 
 def expert_order(pid: int, t_k: int, t_n: int, group: int) -> tuple[int, int, int]:
@@ -219,10 +186,9 @@ def simulate_dw(rows: Sequence[int], k: int, n: int, block_m: int, block_k: int,
     programs = [expert_fastest(pid, n_experts, t_k, t_n) if order == "expert_fastest"
                 else expert_order(pid, t_k, t_n, order)
                 for pid in range(n_experts * t_k * t_n)]
-    # Integer chunk keys (X chunks even, dY chunks odd) and the hit test inlined, as in `simulate`.
+    # Integer chunk keys: X chunks even, dY chunks odd.
     steps = max((-(-r // block_m) for r in rows), default=0)
-    chunks: OrderedDict[int, int] = OrderedDict()
-    recent, used, moved_x, moved_dy = chunks.move_to_end, 0, 0, 0
+    touch, moved_x, moved_dy = LRU(l2_bytes).touch, 0, 0
     for w in range(0, len(programs), in_flight):
         wave = [(rows[e], 2 * (e * steps * t_k + tk), 2 * (e * steps * t_n + tn) + 1,
                  min(block_k, k - tk * block_k) * x_bytes, min(block_n, n - tn * block_n) * dy_bytes)
@@ -231,19 +197,9 @@ def simulate_dw(rows: Sequence[int], k: int, n: int, block_m: int, block_k: int,
             for r, x_key, dy_key, x_row, dy_row in wave:
                 if r0 < r:
                     m_rows = min(block_m, r - r0)
-                    key = x_key + 2 * i * t_k
-                    if key in chunks:
-                        recent(key)
-                    else:
-                        moved_x += m_rows * x_row
-                        used = _admit(chunks, key, m_rows * x_row, l2_bytes, used)
-                    key = dy_key + 2 * i * t_n
-                    if key in chunks:
-                        recent(key)
-                    else:
-                        moved_dy += m_rows * dy_row
-                        used = _admit(chunks, key, m_rows * dy_row, l2_bytes, used)
+                    moved_x += touch(x_key + 2 * i * t_k, m_rows * x_row)
+                    moved_dy += touch(dy_key + 2 * i * t_n, m_rows * dy_row)
     m = sum(rows)
-    return Traffic(a=moved_x, b=moved_dy, c=n_experts * k * n * dw_bytes, compulsory_a=m * k * x_bytes,
-                   compulsory_b=m * n * dy_bytes, compulsory_c=n_experts * k * n * dw_bytes)
+    dw = n_experts * k * n * dw_bytes
+    return Traffic(moved_x, moved_dy, dw, m * k * x_bytes + m * n * dy_bytes + dw)
 

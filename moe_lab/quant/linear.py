@@ -45,28 +45,26 @@ from torch.autograd.function import FunctionCtx
 from moe_lab.attention import ATTENTION_IMPLS, expand_kv, mxfp8_reference_attention
 from moe_lab.checks import one_of
 from moe_lab.perf.capabilities import capabilities
-from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, mx_error_stats, quantize
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, mx_error_stats, quantize
 
 Tensor = torch.Tensor
 BACKENDS = ("auto", "emulated", "triton", "te")
-ATTENTION_CLASS = "Attention"
-EXPERTS_CLASS = "SwiGLUExperts"
 
 
-def _fq(x: Tensor, dim: int, scale_mode: str, pad: bool = False) -> Tensor:
-    """quantize → dequantize along ``dim`` (no autograd: used inside `_MXLinearFunction`)."""
-    return quantize(x, E4M3, BLOCK_SIZE, dim, scale_mode, pad=pad).dequantize(torch.float32)
+def _fq(x: Tensor, dim: int, pad: bool = False) -> Tensor:
+    """quantize (``rceil`` scales) → dequantize along ``dim`` (no autograd: inside `_MXLinearFunction`)."""
+    return quantize(x, E4M3, BLOCK_SIZE, dim, "rceil", pad=pad).dequantize(torch.float32)
 
 
 class _MXLinearFunction(torch.autograd.Function):
     """``Y = q(X) q(W)ᵀ + b`` with MXFP8 operands in all three GEMMs (see the module doc)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
-        ctx.has_bias, ctx.scale_mode, ctx.x_shape = bias is not None, scale_mode, x.shape
-        y = _fq(x2, -1, scale_mode) @ _fq(weight, -1, scale_mode).t()
+        ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+        y = _fq(x2, -1) @ _fq(weight, -1).t()
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -74,33 +72,22 @@ class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
-        mode = ctx.scale_mode
         g2 = grad_out.reshape(-1, weight.shape[0])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dgrad: reduce over N — dY row-wise, W column-wise (along its dim 0).
-            grad_x = (_fq(g2, -1, mode) @ _fq(weight, 0, mode)).to(x2.dtype)
-            grad_x = grad_x.reshape(ctx.x_shape)
+            grad_x = (_fq(g2, -1) @ _fq(weight, 0)).to(x2.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # wgrad: reduce over the tokens — dY and X column-wise (zero tokens pad to 32).
-            grad_w = (_fq(g2, 0, mode, pad=True).t() @ _fq(x2, 0, mode, pad=True))
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = (_fq(g2, 0, pad=True).t() @ _fq(x2, 0, pad=True)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.float().sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None
-
-
-def _check_features(in_features: int, out_features: int) -> None:
-    for name, value in (("in_features", in_features), ("out_features", out_features)):
-        if value % BLOCK_SIZE:
-            raise ValueError(
-                f"MXLinear.{name} must be a multiple of {BLOCK_SIZE} (an MX block), got {value}"
-            )
+        return grad_x, grad_w, grad_b
 
 
 class MXLinear(nn.Linear):
-    """An ``nn.Linear`` whose three GEMMs use MXFP8 operands (emulated: quantize →
-    dequantize → float32 matmul). Same parameters, init and state dict as ``nn.Linear``.
+    """An ``nn.Linear`` whose three GEMMs use MXFP8 operands (emulated: quantize with ``rceil``
+    scales → dequantize → float32 matmul). Same parameters, init and state dict as ``nn.Linear``.
 
     ``x: [..., in_features]`` → ``[..., out_features]`` in ``x.dtype``. ``in_features`` and
     ``out_features`` must be multiples of 32. ``backend`` is always ``"emulated"`` here;
@@ -111,23 +98,19 @@ class MXLinear(nn.Linear):
     function = _MXLinearFunction
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 *, scale_mode: str = "rceil") -> None:
-        _check_features(in_features, out_features)
-        one_of(scale_mode, "scale_mode", SCALE_MODES)
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if value % BLOCK_SIZE:
+                raise ValueError(
+                    f"MXLinear.{name} must be a multiple of {BLOCK_SIZE} (an MX block), got {value}"
+                )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.scale_mode = scale_mode
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> MXLinear:
         """An MXLinear (``rceil`` scales) sharing ``linear``'s weight and bias Parameters (no copy)."""
-        _check_features(linear.in_features, linear.out_features)
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.register_parameter("weight", linear.weight)
-        new.register_parameter("bias", linear.bias)
-        new.scale_mode = "rceil"
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias
         return new
 
     def forward(self, x: Tensor) -> Tensor:
@@ -135,24 +118,24 @@ class MXLinear(nn.Linear):
             raise ValueError(
                 f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
             )
-        return self.function.apply(x, self.weight, self.bias, self.scale_mode)
+        return self.function.apply(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mxfp8=emulated, scale_mode={self.scale_mode}"
+        return f"{super().extra_repr()}, mxfp8=emulated, scale_mode=rceil"
 
 
 # ------------------------------------------------------------------ Triton: tl.dot_scaled
 
 
-def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True,
+def _mx_operands(x: Tensor, *, rows: bool = True,
                  cols: bool = True) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """The Triton quantizer's copies of a 2-D ``x`` as `moe_lab.kernels.mx_gemm.mx_gemm`
     takes its operands — each ``(codes [R, K], scale bytes [R, K/32])`` blocked along its last
     dim: the row-wise copy of ``x`` and the column-wise one transposed (``[K_x, M32]``,
-    zero rows padded to a multiple of 32)."""
+    zero rows padded to a multiple of 32), both from one read of ``x``."""
     from moe_lab.kernels.mx_quantize import mx_quantize
 
-    row, col = mx_quantize(x, rowwise=rows, colwise=cols, scale_mode=scale_mode, pad=True)
+    row, col = mx_quantize(x, rowwise=rows, colwise=cols, scale_mode="rceil", pad=True)
     as_rows = None if row is None else (row.data, row.scale)
     as_cols = None if col is None else (col.data.transpose(-1, -2), col.scale.transpose(-1, -2))
     return as_rows, as_cols
@@ -161,18 +144,18 @@ def _mx_operands(x: Tensor, scale_mode: str, *, rows: bool = True,
 class _TritonMXLinearFunction(torch.autograd.Function):
     """`_MXLinearFunction`'s recipe with Triton kernels: every operand quantized by
     `moe_lab.kernels.mx_quantize.mx_quantize` (row- and column-wise copies from one read), every GEMM
-    an `moe_lab.kernels.mx_gemm.mx_gemm` accumulating in float32 (`TritonMXLinear` says how)."""
+    an `moe_lab.kernels.mx_gemm.mx_gemm` accumulating in float32. Saves the FP8 column-wise copies
+    of X and W for the backward, not X and W."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None, scale_mode: str) -> Tensor:
+    def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         from moe_lab.kernels.mx_gemm import mx_gemm
 
         x2 = x.reshape(-1, x.shape[-1])
-        (xr, xs), x_cols = _mx_operands(x2, scale_mode)
-        (wr, ws), w_cols = _mx_operands(weight, scale_mode)
+        (xr, xs), x_cols = _mx_operands(x2)
+        (wr, ws), w_cols = _mx_operands(weight)
         ctx.save_for_backward(*x_cols, *w_cols)
-        ctx.has_bias, ctx.scale_mode, ctx.x_shape = bias is not None, scale_mode, x.shape
-        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.has_bias, ctx.x_shape, ctx.dtypes = bias is not None, x.shape, (x.dtype, weight.dtype)
         y = mx_gemm(xr, xs, wr, ws)  # [M, K]·[N, K]ᵀ: both blocked along K
         if bias is not None:
             y = y + bias.float()
@@ -185,8 +168,7 @@ class _TritonMXLinearFunction(torch.autograd.Function):
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors  # both column-wise, transposed
         x_dtype, w_dtype = ctx.dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_rows, g_cols = _mx_operands(g2, ctx.scale_mode, rows=ctx.needs_input_grad[0],
-                                      cols=ctx.needs_input_grad[1])
+        g_rows, g_cols = _mx_operands(g2, rows=ctx.needs_input_grad[0], cols=ctx.needs_input_grad[1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dgrad [M, K] = dY [M, N] · W [N, K]: reduces over N — dY row-wise, W column-wise.
@@ -199,25 +181,21 @@ class _TritonMXLinearFunction(torch.autograd.Function):
                 grad_w = torch.zeros(g2.shape[1], x_codes.shape[0], dtype=w_dtype, device=g2.device)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.float().sum(0).to(w_dtype)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b
 
 
 class TritonMXLinear(MXLinear):
     """`MXLinear` on FP8 tensor cores: the Triton quantizer and MXFP8 GEMM (`moe_lab.kernels.mx_gemm.mx_dot`:
     block-scaled ``tl.dot_scaled`` on Blackwell, one FP8 ``wgmma`` per 32-wide K block scaled in fp32 on
     Hopper, decoded exactly under Triton's interpreter). Same recipe, same parameters; its products
-    differ from the emulation's only in summation order."""
+    differ from the emulation's only in summation order. Its quantizer takes float32 or bfloat16
+    ``x`` (and says so)."""
 
     backend = "triton"
     function = _TritonMXLinearFunction
 
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"x.dtype must be torch.float32 or torch.bfloat16, got {x.dtype}")
-        return super().forward(x)
-
     def extra_repr(self) -> str:
-        return f"{nn.Linear.extra_repr(self)}, mxfp8=triton tl.dot_scaled, scale_mode={self.scale_mode}"
+        return f"{nn.Linear.extra_repr(self)}, mxfp8=triton tl.dot_scaled, scale_mode=rceil"
 
 
 def triton_mxfp8_status() -> tuple[bool, str]:
@@ -276,14 +254,10 @@ class TEMXFP8Linear(nn.Module):
             if linear.bias is not None:
                 self.te_linear.bias.copy_(linear.bias)
         self.recipe = MXFP8BlockScaling()
-        # TE >= 2.8 names the context manager `autocast(recipe=...)`; older, `fp8_autocast`.
-        if hasattr(te, "autocast"):
-            self._autocast = lambda: te.autocast(enabled=True, recipe=self.recipe)
-        else:
-            self._autocast = lambda: te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+        self._autocast = te.autocast  # the [gpu] extra pins transformer-engine >= 2.8, which has it
 
     def forward(self, x: Tensor) -> Tensor:
-        with self._autocast():
+        with self._autocast(enabled=True, recipe=self.recipe):
             return self.te_linear(x)
 
     def extra_repr(self) -> str:
@@ -305,31 +279,25 @@ def make_mxfp8_linear(linear: nn.Linear, backend: str = "auto") -> nn.Module:
     return MXLinear.from_linear(linear)
 
 
-def _modules_named(model: nn.Module, class_name: str) -> list[nn.Module]:
-    return [m for m in model.modules() if type(m).__name__ == class_name]
-
-
 # ------------------------------------------------------------------ per-layer error statistics
 
 
-def _stats_row(layer: str, tensor: str, x: Tensor, dim: int, scale_mode: str) -> dict:
-    return {"layer": layer, "tensor": tensor,
-            **mx_error_stats(x.float(), dim=dim, scale_mode=scale_mode, pad=True)}
+def _stats_row(layer: str, tensor: str, x: Tensor, dim: int) -> dict:
+    return {"layer": layer, "tensor": tensor, **mx_error_stats(x.float(), dim=dim, pad=True)}
 
 
-def _attention_core_rows(layer: str, q: Tensor, k: Tensor, v: Tensor, scale_mode: str) -> list[dict]:
+def _attention_core_rows(layer: str, q: Tensor, k: Tensor, v: Tensor) -> list[dict]:
     """The rows of one attention core: ``q``, ``k``, ``v``, the softmax probabilities ``p``,
     and the MXFP8 emulation's ``output`` error against float32 attention."""
     ke, ve = expand_kv(q, k, v)
-    rows = [_stats_row(layer, "q", q, -1, scale_mode), _stats_row(layer, "k", k, -1, scale_mode),
-            _stats_row(layer, "v", v, -2, scale_mode)]
+    rows = [_stats_row(layer, "q", q, -1), _stats_row(layer, "k", k, -1), _stats_row(layer, "v", v, -2)]
     scores = (q.float() @ ke.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     t_q, t_k = q.shape[-2], k.shape[-2]
     mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    rows.append(_stats_row(layer, "p", probs, -1, scale_mode))
+    rows.append(_stats_row(layer, "p", probs, -1))
     exact = probs @ ve.float()
-    emulated = mxfp8_reference_attention(q, k, v, scale_mode=scale_mode).float()
+    emulated = mxfp8_reference_attention(q, k, v).float()
     err = ((emulated - exact).norm() / exact.norm()).item()
     rows.append({"layer": layer, "tensor": "output", "rel_error": err,
                  "mean_rel_error": float("nan"),
@@ -340,8 +308,7 @@ def _attention_core_rows(layer: str, q: Tensor, k: Tensor, v: Tensor, scale_mode
 
 
 @torch.no_grad()
-def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "rceil"
-                         ) -> list[dict]:
+def mx_layer_error_stats(model: nn.Module, *inputs: Tensor) -> list[dict]:
     """What MXFP8 would cost, layer by layer, on one forward of ``model(*inputs)``.
 
     Returns one dict per (layer, tensor) with `moe_lab.quant.mx.mx_error_stats`'s figures
@@ -360,19 +327,20 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
     rows: list[dict] = []
     handles, saved_impls, temp_names = [], [], []
     try:
-        for i, block in enumerate(_modules_named(model, ATTENTION_CLASS)):
+        # by class name: moe_lab.model imports this module
+        for i, block in enumerate(m for m in model.modules() if type(m).__name__ == "Attention"):
             for name, lin in block.named_modules():
                 if isinstance(lin, nn.Linear):
                     def hook(mod: nn.Linear, args: tuple, layer: str = f"attention{i}.{name}") -> None:
-                        rows.append(_stats_row(layer, "input", args[0], -1, scale_mode))
-                        rows.append(_stats_row(layer, "weight", mod.weight, -1, scale_mode))
+                        rows.append(_stats_row(layer, "input", args[0], -1))
+                        rows.append(_stats_row(layer, "weight", mod.weight, -1))
 
                     handles.append(lin.register_forward_pre_hook(hook))
             original = block.attention_impl
 
             def recording(q: Tensor, k: Tensor, v: Tensor, layer: str = f"attention{i}.core",
                           original: Callable = original) -> Tensor:
-                rows.extend(_attention_core_rows(layer, q, k, v, scale_mode))
+                rows.extend(_attention_core_rows(layer, q, k, v))
                 return ATTENTION_IMPLS[original](q, k, v)
 
             temp = f"_mx_layer_error_stats_{id(block)}"
@@ -380,9 +348,9 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor, scale_mode: str = "r
             temp_names.append(temp)
             saved_impls.append((block, original))
             block.attention_impl = temp
-        for j, experts in enumerate(_modules_named(model, EXPERTS_CLASS)):
+        for j, experts in enumerate(m for m in model.modules() if type(m).__name__ == "SwiGLUExperts"):
             for name in ("w_gate_up", "w_down"):
-                rows.append(_stats_row(f"experts{j}", name, getattr(experts, name), -2, scale_mode))
+                rows.append(_stats_row(f"experts{j}", name, getattr(experts, name), -2))
         model(*inputs)
     finally:
         for handle in handles:

@@ -365,14 +365,13 @@ def lower_bound_time(topo: LeafSpine, traffic: np.ndarray) -> float:
 
 
 def simulate(topo: LeafSpine, traffic: np.ndarray, *, routing: str = "ecmp", pacing: bool = True,
-             burst: BurstModel | None = None, rng: np.random.Generator | None = None) -> FabricResult:
+             burst: BurstModel = BurstModel(), rng: np.random.Generator | None = None) -> FabricResult:
     """Route ``traffic`` over ``topo`` and simulate the transfer.
 
     Flow completion time = fluid max-min completion (:func:`fluid_completion_times`)
     + without pacing, the draining time of the burst queues on the flow's path and one
     ``rto_us`` if any port on its path dropped packets (:class:`BurstModel`).
     """
-    burst = burst if burst is not None else BurstModel()
     flows = route(topo, traffic, routing, rng)
     if flows.n_flows == 0:
         raise ValueError("traffic has no bytes between different GPUs: nothing to simulate")

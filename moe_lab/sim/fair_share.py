@@ -52,14 +52,9 @@ class _Incidence:
             level += inc
             residual -= inc * counts
             full = np.flatnonzero(share <= inc * (1.0 + rel_tol))
-            if full.size == 1:
-                link = full[0]
-                members = self.by_link[self.starts[link] : self.starts[link + 1]]
-                members = members[free[members]]
-            else:
-                members = np.concatenate([self.by_link[self.starts[k] : self.starts[k + 1]] for k in full])
-                # A flow through two links that fill together is counted once.
-                members = np.unique(members[free[members]])
+            members = np.concatenate([self.by_link[self.starts[k] : self.starts[k + 1]] for k in full])
+            # A flow through two links that fill together is counted once.
+            members = np.unique(members[free[members]])
             free[members] = False
             rate[members] = level
             hit = self.padded[members].ravel()

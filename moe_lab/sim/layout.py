@@ -106,13 +106,6 @@ class Layout:
         """The virtual stages of ``rank``, chunk 0 first."""
         return [c * self.n_ranks + rank for c in range(self.n_chunks)]
 
-    def layers(self) -> str:
-        """All layer characters in pipeline order (the stages concatenated)."""
-        return "".join(self.stages)
-
-    def __str__(self) -> str:
-        return format_layout(self)
-
 
 def parse_layout(text: str, n_ranks: int | None = None) -> Layout:
     """Parse a Megatron-style layout string (grammar in the module docstring).
@@ -183,7 +176,7 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     Expected: ``E`` first, ``L`` last, ``n_layers`` transformer layers, ``mtp_layers``
     MTP layers after the last transformer layer.
     """
-    layers = layout.layers()
+    layers = "".join(layout.stages)  # every layer character in pipeline order
     expected = model_layer_chars(cfg)
     counts = {c: layers.count(c) for c in LAYER_CHARS}
     wanted = {c: expected.count(c) for c in LAYER_CHARS}

@@ -69,13 +69,11 @@ def layer_costs(cfg: ModelConfig, seq_len: int | None = None, *, logits_scale: f
 
     flops = layer_flops_per_token(cfg, seq_len if seq_len is not None else cfg.seq_len)
     fwd = {kind: float(flops[kind]) / 3e9 for kind in LAYER_KINDS}
-    logits = fwd["logits"]
-    mtp = fwd["mtp"]
-    if cfg.mtp_layers and mtp > logits:
+    if cfg.mtp_layers and fwd["mtp"] > fwd["logits"]:
         # The MTP block holds a transformer layer, a projection and its own output head.
-        mtp = mtp - logits + logits * logits_scale
-    return LayerCosts(embedding=fwd["embedding"], dense=fwd["dense"], moe=fwd["moe"], mtp=mtp,
-                      logits=logits * logits_scale)
+        fwd["mtp"] = fwd["mtp"] - fwd["logits"] + fwd["logits"] * logits_scale
+    fwd["logits"] *= logits_scale
+    return LayerCosts(**fwd)
 
 
 def stage_forward_costs(layout: Layout, cfg: ModelConfig, costs: LayerCosts) -> np.ndarray:

@@ -42,9 +42,6 @@ AMP_DTYPES = ("", "bf16")
 #: manages its buffers — in C++ instead of Python).
 COMPILE_MODES: dict[str, dict | None] = {"": None, "default": {}, "cpp_wrapper": {"cpp_wrapper": True}}
 
-# How a compiled model's backward graph treats the forward's autocast (see the module docstring).
-BACKWARD_PASS_AUTOCAST = "same_as_forward"
-
 
 @holds(impls=ModelImpls)
 @dataclass(frozen=True)
@@ -149,7 +146,7 @@ def autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = F
 
     def forward(x: Tensor, y: Tensor | None = None) -> object:
         with (torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed),
-              functorch_config.patch(backward_pass_autocast=BACKWARD_PASS_AUTOCAST)):
+              functorch_config.patch(backward_pass_autocast="same_as_forward")):
             return fn(x, y)
 
     return forward

@@ -90,12 +90,10 @@ def capture_advice(err: SyncError) -> str:
         return _OPTIMIZER_ADVICE
     if "clip_grad_norm_" in where:
         return "clip_grad_norm_(..., error_if_nonfinite=False): the check reads the norm on the host"
-    head = err.op.split(" ")[0]
-    for key in (head, head.rsplit(".", 1)[0]):
-        if key in ADVICE:
-            return ADVICE[key]
-    return ("find the line above and keep its values on the device "
-            "(see moe_lab.training.sync.SYNC_OPS)")
+    # a recorded name such as ``aten.index.Tensor (bool mask)`` is keyed ``aten.index``
+    key = err.op if err.op in ADVICE else err.op.split(" ")[0].rsplit(".", 1)[0]
+    return ADVICE.get(key, "find the line above and keep its values on the device "
+                           "(see moe_lab.training.sync.SYNC_OPS)")
 
 
 class NotCapturableError(SyncError):

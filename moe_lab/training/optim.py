@@ -85,8 +85,7 @@ def lr_schedule(step: Tensor, schedule: Schedule) -> Tensor:
     span = max(1, total_steps - warmup_steps)
     progress = ((s - warmup_steps) / span).clamp(0.0, 1.0)
     decay = floor + 0.5 * (lr - floor) * (1.0 + torch.cos(progress * math.pi))
-    if warmup_steps == 0:
-        return decay.float()
+    # Without warm-up the first branch is never taken (its division by zero gives inf, unused).
     warm = lr * (s + 1.0) / warmup_steps
     return torch.where(s < warmup_steps, warm, decay).float()
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from moe_lab.checks import one_of, positive_ints, positive_number
+from moe_lab.checks import non_negative_number, one_of, positive_ints, positive_number
 from moe_lab.config import holds
 from moe_lab.data import Batch
 from moe_lab.model import MoETransformer
@@ -95,9 +95,7 @@ class StepConfig:
     def __post_init__(self) -> None:
         positive_ints(self, "read_every")
         positive_number(self.grad_clip, "StepConfig.grad_clip")
-        if not self.expert_bias_rate >= 0:
-            raise ValueError(
-                f"StepConfig.expert_bias_rate must be >= 0, got {self.expert_bias_rate!r}")
+        non_negative_number(self.expert_bias_rate, "StepConfig.expert_bias_rate")
         one_of(self.overflow_policy, "StepConfig.overflow_policy", OVERFLOW_POLICIES)
 
 
@@ -156,28 +154,20 @@ def optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module)
     saved_attrs = {name: getattr(optimizer, name) for name in ("found_inf", "grad_scale")
                    if hasattr(optimizer, name)}
     try:
-        state = defaultdict(dict)
+        optimizer.state = defaultdict(dict, {to_fake(p): {k: to_fake(v) for k, v in state.items()}
+                                             for p, state in saved_state.items()})
         for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p in saved_state:
-                    state[to_fake(p)] = {k: to_fake(v) for k, v in saved_state[p].items()}
             group["params"] = [to_fake(p) for p in group["params"]]
             group["lr"] = to_fake(group["lr"])
-        optimizer.state = state
         for name, value in saved_attrs.items():
-            if value is not None:
-                setattr(optimizer, name, to_fake(value))
+            setattr(optimizer, name, to_fake(value))
         yield
     finally:
         for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
-            group.clear()
             group.update(saved)
         optimizer.state = saved_state
-        for name in ("found_inf", "grad_scale"):
-            if name in saved_attrs:
-                setattr(optimizer, name, saved_attrs[name])
-            elif hasattr(optimizer, name):
-                delattr(optimizer, name)
+        for name, value in saved_attrs.items():
+            setattr(optimizer, name, value)
 
 
 # --------------------------------------------------------------------------------------
@@ -250,16 +240,13 @@ class SyncFreeStep:
     def device(self) -> torch.device:
         return self.state.x.device
 
-    @property
-    def batch_shape(self) -> tuple[int, int]:
-        return tuple(self.state.x.shape)
-
     # -- the device work ---------------------------------------------------------------
 
     def load(self, batch: Batch) -> None:
         """Copy ``batch.x`` and ``batch.y`` into the static inputs (same shape required)."""
-        if tuple(batch.x.shape) != self.batch_shape or tuple(batch.y.shape) != self.batch_shape:
-            raise ValueError(f"batch must be [batch, seq] = {self.batch_shape} like the example "
+        shape = self.state.x.shape
+        if batch.x.shape != shape or batch.y.shape != shape:
+            raise ValueError(f"batch must be [batch, seq] = {tuple(shape)} like the example "
                              f"batch, got x {tuple(batch.x.shape)} and y {tuple(batch.y.shape)}")
         self.state.x.copy_(batch.x, non_blocking=True)
         self.state.y.copy_(batch.y, non_blocking=True)
@@ -323,16 +310,16 @@ class SyncFreeStep:
                             st.tokens_per_expert.reshape(-1), st.imbalance]).tolist()
         st.zero_window()
         n_layers, n_experts = st.tokens_per_expert.shape
-        scalars = dict(zip(_SCALARS, packed[: len(_SCALARS)], strict=True))
-        lr, total = packed[len(_SCALARS): len(_SCALARS) + 2]
-        rest = packed[len(_SCALARS) + 2:]
+        names = (*_SCALARS, "lr", "step")
+        scalars = dict(zip(names, packed, strict=False))  # the per-expert sums follow them
+        rest = packed[len(names):]
         n = max(scalars["steps"], 1.0)
         counts = [[int(round(c)) for c in rest[i * n_experts:(i + 1) * n_experts]]
                   for i in range(n_layers)]
-        return {"step": int(round(total)), "steps": int(round(scalars["steps"])),
+        return {"step": int(round(scalars["step"])), "steps": int(round(scalars["steps"])),
                 "skipped": int(round(scalars["skipped"])),
                 **{name: scalars[name] / n for name in ("loss", "lm_loss", "aux_loss", "grad_norm")},
-                "grad_norm_max": scalars["grad_norm_max"], "lr": lr, "tokens_per_expert": counts,
+                "grad_norm_max": scalars["grad_norm_max"], "lr": scalars["lr"], "tokens_per_expert": counts,
                 "imbalance": [v / n for v in rest[n_layers * n_experts:]], "reruns": self.reruns}
 
     def flush(self) -> dict | None:
@@ -372,12 +359,9 @@ class SyncFreeStep:
         statistics — on fake tensors under `moe_lab.training.sync.assert_sync_free`; raise its
         ``SyncError`` at the first host sync. Nothing real is touched: the parameters,
         optimizer state and buffers keep their values."""
-        modules = [self.model, self.state]
-        if self.stash is not None:
-            modules.append(self.stash)
-        assert_sync_free(self._certified_run, *modules, backward=False)
+        assert_sync_free(self._certified_run, self.model, self.state, self.stash, backward=False)
 
-    def _certified_run(self, *_modules: nn.Module) -> None:
+    def _certified_run(self, *_modules: nn.Module | None) -> None:
         # The modules arrive as arguments only so that assert_sync_free swaps their tensors.
         # The model itself is certified, not a compiled wrapper of it.
         forward, self.forward = self.forward, self.model

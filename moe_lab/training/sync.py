@@ -43,7 +43,6 @@ A ``.tolist()`` of eight values is one sync (one copy), and counts as one.
 from __future__ import annotations
 
 import contextlib
-import functools
 import linecache
 import os
 import sys
@@ -115,14 +114,13 @@ SYNC_OPS: dict[str, str] = {
 
 _INDEX_PUT = {aten.index_put, aten.index_put_, aten._index_put_impl_}
 _COPIES = {aten._to_copy, aten.copy_}
-# The ATen operators of SYNC_OPS that sync in every form; `_classify` looks at the others' arguments.
-_ALWAYS = ({getattr(aten, name[5:]) for name in SYNC_OPS if name.startswith("aten.")}
-           - _INDEX_PUT - _COPIES - {aten.index, aten.repeat_interleave, aten.histc})
+# The ATen operators of SYNC_OPS that sync in some forms only: `_classify` looks at their arguments.
+_SOMETIMES = {aten.index, aten.repeat_interleave, aten.histc, *_INDEX_PUT, *_COPIES}
+_ALWAYS = {getattr(aten, name[5:]) for name in SYNC_OPS if name.startswith("aten.")} - _SOMETIMES
 # Host reads that bypass the dispatcher on a CPU, seen by the function mode.
 _HOST_READS = {getattr(torch.Tensor, name[7:]): name for name in SYNC_OPS if name.startswith("Tensor.")}
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_THIS_FILE = os.path.normcase(os.path.abspath(__file__))
 
 
 class SyncError(RuntimeError):
@@ -171,11 +169,12 @@ def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
     packet = func.overloadpacket
     if packet in _ALWAYS:
         return str(func)
+    if packet not in _SOMETIMES:
+        return None
+    b = bind_arguments(func, args, kwargs)
     if packet is aten.index:
-        indices = bind_arguments(func, args, kwargs).get("indices") or []
-        return f"{func} (bool mask)" if any(_is_mask(i) for i in indices) else None
+        return f"{func} (bool mask)" if any(_is_mask(i) for i in b.get("indices") or []) else None
     if packet in _INDEX_PUT:
-        b = bind_arguments(func, args, kwargs)
         indices = [i for i in (b.get("indices") or []) if i is not None]
         if not any(_is_mask(i) for i in indices):
             return None
@@ -189,26 +188,22 @@ def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
             and value.device.type == "cpu"
         )
         return None if masked_fill else f"{func} (bool mask)"
-    if packet is aten.repeat_interleave and func._overloadname in ("Tensor", "self_Tensor"):
-        return None if bind_arguments(func, args, kwargs).get("output_size") is not None else str(func)
+    if packet is aten.repeat_interleave:
+        # Only tensor repeats without output_size= size the output from the data.
+        tensor_repeats = func._overloadname in ("Tensor", "self_Tensor")
+        return str(func) if tensor_repeats and b.get("output_size") is None else None
     if packet is aten.histc:
-        b = bind_arguments(func, args, kwargs)
         return f"{func} (range from data)" if b.get("min", 0) == b.get("max", 0) else None
-    if packet in _COPIES:
-        b = bind_arguments(func, args, kwargs)
-        if b.get("non_blocking", False):
-            return None
-        if packet is aten._to_copy:
-            src, dst = b["self"].device, b.get("device")
-        else:
-            src, dst = b["src"].device, b["self"].device
-        types = {src.type, torch.device(dst).type} if dst is not None else {src.type}
-        # Only a copy between the host and a device waits (meta has no data: never).
-        if len(types) < 2 or "meta" in types or "cpu" not in types:
-            return None
-        direction = "device->host" if torch.device(dst).type == "cpu" else "host->device"
-        return f"{func} ({direction})"
-    return None
+    # a copy: only a blocking one between the host and a device waits (meta has no data: never)
+    if b.get("non_blocking", False):
+        return None
+    if packet is aten._to_copy:
+        src, dst = b["self"].device.type, torch.device(b.get("device") or b["self"].device).type
+    else:
+        src, dst = b["src"].device.type, b["self"].device.type
+    if src == dst or "meta" in (src, dst) or "cpu" not in (src, dst):
+        return None
+    return f"{func} ({'device->host' if dst == 'cpu' else 'host->device'})"
 
 
 # --------------------------------------------------------------------------------------
@@ -226,10 +221,9 @@ class _SyncDispatchMode(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
         self.suppress = 0
         self.phase = "fn"
-        # Tensors this run copied to the host: reading them is not another sync. They are
-        # kept alive so that their addresses are not reused by unrelated tensors.
-        self._host_copies: list[torch.Tensor] = []
-        self._host_ptrs: set[int] = set()
+        # Tensors this run copied to the host, by storage address: reading them is not another
+        # sync. They are kept alive so that their addresses are not reused by unrelated tensors.
+        self._host_copies: dict[int, torch.Tensor] = {}
 
     def record(self, op: str) -> None:
         if self.suppress:
@@ -247,17 +241,8 @@ class _SyncDispatchMode(TorchDispatchMode):
         finally:
             self.suppress -= 1
 
-    def remember_host_copy(self, t: object) -> None:
-        ptr = _storage_ptr(t)
-        if ptr is not None:
-            self._host_copies.append(t)  # type: ignore[arg-type]
-            self._host_ptrs.add(ptr)
-
     def is_host_copy(self, t: object) -> bool:
-        if not self._host_ptrs:
-            return False
-        ptr = _storage_ptr(t)
-        return ptr is not None and ptr in self._host_ptrs
+        return _storage_ptr(t) in self._host_copies
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple[type, ...],
                            args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -269,18 +254,16 @@ class _SyncDispatchMode(TorchDispatchMode):
             self.record(op)
         out = func(*args, **kwargs)
         if op is not None and op.endswith("(device->host)"):
-            self.remember_host_copy(out if func.overloadpacket is aten._to_copy else args[0])
+            host = out if func.overloadpacket is aten._to_copy else args[0]
+            if (ptr := _storage_ptr(host)) is not None:
+                self._host_copies[ptr] = host
         return out
 
 
 def _storage_ptr(t: object) -> int | None:
     if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type != "cpu":
-        return None
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # fake or meta tensors have no data
-        return None
-    return ptr or None
+        return None  # fake tensors have no data
+    return t.untyped_storage().data_ptr() or None
 
 
 class _SyncFunctionMode(TorchFunctionMode):
@@ -294,31 +277,25 @@ class _SyncFunctionMode(TorchFunctionMode):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = _HOST_READS.get(func)
-        if name is not None and args:
+        if name is not None:
             if not self.state.is_host_copy(args[0]):
                 self.state.record(name)
             # One read is one sync, however many scalar reads it makes inside.
             with self.state.suppressed():
                 return func(*args, **kwargs)
-        if func is F.one_hot and args and isinstance(args[0], torch.Tensor):
-            if args[0].device.type in ("cpu", "meta"):
-                num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-                if num_classes < 0:
-                    self.state.record("F.one_hot without num_classes")
-                # The CPU kernel's range checks are device asserts on CUDA: not counted.
-                with self.state.suppressed():
-                    return func(*args, **kwargs)
+        if func is F.one_hot and args[0].device.type in ("cpu", "meta"):
+            num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if num_classes < 0:
+                self.state.record("F.one_hot without num_classes")
+            # The CPU kernel's range checks are device asserts on CUDA: not counted.
+            with self.state.suppressed():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------
 # Finding the user's line
 # --------------------------------------------------------------------------------------
-
-
-def _call_fn(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    # The frame of this function marks where user code begins (see _user_line).
-    return fn(*args, **kwargs)
 
 
 def _backward(root: torch.Tensor) -> None:
@@ -340,9 +317,6 @@ def _backward(root: torch.Tensor) -> None:
         torch.autograd.grad(root, leaves, torch.ones_like(root), allow_unused=True)
 
 
-_ENTRY_CODES = {_call_fn.__code__, _backward.__code__}
-
-
 def _user_line(frames: list[tuple[FrameType, int]]) -> str | None:
     """The innermost frame that is neither PyTorch nor this module, stopping at the call
     into user code. ``frames`` is innermost first."""
@@ -351,8 +325,7 @@ def _user_line(frames: list[tuple[FrameType, int]]) -> str | None:
         if code in _ENTRY_CODES:
             return None
         filename = code.co_filename
-        if (filename.startswith((_TORCH_DIR, "<frozen")) or filename == contextlib.__file__
-                or os.path.normcase(os.path.abspath(filename)) == _THIS_FILE):
+        if filename.startswith((_TORCH_DIR, "<frozen")) or filename in (contextlib.__file__, __file__):
             continue
         source = linecache.getline(filename, lineno, frame.f_globals).strip()
         return f"{filename}:{lineno} in {code.co_name}: {source}"
@@ -377,32 +350,22 @@ def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any,
         raise ValueError(f"count_syncs: fn must be callable, got {type(fn).__name__}")
     state = _SyncDispatchMode(strict=False)
     with _SyncFunctionMode(state), state:
-        result = _call_fn(fn, args, kwargs)
+        result = fn(*args, **kwargs)
     return result, state.counts
 
 
 def _modules_of(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[nn.Module]:
     """Modules whose parameters ``fn`` can reach: ``fn`` itself, the module a bound
-    method belongs to, module arguments, a partial's stored arguments, and modules
-    ``fn`` names as closure variables or globals."""
-    found: list[nn.Module] = []
-    candidates: list[object] = [fn, *tree_leaves((args, kwargs))]
-    target = fn
-    while isinstance(target, functools.partial):
-        candidates += [target.func, *tree_leaves((target.args, target.keywords))]
-        target = target.func
-    candidates.append(getattr(target, "__self__", None))
-    code = getattr(target, "__code__", None)
+    method belongs to, module arguments, and modules ``fn`` names as closure variables or
+    globals."""
+    candidates: list[object] = [fn, getattr(fn, "__self__", None), *tree_leaves((args, kwargs))]
+    code = getattr(fn, "__code__", None)
     if code is not None:
-        for cell in getattr(target, "__closure__", None) or ():
+        for cell in fn.__closure__ or ():
             with contextlib.suppress(ValueError):  # an empty cell
                 candidates.append(cell.cell_contents)
-        globals_ = getattr(target, "__globals__", {})
-        candidates += [globals_[name] for name in code.co_names if name in globals_]
-    for obj in candidates:
-        if isinstance(obj, nn.Module) and not any(obj is m for m in found):
-            found.append(obj)
-    return found
+        candidates += [fn.__globals__[name] for name in code.co_names if name in fn.__globals__]
+    return [obj for obj in candidates if isinstance(obj, nn.Module)]
 
 
 @contextlib.contextmanager
@@ -413,18 +376,14 @@ def _fake_parameters(modules: list[nn.Module], mode: FakeTensorMode) -> Iterator
     embeddings) gets one fake twin, and the real tensors are never touched.
     """
     swapped: list[tuple[dict, str, torch.Tensor]] = []
-    seen: set[int] = set()
+    submodules = {id(sub): sub for module in modules for sub in module.modules()}  # each once
     try:
-        for module in modules:
-            for sub in module.modules():
-                if id(sub) in seen:
-                    continue
-                seen.add(id(sub))
-                for table in (sub._parameters, sub._buffers):
-                    for name, value in list(table.items()):
-                        if value is not None:
-                            swapped.append((table, name, value))
-                            table[name] = mode.from_tensor(value)
+        for sub in submodules.values():
+            for table in (sub._parameters, sub._buffers):
+                for name, value in list(table.items()):
+                    if value is not None:
+                        swapped.append((table, name, value))
+                        table[name] = mode.from_tensor(value)
         yield
     finally:
         for table, name, value in reversed(swapped):
@@ -473,7 +432,7 @@ def assert_sync_free(
     with _fake_parameters(_modules_of(fn, args, kwargs), mode):
         try:
             with mode, _SyncFunctionMode(state), state:
-                result = _call_fn(fn, fake_args, fake_kwargs)
+                result = fn(*fake_args, **fake_kwargs)
                 if backward:
                     root = next((t for t in tree_leaves(result)
                                  if isinstance(t, torch.Tensor) and t.requires_grad), None)
@@ -490,3 +449,7 @@ def assert_sync_free(
                 err.add_note(_FAKE_RUN_NOTE)
             raise
     return result
+
+
+# The frames that call into user code: `_user_line` looks no further out.
+_ENTRY_CODES = {assert_sync_free.__code__, _backward.__code__}

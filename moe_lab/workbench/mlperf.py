@@ -53,16 +53,11 @@ def result(benchmark: str) -> MLPerfResult:
     raise ValueError(f"benchmark must be one of {[r.benchmark for r in RESULTS]}, got {benchmark!r}")
 
 
-def results_table(markdown: bool = True) -> str:
-    """The results as a markdown table (or aligned plain text), with the source beneath."""
+def results_table() -> str:
+    """The results as a markdown table, with the source beneath."""
     header = ("benchmark", "system", "GPUs", "minutes", "GPU-hours", "MoE")
     rows = [(r.benchmark, r.system, f"{r.n_gpus:,}", f"{r.minutes:g}", f"{r.gpu_hours:,.1f}",
              "yes" if r.moe else "") for r in RESULTS]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines) + f"\n\nSource: {SOURCE}."
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header)] + [fmt.format(*row) for row in rows]
-    return "\n".join(lines) + f"\nSource: {SOURCE}."
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + f"\n\nSource: {SOURCE}."

@@ -131,16 +131,12 @@ def summarize(report: dict) -> dict:
             "probe_bandwidth_bytes_per_s": report.get("bandwidth", {}).get("bytes_per_s")}
 
 
-def _common(report: dict) -> dict:
-    return dict(ranks=report["world_size"], tokens_per_rank=report["tokens_per_rank"],
-                n_chunks=report["n_chunks"], link=report["link"], repeats=report["repeats"],
-                rate_mbit=report["rate_mbit"], threads_per_rank=report.get("threads_per_rank", 1))
-
-
 def record(report: dict, notebook: str = "bench:ep") -> None:
     """Append the benchmark's figures to the ledger."""
     s = summarize(report)
-    common = _common(report)
+    common = dict(ranks=report["world_size"], tokens_per_rank=report["tokens_per_rank"],
+                  n_chunks=report["n_chunks"], link=report["link"], repeats=report["repeats"],
+                  rate_mbit=report["rate_mbit"], threads_per_rank=report.get("threads_per_rank", 1))
     for row in s["rows"]:
         step = row["schedule"]
         ledger.record(notebook, step, "tokens_per_s", row["tokens_per_s"], "tok/s", **common)

@@ -314,27 +314,25 @@ def chain_stage_timing(shape: str = "fine", tokens: int = 1024, min_time_s: floa
             "chain_ms": total * 1e3}
 
 
-def fusion_report(tokens: int = 1024, min_time_s: float = 0.3, notebook: str = "bench:moe-layer",
-                  record: bool = True) -> dict:
+def fusion_report(tokens: int = 1024, min_time_s: float = 0.3, notebook: str = "bench:moe-layer") -> dict:
     """Bytes and launches per MoE layer, unfused and each fusion, at DeepSeek-V3's and
     GPT-OSS-20B's shapes (`moe_lab.perf.fusion.fusion_table`; the projected milliseconds at
     H200 and GB300 bandwidth are projections), and `chain_stage_timing` at the fine shape,
-    measured here. With ``record`` the counts and the timing go to the ledger."""
+    measured here; the counts and the timing go to the ledger."""
     from moe_lab.perf.fusion import fusion_table
 
     table = fusion_table()
     timing = chain_stage_timing("fine", tokens, min_time_s)
-    if record:
-        for row in table:
-            step = f"fusion:{row['preset']}:{row['variant']}"
-            ledger.record(notebook, step, "bytes_per_layer", row["bytes"], "B", counted=True,
-                          ep=row["ep"], tokens=row["tokens"])
-            ledger.record(notebook, step, "launches_per_layer", row["launches"], "launches", counted=True)
-        for row in timing["stages"]:
-            ledger.record(notebook, f"fusion:fine:chain {row['stage']}", "median_ms", row["median_ms"], "ms",
-                          tokens=tokens)
-        ledger.record(notebook, "fusion:fine:chain", "removable_share", timing["removable_share"], "fraction",
+    for row in table:
+        step = f"fusion:{row['preset']}:{row['variant']}"
+        ledger.record(notebook, step, "bytes_per_layer", row["bytes"], "B", counted=True,
+                      ep=row["ep"], tokens=row["tokens"])
+        ledger.record(notebook, step, "launches_per_layer", row["launches"], "launches", counted=True)
+    for row in timing["stages"]:
+        ledger.record(notebook, f"fusion:fine:chain {row['stage']}", "median_ms", row["median_ms"], "ms",
                       tokens=tokens)
+    ledger.record(notebook, "fusion:fine:chain", "removable_share", timing["removable_share"], "fraction",
+                  tokens=tokens)
     return {"table": table, "chain_timing": timing,
             "note": ("bytes and launches counted from the tensors each launch reads and writes "
                      "(moe_lab.perf.fusion); projected_ms_* = bytes / HBM bandwidth from datasheet "
@@ -363,7 +361,8 @@ def run(args: argparse.Namespace) -> dict:
     # A lower bound: the input and its gradient, and each token's top-k expert activations.
     widest = max(SHAPES[s]["top_k"] * SHAPES[s]["d_expert"] + 2 * SHAPES[s]["d_model"] for s in shapes)
     check_fits(f"--tokens {tokens}", tokens * widest * 4, "use fewer --tokens", device)
-    ceiling = ceilings.matmul_peak(dtype, n=1024 if args.profile == "smoke" else 2048, device=device)
+    ceiling_n = 1024 if args.profile == "smoke" else 2048
+    ceiling = ceilings.matmul_peak(dtype, n=ceiling_n, device=device)
     result: dict = {"tokens": tokens, "matmul_ceiling_gflops": ceiling.giga, "rows": [],
                     "notes": [], "floor": []}
     for shape in shapes:
@@ -371,9 +370,8 @@ def run(args: argparse.Namespace) -> dict:
         result["rows"] += r["rows"]
         result["notes"] += [n for n in r["notes"] if n not in result["notes"]]
         for backend in floor_backends(device):
-            result["floor"].append(expert_compute_vs_floor(
-                shape, tokens, ceiling.giga, args.min_time,
-                ceiling_n=1024 if args.profile == "smoke" else 2048, backend=backend))
+            result["floor"].append(expert_compute_vs_floor(shape, tokens, ceiling.giga, args.min_time,
+                                                           ceiling_n=ceiling_n, backend=backend))
     for row in result["rows"]:
         step = f"{row['shape']}:{row['provider']}"
         ledger.record(args.notebook, step, "tokens_per_s", row["tokens_per_s"], "tok/s", tokens=tokens)

@@ -28,13 +28,6 @@ from moe_lab.workbench.training.loop import (
 )
 
 
-def _check_checkpoint_target(path: Path, corpus: str) -> None:
-    """The corpus is never replaced by a checkpoint (an existing file only with
-    ``--overwrite``: `train` checks that once it holds the path)."""
-    if corpus != "synthetic" and path.exists() and Path(corpus).exists() and path.samefile(corpus):
-        raise ValueError(f"--checkpoint {path} is the --corpus file: a checkpoint would overwrite it")
-
-
 def _train(args: argparse.Namespace) -> dict:
     model_cfg = preset(args.preset)
     if args.override and not args.resume:
@@ -51,8 +44,11 @@ def _train(args: argparse.Namespace) -> dict:
         raise ValueError("--overwrite replaces an existing --checkpoint PATH with a new run; "
                          "it does not go with --resume")
     check_corpus(args.corpus, "--corpus")
-    if args.checkpoint:
-        _check_checkpoint_target(Path(args.checkpoint), args.corpus)
+    # The corpus is never replaced by a checkpoint (an existing file only with --overwrite:
+    # `train` checks that once it holds the path).
+    target = Path(args.checkpoint) if args.checkpoint else None
+    if target and args.corpus != "synthetic" and target.exists() and target.samefile(args.corpus):
+        raise ValueError(f"--checkpoint {target} is the --corpus file: a checkpoint would overwrite it")
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       dispatcher=args.dispatcher, expert_backend=args.expert_backend, corpus=args.corpus,
                       step=args.step, eval_every=args.eval_every, warmup_steps=min(20, args.steps // 10),

@@ -244,13 +244,6 @@ def format_table(rows: list[dict[str, Any]], label_width: int | None = 60) -> st
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells)
 
 
-def format_markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as a markdown table."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in table_cells(row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
 def format_rows_with_loop(rows: list[dict[str, Any]]) -> str:
     """Each row's figures and its inner loop's PTX (the operand moves and the MMAs), for a
     notebook."""
@@ -315,6 +308,9 @@ def summary_markdown(report: dict[str, Any]) -> str:
                        f"{lim['shared_per_sm'] // 1024} KB shared per SM"
                        for arch, lim in report["limits"].items())
     errors = sum(1 for row in report["rows"] if row.get("error"))
+    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    table += ["| " + " | ".join(c.replace("|", "\\|") for c in table_cells(row)) + " |"
+              for row in report["rows"]]
     return (
         "# Compile report\n\n"
         f"Every Triton kernel of moe_lab at the configurations a CUDA launch picks, compiled with "
@@ -330,7 +326,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
         "`cp.async.bulk.tensor` and `mbarrier.init` instructions in the PTX; a persistent grid is "
         "one whose kernel has a loop over tiles strided by the number of programs.\n\n"
         + (f"**{errors} row(s) failed** (see ERROR).\n\n" if errors else "")
-        + format_markdown(report["rows"])
+        + "\n".join(table) + "\n"
         + "\n## Off target, and why\n\n" + exceptions_markdown(report["rows"])
         + refused_markdown(report.get("refused", []))
     )

@@ -28,107 +28,43 @@ compile`` does the same after it writes them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from moe_lab.perf.hardware import GPUSpec, gpu_spec, roofline
+from moe_lab.perf.hardware import gpu_spec, roofline
 from moe_lab.workbench.compile_report import traffic
-
-
-@dataclass(frozen=True)
-class Projection:
-    """The roofline's account of one launch: ``flops`` FLOPs and ``bytes`` HBM bytes on a GPU of
-    ``peak_flops`` FLOP/s and ``bandwidth`` bytes/s."""
-
-    flops: float
-    bytes: float
-    peak_flops: float
-    bandwidth: float
-
-    @property
-    def intensity(self) -> float:
-        """FLOP per HBM byte."""
-        return self.flops / self.bytes
-
-    @property
-    def ridge(self) -> float:
-        """FLOP/byte where compute and bandwidth balance: ``peak_flops / bandwidth``."""
-        return self.peak_flops / self.bandwidth
-
-    @property
-    def compute_s(self) -> float:
-        return self.flops / self.peak_flops
-
-    @property
-    def memory_s(self) -> float:
-        return self.bytes / self.bandwidth
-
-    @property
-    def time_s(self) -> float:
-        """Projected seconds: ``max(flops / peak_flops, bytes / bandwidth)``."""
-        return max(self.compute_s, self.memory_s)
-
-    @property
-    def bound(self) -> str:
-        """``"compute"`` at or above the ridge point, ``"memory"`` below it."""
-        return "compute" if self.compute_s >= self.memory_s else "memory"
-
-    @property
-    def attainable(self) -> float:
-        """FLOP/s the roofline allows at this intensity (`moe_lab.perf.hardware.roofline`)."""
-        return roofline(self.peak_flops, self.bandwidth, self.intensity)
-
-
-def project(flops: float, bytes_moved: float, peak_flops: float, bandwidth: float) -> Projection:
-    """The `Projection` of ``flops`` FLOPs over ``bytes_moved`` HBM bytes at ``peak_flops`` FLOP/s
-    and ``bandwidth`` bytes/s (all > 0: the callers' figures from the traffic model and the datasheets)."""
-    return Projection(float(flops), float(bytes_moved), float(peak_flops), float(bandwidth))
-
-
-def launch_flops(m: int, n: int, k: int, panels: int = 1) -> int:
-    """FLOPs of a grouped GEMM launch over ``m`` routed rows, ``[m, k] @ [k, n]`` per expert:
-    ``2 * m * n * k`` for each of ``panels`` products (2 for SwiGLU's gate and up)."""
-    return 2 * m * n * k * panels
-
-
-def wave_efficiency(programs: int, in_flight: int) -> float:
-    """``programs / (waves * in_flight)`` with ``waves = cdiv(programs, in_flight)``: 1.0 when every
-    wave is full, lower when the last one is partly empty (wave quantisation)."""
-    return programs / (-(-programs // in_flight) * in_flight)
-
-
-def eight_bit_rate(spec: GPUSpec) -> tuple[str, float]:
-    """The 8-bit tensor-core peak `moe_lab.perf.hardware` gives ``spec`` and what it stands for: the
-    MXFP8 rate where the GPU has block-scaled FP8 units; otherwise (Hopper) the FP8 rate, which is
-    the rate of `moe_lab.kernels.mx_attention`'s ``fp8_promote`` path (MXFP8 on FP8 wgmma, scales
-    applied in float32)."""
-    if spec.native_mxfp8:
-        return "MXFP8", spec.peak_flops("mxfp8")
-    return "FP8, the fp8_promote path", spec.peak_flops("fp8")
 
 
 def projections(rows: list[dict]) -> list[dict]:
     """One projection row per `moe_lab.workbench.compile_report.traffic.tables` row: FLOPs,
     compulsory and modelled (grouped order) bytes, the intensity against the ridge, the projected
     time and bound of the grouped order and of the row-fastest (old) order, the compute floor at
-    the 8-bit rate (`eight_bit_rate`) and the wave efficiency at the launch's programs in flight."""
+    the 8-bit rate and the wave efficiency at the launch's programs in flight.
+
+    The 8-bit rate is the MXFP8 one where the GPU has block-scaled FP8 units; otherwise (Hopper)
+    the FP8 rate, which is the rate of `moe_lab.kernels.mx_attention`'s ``fp8_promote`` path (MXFP8
+    on FP8 wgmma, scales applied in float32)."""
     out = []
     for row in rows:
         spec = gpu_spec(row["gpu"])
         peak = spec.peak_flops("bf16")
-        flops = launch_flops(row["per_expert"] * row["experts"], row["n"], row["k"], row["panels"])
-        new = project(flops, row["grouped_bytes"], peak, spec.bandwidth)
-        old = project(flops, row["row_bytes"], peak, spec.bandwidth)
-        rate_name, rate = eight_bit_rate(spec)
+        # [m, k] @ [k, n] per expert over the launch's routed rows, for each of its B panels
+        flops = 2 * row["per_expert"] * row["experts"] * row["n"] * row["k"] * row["panels"]
+        compute_s = flops / peak
+        memory_s = {order: row[f"{order}_bytes"] / spec.bandwidth for order in ("grouped", "row")}
+        eight_bit = "MXFP8" if spec.native_mxfp8 else "FP8, the fp8_promote path"
+        waves = -(-row["programs"] // row["in_flight"])
         out.append(dict(gpu=spec.name, model=row["model"], launch=row["launch"], flops=flops,
                         compulsory=row["compulsory"], modelled=row["grouped_bytes"],
-                        old_bytes=row["row_bytes"],
-                        intensity=new.intensity, old_intensity=old.intensity, ridge=new.ridge,
-                        bound=new.bound, time_s=new.time_s, old_bound=old.bound, old_time_s=old.time_s,
-                        eight_bit=rate_name, eight_bit_compute_s=flops / rate,
-                        wave_efficiency=wave_efficiency(row["programs"], row["in_flight"]),
+                        old_bytes=row["row_bytes"], intensity=flops / row["grouped_bytes"],
+                        old_intensity=flops / row["row_bytes"], ridge=spec.ridge_intensity,
+                        bound="compute" if compute_s >= memory_s["grouped"] else "memory",
+                        time_s=max(compute_s, memory_s["grouped"]),
+                        old_bound="compute" if compute_s >= memory_s["row"] else "memory",
+                        old_time_s=max(compute_s, memory_s["row"]), eight_bit=eight_bit,
+                        eight_bit_compute_s=flops / spec.peak_flops("mxfp8" if spec.native_mxfp8 else "fp8"),
+                        wave_efficiency=row["programs"] / (waves * row["in_flight"]),
                         peak_flops=peak, bandwidth=spec.bandwidth))
     return out
 
@@ -165,30 +101,27 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bf16_rows(kernel_rows: list[dict]) -> list[dict]:
-    """The `moe_lab.workbench.compile_report.traffic.kernel_tables` rows whose kernels multiply bf16
-    tiles: the ones this bf16 roofline projects."""
-    return [row for row in kernel_rows if row["mma"] == "bf16"]
-
-
-def launch_rows(rows: list[dict], dw_rows: list[dict]) -> list[dict]:
-    """The traffic table's ``rows`` and the dW rows (`moe_lab.workbench.compile_report.traffic.dw_tables`)
-    in one list, each GPU's and model's launches together, dW after the forward launches."""
-    gpus = {gpu: i for i, gpu in enumerate(dict.fromkeys(r["gpu"] for r in rows + dw_rows))}
+def launch_projections(rows: list[dict], dw_rows: list[dict], kernel_rows: list[dict]) -> list[dict]:
+    """`projections` of the traffic table's ``rows``, the dW rows
+    (`moe_lab.workbench.compile_report.traffic.dw_tables`) and the kernel rows whose kernels multiply
+    bf16 tiles (`moe_lab.workbench.compile_report.traffic.kernel_tables`: all but the 8-bit MMAs), in
+    one list, each GPU's and model's launches together, dW after the forward launches."""
+    launches = rows + dw_rows + [row for row in kernel_rows if row["mma"] == "bf16"]
+    gpus = {gpu: i for i, gpu in enumerate(dict.fromkeys(r["gpu"] for r in launches))}
     models = {entry[0]: i for i, entry in enumerate(traffic.ACCEPTANCE)}
-    return sorted(rows + dw_rows, key=lambda r: (gpus[r["gpu"]], models[r["model"]]))
+    return projections(sorted(launches, key=lambda r: (gpus[r["gpu"]], models[r["model"]])))
 
 
 def write_tables(results: Path = traffic.RESULTS) -> list[Path]:
     """Write ``traffic.md`` (the traffic table's launches, the dW and the other grouped kernels,
     `moe_lab.workbench.compile_report.traffic.kernel_tables`) and ``roofline.md`` (all but the
-    8-bit MMAs, `bf16_rows`) into
+    8-bit MMAs, `launch_projections`) into
     ``results`` from the compile reports there (`moe_lab.workbench.compile_report.traffic.reports`);
     the traffic model runs once for both. Returns the paths written."""
     rows = traffic.tables(results)
     written = []
     dw_rows, kernel_rows = traffic.dw_tables(results), traffic.kernel_tables(results)
-    projected = projections(launch_rows(rows, dw_rows + bf16_rows(kernel_rows)))
+    projected = launch_projections(rows, dw_rows, kernel_rows)
     for name, text in (("traffic.md", traffic.markdown(rows, dw_rows, kernel_rows)),
                        ("roofline.md", markdown(projected))):
         path = Path(results) / name

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,6 +44,19 @@ def _simulated(rows: tuple[int, ...], *args: int, **keywords: object):
     """`simulate` once per distinct launch: the tables meet the same one more than once (a fused
     kernel at its unfused kernel's tile and occupancy, the SwiGLU backward in both modules)."""
     return simulate(list(rows), *args, **keywords)
+
+
+@functools.lru_cache(maxsize=24)
+def _cached(rows_of: Callable, gpu: str, report_text: str, *selection: object) -> tuple[dict, ...]:
+    """``rows_of`` on one GPU and its compile report, once per distinct report and selection."""
+    return tuple(rows_of(gpu_spec(gpu), json.loads(report_text), *selection))
+
+
+def _per_gpu(rows_of: Callable, results: Path, *selection: object) -> list[dict]:
+    """``rows_of(spec, report, *selection)`` on every compile target's GPU (`reports`), each row a
+    dict of its own."""
+    return [dict(row) for gpu, path in reports(results).items()
+            for row in _cached(rows_of, gpu_spec(gpu).name, Path(path).read_text(), *selection)]
 
 
 def reports(results: Path = RESULTS) -> dict[str, Path]:
@@ -110,11 +124,7 @@ def _grouped_launch(spec, report: dict, per_expert: int, experts: int, n: int, k
             **{name: t.ratio for name, t in traffic.items()}}
 
 
-@functools.lru_cache(maxsize=8)
-def _acceptance(gpu: str, report_text: str, models: tuple[str, ...] | None,
-                launches: tuple[str, ...] | None) -> tuple[dict, ...]:
-    spec, report = gpu_spec(gpu), json.loads(report_text)
-    out = []
+def _acceptance(spec, report: dict, models: tuple[str, ...] | None, launches: tuple[str, ...] | None):
     for model, per_expert, experts, dims in _models(models):
         for launch, kind, kernel, label, n_dim, k_dim, panels in LAUNCHES:
             if launches is not None and launch not in launches:
@@ -128,8 +138,7 @@ def _acceptance(gpu: str, report_text: str, models: tuple[str, ...] | None,
             b, in_flight = cfg.blocks, row["in_flight"]
             wave = min(k * 2 * (g * b["BLOCK_M"] + -(-in_flight // g) * b["BLOCK_N"] * panels)
                        for g in (1 << i for i in range(in_flight.bit_length())))
-            out.append(dict(model=model, launch=launch, **row, wave_l2=wave / spec.l2_bytes))
-    return tuple(out)
+            yield dict(model=model, launch=launch, **row, wave_l2=wave / spec.l2_bytes)
 
 
 def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
@@ -144,8 +153,7 @@ def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
     ``aligned_bytes``) and the programs that have work (``programs``, ``expert_tiles`` of them
     per expert). ``models`` and ``launches``: the `ACCEPTANCE` models and `LAUNCHES` to run
     (default: all)."""
-    return [dict(row) for gpu, path in reports(results).items()
-            for row in _acceptance(gpu_spec(gpu).name, Path(path).read_text(), models, launches)]
+    return _per_gpu(_acceptance, results, models, launches)
 
 
 # The weight gradients: (launch, compile-report label piece, K, N) of dW[e] = X_eᵀ·dY_e, a reduction
@@ -154,11 +162,8 @@ DW_LAUNCHES = (("dW (down)", "dW = Xᵀ·dY per expert (down", "f", "d"),
                ("dW (up/gate)", "dW = Xᵀ·dY per expert (up/gate", "d", "2f"))
 
 
-@functools.lru_cache(maxsize=8)
-def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...] | None) -> tuple[dict, ...]:
-    spec, report = gpu_spec(gpu), json.loads(report_text)
-    out = []
-    for model, per_expert, experts, dims in _models(models):
+def _dw_acceptance(spec, report: dict):
+    for model, per_expert, experts, dims in _models(None):
         for launch, label, k_dim, n_dim in DW_LAUNCHES:
             k, n = dims[k_dim], dims[n_dim]
             cfg = choose_config("dw", per_expert * experts, n, k, experts, torch.bfloat16)
@@ -168,25 +173,22 @@ def _dw_acceptance(gpu: str, report_text: str, models: tuple[str, ...] | None) -
                                          b["BLOCK_N"], in_flight=in_flight, l2_bytes=spec.l2_bytes,
                                          order=order)
                        for name, order in (("row", "expert_fastest"), ("grouped", DW_GROUP_K))}
-            out.append(dict(gpu=spec.name, model=model, launch=launch, per_expert=per_expert,
-                            experts=experts, n=n, k=k, panels=1, tiles="x".join(map(str, b.values())),
-                            in_flight=in_flight, group_k=DW_GROUP_K,
-                            programs=experts * -(-k // b["BLOCK_K"]) * -(-n // b["BLOCK_N"]),
-                            compulsory=traffic["row"].compulsory,
-                            **{f"{name}_bytes": t.total for name, t in traffic.items()},
-                            **{name: t.ratio for name, t in traffic.items()}))
-    return tuple(out)
+            yield dict(gpu=spec.name, model=model, launch=launch, per_expert=per_expert, experts=experts,
+                       n=n, k=k, panels=1, tiles="x".join(map(str, b.values())), in_flight=in_flight,
+                       group_k=DW_GROUP_K, programs=experts * -(-k // b["BLOCK_K"]) * -(-n // b["BLOCK_N"]),
+                       compulsory=traffic["row"].compulsory,
+                       **{f"{name}_bytes": t.total for name, t in traffic.items()},
+                       **{name: t.ratio for name, t in traffic.items()})
 
 
-def dw_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None) -> list[dict]:
+def dw_tables(results: Path = RESULTS) -> list[dict]:
     """The grouped GEMM weight gradients (`DW_LAUNCHES`) at `ACCEPTANCE`'s shapes on every compile
     target's GPU (`moe_lab.perf.traffic.simulate_dw`): ``row`` the old grid's order, the expert
     fastest; ``grouped`` the kernels' order today, expert after expert with ``DW_GROUP_K`` K tiles
     per group (`moe_lab.kernels.common.expert_tile_order`). Rows shaped as `tables`' for
     `moe_lab.workbench.compile_report.roofline`, at `choose_config`'s tile and the compile report's
     resident blocks for the launch's own row."""
-    return [dict(row) for gpu, path in reports(results).items()
-            for row in _dw_acceptance(gpu_spec(gpu).name, Path(path).read_text(), models)]
+    return _per_gpu(_dw_acceptance, results)
 
 
 # The other grouped kernels, each over expert after expert's rows in `tile_order`: (launch, kernel,
@@ -236,11 +238,7 @@ def kernel_config(source: str, kind: str | None, m: int, n: int, k: int, experts
     return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
 
 
-@functools.lru_cache(maxsize=8)
-def _kernel_rows(gpu: str, report_text: str, models: tuple[str, ...] | None,
-                 launches: tuple[str, ...] | None) -> tuple[dict, ...]:
-    spec, report = gpu_spec(gpu), json.loads(report_text)
-    out = []
+def _kernel_rows(spec, report: dict, models: tuple[str, ...] | None, launches: tuple[str, ...] | None):
     for model, per_expert, experts, dims in _models(models):
         for launch, kernel, source, kind, label, n_dim, k_dim, keywords in KERNEL_LAUNCHES:
             if launches is not None and launch not in launches:
@@ -250,9 +248,7 @@ def _kernel_rows(gpu: str, report_text: str, models: tuple[str, ...] | None,
             row = _grouped_launch(spec, report, per_expert, experts, n, k, cfg, kernel, label, keywords,
                                   always_aligned=False)
             mma = "8-bit" if source == "mx" else "bf16"
-            out.append(dict(model=model, launch=launch, kernel=kernel, mma=mma, num_warps=cfg.num_warps,
-                            **row))
-    return tuple(out)
+            yield dict(model=model, launch=launch, kernel=kernel, mma=mma, num_warps=cfg.num_warps, **row)
 
 
 def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
@@ -266,8 +262,7 @@ def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None
     kernel multiplies bf16 tiles (the fused MXFP8 kernels decode or quantize in registers around
     a bf16 MMA) or 8-bit ones (the grouped MXFP8 GEMM). ``models`` and
     ``launches``: the `ACCEPTANCE` models and `KERNEL_LAUNCHES` to run (default: all)."""
-    return [dict(row) for gpu, path in reports(results).items()
-            for row in _kernel_rows(gpu_spec(gpu).name, Path(path).read_text(), models, launches)]
+    return _per_gpu(_kernel_rows, results, models, launches)
 
 
 def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:

@@ -206,14 +206,6 @@ def error_row(kernel: str, label: str, arch: str | None, message: str) -> dict[s
     return {"kernel": kernel, "label": label, "arch": arch, "error": message}
 
 
-def jit_functions(module: types.ModuleType) -> dict[str, Any]:
-    """The compiled ``@jit`` functions ``module`` defines (not those it imports)."""
-    from triton.runtime.jit import JITFunction
-
-    return {name: value for name, value in vars(module).items()
-            if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__}
-
-
 def kernel_modules() -> list[str]:
     """Every module of `moe_lab.kernels` that launches a kernel it defines (not
     `moe_lab.kernels.common`, whose ``@jit`` functions the kernels call)."""
@@ -225,16 +217,15 @@ def kernel_modules() -> list[str]:
 
 
 def launched_kernels(module: types.ModuleType) -> list[str]:
-    """The module's ``@jit`` functions that it launches (``name[grid](...)``), as opposed to
-    the helpers its kernels call."""
+    """The ``@jit`` functions the module defines (not those it imports) and launches
+    (``name[grid](...)``, or handed to a launch helper as an argument), as opposed to the helpers
+    its kernels call."""
+    from triton.runtime.jit import JITFunction
+
     source = inspect.getsource(module)
-    return sorted(name for name in jit_functions(module) if re.search(rf"\b{re.escape(name)}\s*\[", source))
-
-
-def _resolve(kernel: str) -> Any:
-    """The compiled ``@triton.jit`` function ``"module:function"`` names."""
-    module_name, _, name = kernel.partition(":")
-    return getattr(importlib.import_module(module_name), name)
+    return sorted(name for name, value in vars(module).items()
+                  if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__
+                  and re.search(rf"\b{re.escape(name)}\s*\[|[(,]\s*{re.escape(name)}\s*,", source))
 
 
 def module_specs(module_name: str, select: dict[str, Any]) -> tuple[list[CompileSpec], list[str]]:
@@ -312,7 +303,8 @@ def _collect(job: dict[str, Any]) -> tuple[list[tuple[Any, CompileSpec]], list[d
 def _compile_row(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None, count: str) -> dict[str, Any]:
     """`compile_spec`, or an error row when it fails; a progress line either way."""
     try:
-        row = compile_spec(fn or _resolve(spec.kernel), spec, arch, cubin_dir)
+        module_name, _, name = spec.kernel.partition(":")  # the compiled @triton.jit function it names
+        row = compile_spec(fn or getattr(importlib.import_module(module_name), name), spec, arch, cubin_dir)
     except Exception as exc:  # a failed compile is a row of the report, not its end
         row = {**identity(spec, arch),
                **error_row(spec.kernel, spec.label, arch, f"{type(exc).__name__}: {str(exc)[:2000]}")}

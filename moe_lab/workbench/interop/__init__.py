@@ -1,11 +1,12 @@
 """Bridges to Hugging Face ``transformers`` MoE blocks.
 
-Each ``from_hf_<family>(block)`` builds a moe_lab ``MoELayer`` that computes the same
-function as the Hugging Face block — same router, same experts, same weights (copied) — but
-with moe_lab's dispatchers (by default the dropless, sync-free one) and expert backends.
-`patch_hf_model` swaps every MoE block of a Hugging Face model for such a layer, in place,
-so a user can train or benchmark a real model architecture on moe_lab's kernels, and
-`unpatch_hf_model` (or saving the patched model) takes the trained weights back to it.
+Each ``from_hf_<family>(block)`` (in the family's module) builds a moe_lab ``MoELayer`` that
+computes the same function as the Hugging Face block — same router, same experts, same weights
+(copied) — but with moe_lab's dispatchers (by default the dropless, sync-free one) and expert
+backends. `moe_lab.workbench.interop.patch.patch_hf_model` (imported here too) swaps every MoE
+block of a Hugging Face model for such a layer, in place, so a user can train or benchmark a
+real model architecture on moe_lab's kernels, and `unpatch_hf_model` (or saving the patched
+model) takes the trained weights back to it.
 
 Families: Mixtral (softmax top-k, renormalised), Qwen3-MoE (softmax top-k, optionally
 renormalised), DeepSeek-V3 (group-limited sigmoid routing with a selection-only correction
@@ -16,19 +17,4 @@ clamped SwiGLU: `moe_lab.moe.experts.ClampedSwiGLUExperts`). OLMoE's block is Qw
 read through their attributes and recognised by their class names.
 """
 
-from moe_lab.workbench.interop.deepseek_v3 import from_hf_deepseek_v3
-from moe_lab.workbench.interop.gpt_oss import GptOssMoELayer, from_hf_gpt_oss
-from moe_lab.workbench.interop.mixtral import from_hf_mixtral
-from moe_lab.workbench.interop.patch import (
-    HF_MOE_BLOCKS,
-    HFMoEAdapter,
-    patch_hf_model,
-    unpatch_hf_model,
-)
-from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe
-
-__all__ = [
-    "HF_MOE_BLOCKS", "GptOssMoELayer", "HFMoEAdapter",
-    "from_hf_deepseek_v3", "from_hf_gpt_oss", "from_hf_mixtral", "from_hf_qwen3_moe",
-    "patch_hf_model", "unpatch_hf_model",
-]
+from moe_lab.workbench.interop.patch import patch_hf_model as patch_hf_model  # notebook 04's import

@@ -182,11 +182,9 @@ def fold_long_outputs(nb) -> None:
                     out = nbformat.v4.new_output("display_data", data=_folded_text(text, what))
             elif kind in ("execute_result", "display_data"):
                 if "text/markdown" in data and _line_count(_text(data["text/markdown"])) > FOLD_LINES:
-                    from nbconvert.filters.markdown_mistune import markdown2html_mistune
-
                     markdown = _text(data["text/markdown"])
                     first = next((line for line in markdown.split("\n") if line.strip()), "")
-                    out["data"] = {"text/html": fold(markdown2html_mistune(markdown),
+                    out["data"] = {"text/html": fold(markdown_to_html(markdown),
                                                      _line_count(markdown), first)}
                 elif (set(data) <= {"text/plain"} and "text/plain" in data
                       and _line_count(_text(data["text/plain"])) > FOLD_LINES):
@@ -202,3 +200,36 @@ details.moe-fold > summary { cursor: pointer; color: #0b5cad; font: 13px/1.5 sys
 details.moe-fold > pre { margin: .3em 0 0; white-space: pre; overflow-x: auto; }
 """
 
+
+def latex_to_mathml(tex: str, display: bool = False) -> str:
+    """One formula as MathML (rendered natively by browsers; no script, no network). Without
+    ``latex2mathml`` (the ``lab`` extra) the TeX is shown as code, and a warning says so."""
+    try:
+        from latex2mathml.converter import convert  # the lab/test extras; only the site needs it
+    except ImportError:
+        import warnings
+
+        warnings.warn("latex2mathml is not installed (pip install -e '.[lab]'): the site shows "
+                      "formulas as TeX", stacklevel=2)
+        return f'<code class="tex">{html.escape(tex)}</code>'
+    try:
+        mathml = convert(tex.strip(), display="block" if display else "inline")
+    except Exception:  # TeX the converter does not know: shown as TeX, the page still renders
+        return f'<code class="tex">{html.escape(tex)}</code>'
+    return mathml.replace(' xmlns="http://www.w3.org/1998/Math/MathML"', "")
+
+
+def markdown_to_html(markdown: str) -> str:
+    """Markdown as HTML, parsed as nbconvert parses a notebook's (a formula is found where
+    Jupyter finds one: never inside code), each formula written as MathML (`latex_to_mathml`)
+    where nbconvert would leave its TeX for MathJax."""
+    from nbconvert.filters.markdown_mistune import IPythonRenderer, MarkdownWithMath
+
+    class MathMLRenderer(IPythonRenderer):
+        def block_math(self, body: str) -> str:
+            return latex_to_mathml(body, display=True)
+
+        def inline_math(self, body: str) -> str:
+            return latex_to_mathml(body)
+
+    return MarkdownWithMath(renderer=MathMLRenderer(escape=False)).render(markdown)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import html
 import os
-import re
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -43,6 +43,7 @@ from pathlib import Path
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.lab import page_outputs
 from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, write_text_atomically
+from moe_lab.workbench.lab.page_outputs import markdown_to_html
 from moe_lab.workbench.measure.ledger import format_value, latest, read, workbook_records
 from moe_lab.workbench.quiet import without_known_lines
 
@@ -430,67 +431,12 @@ def _status(nb) -> str:
 # --------------------------------------------------------------------------------------
 
 
-# Inline code and fenced code keep their dollars; ``$$…$$`` is display math, ``$…$`` inline
-# math (no space inside the delimiters, no digit after the closing one: "$5" is money).
-_CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
-_MATH = re.compile(r"(?<!\\)\$\$(.+?)\$\$|(?<![\\$])\$(?![\s$])([^$\n]+?)(?<![\s\\])\$(?!\d)", re.S)
-_TOKEN = "MOELABMATH{}X"
-
-
-def latex_to_mathml(tex: str, display: bool = False) -> str:
-    """One formula as MathML (rendered natively by browsers; no script, no network). Without
-    ``latex2mathml`` (the ``lab`` extra) the TeX is shown as code, and a warning says so."""
-    try:
-        from latex2mathml.converter import convert  # the lab/test extras; only the site needs it
-    except ImportError:
-        import warnings
-
-        warnings.warn("latex2mathml is not installed (pip install -e '.[lab]'): the site shows "
-                      "formulas as TeX", stacklevel=2)
-        return f'<code class="tex">{html.escape(tex)}</code>'
-    try:
-        mathml = convert(tex.strip(), display="block" if display else "inline")
-    except Exception:  # TeX the converter does not know: shown as TeX, the page still renders
-        return f'<code class="tex">{html.escape(tex)}</code>'
-    return mathml.replace(' xmlns="http://www.w3.org/1998/Math/MathML"', "")
-
-
-def protect_math(markdown: str, formulas: list[str]) -> str:
-    """``markdown`` with every formula outside code replaced by a placeholder (letters and
-    digits only, which Markdown leaves alone); the formula's MathML goes to ``formulas``.
-    `restore_math` puts it back into the HTML."""
-    out, last = [], 0
-    for code in [*_CODE.finditer(markdown), None]:
-        end = code.start() if code is not None else len(markdown)
-        text = markdown[last:end]
-
-        def swap(match: re.Match) -> str:
-            display = match.group(1) is not None
-            formulas.append(latex_to_mathml(match.group(1) if display else match.group(2), display))
-            return _TOKEN.format(len(formulas) - 1)
-
-        out.append(_MATH.sub(swap, text))
-        if code is not None:
-            out.append(code.group(0))
-            last = code.end()
-    return "".join(out)
-
-
-def restore_math(html_text: str, formulas: Sequence[str]) -> str:
-    """Put the MathML of `protect_math`'s placeholders into ``html_text``."""
-    return re.sub(r"MOELABMATH(\d+)X", lambda m: formulas[int(m.group(1))], html_text)
-
-
 def _inline_markdown(text: str) -> str:
-    """Markdown of one paragraph or bullet as HTML (mistune, nbconvert's own renderer), its
-    formulas as MathML."""
-    import mistune  # nbconvert's renderer, installed with it; only the index needs it
-
-    formulas: list[str] = []
-    rendered = mistune.html(protect_math(text, formulas)).strip()
+    """Markdown of one paragraph or bullet as HTML (`markdown_to_html`), without its ``<p>``."""
+    rendered = markdown_to_html(text).strip()
     if rendered.startswith("<p>") and rendered.endswith("</p>") and rendered.count("<p>") == 1:
         rendered = rendered[3:-4]
-    return restore_math(rendered, formulas)
+    return rendered
 
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -501,25 +447,20 @@ WIDGET_PLACEHOLDER = (
     "explorer's figure at its default settings instead.</div>")
 
 
-def prepare_for_site(nb) -> tuple:
-    """A copy of the executed notebook ``nb`` ready to export: formulas of markdown cells
-    and Markdown outputs replaced by placeholders (their MathML returned beside), known
-    third-party stderr noise dropped (a stream left empty is dropped too), a live
-    widget's output replaced by a note saying where its controls work, and the cell
-    papermill injects (tagged ``injected-parameters``: the run's settings, repeated from the
-    notebook's own parameters cell) left out. The outputs are then made honest and short
+def prepare_for_site(nb):
+    """A copy of the executed notebook ``nb`` ready to export: known third-party stderr noise
+    dropped (a stream left empty is dropped too), a live widget's output replaced by a note
+    saying where its controls work, and the cell papermill injects (tagged
+    ``injected-parameters``: the run's settings, repeated from the notebook's own parameters
+    cell) left out. The outputs are then made honest and short
     (`moe_lab.workbench.lab.page_outputs`): a check's ``✓`` earned by the reference under an
     unsolved stub says "not done — the reference ran in its place", a progress bar is one
     line, and an output longer than a screen is folded into ``<details>``."""
     nb = copy.deepcopy(nb)
-    formulas: list[str] = []
     page_outputs.honest_exercises(nb)  # before the injected cell goes: it says how the run ran
     nb.cells = [cell for cell in nb.cells
                 if "injected-parameters" not in cell.get("metadata", {}).get("tags", [])]
     for cell in nb.cells:
-        if cell.cell_type == "markdown":
-            cell.source = protect_math(cell.source, formulas)
-            continue
         if cell.cell_type != "code":
             continue
         outputs = []
@@ -530,18 +471,13 @@ def prepare_for_site(nb) -> tuple:
                 out["text"] = without_known_lines(out.get("text", ""))
                 if not out["text"].strip():
                     continue
-            data = out.get("data", {})
-            if WIDGET_MIME in data:  # a live widget: no widget manager is loaded, say so
+            if WIDGET_MIME in out.get("data", {}):  # a live widget: no widget manager is loaded, say so
                 out["data"] = {"text/html": WIDGET_PLACEHOLDER}
-                outputs.append(out)
-                continue
-            if "text/markdown" in data:
-                data["text/markdown"] = protect_math(data["text/markdown"], formulas)
             outputs.append(out)
         cell.outputs = outputs
     page_outputs.collapse_progress(nb)
     page_outputs.fold_long_outputs(nb)
-    return nb, formulas
+    return nb
 
 
 # nbconvert's lab template without the tags that fetch scripts (require.js, MathJax,
@@ -582,16 +518,17 @@ def navigation(prev: tuple[str, str] | None, nxt: tuple[str, str] | None) -> str
 
 def render_page(nb, nav: str = "") -> str:
     """One executed notebook (an nbformat node) as a page that needs no network: formulas
-    as MathML, no script tags, third-party stderr noise left out, ``nav`` at top and bottom."""
+    as MathML (`markdown_to_html`), no script tags, third-party stderr noise left out, ``nav``
+    at top and bottom."""
     import jinja2
     from nbconvert import HTMLExporter  # slow to import; only a page export needs it
 
-    prepared, formulas = prepare_for_site(nb)
     exporter = HTMLExporter(extra_loaders=[jinja2.DictLoader({"moe_site.html.j2": _PAGE_TEMPLATE})],
-                            template_file="moe_site.html.j2")
+                            template_file="moe_site.html.j2", filters={"markdown2html": markdown_to_html})
     body, _ = exporter.from_notebook_node(
-        prepared, resources={"moe_nav": nav, "moe_nav_css": _NAV_CSS + page_outputs.FOLD_CSS})
-    return restore_math(body, formulas)
+        prepare_for_site(nb), resources={"moe_nav": nav, "moe_nav_css": _NAV_CSS + page_outputs.FOLD_CSS})
+    return body
+
 
 
 _CSS = """
@@ -697,34 +634,28 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     target.mkdir(parents=True, exist_ok=True)
     records = workbook_records(read(ledger_path))
     notebooks = sorted(p for p in source.iterdir() if p.is_file() and NOTEBOOK_PATTERN.match(p.name))
-    described = []
+    pages, executed = [], []
     for path in notebooks:
         try:
             nb = nbformat.read(path, as_version=4)
-            described.append((path, nb, *describe_notebook(nb), _status(nb)))
+            (title, summary, learn), status = describe_notebook(nb), _status(nb)
         except Exception:  # an unreadable notebook is still listed
-            described.append((path, None, path.stem, "", [], "not executed"))
-    pages = []
-    for i, (path, nb, title, summary, learn, status) in enumerate(described):
-        number = NOTEBOOK_PATTERN.match(path.name).group(1)
-        prev = described[i - 1] if i > 0 else None
-        nxt = described[i + 1] if i + 1 < len(described) else None
-        nav = navigation(prev and (f"{prev[0].stem}.html", prev[2] or prev[0].stem),
-                         nxt and (f"{nxt[0].stem}.html", nxt[2] or nxt[0].stem))
-        href = ""
+            nb, title, summary, learn, status = None, path.stem, "", [], "not executed"
+        row = headline_rows(records, [path.stem])[0]
+        pages.append(NotebookPage(name=path.stem, number=NOTEBOOK_PATTERN.match(path.name).group(1),
+                                  title=title, summary=summary, learn=learn, status=status,
+                                  headline=row if row["record"] or row["gpu"] else None))
+        executed.append(nb)
+    links = [(f"{page.name}.html", page.title or page.name) for page in pages]
+    for i, (page, nb) in enumerate(zip(pages, executed, strict=True)):
+        nav = navigation(links[i - 1] if i > 0 else None, links[i + 1] if i + 1 < len(links) else None)
         try:
             if nb is not None:
-                write_text_atomically(target / f"{path.stem}.html", render_page(nb, nav))
-                href = f"{path.stem}.html"
+                write_text_atomically(target / links[i][0], render_page(nb, nav))
+                page.href = links[i][0]
         except Exception as exc:  # listed without a link; say why on the build's stderr
-            import sys
-
-            print(f"site: {path.name} could not be rendered: {type(exc).__name__}: {exc}",
+            print(f"site: {page.name}.ipynb could not be rendered: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
-        rows = headline_rows(records, [path.stem])
-        pages.append(NotebookPage(name=path.stem, number=number, title=title, summary=summary,
-                                  learn=learn, href=href, status=status,
-                                  headline=rows[0] if rows[0]["record"] or rows[0]["gpu"] else None))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     index = target / "index.html"
     write_text_atomically(index, render_index(pages, capabilities().summary(), stamp))

@@ -17,6 +17,7 @@ https://github.com/nteract/papermill/issues/723 for reports of the hang."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import math
 import os
@@ -30,14 +31,8 @@ from moe_lab.workbench.figures.charts import plot_tokens_per_expert
 
 
 def headless() -> bool:
-    """True when no live front end will render widgets."""
-    if os.environ.get("MOE_LAB_HEADLESS") == "1":
-        return True
-    try:
-        import ipywidgets  # noqa: F401
-    except ImportError:
-        return True
-    return False
+    """True when no live front end will render widgets (a headless run, or no ipywidgets)."""
+    return os.environ.get("MOE_LAB_HEADLESS") == "1" or importlib.util.find_spec("ipywidgets") is None
 
 
 def simulate_routing(n_tokens: int, n_experts: int, top_k: int, skew: float,

@@ -89,8 +89,6 @@ def autotune(kernel: str, space: Sequence[LaunchConfig], run: Callable[[], objec
     launch is timed as infinite — Triton's `OutOfResources` (too much shared memory or too
     many registers for this GPU), `PTXASError` (ptxas refused it), `CompilationError`, or the
     `RuntimeError`/`ValueError` a launch raises — and if all fail, the first error is raised."""
-    if not space:
-        raise ValueError(f"space must hold at least one LaunchConfig for {kernel!r}")
     times, errors = [], []
     for config in space:
         try:

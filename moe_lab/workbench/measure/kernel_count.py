@@ -133,10 +133,6 @@ def _unique_tensors(values: Any) -> list[torch.Tensor]:
     return out
 
 
-def _does_no_work(func: torch._ops.OpOverload) -> bool:
-    return func.is_view or func.overloadpacket in _NO_WORK
-
-
 def _estimate(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one operator call."""
     bound = bind_arguments(func, args, kwargs)
@@ -157,13 +153,6 @@ def _estimate(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) 
     return read, written
 
 
-def _custom_op_body(func: torch._ops.OpOverload) -> Callable | None:
-    """The Python function behind a ``torch.library.custom_op`` (None for other operators).
-    Calling it directly, rather than ``func``, keeps the mode from seeing ``func`` again."""
-    opdef = _maybe_get_opdef(func)
-    return getattr(opdef, "_init_fn", None) if opdef is not None else None
-
-
 class _KernelCountMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -172,12 +161,15 @@ class _KernelCountMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _does_no_work(func) or (self.inside_custom and func.overloadpacket not in _FILLS):
+        if (func.is_view or func.overloadpacket in _NO_WORK
+                or (self.inside_custom and func.overloadpacket not in _FILLS)):
             return func(*args, **kwargs)
-        custom = func.namespace not in ("aten", "prim", "prims")
         index = len(self.records)
         t0 = time.perf_counter()
-        body = _custom_op_body(func) if custom else None
+        # The Python function behind a ``torch.library.custom_op`` (None for other operators):
+        # calling it directly, rather than ``func``, keeps the mode from seeing ``func`` again.
+        opdef = _maybe_get_opdef(func) if func.namespace not in ("aten", "prim", "prims") else None
+        body = getattr(opdef, "_init_fn", None)
         if body is not None:
             self.inside_custom += 1
             try:

@@ -138,17 +138,6 @@ def workbook_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("source") != LAB_SOURCE]
 
 
-# ------------------------------------------------------------------------------ context
-
-
-def _hardware_label() -> str:
-    return str(capabilities().hardware_label())
-
-
-def _library_versions() -> dict[str, str]:
-    return {str(name): str(version) for name, version in library_versions().items()}
-
-
 # ------------------------------------------------------------------------------ writing
 
 
@@ -259,8 +248,8 @@ def record(
         "metric": metric,
         "value": number,
         "unit": unit,
-        "hardware": hardware if hardware is not None else _hardware_label(),
-        "versions": _library_versions(),
+        "hardware": hardware if hardware is not None else capabilities().hardware_label(),
+        "versions": library_versions(),
         "time": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         "profile": profile,
         **extra,
@@ -406,9 +395,14 @@ def format_value(value: object) -> str:
     return f"{number:,.{decimals}f}"
 
 
-def _cell(value: object) -> str:
-    text = "" if value is None else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
+def _markdown_table(head: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table: the ``head`` row, the ``align`` markers, then ``rows`` (a cell ``None``
+    is empty; a ``|`` or a line break inside a cell is escaped)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    for row in rows:
+        cells = ("" if value is None else str(value).replace("|", "\\|").replace("\n", " ") for value in row)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 TABLE_COLUMNS = ("notebook", "step", "metric", "value", "unit", "hardware", "date")
@@ -438,19 +432,11 @@ def figures_table_markdown(records: Iterable[dict[str, Any]], steps: Sequence[st
         return ""
     hardware = sorted({where for _, where in cells})
     several = len(hardware) > 1
-    head = ["step", *(["hardware"] if several else []), *metrics.values()]
-    lines = ["| " + " | ".join(head) + " |",
-             "|" + "|".join(["---"] * (1 + several) + ["---:"] * len(metrics)) + "|"]
-    for step in steps:
-        for where in hardware:
-            row = cells.get((step, where))
-            if row is None:
-                continue
-            lines.append("| " + " | ".join(_cell(c) for c in (
-                step, *([where] if several else []), *(row.get(m, "") for m in metrics))) + " |")
-    if not several:
-        lines += ["", f"_measured on {hardware[0]}_"]
-    return "\n".join(lines) + "\n"
+    rows = [(step, *([where] if several else []), *(cells[step, where].get(m, "") for m in metrics))
+            for step in steps for where in hardware if (step, where) in cells]
+    table = _markdown_table(["step", *(["hardware"] if several else []), *metrics.values()],
+                            ["---"] * (1 + several) + ["---:"] * len(metrics), rows)
+    return table if several else table + f"\n_measured on {hardware[0]}_\n"
 
 
 def results_table_markdown(records: Iterable[dict[str, Any]]) -> str:
@@ -462,19 +448,6 @@ def results_table_markdown(records: Iterable[dict[str, Any]]) -> str:
     rows = sorted(records, key=lambda item: str(item.get("notebook", "")))
     if not rows:
         return "_No figures in the ledger yet: run `make workbook`._\n"
-    lines = [
-        "| " + " | ".join(TABLE_COLUMNS) + " |",
-        "|" + "|".join(["---", "---", "---", "---:", "---", "---", "---"]) + "|",
-    ]
-    for item in rows:
-        cells = (
-            item.get("notebook"),
-            item.get("step"),
-            item.get("metric"),
-            format_value(item.get("value")),
-            item.get("unit"),
-            item.get("hardware"),
-            str(item.get("time", ""))[:10],
-        )
-        lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return _markdown_table(TABLE_COLUMNS, ["---", "---", "---", "---:", "---", "---", "---"], [
+        (item.get("notebook"), item.get("step"), item.get("metric"), format_value(item.get("value")),
+         item.get("unit"), item.get("hardware"), str(item.get("time", ""))[:10]) for item in rows])

@@ -112,46 +112,22 @@ def infer_device(args: tuple, kwargs: dict) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class _Timer:
-    """Times one call of ``fn``: wall clock on the CPU, a CUDA event pair on CUDA."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.times: list[float] = []
-
-    def call(self, fn: Callable, args: tuple, kwargs: dict) -> float:
-        """Run ``fn`` once and return the elapsed seconds known so far (CUDA: the host
-        time, only to drive the adaptive loop; the event time is read in `collect`)."""
-        if self.device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()  # queued work must not spill into this call's window
-            t0 = time.perf_counter()
-            start.record()
-            fn(*args, **kwargs)
-            end.record()
-            end.synchronize()
-            self._pending.append((start, end))
-            return time.perf_counter() - t0
+def _call(fn: Callable, args: tuple, kwargs: dict, device: str) -> tuple[float, object]:
+    """Run ``fn`` once: the host seconds it took (on CUDA only to drive the adaptive loop) and
+    its timing, the seconds on the CPU, a pair of CUDA events on CUDA (read once all calls are done)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()  # queued work must not spill into this call's window
         t0 = time.perf_counter()
+        start.record()
         fn(*args, **kwargs)
-        elapsed = time.perf_counter() - t0
-        self.times.append(elapsed)
-        return elapsed
-
-    def collect(self) -> list[float]:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.times.extend(s.elapsed_time(e) / 1e3 for s, e in self._pending)
-            self._pending.clear()
-        return self.times
-
-
-def _check_counts(warmup: int, repeat: int | None, min_time_s: float) -> None:
-    non_negative_int(warmup, "warmup")
-    positive_int(repeat, "repeat (None: adaptive)", or_none=True)
-    if not (isinstance(min_time_s, (int, float)) and min_time_s >= 0 and math.isfinite(min_time_s)):
-        raise ValueError(f"min_time_s must be a finite number >= 0, got {min_time_s!r}")
+        end.record()
+        end.synchronize()
+        return time.perf_counter() - t0, (start, end)
+    t0 = time.perf_counter()
+    fn(*args, **kwargs)
+    elapsed = time.perf_counter() - t0
+    return elapsed, elapsed
 
 
 def bench(fn: Callable, *args, warmup: int = 3, repeat: int | None = None, min_time_s: float = 0.2,
@@ -172,29 +148,17 @@ def bench(fn: Callable, *args, warmup: int = 3, repeat: int | None = None, min_t
 class Comparison(dict):
     """``name -> BenchResult`` for providers timed in one run; the first is the baseline."""
 
-    @property
-    def baseline(self) -> str:
-        return next(iter(self))
-
-    def ratios(self, baseline: str | None = None) -> dict[str, float]:
-        """Speed-up of each provider over ``baseline`` (default: the first):
-        baseline median time / provider median time (> 1 means faster)."""
-        baseline = self.baseline if baseline is None else baseline
-        if baseline not in self:
-            raise ValueError(f"baseline must be one of {list(self)}, got {baseline!r}")
-        base = self[baseline].median_s
+    def ratios(self) -> dict[str, float]:
+        """Speed-up of each provider over the first: its median time / the provider's median time
+        (> 1 means faster)."""
+        base = next(iter(self.values())).median_s
         return {name: base / r.median_s if r.median_s > 0 else math.inf for name, r in self.items()}
-
-    def fastest(self) -> str:
-        """Name of the provider with the smallest median time."""
-        return min(self, key=lambda name: self[name].median_s)
 
     def __str__(self) -> str:
         width = max(len(name) for name in self)
-        lines = []
-        for name, ratio in self.ratios().items():
-            lines.append(f"{name:<{width}}  {self[name]}  x{ratio:.2f} vs {self.baseline}")
-        return "\n".join(lines)
+        baseline = next(iter(self))
+        return "\n".join(f"{name:<{width}}  {self[name]}  x{ratio:.2f} vs {baseline}"
+                         for name, ratio in self.ratios().items())
 
 
 def compare(fns: dict[str, Callable], *args, warmup: int = 3, repeat: int | None = None,
@@ -214,10 +178,13 @@ def compare(fns: dict[str, Callable], *args, warmup: int = 3, repeat: int | None
     for name, fn in fns.items():
         if not callable(fn):
             raise ValueError(f"fns[{name!r}] must be callable, got {type(fn).__name__}")
-    _check_counts(warmup, repeat, min_time_s)
+    non_negative_int(warmup, "warmup")
+    positive_int(repeat, "repeat (None: adaptive)", or_none=True)
+    if not (isinstance(min_time_s, (int, float)) and min_time_s >= 0 and math.isfinite(min_time_s)):
+        raise ValueError(f"min_time_s must be a finite number >= 0, got {min_time_s!r}")
     device = infer_device(args, kwargs)
     names = list(fns)
-    timers = {name: _Timer(device) for name in names}
+    marks: dict[str, list] = {name: [] for name in names}
     for _ in range(warmup):
         for name in names:
             fns[name](*args, **kwargs)
@@ -229,8 +196,11 @@ def compare(fns: dict[str, Callable], *args, warmup: int = 3, repeat: int | None
             repeat is None and rounds >= MIN_ADAPTIVE_REPEAT and max(totals.values()) >= min_time_s):
         order = names if rounds % 2 == 0 else names[::-1]
         for name in order:
-            totals[name] += timers[name].call(fns[name], args, kwargs)
+            host_s, mark = _call(fns[name], args, kwargs, device)
+            totals[name] += host_s
+            marks[name].append(mark)
         rounds += 1
-    return Comparison(
-        (name, BenchResult.from_times(timers[name].collect(), device)) for name in names
-    )
+    if device == "cuda":
+        torch.cuda.synchronize()
+        marks = {name: [s.elapsed_time(e) / 1e3 for s, e in pairs] for name, pairs in marks.items()}
+    return Comparison((name, BenchResult.from_times(marks[name], device)) for name in names)

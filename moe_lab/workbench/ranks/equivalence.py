@@ -7,7 +7,8 @@ autograd) computes, which the tests and notebook 09 assert on.
 
 - `ep_check_rank`: `moe_lab.parallel.ep.EPMoELayer` (dropless, budgeted, overflowing) against
   the single-process dropless layer;
-- `overlap_check_rank`: every schedule of `moe_lab.parallel.overlap.ChunkedStep` against autograd;
+- `overlap_check_rank`: every schedule of the chunked plan (`moe_lab.parallel.plan.chunked_plan`)
+  against autograd;
 - `merged_check_rank`: every 1F1B plan of `moe_lab.parallel.merged` against the plain schedule
   (bitwise) and autograd;
 - `merged_model_check_rank`: `moe_lab.parallel.merged_model.MergedModelStep` against the plain
@@ -28,8 +29,7 @@ from moe_lab.moe.layer import MoELayer
 from moe_lab.parallel.ep import from_layer, rank_experts, sync_gradients
 from moe_lab.parallel.merged import MergedStep, two_microbatch_step
 from moe_lab.parallel.merged_model import MergedModelStep
-from moe_lab.parallel.overlap import ChunkedStep
-from moe_lab.parallel.plan import SCHEDULES
+from moe_lab.parallel.plan import SCHEDULES, chunked_plan
 from moe_lab.workbench.ranks.harness import OVERLAP_RUNS, layer_and_batches
 from moe_lab.workbench.ranks.launch import rank_device
 
@@ -133,10 +133,10 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
 
 
 def overlap_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 0) -> dict:
-    """Every schedule of `ChunkedStep` (`OVERLAP_RUNS`) against autograd through `EPMoELayer`
-    (output, input gradient, expert/router/shared weight gradients): the largest absolute
-    difference per quantity and schedule, and the number of events and the bytes exchanged
-    each run recorded. The first run, ``"default"``, is a fresh step with no options: what a
+    """Every schedule of the chunked plan (`OVERLAP_RUNS`), run by `MergedStep`, against autograd
+    through `EPMoELayer` (output, input gradient, expert/router/shared weight gradients): the
+    largest absolute difference per quantity and schedule, and the number of events and the
+    bytes exchanged each run recorded. The first run, ``"default"``, is a fresh step with no options: what a
     user gets (real collectives, not a replay)."""
     ep, (x, grad) = layer_and_batches({"cfg": cfg_fields, "tokens": tokens, "seed": seed}, 2)
     xr = x.detach().requires_grad_()
@@ -145,14 +145,15 @@ def overlap_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int =
     ref = {name: p.grad.clone() for name, p in ep.named_parameters()}
     errors = {}
     runs = {"default": None, **OVERLAP_RUNS}  # "default": a fresh step run with no options
-    step = ChunkedStep(ep, n_chunks)
+    step = MergedStep(ep, n_chunks)
     for label, options in runs.items():
         ep.zero_grad(set_to_none=True)
-        if options is None:
-            y, dx, timeline = ChunkedStep(ep, n_chunks).run(x, grad)
-        else:
-            schedule, delay, replay = options
-            y, dx, timeline = step.run(x, grad, schedule=schedule, delay_wgrad=delay, replay=replay)
+        schedule, delay, replay = options or ("overlap", False, False)
+        run = MergedStep(ep, n_chunks) if options is None else step
+        mb = run.microbatch(x, grad, "x")
+        order = chunked_plan(n_chunks, delay_wgrad=delay)
+        timeline = run.run(order, mb, mb, replay, schedule == "sequential")
+        y, dx = mb.y, mb.dx
         errs = {"y": float((y - y_ref.detach()).abs().max()), "dx": float((dx - xr.grad).abs().max())}
         for name, p in ep.named_parameters():
             errs[name] = float((p.grad - ref[name]).abs().max())

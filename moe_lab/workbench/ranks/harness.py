@@ -6,7 +6,7 @@ Every function here runs on every rank together, inside `moe_lab.workbench.ranks
 time is its slowest rank's, and `summarise_runs` reports medians. Exposed communication is
 measured two ways: the time the ranks spent outside compute in the step (which a busy shared
 machine disturbs less), and the step minus a compute-only replay on the same data
-(`moe_lab.parallel.overlap.exposed_time`). They disagree where the transfers' own processor
+(step time − compute-only time). They disagree where the transfers' own processor
 work (gloo's copies, the kernel's TCP) slows the compute it overlaps: the first does not see
 that cost, the second does. `a2a_bandwidth` times one all-to-all alone.
 
@@ -27,7 +27,6 @@ from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 from moe_lab.parallel.ep import EPMoELayer, exchange_rows, from_layer
 from moe_lab.parallel.merged import MergedStep, two_microbatch_step
-from moe_lab.parallel.overlap import exposed_time
 from moe_lab.parallel.plan import plan
 from moe_lab.parallel.timeline import Timeline
 from moe_lab.workbench.ranks.launch import rank_device
@@ -37,8 +36,8 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-# The chunked step's schedules (`moe_lab.parallel.overlap.ChunkedStep`), as the equivalence check
-# runs them (`moe_lab.workbench.ranks.equivalence.overlap_check_rank`).
+# The chunked plan's schedules (`moe_lab.parallel.plan.chunked_plan` run by `MergedStep`), as the
+# equivalence check runs them (`moe_lab.workbench.ranks.equivalence.overlap_check_rank`).
 OVERLAP_RUNS = {  # label: (schedule, delay_wgrad, replay)
     "sequential": ("sequential", False, False),
     "overlap": ("overlap", False, False),
@@ -69,7 +68,7 @@ def summarise_runs(layer: EPMoELayer, timelines: dict[str, list[Timeline]], refe
     slowest = dict(zip(order, steps.tolist(), strict=True))
     median = {label: statistics.median(v) for label, v in slowest.items()}
     exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in reference}
-    exposed_replay = {k: exposed_time(median[k], median[ref]) for k, ref in reference.items()}
+    exposed_replay = {k: median[k] - median[ref] for k, ref in reference.items()}
 
     def versus_sequential(values: dict) -> dict:
         base = values["sequential"]

@@ -42,7 +42,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -139,7 +138,7 @@ def choose_backend(local_ranks: int, link: EmulatedLink | None = None,
 
 # Modules the fork server imports once, so that every rank forked from it starts with torch
 # already loaded (a fresh interpreter per rank spends seconds importing torch).
-PRELOAD = ["torch", "torch.distributed", "moe_lab.parallel.ep", "moe_lab.parallel.overlap",
+PRELOAD = ["torch", "torch.distributed", "moe_lab.parallel.ep", "moe_lab.parallel.merged",
            "moe_lab.parallel.merged", "moe_lab.workbench.ranks.harness",
            "moe_lab.workbench.ranks.equivalence", "moe_lab.workbench.ranks.faults"]
 
@@ -209,7 +208,7 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
               collective_timeout_s: float = 30.0, backend: str | None = None,
               link: EmulatedLink | None = None, threads_per_rank: int | None = None,
-              grace_s: float = GRACE_S, quiet_failure: bool = False) -> list[Any]:
+              quiet_failure: bool = False) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes joined in a process group.
 
     Returns the list of each rank's return value (rank order). ``fn`` runs after
@@ -224,8 +223,6 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             (loopback).
         threads_per_rank: torch intra-op threads per rank (default: the CPU count divided
             among the ranks, at least 1).
-        grace_s: after a rank fails, how long beyond ``collective_timeout_s`` the others may
-            take to fail by themselves before they are killed.
         quiet_failure: when the job fails, keep the ranks' stderr on the `RankFailure`
             (``failure.logs``) instead of writing it out: for a failure the caller provokes
             and explains (a fault demo). A job that succeeds writes it out either way.
@@ -265,7 +262,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
                                   collective_timeout_s, netns, ifname, threads, result_dir, rank_env))
             p.start()
             procs.append(p)
-        statuses = _watch(procs, timeout_s, collective_timeout_s + grace_s, Path(result_dir))
+        statuses = _watch(procs, timeout_s, collective_timeout_s + GRACE_S, Path(result_dir))
         logs = _rank_logs(Path(result_dir), world_size)
         failed = not all(s.ok for s in statuses)
         if not (failed and quiet_failure):
@@ -390,26 +387,3 @@ def whoami() -> dict:
             "interface": os.environ.get("GLOO_SOCKET_IFNAME", ""),
             "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
             "sum_of_ranks": int(total)}
-
-
-def torchrun_command(script: str | os.PathLike, nproc: int, *script_args: str) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc_per_node=N script args...``
-    (the ``torchrun`` entry point, run with this interpreter)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", str(script), *map(str, script_args)]
-
-
-def run_torchrun(script: str | os.PathLike, nproc: int, *script_args: str, timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a script under torchrun with a deadline; output captured. On timeout the whole
-    process tree is killed and ``subprocess.TimeoutExpired`` raised."""
-    cmd = torchrun_command(script, nproc, *script_args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout_s, stdout, stderr) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -619,13 +619,6 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, override: bool,
                          "on the new one on purpose (--override, override=True)")
 
 
-def _corpus_file(cfg: TrainConfig, corpus: SyntheticCorpus | TextFileCorpus | None) -> str | None:
-    """The file the run trains on, if it trains on one."""
-    if corpus is not None:
-        return getattr(corpus, "path", None)
-    return None if cfg.corpus == "synthetic" else cfg.corpus
-
-
 def train(model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
           corpus: SyntheticCorpus | TextFileCorpus | None = None, resume: bool = False,
           override: bool = False, overwrite: bool = True, stop_after: int | None = None,
@@ -662,8 +655,9 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
         if not (resume or overwrite) and path.exists():
             raise ValueError(f"--checkpoint {path} exists; pass --resume (resume=True) to continue "
                              "it or --overwrite (overwrite=True) to replace it with this run")
-        corpus_file = _corpus_file(cfg, corpus)
-        fingerprint = None if corpus_file is None else corpus_fingerprint(corpus_file)
+        # The file the run trains on, if it trains on one: the given corpus's, or cfg.corpus.
+        corpus_file = getattr(corpus, "path", None) if corpus is not None else cfg.corpus
+        fingerprint = None if corpus_file in (None, "synthetic") else corpus_fingerprint(corpus_file)
         checkpoint = None
         if resume:
             checkpoint = load_checkpoint(path)

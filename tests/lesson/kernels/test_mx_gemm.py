@@ -232,7 +232,7 @@ def test_grouped_mx_gemm_padding_rows_special_values_and_errors(device):
     torch.testing.assert_close(got[keep].double(), want[keep], rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match="offsets must be an int32 tensor of shape"):
         grouped_mx_gemm(a, a_s, b, b_s, offsets.long())
-    with pytest.raises(ValueError, match="b must be a 3-D"):
+    with pytest.raises(ValueError, match="b must be 3-D"):
         grouped_mx_gemm(a, a_s, b[0], b_s, offsets)
     with pytest.raises(ValueError, match="a and b must share K"):
         grouped_mx_gemm(a[:, :32], a_s[:, :1], b, b_s, offsets)

@@ -166,8 +166,6 @@ def test_autotune_returns_the_fastest_and_survives_a_config_that_cannot_launch(e
     winner, times = tuner.autotune("gemm", space, run, lambda fn: (fn(), run.last)[1])
     assert winner == space[1] and times == [3.0, 1.0, float("inf")]
     assert "gemm" not in gg.FORCED
-    with pytest.raises(ValueError, match="at least one"):
-        tuner.autotune("gemm", [], run, lambda fn: 0.0)
     cost[16] = cost[32] = None
     with pytest.raises(type(failure)):  # every config failed: the error, not a silent winner
         tuner.autotune("gemm", space, run, lambda fn: (fn(), 0.0)[1])

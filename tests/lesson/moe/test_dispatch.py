@@ -250,6 +250,9 @@ def test_pairing_rules_are_declared_and_checked_where_the_layer_is_built():
     assert layer.experts.limit == 3.0 and SwiGLUExperts.BACKENDS is None
     with pytest.raises(ValueError, match="cannot run ClampedSwiGLUExperts"):
         MoELayer(cfg(), "fused_atomic", expert_kind="clamped_swiglu")
+    # ... and unquantized: MXFP8 experts are refused as the layer is built, not at its first call.
+    with pytest.raises(ValueError, match="'fused' .* without quantization.* quant='mxfp8'"):
+        MoELayer(cfg(), "fused", quant="mxfp8")
     assert layer.dispatcher == "naive"
     with pytest.raises(ValueError, match="expert_kind must be one of"):
         MoELayer(cfg(), expert_kind="dense")

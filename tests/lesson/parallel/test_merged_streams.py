@@ -22,7 +22,7 @@ from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 from moe_lab.parallel import merged
 from moe_lab.parallel.ep import from_layer
-from moe_lab.parallel.plan import plan
+from moe_lab.parallel.plan import plan, stage_name
 
 CFG = MoEConfig(d_model=16, n_experts=4, top_k=2, d_expert=24, n_shared_experts=1)
 CONSUMER = {"dispatch": "experts", "combine": "unpermute", "combine⁻¹": "dgrad",
@@ -85,13 +85,20 @@ def _run_logged(monkeypatch: pytest.MonkeyPatch, fake_work: bool) -> tuple[list,
 
     for method, kind in READERS.items():
         setattr(step.ops, method, reader(getattr(step.ops, method), kind))
+    for kind, action in list(merged._PlanRun.ACTIONS.items()):  # log each stage as it begins
+        side = "B" if "⁻¹" in kind or kind in ("dgrad", "wgrad") else "F"
+
+        def logged(run, c, action=action, side=side, kind=kind):
+            log.append(("stage", stage_name(side, kind, c)))
+            return action(run, c)
+
+        monkeypatch.setitem(merged._PlanRun.ACTIONS, kind, logged)
     xs = [torch.randn(12, CFG.d_model) for _ in range(2)]
     gs = [torch.randn(12, CFG.d_model) for _ in range(2)]
-    before = lambda name: log.append(("stage", name))  # noqa: E731
     mb0, mb1 = step.microbatch(xs[0], gs[0], "mb0"), step.microbatch(xs[1], gs[1], "mb1")
-    step.run(plan("1f1b+chunked", 2, backward=False), fwd=mb0, before_stage=before)
-    step.run(plan("1f1b+chunked", 2), fwd=mb1, bwd=mb0, before_stage=before)
-    step.run(plan("1f1b+chunked", 2, forward=False), bwd=mb1, before_stage=before)
+    step.run(plan("1f1b+chunked", 2, backward=False), fwd=mb0)
+    step.run(plan("1f1b+chunked", 2), fwd=mb1, bwd=mb0)
+    step.run(plan("1f1b+chunked", 2, forward=False), bwd=mb1)
     return log, [mb0.y, mb1.y, mb0.dx, mb1.dx]
 
 

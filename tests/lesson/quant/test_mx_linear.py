@@ -79,8 +79,6 @@ def test_feature_dims_must_be_multiples_of_32():
         MXLinear.from_linear(nn.Linear(64, 10))
     with pytest.raises(ValueError, match="x's last dim must be in_features=64"):
         MXLinear(64, 32)(torch.randn(2, 32))
-    with pytest.raises(ValueError, match="scale_mode must be one of"):
-        MXLinear(64, 32, scale_mode="ceil")
 
 
 def test_empty_batch():
@@ -190,8 +188,6 @@ def test_per_layer_error_stats_on_the_model():
                if type(m).__name__ == "Attention")
     with torch.no_grad():
         assert torch.equal(model(idx).logits, before)
-    floor = mx_layer_error_stats(model, idx, scale_mode="floor")
-    assert sum(r["saturated"] for r in floor) > 0  # the OCP rule clips some maxima
 
 
 # ------------------------------------------------------------------ Triton (tl.dot_scaled)

@@ -31,7 +31,7 @@ KERNEL_MODULES = tuple(sorted(
     f"moe_lab.kernels.{path.stem}"
     for path in (Path(__file__).resolve().parents[3] / "moe_lab" / "kernels").glob("*.py")
     if re.search(r"^@(?:triton\.)?jit\ndef (\w+)\(", path.read_text(encoding="utf-8"), re.MULTILINE)
-    and re.search(r"\b_\w+_kernel\[", path.read_text(encoding="utf-8"))))
+    and re.search(r"\b_\w+_kernel\[|[(,]\s*_\w+_kernel\s*,", path.read_text(encoding="utf-8"))))
 ARCHS = ("sm_90", "sm_100")
 
 # `cuobjdump -res-usage` of a 64x64x32 bf16 tl.dot kernel compiled for sm_90 by Triton 3.7.1.

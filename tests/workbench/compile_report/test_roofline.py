@@ -12,48 +12,50 @@ from moe_lab.perf.traffic import simulate
 from moe_lab.workbench.compile_report import roofline, traffic
 
 
+def _tiny(gpu: str, grouped_bytes: int, row_bytes: int, panels: int = 1) -> dict:
+    """One projection of two experts of 4 rows, [4, 8] @ [8, 8] each, 256 programs, 132 in flight."""
+    row = dict(gpu=gpu, model="tiny", launch="by hand", per_expert=4, experts=2, n=8, k=8, panels=panels,
+               compulsory=512, grouped_bytes=grouped_bytes, row_bytes=row_bytes, programs=256, in_flight=132)
+    return roofline.projections([row])[0]
+
+
 def test_a_tiny_launch_by_hand():
     # Two experts of 4 rows, [4, 8] @ [8, 8] each: 2 * 8 rows * 8 * 8 = 1024 FLOPs. Compulsory bf16
     # bytes: x 8 * 8 * 2 = 128, the two weights 2 * 8 * 8 * 2 = 256, y 8 * 8 * 2 = 128: 512.
-    flops = roofline.launch_flops(8, 8, 8)
-    assert flops == 1024
     moved = simulate([4, 4], 8, 8, 4, 4, 4, in_flight=4, l2_bytes=1 << 20)
     assert moved.compulsory == moved.total == 512  # everything fits the L2: each byte once
-    # 1024 FLOP/s and 512 byte/s: intensity 2 FLOP/byte on the ridge, 1 s either way.
-    p = roofline.project(flops, moved.total, 1024.0, 512.0)
-    assert (p.intensity, p.ridge, p.compute_s, p.memory_s, p.time_s) == (2.0, 2.0, 1.0, 1.0, 1.0)
-    assert p.bound == "compute" and p.attainable == 1024.0
-    assert roofline.launch_flops(8, 8, 8, panels=2) == 2048  # SwiGLU: gate and up
+    spec = gpu_spec("H200")
+    p = _tiny("H200", moved.total, 2 * moved.total)
+    assert (p["flops"], p["intensity"], p["old_intensity"]) == (1024, 2.0, 1.0)
+    assert p["ridge"] == spec.peak_flops("bf16") / spec.bandwidth
+    assert p["bound"] == p["old_bound"] == "memory" and p["time_s"] == 512 / spec.bandwidth
+    assert p["old_time_s"] == pytest.approx(2 * p["time_s"])  # twice the bytes, twice the time
+    assert _tiny("H200", 512, 512, panels=2)["flops"] == 2048  # SwiGLU: gate and up
 
 
 def test_the_bound_switches_where_the_intensity_crosses_the_ridge():
-    peak, bandwidth = 1000.0, 10.0  # ridge 100 FLOP/byte
-    below = roofline.project(999.0, 10.0, peak, bandwidth)  # 99.9 FLOP/byte
-    above = roofline.project(1001.0, 10.0, peak, bandwidth)
-    assert below.bound == "memory" and below.time_s == pytest.approx(1.0)  # bytes / bandwidth
-    assert above.bound == "compute" and above.time_s == pytest.approx(1.001)  # flops / peak
-    assert below.attainable == pytest.approx(999.0)
-    # Doubling the bytes halves the intensity and the attainable rate, and doubles the time.
-    worse = roofline.project(999.0, 20.0, peak, bandwidth)
-    assert worse.intensity == pytest.approx(below.intensity / 2) and worse.time_s == pytest.approx(2.0)
+    spec = gpu_spec("H200")
+    ridge_bytes = 1024 / spec.ridge_intensity  # the bytes that put 1024 FLOPs on the ridge
+    p = _tiny("H200", 1.001 * ridge_bytes, 0.999 * ridge_bytes)
+    assert p["bound"] == "memory" and p["time_s"] == pytest.approx(1.001 * ridge_bytes / spec.bandwidth)
+    assert p["old_bound"] == "compute" and p["old_time_s"] == pytest.approx(1024 / spec.peak_flops("bf16"))
 
 
 def test_wave_efficiency():
-    assert roofline.wave_efficiency(256, 128) == 1.0
-    assert roofline.wave_efficiency(256, 132) == pytest.approx(256 / 264)  # two waves, 8 slots idle
-    assert roofline.wave_efficiency(10, 132) == pytest.approx(10 / 132)
+    assert _tiny("H200", 512, 512)["wave_efficiency"] == pytest.approx(256 / 264)  # two waves, 8 slots idle
 
 
 def test_the_eight_bit_rate_is_mxfp8_only_where_there_are_units():
-    assert roofline.eight_bit_rate(gpu_spec("B200")) == ("MXFP8", gpu_spec("B200").peak_flops("mxfp8"))
-    name, rate = roofline.eight_bit_rate(gpu_spec("H200"))
-    assert "fp8_promote" in name and rate == gpu_spec("H200").peak_flops("fp8")
+    blackwell, hopper = _tiny("B200", 512, 512), _tiny("H200", 512, 512)
+    assert blackwell["eight_bit"] == "MXFP8"
+    assert blackwell["eight_bit_compute_s"] == 1024 / gpu_spec("B200").peak_flops("mxfp8")
+    assert "fp8_promote" in hopper["eight_bit"]
+    assert hopper["eight_bit_compute_s"] == 1024 / gpu_spec("H200").peak_flops("fp8")
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return roofline.projections(roofline.launch_rows(
-        traffic.tables(), traffic.dw_tables() + roofline.bf16_rows(traffic.kernel_tables())))
+    return roofline.launch_projections(traffic.tables(), traffic.dw_tables(), traffic.kernel_tables())
 
 
 def test_the_committed_roofline_is_generated_and_consistent(rows):

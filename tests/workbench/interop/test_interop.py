@@ -19,14 +19,11 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  
 from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
-from moe_lab.workbench.interop import (  # noqa: E402
-    HFMoEAdapter,
-    from_hf_deepseek_v3,
-    from_hf_gpt_oss,
-    from_hf_mixtral,
-    from_hf_qwen3_moe,
-    patch_hf_model,
-)
+from moe_lab.workbench.interop.deepseek_v3 import from_hf_deepseek_v3  # noqa: E402
+from moe_lab.workbench.interop.gpt_oss import from_hf_gpt_oss  # noqa: E402
+from moe_lab.workbench.interop.mixtral import from_hf_mixtral  # noqa: E402
+from moe_lab.workbench.interop.patch import HFMoEAdapter, patch_hf_model  # noqa: E402
+from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe  # noqa: E402
 
 HIDDEN = 32
 COMMON = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
@@ -327,7 +324,7 @@ def test_save_pretrained_of_a_trained_patched_model_loads_in_stock_transformers(
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_unpatch_gives_a_stock_model_with_the_trained_weights(family):
-    from moe_lab.workbench.interop import unpatch_hf_model
+    from moe_lab.workbench.interop.patch import unpatch_hf_model
 
     model = tiny_model(family)
     replaced = patch_hf_model(model)
@@ -374,7 +371,7 @@ def test_a_patched_model_loads_a_state_dict_in_hugging_face_keys():
 
 
 def test_a_selection_bias_the_family_cannot_hold_is_refused_on_the_way_back(tmp_path):
-    from moe_lab.workbench.interop import unpatch_hf_model
+    from moe_lab.workbench.interop.patch import unpatch_hf_model
 
     model = tiny_model("mixtral")
     patch_hf_model(model)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from moe_lab.config import MoEConfig
 from moe_lab.moe.experts import EXPERT_KINDS, ClampedSwiGLUExperts, SwiGLUExperts, clamped_swiglu
-from moe_lab.workbench.interop import GptOssMoELayer
+from moe_lab.workbench.interop.gpt_oss import GptOssMoELayer
 
 
 def plain_clamped_unit(h, alpha, limit):

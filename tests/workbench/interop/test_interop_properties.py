@@ -29,7 +29,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from moe_lab.workbench.interop import HF_MOE_BLOCKS, HFMoEAdapter, patch_hf_model, unpatch_hf_model  # noqa: E402
+from moe_lab.workbench.interop.patch import HF_MOE_BLOCKS, HFMoEAdapter, patch_hf_model, unpatch_hf_model  # noqa: E402
 
 EXAMPLES = int(os.environ.get("MOE_LAB_HYPOTHESIS_EXAMPLES", "200"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -80,7 +80,7 @@ def test_third_party_noise_is_left_out_and_our_warnings_kept():
         nbformat.v4.new_output("stream", name="stderr", text="Failed to load /y/torchao/a.so: x\n"),
         nbformat.v4.new_output("display_data", data={site.WIDGET_MIME: {"model_id": "m"},
                                                      "text/plain": "VBox()"})]
-    prepared, _ = site.prepare_for_site(nb)
+    prepared = site.prepare_for_site(nb)
     out, widget = prepared.cells[0].outputs
     assert out["text"] == "moe_lab/kernels/mx_quantize.py:10: UserWarning: MXFP8 is emulated here\n"
     assert widget["data"] == {"text/html": site.WIDGET_PLACEHOLDER}
@@ -92,7 +92,7 @@ def test_the_injected_parameters_cell_is_left_off_the_page():
     injected = nbformat.v4.new_code_cell('PROFILE = "smoke"', metadata={"tags": ["injected-parameters"]})
     body = nbformat.v4.new_code_cell("print(PROFILE)")
     nb = nbformat.v4.new_notebook(cells=[own, injected, body])
-    prepared, _ = site.prepare_for_site(nb)
+    prepared = site.prepare_for_site(nb)
     assert [c.source for c in prepared.cells] == ['PROFILE = "full"', "print(PROFILE)"]
     assert len(nb.cells) == 3
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from moe_lab.workbench.ranks import launch
 from moe_lab.workbench.ranks.faults import fault_rank, stderr_rank
 from moe_lab.workbench.ranks.launch import RankFailure, run_ranks, whoami
 
@@ -26,11 +27,12 @@ def test_a_killed_rank_fails_the_job_fast():
 
 
 @pytest.mark.timeout(45)
-def test_a_hung_rank_is_named_and_killed_within_the_timeout():
+def test_a_hung_rank_is_named_and_killed_within_the_timeout(monkeypatch):
+    monkeypatch.setattr(launch, "GRACE_S", 2)
     start = time.monotonic()
     with pytest.raises(RankFailure) as failure:
         run_ranks(fault_rank, 2, "hang", 1, 1000, 2.0, timeout_s=40, collective_timeout_s=3,
-                  grace_s=2, threads_per_rank=1)
+                  threads_per_rank=1)
     elapsed = time.monotonic() - start
     message = str(failure.value)
     statuses = {s.rank: s for s in failure.value.statuses}

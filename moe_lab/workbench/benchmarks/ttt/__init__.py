@@ -29,7 +29,6 @@ from moe_lab.workbench.benchmarks.ttt.contest import (
     PROFILES,
     TTTConfig,
     TTTRun,
-    make_trainer,
     pick_router_impl,
     stack_model,
 )
@@ -42,7 +41,6 @@ from moe_lab.workbench.benchmarks.ttt.racing import (
     time_to_train,
 )
 from moe_lab.workbench.benchmarks.ttt.report import (
-    LADDER_METRIC,
     NOTEBOOK,
     loss_gap,
     mfu_rows,
@@ -61,10 +59,9 @@ from moe_lab.workbench.benchmarks.ttt.stacks import (
 )
 
 __all__ = [
-    "DESCRIPTION", "LADDER_METRIC", "NAIVE", "NOTEBOOK", "PROFILES", "Stack", "TTTConfig",
-    "TTTRun", "add_arguments", "compare_stacks", "config_from_args", "cpu_plugin_status",
-    "deterministic_algorithms", "ladder", "ladder_throughput", "loss_gap",
-    "make_trainer", "mfu_rows", "optimised_stack", "pick_router_impl", "race",
+    "DESCRIPTION", "NAIVE", "NOTEBOOK", "PROFILES", "Stack", "TTTConfig", "TTTRun", "add_arguments",
+    "compare_stacks", "config_from_args", "cpu_plugin_status", "deterministic_algorithms", "ladder",
+    "ladder_throughput", "loss_gap", "mfu_rows", "optimised_stack", "pick_router_impl", "race",
     "record_ladder", "record_summary", "run", "speedup_bound", "stack_ceilings",
     "stack_model", "step_breakdowns", "summarise", "time_to_train",
 ]

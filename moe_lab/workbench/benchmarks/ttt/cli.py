@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
                     "optimised": {"stack": best.describe(), "notes": list(best.notes)},
                     "notes": notes, "rows": summary, "loss_gap": gaps}
     if getattr(args, "json", False):  # the curves only where a program reads them
-        result["runs"] = [{k: v for k, v in r.to_dict().items() if k != "train_curve"}
+        result["runs"] = [{k: v for k, v in asdict(r).items() if k != "train_curve"}
                           for r in runs]
     else:
         result["loss_gap"] = [f"{g['stack']} - naive eval loss at step {g['step']}: "

@@ -10,7 +10,7 @@ measured. `pick_router_impl` times the router candidates at the contest's size.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -117,9 +117,6 @@ class TTTRun:
     final_eval_loss: float
     curve: list[dict] = field(default_factory=list)
     train_curve: list[dict] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def load_contest_corpus(cfg: TTTConfig) -> SyntheticCorpus | TextFileCorpus:

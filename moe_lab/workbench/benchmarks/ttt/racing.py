@@ -33,12 +33,6 @@ from moe_lab.workbench.training.loop import Trainer
 Corpus = SyntheticCorpus | TextFileCorpus
 
 
-def _to(batch: Batch, device: torch.device) -> Batch:
-    if device.type == "cpu":
-        return batch
-    return Batch(batch.x.to(device), batch.y.to(device), batch.domain.to(device))
-
-
 class _Lane:
     """One stack's run inside `race`: its trainer (own model, data stream) and own clock."""
 
@@ -246,8 +240,8 @@ def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, 
 def _step_batches(cfg: TTTConfig, device: torch.device, corpus: Corpus, n: int = 4) -> list[Batch]:
     """``n`` training batches of the contest (its first ones), for step-by-step measurements."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    return [_to(corpus.sample(cfg.batch_size, generator=gen, split="train"), device)
-            for _ in range(n)]
+    batches = [corpus.sample(cfg.batch_size, generator=gen, split="train") for _ in range(n)]
+    return [Batch(*(t.to(device) for t in batch)) for batch in batches]
 
 
 def _stepper(trainer: Trainer, batches: Sequence) -> Callable[[], None]:
