@@ -91,8 +91,10 @@ GPUS: dict[str, GPUSpec] = {
         # [l4]: 24 GB GDDR6, PCIe (no NVLink: 0); L2 48 MB and 58 SMs of its AD104 ([ada-whitepaper]).
         GPUSpec("L4", 121, 242, None, 24, 0.3, 0, "datasheet", "NVIDIA L4 datasheet; PCIe only", l2_mb=48,
                 sms=58),
-        # [h200]: H100's tensor cores ([h100]), larger and faster HBM3e; L2 (50 MB) and 132 SMs of the
-        # same GH100 die, the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
+        # [h100]; L2 (50 MB) and 132 SMs: the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
+        GPUSpec("H100 SXM", 989, 1979, None, 80, 3.35, 900, "datasheet",
+                "NVIDIA H100 datasheet; NVLink 4", l2_mb=50, sms=132),
+        # [h200]: H100's tensor cores, larger and faster HBM3e; L2 and SMs of the same GH100 die.
         GPUSpec("H200 SXM", 989, 1979, None, 141, 4.8, 900, "datasheet",
                 "NVIDIA H200 datasheet; NVLink 4", l2_mb=50, sms=132),
         # [b200] (1,000 W) as third parties tabulate it; 126 MB L2, 148 SMs ([chipsandcheese-b200]).
@@ -104,7 +106,7 @@ GPUS: dict[str, GPUSpec] = {
     )
 }
 
-_ALIASES = {"H200": "H200 SXM"}
+_ALIASES = {"H100": "H100 SXM", "H200": "H200 SXM"}
 
 
 def gpu_spec(name: str) -> GPUSpec:

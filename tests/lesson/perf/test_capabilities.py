@@ -90,7 +90,7 @@ def test_cpuinfo_reads_model_and_flags(monkeypatch, tmp_path):
 
 
 def test_hardware_table():
-    assert set(hardware.GPUS) == {"A100", "L4", "H200 SXM", "B200", "GB300"}
+    assert set(hardware.GPUS) == {"A100", "L4", "H100 SXM", "H200 SXM", "B200", "GB300"}
     for spec in hardware.GPUS.values():
         assert spec.source in ("datasheet", "third-party") and spec.note
         if spec.name != "A100":  # no FP8 tensor cores
