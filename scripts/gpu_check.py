@@ -1223,7 +1223,7 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
                 continue
             if kernel == "dw":
                 x, dy = (torch.randn(m, c, device=dev, dtype=dtype) for c in (k, n))
-                run = partial(torch.ops.moe_lab.grouped_gemm_dw, x, dy, offsets, m)
+                run = partial(torch.ops.moe_lab.grouped_gemm_dw, x, dy, offsets)
             else:
                 x = torch.randn(m, k, device=dev, dtype=dtype)
                 n_w = 2 * n if kernel == "swiglu" else n
@@ -1232,7 +1232,7 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
                 if kernel == "swiglu":
                     run = partial(gg.grouped_gemm_swiglu, x, w, offsets)
                 else:  # the op the forward and the dX launch (no copy of the transposed view)
-                    run = partial(torch.ops.moe_lab.grouped_gemm, x, w, offsets, m)
+                    run = partial(torch.ops.moe_lab.grouped_gemm, x, w, offsets)
             space = tuner.tune_space(kernel, m, n, k, E, dtype)[:2 if small else None]
             winner, times = tuner.autotune(kernel, space, run, time_fn)
             table[key] = tuner.table_entry(winner)

@@ -347,7 +347,7 @@ def check_mlp_args(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row_id_map: Ten
     (`moe_lab.kernels.grouped_gemm.check_operands`), ``w_down: [E, F, d]`` like them,
     ``row_id_map: [T, k]`` int32 as permute's and ``topk_weights`` its shape; ``ValueError``
     naming the first one wrong."""
-    gg.check_operands(x, w_gate_up, offsets, None, "w_gate_up")
+    gg.check_operands(x, w_gate_up, offsets, "w_gate_up")
     n_experts, d, two_f = w_gate_up.shape
     if two_f % 2 or tuple(w_down.shape) != (n_experts, two_f // 2, d):
         raise ValueError(f"w_gate_up must be [E, d, 2F] and w_down [E, F, d], got {tuple(w_gate_up.shape)} "

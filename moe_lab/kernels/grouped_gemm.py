@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses import FakeTensor
+from torch.autograd.function import FunctionCtx
 
-from moe_lab.checks import first_derivative_only, int_in, one_of
+from moe_lab.checks import first_derivative_only, one_of
 from moe_lab.kernels.common import (
     INTERPRETED,
     cast_for_store,
@@ -333,106 +334,85 @@ def launch(kernel: object, cfg: LaunchConfig, m: int, n: int, k: int, n_experts:
 
 
 @kernel_op("grouped_gemm")
-def _grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
+def grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    y[m_bound:].zero_()  # rows past the static bound: a plain memset, sized on the host
-    if m_bound and n and not isinstance(x, FakeTensor):
-        cfg = launch_config("gemm", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
+    if m and n and not isinstance(x, FakeTensor):
+        cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
                             device=x.device)
-        launch(_grouped_gemm_kernel, cfg, m_bound, n, k, n_experts, x.dtype,
-               x, w, y, offsets, m_bound, n, k, n_experts, *x.stride(), *w.stride(), *y.stride())
+        launch(_grouped_gemm_kernel, cfg, m, n, k, n_experts, x.dtype,
+               x, w, y, offsets, m, n, k, n_experts, *x.stride(), *w.stride(), *y.stride())
     return y
 
 
 @kernel_op("grouped_gemm_dw")
-def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, m_bound: int) -> Tensor:
-    k, n, n_experts = x.shape[1], dy.shape[1], offsets.shape[0] - 1
+def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+    m, k, n, n_experts = x.shape[0], x.shape[1], dy.shape[1], offsets.shape[0] - 1
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
     if k and n and not isinstance(x, FakeTensor):
-        cfg = launch_config("dw", m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
+        cfg = launch_config("dw", m, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
                             device=x.device)
-        launch(_grouped_gemm_dw_kernel, cfg, m_bound, n, k, n_experts, x.dtype,
-               x, dy, dw, offsets, m_bound, n, k, *x.stride(), *dy.stride(), *dw.stride(), dw=True)
+        launch(_grouped_gemm_dw_kernel, cfg, m, n, k, n_experts, x.dtype,
+               x, dy, dw, offsets, m, n, k, *x.stride(), *dy.stride(), *dw.stride(), dw=True)
     return dw
 
 
 @kernel_op("grouped_gemm_swiglu")
-def _grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
-                            dh: Tensor | None = None) -> Tensor:
+def grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, dh: Tensor | None = None) -> Tensor:
     """The forward ``h: [M, F]``; given ``dh`` (the backward), ``[dgate, dup]: [M, 2F]``."""
     m, k = x.shape
     n_experts, f = w.shape[0], w.shape[2] // 2
     out = torch.empty((m, f if dh is None else 2 * f), dtype=x.dtype, device=x.device)
-    out[m_bound:].zero_()
-    if m_bound and f and not isinstance(x, FakeTensor):
-        cfg = launch_config("swiglu", m_bound, f, k, n_experts, interpreted=INTERPRETED,
+    if m and f and not isinstance(x, FakeTensor):
+        cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=INTERPRETED,
                             dtype=x.dtype, device=x.device)
         dh_arg = out if dh is None else dh  # unused by the forward
-        launch(_grouped_gemm_swiglu_kernel, cfg, m_bound, f, k, n_experts, x.dtype,
-               x, w, out, dh_arg, offsets, m_bound, f, k, n_experts, *x.stride(), *w.stride(), *out.stride(),
+        launch(_grouped_gemm_swiglu_kernel, cfg, m, f, k, n_experts, x.dtype,
+               x, w, out, dh_arg, offsets, m, f, k, n_experts, *x.stride(), *w.stride(), *out.stride(),
                *dh_arg.stride(), BACKWARD=dh is not None)
     return out
 
 
 # --------------------------------------------------------------------------------------
-# Autograd and the public wrappers
+# Autograd (each op's backward, registered on the op) and the public wrappers
 # --------------------------------------------------------------------------------------
 
 
-def _gemm_grads(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, offsets: Tensor,
-                dy: Tensor) -> tuple[Tensor | None, ...]:
+def _save_operands(ctx: FunctionCtx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(*inputs[:3])  # x, w, offsets (a ``dh`` is passed by the backward only)
+
+
+@first_derivative_only("the Triton grouped GEMM")
+def _gemm_backward(ctx: FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
     """The backward of ``y = grouped_gemm(x, w, offsets)``: ``dX = dY·W[e]ᵀ`` (the forward
     kernel on ``Wᵀ``), ``dW[e] = X_eᵀ·dY_e``, each where autograd asks for it."""
+    x, w, offsets = ctx.saved_tensors
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = _grouped_gemm_op(dy, w.transpose(1, 2), offsets, ctx.m_bound)
+        dx = grouped_gemm_op(dy, w.transpose(1, 2), offsets)
     if ctx.needs_input_grad[1]:
-        dw = _grouped_gemm_dw_op(x, dy, offsets, ctx.m_bound)
-    return dx, dw, None, None
+        dw = _grouped_gemm_dw_op(x, dy, offsets)
+    return dx, dw, None
 
 
-class GroupedGEMM(torch.autograd.Function):
-    """``y = grouped_gemm(x, w, offsets)``; backward ``dX = dY·W[e]ᵀ``, ``dW[e] = X_eᵀ·dY_e``."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, offsets: Tensor,
-                m_bound: int) -> Tensor:
-        ctx.save_for_backward(x, w, offsets)
-        ctx.m_bound = m_bound
-        return _grouped_gemm_op(x, w, offsets, m_bound)
-
-    @staticmethod
-    @first_derivative_only("the Triton grouped GEMM")
-    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, w, offsets = ctx.saved_tensors
-        return _gemm_grads(ctx, x, w, offsets, dy)
+@first_derivative_only("the Triton grouped GEMM + SwiGLU")
+def _swiglu_backward(ctx: FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
+    """The backward of ``h = silu(x·Wg) ⊙ (x·Wu)``: the pre-activation's gradient, its
+    ``x·W`` recomputed in the forward's kernel (not saved), then the backward of that GEMM."""
+    x, w, offsets = ctx.saved_tensors
+    dpre = grouped_gemm_swiglu_op(x, w, offsets, dh)  # [M, 2F]
+    return *_gemm_backward(ctx, dpre), None
 
 
-class GroupedGEMMSwiGLU(torch.autograd.Function):
-    """``h = silu(x·Wg) ⊙ (x·Wu)`` per expert; backward recomputes ``x·W`` (not saved)."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, offsets: Tensor,
-                m_bound: int) -> Tensor:
-        ctx.save_for_backward(x, w, offsets)
-        ctx.m_bound = m_bound
-        return _grouped_gemm_swiglu_op(x, w, offsets, m_bound)
-
-    @staticmethod
-    @first_derivative_only("the Triton grouped GEMM + SwiGLU")
-    def backward(ctx: torch.autograd.function.FunctionCtx, dh: Tensor) -> tuple[Tensor | None, ...]:
-        x, w, offsets = ctx.saved_tensors
-        dpre = _grouped_gemm_swiglu_op(x, w, offsets, ctx.m_bound, dh)  # [M, 2F]
-        return _gemm_grads(ctx, x, w, offsets, dpre)  # of the GEMM that made the pre-activation
+grouped_gemm_op.register_autograd(_gemm_backward, setup_context=_save_operands)
+grouped_gemm_swiglu_op.register_autograd(_swiglu_backward, setup_context=_save_operands)
 
 
-def check_operands(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int | None, w_name: str) -> int:
+def check_operands(x: Tensor, w: Tensor, offsets: Tensor, w_name: str) -> None:
     """The door of a grouped GEMM (this module's wrappers, the TMA one's, the fused expert MLP's):
     ``x: [M, K]`` and ``w: [E, K, N]`` (named ``w_name``, at least one expert) in one of
-    `KERNEL_DTYPES`, ``offsets: [E + 1]`` int32, all on one device compiled Triton runs on;
-    returns ``m_bound`` filled in."""
+    `KERNEL_DTYPES`, ``offsets: [E + 1]`` int32, all on one device compiled Triton runs on."""
     for name, t in (("x", x), (w_name, w), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -450,33 +430,28 @@ def check_operands(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int | None, w
             f"got shape {tuple(offsets.shape)} {offsets.dtype}"
         )
     check_device("x", x.device, **{w_name: w, "offsets": offsets})
-    if m_bound is None:
-        return x.shape[0]
-    return int_in(m_bound, "m_bound", 0, x.shape[0])
 
 
-def grouped_gemm(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | None = None) -> Tensor:
+def grouped_gemm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """Rows ``offsets[e]:offsets[e+1]`` of ``x`` times ``w[e]``, for every expert ``e``.
 
     Args:
         x: ``[M, K]`` float32 or bfloat16, any strides.
         w: ``[E, K, N]``, ``x``'s dtype, any strides.
         offsets: ``[E + 1]`` int32 on ``x``'s device: nondecreasing, ``offsets[0] = 0``,
-            ``offsets[E] <= m_bound`` (as `moe_lab.kernels.permute.make_row_id_map` makes
-            them). Never read on the host; values outside ``[0, m_bound]`` are clamped.
-        m_bound: a static upper bound on ``offsets[E]`` (default ``M``): the grid is sized
-            from it, and rows ``m_bound:`` are zeroed without a kernel.
+            ``offsets[E] <= M`` (as `moe_lab.kernels.permute.make_row_id_map` makes them).
+            Never read on the host; values outside ``[0, M]`` are clamped. The grid is sized
+            from ``M``, a static bound on ``offsets[E]``.
 
     Returns:
         ``y: [M, N]`` in ``x``'s dtype (accumulated in float32); rows from ``offsets[E]``
         on are zeros. Differentiable in ``x`` and ``w``.
     """
-    m_bound = check_operands(x, w, offsets, m_bound, "w")
-    return GroupedGEMM.apply(x, w, offsets.contiguous(), m_bound)
+    check_operands(x, w, offsets, "w")
+    return grouped_gemm_op(x, w, offsets.contiguous())
 
 
-def grouped_gemm_swiglu(x: Tensor, w_gate_up: Tensor, offsets: Tensor, *,
-                        m_bound: int | None = None) -> Tensor:
+def grouped_gemm_swiglu(x: Tensor, w_gate_up: Tensor, offsets: Tensor) -> Tensor:
     """``silu(x·Wg) ⊙ (x·Wu)`` per expert, the activation fused into the GEMM's epilogue.
 
     ``w_gate_up: [E, K, 2F]`` with gate ``[..., :F]`` and up ``[..., F:]`` (the layout of
@@ -484,12 +459,12 @@ def grouped_gemm_swiglu(x: Tensor, w_gate_up: Tensor, offsets: Tensor, *,
     Returns ``h: [M, F]``, zero rows from ``offsets[E]`` on. Differentiable in ``x`` and
     ``w_gate_up``; the backward recomputes the pre-activation instead of saving it.
     """
-    m_bound = check_operands(x, w_gate_up, offsets, m_bound, "w_gate_up")
+    check_operands(x, w_gate_up, offsets, "w_gate_up")
     if w_gate_up.shape[2] % 2:
         raise ValueError(
             f"w_gate_up must be [E, K, 2F] (an even last dim), got shape {tuple(w_gate_up.shape)}"
         )
-    return GroupedGEMMSwiGLU.apply(x, w_gate_up, offsets.contiguous(), m_bound)
+    return grouped_gemm_swiglu_op(x, w_gate_up, offsets.contiguous())
 
 
 # --------------------------------------------------------------------------------------

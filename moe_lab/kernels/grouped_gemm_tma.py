@@ -14,11 +14,11 @@ a store. This kernel uses it three ways (https://triton-lang.org/main/getting-st
   past the expert's rows and its TMA store clips them, so no tile writes another expert's rows
   and no mask is needed. (TMA wants 16-byte aligned rows: ``K`` and ``N`` multiples of 8 in
   bfloat16, of 4 in float32; the wrapper says so otherwise.)
-- **A persistent grid**: ``num_programs`` programs (the SM count on CUDA, a few interpreted),
-  each taking tiles ``pid, pid + num_programs, ...`` of one list over (segment, row tile,
+- **A persistent grid**: ``P`` programs (`default_programs`: the SM count on CUDA, a few
+  interpreted), each taking tiles ``pid, pid + P, ...`` of one list over (segment, row tile,
   N tile). Every program computes the list from ``offsets`` itself: no host sync, and the grid
   is static (a CUDA graph can capture it). Segment ``E`` is the padding rows
-  ``offsets[E]:m_bound``: its tiles load their ``x`` boxes from past column ``K`` (wholly out of
+  ``offsets[E]:M``: its tiles load their ``x`` boxes from past column ``K`` (wholly out of
   bounds: zeros), so they multiply zeros and store zeros. Every tile runs the same K loop:
   Triton 3.7.1 fails to warp-specialise a loop whose trip count changes from tile to tile.
 - **Pipelined TMA loads** (``num_stages`` >= 3 compiled: the loads of the next K steps are in
@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from torch._subclasses import FakeTensor
 
-from moe_lab.checks import first_derivative_only, positive_int
+from moe_lab.checks import first_derivative_only
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.common import (
     INTERPRETED,
@@ -178,26 +178,24 @@ def _tma_ready(t: Tensor, swap: bool = False) -> tuple[Tensor, bool]:
 
 
 @kernel_op("grouped_gemm_tma")
-def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
-                         num_programs: int) -> Tensor:
+def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    y[m_bound:].zero_()
     if not k:  # no reduction (and a TMA tensor has no empty dimension): zeros
-        y[:m_bound].zero_()
-    elif m_bound and n and not isinstance(x, FakeTensor):
+        y.zero_()
+    elif m and n and not isinstance(x, FakeTensor):
         x, (stored, trans) = _tma_ready(x)[0], _tma_ready(w, swap=True)  # trans: stored [E, N, K]
-        cfg = launch_config(m_bound, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
-        b = cfg.blocks  # at most cdiv(m_bound, BLOCK_M) + E row tiles: a static bound on the list
-        tiles = (triton.cdiv(m_bound, b["BLOCK_M"]) + n_experts) * triton.cdiv(n, b["BLOCK_N"])
-        grid = (min(num_programs or default_programs(x.device), tiles),)
+        cfg = launch_config(m, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
+        b = cfg.blocks  # at most cdiv(m, BLOCK_M) + E row tiles: a static bound on the list
+        tiles = (triton.cdiv(m, b["BLOCK_M"]) + n_experts) * triton.cdiv(n, b["BLOCK_N"])
+        grid = (min(default_programs(x.device), tiles),)
         with _descriptor_scratch(x.device):
             _tma_grouped_gemm_kernel[grid](
-                x, stored, y, offsets, m_bound, n, k, n_experts,
+                x, stored, y, offsets, m, n, k, n_experts,
                 x.stride(0), stored.stride(0), stored.stride(1), y.stride(0),
                 **cfg.blocks, BLOCK_E=block_e(n_experts),
-                GROUP_M=tile_group(m_bound, n_experts, b["BLOCK_M"]), TRANS_W=trans,
+                GROUP_M=tile_group(m, n_experts, b["BLOCK_M"]), TRANS_W=trans,
                 DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
                 WARP_SPECIALIZE=warp_specialized(x.device),  # the interpreter ignores it
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -206,8 +204,7 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor, m_bound: int,
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
-    x, w, offsets, ctx.m_bound, ctx.num_programs = inputs
-    ctx.save_for_backward(x, w, offsets)
+    ctx.save_for_backward(*inputs)  # x, w, offsets
 
 
 @first_derivative_only("the TMA grouped GEMM")
@@ -217,31 +214,29 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Ten
     x, w, offsets = ctx.saved_tensors
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = _grouped_gemm_tma_op(dy, w.transpose(1, 2), offsets, ctx.m_bound, ctx.num_programs)
+        dx = _grouped_gemm_tma_op(dy, w.transpose(1, 2), offsets)
     if ctx.needs_input_grad[1]:
-        dw = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets, ctx.m_bound)
-    return dx, dw, None, None, None
+        dw = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets)
+    return dx, dw, None
 
 
 _grouped_gemm_tma_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def grouped_gemm_tma(x: Tensor, w: Tensor, offsets: Tensor, *, m_bound: int | None = None,
-                     num_programs: int | None = None) -> Tensor:
+def grouped_gemm_tma(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """`moe_lab.kernels.grouped_gemm.grouped_gemm` (same arguments, same result, rows from
     ``offsets[E]`` on zeros, differentiable in ``x`` and ``w``) by the persistent TMA kernel.
 
     ``x: [M, K]``, ``w: [E, K, N]`` in float32 or bfloat16 with ``K`` and ``N`` whole 16-byte
     rows (multiples of 8 in bfloat16, 4 in float32: TMA's alignment); any strides (a copy is
-    made where TMA cannot read them). ``num_programs``: the persistent grid (default: one
-    program per SM on CUDA, `INTERPRETED_PROGRAMS` interpreted), capped at the tile count.
+    made where TMA cannot read them). The persistent grid: `default_programs`, capped at the
+    tile count.
     """
-    m_bound = gg.check_operands(x, w, offsets, m_bound, "w")
+    gg.check_operands(x, w, offsets, "w")
     unit = 16 // x.element_size()
     if x.shape[1] % unit or w.shape[2] % unit:
         raise ValueError(f"the TMA grouped GEMM needs 16-byte rows: K = x.shape[1] and N = w.shape[2] "
                          f"must be multiples of {unit} in {x.dtype}, got K={x.shape[1]}, N={w.shape[2]}")
     check_device("x", x.device, "tma", "the persistent TMA grouped GEMM (expert_backend='triton_tma')")
-    programs = positive_int(num_programs, "num_programs", or_none=True) or 0  # 0: the default
-    return _grouped_gemm_tma_op(x, w, offsets.contiguous(), m_bound, programs)
+    return _grouped_gemm_tma_op(x, w, offsets.contiguous())
 

@@ -325,15 +325,15 @@ def _torch_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor
 
 
 def _triton_backend(experts: SwiGLUExperts, x_MD: Tensor, offsets: Tensor) -> Tensor:
-    # Imported on first use: importing the layer does not import Triton. The autograd
-    # bindings, not the checking wrappers: the layer checked its input at its door.
-    from moe_lab.kernels.grouped_gemm import GroupedGEMM, GroupedGEMMSwiGLU
+    # Imported on first use: importing the layer does not import Triton. The custom ops (their
+    # backward registered on them), not the checking wrappers: the layer checked its input at its door.
+    from moe_lab.kernels.grouped_gemm import grouped_gemm_op, grouped_gemm_swiglu_op
 
-    offsets, m = offsets.contiguous(), x_MD.shape[0]
+    offsets = offsets.contiguous()
     xq, w1_EDF2 = experts.quantized(x_MD, experts.w_gate_up, 1)
-    h_MF = GroupedGEMMSwiGLU.apply(xq, w1_EDF2.to(xq.dtype), offsets, m)
+    h_MF = grouped_gemm_swiglu_op(xq, w1_EDF2.to(xq.dtype), offsets)
     hq, w2_EFD = experts.quantized(h_MF, experts.w_down, 1)
-    return GroupedGEMM.apply(hq, w2_EFD.to(hq.dtype), offsets, m)
+    return grouped_gemm_op(hq, w2_EFD.to(hq.dtype), offsets)
 
 
 def _triton_permute(x_TD: Tensor, topk_ids_TK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:

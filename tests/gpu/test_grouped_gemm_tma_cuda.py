@@ -20,12 +20,15 @@ COUNTS = [160, 0, 33, 257, *range(100, 128)]
 PAD = 19
 
 
-@pytest.mark.parametrize("programs", [None, 7])
-def test_tma_grouped_gemm_forward_and_backward_match_the_loop(programs):
+@pytest.mark.parametrize("programs", [None, 7])  # None: one program per SM
+def test_tma_grouped_gemm_forward_and_backward_match_the_loop(programs, monkeypatch):
     from support import poison_outputs
 
+    from moe_lab.kernels import grouped_gemm_tma as tma
     from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
-    from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
+
+    if programs is not None:
+        monkeypatch.setattr(tma, "default_programs", lambda device: programs)
 
     cuda, k, n = torch.device("cuda"), 512, 384
     offsets = torch.tensor([0, *torch.tensor(COUNTS).cumsum(0).tolist()], dtype=torch.int32, device=cuda)
@@ -33,7 +36,7 @@ def test_tma_grouped_gemm_forward_and_backward_match_the_loop(programs):
     w = (torch.randn(len(COUNTS), k, n) / k**0.5).to(cuda, torch.bfloat16).requires_grad_()
     dy = torch.randn(x.shape[0], n, device=cuda).to(torch.bfloat16)
     with poison_outputs():  # an element the kernel does not write is NaN
-        y = grouped_gemm_tma(x, w, offsets, num_programs=programs)
+        y = tma.grouped_gemm_tma(x, w, offsets)
         dx, dw = torch.autograd.grad(y, (x, w), dy)
     x32, w32 = (t.detach().float().requires_grad_() for t in (x, w))
     want = grouped_gemm_reference(x32, w32, offsets)

@@ -220,14 +220,6 @@ def test_non_contiguous_inputs_and_expanded_gradient(device):
     torch.testing.assert_close(w.grad, wr.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_m_bound_limits_the_grid_and_zeroes_the_tail(device):
-    counts = [7, 0, 20]
-    x, w, offsets = problem(counts, 30, 32, 16, device=device)  # 57 rows, offsets[E] = 27
-    y = grouped_gemm(x, w, offsets, m_bound=40)
-    torch.testing.assert_close(y, grouped_gemm_reference(x, w, offsets), rtol=1e-5, atol=1e-5)
-    assert torch.all(y[27:] == 0)
-
-
 def test_zero_total_rows_backward(device):
     x, w, offsets = problem([0, 0, 0], 0, 16, 16, device=device)
     x.requires_grad_(), w.requires_grad_()
@@ -319,10 +311,8 @@ def test_bad_arguments_raise_clear_errors(change, match, device):
         grouped_gemm(*change(x, w, offsets))
 
 
-def test_bad_m_bound_and_odd_swiglu_width(device):
+def test_odd_swiglu_width(device):
     x, w, offsets = problem([3, 4], 1, 16, 8, device=device)
-    with pytest.raises(ValueError, match="m_bound must be an integer in \\[0, 8\\], got 9"):
-        grouped_gemm(x, w, offsets, m_bound=9)
     with pytest.raises(ValueError, match="even last dim"):
         grouped_gemm_swiglu(x, w[..., :7], offsets)
 
@@ -390,7 +380,7 @@ def test_bf16_dot_branch_is_exact_on_small_integers(monkeypatch: pytest.MonkeyPa
     w2 = small_integers(len(counts), k, 2 * n, device=device)
     h = grouped_gemm_swiglu(x.detach(), w2, offsets)
     dh = small_integers(m, n, device=device)
-    dpre = gg._grouped_gemm_swiglu_op(x.detach(), w2, offsets, m, dh)
+    dpre = gg.grouped_gemm_swiglu_op(x.detach(), w2, offsets, dh)
     pre = grouped_gemm_reference(x.detach().float(), w2.float(), offsets)
     expected_h, (expected_dpre,) = reference_grads(swiglu, [pre], dh)
     one_rounding = {"rtol": 2**-7, "atol": 1e-6}

@@ -123,7 +123,7 @@ def test_every_config_of_a_space_computes_the_same_product():
             torch.testing.assert_close(gg.grouped_gemm(x, w, offsets), want, rtol=1e-5, atol=1e-4)
     for config in tuner.tune_space("dw", x.shape[0], n, k, E, torch.float32)[:3]:
         with tuner.forcing("dw", config):
-            got = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets, x.shape[0])
+            got = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets)
             torch.testing.assert_close(got, want_dw, rtol=1e-5, atol=1e-4)
 
 

@@ -345,9 +345,9 @@ def test_the_tuned_table_is_rewritten_after_every_launch_in_the_out_folder(tmp_p
 
     real_op = torch.ops.moe_lab.grouped_gemm
 
-    def record_layout(x, w, offsets, m_bound):
+    def record_layout(x, w, offsets):
         layouts.append(w.is_contiguous())
-        return real_op(x, w, offsets, m_bound)
+        return real_op(x, w, offsets)
 
     monkeypatch.setattr(gc, "put", put)
     monkeypatch.setattr(torch.ops.moe_lab, "grouped_gemm", record_layout)
