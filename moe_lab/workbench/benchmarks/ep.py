@@ -32,7 +32,6 @@ Every figure is appended to the ledger (notebook ``bench:ep`` unless ``--noteboo
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 
 from moe_lab.parallel.plan import SCHEDULES
 from moe_lab.workbench.measure import ledger
@@ -161,28 +160,24 @@ def record(report: dict, notebook: str = "bench:ep") -> None:
 # ------------------------------------------------------------------------- the tuning sweep
 
 
-def sweep(ranks: int, rate_mbit: float | None, profile: str = "smoke",
-          n_chunks: Sequence[int] | None = None, threads: Sequence[int] | None = None,
-          repeats: int = 3, seed: int = 0, timeout_s: float = 600.0, tokens: int | None = None) -> list[dict]:
-    """The dispatch tuning knobs, one fresh launch per point: ``n_chunks`` (chunks per
-    micro-batch: more chunks, smaller in-flight buffers and finer overlap, more per-chunk
-    overhead) and ``threads`` (torch threads per rank: the processor's share for compute,
-    the rest left to communication). Each point times ``sequential``, the merged schedule
+def sweep(ranks: int, rate_mbit: float | None, profile: str = "smoke", repeats: int = 3,
+          tokens: int | None = None) -> list[dict]:
+    """The dispatch tuning knobs of the profile (`SWEEP`), one fresh launch per point:
+    ``n_chunks`` (chunks per micro-batch: more chunks, smaller in-flight buffers and finer
+    overlap, more per-chunk overhead) and ``threads`` (torch threads per rank: the processor's
+    share for compute, the rest left to communication). Each point times ``sequential``, the merged schedule
     (``1f1b`` for one chunk, ``1f1b+chunked`` otherwise) and the compute-only replay.
     Returns one row per point: ``n_chunks``, ``threads_per_rank``, ``buffer_bytes`` (the
     largest all-to-all in flight: one chunk's dispatch), ``step_ms``, ``exposed_ms``,
     ``exposed_vs_sequential``, ``sequential_step_ms``. ``tokens``: per rank and micro-batch
     (default: the profile's)."""
-    grid = SWEEP[profile]
-    n_chunks = tuple(n_chunks or grid["n_chunks"])
-    threads = tuple(threads or grid["threads"])
     rows = []
-    for t in threads:
-        for n in n_chunks:
+    for t in SWEEP[profile]["threads"]:
+        for n in SWEEP[profile]["n_chunks"]:
             merged = "1f1b" if n == 1 else "1f1b+chunked"
-            spec = spec_for(profile, ranks, tokens=tokens, n_chunks=n, repeats=repeats, seed=seed)
+            spec = spec_for(profile, ranks, tokens=tokens, n_chunks=n, repeats=repeats)
             spec.update(runs=["sequential", merged, "compute only"], bandwidth_rows=0, check=False)
-            report = run_ep_benchmark(ranks, rate_mbit, spec, timeout_s=timeout_s, threads_per_rank=t)
+            report = run_ep_benchmark(ranks, rate_mbit, spec, threads_per_rank=t)
             rows.append({"n_chunks": n, "threads_per_rank": t, "schedule": merged,
                          # a unit sends four all-to-alls of one chunk each per chunk
                          "buffer_bytes": report["a2a_bytes"] // (4 * n),

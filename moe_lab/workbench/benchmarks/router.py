@@ -110,13 +110,13 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0,
     providers, notes = build_providers(cfg, device)
     want = {dt: route_from_logits(x, cfg, bias) for dt, x in inputs.items()}
 
-    rows, calls = [], {}
+    kernels, ids_vs_fp64, calls = {}, {}, {}
     for name, (fn, dtype) in providers.items():
         logits = inputs[dtype]
         if hasattr(fn, "compiled"):  # compiles it, and reads the code it generated
-            kernels = count_compiled_kernels(fn.compiled, logits, cfg, bias)
+            kernels[name] = count_compiled_kernels(fn.compiled, logits, cfg, bias)
         else:
-            kernels = count_kernels(fn, logits, bias)
+            kernels[name] = count_kernels(fn, logits, bias)
         out = fn(logits, bias)
         agree = routing_agreement(out.topk_ids, want[dtype].topk_ids)
         if agree < 0.999:  # exact up to rounding of near-ties between implementations
@@ -124,19 +124,14 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0,
                                  f"{1 - agree:.2%} of routing decisions")
         torch.testing.assert_close(out.tokens_per_expert.sum(), want[dtype].tokens_per_expert.sum())
         calls[name] = (lambda fn=fn, logits=logits: fn(logits, bias))
-        rows.append({"shape": shape, "provider": name, "kernels": kernels.ops,
-                     "bytes": kernels.bytes,
-                     "bytes_vs_floor": kernels.bytes / floor_bytes(tokens, cfg),
-                     "ids_vs_fp64": routing_agreement(out.topk_ids, want[torch.float64].topk_ids)})
+        ids_vs_fp64[name] = routing_agreement(out.topk_ids, want[torch.float64].topk_ids)
     timings = compare(calls, min_time_s=min_time_s)
     base = timings[BASELINE].median_s
-    for row in rows:
-        t = timings[row["provider"]]
-        row.update(median_ms=t.median_s * 1e3, min_ms=t.min_s * 1e3, iqr_ms=t.iqr_s * 1e3,
-                   vs_unfused_fp64=base / t.median_s, gb_per_s=row["bytes"] / t.median_s / 1e9)
-    order = ["shape", "provider", "median_ms", "min_ms", "iqr_ms", "vs_unfused_fp64", "kernels",
-             "bytes", "bytes_vs_floor", "gb_per_s", "ids_vs_fp64"]
-    rows = [{k: row[k] for k in order} for row in rows]
+    rows = [{"shape": shape, "provider": name, "median_ms": t.median_s * 1e3, "min_ms": t.min_s * 1e3,
+             "iqr_ms": t.iqr_s * 1e3, "vs_unfused_fp64": base / t.median_s, "kernels": kernels[name].ops,
+             "bytes": kernels[name].bytes, "bytes_vs_floor": kernels[name].bytes / floor_bytes(tokens, cfg),
+             "gb_per_s": kernels[name].bytes / t.median_s / 1e9, "ids_vs_fp64": ids_vs_fp64[name]}
+            for name, t in timings.items()]
     return {"shape": shape, "tokens": tokens, "config": SHAPES[shape], "device": device,
             "floor_bytes": floor_bytes(tokens, cfg), "rows": rows, "notes": notes}
 

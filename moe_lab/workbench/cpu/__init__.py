@@ -59,7 +59,7 @@ def register() -> bool:
             _registered = False
             return False
         EXPERT_BACKENDS.register("openmp", ExpertBackend(grouped.openmp_mlp, permute.permute_tokens,
-                                                         permute.unpermute_tokens))
+                                                         permute.unpermute))
         ATTENTION_IMPLS.register("cpu_fused", attention.grouped_query_attention)
         PACKED_ATTENTION_IMPLS.register("cpu_fused", attention.PackedRope())
         ROUTER_IMPLS.register("cpu_topk", functools.partial(route, topk=permute.router_topk))
@@ -70,9 +70,7 @@ def register() -> bool:
 
 def status() -> str | None:
     """`register` the plug-in; ``None`` when its kernels are available here, else why not."""
-    if register():
-        return None
-    return unavailable_reason() or "the CPU plug-in's kernels are unavailable"
+    return None if register() else unavailable_reason()
 
 
 def unavailable_reason() -> str | None:

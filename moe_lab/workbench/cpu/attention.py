@@ -49,34 +49,25 @@ import torch
 
 from moe_lab.attention import expand_kv
 from moe_lab.checks import first_derivative_only
-from moe_lab.workbench.cpu.build import extension
+from moe_lab.workbench.cpu.build import kernel_op
 
 Tensor = torch.Tensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("moe_lab::cpu_causal_attention", mutates_args=())
-def _attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    out, lse = extension().causal_attention_forward(q, k, v)
-    return out, lse
-
-
-@_attention.register_fake
-def _(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _attention_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("moe_lab::cpu_causal_attention_backward", mutates_args=())
-def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                        lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = extension().causal_attention_backward(dout, q, k, v, out, lse)
-    return dq, dk, dv
-
-
-@_attention_backward.register_fake
-def _(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
+def _attention_backward_shapes(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                               lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_attention = kernel_op("cpu_causal_attention", "causal_attention_forward", _attention_shapes)
+_attention_backward = kernel_op("cpu_causal_attention_backward", "causal_attention_backward",
+                                _attention_backward_shapes)
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -95,28 +86,20 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None):
 _attention.register_autograd(_backward, setup_context=_setup)
 
 
-@torch.library.custom_op("moe_lab::cpu_rope_attention", mutates_args=())
-def _rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tensor, Tensor]:
-    out, lse = extension().rope_attention_forward(qkv, cos, sin, heads, True)
-    return out, lse
-
-
-@_rope_attention.register_fake
-def _(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+def _rope_attention_shapes(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> tuple[Tensor, Tensor]:
     b, s, width = qkv.shape
     return qkv.new_empty(b, s, width // 3), qkv.new_empty(b, heads, s, dtype=torch.float32)
 
 
-@torch.library.custom_op("moe_lab::cpu_rope_attention_backward", mutates_args=())
-def _rope_attention_backward(dout: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor,
-                             lse: Tensor, heads: int) -> Tensor:
-    return extension().rope_attention_backward(dout, qkv, cos, sin, out, lse, heads, True)
-
-
-@_rope_attention_backward.register_fake
-def _(dout: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor, lse: Tensor,
-      heads: int) -> Tensor:
+def _rope_attention_backward_shapes(dout: Tensor, qkv: Tensor, cos: Tensor, sin: Tensor, out: Tensor,
+                                    lse: Tensor, heads: int) -> Tensor:
     return qkv.new_empty(qkv.shape)
+
+
+# The trailing True: the kernel's own bfloat16 path (False, ATen's GEMMs, is for the tests).
+_rope_attention = kernel_op("cpu_rope_attention", "rope_attention_forward", _rope_attention_shapes, True)
+_rope_attention_backward = kernel_op("cpu_rope_attention_backward", "rope_attention_backward",
+                                     _rope_attention_backward_shapes, True)
 
 
 def _rope_setup(ctx, inputs, output) -> None:
@@ -135,15 +118,6 @@ def _rope_backward(ctx, dout: Tensor, _dlse: Tensor | None):
 
 
 _rope_attention.register_autograd(_rope_backward, setup_context=_rope_setup)
-
-
-def rope_fusable(qkv: Tensor, heads: int, kv_heads: int) -> bool:
-    """Whether `rope_causal_attention` takes this QKV projection output: bfloat16 on the CPU
-    (the model under BF16 autocast), as many key/value heads as query heads, an even
-    head_dim. Shapes and dtypes only, so ``torch.compile`` decides it while tracing."""
-    return (qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16 and qkv.dim() == 3
-            and heads == kv_heads and heads > 0 and qkv.shape[-1] % (3 * heads) == 0
-            and (qkv.shape[-1] // (3 * heads)) % 2 == 0)
 
 
 def rope_causal_attention(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
@@ -198,11 +172,16 @@ def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 class PackedRope:
-    """``PACKED_ATTENTION_IMPLS["cpu_fused"]``: `rope_causal_attention` where `rope_fusable`."""
+    """``PACKED_ATTENTION_IMPLS["cpu_fused"]``: `rope_causal_attention` where it `accepts` the input."""
 
     @staticmethod
     def accepts(qkv: Tensor, heads: int, kv_heads: int) -> bool:
-        return rope_fusable(qkv, heads, kv_heads)
+        """Whether `rope_causal_attention` takes this QKV projection output: bfloat16 on the
+        CPU (the model under BF16 autocast), as many key/value heads as query heads, an even
+        head_dim. Shapes and dtypes only, so ``torch.compile`` decides it while tracing."""
+        return (qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16 and qkv.dim() == 3
+                and heads == kv_heads and heads > 0 and qkv.shape[-1] % (3 * heads) == 0
+                and (qkv.shape[-1] // (3 * heads)) % 2 == 0)
 
     def __call__(self, qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
         return rope_causal_attention(qkv, cos, sin, heads)

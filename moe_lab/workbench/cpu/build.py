@@ -41,7 +41,7 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -172,6 +172,24 @@ def extension():
                       f"Use expert_backend='torch' and attention_impl='sdpa' instead")
             raise RuntimeError(_error) from exc
         return _ext
+
+
+def kernel_op(name: str, entry: str, fake: Callable, *constants: object,
+              mutates_args: tuple[str, ...] = ()):
+    """The extension's function ``entry`` as the custom op ``moe_lab::<name>``: its signature
+    and fake implementation (output shapes, for ``torch.compile`` and the sync detector) are
+    ``fake``'s; ``constants`` are passed after the op's own arguments; ``mutates_args`` names
+    the arguments it writes in place; the list the C++ side returns for several tensors comes
+    back as a tuple."""
+
+    def kernel(*args):
+        out = getattr(extension(), entry)(*args, *constants)
+        return tuple(out) if isinstance(out, list) else out
+
+    schema = torch.library.infer_schema(fake, mutates_args=mutates_args)
+    op = torch.library.custom_op(f"moe_lab::{name}", kernel, mutates_args=mutates_args, schema=schema)
+    op.register_fake(fake)
+    return op
 
 
 def _say_what_the_load_builds(name: str, build_dir: Path) -> None:

@@ -45,55 +45,36 @@ import torch
 
 from moe_lab.checks import first_derivative_only
 from moe_lab.moe.experts import SwiGLUExperts, register_grouped_mm_autograd
-from moe_lab.workbench.cpu.build import bf16_gemms, extension
+from moe_lab.workbench.cpu.build import bf16_gemms, kernel_op
 
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("moe_lab::openmp_grouped_mm", mutates_args=())
-def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """``x: [M, K]``, ``w: [E, K, N]`` (any strides), ``offs: [E]`` cumulative row ends →
-    ``[M, N]``, rows past ``offs[-1]`` zero."""
-    return extension().grouped_mm(x, w, offs)
-
-
-@grouped_mm.register_fake
-def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+def _grouped_mm_shapes(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[-1])
 
 
-@torch.library.custom_op("moe_lab::openmp_grouped_mm_wgrad", mutates_args=())
-def grouped_mm_wgrad(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
-    """``dW[e] = x[rows of e]ᵀ · dy[rows of e]``: ``[E, K, N]`` (zeros for an empty expert)."""
-    return extension().grouped_mm_wgrad(x, dy, offs)
-
-
-@grouped_mm_wgrad.register_fake
-def _(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
+def _grouped_mm_wgrad_shapes(x: Tensor, dy: Tensor, offs: Tensor) -> Tensor:
     return x.new_empty(offs.shape[0], x.shape[1], dy.shape[1])
 
 
-@torch.library.custom_op("moe_lab::openmp_expert_mlp", mutates_args=())
-def _expert_mlp(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
-    y, h = extension().expert_mlp(x, w1, w2, offs)
-    return y, h
-
-
-@_expert_mlp.register_fake
-def _(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
+def _expert_mlp_shapes(x: Tensor, w1: Tensor, w2: Tensor, offs: Tensor) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape[0], w2.shape[-1]), x.new_empty(x.shape[0], w1.shape[-1])
 
 
-@torch.library.custom_op("moe_lab::openmp_expert_mlp_backward", mutates_args=())
-def _expert_mlp_backward(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
-                         dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw1, dw2 = extension().expert_mlp_backward(x, h, w1, w2, offs, dy)
-    return dx, dw1, dw2
-
-
-@_expert_mlp_backward.register_fake
-def _(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Tensor, dy: Tensor):
+def _expert_mlp_backward_shapes(x: Tensor, h: Tensor, w1: Tensor, w2: Tensor, offs: Tensor,
+                                dy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape)
+
+
+# grouped_mm(x [M, K], w [E, K, N] (any strides), offs [E] cumulative row ends) -> [M, N], rows
+# past offs[-1] zero; grouped_mm_wgrad(x, dy, offs): dW[e] = x[rows of e]ᵀ · dy[rows of e],
+# [E, K, N] (zeros for an empty expert).
+grouped_mm = kernel_op("openmp_grouped_mm", "grouped_mm", _grouped_mm_shapes)
+grouped_mm_wgrad = kernel_op("openmp_grouped_mm_wgrad", "grouped_mm_wgrad", _grouped_mm_wgrad_shapes)
+_expert_mlp = kernel_op("openmp_expert_mlp", "expert_mlp", _expert_mlp_shapes)
+_expert_mlp_backward = kernel_op("openmp_expert_mlp_backward", "expert_mlp_backward",
+                                 _expert_mlp_backward_shapes)
 
 
 def _mlp_setup(ctx, inputs, output) -> None:

@@ -22,25 +22,20 @@ from __future__ import annotations
 
 import torch
 
-from moe_lab.workbench.cpu.build import available, extension
+from moe_lab.workbench.cpu.build import available, kernel_op
 
 Tensor = torch.Tensor
 
 
-@torch.library.custom_op("moe_lab::cpu_clip_adamw_",
-                         mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "grad_scale"))
-def _clip_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                exp_avg_sqs: list[Tensor], steps: list[Tensor], weight_decays: list[float],
-                lr: Tensor, beta1: float, beta2: float, eps: float, max_norm: float, skip: Tensor,
-                grad_scale: Tensor) -> Tensor:
-    return extension().clip_adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, weight_decays, lr,
-                                   beta1, beta2, eps, max_norm, skip, grad_scale)
-
-
-@_clip_adamw.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, steps, weight_decays, lr, beta1, beta2, eps, max_norm,
-      skip, grad_scale):
+def _clip_adamw_shapes(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                       exp_avg_sqs: list[Tensor], steps: list[Tensor], weight_decays: list[float],
+                       lr: Tensor, beta1: float, beta2: float, eps: float, max_norm: float, skip: Tensor,
+                       grad_scale: Tensor) -> Tensor:
     return lr.new_empty(())
+
+
+_clip_adamw = kernel_op("cpu_clip_adamw_", "clip_adamw_", _clip_adamw_shapes,
+                        mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "grad_scale"))
 
 
 def supports(optimizer: torch.optim.Optimizer) -> bool:

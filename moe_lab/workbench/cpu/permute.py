@@ -33,7 +33,7 @@ import torch
 
 from moe_lab.checks import first_derivative_only
 from moe_lab.moe.router import topk_lowest_index as reference_topk
-from moe_lab.workbench.cpu.build import extension
+from moe_lab.workbench.cpu.build import kernel_op
 
 Tensor = torch.Tensor
 
@@ -43,46 +43,33 @@ Tensor = torch.Tensor
 # --------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("moe_lab::cpu_row_id_map", mutates_args=())
-def _row_id_map_op(topk_ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
-    row_id_map, offsets = extension().row_id_map(topk_ids, n_experts, align)
-    return row_id_map, offsets
-
-
-@_row_id_map_op.register_fake
-def _(topk_ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
+def _row_id_map_shapes(topk_ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Tensor]:
     return (topk_ids.new_empty(topk_ids.shape, dtype=torch.int32),
             topk_ids.new_empty((n_experts + 1,), dtype=torch.int32))
 
 
-@torch.library.custom_op("moe_lab::cpu_permute", mutates_args=())
-def _permute_op(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
-    return extension().permute(x, row_id_map, weights, n_rows)
-
-
-@_permute_op.register_fake
-def _(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
+def _permute_shapes(x: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int) -> Tensor:
     return x.new_empty((n_rows, x.shape[1]))
 
 
-@torch.library.custom_op("moe_lab::cpu_unpermute", mutates_args=())
-def _unpermute_op(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
-    return extension().unpermute(y, row_id_map, weights)
-
-
-@_unpermute_op.register_fake
-def _(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
+def _unpermute_shapes(y: Tensor, row_id_map: Tensor, weights: Tensor | None) -> Tensor:
     return y.new_empty((row_id_map.shape[0], y.shape[1]))
 
 
-@torch.library.custom_op("moe_lab::cpu_unpermute_weight_grad", mutates_args=())
-def _weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
-    return extension().unpermute_weight_grad(y, row_id_map, dout)
-
-
-@_weight_grad_op.register_fake
-def _(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
+def _weight_grad_shapes(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Tensor:
     return y.new_empty(tuple(row_id_map.shape), dtype=torch.float32)
+
+
+def _topk_shapes(values: Tensor, k: int) -> Tensor:
+    return values.new_empty((values.shape[0], k), dtype=torch.int64)
+
+
+_row_id_map_op = kernel_op("cpu_row_id_map", "row_id_map", _row_id_map_shapes)
+_permute_op = kernel_op("cpu_permute", "permute", _permute_shapes)
+_unpermute_op = kernel_op("cpu_unpermute", "unpermute", _unpermute_shapes)
+_weight_grad_op = kernel_op("cpu_unpermute_weight_grad", "unpermute_weight_grad", _weight_grad_shapes)
+# the router's top-k: indices only, no autograd
+_topk_op = kernel_op("cpu_topk_lowest_index", "topk_lowest_index", _topk_shapes)
 
 
 # permute: y[map[t, j]] = w[t, j]·x[t]  ->  dx = unpermute(dy, map, w), dw = <dy[map[t, j]], x[t]>
@@ -123,17 +110,6 @@ _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
 
 
-# the router's top-k: indices only, no autograd
-@torch.library.custom_op("moe_lab::cpu_topk_lowest_index", mutates_args=())
-def _topk_op(values: Tensor, k: int) -> Tensor:
-    return extension().topk_lowest_index(values, k)
-
-
-@_topk_op.register_fake
-def _(values: Tensor, k: int) -> Tensor:
-    return values.new_empty((values.shape[0], k), dtype=torch.int64)
-
-
 # --------------------------------------------------------------------------------------
 # The public functions (the kernels check their arguments and indices themselves)
 # --------------------------------------------------------------------------------------
@@ -166,7 +142,7 @@ def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> T
 
     ``y: [n_rows, d]``; ``row_id_map: [T, k]`` int32; ``weights: [T, k]`` floating (e.g. the
     router's float32) or None. Returns ``[T, d]`` in ``y``'s dtype. Differentiable in ``y``
-    and ``weights``.
+    and ``weights``. It is ``EXPERT_BACKENDS["openmp"].unpermute`` as it is.
     """
     return _unpermute_op(y, row_id_map, weights)
 
@@ -186,11 +162,6 @@ def permute_tokens(x: Tensor, topk_ids: Tensor, n_experts: int) -> tuple[Tensor,
     """``EXPERT_BACKENDS["openmp"].permute``: ``(x_sorted [T·k, d], offsets [E + 1], row_id_map)``."""
     row_id_map, offsets = make_row_id_map(topk_ids, n_experts)
     return permute(x, row_id_map, topk_ids.numel()), offsets, row_id_map
-
-
-def unpermute_tokens(y_sorted: Tensor, row_id_map: Tensor, topk_weights: Tensor) -> Tensor:
-    """``EXPERT_BACKENDS["openmp"].unpermute``: the weighted sum of each token's rows."""
-    return unpermute(y_sorted, row_id_map, topk_weights)
 
 
 def router_topk(values: Tensor, k: int) -> Tensor:

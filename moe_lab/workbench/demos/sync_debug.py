@@ -112,18 +112,16 @@ def _short(filename: str) -> str:
     return Path(filename).name
 
 
-def _caller_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+def _caller_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary:
     """The innermost frame outside PyTorch and this module: the caller's line that synced."""
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
         if not path.startswith(_TORCH_DIR) and path not in _SKIP_FILES:
             return frame
-    return frames[-1] if frames else None
+    return frames[-1]  # a sync inside PyTorch called directly: its innermost frame
 
 
-def _site(frame: traceback.FrameSummary | None, count: int = 1) -> SyncSite:
-    if frame is None:
-        return SyncSite("<unknown>", "", count)
+def _site(frame: traceback.FrameSummary, count: int = 1) -> SyncSite:
     code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
     return SyncSite(f"{_short(frame.filename)}:{frame.lineno}", code, count)
 
@@ -156,7 +154,7 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
                 others.append((message, category, filename, lineno, file, line))
                 return
             frame = _caller_frame(traceback.extract_stack()[:-1])
-            key = (frame.filename, frame.lineno) if frame is not None else ("", 0)
+            key = (frame.filename, frame.lineno)
             seen[key] += 1
             frames.setdefault(key, frame)
 

@@ -30,6 +30,7 @@ interpreter on a CPU (`moe_lab.workbench.exercises.kernel_checks`).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -78,6 +79,22 @@ def require_sync_free(fn: Callable, args: tuple, advice: str) -> None:
     _, syncs = count_syncs(fn, *args)
     if sum(syncs.values()):
         raise ExerciseError(f"correct, but it syncs with the host: {dict(syncs)}; {advice}")
+
+
+def require_tensor(got: object, shape: tuple[int, ...], expected: str, then: str = "") -> None:
+    """Raise `ExerciseError` ``"{expected}, got <got's shape, or its type>{then}"`` unless
+    ``got`` is a tensor of ``shape``: the first thing a check asks of a tensor answer."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(shape):
+        raise ExerciseError(f"{expected}, got {getattr(got, 'shape', type(got).__name__)}{then}")
+
+
+def close(got: object, want: float, rel: float = 1e-6, abs_tol: float = 0.0) -> bool:
+    """True when ``got`` is a number (anything ``float`` takes) within ``rel`` (relative) or
+    ``abs_tol`` of ``want``: how a check compares a scalar answer."""
+    try:
+        return math.isclose(float(got), want, rel_tol=rel, abs_tol=abs_tol)
+    except (TypeError, ValueError):
+        return False
 
 
 def random_routing(g: torch.Generator, tokens: int, n_experts: int, top_k: int) -> torch.Tensor:

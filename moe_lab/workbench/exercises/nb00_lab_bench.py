@@ -14,14 +14,13 @@ Each ``check_…`` calls the learner's function on fresh random inputs and raise
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 
 from moe_lab.config import MoEConfig, preset
 from moe_lab.perf.flops import FLOPS_PER_MAC, TRAIN_MULTIPLIER, moe_mlp_macs, router_macs
 from moe_lab.perf.hardware import matmul_intensity, roofline
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise, reference_solution
 
 
 @reference_solution("matmul_attainable_flops")
@@ -59,41 +58,29 @@ def check_moe_layer_training_flops(fn: Callable[[MoEConfig], float], trials: int
     MoE layer (router + routed + shared experts), on the presets and random configurations."""
     rng = random.Random()
     for moe in _layer_configs(rng, trials):
-        want = float((router_macs(_model_of(moe)) + moe_mlp_macs(_model_of(moe)))
-                     * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
+        model = preset("tiny", d_model=moe.d_model, moe=moe)  # what moe_lab.perf.flops takes
+        want = float((router_macs(model) + moe_mlp_macs(model)) * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
         got = call_answer(fn, moe)
-        if _close(got, want):
+        if close(got, want):
             continue
         routed = 3 * moe.d_model * moe.d_expert * FLOPS_PER_MAC * TRAIN_MULTIPLIER
         router = moe.d_model * moe.n_experts * FLOPS_PER_MAC * TRAIN_MULTIPLIER
         hint = ""
-        if _close(got, want / TRAIN_MULTIPLIER):
+        if close(got, want / TRAIN_MULTIPLIER):
             hint = " (that is the forward pass only: the backward pass costs twice as much)"
-        elif _close(got, want / FLOPS_PER_MAC):
+        elif close(got, want / FLOPS_PER_MAC):
             hint = " (that counts MACs: one multiply-accumulate is 2 FLOPs)"
-        elif _close(got, want - router):
+        elif close(got, want - router):
             hint = " (the router's gate is a matmul too: d_model x n_experts per token)"
-        elif moe.n_shared_experts and _close(got, want - moe.n_shared_experts * routed):
+        elif moe.n_shared_experts and close(got, want - moe.n_shared_experts * routed):
             hint = " (every token also goes through the shared experts)"
-        elif _close(got, router + (moe.n_experts + moe.n_shared_experts) * routed):
+        elif close(got, router + (moe.n_experts + moe.n_shared_experts) * routed):
             hint = " (a token runs through its top_k experts only, not all of them)"
         raise ExerciseError(
             f"moe_layer_training_flops(MoEConfig(d_model={moe.d_model}, n_experts={moe.n_experts}, "
             f"top_k={moe.top_k}, d_expert={moe.d_expert}, n_shared_experts={moe.n_shared_experts})) "
             f"returned {got!r}, expected {want:.6g}{hint}")
     print("✓ moe_layer_training_flops matches moe_lab.perf.flops")
-
-
-def _model_of(moe: MoEConfig):
-    """A model config around ``moe`` (what `moe_lab.perf.flops` takes)."""
-    return preset("tiny", d_model=moe.d_model, moe=moe)
-
-
-def _close(got: object, want: float, rel: float = 1e-6) -> bool:
-    try:
-        return math.isclose(float(got), want, rel_tol=rel)
-    except (TypeError, ValueError):
-        return False
 
 
 @exercise("matmul_attainable_flops")
@@ -114,18 +101,18 @@ def check_matmul_attainable_flops(fn: Callable[..., float], trials: int = 20) ->
             peak = rng.uniform(50e12, 2500e12)
         want = matmul_attainable_flops(m, n, k, bpe, peak, bandwidth)
         got = call_answer(fn, m, n, k, bpe, peak, bandwidth)
-        if not _close(got, want):
+        if not close(got, want):
             bound = "memory" if want < peak else "compute"
             intensity = matmul_intensity(m, n, k, bpe)
             # Every slip the answer fits: one shape can fit two (a roofline without the
             # element size that lands on the peak is also "the peak").
             hints = []
-            if bound == "memory" and _close(got, peak):
+            if bound == "memory" and close(got, peak):
                 hints.append("the peak is out of reach here, the roofline is min(peak, bandwidth × "
                              "intensity)")
-            if bound == "compute" and _close(got, bandwidth * intensity):
+            if bound == "compute" and close(got, bandwidth * intensity):
                 hints.append("the roofline never exceeds the peak, min(peak, bandwidth × intensity)")
-            if _close(got, roofline(peak, bandwidth, intensity * bpe)):
+            if close(got, roofline(peak, bandwidth, intensity * bpe)):
                 hints.append("the intensity divides the FLOPs by the bytes moved, (mk + kn + mn) · "
                              "bytes_per_element, not by the elements")
             hint = "".join(f": {h}" if i == 0 else f"; or {h}" for i, h in enumerate(hints))

@@ -11,6 +11,7 @@ from moe_lab.workbench.exercises import (
     exercise,
     reference_solution,
     require_sync_free,
+    require_tensor,
 )
 
 
@@ -39,11 +40,9 @@ def check_tokens_per_expert(fn) -> None:
     for ids, n in cases:
         got = call_answer(fn, ids.clone(), n)
         want = tokens_per_expert(ids, n)
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            raise ExerciseError(f"expected a tensor of shape {tuple(want.shape)}, got "
-                                f"{getattr(got, 'shape', type(got).__name__)}: one count per "
-                                f"expert ({n} here), zero for an expert that gets no token — the "
-                                "largest id seen is not the number of experts")
+        require_tensor(got, want.shape, f"expected a tensor of shape {tuple(want.shape)}",
+                       f": one count per expert ({n} here), zero for an expert that gets no token — "
+                       "the largest id seen is not the number of experts")
         if not torch.equal(got.to(torch.int64), want):
             raise ExerciseError(f"counts differ for ids of shape {tuple(ids.shape)} with "
                                 f"{n} experts: got {got.tolist()}, expected {want.tolist()}")

@@ -25,6 +25,7 @@ from moe_lab.workbench.exercises import (
     exercise,
     reference_solution,
     require_sync_free,
+    require_tensor,
 )
 
 
@@ -72,9 +73,7 @@ def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
         want = keep_mask(ids, n_experts, capacity)
         got = call_answer(fn, ids.clone(), n_experts, capacity)
         where = f"topk_ids of shape {tuple(ids.shape)}, {n_experts} experts, capacity {capacity}"
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
-            raise ExerciseError(f"({where}): expected a [T, k] = {tuple(want.shape)} tensor, got "
-                                f"{getattr(got, 'shape', type(got).__name__)}")
+        require_tensor(got, want.shape, f"({where}): expected a [T, k] = {tuple(want.shape)} tensor")
         got = got.bool()
         if torch.equal(got, want):
             continue

@@ -214,15 +214,13 @@ def _check_claims(claims: torch.Tensor, offsets: torch.Tensor, where: str) -> No
             continue
         own = next(e for e in range(len(bounds) - 1) if bounds[e] <= r < bounds[e + 1])
         span = f"offsets[{own}] = {bounds[own]} ≤ {r} < offsets[{own + 1}] = {bounds[own + 1]}"
-        for e in sorted(by):
-            if e < own:
-                raise ExerciseError(
-                    f"({where}): row {r} is expert {own}'s ({span}), yet expert {e}'s programs claimed it: "
-                    f"a tile's rows stop at offsets[e + 1] = {bounds[e + 1]} (row_ok = rows < end)")
-            if e > own:
-                raise ExerciseError(
-                    f"({where}): row {r} is expert {own}'s ({span}), yet expert {e}'s programs claimed it: "
-                    f"expert e's tiles start at offsets[e] = {bounds[e]}, read from offsets_ptr")
+        others = sorted(set(by) - {own})
+        if others:
+            e = others[0]
+            why = (f"a tile's rows stop at offsets[e + 1] = {bounds[e + 1]} (row_ok = rows < end)" if e < own
+                   else f"expert e's tiles start at offsets[e] = {bounds[e]}, read from offsets_ptr")
+            raise ExerciseError(f"({where}): row {r} is expert {own}'s ({span}), yet expert {e}'s programs "
+                                f"claimed it: {why}")
         if own not in by:
             raise ExerciseError(
                 f"({where}): row {r} (expert {own}'s: {span}) is claimed by no program: tile t of "

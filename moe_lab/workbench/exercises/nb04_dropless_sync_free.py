@@ -35,6 +35,7 @@ from moe_lab.workbench.exercises import (
     random_routing,
     reference_solution,
     require_sync_free,
+    require_tensor,
 )
 
 
@@ -84,13 +85,10 @@ def check_expert_permutation(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]
             raise ExerciseError(f"({where}): return a pair (order, offsets), got "
                                 f"{type(got).__name__}")
         order, offsets = got
-        if not isinstance(order, torch.Tensor) or order.shape != want_order.shape:
-            raise ExerciseError(f"({where}): order must be a [T·k] = {tuple(want_order.shape)} "
-                                f"tensor, got {getattr(order, 'shape', type(order).__name__)}")
-        if not isinstance(offsets, torch.Tensor) or offsets.shape != want_offsets.shape:
-            raise ExerciseError(f"({where}): offsets must be [n_experts + 1] = "
-                                f"{tuple(want_offsets.shape)}, got "
-                                f"{getattr(offsets, 'shape', type(offsets).__name__)}")
+        require_tensor(order, want_order.shape,
+                       f"({where}): order must be a [T·k] = {tuple(want_order.shape)} tensor")
+        require_tensor(offsets, want_offsets.shape,
+                       f"({where}): offsets must be [n_experts + 1] = {tuple(want_offsets.shape)}")
         flat = ids.reshape(-1)
         if not torch.equal(order.long().sort().values, torch.arange(flat.numel())):
             raise ExerciseError(f"({where}): order is not a permutation of 0..T·k-1")
@@ -135,9 +133,7 @@ def check_expert_of_row(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None
         want = expert_of_row(offsets, n_rows)
         got = call_answer(fn, offsets.clone(), n_rows)
         where = f"rows per expert {counts}"
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (n_rows,):
-            raise ExerciseError(f"({where}): expected a [n_rows] = ({n_rows},) tensor, got "
-                                f"{getattr(got, 'shape', type(got).__name__)}")
+        require_tensor(got, (n_rows,), f"({where}): expected a [n_rows] = ({n_rows},) tensor")
         if not torch.equal(got.long(), want.long()):
             hint = ""
             left = torch.searchsorted(offsets[1:], torch.arange(n_rows, dtype=offsets.dtype))

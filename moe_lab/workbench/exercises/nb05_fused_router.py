@@ -21,6 +21,7 @@ from moe_lab.workbench.exercises import (
     exercise,
     reference_solution,
     require_sync_free,
+    require_tensor,
 )
 from moe_lab.workbench.measure.kernel_count import count_kernels
 
@@ -70,9 +71,7 @@ def check_group_limited_selection(fn: Callable) -> None:
             raise ExerciseError(f"({where}) your function raised {type(exc).__name__}: {exc}."
                                 + hint) from None
         want = group_limited_selection(scores, n_groups, topk_groups)
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            raise ExerciseError(f"expected a tensor of shape {tuple(want.shape)}, got "
-                                f"{getattr(got, 'shape', type(got).__name__)}")
+        require_tensor(got, want.shape, f"expected a tensor of shape {tuple(want.shape)}")
         if got.dtype != torch.bool:
             raise ExerciseError(f"expected a bool mask, got dtype {got.dtype}")
         if not torch.equal(got, want):

@@ -4,7 +4,6 @@ the order of the stages of a 1F1B-merged step, checked on its event log."""
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ from moe_lab.parallel.plan import (
     simulate_plan,
     stage_graph,
 )
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise, reference_solution
 
 
 @reference_solution("a2a_splits")
@@ -109,14 +108,12 @@ def check_predict_exposed(fn: Callable[[list[float], list[float]], float]) -> No
     for comm, compute in cases:
         got = call_answer(fn, list(comm), list(compute))
         want = predict_exposed(comm, compute)
-        close = isinstance(got, (int, float)) and math.isclose(float(got), want, rel_tol=1e-6,
-                                                               abs_tol=1e-9)
-        if not close:
+        if not (isinstance(got, (int, float)) and close(got, want, abs_tol=1e-9)):
             hint = ""
-            if isinstance(got, (int, float)) and math.isclose(float(got), sum(comm), rel_tol=1e-6):
+            if close(got, sum(comm)):
                 hint = (" (that is every transfer exposed: the link sends chunk i + 1 while chunk i "
                         "computes, so only what compute does not cover shows)")
-            elif isinstance(got, (int, float)) and comm and math.isclose(float(got), comm[0], rel_tol=1e-6):
+            elif comm and close(got, comm[0]):
                 hint = (" (that counts only the first transfer: when the link is slower than the "
                         "compute, later chunks arrive late too and the processor waits for each)")
             raise ExerciseError(

@@ -66,6 +66,15 @@ def _curve(rng: random.Random, n: int) -> list[dict]:
     return out
 
 
+def _require_value_error(fn, args: tuple, message: str) -> None:
+    """Raise `ExerciseError` with ``message`` unless ``fn(*args)`` raises ``ValueError``."""
+    try:
+        call_answer(fn, *args)
+    except ValueError:
+        return
+    raise ExerciseError(message)
+
+
 @exercise("time_to_target")
 def check_time_to_target(fn) -> None:
     """Raises ExerciseError unless ``fn(curve, target)`` returns the time of the first
@@ -130,12 +139,8 @@ def check_race_speedups(fn) -> None:
     if call_answer(fn, two, 1.0, "naive").get("fast") != 5.0:
         raise ExerciseError("a seed that never reaches the target does not count: the fast stack's "
                             "median is over its one seed that did (1.0), the naive's is 5.0: 5.0x")
-    try:
-        call_answer(fn, two, 1.0, "nobody")
-    except ValueError:
-        pass
-    else:
-        raise ExerciseError("a baseline that is not one of the stacks must raise ValueError")
+    _require_value_error(fn, (two, 1.0, "nobody"),
+                         "a baseline that is not one of the stacks must raise ValueError")
     print("✓ race_speedups gives the race's verdict")
 
 
@@ -170,10 +175,7 @@ def check_amdahl_bound(fn) -> None:
     if call_answer(fn, {"a": 1.0}, {"a": math.inf})[1] != math.inf:
         raise ExerciseError("a step whose every part is free has an infinite speed-up (math.inf)")
     for bad in ({"c": 2.0}, {"a": 0.0}, {"a": -1.0}):
-        try:
-            call_answer(fn, {"a": 1.0, "b": 1.0}, bad)
-        except ValueError:
-            continue
-        raise ExerciseError(f"speedups={bad} must raise ValueError: a part the profile does not "
-                            "have, or a speed-up that is not positive, is a mistake to report")
+        _require_value_error(fn, ({"a": 1.0, "b": 1.0}, bad), f"speedups={bad} must raise ValueError: a "
+                             "part the profile does not have, or a speed-up that is not positive, is a "
+                             "mistake to report")
     print("✓ amdahl_bound is correct")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.patches import FancyBboxPatch
 
 
 def ax_or_new(ax=None, figsize=(6, 3.5)):
@@ -14,6 +15,14 @@ def ax_or_new(ax=None, figsize=(6, 3.5)):
     if ax is None:
         _, ax = plt.subplots(figsize=figsize)
     return ax
+
+
+def box(ax, x: float, y: float, w: float, h: float, text: str, color: str, fontsize: float = 8,
+        style: str = "round,pad=0.02") -> None:
+    """A labelled box of a schematic, its lower-left corner at ``(x, y)``."""
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=style, facecolor=color, edgecolor="0.3",
+                                linewidth=0.8))
+    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
 
 
 def plot_tokens_per_expert(counts: Sequence[float], capacity: float | None = None, ax=None,
@@ -50,9 +59,7 @@ def plot_curves(curves: dict[str, tuple[Sequence[float], Sequence[float]]], ax=N
     ax = ax_or_new(ax)
     for name, (x, y) in curves.items():
         ax.plot(x, y, label=name)
-    ax.set(xlabel=xlabel, ylabel=ylabel)
-    if title:
-        ax.set_title(title)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax
@@ -67,8 +74,6 @@ def plot_bars(values: dict[str, float], ax=None, ylabel: str = "", title: str = 
     for b, v in zip(bars, vals, strict=True):
         ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()),
                     ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title)
+    ax.set(ylabel=ylabel, title=title)
     ax.tick_params(axis="x", rotation=20)
     return ax

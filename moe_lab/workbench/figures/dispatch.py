@@ -1,9 +1,9 @@
-"""Figures of the dispatch notebooks (02 capacity, 03 dropless): padded expert buffers,
+"""Figures of the dispatch notebooks (02 capacity, 04 dropless): padded expert buffers,
 where drops fall, the expert-sorted permutation and the grouped GEMM's tile schedule.
 
 Each plotting function draws on an Axes (created if not given) and returns it, like
 `moe_lab.workbench.figures.charts`. `tile_schedule` is a plain-PyTorch mirror of the schedule the Triton
-grouped GEMM computes in each program (``moe_lab.kernels.grouped_gemm._tile_schedule``),
+grouped GEMM computes in each program (``moe_lab.kernels.common.tile_schedule``),
 so the figure can be drawn without running the kernel.
 """
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from matplotlib.patches import Rectangle
 
+from moe_lab.moe.experts import sort_by_expert
 from moe_lab.workbench.figures.charts import ax_or_new
 
 _CMAP = plt.get_cmap("tab20")
@@ -26,7 +27,7 @@ def expert_color(e: int):
     return _CMAP(int(e) % 20)
 
 
-def plot_capacity_buffer(counts: Sequence[int], capacity: int, ax=None, title: str = ""):
+def plot_capacity_buffer(counts: Sequence[int], capacity: int, ax=None):
     """The padded ``[n_experts, capacity]`` buffer, one row per expert: slots holding a
     token (blue), empty slots that are computed anyway (grey, the padding waste) and the
     assignments past the capacity line that are dropped (red)."""
@@ -48,18 +49,18 @@ def plot_capacity_buffer(counts: Sequence[int], capacity: int, ax=None, title: s
     ax.set_yticks(range(n), [f"expert {e}" for e in range(n)], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("slot")
-    ax.set_title(title or f"[E={n}, C={capacity}] buffer: {int(used.sum())} tokens, "
+    ax.set_title(f"[E={n}, C={capacity}] buffer: {int(used.sum())} tokens, "
                  f"{int((capacity - used).sum())} empty slots, "
                  f"{int(np.maximum(counts - capacity, 0).sum())} dropped", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     return ax
 
 
-def plot_drops_by_position(dropped: dict[str, torch.Tensor], n_bins: int = 16, ax=None,
-                           title: str = "where the dropped assignments are"):
-    """``dropped``: policy name -> ``[T, k]`` bool (True = dropped). Share of each bin of
-    consecutive tokens whose assignments were dropped, one line per policy."""
+def plot_drops_by_position(dropped: dict[str, torch.Tensor], title: str, ax=None):
+    """``dropped``: policy name -> ``[T, k]`` bool (True = dropped). Share of each of 16 bins
+    of consecutive tokens whose assignments were dropped, one line per policy."""
     ax = ax_or_new(ax, (7, 3.5))
+    n_bins = 16
     for name, mask in dropped.items():
         per_token = mask.float().mean(dim=1)  # share of this token's k assignments dropped
         bins = per_token.tensor_split(n_bins)
@@ -79,9 +80,8 @@ def plot_permutation(topk_ids: torch.Tensor, n_experts: int, ax=None):
     the offsets marked where each expert's segment begins."""
     tokens, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(0, flat, torch.ones_like(flat))
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    order, offsets = sort_by_expert(topk_ids, n_experts)  # the lesson's own permutation
+    counts = offsets.diff()
     n = flat.numel()
     ax = ax_or_new(ax, (max(6.0, 0.32 * n), 3.0))
     destination = torch.empty_like(order).scatter_(0, order, torch.arange(n))
@@ -105,8 +105,7 @@ def plot_permutation(topk_ids: torch.Tensor, n_experts: int, ax=None):
     ax.set_xticks([int(o) for o in offsets], [f"{int(o)}" for o in offsets], fontsize=7)
     ax.set_yticks([])
     ax.set_xlabel("offsets (row where each expert's segment starts); numbers in cells: token")
-    for side in ("top", "right", "left"):
-        ax.spines[side].set_visible(False)
+    ax.spines[["top", "right", "left"]].set_visible(False)
     return ax
 
 
@@ -119,7 +118,7 @@ def tile_schedule(offsets: torch.Tensor, block_m: int, m_rows: int) -> list[tupl
     rows ``offsets[E]:m_rows`` as segment ``E``), takes their running sum and finds the
     segment its number falls in; a segment number above ``E`` means "no work, exit" (the
     kernel counts lanes of a power-of-two block there, so its number may be larger than
-    ``E + 1``; only "above ``E``" matters). This mirrors the kernel's ``_tile_schedule``,
+    ``E + 1``; only "above ``E``" matters). This mirrors the kernel's ``tile_schedule``,
     one program at a time; such a program's rows are reported as ``(-1, -1)``.
     """
     n_experts = offsets.numel() - 1
@@ -179,8 +178,7 @@ def plot_tile_schedule(offsets: torch.Tensor, block_m: int, m_rows: int, ax=None
     ax.set_title(f"BLOCK_M = {block_m}: grid of cdiv({m_rows}, {block_m}) + {n_experts} = "
                  f"{len(schedule)} programs: {live} multiply, {pad} zero the padding, "
                  f"{len(schedule) - live - pad} exit at once", fontsize=9)
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
+    ax.spines[["top", "right", "left", "bottom"]].set_visible(False)
     return ax
 
 

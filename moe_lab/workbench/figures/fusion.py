@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 from moe_lab.perf import fusion
-from moe_lab.workbench.figures.charts import ax_or_new
+from moe_lab.workbench.figures.charts import ax_or_new, box
 
 # (label, kind) per lane: kind "k" a kernel launch, "m" a tensor in memory (HBM). Each lane is the
 # forward of one `moe_lab.perf.fusion` variant, one "k" box per launch that variant counts, in
@@ -42,19 +42,13 @@ def lane_counts(variant: str) -> tuple[int, int]:
     return sum(kind == "k" for _, kind in lane), sum(kind == "m" for _, kind in lane[1:-1])
 
 
-def _lane_title(variant: str) -> str:
-    kernels, between = lane_counts(variant)
-    return f"{_LANE_NAMES[variant]}: {kernels} launches, {between} tensors between them"
-
-
 def dataflow_note() -> str:
     """What the launch counts of `plot_dataflow` mean, from the lanes it draws."""
     unfused, _ = lane_counts("swiglu_epilogue")
     fused, _ = lane_counts("scatter_epilogue")
-    more = fused - unfused
-    change = (f"{more} launch{'es' if abs(more) != 1 else ''} more" if more > 0 else
-              f"{-more} launch{'es' if abs(more) != 1 else ''} fewer" if more < 0 else "as many launches")
-    return (f"Forward launches only. The fused path has {change} ({unfused} → {fused}): the permute and "
+    more = fused - unfused  # the lanes are fixed: the fused one has more launches
+    return (f"Forward launches only. The fused path has {more} launch{'es' * (more != 1)} more "
+            f"({unfused} → {fused}): the permute and "
             "the combine are gone into the GEMMs, but the gather needs its row source (two small launches "
             "over Tk integers) and the token-major scatter a sum over top-k.\nWhat fusion removes is bytes, "
             "not launches: the permuted copy of x [Tk, d] becomes an index of Tk integers, and y is "
@@ -62,11 +56,11 @@ def dataflow_note() -> str:
 
 
 def _box(ax, x: float, y: float, label: str, kind: str) -> None:
+    """A kernel (square) or a tensor (rounded) box centred on ``(x, y)``."""
     color = "#cfe2f3" if kind == "k" else "#fff2cc"
     style = f"square,pad={_PAD}" if kind == "k" else f"round,pad={_PAD}"
-    ax.add_patch(FancyBboxPatch((x - _BOX_W / 2, y - _BOX_H / 2), _BOX_W, _BOX_H, boxstyle=style, fc=color,
-                                ec="0.3", lw=0.8))
-    ax.text(x, y, label.replace(": ", ":\n").replace(" ▸ ", " ▸\n"), ha="center", va="center", fontsize=6.8)
+    text = label.replace(": ", ":\n").replace(" ▸ ", " ▸\n")
+    box(ax, x - _BOX_W / 2, y - _BOX_H / 2, _BOX_W, _BOX_H, text, color, 6.8, style)
 
 
 def _arrow(ax, start: tuple[float, float], end: tuple[float, float]) -> None:
@@ -85,7 +79,9 @@ def plot_dataflow(ax=None):
     for y, variant in ((2.0, "swiglu_epilogue"), (0.75, "scatter_epilogue")):
         lane = LANES[variant]
         xs = [0.7 + i * _SLOT for i in range(len(lane))]
-        ax.text(0.1, y + 0.36, _lane_title(variant), fontsize=9, weight="bold")
+        kernels, between = lane_counts(variant)
+        ax.text(0.1, y + 0.36, f"{_LANE_NAMES[variant]}: {kernels} launches, {between} tensors between them",
+                fontsize=9, weight="bold")
         for i, (label, kind) in enumerate(lane):
             _box(ax, xs[i], y, label, kind)
             if i:
@@ -107,13 +103,10 @@ def plot_dataflow(ax=None):
     return ax
 
 
-def plot_bytes(table: list[dict], preset: str, ax=None, variants: tuple[str, ...] = fusion.VARIANTS):
-    """Stacked bars of one preset's bytes per MoE layer (activations, weights), one bar per
-    variant, the launches written on top: forward + backward for `fusion.VARIANTS` (the
-    default), forward only for `fusion.MX_VARIANTS` (one or the other, never a mix); the axis
-    says which."""
-    forward_only = variants[0] in fusion.MX_VARIANTS
-    rows = [r for r in table if r["preset"] == preset and r["variant"] in variants]
+def plot_bytes(table: list[dict], preset: str, ax=None):
+    """Stacked bars of one preset's bytes per MoE layer (activations, weights, forward +
+    backward), one bar per variant of `fusion.VARIANTS`, the launches written on top."""
+    rows = [r for r in table if r["preset"] == preset and r["variant"] in fusion.VARIANTS]
     ax = ax_or_new(ax, (7, 3.6))
     x = np.arange(len(rows))
     act = np.array([r["activation_bytes"] for r in rows]) / 1e9
@@ -123,7 +116,7 @@ def plot_bytes(table: list[dict], preset: str, ax=None, variants: tuple[str, ...
     for i, r in enumerate(rows):
         ax.text(i, act[i] + wts[i], f"{r['launches']} launches", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, [r["label"] for r in rows], rotation=25, ha="right", fontsize=7.5)
-    ax.set_ylabel(f"GB per layer ({'fwd only' if forward_only else 'fwd + bwd'}), counted")
+    ax.set_ylabel("GB per layer (fwd + bwd), counted")
     ax.set_title(f"{preset}: {rows[0]['tokens']} tokens/GPU, {rows[0]['local_experts']} local experts "
                  f"(EP{rows[0]['ep']})", fontsize=9)
     ax.legend(fontsize=8)

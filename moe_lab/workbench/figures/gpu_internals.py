@@ -29,19 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from moe_lab.perf import hardware
 from moe_lab.perf.traffic import grouped_order
-from moe_lab.workbench.figures.charts import ax_or_new
+from moe_lab.workbench.figures.charts import ax_or_new, box
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-
-
-def _box(ax: Axes, x: float, y: float, w: float, h: float, text: str, color: str,
-         fontsize: float = 8) -> None:
-    from matplotlib.patches import FancyBboxPatch
-
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", facecolor=color,
-                                edgecolor="0.3", linewidth=0.8))
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
 
 
 def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float], text: str = "") -> None:
@@ -81,11 +72,11 @@ def plot_tensor_core_paths(ax: Axes | None = None) -> Axes:
                 fontsize=8, style="italic")
         ys = [-i * gap for i in range(len(path))]
         for place, y in zip(path, ys, strict=True):
-            _box(ax, x, y - h, w, h, place, _PLACE_COLOR[place])
+            box(ax, x, y - h, w, h, place, _PLACE_COLOR[place])
         for y0, y1 in zip(ys, ys[1:], strict=False):
             _arrow(ax, (x + w / 2, y0 - h), (x + w / 2, y1))
         y_tc = ys[-1] - h / 2
-        _box(ax, x + w + 0.35, y_tc - h / 2, 1.05, h, f"acc. in\n{acc}", _PLACE_COLOR[acc], 7)
+        box(ax, x + w + 0.35, y_tc - h / 2, 1.05, h, f"acc. in\n{acc}", _PLACE_COLOR[acc], 7)
         _arrow(ax, (x + w, y_tc), (x + w + 0.35, y_tc))
     ax.set(xlim=(-0.3, 3 * 3.2 - 0.2), ylim=(-3 * gap - h - 0.15, 1.5))
     ax.axis("off")
@@ -118,12 +109,12 @@ def plot_tma_vs_cp_async(tile: int = 8, threads: int = 16, ax: Axes | None = Non
     ax.text(1.3, -0.15, "then: commit_group, wait_group N, barrier", ha="center", va="top",
             fontsize=8, style="italic")
     x0 = 4.1
-    _box(ax, x0, 2.0, 1.6, 0.55, "1 thread:\ndescriptor + (row, col)", "#fdebd0", 7.5)
-    _box(ax, x0 + 2.3, 2.0, 1.3, 0.55, "TMA unit\n(copy engine)", "#d5f5e3", 7.5)
+    box(ax, x0, 2.0, 1.6, 0.55, "1 thread:\ndescriptor + (row, col)", "#fdebd0", 7.5)
+    box(ax, x0 + 2.3, 2.0, 1.3, 0.55, "TMA unit\n(copy engine)", "#d5f5e3", 7.5)
     ax.add_patch(Rectangle((x0 + 4.2, 0.9), 2.0, 1.65, facecolor=cmap(0), edgecolor="0.3"))
     ax.text(x0 + 5.2, 1.72, "tile in\nshared memory", ha="center", va="center", fontsize=8)
-    _box(ax, x0 + 2.3, 0.35, 1.3, 0.55, "mbarrier:\nexpects N bytes", "#e8daef", 7.5)
-    _box(ax, x0, 0.35, 1.6, 0.55, "warps: wait(phase),\nthen MMA", "#d6eaf8", 7.5)
+    box(ax, x0 + 2.3, 0.35, 1.3, 0.55, "mbarrier:\nexpects N bytes", "#e8daef", 7.5)
+    box(ax, x0, 0.35, 1.6, 0.55, "warps: wait(phase),\nthen MMA", "#d6eaf8", 7.5)
     _arrow(ax, (x0 + 1.6, 2.27), (x0 + 2.3, 2.27))
     _arrow(ax, (x0 + 3.6, 2.27), (x0 + 4.2, 2.0))
     _arrow(ax, (x0 + 4.2, 1.05), (x0 + 3.6, 0.7))
@@ -203,8 +194,7 @@ def tiles_in_flight(t_m: int, t_n: int, group_m: int, in_flight: int) -> dict[st
     return {"tiles": tiles, "a_tiles": a, "b_tiles": b, "operands": a + b}
 
 
-def plot_tile_order(t_m: int, t_n: int, group_m: int, in_flight: int, ax: Axes | None = None,
-                    title: str | None = None) -> Axes:
+def plot_tile_order(t_m: int, t_n: int, group_m: int, in_flight: int, ax: Axes | None = None) -> Axes:
     """The ``t_m × t_n`` output tiles, each labelled with the program that computes it in
     grouped order (``group_m >= t_m``: row fastest); the first ``in_flight`` are filled, and
     the title counts the operand tiles they read (`tiles_in_flight`)."""
@@ -223,7 +213,7 @@ def plot_tile_order(t_m: int, t_n: int, group_m: int, in_flight: int, ax: Axes |
     ax.set_xticks([])
     ax.set_yticks([])
     ax.set(xlabel="N tiles (columns of w)", ylabel="row tiles (rows of x)")
-    head = title or ("row fastest" if group_m >= t_m else f"grouped, GROUP_M={group_m}")
+    head = "row fastest" if group_m >= t_m else f"grouped, GROUP_M={group_m}"
     plural = lambda n, what: f"{n} {what}" + ("s" if n != 1 else "")  # noqa: E731
     ax.set_title(f"{head}: first {len(first)} programs read\n{plural(seen['a_tiles'], 'row tile')} + "
                  f"{plural(seen['b_tiles'], 'weight tile')} = {seen['operands']}", fontsize=9)

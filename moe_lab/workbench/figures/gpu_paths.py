@@ -1,7 +1,7 @@
 """Which GPU runs what: the README's table, generated from the architecture table
 (`moe_lab.perf.hardware.ARCHS`) and the kernels' own choices, never typed.
 
-``python -m moe_lab.workbench.figures.gpu_paths`` prints it; tests/project/test_readme.py
+``python -m moe_lab.workbench.figures.gpu_paths`` prints it; tests/project/test_readme_gpus.py
 checks that the README holds exactly this table.
 """
 

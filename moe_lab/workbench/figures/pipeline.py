@@ -33,11 +33,11 @@ def plot_gantt(
     Returns the matplotlib axes.
     """
     # matplotlib loads only to draw: the simulators (and the ``sim`` command) run on numpy.
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.45 * result.n_ranks + 1.2))
+    from moe_lab.workbench.figures.charts import ax_or_new
+
+    ax = ax_or_new(ax, (10, 0.45 * result.n_ranks + 1.2))
     for kind, colour in _OP_COLOURS.items():
         for c in range(result.n_chunks):
             sel = (result.kind == kind) & (result.chunk == c)

@@ -83,33 +83,25 @@ def profile_timeline(prof: Any) -> TimelineRows:
     threads of its own), then ``"device"`` (GPU kernels, only if the recording has any).
     Times are in µs from the first event.
     """
-    events = list(prof.events()) if hasattr(prof, "events") else list(prof)
-    t0 = min(e.time_range.start for e in events)
+    # In time order once, so every row below comes out in time order too.
+    events = sorted(prof.events() if hasattr(prof, "events") else prof, key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start
 
     def span(e: Any, sync: bool = False) -> Span:
         return Span(e.name, e.time_range.start - t0, e.time_range.end - t0, sync)
 
     cpu = [e for e in events if str(e.device_type).endswith("CPU")]
-    device = [e for e in events if not str(e.device_type).endswith("CPU")]
+    device = [span(e) for e in events if not str(e.device_type).endswith("CPU")]
     named = [span(e) for e in cpu if getattr(e, "is_user_annotation", False)
              and not any(getattr(p, "is_user_annotation", False) for p in _parents(e))]
+    rows = {"spans": named}
     threads = sorted({e.thread for e in cpu})
-    host: dict[str, list[Span]] = {}
     for thread in threads:
         label = "host" if len(threads) == 1 else f"host, thread {thread}"
-        host[label] = [span(e, _is_sync(e)) for e in cpu
-                       if e.thread == thread and _top_level_op(e)]
-    rows: dict[str, list[Span]] = {}
-    if named:
-        rows["spans"] = sorted(named, key=lambda s: s.start_us)
-    for label, spans in host.items():
-        if spans:
-            rows[label] = sorted(spans, key=lambda s: s.start_us)
-    if device:
-        rows["device"] = sorted((span(e) for e in device), key=lambda s: s.start_us)
-    syncs = sorted((s for spans in host.values() for s in spans if s.sync),
-                   key=lambda s: s.start_us)
-    return TimelineRows(rows, syncs)
+        rows[label] = [span(e, _is_sync(e)) for e in cpu if e.thread == thread and _top_level_op(e)]
+    rows["device"] = device
+    syncs = sorted((s for spans in rows.values() for s in spans if s.sync), key=lambda s: s.start_us)
+    return TimelineRows({label: spans for label, spans in rows.items() if spans}, syncs)
 
 
 def _parents(event: Any) -> Iterable[Any]:
@@ -119,14 +111,12 @@ def _parents(event: Any) -> Iterable[Any]:
         parent = parent.cpu_parent
 
 
-def plot_profile_timeline(prof: Any, ax: Axes | None = None, title: str | None = None,
+def plot_profile_timeline(timeline: TimelineRows, ax: Axes | None = None, title: str | None = None,
                           window_us: tuple[float, float] | None = None) -> Axes:
-    """Draw `profile_timeline(prof)`: one row of bars per row, host syncs in red with a red
-    line through every row, the named spans labelled. ``prof`` is a finished
-    ``torch.profiler.profile`` (or a `TimelineRows`). ``window_us``, a ``(start, end)`` in µs
+    """Draw a `profile_timeline`: one row of bars per row, host syncs in red with a red
+    line through every row, the named spans labelled. ``window_us``, a ``(start, end)`` in µs
     from the start of the recording, limits the time axis (operators far shorter than the
     whole step are too thin to see at its scale). Returns the Axes."""
-    timeline = prof if isinstance(prof, TimelineRows) else profile_timeline(prof)
     labels = list(timeline.rows)
     ax = ax_or_new(ax, (12, 0.8 + 0.7 * len(labels)))
     window = (0.0, timeline.end_us) if window_us is None else (float(window_us[0]), float(window_us[1]))

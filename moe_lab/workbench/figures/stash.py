@@ -7,28 +7,26 @@ import math
 import torch
 import torch.nn.functional as F
 
-from moe_lab.moe.stash import pages_per_expert
+from moe_lab.moe.stash import page_table, pages_per_expert
 from moe_lab.workbench.figures.charts import ax_or_new
 
 
-def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None,
-                  title: str | None = None, per_row: int = 16):
+def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None):
     """Draw the pool a step fills: one cell per page, coloured and labelled by its expert,
     filled as far as the page is full; the trash page is hatched and pages past the end of
-    the pool (an overflow) are outlined in red. ``counts``: rows per expert."""
+    the pool (an overflow) are outlined in red, 16 pages a row. ``counts``: rows per expert."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    counts = torch.as_tensor(counts, dtype=torch.int64)
-    pages = pages_per_expert(F.pad(counts.cumsum(0), (1, 0)), page_rows)
+    offsets = F.pad(torch.as_tensor(counts, dtype=torch.int64).cumsum(0), (1, 0))
+    pages = pages_per_expert(offsets, page_rows)
     used = int(pages.sum())
     n_pages = used if n_pages is None else n_pages
-    page_expert = torch.repeat_interleave(torch.arange(len(counts)), pages).tolist()
-    page_fill = []
-    for c in counts.tolist():
-        full, rest = divmod(c, page_rows)
-        page_fill += [1.0] * full + ([rest / page_rows] if rest else [])
+    page_expert = torch.repeat_interleave(torch.arange(len(pages)), pages).tolist()
+    page_of_row, _, _ = page_table(offsets, page_rows, int(offsets[-1]))  # the lesson's own page table
+    page_fill = [rows / page_rows for rows in torch.bincount(page_of_row, minlength=used).tolist()]
     cells = max(n_pages, used) + 1  # + the trash page
+    per_row = 16
     n_rows = math.ceil(cells / per_row)
     ax = ax_or_new(ax, (0.55 * per_row, 0.7 + 0.6 * n_rows))
     cmap = plt.get_cmap("tab10")
@@ -51,6 +49,5 @@ def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None,
     ax.set_aspect("equal")
     ax.axis("off")
     status = f"{used} of {n_pages} pages used" + (" — OVERFLOW" if used > n_pages else "")
-    ax.set_title(title or f"page pool, {page_rows} rows per page: {status} (hatched: trash page)",
-                 fontsize=10)
+    ax.set_title(f"page pool, {page_rows} rows per page: {status} (hatched: trash page)", fontsize=10)
     return ax

@@ -14,15 +14,13 @@ if TYPE_CHECKING:
 
 
 def plot_launch_timeline(n_kernels: int = 10, launch_us: float = 5.0, kernel_us: float = 2.0,
-                         graph_launch_us: float = 8.0, axes: Sequence[Axes] | None = None,
-                         ) -> Sequence[Axes]:
+                         graph_launch_us: float = 8.0) -> Sequence[Axes]:
     """A schematic (not a measurement) of one step's host launches and device kernels,
     eager and graphed: when each kernel takes less time than a launch, the device idles
     between kernels in eager mode; a graph launches them all at once."""
     import matplotlib.pyplot as plt
 
-    if axes is None:
-        _, axes = plt.subplots(2, 1, figsize=(9, 3.4), sharex=True)
+    _, axes = plt.subplots(2, 1, figsize=(9, 3.4), sharex=True)
     eager_end = n_kernels * launch_us + kernel_us
     graph_end = graph_launch_us + n_kernels * kernel_us
     for ax, title in zip(axes, ("eager: the host launches every kernel",

@@ -96,14 +96,10 @@ class Waterfall:
         base = self.rungs[0].value
         prev = base
         for r in self.rungs:
-            lines.append(f"| {r.label} | {_fmt(r.value)} | {r.value / prev:.2f} | "
+            lines.append(f"| {r.label} | {format_value(r.value)} | {r.value / prev:.2f} | "
                          f"{r.value / base:.2f} |")
             prev = r.value
         return "\n".join(lines) + "\n"
-
-
-def _fmt(value: float) -> str:
-    return format_value(float(value))
 
 
 # --------------------------------------------------------------------------------------
@@ -111,25 +107,11 @@ def _fmt(value: float) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def _kind(record: dict) -> str:
-    kind = str(record.get("kind", "measured"))
-    if kind in ("projection", "projected"):
-        return "projection"
-    if kind == "reported":
-        return "reported"
-    return "measured"
-
-
 def _noisy(recs: Sequence[dict]) -> bool:
     """Whether a rung of this measurement spread more than `MAX_REL_IQR` of its median
     (records carrying ``iqr_ms`` and ``median_ms``, as `moe_lab.workbench.benchmarks.ttt.record_ladder`
     writes them): a machine busy with other work, not a property of the code."""
-    for rec in recs:
-        iqr, median = rec.get("iqr_ms"), rec.get("median_ms")
-        if isinstance(iqr, (int, float)) and isinstance(median, (int, float)) and median > 0:
-            if iqr / median > MAX_REL_IQR:
-                return True
-    return False
+    return any(rec["iqr_ms"] > MAX_REL_IQR * rec["median_ms"] for rec in recs)
 
 
 def waterfalls_from_ledger(records: Iterable[dict], *,
@@ -138,7 +120,8 @@ def waterfalls_from_ledger(records: Iterable[dict], *,
     ladder, hardware), one `Waterfall` each, ordered by notebook, ladder and hardware.
 
     A ladder record carries ``rung`` (int), ``ladder`` (str) and ``run`` (one id per
-    measurement); records without them are not ladders and are skipped. ``notebook``, the
+    measurement; `moe_lab.workbench.benchmarks.ttt.record_ladder` writes them, so every rung
+    is a measurement); records without them are not ladders and are skipped. ``notebook``, the
     notebooks' names, filters. A measurement in which some rung's inter-quartile range
     exceeds `MAX_REL_IQR` of its median is passed over for the newest steadier one; when
     every measurement is that noisy, the newest is drawn with "NOISY" in its title.
@@ -165,8 +148,8 @@ def waterfalls_from_ledger(records: Iterable[dict], *,
             continue
         nb, name, hw = key
         rungs = tuple(
-            Rung(label=_rung_label(rec), value=float(rec["value"]), unit=str(rec.get("unit", "")),
-                 hardware=hw, kind=_kind(rec), time=str(rec.get("time", ""))[:10])
+            Rung(label=str(rec.get("step", "")).removeprefix("ladder:"), value=float(rec["value"]),
+                 unit=str(rec.get("unit", "")), hardware=hw, time=str(rec.get("time", ""))[:10])
             for _, rec in sorted(by_rung.items()))
         date = max(r.time for r in rungs)
         title = f"{nb}: {name}" if name else nb
@@ -175,11 +158,6 @@ def waterfalls_from_ledger(records: Iterable[dict], *,
             title += f" — NOISY: a rung's IQR > {MAX_REL_IQR:.0%} of its median"
         out.append(Waterfall(title=title, rungs=rungs))
     return out
-
-
-def _rung_label(record: dict) -> str:
-    step = str(record.get("step", ""))
-    return step.split(":", 1)[1] if step.startswith("ladder:") else step
 
 
 def reported_waterfall() -> Waterfall:
@@ -214,12 +192,12 @@ def plot_waterfall(wf: Waterfall, ax=None):
     ax = ax_or_new(ax, (1.3 * (len(wf.rungs) + 2), 3.8))
     first, last = wf.rungs[0], wf.rungs[-1]
     # (label, bottom, height, colour, note) of each bar: the baseline, one per optimisation, the total
-    bars = [(first.label, 0.0, first.value, _BASE, _fmt(first.value))]
+    bars = [(first.label, 0.0, first.value, _BASE, format_value(first.value))]
     for step, rung in zip(wf.steps(), wf.rungs[1:]):
         low, high = sorted((step["before"], step["after"]))
         bars.append((rung.label, low, max(high - low, 1e-12), _UP if step["ratio"] >= 1 else _DOWN,
                      f"×{step['ratio']:.2f}"))
-    bars.append(("total", 0.0, last.value, _TOTAL, f"{_fmt(last.value)}\n×{wf.total:.2f}"))
+    bars.append(("total", 0.0, last.value, _TOTAL, f"{format_value(last.value)}\n×{wf.total:.2f}"))
     for x, (_, bottom, height, color, _) in enumerate(bars):
         ax.bar(x, height, bottom=bottom, width=0.7, **_style(wf.kind, color))
     for x, rung in enumerate(wf.rungs[:-1]):  # connectors from the top of one rung to the next

@@ -14,7 +14,10 @@ import torch
 from moe_lab.model import ModelImpls
 from moe_lab.training.build import autocast_forward
 from moe_lab.workbench.benchmarks import ttt
-from moe_lab.workbench.benchmarks.ttt import NAIVE, Stack, TTTConfig, TTTRun, racing
+from moe_lab.workbench.benchmarks.ttt import NAIVE, racing
+from moe_lab.workbench.benchmarks.ttt.cli import config_from_args
+from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig, TTTRun
+from moe_lab.workbench.benchmarks.ttt.stacks import Stack, cpu_plugin_status
 from moe_lab.workbench.training.loop import Trainer
 
 # A contest that runs in a fraction of a second: tiny preset, two sequences per step.
@@ -46,21 +49,22 @@ def test_stack_validates_its_choices():
     with pytest.raises(ValueError, match="dispatcher 'naive' syncs the host"):
         Stack("x", step="sync_free")  # the default dispatcher is the naive one
     assert "naive dispatch" in NAIVE.describe() and "FP64" in NAIVE.describe()
-    assert not NAIVE.sync_free and Stack("x", impls=DROPLESS, step="graphed").graphed
+    assert "eager step" in NAIVE.describe()
+    assert "CUDA graph" in Stack("x", impls=DROPLESS, step="graphed").describe()
 
 
 def test_optimised_stack_on_a_cpu():
     from moe_lab.perf.capabilities import native_bf16_cpu
 
     best = ttt.optimised_stack("cpu")
-    kernels = ttt.cpu_plugin_status() is None  # the CPU plug-in's C++ kernels built here
+    kernels = cpu_plugin_status() is None  # the CPU plug-in's C++ kernels built here
     impls = best.impls
     grouped = "openmp" if kernels else "torch"
     assert (impls.dispatcher, impls.expert_backend, best.router_dtype) == ("dropless", grouped, "fp32")
     assert impls.router_impl == ("cpu_topk" if kernels else "reference")
     assert best.clip_step == ("cpu_one_call" if kernels else "torch")
     assert impls.embedding_impl == "opaque_grad"  # registered even without a compiler
-    assert best.step == "sync_free" and best.compile and not best.graphed and best.mxfp8 == ()
+    assert best.step == "sync_free" and best.compile and best.mxfp8 == ()
     assert best.compiled_eval and "confirmed in FP32" in best.describe()
     assert best.compile == "cpp_wrapper" and "C++ wrapper" in best.describe()
     assert any("emulated" in note for note in best.notes)  # MXFP8 left off, and why
@@ -119,7 +123,7 @@ def test_ladder_adds_one_technique_per_rung(compile_, amp):
 
     def techniques(stack):
         return {"dispatcher": stack.impls.dispatcher, "router_dtype": stack.router_dtype,
-                "sync_free": stack.sync_free, "compile": stack.compile, "amp": stack.amp,
+                "sync_free": stack.step != "eager", "compile": stack.compile, "amp": stack.amp,
                 **({"attention": stack.impls.attention_impl} if fused else {})}
 
     for before, after in zip(stacks, stacks[1:]):
@@ -206,14 +210,15 @@ def test_both_stacks_train_the_same_model_on_the_same_data(amp, rel):
 
 
 def test_the_clock():
-    reached = ttt.time_to_train(NAIVE, MICRO)  # target 5.5 (ln 256 = 5.55): the first evaluation reaches it
+    # target 5.5 (ln 256 = 5.55): the first evaluation reaches it
+    reached = racing.time_to_train(NAIVE, MICRO)
     assert reached.reached and reached.steps == 3
     assert reached.time_to_target_s == reached.curve[-1]["time_s"]
     assert reached.time_to_target_s <= reached.elapsed_s
     assert reached.train_s + reached.eval_s == pytest.approx(reached.elapsed_s)
     assert reached.tokens_per_s == pytest.approx(3 * MICRO.tokens_per_step / reached.train_s)
     assert len(reached.train_curve) == 3 and "loss" in reached.train_curve[0]
-    missed = ttt.time_to_train(NAIVE, replace(MICRO, target_loss=0.01))
+    missed = racing.time_to_train(NAIVE, replace(MICRO, target_loss=0.01))
     assert not missed.reached and missed.time_to_target_s is None and missed.steps == 6
     times = [p["time_s"] for p in missed.curve]
     assert times == sorted(times) and missed.final_eval_loss == missed.curve[-1]["eval_loss"]
@@ -223,7 +228,7 @@ def test_text_file_corpus(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
     cfg = replace(MICRO, corpus=str(text))
-    run = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False), cfg)
+    run = racing.time_to_train(ttt.optimised_stack("cpu", compile=False), cfg)
     assert run.curve and math.isfinite(run.final_eval_loss)
 
 
@@ -285,8 +290,8 @@ def test_compare_alternates_the_order(monkeypatch):
 def test_the_race_gives_each_stack_its_own_clock():
     cfg = replace(MICRO, target_loss=0.01)
     best = ttt.optimised_stack("cpu", compile=False)
-    raced = ttt.race([NAIVE, best], cfg)
-    alone = ttt.time_to_train(NAIVE, cfg)
+    raced = racing.race([NAIVE, best], cfg)
+    alone = racing.time_to_train(NAIVE, cfg)
     assert [r.stack for r in raced] == ["naive", "optimised"]
     for run in raced:
         assert run.steps == 6 and [p["step"] for p in run.curve] == [3, 6]
@@ -294,14 +299,14 @@ def test_the_race_gives_each_stack_its_own_clock():
     # racing changes the clocks, not the training: the same losses as a run alone
     assert [p["eval_loss"] for p in raced[0].curve] == [p["eval_loss"] for p in alone.curve]
     with pytest.raises(ValueError, match="CPU"):
-        ttt.race([NAIVE, best], cfg, device="meta")
+        racing.race([NAIVE, best], cfg, device="meta")
 
 
 def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monkeypatch):
     best = ttt.optimised_stack("cpu", amp="bf16")
     assert best.compiled_eval
     # reached: the compiled (BF16) evaluation and the FP32 confirmation agree
-    run = ttt.time_to_train(best, MICRO)
+    run = racing.time_to_train(best, MICRO)
     assert run.reached and run.steps == 3
     (point,) = run.curve
     assert point["eval_loss"] <= MICRO.target_loss
@@ -310,7 +315,7 @@ def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monke
     plain = Trainer.evaluate
     monkeypatch.setattr(Trainer, "evaluate", lambda self, compiled=True: (
         {"all": 0.0} if compiled and self.eval_forward is not None else plain(self, compiled)))
-    run = ttt.time_to_train(best, replace(MICRO, target_loss=0.01))
+    run = racing.time_to_train(best, replace(MICRO, target_loss=0.01))
     assert not run.reached and run.steps == MICRO.steps
     assert [p["compiled_eval_loss"] for p in run.curve] == [0.0, 0.0]
     assert all(p["eval_loss"] > 0.01 for p in run.curve)
@@ -382,14 +387,14 @@ def _args(*argv):
 
 def test_cli_arguments(tmp_path):
     args = _args("--profile", "full", "--seeds", "3", "--target", "1.25")
-    cfg = ttt.config_from_args(args)
+    cfg = config_from_args(args)
     assert (cfg.preset, cfg.target_loss, args.seeds) == ("small", 1.25, 3)
     notes = tmp_path / "notes.txt"
     notes.write_text("some text\n", encoding="utf-8")
     with pytest.raises(ValueError, match="--target"):
-        ttt.config_from_args(_args("--corpus", str(notes)))
+        config_from_args(_args("--corpus", str(notes)))
     with pytest.raises(ValueError, match=r"--corpus '.*missing.txt' is not a file"):
-        ttt.config_from_args(_args("--corpus", str(tmp_path / "missing.txt"), "--target", "1"))
+        config_from_args(_args("--corpus", str(tmp_path / "missing.txt"), "--target", "1"))
 
 
 def test_cli_run(ledger_dir):
@@ -411,7 +416,7 @@ def test_deterministic_algorithms_sets_and_restores():
 
     assert not torch.are_deterministic_algorithms_enabled()
     fill = det.fill_uninitialized_memory
-    with ttt.deterministic_algorithms():
+    with racing.deterministic_algorithms():
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
         assert det.fill_uninitialized_memory is False
@@ -426,12 +431,12 @@ def test_compiled_stack_is_bit_reproducible(mode):
     # (2 of 2 such runs differed after 5 steps on the reference machine while the embedding's
     # gradient was not one opaque op; the tiny preset's did not). With the CPU plug-in's
     # kernels the optimised stack has no such scatter left, so it reproduces as raced too.
-    if not mode and ttt.cpu_plugin_status() is not None:
+    if not mode and cpu_plugin_status() is not None:
         pytest.skip("without the CPU plug-in's kernels the combine is a scatter-add")
     cfg = replace(ttt.PROFILES["full"], target_loss=0.01, steps=5, eval_every=5)
     best = ttt.optimised_stack("cpu", amp="bf16")
-    with ttt.deterministic_algorithms() if mode else contextlib.nullcontext():
-        a, b = (ttt.time_to_train(best, cfg) for _ in range(2))
+    with racing.deterministic_algorithms() if mode else contextlib.nullcontext():
+        a, b = (racing.time_to_train(best, cfg) for _ in range(2))
     assert [p["eval_loss"] for p in a.curve] == [p["eval_loss"] for p in b.curve]
     assert [r["loss"] for r in a.train_curve] == [r["loss"] for r in b.train_curve]
 
@@ -444,8 +449,8 @@ def test_compiled_stack_trains_like_the_eager_one(amp, rel):
     # chain in fp32, and the compiled stack evaluates in BF16 (the eager one in FP32): the
     # two agree to about bf16's unit roundoff (2^-8 = 3.9e-3), not closer.
     cfg = replace(MICRO, target_loss=0.01, steps=3)
-    eager = ttt.time_to_train(ttt.optimised_stack("cpu", compile=False, amp=amp), cfg)
-    compiled = ttt.time_to_train(ttt.optimised_stack("cpu", compile=True, amp=amp), cfg)
+    eager = racing.time_to_train(ttt.optimised_stack("cpu", compile=False, amp=amp), cfg)
+    compiled = racing.time_to_train(ttt.optimised_stack("cpu", compile=True, amp=amp), cfg)
     assert compiled.init_s > 0
     assert compiled.curve[-1]["eval_loss"] == pytest.approx(eager.curve[-1]["eval_loss"], rel=rel)
 

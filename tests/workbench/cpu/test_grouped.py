@@ -5,7 +5,7 @@ import torch
 
 from moe_lab.training.sync import assert_sync_free
 from moe_lab.workbench.cpu import grouped as cpu_grouped
-from moe_lab.workbench.cpu.build import compiler
+from moe_lab.workbench.cpu.build import compiler, extension
 
 pytestmark = [pytest.mark.skipif(compiler() is None,
                                 reason="no C++ compiler: the CPU grouped GEMM cannot be built"),
@@ -224,7 +224,7 @@ BF16_COUNTS = {**COUNTS, "several row blocks": [0, 150, 64, 1, 129]}  # blocks o
 def test_expert_mlp_bf16_blocks_match_the_plain_chain(case):
     # bf16 runs each expert in blocks of 64 rows on ATen's bf16 micro-kernel; against the
     # float64 chain on the same bf16 inputs, within a few bf16 roundings
-    if not cpu_grouped.extension().bf16_gemms():
+    if not extension().bf16_gemms():
         pytest.skip("no bf16 GEMMs on this CPU: bf16 takes ATen's GEMMs (the float path)")
     counts = BF16_COUNTS[case]
     n, d, f = sum(counts), 32, 24
@@ -265,8 +265,8 @@ def test_expert_mlp_bf16_special_values_stay_in_their_own_expert():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        y, h = cpu_grouped.extension().expert_mlp(x, w1, w2, offs)
-        dx, dw1, dw2 = cpu_grouped.extension().expert_mlp_backward(x, h, w1, w2, offs, dy)
+        y, h = extension().expert_mlp(x, w1, w2, offs)
+        dx, dw1, dw2 = extension().expert_mlp_backward(x, h, w1, w2, offs, dy)
     finally:
         torch.set_num_threads(before)
     assert not torch.isfinite(dw1[0]).all()
@@ -283,8 +283,8 @@ def test_expert_mlp_bf16_results_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            y, h = cpu_grouped.extension().expert_mlp(x, w1, w2, offs)
-            outs.append((y, h, *cpu_grouped.extension().expert_mlp_backward(x, h, w1, w2, offs, dy)))
+            y, h = extension().expert_mlp(x, w1, w2, offs)
+            outs.append((y, h, *extension().expert_mlp_backward(x, h, w1, w2, offs, dy)))
     finally:
         torch.set_num_threads(before)
     for a, b in zip(*outs, strict=True):
@@ -369,7 +369,7 @@ def test_expert_mlp_bad_shapes_raise():
 def test_expert_mlp_takes_fp32_weights_with_bf16_tokens():
     # fp32 (master) weights are rounded to bf16 as they are repacked: the same bits as casting
     # them first; their gradients come back in fp32, unrounded (rounded, the bf16 path's bits)
-    if not cpu_grouped.extension().bf16_gemms():
+    if not extension().bf16_gemms():
         pytest.skip("no bf16 GEMMs on this CPU: fp32 weights are cast to bf16 first")
     offs = offsets([70, 0, 5, 64])
     g = torch.Generator().manual_seed(8)

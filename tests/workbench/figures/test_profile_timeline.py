@@ -51,7 +51,7 @@ def test_plot_draws_the_syncs_in_red(recording):
     matplotlib.use("Agg")
     from matplotlib.colors import to_rgba
 
-    ax = plot_profile_timeline(recording, title="tiny")
+    ax = plot_profile_timeline(profile_timeline(recording), title="tiny")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["spans", "host"]
     red = to_rgba("tab:red")
     host_bars = ax.collections[1]

@@ -22,9 +22,10 @@ from moe_lab.workbench.figures.waterfall import (
 
 
 def _rec(rung, value, hardware="cpu:test x2", run="a", time="2026-11-29T10:00:00", **extra):
+    """A ladder record as `moe_lab.workbench.benchmarks.ttt.record_ladder` writes it."""
     return {"notebook": "12_time_to_train", "step": f"ladder:rung {rung}", "metric": LADDER_METRIC,
             "value": value, "unit": "tok/s", "hardware": hardware, "time": time, "rung": rung,
-            "ladder": "small, batch 16", "run": run, **extra}
+            "ladder": "small, batch 16", "run": run, "iqr_ms": 1.0, "median_ms": 10.0, **extra}
 
 
 def test_steps_and_total():

@@ -109,7 +109,8 @@ def test_a_profiled_step():
 
 def test_both_stacks_of_the_contest():
     from moe_lab.workbench.benchmarks import ttt
-    from moe_lab.workbench.benchmarks.ttt import NAIVE, TTTConfig
+    from moe_lab.workbench.benchmarks.ttt import NAIVE
+    from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig
 
     cfg = TTTConfig(preset="tiny", batch_size=2, steps=6, warmup_steps=1)
     best = ttt.optimised_stack("cpu", compile=False)

@@ -24,22 +24,9 @@ This package runs the same contest on whatever machine the reader has:
   [--seeds 3] [--corpus FILE] [--json]``.
 """
 
-from moe_lab.workbench.benchmarks.ttt.cli import DESCRIPTION, add_arguments, config_from_args, run
-from moe_lab.workbench.benchmarks.ttt.contest import (
-    PROFILES,
-    TTTConfig,
-    TTTRun,
-    pick_router_impl,
-    stack_model,
-)
-from moe_lab.workbench.benchmarks.ttt.racing import (
-    compare_stacks,
-    deterministic_algorithms,
-    ladder_throughput,
-    race,
-    step_breakdowns,
-    time_to_train,
-)
+from moe_lab.workbench.benchmarks.ttt.cli import DESCRIPTION, add_arguments, run
+from moe_lab.workbench.benchmarks.ttt.contest import PROFILES, pick_router_impl, stack_model
+from moe_lab.workbench.benchmarks.ttt.racing import compare_stacks, ladder_throughput, step_breakdowns
 from moe_lab.workbench.benchmarks.ttt.report import (
     NOTEBOOK,
     loss_gap,
@@ -50,18 +37,10 @@ from moe_lab.workbench.benchmarks.ttt.report import (
     stack_ceilings,
     summarise,
 )
-from moe_lab.workbench.benchmarks.ttt.stacks import (
-    NAIVE,
-    Stack,
-    cpu_plugin_status,
-    ladder,
-    optimised_stack,
-)
+from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, ladder, optimised_stack
 
 __all__ = [
-    "DESCRIPTION", "NAIVE", "NOTEBOOK", "PROFILES", "Stack", "TTTConfig", "TTTRun", "add_arguments",
-    "compare_stacks", "config_from_args", "cpu_plugin_status", "deterministic_algorithms", "ladder",
-    "ladder_throughput", "loss_gap", "mfu_rows", "optimised_stack", "pick_router_impl", "race",
-    "record_ladder", "record_summary", "run", "speedup_bound", "stack_ceilings",
-    "stack_model", "step_breakdowns", "summarise", "time_to_train",
+    "DESCRIPTION", "NAIVE", "NOTEBOOK", "PROFILES", "add_arguments", "compare_stacks", "ladder",
+    "ladder_throughput", "loss_gap", "mfu_rows", "optimised_stack", "pick_router_impl", "record_ladder",
+    "record_summary", "run", "speedup_bound", "stack_ceilings", "stack_model", "step_breakdowns", "summarise",
 ]

@@ -55,17 +55,15 @@ class TTTConfig:
     def model_config(self, router_dtype: str = "fp32") -> ModelConfig:
         return preset(self.preset).replace(moe={"router_dtype": router_dtype})
 
-    def eval_per_domain_of(self, n_domains: int) -> int:
-        """Eval rows per domain: ``eval_per_domain``, and at least ``min_eval_rows`` in all."""
-        return max(self.eval_per_domain, -(-self.min_eval_rows // n_domains))
-
     def train_config(self, stack: Stack = NAIVE, n_domains: int = 1) -> TrainConfig:
         """The `moe_lab.workbench.training.loop.TrainConfig` that trains ``stack`` by these rules
         (schedule, data, evaluation on a corpus of ``n_domains`` domains), reading a
-        sync-free step's statistics at every evaluation."""
+        sync-free step's statistics at every evaluation. Eval rows per domain:
+        ``eval_per_domain``, and at least ``min_eval_rows`` in all."""
+        per_domain = max(self.eval_per_domain, -(-self.min_eval_rows // n_domains))
         return TrainConfig(
             step_config=StepConfig(self.schedule, read_every=self.eval_every),
-            data=replace(self.data, eval_per_domain=self.eval_per_domain_of(n_domains)),
+            data=replace(self.data, eval_per_domain=per_domain),
             build=stack.build, progress=False)
 
     @property

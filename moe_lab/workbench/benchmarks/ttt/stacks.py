@@ -56,14 +56,6 @@ class Stack:
     router_dtype: str = "fp64"
     notes: tuple[str, ...] = ()
 
-    @property
-    def sync_free(self) -> bool:
-        return self.step != "eager"
-
-    @property
-    def graphed(self) -> bool:
-        return self.step == "graphed"
-
     def describe(self) -> str:
         """One line: what this stack runs."""
         impls = self.impls
@@ -74,7 +66,7 @@ class Stack:
         elif runs_experts == "kernels":  # the expert backend is not used
             parts[0] += " (grouped GEMMs with gather prologue and scatter epilogue)"
         parts.append(f"{impls.router_impl} router {self.router_dtype.upper()}")
-        parts.append("sync-free step" if self.sync_free else "eager step (stock AdamW)")
+        parts.append("sync-free step" if self.step != "eager" else "eager step (stock AdamW)")
         if self.clip_step != "torch":
             parts.append(f"{self.clip_step} clip + AdamW")
         if self.amp:
@@ -88,7 +80,7 @@ class Stack:
         if self.compiled_eval:
             parts.append("evaluation compiled" + (f" in {self.amp.upper()}" if self.amp else "")
                          + " (the crossing confirmed in FP32)")
-        if self.graphed:
+        if self.step == "graphed":
             parts.append("CUDA graph")
         if self.mxfp8:
             parts.append("MXFP8 " + "+".join(self.mxfp8))
@@ -283,7 +275,7 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
                                   embedding_impl=best.impls.embedding_impl),
                        compile=best.compile, compiled_eval=best.compiled_eval)
         rungs.append(("+ torch.compile", last))
-    if best.graphed:
+    if best.step == "graphed":
         last = replace(last, name="graphed", step="graphed")
         rungs.append(("+ CUDA graph", last))
     if best.mxfp8:
