@@ -283,13 +283,16 @@ class _SyncFunctionMode(TorchFunctionMode):
             # One read is one sync, however many scalar reads it makes inside.
             with self.state.suppressed():
                 return func(*args, **kwargs)
-        if func is F.one_hot and args[0].device.type in ("cpu", "meta"):
-            num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-            if num_classes < 0:
-                self.state.record("F.one_hot without num_classes")
-            # The CPU kernel's range checks are device asserts on CUDA: not counted.
-            with self.state.suppressed():
-                return func(*args, **kwargs)
+        if func is F.one_hot:
+            # F.one_hot(input=..., num_classes=...) by keyword works too (named tensor= in older torch)
+            ids = args[0] if args else kwargs.get("input", kwargs.get("tensor"))
+            if ids.device.type in ("cpu", "meta"):
+                num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+                if num_classes < 0:
+                    self.state.record("F.one_hot without num_classes")
+                # The CPU kernel's range checks are device asserts on CUDA: not counted.
+                with self.state.suppressed():
+                    return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -177,6 +177,8 @@ def test_one_hot_counts_as_on_a_gpu():
     assert _total(counts) == 0  # the CPU kernel's range checks are device asserts on CUDA
     _, counts = count_syncs(F.one_hot, ids)
     assert counts == {"F.one_hot without num_classes": 1}
+    _, counts = count_syncs(lambda: F.one_hot(input=ids, num_classes=8))  # by keyword, as on a GPU
+    assert not counts
     with pytest.raises(SyncError, match="one_hot"):
         assert_sync_free(F.one_hot, ids)
 
