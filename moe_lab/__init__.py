@@ -16,9 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from moe_lab.config import ModelConfig, MoEConfig, preset
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what an editor or a type checker sees; at run time each name loads on first use
+    from moe_lab.config import ModelConfig, MoEConfig, preset
     from moe_lab.model import MoETransformer
     from moe_lab.moe.layer import MoELayer
 
@@ -26,11 +25,13 @@ __all__ = ["MoEConfig", "ModelConfig", "preset", "MoELayer", "MoETransformer"]
 __version__ = "0.1.0"
 
 
-# Lazy: `import moe_lab` stays cheap (no torch) until a layer or a model is asked for.
-_LAZY = {"MoELayer": "moe_lab.moe.layer", "MoETransformer": "moe_lab.model"}
+# Where each top-level name lives, imported on first use: `import moe_lab` stays cheap (no
+# torch) until a layer or a model is asked for.
+_LAZY = {"MoEConfig": "moe_lab.config", "ModelConfig": "moe_lab.config", "preset": "moe_lab.config",
+         "MoELayer": "moe_lab.moe.layer", "MoETransformer": "moe_lab.model"}
 
 
-def __getattr__(name: str) -> type:
+def __getattr__(name: str) -> object:
     if name not in _LAZY:
         raise AttributeError(f"module 'moe_lab' has no attribute {name!r}")
     return getattr(importlib.import_module(_LAZY[name]), name)

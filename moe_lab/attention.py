@@ -74,15 +74,19 @@ def expand_kv(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return k, v
 
 
+def causal_softmax(q: Tensor, k: Tensor) -> Tensor:
+    """softmax(QKᵀ/√d + causal mask) in float32: ``[B, H, T_q, T_k]`` (``k`` expanded to ``q``'s heads)."""
+    t_q, t_k = q.shape[-2], k.shape[-2]
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
 @ATTENTION_IMPLS.register("reference")
 def reference_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """softmax(QKᵀ/√d + causal mask)·V in float32, cast back to ``q.dtype``."""
     k, v = expand_kv(q, k, v)
-    t_q, t_k = q.shape[-2], k.shape[-2]
-    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+    return (causal_softmax(q, k) @ v.float()).to(q.dtype)
 
 
 @ATTENTION_IMPLS.register("sdpa")
@@ -104,57 +108,44 @@ def sdpa_fp32_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return out.to(q.dtype)
 
 
-MX_OPERANDS = ("q", "k", "p", "v")
+#: The operands of the two matmuls, each with the dimension its MX blocks run along.
+MX_OPERANDS = {"q": -1, "k": -1, "p": -1, "v": -2}
 
 
 def _fake_mx(x: Tensor, dim: int, scale_mode: str) -> Tensor:
     return fake_quantize(x, dim=dim, scale_mode=scale_mode, pad=True, quantize_grad=False)
 
 
-def mxfp8_reference_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    quantize: tuple[str, ...] = MX_OPERANDS,
-    scale_mode: str = "rceil",
-) -> Tensor:
+def mxfp8_reference_attention(q: Tensor, k: Tensor, v: Tensor, *,
+                              quantize: tuple[str, ...] = tuple(MX_OPERANDS),
+                              scale_mode: str = "rceil") -> Tensor:
     """Causal attention with MXFP8 (E4M3, 32-blocks) operands, emulated in float32.
 
     ``q``: ``[B, H, T_q, d]``; ``k``, ``v``: ``[B, H_kv, T_k, d]``. ``quantize`` names the
     operands to quantize (any of ``"q"``, ``"k"`` along head_dim; ``"p"``, ``"v"`` along the
     keys) — all four is the recipe; fewer shows where the error comes from. Returns
-    ``[B, H, T_q, d]`` in ``q.dtype``.
+    ``[B, H, T_q, d]`` in ``q.dtype``. The registered ``"mxfp8"`` attention is this function
+    with its defaults.
     """
     unknown = set(quantize) - set(MX_OPERANDS)
     if unknown:
-        raise ValueError(f"quantize must name operands from {MX_OPERANDS}, got {sorted(unknown)}")
+        raise ValueError(f"quantize must name operands from {tuple(MX_OPERANDS)}, got {sorted(unknown)}")
     k, v = expand_kv(q, k, v)
-    qf, kf, vf = q.float(), k.float(), v.float()
-    if "q" in quantize:
-        qf = _fake_mx(qf, -1, scale_mode)
-    if "k" in quantize:
-        kf = _fake_mx(kf, -1, scale_mode)
-    if "v" in quantize:
-        vf = _fake_mx(vf, -2, scale_mode)
-    t_q, t_k = q.shape[-2], k.shape[-2]
-    scores = (qf @ kf.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    qf, kf, vf = (_fake_mx(x.float(), MX_OPERANDS[name], scale_mode) if name in quantize else x.float()
+                  for name, x in zip("qkv", (q, k, v), strict=True))
+    probs = causal_softmax(qf, kf)
     if "p" in quantize:
-        probs = _fake_mx(probs, -1, scale_mode)
+        probs = _fake_mx(probs, MX_OPERANDS["p"], scale_mode)
     return (probs @ vf).to(q.dtype)
 
 
-@ATTENTION_IMPLS.register("mxfp8")
-def mxfp8_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """MXFP8 reference emulation: Q, K quantized along head_dim, P and V along the keys."""
-    return mxfp8_reference_attention(q, k, v)
+ATTENTION_IMPLS.register("mxfp8", mxfp8_reference_attention)
 
 
 class _MXFP8TritonAttention(torch.autograd.Function):
-    """Forward: the Triton MX flash-attention kernel. Backward: autograd through the
-    reference emulation, recomputed from the saved inputs."""
+    """The registered ``"mxfp8_triton"`` attention: the forward as one Triton flash-attention
+    pass on MX inputs (compiled on CUDA, interpreted on the CPU); the backward is autograd
+    through the reference emulation, recomputed from the saved inputs."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -174,11 +165,7 @@ class _MXFP8TritonAttention(torch.autograd.Function):
         return torch.autograd.grad(out, (q, k, v), grad)
 
 
-@ATTENTION_IMPLS.register("mxfp8_triton", missing=TRITON_MISSING)
-def mxfp8_triton_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """MXFP8 attention forward as one Triton flash-attention pass on MX inputs (compiled
-    on CUDA, interpreted on the CPU); backward through the reference emulation."""
-    return _MXFP8TritonAttention.apply(q, k, v)
+ATTENTION_IMPLS.register("mxfp8_triton", _MXFP8TritonAttention.apply, missing=TRITON_MISSING)
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, impl: str = "sdpa") -> Tensor:

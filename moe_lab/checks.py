@@ -14,14 +14,22 @@ import numbers
 from collections.abc import Callable
 
 
+def _require(ok: bool, name: str, expected: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_finite(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def integer(value: object, name: str) -> int:
     """``value`` if it is an integer (not a bool), else ``ValueError``."""
-    if not _is_int(value):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _require(_is_int(value), name, "an integer", value)
     return int(value)
 
 
@@ -29,46 +37,38 @@ def positive_int(value: object, name: str, *, or_none: bool = False) -> int | No
     """``value`` if it is an integer ``>= 1`` (or ``None`` where ``or_none``), else ``ValueError``."""
     if value is None and or_none:
         return None
-    if not _is_int(value) or value < 1:
-        either = " or None" if or_none else ""
-        raise ValueError(f"{name} must be a positive integer{either}, got {value!r}")
+    either = " or None" if or_none else ""
+    _require(_is_int(value) and value >= 1, name, f"a positive integer{either}", value)
     return int(value)
 
 
 def non_negative_int(value: object, name: str) -> int:
     """``value`` if it is an integer ``>= 0``, else ``ValueError``."""
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    _require(_is_int(value) and value >= 0, name, "a non-negative integer", value)
     return int(value)
 
 
 def int_in(value: object, name: str, low: int, high: int) -> int:
     """``value`` if it is an integer in ``[low, high]``, else ``ValueError``."""
-    if not _is_int(value) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    _require(_is_int(value) and low <= value <= high, name, f"an integer in [{low}, {high}]", value)
     return int(value)
 
 
 def positive_number(value: object, name: str) -> float:
     """``value`` if it is a finite real number ``> 0``, else ``ValueError``."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (
-            math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    _require(_is_finite(value) and value > 0, name, "a finite number > 0", value)
     return float(value)
 
 
 def non_negative_number(value: object, name: str) -> float:
     """``value`` if it is a finite real number ``>= 0``, else ``ValueError``."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not (
-            math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    _require(_is_finite(value) and value >= 0, name, "a finite number >= 0", value)
     return float(value)
 
 
 def boolean(value: object, name: str) -> bool:
     """``value`` if it is a bool (``"no"``, ``0`` and ``None`` are not), else ``ValueError``."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
+    _require(isinstance(value, bool), name, "True or False", value)
     return value
 
 
@@ -86,11 +86,7 @@ def non_negative_ints(obj: object, *fields: str) -> None:
 
 def one_of(value: object, name: str, choices: tuple | list | dict) -> object:
     """``value`` if it is one of ``choices``, else ``ValueError`` listing them."""
-    try:
-        known = value in choices
-    except TypeError:  # an unhashable value is in no dict of names
-        known = False
-    if not known:
+    if value not in list(choices):  # by ==, so an unhashable value is refused, not a TypeError
         raise ValueError(f"{name} must be one of {sorted(choices, key=str)}, got {value!r}")
     return value
 

@@ -38,12 +38,6 @@ from moe_lab.checks import (
 
 C = TypeVar("C")
 
-SCORE_FUNCS = ("softmax", "sigmoid")
-DROP_POLICIES = ("position", "probability")
-ROUTER_DTYPES = ("fp32", "fp64")
-ATTENTION_KINDS = ("mha", "mla")
-MXFP8_TARGETS = ("attention", "experts")
-
 
 def holds(**parts: type) -> Callable[[type[C]], type[C]]:
     """Let a dataclass that holds other config dataclasses be built and read field by field.
@@ -110,9 +104,9 @@ class MoEConfig:
     def __post_init__(self) -> None:
         positive_ints(self, "d_model", "n_experts", "top_k", "d_expert", "n_groups", "topk_groups")
         non_negative_ints(self, "n_shared_experts")
-        one_of(self.drop_policy, "MoEConfig.drop_policy", DROP_POLICIES)
-        one_of(self.score_func, "MoEConfig.score_func", SCORE_FUNCS)
-        one_of(self.router_dtype, "MoEConfig.router_dtype", ROUTER_DTYPES)
+        one_of(self.drop_policy, "MoEConfig.drop_policy", ("position", "probability"))
+        one_of(self.score_func, "MoEConfig.score_func", ("softmax", "sigmoid"))
+        one_of(self.router_dtype, "MoEConfig.router_dtype", ("fp32", "fp64"))
         positive_number(self.capacity_factor, "MoEConfig.capacity_factor")
         positive_number(self.scaling_factor, "MoEConfig.scaling_factor")
         int_in(self.top_k, "MoEConfig.top_k (at most n_experts)", 1, self.n_experts)
@@ -194,7 +188,7 @@ class ModelConfig:
                 f"ModelConfig.n_kv_heads must divide n_heads={self.n_heads}, got {self.n_kv_heads}"
             )
         int_in(self.n_dense_layers, "ModelConfig.n_dense_layers (at most n_layers)", 0, self.n_layers)
-        one_of(self.attention, "ModelConfig.attention", ATTENTION_KINDS)
+        one_of(self.attention, "ModelConfig.attention", ("mha", "mla"))
         if self.attention == "mla":
             positive_ints(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -231,7 +225,7 @@ class ModelImpls:
     (`moe_lab.moe.experts.EXPERT_BACKENDS`), ``router_impl`` (`moe_lab.moe.router.ROUTER_IMPLS`),
     ``attention_impl`` (`moe_lab.attention.ATTENTION_IMPLS`), ``embedding_impl``
     (`moe_lab.model.EMBEDDING_IMPLS`) — and its precision: ``mxfp8`` names the parts computed in
-    emulated MXFP8 (`MXFP8_TARGETS`: ``"attention"``, its projections as
+    emulated MXFP8 (``"attention"``, its projections as
     `moe_lab.quant.linear.make_mxfp8_linear` builds them and the ``"mxfp8"`` core;
     ``"experts"``, every expert GEMM on MXFP8 operands), and ``fp32_logits`` keeps the output
     projection in FP32 under autocast. ``MoETransformer(cfg, impls)``; each name is checked
@@ -248,7 +242,7 @@ class ModelImpls:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mxfp8", (self.mxfp8,) if isinstance(self.mxfp8, str) else tuple(self.mxfp8))
         for part in self.mxfp8:
-            one_of(part, "ModelImpls.mxfp8", MXFP8_TARGETS)
+            one_of(part, "ModelImpls.mxfp8", ("attention", "experts"))
         boolean(self.fp32_logits, "ModelImpls.fp32_logits")
 
 

@@ -32,6 +32,8 @@ training step on it.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import os
 import random
 import string
@@ -64,7 +66,7 @@ class Batch(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------
-# The domains: each a function rng -> one example line (tag included, no newline)
+# The domains: each a function rng -> one example line (no tag, no newline)
 # --------------------------------------------------------------------------------------
 
 _LOWER = string.ascii_lowercase
@@ -72,29 +74,25 @@ _LOWER = string.ascii_lowercase
 
 def _sort(rng: random.Random) -> str:
     nums = [rng.randrange(100) for _ in range(rng.randint(2, 8))]
-    return f"sort:{' '.join(map(str, nums))}={' '.join(map(str, sorted(nums)))}"
+    return f"{' '.join(map(str, nums))}={' '.join(map(str, sorted(nums)))}"
 
 
 def _reverse(rng: random.Random) -> str:
     s = "".join(rng.choice(_LOWER) for _ in range(rng.randint(3, 10)))
-    return f"rev:{s}={s[::-1]}"
+    return f"{s}={s[::-1]}"
 
 
 def _modadd(rng: random.Random) -> str:
     a, b, m = rng.randrange(100), rng.randrange(100), rng.randint(2, 13)
-    return f"mod:{a}+{b}%{m}={(a + b) % m}"
+    return f"{a}+{b}%{m}={(a + b) % m}"
 
 
 def is_balanced(s: str) -> bool:
-    """Whether a string of ``()[]`` brackets is balanced (every opener closed in order)."""
-    pairs = {")": "(", "]": "["}
-    stack: list[str] = []
-    for c in s:
-        if c in "([":
-            stack.append(c)
-        elif not stack or stack.pop() != pairs[c]:
-            return False
-    return not stack
+    """Whether a string of ``()[]`` brackets is balanced (every opener closed in order): it is
+    exactly when deleting adjacent matched pairs, ``()`` and ``[]``, until none is left empties it."""
+    while "()" in s or "[]" in s:
+        s = s.replace("()", "").replace("[]", "")
+    return not s
 
 
 def _balanced_brackets(rng: random.Random, pairs: int) -> str:
@@ -111,13 +109,13 @@ def _brackets(rng: random.Random) -> str:
         s = _balanced_brackets(rng, pairs)
     else:  # a random string: sometimes balanced by chance, the label says which
         s = "".join(rng.choice("()[]") for _ in range(2 * pairs))
-    return f"brk:{s}={'yes' if is_balanced(s) else 'no'}"
+    return f"{s}={'yes' if is_balanced(s) else 'no'}"
 
 
 def _repeat(rng: random.Random) -> str:
     unit = "".join(rng.choice(_LOWER) for _ in range(rng.randint(1, 3)))
     k = rng.randint(2, 5)
-    return f"rep:{k}*{unit}={unit * k}"
+    return f"{k}*{unit}={unit * k}"
 
 
 def markov_chain(alphabet: str, seed: int) -> dict[str, tuple[str, str, str]]:
@@ -142,23 +140,15 @@ MARKOV = {
 }
 
 
-def _markov(name: str, tag: str) -> Callable[[random.Random], str]:
-    successors = MARKOV[name]
-    alphabet = "".join(successors)
-
-    def generate(rng: random.Random) -> str:
-        """12 to 30 symbols of the chain, from a uniformly chosen first symbol."""
-        length = rng.randint(12, 30)
-        c = rng.choice(alphabet)
-        out = [c]
-        for _ in range(length - 1):
-            r = rng.random()
-            nxt = successors[c]
-            c = nxt[0] if r < 0.5 else nxt[1] if r < 0.8 else nxt[2]
-            out.append(c)
-        return tag + "".join(out)
-
-    return generate
+def _markov(successors: dict[str, tuple[str, str, str]], rng: random.Random) -> str:
+    """12 to 30 symbols of the chain, from a uniformly chosen first symbol; each next one is the
+    first, second or third successor of the last as ``rng.random()`` falls below 0.5, below 0.8,
+    or above."""
+    length = rng.randint(12, 30)
+    out = [rng.choice("".join(successors))]
+    for _ in range(length - 1):
+        out.append(successors[out[-1]][bisect.bisect((0.5, 0.8), rng.random())])
+    return "".join(out)
 
 
 #: name -> (tag, example generator). The order is the default domain order.
@@ -168,8 +158,8 @@ DOMAINS: dict[str, tuple[str, Callable[[random.Random], str]]] = {
     "modadd": ("mod:", _modadd),
     "brackets": ("brk:", _brackets),
     "repeat": ("rep:", _repeat),
-    "markov_a": ("mka:", _markov("markov_a", "mka:")),
-    "markov_b": ("mkb:", _markov("markov_b", "mkb:")),
+    "markov_a": ("mka:", functools.partial(_markov, MARKOV["markov_a"])),
+    "markov_b": ("mkb:", functools.partial(_markov, MARKOV["markov_b"])),
 }
 
 
@@ -209,11 +199,10 @@ class _Corpus:
                 f"{owner} generator must be a torch.Generator or None, got {type(generator).__name__}")
         return self._sample(batch_size, generator, split)
 
-    def fixed_eval_set(self, n_per_domain: int, split: str = "eval") -> Batch:
-        """``n_per_domain`` rows of every domain of ``split``, the same on every call."""
-        owner = f"{type(self).__name__}.fixed_eval_set"
-        positive_int(n_per_domain, f"{owner} n_per_domain")
-        return self._fixed_eval_set(n_per_domain, one_of(split, f"{owner} split", SPLITS))
+    def fixed_eval_set(self, n_per_domain: int) -> Batch:
+        """``n_per_domain`` rows of every domain of the eval split, the same on every call."""
+        positive_int(n_per_domain, f"{type(self).__name__}.fixed_eval_set n_per_domain")
+        return self._fixed_eval_set(n_per_domain)
 
 
 # --------------------------------------------------------------------------------------
@@ -236,27 +225,24 @@ class SyntheticCorpus(_Corpus):
         self.seq_len = positive_int(seq_len, "SyntheticCorpus seq_len")
         self.seed = integer(seed, "SyntheticCorpus seed")
         self.domains: list[str] = list(DOMAINS)
-        self._streams = {
-            split: random.Random(seed * len(SPLITS) + i) for i, split in enumerate(SPLITS)
-        }
+        self._streams = {split: random.Random(seed * len(SPLITS) + i) for i, split in enumerate(SPLITS)}
 
-    def _to_batch(self, rows: list[bytes], domains: list[int]) -> Batch:
-        flat = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
-        return _rows_to_batch(flat.view(len(rows), self.seq_len + 1).long(),
-                              torch.tensor(domains, dtype=torch.long))
-
-    def _row(self, domain: int, rng: random.Random, split: str) -> bytes:
-        _, generate = DOMAINS[self.domains[domain]]
+    def _rows(self, domains: list[int], rng: random.Random, split: str) -> Batch:
+        """A row of ``split`` for each domain id in ``domains``, in order, drawn from ``rng``:
+        whole tagged lines of that domain's ``split`` until ``seq_len + 1`` bytes are filled."""
         need = self.seq_len + 1
-        lines: list[str] = []
-        length = 0
-        while length < need:
-            line = generate(rng)
-            if split_of(line) != split:
-                continue
-            lines.append(line)
-            length += len(line) + 1
-        return ("\n".join(lines) + "\n").encode("ascii")[:need]
+        rows = []
+        for domain in domains:
+            tag, generate = DOMAINS[self.domains[domain]]
+            lines, length = [], 0
+            while length < need:
+                line = tag + generate(rng)
+                if split_of(line) == split:
+                    lines.append(line)
+                    length += len(line) + 1
+            rows.append(("\n".join(lines) + "\n").encode("ascii")[:need])
+        flat = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.uint8)
+        return _rows_to_batch(flat.view(len(rows), need).long(), torch.tensor(domains, dtype=torch.long))
 
     def _sample(self, batch_size: int, generator: torch.Generator | None, split: str) -> Batch:
         """``batch_size`` rows, each from a uniformly chosen domain.
@@ -270,15 +256,13 @@ class SyntheticCorpus(_Corpus):
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         rng = random.Random(seed)
-        domains = [rng.randrange(len(self.domains)) for _ in range(batch_size)]
-        return self._to_batch([self._row(d, rng, split) for d in domains], domains)
+        return self._rows([rng.randrange(len(self.domains)) for _ in range(batch_size)], rng, split)
 
-    def _fixed_eval_set(self, n_per_domain: int, split: str) -> Batch:
+    def _fixed_eval_set(self, n_per_domain: int) -> Batch:
         """``n_per_domain`` rows of every domain, grouped by domain in ``self.domains``
         order; the same rows on every call (they depend on the corpus seed only)."""
-        rng = random.Random(f"fixed/{self.seed}/{split}")
         domains = [d for d in range(len(self.domains)) for _ in range(n_per_domain)]
-        return self._to_batch([self._row(d, rng, split) for d in domains], domains)
+        return self._rows(domains, random.Random(f"fixed/{self.seed}/eval"), "eval")
 
 
 # --------------------------------------------------------------------------------------
@@ -294,13 +278,8 @@ class TextFileCorpus(_Corpus):
     window never crosses from one to the other.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        seq_len: int,
-        val_fraction: float = 0.1,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], seq_len: int, val_fraction: float = 0.1,
+                 seed: int = 0) -> None:
         self.path = Path(path)
         self.seq_len = positive_int(seq_len, "TextFileCorpus seq_len")
         if not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
@@ -312,18 +291,11 @@ class TextFileCorpus(_Corpus):
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ValueError(
-                f"TextFileCorpus: '{self.path}' is not UTF-8 text (invalid byte at offset "
-                f"{err.start})"
-            ) from err
-        need = seq_len + 1
-        if len(raw) < need:
-            raise ValueError(
-                f"TextFileCorpus: '{self.path}' has {len(raw)} bytes, but seq_len={seq_len} "
-                f"needs at least {need}"
-            )
+            raise ValueError(f"TextFileCorpus: '{self.path}' is not UTF-8 text (invalid byte at offset "
+                             f"{err.start})") from err
         n_eval = round(len(raw) * val_fraction)
-        if n_eval < need or len(raw) - n_eval < need:
+        need = seq_len + 1
+        if min(n_eval, len(raw) - n_eval) < need:  # a file shorter than one window included
             raise ValueError(
                 f"TextFileCorpus: '{self.path}' has {len(raw)} bytes; with "
                 f"val_fraction={val_fraction} its splits have {len(raw) - n_eval} (train) and "
@@ -349,16 +321,15 @@ class TextFileCorpus(_Corpus):
         starts = torch.randint(0, high, (batch_size,), generator=g, device=g.device).cpu()
         return self._windows(split, starts)
 
-    def _fixed_eval_set(self, n_per_domain: int, split: str) -> Batch:
-        """``n_per_domain`` windows evenly spaced over ``split``; the same on every call."""
-        last = len(self._splits[split]) - self.seq_len - 1  # integers: float32 is inexact past 2**24
+    def _fixed_eval_set(self, n_per_domain: int) -> Batch:
+        """``n_per_domain`` windows evenly spaced over the eval split; the same on every call."""
+        last = len(self._splits["eval"]) - self.seq_len - 1  # integers: float32 is inexact past 2**24
         starts = torch.arange(n_per_domain) * last // max(n_per_domain - 1, 1)
-        return self._windows(split, starts)
+        return self._windows("eval", starts)
 
 
-def load_corpus(
-    name_or_path: str | os.PathLike[str], seq_len: int, seed: int = 0
-) -> SyntheticCorpus | TextFileCorpus:
+def load_corpus(name_or_path: str | os.PathLike[str], seq_len: int,
+                seed: int = 0) -> SyntheticCorpus | TextFileCorpus:
     """``"synthetic"`` gives a ``SyntheticCorpus``; anything else is read as the path of
     a UTF-8 text file (``TextFileCorpus``)."""
     if name_or_path == "synthetic":

@@ -147,15 +147,12 @@ class MoETransformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         # Under autocast, compute the logits in FP32 (see `_logits`); off, nothing changes.
         self.fp32_logits = self.impls.fp32_logits
-        self.apply(self._init)
+        for module in self.modules():  # GPT-2's init: N(0, 0.02²) for every projection and embedding
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
         if "attention" in self.impls.mxfp8:  # after the init: a Transformer Engine linear copies it
             for attn in (block.attn for block in self.blocks):
                 attn.qkv, attn.out = make_mxfp8_linear(attn.qkv), make_mxfp8_linear(attn.out)
-
-    @staticmethod
-    def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
 
     @property
     def moe_layers(self) -> list[MoELayer]:

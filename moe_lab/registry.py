@@ -35,14 +35,13 @@ class Registry(dict, Generic[T]):
     ``description`` says in a line what an entry is, ``plugin`` whether the CPU plug-in adds
     names to it."""
 
-    def __init__(self, kind: str, description: str = "", *, plugin: bool = False) -> None:
+    def __init__(self, kind: str, description: str, *, plugin: bool = False) -> None:
         super().__init__()
         self.kind, self.description, self.plugin = kind, description, plugin
         self.unavailable: dict[str, str] = {}
 
     def __repr__(self) -> str:
-        about = f": {self.description}" if self.description else ""
-        return f"<{self.kind} registry{about}; names {sorted(self)}>"
+        return f"<{self.kind} registry: {self.description}; names {sorted(self)}>"
 
     def register(self, name: str, impl: T | None = None, *, missing: str | None = None
                  ) -> Callable[[T], T] | T:
@@ -68,7 +67,7 @@ class Registry(dict, Generic[T]):
         if isinstance(name, str) and name in self:
             return self[name]
         message = f"{arg} must be one of {sorted(self)}, got {name!r}"
-        notes = [f"{self.kind} registry: {self.description}"] if self.description else []
+        notes = [f"{self.kind} registry: {self.description}"]
         if isinstance(name, str) and name in self.unavailable:
             message += f" ({name!r} is not available here: {self.unavailable[name]})"
         elif self.plugin:

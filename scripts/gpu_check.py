@@ -968,7 +968,7 @@ def section_graphs(torch, dev, rep: Report, quick: bool) -> None:
     fast = default_impls(dev)
     model, optimizer = build_model(model_cfg, fast, device=dev, seed=0, lr=cfg.lr)
     model.load_state_dict(ref_model.state_dict())  # the same weights, whatever the impls
-    graphed = GraphedStep(model, optimizer, batches[0], cfg, warmup=3, quiet=True)
+    graphed = GraphedStep(model, optimizer, batches[0], cfg, quiet=True)
     losses = [(reference(b)["loss"], graphed(b)["loss"]) for b in batches]
     want, got = torch.tensor(losses, dtype=torch.float64).T
     impls = {"graphed": f"{graphed.mode}: {fast}", "reference": f"eager: {ModelImpls()}"}
@@ -1019,7 +1019,7 @@ def sync_free_paths(torch, dev, small: bool) -> dict:
         from moe_lab.training.graphs import GraphedStep
 
         g_model, g_opt = build_model(model_cfg, default_impls(dev), device=dev, seed=0)
-        graphed = GraphedStep(g_model, g_opt, batch, StepConfig(read_every=10**6), warmup=3, quiet=True)
+        graphed = GraphedStep(g_model, g_opt, batch, StepConfig(read_every=10**6), quiet=True)
         paths["graphed training step, replay (tiny)"] = lambda: graphed.launch(batch)
     return paths
 

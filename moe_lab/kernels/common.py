@@ -188,9 +188,9 @@ def gemm_k_loop(x_ptr, a_rows, a_ok, w_ptr, cols, N, K, s_xm, s_xk, s_wk, s_wn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 DOT_BF16: tl.constexpr):
     """The grouped GEMM's K loop, as Triton's matmul tutorial writes it: one ``BLOCK_K`` slice of
-    A and of B per step, multiplied into a float32 accumulator. ``x[a_rows] · w``, ``[BLOCK_M, BLOCK_N]``, for
-    rows ``a_rows`` of ``x`` (``a_ok`` masks them: a masked row contributes zeros) and
-    columns ``cols`` of one expert's ``w: [K, N]``."""
+    A and of B per step, multiplied into a float32 accumulator. ``x[a_rows] · w``,
+    ``[BLOCK_M, BLOCK_N]``, for rows ``a_rows`` of ``x`` (``a_ok`` masks them: a masked row
+    contributes zeros) and columns ``cols`` of one expert's ``w: [K, N]``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)

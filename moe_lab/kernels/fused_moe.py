@@ -36,23 +36,8 @@ from torch._subclasses import FakeTensor
 from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only, one_of
+from moe_lab.kernels import common
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import (
-    INTERPRETED,
-    cast_for_store,
-    expert_tile_order,
-    gather_rows,
-    gemm_k_loop,
-    kernel_op,
-    mma,
-    row_source,
-    scatter_rows,
-    swiglu_epilogue,
-    swiglu_k_loop,
-    tile_order,
-    tile_rows,
-    tile_schedule,
-)
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.kernels.permute import check_map, permute_reference, unpermute_reference
 
@@ -77,22 +62,22 @@ def _gather_swiglu_kernel(
     # w: [E, K, 2F]; offsets: [E + 1]. The A tile's rows are x[src // TOP_K] (the gather
     # prologue). Forward: out = h = silu(gate)·up [M, F]. Backward: dh [M, F] in,
     # out = [dgate, dup] [M, 2F]. Grid: 1-D, `grouped_grid` over F.
-    tile_m, tile_n = tile_order(F, BLOCK_N, GROUP_M)
-    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
+    tile_m, tile_n = common.tile_order(F, BLOCK_N, GROUP_M)
+    seg, row0, row_end = common.tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = common.tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & (cols[None, :] < F)
     out_ptrs = out_ptr + rows[:, None] * s_om + cols[None, :] * s_on
     up_out_ptrs = out_ptr + rows[:, None] * s_om + (cols + F)[None, :] * s_on
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if seg < E:  # the padding segment (seg == E) keeps zero accumulators: zero rows out
-        token, _src, a_ok = gather_rows(src_ptr, rows, row_ok, TOP_K)
-        gate, up = swiglu_k_loop(x_ptr, token, a_ok, w_ptr + seg.to(tl.int64) * s_we, cols, F, K,
-                                 s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
-    swiglu_epilogue(gate, up, out_ptr, out_ptrs, up_out_ptrs,
-                    dh_ptr + rows[:, None] * s_dm + cols[None, :] * s_dn, mask, BACKWARD)
+        token, _src, a_ok = common.gather_rows(src_ptr, rows, row_ok, TOP_K)
+        gate, up = common.swiglu_k_loop(x_ptr, token, a_ok, w_ptr + seg.to(tl.int64) * s_we, cols, F, K,
+                                        s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
+    common.swiglu_epilogue(gate, up, out_ptr, out_ptrs, up_out_ptrs,
+                           dh_ptr + rows[:, None] * s_dm + cols[None, :] * s_dn, mask, BACKWARD)
 
 
 @triton.jit
@@ -108,15 +93,15 @@ def _gemm_scatter_kernel(
     # weight: [T·k] float32 routing weights (if HAS_WEIGHTS). Row r's product, times
     # weight[src[r]], goes to its token (`scatter_rows`). Rows without a source and the
     # padding segment write nothing. Grid: 1-D, `grouped_grid` over N.
-    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
-    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
+    tile_m, tile_n = common.tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = common.tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg >= E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
-    token, src, ok = gather_rows(src_ptr, rows, row_ok, TOP_K)
-    acc = gemm_k_loop(a_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
-                      s_am, s_ak, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
-    scatter_rows(acc, out_ptr, weight_ptr, token, src, ok, cols, N, s_om, s_on, HAS_WEIGHTS, ATOMIC)
+    rows, cols, row_ok = common.tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
+    token, src, ok = common.gather_rows(src_ptr, rows, row_ok, TOP_K)
+    acc = common.gemm_k_loop(a_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
+                             s_am, s_ak, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
+    common.scatter_rows(acc, out_ptr, weight_ptr, token, src, ok, cols, N, s_om, s_on, HAS_WEIGHTS, ATOMIC)
 
 
 @triton.jit
@@ -133,23 +118,23 @@ def _gather_gemm_kernel(
     # part[r, tile] = <c, h[r]> over this tile's columns (summed over tiles after the
     # launch: the routing weight's gradient, deterministic).
     # Grid: 1-D, `grouped_grid` over N (N_TILES tiles).
-    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
-    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
+    tile_m, tile_n = common.tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = common.tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = common.tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & (cols[None, :] < N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     wt = tl.zeros((BLOCK_M,), tl.float32)
     if seg < E:
-        token, src, ok = gather_rows(src_ptr, rows, row_ok, TOP_K)
-        acc = gemm_k_loop(g_ptr, token, ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
-                          s_gm, s_gk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
+        token, src, ok = common.gather_rows(src_ptr, rows, row_ok, TOP_K)
+        acc = common.gemm_k_loop(g_ptr, token, ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
+                                 s_gm, s_gk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
         wt = tl.load(weight_ptr + src, mask=ok, other=0.0).to(tl.float32)
     h = tl.load(h_ptr + rows[:, None] * s_hm + cols[None, :] * s_hn, mask=mask, other=0.0).to(tl.float32)
     tl.store(part_ptr + rows * N_TILES + tile_n, tl.sum(acc * h, 1), mask=row_ok)
     tl.store(out_ptr + rows[:, None] * s_om + cols[None, :] * s_on,
-             cast_for_store(acc * wt[:, None], out_ptr), mask=mask)
+             common.cast_for_store(acc * wt[:, None], out_ptr), mask=mask)
 
 
 @triton.jit
@@ -164,7 +149,7 @@ def _gather_dw_kernel(
     # GATHER_X: X row r = x[src // TOP_K] (x: [T, K] tokens), DY row r = dy[r] (dy: [M, N]);
     # else X row r = x[r] (x: [M, K]) and DY row r = weight[src]·dy[src // TOP_K]
     # (dy: [T, N] token gradients, weight: [T·k] fp32). Grid: expert_grid, in expert_tile_order.
-    e, tile_k, tile_n = expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    e, tile_k, tile_n = common.expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)
     start = tl.minimum(tl.maximum(tl.load(offsets_ptr + e), 0), M_ROWS)
     end = tl.minimum(tl.maximum(tl.load(offsets_ptr + e + 1), start), M_ROWS)
     ks = (tile_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
@@ -189,12 +174,12 @@ def _gather_dw_kernel(
             g = tl.load(dy_ptr + token[:, None] * s_ym + ns[None, :] * s_yn,
                         mask=ok[:, None] & (ns[None, :] < N), other=0.0)
             wt = tl.load(weight_ptr + src, mask=ok, other=0.0).to(tl.float32)
-            g = cast_for_store(g.to(tl.float32) * wt[:, None], dy_ptr)  # the weighted dY, rounded
-        acc = mma(acc, tl.trans(a), g, DOT_BF16)
+            g = common.cast_for_store(g.to(tl.float32) * wt[:, None], dy_ptr)  # the weighted dY, rounded
+        acc = common.mma(acc, tl.trans(a), g, DOT_BF16)
         rows += BLOCK_M
         src = tl.load(src_ptr + rows, mask=rows < end, other=-1).to(tl.int64)
     dw_ptrs = dw_ptr + e.to(tl.int64) * s_we + ks[:, None] * s_wk + ns[None, :] * s_wn
-    tl.store(dw_ptrs, cast_for_store(acc, dw_ptr), mask=(ks[:, None] < K) & (ns[None, :] < N))
+    tl.store(dw_ptrs, common.cast_for_store(acc, dw_ptr), mask=(ks[:, None] < K) & (ns[None, :] < N))
 
 
 # --------------------------------------------------------------------------------------
@@ -220,11 +205,11 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *, interp
 def _launch(kernel: str, fn: object, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype,
             *args: object, **flags: object) -> None:
     """`moe_lab.kernels.grouped_gemm.launch` of ``fn`` at `launch_config`'s tile for ``kernel``."""
-    cfg = launch_config(kernel, m, n, k, n_experts, interpreted=INTERPRETED, dtype=dtype)
+    cfg = launch_config(kernel, m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=dtype)
     gg.launch(fn, cfg, m, n, k, n_experts, dtype, *args, dw=kernel == "dw", **flags)
 
 
-@kernel_op("gather_swiglu")
+@common.kernel_op("gather_swiglu")
 def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k: int,
                       dh: Tensor | None = None) -> Tensor:
     """The forward ``h: [M, F]``; given ``dh`` (the backward), ``[dgate, dup]: [M, 2F]``."""
@@ -239,7 +224,7 @@ def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k:
     return out
 
 
-@kernel_op("gemm_scatter")
+@common.kernel_op("gemm_scatter")
 def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, offsets: Tensor,
                      tokens: int, top_k: int, atomic: bool) -> Tensor:
     """Token rows ``[tokens, N]``: the scattered, weighted products summed over each
@@ -258,12 +243,12 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(a.dtype)
 
 
-@kernel_op("gather_gemm_combine_bwd")
+@common.kernel_op("gather_gemm_combine_bwd")
 def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tensor, offsets: Tensor,
                     top_k: int) -> tuple[Tensor, Tensor]:
     """``(dh: [M, N], dweights: [T·k] float32)`` of the weighted combine."""
     (m, n), (n_experts, k, _) = h.shape, w.shape
-    cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=g.dtype)
+    cfg = launch_config("gemm", m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=g.dtype)
     n_tiles = triton.cdiv(n, cfg.blocks["BLOCK_N"]) if n else 0
     dh = torch.empty((m, n), dtype=g.dtype, device=g.device)
     part = torch.empty((m, n_tiles), dtype=torch.float32, device=g.device)
@@ -278,7 +263,7 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
     return dh, dweights[:-1]
 
 
-@kernel_op("gather_dw")
+@common.kernel_op("gather_dw")
 def _gather_dw_op(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, offsets: Tensor,
                   top_k: int, gather_x: bool) -> Tensor:
     k, n, n_experts, m = x.shape[1], dy.shape[1], offsets.shape[0] - 1, src.shape[0]
@@ -380,7 +365,7 @@ def fused_moe_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row_id_map: Tens
     check_mlp_args(x, w_gate_up, w_down, row_id_map, offsets, topk_weights)
     one_of(scatter, "scatter", SCATTER_MODES)
     tokens, top_k = row_id_map.shape
-    src = row_source(row_id_map, tokens * top_k if n_rows is None else n_rows)
+    src = common.row_source(row_id_map, tokens * top_k if n_rows is None else n_rows)
     offsets = offsets.contiguous()
     h = _gather_swiglu_op(x, src, w_gate_up, offsets, top_k)
     weights = topk_weights.reshape(-1).float()
@@ -393,7 +378,7 @@ def gather_swiglu(x: Tensor, w_gate_up: Tensor, row_id_map: Tensor, offsets: Ten
     ``r = row_id_map[t, j]`` in ``e``'s segment; ``[n_rows, F]``, zero rows where no
     (token, slot) maps. Differentiable in ``x`` and ``w_gate_up``."""
     tokens, top_k = row_id_map.shape
-    src = row_source(row_id_map, tokens * top_k if n_rows is None else n_rows)
+    src = common.row_source(row_id_map, tokens * top_k if n_rows is None else n_rows)
     return _gather_swiglu_op(x, src, w_gate_up, offsets.contiguous(), top_k)
 
 
@@ -404,7 +389,7 @@ def gemm_scatter(h: Tensor, w_down: Tensor, row_id_map: Tensor, offsets: Tensor,
     ``topk_weights``."""
     one_of(scatter, "scatter", SCATTER_MODES)
     tokens, top_k = row_id_map.shape
-    src = row_source(row_id_map, h.shape[0])
+    src = common.row_source(row_id_map, h.shape[0])
     return _gemm_scatter_op(h, w_down, src, topk_weights.reshape(-1).float(), offsets.contiguous(),
                             tokens, top_k, scatter == "atomic")
 

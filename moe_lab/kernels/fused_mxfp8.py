@@ -203,10 +203,9 @@ def fused_moe_mlp_mxfp8(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row_id_map
     decodes the codes and scales in registers (emulated MXFP8: ``w_down`` stays in ``x``'s
     dtype) and combines with the deterministic weighted scatter. ``F`` a multiple of 32."""
     check_mlp_args(x, w_gate_up, w_down, row_id_map, offsets, topk_weights)
-    tokens, top_k = row_id_map.shape
-    n_rows = tokens * top_k if n_rows is None else n_rows
     codes, scales = gather_swiglu_mxfp8(x, w_gate_up, row_id_map, offsets, n_rows=n_rows)
-    src = row_source(row_id_map, n_rows)
+    tokens, top_k = row_id_map.shape
+    src = row_source(row_id_map, len(codes))
     return _gemm_scatter_mx_op(codes.view(torch.uint8), scales.view(torch.uint8), w_down, src,
                                topk_weights.reshape(-1).float(), offsets.contiguous(), tokens, top_k)
 
@@ -220,8 +219,6 @@ def fused_moe_mlp_mxfp8_native(x: Tensor, w_gate_up: Tensor, w_down: Tensor, row
     quantizer; then the weighted combine (`moe_lab.kernels.permute.unpermute`, not fused here). ``F`` a
     multiple of 32. In training the weights' MXFP8 copy would be made once per optimizer step."""
     check_mlp_args(x, w_gate_up, w_down, row_id_map, offsets, topk_weights)
-    tokens, top_k = row_id_map.shape
-    n_rows = tokens * top_k if n_rows is None else n_rows
     codes, scales = gather_swiglu_mxfp8(x, w_gate_up, row_id_map, offsets, n_rows=n_rows)
     w2, _ = mx_quantize(w_down.transpose(1, 2), colwise=False, scale_mode="rceil")  # [E, D, F] along F
     y = grouped_mx_gemm(codes, scales, w2.data, w2.scale, offsets.to(torch.int32), out_dtype=x.dtype)

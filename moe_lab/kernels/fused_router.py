@@ -33,14 +33,7 @@ from moe_lab.checks import first_derivative_only
 from moe_lab.config import MoEConfig
 from moe_lab.kernels.common import INTERPRETED, kernel_op
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.moe.router_output import (
-    RouterOutput,
-    check_logits,
-    check_router_input,
-    check_seq_len,
-    gate_logits,
-    require_fp32_router,
-)
+from moe_lab.moe import router_output
 
 Tensor = torch.Tensor
 
@@ -51,13 +44,22 @@ Tensor = torch.Tensor
 
 
 @triton.jit
-def _load_logits(logits_ptr, t, e, t_ok, e_ok, s_lt, s_le):
-    # [BLOCK_T, GP, EGP] float32. Padding lanes (no expert) are -inf, so they score 0 and
-    # are never selected; rows past the last token are 0 (finite: no NaN in masked rows).
+def _load_logits(logits_ptr, T, EG, G, s_lt, s_le, BLOCK_T: tl.constexpr, GP: tl.constexpr,
+                 EGP: tl.constexpr):
+    # This program's tokens t [BLOCK_T] and experts e = g * EG + j [GP, EGP] (group g < G, slot
+    # j < EG), their masks, and the logits lg [BLOCK_T, GP, EGP] float32. Padding lanes (no
+    # expert) are -inf, so they score 0 and are never selected; rows past the last token are 0
+    # (finite: no NaN in masked rows).
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    g = tl.arange(0, GP)
+    j = tl.arange(0, EGP)
+    e = g[:, None] * EG + j[None, :]
+    e_ok = (g[:, None] < G) & (j[None, :] < EG)
+    t_ok = t < T
     ok = t_ok[:, None, None] & e_ok[None, :, :]
     lg = tl.load(logits_ptr + t[:, None, None] * s_lt + e[None, :, :] * s_le,
                  mask=ok, other=float("-inf")).to(tl.float32)
-    return tl.where(t_ok[:, None, None] | ~e_ok[None, :, :], lg, 0.0)
+    return t, e, t_ok, e_ok, tl.where(t_ok[:, None, None] | ~e_ok[None, :, :], lg, 0.0)
 
 
 @triton.jit
@@ -89,14 +91,7 @@ def _router_fwd_kernel(
     # float32, contiguous; counts [S, E] int32, psum [S, E] float32 and zsum [1] float32,
     # zero-initialised and accumulated with atomics (S = T / SEQ_LEN sequences).
     # Grid: (cdiv(T, BLOCK_T),).
-    pid = tl.program_id(0)
-    t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    g = tl.arange(0, GP)
-    j = tl.arange(0, EGP)
-    e = g[:, None] * EG + j[None, :]  # [GP, EGP] expert index
-    e_ok = (g[:, None] < G) & (j[None, :] < EG)
-    t_ok = t < T
-    lg = _load_logits(logits_ptr, t, e, t_ok, e_ok, s_lt, s_le)
+    t, e, t_ok, e_ok, lg = _load_logits(logits_ptr, T, EG, G, s_lt, s_le, BLOCK_T, GP, EGP)
     s, lse, q = _scores(lg, SOFTMAX)
 
     # Selection scores: bias added; -inf logits, padding lanes and NaN are "unavailable".
@@ -108,13 +103,13 @@ def _router_fwd_kernel(
 
     if GROUPED:
         # Group score = sum of the group's two best selection scores.
-        jj = tl.broadcast_to(j[None, None, :], (BLOCK_T, GP, EGP))
+        jj = tl.broadcast_to(tl.arange(0, EGP)[None, None, :], (BLOCK_T, GP, EGP))
         m1 = tl.max(sel, 2)  # [BLOCK_T, GP]
         j1 = tl.min(tl.where(sel == m1[:, :, None], jj, EGP), 2)
         gscore = m1
         if PAIR:
             gscore = m1 + tl.max(tl.where(jj == j1[:, :, None], float("-inf"), sel), 2)
-        gg = tl.broadcast_to(g[None, :], (BLOCK_T, GP))
+        gg = tl.broadcast_to(tl.arange(0, GP)[None, :], (BLOCK_T, GP))
         g_free = gg < G
         chosen_g = gg < 0  # all False
         for _ in tl.static_range(TOPK_GROUPS):
@@ -151,8 +146,8 @@ def _router_fwd_kernel(
     routed = (valid & ~free).to(tl.int32)
     p = s / tl.maximum(tl.sum(tl.sum(s, 2), 1), 1.1754943508222875e-38)[:, None, None]
     seq = t // SEQ_LEN
-    first = (pid * BLOCK_T) // SEQ_LEN
-    last = (tl.minimum(pid * BLOCK_T + BLOCK_T, T) - 1) // SEQ_LEN
+    first = (tl.program_id(0) * BLOCK_T) // SEQ_LEN
+    last = (tl.minimum(tl.program_id(0) * BLOCK_T + BLOCK_T, T) - 1) // SEQ_LEN
     for sq in range(first, last + 1):
         mine = (t_ok & (seq == sq))[:, None, None]
         tl.atomic_add(counts_ptr + sq * E + e, tl.sum(tl.where(mine, routed, 0), 0), mask=e_ok)
@@ -170,15 +165,8 @@ def _router_bwd_kernel(
     # logits: [T, E] float32; ids, dw: [T, TOP_K] contiguous (int64, float32); dpsum:
     # [S, E] float32 contiguous; dz: [1] float32; dl: [T, E] float32 (strides s_dt, s_de).
     # Grid: (cdiv(T, BLOCK_T),).
-    pid = tl.program_id(0)
-    t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    g = tl.arange(0, GP)
-    j = tl.arange(0, EGP)
-    e = g[:, None] * EG + j[None, :]
-    e_ok = (g[:, None] < G) & (j[None, :] < EG)
-    t_ok = t < T
+    t, e, t_ok, e_ok, lg = _load_logits(logits_ptr, T, EG, G, s_lt, s_le, BLOCK_T, GP, EGP)
     ok = t_ok[:, None, None] & e_ok[None, :, :]
-    lg = _load_logits(logits_ptr, t, e, t_ok, e_ok, s_lt, s_le)
     s, lse, q = _scores(lg, SOFTMAX)
     ee = tl.broadcast_to(e[None, :, :], (BLOCK_T, GP, EGP))
 
@@ -345,11 +333,11 @@ def fused_router(
     ``prob_sums[s, e]`` the sum over its tokens of ``scores[t, e] / Σ_e scores[t, e]`` and
     ``z_sum`` the sum over tokens of ``logsumexp(logits[t])²``. Differentiable in ``logits``
     through ``topk_weights``, ``prob_sums`` and ``z_sum``."""
-    check_logits(logits, cfg)
+    router_output.check_logits(logits, cfg)
     if logits.dtype != torch.float32:
         raise ValueError(f"the fused router computes in float32: logits must be float32, "
                          f"got {logits.dtype}")
-    check_seq_len(logits.shape[0], seq_len)
+    router_output.check_seq_len(logits.shape[0], seq_len)
     if expert_bias is not None:
         if expert_bias.shape != (cfg.n_experts,):
             raise ValueError(f"expert_bias must be [n_experts={cfg.n_experts}], got "
@@ -364,7 +352,7 @@ def fused_router(
 
 def fused_route_from_logits(
     logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None,
-) -> RouterOutput:
+) -> router_output.RouterOutput:
     """`moe_lab.moe.router.route_from_logits`, fused: one kernel, then the losses from the
     ``[S, E]`` statistics. ``scores`` is ``None`` (never materialised). With no tokens the
     statistics are empty sums and every loss is 0 (the divisors are taken at least 1)."""
@@ -379,16 +367,16 @@ def fused_route_from_logits(
         seq_aux = (counts.float() * prob_sums).sum() * (
             n_experts / (seq_len * k * seq_len * n_seqs))
     z = z_sum.view(()) / tokens
-    return RouterOutput(ids, weights, None, logits, tokens_per_expert, aux, z, seq_aux)
+    return router_output.RouterOutput(ids, weights, None, logits, tokens_per_expert, aux, z, seq_aux)
 
 
 def fused_route(
     x: Tensor, gate_weight: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None,
     *, seq_len: int | None = None,
-) -> RouterOutput:
+) -> router_output.RouterOutput:
     """The gating matmul in float32, then the fused router (``ROUTER_IMPLS["triton"]``)."""
-    check_router_input(x, cfg)
-    require_fp32_router(cfg)
-    return fused_route_from_logits(gate_logits(x, gate_weight, torch.float32), cfg, expert_bias,
-                                   seq_len=seq_len)
+    router_output.check_router_input(x, cfg)
+    router_output.require_fp32_router(cfg)
+    logits = router_output.gate_logits(x, gate_weight, torch.float32)
+    return fused_route_from_logits(logits, cfg, expert_bias, seq_len=seq_len)
 

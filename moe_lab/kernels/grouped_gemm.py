@@ -34,20 +34,7 @@ from torch._subclasses import FakeTensor
 from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only, one_of
-from moe_lab.kernels.common import (
-    INTERPRETED,
-    cast_for_store,
-    check_device,
-    expert_tile_order,
-    gemm_k_loop,
-    kernel_op,
-    mma,
-    swiglu_epilogue,
-    swiglu_k_loop,
-    tile_order,
-    tile_rows,
-    tile_schedule,
-)
+from moe_lab.kernels import common
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import GPUArch, gpu_arch
 
@@ -72,23 +59,23 @@ def _grouped_gemm_kernel(
     # offsets: [E + 1] int32, on device. Grid: 1-D, `grouped_grid` over N.
     # 1. Which output tile: this program's (row tile, N tile) in the grouped order, then the
     #    expert (segment) whose rows the row tile covers, read from the device offsets.
-    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
-    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
+    tile_m, tile_n = common.tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = common.tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:  # past the last tile: no work
         return
     # 2. Its rows and columns, as int64 indices (every index that multiplies a stride is).
-    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = common.tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * s_ym + cols[None, :] * s_yn
     y_mask = row_ok[:, None] & (cols[None, :] < N)
     if seg == E:  # padding rows
-        tl.store(y_ptrs, cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr),
+        tl.store(y_ptrs, common.cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), y_ptr),
                  mask=y_mask)
         return
     # 3. The K loop of Triton's matmul tutorial (`gemm_k_loop`) against this expert's w[seg].
-    acc = gemm_k_loop(x_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
-                      s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
+    acc = common.gemm_k_loop(x_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, N, K,
+                             s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
     # 4. Rounded once to y's dtype, stored.
-    tl.store(y_ptrs, cast_for_store(acc, y_ptr), mask=y_mask)
+    tl.store(y_ptrs, common.cast_for_store(acc, y_ptr), mask=y_mask)
 
 
 @triton.jit
@@ -103,24 +90,24 @@ def _grouped_gemm_swiglu_kernel(
     # Forward: out = h = silu(x·Wg) ⊙ (x·Wu): [M, F] (dh unused).
     # Backward: dh: [M, F] in; out = d(pre-activation) = [dgate, dup]: [M, 2F].
     # Grid: 1-D, `grouped_grid` over F.
-    tile_m, tile_n = tile_order(F, BLOCK_N, GROUP_M)
-    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
+    tile_m, tile_n = common.tile_order(F, BLOCK_N, GROUP_M)
+    seg, row0, row_end = common.tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:
         return
-    rows, cols, row_ok = tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
+    rows, cols, row_ok = common.tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     mask = row_ok[:, None] & (cols[None, :] < F)
     out_ptrs = out_ptr + rows[:, None] * s_om + cols[None, :] * s_on
     up_out_ptrs = out_ptr + rows[:, None] * s_om + (cols + F)[None, :] * s_on  # backward: dup
     if seg == E:  # padding rows
-        zero = cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), out_ptr)
+        zero = common.cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), out_ptr)
         tl.store(out_ptrs, zero, mask=mask)
         if BACKWARD:
             tl.store(up_out_ptrs, zero, mask=mask)
         return
-    gate, up = swiglu_k_loop(x_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, F, K,
-                             s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
-    swiglu_epilogue(gate, up, out_ptr, out_ptrs, up_out_ptrs,
-                    dh_ptr + rows[:, None] * s_dm + cols[None, :] * s_dn, mask, BACKWARD)
+    gate, up = common.swiglu_k_loop(x_ptr, rows, row_ok, w_ptr + seg.to(tl.int64) * s_we, cols, F, K,
+                                    s_xm, s_xk, s_wk, s_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_BF16)
+    common.swiglu_epilogue(gate, up, out_ptr, out_ptrs, up_out_ptrs,
+                           dh_ptr + rows[:, None] * s_dm + cols[None, :] * s_dn, mask, BACKWARD)
 
 
 @triton.jit
@@ -133,7 +120,7 @@ def _grouped_gemm_dw_kernel(
 ):
     # x: [M, K]; dy: [M, N]; dw: [E, K, N], dw[e] = x[rows of e]ᵀ · dy[rows of e];
     # offsets: [E + 1] int32, on device. Grid: expert_grid, in expert_tile_order.
-    e, tile_k, tile_n = expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)
+    e, tile_k, tile_n = common.expert_tile_order(K, N, BLOCK_K, BLOCK_N, GROUP_K)
     start = tl.minimum(tl.maximum(tl.load(offsets_ptr + e), 0), M_ROWS)
     end = tl.minimum(tl.maximum(tl.load(offsets_ptr + e + 1), start), M_ROWS)
     ks = (tile_k * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
@@ -146,9 +133,9 @@ def _grouped_gemm_dw_kernel(
                     mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
         g = tl.load(dy_ptr + rows[:, None] * s_ym + ns[None, :] * s_yn,
                     mask=row_ok[:, None] & (ns[None, :] < N), other=0.0)
-        acc = mma(acc, tl.trans(a), g, DOT_BF16)
+        acc = common.mma(acc, tl.trans(a), g, DOT_BF16)
     dw_ptrs = dw_ptr + e.to(tl.int64) * s_we + ks[:, None] * s_wk + ns[None, :] * s_wn
-    tl.store(dw_ptrs, cast_for_store(acc, dw_ptr), mask=(ks[:, None] < K) & (ns[None, :] < N))
+    tl.store(dw_ptrs, common.cast_for_store(acc, dw_ptr), mask=(ks[:, None] < K) & (ns[None, :] < N))
 
 
 # --------------------------------------------------------------------------------------
@@ -204,6 +191,11 @@ MANY_ROWS = 512
 # From this many output columns on, a 128-wide tile is chosen: each loaded x tile then
 # feeds twice the columns.
 WIDE_N = 1024
+# `choose_config`'s rule as tables of positions in `TILE_SPACE`: float32's config per kernel;
+# bfloat16's by (kernel, ``n >= WIDE_N`` for "gemm") as (few, many) routed rows per expert.
+FP32_PICK = {"gemm": 0, "swiglu": 2, "dw": 0}
+BF16_PICK = {("gemm", False): (0, 3), ("gemm", True): (1, 2),
+             ("swiglu", False): (0, 1), ("dw", False): (1, 2)}
 #: Configs applied explicitly, by kernel name (``FORCED["gemm"] = config``): the tuner times
 #: each config through the real op this way (`moe_lab.workbench.measure.autotune.forcing`), and
 #: a GPU's tuned winner is applied the same way by whoever measured it. Empty: the rule decides.
@@ -226,19 +218,11 @@ def choose_config(kernel: str, m: int, n: int, k: int, n_experts: int,
     8 warps when ``r >= MANY_ROWS`` and otherwise the 64-deep one. ``k`` does not enter the
     rule: every config streams K in steps.
     """
-    space = TILE_SPACE[kernel]
-    many_rows = m // max(1, n_experts) >= MANY_ROWS
-    if kernel == "gemm":
-        if dtype == torch.float32:
-            return space[0]
-        if n >= WIDE_N:
-            return space[2 if many_rows else 1]
-        return space[3 if many_rows else 0]
-    if kernel == "swiglu":
-        return space[2] if dtype == torch.float32 else space[1 if many_rows else 0]
     if dtype == torch.float32:
-        return space[0]
-    return space[2 if many_rows else 1]
+        return TILE_SPACE[kernel][FP32_PICK[kernel]]
+    many_rows = m // max(1, n_experts) >= MANY_ROWS
+    wide = kernel == "gemm" and n >= WIDE_N
+    return TILE_SPACE[kernel][BF16_PICK[kernel, wide][many_rows]]
 
 
 def tile_group(m: int, n_experts: int, block_m: int) -> int:
@@ -324,8 +308,8 @@ def launch(kernel: object, cfg: LaunchConfig, m: int, n: int, k: int, n_experts:
         grid = grouped_grid(m, n_experts, n, b["BLOCK_M"], b["BLOCK_N"])
         group_m = cfg.group_m or tile_group(m, n_experts, b["BLOCK_M"])
         order = {"GROUP_M": group_m, "BLOCK_E": block_e(n_experts)}
-    kernel[grid](*args, **flags, **b, **order, DOT_BF16=dot_bf16(dtype, INTERPRETED), num_warps=cfg.num_warps,
-                 num_stages=cfg.num_stages)
+    kernel[grid](*args, **flags, **b, **order, DOT_BF16=dot_bf16(dtype, common.INTERPRETED),
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 # --------------------------------------------------------------------------------------
@@ -333,40 +317,40 @@ def launch(kernel: object, cfg: LaunchConfig, m: int, n: int, k: int, n_experts:
 # --------------------------------------------------------------------------------------
 
 
-@kernel_op("grouped_gemm")
+@common.kernel_op("grouped_gemm")
 def grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n and not isinstance(x, FakeTensor):
-        cfg = launch_config("gemm", m, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
+        cfg = launch_config("gemm", m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype,
                             device=x.device)
         launch(_grouped_gemm_kernel, cfg, m, n, k, n_experts, x.dtype,
                x, w, y, offsets, m, n, k, n_experts, *x.stride(), *w.stride(), *y.stride())
     return y
 
 
-@kernel_op("grouped_gemm_dw")
+@common.kernel_op("grouped_gemm_dw")
 def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
     m, k, n, n_experts = x.shape[0], x.shape[1], dy.shape[1], offsets.shape[0] - 1
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
     if k and n and not isinstance(x, FakeTensor):
-        cfg = launch_config("dw", m, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype,
+        cfg = launch_config("dw", m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype,
                             device=x.device)
         launch(_grouped_gemm_dw_kernel, cfg, m, n, k, n_experts, x.dtype,
                x, dy, dw, offsets, m, n, k, *x.stride(), *dy.stride(), *dw.stride(), dw=True)
     return dw
 
 
-@kernel_op("grouped_gemm_swiglu")
+@common.kernel_op("grouped_gemm_swiglu")
 def grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, dh: Tensor | None = None) -> Tensor:
     """The forward ``h: [M, F]``; given ``dh`` (the backward), ``[dgate, dup]: [M, 2F]``."""
     m, k = x.shape
     n_experts, f = w.shape[0], w.shape[2] // 2
     out = torch.empty((m, f if dh is None else 2 * f), dtype=x.dtype, device=x.device)
     if m and f and not isinstance(x, FakeTensor):
-        cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=INTERPRETED,
-                            dtype=x.dtype, device=x.device)
+        cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype,
+                            device=x.device)
         dh_arg = out if dh is None else dh  # unused by the forward
         launch(_grouped_gemm_swiglu_kernel, cfg, m, f, k, n_experts, x.dtype,
                x, w, out, dh_arg, offsets, m, f, k, n_experts, *x.stride(), *w.stride(), *out.stride(),
@@ -425,11 +409,9 @@ def check_operands(x: Tensor, w: Tensor, offsets: Tensor, w_name: str) -> None:
     if w.dtype != x.dtype:
         raise ValueError(f"{w_name}.dtype must equal x.dtype = {x.dtype}, got {w.dtype}")
     if offsets.dtype != torch.int32 or tuple(offsets.shape) != (w.shape[0] + 1,):
-        raise ValueError(
-            f"offsets must be [E + 1 = {w.shape[0] + 1}] int32, "
-            f"got shape {tuple(offsets.shape)} {offsets.dtype}"
-        )
-    check_device("x", x.device, **{w_name: w, "offsets": offsets})
+        raise ValueError(f"offsets must be [E + 1 = {w.shape[0] + 1}] int32, "
+                         f"got shape {tuple(offsets.shape)} {offsets.dtype}")
+    common.check_device("x", x.device, **{w_name: w, "offsets": offsets})
 
 
 def grouped_gemm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
@@ -461,9 +443,8 @@ def grouped_gemm_swiglu(x: Tensor, w_gate_up: Tensor, offsets: Tensor) -> Tensor
     """
     check_operands(x, w_gate_up, offsets, "w_gate_up")
     if w_gate_up.shape[2] % 2:
-        raise ValueError(
-            f"w_gate_up must be [E, K, 2F] (an even last dim), got shape {tuple(w_gate_up.shape)}"
-        )
+        raise ValueError(f"w_gate_up must be [E, K, 2F] (an even last dim), "
+                         f"got shape {tuple(w_gate_up.shape)}")
     return grouped_gemm_swiglu_op(x, w_gate_up, offsets.contiguous())
 
 

@@ -50,16 +50,9 @@ import triton.language as tl
 from torch._subclasses import FakeTensor
 
 from moe_lab.checks import first_derivative_only
+from moe_lab.kernels import common
 from moe_lab.kernels import grouped_gemm as gg
-from moe_lab.kernels.common import (
-    INTERPRETED,
-    cast_for_store,
-    check_device,
-    grouped_tile,
-    kernel_op,
-    mma,
-)
-from moe_lab.kernels.grouped_gemm import block_e, dot_bf16, tile_group
+from moe_lab.kernels.common import INTERPRETED, check_device, kernel_op
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import gpu_arch
 
@@ -91,7 +84,7 @@ def _tma_grouped_gemm_kernel(
     k_steps = tl.cdiv(K, BLOCK_K)
     for t in tl.range(tl.program_id(0), n_row_tiles * n_col_tiles, tl.num_programs(0),
                       warp_specialize=WARP_SPECIALIZE):
-        r, c = grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M)
+        r, c = common.grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M)
         seg = tl.sum((last <= r).to(tl.int32), 0)
         here = s == seg
         row0 = tl.sum(tl.where(here, start + (r - last + seg_tiles) * BLOCK_M, 0), 0)
@@ -102,11 +95,9 @@ def _tma_grouped_gemm_kernel(
         x_desc = tl.make_tensor_descriptor(x_ptr, [row_end, K], [s_xm, 1], [BLOCK_M, BLOCK_K])
         y_desc = tl.make_tensor_descriptor(y_ptr, [row_end, N], [s_ym, 1], [BLOCK_M, BLOCK_N])
         if TRANS_W:
-            w_desc = tl.make_tensor_descriptor(w_ptr + expert * s_we, [N, K], [s_wr, 1],
-                                               [BLOCK_N, BLOCK_K])
+            w_desc = tl.make_tensor_descriptor(w_ptr + expert * s_we, [N, K], [s_wr, 1], [BLOCK_N, BLOCK_K])
         else:
-            w_desc = tl.make_tensor_descriptor(w_ptr + expert * s_we, [K, N], [s_wr, 1],
-                                               [BLOCK_K, BLOCK_N])
+            w_desc = tl.make_tensor_descriptor(w_ptr + expert * s_we, [K, N], [s_wr, 1], [BLOCK_K, BLOCK_N])
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for kk in range(0, k_steps):
             a = x_desc.load([row0, k_skip + kk * BLOCK_K])
@@ -114,8 +105,8 @@ def _tma_grouped_gemm_kernel(
                 b = tl.trans(w_desc.load([col0, kk * BLOCK_K]))
             else:
                 b = w_desc.load([kk * BLOCK_K, col0])
-            acc = mma(acc, a, b, DOT_BF16)
-        y_desc.store([row0, col0], cast_for_store(acc, y_ptr))
+            acc = common.mma(acc, a, b, DOT_BF16)
+        y_desc.store([row0, col0], common.cast_for_store(acc, y_ptr))
 
 
 # --------------------------------------------------------------------------------------
@@ -152,10 +143,8 @@ def default_programs(device: torch.device) -> int:
 @contextlib.contextmanager
 def _descriptor_scratch(device: torch.device) -> Iterator[None]:
     """Device-side descriptors live in a global scratch buffer Triton asks an allocator for
-    (``triton.set_allocator``); for one launch on CUDA, torch allocates it (put back after)."""
-    if device.type != "cuda":
-        yield
-        return
+    (``triton.set_allocator``); for one launch, torch allocates it on ``device`` (the allocator
+    in place before is put back after; the interpreter never asks)."""
     from triton.runtime import _allocation
 
     token = _allocation._allocator.set(
@@ -181,10 +170,9 @@ def _tma_ready(t: Tensor, swap: bool = False) -> tuple[Tensor, bool]:
 def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if not k:  # no reduction (and a TMA tensor has no empty dimension): zeros
-        y.zero_()
-    elif m and n and not isinstance(x, FakeTensor):
+    # No reduction (and a TMA tensor has no empty dimension): zeros.
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device) if k else x.new_zeros((m, n))
+    if k and m and n and not isinstance(x, FakeTensor):
         x, (stored, trans) = _tma_ready(x)[0], _tma_ready(w, swap=True)  # trans: stored [E, N, K]
         cfg = launch_config(m, n, k, n_experts, interpreted=INTERPRETED, dtype=x.dtype)
         b = cfg.blocks  # at most cdiv(m, BLOCK_M) + E row tiles: a static bound on the list
@@ -194,9 +182,8 @@ def _grouped_gemm_tma_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
             _tma_grouped_gemm_kernel[grid](
                 x, stored, y, offsets, m, n, k, n_experts,
                 x.stride(0), stored.stride(0), stored.stride(1), y.stride(0),
-                **cfg.blocks, BLOCK_E=block_e(n_experts),
-                GROUP_M=tile_group(m, n_experts, b["BLOCK_M"]), TRANS_W=trans,
-                DOT_BF16=dot_bf16(x.dtype, INTERPRETED),
+                **b, BLOCK_E=gg.block_e(n_experts), GROUP_M=gg.tile_group(m, n_experts, b["BLOCK_M"]),
+                TRANS_W=trans, DOT_BF16=gg.dot_bf16(x.dtype, INTERPRETED),
                 WARP_SPECIALIZE=warp_specialized(x.device),  # the interpreter ignores it
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
@@ -212,11 +199,8 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Ten
     """``dX`` by this kernel on ``Wᵀ``, ``dW`` by the grouped dW kernel of
     `moe_lab.kernels.grouped_gemm`."""
     x, w, offsets = ctx.saved_tensors
-    dx = dw = None
-    if ctx.needs_input_grad[0]:
-        dx = _grouped_gemm_tma_op(dy, w.transpose(1, 2), offsets)
-    if ctx.needs_input_grad[1]:
-        dw = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets)
+    dx = _grouped_gemm_tma_op(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+    dw = torch.ops.moe_lab.grouped_gemm_dw(x, dy, offsets) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
 

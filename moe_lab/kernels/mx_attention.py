@@ -28,7 +28,7 @@ import triton.language as tl
 from moe_lab.checks import one_of
 from moe_lab.kernels.common import INTERPRETED
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.kernels.mx_gemm import check_mma, e4m3_to_fp32, e8m0_to_fp32, mx_dot, mx_mma_mode
+from moe_lab.kernels.mx_gemm import check_mma, e4m3_to_fp32, e8m0_to_fp32, mx_dot
 from moe_lab.kernels.mx_quantize import mx_block_codes, mx_quantize
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, SCALE_MODES, MXTensor, padded_size
 
@@ -134,16 +134,6 @@ def _mx_attention_fwd_kernel(
     tl.store(o_ptr + offs_m[:, None] * s_ot + offs_d[None, :] * s_od, out, mask=o_ok)
 
 
-def _check_mx(name: str, mx: MXTensor, dim: int) -> None:
-    if not isinstance(mx, MXTensor):
-        raise TypeError(f"{name} must be an MXTensor, got {type(mx).__name__}")
-    if mx.elem_dtype != E4M3 or mx.block_size != BLOCK_SIZE or len(mx.shape) != 4 or mx.dim != dim:
-        raise ValueError(
-            f"{name} must be a [batch, heads, seq, head_dim] MXFP8 E4M3 MXTensor (block_size {BLOCK_SIZE}) "
-            f"blocked along dim {dim}, got {mx.elem_dtype} (block_size {mx.block_size}) of shape "
-            f"{tuple(mx.shape)} blocked along dim {mx.dim}")
-
-
 def mode_constexprs(quantize_p: bool, scale_mode: str, mma: str) -> dict[str, object]:
     """The kernel's constexprs besides the tile. ``MX_MMA`` (``mma``): the MXFP8 products
     through ``tl.dot_scaled`` (sm_100), FP8 ``wgmma`` per 32-wide block (sm_90) or decomposed
@@ -173,39 +163,13 @@ def launch_config(t_q: int, t_k: int, d: int, interpreted: bool, mma: str = "sca
     if interpreted:
         block_n = min(128, max(32, triton.next_power_of_2(t_k)))
         block_m = min(block_n, max(16, triton.next_power_of_2(t_q)))
-        return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": block_n, **head}, num_warps=4,
-                            num_stages=1)
+        return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": block_n, **head}, num_warps=4, num_stages=1)
     block_m = 64 if mma in ("fp8_promote", "bf16") else 128
     return LaunchConfig({"BLOCK_M": block_m, "BLOCK_N": BLOCK_SIZE, **head}, num_warps=8, num_stages=3)
 
 
-def _check_qkv(q: MXTensor, k: MXTensor, v: MXTensor, scale_mode: str) -> None:
-    """`mx_attention_forward`'s door: the operands' blocking, shapes and heads (their device:
-    `moe_lab.kernels.mx_gemm.check_mma`)."""
-    _check_mx("q", q, 3)
-    _check_mx("k", k, 3)
-    _check_mx("v", v, 2)
-    one_of(scale_mode, "scale_mode", SCALE_MODES)
-    bq, h, t_q, d = q.shape
-    bk, h_kv, t_k, dk = k.shape
-    if (bk, dk) != (bq, d) or tuple(v.shape) != tuple(k.shape):
-        raise ValueError(
-            f"q, k, v must agree: q [B, H, T_q, d], k and v [B, H_kv, T_k, d]; got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if h % h_kv:
-        raise ValueError(f"k heads ({h_kv}) must divide q heads ({h})")
-    if t_q > t_k:
-        raise ValueError(f"T_q = {t_q} must be <= T_k = {t_k} (causal: every query sees a key)")
-
-
 def mx_attention_forward(
-    q: MXTensor,
-    k: MXTensor,
-    v: MXTensor,
-    *,
-    quantize_p: bool = True,
-    scale_mode: str = "rceil",
+    q: MXTensor, k: MXTensor, v: MXTensor, *, quantize_p: bool = True, scale_mode: str = "rceil",
     mma: str | None = None,
 ) -> Tensor:
     """Causal attention ``softmax(QKᵀ/√d)·V`` on MXFP8 operands, one flash-attention pass.
@@ -224,27 +188,39 @@ def mx_attention_forward(
     Returns:
         ``[B, H, T_q, d]`` float32, on q's device.
     """
-    _check_qkv(q, k, v, scale_mode)
+    for name, mx, dim in (("q", q, 3), ("k", k, 3), ("v", v, 2)):
+        if not isinstance(mx, MXTensor):
+            raise TypeError(f"{name} must be an MXTensor, got {type(mx).__name__}")
+        if mx.elem_dtype != E4M3 or mx.block_size != BLOCK_SIZE or len(mx.shape) != 4 or mx.dim != dim:
+            raise ValueError(
+                f"{name} must be a [batch, heads, seq, head_dim] MXFP8 E4M3 MXTensor (block_size "
+                f"{BLOCK_SIZE}) blocked along dim {dim}, got {mx.elem_dtype} (block_size {mx.block_size}) "
+                f"of shape {tuple(mx.shape)} blocked along dim {mx.dim}")
+    one_of(scale_mode, "scale_mode", SCALE_MODES)
     bq, h, t_q, d = q.shape
-    h_kv, t_k = k.shape[1], k.shape[2]
+    bk, h_kv, t_k, dk = k.shape
+    if (bk, dk) != (bq, d) or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(
+            f"q, k, v must agree: q [B, H, T_q, d], k and v [B, H_kv, T_k, d]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if h % h_kv:
+        raise ValueError(f"k heads ({h_kv}) must divide q heads ({h})")
+    if t_q > t_k:
+        raise ValueError(f"T_q = {t_q} must be <= T_k = {t_k} (causal: every query sees a key)")
     device = q.data.device
-    check_mma("q", device, mma, k=k.data, v=v.data)
+    mma = check_mma("q", device, mma, k=k.data, v=v.data)
     out = torch.empty((bq, h, t_q, d), dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out
-    t_k_pad = v.data.shape[2]
-    mma = mma or mx_mma_mode(INTERPRETED, device)
     cfg = launch_config(t_q, t_k, d, INTERPRETED, mma)
-    u8 = torch.uint8
-    qd, qs = q.data.view(u8), q.scale.view(u8)
-    kd, ks = k.data.view(u8), k.scale.view(u8)
-    vd, vs = v.data.view(u8), v.scale.view(u8)
+    # Codes and scale bytes of q, k, v, then the output: the kernel's pointers and strides.
+    tensors = [t.view(torch.uint8) for mx in (q, k, v) for t in (mx.data, mx.scale)] + [out]
     grid = (triton.cdiv(t_q, cfg.blocks["BLOCK_M"]), bq * h)
     _mx_attention_fwd_kernel[grid](
-        qd, qs, kd, ks, vd, vs, out,
-        h, h // h_kv, t_q, t_k, t_k_pad, d, padded_size(d), LOG2E / math.sqrt(d),
-        *qd.stride(), *qs.stride(), *kd.stride(), *ks.stride(),
-        *vd.stride(), *vs.stride(), *out.stride(),
+        *tensors,
+        h, h // h_kv, t_q, t_k, v.data.shape[2], d, padded_size(d), LOG2E / math.sqrt(d),
+        *[stride for t in tensors for stride in t.stride()],
         **mode_constexprs(quantize_p, scale_mode, mma),
         **cfg.blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -266,8 +242,7 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
         row, col = mx_quantize(x.reshape(b * h, t, d), rowwise=dim == 3, colwise=dim == 2,
                                scale_mode=scale_mode, pad=True)
         mx = row if dim == 3 else col
-        data, scale = mx.data, mx.scale
-        return MXTensor(data.reshape(b, h, *data.shape[1:]), scale.reshape(b, h, *scale.shape[1:]),
-                        E4M3, BLOCK_SIZE, dim, x.shape, scale_mode)
+        return MXTensor(mx.data.unflatten(0, (b, h)), mx.scale.unflatten(0, (b, h)), E4M3, BLOCK_SIZE, dim,
+                        x.shape, scale_mode)
 
     return blocked("q", q, 3), blocked("k", k, 3), blocked("v", v, 2)

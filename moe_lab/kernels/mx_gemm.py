@@ -29,14 +29,8 @@ import triton
 import triton.language as tl
 
 from moe_lab.checks import one_of
-from moe_lab.kernels.common import (
-    INTERPRETED,
-    cast_for_store,
-    check_device,
-    dense_group,
-    tile_order,
-    tile_schedule,
-)
+from moe_lab.kernels import common
+from moe_lab.kernels.common import INTERPRETED, check_device, dense_group
 from moe_lab.kernels.grouped_gemm import block_e, grouped_grid, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import MX_MMA_NEEDS, gpu_arch, mx_mma_of
@@ -80,22 +74,22 @@ def mx_mma_mode(interpreted: bool, device: torch.device | None = None) -> str:
     tensor cores (sm_89, sm_90: an FP8 MMA per 32-wide K block, scales applied in fp32
     registers), ``"bf16"`` below (sm_80, sm_86: the operands decoded to bf16, one bf16 MMA);
     ``"emulate"`` under Triton's interpreter."""
-    if interpreted:
-        return "emulate"
-    return mx_mma_of(gpu_arch(torch.cuda.get_device_capability(device)))
+    return "emulate" if interpreted else mx_mma_of(gpu_arch(torch.cuda.get_device_capability(device)))
 
 
 
-def check_mma(name: str, device: torch.device, mma: str | None, **others: Tensor) -> None:
+def check_mma(name: str, device: torch.device, mma: str | None, **others: Tensor | None) -> str:
     """`check_device` for a wrapper's operand ``name`` (and ``others`` on its device), and a forced
     ``mma`` (one of `MX_MMAS`) this device runs: the GPU has what it needs; ``"bf16"`` runs
-    compiled only (the interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers)."""
+    compiled only (the interpreter's ``tl.dot`` multiplies bf16 bit patterns as integers).
+    Returns the MMA to run: ``mma``, or `mx_mma_mode`'s where it is ``None``."""
     if mma is not None:
         one_of(mma, "mma", MX_MMAS)
         if mma == "bf16" and INTERPRETED:
             raise ValueError("mma='bf16' runs compiled only: the interpreter's tl.dot multiplies bf16 "
                              "bit patterns as integers (use 'emulate')")
     check_device(name, device, MX_MMA_NEEDS.get(mma, "bf16_mma"), f"mma={mma!r}", **others)
+    return mma or mx_mma_mode(INTERPRETED, device)
 
 
 @triton.jit
@@ -160,8 +154,7 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
                             b.to(tl.float8e4nv, bitcast=True), b_scale, "e4m3", acc)
     elif MX_MMA == "fp8_promote":
         acc = _promote(a, a_scale, tl.trans(b), b_scale, acc, M, N, K)
-    else:
-        tl.static_assert((MX_MMA == "emulate") | (MX_MMA == "bf16"), "MX_MMA must be one of MX_MMAS")
+    else:  # "emulate" or "bf16"
         # [M, K] -> [M, K/32, 32] times [M, K/32, 1] -> [M, K]; b likewise as [N, K].
         a_f = tl.reshape(tl.reshape(e4m3_to_fp32(a), (M, K // 32, 32))
                          * e8m0_to_fp32(a_scale)[:, :, None], (M, K))
@@ -175,12 +168,12 @@ def mx_dot(a, a_scale, b, b_scale, acc, M: tl.constexpr, N: tl.constexpr, K: tl.
 
 
 @triton.jit
-def _mx_k_loop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm, rn, m_in, n_in, K,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX_MMA: tl.constexpr):
-    """``dequant(a[rm]) · dequant(b[rn])ᵀ`` over the whole of K, one `mx_dot` per ``BLOCK_K``
-    step: rows ``rm`` of ``a: [M, K]`` and ``rn`` of ``b: [N, K]`` (int64, masked by ``m_in``,
-    ``n_in``), their scale bytes ``[rows, K/32]``. Masked codes and scale bytes read as 0: a zero
-    element contributes nothing."""
+def _mx_tile(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, rm, rn, m_in, n_in, N, K,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MX_MMA: tl.constexpr):
+    """``c[rm, rn] = dequant(a[rm]) · dequant(b[rn])ᵀ`` over the whole of K, one `mx_dot` per
+    ``BLOCK_K`` step: rows ``rm`` of ``a: [M, K]`` and ``rn`` of ``b: [N, K]`` (int64, masked by
+    ``m_in``, ``n_in``), their scale bytes ``[rows, K/32]``, ``c: [M, N]``. Masked codes and scale
+    bytes read as 0: a zero element contributes nothing."""
     rk = tl.arange(0, BLOCK_K)
     rs = tl.arange(0, BLOCK_K // 32)
     n_scales = K // 32
@@ -194,7 +187,8 @@ def _mx_k_loop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm, rn, m_in, n_in, K,
         b_s = tl.load(b_scale_ptr + rn[:, None] * n_scales + ss[None, :],
                       mask=n_in[:, None] & (ss < n_scales)[None, :], other=0)  # [BLOCK_N, BLOCK_K/32]
         acc = mx_dot(a, a_s, b, b_s, acc, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
-    return acc
+    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
+    tl.store(c_ptrs, common.cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
 
 
 @triton.jit
@@ -205,15 +199,11 @@ def _mx_gemm_kernel(
     MX_MMA: tl.constexpr,
 ):
     # Grid: 1-D, cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) programs in grouped order (`tile_order`).
-    pid_m, pid_n = tile_order(N, BLOCK_N, GROUP_M)
+    pid_m, pid_n = common.tile_order(N, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_in, n_in = rm < M, rn < N
-    rm64, rn64 = rm.to(tl.int64), rn.to(tl.int64)
-    acc = _mx_k_loop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm64, rn64, m_in, n_in, K,
-                     BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
-    c_ptrs = c_ptr + rm64[:, None] * N + rn64[None, :]
-    tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
+    _mx_tile(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, rm.to(tl.int64), rn.to(tl.int64), rm < M,
+             rn < N, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
 
 
 @triton.jit
@@ -227,23 +217,18 @@ def _grouped_mx_gemm_kernel(
     # a: u8 [M_ROWS, K] rows grouped by expert (offsets: [E + 1] int32), a_scale: u8 [M_ROWS, K/32];
     # b: u8 [E, N, K] (each expert's weight [out, in]), b_scale: u8 [E, N, K/32]; c: [M_ROWS, N].
     # Grid: 1-D, `grouped_grid` over N; tiles as the grouped GEMM's.
-    tile_m, tile_n = tile_order(N, BLOCK_N, GROUP_M)
-    seg, row0, row_end = tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
+    tile_m, tile_n = common.tile_order(N, BLOCK_N, GROUP_M)
+    seg, row0, row_end = common.tile_schedule(offsets_ptr, tile_m, E, M_ROWS, BLOCK_M, BLOCK_E)
     if seg > E:  # past the last tile: no work
         return
-    rm = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-    rn = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    m_in, n_in = rm < row_end, rn < N
-    c_ptrs = c_ptr + rm[:, None] * N + rn[None, :]
+    rm, rn, m_in = common.tile_rows(row0, row_end, tile_n, BLOCK_M, BLOCK_N)
     if seg == E:  # rows past the last expert's: zeros
-        tl.store(c_ptrs, cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), c_ptr),
-                 mask=m_in[:, None] & n_in[None, :])
+        zeros = common.cast_for_store(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), c_ptr)
+        tl.store(c_ptr + rm[:, None] * N + rn[None, :], zeros, mask=m_in[:, None] & (rn < N)[None, :])
         return
-    b_ptr += seg.to(tl.int64) * N * K
-    b_scale_ptr += seg.to(tl.int64) * N * (K // 32)
-    acc = _mx_k_loop(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, rm, rn, m_in, n_in, K,
-                     BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
-    tl.store(c_ptrs, cast_for_store(acc, c_ptr), mask=m_in[:, None] & n_in[None, :])
+    expert = seg.to(tl.int64)
+    _mx_tile(a_ptr, a_scale_ptr, b_ptr + expert * N * K, b_scale_ptr + expert * N * (K // 32), c_ptr,
+             rm, rn, m_in, rn < N, N, K, BLOCK_M, BLOCK_N, BLOCK_K, MX_MMA)
 
 
 def launch_config(m: int, n: int, k: int, interpreted: bool, mma: str = "scaled") -> LaunchConfig:
@@ -264,7 +249,7 @@ def launch_config(m: int, n: int, k: int, interpreted: bool, mma: str = "scaled"
     return LaunchConfig({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)
 
 
-def _check_operand(name: str, codes: Tensor, scales: Tensor, shape: str = "[rows, K]") -> None:
+def _check_operand(name: str, codes: Tensor, scales: Tensor, shape: str) -> None:
     """``codes``: E4M3 of ``shape`` (``[rows, K]``, or a grouped weight's ``[E, N, K]``), K a
     positive multiple of 32; ``scales``: their E8M0 bytes, one per 32 along K."""
     if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
@@ -284,17 +269,38 @@ def _check_operand(name: str, codes: Tensor, scales: Tensor, shape: str = "[rows
                          f"{BLOCK_SIZE} elements of {name}'s rows), got {tuple(scales.shape)}")
 
 
-def _checked_output(out_dtype: torch.dtype, mma: str | None, n: int, **tensors: Tensor) -> tuple[Tensor, str]:
-    """What both wrappers check once their operands are checked (``a`` and ``b`` share K,
-    ``out_dtype``, ``tensors`` on ``a``'s device, ``mma``); returns the empty ``[M, n]`` output and
-    the MMA to run."""
-    a, b = tensors.pop("a"), tensors["b"]
-    if a.shape[1] != b.shape[-1]:
+def _mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offsets: Tensor | None,
+             out_dtype: torch.dtype, mma: str | None) -> Tensor:
+    """Both wrappers' door and launch: `mx_gemm` without ``offsets``, `grouped_mx_gemm` with."""
+    grouped = offsets is not None
+    _check_operand("a", a, a_scale, "[rows, K]")
+    _check_operand("b", b, b_scale, "[E, N, K]" if grouped else "[rows, K]")
+    (m, k), n = a.shape, b.shape[-2]
+    n_experts = b.shape[0] if grouped else 0
+    if grouped and (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32
+                    or tuple(offsets.shape) != (n_experts + 1,)):
+        raise ValueError(f"offsets must be an int32 tensor of shape ({n_experts + 1},) (one more than "
+                         f"b's experts), got {getattr(offsets, 'dtype', None)} "
+                         f"{tuple(getattr(offsets, 'shape', ()))}")
+    if k != b.shape[-1]:
         raise ValueError(f"a and b must share K, got a {tuple(a.shape)} and b {tuple(b.shape)}")
     one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    check_mma("a", a.device, mma, **tensors)
-    c = torch.empty((a.shape[0], n), dtype=out_dtype, device=a.device)
-    return c, mma or mx_mma_mode(INTERPRETED, a.device)
+    mma = check_mma("a", a.device, mma, a_scale=a_scale, b=b, b_scale=b_scale, offsets=offsets)
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    cfg = launch_config(m, n, k, INTERPRETED, mma)
+    block_m = cfg.blocks["BLOCK_M"]
+    grid = grouped_grid(m, n_experts, n, block_m, cfg.blocks["BLOCK_N"])
+    operands = [t.contiguous().view(torch.uint8) for t in (a, a_scale, b, b_scale)]
+    tiles = {**cfg.blocks, "MX_MMA": mma, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if grouped:
+        _grouped_mx_gemm_kernel[grid](*operands, c, offsets.contiguous(), m, n, k, n_experts,
+                                      GROUP_M=tile_group(m, n_experts, block_m), BLOCK_E=block_e(n_experts),
+                                      **tiles)
+    else:
+        _mx_gemm_kernel[grid](*operands, c, m, n, k, GROUP_M=dense_group(m, k, block_m, 1), **tiles)
+    return c
 
 
 def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
@@ -313,21 +319,7 @@ def mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
     Returns ``[M, N]`` ``out_dtype``. Compiled through ``tl.dot_scaled`` on sm_100, FP8
     ``wgmma`` per K block on sm_90; under ``TRITON_INTERPRET=1`` the emulated path.
     """
-    _check_operand("a", a, a_scale)
-    _check_operand("b", b, b_scale)
-    c, mma = _checked_output(out_dtype, mma, b.shape[0], a=a, a_scale=a_scale, b=b, b_scale=b_scale)
-    (m, k), n = a.shape, b.shape[0]
-    if m == 0 or n == 0:
-        return c
-    cfg = launch_config(m, n, k, INTERPRETED, mma)
-    grid = grouped_grid(m, 0, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
-    _mx_gemm_kernel[grid](
-        a.contiguous().view(torch.uint8), a_scale.contiguous().view(torch.uint8),
-        b.contiguous().view(torch.uint8), b_scale.contiguous().view(torch.uint8), c,
-        m, n, k, **cfg.blocks, GROUP_M=dense_group(m, k, cfg.blocks["BLOCK_M"], 1), MX_MMA=mma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return c
+    return _mx_gemm(a, a_scale, b, b_scale, None, out_dtype, mma)
 
 
 def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offsets: Tensor,
@@ -347,29 +339,7 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
     ``tcgen05.mma`` on Blackwell) or FP8 ``wgmma`` per K block (Hopper), interpreted
     through the emulated path.
     """
-    _check_operand("a", a, a_scale)
-    _check_operand("b", b, b_scale, "[E, N, K]")
-    n_experts, n, k = b.shape
-    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or tuple(offsets.shape) != (
-            n_experts + 1,):
-        raise ValueError(f"offsets must be an int32 tensor of shape ({n_experts + 1},) (one more than "
-                         f"b's experts), got {getattr(offsets, 'dtype', None)} "
-                         f"{tuple(getattr(offsets, 'shape', ()))}")
-    c, mma = _checked_output(out_dtype, mma, n, a=a, a_scale=a_scale, b=b, b_scale=b_scale, offsets=offsets)
-    m = a.shape[0]
-    if m == 0 or n == 0:
-        return c
-    cfg = launch_config(m, n, k, INTERPRETED, mma)
-    grid = grouped_grid(m, n_experts, n, cfg.blocks["BLOCK_M"], cfg.blocks["BLOCK_N"])
-    u8 = torch.uint8
-    _grouped_mx_gemm_kernel[grid](
-        a.contiguous().view(u8), a_scale.contiguous().view(u8), b.contiguous().view(u8),
-        b_scale.contiguous().view(u8), c, offsets.contiguous(), m, n, k, n_experts,
-        **cfg.blocks, GROUP_M=tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
-        BLOCK_E=block_e(n_experts), MX_MMA=mma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return c
+    return _mx_gemm(a, a_scale, b, b_scale, offsets, out_dtype, mma)
 
 
 # --------------------------------------------------------------------------------------
@@ -379,13 +349,12 @@ def grouped_mx_gemm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offs
 
 def grouped_mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor,
                               offsets: Tensor) -> Tensor:
-    """The definition, in float64, one expert at a time (reads ``offsets`` on the host)."""
-    bounds = [min(max(int(v), 0), a.shape[0]) for v in offsets.tolist()]
+    """The definition, in float64, one expert at a time (reads ``offsets`` on the host, clamped
+    into ``[0, M]`` as the kernel clamps them; a decreasing pair is an empty segment)."""
+    bounds = offsets.clamp(0, a.shape[0]).tolist()
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
-    for e in range(b.shape[0]):
-        lo, hi = bounds[e], max(bounds[e], bounds[e + 1])
-        if hi > lo:
-            out[lo:hi] = mx_gemm_reference(a[lo:hi], a_scale[lo:hi], b[e], b_scale[e])
+    for e, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        out[lo:hi] = mx_gemm_reference(a[lo:hi], a_scale[lo:hi], b[e], b_scale[e])
     return out
 
 

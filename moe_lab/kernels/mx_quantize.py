@@ -25,35 +25,10 @@ import triton.language as tl
 from moe_lab.checks import one_of
 from moe_lab.kernels.common import INTERPRETED, check_device
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.quant.mx import (
-    BLOCK_SIZE,
-    E4M3,
-    E8M0,
-    SCALE_MODES,
-    MXTensor,
-    elem_format,
-    padded_size,
-)
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, SCALE_MODES, MXTensor, elem_format, padded_size
 
 Tensor = torch.Tensor
 KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@triton.jit
-def mx_scale_byte(amax_bits, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr):
-    """Biased E8M0 scale (int32 0..255) from the int32 bits of a block's ``|x|`` maximum."""
-    exp_field = amax_bits >> 23
-    unbiased = exp_field - 127 - EMAX_POW2
-    if RCEIL:
-        # ceil(log2(amax / max_pos)): one binade up when amax's mantissa exceeds 1.75.
-        unbiased += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        # The one amax whose fp32 quotient amax/max_pos rounds down onto 2^-127.
-        unbiased = tl.where(amax_bits == ((EMAX_POW2 << 23) | 0x600000) + 1, -127, unbiased)
-    unbiased = tl.minimum(tl.maximum(unbiased, -127), 127)
-    biased = unbiased + 127
-    if RCEIL:
-        biased = tl.where(amax_bits == 0x7F800000, 254, biased)
-    return tl.where(amax_bits > 0x7F800000, 255, biased)
 
 
 @triton.jit
@@ -95,16 +70,35 @@ def fp8_code(bits, shift, nan_block, MBITS: tl.constexpr, BIAS: tl.constexpr,
 def mx_block_codes(bits, AXIS: tl.constexpr, EMAX_POW2: tl.constexpr, RCEIL: tl.constexpr,
                    MBITS: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, NAN_CODE: tl.constexpr):
     """``(codes, scales)`` (int32) of a 3-D tile of float32 bit patterns ``bits`` (int32) cut
-    into MX blocks of 32 along ``AXIS``: each block's E8M0 scale from its ``|x|`` maximum
-    (`mx_scale_byte`), each element's code `fp8_code` of ``x`` over the scale (a NaN scale: every
+    into MX blocks of 32 along ``AXIS``: each block's biased E8M0 scale (0..255) from the bits of
+    its ``|x|`` maximum, each element's code `fp8_code` of ``x`` over the scale (a NaN scale: every
     element NaN)."""
-    scale = mx_scale_byte(tl.max(bits & 0x7FFFFFFF, axis=AXIS), EMAX_POW2, RCEIL)
+    amax_bits = tl.max(bits & 0x7FFFFFFF, axis=AXIS)
+    unbiased = (amax_bits >> 23) - 127 - EMAX_POW2
+    if RCEIL:
+        # ceil(log2(amax / max_pos)): one binade up when amax's mantissa exceeds 1.75.
+        unbiased += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        # The one amax whose fp32 quotient amax/max_pos rounds down onto 2^-127.
+        unbiased = tl.where(amax_bits == ((EMAX_POW2 << 23) | 0x600000) + 1, -127, unbiased)
+        unbiased = tl.where(amax_bits == 0x7F800000, 127, unbiased)  # Inf: the largest scale
+    scale = tl.minimum(tl.maximum(unbiased, -127), 127) + 127
+    scale = tl.where(amax_bits > 0x7F800000, 255, scale)  # NaN
     shift = scale - 127
     if RCEIL:
         shift = tl.where(scale == 0, 0, shift)
     code = fp8_code(bits, tl.expand_dims(shift, AXIS), tl.expand_dims(scale == 255, AXIS),
                     MBITS, BIAS, MAX_CODE, NAN_CODE)
     return code, scale
+
+
+@triton.jit
+def _store_copy(code, scale, data_ptr, scale_ptr, b, r, c, cb, R, C_PAD, MX_BLOCK: tl.constexpr):
+    """Stores one MX copy of a tile, blocked along ``c``: the codes at ``[b, r, c]`` of
+    ``[B, R, C_PAD]``, the scales at ``[b, r, cb]`` of ``[B, R, C_PAD / 32]`` (``r``, ``c`` and ``cb``
+    broadcast to the codes' and the scales' tile shapes)."""
+    tl.store(data_ptr + (b * R + r) * C_PAD + c, code.to(tl.uint8), mask=(r < R) & (c < C_PAD))
+    n_scales = C_PAD // MX_BLOCK
+    tl.store(scale_ptr + (b * R + r) * n_scales + cb, scale.to(tl.uint8), mask=(r < R) & (cb < n_scales))
 
 
 @triton.jit
@@ -128,38 +122,25 @@ def _mx_quantize_kernel(
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     inside = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     ptrs = x_ptr + pid_b * stride_xb + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    bits = tl.load(ptrs, mask=inside, other=0).to(tl.int32)
     if IS_BF16:  # bf16 bits are the top half of the float32 bits
-        bits = tl.load(ptrs, mask=inside, other=0).to(tl.int32) << 16
-    else:
-        bits = tl.load(ptrs, mask=inside, other=0)
+        bits = bits << 16
 
     if ROWWISE:
         n_kb: tl.constexpr = BLOCK_K // MX_BLOCK
         code, scale = mx_block_codes(tl.reshape(bits, (BLOCK_M, n_kb, MX_BLOCK)), 2, EMAX_POW2, RCEIL,
                                      MBITS, BIAS, MAX_CODE, NAN_CODE)
-        code = tl.reshape(code, (BLOCK_M, BLOCK_K))
-        out_ok = (offs_m[:, None] < M) & (offs_k[None, :] < K_PAD)
-        out = row_data_ptr + (pid_b * M + offs_m[:, None]) * K_PAD + offs_k[None, :]
-        tl.store(out, code.to(tl.uint8), mask=out_ok)
         offs_kb = pid_k * n_kb + tl.arange(0, n_kb)
-        n_scales = K_PAD // MX_BLOCK
-        s_ok = (offs_m[:, None] < M) & (offs_kb[None, :] < n_scales)
-        s_out = row_scale_ptr + (pid_b * M + offs_m[:, None]) * n_scales + offs_kb[None, :]
-        tl.store(s_out, scale.to(tl.uint8), mask=s_ok)
+        _store_copy(tl.reshape(code, (BLOCK_M, BLOCK_K)), scale, row_data_ptr, row_scale_ptr, pid_b,
+                    offs_m[:, None], offs_k[None, :], offs_kb[None, :], M, K_PAD, MX_BLOCK)
 
-    if COLWISE:
+    if COLWISE:  # blocks along M, stored transposed: rows K, columns M_PAD
         n_mb: tl.constexpr = BLOCK_M // MX_BLOCK
         code, scale = mx_block_codes(tl.reshape(bits, (n_mb, MX_BLOCK, BLOCK_K)), 1, EMAX_POW2, RCEIL,
                                      MBITS, BIAS, MAX_CODE, NAN_CODE)
-        code = tl.reshape(code, (BLOCK_M, BLOCK_K))
-        out_ok = (offs_m[:, None] < M_PAD) & (offs_k[None, :] < K)
-        out = col_data_ptr + (pid_b * K + offs_k[None, :]) * M_PAD + offs_m[:, None]
-        tl.store(out, code.to(tl.uint8), mask=out_ok)
         offs_mb = pid_m * n_mb + tl.arange(0, n_mb)
-        n_scales = M_PAD // MX_BLOCK
-        s_ok = (offs_mb[:, None] < n_scales) & (offs_k[None, :] < K)
-        s_out = col_scale_ptr + (pid_b * K + offs_k[None, :]) * n_scales + offs_mb[:, None]
-        tl.store(s_out, scale.to(tl.uint8), mask=s_ok)
+        _store_copy(tl.reshape(code, (BLOCK_M, BLOCK_K)), scale, col_data_ptr, col_scale_ptr, pid_b,
+                    offs_k[None, :], offs_m[:, None], offs_mb[:, None], K, M_PAD, MX_BLOCK)
 
 
 def format_constexprs(dtype: torch.dtype, rowwise: bool, colwise: bool,
@@ -222,58 +203,36 @@ def mx_quantize(
         ``quantize(x, dim=-2)`` (data ``[.., M32, K]`` viewed from column-major storage
         ``[.., K, M32]``, scale ``[.., M32/32, K]``). ``None`` for a copy not asked for.
     """
-    _check_quantize(x, rowwise, colwise, elem_dtype, scale_mode, pad)
-    x3 = x.unsqueeze(0) if x.dim() == 2 else x
-    nb, m, k = x3.shape
-    m_pad, k_pad = padded_size(m), padded_size(k)
-    # Without a batch dim when x has none: the kernel writes [nb, ...] contiguous either way.
-    batch, dev = x.shape[:-2], x.device
-    row_data = torch.empty((*batch, m, k_pad if rowwise else 0), dtype=torch.uint8, device=dev)
-    row_scale = torch.empty((*batch, m, k_pad // BLOCK_SIZE if rowwise else 0), dtype=torch.uint8, device=dev)
-    col_data = torch.empty((*batch, k, m_pad if colwise else 0), dtype=torch.uint8, device=dev)
-    col_scale = torch.empty((*batch, k, m_pad // BLOCK_SIZE if colwise else 0), dtype=torch.uint8, device=dev)
-    if x3.numel():
-        # Read raw bits: float32 as int32, bfloat16 as int16 (widened in the kernel).
-        bits = x3.view(torch.int16) if x.dtype == torch.bfloat16 else x3.view(torch.int32)
-        grid_m, grid_k = m_pad if colwise else m, k_pad if rowwise else k
-        cfg = launch_config(grid_m, grid_k, INTERPRETED)
-        grid = (triton.cdiv(grid_m, cfg.blocks["BLOCK_M"]),
-                triton.cdiv(grid_k, cfg.blocks["BLOCK_K"]), nb)
-        _mx_quantize_kernel[grid](
-            bits, row_data, row_scale, col_data, col_scale,
-            m, k, m_pad, k_pad, *bits.stride(),
-            **format_constexprs(x.dtype, rowwise, colwise, elem_dtype, scale_mode),
-            **cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    row = col = None
-    if rowwise:
-        row = MXTensor(row_data.view(elem_dtype), row_scale.view(E8M0), elem_dtype, BLOCK_SIZE, x.dim() - 1,
-                       x.shape, scale_mode)
-    if colwise:  # the codes and scales were stored column-major: the transposed views
-        col = MXTensor(col_data.transpose(-1, -2).view(elem_dtype), col_scale.transpose(-1, -2).view(E8M0),
-                       elem_dtype, BLOCK_SIZE, x.dim() - 2, x.shape, scale_mode)
-    return row, col
-
-
-def _check_quantize(x: Tensor, rowwise: bool, colwise: bool, elem_dtype: torch.dtype,
-                    scale_mode: str, pad: bool) -> None:
-    """`mx_quantize`'s door: ``x``'s type, rank, dtype and device, the options, and the
-    blocked dims' sizes (multiples of `BLOCK_SIZE` unless ``pad``)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [M, K] or [B, M, K], got shape {tuple(x.shape)}")
     one_of(x.dtype, "x.dtype", KERNEL_INPUT_DTYPES)
     one_of(scale_mode, "scale_mode", SCALE_MODES)
     if not (rowwise or colwise):
         raise ValueError("at least one of rowwise and colwise must be True, got both False")
-    elem_format(elem_dtype)  # raises on an unsupported element dtype
+    constexprs = format_constexprs(x.dtype, rowwise, colwise, elem_dtype, scale_mode)  # checks elem_dtype
     check_device("x", x.device)
-    m, k = x.shape[-2:]
-    for flag, name, size in ((rowwise, "K", k), (colwise, "M", m)):
-        if flag and size != padded_size(size) and not pad:
-            raise ValueError(
-                f"x's {name} = {size} must be a multiple of {BLOCK_SIZE} for "
-                f"{'row' if name == 'K' else 'column'}-wise blocks (or pass pad=True)"
-            )
-
+    *batch, m, k = x.shape
+    m_pad, k_pad = padded_size(m), padded_size(k)
+    for flag, name, size, padded in ((rowwise, "row", k, k_pad), (colwise, "column", m, m_pad)):
+        if flag and size != padded and not pad:
+            raise ValueError(f"x's {'K' if name == 'row' else 'M'} = {size} must be a multiple of "
+                             f"{BLOCK_SIZE} for {name}-wise blocks (or pass pad=True)")
+    row_data = x.new_empty((*batch, m, k_pad if rowwise else 0), dtype=torch.uint8)
+    row_scale = x.new_empty((*batch, m, k_pad // BLOCK_SIZE if rowwise else 0), dtype=torch.uint8)
+    col_data = x.new_empty((*batch, k, m_pad if colwise else 0), dtype=torch.uint8)
+    col_scale = x.new_empty((*batch, k, m_pad // BLOCK_SIZE if colwise else 0), dtype=torch.uint8)
+    if x.numel():
+        # Read raw bits, [B, M, K]: float32 as int32, bfloat16 as int16 (widened in the kernel).
+        bits = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32).reshape(-1, m, k)
+        grid_m, grid_k = m_pad if colwise else m, k_pad if rowwise else k
+        cfg = launch_config(grid_m, grid_k, INTERPRETED)
+        grid = (triton.cdiv(grid_m, cfg.blocks["BLOCK_M"]), triton.cdiv(grid_k, cfg.blocks["BLOCK_K"]),
+                len(bits))
+        _mx_quantize_kernel[grid](bits, row_data, row_scale, col_data, col_scale, m, k, m_pad, k_pad,
+                                  *bits.stride(), **constexprs, **cfg.blocks, num_warps=cfg.num_warps,
+                                  num_stages=cfg.num_stages)
+    row = MXTensor(row_data.view(elem_dtype), row_scale.view(E8M0), elem_dtype, BLOCK_SIZE, x.dim() - 1,
+                   x.shape, scale_mode)
+    col = MXTensor(col_data.mT.view(elem_dtype), col_scale.mT.view(E8M0), elem_dtype, BLOCK_SIZE,
+                   x.dim() - 2, x.shape, scale_mode)
+    return (row if rowwise else None), (col if colwise else None)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses import FakeTensor
+from torch.autograd.function import FunctionCtx
 
 from moe_lab.checks import first_derivative_only, non_negative_int, one_of, positive_int
 from moe_lab.kernels.common import INTERPRETED, cast_for_store, check_device, kernel_op
@@ -167,12 +168,11 @@ def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> Laun
             block = min(triton.next_power_of_2(max(n, 16)), max(16, 65536 // block_e))
         else:
             block = max(16, min(128, 8192 // block_e))
-        return LaunchConfig({"BLOCK": block, "BLOCK_E": block_e}, num_warps=4,
-                            num_stages=1 if interpreted else 3)
-    block_d = min(256, max(16, triton.next_power_of_2(width)))
-    block_t = min(128, max(16, triton.next_power_of_2(n))) if interpreted else 16
-    return LaunchConfig({"BLOCK_T": block_t, "BLOCK_D": block_d}, num_warps=4,
-                        num_stages=1 if interpreted else 3)
+        blocks = {"BLOCK": block, "BLOCK_E": block_e}
+    else:
+        block_t = min(128, max(16, triton.next_power_of_2(n))) if interpreted else 16
+        blocks = {"BLOCK_T": block_t, "BLOCK_D": min(256, max(16, triton.next_power_of_2(width)))}
+    return LaunchConfig(blocks, num_warps=4, num_stages=1 if interpreted else 3)
 
 
 @kernel_op("row_id_map")
@@ -199,18 +199,18 @@ def _row_id_map_op(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Ten
 
 
 @kernel_op("permute")
-def _permute_op(src: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int,
-                inverse: bool) -> Tensor:
+def permute_op(src: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int,
+               inverse: bool) -> Tensor:
     """permute: token rows ``src: [T, d]`` (times ``weights``) to their rows of a new
     ``[n_rows, d]``; ``inverse``, unpermute: ``src: [n_rows, d]`` back to ``[T, d]``, each
-    token's rows (times ``weights``) summed. Each is the other's transpose."""
+    token's rows (times ``weights``) summed. Each is the other's transpose. Differentiable in
+    ``src`` and ``weights``; unchecked: `permute` and `unpermute` check their arguments and
+    call it, and so does the dropless layer once its router has made the map."""
     (tokens, top_k), d = row_id_map.shape, src.shape[1]
-    if inverse:
-        out = torch.empty((tokens, d), dtype=src.dtype, device=src.device)
-    elif n_rows == tokens * top_k:  # every row is some (token, slot)'s destination: no padding
-        out = torch.empty((n_rows, d), dtype=src.dtype, device=src.device)
-    else:
-        out = torch.zeros((n_rows, d), dtype=src.dtype, device=src.device)
+    # Padding rows (no (token, slot) maps to them) are zeros; every other row is written.
+    padded = not inverse and n_rows > tokens * top_k
+    out = (torch.zeros if padded else torch.empty)((tokens if inverse else n_rows, d), dtype=src.dtype,
+                                                   device=src.device)
     if tokens and d and not isinstance(src, FakeTensor):
         cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
         w_arg = row_id_map if weights is None else weights  # unused without weights
@@ -244,42 +244,27 @@ def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Te
 # --------------------------------------------------------------------------------------
 
 
-class Permute(torch.autograd.Function):
-    """``y = permute(x, row_id_map, n_rows)``; backward: ``dx = unpermute(dy, row_id_map)``."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, row_id_map: Tensor,
-                n_rows: int) -> Tensor:
-        ctx.save_for_backward(row_id_map)
-        return _permute_op(x, row_id_map, None, n_rows, False)
-
-    @staticmethod
-    @first_derivative_only("the Triton permute")
-    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
-        (row_id_map,) = ctx.saved_tensors
-        return _permute_op(dy, row_id_map, None, dy.shape[0], True), None, None
+def _permute_setup(ctx: FunctionCtx, inputs: tuple, output: Tensor) -> None:
+    src, row_id_map, weights, ctx.n_rows, ctx.inverse = inputs
+    ctx.save_for_backward(src if weights is not None else None, row_id_map, weights)
 
 
-class Unpermute(torch.autograd.Function):
-    """``out = unpermute(y, row_id_map, weights)``; backward: ``dy`` a weighted permute,
-    ``dweights`` the row dot products ``<dout[t], y[row_id_map[t, j]]>``."""
+@first_derivative_only("the Triton permute")
+def _permute_backward(ctx: FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
+    """Each direction's gradient is the other direction (its transpose), weighted alike; the
+    weights' gradient is the row dot products ``<token row t, permuted row row_id_map[t, j]>``
+    of the gradient and the input."""
+    src, row_id_map, weights = ctx.saved_tensors
+    dsrc = dweights = None
+    if ctx.needs_input_grad[0]:
+        dsrc = permute_op(dout, row_id_map, weights, ctx.n_rows, not ctx.inverse)
+    if weights is not None and ctx.needs_input_grad[2]:
+        rows, tokens = (src, dout) if ctx.inverse else (dout, src)
+        dweights = _unpermute_weight_grad_op(rows, row_id_map, tokens).to(weights.dtype)
+    return dsrc, None, dweights, None, None
 
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, y: Tensor, row_id_map: Tensor,
-                weights: Tensor | None) -> Tensor:
-        ctx.save_for_backward(y, row_id_map, weights)
-        return _permute_op(y, row_id_map, weights, y.shape[0], True)
 
-    @staticmethod
-    @first_derivative_only("the Triton unpermute")
-    def backward(ctx: torch.autograd.function.FunctionCtx, dout: Tensor) -> tuple[Tensor | None, ...]:
-        y, row_id_map, weights = ctx.saved_tensors
-        dy = dweights = None
-        if ctx.needs_input_grad[0]:
-            dy = _permute_op(dout, row_id_map, weights, y.shape[0], False)
-        if weights is not None and ctx.needs_input_grad[2]:
-            dweights = _unpermute_weight_grad_op(y, row_id_map, dout).to(weights.dtype)
-        return dy, None, dweights
+permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 def permuted_rows(tokens: int, top_k: int, n_experts: int, align: int = 1) -> int:
@@ -306,15 +291,11 @@ def check_map(row_id_map: Tensor, tokens: int | None, n_rows: int) -> None:
     expected_t = "T" if tokens is None else f"T = {tokens}"
     if (row_id_map.dim() != 2 or row_id_map.dtype != torch.int32
             or (tokens is not None and row_id_map.shape[0] != tokens)):
-        raise ValueError(
-            f"row_id_map must be [{expected_t}, k] int32, "
-            f"got shape {tuple(row_id_map.shape)} {row_id_map.dtype}"
-        )
+        raise ValueError(f"row_id_map must be [{expected_t}, k] int32, "
+                         f"got shape {tuple(row_id_map.shape)} {row_id_map.dtype}")
     if n_rows < row_id_map.numel():
-        raise ValueError(
-            f"n_rows must be at least T·k = {row_id_map.numel()} (one row per token and slot), "
-            f"got {n_rows}"
-        )
+        raise ValueError(f"n_rows must be at least T·k = {row_id_map.numel()} (one row per token and slot), "
+                         f"got {n_rows}")
 
 
 def make_row_id_map(topk_ids: Tensor, n_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor]:
@@ -363,7 +344,7 @@ def permute(x: Tensor, row_id_map: Tensor, n_rows: int) -> Tensor:
     check_rows("x", x)
     check_map(row_id_map, x.shape[0], n_rows)
     check_device("x", x.device, row_id_map=row_id_map)
-    return Permute.apply(x, row_id_map, n_rows)
+    return permute_op(x, row_id_map, None, n_rows, False)
 
 
 def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> Tensor:
@@ -383,7 +364,7 @@ def unpermute(y: Tensor, row_id_map: Tensor, weights: Tensor | None = None) -> T
             raise ValueError(f"weights must be [T, k] = {tuple(row_id_map.shape)} like row_id_map, "
                              f"got {tuple(weights.shape)}")
     check_device("y", y.device, row_id_map=row_id_map, weights=weights)
-    return Unpermute.apply(y, row_id_map, weights)
+    return permute_op(y, row_id_map, weights, y.shape[0], True)
 
 
 # --------------------------------------------------------------------------------------
@@ -398,8 +379,7 @@ def make_row_id_map_reference(topk_ids: Tensor, n_experts: int, align: int = 1
     order = torch.argsort(flat, stable=True)  # sorted position -> entry
     position = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(),
                                                                        device=flat.device))
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.bincount(flat, minlength=n_experts)
     unpadded_start = counts.cumsum(0) - counts
     padded = (counts + align - 1) // align * align
     offsets = torch.cat([padded.new_zeros(1), padded.cumsum(0)])

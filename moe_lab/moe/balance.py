@@ -32,11 +32,9 @@ from moe_lab.moe.layer import MoELayer
 Tensor = torch.Tensor
 
 
-def update_expert_bias(
-    model_or_layers: nn.Module | Iterable[nn.Module],
-    tokens_per_expert: Tensor | Sequence[Tensor] | Sequence[Sequence[int]],
-    rate: float,
-) -> None:
+def update_expert_bias(model_or_layers: nn.Module | Iterable[nn.Module],
+                       tokens_per_expert: Tensor | Sequence[Tensor] | Sequence[Sequence[int]],
+                       rate: float) -> None:
     """``bias_e += rate · sign(mean_load − load_e)`` for every router, in place.
 
     ``model_or_layers``: a model with ``moe_layers`` (an ``MoETransformer``), or an iterable
@@ -87,11 +85,7 @@ class ExpertBiasBalancer:
 
     def _hook(self, module: nn.Module, inputs: tuple, output: tuple) -> None:
         if isinstance(module, MoELayer) and module.training:
-            counts = output[1].tokens_per_expert.detach()
-            if module in self._loads:
-                self._loads[module] += counts
-            else:
-                self._loads[module] = counts.clone()
+            self._loads[module] = self._loads.get(module, 0) + output[1].tokens_per_expert.detach()
 
     def __enter__(self) -> ExpertBiasBalancer:
         self._handle = nn.modules.module.register_module_forward_hook(self._hook)

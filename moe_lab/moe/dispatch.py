@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,16 +57,11 @@ Tensor = torch.Tensor
 EXPERT_PATHS = ("methods", "backend", "kernels")
 
 
-class Dispatcher(Protocol):
-    """``(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped)``: ``x, y: [T, d_model]``,
-    ``topk_*: [T, k]``, ``dropped: []`` int64 on x's device; ``runs_experts``: `EXPERT_PATHS`;
-    ``syncs_host``: whether it reads device values back to the host (a sync-free step refuses it)."""
-
-    runs_experts: str
-    syncs_host: bool
-
-    def __call__(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                 experts: SwiGLUExperts, cfg: MoEConfig) -> tuple[Tensor, Tensor]: ...
+#: A dispatcher, ``(x, topk_ids, topk_weights, experts, cfg) -> (y, dropped)``: ``x, y: [T, d_model]``,
+#: ``topk_*: [T, k]``, ``dropped: []`` int64 on x's device; `register_dispatcher` gives it
+#: ``runs_experts`` (`EXPERT_PATHS`) and ``syncs_host`` (whether it reads device values back to
+#: the host: a sync-free step refuses it).
+Dispatcher = Callable[..., tuple[Tensor, Tensor]]
 
 
 DISPATCHERS: Registry[Dispatcher] = Registry(

@@ -222,7 +222,9 @@ class SwiGLUExperts(nn.Module):
     """``n_experts`` SwiGLU FFNs ``d_model -> d_expert -> d_model`` in two stacked weights,
     run by the expert backend named ``backend`` (`EXPERT_BACKENDS`; ``BACKENDS`` lists the
     ones a class runs on, ``None`` every one), on MXFP8 operands where ``quant`` is ``"mxfp8"``
-    (`quantized`)."""
+    (`quantized`). Every way of running them but the fused Triton kernels is `two_gemms` through
+    some GEMM, with `gated` between the GEMMs (a variant changes the unit and adds biases:
+    `ClampedSwiGLUExperts`)."""
 
     BACKENDS: ClassVar[tuple[str, ...] | None] = None
 
@@ -238,11 +240,8 @@ class SwiGLUExperts(nn.Module):
                              f"{self.BACKENDS} (the others do not run its own methods), got {backend!r}")
         self.backend, self.quant = backend, one_of(quant, "quant", (None, "mxfp8"))
         self.activation_store: ActivationStore | None = None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.w_gate_up, std=1 / math.sqrt(self.d_model))
-        nn.init.normal_(self.w_down, std=1 / math.sqrt(self.d_expert))
+        nn.init.normal_(self.w_gate_up, std=1 / math.sqrt(d_model))
+        nn.init.normal_(self.w_down, std=1 / math.sqrt(d_expert))
 
     def use_activation_store(self, store: ActivationStore | None) -> None:
         """Keep the saved activations of `grouped_forward` in ``store`` (None: autograd's)."""
@@ -258,10 +257,9 @@ class SwiGLUExperts(nn.Module):
         return (fake_quantize(x, dim=-1, quantize_grad=True),
                 fake_quantize(w, dim=w_dim, quantize_grad=False))
 
-    def _mm(self, x: Tensor, w: Tensor) -> Tensor:
-        # x: [n, K], w: [K, N]; the reduction dim is x's last and w's first.
-        x, w = self.quantized(x, w, 0)
-        return x @ w.to(x.dtype)
+    def gated(self, h: Tensor) -> Tensor:
+        """The unit between the two GEMMs, ``[..., 2f] -> [..., f]``: `swiglu`."""
+        return swiglu(h)
 
     def grouped_forward(self, x: Tensor, offsets: Tensor) -> Tensor:
         """All experts over rows grouped by expert (see `ExpertBackend`): ``x: [M, d_model]``,
@@ -270,14 +268,19 @@ class SwiGLUExperts(nn.Module):
             return self.impl.mlp(self, x, offsets)
         return self.activation_store(lambda: self.impl.mlp(self, x, offsets), x, offsets)
 
-    def two_gemms(self, x: Tensor, gemm: Callable[..., Tensor], *grouping: Tensor) -> Tensor:
-        """``gemm(swiglu(gemm(x, W_gate_up, *grouping)), W_down, *grouping)``: the experts' MLP
-        through any GEMM that runs each expert on its own rows (``grouping`` says which), on
-        quantized operands where ``quant`` says."""
-        xq, w1 = self.quantized(x, self.w_gate_up, 1)
-        h = swiglu(gemm(xq, w1.to(x.dtype), *grouping))
-        hq, w2 = self.quantized(h, self.w_down, 1)
-        return gemm(hq, w2.to(x.dtype), *grouping)
+    def two_gemms(self, x: Tensor, gemm: Callable[..., Tensor], *grouping: Tensor,
+                  weights: Sequence[Tensor] = (), w_dim: int = 1, biases: Sequence[Tensor] = ()) -> Tensor:
+        """``gemm(gated(gemm(x, W_gate_up, *grouping) + b_gate_up), W_down, *grouping) + b_down``:
+        the experts' MLP through any GEMM that runs each expert on its own rows (``grouping`` says
+        which), on quantized operands where ``quant`` says. ``weights``: ``(W_gate_up, W_down)``,
+        reduced along ``w_dim`` (default: the stacked weights); ``biases``: the two biases,
+        shaped to add to the GEMMs' outputs (none: plain SwiGLU has none)."""
+        w_gate_up, w_down = weights or (self.w_gate_up, self.w_down)
+        xq, w1 = self.quantized(x, w_gate_up, w_dim)
+        h = gemm(xq, w1.to(x.dtype), *grouping)
+        hq, w2 = self.quantized(self.gated(h + biases[0].to(x.dtype) if biases else h), w_down, w_dim)
+        y = gemm(hq, w2.to(x.dtype), *grouping)
+        return y + biases[1].to(x.dtype) if biases else y
 
     def grouped_two_gemms(self, x: Tensor, offsets: Tensor,
                           mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
@@ -291,20 +294,20 @@ class SwiGLUExperts(nn.Module):
         return self.two_gemms(x, torch.bmm)
 
     def per_expert(self) -> list[tuple[Tensor, ...]]:
-        """Each expert's weights, views of the stacked parameters, for a loop over the experts
-        (`naive_dispatch`, the ``loop`` backend): take them once per forward and pass them to
-        `forward_expert`. Their backward stacks the experts' gradients into one buffer, where
-        ``w[e]`` inside the loop would, in backward, zero-fill a gradient of the whole stack
-        for each expert and add it: E times the weights' bytes, quadratic in E."""
-        return list(zip(self.w_gate_up.unbind(0), self.w_down.unbind(0), strict=True))
+        """Each expert's slice of every parameter (``w_gate_up, w_down``, then any biases), views
+        of the stacked parameters, for a loop over the experts (`naive_dispatch`, the ``loop``
+        backend): take them once per forward and pass them to `forward_expert`. Their backward
+        stacks the experts' gradients into one buffer, where ``w[e]`` inside the loop would, in
+        backward, zero-fill a gradient of the whole stack for each expert and add it: E times the
+        weights' bytes, quadratic in E."""
+        return list(zip(*(p.unbind(0) for p in self.parameters()), strict=True))
 
     def forward_expert(self, expert: int, x: Tensor,
                        weights: Sequence[tuple[Tensor, ...]] | None = None) -> Tensor:
         """Expert ``expert`` on its tokens ``x: [n, d_model]`` → ``[n, d_model]``, with its
         weights from ``weights`` (`per_expert`) where given."""
-        w1, w2 = weights[expert] if weights is not None else (self.w_gate_up[expert], self.w_down[expert])
-        h = swiglu(self._mm(x, w1))
-        return self._mm(h, w2)
+        w1, w2, *biases = weights[expert] if weights is not None else [p[expert] for p in self.parameters()]
+        return self.two_gemms(x, torch.matmul, weights=(w1, w2), w_dim=0, biases=biases)
 
 
 def _loop_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
@@ -337,16 +340,16 @@ def _triton_backend(experts: SwiGLUExperts, x_MD: Tensor, offsets: Tensor) -> Te
 
 
 def _triton_permute(x_TD: Tensor, topk_ids_TK: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
-    from moe_lab.kernels.permute import Permute, build_row_id_map
+    from moe_lab.kernels.permute import build_row_id_map, permute_op
 
     row_id_map_TK, offsets = build_row_id_map(topk_ids_TK, n_experts)
-    return Permute.apply(x_TD, row_id_map_TK, topk_ids_TK.numel()), offsets, row_id_map_TK
+    return permute_op(x_TD, row_id_map_TK, None, topk_ids_TK.numel(), False), offsets, row_id_map_TK
 
 
 def _triton_unpermute(y_sorted: Tensor, row_id_map_TK: Tensor, topk_weights_TK: Tensor) -> Tensor:
-    from moe_lab.kernels.permute import Unpermute
+    from moe_lab.kernels.permute import permute_op
 
-    return Unpermute.apply(y_sorted, row_id_map_TK, topk_weights_TK.to(y_sorted.dtype))
+    return permute_op(y_sorted, row_id_map_TK, topk_weights_TK.to(y_sorted.dtype), y_sorted.shape[0], True)
 
 
 def _triton_tma_backend(experts: SwiGLUExperts, x: Tensor, offsets: Tensor) -> Tensor:
@@ -412,20 +415,8 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
         self.b_gate_up = nn.Parameter(torch.zeros(n_experts, 2 * d_expert))
         self.b_down = nn.Parameter(torch.zeros(n_experts, d_model))
 
-    def _unit(self, h: Tensor) -> Tensor:
+    def gated(self, h: Tensor) -> Tensor:
         return clamped_swiglu(h, self.alpha, self.limit)
-
-    def per_expert(self) -> list[tuple[Tensor, ...]]:
-        return list(zip(self.w_gate_up.unbind(0), self.w_down.unbind(0), self.b_gate_up.unbind(0),
-                        self.b_down.unbind(0), strict=True))
-
-    def forward_expert(self, expert: int, x: Tensor,
-                       weights: Sequence[tuple[Tensor, ...]] | None = None) -> Tensor:
-        w1, w2, b1, b2 = (weights[expert] if weights is not None else
-                          (self.w_gate_up[expert], self.w_down[expert], self.b_gate_up[expert],
-                           self.b_down[expert]))
-        h = self._unit(self._mm(x, w1) + b1.to(x.dtype))
-        return self._mm(h, w2) + b2.to(x.dtype)
 
     def grouped_two_gemms(self, x: Tensor, offsets: Tensor,
                           mm: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
@@ -433,16 +424,12 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
         # Rows past offsets[-1] belong to no expert (their output is undefined): clamp the
         # index so they read some expert's bias rather than out of range.
         row_expert = torch.searchsorted(offsets[1:], rows, right=True).clamp_max(self.n_experts - 1)
-        xq, w1 = self.quantized(x, self.w_gate_up, 1)
-        h = self._unit(mm(xq, w1.to(x.dtype), offsets[1:]) + self.b_gate_up.to(x.dtype)[row_expert])
-        hq, w2 = self.quantized(h, self.w_down, 1)
-        return mm(hq, w2.to(x.dtype), offsets[1:]) + self.b_down.to(x.dtype)[row_expert]
+        biases = (self.b_gate_up.to(x.dtype)[row_expert], self.b_down.to(x.dtype)[row_expert])
+        return self.two_gemms(x, mm, offsets[1:], biases=biases)
 
     def batched_forward(self, x: Tensor) -> Tensor:
-        xq, w1 = self.quantized(x, self.w_gate_up, 1)
-        h = self._unit(torch.bmm(xq, w1.to(xq.dtype)) + self.b_gate_up.to(xq.dtype).unsqueeze(1))
-        hq, w2 = self.quantized(h, self.w_down, 1)
-        return torch.bmm(hq, w2.to(hq.dtype)) + self.b_down.to(hq.dtype).unsqueeze(1)
+        biases = (self.b_gate_up.to(x.dtype).unsqueeze(1), self.b_down.to(x.dtype).unsqueeze(1))
+        return self.two_gemms(x, torch.bmm, biases=biases)
 
 
 # "swiglu" is the reference.

@@ -124,11 +124,8 @@ class MoELayer(nn.Module):
         if self.shared is not None:  # 5
             y_TD = y_TD + self.shared(x_TD)
         loss_dtype = w_gate_up_EDF2.dtype if autocast else x.dtype  # loss terms stay in full precision
-        stats = MoEStats(
-            tokens_per_expert=routing.tokens_per_expert,
-            aux_loss=(routing.aux_loss * cfg.aux_loss_coef).to(loss_dtype),
-            z_loss=(routing.z_loss * cfg.z_loss_coef).to(loss_dtype),
-            dropped_tokens=dropped,
-            routing=routing,
-        )
+        stats = MoEStats(tokens_per_expert=routing.tokens_per_expert,
+                         aux_loss=(routing.aux_loss * cfg.aux_loss_coef).to(loss_dtype),
+                         z_loss=(routing.z_loss * cfg.z_loss_coef).to(loss_dtype),
+                         dropped_tokens=dropped, routing=routing)
         return y_TD.reshape(x.shape), stats

@@ -72,8 +72,7 @@ def topk_lowest_index(values: Tensor, k: int) -> Tensor:
     equal values never matters. Packing value and index into one key is how GPU top-k
     kernels make ties deterministic; it is also a top-k, not a sort, so it stays cheap.
     """
-    n = values.shape[-1]
-    if values.dtype != torch.float32 or n == 0:
+    if values.dtype != torch.float32:
         return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     return topk_by_unique_keys(values, k)
 
@@ -90,13 +89,18 @@ def topk_by_unique_keys(values: Tensor, k: int) -> Tensor:
     return (1 << shift) - 1 - low
 
 
+def _torch_topk(values: Tensor, k: int) -> Tensor:
+    """``torch.topk``'s indices along the last dim, highest first, equal values in no fixed order:
+    the top-k frameworks run (``route_from_logits(..., lowest_index_ties=False)``)."""
+    return values.topk(k, dim=-1).indices
+
+
 def group_limited_mask(scores: Tensor, n_groups: int, topk_groups: int,
-                       lowest_index_ties: bool = True,
                        topk: Callable[[Tensor, int], Tensor] = topk_lowest_index) -> Tensor:
     """Boolean ``[T, E]`` mask of the experts inside each token's ``topk_groups`` best groups.
 
     A group's score is the sum of its two best expert scores (one if a group has one expert);
-    groups with equal scores go to the lower group index (``lowest_index_ties=False``:
+    groups with equal scores go to the lower group index (with ``topk=_torch_topk``,
     ``torch.topk``'s order, as frameworks do).
     """
     tokens, n_experts = scores.shape
@@ -104,10 +108,7 @@ def group_limited_mask(scores: Tensor, n_groups: int, topk_groups: int,
     grouped = scores.view(tokens, n_groups, per_group)
     # The sum of the two best values does not depend on which of two equal values is first.
     group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, G]
-    if lowest_index_ties:
-        best_groups = topk(group_scores, topk_groups)  # [T, g]
-    else:
-        best_groups = group_scores.topk(topk_groups, dim=-1).indices
+    best_groups = topk(group_scores, topk_groups)  # [T, g]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     return group_mask.unsqueeze(-1).expand(tokens, n_groups, per_group).reshape(tokens, n_experts)
 
@@ -157,9 +158,8 @@ def sequence_aux_loss(scores: Tensor, topk_ids: Tensor, top_k: int, seq_len: int
     n_seqs = tokens // seq_len
     probs = scores / scores.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
     seq_of_token = torch.arange(tokens, device=scores.device) // seq_len  # [T]
-    slots = (seq_of_token.unsqueeze(1) * n_experts + topk_ids).reshape(-1)
-    counts = torch.zeros(n_seqs * n_experts, dtype=scores.dtype, device=scores.device)
-    counts = counts.scatter_add_(0, slots, torch.ones_like(slots, dtype=scores.dtype))
+    slots = seq_of_token.unsqueeze(1) * n_experts + topk_ids  # [T, k]: (sequence, expert) bins
+    counts = tokens_per_expert_from_ids(slots, n_seqs * n_experts).to(scores.dtype)
     f = counts.view(n_seqs, n_experts) / (seq_len * top_k)
     p = probs.view(n_seqs, seq_len, n_experts).mean(dim=1)
     return n_experts * (f * p).sum(dim=-1).mean()
@@ -172,15 +172,9 @@ def router_z_loss(logits: Tensor) -> Tensor:
     return logits.logsumexp(dim=-1).square().mean()
 
 
-def route_from_logits(
-    logits: Tensor,
-    cfg: MoEConfig,
-    expert_bias: Tensor | None = None,
-    *,
-    seq_len: int | None = None,
-    lowest_index_ties: bool = True,
-    topk: Callable[[Tensor, int], Tensor] = topk_lowest_index,
-) -> RouterOutput:
+def route_from_logits(logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *,
+                      seq_len: int | None = None, lowest_index_ties: bool = True,
+                      topk: Callable[[Tensor, int], Tensor] = topk_lowest_index) -> RouterOutput:
     """The reference chain after the gating matmul. ``logits: [tokens, n_experts]`` float32 or
     float64; the chain computes in that dtype.
 
@@ -194,33 +188,25 @@ def route_from_logits(
     if logits.dtype not in DTYPES.values():
         raise ValueError(f"logits must be float32 or float64, got {logits.dtype}")
     check_seq_len(logits.shape[0], seq_len)
-    return _routing_chain(logits, cfg, expert_bias, seq_len, lowest_index_ties, topk)
+    return _routing_chain(logits, cfg, expert_bias, seq_len, topk if lowest_index_ties else _torch_topk)
 
 
 def _routing_chain(logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None, seq_len: int | None,
-                   lowest_index_ties: bool, topk: Callable[[Tensor, int], Tensor]) -> RouterOutput:
+                   topk: Callable[[Tensor, int], Tensor]) -> RouterOutput:
     """`route_from_logits` after its checks: scores, selection, top-k, weights, loss terms."""
     dtype = logits.dtype
-    if cfg.score_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    else:
-        scores = logits.sigmoid()
+    scores = logits.softmax(dim=-1) if cfg.score_func == "softmax" else logits.sigmoid()
     selection = scores if expert_bias is None else scores + expert_bias.to(dtype)
     # A -inf logit marks the expert unavailable, whatever its bias.
     selection = selection.masked_fill(logits == float("-inf"), float("-inf"))
     if cfg.n_groups > 1:
-        mask = group_limited_mask(selection, cfg.n_groups, cfg.topk_groups, lowest_index_ties,
-                                  topk)
+        mask = group_limited_mask(selection, cfg.n_groups, cfg.topk_groups, topk)
         selection = selection.masked_fill(~mask, float("-inf"))
-    if lowest_index_ties:
-        topk_ids = topk(selection, cfg.top_k)  # [T, k]
-    else:
-        topk_ids = selection.topk(cfg.top_k, dim=-1, sorted=True).indices
+    topk_ids = topk(selection, cfg.top_k)  # [T, k]
     topk_weights = scores.gather(1, topk_ids)
     if cfg.renormalize and cfg.top_k > 1:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True).clamp_min(
-            torch.finfo(dtype).tiny
-        )
+        tiny = torch.finfo(dtype).tiny
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True).clamp_min(tiny)
     topk_weights = topk_weights * cfg.scaling_factor
     tokens_per_expert = tokens_per_expert_from_ids(topk_ids, cfg.n_experts)
     aux = switch_aux_loss(scores, tokens_per_expert, cfg.top_k)
@@ -229,15 +215,9 @@ def _routing_chain(logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None, s
     return RouterOutput(topk_ids, topk_weights, scores, logits, tokens_per_expert, aux, z, seq_aux)
 
 
-def route(
-    x: Tensor,
-    gate_weight: Tensor,
-    cfg: MoEConfig,
-    expert_bias: Tensor | None = None,
-    *,
-    seq_len: int | None = None,
-    topk: Callable[[Tensor, int], Tensor] = topk_lowest_index,
-) -> RouterOutput:
+def route(x: Tensor, gate_weight: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *,
+          seq_len: int | None = None,
+          topk: Callable[[Tensor, int], Tensor] = topk_lowest_index) -> RouterOutput:
     """The reference routing chain. ``gate_weight: [n_experts, d_model]``; ``seq_len`` (the
     tokens are whole sequences of that length, in order) adds ``seq_aux_loss``; ``topk`` as
     in `route_from_logits`. Checked here, once: ``x: [tokens, d_model]`` and ``seq_len``."""
@@ -247,7 +227,7 @@ def route(
         check_seq_len(x.shape[0], seq_len)
     dtype = DTYPES[cfg.router_dtype]
     logits_TE = x.to(dtype) @ gate_weight.to(dtype).t()  # what `gate_logits` computes
-    return _routing_chain(logits_TE, cfg, expert_bias, seq_len, True, topk)
+    return _routing_chain(logits_TE, cfg, expert_bias, seq_len, topk)
 
 
 @functools.cache
@@ -257,35 +237,22 @@ def _compiled_chain() -> Callable[..., RouterOutput]:
     return torch.compile(route_from_logits, dynamic=False)
 
 
-def compiled_route_from_logits(
-    logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *, seq_len: int | None = None
-) -> RouterOutput:
+def compiled_route_from_logits(logits: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *,
+                               seq_len: int | None = None) -> RouterOutput:
     """`route_from_logits` under ``torch.compile`` (same function, same tie rule)."""
     return _compiled_chain()(logits, cfg, expert_bias, seq_len=seq_len)
 
 
-def compiled_route(
-    x: Tensor,
-    gate_weight: Tensor,
-    cfg: MoEConfig,
-    expert_bias: Tensor | None = None,
-    *,
-    seq_len: int | None = None,
-) -> RouterOutput:
+def compiled_route(x: Tensor, gate_weight: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *,
+                   seq_len: int | None = None) -> RouterOutput:
     """`route` with the chain after the matmul compiled (``ROUTER_IMPLS["compiled"]``)."""
     check_router_input(x, cfg)
     logits = gate_logits(x, gate_weight, DTYPES[cfg.router_dtype])
     return compiled_route_from_logits(logits, cfg, expert_bias, seq_len=seq_len)
 
 
-def fused_route(
-    x: Tensor,
-    gate_weight: Tensor,
-    cfg: MoEConfig,
-    expert_bias: Tensor | None = None,
-    *,
-    seq_len: int | None = None,
-) -> RouterOutput:
+def fused_route(x: Tensor, gate_weight: Tensor, cfg: MoEConfig, expert_bias: Tensor | None = None, *,
+                seq_len: int | None = None) -> RouterOutput:
     """The fused Triton router (``ROUTER_IMPLS["triton"]``); see `moe_lab.kernels.fused_router`.
     Imported on first use, so that importing this module does not import Triton."""
     from moe_lab.kernels.fused_router import fused_route as fused
@@ -313,17 +280,12 @@ class Router(nn.Module):
 
     def __init__(self, cfg: MoEConfig, impl: str = ModelImpls.router_impl) -> None:
         super().__init__()
-        ROUTER_IMPLS.check(impl, "router_impl")
+        self.cfg, self.impl = cfg, ROUTER_IMPLS.check(impl, "router_impl")
         if impl == "triton":
             require_fp32_router(cfg)
-        self.cfg = cfg
-        self.impl = impl
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model))
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.cfg.d_model**-0.5)
+        nn.init.normal_(self.weight, std=cfg.d_model**-0.5)
 
     def forward(self, x: Tensor, seq_len: int | None = None) -> RouterOutput:
         """Route ``x: [tokens, d_model]``; with ``seq_len`` (the tokens are whole sequences of

@@ -82,17 +82,11 @@ def page_table(offsets: Tensor, page_rows: int, n_rows: int,
     """
     pages = pages_per_expert(offsets, page_rows)
     first_page = F.pad(pages.cumsum(0), (1, 0))[:-1] + head  # exclusive prefix sum
-    page, slot = _row_pages(offsets, first_page, n_rows, page_rows)
-    return page, slot, first_page
-
-
-def _row_pages(offsets: Tensor, first_page: Tensor, n_rows: int,
-               page_rows: int) -> tuple[Tensor, Tensor]:
     # Row r: its expert by a binary search of the offsets, its position within the expert.
     rows = torch.arange(n_rows, device=offsets.device, dtype=offsets.dtype)
-    expert = torch.searchsorted(offsets[1:], rows, right=True).clamp_(max=first_page.shape[0] - 1)
+    expert = torch.searchsorted(offsets[1:], rows, right=True).clamp_(max=pages.shape[0] - 1)
     within = (rows - offsets.index_select(0, expert)).long()
-    return first_page.index_select(0, expert) + within // page_rows, within % page_rows
+    return first_page.index_select(0, expert) + within // page_rows, within % page_rows, first_page
 
 
 def max_pages(tokens: int, top_k: int, n_experts: int, page_rows: int) -> int:
@@ -132,11 +126,12 @@ class StashCall:
 
 @dataclass
 class _Stashed:
-    """The handle autograd keeps instead of a tensor: where its rows went."""
+    """The handle autograd keeps instead of a tensor: where its rows went (its pool, and the
+    offsets and the pool's ``head`` from which `page_table` places them again)."""
 
     pool: int
     offsets: Tensor
-    first_page: Tensor
+    head: Tensor
     shape: tuple[int, ...]
 
 
@@ -237,20 +232,20 @@ class PagedStash(nn.Module):
         i = self.pool_keys.index(key)
         pool, head = getattr(self, f"pool{i}"), getattr(self, f"head{i}")
         n_pages = pool.shape[0] - 1
-        page, slot, first_page = page_table(offsets, self.page_rows, t.shape[0], head)
+        page, slot, _ = page_table(offsets, self.page_rows, t.shape[0], head)
+        stashed = _Stashed(i, offsets, head.clone(), tuple(t.shape))  # the head before this tensor
         used = pages_per_expert(offsets, self.page_rows).sum()
         self.overflow.logical_or_(head + used > n_pages)
         head.add_(used)
-        dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
+        dest = page.clamp_max(n_pages) * self.page_rows + slot  # past the pool: its trash page
         pool.view(-1, pool.shape[-1]).index_copy_(0, dest, t)
-        return _Stashed(i, offsets, first_page, tuple(t.shape))
+        return stashed
 
     def restore(self, handle: _Stashed) -> Tensor:
         """The stashed tensor, gathered back from its pages (a contiguous copy)."""
         pool = getattr(self, f"pool{handle.pool}")
-        n_pages = pool.shape[0] - 1
-        page, slot = _row_pages(handle.offsets, handle.first_page, handle.shape[0], self.page_rows)
-        dest = torch.where(page < n_pages, page, n_pages) * self.page_rows + slot
+        page, slot, _ = page_table(handle.offsets, self.page_rows, handle.shape[0], handle.head)
+        dest = page.clamp_max(pool.shape[0] - 1) * self.page_rows + slot
         return pool.view(-1, pool.shape[-1]).index_select(0, dest).view(handle.shape)
 
     def run_paged(self, layer: int, top_k: int, compute: Callable[[], Tensor], x: Tensor,
@@ -341,8 +336,7 @@ def simulate_expert_parallel(tokens_per_rank: int, n_experts: int, top_k: int, e
         popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
         ids = torch.multinomial(popularity.expand(tokens_per_rank * ep_size, n_experts), top_k,
                                 replacement=False, generator=g)
-        counts = torch.zeros(n_experts, dtype=torch.int64).scatter_add_(
-            0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int64)).view(ep_size, local)
+        counts = torch.bincount(ids.reshape(-1), minlength=n_experts).view(ep_size, local)
         pages = [int(pages_per_expert(F.pad(c.cumsum(0), (1, 0)), page_rows).sum()) for c in counts]
         busiest = int(counts.sum(1).argmax())
         rows_out.append({

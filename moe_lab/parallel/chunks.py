@@ -61,9 +61,7 @@ class StageClock:
         return time.perf_counter()
 
     def seconds(self, mark: float | torch.cuda.Event) -> float:
-        if self.cuda:
-            return self.origin.elapsed_time(mark) / 1e3
-        return mark - self.origin
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin
 
     def timeline(self, rank: int, label: str, events: list[dict]) -> Timeline:
         """The step so far as a `Timeline`: its wall time and every recorded event (dicts
@@ -100,10 +98,10 @@ class Chunk:
     send: Tensor  # [rows·k, d_model] permuted rows, grouped by destination rank
     w_sorted: Tensor  # [rows·k] router weight of each permuted row
     counts: Tensor  # [W, E_local] rows for each rank's local experts
-    recv_counts: Tensor | None = None  # [W, E_local] rows each rank sends us
+    aux: Tensor  # [] the chunk's weighted auxiliary + z losses
     send_splits: list[int] | None = None
     recv_splits: list[int] | None = None
-    order: Tensor | None = None  # received rows sorted by local expert, and back
+    order: Tensor | None = None  # received rows (by source rank) sorted by local expert, and back
     inverse: Tensor | None = None
     offs: Tensor | None = None  # [E_local] int32 cumulative row ends of the grouped GEMMs
     saved: tuple = ()  # (xs, h, a) of the experts' forward; a = swiglu(h) keeps its graph
@@ -113,18 +111,16 @@ class Chunk:
     y_back: Tensor | None = None
     w_leaf: Tensor | None = None
     out: Tensor | None = None
-    aux: Tensor | None = None  # the chunk's weighted auxiliary + z losses (with aux_scale)
-    aux_scale: float | None = None  # the factor ``aux`` is back-propagated with (see `ChunkStages`)
 
 
 class ChunkStages:
     """The stage arithmetic of a dropless `EPMoELayer` step, chunk by chunk (no collectives).
 
     The experts run on ``moe_lab::grouped_mm`` whatever the layer's expert backend: on CUDA
-    bf16 only (anything else syncs inside: `check_no_hidden_sync`). Parameter gradients accumulate
-    into the layer's ``.grad``. A micro-batch's ``aux_scale`` (`route`): None back-propagates
-    the output's gradient only; a number also back-propagates the chunk's auxiliary and z
-    losses (weighted by the config's coefficients) with that factor (a training step:
+    bf16 only (anything else syncs inside: `check_no_hidden_sync`). Parameter gradients
+    accumulate into the layer's ``.grad``. A micro-batch's ``aux_scale`` (`route_bwd`): None
+    back-propagates the output's gradient only; a number also back-propagates the chunk's
+    auxiliary and z losses (weighted by the config's coefficients) with that factor (a training step:
     1 / micro-batches).
     """
 
@@ -147,29 +143,28 @@ class ChunkStages:
         return torch.stack([c.counts for c in chunks], 1).reshape(self.layer.ep_size, -1)
 
     def take_counts(self, chunks: list[Chunk], recv_all: Tensor) -> None:
-        """Give each chunk what the count exchange returned, and its split sizes (the host
-        sync: ``all_to_all_single`` takes them as Python ints)."""
+        """Give each chunk its split sizes from what the count exchange returned (the host
+        sync: ``all_to_all_single`` takes them as Python ints), and the order that regroups
+        the rows it will receive by local expert."""
         layer = self.layer
         recv_all = recv_all.view(layer.ep_size, len(chunks), layer.n_local)
         sizes = torch.stack([torch.stack([c.counts.sum(1) for c in chunks]),
                              recv_all.sum(2).t()]).tolist()  # [2, n, W]
         for i, c in enumerate(chunks):
-            c.recv_counts = recv_all[:, i]
             c.send_splits, c.recv_splits = sizes[0][i], sizes[1][i]
+            c.order, c.inverse, c.offs = received_order(recv_all[:, i], sum(c.recv_splits))
 
     # ------------------------------------------------------------------ forward
-    def route(self, x: Tensor, rows: slice, aux_scale: float | None) -> Chunk:
+    def route(self, x: Tensor, rows: slice) -> Chunk:
         layer = self.layer
         with torch.enable_grad():
             xc = x[rows].detach().requires_grad_()
             routing = layer.router(xc)
             send, _, (order, token_of) = torch_permute(xc, routing.topk_ids, layer.cfg.n_experts)
             w_sorted = routing.topk_weights.reshape(-1).index_select(0, order)
-            aux = None
-            if aux_scale is not None:
-                aux = routing.aux_loss * layer.cfg.aux_loss_coef + routing.z_loss * layer.cfg.z_loss_coef
+            aux = routing.aux_loss * layer.cfg.aux_loss_coef + routing.z_loss * layer.cfg.z_loss_coef
         counts = routing.tokens_per_expert.view(layer.ep_size, layer.n_local)
-        return Chunk(rows, xc, token_of, send, w_sorted, counts, aux=aux, aux_scale=aux_scale)
+        return Chunk(rows, xc, token_of, send, w_sorted, counts, aux)
 
     def shared_fwd(self, c: Chunk) -> None:
         if self.layer.shared is not None:
@@ -179,7 +174,6 @@ class ChunkStages:
     def experts_fwd(self, c: Chunk, x_recv: Tensor) -> Tensor:
         """Received rows (by source rank, then local expert) → expert outputs, same order."""
         ex = self.layer.experts
-        c.order, c.inverse, c.offs = received_order(c.recv_counts, x_recv.shape[0])
         w1, w2 = ex.w_gate_up.detach().to(x_recv.dtype), ex.w_down.detach().to(x_recv.dtype)
         xs = x_recv.index_select(0, c.order)
         with torch.enable_grad():  # SwiGLU's own backward gives the dgrad its derivative
@@ -227,15 +221,12 @@ class ChunkStages:
         for param, grad in ((ex.w_gate_up, grouped_mm_wgrad(xs, dh, c.offs)),
                             (ex.w_down, grouped_mm_wgrad(a, dys, c.offs))):
             grad = grad.to(param.dtype)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad += grad
+            param.grad = grad if param.grad is None else param.grad + grad
         c.wgrad_inputs = ()
 
-    def route_bwd(self, c: Chunk, dsend: Tensor) -> None:
+    def route_bwd(self, c: Chunk, dsend: Tensor, aux_scale: float | None) -> None:
         tensors, grads = [c.send, c.w_sorted], [dsend, c.w_leaf.grad]
-        if c.aux is not None and c.aux.requires_grad:
+        if aux_scale is not None and c.aux.requires_grad:
             tensors.append(c.aux)
-            grads.append(torch.full_like(c.aux, c.aux_scale))
+            grads.append(torch.full_like(c.aux, aux_scale))
         torch.autograd.backward(tensors, grads)

@@ -57,8 +57,6 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-DISPATCH_MODES = ("dropless", "budget")
-OVERFLOW_POLICIES = ("rerun", "drop")
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 
 
@@ -131,9 +129,8 @@ def rank_experts(n_experts: int, world_size: int, rank: int) -> range:
 def split_sizes(topk_ids: Tensor, n_experts: int, world_size: int) -> Tensor:
     """``topk_ids: [T, k]`` → ``[world_size]`` int64: how many rows this rank sends each rank
     (assignments to experts that rank owns). Sync-free."""
-    if n_experts % world_size:
-        raise ValueError(f"n_experts={n_experts} must be divisible by world_size={world_size}")
-    dest = topk_ids.reshape(-1) // (n_experts // world_size)
+    per_rank = len(rank_experts(n_experts, world_size, 0))  # checks the division
+    dest = topk_ids.reshape(-1) // per_rank
     return torch.zeros(world_size, dtype=torch.int64, device=topk_ids.device).scatter_add_(
         0, dest, torch.ones_like(dest))
 
@@ -152,13 +149,6 @@ def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float) 
     return max(1, math.ceil(capacity_factor * tokens * top_k / world_size))
 
 
-def _local_order(row_expert: Tensor) -> tuple[Tensor, Tensor]:
-    """``row_expert: [rows]`` → the stable sort of the rows by it, and the inverse permutation."""
-    order = torch.argsort(row_expert, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return order, inverse
-
-
 def received_order(recv_counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """Received rows grouped by (source rank, local expert), ``recv_counts: [W, E_local]``
     of them (``rows`` in all), regrouped by local expert for one grouped GEMM: ``(order,
@@ -167,7 +157,8 @@ def received_order(recv_counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tens
     world, n_local = recv_counts.shape
     segment_expert = torch.arange(n_local, device=recv_counts.device).repeat(world)
     row_expert = torch.repeat_interleave(segment_expert, recv_counts.reshape(-1), output_size=rows)
-    order, inverse = _local_order(row_expert)
+    order = torch.argsort(row_expert, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=order.device))
     return order, inverse, recv_counts.sum(0).cumsum(0).to(torch.int32)
 
 
@@ -209,8 +200,8 @@ class EPMoELayer(nn.Module):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: start the ranks with "
                                "moe_lab.workbench.ranks.launch.run_ranks or torchrun first")
-        one_of(mode, "mode", DISPATCH_MODES)
-        one_of(on_overflow, "on_overflow", OVERFLOW_POLICIES)
+        one_of(mode, "mode", ("dropless", "budget"))
+        one_of(on_overflow, "on_overflow", ("rerun", "drop"))
         positive_number(capacity_factor, "capacity_factor")
         super().__init__()
         world = dist.get_world_size(group)
@@ -234,33 +225,27 @@ class EPMoELayer(nn.Module):
         x_sorted, _, layout = torch_permute(tokens, routing.topk_ids, self.cfg.n_experts)  # [T·k, d]
         counts = routing.tokens_per_expert.view(self.ep_size, self.n_local)  # [W, E_local]
         # 2.–5. the exchange and this rank's experts: each permuted row's expert output
+        # ``info``: the `EPStats` fields of the exchange
         if self.mode == "dropless":
             y_rows, info = self._dropless(x_sorted, counts)
         else:
             row_dest = routing.topk_ids.reshape(-1).index_select(0, layout[0]) // self.n_local  # [T·k]
             budget = ep_budget(tokens.shape[0], self.cfg.top_k, self.ep_size, self.capacity_factor)
-            y_rows, info = self._budgeted(x_sorted, row_dest, counts, budget)
+            y_rows, info, needed = self._budgeted(x_sorted, row_dest, counts, budget)
             if self.on_overflow == "rerun" and bool(info["overflow"]):
                 # The one host read of the budgeted path, taken only to decide on a re-run
                 # (a production stack defers it to the end of the step). Every rank sees the
                 # same flag, so all re-run together, with the largest block any rank needs.
-                y_rows, again = self._budgeted(x_sorted, row_dest, counts, int(info["needed"]))
-                again["reruns"] = 1
-                again["a2a_bytes"] += info["a2a_bytes"]
-                again["overflow"] = info["overflow"]
-                info = again
+                y_rows, again, _ = self._budgeted(x_sorted, row_dest, counts, int(needed))
+                info = {**again, "overflow": info["overflow"], "reruns": 1,
+                        "a2a_bytes": again["a2a_bytes"] + info["a2a_bytes"]}
         # 6. unpermute: weight by the router and sum each token's k rows
         y = torch_unpermute(y_rows, layout, routing.topk_weights)
         if self.shared is not None:
             y = y + self.shared(tokens)
-        stats = EPStats(
-            tokens_per_expert=routing.tokens_per_expert,
-            aux_loss=(routing.aux_loss * self.cfg.aux_loss_coef).to(x.dtype),
-            z_loss=(routing.z_loss * self.cfg.z_loss_coef).to(x.dtype),
-            dropped_tokens=info["dropped"], routing=routing, overflow=info.get("overflow"),
-            reruns=info.get("reruns", 0), budget=info.get("budget", 0),
-            a2a_bytes=info["a2a_bytes"],
-        )
+        stats = EPStats(tokens_per_expert=routing.tokens_per_expert,
+                        aux_loss=(routing.aux_loss * self.cfg.aux_loss_coef).to(x.dtype),
+                        z_loss=(routing.z_loss * self.cfg.z_loss_coef).to(x.dtype), routing=routing, **info)
         return y.reshape(shape), stats
 
     def _dropless(self, x_sorted: Tensor, send_counts: Tensor) -> tuple[Tensor, dict]:
@@ -268,22 +253,20 @@ class EPMoELayer(nn.Module):
         # all_to_all_single takes its split sizes as Python ints: the host must see them.
         send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         x_recv = AllToAll.apply(x_sorted, recv_splits, send_splits, self.group)
-        y_recv = self._experts_on_received(x_recv, recv_counts)
-        y_back = AllToAll.apply(y_recv, send_splits, recv_splits, self.group)
+        # rows grouped by (source rank, local expert) → local experts → the same row order
+        order, inverse, ends = received_order(recv_counts, x_recv.shape[0])
+        y_recv = self.experts.grouped_forward(x_recv.index_select(0, order), F.pad(ends, (1, 0)))
+        y_back = AllToAll.apply(y_recv.index_select(0, inverse), send_splits, recv_splits, self.group)
         sent = sum(send_splits) - send_splits[self.ep_rank]
         returned = sum(recv_splits) - recv_splits[self.ep_rank]
-        info = {"dropped": torch.zeros((), dtype=torch.int64, device=x_sorted.device),
+        info = {"dropped_tokens": torch.zeros((), dtype=torch.int64, device=x_sorted.device),
                 "a2a_bytes": (sent + returned) * x_sorted.shape[1] * x_sorted.element_size()}
         return y_back, info
 
-    def _experts_on_received(self, x_recv: Tensor, recv_counts: Tensor) -> Tensor:
-        """Rows grouped by (source rank, local expert) → local experts → same row order."""
-        order, inverse, ends = received_order(recv_counts, x_recv.shape[0])
-        y = self.experts.grouped_forward(x_recv.index_select(0, order), F.pad(ends, (1, 0)))
-        return y.index_select(0, inverse)
-
     def _budgeted(self, x_sorted: Tensor, row_dest: Tensor, counts: Tensor,
-                  budget: int) -> tuple[Tensor, dict]:
+                  budget: int) -> tuple[Tensor, dict, Tensor]:
+        """The exchange in fixed blocks of ``budget`` rows: each permuted row's expert output
+        (zeros where dropped), the `EPStats` fields, and the largest block any rank needs."""
         world, n_local = self.ep_size, self.n_local
         rows, d = x_sorted.shape
         per_dest = counts.sum(1)  # [W]
@@ -303,28 +286,20 @@ class EPMoELayer(nn.Module):
         meta_recv = exchange_counts(meta, self.group)  # [W, E_local + 2]
         recv_kept = meta_recv[:, :n_local]
         x_recv = AllToAll.apply(send[:trash], None, None, self.group)  # [W·B, d]
-        y_recv = self._experts_on_budget(x_recv, recv_kept, budget)
-        y_back = AllToAll.apply(y_recv, None, None, self.group)
+        # Block ``i`` from rank ``i`` holds ``recv_kept[i].sum()`` real rows (by local expert),
+        # then zero padding: one more segment, which sorts last and is given to the last local
+        # expert (zeros in, zeros out: SwiGLU(0) = 0, and no weight gradient).
+        padding = budget - recv_kept.sum(1, keepdim=True)  # [W, 1]
+        order, inverse, ends = received_order(torch.cat([recv_kept, padding], 1), world * budget)
+        offsets = F.pad(ends[:-1], (1, 0))
+        offsets[-1] = world * budget
+        y_recv = self.experts.grouped_forward(x_recv.index_select(0, order), offsets)
+        y_back = AllToAll.apply(y_recv.index_select(0, inverse), None, None, self.group)
         y_rows = torch.cat([y_back, y_back.new_zeros(1, d)]).index_select(0, slot)
         # Every rank's flag reaches every rank, so all agree on a re-run.
-        info = {"dropped": (~keep).sum(), "overflow": meta_recv[:, n_local].amax() > 0,
-                "needed": meta_recv[:, n_local + 1].amax(), "budget": budget, "reruns": 0,
-                "a2a_bytes": 2 * (world - 1) * budget * d * x_sorted.element_size()}
-        return y_rows, info
-
-    def _experts_on_budget(self, x_recv: Tensor, recv_kept: Tensor, budget: int) -> Tensor:
-        """``x_recv: [W·B, d]``, block ``i`` from rank ``i`` holding ``recv_kept[i].sum()`` real
-        rows (by local expert) then zero padding. Padding rows are given to the last local
-        expert: zeros in, zeros out (SwiGLU(0) = 0), and no weight gradient."""
-        world, n_local = recv_kept.shape
-        within = torch.arange(budget, device=x_recv.device)
-        ends = recv_kept.cumsum(1)  # [W, E_local]
-        row_expert = torch.searchsorted(ends, within.expand(world, budget).contiguous(), right=True)
-        order, inverse = _local_order(row_expert.reshape(-1))  # padding (= n_local) sorts last
-        offsets = F.pad(recv_kept.sum(0).cumsum(0), (1, 0))
-        offsets[-1] = world * budget
-        y = self.experts.grouped_forward(x_recv.index_select(0, order), offsets.to(torch.int32))
-        return y.index_select(0, inverse)
+        info = {"dropped_tokens": (~keep).sum(), "overflow": meta_recv[:, n_local].amax() > 0,
+                "budget": budget, "a2a_bytes": 2 * (world - 1) * budget * d * x_sorted.element_size()}
+        return y_rows, info, meta_recv[:, n_local + 1].amax()
 
 
 def from_layer(layer: MoELayer, group: ProcessGroup | None = None, **kwargs: Any) -> EPMoELayer:

@@ -11,7 +11,7 @@ chunks, and equal autograd through `EPMoELayer` to float32 rounding.
 **Streams.** On the CPU, gloo runs each collective on its own worker threads, so the work
 handle is the whole story. On CUDA, `MergedStep` issues every collective from one
 high-priority side stream and makes the compute stream wait for it only at the consuming
-stage. The contract, per collective (`MergedStep._start` and ``_wait``; a unit test checks
+stage. The contract, per collective (`_PlanRun.comm` and ``got``; a unit test checks
 its order with stand-in streams): the side stream waits for the compute stream
 (``wait_stream``) before the collective is issued on it; the tensor sent is marked as used
 on the side stream (``record_stream``); at the consuming stage the work is waited, the
@@ -25,7 +25,6 @@ cool-down backward), which the tests compare with the plain schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,9 +34,6 @@ from moe_lab.parallel.ep import EPMoELayer, exchange_counts, exchange_rows
 from moe_lab.parallel.plan import DISPLAY_NAMES, Stage, check_plan, plan, stage_graph
 from moe_lab.parallel.plan import stage_name as _n
 from moe_lab.parallel.timeline import Timeline
-
-if TYPE_CHECKING:
-    from torch.distributed import Work
 
 Tensor = torch.Tensor
 
@@ -64,34 +60,6 @@ class MicroBatch:
         return torch.cat([c.x.grad for c in self.chunks])
 
 
-class _Handle:
-    """A started collective: its output, its work handle, its timeline event, the side stream
-    it was issued from (CUDA), and whether a consumer has waited for it."""
-
-    def __init__(self, out: Tensor, work: Work | None, event: dict | None,
-                 stream: torch.cuda.Stream | None = None) -> None:
-        self.out, self.work, self.event, self.stream = out, work, event, stream
-        self.waited = False
-
-
-def _wait(handle: _Handle, clock: StageClock) -> Tensor:
-    """Wait for a started collective (once) and stamp its event's end; returns its output."""
-    if not handle.waited:
-        if handle.work is not None:
-            handle.work.wait()  # NCCL: the current (compute) stream waits for the collective
-        if handle.stream is not None:
-            # 3. The compute stream waits for the side stream before it reads ``out`` (also
-            #    with no work handle: a group of one rank copies on the side stream), and
-            #    ``out``, allocated on the side stream, is marked as used on the compute one.
-            compute = torch.cuda.current_stream()
-            compute.wait_stream(handle.stream)
-            handle.out.record_stream(compute)
-        handle.work, handle.waited = None, True
-    if handle.event is not None and handle.event.get("end") is None:
-        handle.event["end"] = clock.now()
-    return handle.out
-
-
 class MergedStep:
     """Runs plans of `stage_graph` stages for one `EPMoELayer` (``dropless``), ``n_chunks``
     chunks per micro-batch (the stages' arithmetic: `ChunkStages`); `run` executes a plan over
@@ -105,10 +73,8 @@ class MergedStep:
         self.layer, self.n_chunks = layer, positive_int(n_chunks, "n_chunks")
         self.cache: dict = {}
         self.keep_for_replay = keep_for_replay
-        self.comm_stream = None
-        w = layer.experts.w_gate_up
-        if w.is_cuda:  # not yet run on a GPU
-            self.comm_stream = torch.cuda.Stream(device=w.device, priority=-1)
+        w = layer.experts.w_gate_up  # on CUDA, the collectives' side stream (not yet run on a GPU)
+        self.comm_stream = torch.cuda.Stream(device=w.device, priority=-1) if w.is_cuda else None
 
     def microbatch(self, x: Tensor, grad_out: Tensor | None, key: str,
                    aux_scale: float | None = None) -> MicroBatch:
@@ -119,33 +85,6 @@ class MergedStep:
             raise ValueError(f"x and grad_out must be [tokens >= n_chunks={n}, d_model={d}], got "
                              f"{tuple(x.shape)} and {None if grad_out is None else tuple(grad_out.shape)}")
         return MicroBatch(x, grad_out, key, owner=self, aux_scale=aux_scale)
-
-    # ----------------------------------------------------------------- collectives
-    def _start(self, key: tuple, x: Tensor, out_splits: list[int], in_splits: list[int],
-               event: dict | None, replay: bool, wait_now: bool, clock: StageClock) -> _Handle:
-        if replay:
-            return _Handle(self.cache[key], None, None)
-        layer = self.layer
-        if self.comm_stream is not None:  # comm on a high-priority side stream
-            # 1. The side stream waits for everything the compute stream queued so far, the
-            #    kernels that wrote ``x`` among them (NCCL's own stream waits for the side one).
-            self.comm_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.comm_stream):
-                out, work = exchange_rows(x, out_splits, in_splits, layer.group, async_op=True)
-            # 2. ``x`` was allocated on the compute stream and is read on the side stream: the
-            #    allocator must not hand its memory out again before the side stream is done.
-            x.record_stream(self.comm_stream)
-            handle = _Handle(out, work, event, self.comm_stream)
-        else:
-            out, work = exchange_rows(x, out_splits, in_splits, layer.group, async_op=True)
-            handle = _Handle(out, work, event)
-            if event is not None:
-                clock.mark_end_when_done(work, event)
-        if self.keep_for_replay:
-            self.cache[key] = out
-        if wait_now:
-            _wait(handle, clock)
-        return handle
 
     # ----------------------------------------------------------------- running a plan
     def run(self, order: list[str], fwd: MicroBatch | None = None, bwd: MicroBatch | None = None,
@@ -175,10 +114,9 @@ class _PlanRun:
         self.fops, self.bops = (mb.owner.ops if mb is not None else None for mb in (fwd, bwd))
         self.replay, self.sequential = replay, sequential
         self.layer = (fwd or bwd).owner.layer
-        self.row_bytes = self.layer.cfg.d_model * (fwd or bwd).x.element_size()
         self.clock = StageClock(self.layer.experts.w_gate_up.device)
         self.events: list[dict] = []
-        self.handles: dict[str, _Handle] = {}
+        self.handles: dict[str, tuple] = {}  # started collectives: (output, work, event, side stream)
         self.results: dict[tuple, Tensor] = {}  # what a compute stage leaves for the next collective
         if fwd is not None:
             self.rows = chunk_rows(fwd.x.shape[0], fwd.owner.n_chunks)
@@ -187,47 +125,77 @@ class _PlanRun:
     def execute(self, order: list[str], stages: dict[str, Stage], label: str) -> Timeline:
         for name in order:
             stage = stages[name]
-            if stage.lane == "comm":
-                self.ACTIONS[stage.kind](self, stage.chunk)
-                continue
             start = self.clock.now()
             self.ACTIONS[stage.kind](self, stage.chunk)
-            self.events.append({"chunk": stage.chunk, "lane": "compute",
-                                "name": DISPLAY_NAMES.get(stage.kind, stage.kind), "phase": stage.phase,
-                                "start": start, "end": self.clock.now(), "nbytes": 0})
+            if stage.lane == "compute":  # a collective records its own event
+                self.events.append({"chunk": stage.chunk, "lane": "compute",
+                                    "name": DISPLAY_NAMES.get(stage.kind, stage.kind), "phase": stage.phase,
+                                    "start": start, "end": self.clock.now(), "nbytes": 0})
         return self.clock.timeline(self.layer.ep_rank, label, self.events)
 
     def comm(self, side: str, kind: str, c: int, send: Tensor, out_splits: list[int],
              in_splits: list[int]) -> None:
+        """Start a collective (``replay``: take what it delivered last time); on CUDA, from the
+        side stream of the micro-batch's step."""
         mb = self.f if side == "F" else self.b
-        event = None
-        if not self.replay:
-            nbytes = (sum(in_splits) - in_splits[self.layer.ep_rank]) * self.row_bytes
-            event = {"chunk": c, "lane": "comm", "name": DISPLAY_NAMES.get(kind, kind),
-                     "phase": "fwd" if side == "F" else "bwd", "start": self.clock.now(), "end": None,
-                     "nbytes": nbytes}
-            self.events.append(event)
-        self.handles[_n(side, kind, c)] = mb.owner._start(
-            (mb.key, kind, c), send, out_splits, in_splits, event, self.replay, self.sequential, self.clock)
+        step, key, name = mb.owner, (mb.key, kind, c), _n(side, kind, c)
+        if self.replay:
+            self.handles[name] = (step.cache[key], None, None, None)
+            return
+        nbytes = (sum(in_splits) - in_splits[self.layer.ep_rank]) * send.shape[1] * send.element_size()
+        event = {"chunk": c, "lane": "comm", "name": DISPLAY_NAMES.get(kind, kind),
+                 "phase": "fwd" if side == "F" else "bwd", "start": self.clock.now(), "end": None,
+                 "nbytes": nbytes}
+        self.events.append(event)
+        stream = step.comm_stream
+        if stream is None:
+            out, work = exchange_rows(send, out_splits, in_splits, step.layer.group, async_op=True)
+            self.clock.mark_end_when_done(work, event)
+        else:
+            # 1. The side stream waits for everything the compute stream queued so far, the
+            #    kernels that wrote ``send`` among them (NCCL's own stream waits for the side one).
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out, work = exchange_rows(send, out_splits, in_splits, step.layer.group, async_op=True)
+            # 2. ``send`` was allocated on the compute stream and is read on the side stream: the
+            #    allocator must not hand its memory out again before the side stream is done.
+            send.record_stream(stream)
+        if step.keep_for_replay:
+            step.cache[key] = out
+        self.handles[name] = (out, work, event, stream)
+        if self.sequential:
+            self.got(side, kind, c)
 
     def got(self, side: str, kind: str, c: int) -> Tensor:
-        return _wait(self.handles[_n(side, kind, c)], self.clock)
+        """Wait for a started collective (once) and stamp its event's end; returns its output."""
+        name = _n(side, kind, c)
+        out, work, event, stream = self.handles[name]
+        if work is not None:
+            work.wait()  # NCCL: the current (compute) stream waits for the collective
+        if stream is not None:
+            # 3. The compute stream waits for the side stream before it reads ``out`` (also
+            #    with no work handle: a group of one rank copies on the side stream), and
+            #    ``out``, allocated on the side stream, is marked as used on the compute one.
+            compute = torch.cuda.current_stream()
+            compute.wait_stream(stream)
+            out.record_stream(compute)
+        self.handles[name] = (out, None, event, None)
+        if event is not None and event["end"] is None:
+            event["end"] = self.clock.now()
+        return out
 
     # the stages of F, the micro-batch going forward
     def route(self, c: int) -> None:
-        self.f.chunks[c] = self.fops.route(self.f.x, self.rows[c], self.f.aux_scale)
+        self.f.chunks[c] = self.fops.route(self.f.x, self.rows[c])
 
     def counts(self, _c: int) -> None:
-        f, cache = self.f, self.f.owner.cache
-        if self.replay:
-            recv_all = cache[(f.key, "counts")]
-        else:
+        f, key = self.f, (self.f.key, "counts")
+        if not self.replay:  # blocking: the split sizes go to the host next
             start = self.clock.now()
-            recv_all = exchange_counts(self.fops.send_counts(f.chunks), f.owner.layer.group)
+            f.owner.cache[key] = exchange_counts(self.fops.send_counts(f.chunks), f.owner.layer.group)
             self.events.append({"chunk": -1, "lane": "comm", "name": "counts", "phase": "fwd",
                                 "start": start, "end": self.clock.now(), "nbytes": 0})
-            cache[(f.key, "counts")] = recv_all
-        self.fops.take_counts(f.chunks, recv_all)
+        self.fops.take_counts(f.chunks, f.owner.cache[key])
 
     def dispatch(self, c: int) -> None:
         ch = self.f.chunks[c]
@@ -268,7 +236,7 @@ class _PlanRun:
         self.bops.experts_wgrad(self.b.chunks[c])
 
     def permute_bwd(self, c: int) -> None:
-        self.bops.route_bwd(self.b.chunks[c], self.got("B", "dispatch⁻¹", c))
+        self.bops.route_bwd(self.b.chunks[c], self.got("B", "dispatch⁻¹", c), self.b.aux_scale)
 
     ACTIONS = {"route": route, "counts": counts, "dispatch": dispatch, "shared": shared,
                "experts": experts, "combine": combine, "unpermute": unpermute,

@@ -51,11 +51,10 @@ class _Pass:
     key: str
     aux_scale: float  # the weight of its MoE layers' auxiliary losses in the step's loss
     inputs: list[Tensor] = field(default_factory=list)  # leaf input of each block (and of the head)
-    pre: list = field(default_factory=list)  # per block: (a, z) of the dense part, or the block output
-    moe: list[MicroBatch | None] = field(default_factory=list)
+    # per block: (a, z, its MoE micro-batch) of the dense part, or (the block's output, None, None)
+    pre: list[tuple] = field(default_factory=list)
     embed_out: Tensor | None = None
-    loss: Tensor | None = None  # the language-model loss
-    aux: Tensor | float = 0.0  # the MoE layers' auxiliary losses
+    loss: Tensor | float = 0.0  # the MoE layers' auxiliary losses, then plus the language-model loss
     grad: Tensor | None = None  # gradient flowing down, into the current block's output
 
 
@@ -78,32 +77,26 @@ class MergedModelStep:
         self.timelines: list[Timeline] = []
 
     # ------------------------------------------------------------------ pieces
-    def _embed(self, p: _Pass) -> None:
-        m = self.model
-        p.embed_out = EMBEDDING_IMPLS[m.embedding_impl](m.embed, p.idx)
-        p.inputs = [p.embed_out.detach().requires_grad_()]
-
     def _fwd_pre(self, p: _Pass, k: int) -> MicroBatch | None:
+        """Block ``k``'s dense part (a dense block: all of it); the MoE micro-batch it leaves."""
         block, h = self.model.blocks[k], p.inputs[k]
         if self.steps[k] is None:  # a dense block: one autograd piece
             out = block(h)[0]
-            p.pre.append(out)
-            p.moe.append(None)
+            p.pre.append((out, None, None))
             p.inputs.append(out.detach().requires_grad_())
             return None
         a = h + block.attn(block.norm1(h))
         z = block.norm2(a)
-        p.pre.append((a, z))
-        p.moe.append(self.steps[k].microbatch(z.detach().reshape(-1, z.shape[-1]), None, f"{p.key}/{k}",
-                                              p.aux_scale))
-        return p.moe[-1]
+        mb = self.steps[k].microbatch(z.detach().reshape(-1, z.shape[-1]), None, f"{p.key}/{k}", p.aux_scale)
+        p.pre.append((a, z, mb))
+        return mb
 
     def _fwd_post(self, p: _Pass, k: int) -> None:
-        if self.steps[k] is None:
+        a, _, mb = p.pre[k]
+        if mb is None:
             return
-        (a, _), mb = p.pre[k], p.moe[k]
         y = mb.y.view_as(a)
-        p.aux = p.aux + sum(c.aux.detach() for c in mb.chunks if c.aux is not None) / len(mb.chunks)
+        p.loss = p.loss + sum(c.aux.detach() for c in mb.chunks) / len(mb.chunks)
         p.inputs.append((a.detach() + y).requires_grad_())
 
     def _head(self, p: _Pass, n_micro: int) -> None:
@@ -111,53 +104,40 @@ class MergedModelStep:
         h = p.inputs[-1]
         logits = m._logits(m.norm(h))
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), p.targets.reshape(-1))
-        p.loss = lm.detach()
+        p.loss = lm.detach() + p.loss
         (lm / n_micro).backward()  # the head's backward can run at once: it waits for nothing
         p.grad = h.grad
 
-    def _bwd_post(self, p: _Pass, k: int) -> MicroBatch | None:
-        """Gradient into block ``k``'s output → the MoE micro-batch's grad_out (the residual
-        part is kept for `_bwd_pre`)."""
-        if self.steps[k] is None:
-            return None
-        mb = p.moe[k]
-        mb.grad_out = p.grad.reshape(-1, p.grad.shape[-1])
-        return mb
-
     def _bwd_pre(self, p: _Pass, k: int) -> None:
-        h = p.inputs[k]
-        if self.steps[k] is None:
-            torch.autograd.backward([p.pre[k]], [p.grad])
-        else:
-            a, z = p.pre[k]
-            dz = p.moe[k].dx.view_as(z)
-            torch.autograd.backward([a, z], [p.grad, dz])  # residual + the MoE's input gradient
-        p.grad = h.grad
+        a, z, mb = p.pre[k]  # a dense block: a is its output
+        if mb is None:
+            torch.autograd.backward([a], [p.grad])
+        else:  # residual + the MoE's input gradient
+            torch.autograd.backward([a, z], [p.grad, mb.dx.view_as(z)])
+        p.grad = p.inputs[k].grad
         p.pre[k] = None
-        p.moe[k] = None
-
-    # ------------------------------------------------------------------ MoE plans
-    def _moe(self, k_fwd: int, f: MicroBatch | None, k_bwd: int, b: MicroBatch | None) -> None:
-        """Run the MoE stages of ``f`` (block ``k_fwd``) and/or ``b`` (block ``k_bwd``), if any."""
-        if f is None and b is None:
-            return
-        # "1f1b" merges F and B (each chunked, with several chunks); with one of them only, the
-        # chunked order of that half.
-        sequential = self.schedule == "sequential"
-        order = plan(self.schedule, self.n_chunks, forward=f is not None, backward=b is not None)
-        label = f"F{k_fwd if f is not None else None} + B{k_bwd if b is not None else None}"
-        self.timelines.append((f or b).owner.run(order, fwd=f, bwd=b, sequential=sequential, label=label))
 
     def _unit(self, f: _Pass | None, b: _Pass | None, n_micro: int) -> None:
         """F's forward through blocks 0…L−1 paired with B's backward through L−1…0; either may
-        be None (the warm-up forward, the cool-down backward)."""
-        n_blocks = len(self.steps)
+        be None (the warm-up forward, the cool-down backward). Their MoE layers run one plan:
+        under "1f1b" F and B merged (each chunked, with several chunks); with one of them only,
+        the chunked order of that half."""
+        n_blocks, m = len(self.steps), self.model
         with torch.enable_grad():
             if f is not None:
-                self._embed(f)
+                f.embed_out = EMBEDDING_IMPLS[m.embedding_impl](m.embed, f.idx)
+                f.inputs = [f.embed_out.detach().requires_grad_()]
             for k in range(n_blocks):
-                j = n_blocks - 1 - k
-                self._moe(k, f and self._fwd_pre(f, k), j, b and self._bwd_post(b, j))
+                j = n_blocks - 1 - k  # B's block
+                fwd = self._fwd_pre(f, k) if f is not None else None
+                bwd = b.pre[j][2] if b is not None else None
+                if bwd is not None:  # the gradient into block j's output, the residual's kept for later
+                    bwd.grad_out = b.grad.reshape(-1, b.grad.shape[-1])
+                if fwd is not None or bwd is not None:
+                    order = plan(self.schedule, self.n_chunks, fwd is not None, bwd is not None)
+                    label = f"F{k if fwd is not None else None} + B{j if bwd is not None else None}"
+                    self.timelines.append((fwd or bwd).owner.run(
+                        order, fwd, bwd, sequential=self.schedule == "sequential", label=label))
                 if f is not None:
                     self._fwd_post(f, k)
                 if b is not None:
@@ -186,4 +166,4 @@ class MergedModelStep:
             units = [unit for p in passes for unit in ((p, None), (None, p))]
         for f, b in units:
             self._unit(f, b, n_micro)
-        return torch.stack([p.loss + p.aux for p in passes]).mean()
+        return torch.stack([p.loss for p in passes]).mean()

@@ -84,15 +84,11 @@ class Stage:
     whose gradient sums it must follow)."""
 
     name: str
-    mb: str  # "F" (going forward) or "B" (going backward)
+    phase: str  # "fwd" (of ``F``, the micro-batch going forward) or "bwd" (of ``B``)
     kind: str  # "dispatch", "experts", ...
     chunk: int
     lane: str
     deps: tuple[str, ...] = ()
-
-    @property
-    def phase(self) -> str:
-        return "fwd" if self.mb == "F" else "bwd"
 
 
 def stage_name(mb: str, kind: str, c: int | None = None) -> str:
@@ -103,52 +99,40 @@ def stage_name(mb: str, kind: str, c: int | None = None) -> str:
 _n = stage_name  # the plans below spell many names
 
 
+# Per stage kind, in the order the plain schedule runs a chunk: the stages of the same chunk it
+# needs (``route`` needs nothing; ``counts``, one stage for all chunks, needs every ``route``).
+_FORWARD = {"dispatch": ("counts",), "shared": ("route",), "experts": ("dispatch",), "combine": ("experts",),
+            "unpermute": ("combine", "shared")}
+_BACKWARD = {"unpermute⁻¹": (), "combine⁻¹": ("unpermute⁻¹",), "shared⁻¹": ("unpermute⁻¹",),
+             "dgrad": ("combine⁻¹",), "dispatch⁻¹": ("dgrad",), "wgrad": ("dgrad",),
+             "permute⁻¹": ("dispatch⁻¹", "unpermute⁻¹")}
+# The shared expert and the gradient sums keep chunk order: each follows the previous chunk's.
+_CHUNK_ORDERED = ("shared", "shared⁻¹", "wgrad", "permute⁻¹")
+
+
 def stage_graph(n_chunks: int = 1, forward: bool = True, backward: bool = True) -> dict[str, Stage]:
     """The stages of one merged unit (``F``'s forward and/or ``B``'s backward of one MoE
-    layer, ``n_chunks`` chunks each), by name, with their dependencies."""
-    positive_int(n_chunks, "n_chunks")
-    stages: list[Stage] = []
-
-    def add(mb: str, kind: str, c: int | None, deps: list[str]) -> None:
-        lane = "comm" if kind in COMM_STAGES else "compute"
-        stages.append(Stage(_n(mb, kind, c), mb, kind, -1 if c is None else c, lane, tuple(deps)))
-
-    chunks = range(n_chunks)
+    layer, ``n_chunks`` chunks each), by name, with their dependencies, in the order of the
+    plain schedule (each half chunk after chunk)."""
+    chunks = range(positive_int(n_chunks, "n_chunks"))
+    keys = []  # (micro-batch, kind, chunk)
     if forward:
-        for c in chunks:
-            add("F", "route", c, [])
-        add("F", "counts", None, [_n("F", "route", c) for c in chunks])
-        for c in chunks:
-            add("F", "dispatch", c, [_n("F", "counts")])
-            add("F", "shared", c, [_n("F", "route", c)] + ([_n("F", "shared", c - 1)] if c else []))
-            add("F", "experts", c, [_n("F", "dispatch", c)])
-            add("F", "combine", c, [_n("F", "experts", c)])
-            add("F", "unpermute", c, [_n("F", "combine", c), _n("F", "shared", c)])
+        keys += [("F", "route", c) for c in chunks] + [("F", "counts", None)]
+        keys += [("F", kind, c) for c in chunks for kind in _FORWARD]
     if backward:
-        for c in chunks:
-            # the gradient sums keep chunk order: each follows the previous chunk's
-            prev = {kind: [_n("B", kind, c - 1)] if c else [] for kind in ("shared⁻¹", "wgrad", "permute⁻¹")}
-            add("B", "unpermute⁻¹", c, [])
-            add("B", "combine⁻¹", c, [_n("B", "unpermute⁻¹", c)])
-            add("B", "shared⁻¹", c, [_n("B", "unpermute⁻¹", c)] + prev["shared⁻¹"])
-            add("B", "dgrad", c, [_n("B", "combine⁻¹", c)])
-            add("B", "dispatch⁻¹", c, [_n("B", "dgrad", c)])
-            add("B", "wgrad", c, [_n("B", "dgrad", c)] + prev["wgrad"])
-            add("B", "permute⁻¹", c, [_n("B", "dispatch⁻¹", c), _n("B", "unpermute⁻¹", c)]
-                + prev["permute⁻¹"])
-    return {s.name: s for s in stages}
-
-
-def _fwd_natural(n: int) -> list[str]:
-    order = [_n("F", "route", c) for c in range(n)] + [_n("F", "counts")]
-    for c in range(n):
-        order += [_n("F", k, c) for k in ("dispatch", "shared", "experts", "combine", "unpermute")]
-    return order
-
-
-def _bwd_natural(n: int) -> list[str]:
-    return [_n("B", k, c) for c in range(n) for k in
-            ("unpermute⁻¹", "combine⁻¹", "shared⁻¹", "dgrad", "dispatch⁻¹", "wgrad", "permute⁻¹")]
+        keys += [("B", kind, c) for c in chunks for kind in _BACKWARD]
+    stages = {}
+    for mb, kind, c in keys:
+        if c is None:
+            deps = [_n(mb, "route", i) for i in chunks]
+        else:
+            needs = {**_FORWARD, **_BACKWARD}.get(kind, ())
+            deps = [_n(mb, need, None if need == "counts" else c) for need in needs]
+            deps += [_n(mb, kind, c - 1)] if c and kind in _CHUNK_ORDERED else []
+        lane = "comm" if kind in COMM_STAGES else "compute"
+        phase, name = "fwd" if mb == "F" else "bwd", _n(mb, kind, c)
+        stages[name] = Stage(name, phase, kind, -1 if c is None else c, lane, tuple(deps))
+    return stages
 
 
 def chunked_plan(n_chunks: int, forward: bool = True, backward: bool = True,
@@ -190,16 +174,14 @@ def _merged(n: int) -> list[str]:
     # Under the first two collectives: the first chunk's shared experts of both micro-batches.
     order += [_n("F", "dispatch", 0), _n("B", "combine⁻¹", 0), _n("F", "shared", 0), _n("B", "shared⁻¹", 0)]
     for c in range(n):
-        if c + 1 < n:
-            order.append(_n("F", "dispatch", c + 1))
+        more = c + 1 < n  # a next chunk
+        order += [_n("F", "dispatch", c + 1)] if more else []
         order += [_n("F", "experts", c), _n("F", "combine", c)]
-        if c + 1 < n:
-            order += [_n("B", "combine⁻¹", c + 1), _n("F", "shared", c + 1)]
+        order += [_n("B", "combine⁻¹", c + 1), _n("F", "shared", c + 1)] if more else []
         order += [_n("B", "dgrad", c), _n("B", "dispatch⁻¹", c)]
-        if c + 1 < n:
-            order.append(_n("B", "shared⁻¹", c + 1))
-        if c:  # delayed by one chunk: fills the gap while the next collectives travel
-            order.append(_n("B", "wgrad", c - 1))
+        order += [_n("B", "shared⁻¹", c + 1)] if more else []
+        # delayed by one chunk: fills the gap while the next collectives travel
+        order += [_n("B", "wgrad", c - 1)] if c else []
     order.append(_n("B", "wgrad", n - 1))  # under the last dispatch⁻¹
     order += [_n("F", "unpermute", c) for c in range(n)]
     return order + [_n("B", "permute⁻¹", c) for c in range(n)]
@@ -214,7 +196,7 @@ def plan(schedule: str, n_chunks: int = 1, forward: bool = True, backward: bool 
     one_of(schedule, "schedule", SCHEDULES)
     n = positive_int(n_chunks, "n_chunks")
     if schedule == "sequential":
-        return (_bwd_natural(n) if backward else []) + (_fwd_natural(n) if forward else [])
+        return list(stage_graph(n, False, backward)) + list(stage_graph(n, forward, False))
     if schedule == "chunked" or not (forward and backward):
         return chunked_plan(n, False, backward) + chunked_plan(n, forward, False)
     return _merged(n)
@@ -266,10 +248,9 @@ def simulate_plan(order: Iterable[str], stages: dict[str, Stage],
     check_plan(order, stages)
     n_chunks = max(1, max(s.chunk for s in stages.values()) + 1)
     now = link_free = 0.0
-    finish: dict[str, float] = {}
+    finish: dict[str, float] = {}  # the collectives started and not yet waited for
     log: list[dict] = []
     events: list[Event] = []
-    waited: set[str] = set()
     for name in order:
         s = stages[name]
         shown = DISPLAY_NAMES.get(s.kind, s.kind)
@@ -279,20 +260,17 @@ def simulate_plan(order: Iterable[str], stages: dict[str, Stage],
             link_free = finish[name] = start + cost
             log.append({"op": "start", "stage": name, "t": now, "end": finish[name]})
             events.append(Event(s.chunk, "comm", shown, s.phase, start, finish[name]))
-            if s.kind == "counts":  # blocking: its sizes go to the host at once
-                log.append({"op": "wait", "stage": name, "t": now, "end": finish[name],
-                            "finish": finish[name], "idle": finish[name] - now})
-                now = finish[name]
-                waited.add(name)
-            continue
-        for dep in s.deps:
-            if stages[dep].lane == "comm" and dep not in waited:
+            waits = [name] if s.kind == "counts" else []  # blocking: its sizes go to the host at once
+        else:
+            waits = s.deps  # a compute stage waits for the collectives it needs
+        for dep in waits:
+            if dep in finish:
                 idle = max(0.0, finish[dep] - now)
                 log.append({"op": "wait", "stage": dep, "t": now, "end": now + idle,
-                            "finish": finish[dep], "idle": idle})
+                            "finish": finish.pop(dep), "idle": idle})
                 now += idle
-                waited.add(dep)
-        log.append({"op": "run", "stage": name, "t": now, "end": now + cost})
-        events.append(Event(s.chunk, "compute", shown, s.phase, now, now + cost))
-        now += cost
+        if s.lane == "compute":
+            log.append({"op": "run", "stage": name, "t": now, "end": now + cost})
+            events.append(Event(s.chunk, "compute", shown, s.phase, now, now + cost))
+            now += cost
     return log, Timeline(0, label, max(now, link_free), events)

@@ -121,10 +121,6 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return model, flags
 
 
-def _cpu_model() -> str:
-    return _cpuinfo()[0] or platform.processor() or platform.machine() or "unknown cpu"
-
-
 def library_versions() -> dict[str, str]:
     """Versions of python, torch, triton, numpy and (when installed) Transformer Engine."""
     versions = {"python": platform.python_version(), "torch": torch.__version__}
@@ -157,7 +153,8 @@ def capabilities() -> Capabilities:
         cc = tuple(torch.cuda.get_device_capability(0))
         n_devices = torch.cuda.device_count()
     else:
-        device_name, cc, n_devices = _cpu_model(), None, 1
+        device_name = _cpuinfo()[0] or platform.processor() or platform.machine() or "unknown cpu"
+        cc, n_devices = None, 1
     triton_mode = "absent" if TRITON_MISSING else "interpreted" if interprets_triton(cuda) else "compiled"
     if triton_mode == "compiled" and cc and not gpu_arch(cc).bf16_mma:  # Triton supports sm_80 on
         triton_mode = f"unsupported on sm_{cc[0]}{cc[1]}"

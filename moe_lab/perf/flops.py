@@ -156,16 +156,15 @@ def per_layer_flops(cfg: ModelConfig, seq_len: int | None = None) -> list[float]
     """Training FLOPs per token of each decoder layer, in order (``cfg.n_layers`` values;
     the embedding, logits and MTP modules are not included)."""
     s = _seq(cfg, seq_len)
-    out = []
-    for i in range(cfg.n_layers):
-        window = cfg.sliding_window if is_sliding_layer(cfg, i) else 0
-        macs = attention_proj_macs(cfg) + attention_core_macs(cfg, s, window)
-        if i < cfg.n_dense_layers:
-            macs += dense_mlp_macs(cfg)
-        else:
-            macs += moe_mlp_macs(cfg) + router_macs(cfg)
-        out.append(float(_TRAIN * macs))
-    return out
+    windows = [cfg.sliding_window if is_sliding_layer(cfg, i) else 0 for i in range(cfg.n_layers)]
+    return [float(_TRAIN * _layer_macs(cfg, s, w, i < cfg.n_dense_layers)) for i, w in enumerate(windows)]
+
+
+def _layer_macs(cfg: ModelConfig, seq_len: int, window: int, dense: bool) -> float:
+    """Forward MACs per token of one transformer layer: attention, then the dense FFN or the
+    router and the experts."""
+    mlp = dense_mlp_macs(cfg) if dense else moe_mlp_macs(cfg) + router_macs(cfg)
+    return attention_proj_macs(cfg) + attention_core_macs(cfg, seq_len, window) + mlp
 
 
 def layer_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, float]:
@@ -182,13 +181,11 @@ def layer_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[
     layers = per_layer_flops(cfg, s)
     dense = layers[: cfg.n_dense_layers]
     moe = layers[cfg.n_dense_layers :]
-    moe_full = attention_proj_macs(cfg) + attention_core_macs(cfg, s) + moe_mlp_macs(cfg)
-    moe_full += router_macs(cfg)
     return {
         "embedding": 0.0,
         "dense": sum(dense) / len(dense) if dense else 0.0,
         "moe": sum(moe) / len(moe) if moe else 0.0,
-        "mtp": float(_TRAIN * (moe_full + mtp_proj_macs(cfg) + logits_macs(cfg)))
+        "mtp": float(_TRAIN * (_layer_macs(cfg, s, 0, False) + mtp_proj_macs(cfg) + logits_macs(cfg)))
         if cfg.mtp_layers
         else 0.0,
         "logits": float(_TRAIN * logits_macs(cfg)),

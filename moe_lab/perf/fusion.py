@@ -103,21 +103,17 @@ def launches(variant: str, s: Shape) -> list[Launch]:
         return [Launch("GEMM1+SwiGLU+MXFP8 epilogue", r * d * b + w1, mx, "fwd", w1)]
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS + MX_VARIANTS}, got {variant!r}")
-    level = VARIANTS.index(variant)
-    return _forward(level, s) + _backward(level, s)
+    return _chain(VARIANTS.index(variant), s)
 
 
-def _sizes(s: Shape, gather: bool) -> tuple:
-    """Bytes of the pieces: row-id map, row source, router weights, W1, W2, GEMM1's input."""
-    map_b, src_b = s.tokens * s.top_k * 4, s.rows * 4
-    x_in = s.rows * s.d * s.b + (src_b if gather else 0)  # gathered token rows read the row source
-    return map_b, src_b, map_b, s.n_experts * s.d * 2 * s.f * s.b, s.n_experts * s.f * s.d * s.b, x_in
-
-
-def _forward(level: int, s: Shape) -> list[Launch]:
+def _chain(level: int, s: Shape) -> list[Launch]:
+    """The forward launches, then the backward ones, of fusion ``level`` (an index of `VARIANTS`)."""
     t, r, d, f, b = s.tokens, s.rows, s.d, s.f, s.b
     swiglu_fused, gather, scatter, atomic = level >= 1, level >= 2, level >= 3, level == 4
-    map_b, src_b, wt_b, w1, w2, x_in = _sizes(s, gather)
+    # Bytes of the row-id map, the row source, the router weights, W1, W2 and GEMM1's input.
+    map_b, src_b, wt_b = t * s.top_k * 4, r * 4, t * s.top_k * 4
+    w1, w2 = s.n_experts * d * 2 * f * b, s.n_experts * f * d * b
+    x_in = r * d * b + (src_b if gather else 0)  # gathered token rows read the row source
     if gather:
         out = [Launch("row source (fill)", 0, src_b, "fwd"),
                Launch("row source (scatter)", map_b, src_b, "fwd")]
@@ -141,24 +137,17 @@ def _forward(level: int, s: Shape) -> list[Launch]:
     else:
         out += [Launch("GEMM2", r * f * b + w2, r * d * b, "fwd", w2),
                 Launch("unpermute (weighted)", r * d * b + map_b + wt_b, t * d * b, "fwd")]
-    return out
-
-
-def _backward(level: int, s: Shape) -> list[Launch]:
-    t, r, d, f, b = s.tokens, s.rows, s.d, s.f, s.b
-    swiglu_fused, gather, scatter = level >= 1, level >= 2, level >= 3
-    map_b, src_b, wt_b, w1, w2, x_in = _sizes(s, gather)
-    if scatter:  # the combine and GEMM2
+    if scatter:  # the backward: the combine and GEMM2
         n_tiles = max(1, -(-f // 64))
-        out = [Launch("dout gather·W2ᵀ, dh + dweight epilogue",
-                      r * d * b + src_b + wt_b + w2 + r * f * b, r * f * b + r * n_tiles * 4, "bwd", w2),
-               Launch("dweights: sum partials + index_copy", r * n_tiles * 4 + src_b, wt_b, "bwd"),
-               Launch("dW2 (gathered weighted dout)", r * f * b + r * d * b + src_b + wt_b, w2, "bwd", w2)]
+        out += [Launch("dout gather·W2ᵀ, dh + dweight epilogue",
+                       r * d * b + src_b + wt_b + w2 + r * f * b, r * f * b + r * n_tiles * 4, "bwd", w2),
+                Launch("dweights: sum partials + index_copy", r * n_tiles * 4 + src_b, wt_b, "bwd"),
+                Launch("dW2 (gathered weighted dout)", r * f * b + r * d * b + src_b + wt_b, w2, "bwd", w2)]
     else:
-        out = [Launch("unpermute bwd: weighted permute", t * d * b + map_b + wt_b, r * d * b, "bwd"),
-               Launch("unpermute bwd: dweights", r * d * b + t * d * b + map_b, wt_b, "bwd"),
-               Launch("GEMM2 dX", r * d * b + w2, r * f * b, "bwd", w2),
-               Launch("GEMM2 dW", r * f * b + r * d * b, w2, "bwd", w2)]
+        out += [Launch("unpermute bwd: weighted permute", t * d * b + map_b + wt_b, r * d * b, "bwd"),
+                Launch("unpermute bwd: dweights", r * d * b + t * d * b + map_b, wt_b, "bwd"),
+                Launch("GEMM2 dX", r * d * b + w2, r * f * b, "bwd", w2),
+                Launch("GEMM2 dW", r * f * b + r * d * b, w2, "bwd", w2)]
     if swiglu_fused:  # SwiGLU and GEMM1
         out.append(Launch("GEMM1 recompute+SwiGLU bwd" + (" (gather)" if gather else ""),
                           x_in + w1 + r * f * b, r * 2 * f * b, "bwd", w1))

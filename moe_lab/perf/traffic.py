@@ -104,14 +104,10 @@ def _programs(rows: list[int], n: int, steps: int, block_m: int, block_n: int, b
     t_n = -(-n // block_n)
     widths = [min(block_n, n - j * block_n) for j in range(t_n)]
     group = {"row": t_m, "n": 1}.get(order, order)  # row fastest is one group of every row tile
-    programs = []
-    for pid in range(t_m * t_n):
-        tm, tn = grouped_order(pid, t_m, t_n, group)
-        if tm < len(tiles):
-            programs.append((tm, tn))
+    launched = (grouped_order(pid, t_m, t_n, group) for pid in range(t_m * t_n))
     b_base = len(tiles) * steps
     return [(tm * steps, tiles[tm][1], b_base + (tiles[tm][0] * t_n + tn) * steps, widths[tn] * b_panels)
-            for tm, tn in programs]
+            for tm, tn in launched if tm < len(tiles)]
 
 
 def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, block_k: int, *,

@@ -36,13 +36,12 @@ where it is built: ``ModelImpls(mxfp8=("attention", "experts"))``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.autograd.function import FunctionCtx
 
-from moe_lab.attention import ATTENTION_IMPLS, expand_kv, mxfp8_reference_attention
+from moe_lab.attention import ATTENTION_IMPLS, causal_softmax, expand_kv, mxfp8_reference_attention
 from moe_lab.checks import one_of
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, mx_error_stats, quantize
@@ -63,7 +62,7 @@ class _MXLinearFunction(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
-        ctx.has_bias, ctx.x_shape = bias is not None, x.shape
+        ctx.x_shape = x.shape
         y = _fq(x2, -1) @ _fq(weight, -1).t()
         if bias is not None:
             y = y + bias.float()
@@ -80,7 +79,7 @@ class _MXLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # wgrad: reduce over the tokens — dY and X column-wise (zero tokens pad to 32).
             grad_w = (_fq(g2, 0, pad=True).t() @ _fq(x2, 0, pad=True)).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:  # False where there is no bias
             grad_b = g2.float().sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b
 
@@ -101,9 +100,8 @@ class MXLinear(nn.Linear):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if value % BLOCK_SIZE:
-                raise ValueError(
-                    f"MXLinear.{name} must be a multiple of {BLOCK_SIZE} (an MX block), got {value}"
-                )
+                raise ValueError(f"MXLinear.{name} must be a multiple of {BLOCK_SIZE} (an MX block), "
+                                 f"got {value}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
     @classmethod
@@ -115,30 +113,15 @@ class MXLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"x's last dim must be in_features={self.in_features}, "
+                             f"got shape {tuple(x.shape)}")
         return self.function.apply(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mxfp8=emulated, scale_mode=rceil"
+        return f"{super().extra_repr()}, mxfp8={self.backend}, scale_mode=rceil"
 
 
 # ------------------------------------------------------------------ Triton: tl.dot_scaled
-
-
-def _mx_operands(x: Tensor, *, rows: bool = True,
-                 cols: bool = True) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
-    """The Triton quantizer's copies of a 2-D ``x`` as `moe_lab.kernels.mx_gemm.mx_gemm`
-    takes its operands — each ``(codes [R, K], scale bytes [R, K/32])`` blocked along its last
-    dim: the row-wise copy of ``x`` and the column-wise one transposed (``[K_x, M32]``,
-    zero rows padded to a multiple of 32), both from one read of ``x``."""
-    from moe_lab.kernels.mx_quantize import mx_quantize
-
-    row, col = mx_quantize(x, rowwise=rows, colwise=cols, scale_mode="rceil", pad=True)
-    as_rows = None if row is None else (row.data, row.scale)
-    as_cols = None if col is None else (col.data.transpose(-1, -2), col.scale.transpose(-1, -2))
-    return as_rows, as_cols
 
 
 class _TritonMXLinearFunction(torch.autograd.Function):
@@ -150,13 +133,16 @@ class _TritonMXLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         from moe_lab.kernels.mx_gemm import mx_gemm
+        from moe_lab.kernels.mx_quantize import mx_quantize
 
         x2 = x.reshape(-1, x.shape[-1])
-        (xr, xs), x_cols = _mx_operands(x2)
-        (wr, ws), w_cols = _mx_operands(weight)
-        ctx.save_for_backward(*x_cols, *w_cols)
-        ctx.has_bias, ctx.x_shape, ctx.dtypes = bias is not None, x.shape, (x.dtype, weight.dtype)
-        y = mx_gemm(xr, xs, wr, ws)  # [M, K]·[N, K]ᵀ: both blocked along K
+        x_row, x_col = mx_quantize(x2, scale_mode="rceil", pad=True)
+        w_row, w_col = mx_quantize(weight, scale_mode="rceil", pad=True)
+        # mx_gemm takes operands blocked along their last dim: the column-wise copies as stored,
+        # transposed ([K, M32], zero tokens padded to 32).
+        ctx.save_for_backward(x_col.data.mT, x_col.scale.mT, w_col.data.mT, w_col.scale.mT)
+        ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype)
+        y = mx_gemm(x_row.data, x_row.scale, w_row.data, w_row.scale)  # [M, K]·[N, K]ᵀ: both along K
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -164,22 +150,24 @@ class _TritonMXLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         from moe_lab.kernels.mx_gemm import mx_gemm
+        from moe_lab.kernels.mx_quantize import mx_quantize
 
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors  # both column-wise, transposed
         x_dtype, w_dtype = ctx.dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_rows, g_cols = _mx_operands(g2, rows=ctx.needs_input_grad[0], cols=ctx.needs_input_grad[1])
+        g_row, g_col = mx_quantize(g2, rowwise=ctx.needs_input_grad[0], colwise=ctx.needs_input_grad[1],
+                                   scale_mode="rceil", pad=True)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dgrad [M, K] = dY [M, N] · W [N, K]: reduces over N — dY row-wise, W column-wise.
-            grad_x = mx_gemm(*g_rows, w_codes, w_scale).to(x_dtype).reshape(ctx.x_shape)
+            grad_x = mx_gemm(g_row.data, g_row.scale, w_codes, w_scale).to(x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # wgrad [N, K] = dYᵀ · X: reduces over the tokens — both column-wise.
             if x_codes.shape[1]:
-                grad_w = mx_gemm(*g_cols, x_codes, x_scale).to(w_dtype)
+                grad_w = mx_gemm(g_col.data.mT, g_col.scale.mT, x_codes, x_scale).to(w_dtype)
             else:  # no tokens: nothing to reduce
                 grad_w = torch.zeros(g2.shape[1], x_codes.shape[0], dtype=w_dtype, device=g2.device)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2]:
             grad_b = g2.float().sum(0).to(w_dtype)
         return grad_x, grad_w, grad_b
 
@@ -193,9 +181,6 @@ class TritonMXLinear(MXLinear):
 
     backend = "triton"
     function = _TritonMXLinearFunction
-
-    def extra_repr(self) -> str:
-        return f"{nn.Linear.extra_repr(self)}, mxfp8=triton tl.dot_scaled, scale_mode=rceil"
 
 
 def triton_mxfp8_status() -> tuple[bool, str]:
@@ -224,8 +209,7 @@ def te_mxfp8_status() -> tuple[bool, str]:
         return False, "no CUDA device"
     if not caps.native_mxfp8:
         major, minor = caps.cuda_capability
-        return False, (f"{caps.device_name} is SM {major}.{minor}; "
-                       "MXFP8 tensor cores need SM 10.0+")
+        return False, f"{caps.device_name} is SM {major}.{minor}; MXFP8 tensor cores need SM 10.0+"
     return True, "transformer_engine with an SM 10.0+ GPU"
 
 
@@ -245,7 +229,6 @@ class TEMXFP8Linear(nn.Module):
         from transformer_engine.common.recipe import MXFP8BlockScaling
 
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.te_linear = te.Linear(linear.in_features, linear.out_features,
                                    bias=linear.bias is not None,
                                    params_dtype=linear.weight.dtype, device="cuda")
@@ -261,8 +244,7 @@ class TEMXFP8Linear(nn.Module):
             return self.te_linear(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               "mxfp8=transformer_engine MXFP8BlockScaling"
+        return "mxfp8=transformer_engine MXFP8BlockScaling"  # the features: te_linear's repr
 
 
 def make_mxfp8_linear(linear: nn.Linear, backend: str = "auto") -> nn.Module:
@@ -290,20 +272,15 @@ def _attention_core_rows(layer: str, q: Tensor, k: Tensor, v: Tensor) -> list[di
     """The rows of one attention core: ``q``, ``k``, ``v``, the softmax probabilities ``p``,
     and the MXFP8 emulation's ``output`` error against float32 attention."""
     ke, ve = expand_kv(q, k, v)
-    rows = [_stats_row(layer, "q", q, -1), _stats_row(layer, "k", k, -1), _stats_row(layer, "v", v, -2)]
-    scores = (q.float() @ ke.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    t_q, t_k = q.shape[-2], k.shape[-2]
-    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(t_k - t_q)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    rows.append(_stats_row(layer, "p", probs, -1))
+    probs = causal_softmax(q, ke)
+    rows = [_stats_row(layer, "q", q, -1), _stats_row(layer, "k", k, -1), _stats_row(layer, "v", v, -2),
+            _stats_row(layer, "p", probs, -1)]
     exact = probs @ ve.float()
-    emulated = mxfp8_reference_attention(q, k, v).float()
-    err = ((emulated - exact).norm() / exact.norm()).item()
-    rows.append({"layer": layer, "tensor": "output", "rel_error": err,
-                 "mean_rel_error": float("nan"),
-                 "max_abs_error": (emulated - exact).abs().max().item(),
-                 "saturated": 0, "underflow": 0, "numel": exact.numel(),
-                 "nonfinite": 0, "nan_block_values": 0, "bits_per_value": 8.25})
+    diff = mxfp8_reference_attention(q, k, v).float() - exact
+    # The same fields as the other rows, every count zero.
+    rows.append({**dict.fromkeys(rows[-1], 0), "layer": layer, "tensor": "output",
+                 "rel_error": (diff.norm() / exact.norm()).item(), "mean_rel_error": math.nan,
+                 "max_abs_error": diff.abs().max().item(), "numel": exact.numel(), "bits_per_value": 8.25})
     return rows
 
 
@@ -325,7 +302,7 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor) -> list[dict]:
     The model runs as configured (its own attention implementation); nothing is changed.
     """
     rows: list[dict] = []
-    handles, saved_impls, temp_names = [], [], []
+    handles, swapped = [], []
     try:
         # by class name: moe_lab.model imports this module
         for i, block in enumerate(m for m in model.modules() if type(m).__name__ == "Attention"):
@@ -336,18 +313,16 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor) -> list[dict]:
                         rows.append(_stats_row(layer, "weight", mod.weight, -1))
 
                     handles.append(lin.register_forward_pre_hook(hook))
-            original = block.attention_impl
 
             def recording(q: Tensor, k: Tensor, v: Tensor, layer: str = f"attention{i}.core",
-                          original: Callable = original) -> Tensor:
+                          original: str = block.attention_impl) -> Tensor:
                 rows.extend(_attention_core_rows(layer, q, k, v))
                 return ATTENTION_IMPLS[original](q, k, v)
 
-            temp = f"_mx_layer_error_stats_{id(block)}"
-            ATTENTION_IMPLS[temp] = recording
-            temp_names.append(temp)
-            saved_impls.append((block, original))
-            block.attention_impl = temp
+            # The core under a name of its own for this call (no packed variant: q, k, v pass through).
+            swapped.append((block, block.attention_impl))
+            block.attention_impl = f"_mx_layer_error_stats_{id(block)}"
+            ATTENTION_IMPLS[block.attention_impl] = recording
         for j, experts in enumerate(m for m in model.modules() if type(m).__name__ == "SwiGLUExperts"):
             for name in ("w_gate_up", "w_down"):
                 rows.append(_stats_row(f"experts{j}", name, getattr(experts, name), -2))
@@ -355,8 +330,7 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor) -> list[dict]:
     finally:
         for handle in handles:
             handle.remove()
-        for block, original in saved_impls:
+        for block, original in swapped:
+            ATTENTION_IMPLS.pop(block.attention_impl, None)
             block.attention_impl = original
-        for temp in temp_names:
-            ATTENTION_IMPLS.pop(temp, None)
     return rows

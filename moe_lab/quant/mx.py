@@ -109,9 +109,7 @@ ELEM_FORMATS: dict[torch.dtype, ElemFormat] = {
 def elem_format(elem_dtype: torch.dtype) -> ElemFormat:
     """The `ElemFormat` of ``elem_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``)."""
     if elem_dtype not in ELEM_FORMATS:
-        raise ValueError(
-            f"elem_dtype must be one of {[str(d) for d in ELEM_FORMATS]}, got {elem_dtype!r}"
-        )
+        raise ValueError(f"elem_dtype must be one of {[str(d) for d in ELEM_FORMATS]}, got {elem_dtype!r}")
     return ELEM_FORMATS[elem_dtype]
 
 
@@ -135,7 +133,7 @@ def block_scale_exponent(amax: Tensor, elem_dtype: torch.dtype, scale_mode: str)
     ``floor``: ``clamp(floor(log2(amax)) - emax, -127, 127) + 127`` read off the exponent
     field (so ``amax = 0`` or subnormal gives ``0``; Inf gives ``128 - emax``).
     ``rceil``: ``clamp(ceil(log2(q)), -127, 127) + 127`` with ``q = amax / max_pos`` rounded
-    to float32, the ceiling taken exactly from ``q``'s bits (``cvt.rp``); Inf gives 254.
+    to float32, the ceiling taken exactly (``torch.frexp``: what ``cvt.rp`` does); Inf gives 254.
     NaN gives 255 in both modes.
     """
     fmt = elem_format(elem_dtype)
@@ -145,13 +143,11 @@ def block_scale_exponent(amax: Tensor, elem_dtype: torch.dtype, scale_mode: str)
         unbiased = exponent - fmt.emax_pow2
     else:  # rceil
         q = amax / fmt.max_pos
-        bits = q.view(torch.int32)
-        exp_field, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
-        # Normal q: 2^(E-127) * 1.m, rounded up unless the mantissa is zero. Subnormal q
-        # (< 2^-126): rounds up to 2^-126 if above 2^-127 (mantissa 0x400000), else 2^-127.
-        ceil_normal = exp_field - 127 + (mantissa != 0).to(torch.int32)
-        ceil_subnormal = torch.where(mantissa > 0x400000, -126, -127).to(torch.int32)
-        unbiased = torch.where(exp_field == 0, ceil_subnormal, ceil_normal)
+        # q = m * 2^e with m in [0.5, 1), exactly (subnormal q too): the ceiling of log2(q) is e,
+        # or e - 1 when q is a power of two (m = 0.5). q = 0 takes the smallest scale.
+        mantissa, exponent = torch.frexp(q)
+        unbiased = torch.where(mantissa == 0.5, exponent - 1, exponent)
+        unbiased = torch.where(q == 0, -127, unbiased)
         unbiased = torch.where(torch.isinf(q), 127, unbiased)
     biased = unbiased.clamp(-127, 127) + 127
     return torch.where(torch.isnan(amax), E8M0_NAN, biased).to(torch.int32)
@@ -240,13 +236,9 @@ def quantize(
     size = x.shape[dim]
     full = padded_size(size, block_size)
     if full != size and not pad:
-        raise ValueError(
-            f"x.shape[{dim}] = {size} must be a multiple of block_size={block_size} "
-            f"(or pass pad=True to pad it with zeros to {full})"
-        )
-    rows = x.movedim(dim, -1).to(torch.float32)
-    if full != size:
-        rows = F.pad(rows, (0, full - size))
+        raise ValueError(f"x.shape[{dim}] = {size} must be a multiple of block_size={block_size} "
+                         f"(or pass pad=True to pad it with zeros to {full})")
+    rows = F.pad(x.movedim(dim, -1).to(torch.float32), (0, full - size))
     blocks = rows.reshape(*rows.shape[:-1], full // block_size, block_size)
 
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # NaN if the block holds a NaN

@@ -121,10 +121,9 @@ class LeafSpine:
 
     def capacities(self) -> np.ndarray:
         """Bytes/s of every physical link, ``[n_links]``."""
-        cap = np.empty(self.n_links)
-        cap[: 2 * self.n_hosts] = self.link_bytes_per_s
-        cap[2 * self.n_hosts :] = self.uplink_bytes_per_s
-        return cap
+        host_links = 2 * self.n_hosts
+        n_per_rate = [host_links, self.n_links - host_links]  # host links, then leaf-spine links
+        return np.repeat([self.link_bytes_per_s, self.uplink_bytes_per_s], n_per_rate)
 
     def leaf_up(self, leaf: np.ndarray, spine: np.ndarray) -> np.ndarray:
         """Link index of ``leaf`` → ``spine``."""
@@ -162,11 +161,6 @@ class Flows:
     rate_links: np.ndarray
     rate_capacity: np.ndarray
 
-    @property
-    def n_flows(self) -> int:
-        """Number of flows."""
-        return int(self.src.size)
-
 
 def route(topo: LeafSpine, traffic: np.ndarray, routing: str = "ecmp",
           rng: np.random.Generator | None = None) -> Flows:
@@ -180,24 +174,21 @@ def route(topo: LeafSpine, traffic: np.ndarray, routing: str = "ecmp",
     nbytes = arr[src, dst]
     a, b = topo.leaf_of(src), topo.leaf_of(dst)
     inter = a != b
-    n_flows = src.size
     H, A, S = topo.n_hosts, topo.n_leaf, topo.n_spine
-    cap = topo.capacities()
-
-    links = np.full((n_flows, 4), -1, dtype=np.int64)
+    links = np.full((src.size, 4), -1, dtype=np.int64)
     links[:, 0] = src  # host h's uplink is link h, its downlink link H + h
-    links[:, 3] = topo.n_hosts + dst
-    link_bytes = np.bincount(links[:, 0], weights=nbytes, minlength=topo.n_links)
-    link_bytes += np.bincount(links[:, 3], weights=nbytes, minlength=topo.n_links)
-    spine = np.full(n_flows, -1, dtype=np.int64)
+    links[:, 3] = H + dst
+    spine = np.full(src.size, -1, dtype=np.int64)
     if routing == "ecmp":
         spine[inter] = rng.integers(0, S, size=int(inter.sum()))  # the hash: uniform, independent
         links[inter, 1] = topo.leaf_up(a[inter], spine[inter])
         links[inter, 2] = topo.spine_down(spine[inter], b[inter])
-        for hop in (1, 2):
-            link_bytes += np.bincount(links[inter, hop], weights=nbytes[inter], minlength=topo.n_links)
-        rate_links, rate_capacity = links, cap
-    else:
+    # Each link is on one hop of a path, so the hops' byte counts add without rounding.
+    link_bytes = np.zeros(topo.n_links)
+    for hop in links.T:
+        link_bytes += np.bincount(hop[hop >= 0], weights=nbytes[hop >= 0], minlength=topo.n_links)
+    rate_links, rate_capacity = links, topo.capacities()
+    if routing == "adaptive":
         # Physical loads: every spine carries 1/S of each inter-leaf flow.
         leaf_out = np.bincount(a[inter], weights=nbytes[inter], minlength=A) / S
         leaf_in = np.bincount(b[inter], weights=nbytes[inter], minlength=A) / S
@@ -206,7 +197,7 @@ def route(topo: LeafSpine, traffic: np.ndarray, routing: str = "ecmp",
         rate_links = links.copy()
         rate_links[inter, 1] = 2 * H + a[inter]
         rate_links[inter, 2] = 2 * H + A + b[inter]
-        rate_capacity = np.concatenate([cap[: 2 * H], np.full(2 * A, S * topo.uplink_bytes_per_s)])
+        rate_capacity = np.concatenate([rate_capacity[: 2 * H], np.full(2 * A, S * topo.uplink_bytes_per_s)])
     return Flows(routing, src, dst, nbytes, spine, links, link_bytes, rate_links, rate_capacity)
 
 
@@ -341,7 +332,7 @@ class FabricResult:
     def to_dict(self) -> dict[str, Any]:
         """The figures as plain JSON-able values, marked ``kind="simulated"``."""
         return {"routing": self.routing, "pacing": self.pacing, "n_gpus": self.topology.n_hosts,
-                "n_flows": self.flows.n_flows, "makespan_us": self.makespan * 1e6,
+                "n_flows": int(self.flows.src.size), "makespan_us": self.makespan * 1e6,
                 "lower_bound_us": self.lower_bound * 1e6, "algbw_fraction": self.algbw_fraction,
                 "efficiency": self.efficiency, "fct_p50_us": self.fct_percentile(50),
                 "fct_p99_us": self.fct_percentile(99), "uplink_max_over_mean": self.uplink_max_over_mean,
@@ -373,11 +364,11 @@ def simulate(topo: LeafSpine, traffic: np.ndarray, *, routing: str = "ecmp", pac
     ``rto_us`` if any port on its path dropped packets (:class:`BurstModel`).
     """
     flows = route(topo, traffic, routing, rng)
-    if flows.n_flows == 0:
+    if flows.src.size == 0:
         raise ValueError("traffic has no bytes between different GPUs: nothing to simulate")
     fct = fluid_completion_times(flows.nbytes, flows.rate_links, flows.rate_capacity)
     dropped = np.zeros(topo.n_links)
-    timed_out = np.zeros(flows.n_flows, dtype=bool)
+    timed_out = np.zeros(flows.src.size, dtype=bool)
     if not pacing:
         queue, dropped, cap = _burst(flows, topo, burst)
         on = flows.rate_links >= 0

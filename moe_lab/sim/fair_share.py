@@ -34,20 +34,14 @@ class _Incidence:
 
     def rates(self, active: np.ndarray, rel_tol: float) -> np.ndarray:
         """Max-min fair rates of the flows where ``active`` is True (0 for the others)."""
-        n_flows = self.padded.shape[0]
-        rate = np.zeros(n_flows)
+        rate = np.zeros(len(self.padded))
         free = active.copy()
         counts = np.bincount(self.padded[free].ravel(), minlength=self.n_links + 1)
         counts = counts[: self.n_links].astype(float)
         residual = self.capacity.copy()
-        share = np.empty(self.n_links)
         level = 0.0
-        while True:
-            live = counts > 0
-            if not live.any():
-                break
-            share.fill(np.inf)
-            np.divide(residual, counts, out=share, where=live)
+        while (live := counts > 0).any():
+            share = np.divide(residual, counts, out=np.full(self.n_links, np.inf), where=live)
             inc = float(share.min())
             level += inc
             residual -= inc * counts
@@ -57,8 +51,7 @@ class _Incidence:
             members = np.unique(members[free[members]])
             free[members] = False
             rate[members] = level
-            hit = self.padded[members].ravel()
-            counts -= np.bincount(hit, minlength=self.n_links + 1)[: self.n_links]
+            counts -= np.bincount(self.padded[members].ravel(), minlength=self.n_links + 1)[: self.n_links]
             residual[full] = 0.0
             counts[full] = 0.0
         return rate

@@ -178,10 +178,8 @@ def check_layout(layout: Layout, cfg: ModelConfig) -> None:
     """
     layers = "".join(layout.stages)  # every layer character in pipeline order
     expected = model_layer_chars(cfg)
-    counts = {c: layers.count(c) for c in LAYER_CHARS}
-    wanted = {c: expected.count(c) for c in LAYER_CHARS}
-    problems = [f"{counts[c]} × {c!r} ({LAYER_CHARS[c]}), expected {wanted[c]}"
-                for c in LAYER_CHARS if counts[c] != wanted[c]]
+    problems = [f"{layers.count(c)} × {c!r} ({name}), expected {expected.count(c)}"
+                for c, name in LAYER_CHARS.items() if layers.count(c) != expected.count(c)]
     if problems:
         raise ValueError(f"layout {format_layout(layout)!r} does not cover the layers of "
                          f"{cfg.name!r}: " + "; ".join(problems))

@@ -127,26 +127,22 @@ def balanced_partition(costs: Sequence[float], n_parts: int) -> list[int]:
     arr = np.asarray(costs, dtype=float).reshape(-1)
     n = len(arr)
     prefix = np.concatenate([[0.0], np.cumsum(arr)])
-    inf = (math.inf, math.inf)
-    best = [[inf] * (n + 1) for _ in range(n_parts + 1)]
-    back = [[0] * (n + 1) for _ in range(n_parts + 1)]
-    best[0][0] = (0.0, 0.0)
+    # best_max[k, i], best_sq[k, i]: the best (largest piece, sum of squares) of k pieces over
+    # the first i items; back[k, i]: where its last piece starts.
+    best_max = np.full((n_parts + 1, n + 1), math.inf)
+    best_sq = np.full((n_parts + 1, n + 1), math.inf)
+    back = np.zeros((n_parts + 1, n + 1), dtype=np.int64)
+    best_max[0, 0] = best_sq[0, 0] = 0.0
     for k in range(1, n_parts + 1):
-        for i in range(n + 1):
-            row_best, row_j = inf, 0
-            for j in range(i):
-                prev = best[k - 1][j]
-                if prev[0] == math.inf:
-                    continue
-                seg = prefix[i] - prefix[j]
-                cand = (max(prev[0], seg), prev[1] + seg * seg)
-                if cand < row_best:
-                    row_best, row_j = cand, j
-            best[k][i] = row_best
-            back[k][i] = row_j
+        for i in range(1, n + 1):
+            seg = prefix[i] - prefix[:i]  # the last piece, for every start j < i
+            cand_max = np.maximum(best_max[k - 1, :i], seg)
+            cand_sq = best_sq[k - 1, :i] + seg * seg
+            j = np.lexsort((cand_sq, cand_max))[0]  # the first of the smallest (max, squares)
+            best_max[k, i], best_sq[k, i], back[k, i] = cand_max[j], cand_sq[j], j
     bounds = [n]
     for k in range(n_parts, 0, -1):
-        bounds.append(back[k][bounds[-1]])
+        bounds.append(int(back[k, bounds[-1]]))
     return bounds[::-1]
 
 
@@ -188,15 +184,6 @@ def _bisect(fill: Any, low: float, high: float) -> tuple[float, list[int]]:
         else:
             high, best = mid, found
     return high, best
-
-
-def _greedy_rank_bounds(item_costs: np.ndarray, n_ranks: int, n_vs: int) -> list[list[int]]:
-    """Two greedy fills: under the smallest per-rank limit the greedy can meet, and under
-    that limit with the smallest per-stage limit it can then meet (bisections)."""
-    limit, best = _bisect(lambda mid: _greedy_fill(item_costs, n_ranks, n_vs, mid),
-                          float(item_costs.max()), float(item_costs.sum()))
-    _, balanced = _bisect(lambda mid: _greedy_fill(item_costs, n_ranks, n_vs, limit, mid), 0.0, limit)
-    return [best, balanced]
 
 
 def _stage_objective(bounds: Sequence[int], prefix: np.ndarray, n_ranks: int) -> tuple:
@@ -254,7 +241,12 @@ def search_layout(cfg: ModelConfig, costs: LayerCosts, n_ranks: int, n_chunks: i
     bounds = balanced_partition(item_costs, n_vs)
     if n_chunks > 1:
         prefix = np.concatenate([[0.0], np.cumsum(item_costs)])
-        starts = [bounds, *_greedy_rank_bounds(item_costs, n_ranks, n_vs)]
+        # Greedy fills under the smallest per-rank limit they meet, then under that limit with
+        # the smallest per-stage limit they can then meet (bisections).
+        limit, by_rank = _bisect(lambda mid: _greedy_fill(item_costs, n_ranks, n_vs, mid),
+                                 float(item_costs.max()), float(item_costs.sum()))
+        _, by_stage = _bisect(lambda mid: _greedy_fill(item_costs, n_ranks, n_vs, limit, mid), 0.0, limit)
+        starts = [bounds, by_rank, by_stage]
         candidates: list[list[int]] = []
         for start in starts:
             for objective in (_rank_objective, _stage_objective):

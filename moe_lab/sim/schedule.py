@@ -71,12 +71,8 @@ def schedule_order(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: i
     bwd = [(i, v - 1 - c) for i, c in fwd]
     orders: list[list[Op]] = []
     for r in range(p):
-        if schedule == "gpipe":
-            warm = m
-        elif schedule == "1f1b":
-            warm = min(p - r - 1, m)
-        else:
-            warm = m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)
+        warm = {"gpipe": m, "1f1b": min(p - r - 1, m),
+                "interleaved": m * v if m == p else min((p - r - 1) * 2 + (v - 1) * p, m * v)}[schedule]
         ops = [("F", *op) for op in fwd[:warm]]
         for f_op, b_op in zip(fwd[warm:], bwd, strict=False):
             ops += [("F", *f_op), ("B", *b_op)]
@@ -177,11 +173,9 @@ def simulate(forward: Sequence[float], *, n_microbatches: int, n_ranks: int | No
     costs = {"F": f, "B": f if delay_wgrad else 2 * f, "W": f}  # without delay, B and W run as one
     eps = 1e-12 * (3 * float(f.sum()) * n_microbatches + 1.0)
     rows = _run_ranks(order, costs, delay_wgrad, max_deferred_wgrad, eps)
-    cols = list(zip(*rows))  # rank, kind, micro-batch, chunk, start, end
-    rank, mb, chunk = (np.array(cols[i], dtype=np.int64) for i in (0, 2, 3))
-    start, end = (np.array(cols[i], dtype=float) for i in (4, 5))
-    return PipelineResult(schedule, p, v, n_microbatches, rank, np.array(cols[1]), mb, chunk,
-                          start, end, makespan=float(end.max()),
+    rank, kind, mb, chunk, start, end = (np.array(column) for column in zip(*rows))
+    return PipelineResult(schedule, p, v, n_microbatches, rank, kind, mb, chunk, start, end,
+                          makespan=float(end.max()),
                           busy=np.bincount(rank, weights=end - start, minlength=p))
 
 

@@ -28,8 +28,6 @@ from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.optim import make_optimizer, stock_optimizer
 from moe_lab.training.steps import StepConfig, SyncFreeStep
 
-Tensor = torch.Tensor
-
 #: The step kinds a training loop plugs in: the naive eager step, the sync-free step, and
 #: the sync-free step captured as a CUDA graph (run eagerly, labelled, without CUDA).
 STEP_KINDS = ("eager", "sync_free", "graphed")
@@ -73,11 +71,9 @@ class BuildConfig:
         one_of(self.amp, "BuildConfig.amp", AMP_DTYPES)
         one_of(self.compile, "BuildConfig.compile", COMPILE_MODES)
         if self.impls.fp32_logits and not self.amp:
-            raise ValueError("BuildConfig.fp32_logits keeps the logits in FP32 under autocast; "
-                             "set amp")
+            raise ValueError("BuildConfig.fp32_logits keeps the logits in FP32 under autocast; set amp")
         if self.compiled_eval and not self.compile:
-            raise ValueError("BuildConfig.compiled_eval evaluates through torch.compile; "
-                             "set compile")
+            raise ValueError("BuildConfig.compiled_eval evaluates through torch.compile; set compile")
 
 
 def default_impls(device: torch.device | str) -> ModelImpls:
@@ -89,8 +85,7 @@ def default_impls(device: torch.device | str) -> ModelImpls:
     cuda = torch.device(device).type == "cuda"
     if cuda and capabilities().triton_mode == "compiled":
         return ModelImpls(dispatcher="dropless", expert_backend="triton", router_impl="triton")
-    backend = "loop" if cuda else "torch"
-    return ModelImpls(dispatcher="dropless", expert_backend=backend)
+    return ModelImpls(dispatcher="dropless", expert_backend="loop" if cuda else "torch")
 
 
 def build_model(model_cfg: ModelConfig, impls: ModelImpls | None = None, *,
@@ -118,8 +113,7 @@ def random_batch(model_cfg: ModelConfig, batch_size: int, device: torch.device |
     """A `moe_lab.data.Batch` of uniformly random bytes (``y`` is ``x`` shifted by one):
     for timing, warming up and certificates, where the text does not matter."""
     positive_int(batch_size, "batch_size")
-    tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len + 1),
-                           generator=generator)
+    tokens = torch.randint(0, model_cfg.vocab_size, (batch_size, model_cfg.seq_len + 1), generator=generator)
     return Batch(tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device),
                  torch.zeros(batch_size, dtype=torch.int64, device=device))
 
@@ -144,7 +138,7 @@ def autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = F
     ``backward_pass_autocast`` pinned to ``"same_as_forward"``, whatever PyTorch's default."""
     dtype = {"bf16": torch.bfloat16}[amp]
 
-    def forward(x: Tensor, y: Tensor | None = None) -> object:
+    def forward(x: torch.Tensor, y: torch.Tensor | None = None) -> object:
         with (torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed),
               functorch_config.patch(backward_pass_autocast="same_as_forward")):
             return fn(x, y)

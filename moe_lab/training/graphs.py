@@ -27,17 +27,15 @@ from collections.abc import Callable
 
 import torch
 
-from moe_lab.checks import positive_int
 from moe_lab.data import Batch
 from moe_lab.model import MoETransformer
 from moe_lab.moe.stash import PagedStash
 from moe_lab.training.steps import StepConfig, SyncFreeStep
 from moe_lab.training.sync import SyncError
 
-Tensor = torch.Tensor
-
 EAGER_MODE = "eager (no CUDA)"
 GRAPHED_MODE = "graphed (CUDA)"
+WARMUP = 3  # steps run on a side stream before the capture (lazy allocations, autotuning)
 
 _EAGER_NOTICE_SHOWN = False
 
@@ -103,11 +101,9 @@ class NotCapturableError(SyncError):
     def __init__(self, err: SyncError) -> None:
         super().__init__(err.op, err.where, err.phase)
         self.advice = capture_advice(err)
-        self.args = (
-            "GraphedStep: this training step cannot be captured in a CUDA graph — a graph "
-            "replays kernels without the host, and the step needs the host here.\n"
-            f"{self.args[0]}\nFix: {self.advice}",
-        )
+        self.args = ("GraphedStep: this training step cannot be captured in a CUDA graph — a graph "
+                     "replays kernels without the host, and the step needs the host here.\n"
+                     f"{self.args[0]}\nFix: {self.advice}",)
 
 
 # --------------------------------------------------------------------------------------
@@ -115,9 +111,8 @@ class NotCapturableError(SyncError):
 # --------------------------------------------------------------------------------------
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, Tensor)]
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 class GraphedStep(SyncFreeStep):
@@ -126,7 +121,7 @@ class GraphedStep(SyncFreeStep):
     ``graphed = GraphedStep(model, optimizer, example_batch)``; ``stats = graphed(batch)``
     as with `moe_lab.training.steps.SyncFreeStep`, which it is, with `launch` replaying the
     graph (same arguments: ``cfg``, ``forward``, ``stash``, ``clip_step``).
-    ``warmup`` iterations on a side stream precede the capture; afterwards the weights,
+    `WARMUP` iterations on a side stream precede the capture; afterwards the weights,
     the optimizer state and the step's buffers are restored, so the first replay is the
     first training step. The certificate runs first: a step that syncs is refused with a
     `NotCapturableError` before anything is captured.
@@ -139,8 +134,7 @@ class GraphedStep(SyncFreeStep):
     def __init__(self, model: MoETransformer, optimizer: torch.optim.Optimizer,
                  example_batch: Batch, cfg: StepConfig | None = None, *,
                  forward: Callable | None = None, stash: PagedStash | None = None,
-                 clip_step: str = "torch", warmup: int = 3, quiet: bool = False) -> None:
-        positive_int(warmup, "warmup")
+                 clip_step: str = "torch", quiet: bool = False) -> None:
         super().__init__(model, optimizer, example_batch, cfg, forward=forward, stash=stash,
                          clip_step=clip_step)
         self.load(example_batch)
@@ -150,17 +144,20 @@ class GraphedStep(SyncFreeStep):
             raise NotCapturableError(err) from err
         self.certified = True
         self.graph = None
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            self._capture(warmup)
+        device = self.state.x.device
+        if device.type == "cuda":
+            self._capture()
             self.mode = GRAPHED_MODE
         else:
             self.mode = EAGER_MODE
-            why = ("no CUDA device" if not torch.cuda.is_available()
-                   else f"the model is on {self.device}")
-            _show_once(f"GraphedStep: {why} — running the step eagerly (mode {EAGER_MODE!r}); the "
-                       "certificate ran: it would be capturable", quiet)
+            global _EAGER_NOTICE_SHOWN
+            if not quiet and not _EAGER_NOTICE_SHOWN:
+                why = "no CUDA device" if not torch.cuda.is_available() else f"the model is on {device}"
+                print(f"GraphedStep: {why} — running the step eagerly (mode {EAGER_MODE!r}); the "
+                      "certificate ran: it would be capturable")
+                _EAGER_NOTICE_SHOWN = True
 
-    def _capture(self, warmup: int) -> None:
+    def _capture(self) -> None:
         tensors = [*self.model.parameters(), *self.model.buffers(), *self.state.buffers(),
                    *_optimizer_tensors(self.optimizer)]
         if self.stash is not None:
@@ -170,7 +167,7 @@ class GraphedStep(SyncFreeStep):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
+            for _ in range(WARMUP):
                 self.run()
         torch.cuda.current_stream().wait_stream(side)
         self.optimizer.zero_grad(set_to_none=True)
@@ -195,15 +192,7 @@ class GraphedStep(SyncFreeStep):
 
     def launch(self, batch: Batch) -> None:
         """Copy ``batch`` into the static inputs and replay the graph (or run eagerly)."""
+        if self.graph is None:
+            return super().launch(batch)
         self.load(batch)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.run()
-
-
-def _show_once(message: str, quiet: bool) -> None:
-    global _EAGER_NOTICE_SHOWN
-    if not quiet and not _EAGER_NOTICE_SHOWN:
-        print(message)
-        _EAGER_NOTICE_SHOWN = True
+        self.graph.replay()

@@ -66,23 +66,21 @@ class Schedule:
 
     def lr_at(self, step: int) -> float:
         """The learning rate of step ``step`` (from 0), on the host."""
-        lr, warmup_steps = self.lr, self.warmup_steps
-        if step < warmup_steps:
-            return lr * (step + 1) / warmup_steps
-        span = max(1, self.steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        floor = lr * self.min_lr_ratio
-        return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        return floor + 0.5 * (self.lr - floor) * (1 + math.cos(math.pi * progress))
 
 
 def lr_schedule(step: Tensor, schedule: Schedule) -> Tensor:
     """`Schedule.lr_at` computed on the device: ``step: []`` (optimizer steps taken so far, any
     dtype) → the learning rate, ``[]`` float32."""
-    lr, warmup_steps, min_lr_ratio = schedule.lr, schedule.warmup_steps, schedule.min_lr_ratio
-    total_steps = schedule.steps
+    lr, warmup_steps = schedule.lr, schedule.warmup_steps
     s = step.double()  # one scalar: float64 costs nothing and keeps the cosine's tail exact
-    floor = lr * min_lr_ratio
-    span = max(1, total_steps - warmup_steps)
+    floor = lr * schedule.min_lr_ratio
+    span = max(1, schedule.steps - warmup_steps)
     progress = ((s - warmup_steps) / span).clamp(0.0, 1.0)
     decay = floor + 0.5 * (lr - floor) * (1.0 + torch.cos(progress * math.pi))
     # Without warm-up the first branch is never taken (its division by zero gives inf, unused).
@@ -118,7 +116,6 @@ def make_optimizer(model: nn.Module, lr: float = 3e-3, weight_decay: float = 0.1
     ``found_inf`` flag on the device that turns the whole update into a no-op — what the
     paged stash uses to drop an overflowed step without asking the host.
     """
-    groups = param_groups(model, weight_decay)
-    device = next(model.parameters()).device
-    lr_t = torch.tensor(float(lr), dtype=torch.float32, device=device)
-    return torch.optim.AdamW(groups, lr=lr_t, betas=BETAS, fused=True, capturable=True)
+    lr_t = torch.tensor(float(lr), dtype=torch.float32, device=next(model.parameters()).device)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr_t, betas=BETAS, fused=True,
+                             capturable=True)

@@ -128,9 +128,8 @@ class StepState(nn.Module):
             self.register_buffer(name, value)
 
     def zero_window(self) -> None:
-        self.scalars.zero_()
-        self.tokens_per_expert.zero_()
-        self.imbalance.zero_()
+        for sums in (self.scalars, self.tokens_per_expert, self.imbalance):
+            sums.zero_()
 
 
 @contextlib.contextmanager
@@ -149,25 +148,16 @@ def optimizer_on_fake_params(optimizer: torch.optim.Optimizer, model: nn.Module)
     def to_fake(value: object) -> object:
         return mode.from_tensor(value) if isinstance(value, Tensor) else value
 
-    saved_groups = [dict(g) for g in optimizer.param_groups]
-    saved_state = optimizer.state
-    saved_attrs = {name: getattr(optimizer, name) for name in ("found_inf", "grad_scale")
-                   if hasattr(optimizer, name)}
+    saved = dict(vars(optimizer))  # its state, param groups, found_inf and grad_scale
     try:
         optimizer.state = defaultdict(dict, {to_fake(p): {k: to_fake(v) for k, v in state.items()}
-                                             for p, state in saved_state.items()})
-        for group in optimizer.param_groups:
-            group["params"] = [to_fake(p) for p in group["params"]]
-            group["lr"] = to_fake(group["lr"])
-        for name, value in saved_attrs.items():
-            setattr(optimizer, name, to_fake(value))
+                                             for p, state in optimizer.state.items()})
+        optimizer.param_groups = [{**group, "params": [to_fake(p) for p in group["params"]],
+                                   "lr": to_fake(group["lr"])} for group in optimizer.param_groups]
+        vars(optimizer).update({name: to_fake(v) for name, v in saved.items() if isinstance(v, Tensor)})
         yield
     finally:
-        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
-            group.update(saved)
-        optimizer.state = saved_state
-        for name, value in saved_attrs.items():
-            setattr(optimizer, name, value)
+        vars(optimizer).update(saved)
 
 
 # --------------------------------------------------------------------------------------
@@ -214,10 +204,6 @@ class SyncFreeStep:
                 "param group, and its step count must live on the device (fused=True or "
                 f"capturable=True), so that the step needs no host value; got lr {lr!r}. Build "
                 "it with moe_lab.training.optim.make_optimizer")
-        x, y = example_batch.x, example_batch.y
-        if x.dim() != 2 or x.shape != y.shape or x.dtype != torch.int64:
-            raise ValueError(f"example_batch.x and .y must be [batch, seq] int64 of one shape, "
-                             f"got {tuple(x.shape)} {x.dtype} and {tuple(y.shape)} {y.dtype}")
         self.state = StepState(example_batch, lr, len(model.moe_layers), model.cfg.moe.n_experts)
         # A fused optimizer clips for free: it divides the gradients by ``grad_scale`` as it
         # reads them. Any other optimizer gets clip_grad_norm_'s in-place multiply.
@@ -235,10 +221,6 @@ class SyncFreeStep:
             optimizer.found_inf = self.state.skip
         self.host_steps = 0  # a Python count: when to read, without asking the device
         self.reruns = 0
-
-    @property
-    def device(self) -> torch.device:
-        return self.state.x.device
 
     # -- the device work ---------------------------------------------------------------
 
@@ -271,9 +253,7 @@ class SyncFreeStep:
         with phase("optimizer"):
             if self.stash is not None:
                 st.skip.copy_(self.stash.overflow)
-            grad_norm = None
-            if self.clip is not None:
-                grad_norm = self.clip(cfg.grad_clip, st.grad_scale, st.skip)
+            grad_norm = None if self.clip is None else self.clip(cfg.grad_clip, st.grad_scale, st.skip)
             if grad_norm is None:
                 if self.fused_clip:
                     # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the
@@ -306,20 +286,18 @@ class SyncFreeStep:
         """Copy the window's statistics to the host — one transfer, the step's only sync —
         and start a new window. Means are over the steps that updated the model."""
         st = self.state
+        n_layers, n_experts = st.tokens_per_expert.shape
         packed = torch.cat([st.scalars, st.lr.double().reshape(1), st.step.double().reshape(1),
                             st.tokens_per_expert.reshape(-1), st.imbalance]).tolist()
         st.zero_window()
-        n_layers, n_experts = st.tokens_per_expert.shape
-        names = (*_SCALARS, "lr", "step")
-        scalars = dict(zip(names, packed, strict=False))  # the per-expert sums follow them
-        rest = packed[len(names):]
+        scalars = dict(zip((*_SCALARS, "lr", "step"), packed, strict=False))  # the per-expert sums follow
+        rest = packed[len(scalars):]
         n = max(scalars["steps"], 1.0)
-        counts = [[int(round(c)) for c in rest[i * n_experts:(i + 1) * n_experts]]
-                  for i in range(n_layers)]
-        return {"step": int(round(scalars["step"])), "steps": int(round(scalars["steps"])),
-                "skipped": int(round(scalars["skipped"])),
+        return {**{name: int(round(scalars[name])) for name in ("step", "steps", "skipped")},
                 **{name: scalars[name] / n for name in ("loss", "lm_loss", "aux_loss", "grad_norm")},
-                "grad_norm_max": scalars["grad_norm_max"], "lr": scalars["lr"], "tokens_per_expert": counts,
+                "grad_norm_max": scalars["grad_norm_max"], "lr": scalars["lr"],
+                "tokens_per_expert": [[int(round(c)) for c in rest[i * n_experts:(i + 1) * n_experts]]
+                                      for i in range(n_layers)],
                 "imbalance": [v / n for v in rest[n_layers * n_experts:]], "reruns": self.reruns}
 
     def flush(self) -> dict | None:
@@ -416,4 +394,3 @@ class EagerStep:
 
     def flush(self) -> None:
         """Nothing accumulates between steps: every record was returned."""
-        return None

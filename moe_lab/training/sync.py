@@ -43,13 +43,11 @@ A ``.tolist()`` of eight values is one sync (one copy), and counts as one.
 from __future__ import annotations
 
 import contextlib
-import linecache
 import os
 import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
-from types import FrameType
 from typing import Any
 
 import torch
@@ -149,19 +147,10 @@ class SyncError(RuntimeError):
 
 def bind_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments by schema name (defaults filled in)."""
-    bound: dict[str, Any] = {}
-    for i, arg in enumerate(func._schema.arguments):
-        if i < len(args) and not arg.kwarg_only:
-            bound[arg.name] = args[i]
-        elif arg.name in kwargs:
-            bound[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    return bound
-
-
-def _is_mask(t: object) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+    schema = func._schema.arguments
+    bound = {arg.name: arg.default_value for arg in schema if arg.has_default_value()}
+    bound.update(zip((arg.name for arg in schema if not arg.kwarg_only), args))
+    return bound | kwargs
 
 
 def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
@@ -172,38 +161,29 @@ def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | N
     if packet not in _SOMETIMES:
         return None
     b = bind_arguments(func, args, kwargs)
-    if packet is aten.index:
-        return f"{func} (bool mask)" if any(_is_mask(i) for i in b.get("indices") or []) else None
-    if packet in _INDEX_PUT:
-        indices = [i for i in (b.get("indices") or []) if i is not None]
-        if not any(_is_mask(i) for i in indices):
-            return None
-        value = b.get("values")
-        # ATen's canDispatchToMaskedFill: one mask, one host value, no accumulate.
-        masked_fill = (
-            not b.get("accumulate", False)
-            and len(indices) == 1
-            and isinstance(value, torch.Tensor)
-            and value.numel() == 1
-            and value.device.type == "cpu"
-        )
-        return None if masked_fill else f"{func} (bool mask)"
     if packet is aten.repeat_interleave:
         # Only tensor repeats without output_size= size the output from the data.
         tensor_repeats = func._overloadname in ("Tensor", "self_Tensor")
-        return str(func) if tensor_repeats and b.get("output_size") is None else None
+        return str(func) if tensor_repeats and b["output_size"] is None else None
     if packet is aten.histc:
-        return f"{func} (range from data)" if b.get("min", 0) == b.get("max", 0) else None
-    # a copy: only a blocking one between the host and a device waits (meta has no data: never)
-    if b.get("non_blocking", False):
+        return f"{func} (range from data)" if b["min"] == b["max"] else None
+    if packet in _COPIES:
+        # only a blocking copy between the host and a device waits (meta has no data: never)
+        if packet is aten._to_copy:
+            src, dst = b["self"].device.type, torch.device(b["device"] or b["self"].device).type
+        else:
+            src, dst = b["src"].device.type, b["self"].device.type
+        if b["non_blocking"] or src == dst or "meta" in (src, dst) or "cpu" not in (src, dst):
+            return None
+        return f"{func} ({'device->host' if dst == 'cpu' else 'host->device'})"
+    # x[bool_mask] and x[bool_mask] = v run nonzero on the mask
+    indices = [i for i in b["indices"] if i is not None]
+    if not any(i.dtype in (torch.bool, torch.uint8) for i in indices):
         return None
-    if packet is aten._to_copy:
-        src, dst = b["self"].device.type, torch.device(b.get("device") or b["self"].device).type
-    else:
-        src, dst = b["src"].device.type, b["self"].device.type
-    if src == dst or "meta" in (src, dst) or "cpu" not in (src, dst):
-        return None
-    return f"{func} ({'device->host' if dst == 'cpu' else 'host->device'})"
+    # ATen's canDispatchToMaskedFill: one mask, one host value, no accumulate.
+    masked_fill = (packet is not aten.index and not b["accumulate"] and len(indices) == 1
+                   and b["values"].numel() == 1 and b["values"].device.type == "cpu")
+    return None if masked_fill else f"{func} (bool mask)"
 
 
 # --------------------------------------------------------------------------------------
@@ -223,40 +203,29 @@ class _SyncDispatchMode(TorchDispatchMode):
         self.phase = "fn"
         # Tensors this run copied to the host, by storage address: reading them is not another
         # sync. They are kept alive so that their addresses are not reused by unrelated tensors.
-        self._host_copies: dict[int, torch.Tensor] = {}
+        self.host_copies: dict[int, torch.Tensor] = {}
 
-    def record(self, op: str) -> None:
-        if self.suppress:
+    def record(self, op: str, read: object = None) -> None:
+        """Count (or raise at) ``op``; ``read``: the tensor it reads on the host, if it does (a copy
+        this run made to the host is read without another sync)."""
+        if self.suppress or _storage_ptr(read) in self.host_copies:
             return
         if self.strict:
-            where = _user_line(list(traceback.walk_stack(sys._getframe(1))))
+            where = _user_line(traceback.extract_stack(sys._getframe(1)))
             raise SyncError(op, where=where, phase=self.phase)
         self.counts[op] += 1
-
-    @contextlib.contextmanager
-    def suppressed(self) -> Iterator[None]:
-        self.suppress += 1
-        try:
-            yield
-        finally:
-            self.suppress -= 1
-
-    def is_host_copy(self, t: object) -> bool:
-        return _storage_ptr(t) in self._host_copies
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple[type, ...],
                            args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         op = _classify(func, args, kwargs)
-        if op is not None and not (
-            func.overloadpacket is aten._local_scalar_dense and self.is_host_copy(args[0])
-        ):
-            self.record(op)
+        if op is not None:
+            self.record(op, read=args[0] if func.overloadpacket is aten._local_scalar_dense else None)
         out = func(*args, **kwargs)
         if op is not None and op.endswith("(device->host)"):
             host = out if func.overloadpacket is aten._to_copy else args[0]
             if (ptr := _storage_ptr(host)) is not None:
-                self._host_copies[ptr] = host
+                self.host_copies[ptr] = host
         return out
 
 
@@ -276,24 +245,21 @@ class _SyncFunctionMode(TorchFunctionMode):
     def __torch_function__(self, func: Callable, types: tuple[type, ...], args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        name = _HOST_READS.get(func)
-        if name is not None:
-            if not self.state.is_host_copy(args[0]):
-                self.state.record(name)
-            # One read is one sync, however many scalar reads it makes inside.
-            with self.state.suppressed():
-                return func(*args, **kwargs)
         if func is F.one_hot:
-            # F.one_hot(input=..., num_classes=...) by keyword works too (named tensor= in older torch)
-            ids = args[0] if args else kwargs.get("input", kwargs.get("tensor"))
-            if ids.device.type in ("cpu", "meta"):
-                num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-                if num_classes < 0:
-                    self.state.record("F.one_hot without num_classes")
-                # The CPU kernel's range checks are device asserts on CUDA: not counted.
-                with self.state.suppressed():
-                    return func(*args, **kwargs)
-        return func(*args, **kwargs)
+            # F.one_hot(input=..., num_classes=...) by keyword works too
+            if (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) < 0:
+                self.state.record("F.one_hot without num_classes")
+        elif func not in _HOST_READS:
+            return func(*args, **kwargs)
+        else:
+            self.state.record(_HOST_READS[func], read=args[0])
+        # One read is one sync, however many scalar reads it makes inside; the CPU one_hot's
+        # range checks are device asserts on CUDA: not counted.
+        self.state.suppress += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.state.suppress -= 1
 
 
 # --------------------------------------------------------------------------------------
@@ -301,12 +267,14 @@ class _SyncFunctionMode(TorchFunctionMode):
 # --------------------------------------------------------------------------------------
 
 
-def _backward(root: torch.Tensor) -> None:
-    # Gradients w.r.t. every leaf of the graph, returned rather than accumulated: the
-    # whole backward runs, and no tensor's .grad (fake or real) is touched.
+def _backward(result: Any) -> None:
+    # The backward of the result's first tensor that requires grad, with gradients w.r.t. every
+    # leaf of its graph returned rather than accumulated: the whole backward runs, and no
+    # tensor's .grad (fake or real) is touched.
+    root = next((t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad), None)
     leaves: list[torch.Tensor] = []
     seen: set[Any] = set()
-    stack = [root.grad_fn]
+    stack = [None if root is None else root.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -320,18 +288,15 @@ def _backward(root: torch.Tensor) -> None:
         torch.autograd.grad(root, leaves, torch.ones_like(root), allow_unused=True)
 
 
-def _user_line(frames: list[tuple[FrameType, int]]) -> str | None:
+def _user_line(frames: traceback.StackSummary) -> str | None:
     """The innermost frame that is neither PyTorch nor this module, stopping at the call
-    into user code. ``frames`` is innermost first."""
-    for frame, lineno in frames:
-        code = frame.f_code
-        if code in _ENTRY_CODES:
+    into user code (`assert_sync_free`, `_backward`). ``frames`` is outermost first."""
+    for frame in reversed(frames):
+        filename = frame.filename
+        if filename == __file__ and frame.name in ("assert_sync_free", "_backward"):
             return None
-        filename = code.co_filename
-        if filename.startswith((_TORCH_DIR, "<frozen")) or filename in (contextlib.__file__, __file__):
-            continue
-        source = linecache.getline(filename, lineno, frame.f_globals).strip()
-        return f"{filename}:{lineno} in {code.co_name}: {source}"
+        if not (filename.startswith((_TORCH_DIR, "<frozen")) or filename in (contextlib.__file__, __file__)):
+            return f"{filename}:{frame.lineno} in {frame.name}: {frame.line}"
     return None
 
 
@@ -365,7 +330,7 @@ def _modules_of(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[nn.Mo
     code = getattr(fn, "__code__", None)
     if code is not None:
         for cell in fn.__closure__ or ():
-            with contextlib.suppress(ValueError):  # an empty cell
+            with contextlib.suppress(ValueError):  # an empty cell: a name not assigned yet
                 candidates.append(cell.cell_contents)
         candidates += [fn.__globals__[name] for name in code.co_names if name in fn.__globals__]
     return [obj for obj in candidates if isinstance(obj, nn.Module)]
@@ -378,19 +343,15 @@ def _fake_parameters(modules: list[nn.Module], mode: FakeTensorMode) -> Iterator
     ``mode.from_tensor`` memoises, so a parameter shared by two modules (tied
     embeddings) gets one fake twin, and the real tensors are never touched.
     """
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
-    submodules = {id(sub): sub for module in modules for sub in module.modules()}  # each once
+    submodules = {sub for module in modules for sub in module.modules()}  # each once
+    saved = [(table, dict(table)) for sub in submodules for table in (sub._parameters, sub._buffers)]
     try:
-        for sub in submodules.values():
-            for table in (sub._parameters, sub._buffers):
-                for name, value in list(table.items()):
-                    if value is not None:
-                        swapped.append((table, name, value))
-                        table[name] = mode.from_tensor(value)
+        for table, real in saved:
+            table.update({name: mode.from_tensor(value) for name, value in real.items() if value is not None})
         yield
     finally:
-        for table, name, value in reversed(swapped):
-            table[name] = value
+        for table, real in saved:
+            table.update(real)
 
 
 _FAKE_RUN_NOTE = (
@@ -437,22 +398,13 @@ def assert_sync_free(
             with mode, _SyncFunctionMode(state), state:
                 result = fn(*fake_args, **fake_kwargs)
                 if backward:
-                    root = next((t for t in tree_leaves(result)
-                                 if isinstance(t, torch.Tensor) and t.requires_grad), None)
-                    if root is not None:
-                        state.phase = "backward"
-                        _backward(root)
+                    state.phase = "backward"
+                    _backward(result)
         except (DynamicOutputShapeException, DataDependentOutputException) as err:
-            where = _user_line(list(reversed(list(traceback.walk_tb(err.__traceback__)))))
+            where = _user_line(traceback.extract_tb(err.__traceback__))
             raise SyncError(str(err.func), where=where, phase=state.phase) from err
-        except SyncError:
-            raise
         except Exception as err:
-            if hasattr(err, "add_note"):  # Python 3.11+
+            if not isinstance(err, SyncError) and hasattr(err, "add_note"):  # Python 3.11+
                 err.add_note(_FAKE_RUN_NOTE)
             raise
     return result
-
-
-# The frames that call into user code: `_user_line` looks no further out.
-_ENTRY_CODES = {assert_sync_free.__code__, _backward.__code__}

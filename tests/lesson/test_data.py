@@ -274,7 +274,7 @@ def test_text_corpus_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.txt"):
         load_corpus(str(missing), 16)
     short = _write(tmp_path, "tiny", "short.txt")
-    with pytest.raises(ValueError, match=r"short.txt' has 4 bytes, but seq_len=16 needs at least 17"):
+    with pytest.raises(ValueError, match=r"short.txt' has 4 bytes; .* each needs seq_len \+ 1 = 17"):
         TextFileCorpus(short, 16)
     binary = tmp_path / "blob.bin"
     binary.write_bytes(b"hello \xff\xfe world" * 10)

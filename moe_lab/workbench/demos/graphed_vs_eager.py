@@ -35,7 +35,7 @@ def graphed_vs_eager(preset: str = "small", batch_size: int = 2, steps: int = 20
     model, optimizer = build_model(model_cfg, device=device, seed=0, lr=cfg.lr)
     gen = torch.Generator().manual_seed(1)
     batches = [random_batch(model_cfg, batch_size, device, gen) for _ in range(steps)]
-    graphed = GraphedStep(model, optimizer, batches[0], cfg, warmup=3, quiet=True)
+    graphed = GraphedStep(model, optimizer, batches[0], cfg, quiet=True)
     stats_e = stats_g = None
     for batch in batches:
         stats_e = eager(batch) or stats_e

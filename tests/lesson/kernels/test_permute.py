@@ -182,6 +182,26 @@ def test_gradients_match_autograd_on_the_references(name, device):
         torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_weighted_permute_gradients_are_the_transposes(device):
+    # permute_op's backward serves both directions: here a weighted permute (each token row times
+    # its weight into its rows), against the same sum written with index_add.
+    ids, n_experts = ROUTINGS["random"]()
+    row_id_map, _ = make_row_id_map(ids.to(device), n_experts, align=16)
+    n_rows = permuted_rows(*ids.shape, n_experts, 16)
+    x = torch.randn(ids.shape[0], 8, device=device, requires_grad=True)
+    weights = torch.rand(ids.shape, device=device, requires_grad=True)
+    out = pm.permute_op(x, row_id_map, weights, n_rows, False)
+    rows = row_id_map.long().reshape(-1)
+    weighted = (weights[..., None] * x[:, None]).flatten(0, 1)
+    ref = torch.zeros(n_rows, 8, device=device).index_add(0, rows, weighted)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (x, weights), grad_out)
+    ref_grads = torch.autograd.grad(ref, (x, weights), grad_out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for mine, expected in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_unpermute_gradient_with_respect_to_y_zeroes_padding_rows(device):
     ids, n_experts = ROUTINGS["skewed_empty_experts"]()
     row_id_map, _ = make_row_id_map(ids.to(device), n_experts, align=16)
