@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,20 +46,12 @@ ATTENTION_IMPLS: Registry[Callable[..., Tensor]] = Registry(
     "(k, v may have fewer heads)", plugin=True)
 
 
-class PackedAttention(Protocol):
-    """Causal attention over the packed QKV projection, RoPE applied inside."""
-
-    def accepts(self, qkv: Tensor, heads: int, kv_heads: int) -> bool:
-        """Whether this input can take the packed path (else the model splits and rotates)."""
-
-    def __call__(self, qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
-        """``qkv: [B, S, (heads + 2·kv_heads)·D]``, ``cos, sin: [>= S, D/2]`` →
-        ``[B, S, heads·D]``."""
-
-
-# Empty in the core.
-PACKED_ATTENTION_IMPLS: Registry[PackedAttention] = Registry(
-    "packed attention", "the packed forms (PackedAttention) of ATTENTION_IMPLS names",
+# Empty in the core. A packed form is a callable ``packed(qkv, cos, sin, heads)`` taking
+# ``qkv: [B, S, (heads + 2·kv_heads)·D]`` and ``cos, sin: [>= S, D/2]`` to ``[B, S, heads·D]``,
+# with a method ``packed.accepts(qkv, heads, kv_heads) -> bool`` saying whether this input can
+# take the packed path (else the model splits and rotates).
+PACKED_ATTENTION_IMPLS: Registry[Callable[..., Tensor]] = Registry(
+    "packed attention", "the packed forms of ATTENTION_IMPLS names: fn(qkv, cos, sin, heads) -> out",
     plugin=True)
 
 
@@ -102,24 +93,24 @@ def sdpa_fp32_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     to ``q.dtype``). For bf16 autocast on a CPU, where PyTorch's bf16 flash-attention
     backward runs several times slower than its float32 one while the projections around it
     gain from bf16."""
-    k, v = expand_kv(q, k, v)
     with torch.autocast(q.device.type, enabled=False):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
-    return out.to(q.dtype)
+        return sdpa_attention(q.float(), k.float(), v.float()).to(q.dtype)
 
 
 #: The operands of the two matmuls, each with the dimension its MX blocks run along.
 MX_OPERANDS = {"q": -1, "k": -1, "p": -1, "v": -2}
 
 
-def _fake_mx(x: Tensor, dim: int, scale_mode: str) -> Tensor:
-    return fake_quantize(x, dim=dim, scale_mode=scale_mode, pad=True, quantize_grad=False)
+def _mx_operand(x: Tensor, name: str, quantize: tuple[str, ...]) -> Tensor:
+    """``x`` in float32, through MXFP8 and back (RCEIL scales, blocks along `MX_OPERANDS`'
+    dimension of ``name``, zero-padded) where ``quantize`` names it."""
+    x = x.float()
+    return fake_quantize(x, MX_OPERANDS[name], pad=True, quantize_grad=False) if name in quantize else x
 
 
 def mxfp8_reference_attention(q: Tensor, k: Tensor, v: Tensor, *,
-                              quantize: tuple[str, ...] = tuple(MX_OPERANDS),
-                              scale_mode: str = "rceil") -> Tensor:
-    """Causal attention with MXFP8 (E4M3, 32-blocks) operands, emulated in float32.
+                              quantize: tuple[str, ...] = tuple(MX_OPERANDS)) -> Tensor:
+    """Causal attention with MXFP8 (E4M3, 32-blocks, RCEIL scales) operands, emulated in float32.
 
     ``q``: ``[B, H, T_q, d]``; ``k``, ``v``: ``[B, H_kv, T_k, d]``. ``quantize`` names the
     operands to quantize (any of ``"q"``, ``"k"`` along head_dim; ``"p"``, ``"v"`` along the
@@ -131,12 +122,8 @@ def mxfp8_reference_attention(q: Tensor, k: Tensor, v: Tensor, *,
     if unknown:
         raise ValueError(f"quantize must name operands from {tuple(MX_OPERANDS)}, got {sorted(unknown)}")
     k, v = expand_kv(q, k, v)
-    qf, kf, vf = (_fake_mx(x.float(), MX_OPERANDS[name], scale_mode) if name in quantize else x.float()
-                  for name, x in zip("qkv", (q, k, v), strict=True))
-    probs = causal_softmax(qf, kf)
-    if "p" in quantize:
-        probs = _fake_mx(probs, MX_OPERANDS["p"], scale_mode)
-    return (probs @ vf).to(q.dtype)
+    qf, kf, vf = (_mx_operand(x, name, quantize) for name, x in zip("qkv", (q, k, v), strict=True))
+    return (_mx_operand(causal_softmax(qf, kf), "p", quantize) @ vf).to(q.dtype)
 
 
 ATTENTION_IMPLS.register("mxfp8", mxfp8_reference_attention)
@@ -172,8 +159,6 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, impl: str = "sdpa") -> Ten
     """Causal attention by the implementation named ``impl`` (see ``ATTENTION_IMPLS``)."""
     fn = ATTENTION_IMPLS.lookup(impl, "attention impl")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            "q, k, v must be [batch, heads, seq, head_dim], got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+        raise ValueError("q, k, v must be [batch, heads, seq, head_dim], got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     return fn(q, k, v)

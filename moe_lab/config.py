@@ -114,15 +114,12 @@ class MoEConfig:
         non_negative_number(self.z_loss_coef, "MoEConfig.z_loss_coef")
         boolean(self.renormalize, "MoEConfig.renormalize")
         if self.n_experts % self.n_groups:
-            raise ValueError(
-                f"MoEConfig.n_groups must divide n_experts={self.n_experts}, got {self.n_groups}"
-            )
+            raise ValueError(f"MoEConfig.n_groups must divide n_experts={self.n_experts}, "
+                             f"got {self.n_groups}")
         int_in(self.topk_groups, "MoEConfig.topk_groups (at most n_groups)", 1, self.n_groups)
         if self.n_groups > 1 and self.top_k > self.topk_groups * (self.n_experts // self.n_groups):
-            raise ValueError(
-                f"MoEConfig.top_k={self.top_k} exceeds the experts in the {self.topk_groups} "
-                f"selected groups ({self.topk_groups * (self.n_experts // self.n_groups)})"
-            )
+            raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds the experts in the {self.topk_groups} "
+                             f"selected groups ({self.topk_groups * (self.n_experts // self.n_groups)})")
 
     def replace(self, **changes: object) -> MoEConfig:
         """A copy with some fields changed (validated again)."""
@@ -166,27 +163,21 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         positive_ints(self, "vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "seq_len")
-        non_negative_ints(
-            self, "n_dense_layers", "n_kv_heads", "head_dim", "mtp_layers", "q_lora_rank",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "sliding_window", "sliding_every",
-        )
+        non_negative_ints(self, "n_dense_layers", "n_kv_heads", "head_dim", "mtp_layers", "q_lora_rank",
+                          "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                          "sliding_window", "sliding_every")
         boolean(self.tie_embeddings, "ModelConfig.tie_embeddings")
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"ModelConfig.moe must be a MoEConfig, got {type(self.moe).__name__}")
         if self.moe.d_model != self.d_model:
-            raise ValueError(
-                f"ModelConfig.moe.d_model must equal d_model={self.d_model}, got {self.moe.d_model}"
-            )
+            raise ValueError(f"ModelConfig.moe.d_model must equal d_model={self.d_model}, "
+                             f"got {self.moe.d_model}")
         if self.head_dim == 0 and self.d_model % self.n_heads:
-            raise ValueError(
-                f"ModelConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
-                "(or set head_dim explicitly)"
-            )
+            raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by "
+                             f"n_heads={self.n_heads} (or set head_dim explicitly)")
         if self.kv_heads > self.n_heads or self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"ModelConfig.n_kv_heads must divide n_heads={self.n_heads}, got {self.n_kv_heads}"
-            )
+            raise ValueError(f"ModelConfig.n_kv_heads must divide n_heads={self.n_heads}, "
+                             f"got {self.n_kv_heads}")
         int_in(self.n_dense_layers, "ModelConfig.n_dense_layers (at most n_layers)", 0, self.n_layers)
         one_of(self.attention, "ModelConfig.attention", ("mha", "mla"))
         if self.attention == "mla":
@@ -213,9 +204,6 @@ class ModelConfig:
         if "d_model" in changes:
             moe = moe.replace(d_model=changes["d_model"])
         return dataclasses.replace(self, moe=moe, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

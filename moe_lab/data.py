@@ -296,19 +296,15 @@ class TextFileCorpus(_Corpus):
         n_eval = round(len(raw) * val_fraction)
         need = seq_len + 1
         if min(n_eval, len(raw) - n_eval) < need:  # a file shorter than one window included
-            raise ValueError(
-                f"TextFileCorpus: '{self.path}' has {len(raw)} bytes; with "
-                f"val_fraction={val_fraction} its splits have {len(raw) - n_eval} (train) and "
-                f"{n_eval} (eval) bytes, and each needs seq_len + 1 = {need}: use a shorter "
-                "seq_len, another val_fraction, or a longer file"
-            )
+            raise ValueError(f"TextFileCorpus: '{self.path}' has {len(raw)} bytes; with "
+                             f"val_fraction={val_fraction} its splits have {len(raw) - n_eval} (train) and "
+                             f"{n_eval} (eval) bytes, and each needs seq_len + 1 = {need}: use a shorter "
+                             "seq_len, another val_fraction, or a longer file")
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         self._splits = {"train": data[: len(raw) - n_eval], "eval": data[len(raw) - n_eval :]}
         self.domains: list[str] = ["text"]
-        self._generators = {
-            split: torch.Generator().manual_seed(seed * len(SPLITS) + i)
-            for i, split in enumerate(SPLITS)
-        }
+        self._generators = {split: torch.Generator().manual_seed(seed * len(SPLITS) + i)
+                            for i, split in enumerate(SPLITS)}
 
     def _windows(self, split: str, starts: torch.Tensor) -> Batch:
         rows = self._splits[split][starts[:, None] + torch.arange(self.seq_len + 1)].long()

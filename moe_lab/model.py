@@ -63,14 +63,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, attention_impl: str = ModelImpls.attention_impl) -> None:
         super().__init__()
         if cfg.attention != "mha":
-            raise ValueError(
-                f"the trainable model implements attention='mha' only, got {cfg.attention!r} "
-                f"(preset {cfg.name!r} is for the FLOPs model and simulators)"
-            )
+            raise ValueError(f"the trainable model implements attention='mha' only, got {cfg.attention!r} "
+                             f"(preset {cfg.name!r} is for the FLOPs model and simulators)")
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim_head
         self.attention_impl = ATTENTION_IMPLS.check(attention_impl, "attention_impl")
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head,
-                             bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.dim_head, bias=False)
         self.out = nn.Linear(cfg.n_heads * cfg.dim_head, cfg.d_model, bias=False)
         cos, sin = rope_cache(cfg.seq_len, cfg.dim_head)
         self.register_buffer("cos", cos, persistent=False)
@@ -145,8 +142,6 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        # Under autocast, compute the logits in FP32 (see `_logits`); off, nothing changes.
-        self.fp32_logits = self.impls.fp32_logits
         for module in self.modules():  # GPT-2's init: N(0, 0.02²) for every projection and embedding
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
@@ -182,17 +177,13 @@ class MoETransformer(nn.Module):
         return out
 
     def _logits(self, h: Tensor) -> Tensor:
-        """The output projection. With ``fp32_logits`` and autocast on for ``h``'s device, it
-        runs in FP32 (FP32 weight, FP32 logits, FP32 gradients), as mixed-precision recipes
+        """The output projection. With ``impls.fp32_logits`` and autocast on for ``h``'s device,
+        it runs in FP32 (FP32 weight, FP32 logits, FP32 gradients), as mixed-precision recipes
         keep the output layer: rounded to bf16, logits of a few units are off by up to a
         hundredth or two, which near convergence is as large as the signal the loss still has
-        to learn from. It is ~3% of the small preset's matmul FLOPs."""
+        to learn from. It is ~3% of the small preset's matmul FLOPs. Off, nothing changes."""
         device_type = h.device.type
-        if self.fp32_logits and type(self.lm_head) is nn.Linear and autocast_enabled(device_type):
+        if self.impls.fp32_logits and type(self.lm_head) is nn.Linear and autocast_enabled(device_type):
             with torch.autocast(device_type, enabled=False):
                 return F.linear(h.float(), self.lm_head.weight.float())
         return self.lm_head(h)
-
-    def num_parameters(self) -> int:
-        """Parameters in total."""
-        return sum(p.numel() for p in self.parameters())

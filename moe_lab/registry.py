@@ -67,12 +67,10 @@ class Registry(dict, Generic[T]):
         if isinstance(name, str) and name in self:
             return self[name]
         message = f"{arg} must be one of {sorted(self)}, got {name!r}"
-        notes = [f"{self.kind} registry: {self.description}"]
+        note = f"; {self.kind} registry: {self.description}"
         if isinstance(name, str) and name in self.unavailable:
-            message += f" ({name!r} is not available here: {self.unavailable[name]})"
-        elif self.plugin:
-            notes.append(PLUGIN_HINT)
-        raise ValueError(message + "".join(f"; {n}" for n in notes))
+            raise ValueError(f"{message} ({name!r} is not available here: {self.unavailable[name]}){note}")
+        raise ValueError(message + note + (f"; {PLUGIN_HINT}" if self.plugin else ""))
 
     def check(self, name: str, arg: str) -> str:
         """``name`` if it is registered, else the error of `lookup`."""

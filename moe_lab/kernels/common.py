@@ -87,27 +87,44 @@ def dense_group(m: int, k: int, block_m: int, elem_bytes: int) -> int:
 
 
 @triton.jit
+def segment_table(offsets_ptr, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``(s, start, end, n_tiles, last)`` of segments ``s = 0..BLOCK_E-1`` (``BLOCK_E >= E + 1``):
+    segments ``0..E-1`` are the experts' rows ``offsets[s]:offsets[s+1]``, segment ``E`` the
+    padding ``offsets[E]:M_ROWS``, each ``n_tiles`` row tiles, ``last`` the row tiles in segments
+    ``0..s``. Offsets are clamped into ``[0, M_ROWS]`` so that bad ones cannot address memory
+    outside the buffers. `tile_schedule` reads it for one tile; the persistent TMA GEMM builds it
+    once and reads it for each of its tiles (`segment_of`)."""
+    s = tl.arange(0, BLOCK_E)
+    start = tl.load(offsets_ptr + s, mask=s <= E, other=M_ROWS)
+    end = tl.load(offsets_ptr + s + 1, mask=s < E, other=M_ROWS)
+    start = tl.minimum(tl.maximum(start, 0), M_ROWS)
+    end = tl.minimum(tl.maximum(end, start), M_ROWS)
+    n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+    return s, start, end, n_tiles, tl.cumsum(n_tiles, 0)
+
+
+@triton.jit
+def segment_of(tile, s, start, end, n_tiles, last, BLOCK_M: tl.constexpr):
+    """``(segment, first row, end row)`` of row tile number ``tile`` in `segment_table`'s
+    segments (tiles are numbered segment after segment)."""
+    seg = tl.sum((last <= tile).to(tl.int32), 0)
+    here = s == seg
+    row0 = tl.sum(tl.where(here, start + (tile - last + n_tiles) * BLOCK_M, 0), 0)
+    row_end = tl.sum(tl.where(here, end, 0), 0)
+    return seg, row0, row_end
+
+
+@triton.jit
 def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(segment, first row, end row)`` of row tile number ``tile``.
 
     Segments ``0..E-1`` are the experts' rows ``offsets[s]:offsets[s+1]``, segment ``E``
     the padding ``offsets[E]:M_ROWS``; tiles are numbered segment after segment. A segment
     number above ``E`` means the tile has no work. Offsets are clamped into ``[0, M_ROWS]``
-    so that bad ones cannot address memory outside the buffers.
+    so that bad ones cannot address memory outside the buffers (`segment_table`).
     """
-    s = tl.arange(0, BLOCK_E)  # BLOCK_E >= E + 1
-    start = tl.load(offsets_ptr + s, mask=s <= E, other=M_ROWS)
-    end = tl.load(offsets_ptr + s + 1, mask=s < E, other=M_ROWS)
-    start = tl.minimum(tl.maximum(start, 0), M_ROWS)
-    end = tl.minimum(tl.maximum(end, start), M_ROWS)
-    n_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
-    last = tl.cumsum(n_tiles, 0)  # tiles in segments 0..s
-    seg = tl.sum((last <= tile).to(tl.int32), 0)
-    here = s == seg
-    first_tile = tl.sum(tl.where(here, last - n_tiles, 0), 0)
-    row0 = tl.sum(tl.where(here, start, 0), 0) + (tile - first_tile) * BLOCK_M
-    row_end = tl.sum(tl.where(here, end, 0), 0)
-    return seg, row0, row_end
+    s, start, end, n_tiles, last = segment_table(offsets_ptr, E, M_ROWS, BLOCK_M, BLOCK_E)
+    return segment_of(tile, s, start, end, n_tiles, last, BLOCK_M)
 
 
 @triton.jit

@@ -164,15 +164,14 @@ def _gather_dw_kernel(
         ok = (rows < end) & (src >= 0)
         token = tl.where(ok, src // TOP_K, 0)
         if GATHER_X:
-            a = tl.load(x_ptr + token[:, None] * s_xm + ks[None, :] * s_xk,
-                        mask=ok[:, None] & (ks[None, :] < K), other=0.0)
-            g = tl.load(dy_ptr + rows[:, None] * s_ym + ns[None, :] * s_yn,
-                        mask=ok[:, None] & (ns[None, :] < N), other=0.0)
+            x_rows, dy_rows = token, rows
         else:
-            a = tl.load(x_ptr + rows[:, None] * s_xm + ks[None, :] * s_xk,
-                        mask=ok[:, None] & (ks[None, :] < K), other=0.0)
-            g = tl.load(dy_ptr + token[:, None] * s_ym + ns[None, :] * s_yn,
-                        mask=ok[:, None] & (ns[None, :] < N), other=0.0)
+            x_rows, dy_rows = rows, token
+        a = tl.load(x_ptr + x_rows[:, None] * s_xm + ks[None, :] * s_xk,
+                    mask=ok[:, None] & (ks[None, :] < K), other=0.0)
+        g = tl.load(dy_ptr + dy_rows[:, None] * s_ym + ns[None, :] * s_yn,
+                    mask=ok[:, None] & (ns[None, :] < N), other=0.0)
+        if not GATHER_X:
             wt = tl.load(weight_ptr + src, mask=ok, other=0.0).to(tl.float32)
             g = common.cast_for_store(g.to(tl.float32) * wt[:, None], dy_ptr)  # the weighted dY, rounded
         acc = common.mma(acc, tl.trans(a), g, DOT_BF16)
@@ -202,11 +201,13 @@ def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *, interp
     return gg.launch_config(kernel, m, n, k, n_experts, interpreted=interpreted, dtype=dtype)
 
 
-def _launch(kernel: str, fn: object, m: int, n: int, k: int, n_experts: int, dtype: torch.dtype,
+def _launch(kernel: str, fn: object, out: Tensor, m: int, n: int, k: int, n_experts: int, x: Tensor,
             *args: object, **flags: object) -> None:
-    """`moe_lab.kernels.grouped_gemm.launch` of ``fn`` at `launch_config`'s tile for ``kernel``."""
-    cfg = launch_config(kernel, m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=dtype)
-    gg.launch(fn, cfg, m, n, k, n_experts, dtype, *args, dw=kernel == "dw", **flags)
+    """`moe_lab.kernels.grouped_gemm.launch` of ``fn`` at `launch_config`'s tile for ``kernel``,
+    ``x`` its first argument; nothing when ``out`` is empty or fake (the op only allocates)."""
+    if out.numel() and not isinstance(x, FakeTensor):
+        cfg = launch_config(kernel, m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype)
+        gg.launch(fn, cfg, m, n, k, n_experts, x.dtype, x, *args, dw=kernel == "dw", **flags)
 
 
 @common.kernel_op("gather_swiglu")
@@ -216,11 +217,10 @@ def _gather_swiglu_op(x: Tensor, src: Tensor, w: Tensor, offsets: Tensor, top_k:
     m, (n_experts, k, two_f) = src.shape[0], w.shape
     f = two_f // 2
     out = torch.empty((m, f if dh is None else two_f), dtype=x.dtype, device=x.device)
-    if m and f and not isinstance(x, FakeTensor):
-        dh_arg = out if dh is None else dh
-        _launch("swiglu", _gather_swiglu_kernel, m, f, k, n_experts, x.dtype,
-                x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k, *x.stride(), *w.stride(),
-                *out.stride(), *dh_arg.stride(), BACKWARD=dh is not None)
+    dh_arg = out if dh is None else dh
+    _launch("swiglu", _gather_swiglu_kernel, out, m, f, k, n_experts,
+            x, src, w, out, dh_arg, offsets, m, f, k, n_experts, top_k, *x.stride(), *w.stride(),
+            *out.stride(), *dh_arg.stride(), BACKWARD=dh is not None)
     return out
 
 
@@ -234,10 +234,9 @@ def _gemm_scatter_op(a: Tensor, w: Tensor, src: Tensor, weights: Tensor | None, 
         out = torch.zeros((tokens, n), dtype=torch.float32, device=a.device)
     else:  # every (token, slot) has its row in some expert's segment: every element written
         out = torch.empty((tokens * top_k, n), dtype=a.dtype, device=a.device)
-    if m and n and tokens and not isinstance(a, FakeTensor):
-        _launch("gemm", _gemm_scatter_kernel, m, n, k, n_experts, a.dtype,
-                a, w, out, src, src if weights is None else weights, offsets, m, n, k, n_experts, top_k,
-                *a.stride(), *w.stride(), *out.stride(), HAS_WEIGHTS=weights is not None, ATOMIC=atomic)
+    _launch("gemm", _gemm_scatter_kernel, out, m, n, k, n_experts,
+            a, w, out, src, src if weights is None else weights, offsets, m, n, k, n_experts, top_k,
+            *a.stride(), *w.stride(), *out.stride(), HAS_WEIGHTS=weights is not None, ATOMIC=atomic)
     if atomic:
         return out.to(a.dtype)  # float32: no pass at all; bfloat16: one cast
     return out.view(tokens, top_k, n).sum(1, dtype=torch.float32).to(a.dtype)
@@ -252,10 +251,9 @@ def _gather_gemm_op(g: Tensor, src: Tensor, w: Tensor, h: Tensor, weights: Tenso
     n_tiles = triton.cdiv(n, cfg.blocks["BLOCK_N"]) if n else 0
     dh = torch.empty((m, n), dtype=g.dtype, device=g.device)
     part = torch.empty((m, n_tiles), dtype=torch.float32, device=g.device)
-    if m and n and not isinstance(g, FakeTensor):
-        gg.launch(_gather_gemm_kernel, cfg, m, n, k, n_experts, g.dtype,
-                  g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k, n_tiles,
-                  *g.stride(), *w.stride(), *h.stride(), *dh.stride())
+    _launch("gemm", _gather_gemm_kernel, dh, m, n, k, n_experts,
+            g, src, w, h, weights, dh, part, offsets, m, n, k, n_experts, top_k, n_tiles,
+            *g.stride(), *w.stride(), *h.stride(), *dh.stride())
     per_row = part.sum(1)
     # Back from permuted rows to (token, slot) entries; rows without a source are dropped.
     dweights = torch.zeros(weights.shape[0] + 1, dtype=torch.float32, device=g.device)
@@ -268,10 +266,9 @@ def _gather_dw_op(x: Tensor, dy: Tensor, src: Tensor, weights: Tensor | None, of
                   top_k: int, gather_x: bool) -> Tensor:
     k, n, n_experts, m = x.shape[1], dy.shape[1], offsets.shape[0] - 1, src.shape[0]
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
-    if k and n and not isinstance(x, FakeTensor):
-        _launch("dw", _gather_dw_kernel, m, n, k, n_experts, x.dtype,
-                x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
-                *x.stride(), *dy.stride(), *dw.stride(), GATHER_X=gather_x)
+    _launch("dw", _gather_dw_kernel, dw, m, n, k, n_experts,
+            x, dy, dw, src, src if weights is None else weights, offsets, m, n, k, top_k,
+            *x.stride(), *dy.stride(), *dw.stride(), GATHER_X=gather_x)
     return dw
 
 

@@ -237,10 +237,8 @@ def launch_config(tokens: int, n_experts: int, n_groups: int, *, interpreted: bo
 def fwd_constexprs(top_k: int, softmax: bool, n_experts: int, n_groups: int, topk_groups: int,
                     renormalize: bool, has_bias: bool) -> dict[str, object]:
     """The forward kernel's constexprs other than the blocks (the launch's, the compile report's)."""
-    per_group = n_experts // n_groups
-    return dict(TOP_K=top_k, KP=triton.next_power_of_2(top_k), TOPK_GROUPS=topk_groups,
-                SOFTMAX=softmax, HAS_BIAS=has_bias, GROUPED=n_groups > 1, PAIR=per_group > 1,
-                RENORM=renormalize and top_k > 1)
+    return dict(bwd_constexprs(top_k, softmax, renormalize), TOPK_GROUPS=topk_groups, HAS_BIAS=has_bias,
+                GROUPED=n_groups > 1, PAIR=n_experts // n_groups > 1)
 
 
 def bwd_constexprs(top_k: int, softmax: bool, renormalize: bool) -> dict[str, object]:
@@ -249,13 +247,18 @@ def bwd_constexprs(top_k: int, softmax: bool, renormalize: bool) -> dict[str, ob
                 RENORM=renormalize and top_k > 1)
 
 
-def _launch(kernel: object, tokens: int, n_experts: int, n_groups: int, *args: object,
-            **constexprs: object) -> None:
-    """``kernel`` over ``tokens`` rows of logits in `launch_config`'s blocks, one program per
-    ``BLOCK_T`` tokens."""
-    config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED)
-    kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
-        *args, **constexprs, **config.blocks, num_warps=config.num_warps, num_stages=config.num_stages)
+def _launch(kernel: object, logits: Tensor, pointers: tuple, n_groups: int, seq_len: int,
+            strides: tuple, scaling_factor: float, **constexprs: object) -> None:
+    """``kernel(logits, *pointers, T, E, EG, G, SEQ_LEN, *strides, scaling)`` over the ``T`` rows
+    of ``logits: [T, E]`` in `launch_config`'s blocks, one program per ``BLOCK_T`` tokens; nothing
+    without tokens or on fake tensors (the op only allocates)."""
+    tokens, n_experts = logits.shape
+    if tokens and not isinstance(logits, FakeTensor):
+        config = launch_config(tokens, n_experts, n_groups, interpreted=INTERPRETED)
+        kernel[(triton.cdiv(tokens, config.blocks["BLOCK_T"]),)](
+            logits, *pointers, tokens, n_experts, n_experts // n_groups, n_groups, seq_len or tokens,
+            *strides, float(scaling_factor), **constexprs, **config.blocks,
+            num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 @kernel_op("fused_router")
@@ -271,13 +274,11 @@ def _fused_router_op(
     counts = torch.zeros((n_seqs, n_experts), dtype=torch.int32, device=dev)
     prob_sums = torch.zeros((n_seqs, n_experts), dtype=torch.float32, device=dev)
     z_sum = torch.zeros((1,), dtype=torch.float32, device=dev)
-    if tokens and not isinstance(logits, FakeTensor):
-        _launch(_router_fwd_kernel, tokens, n_experts, n_groups,
-                logits, expert_bias if expert_bias is not None else logits, ids, weights, counts,
-                prob_sums, z_sum, tokens, n_experts, n_experts // n_groups, n_groups,
-                seq_len or tokens, *logits.stride(), float(scaling_factor),
-                **fwd_constexprs(top_k, softmax, n_experts, n_groups, topk_groups, renormalize,
-                                 expert_bias is not None))
+    bias = expert_bias if expert_bias is not None else logits
+    _launch(_router_fwd_kernel, logits, (bias, ids, weights, counts, prob_sums, z_sum), n_groups, seq_len,
+            logits.stride(), scaling_factor,
+            **fwd_constexprs(top_k, softmax, n_experts, n_groups, topk_groups, renormalize,
+                             expert_bias is not None))
     return ids, weights, counts, prob_sums, z_sum
 
 
@@ -286,15 +287,10 @@ def _fused_router_bwd_op(
     logits: Tensor, ids: Tensor, grad_weights: Tensor, grad_prob_sums: Tensor, grad_z_sum: Tensor,
     softmax: bool, n_groups: int, renormalize: bool, scaling_factor: float, seq_len: int,
 ) -> Tensor:
-    tokens, n_experts = logits.shape
-    top_k = ids.shape[1]
-    grad_logits = torch.empty((tokens, n_experts), dtype=torch.float32, device=logits.device)
-    if tokens and not isinstance(logits, FakeTensor):
-        _launch(_router_bwd_kernel, tokens, n_experts, n_groups,
-                logits, ids, grad_weights, grad_prob_sums, grad_z_sum, grad_logits,
-                tokens, n_experts, n_experts // n_groups, n_groups, seq_len or tokens,
-                *logits.stride(), *grad_logits.stride(), float(scaling_factor),
-                **bwd_constexprs(top_k, softmax, renormalize))
+    grad_logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    _launch(_router_bwd_kernel, logits, (ids, grad_weights, grad_prob_sums, grad_z_sum, grad_logits),
+            n_groups, seq_len, (*logits.stride(), *grad_logits.stride()), scaling_factor,
+            **bwd_constexprs(ids.shape[1], softmax, renormalize))
     return grad_logits
 
 

@@ -28,24 +28,19 @@ class Fusion:
 
 FUSIONS: Registry[Fusion] = Registry(
     "fusion", "memory-bound work fused into the grouped GEMMs, each beside the unfused chain it replaces")
-FUSIONS.register("gather_prologue", Fusion(
-    fm.gather_swiglu, fm.gather_swiglu_unfused,
-    "first GEMM reads token rows through the row-id map (no permuted copy of x)"))
-FUSIONS.register("scatter_epilogue", Fusion(
-    fm.gemm_scatter, fm.gemm_scatter_unfused,
-    "second GEMM weights its rows and sends them to their tokens (deterministic)"))
-FUSIONS.register("scatter_epilogue_atomic", Fusion(
-    functools.partial(fm.gemm_scatter, scatter="atomic"), fm.gemm_scatter_unfused,
-    "second GEMM adds its weighted rows into the tokens with float32 atomics"))
-FUSIONS.register("mxfp8_epilogue", Fusion(
-    fmx.gather_swiglu_mxfp8, fmx.gather_swiglu_mxfp8_unfused,
-    "first GEMM's SwiGLU output leaves as MXFP8 codes and scales"))
-FUSIONS.register("mxfp8_mlp_forward", Fusion(
-    fmx.fused_moe_mlp_mxfp8, fmx.fused_moe_mlp_mxfp8_unfused,
-    "MXFP8 epilogue feeding the second GEMM (decoded in registers) and the weighted scatter"))
-FUSIONS.register("mxfp8_mlp_forward_native", Fusion(
-    fmx.fused_moe_mlp_mxfp8_native, fmx.fused_moe_mlp_mxfp8_native_unfused,
-    "MXFP8 epilogue feeding a grouped MXFP8 GEMM (tl.dot_scaled, W2 in MXFP8 too)"))
-FUSIONS.register("fused_mlp", Fusion(
-    fm.fused_moe_mlp, fm.fused_moe_mlp_unfused, "gather prologue + SwiGLU + weighted scatter"))
-
+for name, fused, unfused, what in (
+    ("gather_prologue", fm.gather_swiglu, fm.gather_swiglu_unfused,
+     "first GEMM reads token rows through the row-id map (no permuted copy of x)"),
+    ("scatter_epilogue", fm.gemm_scatter, fm.gemm_scatter_unfused,
+     "second GEMM weights its rows and sends them to their tokens (deterministic)"),
+    ("scatter_epilogue_atomic", functools.partial(fm.gemm_scatter, scatter="atomic"), fm.gemm_scatter_unfused,
+     "second GEMM adds its weighted rows into the tokens with float32 atomics"),
+    ("mxfp8_epilogue", fmx.gather_swiglu_mxfp8, fmx.gather_swiglu_mxfp8_unfused,
+     "first GEMM's SwiGLU output leaves as MXFP8 codes and scales"),
+    ("mxfp8_mlp_forward", fmx.fused_moe_mlp_mxfp8, fmx.fused_moe_mlp_mxfp8_unfused,
+     "MXFP8 epilogue feeding the second GEMM (decoded in registers) and the weighted scatter"),
+    ("mxfp8_mlp_forward_native", fmx.fused_moe_mlp_mxfp8_native, fmx.fused_moe_mlp_mxfp8_native_unfused,
+     "MXFP8 epilogue feeding a grouped MXFP8 GEMM (tl.dot_scaled, W2 in MXFP8 too)"),
+    ("fused_mlp", fm.fused_moe_mlp, fm.fused_moe_mlp_unfused, "gather prologue + SwiGLU + weighted scatter"),
+):
+    FUSIONS.register(name, Fusion(fused, unfused, what))

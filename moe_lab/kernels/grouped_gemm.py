@@ -142,9 +142,6 @@ def _grouped_gemm_dw_kernel(
 # Launch configuration
 # --------------------------------------------------------------------------------------
 
-# Which kernel a launch runs, as `launch_config` names it: "gemm" (the forward, and dX = the
-# same kernel fed Wᵀ), "swiglu" (the fused forward and its backward), "dw" (the weight gradient).
-KERNELS = ("gemm", "swiglu", "dw")
 # The kernels whose programs walk the grouped tile order (`moe_lab.kernels.common.tile_order`),
 # so whose ``GROUP_M`` is a knob; "dw" walks its experts one after another
 # (`moe_lab.kernels.common.expert_tile_order`, `DW_GROUP_K` K tiles per group inside each).
@@ -160,9 +157,11 @@ def _config(bm: int, bn: int, bk: int, warps: int) -> LaunchConfig:
     return LaunchConfig({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=3)
 
 
-# The compiled tile space of each kernel: a few configs, every one compiled by the compile
-# report; `choose_config` picks one per shape. For "gemm" and "swiglu" the output tile is
-# BLOCK_M x BLOCK_N over BLOCK_K; for "dw" it is BLOCK_K x BLOCK_N over BLOCK_M rows. A
+# The compiled tile space of each kernel, by the name `launch_config` gives it: "gemm" (the
+# forward, and dX = the same kernel fed Wᵀ), "swiglu" (the fused forward and its backward), "dw"
+# (the weight gradient). A few configs each, every one compiled by the compile report;
+# `choose_config` picks one per shape. For "gemm" and "swiglu" the output tile is BLOCK_M x
+# BLOCK_N over BLOCK_K; for "dw" it is BLOCK_K x BLOCK_N over BLOCK_M rows. A
 # warpgroup MMA (Hopper's ``wgmma``, Blackwell's ``tcgen05.mma``) takes 64 output rows per
 # 4 warps, so every bf16 tile gives each 4 warps at least 64 rows; a 64-deep bf16 K step is
 # one 128-byte line per row, the widest swizzle for the asynchronous copies. The bf16 tiles
@@ -237,7 +236,7 @@ def tile_group(m: int, n_experts: int, block_m: int) -> int:
 def launch_config(kernel: str, m: int, n: int, k: int, n_experts: int, *,
                   interpreted: bool, dtype: torch.dtype = torch.bfloat16,
                   device: torch.device | None = None, arch: GPUArch | None = None) -> LaunchConfig:
-    """Tiles, warps and stages of one launch: ``kernel`` (one of `KERNELS`) over ``m``
+    """Tiles, warps and stages of one launch: ``kernel`` (a key of `TILE_SPACE`) over ``m``
     routed rows, ``n`` output columns (``F`` for "swiglu"), reduction depth ``k``, in
     ``dtype``, on ``device``. A config applied through `FORCED` comes first. Otherwise: under
     the interpreter each program costs a Python round trip, so tiles are as large as the
@@ -317,16 +316,23 @@ def launch(kernel: object, cfg: LaunchConfig, m: int, n: int, k: int, n_experts:
 # --------------------------------------------------------------------------------------
 
 
+def _launch(kernel: str, fn: object, out: Tensor, m: int, n: int, k: int, n_experts: int, x: Tensor,
+            *args: object, **flags: object) -> None:
+    """`launch` of ``fn`` at `launch_config`'s tile for ``kernel``, ``x`` its first argument; nothing
+    when ``out`` is empty or fake (a fake tensor has a shape and no memory: the op only allocates)."""
+    if out.numel() and not isinstance(x, FakeTensor):
+        cfg = launch_config(kernel, m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype,
+                            device=x.device)
+        launch(fn, cfg, m, n, k, n_experts, x.dtype, x, *args, dw=kernel == "dw", **flags)
+
+
 @common.kernel_op("grouped_gemm")
 def grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     m, k = x.shape
     n_experts, _, n = w.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m and n and not isinstance(x, FakeTensor):
-        cfg = launch_config("gemm", m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype,
-                            device=x.device)
-        launch(_grouped_gemm_kernel, cfg, m, n, k, n_experts, x.dtype,
-               x, w, y, offsets, m, n, k, n_experts, *x.stride(), *w.stride(), *y.stride())
+    _launch("gemm", _grouped_gemm_kernel, y, m, n, k, n_experts,
+            x, w, y, offsets, m, n, k, n_experts, *x.stride(), *w.stride(), *y.stride())
     return y
 
 
@@ -334,11 +340,8 @@ def grouped_gemm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 def _grouped_gemm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
     m, k, n, n_experts = x.shape[0], x.shape[1], dy.shape[1], offsets.shape[0] - 1
     dw = torch.empty((n_experts, k, n), dtype=x.dtype, device=x.device)
-    if k and n and not isinstance(x, FakeTensor):
-        cfg = launch_config("dw", m, n, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype,
-                            device=x.device)
-        launch(_grouped_gemm_dw_kernel, cfg, m, n, k, n_experts, x.dtype,
-               x, dy, dw, offsets, m, n, k, *x.stride(), *dy.stride(), *dw.stride(), dw=True)
+    _launch("dw", _grouped_gemm_dw_kernel, dw, m, n, k, n_experts,
+            x, dy, dw, offsets, m, n, k, *x.stride(), *dy.stride(), *dw.stride())
     return dw
 
 
@@ -348,13 +351,10 @@ def grouped_gemm_swiglu_op(x: Tensor, w: Tensor, offsets: Tensor, dh: Tensor | N
     m, k = x.shape
     n_experts, f = w.shape[0], w.shape[2] // 2
     out = torch.empty((m, f if dh is None else 2 * f), dtype=x.dtype, device=x.device)
-    if m and f and not isinstance(x, FakeTensor):
-        cfg = launch_config("swiglu", m, f, k, n_experts, interpreted=common.INTERPRETED, dtype=x.dtype,
-                            device=x.device)
-        dh_arg = out if dh is None else dh  # unused by the forward
-        launch(_grouped_gemm_swiglu_kernel, cfg, m, f, k, n_experts, x.dtype,
-               x, w, out, dh_arg, offsets, m, f, k, n_experts, *x.stride(), *w.stride(), *out.stride(),
-               *dh_arg.stride(), BACKWARD=dh is not None)
+    dh_arg = out if dh is None else dh  # unused by the forward
+    _launch("swiglu", _grouped_gemm_swiglu_kernel, out, m, f, k, n_experts,
+            x, w, out, dh_arg, offsets, m, f, k, n_experts, *x.stride(), *w.stride(), *out.stride(),
+            *dh_arg.stride(), BACKWARD=dh is not None)
     return out
 
 

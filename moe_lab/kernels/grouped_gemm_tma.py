@@ -72,23 +72,15 @@ def _tma_grouped_gemm_kernel(
     # x: [M, K] rows of stride s_xm; w: [E, K, N], expert stride s_we, stored [K, N] with row
     # stride s_wr, or (TRANS_W) stored [N, K]; y: [M, N] rows of stride s_ym; offsets: [E + 1]
     # int32 on the device. Grid: (number of programs,); each walks the tile list.
-    s = tl.arange(0, BLOCK_E)  # segments 0..E-1 the experts, E the padding rows
-    start = tl.load(offsets_ptr + s, mask=s <= E, other=M_ROWS)
-    end = tl.load(offsets_ptr + s + 1, mask=s < E, other=M_ROWS)
-    start = tl.minimum(tl.maximum(start, 0), M_ROWS)
-    end = tl.minimum(tl.maximum(end, start), M_ROWS)
-    seg_tiles = (end - start + BLOCK_M - 1) // BLOCK_M
-    last = tl.cumsum(seg_tiles, 0)  # row tiles in segments 0..s
+    # Segments 0..E-1 the experts, E the padding rows: built once, read for every tile.
+    s, start, end, seg_tiles, last = common.segment_table(offsets_ptr, E, M_ROWS, BLOCK_M, BLOCK_E)
     n_row_tiles = tl.sum(seg_tiles, 0)
     n_col_tiles = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     for t in tl.range(tl.program_id(0), n_row_tiles * n_col_tiles, tl.num_programs(0),
                       warp_specialize=WARP_SPECIALIZE):
         r, c = common.grouped_tile(t, n_row_tiles, n_col_tiles, GROUP_M)
-        seg = tl.sum((last <= r).to(tl.int32), 0)
-        here = s == seg
-        row0 = tl.sum(tl.where(here, start + (r - last + seg_tiles) * BLOCK_M, 0), 0)
-        row_end = tl.sum(tl.where(here, end, 0), 0)
+        seg, row0, row_end = common.segment_of(r, s, start, end, seg_tiles, last, BLOCK_M)
         col0 = c * BLOCK_N
         expert = tl.minimum(seg, E - 1).to(tl.int64)
         k_skip = tl.where(seg < E, 0, k_steps * BLOCK_K)  # the padding segment reads zeros

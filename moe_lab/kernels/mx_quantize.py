@@ -25,10 +25,9 @@ import triton.language as tl
 from moe_lab.checks import one_of
 from moe_lab.kernels.common import INTERPRETED, check_device
 from moe_lab.kernels.launch import LaunchConfig
-from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, SCALE_MODES, MXTensor, elem_format, padded_size
+from moe_lab.quant.mx import BLOCK_SIZE, E4M3, E8M0, ELEM_FORMATS, SCALE_MODES, MXTensor, padded_size
 
 Tensor = torch.Tensor
-KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
@@ -147,7 +146,7 @@ def format_constexprs(dtype: torch.dtype, rowwise: bool, colwise: bool,
                       elem_dtype: torch.dtype, scale_mode: str) -> dict[str, object]:
     """The kernel's constexprs besides the tile: input width, which copies, element format,
     scale rule."""
-    fmt = elem_format(elem_dtype)
+    fmt = ELEM_FORMATS[one_of(elem_dtype, "elem_dtype", ELEM_FORMATS)]
     return {
         "IS_BF16": dtype == torch.bfloat16, "ROWWISE": rowwise, "COLWISE": colwise,
         "MX_BLOCK": BLOCK_SIZE, "EMAX_POW2": fmt.emax_pow2, "RCEIL": scale_mode == "rceil",
@@ -191,7 +190,7 @@ def mx_quantize(
     Args:
         x: ``[M, K]`` or ``[B, M, K]``, float32 or bfloat16, any strides, on the device
             Triton runs on (CUDA; any device where the kernels run interpreted).
-        rowwise, colwise: which copies to produce (at least one).
+        rowwise, colwise: which copies to produce (neither: nothing is read).
         elem_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         scale_mode: ``"floor"`` or ``"rceil"``.
         pad: zero-pad ``K`` (row-wise) / ``M`` (column-wise) to a multiple of 32 instead
@@ -205,10 +204,8 @@ def mx_quantize(
     """
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [M, K] or [B, M, K], got shape {tuple(x.shape)}")
-    one_of(x.dtype, "x.dtype", KERNEL_INPUT_DTYPES)
+    one_of(x.dtype, "x.dtype", (torch.float32, torch.bfloat16))
     one_of(scale_mode, "scale_mode", SCALE_MODES)
-    if not (rowwise or colwise):
-        raise ValueError("at least one of rowwise and colwise must be True, got both False")
     constexprs = format_constexprs(x.dtype, rowwise, colwise, elem_dtype, scale_mode)  # checks elem_dtype
     check_device("x", x.device)
     *batch, m, k = x.shape
@@ -221,7 +218,7 @@ def mx_quantize(
     row_scale = x.new_empty((*batch, m, k_pad // BLOCK_SIZE if rowwise else 0), dtype=torch.uint8)
     col_data = x.new_empty((*batch, k, m_pad if colwise else 0), dtype=torch.uint8)
     col_scale = x.new_empty((*batch, k, m_pad // BLOCK_SIZE if colwise else 0), dtype=torch.uint8)
-    if x.numel():
+    if x.numel() and (rowwise or colwise):
         # Read raw bits, [B, M, K]: float32 as int32, bfloat16 as int16 (widened in the kernel).
         bits = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32).reshape(-1, m, k)
         grid_m, grid_k = m_pad if colwise else m, k_pad if rowwise else k

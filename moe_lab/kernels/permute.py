@@ -145,14 +145,10 @@ def _unpermute_weight_grad_kernel(
 # --------------------------------------------------------------------------------------
 
 
-# Which kernels a launch configuration is for: "map" (the expert histogram and the row-id
-# map, which must cut the entries into the same blocks), "rows" (permute, unpermute and
-# unpermute's weight gradient: row copies and row dot products).
-KERNELS = ("map", "rows")
-
-
 def launch_config(kernel: str, n: int, width: int, *, interpreted: bool) -> LaunchConfig:
-    """Blocks, warps and stages of one launch of ``kernel`` (one of `KERNELS`).
+    """Blocks, warps and stages of one launch of ``kernel``: "map" (the expert histogram and the
+    row-id map, which must cut the entries into the same blocks) or "rows" (permute, unpermute
+    and unpermute's weight gradient: row copies and row dot products).
 
     "map": ``n`` entries (``T·k``) over ``width`` experts; blocks ``BLOCK`` entries per
     program and ``BLOCK_E``, the one-hot tile's expert axis: a power of two >= E, and at
@@ -198,6 +194,17 @@ def _row_id_map_op(ids: Tensor, n_experts: int, align: int) -> tuple[Tensor, Ten
     return row_id_map, offsets
 
 
+def _launch_rows(kernel: object, tokens: int, d: int, slots: int | None, *args: object,
+                 **flags: object) -> None:
+    """``kernel`` at `launch_config`'s "rows" blocks over ``tokens`` token rows of ``d`` features:
+    grid ``(cdiv(tokens, BLOCK_T), cdiv(d, BLOCK_D))``, or one program per slot along the second
+    axis when ``slots`` is given."""
+    cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
+    grid_y = triton.cdiv(d, cfg.blocks["BLOCK_D"]) if slots is None else slots
+    kernel[(triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), grid_y)](
+        *args, **cfg.blocks, **flags, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 @kernel_op("permute")
 def permute_op(src: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: int,
                inverse: bool) -> Tensor:
@@ -212,16 +219,10 @@ def permute_op(src: Tensor, row_id_map: Tensor, weights: Tensor | None, n_rows: 
     out = (torch.zeros if padded else torch.empty)((tokens if inverse else n_rows, d), dtype=src.dtype,
                                                    device=src.device)
     if tokens and d and not isinstance(src, FakeTensor):
-        cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
         w_arg = row_id_map if weights is None else weights  # unused without weights
-        grid = (triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), triton.cdiv(d, cfg.blocks["BLOCK_D"]))
-        kernel = _unpermute_kernel if inverse else _permute_kernel
-        kernel[grid](
-            src, row_id_map, w_arg, out, tokens, d, n_rows, top_k,
-            *src.stride(), *row_id_map.stride(), *w_arg.stride(), *out.stride(),
-            **cfg.blocks, HAS_WEIGHTS=weights is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        _launch_rows(_unpermute_kernel if inverse else _permute_kernel, tokens, d, None,
+                     src, row_id_map, w_arg, out, tokens, d, n_rows, top_k, *src.stride(),
+                     *row_id_map.stride(), *w_arg.stride(), *out.stride(), HAS_WEIGHTS=weights is not None)
     return out
 
 
@@ -230,12 +231,8 @@ def _unpermute_weight_grad_op(y: Tensor, row_id_map: Tensor, dout: Tensor) -> Te
     (n_rows, d), (tokens, top_k) = y.shape, row_id_map.shape
     dw = torch.empty((tokens, top_k), dtype=torch.float32, device=y.device)
     if tokens and top_k and not isinstance(y, FakeTensor):
-        cfg = launch_config("rows", tokens, d, interpreted=INTERPRETED)
-        _unpermute_weight_grad_kernel[(triton.cdiv(tokens, cfg.blocks["BLOCK_T"]), top_k)](
-            y, row_id_map, dout, dw, tokens, d, n_rows, top_k,
-            *y.stride(), *row_id_map.stride(), *dout.stride(),
-            **cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        _launch_rows(_unpermute_weight_grad_kernel, tokens, d, top_k, y, row_id_map, dout, dw,
+                     tokens, d, n_rows, top_k, *y.stride(), *row_id_map.stride(), *dout.stride())
     return dw
 
 

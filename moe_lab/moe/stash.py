@@ -113,10 +113,9 @@ def max_pages(tokens: int, top_k: int, n_experts: int, page_rows: int) -> int:
 
 @dataclass(frozen=True)
 class StashCall:
-    """One activation the experts save, as planned: layer, width, dtype, rows (``T·k``),
-    experts and ``top_k`` (so ``rows / top_k`` tokens)."""
+    """One activation the experts save, as planned: width, dtype, rows (``T·k``), experts and
+    ``top_k`` (so ``rows / top_k`` tokens)."""
 
-    layer: int
     width: int
     dtype: torch.dtype
     rows: int
@@ -140,11 +139,11 @@ class PagedStash(nn.Module):
 
     ``stash = PagedStash(page_rows=32, capacity_factor=1.25).attach(model, example_batch)``;
     then every training forward pass pages the experts' saved activations into fixed pools
-    (buffers ``pool{i}: [n_pages + 1, page_rows, width]``, the last page a trash page),
-    and backward reads them back. Call `reset` at the start of each step (the
-    `moe_lab.training.steps.SyncFreeStep` does). ``overflow`` (``[]`` bool buffer) is raised when a
-    step needed more pages than a pool holds; those rows went to the trash page, so the
-    step must be repeated with the stash `disabled` (or skipped).
+    (buffers ``pool{i}: [n_pages + 1, page_rows, width]``, the last page a trash page; ``heads:
+    [n_pools]`` the pages taken this step), and backward reads them back. Call `reset` at the
+    start of each step (the `moe_lab.training.steps.SyncFreeStep` does). ``overflow`` (``[]``
+    bool buffer) is raised when a step needed more pages than a pool holds; those rows went to
+    the trash page, so the step must be repeated with the stash `disabled` (or skipped).
 
     Pool size per planned activation: ``ceil(capacity_factor · rows / page_rows) + E`` pages.
     With ``capacity_factor >= 1`` a single device never overflows (see `max_pages`); under
@@ -156,17 +155,20 @@ class PagedStash(nn.Module):
         self.page_rows = positive_int(page_rows, "page_rows")
         self.capacity_factor = positive_number(capacity_factor, "capacity_factor")
         self.enabled = True
+        self.planning = False
         self.plan: list[StashCall] = []
         self.pool_keys: list[tuple[int, torch.dtype]] = []
-        self._planning: list[StashCall] | None = None
         self._model_ref = lambda: None
         self.register_buffer("overflow", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("heads", torch.zeros(0, dtype=torch.int64))
 
     # -- setting up ----------------------------------------------------------------------
 
     def attach(self, model: nn.Module, example_batch: Batch) -> PagedStash:
         """Wrap the expert compute of every MoE layer of ``model`` and size the pools from
-        one forward pass on ``example_batch`` (``.x``: ``[batch, seq]``). Returns self."""
+        one forward pass on ``example_batch`` (``.x``: ``[batch, seq]``): each planned
+        activation (`StashCall`) sets aside ``ceil(capacity_factor · rows / page_rows) + E``
+        pages of the pool of its width and dtype. Returns self."""
         layers = list(getattr(model, "moe_layers", []))
         if not layers:
             raise ValueError("PagedStash.attach: the model has no MoE layers (model.moe_layers)")
@@ -177,15 +179,23 @@ class PagedStash(nn.Module):
                 raise ValueError(f"PagedStash.attach: MoE layer {index} uses dispatcher "
                                  f"{layer.dispatcher!r}; paging needs the dropless dispatcher's "
                                  "expert-sorted rows and offsets")
-            layer.experts.use_activation_store(functools.partial(self.run_paged, index, layer.cfg.top_k))
+            layer.experts.use_activation_store(functools.partial(self.run_paged, layer.cfg.top_k))
         self._model_ref = weakref.ref(model)  # not a submodule: the stash does not own the model
-        self._planning = []
+        self.planning = True
         try:
             with torch.enable_grad():
                 model(example_batch.x)
         finally:
-            planned, self._planning = self._planning, None
-        self._allocate(planned, next(model.parameters()).device)
+            self.planning = False
+        device = next(model.parameters()).device
+        self.pool_keys = list(dict.fromkeys((call.width, call.dtype) for call in self.plan))
+        for i, (width, dtype) in enumerate(self.pool_keys):
+            n_pages = sum(math.ceil(self.capacity_factor * c.rows / self.page_rows) + c.n_experts
+                          for c in self.plan if (c.width, c.dtype) == (width, dtype))
+            self.register_buffer(f"pool{i}", torch.zeros(n_pages + 1, self.page_rows, width,
+                                                         dtype=dtype, device=device))
+        self.heads = torch.zeros(len(self.pool_keys), dtype=torch.int64, device=device)
+        self.overflow = torch.zeros((), dtype=torch.bool, device=device)
         return self
 
     def check_attached(self, model: nn.Module) -> None:
@@ -193,24 +203,11 @@ class PagedStash(nn.Module):
             raise ValueError("the paged stash is not attached to this model: "
                              "call stash.attach(model, example_batch) first")
 
-    def _allocate(self, planned: list[StashCall], device: torch.device) -> None:
-        self.plan = planned
-        self.pool_keys = list(dict.fromkeys((call.width, call.dtype) for call in planned))
-        for i, (width, dtype) in enumerate(self.pool_keys):
-            # Each planned activation sets aside ceil(capacity_factor · rows / page_rows) + E pages.
-            n_pages = sum(math.ceil(self.capacity_factor * c.rows / self.page_rows) + c.n_experts
-                          for c in planned if (c.width, c.dtype) == (width, dtype))
-            self.register_buffer(f"pool{i}", torch.zeros(n_pages + 1, self.page_rows, width,
-                                                         dtype=dtype, device=device))
-            self.register_buffer(f"head{i}", torch.zeros((), dtype=torch.int64, device=device))
-        self.overflow = torch.zeros((), dtype=torch.bool, device=device)
-
     # -- one step --------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Start a step: every pool empty, the overflow flag down (device ops only)."""
-        for i in range(len(self.pool_keys)):
-            getattr(self, f"head{i}").zero_()
+        self.heads.zero_()
         self.overflow.zero_()
 
     @contextlib.contextmanager
@@ -222,38 +219,18 @@ class PagedStash(nn.Module):
         finally:
             self.enabled = was
 
-    def stash(self, t: Tensor, offsets: Tensor) -> _Stashed:
-        """Copy ``t: [rows, width]`` (rows sorted by expert, ``offsets: [E + 1]``) into its
-        pool; return the handle `restore` takes. Raises the overflow flag when it does not fit."""
-        key = (t.shape[1], t.dtype)
-        if key not in self.pool_keys:
-            raise ValueError(f"PagedStash: no pool for width {key[0]} and dtype {key[1]} "
-                             f"(planned: {self.pool_keys}); attach with this model and batch shape")
-        i = self.pool_keys.index(key)
-        pool, head = getattr(self, f"pool{i}"), getattr(self, f"head{i}")
-        n_pages = pool.shape[0] - 1
-        page, slot, _ = page_table(offsets, self.page_rows, t.shape[0], head)
-        stashed = _Stashed(i, offsets, head.clone(), tuple(t.shape))  # the head before this tensor
-        used = pages_per_expert(offsets, self.page_rows).sum()
-        self.overflow.logical_or_(head + used > n_pages)
-        head.add_(used)
-        dest = page.clamp_max(n_pages) * self.page_rows + slot  # past the pool: its trash page
-        pool.view(-1, pool.shape[-1]).index_copy_(0, dest, t)
-        return stashed
-
-    def restore(self, handle: _Stashed) -> Tensor:
-        """The stashed tensor, gathered back from its pages (a contiguous copy)."""
+    def _rows(self, handle: _Stashed) -> tuple[Tensor, Tensor]:
+        """The pool of ``handle`` as ``[pages · page_rows, width]`` rows, and the row each of its
+        rows goes to (pages past the pool: its trash page)."""
         pool = getattr(self, f"pool{handle.pool}")
         page, slot, _ = page_table(handle.offsets, self.page_rows, handle.shape[0], handle.head)
-        dest = page.clamp_max(pool.shape[0] - 1) * self.page_rows + slot
-        return pool.view(-1, pool.shape[-1]).index_select(0, dest).view(handle.shape)
+        return pool.view(-1, pool.shape[-1]), page.clamp_max(pool.shape[0] - 1) * self.page_rows + slot
 
-    def run_paged(self, layer: int, top_k: int, compute: Callable[[], Tensor], x: Tensor,
-                  offsets: Tensor) -> Tensor:
-        """``compute()`` — layer ``layer``'s expert MLP on ``x`` grouped by ``offsets`` — with
-        its saved activations paged (planned, during `attach`): the activation store `attach`
-        gives each layer's experts, with ``layer`` and ``top_k`` bound."""
-        if not self.enabled or (self._planning is None and not self.pool_keys):
+    def run_paged(self, top_k: int, compute: Callable[[], Tensor], x: Tensor, offsets: Tensor) -> Tensor:
+        """``compute()`` — a layer's expert MLP on ``x`` grouped by ``offsets`` — with its saved
+        activations paged (planned, during `attach`): the activation store `attach` gives each
+        layer's experts, with the layer's ``top_k`` bound."""
+        if not self.enabled or not (self.planning or self.pool_keys):
             return compute()
         rows = x.shape[0]
 
@@ -264,13 +241,29 @@ class PagedStash(nn.Module):
                         and not (t.is_leaf and t.requires_grad))
             if not pageable:
                 return t
-            if self._planning is None:
-                return self.stash(t, offsets)
-            self._planning.append(StashCall(layer, t.shape[1], t.dtype, rows, offsets.shape[0] - 1, top_k))
-            return t  # planning: kept as it is
+            key = (t.shape[1], t.dtype)
+            if self.planning:
+                self.plan.append(StashCall(*key, rows, offsets.shape[0] - 1, top_k))
+                return t  # planning: kept as it is
+            if key not in self.pool_keys:
+                raise ValueError(f"PagedStash: no pool for width {key[0]} and dtype {key[1]} "
+                                 f"(planned: {self.pool_keys}); attach with this model and batch shape")
+            i = self.pool_keys.index(key)
+            # Copy t into its pool after the pages taken so far; raise the flag where it does not fit.
+            head = self.heads[i]
+            handle = _Stashed(i, offsets, head.clone(), tuple(t.shape))
+            pool_rows, dest = self._rows(handle)
+            used = pages_per_expert(offsets, self.page_rows).sum()
+            self.overflow.logical_or_(head + used > getattr(self, f"pool{i}").shape[0] - 1)
+            head.add_(used)
+            pool_rows.index_copy_(0, dest, t)
+            return handle
 
         def unpack(t: Tensor | _Stashed) -> Tensor:
-            return self.restore(t) if isinstance(t, _Stashed) else t
+            if not isinstance(t, _Stashed):
+                return t
+            pool_rows, dest = self._rows(t)
+            return pool_rows.index_select(0, dest).view(t.shape)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return compute()
@@ -297,7 +290,7 @@ class PagedStash(nn.Module):
 
     def pages_used(self) -> list[int]:
         """Pages taken in each pool by the last step (reads the device: for reports only)."""
-        return [int(getattr(self, f"head{i}")) for i in range(len(self.pool_keys))]
+        return self.heads.tolist()
 
     def pool_pages(self) -> list[int]:
         return [getattr(self, f"pool{i}").shape[0] - 1 for i in range(len(self.pool_keys))]

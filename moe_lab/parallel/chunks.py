@@ -17,24 +17,18 @@ delay it, as Megatron-Core's ``--delay-wgrad-compute`` does). The local pieces (
 unpermute, shared expert, SwiGLU) are small autograd graphs on detached leaves, so each piece's
 backward runs when the schedule says.
 
-`StageClock` stamps the stages (the wall clock on the CPU, CUDA events on a GPU) and turns
-them into a `moe_lab.parallel.timeline.Timeline`.
+`moe_lab.parallel.merged.MergedStep` runs the stages: it starts the collectives (the count
+exchange too, which gives each chunk its split sizes) and stamps each stage on a timeline.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from moe_lab.moe.experts import check_no_hidden_sync, grouped_mm, grouped_mm_wgrad, swiglu, torch_permute
-from moe_lab.parallel.ep import EPMoELayer, received_order
-from moe_lab.parallel.timeline import Event, Timeline
-
-if TYPE_CHECKING:
-    from torch.distributed import Work
+from moe_lab.parallel.ep import EPMoELayer
 
 Tensor = torch.Tensor
 
@@ -43,48 +37,6 @@ def chunk_rows(tokens: int, n_chunks: int) -> list[slice]:
     """``n_chunks`` contiguous, near-equal row ranges covering ``tokens`` rows."""
     bounds = [round(i * tokens / n_chunks) for i in range(n_chunks + 1)]  # host arithmetic
     return [slice(bounds[i], bounds[i + 1]) for i in range(n_chunks)]
-
-
-class StageClock:
-    """Stage timestamps from the start of a step: the wall clock on the CPU; CUDA events on
-    a GPU (resolved at the end, after one synchronize)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.origin = self.now()
-
-    def now(self) -> float | torch.cuda.Event:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, mark: float | torch.cuda.Event) -> float:
-        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin
-
-    def timeline(self, rank: int, label: str, events: list[dict]) -> Timeline:
-        """The step so far as a `Timeline`: its wall time and every recorded event (dicts
-        with ``chunk, lane, name, phase, start, end, nbytes``; an event never ended lasts 0)."""
-        end = self.now()
-        if self.cuda:
-            torch.cuda.synchronize()
-        return Timeline(rank, label, self.seconds(end), [
-            Event(e["chunk"], e["lane"], e["name"], e["phase"], self.seconds(e["start"]),
-                  self.seconds(e["end"] if e["end"] is not None else e["start"]), e["nbytes"])
-            for e in events])
-
-    def mark_end_when_done(self, work: Work | None, event: dict) -> None:
-        """On the CPU, stamp ``event["end"]`` when gloo's thread completes ``work``: a transfer
-        that finished while the processor computed shows where it really ended."""
-        if work is None:
-            return
-
-        def done(_future: object) -> None:
-            if event.get("end") is None:
-                event["end"] = time.perf_counter()
-
-        work.get_future().add_done_callback(done)
 
 
 @dataclass
@@ -137,23 +89,6 @@ class ChunkStages:
                              "model.bfloat16()")
         self.layer = layer
 
-    # ------------------------------------------------------------------ counts
-    def send_counts(self, chunks: list[Chunk]) -> Tensor:
-        """``[W, n_chunks · E_local]``: every chunk's counts, for one count exchange."""
-        return torch.stack([c.counts for c in chunks], 1).reshape(self.layer.ep_size, -1)
-
-    def take_counts(self, chunks: list[Chunk], recv_all: Tensor) -> None:
-        """Give each chunk its split sizes from what the count exchange returned (the host
-        sync: ``all_to_all_single`` takes them as Python ints), and the order that regroups
-        the rows it will receive by local expert."""
-        layer = self.layer
-        recv_all = recv_all.view(layer.ep_size, len(chunks), layer.n_local)
-        sizes = torch.stack([torch.stack([c.counts.sum(1) for c in chunks]),
-                             recv_all.sum(2).t()]).tolist()  # [2, n, W]
-        for i, c in enumerate(chunks):
-            c.send_splits, c.recv_splits = sizes[0][i], sizes[1][i]
-            c.order, c.inverse, c.offs = received_order(recv_all[:, i], sum(c.recv_splits))
-
     # ------------------------------------------------------------------ forward
     def route(self, x: Tensor, rows: slice) -> Chunk:
         layer = self.layer
@@ -195,8 +130,10 @@ class ChunkStages:
             c.out = out
 
     # ------------------------------------------------------------------ backward
-    def unpermute_bwd(self, c: Chunk, dout: Tensor) -> None:
+    def unpermute_bwd(self, c: Chunk, dout: Tensor) -> Tensor:
+        """Returns the gradient of the rows the combine brought back, for its reverse."""
         torch.autograd.backward([c.out], [dout])
+        return c.y_back.grad
 
     def shared_bwd(self, c: Chunk) -> None:
         if c.shared_out is not None:

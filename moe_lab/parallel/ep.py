@@ -31,8 +31,7 @@ and so do the input gradients and each expert's weight gradient (the all-to-all'
 delivers every rank's contribution to the expert's owner). Router and shared-expert gradients
 are per-rank partial sums: `sync_gradients` all-reduces them, as data parallelism does.
 
-gloo (CPU) has ``all_to_all_single`` with uneven splits but no float8 type: float8 tensors
-travel as bytes.
+gloo (CPU) has ``all_to_all_single`` with uneven splits, so all of this runs on CPU ranks too.
 """
 
 from __future__ import annotations
@@ -57,8 +56,6 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
-
 
 # --------------------------------------------------------------------------------------
 # The all-to-all, differentiable
@@ -80,11 +77,7 @@ def exchange_rows(x: Tensor, output_splits: list[int] | None, input_splits: list
     if dist.get_world_size(group) == 1:
         out.copy_(x)
         return (out, None) if async_op else out
-    send, recv = x, out
-    if x.dtype in _FLOAT8 and dist.get_backend(group) == "gloo":
-        send, recv = x.view(torch.uint8), out.view(torch.uint8)  # gloo has no float8 type
-    work = dist.all_to_all_single(recv, send, output_splits, input_splits, group=group,
-                                  async_op=async_op)
+    work = dist.all_to_all_single(out, x, output_splits, input_splits, group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -105,12 +98,6 @@ class AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         output_splits, input_splits = ctx.splits
         return exchange_rows(grad, input_splits, output_splits, ctx.group), None, None, None
-
-
-def exchange_counts(send_counts: Tensor, group: ProcessGroup | None = None) -> Tensor:
-    """``send_counts: [W, n]`` (row ``j``: what this rank sends rank ``j``) → ``[W, n]``
-    (row ``i``: what rank ``i`` sends this rank). Equal splits: no sizes needed on the host."""
-    return exchange_rows(send_counts, None, None, group)
 
 
 # --------------------------------------------------------------------------------------
@@ -140,13 +127,6 @@ def traffic_matrix(topk_ids_per_rank: list[Tensor], n_experts: int) -> Tensor:
     destination), from every rank's routing ``topk_ids: [T_r, k]``."""
     world = len(topk_ids_per_rank)
     return torch.stack([split_sizes(ids, n_experts, world) for ids in topk_ids_per_rank])
-
-
-def ep_budget(tokens: int, top_k: int, world_size: int, capacity_factor: float) -> int:
-    """Rows per (source, destination) block in the budgeted mode:
-    ``ceil(capacity_factor · tokens · top_k / world_size)``, at least 1 (``capacity_factor``
-    checked by the layer)."""
-    return max(1, math.ceil(capacity_factor * tokens * top_k / world_size))
 
 
 def received_order(recv_counts: Tensor, rows: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -187,7 +167,7 @@ class EPMoELayer(nn.Module):
     returns ``(y, EPStats)`` as `MoELayer` does, so a model's block takes it in place of one;
     every rank of the group must call it together. ``mode="dropless"`` exchanges counts and
     sends exactly the routed rows; ``mode="budget"`` sends fixed ``[W, B, d]`` blocks (see the
-    module docstring) with ``B = ep_budget(tokens, top_k, W, capacity_factor)``.
+    module docstring) with ``B = ceil(capacity_factor · tokens · top_k / W)`` rows, at least 1.
 
     Build it from a single-process layer with `from_layer` (same router, shared expert and
     this rank's slice of the experts), or fresh from a config (then seed every rank alike).
@@ -230,7 +210,8 @@ class EPMoELayer(nn.Module):
             y_rows, info = self._dropless(x_sorted, counts)
         else:
             row_dest = routing.topk_ids.reshape(-1).index_select(0, layout[0]) // self.n_local  # [T·k]
-            budget = ep_budget(tokens.shape[0], self.cfg.top_k, self.ep_size, self.capacity_factor)
+            # the capacity factor times a block's average share of this rank's T·k rows
+            budget = max(1, math.ceil(self.capacity_factor * tokens.shape[0] * self.cfg.top_k / self.ep_size))
             y_rows, info, needed = self._budgeted(x_sorted, row_dest, counts, budget)
             if self.on_overflow == "rerun" and bool(info["overflow"]):
                 # The one host read of the budgeted path, taken only to decide on a re-run
@@ -249,7 +230,7 @@ class EPMoELayer(nn.Module):
         return y.reshape(shape), stats
 
     def _dropless(self, x_sorted: Tensor, send_counts: Tensor) -> tuple[Tensor, dict]:
-        recv_counts = exchange_counts(send_counts, self.group)  # [W, E_local]
+        recv_counts = exchange_rows(send_counts, None, None, self.group)  # [W, E_local], equal blocks
         # all_to_all_single takes its split sizes as Python ints: the host must see them.
         send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         x_recv = AllToAll.apply(x_sorted, recv_splits, send_splits, self.group)
@@ -283,7 +264,7 @@ class EPMoELayer(nn.Module):
         # The flag and the largest block this rank needs travel with the counts.
         overflow_local = (per_dest > budget).any().to(torch.int64)
         meta = torch.cat([kept, overflow_local.expand(world, 1), per_dest.max().expand(world, 1)], 1)
-        meta_recv = exchange_counts(meta, self.group)  # [W, E_local + 2]
+        meta_recv = exchange_rows(meta, None, None, self.group)  # [W, E_local + 2]
         recv_kept = meta_recv[:, :n_local]
         x_recv = AllToAll.apply(send[:trash], None, None, self.group)  # [W·B, d]
         # Block ``i`` from rank ``i`` holds ``recv_kept[i].sum()`` real rows (by local expert),
@@ -322,8 +303,11 @@ def from_layer(layer: MoELayer, group: ProcessGroup | None = None, **kwargs: Any
     return ep
 
 
-def _expert_param_ids(model: torch.nn.Module) -> set[int]:
-    return {id(p) for m in model.modules() if isinstance(m, EPMoELayer) for p in m.experts.parameters()}
+def _grads(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """The gradients of ``model``'s parameters: the replicated ones and the EP expert shards'."""
+    expert = {id(p) for m in model.modules() if isinstance(m, EPMoELayer) for p in m.experts.parameters()}
+    params = [p for p in model.parameters() if p.grad is not None]
+    return [p.grad for p in params if id(p) not in expert], [p.grad for p in params if id(p) in expert]
 
 
 def sync_gradients(model: torch.nn.Module, world_group: ProcessGroup | None = None,
@@ -337,9 +321,7 @@ def sync_gradients(model: torch.nn.Module, world_group: ProcessGroup | None = No
     several EP groups hold copies of a shard, all-reduce over ``expert_dp_group`` first.
     """
     world = dist.get_world_size(world_group)
-    expert_params = _expert_param_ids(model)
-    replicated = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in expert_params]
-    experts = [p.grad for p in model.parameters() if p.grad is not None and id(p) in expert_params]
+    replicated, experts = _grads(model)
     if replicated:
         flat = torch.cat([g.reshape(-1) for g in replicated])
         dist.all_reduce(flat, group=world_group)
@@ -357,17 +339,14 @@ def clip_grad_norm_ep(model: torch.nn.Module, max_norm: float,
     """``clip_grad_norm_`` for a model with EP expert shards: the global norm counts every
     replicated gradient once and every expert shard of the EP group once (the shards' squared
     norms are all-reduced over ``ep_group``). Call after `sync_gradients`; returns the norm."""
-    expert_params = _expert_param_ids(model)
-    grads = [(p.grad, id(p) in expert_params) for p in model.parameters() if p.grad is not None]
+    replicated, experts = _grads(model)
+    device = next(model.parameters()).device
+    replicated_sq = sum((g.float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    experts_sq = sum((g.float().pow(2).sum() for g in experts), torch.zeros((), device=device))
     # Every rank joins the all-reduce, one without gradients too (it would hang the others).
-    device = grads[0][0].device if grads else next(model.parameters()).device
-    replicated = sum((g.float().pow(2).sum() for g, is_expert in grads if not is_expert),
-                     torch.zeros((), device=device))
-    experts = sum((g.float().pow(2).sum() for g, is_expert in grads if is_expert),
-                  torch.zeros((), device=device))
-    dist.all_reduce(experts, group=ep_group)
-    norm = (replicated + experts).sqrt()
+    dist.all_reduce(experts_sq, group=ep_group)
+    norm = (replicated_sq + experts_sq).sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g, _ in grads:
+    for g in replicated + experts:
         g.mul_(scale.to(g.dtype))
     return norm

@@ -24,16 +24,16 @@ cool-down backward), which the tests compare with the plain schedule.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from moe_lab.checks import positive_int
-from moe_lab.parallel.chunks import Chunk, ChunkStages, StageClock, chunk_rows
-from moe_lab.parallel.ep import EPMoELayer, exchange_counts, exchange_rows
+from moe_lab.parallel.chunks import Chunk, ChunkStages, chunk_rows
+from moe_lab.parallel.ep import EPMoELayer, exchange_rows, received_order
 from moe_lab.parallel.plan import DISPLAY_NAMES, Stage, check_plan, plan, stage_graph
-from moe_lab.parallel.plan import stage_name as _n
-from moe_lab.parallel.timeline import Timeline
+from moe_lab.parallel.timeline import Event, Timeline
 
 Tensor = torch.Tensor
 
@@ -104,53 +104,124 @@ class MergedStep:
         return _PlanRun(fwd, bwd, replay, sequential).execute(order, stages, label)
 
 
+# The compute stages' `ChunkStages` methods. Each is given the output of the collective its stage
+# depends on (if any); what it returns is what the collective depending on it sends.
+_METHODS = {"shared": "shared_fwd", "experts": "experts_fwd", "unpermute": "unpermute",
+            "unpermute⁻¹": "unpermute_bwd", "shared⁻¹": "shared_bwd", "dgrad": "experts_dgrad",
+            "wgrad": "experts_wgrad", "permute⁻¹": "route_bwd"}
+_OUTBOUND = ("dispatch", "combine⁻¹")  # they carry a chunk's rows to the experts' ranks
+
+
 class _PlanRun:
-    """One execution of a plan: the stage actions (`ACTIONS`, one method per stage kind),
-    the collectives in flight, and the events recorded."""
+    """One execution of a plan: the stages run from the stage graph (a compute stage waits for
+    the collectives it depends on, a collective sends what the stage before it returned), the
+    collectives in flight, and the events recorded. Stage times are taken from the start of the
+    run: the wall clock on the CPU; CUDA events on a GPU (resolved at the end, after one
+    synchronize)."""
 
     def __init__(self, fwd: MicroBatch | None, bwd: MicroBatch | None, replay: bool,
                  sequential: bool) -> None:
         self.f, self.b = fwd, bwd
-        self.fops, self.bops = (mb.owner.ops if mb is not None else None for mb in (fwd, bwd))
         self.replay, self.sequential = replay, sequential
         self.layer = (fwd or bwd).owner.layer
-        self.clock = StageClock(self.layer.experts.w_gate_up.device)
+        self.cuda = self.layer.experts.w_gate_up.is_cuda
+        self.origin = self.now()
         self.events: list[dict] = []
         self.handles: dict[str, tuple] = {}  # started collectives: (output, work, event, side stream)
-        self.results: dict[tuple, Tensor] = {}  # what a compute stage leaves for the next collective
+        self.results: dict[str, Tensor] = {}  # what a compute stage leaves for the next collective
         if fwd is not None:
             self.rows = chunk_rows(fwd.x.shape[0], fwd.owner.n_chunks)
             fwd.chunks = [None] * len(self.rows)
 
+    def now(self) -> float | torch.cuda.Event:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, mark: float | torch.cuda.Event) -> float:
+        return self.origin.elapsed_time(mark) / 1e3 if self.cuda else mark - self.origin
+
     def execute(self, order: list[str], stages: dict[str, Stage], label: str) -> Timeline:
+        """Run the stages of ``order``; returns this rank's `Timeline` (an event never ended lasts 0)."""
         for name in order:
             stage = stages[name]
-            start = self.clock.now()
-            self.ACTIONS[stage.kind](self, stage.chunk)
-            if stage.lane == "compute":  # a collective records its own event
-                self.events.append({"chunk": stage.chunk, "lane": "compute",
-                                    "name": DISPLAY_NAMES.get(stage.kind, stage.kind), "phase": stage.phase,
-                                    "start": start, "end": self.clock.now(), "nbytes": 0})
-        return self.clock.timeline(self.layer.ep_rank, label, self.events)
+            mb = self.f if stage.phase == "fwd" else self.b
+            start = self.now()
+            if stage.kind == "counts":
+                self.counts(mb, stage)
+            elif stage.lane == "comm":
+                self.comm(mb, stage)
+            else:
+                self.compute(mb, stage, [self.got(d) for d in stage.deps if stages[d].lane == "comm"])
+                self.event(stage, start)["end"] = self.now()
+        end = self.now()
+        if self.cuda:
+            torch.cuda.synchronize()
+        return Timeline(self.layer.ep_rank, label, self.seconds(end), [
+            Event(e["chunk"], e["lane"], e["name"], e["phase"], self.seconds(e["start"]),
+                  self.seconds(e["end"] if e["end"] is not None else e["start"]), e["nbytes"])
+            for e in self.events])
 
-    def comm(self, side: str, kind: str, c: int, send: Tensor, out_splits: list[int],
-             in_splits: list[int]) -> None:
+    def event(self, stage: Stage, start: float | torch.cuda.Event, nbytes: int = 0) -> dict:
+        """Record an event of ``stage`` from ``start``; its end is stamped later."""
+        event = {"chunk": stage.chunk, "lane": stage.lane, "name": DISPLAY_NAMES.get(stage.kind, stage.kind),
+                 "phase": stage.phase, "start": start, "end": None, "nbytes": nbytes}
+        self.events.append(event)
+        return event
+
+    def compute(self, mb: MicroBatch, stage: Stage, received: list[Tensor]) -> None:
+        ops, c = mb.owner.ops, stage.chunk
+        if stage.kind == "route":
+            mb.chunks[c] = ops.route(mb.x, self.rows[c])
+            return
+        if stage.kind == "unpermute⁻¹":
+            received = [mb.grad_out[mb.chunks[c].rows]]
+        extra = [mb.aux_scale] if stage.kind == "permute⁻¹" else []
+        self.results[stage.name] = getattr(ops, _METHODS[stage.kind])(mb.chunks[c], *received, *extra)
+
+    def counts(self, mb: MicroBatch, stage: Stage) -> None:
+        """The one count exchange of a forward, blocking: each chunk gets its split sizes (the
+        host sync: ``all_to_all_single`` takes them as Python ints) and the order that regroups
+        the rows it will receive by local expert."""
+        layer, chunks, key = mb.owner.layer, mb.chunks, (mb.key, "counts")
+        if not self.replay:
+            start = self.now()
+            send_all = torch.stack([c.counts for c in chunks], 1).reshape(layer.ep_size, -1)  # [W, n·E_local]
+            mb.owner.cache[key] = exchange_rows(send_all, None, None, layer.group)  # equal blocks
+            self.event(stage, start)["end"] = self.now()
+        recv_all = mb.owner.cache[key].view(layer.ep_size, len(chunks), layer.n_local)
+        sizes = torch.stack([torch.stack([c.counts.sum(1) for c in chunks]),
+                             recv_all.sum(2).t()]).tolist()  # [2, n, W]
+        for i, c in enumerate(chunks):
+            c.send_splits, c.recv_splits = sizes[0][i], sizes[1][i]
+            c.order, c.inverse, c.offs = received_order(recv_all[:, i], sum(c.recv_splits))
+
+    def comm(self, mb: MicroBatch, stage: Stage) -> None:
         """Start a collective (``replay``: take what it delivered last time); on CUDA, from the
         side stream of the micro-batch's step."""
-        mb = self.f if side == "F" else self.b
-        step, key, name = mb.owner, (mb.key, kind, c), _n(side, kind, c)
+        step, kind, c = mb.owner, stage.kind, stage.chunk
+        ch, key = mb.chunks[c], (mb.key, kind, c)
+        send = ch.send.detach() if kind == "dispatch" else self.results.pop(stage.deps[0])
         if self.replay:
-            self.handles[name] = (step.cache[key], None, None, None)
+            self.handles[stage.name] = (step.cache[key], None, None, None)
             return
+        out_splits, in_splits = ((ch.recv_splits, ch.send_splits) if kind in _OUTBOUND
+                                 else (ch.send_splits, ch.recv_splits))
         nbytes = (sum(in_splits) - in_splits[self.layer.ep_rank]) * send.shape[1] * send.element_size()
-        event = {"chunk": c, "lane": "comm", "name": DISPLAY_NAMES.get(kind, kind),
-                 "phase": "fwd" if side == "F" else "bwd", "start": self.clock.now(), "end": None,
-                 "nbytes": nbytes}
-        self.events.append(event)
+        event = self.event(stage, self.now(), nbytes)
         stream = step.comm_stream
         if stream is None:
             out, work = exchange_rows(send, out_splits, in_splits, step.layer.group, async_op=True)
-            self.clock.mark_end_when_done(work, event)
+            if work is not None:
+                # On the CPU, stamp the end when gloo's thread completes the work: a transfer
+                # that finished while the processor computed shows where it really ended.
+                def done(_future: object, event: dict = event) -> None:
+                    if event["end"] is None:
+                        event["end"] = self.now()
+
+                work.get_future().add_done_callback(done)
         else:
             # 1. The side stream waits for everything the compute stream queued so far, the
             #    kernels that wrote ``send`` among them (NCCL's own stream waits for the side one).
@@ -162,13 +233,12 @@ class _PlanRun:
             send.record_stream(stream)
         if step.keep_for_replay:
             step.cache[key] = out
-        self.handles[name] = (out, work, event, stream)
+        self.handles[stage.name] = (out, work, event, stream)
         if self.sequential:
-            self.got(side, kind, c)
+            self.got(stage.name)
 
-    def got(self, side: str, kind: str, c: int) -> Tensor:
+    def got(self, name: str) -> Tensor:
         """Wait for a started collective (once) and stamp its event's end; returns its output."""
-        name = _n(side, kind, c)
         out, work, event, stream = self.handles[name]
         if work is not None:
             work.wait()  # NCCL: the current (compute) stream waits for the collective
@@ -181,67 +251,8 @@ class _PlanRun:
             out.record_stream(compute)
         self.handles[name] = (out, None, event, None)
         if event is not None and event["end"] is None:
-            event["end"] = self.clock.now()
+            event["end"] = self.now()
         return out
-
-    # the stages of F, the micro-batch going forward
-    def route(self, c: int) -> None:
-        self.f.chunks[c] = self.fops.route(self.f.x, self.rows[c])
-
-    def counts(self, _c: int) -> None:
-        f, key = self.f, (self.f.key, "counts")
-        if not self.replay:  # blocking: the split sizes go to the host next
-            start = self.clock.now()
-            f.owner.cache[key] = exchange_counts(self.fops.send_counts(f.chunks), f.owner.layer.group)
-            self.events.append({"chunk": -1, "lane": "comm", "name": "counts", "phase": "fwd",
-                                "start": start, "end": self.clock.now(), "nbytes": 0})
-        self.fops.take_counts(f.chunks, f.owner.cache[key])
-
-    def dispatch(self, c: int) -> None:
-        ch = self.f.chunks[c]
-        self.comm("F", "dispatch", c, ch.send.detach(), ch.recv_splits, ch.send_splits)
-
-    def shared(self, c: int) -> None:
-        self.fops.shared_fwd(self.f.chunks[c])
-
-    def experts(self, c: int) -> None:
-        self.results[("F", c)] = self.fops.experts_fwd(self.f.chunks[c], self.got("F", "dispatch", c))
-
-    def combine(self, c: int) -> None:
-        ch = self.f.chunks[c]
-        self.comm("F", "combine", c, self.results.pop(("F", c)), ch.send_splits, ch.recv_splits)
-
-    def unpermute(self, c: int) -> None:
-        self.fops.unpermute(self.f.chunks[c], self.got("F", "combine", c))
-
-    # the stages of B, the micro-batch going backward
-    def unpermute_bwd(self, c: int) -> None:
-        self.bops.unpermute_bwd(self.b.chunks[c], self.b.grad_out[self.b.chunks[c].rows])
-
-    def combine_bwd(self, c: int) -> None:
-        ch = self.b.chunks[c]
-        self.comm("B", "combine⁻¹", c, ch.y_back.grad, ch.recv_splits, ch.send_splits)
-
-    def shared_bwd(self, c: int) -> None:
-        self.bops.shared_bwd(self.b.chunks[c])
-
-    def dgrad(self, c: int) -> None:
-        self.results[("B", c)] = self.bops.experts_dgrad(self.b.chunks[c], self.got("B", "combine⁻¹", c))
-
-    def dispatch_bwd(self, c: int) -> None:
-        ch = self.b.chunks[c]
-        self.comm("B", "dispatch⁻¹", c, self.results.pop(("B", c)), ch.send_splits, ch.recv_splits)
-
-    def wgrad(self, c: int) -> None:
-        self.bops.experts_wgrad(self.b.chunks[c])
-
-    def permute_bwd(self, c: int) -> None:
-        self.bops.route_bwd(self.b.chunks[c], self.got("B", "dispatch⁻¹", c), self.b.aux_scale)
-
-    ACTIONS = {"route": route, "counts": counts, "dispatch": dispatch, "shared": shared,
-               "experts": experts, "combine": combine, "unpermute": unpermute,
-               "unpermute⁻¹": unpermute_bwd, "combine⁻¹": combine_bwd, "shared⁻¹": shared_bwd,
-               "dgrad": dgrad, "dispatch⁻¹": dispatch_bwd, "wgrad": wgrad, "permute⁻¹": permute_bwd}
 
 
 def two_microbatch_step(step: MergedStep, xs: tuple[Tensor, Tensor], grads: tuple[Tensor, Tensor],

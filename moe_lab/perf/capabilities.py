@@ -58,9 +58,15 @@ class Capabilities:
         """A short label for figures and the ledger: ``"H200"``, ``"H200 x8"``, or
         ``"cpu:AMD EPYC x2"`` (CPU model and thread count)."""
         if self.device == "cuda":
-            label = _short_gpu_name(self.device_name)
+            # "NVIDIA H200" -> "H200"; "NVIDIA GB300" -> "GB300"; "NVIDIA H100 80GB HBM3" -> "H100"
+            name = re.sub(r"^NVIDIA\s+", "", self.device_name.strip())
+            label = name.split()[0] if name else "cuda"
             return f"{label} x{self.n_devices}" if self.n_devices > 1 else label
-        return f"cpu:{_short_cpu_name(self.device_name)} x{self.n_threads}"
+        # "Intel(R) Xeon(R) Platinum 8488C CPU @ 2.4GHz" -> "Intel Xeon Platinum 8488C"
+        name = re.sub(r"\((R|TM|tm|r)\)", "", self.device_name)
+        name = re.sub(r"\s+(CPU|Processor)\b.*$", "", name)
+        name = re.sub(r"\s+\d+-Core.*$", "", name)
+        return f"cpu:{' '.join(name.split()) or 'unknown'} x{self.n_threads}"
 
     def summary(self) -> str:
         """One line: device, Triton mode, Transformer Engine, MXFP8, library versions."""
@@ -78,25 +84,11 @@ class Capabilities:
                 f"triton {self.versions.get('triton', '?')}, python {self.versions.get('python', '?')}")
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict of the fields, in their order (tuples become lists), with the
-        hardware label after the device name."""
+        """A JSON-ready dict of the fields, in their order, with the hardware label after the
+        device name."""
         fields = asdict(self)
-        fields["cuda_capability"] = list(self.cuda_capability) if self.cuda_capability else None
         named = {"device": self.device, "device_name": self.device_name}
         return {**named, "hardware_label": self.hardware_label(), **fields}
-
-
-def _short_gpu_name(name: str) -> str:
-    # "NVIDIA H200" -> "H200"; "NVIDIA GB300" -> "GB300"; "NVIDIA H100 80GB HBM3" -> "H100"
-    name = re.sub(r"^NVIDIA\s+", "", name.strip())
-    return name.split()[0] if name else "cuda"
-
-
-def _short_cpu_name(name: str) -> str:
-    name = re.sub(r"\((R|TM|tm|r)\)", "", name)
-    name = re.sub(r"\s+(CPU|Processor)\b.*$", "", name)
-    name = re.sub(r"\s+\d+-Core.*$", "", name)
-    return " ".join(name.split()) or "unknown"
 
 
 # CPU flags of bf16 matmul instructions: with them a CPU's bf16 GEMMs run about twice its

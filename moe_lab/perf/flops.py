@@ -152,14 +152,6 @@ def training_flops_per_token(
     return sum(flops_breakdown(cfg, seq_len, include_mtp=include_mtp).values())
 
 
-def per_layer_flops(cfg: ModelConfig, seq_len: int | None = None) -> list[float]:
-    """Training FLOPs per token of each decoder layer, in order (``cfg.n_layers`` values;
-    the embedding, logits and MTP modules are not included)."""
-    s = _seq(cfg, seq_len)
-    windows = [cfg.sliding_window if is_sliding_layer(cfg, i) else 0 for i in range(cfg.n_layers)]
-    return [float(_TRAIN * _layer_macs(cfg, s, w, i < cfg.n_dense_layers)) for i, w in enumerate(windows)]
-
-
 def _layer_macs(cfg: ModelConfig, seq_len: int, window: int, dense: bool) -> float:
     """Forward MACs per token of one transformer layer: attention, then the dense FFN or the
     router and the experts."""
@@ -178,7 +170,9 @@ def layer_flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[
     equals `training_flops_per_token`.
     """
     s = _seq(cfg, seq_len)
-    layers = per_layer_flops(cfg, s)
+    # Each decoder layer's FLOPs, in order: a sliding-window layer attends to fewer keys.
+    layers = [float(_TRAIN * _layer_macs(cfg, s, cfg.sliding_window if is_sliding_layer(cfg, i) else 0,
+                                         i < cfg.n_dense_layers)) for i in range(cfg.n_layers)]
     dense = layers[: cfg.n_dense_layers]
     moe = layers[cfg.n_dense_layers :]
     return {

@@ -198,13 +198,11 @@ def fusion_table(presets: tuple[str, ...] = ("deepseek_v3", "gpt_oss_20b")) -> l
     rows = []
     for name in presets:
         s = preset_shape(name)
-        base = summary("unfused", s)["bytes"]
-        mx_base = summary("mxfp8_unfused", s)["bytes"]
         for variant in VARIANTS + MX_VARIANTS:
             row = {"preset": name, "tokens": s.tokens, "ep": EP, "local_experts": s.n_experts,
                    **summary(variant, s)}
-            ref = mx_base if variant in MX_VARIANTS else base
-            row["saved_vs_unfused"] = 1.0 - row["bytes"] / ref
+            base = summary("mxfp8_unfused" if variant in MX_VARIANTS else "unfused", s)["bytes"]
+            row["saved_vs_unfused"] = 1.0 - row["bytes"] / base
             for gpu in GPUS:
                 row[f"projected_ms_{gpu}"] = row["bytes"] / gpu_spec(gpu).bandwidth * 1e3
             rows.append(row)

@@ -93,23 +93,6 @@ class LRU:
         return size
 
 
-def _programs(rows: list[int], n: int, steps: int, block_m: int, block_n: int, b_panels: int,
-              order: str | int) -> list[tuple[int, int, int, int]]:
-    """`simulate`'s programs with work, in launch order (``order``): per program its A chunk's
-    key at K step 0 and its rows, its B chunk's key and its columns (B keys follow A keys)."""
-    tiles = []  # (expert, rows in tile) per real row tile, numbered as tile_schedule does
-    for e, r in enumerate(rows):
-        tiles += [(e, min(block_m, r - r0)) for r0 in range(0, r, block_m)]
-    t_m = -(-sum(rows) // block_m) + len(rows)
-    t_n = -(-n // block_n)
-    widths = [min(block_n, n - j * block_n) for j in range(t_n)]
-    group = {"row": t_m, "n": 1}.get(order, order)  # row fastest is one group of every row tile
-    launched = (grouped_order(pid, t_m, t_n, group) for pid in range(t_m * t_n))
-    b_base = len(tiles) * steps
-    return [(tm * steps, tiles[tm][1], b_base + (tiles[tm][0] * t_n + tn) * steps, widths[tn] * b_panels)
-            for tm, tn in launched if tm < len(tiles)]
-
-
 def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, block_k: int, *,
              in_flight: int, l2_bytes: int, order: str | int = "row", a_bytes: int = 2,
              b_bytes: int = 2, c_bytes: int = 2, b_panels: int = 1, scaled: str = "",
@@ -130,7 +113,19 @@ def simulate(rows: Sequence[int], n: int, k: int, block_m: int, block_n: int, bl
     steps = -(-k // block_k)
     depths = [min(block_k, k - s * block_k) for s in range(steps)]
     a_scale, b_scale = ("a" in scaled), ("b" in scaled)  # scale bytes per row (A) or column (B) per K block
-    programs = _programs(rows, n, steps, block_m, block_n, b_panels, order)
+    # The programs with work, in launch order: per program its A chunk's key at K step 0 and its
+    # rows, its B chunk's key and its columns (B keys follow A keys).
+    tiles = []  # (expert, rows in tile) per real row tile, numbered as tile_schedule does
+    for e, r in enumerate(rows):
+        tiles += [(e, min(block_m, r - r0)) for r0 in range(0, r, block_m)]
+    t_m = -(-sum(rows) // block_m) + len(rows)
+    t_n = -(-n // block_n)
+    widths = [min(block_n, n - j * block_n) for j in range(t_n)]
+    group = {"row": t_m, "n": 1}.get(order, order)  # row fastest is one group of every row tile
+    launched = (grouped_order(pid, t_m, t_n, group) for pid in range(t_m * t_n))
+    b_base = len(tiles) * steps
+    programs = [(tm * steps, tiles[tm][1], b_base + (tiles[tm][0] * t_n + tn) * steps, widths[tn] * b_panels)
+                for tm, tn in launched if tm < len(tiles)]
     # Per step, the bytes of one A row and one B column (codes and scales).
     row_bytes = [depth * a_bytes + a_scale * -(-depth // MX_BLOCK) for depth in depths]
     col_bytes = [depth * b_bytes + b_scale * -(-depth // MX_BLOCK) for depth in depths]

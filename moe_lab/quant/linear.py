@@ -132,16 +132,17 @@ class _TritonMXLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        # Triton is imported only where this backend runs: the lesson works without it.
         from moe_lab.kernels.mx_gemm import mx_gemm
         from moe_lab.kernels.mx_quantize import mx_quantize
 
         x2 = x.reshape(-1, x.shape[-1])
-        x_row, x_col = mx_quantize(x2, scale_mode="rceil", pad=True)
-        w_row, w_col = mx_quantize(weight, scale_mode="rceil", pad=True)
+        x_row, x_col = mx_quantize(x2, pad=True)  # rceil scales: mx_quantize's default
+        w_row, w_col = mx_quantize(weight, pad=True)
         # mx_gemm takes operands blocked along their last dim: the column-wise copies as stored,
         # transposed ([K, M32], zero tokens padded to 32).
         ctx.save_for_backward(x_col.data.mT, x_col.scale.mT, w_col.data.mT, w_col.scale.mT)
-        ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype)
+        ctx.x_shape, ctx.w_dtype = x.shape, weight.dtype
         y = mx_gemm(x_row.data, x_row.scale, w_row.data, w_row.scale)  # [M, K]·[N, K]ᵀ: both along K
         if bias is not None:
             y = y + bias.float()
@@ -153,22 +154,23 @@ class _TritonMXLinearFunction(torch.autograd.Function):
         from moe_lab.kernels.mx_quantize import mx_quantize
 
         x_codes, x_scale, w_codes, w_scale = ctx.saved_tensors  # both column-wise, transposed
-        x_dtype, w_dtype = ctx.dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        # dY row-wise for dgrad, column-wise for wgrad (rceil, mx_quantize's default); neither
+        # when only the bias needs a gradient.
         g_row, g_col = mx_quantize(g2, rowwise=ctx.needs_input_grad[0], colwise=ctx.needs_input_grad[1],
-                                   scale_mode="rceil", pad=True)
+                                   pad=True)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             # dgrad [M, K] = dY [M, N] · W [N, K]: reduces over N — dY row-wise, W column-wise.
-            grad_x = mx_gemm(g_row.data, g_row.scale, w_codes, w_scale).to(x_dtype).reshape(ctx.x_shape)
+            grad_x = mx_gemm(g_row.data, g_row.scale, w_codes, w_scale).to(g2.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # wgrad [N, K] = dYᵀ · X: reduces over the tokens — both column-wise.
             if x_codes.shape[1]:
-                grad_w = mx_gemm(g_col.data.mT, g_col.scale.mT, x_codes, x_scale).to(w_dtype)
+                grad_w = mx_gemm(g_col.data.mT, g_col.scale.mT, x_codes, x_scale).to(ctx.w_dtype)
             else:  # no tokens: nothing to reduce
-                grad_w = torch.zeros(g2.shape[1], x_codes.shape[0], dtype=w_dtype, device=g2.device)
+                grad_w = torch.zeros(g2.shape[1], x_codes.shape[0], dtype=ctx.w_dtype, device=g2.device)
         if ctx.needs_input_grad[2]:
-            grad_b = g2.float().sum(0).to(w_dtype)
+            grad_b = g2.float().sum(0).to(ctx.w_dtype)
         return grad_x, grad_w, grad_b
 
 
@@ -268,22 +270,6 @@ def _stats_row(layer: str, tensor: str, x: Tensor, dim: int) -> dict:
     return {"layer": layer, "tensor": tensor, **mx_error_stats(x.float(), dim=dim, pad=True)}
 
 
-def _attention_core_rows(layer: str, q: Tensor, k: Tensor, v: Tensor) -> list[dict]:
-    """The rows of one attention core: ``q``, ``k``, ``v``, the softmax probabilities ``p``,
-    and the MXFP8 emulation's ``output`` error against float32 attention."""
-    ke, ve = expand_kv(q, k, v)
-    probs = causal_softmax(q, ke)
-    rows = [_stats_row(layer, "q", q, -1), _stats_row(layer, "k", k, -1), _stats_row(layer, "v", v, -2),
-            _stats_row(layer, "p", probs, -1)]
-    exact = probs @ ve.float()
-    diff = mxfp8_reference_attention(q, k, v).float() - exact
-    # The same fields as the other rows, every count zero.
-    rows.append({**dict.fromkeys(rows[-1], 0), "layer": layer, "tensor": "output",
-                 "rel_error": (diff.norm() / exact.norm()).item(), "mean_rel_error": math.nan,
-                 "max_abs_error": diff.abs().max().item(), "numel": exact.numel(), "bits_per_value": 8.25})
-    return rows
-
-
 @torch.no_grad()
 def mx_layer_error_stats(model: nn.Module, *inputs: Tensor) -> list[dict]:
     """What MXFP8 would cost, layer by layer, on one forward of ``model(*inputs)``.
@@ -316,7 +302,18 @@ def mx_layer_error_stats(model: nn.Module, *inputs: Tensor) -> list[dict]:
 
             def recording(q: Tensor, k: Tensor, v: Tensor, layer: str = f"attention{i}.core",
                           original: str = block.attention_impl) -> Tensor:
-                rows.extend(_attention_core_rows(layer, q, k, v))
+                # the core's rows: q, k, v, the softmax p, and the MXFP8 emulation's output error
+                ke, ve = expand_kv(q, k, v)
+                probs = causal_softmax(q, ke)
+                for name, x, dim in (("q", q, -1), ("k", k, -1), ("v", v, -2), ("p", probs, -1)):
+                    rows.append(_stats_row(layer, name, x, dim))
+                exact = probs @ ve.float()
+                diff = mxfp8_reference_attention(q, k, v).float() - exact
+                # The same fields as the other rows, every count zero.
+                rows.append({**dict.fromkeys(rows[-1], 0), "layer": layer, "tensor": "output",
+                             "rel_error": (diff.norm() / exact.norm()).item(), "mean_rel_error": math.nan,
+                             "max_abs_error": diff.abs().max().item(), "numel": exact.numel(),
+                             "bits_per_value": 8.25})
                 return ATTENTION_IMPLS[original](q, k, v)
 
             # The core under a name of its own for this call (no packed variant: q, k, v pass through).

@@ -68,21 +68,20 @@ E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 E8M0 = torch.float8_e8m0fnu
 SCALE_MODES = ("floor", "rceil")
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 E8M0_NAN = 0xFF
 BLOCK_SIZE = 32
 
 
 @dataclass(frozen=True)
 class ElemFormat:
-    """One FP8 element type: field widths, bias, largest finite value and its codes.
+    """One FP8 element type: name, mantissa bits, exponent bias, largest finite value and its
+    codes (the exponent takes the ``7 - mbits`` bits left after the sign).
 
     ``emax_pow2`` is ``floor(log2(max_pos))`` (the floor rule's offset); ``max_code`` and
     ``nan_code`` are the (positive) byte codes of ``max_pos`` and of NaN.
     """
 
     name: str
-    ebits: int
     mbits: int
     bias: int
     max_pos: float
@@ -98,19 +97,12 @@ class ElemFormat:
 
 ELEM_FORMATS: dict[torch.dtype, ElemFormat] = {
     # E4M3 "fn": finite only; 0x7F/0xFF is NaN, 0x7E = 1.75 * 2^8 = 448 the largest value.
-    E4M3: ElemFormat("e4m3", ebits=4, mbits=3, bias=7, max_pos=448.0, emax_pow2=8,
+    E4M3: ElemFormat("e4m3", mbits=3, bias=7, max_pos=448.0, emax_pow2=8,
                      max_code=0x7E, nan_code=0x7F),
     # E5M2: IEEE-like; 0x7C = Inf, 0x7D..0x7F NaN, 0x7B = 1.75 * 2^15 = 57344 the largest.
-    E5M2: ElemFormat("e5m2", ebits=5, mbits=2, bias=15, max_pos=57344.0, emax_pow2=15,
+    E5M2: ElemFormat("e5m2", mbits=2, bias=15, max_pos=57344.0, emax_pow2=15,
                      max_code=0x7B, nan_code=0x7F),
 }
-
-
-def elem_format(elem_dtype: torch.dtype) -> ElemFormat:
-    """The `ElemFormat` of ``elem_dtype`` (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``)."""
-    if elem_dtype not in ELEM_FORMATS:
-        raise ValueError(f"elem_dtype must be one of {[str(d) for d in ELEM_FORMATS]}, got {elem_dtype!r}")
-    return ELEM_FORMATS[elem_dtype]
 
 
 def padded_size(size: int, block_size: int = BLOCK_SIZE) -> int:
@@ -119,11 +111,9 @@ def padded_size(size: int, block_size: int = BLOCK_SIZE) -> int:
 
 
 def exp2_int(e: Tensor) -> Tensor:
-    """``2.0 ** e`` as float32, exactly, for integer ``e`` in ``[-127, 127]`` (built from its
-    bits: a normal number's exponent field, or the subnormal ``2^-127`` = ``0x00400000``)."""
-    e = e.to(torch.int32)
-    bits = torch.where(e > -127, (e + 127) << 23, torch.full_like(e, 1 << 22))
-    return bits.view(torch.float32)
+    """``2.0 ** e`` as float32, exactly, for integer ``e`` in ``[-127, 127]``: the E8M0 byte
+    ``e + 127`` read as float32 (a normal number's exponent field, or the subnormal ``2^-127``)."""
+    return (e + 127).to(torch.uint8).view(E8M0).to(torch.float32)
 
 
 def block_scale_exponent(amax: Tensor, elem_dtype: torch.dtype, scale_mode: str) -> Tensor:
@@ -136,11 +126,11 @@ def block_scale_exponent(amax: Tensor, elem_dtype: torch.dtype, scale_mode: str)
     to float32, the ceiling taken exactly (``torch.frexp``: what ``cvt.rp`` does); Inf gives 254.
     NaN gives 255 in both modes.
     """
-    fmt = elem_format(elem_dtype)
+    fmt = ELEM_FORMATS[elem_dtype]
     amax = amax.to(torch.float32)
     if scale_mode == "floor":
-        exponent = ((amax.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2), -127 for 0
-        unbiased = exponent - fmt.emax_pow2
+        # floor(log2(amax)) from the exponent field (-127 for 0), less the format's offset
+        unbiased = ((amax.view(torch.int32) >> 23) & 0xFF) - 127 - fmt.emax_pow2
     else:  # rceil
         q = amax / fmt.max_pos
         # q = m * 2^e with m in [0.5, 1), exactly (subnormal q too): the ceiling of log2(q) is e,
@@ -157,10 +147,8 @@ def element_shift(biased: Tensor, scale_mode: str) -> Tensor:
     """The power of two ``s`` each element is divided by: ``biased - 127``, except that
     with ``rceil`` a scale byte of 0 divides by 1 (Transformer Engine's reciprocal rule,
     which flushes such blocks to zero). NaN blocks (255) get 0; their elements become NaN."""
-    shift = biased - 127
-    if scale_mode == "rceil":
-        shift = torch.where(biased == 0, 0, shift)
-    return torch.where(biased == E8M0_NAN, 0, shift)
+    no_shift = (biased == E8M0_NAN) | ((biased == 0) & (scale_mode == "rceil"))
+    return torch.where(no_shift, 0, biased - 127)
 
 
 @dataclass
@@ -181,11 +169,6 @@ class MXTensor:
     shape: torch.Size
     scale_mode: str
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the elements and the scales together."""
-        return self.data.numel() * self.data.element_size() + self.scale.numel()
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``X * P`` for every element, as ``dtype``, with the input's (unpadded) shape.
 
@@ -193,10 +176,9 @@ class MXTensor:
         blocks read back as NaN.
         """
         data = self.data.movedim(self.dim, -1).to(torch.float32)
-        scale = self.scale.movedim(self.dim, -1).view(torch.uint8).to(torch.int32)
-        blocks = data.reshape(*data.shape[:-1], scale.shape[-1], self.block_size)
-        factor = exp2_int((scale - 127).clamp(-127, 127))
-        factor = torch.where(scale == E8M0_NAN, math.nan, factor)
+        # E8M0 → float32 is exact: 2^(byte - 127), the subnormal 2^-127 for byte 0, NaN for 0xFF.
+        factor = self.scale.movedim(self.dim, -1).to(torch.float32)
+        blocks = data.reshape(*data.shape[:-1], factor.shape[-1], self.block_size)
         values = (blocks * factor.unsqueeze(-1)).reshape(data.shape)
         values = values[..., : self.shape[self.dim]].movedim(-1, self.dim)
         return values.to(dtype)
@@ -226,12 +208,12 @@ def quantize(
         `MXTensor` with ``data`` ``[..., ceil(n / block_size) * block_size, ...]`` and
         ``scale`` ``[..., ceil(n / block_size), ...]``.
     """
-    one_of(x.dtype, "x.dtype", INPUT_DTYPES)
+    one_of(x.dtype, "x.dtype", (torch.float32, torch.bfloat16, torch.float16))
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension to block along, got a 0-d tensor")
     positive_int(block_size, "block_size")
     one_of(scale_mode, "scale_mode", SCALE_MODES)
-    fmt = elem_format(elem_dtype)
+    fmt = ELEM_FORMATS[one_of(elem_dtype, "elem_dtype", ELEM_FORMATS)]
     dim = int_in(dim, "dim", -x.dim(), x.dim() - 1) % x.dim()
     size = x.shape[dim]
     full = padded_size(size, block_size)
@@ -316,7 +298,7 @@ def mx_error_stats(
     block holds a NaN (both excluded from the other figures); ``bits_per_value``.
     """
     mx = quantize(x, elem_dtype, block_size, dim, scale_mode, pad=pad)
-    fmt = elem_format(elem_dtype)
+    fmt = ELEM_FORMATS[elem_dtype]
     xf = x.to(torch.float32)
     back = mx.dequantize(torch.float32)
     # The scale byte of each element's block, broadcast back to x's shape.
@@ -342,5 +324,6 @@ def mx_error_stats(
         "numel": x.numel(),
         "nonfinite": int((~finite).sum().item()),
         "nan_block_values": int((finite & in_nan_block).sum().item()),
-        "bits_per_value": (8 * mx.nbytes / x.numel()) if x.numel() else 0.0,
+        # one byte per element and per scale
+        "bits_per_value": (8 * (mx.data.numel() + mx.scale.numel()) / x.numel()) if x.numel() else 0.0,
     }

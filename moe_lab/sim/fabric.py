@@ -183,21 +183,19 @@ def route(topo: LeafSpine, traffic: np.ndarray, routing: str = "ecmp",
         spine[inter] = rng.integers(0, S, size=int(inter.sum()))  # the hash: uniform, independent
         links[inter, 1] = topo.leaf_up(a[inter], spine[inter])
         links[inter, 2] = topo.spine_down(spine[inter], b[inter])
-    # Each link is on one hop of a path, so the hops' byte counts add without rounding.
-    link_bytes = np.zeros(topo.n_links)
-    for hop in links.T:
-        link_bytes += np.bincount(hop[hop >= 0], weights=nbytes[hop >= 0], minlength=topo.n_links)
     rate_links, rate_capacity = links, topo.capacities()
-    if routing == "adaptive":
-        # Physical loads: every spine carries 1/S of each inter-leaf flow.
-        leaf_out = np.bincount(a[inter], weights=nbytes[inter], minlength=A) / S
-        leaf_in = np.bincount(b[inter], weights=nbytes[inter], minlength=A) / S
-        _spread(topo, link_bytes, leaf_out, leaf_in)
-        # Rates: each leaf's S uplinks act as one link of S times the capacity.
+    if routing == "adaptive":  # each leaf's S uplinks act as one link of S times the capacity
         rate_links = links.copy()
         rate_links[inter, 1] = 2 * H + a[inter]
         rate_links[inter, 2] = 2 * H + A + b[inter]
         rate_capacity = np.concatenate([rate_capacity[: 2 * H], np.full(2 * A, S * topo.uplink_bytes_per_s)])
+    # Each link is on one hop of a path, so the hops' byte counts add without rounding.
+    link_bytes = np.zeros(rate_capacity.size)
+    for hop in rate_links.T:
+        link_bytes += np.bincount(hop[hop >= 0], weights=nbytes[hop >= 0], minlength=rate_capacity.size)
+    if routing == "adaptive":
+        link_bytes[2 * H:] /= S  # every spine carries 1/S of each inter-leaf flow
+    link_bytes = _physical(link_bytes, routing, topo)
     return Flows(routing, src, dst, nbytes, spine, links, link_bytes, rate_links, rate_capacity)
 
 
@@ -221,16 +219,6 @@ class BurstModel:
     def __post_init__(self) -> None:
         for name in ("reaction_us", "buffer_kb", "rto_us"):
             non_negative_number(getattr(self, name), f"BurstModel.{name}")
-
-
-def _spread(topo: LeafSpine, out: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """Write per-leaf figures onto the physical links they stand for: ``up[a]`` on every
-    link leaf ``a`` → spine, ``down[b]`` on every link spine → leaf ``b``."""
-    A, S = topo.n_leaf, topo.n_spine
-    leaves, spines = np.repeat(np.arange(A), S), np.tile(np.arange(S), A)
-    out[topo.leaf_up(leaves, spines)] = np.repeat(up, S)
-    out[topo.spine_down(spines, leaves)] = np.repeat(down, S)
-    return out
 
 
 def _burst(flows: Flows, topo: LeafSpine, model: BurstModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -269,14 +257,18 @@ def _burst(flows: Flows, topo: LeafSpine, model: BurstModel) -> tuple[np.ndarray
     return queue, dropped, cap
 
 
-def _physical(values: np.ndarray, flows: Flows, topo: LeafSpine) -> np.ndarray:
-    """Per-rate-link figures (`_burst`) per physical link."""
-    if flows.routing != "adaptive":
+def _physical(values: np.ndarray, routing: str, topo: LeafSpine) -> np.ndarray:
+    """Per-rate-link figures (`Flows.rate_links`) per physical link: under adaptive routing a
+    leaf's merged uplink (downlink) stands for each of its ``n_spine`` physical ones."""
+    if routing != "adaptive":
         return values
-    H, A = topo.n_hosts, topo.n_leaf
+    H, A, S = topo.n_hosts, topo.n_leaf, topo.n_spine
+    leaves, spines = np.repeat(np.arange(A), S), np.tile(np.arange(S), A)
     out = np.zeros(topo.n_links)
     out[: 2 * H] = values[: 2 * H]
-    return _spread(topo, out, values[2 * H: 2 * H + A], values[2 * H + A:])
+    out[topo.leaf_up(leaves, spines)] = np.repeat(values[2 * H: 2 * H + A], S)
+    out[topo.spine_down(spines, leaves)] = np.repeat(values[2 * H + A:], S)
+    return out
 
 
 # ---------------------------------------------------------------------------- results
@@ -376,7 +368,7 @@ def simulate(topo: LeafSpine, traffic: np.ndarray, *, routing: str = "ecmp", pac
         wait = np.where(on, (queue / cap)[padded], 0.0).sum(axis=1)
         timed_out = (np.where(on, dropped[padded], 0.0) > 0).any(axis=1)
         fct = fct + wait + timed_out * burst.rto_us * 1e-6
-        dropped = _physical(dropped, flows, topo)
+        dropped = _physical(dropped, routing, topo)
     return FabricResult(topo, routing, pacing, flows, fct, float(fct.max()), lower_bound_time(topo, traffic),
                         dropped, timed_out)
 

@@ -80,10 +80,7 @@ def stage_forward_costs(layout: Layout, cfg: ModelConfig, costs: LayerCosts) -> 
     """Forward work of each virtual stage of ``layout``: ``[n_ranks * n_chunks]``."""
     check_layout(layout, cfg)
     kinds = iter(model_layer_kinds(cfg))
-    out = np.zeros(len(layout.stages))
-    for k, stage in enumerate(layout.stages):
-        out[k] = sum(costs.forward(next(kinds)) for _ in stage)
-    return out
+    return np.array([sum(costs.forward(next(kinds)) for _ in stage) for stage in layout.stages], dtype=float)
 
 
 def rank_loads(layout: Layout, stage_costs: Sequence[float]) -> np.ndarray:

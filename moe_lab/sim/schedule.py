@@ -64,7 +64,15 @@ def schedule_order(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: i
     warm-up ``2(p - r - 1) + (v - 1)p`` forwards. (W operations, when the weight gradient is
     delayed, are not in these lists: the simulator slots them in.)
     """
-    _check_schedule_args(schedule, n_ranks, n_microbatches, n_chunks)
+    one_of(schedule, "schedule", SCHEDULES)
+    for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_chunks", n_chunks)):
+        positive_int(value, name)
+    if schedule != "interleaved" and n_chunks != 1:
+        raise ValueError(f"schedule {schedule!r} runs one chunk per rank, got n_chunks={n_chunks} "
+                         "(use schedule='interleaved')")
+    if schedule == "interleaved" and n_chunks > 1 and n_microbatches % n_ranks:
+        raise ValueError(f"interleaved 1F1B takes micro-batches in groups of n_ranks={n_ranks}; "
+                         f"n_microbatches={n_microbatches} must be a multiple of it")
     p, m, v = n_ranks, n_microbatches, n_chunks
     # micro-batches in groups of p through chunk 0, then chunk 1, ... (one chunk: in order)
     fwd = [(i, c) for g in range(0, m, p) for c in range(v) for i in range(g, min(g + p, m))]
@@ -78,18 +86,6 @@ def schedule_order(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: i
             ops += [("F", *f_op), ("B", *b_op)]
         orders.append(ops + [("B", *op) for op in bwd[len(fwd) - warm:]])
     return orders
-
-
-def _check_schedule_args(schedule: str, n_ranks: int, n_microbatches: int, n_chunks: int) -> None:
-    one_of(schedule, "schedule", SCHEDULES)
-    for name, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches), ("n_chunks", n_chunks)):
-        positive_int(value, name)
-    if schedule != "interleaved" and n_chunks != 1:
-        raise ValueError(f"schedule {schedule!r} runs one chunk per rank, got n_chunks={n_chunks} "
-                         "(use schedule='interleaved')")
-    if schedule == "interleaved" and n_chunks > 1 and n_microbatches % n_ranks:
-        raise ValueError(f"interleaved 1F1B takes micro-batches in groups of n_ranks={n_ranks}; "
-                         f"n_microbatches={n_microbatches} must be a multiple of it")
 
 
 def stage_imbalance(loads: Sequence[float]) -> float:

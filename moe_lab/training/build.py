@@ -32,8 +32,8 @@ from moe_lab.training.steps import StepConfig, SyncFreeStep
 #: the sync-free step captured as a CUDA graph (run eagerly, labelled, without CUDA).
 STEP_KINDS = ("eager", "sync_free", "graphed")
 
-#: Autocast dtypes of the forward ("": none).
-AMP_DTYPES = ("", "bf16")
+#: Autocast dtypes of the forward, by name ("": none).
+AMP_DTYPES: dict[str, torch.dtype | None] = {"": None, "bf16": torch.bfloat16}
 
 #: ``torch.compile`` of the model: "" (eager), "default", or "cpp_wrapper" (Inductor writes
 #: each compiled graph's launcher — the code that calls its kernels and GEMMs in turn and
@@ -136,10 +136,9 @@ def autocast_forward(fn: Callable, device_type: str, amp: str, graphed: bool = F
 
     A ``torch.compile``d ``fn`` traces its backward graph here, during the forward: with
     ``backward_pass_autocast`` pinned to ``"same_as_forward"``, whatever PyTorch's default."""
-    dtype = {"bf16": torch.bfloat16}[amp]
 
     def forward(x: torch.Tensor, y: torch.Tensor | None = None) -> object:
-        with (torch.autocast(device_type, dtype=dtype, cache_enabled=not graphed),
+        with (torch.autocast(device_type, dtype=AMP_DTYPES[amp], cache_enabled=not graphed),
               functorch_config.patch(backward_pass_autocast="same_as_forward")):
             return fn(x, y)
 

@@ -143,25 +143,21 @@ class GraphedStep(SyncFreeStep):
         except SyncError as err:
             raise NotCapturableError(err) from err
         self.certified = True
-        self.graph = None
         device = self.state.x.device
-        if device.type == "cuda":
-            self._capture()
-            self.mode = GRAPHED_MODE
-        else:
-            self.mode = EAGER_MODE
-            global _EAGER_NOTICE_SHOWN
-            if not quiet and not _EAGER_NOTICE_SHOWN:
-                why = "no CUDA device" if not torch.cuda.is_available() else f"the model is on {device}"
-                print(f"GraphedStep: {why} — running the step eagerly (mode {EAGER_MODE!r}); the "
-                      "certificate ran: it would be capturable")
-                _EAGER_NOTICE_SHOWN = True
+        self.graph = self._capture() if device.type == "cuda" else None
+        self.mode = EAGER_MODE if self.graph is None else GRAPHED_MODE
+        global _EAGER_NOTICE_SHOWN
+        if self.graph is None and not quiet and not _EAGER_NOTICE_SHOWN:
+            why = "no CUDA device" if not torch.cuda.is_available() else f"the model is on {device}"
+            print(f"GraphedStep: {why} — running the step eagerly (mode {EAGER_MODE!r}); the "
+                  "certificate ran: it would be capturable")
+            _EAGER_NOTICE_SHOWN = True
 
-    def _capture(self) -> None:
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        """Warm up, capture one iteration, restore what the warm-up changed; the graph."""
         tensors = [*self.model.parameters(), *self.model.buffers(), *self.state.buffers(),
-                   *_optimizer_tensors(self.optimizer)]
-        if self.stash is not None:
-            tensors += list(self.stash.buffers())
+                   *_optimizer_tensors(self.optimizer),
+                   *(self.stash.buffers() if self.stash is not None else ())]
         saved = [(t, t.detach().clone()) for t in tensors]  # restored in place: the graph holds addresses
         kept = {id(t) for t in tensors}
         side = torch.cuda.Stream()
@@ -187,8 +183,8 @@ class GraphedStep(SyncFreeStep):
             for t in _optimizer_tensors(self.optimizer):  # Adam state the warm-up created starts at zero
                 if id(t) not in kept:
                     t.zero_()
-        self.state.zero_window()
-        self.graph = graph
+        self.state.sums.zero_()
+        return graph
 
     def launch(self, batch: Batch) -> None:
         """Copy ``batch`` into the static inputs and replay the graph (or run eagerly)."""

@@ -90,9 +90,8 @@ def lr_schedule(step: Tensor, schedule: Schedule) -> Tensor:
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: weight decay on matrices except the embedding, none elsewhere."""
-    params = list(model.named_parameters())
-    decay = [p for n, p in params if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in params if p.dim() < 2 or "embed" in n]
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

@@ -99,10 +99,6 @@ class StepConfig:
         one_of(self.overflow_policy, "StepConfig.overflow_policy", OVERFLOW_POLICIES)
 
 
-# The scalar accumulators, in the order `read_stats` unpacks them.
-_SCALARS = ("steps", "skipped", "loss", "lm_loss", "aux_loss", "grad_norm", "grad_norm_max")
-
-
 class StepState(nn.Module):
     """Everything the training loop keeps between steps, as device buffers.
 
@@ -110,9 +106,10 @@ class StepState(nn.Module):
     optimizer steps taken (drives the schedule); ``lr``: the optimizer's learning-rate tensor;
     ``skip``: ``[]``, 1.0 while the step must not update anything (a paged-stash overflow);
     ``grad_scale``: ``[]``, what a fused optimizer divides the gradients by (the clip);
-    ``scalars``: ``[7]`` float64 sums over the window (``_SCALARS``); ``tokens_per_expert``:
-    ``[L, E]`` and ``imbalance``: ``[L]`` float64 sums. A module, so that
-    `moe_lab.training.sync.assert_sync_free` swaps these buffers for fake ones too.
+    ``sums``: ``[7 + L·E + L]`` float64, the window's statistics (steps taken, steps skipped,
+    the largest gradient norm, then the sums of the loss, LM loss, aux loss and gradient norm,
+    the ``[L, E]`` tokens per expert, the ``[L]`` imbalance), zeroed when read. A module, so
+    that `moe_lab.training.sync.assert_sync_free` swaps these buffers for fake ones too.
     """
 
     def __init__(self, example_batch: Batch, lr: Tensor, n_moe_layers: int, n_experts: int) -> None:
@@ -122,14 +119,8 @@ class StepState(nn.Module):
                             ("y", torch.zeros_like(example_batch.y, device=lr.device)),
                             ("step", torch.zeros((), **f32)), ("lr", lr), ("skip", torch.zeros((), **f32)),
                             ("grad_scale", torch.ones((), **f32)),
-                            ("scalars", torch.zeros(len(_SCALARS), **f64)),
-                            ("tokens_per_expert", torch.zeros(n_moe_layers, n_experts, **f64)),
-                            ("imbalance", torch.zeros(n_moe_layers, **f64))):
+                            ("sums", torch.zeros(7 + n_moe_layers * (n_experts + 1), **f64))):
             self.register_buffer(name, value)
-
-    def zero_window(self) -> None:
-        for sums in (self.scalars, self.tokens_per_expert, self.imbalance):
-            sums.zero_()
 
 
 @contextlib.contextmanager
@@ -206,11 +197,10 @@ class SyncFreeStep:
                 "it with moe_lab.training.optim.make_optimizer")
         self.state = StepState(example_batch, lr, len(model.moe_layers), model.cfg.moe.n_experts)
         # A fused optimizer clips for free: it divides the gradients by ``grad_scale`` as it
-        # reads them. Any other optimizer gets clip_grad_norm_'s in-place multiply.
+        # reads them. Any other optimizer gets clip_grad_norm_'s in-place multiply. A registered
+        # clip + optimizer step (CLIP_STEPS) replaces torch's path where it can drive this
+        # optimizer; decided once here.
         self.fused_clip = all(g.get("fused") for g in optimizer.param_groups)
-        # A registered clip + optimizer step (CLIP_STEPS) replaces torch's path where it can
-        # drive this optimizer; decided once here, as fused_clip is.
-        self.clip_step = clip_step
         self.clip = CLIP_STEPS.lookup(clip_step, "clip_step")(optimizer) if self.fused_clip else None
         if self.fused_clip:
             optimizer.grad_scale = self.state.grad_scale
@@ -268,37 +258,30 @@ class SyncFreeStep:
         keep = 1.0 - st.skip  # 0.0 for a step the optimizer skipped
         st.step.add_(keep)
         keep64 = keep.double()
-        values = torch.stack([out.loss.detach(), out.lm_loss.detach(), out.aux_loss.detach(),
-                              grad_norm.detach()]).double()
-        st.scalars[:2].add_(torch.stack([keep64, st.skip.double()]))
-        st.scalars[2:6].add_(values * keep64)
-        st.scalars[6].copy_(torch.maximum(st.scalars[6], values[3] * keep64))
-        if out.moe_stats:
-            counts = torch.stack([s.tokens_per_expert for s in out.moe_stats]).double()
-            imbalance = torch.stack([s.imbalance for s in out.moe_stats]).double()
-            st.tokens_per_expert.add_(counts * keep64)
-            st.imbalance.add_(imbalance * keep64)
-            if cfg.expert_bias_rate:
-                # A skipped step's loads are all zero: sign(mean - load) = 0, no move.
-                update_expert_bias(self.model, counts * keep64, cfg.expert_bias_rate)
+        counts = [s.tokens_per_expert.double() * keep64 for s in out.moe_stats]
+        values = torch.cat([torch.stack([out.loss, out.lm_loss, out.aux_loss, grad_norm]).detach().double(),
+                            *counts, *(s.imbalance.double().reshape(1) for s in out.moe_stats)]) * keep64
+        st.sums[:2].add_(torch.stack([keep64, st.skip.double()]))
+        st.sums[2].copy_(torch.maximum(st.sums[2], values[3]))
+        st.sums[3:].add_(values)
+        if cfg.expert_bias_rate:
+            # A skipped step's loads are all zero: sign(mean - load) = 0, no move.
+            update_expert_bias(self.model, counts, cfg.expert_bias_rate)
 
     def read_stats(self) -> dict:
         """Copy the window's statistics to the host — one transfer, the step's only sync —
         and start a new window. Means are over the steps that updated the model."""
-        st = self.state
-        n_layers, n_experts = st.tokens_per_expert.shape
-        packed = torch.cat([st.scalars, st.lr.double().reshape(1), st.step.double().reshape(1),
-                            st.tokens_per_expert.reshape(-1), st.imbalance]).tolist()
-        st.zero_window()
-        scalars = dict(zip((*_SCALARS, "lr", "step"), packed, strict=False))  # the per-expert sums follow
-        rest = packed[len(scalars):]
-        n = max(scalars["steps"], 1.0)
-        return {**{name: int(round(scalars[name])) for name in ("step", "steps", "skipped")},
-                **{name: scalars[name] / n for name in ("loss", "lm_loss", "aux_loss", "grad_norm")},
-                "grad_norm_max": scalars["grad_norm_max"], "lr": scalars["lr"],
-                "tokens_per_expert": [[int(round(c)) for c in rest[i * n_experts:(i + 1) * n_experts]]
-                                      for i in range(n_layers)],
-                "imbalance": [v / n for v in rest[n_layers * n_experts:]], "reruns": self.reruns}
+        st, n_experts = self.state, self.model.cfg.moe.n_experts
+        step, lr, steps, skipped, grad_norm_max, *sums = torch.cat(
+            [st.step.double().reshape(1), st.lr.double().reshape(1), st.sums]).tolist()
+        st.sums.zero_()
+        n = max(steps, 1.0)
+        counts = [int(round(c)) for c in sums[4:4 + len(self.model.moe_layers) * n_experts]]
+        return {"step": int(round(step)), "steps": int(round(steps)), "skipped": int(round(skipped)),
+                **{name: v / n for name, v in zip(("loss", "lm_loss", "aux_loss", "grad_norm"), sums[:4])},
+                "grad_norm_max": grad_norm_max, "lr": lr,
+                "tokens_per_expert": [counts[i:i + n_experts] for i in range(0, len(counts), n_experts)],
+                "imbalance": [v / n for v in sums[4 + len(counts):]], "reruns": self.reruns}
 
     def flush(self) -> dict | None:
         """The statistics of a window still open (fewer than ``read_every`` steps since the

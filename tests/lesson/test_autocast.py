@@ -182,39 +182,40 @@ def test_fp32_logits_under_autocast():
     model = MoETransformer(cfg_model, dispatcher="dropless", attention_impl="sdpa_fp32")
     idx = torch.randint(cfg_model.vocab_size, (2, 16))
     tgt = torch.randint(cfg_model.vocab_size, (2, 16))
+    # the same weights, with the logits kept in FP32 under autocast (ModelImpls.fp32_logits)
+    kept_model = MoETransformer(cfg_model, dispatcher="dropless", attention_impl="sdpa_fp32",
+                                fp32_logits=True)
+    kept_model.load_state_dict(model.state_dict())
     plain = model(idx, tgt)
-    model.fp32_logits = True
-    same = model(idx, tgt)  # without autocast the flag changes nothing, bit for bit
+    same = kept_model(idx, tgt)  # without autocast the flag changes nothing, bit for bit
     assert torch.equal(same.logits, plain.logits) and torch.equal(same.loss, plain.loss)
 
-    def run(flag):
-        model.fp32_logits = flag
-        model.zero_grad(set_to_none=True)
+    def run(m):
+        m.zero_grad(set_to_none=True)
         with autocast():
-            out = model(idx, tgt)
+            out = m(idx, tgt)
         out.loss.backward()
-        return out, model.lm_head.weight.grad.clone()
+        return out, m.lm_head.weight.grad.clone()
 
-    rounded, _ = run(False)
-    kept, grad_kept = run(True)
+    rounded, _ = run(model)
+    kept, grad_kept = run(kept_model)
     assert rounded.logits.dtype == BF16 and kept.logits.dtype == torch.float32
     assert grad_kept.dtype == torch.float32 and torch.isfinite(grad_kept).all()
     # The logits are F.linear of the same FP32 hidden state: recompute the head from the
     # block outputs in FP32 and compare (the blocks themselves still ran in BF16).
     with autocast():
-        x = model.embed(idx)
-        for block in model.blocks:
+        x = kept_model.embed(idx)
+        for block in kept_model.blocks:
             x, _ = block(x)
-        hidden = model.norm(x)
+        hidden = kept_model.norm(x)
     assert hidden.dtype == torch.float32
-    exact = hidden.detach() @ model.lm_head.weight.detach().t()
+    exact = hidden.detach() @ kept_model.lm_head.weight.detach().t()
     assert rel_err(kept.logits, exact) < 1e-5
     assert rel_err(rounded.logits, exact) > 1e-4  # BF16 rounding, which fp32_logits removes
     # a replaced head (e.g. a quantized module) is left to itself
-    model.lm_head = torch.nn.Identity()
-    model.fp32_logits = True
+    kept_model.lm_head = torch.nn.Identity()
     with autocast():
-        assert model._logits(hidden).dtype == hidden.dtype
+        assert torch.equal(kept_model(idx).logits, hidden)
 
 
 def test_sdpa_fp32_attention_bf16():

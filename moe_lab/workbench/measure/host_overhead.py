@@ -98,7 +98,7 @@ def overhead_sweep(widths: Sequence[int] = (256, 128, 64, 32, 16), preset: str =
         _, ops = count_ops(step.launch, batch)
         t = bench(step.launch, batch, warmup=2, min_time_s=min_time_s)
         rows.append({
-            "d_model": width, "params": step.model.num_parameters(),
+            "d_model": width, "params": sum(p.numel() for p in step.model.parameters()),
             "tokens": batch_size * cfg.seq_len, "ops": ops["ops"], "compute_ops": ops["compute"],
             "iteration_ms": t.median_s * 1e3, "iqr_ms": t.iqr_s * 1e3,
             "floor_ms": ops["ops"] * per_op_s * 1e3,

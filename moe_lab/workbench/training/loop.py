@@ -33,7 +33,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -446,7 +446,7 @@ class Trainer:
         """A checkpoint of the run so far (`moe_lab.workbench.training.checkpoint.save_checkpoint`)."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "data_gen": self.batches.state(), "torch_rng": torch.get_rng_state(),
-                 "model_cfg": self.model_cfg.to_dict(), "settings": self.cfg.run_settings(),
+                 "model_cfg": asdict(self.model_cfg), "settings": self.cfg.run_settings(),
                  "history": history, "evals": evals, "step": self.steps_done}
         if self.step.state is not None:
             state["step_state"] = self.step.state.state_dict()
@@ -467,7 +467,7 @@ class Trainer:
 
     def _restore(self, state: dict) -> None:
         path = self.cfg.checkpoint_path
-        if state["model_cfg"] != self.model_cfg.to_dict():
+        if state["model_cfg"] != asdict(self.model_cfg):
             raise ValueError(f"checkpoint '{path}' was written for a different model config")
         saved_on_host = _host_optimizer(state["optimizer"].get("param_groups", []))
         if saved_on_host != _host_optimizer(self.optimizer.param_groups):

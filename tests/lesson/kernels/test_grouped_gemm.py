@@ -198,7 +198,7 @@ def test_other_tile_sizes(monkeypatch: pytest.MonkeyPatch, tiles, device):
     w2 = torch.randn(len(counts), 48, 2 * 24, device=device)
     torch.testing.assert_close(grouped_gemm_swiglu(x, w2, offsets),
                                swiglu(grouped_gemm_reference(x, w2, offsets)), rtol=1e-5, atol=1e-5)
-    assert set(launched) == set(gg.KERNELS)  # every wrapper took its tiles from launch_config
+    assert set(launched) == set(gg.TILE_SPACE)  # every wrapper took its tiles from launch_config
 
 
 def test_non_contiguous_inputs_and_expanded_gradient(device):
@@ -425,7 +425,7 @@ def test_the_rule_picks_what_its_docstring_says(kernel, m, n, k, n_experts, dtyp
 
 
 def test_every_chosen_config_is_in_the_space_and_fits_the_tensor_cores():
-    for kernel in gg.KERNELS:
+    for kernel in gg.TILE_SPACE:
         space = gg.TILE_SPACE[kernel]
         assert 2 <= len(space) <= 6 and len(set(map(repr, space))) == len(space), kernel
         assert all(cfg.num_stages >= 2 for cfg in space), kernel  # the loads are pipelined
@@ -440,7 +440,7 @@ def test_every_chosen_config_is_in_the_space_and_fits_the_tensor_cores():
 
 
 @pytest.mark.parametrize(("kernel", "index"), [
-    (kernel, index) for kernel in gg.KERNELS for index in range(len(gg.TILE_SPACE[kernel]))])
+    (kernel, index) for kernel in gg.TILE_SPACE for index in range(len(gg.TILE_SPACE[kernel]))])
 def test_wrappers_run_correctly_at_each_config_of_the_space(monkeypatch: pytest.MonkeyPatch,
                                                             kernel, index, device):
     # The interpreter normally sizes its own tiles; force one config of the space on every

@@ -187,7 +187,6 @@ def test_layouts_are_gemm_friendly(device):
     [
         (torch.randn(32, 32).half(), {}, "x.dtype must be one of"),
         (torch.randn(32), {}, r"x must be \[M, K\] or \[B, M, K\]"),
-        (torch.randn(32, 32), {"rowwise": False, "colwise": False}, "at least one of"),
         (torch.randn(32, 32), {"scale_mode": "even"}, "scale_mode must be one of"),
         (torch.randn(32, 32), {"elem_dtype": torch.int8}, "elem_dtype must be one of"),
     ],
@@ -195,6 +194,10 @@ def test_layouts_are_gemm_friendly(device):
 def test_bad_arguments(x, kwargs, message):
     with pytest.raises(ValueError, match=message):
         mx_quantize(x, **kwargs)
+
+
+def test_no_copy_asked_for():
+    assert mx_quantize(torch.randn(32, 32), rowwise=False, colwise=False) == (None, None)
 
 
 def test_bench_mxfp8_runs_and_records():

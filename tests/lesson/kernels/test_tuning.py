@@ -35,7 +35,7 @@ def test_a_key_buckets_rows_per_expert_and_keeps_n_and_k():
     assert "rows<=1|" in tuner.table_key("dw", 0, 8, 8, 4, torch.float32)
 
 
-@pytest.mark.parametrize("kernel", gg.KERNELS)
+@pytest.mark.parametrize("kernel", gg.TILE_SPACE)
 @pytest.mark.parametrize("dtype", gg.KERNEL_DTYPES)
 def test_the_rule_comes_first_and_the_space_has_no_repeats(kernel, dtype):
     space = tuner.tune_space(kernel, 65536, 7168, 2048, 32, dtype)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import functools
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from moe_lab import preset
@@ -103,15 +105,42 @@ def test_max_pages_is_the_worst_routing():
 # ------------------------------------------------------------------------------ the pool
 
 
+def _save(store, offsets: torch.Tensor, *tensors: torch.Tensor):
+    """Run a compute that saves ``tensors`` for backward (``t * w`` saves ``t``) through the
+    activation store ``store(compute, x, offsets)``; returns the loss and the weights ``w``,
+    whose gradients after ``loss.backward()`` are the tensors as backward got them back."""
+    weights = [torch.zeros(t.shape, dtype=t.dtype, requires_grad=True) for t in tensors]
+    return store(lambda: sum((t * w).sum() for t, w in zip(tensors, weights, strict=True)),
+                 tensors[0], offsets), weights
+
+
+class _Experts(nn.Module):
+    """The least a stash attaches to: a dropless "MoE layer" whose experts save ``n_calls``
+    activations of ``rows × width`` over ``n_experts`` through their activation store."""
+
+    def __init__(self, rows, width, n_experts, dtype, n_calls):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+        self.moe_layers = [SimpleNamespace(dispatcher="dropless", cfg=SimpleNamespace(top_k=2), experts=self)]
+        self.tensors = [torch.zeros(rows, width, dtype=dtype) for _ in range(n_calls)]
+        self.offsets = torch.zeros(n_experts + 1, dtype=torch.int32)
+
+    def use_activation_store(self, store):
+        self.store = store
+
+    def forward(self, x):
+        return _save(self.store, self.offsets, *self.tensors)[0]
+
+
 def _stash_for(rows: int, width: int, n_experts: int, dtype=torch.float32, page_rows=8,
                capacity_factor=1.0, n_calls=1) -> PagedStash:
-    """A stash planned for ``n_calls`` activations of ``rows × width`` (no model needed)."""
-    from moe_lab.moe.stash import StashCall
+    """A stash planned for ``n_calls`` activations of ``rows × width`` (no MoE model needed)."""
+    model = _Experts(rows, width, n_experts, dtype, n_calls)
+    return PagedStash(page_rows, capacity_factor).attach(model, SimpleNamespace(x=None))
 
-    stash = PagedStash(page_rows, capacity_factor)
-    stash._allocate([StashCall(i, width, dtype, rows, n_experts, 2) for i in range(n_calls)],
-                    torch.device("cpu"))
-    return stash
+
+def _store(stash):
+    return functools.partial(stash.run_paged, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,27 +148,26 @@ def test_round_trip_is_bit_identical(dtype):
     counts = [5, 0, 17, 1, 9]
     rows = sum(counts)
     stash = _stash_for(rows, 6, len(counts), dtype, n_calls=2)
-    offsets = _offsets(counts)
+    assert len(stash.plan) == 2 and stash.pool_keys == [(6, dtype)]
     a = torch.randn(rows, 6).to(dtype)
     b = torch.randn(rows, 12).to(dtype)[:, ::2]  # a non-contiguous view, like chunk() gives
-    ha, hb = stash.stash(a, offsets), stash.stash(b, offsets)
+    loss, (wa, wb) = _save(_store(stash), _offsets(counts), a, b)
     assert not bool(stash.overflow)
-    assert torch.equal(stash.restore(ha), a) and torch.equal(stash.restore(hb), b)
     assert stash.pages_used() == [2 * sum(-(-c // 8) for c in counts)]
+    loss.backward()
+    assert torch.equal(wa.grad, a) and torch.equal(wb.grad, b)
 
 
 def test_overflow_raises_the_flag_and_spares_the_rows_that_fit():
     counts = [8, 8, 8, 8]
-    stash = PagedStash(8, 1.0)
-    from moe_lab.moe.stash import StashCall
-
-    stash._allocate([StashCall(0, 4, torch.float32, 8, 4, 1)], torch.device("cpu"))  # 5 pages
+    stash = _stash_for(8, 4, 4)  # 5 pages
     first = torch.randn(32, 4)
-    h1 = stash.stash(first, _offsets(counts))  # 4 pages: fits
+    loss, (w1,) = _save(_store(stash), _offsets(counts), first)  # 4 pages: fits
     assert not bool(stash.overflow)
-    stash.stash(torch.randn(32, 4), _offsets(counts))  # 4 more: only 1 left
+    _save(_store(stash), _offsets(counts), torch.randn(32, 4))  # 4 more: only 1 left
     assert bool(stash.overflow)
-    assert torch.equal(stash.restore(h1), first)  # the trash page took the excess
+    loss.backward()
+    assert torch.equal(w1.grad, first)  # the trash page took the excess
     stash.reset()
     assert not bool(stash.overflow) and stash.pages_used() == [0]
 
@@ -147,19 +175,23 @@ def test_overflow_raises_the_flag_and_spares_the_rows_that_fit():
 def test_a_pool_filled_exactly_does_not_overflow():
     """The last page used is the pool's last page: it fits (an off-by-one ``>=`` in the flag
     test raised the flag here, and the step was rerun for nothing)."""
-    from moe_lab.moe.stash import StashCall
-
-    stash = PagedStash(8, 1.0)
-    stash._allocate([StashCall(0, 4, torch.float32, 8, 4, 1)], torch.device("cpu"))  # 5 pages
-    n_pages = stash.pool0.shape[0] - 1
+    stash = _stash_for(8, 4, 4)
+    n_pages = stash.pool_pages()[0]
     assert n_pages == 5
     first, second = torch.randn(32, 4), torch.randn(8, 4)
-    h1 = stash.stash(first, _offsets([8, 8, 8, 8]))   # 4 pages
-    h2 = stash.stash(second, _offsets([0, 8, 0, 0]))  # the 5th, the last one: full, not over
+    loss1, (w1,) = _save(_store(stash), _offsets([8, 8, 8, 8]), first)   # 4 pages
+    loss2, (w2,) = _save(_store(stash), _offsets([0, 8, 0, 0]), second)  # the 5th, the last: full, not over
     assert not bool(stash.overflow) and stash.pages_used() == [n_pages]
-    assert torch.equal(stash.restore(h1), first) and torch.equal(stash.restore(h2), second)
-    stash.stash(torch.randn(1, 4), _offsets([1, 0, 0, 0]))  # one row more: over
+    (loss1 + loss2).backward()
+    assert torch.equal(w1.grad, first) and torch.equal(w2.grad, second)
+    _save(_store(stash), _offsets([1, 0, 0, 0]), torch.randn(1, 4))  # one row more: over
     assert bool(stash.overflow)
+
+
+def test_a_width_without_a_pool_is_refused():
+    stash = _stash_for(8, 4, 4)
+    with pytest.raises(ValueError, match="no pool for width 6"):
+        _save(_store(stash), _offsets([8]), torch.randn(8, 6))
 
 
 def test_stash_and_restore_are_sync_free():
@@ -167,7 +199,7 @@ def test_stash_and_restore_are_sync_free():
     stash = _stash_for(16, 5, 4)
 
     def round_trip(x, offsets, s):
-        return s.restore(s.stash(x, offsets))
+        return _save(_store(s), offsets, x)[0]
 
     assert_sync_free(round_trip, torch.randn(16, 5), _offsets(counts), stash)
 

@@ -1,21 +1,24 @@
 """`clip_grad_norm_ep`: the global norm counts the replicated gradients once and every rank's
 expert shard once (through the all-reduce), and every rank joins that all-reduce.
 
-In one process: the all-reduce is replaced by one that adds what the other ranks' expert
-shards would contribute, and counts its calls."""
+In one process (a group of one rank): a model of a replicated linear layer and an `EPMoELayer`
+(its router and shared expert replicated, its experts a shard); the all-reduce is replaced by
+one that adds what the other ranks' expert shards would contribute, and counts its calls."""
 
 import math
 
 import pytest
 import torch
 
+from moe_lab.config import MoEConfig
 from moe_lab.parallel import ep
 
 
 @pytest.fixture
-def model_and_collective(monkeypatch):
-    model = torch.nn.ModuleDict({"shared": torch.nn.Linear(4, 3), "expert": torch.nn.Linear(3, 5)})
-    monkeypatch.setattr(ep, "_expert_param_ids", lambda m: {id(p) for p in m["expert"].parameters()})
+def model_and_collective(one_rank_group, monkeypatch):
+    moe = ep.EPMoELayer(MoEConfig(d_model=4, n_experts=2, top_k=1, d_expert=6, n_shared_experts=1),
+                        expert_backend="torch")
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(4, 3), "moe": moe})
     calls = []
     other_ranks = 7.0  # the other ranks' expert shards' squared norms, summed
 
@@ -35,8 +38,9 @@ def _fill_grads(model, g):
 def test_the_norm_counts_every_expert_shard_once(model_and_collective):
     model, calls, other = model_and_collective
     _fill_grads(model, torch.Generator().manual_seed(0))
-    shared = sum(float(p.grad.pow(2).sum()) for p in model["shared"].parameters())
-    mine = sum(float(p.grad.pow(2).sum()) for p in model["expert"].parameters())
+    expert = {id(p) for p in model["moe"].experts.parameters()}
+    shared = sum(float(p.grad.pow(2).sum()) for p in model.parameters() if id(p) not in expert)
+    mine = sum(float(p.grad.pow(2).sum()) for p in model["moe"].experts.parameters())
     want = math.sqrt(shared + mine + other)
     before = [p.grad.clone() for p in model.parameters()]
     norm = ep.clip_grad_norm_ep(model, max_norm=0.5 * want, ep_group="ep")

@@ -21,7 +21,7 @@ import torch
 from moe_lab import preset
 from moe_lab.model import MoETransformer
 from moe_lab.moe.layer import MoELayer
-from moe_lab.parallel.ep import EPMoELayer, ep_budget, from_layer, rank_experts, split_sizes, traffic_matrix
+from moe_lab.parallel.ep import EPMoELayer, from_layer, rank_experts, split_sizes, traffic_matrix
 from moe_lab.workbench.ranks.equivalence import ep_check_rank
 from moe_lab.workbench.ranks.launch import run_ranks
 
@@ -97,9 +97,14 @@ def test_split_sizes_and_traffic_matrix():
         split_sizes(ids, 8, 3)
 
 
-def test_budget_is_capacity_factor_over_the_average():
-    assert ep_budget(tokens=100, top_k=2, world_size=4, capacity_factor=1.0) == 50
-    assert ep_budget(100, 2, 4, 1.25) == 63
+def test_budget_is_capacity_factor_over_the_average(one_rank_group):
+    from moe_lab.config import MoEConfig
+
+    x = torch.randn(25, CFG["d_model"])  # one rank: a block's average share is all 25·2 rows
+    for capacity_factor, budget in ((1.0, 50), (1.25, 63)):  # 62.5 rounds up
+        layer = EPMoELayer(MoEConfig(**CFG), mode="budget", capacity_factor=capacity_factor,
+                           expert_backend="torch")
+        assert layer(x)[1].budget == budget
 
 
 def test_ep_layer_needs_a_process_group():

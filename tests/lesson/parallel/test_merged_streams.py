@@ -22,13 +22,14 @@ from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 from moe_lab.parallel import merged
 from moe_lab.parallel.ep import from_layer
-from moe_lab.parallel.plan import plan, stage_name
+from moe_lab.parallel.plan import plan, stage_graph
 
 CFG = MoEConfig(d_model=16, n_experts=4, top_k=2, d_expert=24, n_shared_experts=1)
-CONSUMER = {"dispatch": "experts", "combine": "unpermute", "combine⁻¹": "dgrad",
-            "dispatch⁻¹": "permute⁻¹"}
-READERS = {"experts_fwd": "experts", "unpermute": "unpermute", "experts_dgrad": "dgrad",
-           "route_bwd": "permute⁻¹"}
+CONSUMER = {"dispatch": "experts_fwd", "combine": "unpermute", "combine⁻¹": "experts_dgrad",
+            "dispatch⁻¹": "route_bwd"}
+# the `ChunkStages` method of each compute stage; the consumers above read their collective's output
+STAGE_METHODS = ("route", "shared_fwd", "experts_fwd", "unpermute", "unpermute_bwd", "shared_bwd",
+                 "experts_dgrad", "experts_wgrad", "route_bwd")
 
 
 class _Stream:
@@ -63,6 +64,9 @@ def _run_logged(monkeypatch: pytest.MonkeyPatch, fake_work: bool) -> tuple[list,
     real_exchange = merged.exchange_rows
 
     def exchange(x, out_splits, in_splits, group, async_op=False):
+        if not async_op:  # the blocking count exchange
+            log.append(("counts", current[-1].name))
+            return real_exchange(x, out_splits, in_splits, group)
         out, work = real_exchange(x, out_splits, in_splits, group, async_op=True)
         log.append(("issue", x, out, current[-1].name))
         return out, (_Work(out, log) if fake_work else work)
@@ -77,29 +81,27 @@ def _run_logged(monkeypatch: pytest.MonkeyPatch, fake_work: bool) -> tuple[list,
     ep = from_layer(MoELayer(CFG, "dropless", "torch"))
     step = merged.MergedStep(ep, 2)
     step.comm_stream = side  # what a CUDA layer gets (torch.cuda.Stream(priority=-1))
-    def reader(fn, kind: str):
-        def reads(*args):
-            log.append(("read", kind, args[1]))
-            return fn(*args)
-        return reads
 
-    for method, kind in READERS.items():
-        setattr(step.ops, method, reader(getattr(step.ops, method), kind))
-    for kind, action in list(merged._PlanRun.ACTIONS.items()):  # log each stage as it begins
-        side = "B" if "⁻¹" in kind or kind in ("dgrad", "wgrad") else "F"
+    def logged(method: str, fn):  # log a compute stage as it begins (with what it reads) and ends
+        def call(*args):
+            log.append(("call", method, args[1] if len(args) > 1 else None))
+            result = fn(*args)
+            log.append(("done", method))
+            return result
+        return call
 
-        def logged(run, c, action=action, side=side, kind=kind):
-            log.append(("stage", stage_name(side, kind, c)))
-            return action(run, c)
-
-        monkeypatch.setitem(merged._PlanRun.ACTIONS, kind, logged)
+    for method in STAGE_METHODS:
+        setattr(step.ops, method, logged(method, getattr(step.ops, method)))
     xs = [torch.randn(12, CFG.d_model) for _ in range(2)]
     gs = [torch.randn(12, CFG.d_model) for _ in range(2)]
     mb0, mb1 = step.microbatch(xs[0], gs[0], "mb0"), step.microbatch(xs[1], gs[1], "mb1")
-    step.run(plan("1f1b+chunked", 2, backward=False), fwd=mb0)
-    step.run(plan("1f1b+chunked", 2), fwd=mb1, bwd=mb0)
-    step.run(plan("1f1b+chunked", 2, forward=False), bwd=mb1)
-    return log, [mb0.y, mb1.y, mb0.dx, mb1.dx]
+    collectives = []  # the names of the all-to-alls, in the order the plans start them
+    for fwd, bwd in ((mb0, None), (mb1, mb0), (None, mb1)):
+        order = plan("1f1b+chunked", 2, fwd is not None, bwd is not None)
+        stages = stage_graph(2, fwd is not None, bwd is not None)
+        collectives += [s for s in order if stages[s].lane == "comm" and stages[s].kind != "counts"]
+        step.run(order, fwd=fwd, bwd=bwd)
+    return log, collectives, [mb0.y, mb1.y, mb0.dx, mb1.dx]
 
 
 def _where(log: list, start: int, pred) -> int:
@@ -108,30 +110,29 @@ def _where(log: list, start: int, pred) -> int:
 
 @pytest.mark.parametrize("fake_work", [False, True], ids=["one-rank group", "work handles"])
 def test_side_stream_waits_and_records_in_order(one_rank_group, monkeypatch, fake_work):
-    log, results = _run_logged(monkeypatch, fake_work)
+    log, collectives, results = _run_logged(monkeypatch, fake_work)
     issues = [i for i, e in enumerate(log) if e[0] == "issue"]
-    assert len(issues) == 16  # 2 micro-batches x 2 chunks x 4 all-to-alls
-    for i in issues:
+    assert len(issues) == len(collectives) == 16  # 2 micro-batches x 2 chunks x 4 all-to-alls
+    assert [e for e in log if e[0] == "counts"] == [("counts", "compute")] * 2  # one per forward
+    for i, name in zip(issues, collectives, strict=True):
         _, x, out, issued_on = log[i]
-        stage_at = max(j for j in range(i) if log[j][0] == "stage")
-        name = log[stage_at][1]  # e.g. "F.dispatch[1]"
-        mb, kind = name.split(".")[0], name.split(".")[1].split("[")[0]
+        kind = name.split(".")[1].split("[")[0]  # e.g. "F.dispatch[1]"
         assert issued_on == "side", name
-        # 1. the side stream waited for the compute stream after the stage began, before the issue
-        assert ("wait_stream", "side", "compute") in log[stage_at:i], name
+        # 1. the side stream waited for the compute stream after the previous stage, before the issue
+        began = max(j for j in range(i) if log[j][0] in ("done", "issue"))
+        assert ("wait_stream", "side", "compute") in log[began:i], name
         # 2. the sent tensor is recorded on the side stream within its stage
-        nxt = _where(log, i, lambda e: e[0] == "stage")
-        assert any(e[0] == "record" and e[1] is x and e[2] == "side" for e in log[stage_at:nxt]), name
+        nxt = _where(log, i + 1, lambda e: e[0] in ("call", "issue"))
+        assert any(e[0] == "record" and e[1] is x and e[2] == "side" for e in log[i:nxt]), name
         # 3. before the consumer reads the output: the work waited (if any), the compute stream
         #    waited for the side stream, and the output was recorded on the compute stream
-        read = _where(log, i, lambda e, c=CONSUMER[kind], o=out: e[0] == "read" and e[1] == c and e[2] is o)
+        read = _where(log, i, lambda e, c=CONSUMER[kind], o=out: e[0] == "call" and e[1] == c and e[2] is o)
         assert read > i, name
         window = log[i:read]
         assert ("wait_stream", "compute", "side") in window, f"{name}: read before the stream wait"
         assert any(e[0] == "record" and e[1] is out and e[2] == "compute" for e in window), name
         if fake_work:
             assert any(e[0] == "work.wait" and e[1] is out for e in window), name
-        assert mb in ("F", "B")
     # the stand-ins changed the order of calls only, not what is computed
     monkeypatch.undo()
     torch.manual_seed(0)

@@ -130,7 +130,7 @@ def test_the_grouped_gemm_keeps_its_stages_within_the_gpus_shared_memory(arch):
     """Each bf16 rule config's operand tiles, times its stages, fit the GPU's per-block shared
     memory; on Hopper and Blackwell the rule is unchanged."""
     a = ARCHS[arch]
-    for kernel in gg.KERNELS:
+    for kernel in gg.TILE_SPACE:
         for m, e in ((65536, 32), (65536, 256), (256, 8)):
             cfg = gg.launch_config(kernel, m, 2048, 7168, e, interpreted=False, dtype=torch.bfloat16, arch=a)
             rule = gg.choose_config(kernel, m, 2048, 7168, e, torch.bfloat16)

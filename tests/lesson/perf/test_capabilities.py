@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -57,11 +58,16 @@ def test_capabilities_on_cpu():
 
 
 def test_label_helpers():
-    assert caps_mod._short_gpu_name("NVIDIA H200") == "H200"
-    assert caps_mod._short_gpu_name("NVIDIA H100 80GB HBM3") == "H100"
-    assert caps_mod._short_cpu_name("Intel(R) Xeon(R) Platinum 8488C CPU @ 2.4GHz") == \
-        "Intel Xeon Platinum 8488C"
-    assert caps_mod._short_cpu_name("AMD EPYC 9R14 96-Core Processor") == "AMD EPYC 9R14"
+    cpu = caps_mod.Capabilities(
+        device="cpu", device_name="Intel(R) Xeon(R) Platinum 8488C CPU @ 2.4GHz", n_threads=8, n_devices=1,
+        cuda_capability=None, triton_mode="interpreted", transformer_engine=False, native_mxfp8=False,
+        has_grouped_mm=True)
+    assert cpu.hardware_label() == "cpu:Intel Xeon Platinum 8488C x8"
+    amd = dataclasses.replace(cpu, device_name="AMD EPYC 9R14 96-Core Processor")
+    assert amd.hardware_label() == "cpu:AMD EPYC 9R14 x8"
+    h100 = dataclasses.replace(cpu, device="cuda", device_name="NVIDIA H100 80GB HBM3")
+    assert h100.hardware_label() == "H100"
+    assert dataclasses.replace(h100, device_name="NVIDIA H200").hardware_label() == "H200"
     c = caps_mod.Capabilities(
         device="cuda", device_name="NVIDIA GB300", n_threads=8, cuda_capability=(10, 3),
         n_devices=4, triton_mode="compiled", transformer_engine=True, native_mxfp8=True,

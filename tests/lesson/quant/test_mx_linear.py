@@ -248,6 +248,20 @@ def test_triton_backend_edge_cases(device):
     assert make_mxfp8_linear(nn.Linear(32, 32), backend="triton").backend == "triton"
 
 
+def test_triton_backend_bias_only_gradient(device):
+    # Only the bias needs a gradient: dY is quantized neither way, and the bias gradient is
+    # the emulation's.
+    gen = torch.Generator().manual_seed(6)
+    ref, tri = _pair(32, 64, torch.float32, device, gen)
+    x = torch.randn(7, 32, generator=gen).to(device)
+    g = torch.randn(7, 64, generator=gen).to(device)
+    for lin in (ref, tri):
+        lin.weight.requires_grad_(False)
+        lin(x).backward(g)
+    assert tri.weight.grad is None
+    assert torch.equal(tri.bias.grad, ref.bias.grad)
+
+
 def _caps(**fields):
     from moe_lab.perf.capabilities import Capabilities
 

@@ -48,7 +48,7 @@ def test_certificate_touches_nothing_real():
     assert all(torch.equal(a, b) for a, b in zip(before, step.model.parameters(), strict=True))
     assert all(p.grad is None for p in step.model.parameters())
     assert len(step.optimizer.state) == 0
-    assert float(step.state.step) == 0 and float(step.state.scalars.abs().sum()) == 0
+    assert float(step.state.step) == 0 and float(step.state.sums.abs().sum()) == 0
     step(random_batch(TINY, 2))  # and the real step still runs on real tensors
     assert len(step.optimizer.state) == len(list(step.model.parameters()))
     step.certify()  # with optimizer state present too
@@ -325,7 +325,7 @@ def test_a_registered_clip_step_replaces_torchs_path(monkeypatch):
     ours = build_sync_free(TINY, 2, cfg=cfg)
     ours.clip = factory(ours.optimizer)
     theirs = build_sync_free(TINY, 2, cfg=cfg)
-    assert theirs.clip_step == "torch" and theirs.clip is None  # torch's path: nothing to replace
+    assert theirs.clip is None  # torch's path: nothing to replace
     gen = torch.Generator().manual_seed(5)
     for batch in [random_batch(TINY, 2, generator=gen) for _ in range(2)]:
         a, b = ours(batch), theirs(batch)

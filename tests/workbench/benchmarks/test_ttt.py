@@ -75,7 +75,7 @@ def test_optimised_stack_on_a_cpu():
     # BF16 autocast exactly where the CPU has bf16 matmul instructions, attention core in FP32
     assert best.amp == ("bf16" if native_bf16_cpu() else "")
     assert best.fp32_logits == bool(best.amp)  # BF16 everywhere but the logits
-    assert ttt.stack_model(best, MICRO).fp32_logits == best.fp32_logits
+    assert ttt.stack_model(best, MICRO).impls.fp32_logits == best.fp32_logits
     assert impls.attention_impl == ("cpu_fused" if kernels else "sdpa_fp32" if best.amp else "sdpa")
     fp32 = ttt.optimised_stack("cpu", amp="")
     assert fp32.amp == "" and "BF16" not in fp32.describe()

@@ -92,12 +92,12 @@ def test_grouped_gemm_specs_cover_the_space_with_the_chosen_first():
     specs = for_module(gg)
     kernel_of = {"_grouped_gemm_kernel": "gemm", "_grouped_gemm_swiglu_kernel": "swiglu",
                  "_grouped_gemm_dw_kernel": "dw"}
-    seen = {kernel: set() for kernel in gg.KERNELS}
+    seen = {kernel: set() for kernel in gg.TILE_SPACE}
     for spec in specs:
         seen[kernel_of[spec.kernel.split(":")[1]]].add(repr(spec.config))
         assert all(part.startswith(("[chosen ", "[candidate ")) for part in spec.label.split(" | "))
         assert describe(spec.config) in spec.label.split(" | ")[0]
-    for kernel in gg.KERNELS:
+    for kernel in gg.TILE_SPACE:
         assert seen[kernel] == {repr(cfg) for cfg in gg.TILE_SPACE[kernel]}, kernel
     first = [s.label.startswith("[chosen") for s in specs]
     assert first == sorted(first, reverse=True)  # every chosen spec before every candidate
