@@ -64,15 +64,6 @@ print(json.dumps({"median_ms": statistics.median(times) * 1e3, "stack": stack.de
 """
 
 
-def _export(rev: str, dest: Path) -> Path:
-    archive = dest / "rev.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), rev,
-                    "moe_lab"], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(dest, filter="data")
-    return dest
-
-
 def _measure(path: Path | None, profile: str, steps: int, compile: bool) -> dict:
     env = dict(os.environ)
     if path is not None:
@@ -101,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1 or args.steps < 1:
         parser.error(f"--pairs and --steps must be positive, got {args.pairs} and {args.steps}")
     with tempfile.TemporaryDirectory(prefix="moe_lab_base_") as tmp:
-        base = _export(args.base, Path(tmp))
+        base = Path(tmp)  # revision BASE's moe_lab, exported
+        archive = base / "rev.tar"
+        subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive), args.base,
+                        "moe_lab"], check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(base, filter="data")
         rows = []
         for i in range(args.pairs):
             order = ("old", "new") if i % 2 == 0 else ("new", "old")

@@ -277,10 +277,6 @@ class Report:
     def left_s(self) -> float:
         return self.budget_s - (time.monotonic() - self.start)
 
-    def passed(self, name: str) -> bool:
-        """Whether section ``name`` ran in this run (or the one resumed) and every check passed."""
-        return any(s["section"] == name and s["status"] == "done" for s in self.sections)
-
     def run(self, section: Section, child_args: list[str] | None = None, timeout_s: float = 0.0) -> None:
         """Run one section under what is left of the budget, in this process or (``isolated``
         and ``child_args`` given: the script's own arguments) in a child; write everything
@@ -290,7 +286,8 @@ class Report:
         entry = {"section": name, "status": "running", "seconds": 0.0}
         if left <= 0:
             entry["status"] = "not run (budget spent)"
-        elif section.needs and not self.passed(section.needs):
+        elif section.needs and not any(s["section"] == section.needs and s["status"] == "done"
+                                       for s in self.sections):  # ran (or was resumed) and passed
             entry["status"] = f"not run: needs '{section.needs}' passed"
         self.sections = [s for s in self.sections if s["section"] != name] + [entry]
         for key in RECORDS:  # a resumed section's earlier records give way to this run's
@@ -588,49 +585,37 @@ def grouped_layouts(torch, dev, shapes: dict, seed: int, idle: int, align: int =
                 yield s, m, dtype, tol, offsets, shape, g
 
 
-def section_grouped_gemm(torch, dev, rep: Report, shapes: dict) -> None:
+def section_grouped_gemm(torch, dev, rep: Report, shapes: dict, tma: bool = False) -> None:
     """Grouped GEMM forward (the down projection), dX, dW and the fused SwiGLU's forward and
-    backward (the up/gate projection), on packed offsets and on a padded layout (segments
-    rounded up to 16 rows, rows past the last segment), bf16 and fp32, each against the
-    textbook loop in float64."""
+    backward (the up/gate projection); ``tma``: the persistent TMA grouped GEMM
+    (``expert_backend="triton_tma"``) instead, its forward, dX (the kernel on W transposed) and
+    dW. On packed offsets with an idle expert and on a padded layout (segments rounded up to 16
+    rows, rows past the last segment), bf16 and fp32, each against the textbook loop in float64."""
     from moe_lab.kernels import grouped_gemm as gg
 
-    for s, m, dtype, tol, offsets, shape, g in grouped_layouts(torch, dev, shapes, seed=0, idle=0):
+    def swiglu_reference(x, w, offsets):  # silu(gate) * up of the textbook loop's two halves
+        gate, up = gg.grouped_gemm_reference(x, w, offsets).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    for s, m, dtype, tol, offsets, shape, g in grouped_layouts(torch, dev, shapes, seed=int(tma),
+                                                               idle=-1 if tma else 0):
         E, d, f = s["n_experts"], s["d_model"], s["d_expert"]
-        h_in, w, x, w2 = (randn(torch, g, size, dtype, size[-2] ** -0.25 if len(size) == 3 else 1.0)
-                          for size in ((m, f), (E, f, d), (m, d), (E, d, 2 * f)))
-        dy, dh = randn(torch, g, (m, d), dtype), randn(torch, g, (m, f), dtype)
-        for name, fn, ref, inputs, dout in (
-                ("grouped_gemm", gg.grouped_gemm, gg.grouped_gemm_reference, (h_in, w), dy),
-                ("grouped_gemm_swiglu", gg.grouped_gemm_swiglu,
-                 lambda x, w, o: swiglu_reference(gg.grouped_gemm_reference(x, w, o)), (x, w2), dh)):
+        if tma:  # imported here: the core checks' process never loads the TMA kernel
+            from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
+
+            h, w = randn(torch, g, (m, f), dtype), randn(torch, g, (E, f, d), dtype, f ** -0.5)
+            cases = [("grouped_gemm_tma", grouped_gemm_tma, gg.grouped_gemm_reference, (h, w),
+                      randn(torch, g, (m, d), dtype))]
+        else:
+            h_in, w, x, w2 = (randn(torch, g, size, dtype, size[-2] ** -0.25 if len(size) == 3 else 1.0)
+                              for size in ((m, f), (E, f, d), (m, d), (E, d, 2 * f)))
+            dy, dh = randn(torch, g, (m, d), dtype), randn(torch, g, (m, f), dtype)
+            cases = [("grouped_gemm", gg.grouped_gemm, gg.grouped_gemm_reference, (h_in, w), dy),
+                     ("grouped_gemm_swiglu", gg.grouped_gemm_swiglu, swiglu_reference, (x, w2), dh)]
+        for name, fn, ref, inputs, dout in cases:
             errors = vs_reference(torch, fn, ref, inputs, dout, offsets)
             for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
                 rep.check(f"{name} {str(dtype)[6:]} {what}", shape, err, tol)
-
-
-def section_grouped_gemm_tma(torch, dev, rep: Report, shapes: dict) -> None:
-    """The persistent TMA grouped GEMM (``expert_backend="triton_tma"``): forward, dX (the kernel
-    on W transposed) and dW, on packed offsets with an idle expert and on a padded layout (rows
-    past the last segment), bf16 and fp32, against the textbook loop in float64."""
-    from moe_lab.kernels import grouped_gemm as gg
-    from moe_lab.kernels.grouped_gemm_tma import grouped_gemm_tma
-
-    for s, m, dtype, tol, offsets, shape, g in grouped_layouts(torch, dev, shapes, seed=1, idle=-1):
-        E, d, f = s["n_experts"], s["d_model"], s["d_expert"]
-        h, w = randn(torch, g, (m, f), dtype), randn(torch, g, (E, f, d), dtype, f ** -0.5)
-        errors = vs_reference(torch, grouped_gemm_tma, gg.grouped_gemm_reference, (h, w),
-                              randn(torch, g, (m, d), dtype), offsets)
-        for what, err in zip(("fwd", "dX", "dW"), errors, strict=True):
-            rep.check(f"grouped_gemm_tma {str(dtype)[6:]} {what}", shape, err, tol)
-
-
-def swiglu_reference(h):
-    """``silu(gate) * up`` of the two halves of ``h``'s last dim: the textbook SwiGLU."""
-    import torch.nn.functional as F
-
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def routing(torch, dev, s: dict, align: int, seed: int):
@@ -740,12 +725,9 @@ def section_mx(torch, dev, rep: Report, shapes: dict) -> None:
     from moe_lab.kernels.mx_quantize import mx_quantize
     from moe_lab.quant.mx import quantize
 
-    def as_bytes(t):
-        return t.view(torch.uint8).contiguous()
-
-    def same(a, b) -> bool:
-        return torch.equal(as_bytes(a.data), as_bytes(b.data)) and torch.equal(as_bytes(a.scale),
-                                                                                as_bytes(b.scale))
+    def same(a, b) -> bool:  # codes and scales, byte for byte
+        return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                   for x, y in ((a.data, b.data), (a.scale, b.scale)))
 
     for label, (M, K) in shapes.items():
         g = torch.Generator(device=dev).manual_seed(M + K)
@@ -1517,7 +1499,8 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, time_fn, out: Pa
         Section("permute", lambda: section_permute(torch, dev, rep, pm_shapes)),
         Section("MX quantizer", lambda: section_mx(torch, dev, rep, mx_shapes)),
         Section("fused router", lambda: section_router(torch, dev, rep, rt_shapes)),
-        Section("TMA grouped GEMM", lambda: section_grouped_gemm_tma(torch, dev, rep, shapes), isolated=True),
+        Section("TMA grouped GEMM", lambda: section_grouped_gemm(torch, dev, rep, shapes, tma=True),
+                isolated=True),
         Section("MXFP8 kernels", mxfp8_kernels, isolated=True),
         Section("CUDA graph step", lambda: section_graphs(torch, dev, rep, small), isolated=True),
         # a no-op without CUDA, and the notebooks' branches are the core's kernels: in a child on a GPU

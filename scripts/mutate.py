@@ -175,8 +175,7 @@ def _scratch_copy() -> Path:
     for name in ("moe_lab", "tests", "scripts", "notebooks", "data"):
         if (ROOT / name).exists():
             shutil.copytree(ROOT / name, scratch / name, ignore=ignore)
-    for name in ("pyproject.toml",):
-        shutil.copy2(ROOT / name, scratch / name)
+    shutil.copy2(ROOT / "pyproject.toml", scratch / "pyproject.toml")
     return scratch
 
 

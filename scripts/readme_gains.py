@@ -80,10 +80,6 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def notebooks_in(folder: Path) -> list[str]:
-    return sorted(p.stem for p in folder.glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
-
-
 def gpu_line_cell(row: dict) -> str:
     """The GPU line beside a headline: figure, GPU, and whether it is published or projected
     (with the citation or the assumptions); ``—`` when the ledger holds none."""
@@ -161,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"readme_gains: no ledger at {ledger}; run `make workbook` first (or pass --ledger)",
               file=sys.stderr)
         return 1
+    notebooks = sorted(p.stem for p in args.notebooks.glob("*.ipynb") if NOTEBOOK_PATTERN.match(p.name))
     try:
         with warnings.catch_warnings():  # a line skipped: one line on stderr, not two
             warnings.simplefilter("always", LedgerWarning)
             warnings.showwarning = lambda message, *_: print(f"readme_gains: {message}", file=sys.stderr)
-            text = gains_markdown(ledger, args.results, notebooks_in(args.notebooks))
+            text = gains_markdown(ledger, args.results, notebooks)
     except (OSError, ValueError) as exc:  # an unreadable, empty or corrupt ledger: one line
         print(f"readme_gains: {exc}", file=sys.stderr)
         return 1

@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_lab.moe.layer import MoELayer
     from moe_lab.parallel.ep import clip_grad_norm_ep, from_layer, sync_gradients
     from moe_lab.parallel.merged_model import MergedModelStep
+    from moe_lab.training.optim import BETAS, param_groups
     from moe_lab.workbench.ranks.launch import choose_backend, init_from_env
     from moe_lab.workbench.training.loop import TrainConfig, lr_at
 
@@ -183,11 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                    capacity_factor=args.capacity_factor)
     dtype = model_dtype(device)
     model.to(device, dtype)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed" in n]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=BETAS)
     schedule = TrainConfig(steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10))
     corpus = SyntheticCorpus(seq_len=cfg.seq_len, seed=args.seed)
     data_gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batches

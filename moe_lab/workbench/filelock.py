@@ -20,10 +20,7 @@ from pathlib import Path
 
 def _holder(fd: int) -> str:
     """Who holds the lock file ``fd``: the process id its holder wrote there."""
-    try:
-        pid = os.read(fd, 32).decode("ascii", "replace").strip()
-    except OSError:
-        pid = ""
+    pid = os.read(fd, 32).decode("ascii", "replace").strip()
     return f"process {pid}" if pid.isdigit() else "another process"
 
 

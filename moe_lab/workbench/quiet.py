@@ -25,6 +25,7 @@ that is not on its allow-list.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -54,20 +55,17 @@ RANK_STDERR_LINES: tuple[re.Pattern[str], ...] = (
 )
 
 
-class _Drop(logging.Filter):
-    def __init__(self, pattern: re.Pattern[str]) -> None:
-        super().__init__()
-        self.pattern = pattern
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.search(record.getMessage())
+def _keep(pattern: re.Pattern[str], record: logging.LogRecord) -> bool:
+    """A logging filter (with ``pattern`` bound): whether ``record`` does not match ``pattern``."""
+    return not pattern.search(record.getMessage())
 
 
 @contextlib.contextmanager
 def library_notes_silenced() -> Iterator[None]:
     """Drop the records of `LOG_RECORDS` logged inside the ``with`` block (an import that
     triggers them); every other record passes. The filters are removed on leaving."""
-    installed = [(logging.getLogger(name), _Drop(pattern)) for name, pattern in LOG_RECORDS]
+    installed = [(logging.getLogger(name), functools.partial(_keep, pattern))
+                 for name, pattern in LOG_RECORDS]
     for logger, drop in installed:
         logger.addFilter(drop)
     try:
@@ -77,13 +75,9 @@ def library_notes_silenced() -> Iterator[None]:
             logger.removeFilter(drop)
 
 
-def is_known_line(line: str) -> bool:
-    """Whether one line of text is a known-harmless third-party message (`LOG_RECORDS` as
-    printed, or `RANK_STDERR_LINES`)."""
-    patterns = (*(pattern for _, pattern in LOG_RECORDS), *RANK_STDERR_LINES)
-    return any(pattern.search(line) for pattern in patterns)
-
-
 def without_known_lines(text: str) -> str:
-    """``text`` without its known-harmless lines (`is_known_line`); the rest kept as it was."""
-    return "".join(line for line in text.splitlines(keepends=True) if not is_known_line(line))
+    """``text`` without its known-harmless lines (`LOG_RECORDS` as printed, or
+    `RANK_STDERR_LINES`); the rest kept as it was."""
+    patterns = (*(pattern for _, pattern in LOG_RECORDS), *RANK_STDERR_LINES)
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not any(pattern.search(line) for pattern in patterns))

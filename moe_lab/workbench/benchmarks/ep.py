@@ -99,16 +99,12 @@ def run_ep_benchmark(ranks: int = 2, rate_mbit: float | None = DEFAULT_RATE_MBIT
     finally:
         if link is not None:
             link.teardown()
-    report = reports[0]
-    report["link"] = description
-    report["link_emulated"] = link is not None
-    report["rate_mbit"] = rate_mbit if link is not None else None
-    report["backend_reason"] = backend_reason  # report["backend"], ["device"]: the ranks' own
-    report["notes"] = notes
-    report["threads_per_rank"] = threads_per_rank
-    report["per_rank_exposed_s"] = [r["exposed_s"] for r in reports]
-    report["timelines_all_ranks"] = [r["timelines"] for r in reports]
-    return report
+    # report["backend"] and ["device"] are the ranks' own
+    return {**reports[0], "link": description, "link_emulated": link is not None,
+            "rate_mbit": rate_mbit if link is not None else None, "backend_reason": backend_reason,
+            "notes": notes, "threads_per_rank": threads_per_rank,
+            "per_rank_exposed_s": [r["exposed_s"] for r in reports],
+            "timelines_all_ranks": [r["timelines"] for r in reports]}
 
 
 def summarize(report: dict) -> dict:

@@ -133,8 +133,7 @@ def _step_fn(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
     def step() -> None:
         xi = x.detach().requires_grad_()
         if is_hf:
-            y = module(xi.unsqueeze(0)).squeeze(0)
-            y.backward(grad)
+            module(xi.unsqueeze(0)).squeeze(0).backward(grad)
         else:
             y, stats = module(xi)
             torch.autograd.backward([y, stats.aux_loss], [grad, torch.ones_like(stats.aux_loss)])
@@ -286,24 +285,23 @@ def chain_stage_timing(shape: str = "fine", tokens: int = 1024, min_time_s: floa
     pre = grouped_mm(xs, w1.detach())
     h = swiglu(pre)
     y = grouped_mm(h, w2.detach())
-    grads = {"permute": torch.randn_like(xs), "GEMM1": torch.randn_like(pre), "SwiGLU": torch.randn_like(h),
-             "GEMM2": torch.randn_like(y), "weighted unpermute": torch.randn_like(x)}
     wflat = weights.reshape(-1).index_select(0, order).unsqueeze(1)
 
-    def stage(fn, inputs, grad):
+    def stage(fn, *inputs):
+        with torch.no_grad():
+            grad = torch.randn_like(fn(*inputs))  # the gradient of the stage's output
+
         def run() -> None:
-            leaves = [t.detach().requires_grad_() for t in inputs]
-            fn(*leaves).backward(grad)
+            fn(*[t.detach().requires_grad_() for t in inputs]).backward(grad)
         return run
 
     stages = {
-        "permute": stage(lambda a: a.index_select(0, token_of), [x], grads["permute"]),
-        "GEMM1": stage(grouped_mm, [xs, w1], grads["GEMM1"]),
-        "SwiGLU": stage(swiglu, [pre], grads["SwiGLU"]),
-        "GEMM2": stage(grouped_mm, [h, w2], grads["GEMM2"]),
-        "weighted unpermute": stage(
-            lambda a, wt: a.new_zeros(tokens, d).index_add(0, token_of, a * wt), [y, wflat],
-            grads["weighted unpermute"]),
+        "permute": stage(lambda a: a.index_select(0, token_of), x),
+        "GEMM1": stage(grouped_mm, xs, w1),
+        "SwiGLU": stage(swiglu, pre),
+        "GEMM2": stage(grouped_mm, h, w2),
+        "weighted unpermute": stage(lambda a, wt: a.new_zeros(tokens, d).index_add(0, token_of, a * wt),
+                                    y, wflat),
     }
     timings = compare(stages, min_time_s=min_time_s)
     total = sum(t.median_s for t in timings.values())

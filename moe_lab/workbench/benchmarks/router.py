@@ -98,10 +98,9 @@ def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
     return providers, notes
 
 
-def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0,
-              device: str | None = None) -> dict:
-    """Benchmark one shape; returns ``{"rows": [...], "notes": [...], ...}``."""
-    device = device or capabilities().device
+def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0) -> dict:
+    """Benchmark one shape on this machine's device; returns ``{"rows": [...], "notes": [...], ...}``."""
+    device = capabilities().device
     cfg = shape_config(shape)
     g = torch.Generator().manual_seed(seed)
     logits64 = (torch.randn(tokens, cfg.n_experts, generator=g, dtype=torch.float64) * 2).to(device)
@@ -163,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"device": device, "rows": [], "notes": [], "tokens": {}}
     for shape in shapes:
         tokens = args.tokens or TOKENS[(device, args.profile)][shape]
-        r = run_shape(shape, tokens, args.min_time, device=device)
+        r = run_shape(shape, tokens, args.min_time)
         record(r, args.notebook)
         result["tokens"][shape] = tokens
         result["rows"] += r["rows"]

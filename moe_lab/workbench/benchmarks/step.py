@@ -47,30 +47,31 @@ ROW_FIGURES = (("iteration_ms", "median_ms", "ms"), ("tokens_per_s", "tokens_per
 MEMORY_FIGURES = (("stash_saving_vs_worst_case", "saving_vs_worst", "fraction"),
                   ("stash_pool_mb", "pool_mb", "MiB"), ("worst_case_mb", "worst_case_mb", "MiB"),
                   ("peak_mb_no_stash", "peak_mb_no_stash", "MiB"), ("peak_mb_stash", "peak_mb_stash", "MiB"))
+# The paged stash: rows per page, and the pool's size against the mean expert load.
+PAGE_ROWS = 32
+CAPACITY_FACTOR = 1.25
 
 
-def stash_memory(model_cfg: ModelConfig, batch_size: int, page_rows: int = 32, capacity_factor: float = 1.25,
-                 device: torch.device | str = "cpu") -> dict:
+def stash_memory(model_cfg: ModelConfig, batch_size: int, device: torch.device) -> dict:
     """Bytes of the experts' saved activations for one step: exact (eager), the paged pool,
     and the worst-case static buffer; and the saving of the pool against the worst case."""
     model, _ = build_model(model_cfg, device=device)
     batch = random_batch(model_cfg, batch_size, device)
-    stash = PagedStash(page_rows, capacity_factor).attach(model, batch)
+    stash = PagedStash(PAGE_ROWS, CAPACITY_FACTOR).attach(model, batch)
     return {"exact_mb": stash.exact_bytes / 2**20, "pool_mb": stash.pool_bytes / 2**20,
             "worst_case_mb": stash.worst_case_bytes / 2**20,
             "saving_vs_worst": 1 - stash.pool_bytes / stash.worst_case_bytes,
-            "page_rows": page_rows, "capacity_factor": capacity_factor,
+            "page_rows": PAGE_ROWS, "capacity_factor": CAPACITY_FACTOR,
             "stashed_tensors": len(stash.plan)}
 
 
-def cuda_peak_memory(model_cfg: ModelConfig, batch_size: int, page_rows: int = 32,
-                     capacity_factor: float = 1.25) -> dict:
+def cuda_peak_memory(model_cfg: ModelConfig, batch_size: int) -> dict:
     """Peak CUDA memory of one eager sync-free step, without and with the paged stash."""
     out = {}
     for name in ("no_stash", "stash"):
         model, optimizer = build_model(model_cfg, device="cuda")
         batch = random_batch(model_cfg, batch_size, "cuda")
-        stash = PagedStash(page_rows, capacity_factor).attach(model, batch) if name == "stash" else None
+        stash = PagedStash(PAGE_ROWS, CAPACITY_FACTOR).attach(model, batch) if name == "stash" else None
         step = SyncFreeStep(model, optimizer, batch, StepConfig(), stash=stash)
         step.launch(batch)  # optimizer state allocated
         torch.cuda.synchronize()
@@ -84,8 +85,7 @@ def cuda_peak_memory(model_cfg: ModelConfig, batch_size: int, page_rows: int = 3
     return out
 
 
-def run_step_bench(preset: str = "small", batch_size: int = 2, min_time_s: float = 0.3,
-                   compile: bool = True, seed: int = 0) -> dict:
+def run_step_bench(preset: str, batch_size: int, min_time_s: float, compile: bool, seed: int = 0) -> dict:
     """Time every provider on this machine; returns ``{"rows": [...], "memory": {...},
     "notes": [...], ...}``."""
     caps = capabilities()
@@ -119,19 +119,16 @@ def run_step_bench(preset: str = "small", batch_size: int = 2, min_time_s: float
     else:
         notes.append("graphed: no CUDA device here — the step is certified capturable "
                      "(assert_sync_free) but cannot be captured or timed")
-    ops, syncs = {}, {}
+    # Not counted: "compiled" (Inductor's fused loops are not ATen operators, and counting
+    # under a dispatch mode would change what is compiled), the ops of "graphed" (one graph
+    # launch; the kernels are those of "eager").
+    ops, syncs = dict.fromkeys(providers), dict.fromkeys(providers)
     for name, fn in providers.items():
-        if name == "compiled":
-            # Inductor's fused loops are not ATen operators, and counting under a dispatch
-            # mode would change what is compiled: not counted.
-            ops[name] = syncs[name] = None
-            continue
-        if name == "graphed":
-            ops[name] = None  # one graph launch; the kernels are those of "eager"
-        else:
+        if name not in ("compiled", "graphed"):
             fn()  # the first step also creates the optimizer state: not counted
             ops[name] = count_ops(fn)[1]["ops"]
-        syncs[name] = sum(count_syncs(fn)[1].values())
+        if name != "compiled":
+            syncs[name] = sum(count_syncs(fn)[1].values())
     eager.certify()
     timings = compare(providers, min_time_s=min_time_s)
     tokens = batch_size * model_cfg.seq_len

@@ -27,27 +27,21 @@ def env_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def flops_report(name: str, seq_len: int | None, tokens_per_s: float | None = None,
-                 include_mtp: bool = True) -> dict:
-    """The ``flops`` command's answer as a dict: preset, seq_len, GFLOP/token, breakdown
-    (GFLOP/token by kind) and, when ``tokens_per_s`` is given, TFLOPS per GPU."""
+def flops_command(args: argparse.Namespace) -> int:
+    """Print the FLOPs report for ``--preset`` at ``--seq-len``: GFLOP/token, broken down by
+    kind, and, with ``--tokens-per-s``, the TFLOPS per GPU that rate implies."""
     from moe_lab.perf import flops
 
-    cfg = preset(name)
-    seq = cfg.seq_len if seq_len is None else seq_len
+    cfg = preset(args.preset)
+    seq = cfg.seq_len if args.seq_len is None else args.seq_len
+    include_mtp = not args.no_mtp
     breakdown = flops.flops_breakdown(cfg, seq, include_mtp=include_mtp)
-    report = {"preset": name, "seq_len": seq, "include_mtp": include_mtp,
+    report = {"preset": args.preset, "seq_len": seq, "include_mtp": include_mtp,
               "gflop_per_token": sum(breakdown.values()) / 1e9,
               "breakdown_gflop_per_token": {k: v / 1e9 for k, v in breakdown.items()}}
-    if tokens_per_s is not None:
-        report["tokens_per_s"] = tokens_per_s
-        report["tflops_per_gpu"] = flops.tflops_per_gpu(cfg, seq, tokens_per_s, include_mtp=include_mtp)
-    return report
-
-
-def flops_command(args: argparse.Namespace) -> int:
-    """Print the FLOPs report for ``--preset`` at ``--seq-len``."""
-    report = flops_report(args.preset, args.seq_len, args.tokens_per_s, not args.no_mtp)
+    if args.tokens_per_s is not None:
+        report["tokens_per_s"] = args.tokens_per_s
+        report["tflops_per_gpu"] = flops.tflops_per_gpu(cfg, seq, args.tokens_per_s, include_mtp=include_mtp)
     if args.json:
         print(jsonout.dumps(report))
         return 0

@@ -107,19 +107,16 @@ MAX_FABRIC_LINKS = 2**22
 FABRIC_LINK_BYTES = 100
 
 
-def fabric_report(*, hosts_per_leaf: int = 8, n_leaf: int = 8, n_spine: int = 8, link_gbps: float = 400.0,
-                  oversubscription: float = 1.0, traffic: str = "uniform", mb_per_pair: float = 1.0,
-                  zipf_s: float = 1.0, n_senders: int = 32,
-                  routings: tuple[str, ...] = ("ecmp", "adaptive"),
-                  pacings: tuple[bool, ...] = (True, False), seed: int = 0) -> dict[str, Any]:
+def fabric_report(args: argparse.Namespace) -> dict[str, Any]:
     """The ``sim fabric`` answer as a dict: one entry per routing × pacing.
 
     Refuses, before allocating anything, a fabric of more than `MAX_FABRIC_PAIRS` GPU pairs:
     the traffic matrix and the simulator hold a value per pair (several arrays of them)."""
-    topo = fabric.LeafSpine(hosts_per_leaf, n_leaf, n_spine, link_gbps, oversubscription)
+    n_leaf, n_spine = args.leaves, args.spines
+    topo = fabric.LeafSpine(args.hosts_per_leaf, n_leaf, n_spine, args.link_gbps, args.oversubscription)
     if topo.n_hosts ** 2 > MAX_FABRIC_PAIRS:
         raise ValueError(
-            f"hosts_per_leaf x leaves = {hosts_per_leaf} x {n_leaf} = {topo.n_hosts} GPUs is "
+            f"hosts_per_leaf x leaves = {args.hosts_per_leaf} x {n_leaf} = {topo.n_hosts} GPUs is "
             f"{topo.n_hosts ** 2:.3g} GPU pairs, more than the {MAX_FABRIC_PAIRS:,} this simulator "
             f"holds in memory (at most {math.isqrt(MAX_FABRIC_PAIRS):,} GPUs)")
     if topo.n_links > MAX_FABRIC_LINKS:
@@ -128,29 +125,28 @@ def fabric_report(*, hosts_per_leaf: int = 8, n_leaf: int = 8, n_spine: int = 8,
             f"{topo.n_links * FABRIC_LINK_BYTES / 2**30:,.1f} GiB of per-link arrays: more than the "
             f"{MAX_FABRIC_LINKS:,} this simulator holds (here at most "
             f"{(MAX_FABRIC_LINKS - 2 * topo.n_hosts) // (2 * n_leaf):,} spines)")
-    rng = np.random.default_rng(seed)
-    nbytes = mb_per_pair * 2**20
+    rng = np.random.default_rng(args.seed)
+    nbytes = args.mb_per_pair * 2**20
     makers = {"uniform": lambda: uniform_traffic(topo.n_hosts, nbytes),
-              "moe": lambda: moe_traffic(topo.n_hosts, zipf_s=zipf_s, rng=rng),
-              "incast": lambda: incast_traffic(topo.n_hosts, n_senders, nbytes, rng=rng)}
-    matrix = makers[traffic]()
+              "moe": lambda: moe_traffic(topo.n_hosts, zipf_s=args.zipf, rng=rng),
+              "incast": lambda: incast_traffic(topo.n_hosts, args.senders, nbytes, rng=rng)}
+    matrix = makers[args.traffic]()
+    routings = ("ecmp", "adaptive") if args.routing == "both" else (args.routing,)
+    pacings = {"both": (True, False), "on": (True,), "off": (False,)}[args.pacing]
     runs = [fabric.simulate(topo, matrix, routing=routing, pacing=pacing,
-                            rng=np.random.default_rng(seed + 1)).to_dict()
+                            rng=np.random.default_rng(args.seed + 1)).to_dict()
             for routing in routings for pacing in pacings]
-    topology = {"hosts_per_leaf": hosts_per_leaf, "leaves": n_leaf, "spines": n_spine, "link_gbps": link_gbps,
-                "oversubscription": oversubscription, "n_gpus": topo.n_hosts}
-    return {"topology": topology, "traffic": traffic, "total_bytes": float(matrix.sum() - np.trace(matrix)),
-            "seed": seed, "kind": "simulated", "runs": runs}
+    topology = {"hosts_per_leaf": args.hosts_per_leaf, "leaves": n_leaf, "spines": n_spine,
+                "link_gbps": args.link_gbps, "oversubscription": args.oversubscription,
+                "n_gpus": topo.n_hosts}
+    return {"topology": topology, "traffic": args.traffic,
+            "total_bytes": float(matrix.sum() - np.trace(matrix)), "seed": args.seed, "kind": "simulated",
+            "runs": runs}
 
 
 def fabric_command(args: argparse.Namespace) -> int:
     """Print the ``sim fabric`` report (a summary, or one JSON object with ``--json``)."""
-    routings = ("ecmp", "adaptive") if args.routing == "both" else (args.routing,)
-    pacings = {"both": (True, False), "on": (True,), "off": (False,)}[args.pacing]
-    report = fabric_report(hosts_per_leaf=args.hosts_per_leaf, n_leaf=args.leaves, n_spine=args.spines,
-                           link_gbps=args.link_gbps, oversubscription=args.oversubscription,
-                           traffic=args.traffic, mb_per_pair=args.mb_per_pair, zipf_s=args.zipf,
-                           n_senders=args.senders, routings=routings, pacings=pacings, seed=args.seed)
+    report = fabric_report(args)
     if args.json:
         print(dumps(report))
         return 0

@@ -26,7 +26,9 @@ Pure text processing: nothing here imports Triton or torch.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import re
 from collections import Counter
 
@@ -35,24 +37,15 @@ from moe_lab.perf.hardware import GPUArch
 # ------------------------------------------------------------------------------ resources
 
 _FP8_CVT = re.compile(r"\s*cvt\.\S*\.e[45]m[23]x2\s")  # the source type is the last
-_FUNCTION = re.compile(r"^\s*Function\s+(\S+?):\s*$")
+_FUNCTION = re.compile(r"^\s*Function\s+(\S+?):[ \t]*\n(.*)$", re.M)  # its name, the next line
 _FIELD = re.compile(r"([A-Z]+(?:\[\d+\])?):(\d+)")
 
 
 def parse_res_usage(text: str) -> dict[str, dict[str, int]]:
     """``cuobjdump -res-usage`` output → ``{function: {"REG": …, "STACK": …, "SHARED": …,
     "LOCAL": …, …}}`` (every ``NAME:value`` field of the line after ``Function name:``)."""
-    functions: dict[str, dict[str, int]] = {}
-    current: str | None = None
-    for line in text.splitlines():
-        match = _FUNCTION.match(line)
-        if match:
-            current = match.group(1)
-            continue
-        if current is not None and _FIELD.search(line):
-            functions[current] = {name: int(value) for name, value in _FIELD.findall(line)}
-            current = None
-    return functions
+    return {function: {name: int(value) for name, value in _FIELD.findall(fields)}
+            for function, fields in _FUNCTION.findall(text)}
 
 
 def parse_ptxas_log(text: str) -> dict[str, int]:
@@ -82,13 +75,9 @@ MMA_CLASSES = ("tcgen05.mma", "wgmma", "mma.sync")
 def instructions(ptx: str) -> list[str]:
     """The PTX's instruction lines, stripped, without predicates, labels, directives or
     comments (``@%p1 cp.async…`` → ``cp.async…``)."""
-    lines = []
-    for raw in ptx.splitlines():
-        line = raw.split("//", 1)[0].strip()
-        if not line or line.startswith((".", "$", "{", "}")) or line.endswith(":"):
-            continue
-        lines.append(_PREDICATE.sub("", line))
-    return lines
+    stripped = (raw.split("//", 1)[0].strip() for raw in ptx.splitlines())
+    return [_PREDICATE.sub("", line) for line in stripped
+            if line and not line.startswith((".", "$", "{", "}")) and not line.endswith(":")]
 
 
 def opcode(line: str) -> str:
@@ -106,22 +95,18 @@ def mma_instructions(ptx: str) -> dict[str, object]:
     16-bit MMA, as ``tl.dot_scaled`` does on sm_90)."""
     kinds: Counter[str] = Counter()
     upcasts = 0
-    present = set()
     block_scaled = False
     for line in instructions(ptx):
         upcasts += bool(_FP8_CVT.match(line))
         if match := _TCGEN05.search(line):
-            present.add("tcgen05.mma")
             scaled = bool(match.group(2)) or match.group(1).startswith("mx")
             block_scaled |= scaled
             kinds[f"tcgen05.mma kind::{match.group(1)}{' block_scale' if scaled else ''}"] += 1
         elif match := _WGMMA.search(line):
-            present.add("wgmma")
             kinds[f"wgmma {match.group(1)} {match.group(2)}"] += 1
         elif match := _MMA_SYNC.search(line):
-            present.add("mma.sync")
             kinds[f"mma.sync {match.group(1)} {match.group(2)}"] += 1
-    newest = next((name for name in MMA_CLASSES if name in present), "none")
+    newest = next((name for name in MMA_CLASSES if any(k.startswith(name) for k in kinds)), "none")
     return {"class": newest, "kinds": sorted(kinds), "count": sum(kinds.values()),
             "block_scaled": block_scaled, "fp8_upcasts": upcasts}
 
@@ -162,28 +147,16 @@ _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
 def _loops(ptx: str) -> list[tuple[int, int]]:
     """(first, last) line numbers of every backward branch's range, innermost first."""
     lines = ptx.splitlines()
-    labels = {}
-    for number, line in enumerate(lines):
-        if match := _LABEL.match(line.strip()):
-            labels[match.group(1)] = number
-    loops = []
-    for number, line in enumerate(lines):
-        match = _BRANCH.search(line)
-        if match and labels.get(match.group(1), number + 1) < number:
-            loops.append((labels[match.group(1)], number))
+    labels = {match.group(1): number for number, line in enumerate(lines)
+              if (match := _LABEL.match(line.strip()))}
+    loops = [(labels[match.group(1)], number) for number, line in enumerate(lines)
+             if (match := _BRANCH.search(line)) and labels.get(match.group(1), number + 1) < number]
     return sorted(loops, key=lambda span: span[1] - span[0])
 
 
-def _shorten(line: str, width: int) -> str:
-    line = re.sub(r"\s+", " ", line.rstrip(";"))
-    return line if len(line) <= width else line[: width - 1] + "…"
-
-
-def _priority(op: str) -> int:
-    """Which sketch lines to keep first: the MMAs, then the async copies and their waits."""
-    if op.startswith(("mma.", "wgmma.mma_async", "tcgen05.mma")):
-        return 0
-    return 1 if op.startswith(("cp.async", "mbarrier.try_wait", "wgmma.wait_group")) else 2
+# Which sketch lines to keep first: the MMAs, then the async copies and their waits, then the rest.
+_PRIORITY = (("mma.", "wgmma.mma_async", "tcgen05.mma"),
+             ("cp.async", "mbarrier.try_wait", "wgmma.wait_group"))
 
 
 def loop_sketch(ptx: str, max_lines: int = 14, width: int = 96) -> list[str]:
@@ -193,31 +166,29 @@ def loop_sketch(ptx: str, max_lines: int = 14, width: int = 96) -> list[str]:
     then its async copies and waits, then the rest, up to ``max_lines``; ``…`` marks a gap.
     Empty when no loop has an MMA or an async copy."""
     lines = ptx.splitlines()
-    wanted = None
-    for keys in (("mma.sync", "wgmma.mma_async", "tcgen05.mma"), ("cp.async",)):
-        wanted = next((span for span in _loops(ptx)
-                       if any(k in line for line in lines[span[0]:span[1] + 1] for k in keys)), None)
-        if wanted:
-            break
+    wanted = next((span for keys in (("mma.sync", "wgmma.mma_async", "tcgen05.mma"), ("cp.async",))
+                   for span in _loops(ptx)
+                   if any(k in line for line in lines[span[0]:span[1] + 1] for k in keys)), None)
     if wanted is None:
         return []
-    sketch: list[tuple[str, str, int]] = []  # (opcode, first line, run length)
-    for line in instructions("\n".join(lines[wanted[0]:wanted[1] + 1])):
-        op = opcode(line)
-        if not op.startswith(_SKETCH_PREFIXES):
-            continue
-        if sketch and sketch[-1][0] == op:
-            sketch[-1] = (op, sketch[-1][1], sketch[-1][2] + 1)
-        else:
-            sketch.append((op, line, 1))
-    ranked = sorted(range(len(sketch)), key=lambda i: (_priority(sketch[i][0]), i))
+    kept = [(opcode(line), line) for line in instructions("\n".join(lines[wanted[0]:wanted[1] + 1]))
+            if opcode(line).startswith(_SKETCH_PREFIXES)]
+    runs = [list(run) for _, run in itertools.groupby(kept, key=operator.itemgetter(0))]
+    sketch = [(run[0][0], run[0][1], len(run)) for run in runs]  # (opcode, first line, run length)
+
+    def priority(i: int) -> tuple[int, int]:
+        return next((rank for rank, ops in enumerate(_PRIORITY) if sketch[i][0].startswith(ops)), 2), i
+
+    ranked = sorted(range(len(sketch)), key=priority)
     keep = sorted(ranked[:max_lines])
     out: list[str] = []
     for position, index in enumerate(keep):
         if index > (keep[position - 1] + 1 if position else 0):
             out.append("…")
         op, first, count = sketch[index]
-        out.append(_shorten(first, width) + (f"   ×{count}" if count > 1 else ""))
+        first = re.sub(r"\s+", " ", first.rstrip(";"))
+        first = first if len(first) <= width else first[: width - 1] + "…"
+        out.append(first + (f"   ×{count}" if count > 1 else ""))
     return out + (["…"] if keep and keep[-1] < len(sketch) - 1 else [])
 
 
@@ -239,12 +210,9 @@ def occupancy(registers: int, shared_bytes: int, num_warps: int, limits: GPUArch
     unit = limits.register_alloc_unit
     registers_per_warp = math.ceil(max(registers, 1) * 32 / unit) * unit
     by_registers = (limits.registers_per_sm // registers_per_warp) // num_warps
-    if shared_bytes > limits.max_shared_per_block:
-        by_shared = 0
-    else:
-        per_block = shared_bytes + limits.reserved_shared_per_block
-        per_block = math.ceil(per_block / limits.shared_alloc_unit) * limits.shared_alloc_unit
-        by_shared = limits.shared_per_sm // per_block
+    per_block = shared_bytes + limits.reserved_shared_per_block
+    per_block = math.ceil(per_block / limits.shared_alloc_unit) * limits.shared_alloc_unit
+    by_shared = 0 if shared_bytes > limits.max_shared_per_block else limits.shared_per_sm // per_block
     by = {"registers": by_registers, "shared": by_shared,
           "warps": limits.max_warps_per_sm // num_warps, "blocks": limits.max_blocks_per_sm}
     limiter = min(by, key=lambda name: by[name])  # min keeps the first of equal values

@@ -29,6 +29,7 @@ stride) is a constexpr, as a launch makes it.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -44,10 +45,7 @@ from typing import Any, TextIO
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.workbench.compile_report.worker import SCALARS, parse_archs
 
-Archs = str | list[str] | tuple[str, ...]
-
 DEFAULT_ARCHS = ("sm_90", "sm_100")
-LEDGER_NOTEBOOK = "compile"
 # The fields of a row a ledger record carries besides its figure (theoretical warps per SM).
 LEDGER_FIELDS = ("kernel", "label", "arch", "blocks", "num_warps", "num_stages", "registers", "spill_bytes",
                  "shared_bytes", "blocks_per_sm", "limiter", "mma_class", "mma_kinds", "async_copy",
@@ -76,7 +74,6 @@ def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0,
         timer.start()
         tail: list[str] = []
         try:
-            assert child.stdout is not None
             for line in child.stdout:
                 (progress or sys.stderr).write(line)
                 tail = (tail + [line])[-40:]
@@ -100,24 +97,9 @@ def compile_report(archs: tuple[str, ...] = DEFAULT_ARCHS,
     fails (a module without specs, a launched kernel no spec covers, a failed compile)."""
     from moe_lab.perf.capabilities import capabilities
 
-    jobs = None if modules is None else [{**module_job(m), "coverage": True} for m in modules]
-    request = {"archs": list(archs), "jobs": jobs}
-    return {**run_in_child(request), "compiled_on": capabilities().hardware_label()}
-
-
-def _is_kernel(value: object) -> bool:
-    """A ``@jit`` or ``@triton.jit`` function, compiled (`JITFunction`) or interpreted."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    return isinstance(value, (JITFunction, InterpretedFunction))
-
-
-def _in_package(fn: Any) -> bool:
-    """Whether kernel ``fn`` is an attribute of a moe_lab module (the compile process can
-    import it by name; other modules, a notebook's or a test's, travel as source)."""
-    module = fn.fn.__module__
-    return module.startswith("moe_lab.") and getattr(sys.modules.get(module), fn.fn.__name__, None) is fn
+    jobs = None if modules is None else [module_job(m) for m in modules]
+    result = run_in_child({"archs": list(archs), "jobs": jobs})
+    return {**result, "compiled_on": capabilities().hardware_label()}
 
 
 def _portable_globals(fn: Any) -> dict[str, list]:
@@ -131,8 +113,6 @@ def _portable_globals(fn: Any) -> dict[str, list]:
         value = scope[name]
         if isinstance(value, types.ModuleType):
             out[name] = ["module", value.__name__]
-        elif _is_kernel(value) and _in_package(value):
-            out[name] = ["attr", value.fn.__module__, value.fn.__name__]
         elif isinstance(value, SCALARS):
             out[name] = ["value", value]
         else:
@@ -146,51 +126,49 @@ def kernel_job(kernel: str | Any, signature: dict[str, str], constexprs: dict[st
     """A compile job for one kernel (for `compile_jobs`).
 
     ``kernel``: ``"module:function"``, or a ``@triton.jit`` function; one defined outside
-    moe_lab (in a notebook) travels to the compile process as its source, with the modules,
-    moe_lab kernels and plain values it refers to. ``signature``, ``constexprs``, ``config``:
+    moe_lab (in a notebook) travels to the compile process as its source, with the modules and
+    plain values it refers to. ``signature``, ``constexprs``, ``config``:
     as in `moe_lab.workbench.compile_report.specs.CompileSpec` (``config`` default: 4 warps,
     3 stages).
     """
     inline = None
     if not isinstance(kernel, str):
-        if not _is_kernel(kernel):
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        if not isinstance(kernel, (JITFunction, InterpretedFunction)):  # compiled or interpreted
             raise ValueError(f"kernel must be 'module:function' or a @triton.jit function, got {kernel!r}")
-        name = kernel.fn.__name__
-        if _in_package(kernel):
-            kernel = f"{kernel.fn.__module__}:{name}"
+        module, name = kernel.fn.__module__, kernel.fn.__name__
+        if module.startswith("moe_lab.") and getattr(sys.modules.get(module), name, None) is kernel:
+            kernel = f"{module}:{name}"  # a moe_lab kernel (an exercise's solution): imported by name
         else:
             inline = {"name": name, "source": textwrap.dedent(inspect.getsource(kernel.fn)),
                       "globals": _portable_globals(kernel)}
             kernel = f"<inline>:{name}"
-    config = config or LaunchConfig()
     spec = {"kernel": kernel, "label": label or kernel.partition(":")[2], "signature": dict(signature),
-            "constexprs": dict(constexprs or {}),
-            "config": {"blocks": dict(config.blocks), "num_warps": config.num_warps,
-                       "num_stages": config.num_stages}}
+            "constexprs": dict(constexprs or {}), "config": dataclasses.asdict(config or LaunchConfig())}
     return {"spec": spec, "inline": inline}
 
 
 def module_job(module: str | types.ModuleType, kernel: str | None = None, label_contains: str | None = None,
-               limit: int | None = None, index: int | None = None) -> dict[str, Any]:
+               limit: int | None = None) -> dict[str, Any]:
     """A compile job for a kernel module's specs (`moe_lab.workbench.compile_report.specs`) —
     the kernels at the configurations their wrappers pick (for `compile_jobs`) — narrowed to ``kernel`` (a
-    function name) and labels containing ``label_contains``, then to the one at ``index``
-    (negative: from the end) or the first ``limit``."""
+    function name) and labels containing ``label_contains``, then to the first ``limit``; without any
+    of them, also an error row for each launched kernel no spec covers."""
     name = module if isinstance(module, str) else module.__name__
-    select = {"kernel": kernel, "label_contains": label_contains, "limit": limit, "index": index}
-    return {"module": name, "select": select, "coverage": False}
+    return {"module": name, "select": {"kernel": kernel, "label_contains": label_contains, "limit": limit}}
 
 
-def compile_jobs(*jobs: dict[str, Any], archs: Archs = DEFAULT_ARCHS,
-                 cubin_dir: str | os.PathLike[str] | None = None,
-                 progress: TextIO | None = None) -> list[dict[str, Any]]:
+def compile_jobs(*jobs: dict[str, Any], archs: str | list[str] | tuple[str, ...] = DEFAULT_ARCHS,
+                 cubin_dir: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """Compile `kernel_job`s and `module_job`s for each of ``archs`` (in one child process)
     and return the report rows, in job order; keep the cubins in ``cubin_dir`` when given.
-    The progress lines (one per compiled row) go to ``progress``, by default this process's
-    standard output: in a notebook they are output, not an error."""
+    The progress lines (one per compiled row) go to this process's standard output: in a
+    notebook they are output, not an error."""
     request = {"archs": list(parse_archs(archs)), "jobs": list(jobs),
                "cubin_dir": None if cubin_dir is None else str(cubin_dir)}
-    return run_in_child(request, progress=progress or sys.stdout)["rows"]
+    return run_in_child(request, progress=sys.stdout)["rows"]
 
 
 # ------------------------------------------------------------------------------ showing it
@@ -204,20 +182,6 @@ def _short_kernel(row: dict[str, Any]) -> str:
     return f"{module.rsplit('.', 1)[-1]}:{name}" if name else module
 
 
-def _mma_text(row: dict[str, Any]) -> str:
-    text = "; ".join(row["mma_kinds"]) if row["mma_kinds"] else "none (CUDA cores)"
-    upcasts = row.get("fp8_upcasts", 0)  # FP8 operands widened to 16 bits before the MMA
-    return f"{text} (+{upcasts} FP8 upcast cvt)" if upcasts else text
-
-
-def _copy_text(row: dict[str, Any]) -> str:
-    copies = row["copies"]
-    if row["async_copy"] == "none":
-        return "none"
-    pending = copies["max_pending_groups"]
-    return f"{row['async_copy']}" + (f", {pending} group(s) in flight" if pending else "")
-
-
 def table_cells(row: dict[str, Any], label_width: int | None = None) -> list[str]:
     """One row of the table (`COLUMNS`), the label cut to ``label_width`` characters when
     given; an error row says so in the third cell."""
@@ -227,10 +191,16 @@ def table_cells(row: dict[str, Any], label_width: int | None = None) -> list[str
     head = [f"{_short_kernel(row)} — {label}", row.get("arch") or "all"]
     if row.get("error"):
         return head + [f"ERROR: {row['error'].splitlines()[0][:160]}"] + [""] * (len(COLUMNS) - 3)
+    mma = "; ".join(row["mma_kinds"]) or "none (CUDA cores)"
+    upcasts = row.get("fp8_upcasts", 0)  # FP8 operands widened to 16 bits before the MMA
+    pending = row["copies"]["max_pending_groups"]
+    copy = row["async_copy"] + (f", {pending} group(s) in flight" if pending else "")
     return head + [
         str(row["registers"]), str(row["spill_bytes"]), f"{row['shared_bytes'] / 1024:.1f}",
-        str(row["blocks_per_sm"]), str(row["warps_per_sm"]), row["limiter"], _mma_text(row),
-        _copy_text(row), f"{row['copies'].get('tma', 0)} / {row['copies'].get('mbarrier_inits', 0)}",
+        str(row["blocks_per_sm"]), str(row["warps_per_sm"]), row["limiter"],
+        f"{mma} (+{upcasts} FP8 upcast cvt)" if upcasts else mma,
+        "none" if row["async_copy"] == "none" else copy,
+        f"{row['copies'].get('tma', 0)} / {row['copies'].get('mbarrier_inits', 0)}",
         "persistent" if row.get("persistent") else "a program per tile", str(row["num_stages"]),
         f"{row['compile_s']:.2f}",
     ]
@@ -249,12 +219,11 @@ def format_rows_with_loop(rows: list[dict[str, Any]]) -> str:
     notebook."""
     parts = []
     for row in rows:
-        parts.append(format_table([row]).splitlines()[-1] if not row.get("error") else
-                     f"{_short_kernel(row)} [{row.get('arch')}]: ERROR {row['error']}")
-        if not row.get("error"):
-            loop = row["loop"] or ["(no loop with an MMA or an async copy)"]
-            parts.append(f"  inner loop on {row['arch']} ({row['gpu']}):")
-            parts += [f"    {line}" for line in loop]
+        if row.get("error"):
+            parts.append(f"{_short_kernel(row)} [{row.get('arch')}]: ERROR {row['error']}")
+            continue
+        parts += [format_table([row]).splitlines()[-1], f"  inner loop on {row['arch']} ({row['gpu']}):"]
+        parts += [f"    {line}" for line in row["loop"] or ["(no loop with an MMA or an async copy)"]]
     return "\n".join(parts)
 
 
@@ -332,24 +301,6 @@ def summary_markdown(report: dict[str, Any]) -> str:
     )
 
 
-def _write_beside(path: Path, text: str) -> str:
-    """``text`` in a temporary file beside ``path`` (readable as the result will be); its name."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp",
-                                     delete=False, encoding="utf-8") as tmp:
-        try:
-            tmp.write(text)
-        except BaseException:
-            os.unlink(tmp.name)
-            raise
-    os.chmod(tmp.name, 0o644)  # a temporary file is private; the result is not
-    return tmp.name
-
-
-def _failed_name(path: Path) -> Path:
-    """``sm_90.json`` -> ``sm_90.failed.json``: where a report with failed rows goes."""
-    return path.with_name(f"{path.stem}.failed{path.suffix}")
-
-
 def write_results(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> list[Path]:
     """Write ``<arch>.json`` for each arch and ``summary.md`` into ``out_dir``; returns the paths.
 
@@ -359,47 +310,42 @@ def write_results(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> li
     toolchain would lose good figures): it is written as ``<arch>.failed.json`` and
     ``summary.failed.md`` instead, which the next report without failed rows removes."""
     out = Path(out_dir)
+    failed = ".failed" if any(row.get("error") for row in report["rows"]) else ""
     texts = {}
     for arch in report["archs"]:
         part = {**report, "archs": [arch], "limits": {arch: report["limits"][arch]},
                 "rows": [row for row in report["rows"] if row.get("arch") in (arch, None)]}
-        texts[out / f"{arch}.json"] = json.dumps(part, indent=1) + "\n"
-    texts[out / "summary.md"] = summary_markdown(report)
-    failed = any(row.get("error") for row in report["rows"])
-    if failed:
-        texts = {_failed_name(path): text for path, text in texts.items()}
+        texts[out / f"{arch}{failed}.json"] = json.dumps(part, indent=1) + "\n"
+    texts[out / f"summary{failed}.md"] = summary_markdown(report)
     out.mkdir(parents=True, exist_ok=True)
-    beside: dict[Path, str] = {}
+    beside = {path: path.with_name(f".{path.name}.{os.getpid()}.tmp") for path in texts}
     try:
         for path, text in texts.items():
-            beside[path] = _write_beside(path, text)
+            beside[path].write_text(text, encoding="utf-8")
         for path, tmp in beside.items():
             os.replace(tmp, path)
     finally:
         for tmp in beside.values():  # those not renamed: a later write failed
-            Path(tmp).unlink(missing_ok=True)
-    if not failed:
+            tmp.unlink(missing_ok=True)
+    if not failed:  # the good report replaces the failed one beside it
         for path in texts:
-            _failed_name(path).unlink(missing_ok=True)
+            path.with_name(f"{path.stem}.failed{path.suffix}").unlink(missing_ok=True)
     return list(texts)
 
 
-def record(rows: list[dict[str, Any]], notebook: str = LEDGER_NOTEBOOK) -> int:
+def record(rows: list[dict[str, Any]], notebook: str = "compile") -> int:
     """Append one ledger record per compiled row (error rows have no figure): theoretical
     warps per SM, with the rest of the row as extra fields. Returns the number recorded."""
     from moe_lab.perf.capabilities import capabilities
     from moe_lab.workbench.measure import ledger
 
     compiled_on = capabilities().hardware_label()
-    count = 0
-    for row in rows:
-        if row.get("error"):
-            continue
+    compiled = [row for row in rows if not row.get("error")]
+    for row in compiled:
         ledger.record(notebook, f"{_short_kernel(row)} {row['label']}", "warps_per_sm", row["warps_per_sm"],
                       "warps", hardware=f"{row['gpu']} ({row['arch']}), compiled only",
                       kind="compiled", compiled_on=compiled_on, **{key: row[key] for key in LEDGER_FIELDS})
-        count += 1
-    return count
+    return len(compiled)
 
 
 def default_out_dir() -> Path:

@@ -90,8 +90,8 @@ def markdown(rows: list[dict]) -> str:
              "`traffic.md`'s third table, those with bf16 MMAs; the grouped MXFP8 GEMM is not on "
              "this bf16 roofline.", "",
              "| GPU | model | launch | GFLOP | compulsory MB | modelled MB (grouped) | FLOP/byte "
-             "| ridge | bound | projected µs (grouped, new) | projected µs (row-fastest, old) | bound (old) "
-             "| 8-bit compute floor µs | wave efficiency |",
+             "| ridge | bound | projected µs (grouped, new) | projected µs (row-fastest, old) "
+             "| bound (old) | 8-bit compute floor µs | wave efficiency |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | {r['flops'] / 1e9:,.1f} "
               f"| {r['compulsory'] / 1e6:,.1f} | {r['modelled'] / 1e6:,.1f} | {r['intensity']:,.0f} "
@@ -118,16 +118,13 @@ def write_tables(results: Path = traffic.RESULTS) -> list[Path]:
     8-bit MMAs, `launch_projections`) into
     ``results`` from the compile reports there (`moe_lab.workbench.compile_report.traffic.reports`);
     the traffic model runs once for both. Returns the paths written."""
-    rows = traffic.tables(results)
-    written = []
-    dw_rows, kernel_rows = traffic.dw_tables(results), traffic.kernel_tables(results)
-    projected = launch_projections(rows, dw_rows, kernel_rows)
-    for name, text in (("traffic.md", traffic.markdown(rows, dw_rows, kernel_rows)),
-                       ("roofline.md", markdown(projected))):
-        path = Path(results) / name
+    rows, dw_rows = traffic.tables(results), traffic.dw_tables(results)
+    kernel_rows = traffic.kernel_tables(results)
+    texts = {Path(results) / "traffic.md": traffic.markdown(rows, dw_rows, kernel_rows),
+             Path(results) / "roofline.md": markdown(launch_projections(rows, dw_rows, kernel_rows))}
+    for path, text in texts.items():
         path.write_text(text)
-        written.append(path)
-    return written
+    return list(texts)
 
 
 def plot(rows: list[dict], ax=None):

@@ -31,32 +31,28 @@ from moe_lab.perf.traffic import simulate, simulate_dw
 ACCEPTANCE = (("DeepSeek-V3 EP8", 2048, 32, 7168, 2048), ("GPT-OSS-20B", 1024, 32, 2880, 2880))
 RESULTS = Path(__file__).resolve().parents[3] / "results" / "compile"
 REPORT = RESULTS / "sm_90.json"
-# (launch, choose_config kind, kernel, what its compile-report label says, N, K, B panels) per
-# model, with N and K from (d_model, d_expert).
-LAUNCHES = (("forward (down)", "gemm", "_grouped_gemm_kernel", "grouped GEMM forward (down", "d", "f", 1),
-            ("dX (down)", "gemm", "_grouped_gemm_kernel", "grouped GEMM dX", "f", "d", 1),
-            ("gather + SwiGLU forward", "swiglu", "_gather_swiglu_kernel", "SwiGLU GEMM forward",
-             "f", "d", 2))
+# The acceptance table's launches, at `choose_config`'s tiles, as `KERNEL_LAUNCHES` (below) writes
+# them.
+LAUNCHES = (("forward (down)", "_grouped_gemm_kernel", "grouped", "gemm", "grouped GEMM forward (down",
+             "d", "f", dict(b_panels=1)),
+            ("dX (down)", "_grouped_gemm_kernel", "grouped", "gemm", "grouped GEMM dX", "f", "d",
+             dict(b_panels=1)),
+            ("gather + SwiGLU forward", "_gather_swiglu_kernel", "grouped", "swiglu", "SwiGLU GEMM forward",
+             "f", "d", dict(b_panels=2)))
 
 
 @functools.cache
-def _simulated(rows: tuple[int, ...], *args: int, **keywords: object):
-    """`simulate` once per distinct launch: the tables meet the same one more than once (a fused
-    kernel at its unfused kernel's tile and occupancy, the SwiGLU backward in both modules)."""
-    return simulate(list(rows), *args, **keywords)
-
-
-@functools.lru_cache(maxsize=24)
-def _cached(rows_of: Callable, gpu: str, report_text: str, *selection: object) -> tuple[dict, ...]:
-    """``rows_of`` on one GPU and its compile report, once per distinct report and selection."""
-    return tuple(rows_of(gpu_spec(gpu), json.loads(report_text), *selection))
+def _simulated(model: Callable, rows: tuple[int, ...], *args: int, **keywords: object):
+    """``model`` (`simulate`, `simulate_dw`) once per distinct launch: the tables meet the same one
+    more than once (a fused kernel at its unfused kernel's tile and occupancy, the SwiGLU backward
+    in both modules), and a notebook or a test asks for them again."""
+    return model(list(rows), *args, **keywords)
 
 
 def _per_gpu(rows_of: Callable, results: Path, *selection: object) -> list[dict]:
-    """``rows_of(spec, report, *selection)`` on every compile target's GPU (`reports`), each row a
-    dict of its own."""
-    return [dict(row) for gpu, path in reports(results).items()
-            for row in _cached(rows_of, gpu_spec(gpu).name, Path(path).read_text(), *selection)]
+    """``rows_of(spec, report, *selection)`` on every compile target's GPU (`reports`)."""
+    return [row for gpu, path in reports(results).items()
+            for row in rows_of(gpu_spec(gpu), json.loads(Path(path).read_text()), *selection)]
 
 
 def reports(results: Path = RESULTS) -> dict[str, Path]:
@@ -109,7 +105,7 @@ def _grouped_launch(spec, report: dict, per_expert: int, experts: int, n: int, k
     aligned = on_expert_bounds(expert_tiles, in_flight)
 
     def run(order, flight: int):
-        return _simulated((per_expert,) * experts, n, k, b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
+        return _simulated(simulate, (per_expert,) * experts, n, k, b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
                           in_flight=flight, l2_bytes=spec.l2_bytes, order=order, **keywords)
 
     traffic = {"row": run("row", in_flight), "grouped": run(group, in_flight)}
@@ -124,23 +120,6 @@ def _grouped_launch(spec, report: dict, per_expert: int, experts: int, n: int, k
             **{name: t.ratio for name, t in traffic.items()}}
 
 
-def _acceptance(spec, report: dict, models: tuple[str, ...] | None, launches: tuple[str, ...] | None):
-    for model, per_expert, experts, dims in _models(models):
-        for launch, kind, kernel, label, n_dim, k_dim, panels in LAUNCHES:
-            if launches is not None and launch not in launches:
-                continue
-            n, k = dims[n_dim], dims[k_dim]
-            cfg = choose_config(kind, per_expert * experts, n, k, experts, torch.bfloat16)
-            row = _grouped_launch(spec, report, per_expert, experts, n, k, cfg, kernel, label,
-                                  {"b_panels": panels}, always_aligned=True)
-            # The least one wave touches over its K sweep (g row tiles x in_flight / g N tiles): above
-            # the L2, nothing a wave reads survives to the next, whatever the order.
-            b, in_flight = cfg.blocks, row["in_flight"]
-            wave = min(k * 2 * (g * b["BLOCK_M"] + -(-in_flight // g) * b["BLOCK_N"] * panels)
-                       for g in (1 << i for i in range(in_flight.bit_length())))
-            yield dict(model=model, launch=launch, **row, wave_l2=wave / spec.l2_bytes)
-
-
 def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
            launches: tuple[str, ...] | None = None) -> list[dict]:
     """Modelled / compulsory bytes of the grouped GEMM forward (down projection), its dX and the
@@ -153,7 +132,7 @@ def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
     ``aligned_bytes``) and the programs that have work (``programs``, ``expert_tiles`` of them
     per expert). ``models`` and ``launches``: the `ACCEPTANCE` models and `LAUNCHES` to run
     (default: all)."""
-    return _per_gpu(_acceptance, results, models, launches)
+    return _per_gpu(_launch_rows, results, models, launches, LAUNCHES, True)
 
 
 # The weight gradients: (launch, compile-report label piece, K, N) of dW[e] = X_eᵀ·dY_e, a reduction
@@ -169,9 +148,9 @@ def _dw_acceptance(spec, report: dict):
             cfg = choose_config("dw", per_expert * experts, n, k, experts, torch.bfloat16)
             b = cfg.blocks
             in_flight = spec.sms * blocks_per_sm(report, "_grouped_gemm_dw_kernel", b, cfg.num_warps, label)
-            traffic = {name: simulate_dw([per_expert] * experts, k, n, b["BLOCK_M"], b["BLOCK_K"],
-                                         b["BLOCK_N"], in_flight=in_flight, l2_bytes=spec.l2_bytes,
-                                         order=order)
+            traffic = {name: _simulated(simulate_dw, (per_expert,) * experts, k, n, b["BLOCK_M"],
+                                        b["BLOCK_K"], b["BLOCK_N"], in_flight=in_flight,
+                                        l2_bytes=spec.l2_bytes, order=order)
                        for name, order in (("row", "expert_fastest"), ("grouped", DW_GROUP_K))}
             yield dict(gpu=spec.name, model=model, launch=launch, per_expert=per_expert, experts=experts,
                        n=n, k=k, panels=1, tiles="x".join(map(str, b.values())), in_flight=in_flight,
@@ -238,17 +217,25 @@ def kernel_config(source: str, kind: str | None, m: int, n: int, k: int, experts
     return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
 
 
-def _kernel_rows(spec, report: dict, models: tuple[str, ...] | None, launches: tuple[str, ...] | None):
+def _launch_rows(spec, report: dict, models: tuple[str, ...] | None, launches: tuple[str, ...] | None,
+                 table: tuple, acceptance: bool):
+    """The rows of ``table`` (`LAUNCHES`: ``acceptance``, always with its waves on expert bounds,
+    or `KERNEL_LAUNCHES`) on one GPU, each with the least bytes one wave touches over its K sweep."""
     for model, per_expert, experts, dims in _models(models):
-        for launch, kernel, source, kind, label, n_dim, k_dim, keywords in KERNEL_LAUNCHES:
+        for launch, kernel, source, kind, label, n_dim, k_dim, keywords in table:
             if launches is not None and launch not in launches:
                 continue
             n, k = dims[n_dim], dims[k_dim]
             cfg = kernel_config(source, kind, per_expert * experts, n, k, experts, spec.name)
             row = _grouped_launch(spec, report, per_expert, experts, n, k, cfg, kernel, label, keywords,
-                                  always_aligned=False)
-            mma = "8-bit" if source == "mx" else "bf16"
-            yield dict(model=model, launch=launch, kernel=kernel, mma=mma, num_warps=cfg.num_warps, **row)
+                                  always_aligned=acceptance)
+            # The least one wave touches over its K sweep (g row tiles x in_flight / g N tiles): above
+            # the L2, nothing a wave reads survives to the next, whatever the order.
+            b, in_flight = cfg.blocks, row["in_flight"]
+            wave = min(k * 2 * (g * b["BLOCK_M"] + -(-in_flight // g) * b["BLOCK_N"] * row["panels"])
+                       for g in (1 << i for i in range(in_flight.bit_length())))
+            yield dict(model=model, launch=launch, kernel=kernel, mma="8-bit" if source == "mx" else "bf16",
+                       num_warps=cfg.num_warps, **row, wave_l2=wave / spec.l2_bytes)
 
 
 def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
@@ -262,7 +249,7 @@ def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None
     kernel multiplies bf16 tiles (the fused MXFP8 kernels decode or quantize in registers around
     a bf16 MMA) or 8-bit ones (the grouped MXFP8 GEMM). ``models`` and
     ``launches``: the `ACCEPTANCE` models and `KERNEL_LAUNCHES` to run (default: all)."""
-    return _per_gpu(_kernel_rows, results, models, launches)
+    return _per_gpu(_launch_rows, results, models, launches, KERNEL_LAUNCHES, False)
 
 
 def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
@@ -278,14 +265,6 @@ def straddle_sentence(rows: list[dict], tolerance: float = 0.005) -> str:
     return ("Straddling waves: where the programs in flight do not divide an expert's output tiles, a "
             "lockstep wave spans two experts and reads both experts' panels at once, more than the L2 "
             f"keeps, and waves on expert bounds move fewer bytes ({cases}).")
-
-
-def _aligned_cell(row: dict) -> str:
-    """The on-expert-bounds cell of a `kernel_tables` row: its ratio and programs in flight, or a
-    dash where the grouped order is at compulsory or its waves already sit on expert bounds."""
-    if row["aligned"] is None:
-        return "—"
-    return f"{row['aligned']:.3f} at {row['aligned_in_flight']} in flight"
 
 
 def markdown(rows: list[dict], dw_rows: list[dict], kernel_rows: list[dict]) -> str:
@@ -337,7 +316,10 @@ def markdown(rows: list[dict], dw_rows: list[dict], kernel_rows: list[dict]) -> 
     lines += [f"| {r['gpu']} | {r['model']} | {r['launch']} | `{r['kernel']}` | {r['n']} | {r['k']} "
               f"| {r['tiles']} | {r['num_warps']} | {r['in_flight']} | {r['group_m']} "
               f"| {r['compulsory'] / 1e6:,.1f} | {r['row']:.3f} | {r['grouped']:.3f} "
-              f"| {_aligned_cell(r)} |" for r in kernel_rows]
+              # on expert bounds: a dash where the grouped order is at compulsory or its waves already are
+              + ("| — |" if r["aligned"] is None else
+                 f"| {r['aligned']:.3f} at {r['aligned_in_flight']} in flight |")
+              for r in kernel_rows]
     return "\n".join(lines) + "\n"
 
 

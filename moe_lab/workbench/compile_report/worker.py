@@ -84,31 +84,13 @@ def triton_signature(fn: Any, kernel: str, signature: dict[str, str], constexprs
     return sig, values, attrs, divisible
 
 
-def _resource_usage(cubin: bytes, name: str) -> dict[str, int]:
-    """``cuobjdump -res-usage`` of ``cubin`` (written to a temporary file), for function ``name``."""
-    from triton import knobs
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"{name}.cubin"
-        path.write_bytes(cubin)
-        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", str(path)],
-                             capture_output=True, text=True, check=True).stdout
-    functions = reading.parse_res_usage(out)
-    if name not in functions:
-        raise ValueError(f"cuobjdump names functions {sorted(functions)}, not the kernel {name!r}")
-    return functions[name]
-
-
 def _loaded_figures(compiled: Any, arch: str) -> dict[str, Any] | None:
     """Registers and spills as the CUDA driver reports them after loading the cubin, where a
     GPU of ``arch`` is present; ``None`` elsewhere."""
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            return None
-        major, minor = torch.cuda.get_device_capability()
-        if f"sm_{major}{minor}" != arch:
+        if not torch.cuda.is_available() or "sm_{}{}".format(*torch.cuda.get_device_capability()) != arch:
             return None
         compiled._init_handles()
         return {"registers": compiled.n_regs, "spills": compiled.n_spills}
@@ -134,6 +116,7 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
     given. Triton must have been imported here with ``TRITON_INTERPRET=0`` and
     ``TRITON_DUMP_PTXAS_LOG=1``."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -149,7 +132,13 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
                                   options={"num_warps": config.num_warps, "num_stages": config.num_stages})
     seconds = time.perf_counter() - start
     meta, ptx = compiled.metadata, compiled.asm["ptx"]
-    res = _resource_usage(compiled.asm["cubin"], meta.name)
+    with tempfile.TemporaryDirectory() as tmp:  # cuobjdump -res-usage reads the cubin from a file
+        cubin = Path(cubin_dir or tmp) / f"{arch}-{meta.name}-{meta.hash[:12]}.cubin"
+        cubin.parent.mkdir(parents=True, exist_ok=True)
+        cubin.write_bytes(compiled.asm["cubin"])
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", str(cubin)],
+                             capture_output=True, text=True, check=True).stdout
+    res = reading.parse_res_usage(out)[meta.name]
     ptxas = reading.parse_ptxas_log(log.getvalue())
     # On sm_90 and later ptxas places the system's reserved kilobyte in the cubin of a kernel
     # that uses shared memory, and leaves it out of its log: the difference must be that or 0.
@@ -171,10 +160,6 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
     loaded = _loaded_figures(compiled, arch)
     if loaded and "registers" in loaded:  # with a GPU of this arch: the driver's count too
         checks["driver_registers"] = [res["REG"], loaded["registers"]]
-    if cubin_dir is not None:
-        cubin = Path(cubin_dir) / f"{arch}-{meta.name}-{meta.hash[:12]}.cubin"
-        cubin.parent.mkdir(parents=True, exist_ok=True)
-        cubin.write_bytes(compiled.asm["cubin"])
     mma = reading.mma_instructions(ptx)
     copies = reading.async_copies(ptx)
     return {
@@ -228,32 +213,6 @@ def launched_kernels(module: types.ModuleType) -> list[str]:
                   and re.search(rf"\b{re.escape(name)}\s*\[|[(,]\s*{re.escape(name)}\s*,", source))
 
 
-def module_specs(module_name: str, select: dict[str, Any]) -> tuple[list[CompileSpec], list[str]]:
-    """A kernel module's specs (`moe_lab.workbench.compile_report.specs.for_module`) narrowed
-    by ``select`` (``kernel``: function name, ``label_contains``; then ``index``: the one at
-    that position, negative from the end; ``limit``: the first so many), and what is missing:
-    no specs, or a launched kernel no spec (of all of them) covers."""
-    module = importlib.import_module(module_name)
-    try:
-        specs = for_module(module_name)
-    except ValueError as exc:
-        return [], [str(exc)]
-    covered = {s.kernel for s in specs}
-    missing = [f"{module_name}:{name} is launched but no CompileSpec covers it"
-               for name in launched_kernels(module) if f"{module_name}:{name}" not in covered]
-    if select.get("kernel"):
-        specs = [s for s in specs if s.kernel.partition(":")[2] == select["kernel"]]
-    if select.get("label_contains"):
-        specs = [s for s in specs if select["label_contains"] in s.label]
-    if select.get("index") is not None:
-        specs = specs[select["index"]:][:1] if -len(specs) <= select["index"] < len(specs) else []
-    if select.get("limit"):
-        specs = specs[: select["limit"]]
-    if not specs:
-        missing.append(f"no CompileSpec of {module_name} matches {select}")
-    return specs, missing
-
-
 def inline_kernel(inline: dict[str, Any]) -> Any:
     """Re-create a kernel defined in a notebook from its source and the globals it uses, in
     a file of its own so that Triton can read its source back."""
@@ -265,20 +224,11 @@ def inline_kernel(inline: dict[str, Any]) -> Any:
     module = types.ModuleType(f"moe_lab_inline_{inline['name']}")
     module.__file__ = str(path)
     module.__dict__.update(triton=triton, tl=tl)
-    for name, (kind, *value) in inline["globals"].items():
-        if kind == "module":
-            module.__dict__[name] = importlib.import_module(value[0])
-        elif kind == "attr":
-            module.__dict__[name] = getattr(importlib.import_module(value[0]), value[1])
-        else:
-            module.__dict__[name] = value[0]
+    for name, (kind, value) in inline["globals"].items():  # a module (by its name) or a plain value
+        module.__dict__[name] = importlib.import_module(value) if kind == "module" else value
     sys.modules[module.__name__] = module
     exec(compile(inline["source"], str(path), "exec"), module.__dict__)
     return module.__dict__[inline["name"]]
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _collect(job: dict[str, Any]) -> tuple[list[tuple[Any, CompileSpec]], list[dict[str, Any]]]:
@@ -291,12 +241,26 @@ def _collect(job: dict[str, Any]) -> tuple[list[tuple[Any, CompileSpec]], list[d
             return [(inline_kernel(job["inline"]) if job.get("inline") else None, spec)], []
         except Exception as exc:  # a kernel that cannot be rebuilt is a row of the report, not its end
             return [], [error_row(raw["kernel"], raw["label"], None, f"{type(exc).__name__}: {exc}")]
-    module_name = job["module"]
+    # A kernel module's specs (`moe_lab.workbench.compile_report.specs.for_module`), narrowed by
+    # the job's ``select`` (``kernel``: a function name, ``label_contains``, then the first
+    # ``limit``), and what is missing: no specs, none selected, or (without a selection) a
+    # launched kernel no spec covers.
+    module_name, select = job["module"], job.get("select") or {}
     try:
-        specs, missing = module_specs(module_name, job.get("select") or {})
-        missing = missing if job.get("coverage", True) or not specs else []
-    except Exception as exc:  # a broken module is a row of the report, not its end
-        specs, missing = [], [f"{module_name}: {type(exc).__name__}: {exc}"]
+        module = importlib.import_module(module_name)
+        specs = for_module(module_name)
+        covered = {s.kernel for s in specs}
+        missing = [f"{module_name}:{name} is launched but no CompileSpec covers it"
+                   for name in launched_kernels(module) if f"{module_name}:{name}" not in covered]
+    except Exception as exc:  # no specs, or a broken module: a row of the report, not its end
+        why = str(exc) if isinstance(exc, ValueError) else f"{module_name}: {type(exc).__name__}: {exc}"
+        return [], [error_row(module_name, "(module)", None, why)]
+    specs = [s for s in specs if select.get("kernel") in (None, s.kernel.partition(":")[2])
+             and (select.get("label_contains") or "") in s.label][: select.get("limit")]
+    if not specs:
+        missing.append(f"no CompileSpec of {module_name} matches {select}")
+    elif any(select.values()):
+        missing = []
     return [(None, spec) for spec in specs], [error_row(module_name, "(module)", None, m) for m in missing]
 
 
@@ -308,19 +272,18 @@ def _compile_row(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None, c
     except Exception as exc:  # a failed compile is a row of the report, not its end
         row = {**identity(spec, arch),
                **error_row(spec.kernel, spec.label, arch, f"{type(exc).__name__}: {str(exc)[:2000]}")}
-        _progress(f"{count} {arch:<6} {spec.kernel} ({spec.label}): FAILED {row['error'][:300]}")
-        return row
-    _progress(f"{count} {arch:<6} {spec.kernel} ({spec.label}): {row['registers']} registers, "
-              f"{row['mma_class']}, {row['async_copy']}, {row['compile_s']:.1f} s")
+    done = (f"FAILED {row['error'][:300]}" if row["error"] else f"{row['registers']} registers, "
+            f"{row['mma_class']}, {row['async_copy']}, {row['compile_s']:.1f} s")
+    print(f"{count} {arch:<6} {spec.kernel} ({spec.label}): {done}", file=sys.stderr, flush=True)
     return row
 
 
 def run_request(request: dict[str, Any]) -> dict[str, Any]:
     """Carry out one compile request in this process, for each of its ``archs``. Its
-    ``jobs``: ``{"module": name, "select": {...}, "coverage": bool}`` (a kernel module's
-    specs, see `module_specs`; ``coverage``: report launched kernels no spec covers) or
+    ``jobs``: ``{"module": name, "select": {...}}`` (a kernel module's specs, see `_collect`;
+    without a selection, the launched kernels no spec covers are reported too) or
     ``{"spec": {...}, "inline": {...}}`` (one kernel; ``inline`` its source when it was
-    defined outside moe_lab); no ``jobs``: every kernel module, with coverage. The cubins
+    defined outside moe_lab); no ``jobs``: every kernel module, unselected. The cubins
     are kept in ``cubin_dir`` when the request names one."""
     import triton
 

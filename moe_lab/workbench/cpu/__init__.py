@@ -33,7 +33,8 @@ from moe_lab.model import EMBEDDING_IMPLS
 from moe_lab.moe.experts import EXPERT_BACKENDS, ExpertBackend
 from moe_lab.moe.router import ROUTER_IMPLS, route
 from moe_lab.training.optim import CLIP_STEPS
-from moe_lab.workbench.cpu import attention, build, embedding, grouped, optim, permute
+from moe_lab.workbench.cpu import attention, embedding, grouped, optim, permute
+from moe_lab.workbench.cpu.build import unavailable_reason
 
 _lock = threading.Lock()
 _registered: bool | None = None
@@ -52,8 +53,8 @@ def register() -> bool:
         registries = [(EXPERT_BACKENDS, "openmp"),
                       (ATTENTION_IMPLS, "cpu_fused"), (PACKED_ATTENTION_IMPLS, "cpu_fused"),
                       (ROUTER_IMPLS, "cpu_topk"), (CLIP_STEPS, "cpu_one_call")]
-        if not build.available():
-            reason = unavailable_reason()
+        reason = unavailable_reason()
+        if reason is not None:
             for registry, name in registries:
                 registry.mark_unavailable(name, reason)
             _registered = False
@@ -71,12 +72,3 @@ def register() -> bool:
 def status() -> str | None:
     """`register` the plug-in; ``None`` when its kernels are available here, else why not."""
     return None if register() else unavailable_reason()
-
-
-def unavailable_reason() -> str | None:
-    """Why the C++ kernels are not available here, or None when they are."""
-    try:
-        build.extension()
-    except RuntimeError as exc:
-        return str(exc)
-    return None

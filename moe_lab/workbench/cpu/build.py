@@ -80,16 +80,12 @@ def native_bf16() -> bool:
     """Whether this CPU has the AVX512_BF16 instructions (``avx512_bf16`` in Linux's
     ``/proc/cpuinfo``): the kernels then round float32 to bfloat16 with them (one instruction
     per 32 values; see ``cpu_bf16.h``). False elsewhere, where ATen's conversion serves."""
-    if capability() != "AVX512":
+    cpuinfo = Path("/proc/cpuinfo")
+    if capability() != "AVX512" or not cpuinfo.exists():
         return False
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "avx512_bf16" in line.split()
-    except OSError:
-        pass
-    return False
+    flags = [line.split() for line in cpuinfo.read_text(errors="replace").splitlines()
+             if line.startswith("flags")]
+    return bool(flags) and "avx512_bf16" in flags[0]
 
 
 def _flags() -> list[str]:
@@ -247,23 +243,28 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-def available() -> bool:
-    """Whether the kernels are built or can be built here (builds them if need be)."""
+def unavailable_reason() -> str | None:
+    """Why the C++ kernels are not available here, or None when they are (builds them if
+    need be)."""
     try:
         extension()
-    except RuntimeError:
-        return False
-    return True
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernels are built or can be built here (builds them if need be)."""
+    return unavailable_reason() is None
 
 
 def main() -> int:
     """Build ahead (``make install``); a failure is reported, not fatal: the plain-PyTorch
     paths still work."""
-    try:
-        extension()
-    except RuntimeError as exc:
-        print(f"moe_lab: {exc} (the 'torch' expert backend and 'sdpa' attention still work)",
-              file=sys.stderr)
-    else:
+    reason = unavailable_reason()
+    if reason is None:
         print(f"moe_lab: CPU kernels ready ({_name_and_dir()[1]}, {capability()})")
+    else:
+        print(f"moe_lab: {reason} (the 'torch' expert backend and 'sdpa' attention still work)",
+              file=sys.stderr)
     return 0

@@ -165,17 +165,18 @@ def capture_gallery() -> list[dict]:
     ``fixed_passes`` (whether the rewrite is certified sync-free)."""
     rows = []
     for b in CAPTURE_BREAKERS:
-        op = None
-        try:
-            assert_sync_free(b.broken, *b.make_args(), backward=False)
-        except SyncError as err:
-            op = err.op
-        try:
-            assert_sync_free(b.fixed, *b.make_args(), backward=False)
-            fixed_passes = True
-        except SyncError:
-            fixed_passes = False
+        refused = _refusal(b.broken, b.make_args())
         rows.append({"title": b.title, "broken_source": inspect.getsource(b.broken).strip(),
-                     "fixed_source": inspect.getsource(b.fixed).strip(), "op": op,
-                     "fixed_passes": fixed_passes})
+                     "fixed_source": inspect.getsource(b.fixed).strip(),
+                     "op": None if refused is None else refused.op,
+                     "fixed_passes": _refusal(b.fixed, b.make_args()) is None})
     return rows
+
+
+def _refusal(fn: Callable, args: tuple) -> SyncError | None:
+    """The certificate's refusal of ``fn(*args)``, or None when it is sync-free."""
+    try:
+        assert_sync_free(fn, *args, backward=False)
+    except SyncError as err:
+        return err
+    return None

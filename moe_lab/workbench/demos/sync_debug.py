@@ -48,8 +48,7 @@ MESSAGE = "called a synchronizing CUDA operation"
 MODES = ("warn", "error")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_THIS_FILE = os.path.abspath(__file__)
-_SKIP_FILES = (_THIS_FILE, os.path.abspath(warnings.__file__))
+_SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(warnings.__file__))
 
 
 @dataclass(frozen=True)
@@ -105,11 +104,8 @@ class SyncDebugReport:
 def _short(filename: str) -> str:
     """``filename`` from its package folder on (``moe_lab/...`` or ``torch/...``), or its name."""
     parts = Path(filename).parts
-    for anchor in ("moe_lab", "torch"):
-        if anchor in parts:
-            start = len(parts) - 1 - parts[::-1].index(anchor)
-            return "/".join(parts[start:])
-    return Path(filename).name
+    anchors = [i for i, part in enumerate(parts) if part in ("moe_lab", "torch")]
+    return "/".join(parts[anchors[-1]:]) if anchors else Path(filename).name
 
 
 def _caller_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary:

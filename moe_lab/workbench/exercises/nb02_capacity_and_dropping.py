@@ -23,6 +23,7 @@ from moe_lab.workbench.exercises import (
     ExerciseError,
     call_answer,
     exercise,
+    random_routing,
     reference_solution,
     require_sync_free,
     require_tensor,
@@ -46,27 +47,18 @@ def _token_major_keep(topk_ids: torch.Tensor, n_experts: int, capacity: int) -> 
     return (rank < capacity).view(topk_ids.shape)
 
 
-def _routing(g: torch.Generator, tokens: int, n_experts: int, top_k: int,
-             skew: float) -> torch.Tensor:
-    """``[tokens, top_k]`` distinct expert ids per token, popular experts first-ish."""
-    popularity = (torch.arange(n_experts, dtype=torch.float64) + 1) ** -skew
-    perm = torch.randperm(n_experts, generator=g)
-    probs = popularity[perm].expand(tokens, n_experts)
-    return torch.multinomial(probs, top_k, replacement=False, generator=g)
-
-
 @exercise("keep_mask")
 def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(topk_ids, n_experts, capacity)`` equals the
     position policy's mask on every case, and runs without a host sync."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
     cases = [
-        (_routing(g, 40, 8, 2, 1.0), 8, 10),
-        (_routing(g, 97, 16, 4, 1.5), 16, 20),
-        (_routing(g, 33, 4, 4, 0.0), 4, 20),  # top_k == n_experts
+        (random_routing(g, 40, 8, 2), 8, 10),
+        (random_routing(g, 97, 16, 4), 16, 20),
+        (random_routing(g, 33, 4, 4), 4, 20),  # top_k == n_experts
         (torch.full((25, 1), 3, dtype=torch.int64), 8, 7),  # every token on one expert
-        (_routing(g, 12, 6, 2, 0.5), 6, 100),  # room for everything
-        (_routing(g, 30, 5, 2, 2.0), 5, 1),  # one slot each
+        (random_routing(g, 12, 6, 2), 6, 100),  # room for everything
+        (random_routing(g, 30, 5, 2), 5, 1),  # one slot each
         (torch.zeros(0, 2, dtype=torch.int64), 8, 3),  # no tokens
     ]
     for ids, n_experts, capacity in cases:
@@ -115,13 +107,13 @@ def check_capacity_buffer(fn: Callable[..., torch.Tensor]) -> None:
     builds `capacity_buffer`'s ``[E, C, d]`` buffer on every case (fractional shares, a
     multiple, every token on one expert, room for everything, no tokens) without a host sync."""
     g = torch.Generator().manual_seed(random.randrange(2**31))
-    cases = [  # tokens, experts, top-k, skew, factor, multiple
-        (40, 8, 2, 1.0, 1.0, 1), (97, 16, 4, 1.5, 1.25, 1), (50, 8, 2, 0.5, 1.0, 16),
-        (33, 4, 4, 0.0, 0.75, 1), (12, 6, 2, 0.5, 2.0, 4), (0, 8, 2, 1.0, 1.0, 1),
+    cases = [  # topk_ids, experts, factor, multiple
+        (random_routing(g, 40, 8, 2), 8, 1.0, 1), (random_routing(g, 97, 16, 4), 16, 1.25, 1),
+        (random_routing(g, 50, 8, 2), 8, 1.0, 16), (random_routing(g, 33, 4, 4), 4, 0.75, 1),
+        (random_routing(g, 12, 6, 2), 6, 2.0, 4), (random_routing(g, 0, 8, 2), 8, 1.0, 1),
+        (torch.full((25, 1), 3, dtype=torch.int64), 8, 1.5, 1),  # every token on expert 3
     ]
-    ids_one = torch.full((25, 1), 3, dtype=torch.int64)  # every token on expert 3
-    for tokens, n_experts, top_k, skew, factor, multiple in cases + [(25, 8, 1, None, 1.5, 1)]:
-        ids = ids_one if skew is None else _routing(g, tokens, n_experts, top_k, skew)
+    for ids, n_experts, factor, multiple in cases:
         x = torch.randn(ids.shape[0], 16, generator=g)
         want = capacity_buffer(x, ids, n_experts, factor, multiple)
         got = call_answer(fn, x.clone(), ids.clone(), n_experts, factor, multiple)
@@ -149,7 +141,7 @@ def check_capacity_buffer(fn: Callable[..., torch.Tensor]) -> None:
                         "(rank >= C) goes nowhere, a kept one to slot rank of its expert")
             raise ExerciseError(f"({where}): expert {e}, slot {c} holds the wrong row{hint}; "
                                 "rank the assignments as keep_mask does (first choices first)")
-    ids = _routing(g, 64, 8, 2, 1.0)
+    ids = random_routing(g, 64, 8, 2)
     require_sync_free(fn, (torch.randn(64, 16, generator=g), ids, 8, 1.0, 1), "C comes from shapes "
                       "(Python numbers), the slots from a cumulative sum, the copy from index_add_ or "
                       "scatter")

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from moe_lab.kernels.common import row_source
+from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
 from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference
 from moe_lab.workbench.exercises import (
     ExerciseError,
@@ -144,8 +145,7 @@ def check_gather_tile(gather: Callable, block_m: int = 16, block_k: int = 16) ->
         launch_answer("gather_tile", _gather_gemm, grid[:2], x_d, src.to(device), w.to(device),
                       y, offsets.to(device), n, k_dim, top_k, gather, BLOCK_M=block_m, BLOCK_N=n,
                       BLOCK_K=block_k)
-        bounds = offsets.tolist()
-        ref = torch.cat([want[bounds[e]:bounds[e + 1]] @ w[e] for e in range(n_experts)])
+        ref = grouped_gemm_reference(want, w, offsets)
         if where_differs(y.cpu(), ref, rtol=1e-4, atol=1e-4) is not None:
             raise ExerciseError(f"({where}): the tiles are right, but a grouped GEMM using them differs from "
                                 "the unfused chain — are its columns past K zero (mask ks < K), and does "

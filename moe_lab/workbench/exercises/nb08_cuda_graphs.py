@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from moe_lab.config import preset
 from moe_lab.moe.dispatch import dropless_dispatch
 from moe_lab.moe.experts import SwiGLUExperts
-from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.moe.stash import max_pages, pages_per_expert
 from moe_lab.training.build import build_model, random_batch
 from moe_lab.training.steps import optimizer_on_fake_params
@@ -43,6 +42,7 @@ from moe_lab.training.sync import SyncError, assert_sync_free, count_syncs
 from moe_lab.workbench.exercises import (
     ExerciseError,
     call_answer,
+    close,
     exercise,
     random_routing,
     reference_solution,
@@ -67,16 +67,10 @@ def dispatch_with_sync(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 @reference_solution("sync_free_dispatch")
 def sync_free_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        experts: SwiGLUExperts) -> torch.Tensor:
-    """`dispatch_with_sync` with the counts from ``scatter_add_``: ``bincount`` sizes its
-    output by the largest id, which it reads on the host even when ``minlength`` is given."""
-    tokens, k = topk_ids.shape
-    order = torch.argsort(topk_ids.reshape(-1), stable=True)
-    counts = tokens_per_expert_from_ids(topk_ids, experts.n_experts)
-    offsets = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-    token_of = order // k
-    y_sorted = experts.grouped_forward(x.index_select(0, token_of), offsets)
-    weight = topk_weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y_sorted.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, y_sorted * weight)
+    """`dispatch_with_sync` without its sync: the lesson's `dropless_dispatch`, which counts
+    with ``scatter_add_`` (``bincount`` sizes its output by the largest id, which it reads on
+    the host even when ``minlength`` is given)."""
+    return dropless_dispatch(x, topk_ids, topk_weights, experts)[0]
 
 
 @exercise("sync_free_dispatch")
@@ -270,12 +264,10 @@ def check_capturable_step(fn: Callable) -> None:
         if not isinstance(value, torch.Tensor):
             raise ExerciseError(f"stats[{key!r}] is a {type(value).__name__}: keep every "
                                 "statistic a tensor on the device, so that the host need not read it")
-    want = {key: float(value) for key, value in ref_stats.items()}
-    got = {key: float(value) for key, value in stats.items()}
-    for key in want:
-        if not math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=1e-6):
-            raise ExerciseError(f"after two steps stats[{key!r}] = {got[key]:g}, expected "
-                                f"{want[key]:g}")
+    for key, want in ref_stats.items():
+        if not close(stats[key], float(want), rel=1e-5, abs_tol=1e-6):
+            raise ExerciseError(f"after two steps stats[{key!r}] = {float(stats[key]):g}, expected "
+                                f"{float(want):g}")
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         if not torch.allclose(p, q, rtol=1e-5, atol=1e-6):
             raise ExerciseError(f"after two steps the weight {name} differs from the reference "

@@ -63,7 +63,6 @@ def check_a2a_splits(fn: Callable[[list[torch.Tensor], int, int], tuple[list[int
     ]
     for routing, n_experts in cases:
         world = len(routing)
-        sent = [0] * world
         for rank in range(world):
             got = call_answer(fn, [r.clone() for r in routing], n_experts, rank)
             want = a2a_splits(routing, n_experts, rank)
@@ -83,11 +82,6 @@ def check_a2a_splits(fn: Callable[[list[torch.Tensor], int, int], tuple[list[int
                     f"{got[0]}, output_splits={got[1]}; expected {want[0]} and {want[1]}{hint}. "
                     "Rank j owns a contiguous block of n_experts / world experts; input_splits "
                     "counts what this rank sends, output_splits what it receives.")
-            sent = [s + v for s, v in zip(sent, got[0], strict=True)]
-        total = sum(int(r.numel()) for r in routing)
-        if sum(sent) != total:
-            raise ExerciseError(f"every (token, expert) row must be sent exactly once: {sum(sent)} "
-                                f"sent for {total} rows")
     print("✓ a2a_splits gives every rank's input and output splits")
 
 

@@ -86,12 +86,10 @@ def plot_permutation(topk_ids: torch.Tensor, n_experts: int, ax=None):
     ax = ax_or_new(ax, (max(6.0, 0.32 * n), 3.0))
     destination = torch.empty_like(order).scatter_(0, order, torch.arange(n))
     for i in range(n):
-        e = int(flat[i])
-        ax.add_patch(Rectangle((i, 2), 1, 0.8, facecolor=expert_color(e), edgecolor="white"))
-        ax.text(i + 0.5, 2.4, f"{i // k}", ha="center", va="center", fontsize=6)
-        j = int(destination[i])
-        ax.add_patch(Rectangle((j, 0), 1, 0.8, facecolor=expert_color(e), edgecolor="white"))
-        ax.text(j + 0.5, 0.4, f"{i // k}", ha="center", va="center", fontsize=6)
+        e, j = int(flat[i]), int(destination[i])
+        for x, y in ((i, 2), (j, 0)):  # the assignment in token order, then in its sorted row
+            ax.add_patch(Rectangle((x, y), 1, 0.8, facecolor=expert_color(e), edgecolor="white"))
+            ax.text(x + 0.5, y + 0.4, f"{i // k}", ha="center", va="center", fontsize=6)
         ax.plot([i + 0.5, j + 0.5], [2, 0.8], color=expert_color(e), lw=0.6, alpha=0.7)
     for e in range(n_experts + 1):
         x = int(offsets[e])

@@ -31,8 +31,7 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
         topo.spine_down(np.tile(np.arange(S), A), np.repeat(np.arange(A), S))
     ]
     load = (up + down) / 2
-    mean = load.mean() if load.mean() > 0 else 1.0
-    rel = load / mean
+    rel = load / (load.mean() or 1.0)  # an idle fabric: every link at 0
     # Centred on the mean; the scale stretches to the largest deviation so hot links show.
     spread = max(0.25, float(np.abs(rel - 1.0).max()))
     norm = Normalize(vmin=1.0 - spread, vmax=1.0 + spread)

@@ -27,6 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
 from moe_lab.perf import hardware
 from moe_lab.perf.traffic import grouped_order
 from moe_lab.workbench.figures.charts import ax_or_new, box
@@ -35,12 +38,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 
-def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float], text: str = "") -> None:
+def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float]) -> None:
     ax.annotate("", xy=end, xytext=start,
                 arrowprops=dict(arrowstyle="->", color="0.2", lw=1.2, shrinkA=2, shrinkB=2))
-    if text:
-        ax.text((start[0] + end[0]) / 2 + 0.03, (start[1] + end[1]) / 2, text, fontsize=7,
-                va="center", color="0.25")
 
 
 # ----------------------------------------------------------------------------------- (b)
@@ -92,9 +92,6 @@ def plot_tma_vs_cp_async(tile: int = 8, threads: int = 16, ax: Axes | None = Non
     addresses). Right: the same tile copied by TMA: one thread hands the copy engine a
     descriptor and the tile's coordinates, the tile lands whole, and an mbarrier, told how many
     bytes to expect, lets the waiting warps go once they have all arrived. A schematic."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
     ax = ax_or_new(ax, (11, 4.0))
     cmap = plt.get_cmap("tab20")
     cell = 2.6 / tile
@@ -162,12 +159,10 @@ def plot_persistent_grid(n_tiles: int = 10, n_sms: int = 4, setup: float = 0.4, 
         for sm, spans in enumerate(sched):
             y = base + n_sms - 1 - sm
             for start, stop, kind, index in spans:
-                if kind == "setup":
-                    ax.broken_barh([(start, stop - start)], (y + 0.15, 0.7), facecolors="white",
-                                   edgecolor="0.4", hatch="///", linewidth=0.6)
-                else:
-                    ax.broken_barh([(start, stop - start)], (y + 0.15, 0.7),
-                                   facecolors=f"C{index % 10}", edgecolor="white")
+                style = (dict(facecolors="white", edgecolor="0.4", hatch="///", linewidth=0.6)
+                         if kind == "setup" else dict(facecolors=f"C{index % 10}", edgecolor="white"))
+                ax.broken_barh([(start, stop - start)], (y + 0.15, 0.7), **style)
+                if kind == "tile":
                     ax.text((start + stop) / 2, y + 0.5, str(index), ha="center", va="center",
                             fontsize=7, color="white")
             ax.text(-0.1, y + 0.5, f"SM {sm}", ha="right", va="center", fontsize=7)
@@ -198,8 +193,6 @@ def plot_tile_order(t_m: int, t_n: int, group_m: int, in_flight: int, ax: Axes |
     """The ``t_m × t_n`` output tiles, each labelled with the program that computes it in
     grouped order (``group_m >= t_m``: row fastest); the first ``in_flight`` are filled, and
     the title counts the operand tiles they read (`tiles_in_flight`)."""
-    from matplotlib.patches import Rectangle
-
     ax = ax_or_new(ax, (0.5 * t_n + 1.5, 0.45 * t_m + 1.2))
     seen = tiles_in_flight(t_m, t_n, group_m, in_flight)
     first = set(seen["tiles"])

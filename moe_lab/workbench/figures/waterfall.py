@@ -79,17 +79,6 @@ class Waterfall:
         """Last rung over the first."""
         return self.rungs[-1].value / self.rungs[0].value
 
-    def steps(self) -> list[dict]:
-        """One row per optimisation: label, value before, value after, ratio."""
-        return [{"label": b.label, "before": a.value, "after": b.value, "ratio": b.value / a.value}
-                for a, b in zip(self.rungs, self.rungs[1:])]
-
-    def heading(self) -> str:
-        """The title with the hardware and the kind of figures, as every panel shows it."""
-        what = {"measured": "measured", "projection": "PROJECTION (a model, not a measurement)",
-                "reported": "reported"}[self.kind]
-        return f"{self.title}\n{self.hardware} — {what}"
-
     def table_markdown(self) -> str:
         lines = [f"**{self.title}** — {self.hardware} ({self.kind})", "",
                  f"| step | {self.unit} | × previous | × baseline |", "|---|---:|---:|---:|"]
@@ -105,13 +94,6 @@ class Waterfall:
 # --------------------------------------------------------------------------------------
 # From the ledger
 # --------------------------------------------------------------------------------------
-
-
-def _noisy(recs: Sequence[dict]) -> bool:
-    """Whether a rung of this measurement spread more than `MAX_REL_IQR` of its median
-    (records carrying ``iqr_ms`` and ``median_ms``, as `moe_lab.workbench.benchmarks.ttt.record_ladder`
-    writes them): a machine busy with other work, not a property of the code."""
-    return any(rec["iqr_ms"] > MAX_REL_IQR * rec["median_ms"] for rec in recs)
 
 
 def waterfalls_from_ledger(records: Iterable[dict], *,
@@ -137,13 +119,13 @@ def waterfalls_from_ledger(records: Iterable[dict], *,
     out = []
     for key in sorted(groups):
         runs = groups[key]
-        steady = [recs for recs in runs.values() if not _noisy(recs)]
+        # A rung spread more than `MAX_REL_IQR` of its median (``iqr_ms`` and ``median_ms``, as
+        # `record_ladder` writes them): a machine busy with other work, not a property of the code.
+        steady = [recs for recs in runs.values()
+                  if all(rec["iqr_ms"] <= MAX_REL_IQR * rec["median_ms"] for rec in recs)]
         newest = max(steady or list(runs.values()),
                      key=lambda recs: max(str(r.get("time", "")) for r in recs))
-        noisy = not steady
-        by_rung: dict[int, dict] = {}
-        for rec in newest:
-            by_rung[rec["rung"]] = rec  # a repeated rung within a run: the later record
+        by_rung = {rec["rung"]: rec for rec in newest}  # a repeated rung within a run: the later record
         if len(by_rung) < 2:
             continue
         nb, name, hw = key
@@ -154,7 +136,7 @@ def waterfalls_from_ledger(records: Iterable[dict], *,
         date = max(r.time for r in rungs)
         title = f"{nb}: {name}" if name else nb
         title = f"{title} ({date})" if date else title
-        if noisy:
+        if not steady:
             title += f" — NOISY: a rung's IQR > {MAX_REL_IQR:.0%} of its median"
         out.append(Waterfall(title=title, rungs=rungs))
     return out
@@ -193,10 +175,10 @@ def plot_waterfall(wf: Waterfall, ax=None):
     first, last = wf.rungs[0], wf.rungs[-1]
     # (label, bottom, height, colour, note) of each bar: the baseline, one per optimisation, the total
     bars = [(first.label, 0.0, first.value, _BASE, format_value(first.value))]
-    for step, rung in zip(wf.steps(), wf.rungs[1:]):
-        low, high = sorted((step["before"], step["after"]))
-        bars.append((rung.label, low, max(high - low, 1e-12), _UP if step["ratio"] >= 1 else _DOWN,
-                     f"×{step['ratio']:.2f}"))
+    for before, rung in zip(wf.rungs, wf.rungs[1:]):
+        low, high = sorted((before.value, rung.value))
+        ratio = rung.value / before.value
+        bars.append((rung.label, low, max(high - low, 1e-12), _UP if ratio >= 1 else _DOWN, f"×{ratio:.2f}"))
     bars.append(("total", 0.0, last.value, _TOTAL, f"{format_value(last.value)}\n×{wf.total:.2f}"))
     for x, (_, bottom, height, color, _) in enumerate(bars):
         ax.bar(x, height, bottom=bottom, width=0.7, **_style(wf.kind, color))
@@ -207,7 +189,9 @@ def plot_waterfall(wf: Waterfall, ax=None):
     ax.set_xticks(list(range(len(bars))))
     ax.set_xticklabels([bar[0] for bar in bars], rotation=20, ha="right", fontsize=8)
     ax.set(ylabel=wf.unit, ylim=(0, max(bar[1] + bar[2] for bar in bars) * 1.22))
-    ax.set_title(wf.heading(), fontsize=9)
+    what = {"measured": "measured", "projection": "PROJECTION (a model, not a measurement)",
+            "reported": "reported"}[wf.kind]
+    ax.set_title(f"{wf.title}\n{wf.hardware} — {what}", fontsize=9)
     return ax
 
 

@@ -1,6 +1,7 @@
 """Bridges to Hugging Face ``transformers`` MoE blocks.
 
-Each ``from_hf_<family>(block)`` (in the family's module) builds a moe_lab ``MoELayer`` that
+Each ``from_hf_<family>(block)`` (in the family's module; Mixtral's and Qwen3-MoE's in
+``hf_blocks``) builds a moe_lab ``MoELayer`` that
 computes the same function as the Hugging Face block — same router, same experts, same weights
 (copied) — but with moe_lab's dispatchers (by default the dropless, sync-free one) and expert
 backends. `moe_lab.workbench.interop.patch.patch_hf_model` (imported here too) swaps every MoE

@@ -1,5 +1,6 @@
 """What the Hugging Face families share: checking a block's shape, and turning its stacked
-SwiGLU experts' weights into a moe_lab layer's and back.
+SwiGLU experts' weights into a moe_lab layer's and back; and the families that are nothing
+more: Mixtral and Qwen3-MoE (OLMoE's block is Qwen3-MoE's), softmax routing over a plain gate.
 
 Layouts: Mixtral, Qwen3-MoE and DeepSeek-V3 store ``gate_up_proj: [E, 2·I, H]`` and
 ``down_proj: [E, H, I]`` applied with ``F.linear`` (``x · Wᵀ``), gate rows first; moe_lab
@@ -81,3 +82,36 @@ def softmax_swiglu_layer(block: torch.nn.Module, top_k: int, renormalize: bool, 
                     score_func="softmax", renormalize=renormalize, aux_loss_coef=0.0)
     layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
     return load_layer(layer, swiglu_from_hf(block.state_dict()), block.experts.gate_up_proj)
+
+
+def from_hf_mixtral(block: torch.nn.Module, dispatcher: str = "dropless",
+                    expert_backend: str = "torch", router_impl: str = "reference") -> MoELayer:
+    """A ``MoELayer`` equal to the Hugging Face Mixtral block ``block`` (weights copied).
+
+    Mixtral: softmax over all experts, top-k, the chosen weights always renormalised to sum to
+    one (with one expert per token, 1.0: refused, moe_lab's router cannot express it).
+
+    ``y, stats = layer(x)`` equals ``block(x)`` for ``x: [batch, seq, hidden]`` to float32
+    tolerance. Router jitter noise (a training-time input perturbation) and
+    ``num_experts_per_tok=1`` are refused rather than computed differently.
+    """
+    require_attrs(block, "MixtralSparseMoeBlock", "gate", "experts", "top_k")
+    if getattr(block, "jitter_noise", 0) and block.jitter_noise > 0:
+        raise ValueError(f"block.jitter_noise={block.jitter_noise} is not supported; build the "
+                         "block with router_jitter_noise=0")
+    return softmax_swiglu_layer(block, int(block.top_k), True, dispatcher, expert_backend, router_impl)
+
+
+def from_hf_qwen3_moe(block: torch.nn.Module, dispatcher: str = "dropless",
+                      expert_backend: str = "torch", router_impl: str = "reference") -> MoELayer:
+    """A ``MoELayer`` equal to the Hugging Face ``Qwen3MoeSparseMoeBlock`` (or
+    ``OlmoeSparseMoeBlock``) ``block``, weights copied: ``layer(x)[0]`` equals ``block(x)``
+    for ``x: [batch, seq, hidden]`` to float32 tolerance.
+
+    Qwen3-MoE (and OLMoE, whose block is the same): softmax over all experts, top-k, the
+    chosen weights renormalised only where the config says (``norm_topk_prob``)."""
+    require_attrs(block, "Qwen3MoeSparseMoeBlock", "gate", "experts")
+    gate = block.gate
+    require_attrs(gate, "Qwen3MoeTopKRouter", "weight", "top_k", "norm_topk_prob")
+    return softmax_swiglu_layer(block, int(gate.top_k), bool(gate.norm_topk_prob), dispatcher,
+                                expert_backend, router_impl)

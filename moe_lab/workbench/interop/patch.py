@@ -28,8 +28,6 @@ from moe_lab.moe.layer import MoELayer, MoEStats
 from moe_lab.workbench.interop import hf_blocks as hf
 from moe_lab.workbench.interop.deepseek_v3 import deepseek_v3_from_hf, deepseek_v3_to_hf, from_hf_deepseek_v3
 from moe_lab.workbench.interop.gpt_oss import from_hf_gpt_oss, gpt_oss_from_hf, gpt_oss_to_hf
-from moe_lab.workbench.interop.mixtral import from_hf_mixtral
-from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe
 
 Tensor = torch.Tensor
 
@@ -37,9 +35,9 @@ _SWIGLU = (hf.swiglu_from_hf, hf.swiglu_to_hf)
 # Hugging Face MoE block class name -> (builder of the equal moe_lab layer, whether the block
 # also returns the router scores, block state -> layer state, layer state -> block state).
 HF_MOE_BLOCKS: dict[str, tuple[Callable[..., MoELayer], bool, Callable, Callable]] = {
-    "MixtralSparseMoeBlock": (from_hf_mixtral, False, *_SWIGLU),
-    "Qwen3MoeSparseMoeBlock": (from_hf_qwen3_moe, False, *_SWIGLU),
-    "OlmoeSparseMoeBlock": (from_hf_qwen3_moe, False, *_SWIGLU),
+    "MixtralSparseMoeBlock": (hf.from_hf_mixtral, False, *_SWIGLU),
+    "Qwen3MoeSparseMoeBlock": (hf.from_hf_qwen3_moe, False, *_SWIGLU),
+    "OlmoeSparseMoeBlock": (hf.from_hf_qwen3_moe, False, *_SWIGLU),
     "DeepseekV3MoE": (from_hf_deepseek_v3, False, deepseek_v3_from_hf, deepseek_v3_to_hf),
     "GptOssMLP": (from_hf_gpt_oss, True, gpt_oss_from_hf, gpt_oss_to_hf),
 }

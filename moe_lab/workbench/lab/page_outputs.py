@@ -155,11 +155,13 @@ def fold(body_html: str, lines: int, first_line: str, what: str = "output") -> s
             f"(folded; click to open){head}</summary>{body_html}</details>")
 
 
-def _folded_text(text: str, what: str) -> dict:
+def _folded(text: str, what: str = "output", markdown: bool = False) -> dict:
+    """``text`` (Markdown when ``markdown``, else plain text with ANSI colours) as the
+    ``data`` of an HTML output folded into ``<details>`` (`fold`)."""
     from nbconvert.filters.ansi import ansi2html  # escapes the text; keeps colours
 
     first = next((line for line in text.split("\n") if line.strip()), "")
-    body = f'<pre class="moe-fold-text">{ansi2html(text)}</pre>'
+    body = markdown_to_html(text) if markdown else f'<pre class="moe-fold-text">{ansi2html(text)}</pre>'
     return {"text/html": fold(body, _line_count(text), first, what)}
 
 
@@ -173,22 +175,16 @@ def fold_long_outputs(nb) -> None:
             continue
         outputs = []
         for out in cell.outputs:
-            kind = out.get("output_type")
             data = out.get("data", {})
-            if kind == "stream":
+            if out.get("output_type") == "stream":
                 text = _text(out.get("text", ""))
                 if _line_count(text) > FOLD_LINES:
                     what = "output" if out.get("name") == "stdout" else f"{out.get('name')} output"
-                    out = nbformat.v4.new_output("display_data", data=_folded_text(text, what))
-            elif kind in ("execute_result", "display_data"):
-                if "text/markdown" in data and _line_count(_text(data["text/markdown"])) > FOLD_LINES:
-                    markdown = _text(data["text/markdown"])
-                    first = next((line for line in markdown.split("\n") if line.strip()), "")
-                    out["data"] = {"text/html": fold(markdown_to_html(markdown),
-                                                     _line_count(markdown), first)}
-                elif (set(data) <= {"text/plain"} and "text/plain" in data
-                      and _line_count(_text(data["text/plain"])) > FOLD_LINES):
-                    out["data"] = _folded_text(_text(data["text/plain"]), "output")
+                    out = nbformat.v4.new_output("display_data", data=_folded(text, what))
+            elif "text/markdown" in data and _line_count(_text(data["text/markdown"])) > FOLD_LINES:
+                out["data"] = _folded(_text(data["text/markdown"]), markdown=True)
+            elif set(data) == {"text/plain"} and _line_count(_text(data["text/plain"])) > FOLD_LINES:
+                out["data"] = _folded(_text(data["text/plain"]))
             outputs.append(out)
         cell.outputs = outputs
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import html
 import os
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -67,9 +68,10 @@ class Headline:
     unit: str | None = None  # the unit a matching record must carry (``"x"`` and ``"×"`` are one)
 
 
-def workbook_command(notebook: str, profile: str = "smoke") -> str:
-    """The command that executes ``notebook`` and records its figures."""
-    flag = "" if profile == "smoke" else f" --profile {profile}"
+def workbook_command(notebook: str, profile: str | None = "smoke") -> str:
+    """The command that executes ``notebook`` and records its figures (under ``profile``:
+    anything but ``"full"`` is the default, ``smoke``)."""
+    flag = " --profile full" if profile == "full" else ""
     return f"python -m moe_lab workbook --only {notebook}{flag}"
 
 
@@ -338,8 +340,7 @@ def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
                          "gpu": gpu})
             continue
         rec, spec = found
-        profile = rec.get("profile") or "smoke"
-        command = spec.command or workbook_command(name, profile if profile == "full" else "smoke")
+        command = spec.command or workbook_command(name, rec.get("profile"))
         label = spec.label
         if spec.step is None and rec.get("step"):
             label = f"{label} ({rec['step']})"
@@ -378,19 +379,10 @@ def describe_notebook(nb) -> tuple[str, str, list[str]]:
         return "", "", []
     lines = cell.source.splitlines()
     title = next((line.lstrip("# ").strip() for line in lines if line.lstrip().startswith("#")), "")
-    paragraphs, current = [], []
-    for line in lines:
-        if line.lstrip().startswith("#"):
-            continue
-        if not line.strip():
-            if current:
-                paragraphs.append(" ".join(current))
-                current = []
-            continue
-        current.append(line.strip())
-    if current:
-        paragraphs.append(" ".join(current))
-    summary = next((p for p in paragraphs if not p.startswith(("-", "*", "**"))), "")
+    # Paragraphs: runs of non-blank lines, headings left out, each joined into one line.
+    body = "\n".join(line.strip() for line in lines if not line.lstrip().startswith("#"))
+    paragraphs = [" ".join(block.split("\n")) for block in re.split(r"\n{2,}", body.strip("\n"))]
+    summary = next((p for p in paragraphs if p and not p.startswith(("-", "*", "**"))), "")
     return title, summary, _bullets(lines)
 
 
@@ -416,11 +408,9 @@ def _bullets(lines: Sequence[str]) -> list[str]:
 
 
 def _status(nb) -> str:
-    for cell in nb.cells:
-        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
-            if out.get("output_type") == "error":
-                return "error"
     code = [c for c in nb.cells if c.cell_type == "code"]
+    if any(out.get("output_type") == "error" for c in code for out in c.get("outputs", [])):
+        return "error"
     if code and all(c.get("execution_count") is None for c in code):
         return "not executed"
     return "ok"

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 from unittest import mock
 
 from moe_lab.perf.capabilities import capabilities, library_versions
@@ -51,9 +50,6 @@ from moe_lab.workbench.measure.ledger import (
     read,
     results_table_markdown,
 )
-
-if TYPE_CHECKING:
-    from traitlets.config import Config
 
 KERNEL_NAME = "python3"
 # What running a notebook needs beyond moe_lab (pyproject.toml's notebooks extra), by module.
@@ -176,31 +172,27 @@ def _stopped_cell(partial: Path) -> tuple[int | None, int | None, str]:
     return started[-1], cell.get("execution_count"), str(cell.get("source", ""))
 
 
-def _kernel_transport(folder: str) -> Config:
-    """The traitlets config that puts a kernel's channels on Unix sockets in ``folder``
-    (jupyter_client's ``ipc`` transport) instead of TCP ports on the loopback: only this user
-    can reach them, and the kernel no longer prints, for every notebook, its warning that TCP
-    carries code and outputs unencrypted."""
-    from traitlets.config import Config
-
-    return Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(folder, "kernel")}})
-
-
 def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
                   timeout: float) -> tuple[NotebookFailure | None, bool]:
     """One papermill run of ``source`` into ``partial``: (the failure, or ``None``; whether
     the run stopped: a cell timed out, the kernel died or did not answer at start)."""
     import papermill  # slow to import (jupyter, nbclient); only a run needs it
     from papermill.exceptions import PapermillExecutionError
+    from traitlets.config import Config
 
     try:
         # A short folder of its own: a Unix socket's path is limited to about 100 bytes.
         with tempfile.TemporaryDirectory(prefix="moe_lab_kernel_", ignore_cleanup_errors=True) as sockets:
+            # The kernel's channels on Unix sockets in that folder (jupyter_client's ``ipc``
+            # transport) instead of TCP ports on the loopback: only this user can reach them, and
+            # the kernel no longer prints, for every notebook, its warning that TCP carries code and
+            # outputs unencrypted.
+            transport = Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "kernel")}})
             # execution_timeout: per cell (nbclient's); shutdown "immediate": a hung kernel is not waited for
             papermill.execute_notebook(str(source), str(partial), parameters=parameters,
                                        kernel_name=KERNEL_NAME, cwd=str(cwd), progress_bar=False,
                                        log_output=False, execution_timeout=timeout,
-                                       shutdown_kernel="immediate", config=_kernel_transport(sockets))
+                                       shutdown_kernel="immediate", config=transport)
     except PapermillExecutionError as exc:
         failure = NotebookFailure(str(exc.ename), str(exc.evalue), exc.cell_index, exc.exec_count,
                                   str(exc.source))
@@ -279,12 +271,9 @@ def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html
     root_dir = Path(root).resolve() if root is not None else project_root()
     source_dir = root_dir / "notebooks"
     build = Path(out) if out is not None else root_dir / "build"
-    if results_dir is not None:
-        ledger_dir = Path(results_dir)
-    elif os.environ.get("MOE_LAB_RESULTS_DIR"):
-        ledger_dir = Path(os.environ["MOE_LAB_RESULTS_DIR"])
-    else:
-        ledger_dir = build / "results"
+    if results_dir is None:
+        results_dir = os.environ.get("MOE_LAB_RESULTS_DIR") or build / "results"
+    ledger_dir = Path(results_dir)
 
     available = find_notebooks(source_dir)
     if not available:

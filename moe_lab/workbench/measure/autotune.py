@@ -13,10 +13,11 @@ the launch rule stays the default.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from unittest import mock
 
 import torch
 from triton.compiler.errors import CompilationError
@@ -43,22 +44,14 @@ def table_key(kernel: str, m: int, n: int, k: int, n_experts: int, dtype: torch.
     return f"{kernel}|{str(dtype).removeprefix('torch.')}|rows<={1 << (rows - 1).bit_length()}|n={n}|k={k}"
 
 
-@contextlib.contextmanager
-def forcing(kernel: str, config: LaunchConfig) -> Iterator[None]:
+def forcing(kernel: str, config: LaunchConfig) -> AbstractContextManager:
     """Every launch of the grouped GEMM's ``kernel`` inside the block runs ``config``
-    (`moe_lab.kernels.grouped_gemm.FORCED`): the tuner's way to time one config through the
-    real op; under the interpreter too, to check each config's numerics."""
+    (`moe_lab.kernels.grouped_gemm.FORCED`, as it was restored at the block's end): the
+    tuner's way to time one config through the real op; under the interpreter too, to check
+    each config's numerics."""
     if not isinstance(config, LaunchConfig):
         raise TypeError(f"config must be a LaunchConfig, got {type(config).__name__}")
-    previous = gg.FORCED.get(kernel)
-    gg.FORCED[kernel] = config
-    try:
-        yield
-    finally:
-        if previous is None:
-            del gg.FORCED[kernel]
-        else:
-            gg.FORCED[kernel] = previous
+    return mock.patch.dict(gg.FORCED, {kernel: config})
 
 
 def tune_space(kernel: str, m: int, n: int, k: int, n_experts: int,

@@ -203,17 +203,12 @@ def count_kernels(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> KernelCo
 # torch.compile: read the generated code
 # --------------------------------------------------------------------------------------
 
-_DTYPE_BYTES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-}
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _SHAPE = r"\(([^()]*)\)"
 
 
 def _numel(shape_text: str) -> int:
-    dims = [d.strip() for d in shape_text.split(",") if d.strip()]
-    return math.prod(int(d) for d in dims) if dims else 1
+    return math.prod(int(d) for d in shape_text.split(",") if d.strip())  # () -> 1
 
 
 def _call_args(line: str) -> list[str]:
@@ -230,38 +225,33 @@ def kernels_in_inductor_code(code: str) -> list[OpRecord]:
     written once: that is what fusion into one loop means); ``bytes_written`` is what a
     library call (``torch.ops.aten.sort``, ...) returns: values in its first input's element
     type, further outputs (indices) 8 bytes per element."""
-    itemsize: dict[str, int] = {}
-    sizes: dict[str, int] = {}
-    for m in re.finditer(rf"({_NAME}) = rand_strided\({_SHAPE}, {_SHAPE}, device='\w+', "
-                         rf"dtype=torch\.(\w+)\)", code):
-        itemsize[m.group(1)] = _DTYPE_BYTES.get(m.group(4), 8)
-        sizes[m.group(1)] = _numel(m.group(2)) * itemsize[m.group(1)]
-    body = code[code.find("def call("):]
-    if "\nrunner" in body:
-        body = body[:body.find("\nrunner")]
-    names: list[str] = []
-    read: list[int] = []
-    written: list[int] = []
-    input_item: list[int] = []
+    buffers: dict[str, tuple[int, int]] = {}  # name -> (bytes, bytes per element)
+    # One list a launch: its name, bytes read, bytes written, its first input's bytes per element.
+    launches: list[list] = []
     produced_by: dict[str, tuple[int, int]] = {}  # name -> (launch, output position)
+
+    def declare(name: str, shape: str, itemsize: int) -> None:
+        buffers[name] = (_numel(shape) * itemsize, itemsize)
 
     def size_of(arg: str) -> int:
         m = re.match(rf"reinterpret_tensor\(({_NAME}), {_SHAPE}", arg)
         if m:
-            return _numel(m.group(2)) * itemsize.get(m.group(1), 8)
-        return sizes.get(arg, 0)
+            return _numel(m.group(2)) * buffers.get(m.group(1), (0, 8))[1]
+        return buffers.get(arg, (0, 8))[0]
 
+    for m in re.finditer(rf"({_NAME}) = rand_strided\({_SHAPE}, {_SHAPE}, device='\w+', "
+                         rf"dtype=torch\.(\w+)\)", code):
+        declare(m.group(1), m.group(2), getattr(torch, m.group(4)).itemsize)
+    body = code[code.find("def call("):].partition("\nrunner")[0]
     for line in body.splitlines():
         s = line.strip()
         m = re.match(rf"({_NAME}) = empty_strided\w*\({_SHAPE}, {_SHAPE}, torch\.(\w+)\)", s)
         if m:
-            itemsize[m.group(1)] = _DTYPE_BYTES.get(m.group(4), 8)
-            sizes[m.group(1)] = _numel(m.group(2)) * itemsize[m.group(1)]
+            declare(m.group(1), m.group(2), getattr(torch, m.group(4)).itemsize)
             continue
         m = re.match(rf"({_NAME}) = ({_NAME}); del {_NAME}", s)
         if m:  # a buffer reused under a new name
-            sizes[m.group(1)] = sizes.get(m.group(2), 0)
-            itemsize[m.group(1)] = itemsize.get(m.group(2), 8)
+            buffers[m.group(1)] = buffers.get(m.group(2), (0, 8))
             continue
         m = re.match(rf"({_NAME}) = ({_NAME})\[(\d+)\]$", s)
         if m and m.group(2) in produced_by:
@@ -270,25 +260,21 @@ def kernels_in_inductor_code(code: str) -> list[OpRecord]:
         m = re.match(rf"assert_size_stride\(({_NAME}), {_SHAPE}", s)
         if m:
             name = m.group(1)
-            if name in produced_by and name not in sizes:
+            if name in produced_by and name not in buffers:
                 launch, position = produced_by[name]
-                itemsize[name] = input_item[launch] if position == 0 else 8
-                sizes[name] = _numel(m.group(2)) * itemsize[name]
-                written[launch] += sizes[name]
+                declare(name, m.group(2), launches[launch][3] if position == 0 else 8)
+                launches[launch][2] += buffers[name][0]
             continue
         m = re.match(rf"(?:({_NAME}) = )?((?:cpp_fused|triton_|extern_kernels\.|torch\.ops\.|"
                      rf"aten\.)[\w.]*?)(?:\.run)?\(", s)
         if m:
-            args = _call_args(s)
-            tensors = [a for a in args if a.startswith("reinterpret_tensor(") or a in sizes]
+            tensors = [a for a in _call_args(s) if a.startswith("reinterpret_tensor(") or a in buffers]
             first = re.sub(r"^reinterpret_tensor\(|,.*$", "", tensors[0]) if tensors else ""
-            names.append(m.group(2))
-            read.append(sum(size_of(a) for a in tensors))
-            written.append(0)
-            input_item.append(itemsize.get(first, 8))
+            launches.append([m.group(2), sum(size_of(a) for a in tensors), 0,
+                             buffers.get(first, (0, 8))[1]])
             if m.group(1):
-                produced_by[m.group(1)] = (len(names) - 1, 0)
-    return [OpRecord(n, r, w) for n, r, w in zip(names, read, written, strict=True)]
+                produced_by[m.group(1)] = (len(launches) - 1, 0)
+    return [OpRecord(name, read, written) for name, read, written, _ in launches]
 
 
 def count_compiled_kernels(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> KernelCount:

@@ -116,11 +116,6 @@ def ledger_path() -> Path:
     return results_dir() / LEDGER_NAME
 
 
-def lab_ledger_path() -> Path:
-    """The ledger of hand-run notebooks: ``results_dir() / "lab-ledger.jsonl"``."""
-    return results_dir() / LAB_LEDGER_NAME
-
-
 def lab_session() -> bool:
     """True inside a Jupyter kernel that neither the workbook runner (``$MOE_LAB_PROFILE``)
     nor a headless run (``$MOE_LAB_HEADLESS=1``) started: a learner running cells by hand."""
@@ -263,7 +258,7 @@ def record(
         raise ValueError(
             f"extra fields of metric {metric!r} must be JSON-serialisable and finite: {exc}"
         ) from None
-    path = lab_ledger_path() if lab else ledger_path()
+    path = results_dir() / (LAB_LEDGER_NAME if lab else LEDGER_NAME)
     try:
         _append_line(path, line.encode("utf-8"))
     except OSError as exc:
@@ -304,7 +299,7 @@ def read(path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     ``lab-ledger.jsonl`` follow those of ``ledger.jsonl``.
     """
     if path is None and lab_session():
-        return _read_file(ledger_path()) + _read_file(lab_ledger_path())
+        return _read_file(ledger_path()) + _read_file(results_dir() / LAB_LEDGER_NAME)
     return _read_file(Path(path) if path is not None else ledger_path())
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from moe_lab.checks import non_negative_int, positive_int
 
@@ -88,23 +89,12 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
 
 
-def _tensors(obj: object) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
-
-
 def infer_device(args: tuple, kwargs: dict) -> str:
     """``"cuda"`` when any tensor argument is on a CUDA device, ``"cpu"`` when the tensor
     arguments are all on the CPU; with no tensor arguments (a closure), ``"cuda"`` when a
     CUDA device is present, since a closure on a GPU machine is assumed to launch GPU work.
     """
-    devices = {t.device.type for t in _tensors((args, kwargs))}
+    devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
     if "cuda" in devices:
         return "cuda"
     if devices:

@@ -36,6 +36,11 @@ from moe_lab.workbench.ranks.launch import rank_device
 Tensor = torch.Tensor
 
 
+def _err(a: Tensor, b: Tensor) -> float:
+    """``max|a − b|`` (0 for empty tensors)."""
+    return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+
+
 def _rel(a: Tensor, b: Tensor) -> float:
     """``max|a − b| / max|b|`` (the absolute difference where ``b`` is all zeros)."""
     if not b.numel():
@@ -95,10 +100,6 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
     cfg = MoEConfig(**cfg_fields)
     experts = rank_experts(cfg.n_experts, world, rank)
     result: dict = {"rank": rank, "cases": []}
-
-    def err(a: Tensor, b: Tensor) -> float:
-        return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
-
     for case in cases:
         mode, skew, capacity_factor = case[:3]
         on_overflow = case[3] if len(case) > 3 else "rerun"
@@ -111,12 +112,12 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
         result.setdefault("routing", stats.routing.topk_ids)
         result["cases"].append({
             "mode": mode, "skew": skew, "capacity_factor": capacity_factor, "on_overflow": on_overflow,
-            "y": err(y, y_ref[lo:hi]),
-            "dx": err(x.grad, xr.grad[lo:hi]),
-            "dw_gate_up": err(ep.experts.w_gate_up.grad,
+            "y": _err(y, y_ref[lo:hi]),
+            "dx": _err(x.grad, xr.grad[lo:hi]),
+            "dw_gate_up": _err(ep.experts.w_gate_up.grad,
                               ref.experts.w_gate_up.grad[experts.start:experts.stop]),
-            "dw_down": err(ep.experts.w_down.grad, ref.experts.w_down.grad[experts.start:experts.stop]),
-            "drouter": err(router_grad, ref.router.weight.grad),
+            "dw_down": _err(ep.experts.w_down.grad, ref.experts.w_down.grad[experts.start:experts.stop]),
+            "drouter": _err(router_grad, ref.router.weight.grad),
             "scale": float(y_ref.detach().abs().max()),
             "overflow": bool(stats.overflow) if stats.overflow is not None else False,
             "reruns": stats.reruns, "budget": stats.budget, "a2a_bytes": stats.a2a_bytes,
@@ -127,8 +128,8 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
         expert_grad = ep.experts.w_gate_up.grad.clone()
         sync_gradients(torch.nn.ModuleList([ep]))
         result["cases"][-1]["sync_gradients"] = max(
-            err(ep.experts.w_gate_up.grad, expert_grad / world),
-            err(ep.router.weight.grad, ref.router.weight.grad / world))
+            _err(ep.experts.w_gate_up.grad, expert_grad / world),
+            _err(ep.router.weight.grad, ref.router.weight.grad / world))
     return result
 
 
@@ -153,13 +154,9 @@ def overlap_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int =
         mb = run.microbatch(x, grad, "x")
         order = chunked_plan(n_chunks, delay_wgrad=delay)
         timeline = run.run(order, mb, mb, replay, schedule == "sequential")
-        y, dx = mb.y, mb.dx
-        errs = {"y": float((y - y_ref.detach()).abs().max()), "dx": float((dx - xr.grad).abs().max())}
-        for name, p in ep.named_parameters():
-            errs[name] = float((p.grad - ref[name]).abs().max())
-        errs["events"] = len(timeline.events)
-        errs["comm_bytes"] = timeline.comm_bytes()
-        errors[label] = errs
+        errors[label] = {"y": _err(mb.y, y_ref), "dx": _err(mb.dx, xr.grad),
+                         **{name: _err(p.grad, ref[name]) for name, p in ep.named_parameters()},
+                         "events": len(timeline.events), "comm_bytes": timeline.comm_bytes()}
     return errors
 
 
@@ -198,16 +195,15 @@ def merged_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 
     for chunks in sorted({1, n_chunks}):
         step = MergedStep(ep, chunks)
         got = {}
-        for schedule in SCHEDULES:
+        for schedule in SCHEDULES:  # "sequential" first: the others are compared with it
             ep.zero_grad(set_to_none=True)
             ys, dxs, tls = two_microbatch_step(step, xs, gs, schedule)
             got[schedule] = ys + dxs + [p.grad.clone() for p in ep.parameters()]
             result["schedules"][f"{schedule}/{chunks}"] = {
                 "rel": max(_rel(a, b) for a, b in zip(got[schedule], autograd, strict=True)),
-                "events": sum(len(t.events) for t in tls)}
-        for schedule in SCHEDULES:
-            result["schedules"][f"{schedule}/{chunks}"]["bitwise"] = all(
-                torch.equal(a, b) for a, b in zip(got[schedule], got["sequential"], strict=True))
+                "events": sum(len(t.events) for t in tls),
+                "bitwise": all(torch.equal(a, b)
+                               for a, b in zip(got[schedule], got["sequential"], strict=True))}
     return result
 
 
@@ -281,6 +277,6 @@ def skewed_routing_rank(cfg_fields: dict, tokens_per_rank: int, hot: tuple[int, 
             "experts.w_down": ref.experts.w_down.grad[local.start:local.stop],
             **{name: ref.get_parameter(name).grad for name in replicated}}
     return {"rank": rank, "received": run["ref_stats"].tokens_per_expert.tolist(),
-            "errors": {name: float((mine[name] - want[name]).abs().max()) for name in mine},
+            "errors": {name: _err(mine[name], want[name]) for name in mine},
             "scale": float(y_ref.detach().abs().max()),
             "tensors": {name: t.detach().cpu() for name, t in mine.items()}}

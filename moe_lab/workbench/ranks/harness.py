@@ -3,7 +3,7 @@
 Every function here runs on every rank together, inside `moe_lab.workbench.ranks.launch.run_ranks`
 (or torchrun). `measure_schedules` times the four 1F1B plans
 (`moe_lab.parallel.merged.MergedStep`), interleaved, each run preceded by a barrier; a run's
-time is its slowest rank's, and `summarise_runs` reports medians. Exposed communication is
+time is its slowest rank's, and the report gives medians. Exposed communication is
 measured two ways: the time the ranks spent outside compute in the step (which a busy shared
 machine disturbs less), and the step minus a compute-only replay on the same data
 (step time − compute-only time). They disagree where the transfers' own processor
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,9 +29,6 @@ from moe_lab.parallel.merged import MergedStep, two_microbatch_step
 from moe_lab.parallel.plan import plan
 from moe_lab.parallel.timeline import Timeline
 from moe_lab.workbench.ranks.launch import rank_device
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 Tensor = torch.Tensor
 
@@ -46,51 +42,7 @@ OVERLAP_RUNS = {  # label: (schedule, delay_wgrad, replay)
 }
 
 
-def summarise_runs(layer: EPMoELayer, timelines: dict[str, list[Timeline]], reference: dict[str, str],
-                   n_chunks: int, repeats: int) -> dict:
-    """What `measure_schedules` reports from the interleaved runs of each label (call on every
-    rank together, ``timelines`` in the same order on each): a run's time is its slowest
-    rank's; ``reference`` maps each real (non-replay) label, "sequential" among them, to the
-    compute-only replay it is measured against.
-
-    Exposed communication, two ways: within each run as the time its ranks spent outside
-    compute (averaged over ranks), which a busy shared machine disturbs less, and against
-    the compute-only (replay) run. Returns the dict `measure_schedules` documents."""
-    order = list(timelines)
-    device = layer.experts.w_gate_up.device  # where the collectives run (NCCL: the GPU)
-    steps = torch.tensor([[t.step_s for t in timelines[label]] for label in order],
-                         dtype=torch.float64, device=device)
-    waits = torch.tensor([[t.wait_s for t in timelines[label]] for label in order],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=layer.group)
-    dist.all_reduce(waits, group=layer.group)
-    waits /= layer.ep_size
-    slowest = dict(zip(order, steps.tolist(), strict=True))
-    median = {label: statistics.median(v) for label, v in slowest.items()}
-    exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in reference}
-    exposed_replay = {k: median[k] - median[ref] for k, ref in reference.items()}
-
-    def versus_sequential(values: dict) -> dict:
-        base = values["sequential"]
-        return {k: (v / base if base > 0 else float("nan")) for k, v in values.items()}
-
-    seq = timelines["sequential"]
-    return {
-        "n_chunks": n_chunks, "repeats": repeats, "world_size": layer.ep_size,
-        "median_s": median, "runs_s": slowest,
-        "exposed_s": exposed, "exposed_vs_sequential": versus_sequential(exposed),
-        "exposed_fraction": {k: v / median[k] for k, v in exposed.items()},
-        "exposed_replay_s": exposed_replay,
-        "exposed_replay_vs_sequential": versus_sequential(exposed_replay),
-        # this rank's Timeline of the median run of each label
-        "timelines": {k: sorted(ts, key=lambda t: t.step_s)[len(ts) // 2] for k, ts in timelines.items()},
-        "a2a_bytes": seq[0].comm_bytes(),
-        "a2a_s": statistics.median(t.lane_time("comm") for t in seq),
-    }
-
-
-def a2a_bandwidth(rows_per_rank: int, d_model: int, repeats: int = 5,
-                  group: ProcessGroup | None = None, dtype: torch.dtype = torch.float32) -> dict:
+def a2a_bandwidth(rows_per_rank: int, d_model: int, repeats: int = 5) -> dict:
     """Time one all-to-all of ``rows_per_rank`` rows of ``d_model`` per destination (equal
     splits, on every rank together): median seconds (the slowest rank's) and the bandwidth per
     rank (bytes each rank sends to the others / time), on `rank_device`.
@@ -99,29 +51,29 @@ def a2a_bandwidth(rows_per_rank: int, d_model: int, repeats: int = 5,
     once it is *queued* (NCCL runs it on its own stream, which the current stream then waits
     for), so a host clock would time the queueing. On the CPU the call returns when gloo has
     delivered every row, and the host clock is the time."""
-    world = dist.get_world_size(group)
+    world = dist.get_world_size()
     device = rank_device()
-    x = torch.randn(world * rows_per_rank, d_model, dtype=dtype, device=device)
+    x = torch.randn(world * rows_per_rank, d_model, device=device)
 
     def timed() -> float:
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            exchange_rows(x, None, None, group)
+            exchange_rows(x, None, None, None)
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         t0 = time.perf_counter()
-        exchange_rows(x, None, None, group)
+        exchange_rows(x, None, None, None)
         return time.perf_counter() - t0
 
     timed()  # warm-up: connections, buffers
     times = []
     for _ in range(repeats):
-        dist.barrier(group=group)
+        dist.barrier()
         times.append(timed())
     t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     median = statistics.median(t.tolist())
     sent = (world - 1) * rows_per_rank * d_model * x.element_size()
     return {"bytes_per_rank": sent, "median_s": median, "bytes_per_s": sent / median}
@@ -171,16 +123,48 @@ def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb:
     for _ in range(warmup):  # allocations, first calls; fills the replay caches
         for label in real:
             one(label)
-    timelines: dict[str, list[Timeline]] = {label: [] for label in real + replays}
+    order = real + replays
+    timelines: dict[str, list[Timeline]] = {label: [] for label in order}
     for r in range(repeats):
-        seq = real + replays
-        for label in (seq if r % 2 == 0 else seq[::-1]):
+        for label in (order if r % 2 == 0 else order[::-1]):
             timelines[label].append(one(label))
+
+    # Exposed communication, two ways: within each run as the time its ranks spent outside
+    # compute (averaged over ranks), which a busy shared machine disturbs less, and against
+    # the compute-only (replay) run with the same chunks.
     reference = {k: "compute only (chunked)" if MERGED_RUNS[k][1] and "compute only (chunked)" in timelines
                  else "compute only" for k in real}
-    summary = summarise_runs(layer, timelines, reference, n_chunks, repeats)
-    summary["compute_s"] = statistics.median(t.lane_time("compute") for t in timelines["compute only"])
-    return summary
+    device = layer.experts.w_gate_up.device  # where the collectives run (NCCL: the GPU)
+    steps_s = torch.tensor([[t.step_s for t in timelines[label]] for label in order],
+                           dtype=torch.float64, device=device)
+    waits = torch.tensor([[t.wait_s for t in timelines[label]] for label in order],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(steps_s, op=dist.ReduceOp.MAX, group=layer.group)
+    dist.all_reduce(waits, group=layer.group)
+    waits /= layer.ep_size
+    slowest = dict(zip(order, steps_s.tolist(), strict=True))
+    median = {label: statistics.median(v) for label, v in slowest.items()}
+    exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in reference}
+    exposed_replay = {k: median[k] - median[ref] for k, ref in reference.items()}
+
+    def versus_sequential(values: dict) -> dict:
+        base = values["sequential"]
+        return {k: (v / base if base > 0 else float("nan")) for k, v in values.items()}
+
+    seq = timelines["sequential"]
+    return {
+        "n_chunks": n_chunks, "repeats": repeats, "world_size": layer.ep_size,
+        "median_s": median, "runs_s": slowest,
+        "exposed_s": exposed, "exposed_vs_sequential": versus_sequential(exposed),
+        "exposed_fraction": {k: v / median[k] for k, v in exposed.items()},
+        "exposed_replay_s": exposed_replay,
+        "exposed_replay_vs_sequential": versus_sequential(exposed_replay),
+        # this rank's Timeline of the median run of each label
+        "timelines": {k: sorted(ts, key=lambda t: t.step_s)[len(ts) // 2] for k, ts in timelines.items()},
+        "a2a_bytes": seq[0].comm_bytes(),
+        "a2a_s": statistics.median(t.lane_time("comm") for t in seq),
+        "compute_s": statistics.median(t.lane_time("compute") for t in timelines["compute only"]),
+    }
 
 
 def layer_and_batches(spec: dict, n_tensors: int = 4) -> tuple[EPMoELayer, list[Tensor]]:
@@ -217,11 +201,9 @@ def merged_rank_main(spec: dict) -> dict:
                  if outs else None)
     report = measure_schedules(ep, xa, ga, xb, gb, spec["n_chunks"], spec.get("repeats", 5),
                                spec.get("warmup", 1), tuple(spec.get("runs", MERGED_RUNS)))
-    report["timelines"] = {k: t.to_dict() for k, t in report["timelines"].items()}
-    report["merged_equals_plain"] = identical
-    report["rank"] = dist.get_rank()
-    report["backend"], report["device"] = dist.get_backend(), str(rank_device())
-    report["tokens_per_rank"] = spec["tokens"]
+    report.update(timelines={k: t.to_dict() for k, t in report["timelines"].items()},
+                  merged_equals_plain=identical, rank=dist.get_rank(), backend=dist.get_backend(),
+                  device=str(rank_device()), tokens_per_rank=spec["tokens"])
     if spec.get("bandwidth_rows"):
-        report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model, group=None)
+        report["bandwidth"] = a2a_bandwidth(spec["bandwidth_rows"], ep.cfg.d_model)
     return report

@@ -38,7 +38,6 @@ network namespace, and gloo talks over the emulated link instead of the loopback
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
 import signal
 import socket
@@ -89,13 +88,9 @@ class RankStatus:
             return f"rank {self.rank}: ok"
         if self.exitcode is None:
             return f"rank {self.rank}: killed by the launcher ({self.error})"
-        if self.exitcode < 0:
-            try:
-                name = signal.Signals(-self.exitcode).name
-            except ValueError:
-                name = f"signal {-self.exitcode}"
-            return f"rank {self.rank}: killed by {name}" + (f" — {self.error}" if self.error else "")
-        return f"rank {self.rank}: exit code {self.exitcode}" + (f" — {self.error}" if self.error else "")
+        how = (f"killed by {signal.Signals(-self.exitcode).name}" if self.exitcode < 0
+               else f"exit code {self.exitcode}")
+        return f"rank {self.rank}: {how}" + (f" — {self.error}" if self.error else "")
 
 
 def choose_backend(local_ranks: int, link: EmulatedLink | None = None,
@@ -112,56 +107,41 @@ def choose_backend(local_ranks: int, link: EmulatedLink | None = None,
     """
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if link is not None:
         if backend == "nccl":
             raise ValueError("the emulated link carries gloo (TCP) traffic; use backend='gloo'")
         return "gloo", "emulated link: TCP between network namespaces, which gloo speaks"
-    if backend == "nccl":
-        if gpus == 0:
-            raise ValueError("backend='nccl' needs CUDA, and this machine has no CUDA device; use "
-                             "backend='gloo' (the ranks then compute on the CPU)")
-        if gpus < local_ranks:
-            raise ValueError(f"backend='nccl' needs one GPU per rank: {local_ranks} ranks on this "
-                             f"machine, {gpus} GPU(s) (NCCL refuses two ranks on one GPU); use "
-                             "backend='gloo' (the ranks then compute on the CPU)")
-        return "nccl", f"{local_ranks} ranks on {gpus} GPU(s): one GPU per rank"
     if backend == "gloo":
         return "gloo", "gloo asked for: the ranks compute on the CPU"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and gpus >= local_ranks:
+        return "nccl", f"{local_ranks} ranks on {gpus} GPU(s): one GPU per rank"
+    if backend == "nccl" and gpus == 0:
+        raise ValueError("backend='nccl' needs CUDA, and this machine has no CUDA device; use "
+                         "backend='gloo' (the ranks then compute on the CPU)")
+    if backend == "nccl":
+        raise ValueError(f"backend='nccl' needs one GPU per rank: {local_ranks} ranks on this "
+                         f"machine, {gpus} GPU(s) (NCCL refuses two ranks on one GPU); use "
+                         "backend='gloo' (the ranks then compute on the CPU)")
     if gpus == 0:
         return "gloo", "no CUDA device: gloo on the CPU"
-    if gpus < local_ranks:
-        return "gloo", (f"{local_ranks} ranks > {gpus} GPU(s), and NCCL refuses two ranks on one "
-                        "GPU: gloo on the CPU")
-    return "nccl", f"{local_ranks} ranks on {gpus} GPU(s): one GPU per rank"
+    return "gloo", (f"{local_ranks} ranks > {gpus} GPU(s), and NCCL refuses two ranks on one "
+                    "GPU: gloo on the CPU")
 
 
 # Modules the fork server imports once, so that every rank forked from it starts with torch
-# already loaded (a fresh interpreter per rank spends seconds importing torch).
+# already loaded (a fresh interpreter per rank spends seconds importing torch). The ranks come
+# from a fork server (Linux and macOS have one): forking a process that never ran a parallel
+# region is safe.
 PRELOAD = ["torch", "torch.distributed", "moe_lab.parallel.ep", "moe_lab.parallel.merged",
-           "moe_lab.parallel.merged", "moe_lab.workbench.ranks.harness",
+           "moe_lab.workbench.ranks.harness",
            "moe_lab.workbench.ranks.equivalence", "moe_lab.workbench.ranks.faults"]
 
 
-def _context():
-    """The multiprocessing context for ranks: a fork server (fast: torch is imported once,
-    and forking a process that never ran a parallel region is safe), else spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _last_error_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+def _last_error_line(path: Path) -> str:
+    """The last non-blank line of the file ``path`` (a rank's traceback), or "" without one."""
+    lines = path.read_text().strip().splitlines() if path.exists() else []
+    return lines[-1].strip() if lines else ""
 
 
 def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_addr: str, port: int,
@@ -170,7 +150,7 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
     """The body of one spawned rank: join the link, init the group, run ``fn``, save its result."""
     out = Path(result_dir)
     # The rank's stderr (Python's and the C++ libraries') goes to a file the launcher reads
-    # when the job ends (`_rank_logs`).
+    # when the job ends (`run_ranks`).
     log = os.open(out / f"rank{rank}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 2)
     os.close(log)
@@ -248,53 +228,54 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
             raise ValueError(f"link must be an active EmulatedLink for {world_size} ranks, got {link!r}")
         master_addr, port, ifname = link.master_addr, 29500, IFNAME
     else:
-        master_addr, port, ifname = "127.0.0.1", _free_port(), "lo"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            master_addr, port, ifname = "127.0.0.1", s.getsockname()[1], "lo"
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = _context()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     # A forked rank inherits the fork server's environment, not ours: send ours along.
     rank_env = dict(os.environ)
-    with tempfile.TemporaryDirectory(prefix="moe_lab_ranks_") as result_dir:
+    with tempfile.TemporaryDirectory(prefix="moe_lab_ranks_") as tmp:
+        result_dir = Path(tmp)
         procs = []
         for rank in range(world_size):
             netns = link.namespace(rank) if link is not None else None
             p = ctx.Process(target=_rank_entry, daemon=True, name=f"moe_lab-rank{rank}",
                             args=(rank, world_size, fn, args, master_addr, port, backend,
-                                  collective_timeout_s, netns, ifname, threads, result_dir, rank_env))
+                                  collective_timeout_s, netns, ifname, threads, tmp, rank_env))
             p.start()
             procs.append(p)
-        statuses = _watch(procs, timeout_s, collective_timeout_s + GRACE_S, Path(result_dir))
-        logs = _rank_logs(Path(result_dir), world_size)
+        statuses = _watch(procs, timeout_s, collective_timeout_s + GRACE_S, result_dir)
+        # What each rank wrote to stderr, less the known-harmless lines; ranks with nothing
+        # left are left out.
+        logs = {}
+        for rank in range(world_size):
+            path = result_dir / f"rank{rank}.stderr"
+            text = without_known_lines(path.read_text(errors="replace")) if path.exists() else ""
+            if text.strip():
+                logs[rank] = text if text.endswith("\n") else text + "\n"
         failed = not all(s.ok for s in statuses)
         if not (failed and quiet_failure):
             for text in logs.values():
                 sys.stderr.write(text)
             sys.stderr.flush()
         if failed:
-            raise RankFailure(_failure_message(statuses), statuses, logs)
-        return [torch.load(Path(result_dir) / f"rank{r}.pt", weights_only=False)
+            # Name the likely culprit first: a rank killed by a signal or by the launcher is
+            # more often the cause than the peers that then lost their connection to it.
+            order = sorted(statuses, key=lambda s: (s.ok, s.exitcode is not None and s.exitcode > 0))
+            fates = "\n  ".join(s.describe() for s in order)
+            raise RankFailure(f"{sum(not s.ok for s in statuses)} of {world_size} ranks failed:\n  {fates}",
+                              statuses, logs)
+        return [torch.load(result_dir / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
-
-
-def _rank_logs(result_dir: Path, world_size: int) -> dict[int, str]:
-    """What each rank wrote to stderr, less the known-harmless lines; ranks with nothing left
-    are left out."""
-    logs = {}
-    for rank in range(world_size):
-        path = result_dir / f"rank{rank}.stderr"
-        text = without_known_lines(path.read_text(errors="replace")) if path.exists() else ""
-        if text.strip():
-            logs[rank] = text if text.endswith("\n") else text + "\n"
-    return logs
 
 
 def _watch(procs: Sequence, timeout_s: float, grace_s: float, result_dir: Path) -> list[RankStatus]:
     start = time.monotonic()
     first_failure: float | None = None
     killed: dict[int, str] = {}
-    while True:
-        running = [r for r, p in enumerate(procs) if p.exitcode is None]
-        if not running:
-            break
+    while running := [r for r, p in enumerate(procs) if p.exitcode is None]:
         now = time.monotonic()
         if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
             first_failure = now
@@ -305,30 +286,16 @@ def _watch(procs: Sequence, timeout_s: float, grace_s: float, result_dir: Path) 
         elif now - start > timeout_s:
             reason = f"still running at the deadline of {timeout_s:g} s"
         if reason:
+            killed = dict.fromkeys(running, reason)
             for r in running:
-                killed[r] = reason
                 procs[r].kill()
             for r in running:
                 procs[r].join(5)
             break
         procs[running[0]].join(0.05)
-    statuses = []
-    for r, p in enumerate(procs):
-        err_file = result_dir / f"rank{r}.err"
-        error = _last_error_line(err_file.read_text()) if err_file.exists() else ""
-        if r in killed:
-            statuses.append(RankStatus(r, None, killed[r]))
-        else:
-            statuses.append(RankStatus(r, p.exitcode, error))
-    return statuses
-
-
-def _failure_message(statuses: list[RankStatus]) -> str:
-    failed = sum(not s.ok for s in statuses)
-    # Name the likely culprit first: a rank killed by a signal or by the launcher is more
-    # often the cause than the peers that then lost their connection to it.
-    order = sorted(statuses, key=lambda s: (s.ok, s.exitcode is not None and s.exitcode > 0))
-    return f"{failed} of {len(statuses)} ranks failed:\n  " + "\n  ".join(s.describe() for s in order)
+    return [RankStatus(r, None, killed[r]) if r in killed
+            else RankStatus(r, p.exitcode, _last_error_line(result_dir / f"rank{r}.err"))
+            for r, p in enumerate(procs)]
 
 
 def check_peers(timeout_s: float = 10.0, group: dist.ProcessGroup | None = None) -> None:

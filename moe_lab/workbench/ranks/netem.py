@@ -51,7 +51,6 @@ loopback device and say that the link is not emulated.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import functools
 import os
@@ -109,16 +108,10 @@ def enter_namespace(name: str) -> None:
 
     Sockets opened afterwards, and threads started afterwards, live in that namespace.
     """
-    path = f"/var/run/netns/{name}"
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)  # made by the link this rank is launched on
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise LinkUnavailable(f"network namespace {name!r} not found ({path}): {exc}") from None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise LinkUnavailable(f"setns into {name!r} failed: {os.strerror(err)}")
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise LinkUnavailable(f"setns into {name!r} failed: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
 
@@ -128,17 +121,14 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def cleanup_stale() -> list[str]:
-    """Delete namespaces left by moe_lab processes that died without tearing down; returns
-    their names. Namespaces of live processes (another developer's run) are left alone."""
-    removed = []
+def cleanup_stale() -> None:
+    """Delete namespaces left by moe_lab processes that died without tearing down.
+    Namespaces of live processes (another developer's run) are left alone."""
     for name in _namespaces():
         parts = name.split("-")
         if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit():
             if not process_running(int(parts[1])):
                 _run("ip", "netns", "delete", name, check=False)
-                removed.append(name)
-    return removed
 
 
 @dataclass
@@ -209,22 +199,17 @@ class EmulatedLink:
         try:
             hub = self.hub
             _run("ip", "netns", "add", hub)
-            _run("ip", "netns", "exec", hub, "ip", "link", "set", "lo", "up")
-            _run("ip", "netns", "exec", hub, "ip", "link", "add", "br0", "type", "bridge")
-            _run("ip", "netns", "exec", hub, "ip", "link", "set", "br0", "up")
+            _run("ip", "-n", hub, "link", "set", "lo", "up")
+            _run("ip", "-n", hub, "link", "add", "br0", "up", "type", "bridge")
             for rank in range(self.world_size):
                 ns, port = self.namespace(rank), f"p{rank}"
                 _run("ip", "netns", "add", ns)
                 _run("ip", "link", "add", "name", IFNAME, "netns", ns, "type", "veth",
                      "peer", "name", port, "netns", hub)
-                _run("ip", "netns", "exec", hub, "ip", "link", "set", port, "mtu", str(MTU))
-                _run("ip", "netns", "exec", ns, "ip", "link", "set", IFNAME, "mtu", str(MTU))
-                _run("ip", "netns", "exec", hub, "ip", "link", "set", port, "master", "br0")
-                _run("ip", "netns", "exec", hub, "ip", "link", "set", port, "up")
-                _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(rank)}/24",
-                     "dev", IFNAME)
-                _run("ip", "netns", "exec", ns, "ip", "link", "set", IFNAME, "up")
-                _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                _run("ip", "-n", hub, "link", "set", port, "mtu", str(MTU), "master", "br0", "up")
+                _run("ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", IFNAME)
+                _run("ip", "-n", ns, "link", "set", IFNAME, "mtu", str(MTU), "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
                 self._shape(ns, IFNAME)  # what the rank sends
                 self._shape(hub, port)  # what the rank receives
         except BaseException:
@@ -236,13 +221,10 @@ class EmulatedLink:
         """Delete the namespaces (and with them every interface and queue of the link)."""
         if not self.active:
             return
-        existing = set(_namespaces())
         for name in [self.namespace(r) for r in range(self.world_size)] + [self.hub]:
-            if name in existing:
-                _run("ip", "netns", "delete", name, check=False)
+            _run("ip", "netns", "delete", name, check=False)  # one never made: a harmless error
         self.active = False
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.teardown)
+        atexit.unregister(self.teardown)
 
     def __enter__(self) -> EmulatedLink:
         return self.setup()

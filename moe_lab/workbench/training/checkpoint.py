@@ -179,9 +179,11 @@ def save_checkpoint(path: str | os.PathLike, state: dict,
             _fsync_folder(path.parent)
             if on_saved is not None:
                 on_saved()
-    except (OSError, RuntimeError) as exc:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if not isinstance(exc, (OSError, RuntimeError)):
+            raise
         if _interrupted(exc):
             raise KeyboardInterrupt from None
         free = shutil.disk_usage(path.parent).free
@@ -190,24 +192,17 @@ def save_checkpoint(path: str | os.PathLike, state: dict,
         raise OSError(f"checkpoint {path} could not be written ({type(exc).__name__}: "
                       f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no reason given'}; "
                       f"{free} bytes free on its disk); {kept}") from exc
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _fsync_folder(folder: Path) -> None:
-    """Flush ``folder``'s entries (the rename) to the disk, where the system allows it."""
-    try:
+    """Flush ``folder``'s entries (the rename) to the disk, where the system allows it (Windows
+    cannot open a folder)."""
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open a folder
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:

@@ -13,7 +13,7 @@ compiled or autocast forwards); `train` is the loop over it with evaluation, cal
 checkpoints, and the time-to-train race advances one `Trainer` per stack in lockstep. On a
 GPU nothing around its step makes the host wait: the data stream (`BatchStream`) copies
 each batch from pinned memory without blocking, one step ahead, and the step times
-(`StepClock`) come from CUDA events, read once the GPU has passed them.
+(`StepClock`) come from CUDA events, read once the run asks for them.
 
 Runs are deterministic under a seed on the CPU. A checkpoint holds the model, optimizer,
 the step's device state, the data generator and the history, so a resumed run continues the
@@ -30,6 +30,7 @@ import hashlib
 import math
 import os
 import stat
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -221,18 +222,6 @@ def evaluate(model: MoETransformer, eval_batch: Batch, domains: list[str],
     return result
 
 
-def check_batch_fits(model_cfg: ModelConfig, batch_size: int,
-                     device: torch.device | str = "cpu") -> None:
-    """Refuse (``ValueError``) a ``batch_size`` whose training step cannot fit in the memory
-    of ``device``: a lower bound, the FP32 logits, their gradient and softmax
-    (``3 × 4 × vocab_size`` bytes per token) and the int64 tokens and targets (16 bytes),
-    checked before the corpus, the model or any batch is built."""
-    tokens = batch_size * model_cfg.seq_len
-    check_fits(f"batch_size={batch_size} ({tokens:,} tokens of {model_cfg.name})",
-               tokens * (12 * model_cfg.vocab_size + 16),
-               "use a smaller batch size (--batch-size)", device)
-
-
 def _to(batch: Batch, device: torch.device) -> Batch:
     """``batch`` on ``device`` without stalling the host: a copy from pageable memory makes
     the host wait until the GPU has finished everything queued before it, so each tensor is
@@ -241,8 +230,7 @@ def _to(batch: Batch, device: torch.device) -> Batch:
     keeps the host buffer until its copy has run. On the CPU the batch already is there."""
     if device.type == "cpu":
         return batch
-    pin = device.type == "cuda"
-    return Batch(*((t.pin_memory() if pin else t).to(device, non_blocking=True) for t in batch))
+    return Batch(*(t.pin_memory().to(device, non_blocking=True) for t in batch))
 
 
 class BatchStream:
@@ -291,15 +279,12 @@ class BatchStream:
 
 class StepClock:
     """Seconds per training step, without making the host wait each step: on CUDA a pair of
-    CUDA events around each step, read once the GPU has passed them (``query`` asks without
-    waiting; the sync-free step's read at the end of a window lets every earlier pair be
-    read), on other devices ``time.perf_counter`` around the call. `times` waits for the
-    last pair."""
+    CUDA events around each step, read only when `times` is asked for (which waits for the
+    GPU to pass the last one), on other devices ``time.perf_counter`` around the call."""
 
     def __init__(self, device: torch.device) -> None:
         self.events = device.type == "cuda"
-        self._done: list[float] = []
-        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._marks: list = []  # seconds a step, or the (start, end) CUDA events of each step
 
     def start(self) -> float | torch.cuda.Event:
         """Mark the start of a step; pass what it returns to `stop`."""
@@ -312,23 +297,19 @@ class StepClock:
     def stop(self, start: float | torch.cuda.Event) -> None:
         """Mark the end of the step that `start` began."""
         if not self.events:
-            self._done.append(time.perf_counter() - start)
+            self._marks.append(time.perf_counter() - start)
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((start, end))
-        self._collect(wait=False)
-
-    def _collect(self, wait: bool) -> None:
-        while self._pending and (wait or self._pending[0][1].query()):
-            start, end = self._pending.pop(0)
-            end.synchronize()
-            self._done.append(start.elapsed_time(end) / 1e3)  # elapsed_time is in ms
+        self._marks.append((start, end))
 
     def times(self) -> list[float]:
         """Seconds of every step so far (waits for the GPU to pass the last one)."""
-        self._collect(wait=True)
-        return self._done
+        if not self.events:
+            return list(self._marks)
+        for _, end in self._marks:
+            end.synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in self._marks]  # elapsed_time: ms
 
 
 class Trainer:
@@ -349,7 +330,13 @@ class Trainer:
         cfg = cfg or TrainConfig()
         self.model_cfg, self.cfg = model_cfg, cfg
         self.device = torch.device(device or "cpu")
-        check_batch_fits(model_cfg, cfg.batch_size, self.device)
+        # Refuse a batch_size whose step cannot fit in the device's memory, before the corpus,
+        # the model or any batch is built: a lower bound, the FP32 logits, their gradient and
+        # softmax (3 × 4 × vocab_size bytes per token) and the int64 tokens and targets (16 bytes).
+        tokens = cfg.batch_size * model_cfg.seq_len
+        check_fits(f"batch_size={cfg.batch_size} ({tokens:,} tokens of {model_cfg.name})",
+                   tokens * (12 * model_cfg.vocab_size + 16), "use a smaller batch size (--batch-size)",
+                   self.device)
         if corpus is None:
             check_corpus(cfg.corpus)
             corpus = load_corpus(cfg.corpus, seq_len=model_cfg.seq_len, seed=cfg.seed)
@@ -376,14 +363,17 @@ class Trainer:
         self.eval_forward = (step_forward(self.model, compile=cfg.compile, amp=cfg.amp,
                                           dynamic=False) if cfg.compiled_eval else None)
         if self.eval_forward is not None and warm_eval:
-            shape = tuple(self.eval_batch.x.shape)
-            warm = torch.randint(0, model_cfg.vocab_size, shape,
-                                 generator=torch.Generator().manual_seed(cfg.seed + 11))
-            warm = warm.to(self.device)
-            evaluate(self.model, Batch(warm, warm, torch.zeros(shape[0], dtype=torch.long,
-                                                               device=self.device)),
-                     [], forward=self.eval_forward)
-        self.step = self._make_step(example)
+            warm = random_batch(model_cfg, len(self.eval_batch.x), self.device,
+                                torch.Generator().manual_seed(cfg.seed + 11))
+            evaluate(self.model, warm, [], forward=self.eval_forward)
+        if cfg.step == "eager":
+            self.step = EagerStep(self.model, self.optimizer, cfg.step_config, forward=self.forward)
+        elif cfg.step == "graphed":
+            self.step = GraphedStep(self.model, self.optimizer, example, cfg.step_config,
+                                    forward=self.forward, clip_step=cfg.clip_step, quiet=not cfg.progress)
+        else:
+            self.step = SyncFreeStep(self.model, self.optimizer, example, cfg.step_config,
+                                     forward=self.forward, clip_step=cfg.clip_step)
         if checkpoint is not None:
             if self.step.state is not None:
                 with self._restoring("step_state", "the step's device state"):
@@ -395,17 +385,6 @@ class Trainer:
         """The step that runs: ``cfg.step``, or ``"sync_free"`` where a graphed step runs
         eagerly (no CUDA)."""
         return "sync_free" if getattr(self.step, "mode", None) == EAGER_MODE else self.cfg.step
-
-    def _make_step(self, example: Batch) -> EagerStep | SyncFreeStep | GraphedStep:
-        cfg = self.cfg
-        step_cfg = cfg.step_config
-        if cfg.step == "eager":
-            return EagerStep(self.model, self.optimizer, step_cfg, forward=self.forward)
-        if cfg.step == "graphed":
-            return GraphedStep(self.model, self.optimizer, example, step_cfg, forward=self.forward,
-                               clip_step=cfg.clip_step, quiet=not cfg.progress)
-        return SyncFreeStep(self.model, self.optimizer, example, step_cfg, forward=self.forward,
-                            clip_step=cfg.clip_step)
 
     def train_on(self, batch: Batch) -> dict | None:
         """One training step on ``batch``; the statistics the step read, or ``None``."""
@@ -426,10 +405,6 @@ class Trainer:
     def step_times(self) -> list[float]:
         """Seconds per `advance` so far (`StepClock`: CUDA events on CUDA)."""
         return self.clock.times()
-
-    def flush(self) -> dict | None:
-        """The statistics the step still holds (a sync-free step's open window), or ``None``."""
-        return self.step.flush()
 
     def evaluate(self, compiled: bool = True) -> dict[str, float]:
         """The eval loss per domain (`evaluate`), through the compiled evaluation where there
@@ -577,7 +552,7 @@ _CHECKPOINT_VALUES = {
     "step_state": (lambda v: isinstance(v, dict), "a dict of tensors"),
     "corpus_fingerprint": (lambda v: v is None or isinstance(v, dict), "None or a dict"),
 }
-_OPTIONAL_KEYS = ("settings", "step_state", "corpus_fingerprint")
+_OPTIONAL_KEYS = ("settings", "step_state", "corpus_fingerprint")  # older checkpoints lack them
 
 
 def _check_resume(checkpoint: dict, cfg: TrainConfig, override: bool,
@@ -714,7 +689,7 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
                     and step + 1 < cfg.steps):
                 save()
         result.steps = trainer.steps_done
-        last = trainer.flush()
+        last = trainer.step.flush()  # the statistics the step still holds (a sync-free window)
         if last is not None:
             check_finite(last)
             result.history.append(last)
@@ -728,7 +703,6 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
         if bar is not None:
             bar.close()
     times = trainer.step_times
-    if times:
-        tokens_per_step = cfg.batch_size * model_cfg.seq_len
-        result.tokens_per_s = tokens_per_step / (sorted(times)[len(times) // 2])
+    if times:  # the upper median step time
+        result.tokens_per_s = cfg.batch_size * model_cfg.seq_len / statistics.median_high(times)
     return result

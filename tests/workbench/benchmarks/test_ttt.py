@@ -277,7 +277,7 @@ def test_compare_alternates_the_order(monkeypatch):
                         lambda stack, cfg, **kw: calls.append((stack.name, cfg.seed)) or
                         _run(stack.name, cfg.seed, 1.0))
     b = replace(NAIVE, name="b")
-    ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1, 2], interleave=False)
+    ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1, 2], device="meta")  # not a CPU: one by one
     assert calls == [("naive", 0), ("b", 0), ("b", 1), ("naive", 1), ("naive", 2), ("b", 2)]
     raced = []
     monkeypatch.setattr(racing, "race", lambda stacks, cfg, **kw: raced.append(
@@ -365,7 +365,7 @@ def test_mfu_and_the_bound():
     from moe_lab import preset
     from moe_lab.perf.flops import training_flops_per_token
 
-    rows = ttt.mfu_rows([{"stack": "naive", "tokens_per_s": 1000.0}], MICRO, 1e12)
+    rows = ttt.mfu_rows([{"stack": "naive", "tokens_per_s": 1000.0}], MICRO, {"naive": 1e12})
     per_token = training_flops_per_token(preset("tiny"))
     assert rows[0]["mfu"] == pytest.approx(1000.0 * per_token / 1e12)
     # each stack against the ceiling of its own precision

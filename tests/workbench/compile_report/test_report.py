@@ -156,11 +156,10 @@ def test_parse_archs():
 @pytest.fixture(scope="module")
 def first_specs(tmp_path_factory) -> dict:
     """One spec of every kernel module compiled for sm_90 and sm_100, cubins kept: the grouped
-    GEMM's first forward spec (a bf16 ``tl.dot``), every other module's last spec (the
-    cheapest to compile where the lists differ in cost)."""
+    GEMM's first forward spec (a bf16 ``tl.dot``), every other module's first spec."""
     cubins = tmp_path_factory.mktemp("cubins")
-    jobs = [compile_report.module_job(module, **({"kernel": "_grouped_gemm_kernel", "limit": 1}
-                                                 if module.endswith("grouped_gemm") else {"index": -1}))
+    jobs = [compile_report.module_job(module, **({"kernel": "_grouped_gemm_kernel"}
+                                                 if module.endswith("grouped_gemm") else {}), limit=1)
             for module in KERNEL_MODULES]
     return {"rows": compile_report.compile_jobs(*jobs, archs=ARCHS, cubin_dir=cubins)}
 

@@ -21,9 +21,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from moe_lab.workbench.interop.deepseek_v3 import from_hf_deepseek_v3  # noqa: E402
 from moe_lab.workbench.interop.gpt_oss import from_hf_gpt_oss  # noqa: E402
-from moe_lab.workbench.interop.mixtral import from_hf_mixtral  # noqa: E402
+from moe_lab.workbench.interop.hf_blocks import from_hf_mixtral, from_hf_qwen3_moe  # noqa: E402
 from moe_lab.workbench.interop.patch import HFMoEAdapter, patch_hf_model  # noqa: E402
-from moe_lab.workbench.interop.qwen3_moe import from_hf_qwen3_moe  # noqa: E402
 
 HIDDEN = 32
 COMMON = dict(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,

@@ -57,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TTTConfig:
-    cfg = PROFILES[args.profile]
-    changes: dict = {}
+    changes = {"target_loss": args.target, "steps": args.max_steps, "batch_size": args.batch_size}
     if args.max_seconds is not None and not args.max_seconds > 0:
         raise ValueError(f"--max-seconds must be a number of seconds > 0, got {args.max_seconds}")
     if args.corpus != "synthetic":
@@ -70,13 +69,7 @@ def config_from_args(args: argparse.Namespace) -> TTTConfig:
                              "targets mean nothing on other text; a short run's final eval "
                              "loss is a good guide")
         changes["corpus"] = args.corpus
-    if args.target is not None:
-        changes["target_loss"] = args.target
-    if args.max_steps is not None:
-        changes["steps"] = args.max_steps
-    if args.batch_size is not None:
-        changes["batch_size"] = args.batch_size
-    return replace(cfg, **changes) if changes else cfg
+    return replace(PROFILES[args.profile], **{k: v for k, v in changes.items() if v is not None})
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -15,9 +15,11 @@ stack alike instead of whichever ran at that moment. `compare_stacks` races ever
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.utils.deterministic as det
@@ -45,7 +47,6 @@ class _Lane:
         self.eval_s = 0.0
         self.curve: list[dict] = []
         self.train_curve: list[dict] = []
-        self.reached = False
         self.done = False
         self.time_to_target: float | None = None
 
@@ -64,23 +65,21 @@ class _Lane:
         return {**point, "eval_loss": loss}
 
 
-def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus: Corpus | None = None,
-         device: torch.device | str | None = None, max_seconds: float | None = None,
-         progress: bool = False) -> list[TTTRun]:
+def race(stacks: Sequence[Stack], cfg: TTTConfig, *, device: torch.device | str | None = None,
+         max_seconds: float | None = None, progress: bool = False) -> list[TTTRun]:
     """Train every stack in ``stacks`` to the target, *in lockstep*: one step of each in turn
     (the order flipping every step), each stack's clock adding up only its own steps and
     evaluations. With one stack this is a plain run against the wall clock.
 
     Interleaving needs each step finished before the next lane's begins: on a CPU steps are
     synchronous; on CUDA the sync-free step must not be made to wait after every step, so
-    several stacks on CUDA are refused (run them one at a time, ``interleave=False`` in
-    `compare_stacks`).
+    several stacks on CUDA are refused (`compare_stacks` runs them one at a time there).
     """
     device = device_of(device)
     if len(stacks) > 1 and device.type != "cpu":
         raise ValueError(f"race: interleaving several stacks needs a CPU (got {device}); on "
                          "CUDA each stack runs alone so that nothing syncs its steps")
-    corpus = load_contest_corpus(cfg) if corpus is None else corpus
+    corpus = load_contest_corpus(cfg)
     lanes = [_Lane(stack, cfg, device, corpus) for stack in stacks]
     solo = len(lanes) == 1
     start = time.perf_counter()
@@ -106,7 +105,7 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus: Corpus | None = Non
                     print(f"{lane.stack.name:>10} step {lane.steps:4d}  {lane.clock:7.1f} s  "
                           f"eval loss {loss:.3f}", flush=True)
                 if loss <= cfg.target_loss:
-                    lane.reached, lane.time_to_target, lane.done = True, lane.clock, True
+                    lane.time_to_target, lane.done = lane.clock, True
                 elif max_seconds is not None and lane.clock > max_seconds:
                     lane.done = True
             elif not solo:
@@ -120,7 +119,7 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus: Corpus | None = Non
         train_s = max(lane.clock - lane.eval_s, 1e-9)
         runs.append(TTTRun(
             stack=lane.stack.name, description=lane.stack.describe(), seed=cfg.seed,
-            hardware=hardware, target_loss=cfg.target_loss, reached=lane.reached,
+            hardware=hardware, target_loss=cfg.target_loss, reached=lane.time_to_target is not None,
             steps=lane.steps, time_to_target_s=lane.time_to_target, elapsed_s=lane.clock,
             init_s=lane.init_s, train_s=train_s, eval_s=lane.eval_s,
             tokens_per_step=cfg.tokens_per_step,
@@ -130,13 +129,11 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, corpus: Corpus | None = Non
     return runs
 
 
-def time_to_train(stack: Stack, cfg: TTTConfig, *, corpus: Corpus | None = None,
-                  device: torch.device | str | None = None, max_seconds: float | None = None,
-                  progress: bool = False) -> TTTRun:
+def time_to_train(stack: Stack, cfg: TTTConfig, *, device: torch.device | str | None = None,
+                  max_seconds: float | None = None, progress: bool = False) -> TTTRun:
     """Train ``stack`` alone on ``cfg`` until the eval loss reaches ``cfg.target_loss`` (or
     ``cfg.steps``, or ``max_seconds`` of timed region), against the wall clock."""
-    return race([stack], cfg, corpus=corpus, device=device, max_seconds=max_seconds,
-                progress=progress)[0]
+    return race([stack], cfg, device=device, max_seconds=max_seconds, progress=progress)[0]
 
 
 @contextlib.contextmanager
@@ -167,48 +164,35 @@ def deterministic_algorithms() -> Iterator[None]:
 
 
 def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int] = (0,), *,
-                   corpus: Corpus | None = None, device: torch.device | str | None = None,
-                   max_seconds: float | None = None, interleave: bool | None = None,
+                   device: torch.device | str | None = None, max_seconds: float | None = None,
                    progress: bool = False) -> list[TTTRun]:
-    """Every stack on every seed. ``interleave`` (default: on a CPU) races the stacks of a
-    seed in lockstep (`race`); otherwise they run one after the other, their order
-    alternating from seed to seed. Either way a slow spell of a shared machine does not
-    land on one stack only."""
+    """Every stack on every seed. On a CPU the stacks of a seed race in lockstep (`race`);
+    elsewhere they run one after the other, their order alternating from seed to seed.
+    Either way a slow spell of a shared machine does not land on one stack only."""
     device = device_of(device)
-    if interleave is None:
-        interleave = device.type == "cpu"
     runs: list[TTTRun] = []
     for i, seed in enumerate(seeds):
         seeded = replace(cfg, seed=int(seed))
         order = list(stacks) if i % 2 == 0 else list(reversed(stacks))
-        if interleave:
-            by_name = {r.stack: r for r in race(order, seeded, corpus=corpus, device=device,
-                                                max_seconds=max_seconds, progress=progress)}
+        if device.type == "cpu":
+            by_name = {r.stack: r for r in race(order, seeded, device=device, max_seconds=max_seconds,
+                                                progress=progress)}
             runs += [by_name[stack.name] for stack in order]
             continue
         for stack in order:
-            runs.append(time_to_train(stack, seeded, corpus=corpus, device=device,
-                                      max_seconds=max_seconds, progress=progress))
+            runs.append(time_to_train(stack, seeded, device=device, max_seconds=max_seconds,
+                                      progress=progress))
     return runs
 
 
 def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
                       device: torch.device | str | None = None, min_time_s: float = 2.0,
-                      warmup: int = 2, corpus: Corpus | None = None) -> list[dict]:
+                      warmup: int = 2) -> list[dict]:
     """Training tokens/s of one step of every rung, on the same batches, timed interleaved
     (`moe_lab.workbench.measure.timing.compare`: round by round, so noise lands on all rungs alike).
     Returns one
     row per rung: label, stack, median step time, spread, tokens/s, ratio to the first."""
-    device = device_of(device)
-    corpus = load_contest_corpus(cfg) if corpus is None else corpus
-    batches = _step_batches(cfg, device, corpus)
-    providers: dict[str, Callable[[], None]] = {}
-    init_s: dict[str, float] = {}
-    for label, stack in rungs:
-        t0 = time.perf_counter()
-        trainer = make_trainer(stack, cfg, device, corpus=corpus)
-        init_s[label] = time.perf_counter() - t0
-        providers[label] = _stepper(trainer, batches)
+    providers, init_s = _steppers(dict(rungs), cfg, device)
     timings = compare(providers, warmup=warmup, min_time_s=min_time_s)
     first = next(iter(timings.values())).median_s
     rows = []
@@ -223,33 +207,34 @@ def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
 
 
 def step_breakdowns(stacks: Sequence[Stack], cfg: TTTConfig, *, steps: int = 5, warmup: int = 3,
-                    device: torch.device | str | None = None,
-                    corpus: Corpus | None = None) -> dict[str, dict]:
+                    device: torch.device | str | None = None) -> dict[str, dict]:
     """Where a training step of each stack spends its time, ``{stack.name: breakdown}``
     (`moe_lab.workbench.measure.breakdown.step_breakdown`: ms per step by phase and by kind, under the
     profiler). Each stack's trainer is built as for the race and steps on the contest's
     training batches, ``warmup`` steps first (compiling happens when the trainer is built)."""
+    steppers, _ = _steppers({stack.name: stack for stack in stacks}, cfg, device)
+    return {name: step_breakdown(fn, steps=steps, warmup=warmup) for name, fn in steppers.items()}
+
+
+def _steppers(stacks: dict[str, Stack], cfg: TTTConfig, device: torch.device | str | None,
+              n_batches: int = 4) -> tuple[dict[str, Callable[[], None]], dict[str, float]]:
+    """For each ``label -> stack``: a function doing one finished training step of the stack's
+    trainer per call, cycling through the contest's first ``n_batches`` training batches; and
+    the seconds building each trainer took."""
     device = device_of(device)
-    corpus = load_contest_corpus(cfg) if corpus is None else corpus
-    batches = _step_batches(cfg, device, corpus)
-    return {stack.name: step_breakdown(
-        _stepper(make_trainer(stack, cfg, device, corpus=corpus), batches),
-        steps=steps, warmup=warmup) for stack in stacks}
-
-
-def _step_batches(cfg: TTTConfig, device: torch.device, corpus: Corpus, n: int = 4) -> list[Batch]:
-    """``n`` training batches of the contest (its first ones), for step-by-step measurements."""
+    corpus = load_contest_corpus(cfg)
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    batches = [corpus.sample(cfg.batch_size, generator=gen, split="train") for _ in range(n)]
-    return [Batch(*(t.to(device) for t in batch)) for batch in batches]
+    batches = [Batch(*(t.to(device) for t in corpus.sample(cfg.batch_size, generator=gen, split="train")))
+               for _ in range(n_batches)]
+    steppers, init_s = {}, {}
+    for label, stack in stacks.items():
+        t0 = time.perf_counter()
+        trainer = make_trainer(stack, cfg, device, corpus=corpus)
+        init_s[label] = time.perf_counter() - t0
+        steppers[label] = partial(_one_step, trainer, itertools.cycle(batches))
+    return steppers, init_s
 
 
-def _stepper(trainer: Trainer, batches: Sequence) -> Callable[[], None]:
-    """One finished training step of ``trainer`` per call, cycling through ``batches``."""
-    counter = iter(range(10**9))
-
-    def one_step() -> None:
-        trainer.train_on(batches[next(counter) % len(batches)])
-        trainer.sync()
-
-    return one_step
+def _one_step(trainer: Trainer, batches: Iterator[Batch]) -> None:
+    trainer.train_on(next(batches))
+    trainer.sync()

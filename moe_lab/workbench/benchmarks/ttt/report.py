@@ -117,16 +117,16 @@ def record_ladder(rows: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK
 # --------------------------------------------------------------------------------------
 
 
-def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: float | dict[str, float]) -> list[dict]:
+def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: dict[str, float]) -> list[dict]:
     """Model FLOPs utilisation of each stack's training throughput against ``peak_flops``
-    (this machine's measured matmul ceiling, FLOP/s; a dict gives each stack the ceiling of
-    the precision it computes in, e.g. ``{"naive": fp32, "optimised": bf16}``): the FLOPs
+    (this machine's measured matmul ceiling, FLOP/s, of each stack's precision, e.g.
+    ``{"naive": fp32, "optimised": bf16}``): the FLOPs
     model of `moe_lab.perf.flops` (matmuls only, 6 FLOPs per weight per token plus
     attention)."""
     per_token = training_flops_per_token(preset(cfg.preset))
     rows = []
     for row in summary:
-        peak = peak_flops[row["stack"]] if isinstance(peak_flops, dict) else peak_flops
+        peak = peak_flops[row["stack"]]
         rows.append({"stack": row["stack"], "tokens_per_s": row["tokens_per_s"],
                      "achieved_gflops": row["tokens_per_s"] * per_token / 1e9,
                      "ceiling_gflops": peak / 1e9,
@@ -190,26 +190,21 @@ def gb300_from_reported(gpu: str = "GB300") -> list[dict]:
 
 
 def record_summary(summary: Sequence[dict], cfg: TTTConfig, notebook: str = NOTEBOOK,
-                   **extra: object) -> list[dict]:
+                   **extra: object) -> None:
     """Every stack's time to target (median, spread), steps and tokens/s, and the speed-up
     of each over the naive stack, into the ledger."""
     common = dict(preset=cfg.preset, batch=cfg.batch_size, target_loss=cfg.target_loss,
                   corpus=cfg.corpus if cfg.corpus == "synthetic" else "text file", **extra)
-    written = []
     for row in summary:
         spread = dict(seeds=row["seeds"], reached=row["reached"])
         if row["time_to_target_s"] is not None:
-            written.append(ledger.record(
-                notebook, row["stack"], "time_to_target_s", row["time_to_target_s"], "s",
-                min_s=row["time_min_s"], max_s=row["time_max_s"], iqr_s=row["time_iqr_s"],
-                init_s=row["init_s"], **spread, **common))
-            written.append(ledger.record(notebook, row["stack"], "steps_to_target",
-                                         float(row["steps_to_target"]), "steps", **spread,
-                                         **common))
-        written.append(ledger.record(notebook, row["stack"], "train_tokens_per_s",
-                                     row["tokens_per_s"], "tok/s", **spread, **common))
+            ledger.record(notebook, row["stack"], "time_to_target_s", row["time_to_target_s"], "s",
+                          min_s=row["time_min_s"], max_s=row["time_max_s"], iqr_s=row["time_iqr_s"],
+                          init_s=row["init_s"], **spread, **common)
+            ledger.record(notebook, row["stack"], "steps_to_target", float(row["steps_to_target"]), "steps",
+                          **spread, **common)
+        ledger.record(notebook, row["stack"], "train_tokens_per_s", row["tokens_per_s"], "tok/s",
+                      **spread, **common)
         if row["stack"] != "naive" and row["speedup"] is not None:
-            written.append(ledger.record(
-                notebook, f"{row['stack']} vs naive", "time_to_target_speedup", row["speedup"],
-                "x", min=row["speedup_min"], max=row["speedup_max"], **spread, **common))
-    return written
+            ledger.record(notebook, f"{row['stack']} vs naive", "time_to_target_speedup", row["speedup"],
+                          "x", min=row["speedup_min"], max=row["speedup_max"], **spread, **common)

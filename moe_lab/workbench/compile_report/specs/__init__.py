@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import types
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -100,14 +101,23 @@ def int_args(**values: int) -> tuple[dict[str, str], dict[str, int]]:
     return signature, constants
 
 
+def kernel_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict[str, str],
+                ints: dict[str, int], constexprs: dict[str, object], config: LaunchConfig,
+                **fields: object) -> CompileSpec:
+    """The `CompileSpec` of ``module``'s ``kernel``: ``pointers`` (and any other typed argument)
+    and ``ints`` typed as a launch types them (`int_args`) its signature; the ints equal to 1,
+    then ``constexprs``, its constexprs; ``fields``: `CompileSpec`'s others (``note``, ...)."""
+    signature, constants = int_args(**ints)
+    return CompileSpec(f"{module.__name__}:{kernel}", label, {**pointers, **signature},
+                       {**constants, **constexprs}, config, **fields)
+
+
 def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
     """One spec per distinct compilation: specs equal in kernel, signature, constexprs and
     config (one binary at run time) become one, their labels joined with " | "."""
-    merged: dict[tuple, CompileSpec] = {}
+    merged: dict[str, CompileSpec] = {}
     for spec in specs:
-        key = (spec.kernel, tuple(sorted(spec.signature.items())),
-               tuple(sorted((k, repr(v)) for k, v in spec.constexprs.items())), repr(spec.config),
-               repr(spec.per_arch), repr(spec.per_arch_config), spec.needs)
+        key = repr(dataclasses.replace(spec, label="", note=""))
         if key in merged:
             first = merged[key]
             merged[key] = dataclasses.replace(first, label=f"{first.label} | {spec.label}",
@@ -117,13 +127,16 @@ def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
     return list(merged.values())
 
 
-def layer_shape(name: str, model: str, dtype: str) -> tuple[MoEConfig, int, str]:
-    """``(the preset's MoEConfig, routed rows, the labels' shape)`` of preset ``name`` (``model``
-    in the labels) at `SPEC_TOKENS` tokens in ``dtype``."""
-    moe = preset(name).moe
-    m = SPEC_TOKENS * moe.top_k
-    return moe, m, (f"{dtype}, {model}: E={moe.n_experts}, d_model={moe.d_model}, d_expert={moe.d_expert}, "
-                    f"{SPEC_TOKENS} tokens x top-{moe.top_k} = {m} rows")
+def layers(dtypes: Iterable[str]) -> Iterator[tuple[MoEConfig, int, str, str]]:
+    """``(the preset's MoEConfig, routed rows, the labels' shape, dtype)`` of each of `SPEC_PRESETS`'
+    layers (its model in the labels) at `SPEC_TOKENS` tokens, in each of ``dtypes``."""
+    for name, model in SPEC_PRESETS.items():
+        moe = preset(name).moe
+        m = SPEC_TOKENS * moe.top_k
+        for dtype in dtypes:
+            at = (f"{dtype}, {model}: E={moe.n_experts}, d_model={moe.d_model}, d_expert={moe.d_expert}, "
+                  f"{SPEC_TOKENS} tokens x top-{moe.top_k} = {m} rows")
+            yield moe, m, at, dtype
 
 
 def grouped_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict[str, str],
@@ -134,14 +147,11 @@ def grouped_spec(module: types.ModuleType, kernel: str, label: str, pointers: di
     launch types them, ``cfg``'s blocks, ``DOT_BF16`` and, for the kernels with a tile order
     over experts' row tiles (those that take ``E``), ``GROUP_M`` as the wrapper picks them
     (`tile_group`), besides ``constexprs``."""
-    signature, constants = int_args(**ints)
     group = {"GROUP_M": tile_group(ints["M_ROWS"], ints["E"], cfg.blocks["BLOCK_M"])} if "E" in ints else {}
-    return CompileSpec(
-        f"{module.__name__}:{kernel}", f"[{tag}{describe(cfg)}] {label}",
-        {**pointers, "offsets_ptr": "*i32", **signature},
-        {**constants, **cfg.blocks, "DOT_BF16": dot_bf16(SPEC_DTYPES[dtype], interpreted=False), **group,
-         **constexprs},
-        cfg, FP32_NOTE if dtype == "fp32" else "")
+    return kernel_spec(
+        module, kernel, f"[{tag}{describe(cfg)}] {label}", {**pointers, "offsets_ptr": "*i32"}, ints,
+        {**cfg.blocks, "DOT_BF16": dot_bf16(SPEC_DTYPES[dtype], interpreted=False), **group, **constexprs},
+        cfg, note=FP32_NOTE if dtype == "fp32" else "")
 
 
 def describe(cfg: LaunchConfig) -> str:
@@ -152,19 +162,15 @@ def describe(cfg: LaunchConfig) -> str:
             f"{cfg.num_warps} warps, {cfg.num_stages} stages")
 
 
-def spec_module_name(kernel_module: str) -> str:
-    """Where the specs of kernel module ``moe_lab.kernels.<name>`` live: this package's ``<name>``."""
-    return f"{__name__}.{kernel_module.rpartition('.')[2]}"
-
-
 def for_module(kernel_module: str | types.ModuleType) -> list[CompileSpec]:
     """The `CompileSpec` list of a kernel module (its name or the module); ``ValueError``
     when it has none."""
     name = kernel_module if isinstance(kernel_module, str) else kernel_module.__name__
+    spec_module = f"{__name__}.{name.rpartition('.')[2]}"  # specs/<name>.py describes moe_lab.kernels.<name>
     try:
-        specs = importlib.import_module(spec_module_name(name))
+        specs = importlib.import_module(spec_module)
     except ModuleNotFoundError as exc:
-        if exc.name != spec_module_name(name):
+        if exc.name != spec_module:
             raise
-        raise ValueError(f"{name} has no compile specs ({spec_module_name(name)} does not exist)") from None
+        raise ValueError(f"{name} has no compile specs ({spec_module} does not exist)") from None
     return list(specs.compile_specs())

@@ -14,14 +14,13 @@ import torch
 
 from moe_lab.kernels import fused_mxfp8 as fmx
 from moe_lab.kernels.grouped_gemm import block_e
-from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, CompileSpec, grouped_spec, layer_shape
+from moe_lab.workbench.compile_report.specs import CompileSpec, grouped_spec, layers
 
 
 def compile_specs() -> list[CompileSpec]:
     """Both kernels of `moe_lab.kernels.fused_mxfp8` at each preset's layer, bf16."""
     specs = []
-    for name, model in SPEC_PRESETS.items():
-        moe, m, at = layer_shape(name, model, "bf16")
+    for moe, m, at, _ in layers(("bf16",)):
         n_experts, d, f, top_k = moe.n_experts, moe.d_model, moe.d_expert, moe.top_k
         cfg = fmx.launch_config("swiglu", m, f, d, n_experts, interpreted=False, dtype=torch.bfloat16)
         specs.append(grouped_spec(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moe_lab.config import MoEConfig, preset
 from moe_lab.kernels import fused_router as fr
-from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, int_args
+from moe_lab.workbench.compile_report.specs import SPEC_PRESETS, SPEC_TOKENS, CompileSpec, kernel_spec
 
 
 def compile_specs_for(cfg: MoEConfig, tokens: int, *, seq_len: int | None = None,
@@ -23,26 +23,20 @@ def compile_specs_for(cfg: MoEConfig, tokens: int, *, seq_len: int | None = None
              f"top-{top_k}, {cfg.score_func}")
     ints = dict(T=tokens, E=n_experts, EG=n_experts // n_groups, G=n_groups,
                 SEQ_LEN=seq_len or tokens, s_lt=n_experts, s_le=1)
-    fwd_ints, fwd_constants = int_args(**ints)
-    bwd_ints, bwd_constants = int_args(**ints, s_dt=n_experts, s_de=1)
     return [
-        CompileSpec(
-            "moe_lab.kernels.fused_router:_router_fwd_kernel",
+        kernel_spec(
+            fr, "_router_fwd_kernel",
             f"fused router forward (scores, top-k, statistics), fp32 logits, {shape}",
             {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
-             "counts_ptr": "*i32", "psum_ptr": "*fp32", "zsum_ptr": "*fp32", **fwd_ints,
-             "scaling": "fp32"},
-            {**fwd_constants, **config.blocks,
-             **fr.fwd_constexprs(top_k, softmax, n_experts, n_groups, cfg.topk_groups,
-                                 cfg.renormalize, True)},
+             "counts_ptr": "*i32", "psum_ptr": "*fp32", "zsum_ptr": "*fp32", "scaling": "fp32"}, ints,
+            {**config.blocks, **fr.fwd_constexprs(top_k, softmax, n_experts, n_groups, cfg.topk_groups,
+                                                  cfg.renormalize, True)},
             config),
-        CompileSpec(
-            "moe_lab.kernels.fused_router:_router_bwd_kernel",
-            f"fused router backward (recomputed scores), fp32 logits, {shape}",
+        kernel_spec(
+            fr, "_router_bwd_kernel", f"fused router backward (recomputed scores), fp32 logits, {shape}",
             {"logits_ptr": "*fp32", "ids_ptr": "*i64", "dw_ptr": "*fp32", "dpsum_ptr": "*fp32",
-             "dz_ptr": "*fp32", "dl_ptr": "*fp32", **bwd_ints, "scaling": "fp32"},
-            {**bwd_constants, **config.blocks,
-             **fr.bwd_constexprs(top_k, softmax, cfg.renormalize)},
+             "dz_ptr": "*fp32", "dl_ptr": "*fp32", "scaling": "fp32"}, {**ints, "s_dt": n_experts, "s_de": 1},
+            {**config.blocks, **fr.bwd_constexprs(top_k, softmax, cfg.renormalize)},
             config),
     ]
 

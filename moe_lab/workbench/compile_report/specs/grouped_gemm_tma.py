@@ -18,11 +18,10 @@ import torch
 from moe_lab.kernels import grouped_gemm_tma as tma
 from moe_lab.kernels.grouped_gemm import block_e, dot_bf16, tile_group
 from moe_lab.workbench.compile_report.specs import (
-    SPEC_PRESETS,
     CompileSpec,
     describe,
-    int_args,
-    layer_shape,
+    kernel_spec,
+    layers,
     merge_specs,
 )
 
@@ -40,8 +39,7 @@ def compile_specs() -> list[CompileSpec]:
     contiguous tensors as the expert backend ``triton_tma`` passes them, ``GROUP_M`` as the
     wrapper picks it (`tile_group`)."""
     specs = []
-    for name, model in SPEC_PRESETS.items():
-        moe, m, at = layer_shape(name, model, "bf16")
+    for moe, m, at, _ in layers(("bf16",)):
         n_experts, d, f = moe.n_experts, moe.d_model, moe.d_expert
         # (what, K, N, TRANS_W): y = x @ w[e], x: [M, K], w: [E, K, N] stored [K, N] or
         # (TRANS_W, dX = dY·Wᵀ) the forward's weight [E, N, K] as stored.
@@ -52,14 +50,12 @@ def compile_specs() -> list[CompileSpec]:
         cfg = tma.launch_config(m, 1, 1, n_experts, interpreted=False, dtype=torch.bfloat16)
         for arch, ws in LAUNCHES.items():
             for what, k, n, trans in gemms:
-                signature, constants = int_args(
-                    M_ROWS=m, N=n, K=k, E=n_experts, s_xm=k, s_we=k * n, s_wr=k if trans else n, s_ym=n)
-                specs.append(CompileSpec(
-                    f"{tma.__name__}:_tma_grouped_gemm_kernel",
+                specs.append(kernel_spec(
+                    tma, "_tma_grouped_gemm_kernel",
                     f"[{arch} launch, {describe(cfg)}] persistent TMA grouped GEMM {what}, {at}; {PER_TILE}",
-                    {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offsets_ptr": "*i32",
-                     **signature},
-                    {**constants, **cfg.blocks, "BLOCK_E": block_e(n_experts),
+                    {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "offsets_ptr": "*i32"},
+                    dict(M_ROWS=m, N=n, K=k, E=n_experts, s_xm=k, s_we=k * n, s_wr=k if trans else n, s_ym=n),
+                    {**cfg.blocks, "BLOCK_E": block_e(n_experts),
                      "GROUP_M": tile_group(m, n_experts, cfg.blocks["BLOCK_M"]),
                      "TRANS_W": trans, "DOT_BF16": dot_bf16(torch.bfloat16, interpreted=False),
                      "WARP_SPECIALIZE": ws},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from moe_lab.config import preset
 from moe_lab.kernels import mx_attention as ma
 from moe_lab.quant.mx import BLOCK_SIZE, padded_size
-from moe_lab.workbench.compile_report.specs import MX_MMA, MX_MMA_PER_ARCH, CompileSpec, int_args
+from moe_lab.workbench.compile_report.specs import MX_MMA, MX_MMA_PER_ARCH, CompileSpec, kernel_spec
 
 
 def compile_specs() -> list[CompileSpec]:
@@ -33,7 +33,7 @@ def compile_specs() -> list[CompileSpec]:
         n_ds = d_pad // BLOCK_SIZE
         # Strides of quantize_qkv's outputs for one sequence: Q, K codes and scales and the
         # output contiguous; V's codes and scales stored transposed ([.., d, T], key-major).
-        ints, ones = int_args(
+        ints = dict(
             H=h, KV_GROUP=h // h_kv, T_Q=t, T_K=t, T_K_PAD=t_pad, D=d, D_PAD=d_pad,
             s_qb=h * t * d_pad, s_qh=t * d_pad, s_qt=d_pad, s_qd=1,
             s_qsb=h * t * n_ds, s_qsh=t * n_ds, s_qst=n_ds, s_qsd=1,
@@ -45,27 +45,20 @@ def compile_specs() -> list[CompileSpec]:
             s_ob=h * t * d, s_oh=t * d, s_ot=d, s_od=1,
         )
         cfg = ma.launch_config(t, t, d, interpreted=False, mma=MX_MMA["MX_MMA"])
-        # Each target's tile (`launch_config` for its mode): other blocks, the same warps and stages.
+        # Each target's tile (`launch_config` for its mode): its blocks, warps and stages.
         tiles = {arch: ma.launch_config(t, t, d, interpreted=False, mma=v["MX_MMA"])
                  for arch, v in MX_MMA_PER_ARCH.items()}
-        if any((c.num_warps, c.num_stages) != (cfg.num_warps, cfg.num_stages) for c in tiles.values()):
-            raise ValueError("the compile spec takes per-arch blocks only; launch_config now differs "
-                             "in warps or stages between targets")
         per_arch = {arch: {**v, **tiles[arch].blocks} for arch, v in MX_MMA_PER_ARCH.items()}
         p = f"P {scale_mode}" if quantize_p else "P float32"
         note = (UNQUANTIZED_P_NOTE if not quantize_p else WIDE_HEAD_NOTE if d > 128
                 else ADA_NOTE if d == 128 else "")
-        specs.append(CompileSpec(
-            kernel="moe_lab.kernels.mx_attention:_mx_attention_fwd_kernel",
-            label=f"MXFP8 attention fwd, {name}: {h} heads ({h_kv} KV), seq {t}, d={d}, {p}",
-            signature={**{n: "*u8" for n in ("q_ptr", "qs_ptr", "k_ptr", "ks_ptr", "v_ptr",
-                                              "vs_ptr")},
-                       "o_ptr": "*fp32", "sm_scale_log2": "fp32", **ints},
-            constexprs={**ones, **ma.mode_constexprs(quantize_p, scale_mode, MX_MMA["MX_MMA"]),
-                        **cfg.blocks},
-            config=cfg, per_arch=per_arch,
-            note=note,
-        ))
+        specs.append(kernel_spec(
+            ma, "_mx_attention_fwd_kernel",
+            f"MXFP8 attention fwd, {name}: {h} heads ({h_kv} KV), seq {t}, d={d}, {p}",
+            {**{n: "*u8" for n in ("q_ptr", "qs_ptr", "k_ptr", "ks_ptr", "v_ptr", "vs_ptr")},
+             "o_ptr": "*fp32", "sm_scale_log2": "fp32"}, ints,
+            {**ma.mode_constexprs(quantize_p, scale_mode, MX_MMA["MX_MMA"]), **cfg.blocks},
+            cfg, per_arch=per_arch, per_arch_config=tiles, note=note))
     return specs
 
 

@@ -12,7 +12,7 @@ from moe_lab.workbench.compile_report.specs import (
     SPEC_PRESETS,
     SPEC_TOKENS,
     CompileSpec,
-    int_args,
+    kernel_spec,
     merge_specs,
 )
 
@@ -29,27 +29,21 @@ def compile_specs() -> list[CompileSpec]:
         moe = preset(name).moe
         d, f, m = moe.d_model, moe.d_expert, SPEC_TOKENS * moe.top_k
         for what, n, k in (("up/gate projection", 2 * f, d), ("down projection", d, f)):
-            ints, ones = int_args(M=m, N=n, K=k)
             cfg = mg.launch_config(m, n, k, interpreted=False)
-            specs.append(CompileSpec(
-                kernel="moe_lab.kernels.mx_gemm:_mx_gemm_kernel",
-                label=f"MXFP8 GEMM, {model} experts {what}: "
-                      f"[{m}, {k}] x [{n}, {k}]^T, bf16 out",
-                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
-                           "c_ptr": "*bf16", **ints},
-                constexprs={**ones, **cfg.blocks, **MX_MMA,
-                            "GROUP_M": dense_group(m, k, cfg.blocks["BLOCK_M"], 1)},
-                config=cfg, per_arch=MX_GEMM_PER_ARCH,
-            ))
-            ints, ones = int_args(M_ROWS=m, N=n, K=k, E=moe.n_experts)
-            specs.append(CompileSpec(
-                kernel="moe_lab.kernels.mx_gemm:_grouped_mx_gemm_kernel",
-                label=f"grouped MXFP8 GEMM, {model} experts {what}: "
-                      f"[{m}, {k}] x {moe.n_experts} x [{n}, {k}]^T, bf16 out",
-                signature={"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
-                           "c_ptr": "*bf16", "offsets_ptr": "*i32", **ints},
-                constexprs={**ones, **cfg.blocks, "BLOCK_E": block_e(moe.n_experts), **MX_MMA,
-                            "GROUP_M": tile_group(m, moe.n_experts, cfg.blocks["BLOCK_M"])},
-                config=cfg, per_arch=MX_GEMM_PER_ARCH,
-            ))
+            pointers = {"a_ptr": "*u8", "a_scale_ptr": "*u8", "b_ptr": "*u8", "b_scale_ptr": "*u8",
+                        "c_ptr": "*bf16"}
+            specs.append(kernel_spec(
+                mg, "_mx_gemm_kernel",
+                f"MXFP8 GEMM, {model} experts {what}: [{m}, {k}] x [{n}, {k}]^T, bf16 out",
+                pointers, dict(M=m, N=n, K=k),
+                {**cfg.blocks, **MX_MMA, "GROUP_M": dense_group(m, k, cfg.blocks["BLOCK_M"], 1)},
+                cfg, per_arch=MX_GEMM_PER_ARCH))
+            specs.append(kernel_spec(
+                mg, "_grouped_mx_gemm_kernel",
+                f"grouped MXFP8 GEMM, {model} experts {what}: "
+                f"[{m}, {k}] x {moe.n_experts} x [{n}, {k}]^T, bf16 out",
+                {**pointers, "offsets_ptr": "*i32"}, dict(M_ROWS=m, N=n, K=k, E=moe.n_experts),
+                {**cfg.blocks, "BLOCK_E": block_e(moe.n_experts), **MX_MMA,
+                 "GROUP_M": tile_group(m, moe.n_experts, cfg.blocks["BLOCK_M"])},
+                cfg, per_arch=MX_GEMM_PER_ARCH))
     return merge_specs(specs)

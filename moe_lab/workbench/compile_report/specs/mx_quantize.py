@@ -7,7 +7,7 @@ import torch
 from moe_lab.config import preset
 from moe_lab.kernels import mx_quantize as mq
 from moe_lab.quant.mx import E4M3, E5M2, padded_size
-from moe_lab.workbench.compile_report.specs import CompileSpec, int_args
+from moe_lab.workbench.compile_report.specs import CompileSpec, kernel_spec
 
 
 def compile_specs() -> list[CompileSpec]:
@@ -33,20 +33,15 @@ def compile_specs() -> list[CompileSpec]:
     specs = []
     for label, dtype, (_batch, m, k), rowwise, colwise, elem_dtype, scale_mode in cases:
         m_pad, k_pad = padded_size(m), padded_size(k)
-        ints, ones = int_args(M=m, K=k, M_PAD=m_pad, K_PAD=k_pad, stride_xb=m * k,
-                              stride_xm=k, stride_xk=1)
         cfg = mq.launch_config(m_pad if colwise else m, k_pad if rowwise else k, interpreted=False)
         copies = "row+col" if rowwise and colwise else "row-wise" if rowwise else "column-wise"
         fmt = "E4M3" if elem_dtype == E4M3 else "E5M2"
-        specs.append(CompileSpec(
-            kernel="moe_lab.kernels.mx_quantize:_mx_quantize_kernel",
-            label=f"MX quantizer, {label} {'bf16' if dtype == bf16 else 'fp32'}, {copies}, "
-                  f"{fmt} {scale_mode}",
-            signature={"x_ptr": "*i16" if dtype == bf16 else "*i32", "row_data_ptr": "*u8",
-                       "row_scale_ptr": "*u8", "col_data_ptr": "*u8", "col_scale_ptr": "*u8",
-                       **ints},
-            constexprs={**ones, **mq.format_constexprs(dtype, rowwise, colwise, elem_dtype, scale_mode),
-                        **cfg.blocks},
-            config=cfg,
-        ))
+        specs.append(kernel_spec(
+            mq, "_mx_quantize_kernel",
+            f"MX quantizer, {label} {'bf16' if dtype == bf16 else 'fp32'}, {copies}, {fmt} {scale_mode}",
+            {"x_ptr": "*i16" if dtype == bf16 else "*i32", "row_data_ptr": "*u8",
+             "row_scale_ptr": "*u8", "col_data_ptr": "*u8", "col_scale_ptr": "*u8"},
+            dict(M=m, K=k, M_PAD=m_pad, K_PAD=k_pad, stride_xb=m * k, stride_xm=k, stride_xk=1),
+            {**mq.format_constexprs(dtype, rowwise, colwise, elem_dtype, scale_mode), **cfg.blocks},
+            cfg))
     return specs

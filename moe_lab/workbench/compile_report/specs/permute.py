@@ -8,7 +8,7 @@ from moe_lab.workbench.compile_report.specs import (
     SPEC_PRESETS,
     SPEC_TOKENS,
     CompileSpec,
-    int_args,
+    kernel_spec,
     merge_specs,
 )
 
@@ -27,16 +27,13 @@ def compile_specs() -> list[CompileSpec]:
         at = (f"{model}: E={n_experts}, top-{top_k}, d_model={d}, "
               f"{tokens} tokens x top-{top_k} = {n_rows} rows")
         cfg = pm.launch_config("map", n_rows, n_experts, interpreted=False)
-        ints, constants = int_args(N_ENTRIES=n_rows, E=n_experts)
+        ints = dict(N_ENTRIES=n_rows, E=n_experts)
         specs += [
-            CompileSpec(f"{pm.__name__}:_expert_histogram_kernel",
+            kernel_spec(pm, "_expert_histogram_kernel",
                         f"expert histogram per block of routed ids, int64 ids, {at}",
-                        {"ids_ptr": "*i64", "counts_ptr": "*i32", **ints},
-                        {**constants, **cfg.blocks}, cfg),
-            CompileSpec(f"{pm.__name__}:_row_id_map_kernel",
-                        f"row-id map (rank within block + base), int64 ids, {at}",
-                        {"ids_ptr": "*i64", "base_ptr": "*i32", "map_ptr": "*i32", **ints},
-                        {**constants, **cfg.blocks}, cfg),
+                        {"ids_ptr": "*i64", "counts_ptr": "*i32"}, ints, cfg.blocks, cfg),
+            kernel_spec(pm, "_row_id_map_kernel", f"row-id map (rank within block + base), int64 ids, {at}",
+                        {"ids_ptr": "*i64", "base_ptr": "*i32", "map_ptr": "*i32"}, ints, cfg.blocks, cfg),
         ]
         cfg = pm.launch_config("rows", tokens, d, interpreted=False)
         rows = dict(T=tokens, D=d, N_ROWS=n_rows, TOP_K=top_k, s_mt=top_k, s_mk=1, s_wt=top_k, s_wk=1)
@@ -50,16 +47,16 @@ def compile_specs() -> list[CompileSpec]:
                  "y_ptr", "out_ptr", ("s_yr", "s_yd", "s_ot", "s_od")),
             )
             for kernel, what, src, dst, strides in copies:
-                ints, constants = int_args(**rows, **dict(zip(strides, (d, 1, d, 1), strict=True)))
-                specs.append(CompileSpec(
-                    f"{pm.__name__}:_{kernel}_kernel", f"{kernel} {what}, bf16 rows, {at}",
-                    {src: "*bf16", "map_ptr": "*i32", "w_ptr": w_type, dst: "*bf16", **ints},
-                    {**constants, **cfg.blocks, "HAS_WEIGHTS": weighted}, cfg))
-        ints, constants = int_args(T=tokens, D=d, N_ROWS=n_rows, TOP_K=top_k,
-                                   s_yr=d, s_yd=1, s_mt=top_k, s_mk=1, s_gt=d, s_gd=1)
-        specs.append(CompileSpec(
-            f"{pm.__name__}:_unpermute_weight_grad_kernel",
+                specs.append(kernel_spec(
+                    pm, f"_{kernel}_kernel", f"{kernel} {what}, bf16 rows, {at}",
+                    {src: "*bf16", "map_ptr": "*i32", "w_ptr": w_type, dst: "*bf16"},
+                    {**rows, **dict(zip(strides, (d, 1, d, 1), strict=True))},
+                    {**cfg.blocks, "HAS_WEIGHTS": weighted}, cfg))
+        specs.append(kernel_spec(
+            pm, "_unpermute_weight_grad_kernel",
             f"unpermute weight gradient <dout[t], y[row]>, bf16 rows, fp32 out, {at}",
-            {"y_ptr": "*bf16", "map_ptr": "*i32", "dout_ptr": "*bf16", "dw_ptr": "*fp32", **ints},
-            {**constants, **cfg.blocks}, cfg))
+            {"y_ptr": "*bf16", "map_ptr": "*i32", "dout_ptr": "*bf16", "dw_ptr": "*fp32"},
+            dict(T=tokens, D=d, N_ROWS=n_rows, TOP_K=top_k, s_yr=d, s_yd=1, s_mt=top_k, s_mk=1,
+                 s_gt=d, s_gd=1),
+            cfg.blocks, cfg))
     return merge_specs(specs)
