@@ -273,6 +273,10 @@ def test_pool_saves_at_least_40_percent_against_the_worst_case(name, batch_size,
     model, _ = build_model(model_cfg)
     stash = PagedStash(page_rows, 1.25).attach(model, random_batch(model_cfg, batch_size))
     assert stash.exact_bytes < stash.pool_bytes < stash.worst_case_bytes
+    # the exact size holds T·k routed rows per activation; the worst case E·T
+    moe = model_cfg.moe
+    assert stash.worst_case_bytes * moe.top_k == stash.exact_bytes * moe.n_experts
+    assert stash.exact_bytes % (batch_size * model_cfg.seq_len * moe.top_k) == 0
     assert 1 - stash.pool_bytes / stash.worst_case_bytes >= 0.40
 
 

@@ -64,7 +64,10 @@ def _check(results: list[dict], world: int, with_drop: bool = True) -> None:
                 assert c[key] <= 2e-5, (key, c)
             assert c["dropped"] == 0, c
             assert c["sync_gradients"] <= 2e-5, c
-        assert not by_case[("budget", 0.0, "rerun")]["overflow"]
+        plain = by_case[("budget", 0.0, "rerun")]
+        # a budgeted exchange sends a block of `budget` float32 rows to every other rank, and back
+        assert plain["a2a_bytes"] == 2 * (world - 1) * plain["budget"] * CFG["d_model"] * 4, plain
+        assert not plain["overflow"]
         assert by_case[("budget", 0.0, "rerun")]["reruns"] == 0
         skewed = by_case[("budget", 8.0, "rerun")]
         assert skewed["overflow"] and skewed["reruns"] == 1, skewed
