@@ -258,14 +258,17 @@ class SyncFreeStep:
         keep = 1.0 - st.skip  # 0.0 for a step the optimizer skipped
         st.step.add_(keep)
         keep64 = keep.double()
-        counts = [s.tokens_per_expert.double() * keep64 for s in out.moe_stats]
+        # [loss, lm_loss, aux_loss, grad_norm, L·E tokens per expert, L imbalance], zero if skipped
         values = torch.cat([torch.stack([out.loss, out.lm_loss, out.aux_loss, grad_norm]).detach().double(),
-                            *counts, *(s.imbalance.double().reshape(1) for s in out.moe_stats)]) * keep64
+                            *(s.tokens_per_expert.double() for s in out.moe_stats),
+                            *(s.imbalance.double().reshape(1) for s in out.moe_stats)]) * keep64
         st.sums[:2].add_(torch.stack([keep64, st.skip.double()]))
         st.sums[2].copy_(torch.maximum(st.sums[2], values[3]))
         st.sums[3:].add_(values)
         if cfg.expert_bias_rate:
             # A skipped step's loads are all zero: sign(mean - load) = 0, no move.
+            n_layers, n_experts = len(out.moe_stats), self.model.cfg.moe.n_experts
+            counts = values[4:4 + n_layers * n_experts].view(n_layers, n_experts)
             update_expert_bias(self.model, counts, cfg.expert_bias_rate)
 
     def read_stats(self) -> dict:
