@@ -9,7 +9,7 @@ adds names from outside with `Registry.register` — the core never imports it.
 
 A name that is not registered is refused with the names that are, what the registry holds, and
 how a plug-in adds names (``plugin=True``) or why this one is unavailable here (no C++ compiler
-for the plug-in, no Triton for the kernels: `Registry.mark_unavailable`)."""
+for the plug-in, no Triton for the kernels: `Registry.unavailable`)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class Registry(dict, Generic[T]):
     def __init__(self, kind: str, description: str, *, plugin: bool = False) -> None:
         super().__init__()
         self.kind, self.description, self.plugin = kind, description, plugin
+        # name -> why it could not be registered here (shown when it is asked for)
         self.unavailable: dict[str, str] = {}
 
     def __repr__(self) -> str:
@@ -46,21 +47,17 @@ class Registry(dict, Generic[T]):
     def register(self, name: str, impl: T | None = None, *, missing: str | None = None
                  ) -> Callable[[T], T] | T:
         """``registry.register(name, impl)``, or ``@registry.register(name)`` as a decorator;
-        given ``missing`` (why ``impl`` cannot run here), `mark_unavailable` instead."""
+        given ``missing`` (why ``impl`` cannot run here), records it in ``unavailable`` instead."""
 
         def add(obj: T) -> T:
             if missing:
-                self.mark_unavailable(name, missing)
+                self.unavailable[name] = missing
                 return obj
             self[name] = obj
             self.unavailable.pop(name, None)
             return obj
 
         return add if impl is None else add(impl)
-
-    def mark_unavailable(self, name: str, reason: str) -> None:
-        """Record why ``name`` could not be registered here (shown when it is asked for)."""
-        self.unavailable[name] = reason
 
     def lookup(self, name: str, arg: str) -> T:
         """The implementation registered as ``name``; ``arg`` names the argument in the error."""

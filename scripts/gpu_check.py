@@ -44,7 +44,8 @@ Isolation: kernels that have never executed on hardware (the persistent TMA grou
 MXFP8 kernels, CUDA-graph capture) and the sync detector run after the core checks, each in
 a child process of its own with ``--section-timeout-s``: a crash, a sticky device fault or a
 hang in a device wait costs that section (recorded as ``crashed`` or ``hung``, with the
-checks it finished), not the run. ``--inject SECTION=hang|crash`` rehearses exactly that.
+checks it finished), not the run (``tests/workbench/scripts/test_gpu_check.py`` rehearses
+exactly that with a stand-in child that hangs and one that aborts).
 
 Figures (CUDA events, warm-up, median): each notebook's headline gain measured on the GPU
 (04 dispatch vs naive, 07 fused vs unfused, 05 fused router vs the unfused chain, 06 MXFP8
@@ -59,9 +60,9 @@ Budget: ``--budget-s`` (default 480) stops the run cleanly: a section still runn
 budget runs out is cut (what it had checked is kept), the later ones are named as not run.
 Before and after every section the results are written to ``results/<gpu-name>/`` (or
 ``--out``; the smoke run: under ``build/``): ``env.json``, ``checks.json``, ``bench.json``,
-``gains.json``, ``sections.json``, one ``sections/<section>.json`` per section and
-``summary.md`` (and copied under ``$OUT`` when set); a section is ``running`` while it runs,
-so a call killed from outside still returns what finished and names where it died.
+``gains.json``, ``kernels.json``, ``sections.json`` and ``summary.md`` (and copied under
+``$OUT`` when set); a section is ``running`` while it runs, so a call killed from outside
+still returns what finished and names where it died.
 ``--sections``/``--skip`` choose sections, and a call with them (or ``--resume``) keeps the
 earlier call's results for the others. Exit code: 0 all sections ran and passed, 1 a check
 failed, 2 refused (bad arguments, the preflight), 3 the budget stopped the run before the
@@ -406,12 +407,7 @@ class Report:
             self._recorded()
             return
         out = self.out
-        (out / "sections").mkdir(parents=True, exist_ok=True)
-        for s in self.sections:
-            name = s["section"]
-            part = {**s, **{key: [r for r in getattr(self, key) if r.get("section") == name]
-                            for key in ("checks", "bench", "gains")}}
-            put(out / "sections" / f"{slug(name)}.json", dump(part))
+        out.mkdir(parents=True, exist_ok=True)
         for name in ("env", *RECORDS, "sections"):
             put(out / f"{name}.json", dump(getattr(self, name)))
         put(out / "summary.md", summary_markdown(self))
@@ -490,16 +486,19 @@ def summary_markdown(rep: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def timer(torch, cuda: bool):
-    """Median seconds of ``fn``: CUDA events via triton.testing.do_bench, else
-    moe_lab.workbench.measure.timing."""
-    if cuda:
+def seconds(fn: Callable[[], object]) -> float:
+    """Median seconds of ``fn``: on a GPU ``triton.testing.do_bench`` (CUDA events, the L2 cache
+    flushed between calls, launches queued back to back), else the workbook's timer
+    (`moe_lab.workbench.measure.timing.bench`)."""
+    import torch
+
+    if torch.cuda.is_available():
         import triton.testing
 
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
     from moe_lab.workbench.measure.timing import bench
 
-    return lambda fn: bench(fn, warmup=1, min_time_s=0.02).median_s
+    return bench(fn, warmup=1, min_time_s=0.02).median_s
 
 
 # ----------------------------------------------------------------------------- sections: checks
@@ -520,23 +519,17 @@ def describe_config(blocks: dict, warps: int, stages: int) -> str:
             f"{warps} warps, {stages} stages")
 
 
-KERNEL_MODULES = ("moe_lab.kernels.grouped_gemm", "moe_lab.kernels.fused_moe",
-                  "moe_lab.kernels.fused_mxfp8", "moe_lab.kernels.fused_router",
-                  "moe_lab.kernels.mx_attention", "moe_lab.kernels.mx_gemm",
-                  "moe_lab.kernels.mx_quantize", "moe_lab.kernels.permute")
-
-
 def compiled_kernels() -> list[dict]:
     """Every kernel Triton compiled and launched in this process, from each `JITFunction`'s
-    cache: its constexprs, warps, stages and what the driver reports (``n_regs``,
-    ``n_spills``). Empty under the interpreter (nothing is compiled)."""
-    import importlib
-
+    cache (of every kernel module loaded: a kernel launched was loaded): its constexprs, warps,
+    stages and what the driver reports (``n_regs``, ``n_spills``). Empty under the interpreter
+    (nothing is compiled)."""
     from triton.runtime.jit import JITFunction
 
     rows = []
-    for modname in KERNEL_MODULES:
-        module = importlib.import_module(modname)
+    for modname, module in sorted(sys.modules.items()):
+        if not modname.startswith("moe_lab.kernels."):
+            continue
         for attr, fn in sorted(vars(module).items()):
             if not isinstance(fn, JITFunction):
                 continue
@@ -618,26 +611,14 @@ def section_grouped_gemm(torch, dev, rep: Report, shapes: dict, tma: bool = Fals
                 rep.check(f"{name} {str(dtype)[6:]} {what}", shape, err, tol)
 
 
-def routing(torch, dev, s: dict, align: int, seed: int):
-    """Random top-k ids over ``s``'s experts (expert 0 idle), their row-id map, offsets, rows
-    and routing weights."""
-    from moe_lab.kernels import permute as P
-
-    T, k, E = s["tokens"], s["top_k"], s["n_experts"]
-    g = torch.Generator(device=dev).manual_seed(seed)
-    ids = torch.argsort(torch.rand(T, E - 1, generator=g, device=dev), dim=-1)[:, :k] + 1
-    rmap, offsets = P.make_row_id_map(ids, E, align=align)
-    weights = torch.rand(T, k, generator=g, device=dev)
-    return rmap, offsets, P.permuted_rows(T, k, E, align), weights, g
-
-
 def section_fused_moe(torch, dev, rep: Report, shapes: dict, mxfp8: bool) -> None:
     """Every entry of `moe_lab.kernels.fusions.FUSIONS` against its unfused chain (float32
     copies of the same values): output and, for the differentiable ones, the gradient of
     every input; bf16 and fp32 (the MXFP8 entries in fp32, where their chain is exact up to
     summation order: their codes are the quantizer's of the same values). ``mxfp8``: the
     MXFP8 entries only, else the others. An entry this script has no inputs for fails, so a
-    new fusion cannot go unchecked."""
+    new fusion cannot go unchecked. Routing: random top-k ids, expert 0 idle."""
+    from moe_lab.kernels import permute as P
     from moe_lab.kernels.fusions import FUSIONS
 
     families = {"gather_prologue": "gather", "mxfp8_epilogue": "gather",
@@ -647,7 +628,7 @@ def section_fused_moe(torch, dev, rep: Report, shapes: dict, mxfp8: bool) -> Non
         if name.startswith("mxfp8") == mxfp8:
             rep.failed(f"fused_moe {name}", RuntimeError("gpu_check has no inputs for this fusion"))
     for label, s in shapes.items():
-        T, d, f, E = s["tokens"], s["d_model"], s["d_expert"], s["n_experts"]
+        T, k, d, f, E = s["tokens"], s["top_k"], s["d_model"], s["d_expert"], s["n_experts"]
         for name, entry in sorted(FUSIONS.items()):
             family = families.get(name)
             mx = name.startswith("mxfp8")
@@ -655,7 +636,11 @@ def section_fused_moe(torch, dev, rep: Report, shapes: dict, mxfp8: bool) -> Non
                 continue
             for dtype in ((torch.float32,) if mx else (torch.float32, torch.bfloat16)):
                 for align in ((1, 16) if name == "fused_mlp" else (1,)):
-                    rmap, offsets, n_rows, wts, g = routing(torch, dev, s, align, seed=align)
+                    g = torch.Generator(device=dev).manual_seed(align)
+                    ids = torch.argsort(torch.rand(T, E - 1, generator=g, device=dev), dim=-1)[:, :k] + 1
+                    rmap, offsets = P.make_row_id_map(ids, E, align=align)
+                    n_rows = P.permuted_rows(T, k, E, align)
+                    wts = torch.rand(T, k, generator=g, device=dev)
                     x = randn(torch, g, (T, d), dtype)
                     w1 = randn(torch, g, (E, d, 2 * f), dtype, d**-0.5)
                     w2 = randn(torch, g, (E, f, d), dtype, f**-0.5)
@@ -1039,15 +1024,14 @@ def one_f_one_b_path(torch, dev):
             dist.destroy_process_group()
 
 
-def section_sync_debug(torch, dev, rep: Report, small: bool, paths: dict | None = None,
-                       counted: dict | None = None) -> None:
-    """Ground truth for syncs: each sync-free path (`sync_free_paths`, or ``paths``) once to
+def section_sync_debug(torch, dev, rep: Report, small: bool) -> None:
+    """Ground truth for syncs: each sync-free path (`sync_free_paths`) once to
     warm up, then under CUDA's detector in ``"error"`` mode
     (`moe_lab.workbench.demos.sync_debug.sync_debug_report`), where any device-to-host sync
     fails by name — one inside a C++ operator too — beside what
     `moe_lab.training.sync.count_syncs` (the host-side count the notebooks and the certificate
-    rest on) counts for the same call. A path that syncs by design (the 1F1B schedule, or
-    ``counted``) runs in ``"warn"`` mode instead: CUDA's count of syncs must equal the
+    rest on) counts for the same call. A path that syncs by design (the 1F1B schedule,
+    `one_f_one_b_path`) runs in ``"warn"`` mode instead: CUDA's count of syncs must equal the
     counter's. On a CPU there is no CUDA detector: the section says so and checks nothing."""
     from moe_lab.training.sync import count_syncs
     from moe_lab.workbench.demos.sync_debug import sync_debug_report
@@ -1055,7 +1039,7 @@ def section_sync_debug(torch, dev, rep: Report, small: bool, paths: dict | None 
     if not torch.cuda.is_available():
         rep.note("no-op: torch.cuda.set_sync_debug_mode watches CUDA syncs; this run has no CUDA device")
         return
-    with one_f_one_b_path(torch, dev) if counted is None else contextlib.nullcontext(counted) as counted:
+    with one_f_one_b_path(torch, dev) as counted:
         for name, call in counted.items():
             call()  # warm-up
             _, by_counter = count_syncs(call)
@@ -1063,7 +1047,7 @@ def section_sync_debug(torch, dev, rep: Report, small: bool, paths: dict | None 
             rep.exact(f"CUDA's sync count = the counter's: {name}", "CUDA sync debug mode 'warn'",
                       by_cuda == sum(by_counter.values()), cuda_syncs=by_cuda,
                       counted_syncs=sum(by_counter.values()), note=", ".join(sorted(by_counter)))
-    for name, call in (paths if paths is not None else sync_free_paths(torch, dev, small)).items():
+    for name, call in sync_free_paths(torch, dev, small).items():
         call()  # warm-up: first calls compile, allocate, read device properties
         _, by_counter = count_syncs(call)
         cuda = sync_debug_report(call, mode="error")
@@ -1156,7 +1140,7 @@ def section_ceilings(torch, dev, rep: Report, small: bool) -> None:
     rep.timed("ceilings", copy_gbps=copy.giga, bf16_matmul_tflops=peak.giga / 1e3)
 
 
-def bench_grouped_gemm(torch, dev, rep: Report, time_fn, small: bool) -> None:
+def bench_grouped_gemm(torch, dev, rep: Report, small: bool) -> None:
     """The grouped GEMM forward, bf16, against ``torch._grouped_mm`` (where this torch has one
     for this GPU) and the persistent TMA kernel, at DeepSeek-V3's up/gate projection on one
     GPU of EP8 (``K`` and ``N`` multiples of 8: TMA's 16-byte rows)."""
@@ -1170,19 +1154,19 @@ def bench_grouped_gemm(torch, dev, rep: Report, time_fn, small: bool) -> None:
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w = torch.randn(E, K, N, device=dev, dtype=torch.bfloat16)
     flops = 2 * M * K * N
-    t_tr = time_fn(lambda: grouped_gemm(x, w, offsets))
+    t_tr = seconds(lambda: grouped_gemm(x, w, offsets))
     row = {"shape": f"E={E} M={M} K={K} N={N} bf16", "triton_ms": t_tr * 1e3,
            "triton_tflops": flops / t_tr / 1e12}
     with contextlib.suppress(RuntimeError):  # no _grouped_mm kernel for this GPU or dtype
-        t_ref = time_fn(lambda: torch._grouped_mm(x, w, offs=offsets[1:]))
+        t_ref = seconds(lambda: torch._grouped_mm(x, w, offs=offsets[1:]))
         row.update(torch_grouped_mm_ms=t_ref * 1e3, torch_tflops=flops / t_ref / 1e12,
                    ratio_triton_to_torch=t_ref / t_tr)
-    t_tma = time_fn(lambda: grouped_gemm_tma(x, w, offsets))
+    t_tma = seconds(lambda: grouped_gemm_tma(x, w, offsets))
     row.update(tma_ms=t_tma * 1e3, tma_tflops=flops / t_tma / 1e12, ratio_tma_to_cp_async=t_tr / t_tma)
     rep.timed("grouped GEMM fwd", **row)
 
 
-def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, small: bool) -> None:
+def bench_tuning(torch, dev, rep: Report, shapes: dict, out: Path, small: bool) -> None:
     """`moe_lab.workbench.measure.autotune` over its `tune_space` for every
     grouped GEMM launch of the layers of ``shapes`` (bf16; ``small``: the first two configs of
     each space, to exercise the tuner), each in the layout the layer launches it (the dX
@@ -1216,7 +1200,7 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
                 else:  # the op the forward and the dX launch (no copy of the transposed view)
                     run = partial(torch.ops.moe_lab.grouped_gemm, x, w, offsets)
             space = tuner.tune_space(kernel, m, n, k, E, dtype)[:2 if small else None]
-            winner, times = tuner.autotune(kernel, space, run, time_fn)
+            winner, times = tuner.autotune(kernel, space, run, seconds)
             table[key] = tuner.table_entry(winner)
             best = min(times)
             rep.timed(f"tuned {kernel}", shape=f"{label} {key}", configs=len(space),
@@ -1231,12 +1215,12 @@ def bench_tuning(torch, dev, rep: Report, time_fn, shapes: dict, out: Path, smal
                                                "dtype": "bfloat16", "configs": table}))
 
 
-def bench_mx_quantize(torch, dev, rep: Report, time_fn, M: int, K: int) -> None:
+def bench_mx_quantize(torch, dev, rep: Report, M: int, K: int) -> None:
     """The quantizer (both layouts) in GB/s, beside the copy bandwidth of the ceilings section."""
     from moe_lab.kernels.mx_quantize import mx_quantize
 
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-    t = time_fn(lambda: mx_quantize(x))
+    t = seconds(lambda: mx_quantize(x))
     nbytes = x.numel() * 2 + 2 * (x.numel() + x.numel() // 32)
     gbps = nbytes / t / 1e9
     copy_gbps = next((b["copy_gbps"] for b in rep.bench if b["bench"] == "ceilings"), None)
@@ -1267,7 +1251,7 @@ def bench_dispatch(rep: Report, small: bool) -> None:
         print(f"  note: {note}", flush=True)
 
 
-def bench_router(torch, dev, rep: Report, time_fn, T: int, moe: dict) -> None:
+def bench_router(torch, dev, rep: Report, T: int, moe: dict) -> None:
     """04: the fused FP32 router against the unfused chain (fp64 and fp32)."""
     from moe_lab.config import MoEConfig
     from moe_lab.moe.router import ROUTER_IMPLS, route
@@ -1280,8 +1264,8 @@ def bench_router(torch, dev, rep: Report, time_fn, T: int, moe: dict) -> None:
     times = {}
     for dtype in ("fp64", "fp32"):
         c = cfg.replace(router_dtype=dtype)
-        times[f"unfused_{dtype}_ms"] = time_fn(lambda c=c: route(x, w, c)) * 1e3
-    times["fused_fp32_ms"] = time_fn(lambda: fused(x, w, cfg, None)) * 1e3
+        times[f"unfused_{dtype}_ms"] = seconds(lambda c=c: route(x, w, c)) * 1e3
+    times["fused_fp32_ms"] = seconds(lambda: fused(x, w, cfg, None)) * 1e3
     shape = f"T={T} E={E} top{cfg.top_k} groups {cfg.topk_groups}/{cfg.n_groups}"
     rep.timed("router fwd", shape=shape, **times,
               speedup_vs_unfused_fp64=times["unfused_fp64_ms"] / times["fused_fp32_ms"])
@@ -1289,7 +1273,7 @@ def bench_router(torch, dev, rep: Report, time_fn, T: int, moe: dict) -> None:
              "x", f"router forward, {shape}")
 
 
-def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tuple) -> None:
+def bench_mxfp8(torch, dev, rep: Report, at_shapes: dict, mg_shape: tuple) -> None:
     """06: MXFP8 attention vs bf16 SDPA at each head dim, the MXFP8 GEMM vs a bf16 matmul; the
     notes name the MX mode the kernels ran in (`moe_lab.kernels.mx_gemm.mx_mma_mode` says what
     each computes)."""
@@ -1304,8 +1288,8 @@ def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tup
     for label, (B, H, T, D) in at_shapes.items():
         q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
         qm, km, vm = quantize_qkv(q, k, v)
-        t_mx = time_fn(lambda qm=qm, km=km, vm=vm: mx_attention_forward(qm, km, vm))
-        t_bf = time_fn(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        t_mx = seconds(lambda qm=qm, km=km, vm=vm: mx_attention_forward(qm, km, vm))
+        t_bf = seconds(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         flops = 4 * B * H * T * T * D / 2
         rep.timed("attention fwd", shape=label, mxfp8_triton_ms=t_mx * 1e3, bf16_sdpa_ms=t_bf * 1e3,
                   mxfp8_tflops=flops / t_mx / 1e12, sdpa_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
@@ -1316,8 +1300,8 @@ def bench_mxfp8(torch, dev, rep: Report, time_fn, at_shapes: dict, mg_shape: tup
     x, w = torch.randn(M, K, device=dev), torch.randn(N, K, device=dev)
     a, b = quantize(x), quantize(w)
     xb, wb = x.bfloat16(), w.bfloat16()
-    t_mx = time_fn(lambda: mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype=torch.bfloat16))
-    t_bf = time_fn(lambda: xb @ wb.T)
+    t_mx = seconds(lambda: mx_gemm(a.data, a.scale, b.data, b.scale, out_dtype=torch.bfloat16))
+    t_bf = seconds(lambda: xb @ wb.T)
     flops = 2 * M * N * K
     rep.timed("MXFP8 GEMM", shape=f"{M}x{N}x{K}", mx_gemm_ms=t_mx * 1e3, bf16_matmul_ms=t_bf * 1e3,
               mx_tflops=flops / t_mx / 1e12, bf16_tflops=flops / t_bf / 1e12, speedup=t_bf / t_mx,
@@ -1413,26 +1397,6 @@ def positive_seconds(text: str) -> float:
     raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
 
 
-def injection(text: str) -> tuple[str, str]:
-    name, _, what = text.rpartition("=")
-    if not name or what not in ("hang", "crash"):
-        raise argparse.ArgumentTypeError(f"expected SECTION=hang or SECTION=crash, got {text!r}")
-    return name, what
-
-
-def inject(what: str) -> None:
-    """The rehearsal's faults, as a GPU would show them: ``crash`` aborts the process (as a
-    device-side assert or an illegal address ends it); ``hang`` waits with the alarm signal
-    blocked, so nothing in the process can interrupt it (as a wait on an mbarrier that never
-    completes, inside the driver)."""
-    print(f"  injected: {what}", flush=True)
-    if what == "crash":
-        os.abort()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGINT})
-    while True:
-        time.sleep(3600)
-
-
 def exit_with_parent(parent: int, poll_s: float = 0.5) -> None:
     """A child ends when the run that started it (pid ``parent``, passed down: it may be gone
     before the child gets here) is gone, killed from outside where nobody could kill the
@@ -1456,7 +1420,7 @@ def default_out(gpu: str | None) -> Path:
     return ROOT / "results" / slug(gpu)
 
 
-def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, time_fn, out: Path) -> list[Section]:
+def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, out: Path) -> list[Section]:
     """Every section of the run, in order: the core checks here; then the kernels that have
     never run on hardware before (the persistent TMA grouped GEMM, the MXFP8 kernels in
     their ``fp8_promote`` mode, CUDA-graph capture), CUDA's sync detector and the notebooks'
@@ -1509,19 +1473,19 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, time_fn, out: Pa
                 lambda: section_notebook_branches(torch, dev, rep, small), isolated=cuda),
         Section("registers and spills", lambda: section_registers(torch, rep, cuda)),
         Section("ceilings", lambda: section_ceilings(torch, dev, rep, small)),
-        Section("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, time_fn, small),
+        Section("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, small),
                 needs="TMA grouped GEMM"),
-        Section("MX quantizer bench", lambda: bench_mx_quantize(torch, dev, rep, time_fn,
+        Section("MX quantizer bench", lambda: bench_mx_quantize(torch, dev, rep,
                                                                 *list(mx_shapes.values())[-1])),
         Section("04 dispatch vs naive and 07 fused vs unfused", lambda: bench_dispatch(rep, small)),
-        Section("04 router", lambda: bench_router(torch, dev, rep, time_fn, router_tokens, router_moe)),
+        Section("04 router", lambda: bench_router(torch, dev, rep, router_tokens, router_moe)),
         Section("06 MXFP8 attention and GEMM vs bf16", lambda: bench_mxfp8(
-            torch, dev, rep, time_fn, {k: v for k, v in at_shapes.items() if small or v[2] > 64},
+            torch, dev, rep, {k: v for k, v in at_shapes.items() if small or v[2] > 64},
             list(mg_shapes.values())[-1]), needs="MXFP8 kernels"),
         Section("06 graphed vs eager", lambda: bench_graphs(torch, dev, rep, small), needs="CUDA graph step"),
         Section("12 tokens/s of the optimised step", lambda: bench_optimised_step(torch, dev, rep, small),
                 needs="CUDA graph step"),
-        Section("tuning", lambda: bench_tuning(torch, dev, rep, time_fn, shapes if small else PRODUCTION,
+        Section("tuning", lambda: bench_tuning(torch, dev, rep, shapes if small else PRODUCTION,
                                                out, small)),
     ]
     return sections
@@ -1557,8 +1521,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="+", metavar="SECTION", help="run every section but these")
     ap.add_argument("--resume", action="store_true",
                     help="run the sections the last run in --out did not finish; keep its other results")
-    ap.add_argument("--inject", type=injection, action="append", default=[], metavar="SECTION=hang|crash",
-                    help="rehearsal: make an isolated section hang or crash in its child process")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # the section a child process runs
     ap.add_argument("--child-sink", help=argparse.SUPPRESS)
     ap.add_argument("--child-of", type=int, help=argparse.SUPPRESS)  # the parent's pid
@@ -1580,16 +1542,13 @@ def main(argv: list[str] | None = None) -> int:
     small = args.cpu_smoke
     out = Path(args.out) if args.out else default_out(None if small else torch.cuda.get_device_name(0))
     torch.manual_seed(0)
-    time_fn = timer(torch, cuda)
 
     if args.child:  # one section, in this fresh process; its records go to the sink
         exit_with_parent(args.child_of)
         Path(args.child_sink).with_suffix(".started").touch()  # the parent's clock for it starts now
         rep = Report(out, {}, args.budget_s, sink=Path(args.child_sink))
-        section = next(s for s in plan(torch, dev, rep, cuda, small, time_fn, out) if s.name == args.child)
-        faults = dict(args.inject)
-        run = (lambda: inject(faults[section.name])) if section.name in faults else section.run
-        rep.run(section._replace(run=run, isolated=False))
+        section = next(s for s in plan(torch, dev, rep, cuda, small, out) if s.name == args.child)
+        rep.run(section._replace(isolated=False))
         if cuda:
             rep.launched += [{**k, "section": section.name} for k in compiled_kernels()]
             rep.write()
@@ -1612,7 +1571,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(env), flush=True)
 
     rep = Report(out, env, args.budget_s)
-    sections = plan(torch, dev, rep, cuda, small, time_fn, out)
+    sections = plan(torch, dev, rep, cuda, small, out)
     previous = None
     if args.resume:
         path = out / "sections.json"
@@ -1623,16 +1582,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen = select(sections, args.sections, args.skip, previous)
     except ValueError as exc:
         ap.error(str(exc))
-    for name, _ in args.inject:
-        if not any(s.isolated and slug(s.name) == slug(name) for s in sections):
-            ap.error(f"--inject: {name!r} is not a section that runs in a child process; those are: "
-                     + ", ".join(repr(s.name) for s in sections if s.isolated))
     if args.resume or args.sections or args.skip:  # one result with the earlier run's
         rep.resume_from(out, {s.name for s in chosen})
     else:  # a fresh run: no section file of an earlier one stays beside this one's
-        for old in [*out.glob("sections/*.json"), *out.glob("children/*.json")]:
+        for old in out.glob("children/*.json"):
             old.unlink()
-    # a child is given this call's arguments (it uses --cpu-smoke, --inject) and the folder
+    # a child is given this call's arguments (it uses --cpu-smoke) and the folder
     child_args = [*(sys.argv[1:] if argv is None else argv), "--out", str(out)]
     rep.write()
     for section in chosen:

@@ -243,6 +243,6 @@ def quantize_qkv(q: Tensor, k: Tensor, v: Tensor, scale_mode: str = "rceil"
                                scale_mode=scale_mode, pad=True)
         mx = row if dim == 3 else col
         return MXTensor(mx.data.unflatten(0, (b, h)), mx.scale.unflatten(0, (b, h)), E4M3, BLOCK_SIZE, dim,
-                        x.shape, scale_mode)
+                        x.shape)
 
     return blocked("q", q, 3), blocked("k", k, 3), blocked("v", v, 2)

@@ -362,7 +362,7 @@ def mx_gemm_reference(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) ->
     """The definition, in float64: each operand dequantized exactly as
     `moe_lab.quant.mx.MXTensor.dequantize` does (fp32), then multiplied in float64."""
     def dequant(codes: Tensor, scales: Tensor) -> Tensor:
-        mx = MXTensor(codes, scales.view(E8M0), E4M3, BLOCK_SIZE, 1, codes.shape, "rceil")
+        mx = MXTensor(codes, scales.view(E8M0), E4M3, BLOCK_SIZE, 1, codes.shape)
         return mx.dequantize(torch.float32).double()
 
     return dequant(a, a_scale) @ dequant(b, b_scale).T

@@ -229,7 +229,7 @@ def mx_quantize(
                                   *bits.stride(), **constexprs, **cfg.blocks, num_warps=cfg.num_warps,
                                   num_stages=cfg.num_stages)
     row = MXTensor(row_data.view(elem_dtype), row_scale.view(E8M0), elem_dtype, BLOCK_SIZE, x.dim() - 1,
-                   x.shape, scale_mode)
+                   x.shape)
     col = MXTensor(col_data.mT.view(elem_dtype), col_scale.mT.view(E8M0), elem_dtype, BLOCK_SIZE,
-                   x.dim() - 2, x.shape, scale_mode)
+                   x.dim() - 2, x.shape)
     return (row if rowwise else None), (col if colwise else None)

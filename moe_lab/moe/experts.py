@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
-from moe_lab.checks import first_derivative_only, one_of
+from moe_lab.checks import first_derivative_only, one_of, positive_number
 from moe_lab.config import ModelImpls
 from moe_lab.moe.router import tokens_per_expert_from_ids
 from moe_lab.quant.mx import fake_quantize
@@ -104,41 +104,9 @@ def register_grouped_mm_autograd(forward_op: torch.library.CustomOpDef,
 register_grouped_mm_autograd(grouped_mm, grouped_mm_wgrad)
 
 
-class _SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` with a backward that writes both halves' gradients into one
-    ``[..., 2f]`` buffer.
-
-    Autograd's own graph for ``h.chunk(2)`` → ``silu`` → ``*`` joins the two halves'
-    gradients with a ``cat`` at the end of the backward, a full extra pass over ``[M, 2f]``
-    that costs about as much as the rest of the SwiGLU forward and backward together.
-    Same formulas as autograd's
-    (``silu_backward`` for the gate), so the gradients agree bit for bit. Used in eager mode
-    only: under ``torch.compile`` Inductor fuses the plain expression itself.
-    """
-
-    @staticmethod
-    def forward(ctx: FunctionCtx, h: Tensor) -> Tensor:
-        gate, up = h.chunk(2, dim=-1)
-        ctx.save_for_backward(h)
-        return F.silu(gate).mul_(up)
-
-    @staticmethod
-    @first_derivative_only("moe_lab's SwiGLU (its backward writes both halves in place)")
-    def backward(ctx: FunctionCtx, dy: Tensor) -> Tensor:
-        (h,) = ctx.saved_tensors
-        gate, up = h.chunk(2, dim=-1)
-        f = gate.shape[-1]
-        dh = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-        torch.mul(dy, F.silu(gate), out=dh[..., f:])
-        torch.ops.aten.silu_backward.grad_input(dy * up, gate, grad_input=dh[..., :f])
-        return dh
-
-
 def swiglu(h: Tensor) -> Tensor:
     """``[..., 2f] -> [..., f]``: ``silu(gate) * up`` with gate and up the two halves (every
     caller's ``h`` comes from a ``2f``-wide GEMM)."""
-    if h.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _SwiGLU.apply(h)
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -385,9 +353,6 @@ def clamped_swiglu(h: Tensor, alpha: float, limit: float) -> Tensor:
     The clamp bounds the activations (the model was trained with it, so it is part of the
     function); ``g·sigmoid(alpha·g)`` is a sharpened SiLU and the ``+ 1`` on ``up`` is a
     residual-like offset, both as GPT-OSS defines them."""
-    if h.shape[-1] % 2:
-        raise ValueError(f"clamped_swiglu: the last dim of h holds gate and up halves and must be "
-                         f"even, got shape {tuple(h.shape)}")
     gate, up = h.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
@@ -408,10 +373,8 @@ class ClampedSwiGLUExperts(SwiGLUExperts):
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = ModelImpls.expert_backend,
                  quant: str | None = None, alpha: float = 1.702, limit: float = 7.0) -> None:
         super().__init__(n_experts, d_model, d_expert, backend, quant)
-        if not alpha > 0 or not limit > 0:
-            raise ValueError(f"ClampedSwiGLUExperts: alpha and limit must be > 0, got alpha={alpha!r}, "
-                             f"limit={limit!r}")
-        self.alpha, self.limit = float(alpha), float(limit)
+        self.alpha = positive_number(alpha, "ClampedSwiGLUExperts alpha")
+        self.limit = positive_number(limit, "ClampedSwiGLUExperts limit")
         self.b_gate_up = nn.Parameter(torch.zeros(n_experts, 2 * d_expert))
         self.b_down = nn.Parameter(torch.zeros(n_experts, d_model))
 

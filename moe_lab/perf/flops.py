@@ -27,7 +27,7 @@ All counts are per token of a training sequence of length ``seq_len`` (default
 
 from __future__ import annotations
 
-from moe_lab.checks import positive_int
+from moe_lab.checks import non_negative_number, positive_int, positive_number
 from moe_lab.config import ModelConfig
 
 FLOPS_PER_MAC = 2
@@ -190,15 +190,12 @@ def tflops_per_gpu(
     cfg: ModelConfig, seq_len: int | None, tokens_per_s: float, *, include_mtp: bool = True
 ) -> float:
     """Model TFLOPS per GPU sustained at ``tokens_per_s`` tokens per second per GPU."""
-    if not (isinstance(tokens_per_s, (int, float)) and tokens_per_s >= 0):
-        raise ValueError(f"tokens_per_s must be a number >= 0, got {tokens_per_s!r}")
+    non_negative_number(tokens_per_s, "tokens_per_s")
     return training_flops_per_token(cfg, seq_len, include_mtp=include_mtp) * tokens_per_s / 1e12
 
 
 def mfu(achieved_flops: float, peak_flops: float) -> float:
     """Model FLOPs utilisation: achieved FLOP/s over peak FLOP/s (same units), in [0, ...)."""
-    if not (isinstance(achieved_flops, (int, float)) and achieved_flops >= 0):
-        raise ValueError(f"achieved_flops must be a number >= 0, got {achieved_flops!r}")
-    if not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
-        raise ValueError(f"peak_flops must be a number > 0, got {peak_flops!r}")
+    non_negative_number(achieved_flops, "achieved_flops")
+    positive_number(peak_flops, "peak_flops")
     return achieved_flops / peak_flops

@@ -19,11 +19,10 @@ compute-bound.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_lab.checks import one_of, positive_int
+from moe_lab.checks import one_of, positive_int, positive_number
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,8 +35,8 @@ class GPUSpec:
     ``bf16_tflops``, ``fp8_tflops``: tensor-core peaks (``None``: no FP8 units, the A100).
     ``mxfp8_tflops``: peak with MX block-scaled FP8 in hardware, ``None`` where there are
     no such units (Hopper).
-    ``hbm_gb`` capacity, ``hbm_tbps`` bandwidth (TB/s), ``nvlink_gbps`` per-GPU NVLink
-    bandwidth (GB/s, both directions). ``source``: ``"datasheet"`` or ``"third-party"``.
+    ``hbm_gb`` capacity, ``hbm_tbps`` bandwidth (TB/s). ``source``: ``"datasheet"`` or
+    ``"third-party"``.
     ``sms``: streaming multiprocessors. ``l2_mb``: L2 cache in MiB (the cache of
     `moe_lab.perf.traffic`). ``None`` where not tabulated; the row's comment gives the source.
     """
@@ -48,7 +47,6 @@ class GPUSpec:
     mxfp8_tflops: float | None
     hbm_gb: float
     hbm_tbps: float
-    nvlink_gbps: float
     source: str
     note: str = ""
     l2_mb: float | None = None
@@ -86,22 +84,22 @@ GPUS: dict[str, GPUSpec] = {
     spec.name: spec
     for spec in (  # dense figures: half the datasheets' "with sparsity" ones
         # [a100]: 80 GB SXM; no FP8 tensor cores (fp8 None); L2 40 MB, 108 SMs ([a100-whitepaper]).
-        GPUSpec("A100", 312, None, None, 80, 2.039, 600, "datasheet", "NVIDIA A100 datasheet; NVLink 3",
+        GPUSpec("A100", 312, None, None, 80, 2.039, "datasheet", "NVIDIA A100 datasheet; NVLink 3",
                 l2_mb=40, sms=108),
-        # [l4]: 24 GB GDDR6, PCIe (no NVLink: 0); L2 48 MB and 58 SMs of its AD104 ([ada-whitepaper]).
-        GPUSpec("L4", 121, 242, None, 24, 0.3, 0, "datasheet", "NVIDIA L4 datasheet; PCIe only", l2_mb=48,
+        # [l4]: 24 GB GDDR6, PCIe (no NVLink); L2 48 MB and 58 SMs of its AD104 ([ada-whitepaper]).
+        GPUSpec("L4", 121, 242, None, 24, 0.3, "datasheet", "NVIDIA L4 datasheet; PCIe only", l2_mb=48,
                 sms=58),
         # [h100]; L2 (50 MB) and 132 SMs: the H100 SXM5 in NVIDIA's Hopper whitepaper ([hopper-whitepaper]).
-        GPUSpec("H100 SXM", 989, 1979, None, 80, 3.35, 900, "datasheet",
+        GPUSpec("H100 SXM", 989, 1979, None, 80, 3.35, "datasheet",
                 "NVIDIA H100 datasheet; NVLink 4", l2_mb=50, sms=132),
         # [h200]: H100's tensor cores, larger and faster HBM3e; L2 and SMs of the same GH100 die.
-        GPUSpec("H200 SXM", 989, 1979, None, 141, 4.8, 900, "datasheet",
+        GPUSpec("H200 SXM", 989, 1979, None, 141, 4.8, "datasheet",
                 "NVIDIA H200 datasheet; NVLink 4", l2_mb=50, sms=132),
         # [b200] (1,000 W) as third parties tabulate it; 126 MB L2, 148 SMs ([chipsandcheese-b200]).
-        GPUSpec("B200", 2250, 4500, 4500, 180, 8.0, 1800, "third-party",
+        GPUSpec("B200", 2250, 4500, 4500, 180, 8.0, "third-party",
                 "HGX B200 per-GPU figures as tabulated by third parties; NVLink 5", l2_mb=126, sms=148),
         # [gb300] (B300 in NVL72), third-party tables, HBM quoted 279-288 GB; L2 assumed B200's (unverified).
-        GPUSpec("GB300", 2500, 5000, 5000, 279, 8.0, 1800, "third-party",
+        GPUSpec("GB300", 2500, 5000, 5000, 279, 8.0, "third-party",
                 "Blackwell Ultra per-GPU figures from third-party tables; 130 TB/s per NVL72", l2_mb=126),
     )
 }
@@ -122,9 +120,8 @@ def roofline(peak_flops: float, bandwidth: float, intensity: float | np.ndarray)
     """Attainable FLOP/s = ``min(peak_flops, bandwidth * intensity)``: ``peak_flops`` in FLOP/s,
     ``bandwidth`` in bytes/s, ``intensity`` in FLOP/byte (a number or an array of them; the
     result has the same shape)."""
-    for arg, value in (("peak_flops", peak_flops), ("bandwidth", bandwidth)):
-        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-            raise ValueError(f"{arg} must be a finite number > 0, got {value!r}")
+    positive_number(peak_flops, "peak_flops")
+    positive_number(bandwidth, "bandwidth")
     import numpy as np  # here, not at the top: the GPU check imports this module without NumPy
     arr = np.asarray(intensity, dtype=float)
     if np.any(~(arr >= 0)):
@@ -138,8 +135,7 @@ def matmul_intensity(m: int, n: int, k: int, bytes_per_element: float = 2.0) -> 
     once each (``(mk + kn + mn) * bytes_per_element`` bytes) — the best case, perfect reuse."""
     for arg, value in (("m", m), ("n", n), ("k", k)):
         positive_int(value, arg)
-    if not bytes_per_element > 0:
-        raise ValueError(f"bytes_per_element must be > 0, got {bytes_per_element!r}")
+    positive_number(bytes_per_element, "bytes_per_element")
     return 2.0 * m * n * k / ((m * k + k * n + m * n) * bytes_per_element)
 
 

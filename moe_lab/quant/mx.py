@@ -167,7 +167,6 @@ class MXTensor:
     block_size: int
     dim: int
     shape: torch.Size
-    scale_mode: str
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``X * P`` for every element, as ``dtype``, with the input's (unpadded) shape.
@@ -232,7 +231,7 @@ def quantize(
     scaled = torch.where(biased == E8M0_NAN, math.nan, scaled)
     data = scaled.to(elem_dtype).reshape(rows.shape).movedim(-1, dim)
     scale = biased.squeeze(-1).to(torch.uint8).view(E8M0).movedim(-1, dim)
-    return MXTensor(data, scale, elem_dtype, block_size, dim, x.shape, scale_mode)
+    return MXTensor(data, scale, elem_dtype, block_size, dim, x.shape)
 
 
 class _FakeQuantize(torch.autograd.Function):

@@ -18,12 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
-def _holder(fd: int) -> str:
-    """Who holds the lock file ``fd``: the process id its holder wrote there."""
-    pid = os.read(fd, 32).decode("ascii", "replace").strip()
-    return f"process {pid}" if pid.isdigit() else "another process"
-
-
 @contextlib.contextmanager
 def file_lock(path: Path, refuse: Callable[[str], BaseException], wait_limit_s: float = 0.0,
               waiting: str = "") -> Iterator[None]:
@@ -40,7 +34,8 @@ def file_lock(path: Path, refuse: Callable[[str], BaseException], wait_limit_s: 
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _holder(fd)
+            pid = os.read(fd, 32).decode("ascii", "replace").strip()  # what its holder wrote there
+            holder = f"process {pid}" if pid.isdigit() else "another process"
             os.close(fd)
             waited = time.monotonic() - start
             if waited >= wait_limit_s:

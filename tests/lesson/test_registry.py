@@ -21,7 +21,7 @@ def test_only_a_registry_the_plugin_adds_to_says_so():
     assert PLUGIN_HINT not in str(err.value)
     with pytest.raises(ValueError, match=PLUGIN_HINT.replace("(", r"\(").replace(")", r"\)")):
         extended.lookup("x", "b")
-    extended.mark_unavailable("x", "no C++ compiler")
+    extended.unavailable["x"] = "no C++ compiler"
     with pytest.raises(ValueError, match=r"'x' is not available here: no C\+\+ compiler") as err:
         extended.lookup("x", "b")
     assert PLUGIN_HINT not in str(err.value)  # the plug-in tried: its reason is the hint

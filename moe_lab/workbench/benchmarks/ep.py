@@ -72,12 +72,11 @@ def spec_for(profile: str, ranks: int, tokens: int | None = None, n_chunks: int 
             "bandwidth_rows": 2048}
 
 
-def run_ep_benchmark(ranks: int = 2, rate_mbit: float | None = DEFAULT_RATE_MBIT, spec: dict | None = None,
-                     timeout_s: float = 600.0, threads_per_rank: int = 1) -> dict:
-    """Launch ``ranks`` ranks (over the emulated link when ``rate_mbit`` is set and the
-    machine allows it) and return rank 0's report, with ``link`` and ``notes`` added.
-    ``threads_per_rank``: torch threads each rank computes with."""
-    spec = spec or spec_for("smoke", ranks)
+def run_ep_benchmark(ranks: int, rate_mbit: float | None, spec: dict, timeout_s: float = 600.0,
+                     threads_per_rank: int = 1) -> dict:
+    """Launch ``ranks`` ranks on ``spec`` (`spec_for`; over the emulated link when
+    ``rate_mbit`` is set and the machine allows it) and return rank 0's report, with ``link``
+    and ``notes`` added. ``threads_per_rank``: torch threads each rank computes with."""
     notes = []
     link = None
     if rate_mbit:

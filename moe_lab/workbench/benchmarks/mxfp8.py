@@ -166,20 +166,13 @@ def run(args: argparse.Namespace) -> dict:
     if mode != "compiled":
         result["note"] = ("attention timing skipped: Triton runs interpreted here, so a "
                           "kernel's time would measure the interpreter")
-    if not args.no_record:
-        _record(rows, caps.hardware_label())
+    for row in rows:
+        if not args.no_record and math.isfinite(row["value"]):
+            ledger.record(NOTEBOOK, "bench", f"{row['what']} [{row['provider']}]", row["value"], row["unit"],
+                          hardware=HARDWARE_OF_KIND.get(row["kind"], caps.hardware_label()), kind=row["kind"],
+                          note=row["note"], source="bench mxfp8")
     return result
 
 
 # The hardware a row's figure holds for, by its kind (a measured row: this machine's).
 HARDWARE_OF_KIND = {"projection": "GB300 (projection)", "computed": "any (computed)"}
-
-
-def _record(rows: list[dict], hardware: str) -> None:
-    for row in rows:
-        if not math.isfinite(row["value"]):
-            continue
-        metric = f"{row['what']} [{row['provider']}]"
-        ledger.record(NOTEBOOK, "bench", metric, row["value"], row["unit"],
-                      hardware=HARDWARE_OF_KIND.get(row["kind"], hardware), kind=row["kind"],
-                      note=row["note"], source="bench mxfp8")

@@ -84,8 +84,8 @@ def compile_command(args: argparse.Namespace) -> int:
             print(f"error: the report could not be written into {out} ({exc}); it is printed below",
                   file=sys.stderr)
             unsaved = True
-        else:
-            unsaved = not write_tables(out, modules)
+        else:  # the tables only after a full compile
+            unsaved = modules is None and not write_tables(out)
     with ledger.keep_unwritten() as unwritten:
         compile_report.record(rows)
     print(jsonout.dumps(report) if args.json else compile_report.format_table(rows))
@@ -97,15 +97,15 @@ def compile_command(args: argparse.Namespace) -> int:
     return 1 if bad or unsaved else 0
 
 
-def write_tables(out, modules: list[str] | None) -> bool:
-    """After a full compile, the tile-traffic and roofline tables
+def write_tables(out) -> bool:
+    """After a full compile (every module), the tile-traffic and roofline tables
     (`moe_lab.workbench.compile_report.roofline.write_tables`) from the reports just
     written into ``out``, where every target's report is there. False when they could not be made."""
     from pathlib import Path
 
     from moe_lab.workbench.compile_report import roofline, traffic
 
-    if modules is not None or not all(path.exists() for path in traffic.reports(Path(out)).values()):
+    if not all(path.exists() for path in traffic.reports(Path(out)).values()):
         return True
     try:
         for path in roofline.write_tables(Path(out)):

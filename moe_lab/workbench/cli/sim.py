@@ -37,16 +37,16 @@ MAX_PIPELINE_OPS = 2**20
 PIPELINE_OP_BYTES = 500
 
 
-def pipeline_report(preset_name: str = "deepseek_v3", n_ranks: int = 8, n_microbatches: int = 16, *,
-                    n_chunks: int = 1, layout: str | None = None, logits_scale: float = 1.0,
-                    delay_wgrad: bool = False, seq_len: int | None = None) -> dict[str, Any]:
+def pipeline_report(args: argparse.Namespace) -> dict[str, Any]:
     """The ``sim pipeline`` answer as a dict: per layout, its string, rank loads,
     imbalance and the simulated step (makespan in GFLOP/token units, bubble)."""
-    cfg = preset(preset_name)
-    costs = layer_costs(cfg, seq_len, logits_scale=logits_scale)
+    n_ranks, n_chunks, n_microbatches = args.stages, args.vpp, args.microbatches
+    delay_wgrad, logits_scale = args.delay_wgrad, args.logits_scale
+    cfg = preset(args.preset)
+    costs = layer_costs(cfg, args.seq_len, logits_scale=logits_scale)
     layouts: dict[str, Layout] = {}
-    if layout is not None:
-        given = parse_layout(layout, n_ranks)
+    if args.layout is not None:
+        given = parse_layout(args.layout, n_ranks)
         if given.n_chunks != n_chunks and n_chunks != 1:
             raise ValueError(f"--layout has {given.n_chunks} chunks per rank but --vpp is {n_chunks}")
         n_chunks = given.n_chunks
@@ -65,7 +65,7 @@ def pipeline_report(preset_name: str = "deepseek_v3", n_ranks: int = 8, n_microb
     layouts["searched"] = search_layout(cfg, costs, n_ranks, n_chunks,
                                         n_microbatches=n_microbatches if n_chunks > 1 else None)
     out: dict[str, Any] = {
-        "preset": preset_name, "stages": n_ranks, "vpp": n_chunks, "microbatches": n_microbatches,
+        "preset": args.preset, "stages": n_ranks, "vpp": n_chunks, "microbatches": n_microbatches,
         "schedule": "1f1b" if n_chunks == 1 else "interleaved", "delay_wgrad": delay_wgrad,
         "logits_scale": logits_scale, "unit": costs.unit, "kind": "simulated", "layouts": {}}
     for name, lay in layouts.items():
@@ -80,9 +80,7 @@ def pipeline_report(preset_name: str = "deepseek_v3", n_ranks: int = 8, n_microb
 
 def pipeline_command(args: argparse.Namespace) -> int:
     """Print the ``sim pipeline`` report (a summary, or one JSON object with ``--json``)."""
-    report = pipeline_report(args.preset, args.stages, args.microbatches, n_chunks=args.vpp,
-                             layout=args.layout, logits_scale=args.logits_scale,
-                             delay_wgrad=args.delay_wgrad, seq_len=args.seq_len)
+    report = pipeline_report(args)
     if args.json:
         print(dumps(report))
         return 0

@@ -91,13 +91,14 @@ def run_in_child(request: dict[str, Any], timeout_s: float = 1800.0,
 
 def compile_report(archs: tuple[str, ...] = DEFAULT_ARCHS,
                    modules: list[str] | None = None) -> dict[str, Any]:
-    """The report of ``modules`` (default: every module of `moe_lab.kernels` that launches
-    a kernel) for ``archs`` (checked: `parse_archs`): ``{"archs", "triton", "limits", "rows",
-    "compiled_on"}``, one row per spec × arch, and an error row for what is missing or
-    fails (a module without specs, a launched kernel no spec covers, a failed compile)."""
+    """The report of ``modules`` (default: every kernel module with compile specs,
+    `moe_lab.workbench.compile_report.known_modules`) for ``archs`` (checked: `parse_archs`):
+    ``{"archs", "triton", "limits", "rows", "compiled_on"}``, one row per spec × arch, and an
+    error row for what fails (a module without specs, a failed compile)."""
     from moe_lab.perf.capabilities import capabilities
+    from moe_lab.workbench.compile_report import known_modules
 
-    jobs = None if modules is None else [module_job(m) for m in modules]
+    jobs = [module_job(m) for m in (known_modules() if modules is None else modules)]
     result = run_in_child({"archs": list(archs), "jobs": jobs})
     return {**result, "compiled_on": capabilities().hardware_label()}
 
@@ -154,8 +155,7 @@ def module_job(module: str | types.ModuleType, kernel: str | None = None, label_
                limit: int | None = None) -> dict[str, Any]:
     """A compile job for a kernel module's specs (`moe_lab.workbench.compile_report.specs`) —
     the kernels at the configurations their wrappers pick (for `compile_jobs`) — narrowed to ``kernel`` (a
-    function name) and labels containing ``label_contains``, then to the first ``limit``; without any
-    of them, also an error row for each launched kernel no spec covers."""
+    function name) and labels containing ``label_contains``, then to the first ``limit``."""
     name = module if isinstance(module, str) else module.__name__
     return {"module": name, "select": {"kernel": kernel, "label_contains": label_contains, "limit": limit}}
 

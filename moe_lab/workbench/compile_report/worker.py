@@ -10,8 +10,9 @@ with ``cuobjdump``'s).
 A request names the kernel modules whose specs to compile
 (`moe_lab.workbench.compile_report.specs`), or one kernel (its source included when it was
 defined in a notebook), and the architectures. Every spec × architecture gives one row: the
-figures, or an error row saying what failed — a module without specs, a launched kernel no
-spec covers, a compile that fails.
+figures, or an error row saying what failed — a module without specs, a selection that
+matches none, a compile that fails. (That every launched kernel has a spec is the tests'
+check: ``tests/workbench/compile_report``.)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import ARCHS, gpu_arch
 from moe_lab.workbench.compile_report import reading
-from moe_lab.workbench.compile_report.specs import KERNEL_PACKAGE, CompileSpec, for_module
+from moe_lab.workbench.compile_report.specs import CompileSpec, for_module
 
 SCALARS = (int, float, bool, str, type(None))
 
@@ -82,20 +83,6 @@ def triton_signature(fn: Any, kernel: str, signature: dict[str, str], constexprs
             raise ValueError(f"CompileSpec of {kernel} gives no type or constexpr value "
                              f"for argument {name!r}")
     return sig, values, attrs, divisible
-
-
-def _loaded_figures(compiled: Any, arch: str) -> dict[str, Any] | None:
-    """Registers and spills as the CUDA driver reports them after loading the cubin, where a
-    GPU of ``arch`` is present; ``None`` elsewhere."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available() or "sm_{}{}".format(*torch.cuda.get_device_capability()) != arch:
-            return None
-        compiled._init_handles()
-        return {"registers": compiled.n_regs, "spills": compiled.n_spills}
-    except Exception as exc:  # a failed load is a finding of the report, not its end
-        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def identity(spec: CompileSpec, arch: str) -> dict[str, Any]:
@@ -157,9 +144,6 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
         "block_threads": [meta.num_warps * 32, int(threads.group(1)) if threads else None],
         "num_stages": [config.num_stages, meta.num_stages],
     }
-    loaded = _loaded_figures(compiled, arch)
-    if loaded and "registers" in loaded:  # with a GPU of this arch: the driver's count too
-        checks["driver_registers"] = [res["REG"], loaded["registers"]]
     mma = reading.mma_instructions(ptx)
     copies = reading.async_copies(ptx)
     return {
@@ -181,7 +165,7 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
         "has_dot": "tt.dot" in compiled.asm["ttir"],
         "async_copy": copies["kind"], "copies": copies, "loop": reading.loop_sketch(ptx),
         "divisible_by_16": divisible, "compile_s": round(seconds, 3), "ptxas": ptxas, "checks": checks,
-        "agree": all(a == b for a, b in checks.values()), "loaded": loaded,
+        "agree": all(a == b for a, b in checks.values()),
         "cubin": str(cubin) if cubin_dir is not None else None, "error": None,
     }
 
@@ -189,28 +173,6 @@ def compile_spec(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None = 
 def error_row(kernel: str, label: str, arch: str | None, message: str) -> dict[str, Any]:
     """A row that says what could not be compiled, and why."""
     return {"kernel": kernel, "label": label, "arch": arch, "error": message}
-
-
-def kernel_modules() -> list[str]:
-    """Every module of `moe_lab.kernels` that launches a kernel it defines (not
-    `moe_lab.kernels.common`, whose ``@jit`` functions the kernels call)."""
-    import pkgutil
-
-    package = importlib.import_module(KERNEL_PACKAGE)
-    names = sorted(f"{KERNEL_PACKAGE}.{info.name}" for info in pkgutil.iter_modules(package.__path__))
-    return [name for name in names if launched_kernels(importlib.import_module(name))]
-
-
-def launched_kernels(module: types.ModuleType) -> list[str]:
-    """The ``@jit`` functions the module defines (not those it imports) and launches
-    (``name[grid](...)``, or handed to a launch helper as an argument), as opposed to the helpers
-    its kernels call."""
-    from triton.runtime.jit import JITFunction
-
-    source = inspect.getsource(module)
-    return sorted(name for name, value in vars(module).items()
-                  if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__
-                  and re.search(rf"\b{re.escape(name)}\s*\[|[(,]\s*{re.escape(name)}\s*,", source))
 
 
 def inline_kernel(inline: dict[str, Any]) -> Any:
@@ -243,25 +205,19 @@ def _collect(job: dict[str, Any]) -> tuple[list[tuple[Any, CompileSpec]], list[d
             return [], [error_row(raw["kernel"], raw["label"], None, f"{type(exc).__name__}: {exc}")]
     # A kernel module's specs (`moe_lab.workbench.compile_report.specs.for_module`), narrowed by
     # the job's ``select`` (``kernel``: a function name, ``label_contains``, then the first
-    # ``limit``), and what is missing: no specs, none selected, or (without a selection) a
-    # launched kernel no spec covers.
-    module_name, select = job["module"], job.get("select") or {}
+    # ``limit``), or an error row: no specs, a broken module, none selected.
+    module_name, select = job["module"], job["select"]
     try:
-        module = importlib.import_module(module_name)
         specs = for_module(module_name)
-        covered = {s.kernel for s in specs}
-        missing = [f"{module_name}:{name} is launched but no CompileSpec covers it"
-                   for name in launched_kernels(module) if f"{module_name}:{name}" not in covered]
     except Exception as exc:  # no specs, or a broken module: a row of the report, not its end
         why = str(exc) if isinstance(exc, ValueError) else f"{module_name}: {type(exc).__name__}: {exc}"
         return [], [error_row(module_name, "(module)", None, why)]
-    specs = [s for s in specs if select.get("kernel") in (None, s.kernel.partition(":")[2])
-             and (select.get("label_contains") or "") in s.label][: select.get("limit")]
+    specs = [s for s in specs if select["kernel"] in (None, s.kernel.partition(":")[2])
+             and (select["label_contains"] or "") in s.label][: select["limit"]]
     if not specs:
-        missing.append(f"no CompileSpec of {module_name} matches {select}")
-    elif any(select.values()):
-        missing = []
-    return [(None, spec) for spec in specs], [error_row(module_name, "(module)", None, m) for m in missing]
+        why = f"no CompileSpec of {module_name} matches {select}"
+        return [], [error_row(module_name, "(module)", None, why)]
+    return [(None, spec) for spec in specs], []
 
 
 def _compile_row(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None, count: str) -> dict[str, Any]:
@@ -280,17 +236,13 @@ def _compile_row(fn: Any, spec: CompileSpec, arch: str, cubin_dir: str | None, c
 
 def run_request(request: dict[str, Any]) -> dict[str, Any]:
     """Carry out one compile request in this process, for each of its ``archs``. Its
-    ``jobs``: ``{"module": name, "select": {...}}`` (a kernel module's specs, see `_collect`;
-    without a selection, the launched kernels no spec covers are reported too) or
-    ``{"spec": {...}, "inline": {...}}`` (one kernel; ``inline`` its source when it was
-    defined outside moe_lab); no ``jobs``: every kernel module, unselected. The cubins
-    are kept in ``cubin_dir`` when the request names one."""
+    ``jobs``: ``{"module": name, "select": {...}}`` (a kernel module's specs, see `_collect`)
+    or ``{"spec": {...}, "inline": {...}}`` (one kernel; ``inline`` its source when it was
+    defined outside moe_lab). The cubins are kept in ``cubin_dir`` when the request names one."""
     import triton
 
     archs = request["archs"]  # checked by the caller (`parse_archs`)
-    requested = request.get("jobs")
-    collected = [_collect(job) for job in
-                 (requested if requested is not None else [{"module": m} for m in kernel_modules()])]
+    collected = [_collect(job) for job in request["jobs"]]
     total = sum(len(pairs) for pairs, _ in collected) * len(archs)
     rows: list[dict[str, Any]] = []
     refused: list[dict[str, str]] = []  # what a launch there refuses: not compiled
@@ -310,8 +262,7 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
             "refused": refused}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     """``python -c "…main()" REQUEST.json RESULT.json``: read a request, write the result."""
-    request_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
-    result = run_request(json.loads(Path(request_path).read_text()))
-    Path(result_path).write_text(json.dumps(result))
+    result = run_request(json.loads(Path(sys.argv[1]).read_text()))
+    Path(sys.argv[2]).write_text(json.dumps(result))

@@ -50,23 +50,19 @@ def register() -> bool:
         if _registered is not None:
             return _registered
         EMBEDDING_IMPLS.register("opaque_grad", embedding.embed)
-        registries = [(EXPERT_BACKENDS, "openmp"),
-                      (ATTENTION_IMPLS, "cpu_fused"), (PACKED_ATTENTION_IMPLS, "cpu_fused"),
-                      (ROUTER_IMPLS, "cpu_topk"), (CLIP_STEPS, "cpu_one_call")]
+        entries = [
+            (EXPERT_BACKENDS, "openmp", ExpertBackend(grouped.openmp_mlp, permute.permute_tokens,
+                                                      permute.unpermute)),
+            (ATTENTION_IMPLS, "cpu_fused", attention.grouped_query_attention),
+            (PACKED_ATTENTION_IMPLS, "cpu_fused", attention.PackedRope()),
+            (ROUTER_IMPLS, "cpu_topk", functools.partial(route, topk=permute.router_topk)),
+            (CLIP_STEPS, "cpu_one_call", optim.one_call_step),
+        ]
         reason = unavailable_reason()
-        if reason is not None:
-            for registry, name in registries:
-                registry.mark_unavailable(name, reason)
-            _registered = False
-            return False
-        EXPERT_BACKENDS.register("openmp", ExpertBackend(grouped.openmp_mlp, permute.permute_tokens,
-                                                         permute.unpermute))
-        ATTENTION_IMPLS.register("cpu_fused", attention.grouped_query_attention)
-        PACKED_ATTENTION_IMPLS.register("cpu_fused", attention.PackedRope())
-        ROUTER_IMPLS.register("cpu_topk", functools.partial(route, topk=permute.router_topk))
-        CLIP_STEPS.register("cpu_one_call", optim.one_call_step)
-        _registered = True
-        return True
+        for registry, name, impl in entries:
+            registry.register(name, impl, missing=reason)
+        _registered = reason is None
+        return _registered
 
 
 def status() -> str | None:

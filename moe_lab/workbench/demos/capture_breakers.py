@@ -1,8 +1,8 @@
 """What breaks CUDA-graph capture: a gallery of small snippets, each beside its rewrite.
 
-Each `CaptureBreaker` holds a snippet that needs the host in the middle of a step (a value
-read back, a branch on a tensor, an output sized by the data, the stock AdamW's host step
-count), and a rewrite with the same arguments that does not. `capture_gallery` runs
+Each entry of `CAPTURE_BREAKERS` holds a snippet that needs the host in the middle of a step
+(a value read back, a branch on a tensor, an output sized by the data, the stock AdamW's host
+step count), and a rewrite with the same arguments that does not. `capture_gallery` runs
 `moe_lab.training.sync.assert_sync_free` on both: the operator the certificate names for the
 snippet, and whether the rewrite passes. Notebook 08 shows them side by side.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -116,17 +115,6 @@ def _adamw_capturable(w, g):
     opt.step()
 
 
-@dataclass(frozen=True)
-class CaptureBreaker:
-    """One snippet that breaks capture (``broken``), its sync-free rewrite (``fixed``, same
-    arguments), and ``make_args()`` building their arguments."""
-
-    title: str
-    broken: Callable
-    fixed: Callable
-    make_args: Callable[[], tuple]
-
-
 def _ids() -> tuple:
     return (torch.randint(0, 8, (32,)),)
 
@@ -135,27 +123,26 @@ def _param_and_grad() -> tuple:
     return torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
 
 
-CAPTURE_BREAKERS: tuple[CaptureBreaker, ...] = (
-    CaptureBreaker("reading the loss every step", _loss_item, lambda loss: _loss_kept(
-        loss, torch.zeros(())), lambda: (torch.rand(()),)),
-    CaptureBreaker("branching on a tensor", _branch_on_norm, _branch_as_where,
-                   lambda: (torch.randn(8), torch.rand(()) * 2)),
-    CaptureBreaker("a boolean mask", _bool_mask, _mask_kept,
-                   lambda: (torch.randn(16, 4), torch.rand(16))),
-    CaptureBreaker("torch.where per expert (naive dispatch)", _where_per_expert, _sort_by_expert,
-                   _ids),
-    CaptureBreaker("bincount, even with minlength", _bincount, _scatter_count, _ids),
-    CaptureBreaker("repeat_interleave by counts", _repeat_counts, _search_offsets,
-                   lambda: (torch.tensor([5, 0, 11, 16]),)),
-    CaptureBreaker("unique", _unique_experts, _experts_present, _ids),
-    CaptureBreaker("statistics to a list", _counts_tolist,
-                   lambda counts: _counts_summed(counts, torch.zeros(8, dtype=torch.int64)),
-                   lambda: (torch.randint(0, 9, (8,)),)),
-    CaptureBreaker("formatting a tensor", _log_loss, lambda loss: _loss_kept(loss, torch.zeros(())),
-                   lambda: (torch.rand(()),)),
-    CaptureBreaker("clipping with a finiteness check", _clip_checked, _clip_unchecked,
-                   _param_and_grad),
-    CaptureBreaker("the stock AdamW", _adamw_stock, _adamw_capturable, _param_and_grad),
+#: ``(title, broken, fixed, make_args)`` per entry: a snippet that breaks capture, its
+#: sync-free rewrite (same arguments), and a function building their arguments.
+CAPTURE_BREAKERS: tuple[tuple[str, Callable, Callable, Callable[[], tuple]], ...] = (
+    ("reading the loss every step", _loss_item, lambda loss: _loss_kept(loss, torch.zeros(())),
+     lambda: (torch.rand(()),)),
+    ("branching on a tensor", _branch_on_norm, _branch_as_where,
+     lambda: (torch.randn(8), torch.rand(()) * 2)),
+    ("a boolean mask", _bool_mask, _mask_kept, lambda: (torch.randn(16, 4), torch.rand(16))),
+    ("torch.where per expert (naive dispatch)", _where_per_expert, _sort_by_expert, _ids),
+    ("bincount, even with minlength", _bincount, _scatter_count, _ids),
+    ("repeat_interleave by counts", _repeat_counts, _search_offsets,
+     lambda: (torch.tensor([5, 0, 11, 16]),)),
+    ("unique", _unique_experts, _experts_present, _ids),
+    ("statistics to a list", _counts_tolist,
+     lambda counts: _counts_summed(counts, torch.zeros(8, dtype=torch.int64)),
+     lambda: (torch.randint(0, 9, (8,)),)),
+    ("formatting a tensor", _log_loss, lambda loss: _loss_kept(loss, torch.zeros(())),
+     lambda: (torch.rand(()),)),
+    ("clipping with a finiteness check", _clip_checked, _clip_unchecked, _param_and_grad),
+    ("the stock AdamW", _adamw_stock, _adamw_capturable, _param_and_grad),
 )
 
 
@@ -164,12 +151,12 @@ def capture_gallery() -> list[dict]:
     ``title``, ``broken_source``, ``fixed_source``, ``op`` (what the certificate named),
     ``fixed_passes`` (whether the rewrite is certified sync-free)."""
     rows = []
-    for b in CAPTURE_BREAKERS:
-        refused = _refusal(b.broken, b.make_args())
-        rows.append({"title": b.title, "broken_source": inspect.getsource(b.broken).strip(),
-                     "fixed_source": inspect.getsource(b.fixed).strip(),
-                     "op": None if refused is None else refused.op,
-                     "fixed_passes": _refusal(b.fixed, b.make_args()) is None})
+    for title, broken, fixed, make_args in CAPTURE_BREAKERS:
+        refused = _refusal(broken, make_args())
+        rows.append({"title": title, "broken_source": inspect.getsource(broken).strip(),
+       "fixed_source": inspect.getsource(fixed).strip(),
+       "op": None if refused is None else refused.op,
+       "fixed_passes": _refusal(fixed, make_args()) is None})
     return rows
 
 

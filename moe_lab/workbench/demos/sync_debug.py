@@ -65,7 +65,7 @@ class SyncSite:
 class SyncDebugReport:
     """What ``torch.cuda.set_sync_debug_mode(mode)`` reported while ``fn`` ran.
 
-    ``ran`` is False where there is no CUDA (``reason`` says so; ``fn`` was not called).
+    ``ran`` is False where there is no CUDA (``fn`` was not called; `summary` says why).
     ``sites``: the warnings, one entry per line of code, in the order first seen.
     ``stopped_at``: in mode ``"error"``, the line where the first sync raised (``error``
     holds its message); ``None`` when the step ran to its end."""
@@ -76,7 +76,6 @@ class SyncDebugReport:
     sites: list[SyncSite] = field(default_factory=list)
     stopped_at: SyncSite | None = None
     error: str | None = None
-    reason: str = ""
     result: Any = None
 
     @property
@@ -88,7 +87,8 @@ class SyncDebugReport:
         """A few lines for a notebook: the verdict, then each line of code that synced."""
         head = f"{self.label} under set_sync_debug_mode({self.mode!r}): "
         if not self.ran:
-            return head + f"not run — {self.reason}"
+            return (head + "not run — no CUDA device: set_sync_debug_mode watches CUDA work only "
+                    "(on a CPU it would report nothing)")
         if self.mode == "error":
             if self.stopped_at is None:
                 return head + "ran to its end, no synchronizing CUDA call"
@@ -117,9 +117,10 @@ def _caller_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummar
     return frames[-1]  # a sync inside PyTorch called directly: its innermost frame
 
 
-def _site(frame: traceback.FrameSummary, count: int = 1) -> SyncSite:
+def _site(frame: traceback.FrameSummary) -> tuple[str, str]:
+    """``(where, code)`` of ``frame``, as a `SyncSite` names them."""
     code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
-    return SyncSite(f"{_short(frame.filename)}:{frame.lineno}", code, count)
+    return f"{_short(frame.filename)}:{frame.lineno}", code
 
 
 def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", label: str = "",
@@ -133,11 +134,8 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     label = label or getattr(fn, "__qualname__", type(fn).__name__)
     if not torch.cuda.is_available():
-        return SyncDebugReport(label, mode, ran=False,
-                               reason="no CUDA device: set_sync_debug_mode watches CUDA work "
-                                      "only (on a CPU it would report nothing)")
-    seen: Counter[tuple[str, int]] = Counter()
-    frames: dict[tuple[str, int], traceback.FrameSummary] = {}
+        return SyncDebugReport(label, mode, ran=False)
+    seen: Counter[tuple[str, str]] = Counter()  # (where, code) -> warnings, in the order first seen
     others: list[tuple] = []
     report = SyncDebugReport(label, mode, ran=True)
     previous = torch.cuda.get_sync_debug_mode()
@@ -149,10 +147,7 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
             if MESSAGE not in str(message):
                 others.append((message, category, filename, lineno, file, line))
                 return
-            frame = _caller_frame(traceback.extract_stack()[:-1])
-            key = (frame.filename, frame.lineno)
-            seen[key] += 1
-            frames.setdefault(key, frame)
+            seen[_site(_caller_frame(traceback.extract_stack()[:-1]))] += 1
 
         warnings.showwarning = collect
         torch.cuda.set_sync_debug_mode(mode)
@@ -162,13 +157,13 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
             if MESSAGE not in str(err):
                 raise
             report.error = str(err).strip().splitlines()[0]
-            report.stopped_at = _site(_caller_frame(traceback.extract_tb(err.__traceback__)))
+            report.stopped_at = SyncSite(*_site(_caller_frame(traceback.extract_tb(err.__traceback__))))
         finally:
             torch.cuda.set_sync_debug_mode(previous)
             warnings.showwarning = show
     for other in others:  # the step's other warnings, shown as they would have been
         show(*other)
-    report.sites = [_site(frames[key], n) for key, n in seen.items()]
+    report.sites = [SyncSite(where, code, n) for (where, code), n in seen.items()]
     return report
 
 

@@ -20,11 +20,12 @@ notebook still runs to its end and the cells below use the reference. Called wit
 ``solutions`` a check only checks (and raises ``NotDoneError`` for a stub).
 
 One module per notebook, named after it (``nb00_lab_bench`` for ``00_lab_bench.ipynb``,
-``nb05_fused_router`` for ``05_fused_router.ipynb``, ...), holds that notebook's checks,
-registers its solutions with ``@reference_solution("name")`` and marks each check with
-``@exercise("name")``. The Triton exercises launch the learner's ``@triton.jit``
-function from a small kernel of the module, compiled on a GPU and under Triton's
-interpreter on a CPU (`moe_lab.workbench.exercises.kernel_checks`).
+``nb05_fused_router`` for ``05_fused_router.ipynb``, ...), holds that notebook's reference
+solutions and checks, and marks each check with ``@exercise(reference)``: the exercise is
+named after its reference solution (``@exercise(keep_mask)`` checks ``keep_mask``). The
+Triton exercises launch the learner's ``@triton.jit`` function from a small kernel of the
+module, compiled on a GPU and under Triton's interpreter on a CPU
+(`moe_lab.workbench.exercises.kernel_checks`).
 """
 
 from __future__ import annotations
@@ -111,28 +112,22 @@ def offsets_of(counts: list[int]) -> torch.Tensor:
                         dtype=torch.int32)
 
 
-# name -> reference solution; each notebook's module registers its own.
+# exercise name -> reference solution; `exercise` registers each.
 SOLUTIONS: dict[str, Callable] = {}
 
 
-def reference_solution(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as the reference solution of exercise ``name``."""
-
-    def register(fn: Callable) -> Callable:
-        SOLUTIONS[name] = fn
-        return fn
-
-    return register
-
-
-def exercise(name: str) -> Callable[[Callable], Callable]:
-    """Decorator for ``check_…(answer, ...)``, the check of exercise ``name``.
+def exercise(reference: Callable) -> Callable[[Callable], Callable]:
+    """Decorator for ``check_…(answer, ...)``, the check of the exercise whose reference
+    solution is ``reference`` (a function, or a ``@triton.jit`` one): the exercise takes its
+    name, and `SOLUTIONS` holds it under that name.
 
     The decorated check takes a keyword ``solutions``: None (the default) only checks;
     True checks the reference solution and returns it; False checks ``answer`` and returns
     it when right, raises ``ExerciseError`` when wrong, and when the stub is not written
     yet prints so and returns the reference solution.
     """
+    name = reference.__name__
+    SOLUTIONS[name] = reference
 
     def wrap(check: Callable) -> Callable:
         @functools.wraps(check)
@@ -140,7 +135,7 @@ def exercise(name: str) -> Callable[[Callable], Callable]:
             if solutions is not None and not isinstance(solutions, bool):  # -p SOLUTIONS false: "false"
                 raise ValueError(f"solutions must be True, False or None, got {solutions!r}")
             if solutions:
-                answer = SOLUTIONS[name]
+                answer = reference
             try:
                 check(answer, *args, **kwargs)
             except NotDoneError as err:
@@ -148,7 +143,7 @@ def exercise(name: str) -> Callable[[Callable], Callable]:
                     raise
                 print(f"◻ exercise {name!r} is not done yet. To do: {err.todo}; the check then says whether "
                       "your answer is right.\n  Meanwhile the cells below use the reference solution.")
-                return SOLUTIONS[name]
+                return reference
             return answer
 
         run.exercise_name = name

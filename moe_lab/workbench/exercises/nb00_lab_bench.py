@@ -20,10 +20,9 @@ from collections.abc import Callable
 from moe_lab.config import MoEConfig, preset
 from moe_lab.perf.flops import FLOPS_PER_MAC, TRAIN_MULTIPLIER, moe_mlp_macs, router_macs
 from moe_lab.perf.hardware import matmul_intensity, roofline
-from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise
 
 
-@reference_solution("matmul_attainable_flops")
 def matmul_attainable_flops(
     m: int, n: int, k: int, bytes_per_element: float, peak_flops: float, bandwidth: float
 ) -> float:
@@ -32,7 +31,6 @@ def matmul_attainable_flops(
     return roofline(peak_flops, bandwidth, matmul_intensity(m, n, k, bytes_per_element))
 
 
-@reference_solution("moe_layer_training_flops")
 def moe_layer_training_flops(moe: MoEConfig) -> float:
     """Training FLOPs per token of one MoE layer: the router's gate plus ``top_k`` routed and
     every shared SwiGLU expert, 2 FLOPs per MAC, 3x for forward + backward."""
@@ -52,7 +50,7 @@ def _layer_configs(rng: random.Random, trials: int) -> list[MoEConfig]:
     return configs
 
 
-@exercise("moe_layer_training_flops")
+@exercise(moe_layer_training_flops)
 def check_moe_layer_training_flops(fn: Callable[[MoEConfig], float], trials: int = 16) -> None:
     """Raise `ExerciseError` unless ``fn(moe)`` matches `moe_lab.perf.flops`' count of one
     MoE layer (router + routed + shared experts), on the presets and random configurations."""
@@ -83,7 +81,7 @@ def check_moe_layer_training_flops(fn: Callable[[MoEConfig], float], trials: int
     print("✓ moe_layer_training_flops matches moe_lab.perf.flops")
 
 
-@exercise("matmul_attainable_flops")
+@exercise(matmul_attainable_flops)
 def check_matmul_attainable_flops(fn: Callable[..., float], trials: int = 20) -> None:
     """Raise `ExerciseError` unless ``fn`` matches the roofline bound on random shapes,
     covering memory-bound (a skinny matmul) and compute-bound (a square one) cases."""

@@ -9,19 +9,16 @@ from moe_lab.workbench.exercises import (
     ExerciseError,
     call_answer,
     exercise,
-    reference_solution,
     require_sync_free,
     require_tensor,
 )
 
 
-@reference_solution("tokens_per_expert")
 def tokens_per_expert(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """``expert_ids: [tokens, top_k]`` → ``[n_experts]`` int64 counts, with no host sync."""
     return tokens_per_expert_from_ids(expert_ids, n_experts)
 
 
-@reference_solution("topk_routing")
 def topk_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, the top-k, weights renormalised to sum to one."""
     probs = logits.softmax(dim=-1)
@@ -29,7 +26,7 @@ def topk_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return ids, weights / weights.sum(dim=-1, keepdim=True)
 
 
-@exercise("tokens_per_expert")
+@exercise(tokens_per_expert)
 def check_tokens_per_expert(fn) -> None:
     """Raises ExerciseError unless ``fn`` counts correctly, including empty inputs and
     experts that receive nothing."""
@@ -50,7 +47,7 @@ def check_tokens_per_expert(fn) -> None:
     print("✓ tokens_per_expert is correct and sync-free")
 
 
-@exercise("topk_routing")
+@exercise(topk_routing)
 def check_topk_routing(fn) -> None:
     g = torch.Generator().manual_seed(2)
     for tokens, experts, k in [(40, 8, 2), (7, 4, 4), (25, 16, 1)]:

@@ -24,13 +24,11 @@ from moe_lab.workbench.exercises import (
     call_answer,
     exercise,
     random_routing,
-    reference_solution,
     require_sync_free,
     require_tensor,
 )
 
 
-@reference_solution("keep_mask")
 def keep_mask(topk_ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
     """``[T, k]`` bool: True where the assignment fits in its expert's ``capacity`` slots
     under the position policy (first choices first, then token order)."""
@@ -47,7 +45,7 @@ def _token_major_keep(topk_ids: torch.Tensor, n_experts: int, capacity: int) -> 
     return (rank < capacity).view(topk_ids.shape)
 
 
-@exercise("keep_mask")
+@exercise(keep_mask)
 def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(topk_ids, n_experts, capacity)`` equals the
     position policy's mask on every case, and runs without a host sync."""
@@ -86,7 +84,6 @@ def check_keep_mask(fn: Callable[..., torch.Tensor]) -> None:
     print("✓ keep_mask is correct and sync-free")
 
 
-@reference_solution("capacity_buffer")
 def capacity_buffer(x: torch.Tensor, topk_ids: torch.Tensor, n_experts: int,
                     capacity_factor: float, multiple: int = 1) -> torch.Tensor:
     """``[E, C, d]``: token rows in their expert's slots (position policy), zeros elsewhere."""
@@ -101,7 +98,7 @@ def capacity_buffer(x: torch.Tensor, topk_ids: torch.Tensor, n_experts: int,
     return buffer[:trash].view(n_experts, capacity, x.shape[1])
 
 
-@exercise("capacity_buffer")
+@exercise(capacity_buffer)
 def check_capacity_buffer(fn: Callable[..., torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(x, topk_ids, n_experts, capacity_factor, multiple)``
     builds `capacity_buffer`'s ``[E, C, d]`` buffer on every case (fractional shares, a

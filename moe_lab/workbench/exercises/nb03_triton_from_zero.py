@@ -30,13 +30,12 @@ import triton
 import triton.language as tl
 
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
-from moe_lab.workbench.exercises import ExerciseError, exercise, offsets_of, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, exercise, offsets_of
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
 
 # ------------------------------------------------------------------ Triton: a masked row softmax
 
 
-@reference_solution("row_softmax_kernel")
 @triton.jit
 def row_softmax_kernel(x_ptr, out_ptr, N, x_row_stride, out_row_stride, BLOCK_N: tl.constexpr):
     """``out[row] = softmax(x[row])`` in float32, one program per row; ``BLOCK_N >= N``.
@@ -95,7 +94,7 @@ def _softmax_hint(got: torch.Tensor, x: torch.Tensor, block_n: int) -> str:
     return ""
 
 
-@exercise("row_softmax_kernel")
+@exercise(row_softmax_kernel)
 def check_row_softmax(kernel: object) -> None:
     """Raise `ExerciseError` unless ``kernel`` writes ``softmax(x[row])`` for every row of
     fresh random ``x`` like ``torch.softmax``: widths that are not powers of two (and a
@@ -136,7 +135,6 @@ def check_row_softmax(kernel: object) -> None:
 # ------------------------------------------------------- Triton: the grouped matmul's rows
 
 
-@reference_solution("expert_rows")
 @triton.jit
 def expert_rows(offsets_ptr, e, t, BLOCK_M: tl.constexpr):
     """``(rows, row_ok)`` of tile ``t`` of expert ``e``: ``BLOCK_M`` rows from
@@ -232,7 +230,7 @@ def _check_claims(claims: torch.Tensor, offsets: torch.Tensor, where: str) -> No
                 "after the other")
 
 
-@exercise("expert_rows")
+@exercise(expert_rows)
 def check_expert_rows(lookup: object, block_m: int = 16) -> None:
     """Raise `ExerciseError` unless ``lookup`` gives every row of fresh offsets (empty
     experts, one expert with every row, segments shorter and longer than a tile, padding

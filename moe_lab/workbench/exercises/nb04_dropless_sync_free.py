@@ -33,13 +33,11 @@ from moe_lab.workbench.exercises import (
     exercise,
     offsets_of,
     random_routing,
-    reference_solution,
     require_sync_free,
     require_tensor,
 )
 
 
-@reference_solution("expert_permutation")
 def expert_permutation(topk_ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable argsort of the flattened expert ids, and the prefix sum of the counts."""
     return sort_by_expert(topk_ids, n_experts)
@@ -52,7 +50,6 @@ def expert_of_row_with_sync(offsets: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.repeat_interleave(experts, counts)  # expert e, counts[e] times
 
 
-@reference_solution("expert_of_row")
 def expert_of_row(offsets: torch.Tensor, n_rows: int) -> torch.Tensor:
     """Row ``r`` belongs to the expert whose segment contains it: the number of segment
     ends at or before ``r`` (a binary search over the offsets, sized by ``n_rows``)."""
@@ -60,8 +57,12 @@ def expert_of_row(offsets: torch.Tensor, n_rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets[1:], rows, right=True)
 
 
-def _permutation_cases(g: torch.Generator) -> list[tuple[torch.Tensor, int]]:
-    return [
+@exercise(expert_permutation)
+def check_expert_permutation(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Raise `ExerciseError` unless ``fn(topk_ids, n_experts)`` returns the stable
+    expert-sorted order and the int32 offsets, with no host sync."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    cases = [
         (random_routing(g, 37, 8, 2), 8),
         (random_routing(g, 64, 16, 4), 16),  # some experts likely empty
         (random_routing(g, 11, 4, 4), 4),  # top_k == n_experts
@@ -69,14 +70,6 @@ def _permutation_cases(g: torch.Generator) -> list[tuple[torch.Tensor, int]]:
         (torch.randint(0, 3, (23, 2), generator=g), 12),  # experts 3..11 get nothing
         (torch.zeros(0, 2, dtype=torch.int64), 6),  # no tokens
     ]
-
-
-@exercise("expert_permutation")
-def check_expert_permutation(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Raise `ExerciseError` unless ``fn(topk_ids, n_experts)`` returns the stable
-    expert-sorted order and the int32 offsets, with no host sync."""
-    g = torch.Generator().manual_seed(random.randrange(2**31))
-    cases = _permutation_cases(g)
     for ids, n_experts in cases:
         want_order, want_offsets = expert_permutation(ids, n_experts)
         got = call_answer(fn, ids.clone(), n_experts)
@@ -113,7 +106,7 @@ def check_expert_permutation(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]
     print("✓ expert_permutation is correct and sync-free")
 
 
-@exercise("expert_of_row")
+@exercise(expert_of_row)
 def check_expert_of_row(fn: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(offsets, n_rows)`` labels every row with its
     expert on every case *and* passes ``assert_sync_free``."""

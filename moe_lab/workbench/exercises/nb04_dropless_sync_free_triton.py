@@ -28,19 +28,12 @@ import triton.language as tl
 from moe_lab.kernels import common
 from moe_lab.kernels import grouped_gemm as gg
 from moe_lab.kernels.permute import make_row_id_map_reference, unpermute_reference
-from moe_lab.workbench.exercises import (
-    ExerciseError,
-    exercise,
-    offsets_of,
-    random_routing,
-    reference_solution,
-)
+from moe_lab.workbench.exercises import ExerciseError, exercise, offsets_of, random_routing
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
 
 # ------------------------------------------------------------------ Triton: the combine
 
 
-@reference_solution("unpermute_kernel")
 @triton.jit
 def unpermute_kernel(y_ptr, map_ptr, w_ptr, out_ptr, T, D, N_ROWS, TOP_K,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -77,7 +70,7 @@ def run_unpermute_kernel(kernel: object, y: torch.Tensor, row_id_map: torch.Tens
     return out
 
 
-@exercise("unpermute_kernel")
+@exercise(unpermute_kernel)
 def check_unpermute_kernel(kernel: object) -> None:
     """Raise `ExerciseError` unless ``kernel`` combines the expert rows of fresh random
     routings (skewed, padded segments, a token count and width that are not multiples of
@@ -143,7 +136,6 @@ def check_unpermute_kernel(kernel: object) -> None:
 # ------------------------------------------------------- Triton: the grouped GEMM's tiles
 
 
-@reference_solution("tile_schedule")
 @triton.jit
 def tile_schedule(offsets_ptr, tile, E, M_ROWS, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(segment, first row, end row)`` of row tile ``tile``: the kernel's own schedule."""
@@ -192,7 +184,7 @@ def _segments(rng: random.Random, n_experts: int) -> list[int]:
     return [rng.choice([0, 0, 1, 3, 5, 16, 17, 40]) for _ in range(n_experts)]
 
 
-@exercise("tile_schedule")
+@exercise(tile_schedule)
 def check_tile_schedule(schedule: object, block_m: int = 16) -> None:
     """Raise `ExerciseError` unless ``schedule`` gives every program of the grid
     ``cdiv(M, BLOCK_M) + E`` the kernel's ``(segment, first row, end row)`` on fresh

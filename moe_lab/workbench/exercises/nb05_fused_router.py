@@ -19,14 +19,12 @@ from moe_lab.workbench.exercises import (
     ExerciseError,
     call_answer,
     exercise,
-    reference_solution,
     require_sync_free,
     require_tensor,
 )
 from moe_lab.workbench.measure.kernel_count import count_kernels
 
 
-@reference_solution("group_limited_selection")
 def group_limited_selection(scores: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
     """``scores: [tokens, n_experts]`` → ``[tokens, n_experts]`` bool, True for the experts of
     each token's ``topk_groups`` best groups (a group's score: the sum of its top-2)."""
@@ -40,7 +38,6 @@ def first_steps_of_the_chain(logits: torch.Tensor, bias: torch.Tensor) -> torch.
     return selection.masked_fill(logits == float("-inf"), float("-inf"))
 
 
-@reference_solution("first_steps_bytes")
 def first_steps_bytes(tokens: int, n_experts: int, itemsize: int) -> int:
     """Bytes read and written by `first_steps_of_the_chain` on ``[tokens, n_experts]`` logits
     of ``itemsize`` bytes per element (the bias ``[n_experts]`` in the same dtype)."""
@@ -52,7 +49,7 @@ def first_steps_bytes(tokens: int, n_experts: int, itemsize: int) -> int:
     return sigmoid + add + eq + masked_fill
 
 
-@exercise("group_limited_selection")
+@exercise(group_limited_selection)
 def check_group_limited_selection(fn: Callable) -> None:
     """Raises ExerciseError unless ``fn`` picks the right groups' experts on random scores,
     as a bool ``[tokens, n_experts]`` mask, without a host sync."""
@@ -80,15 +77,12 @@ def check_group_limited_selection(fn: Callable) -> None:
                 f"{bad} of {tokens} tokens get the wrong experts ({where}). Hint: view the scores as "
                 "[tokens, groups, experts per group], score each group by the sum of its two "
                 "best experts, keep the best groups, and expand the group mask back")
-        per_token = got.view(tokens, n_groups, n_experts // n_groups).any(-1).sum(-1)
-        if tokens and not bool((per_token == topk_groups).all()):
-            raise ExerciseError(f"each token must keep exactly {topk_groups} groups")
     require_sync_free(fn, (torch.rand(32, 64, generator=g), 8, 4), "build the mask with scatter_ or a "
                       "comparison, not with nonzero or a loop")
     print("✓ group_limited_selection is correct and sync-free")
 
 
-@exercise("first_steps_bytes")
+@exercise(first_steps_bytes)
 def check_first_steps_bytes(fn: Callable) -> None:
     """Raises ExerciseError unless ``fn(tokens, n_experts, itemsize)`` predicts the bytes
     that `moe_lab.workbench.measure.kernel_count.count_kernels` measures for `first_steps_of_the_chain`."""

@@ -18,11 +18,10 @@ import triton
 import triton.language as tl
 
 from moe_lab.moe.router import group_limited_mask, topk_lowest_index
-from moe_lab.workbench.exercises import ExerciseError, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, exercise
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer
 
 
-@reference_solution("group_limited_topk")
 @triton.jit
 def group_limited_topk(sel, BLOCK_T: tl.constexpr, G: tl.constexpr, EG: tl.constexpr,
                        TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr):
@@ -82,7 +81,7 @@ def group_limited_topk_reference(scores: torch.Tensor, n_groups: int, topk_group
     return topk_lowest_index(scores.masked_fill(~mask, float("-inf")), top_k)
 
 
-@exercise("group_limited_topk")
+@exercise(group_limited_topk)
 def check_group_limited_topk(fn: Callable) -> None:
     """Raise `ExerciseError` unless the learner's ``@triton.jit`` ``fn`` picks the reference's
     experts, in the reference's order, on fresh random scores: DeepSeek-V3's 8 groups / 4

@@ -18,17 +18,16 @@ from collections.abc import Callable
 import torch
 
 from moe_lab.quant.mx import E4M3
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise
 
 
-@reference_solution("decode_e4m3")
 def decode_e4m3(byte: int) -> float:
     """The value of E4M3 byte ``byte`` (0..255): PyTorch's ``float8_e4m3fn`` reading of it,
     what the check compares with."""
     return torch.tensor(byte, dtype=torch.uint8).view(E4M3).item()
 
 
-@exercise("decode_e4m3")
+@exercise(decode_e4m3)
 def check_decode_e4m3(fn: Callable[[int], float]) -> None:
     """Raise `ExerciseError` unless ``fn(byte)`` decodes every one of the 256 E4M3 bytes
     (tried in a random order) to PyTorch's value."""

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from moe_lab.attention import reference_attention
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3, block_scale_exponent
-from moe_lab.workbench.exercises import ExerciseError, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, exercise
 from moe_lab.workbench.exercises.kernel_checks import (
     interpreted,
     kernel_device,
@@ -40,7 +40,6 @@ from moe_lab.workbench.exercises.kernel_checks import (
 # ------------------------------------------------------- Triton: the E8M0 block scale
 
 
-@reference_solution("e8m0_block_scale")
 @triton.jit
 def e8m0_block_scale(x):
     """``x: [ROWS, 32]`` float32, one MX block per row → ``[ROWS]`` int32 biased E8M0 bytes,
@@ -79,7 +78,7 @@ def _scale_blocks(g: torch.Generator) -> torch.Tensor:
     return x
 
 
-@exercise("e8m0_block_scale")
+@exercise(e8m0_block_scale)
 def check_e8m0_block_scale(fn: Callable) -> None:
     """Raise `ExerciseError` unless the learner's ``@triton.jit`` ``fn`` gives every block of
     a fresh random tile `block_scale_exponent`'s floor-rule byte."""
@@ -123,7 +122,6 @@ def check_e8m0_block_scale(fn: Callable) -> None:
 # ---------------------------------------------------- Triton: the online softmax update
 
 
-@reference_solution("online_softmax_step")
 @triton.jit
 def online_softmax_step(m_i, l_i, acc, s, v):
     """One tile of flash attention. ``m_i, l_i: [BLOCK_M]`` the running maximum and sum of
@@ -159,7 +157,7 @@ def _online_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, T, sm_scale, FN: tl.con
     tl.store(o_ptr + rows[:, None] * D + d[None, :], acc / l_i[:, None], mask=(rows < T)[:, None])
 
 
-@exercise("online_softmax_step")
+@exercise(online_softmax_step)
 def check_online_softmax_step(fn: Callable) -> None:
     """Raise `ExerciseError` unless a causal attention that calls the learner's ``@triton.jit``
     ``fn`` tile by tile matches `reference_attention` on fresh random heads: several key tiles

@@ -14,17 +14,11 @@ import random
 from collections.abc import Callable
 
 from moe_lab.perf import fusion
-from moe_lab.workbench.exercises import (
-    ExerciseError,
-    call_answer,
-    exercise,
-    reference_solution,
-)
+from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise
 
 # ------------------------------------------------------------- the bytes fusion removes
 
 
-@reference_solution("permute_combine_bytes")
 def permute_combine_bytes(tokens: int, top_k: int, d: int, bytes_per_value: int) -> int:
     """Forward bytes of the permute and of the weighted unpermute (int32 map, float32 weights),
     as `moe_lab.perf.fusion.launches` counts them (the expert count and width do not enter)."""
@@ -33,7 +27,7 @@ def permute_combine_bytes(tokens: int, top_k: int, d: int, bytes_per_value: int)
                if x.phase == "fwd" and x.name in ("permute", "unpermute (weighted)"))
 
 
-@exercise("permute_combine_bytes")
+@exercise(permute_combine_bytes)
 def check_permute_combine_bytes(fn: Callable[[int, int, int, int], int]) -> None:
     """Raise `ExerciseError` unless ``fn`` counts the forward bytes of the two copies as
     `moe_lab.perf.fusion` does, on fresh shapes."""

@@ -23,18 +23,12 @@ import triton.language as tl
 from moe_lab.kernels.common import row_source
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
 from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference
-from moe_lab.workbench.exercises import (
-    ExerciseError,
-    exercise,
-    random_routing,
-    reference_solution,
-)
+from moe_lab.workbench.exercises import ExerciseError, exercise, random_routing
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
 
 # ------------------------------------------------------------- Triton: the gather prologue
 
 
-@reference_solution("gather_tile")
 @triton.jit
 def gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
     """``[BLOCK_M, BLOCK_K]`` tile ``x[src[rows] // TOP_K, ks]`` (``x: [T, K]`` contiguous),
@@ -80,7 +74,7 @@ def _gather_gemm(x_ptr, src_ptr, w_ptr, y_ptr, offsets_ptr, N, K, TOP_K, gather,
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < end) & (cols[None, :] < N))
 
 
-@exercise("gather_tile")
+@exercise(gather_tile)
 def check_gather_tile(gather: Callable, block_m: int = 16, block_k: int = 16) -> None:
     """Raise `ExerciseError` unless ``gather`` loads the tiles of fresh routings (skewed,
     experts left empty, segments padded to an alignment, widths not multiples of the

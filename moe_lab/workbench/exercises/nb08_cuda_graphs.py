@@ -45,7 +45,6 @@ from moe_lab.workbench.exercises import (
     close,
     exercise,
     random_routing,
-    reference_solution,
     require_tensor,
 )
 
@@ -64,7 +63,6 @@ def dispatch_with_sync(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     return torch.zeros_like(x).index_add_(0, token_of, y_sorted * weight)
 
 
-@reference_solution("sync_free_dispatch")
 def sync_free_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        experts: SwiGLUExperts) -> torch.Tensor:
     """`dispatch_with_sync` without its sync: the lesson's `dropless_dispatch`, which counts
@@ -73,7 +71,7 @@ def sync_free_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     return dropless_dispatch(x, topk_ids, topk_weights, experts)[0]
 
 
-@exercise("sync_free_dispatch")
+@exercise(sync_free_dispatch)
 def check_sync_free_dispatch(fn: Callable[..., torch.Tensor]) -> None:
     """Raise `ExerciseError` unless ``fn(x, topk_ids, topk_weights, experts)`` equals the
     dropless dispatcher on several routings and passes ``assert_sync_free`` (forward and
@@ -106,7 +104,6 @@ def check_sync_free_dispatch(fn: Callable[..., torch.Tensor]) -> None:
     print("✓ sync_free_dispatch matches the dropless dispatcher and passes assert_sync_free")
 
 
-@reference_solution("pool_pages")
 def pool_pages(tokens: int, top_k: int, n_experts: int, page_rows: int) -> int:
     """The worst routing: one row to as many experts as possible (each costs a page), the
     remaining rows in full pages, at most ``ceil(tokens / page_rows)`` pages per expert."""
@@ -135,7 +132,7 @@ def worst_routing(tokens: int, top_k: int, n_experts: int, page_rows: int) -> li
     return counts
 
 
-@exercise("pool_pages")
+@exercise(pool_pages)
 def check_pool_pages(fn: Callable[[int, int, int, int], int]) -> None:
     """Raise `ExerciseError` unless ``fn(tokens, top_k, n_experts, page_rows)`` is a pool no
     routing overflows, no larger than one partly filled page per expert beyond the rows."""
@@ -202,7 +199,6 @@ def step_with_syncs(model, optimizer, batch, stats: dict) -> dict:
     return stats
 
 
-@reference_solution("capturable_step")
 def capturable_step(model, optimizer, batch, stats: dict) -> dict:
     """`step_with_syncs` with nothing read on the host: the statistics are summed into
     device tensors and the finite-loss check is a device-side assert."""
@@ -242,7 +238,7 @@ def step_setup(seed: int = 0, batch_size: int = 2):
     return model, optimizer, batch
 
 
-@exercise("capturable_step")
+@exercise(capturable_step)
 def check_capturable_step(fn: Callable) -> None:
     """Raise `ExerciseError` unless two steps of ``fn`` leave the same weights and statistics
     as two of `step_with_syncs`, a real step counts no host sync, and the whole step passes

@@ -19,10 +19,9 @@ from moe_lab.parallel.plan import (
     simulate_plan,
     stage_graph,
 )
-from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise
 
 
-@reference_solution("a2a_splits")
 def a2a_splits(topk_ids_per_rank: list[torch.Tensor], n_experts: int,
                rank: int) -> tuple[list[int], list[int]]:
     """The split sizes rank ``rank`` passes to ``all_to_all_single`` for the dispatch.
@@ -35,7 +34,6 @@ def a2a_splits(topk_ids_per_rank: list[torch.Tensor], n_experts: int,
     return matrix[rank].tolist(), matrix[:, rank].tolist()
 
 
-@reference_solution("predict_exposed")
 def predict_exposed(comm_s: list[float], compute_s: list[float]) -> float:
     """Exposed communication of a two-stage pipeline over chunks.
 
@@ -51,7 +49,7 @@ def predict_exposed(comm_s: list[float], compute_s: list[float]) -> float:
     return cpu_free - sum(compute_s)
 
 
-@exercise("a2a_splits")
+@exercise(a2a_splits)
 def check_a2a_splits(fn: Callable[[list[torch.Tensor], int, int], tuple[list[int], list[int]]]) -> None:
     """Raises ExerciseError unless ``fn`` gives every rank's input and output splits,
     including ranks that receive nothing."""
@@ -85,7 +83,7 @@ def check_a2a_splits(fn: Callable[[list[torch.Tensor], int, int], tuple[list[int
     print("✓ a2a_splits gives every rank's input and output splits")
 
 
-@exercise("predict_exposed")
+@exercise(predict_exposed)
 def check_predict_exposed(fn: Callable[[list[float], list[float]], float]) -> None:
     """Raises ExerciseError unless ``fn`` predicts the pipeline's exposed time, on hand-made
     and random chunk timings."""
@@ -118,7 +116,6 @@ def check_predict_exposed(fn: Callable[[list[float], list[float]], float]) -> No
     print("✓ predict_exposed models the pipeline")
 
 
-@reference_solution("merged_order")
 def merged_order(stages: dict[str, Stage]) -> list[str]:
     """An order of the stages of one merged 1F1B unit (one chunk: micro-batch ``F``'s forward
     and micro-batch ``B``'s backward of one MoE layer) in which no collective is waited on
@@ -128,7 +125,7 @@ def merged_order(stages: dict[str, Stage]) -> list[str]:
     return plan("1f1b", 1)
 
 
-@exercise("merged_order")
+@exercise(merged_order)
 def check_merged_order(fn: Callable[[dict[str, Stage]], list[str]]) -> None:
     """Raises ExerciseError unless ``fn(stages)`` returns an order of every stage of
     ``stage_graph(1)``, each after its dependencies, whose event log on the model machine

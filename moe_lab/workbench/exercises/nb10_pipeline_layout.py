@@ -20,10 +20,9 @@ import numpy as np
 
 from moe_lab.sim.layout_search import balanced_partition
 from moe_lab.sim.schedule import schedule_order
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise
 
 
-@reference_solution("one_f_one_b_order")
 def one_f_one_b_order(rank: int, n_ranks: int, n_microbatches: int) -> list[tuple[str, int]]:
     """1F1B on ``rank``: ``min(p - rank - 1, m)`` warm-up forwards, then alternate one
     forward and one backward, then drain the backwards."""
@@ -40,7 +39,7 @@ def _with_warmup(warm: int, n_microbatches: int) -> list[tuple[str, int]]:
     return ops + [("B", i) for i in range(n_microbatches - warm, n_microbatches)]
 
 
-@exercise("one_f_one_b_order")
+@exercise(one_f_one_b_order)
 def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 30) -> None:
     """Raise `ExerciseError` unless ``fn`` gives every rank's 1F1B order on random sizes."""
     rng = np.random.default_rng()
@@ -87,13 +86,12 @@ def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 3
     print("✓ one_f_one_b_order is correct")
 
 
-@reference_solution("balanced_cut")
 def balanced_cut(costs: Sequence[float], n_stages: int) -> list[int]:
     """Bounds of the contiguous cut minimising the largest stage (dynamic programme)."""
     return balanced_partition(np.asarray(costs, dtype=float), n_stages)
 
 
-@exercise("balanced_cut")
+@exercise(balanced_cut)
 def check_balanced_cut(fn: Callable[[Sequence[float], int], list], trials: int = 30) -> None:
     """Raise `ExerciseError` unless ``fn`` cuts random cost lists optimally."""
     rng = np.random.default_rng()

@@ -23,17 +23,16 @@ import numpy as np
 
 from moe_lab.sim.fabric import expected_max_load
 from moe_lab.sim.fair_share import max_min_rates
-from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, close, exercise
 
 
-@reference_solution("expected_fullest_uplink")
 def expected_fullest_uplink(n_flows: int, n_spines: int) -> float:
     """Exact expected load of the fullest of ``n_spines`` uplinks under ``n_flows`` hashed
     flows (balls into bins)."""
     return expected_max_load(n_flows, n_spines)
 
 
-@exercise("expected_fullest_uplink")
+@exercise(expected_fullest_uplink)
 def check_expected_fullest_uplink(fn: Callable[[int, int], float], trials: int = 12) -> None:
     """Raise `ExerciseError` unless ``fn`` gives the exact expected fullest uplink on small,
     edge and random cases (to a relative 1e-6: sampling is not exact enough)."""
@@ -56,7 +55,6 @@ def check_expected_fullest_uplink(fn: Callable[[int, int], float], trials: int =
     print("✓ expected_fullest_uplink is exact")
 
 
-@reference_solution("fair_share")
 def fair_share(demands: Sequence[float], capacity: float) -> list[float]:
     """Max-min fair rates on one link: each flow also crosses a private link of its demand,
     so the general progressive filling of :func:`moe_lab.sim.fair_share.max_min_rates` does it."""
@@ -66,7 +64,7 @@ def fair_share(demands: Sequence[float], capacity: float) -> list[float]:
     return max_min_rates(links, np.concatenate([[capacity], want])).tolist()
 
 
-@exercise("fair_share")
+@exercise(fair_share)
 def check_fair_share(fn: Callable[[Sequence[float], float], Sequence[float]], trials: int = 30
                      ) -> None:
     """Raise `ExerciseError` unless ``fn`` water-fills random demands correctly."""

@@ -9,10 +9,9 @@ import random
 import statistics
 
 from moe_lab.checks import one_of
-from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise, reference_solution
+from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise
 
 
-@reference_solution("time_to_target")
 def time_to_target(curve: list[dict], target: float) -> float | None:
     """``curve``: evaluations in order, each ``{"step", "time_s", "eval_loss"}``. The time of
     the *first* evaluation at or below ``target``, or ``None`` when none reaches it."""
@@ -22,7 +21,6 @@ def time_to_target(curve: list[dict], target: float) -> float | None:
     return None
 
 
-@reference_solution("race_speedups")
 def race_speedups(curves: dict[str, list[list[dict]]], target: float, baseline: str) -> dict:
     """``curves``: stack name -> one loss curve per seed (as `time_to_target` takes). Each
     stack's time to target is the median over its seeds that reached the target; its speed-up
@@ -39,7 +37,6 @@ def race_speedups(curves: dict[str, list[list[dict]]], target: float, baseline: 
     return {name: (base / t if base is not None and t is not None else None) for name, t in medians.items()}
 
 
-@reference_solution("amdahl_bound")
 def amdahl_bound(parts: dict[str, float], speedups: dict[str, float]) -> tuple[float, float]:
     """A step's ``parts`` (name -> time, any unit) after the parts named in ``speedups`` get
     that many times faster (``math.inf``: the part becomes free; a part not named keeps its
@@ -75,7 +72,7 @@ def _require_value_error(fn, args: tuple, message: str) -> None:
     raise ExerciseError(message)
 
 
-@exercise("time_to_target")
+@exercise(time_to_target)
 def check_time_to_target(fn) -> None:
     """Raises ExerciseError unless ``fn(curve, target)`` returns the time of the first
     evaluation at or below the target (not the best one), or ``None``."""
@@ -110,7 +107,7 @@ def check_time_to_target(fn) -> None:
     print("✓ time_to_target reads the clock like MLPerf does")
 
 
-@exercise("race_speedups")
+@exercise(race_speedups)
 def check_race_speedups(fn) -> None:
     """Raises ExerciseError unless ``fn(curves, target, baseline)`` gives each stack's speed-up
     over the baseline as the ratio of median times to target over the seeds that reached it."""
@@ -147,7 +144,7 @@ def check_race_speedups(fn) -> None:
 PROFILE_PARTS = ["matmul", "attention", "router", "permute", "optimizer", "host"]
 
 
-@exercise("amdahl_bound")
+@exercise(amdahl_bound)
 def check_amdahl_bound(fn) -> None:
     """Raises ExerciseError unless ``fn(parts, speedups)`` applies Amdahl's law to a profile."""
     rng = random.Random(11)

@@ -66,9 +66,8 @@ def plot_drops_by_position(dropped: dict[str, torch.Tensor], title: str, ax=None
         bins = per_token.tensor_split(n_bins)
         centres = [(i + 0.5) / n_bins for i in range(n_bins)]
         ax.plot(centres, [100 * float(b.mean()) for b in bins], marker="o", ms=3, label=name)
-    ax.set_xlabel("position of the token in the batch (0 = first, 1 = last)")
-    ax.set_ylabel("assignments dropped (%)")
-    ax.set_title(title)
+    ax.set(xlabel="position of the token in the batch (0 = first, 1 = last)",
+           ylabel="assignments dropped (%)", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return ax
@@ -98,11 +97,9 @@ def plot_permutation(topk_ids: torch.Tensor, n_experts: int, ax=None):
             ax.text(x + counts[e] / 2, -0.45, f"e{e}", ha="center", fontsize=7)
     ax.text(-0.3, 2.4, "token order", ha="right", va="center", fontsize=8)
     ax.text(-0.3, 0.4, "sorted by expert", ha="right", va="center", fontsize=8)
-    ax.set_xlim(-0.2, n + 0.2)
-    ax.set_ylim(-0.8, 3.0)
     ax.set_xticks([int(o) for o in offsets], [f"{int(o)}" for o in offsets], fontsize=7)
-    ax.set_yticks([])
-    ax.set_xlabel("offsets (row where each expert's segment starts); numbers in cells: token")
+    ax.set(xlim=(-0.2, n + 0.2), ylim=(-0.8, 3.0), yticks=[],
+           xlabel="offsets (row where each expert's segment starts); numbers in cells: token")
     ax.spines[["top", "right", "left"]].set_visible(False)
     return ax
 
@@ -167,10 +164,7 @@ def plot_tile_schedule(offsets: torch.Tensor, block_m: int, m_rows: int, ax=None
         ax.plot([row0, row0], [2.0, 2.8], color="white", lw=0.8)  # where this tile starts
     ax.text(-0.01 * m_rows, 2.4, f"{m_rows} sorted rows", ha="right", va="center", fontsize=8)
     ax.text(-0.01 * m_rows, 0.4, f"{len(schedule)} programs", ha="right", va="center", fontsize=8)
-    ax.set_xlim(0, m_rows)
-    ax.set_ylim(-0.2, 3.0)
-    ax.set_yticks([])
-    ax.set_xticks([])
+    ax.set(xlim=(0, m_rows), ylim=(-0.2, 3.0), xticks=[], yticks=[])
     live = sum(1 for s in schedule if s[0] < n_experts)
     pad = sum(1 for s in schedule if s[0] == n_experts)
     ax.set_title(f"BLOCK_M = {block_m}: grid of cdiv({m_rows}, {block_m}) + {n_experts} = "
@@ -217,9 +211,8 @@ def plot_pipeline(load: float, mma: float, stages: Sequence[int] = (1, 2, 4), st
         labels += [(y + 0.5, f"stages={s}: MMA"), (y + 1.5, f"stages={s}: loads")]
         ax.text(sched[-1][3] + 0.2, y + 0.5, f"{sched[-1][3] / steps:.2f} per step", va="center", fontsize=8)
     end = max(pipeline_schedule(steps, load, mma, s)[-1][3] for s in stages)
-    ax.set_xlim(0, end * 1.18)
-    ax.set_ylim(0, 2 * len(stages))
     ax.set_yticks([y for y, _ in labels], [name for _, name in labels], fontsize=8)
-    ax.set_xlabel("time (one MMA = 1; a toy model, not measured)")
-    ax.set_title(f"a tile's K loop: a load takes {load:g}x an MMA")
+    ax.set(xlim=(0, end * 1.18), ylim=(0, 2 * len(stages)),
+           xlabel="time (one MMA = 1; a toy model, not measured)",
+           title=f"a tile's K loop: a load takes {load:g}x an MMA")
     return ax

@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 
 import numpy as np
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+from matplotlib.patches import FancyArrowPatch
 
 from moe_lab.perf import fusion
 from moe_lab.workbench.figures.charts import ax_or_new, box
@@ -93,8 +93,7 @@ def plot_dataflow(ax=None):
                 _arrow(ax, (xs[i], below + _BOX_H / 2 + _PAD + 0.03), (xs[i], y - _BOX_H / 2 - _PAD - 0.03))
     for x, style, color, what in ((11.0, "square", "#cfe2f3", "kernel launch"),
                                   (12.5, "round", "#fff2cc", "tensor in HBM")):  # the legend
-        ax.add_patch(FancyBboxPatch((x, -0.02), 0.3, 0.14, boxstyle=f"{style},pad={_PAD}", fc=color, ec="0.3",
-                                    lw=0.8))
+        box(ax, x, -0.02, 0.3, 0.14, "", color, style=f"{style},pad={_PAD}")
         ax.text(x + 0.4, 0.05, what, fontsize=7.5, va="center")
     note = "\n".join(textwrap.fill(part, 150) for part in dataflow_note().split("\n"))
     ax.text(0.1, -0.35, note, fontsize=8, va="top")

@@ -11,8 +11,8 @@ Each picture is a schematic drawn from a few lines of data kept here, not a meas
   bytes in;
 - `persistent_schedule` / `plot_persistent_grid`: one program per output tile, in waves,
   against one program per SM looping over the tiles;
-- `tiles_in_flight` / `plot_tile_order`: which output tiles run at the same time in a
-  row-fastest or a grouped tile order, and how many operand tiles they share.
+- `plot_tile_order`: which output tiles run at the same time in a row-fastest or a grouped
+  tile order, and how many operand tiles they share.
 
 `down_projection_rows` computes a roofline projection of DeepSeek-V3's down projection in
 several settings (all experts on one GPU, or a share of them under expert parallelism), so one
@@ -25,17 +25,15 @@ Every plotting function draws on an Axes (created if not given) and returns it, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 from matplotlib.patches import Rectangle
 
 from moe_lab.perf import hardware
 from moe_lab.perf.traffic import grouped_order
 from moe_lab.workbench.figures.charts import ax_or_new, box
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
 
 
 def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float]) -> None:
@@ -120,8 +118,7 @@ def plot_tma_vs_cp_async(tile: int = 8, threads: int = 16, ax: Axes | None = Non
     ax.text(x0 + 1.95, 0.2, "phase flips", fontsize=7, ha="center", va="center", color="0.25")
     ax.text(x0 + 3.1, 2.75, "TMA: one instruction per tile, no address math per thread;\n"
             "rows past the descriptor's shape read as zeros", ha="center", va="bottom", fontsize=8)
-    ax.set(xlim=(-0.2, x0 + 6.4), ylim=(-0.5, 3.4))
-    ax.set_aspect("equal")
+    ax.set(xlim=(-0.2, x0 + 6.4), ylim=(-0.5, 3.4), aspect="equal")
     ax.axis("off")
     return ax
 
@@ -169,47 +166,32 @@ def plot_persistent_grid(n_tiles: int = 10, n_sms: int = 4, setup: float = 0.4, 
         label = ("persistent: one program per SM, tiles pid, pid + SMs, …" if persistent else
                  "one program per tile, launched in waves")
         ax.text(0, base + n_sms + 0.05, f"{label}  (ends at {end:g})", fontsize=8, va="bottom")
-    ax.set_yticks([])
-    ax.set(ylim=(-0.2, 2 * n_sms + 2.2), xlim=(-0.9, None))
-    ax.set_xlabel(f"time (one tile = {tile:g}; hatched: a program's start-up; a toy model, "
-                  "not measured)")
+    ax.set(yticks=[], ylim=(-0.2, 2 * n_sms + 2.2), xlim=(-0.9, None),
+           xlabel=f"time (one tile = {tile:g}; hatched: a program's start-up; a toy model, not measured)")
     ax.set_title(f"{n_tiles} output tiles on {n_sms} SMs", fontsize=10, loc="left")
     return ax
 
 
 # ----------------------------------------------------------------------------------- (e)
-def tiles_in_flight(t_m: int, t_n: int, group_m: int, in_flight: int) -> dict[str, Any]:
-    """The output tiles of the first ``in_flight`` programs in grouped order
-    (`moe_lab.perf.traffic.grouped_order`; ``group_m >= t_m`` is row fastest), and the operand
-    tiles they read: ``{"tiles": [(m, n)], "a_tiles": rows of x, "b_tiles": columns of w,
-    "operands": a + b}``. Programs in flight together that share an operand tile can find it
-    in L2; each distinct one is a trip to HBM."""
-    tiles = [grouped_order(pid, t_m, t_n, group_m) for pid in range(min(in_flight, t_m * t_n))]
-    a, b = len({m for m, _ in tiles}), len({n for _, n in tiles})
-    return {"tiles": tiles, "a_tiles": a, "b_tiles": b, "operands": a + b}
-
-
 def plot_tile_order(t_m: int, t_n: int, group_m: int, in_flight: int, ax: Axes | None = None) -> Axes:
     """The ``t_m × t_n`` output tiles, each labelled with the program that computes it in
-    grouped order (``group_m >= t_m``: row fastest); the first ``in_flight`` are filled, and
-    the title counts the operand tiles they read (`tiles_in_flight`)."""
+    grouped order (`moe_lab.perf.traffic.grouped_order`; ``group_m >= t_m``: row fastest); the
+    first ``in_flight`` are filled, and the title counts the operand tiles they read: the row
+    tiles of x and the column tiles of w. Programs in flight together that share an operand
+    tile can find it in L2; each distinct one is a trip to HBM."""
     ax = ax_or_new(ax, (0.5 * t_n + 1.5, 0.45 * t_m + 1.2))
-    seen = tiles_in_flight(t_m, t_n, group_m, in_flight)
-    first = set(seen["tiles"])
+    first = {grouped_order(pid, t_m, t_n, group_m) for pid in range(min(in_flight, t_m * t_n))}
+    a_tiles, b_tiles = len({m for m, _ in first}), len({n for _, n in first})
     for pid in range(t_m * t_n):
         m, n = grouped_order(pid, t_m, t_n, group_m)
         ax.add_patch(Rectangle((n, t_m - 1 - m), 1, 1, edgecolor="white", lw=1.0,
                                facecolor="tab:orange" if (m, n) in first else "0.88"))
         ax.text(n + 0.5, t_m - 0.5 - m, str(pid), ha="center", va="center", fontsize=7)
-    ax.set(xlim=(0, t_n), ylim=(0, t_m))
-    ax.set_aspect("equal")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.set(xlabel="N tiles (columns of w)", ylabel="row tiles (rows of x)")
+    ax.set(xlim=(0, t_n), ylim=(0, t_m), aspect="equal", xticks=[], yticks=[],
+           xlabel="N tiles (columns of w)", ylabel="row tiles (rows of x)")
     head = "row fastest" if group_m >= t_m else f"grouped, GROUP_M={group_m}"
-    plural = lambda n, what: f"{n} {what}" + ("s" if n != 1 else "")  # noqa: E731
-    ax.set_title(f"{head}: first {len(first)} programs read\n{plural(seen['a_tiles'], 'row tile')} + "
-                 f"{plural(seen['b_tiles'], 'weight tile')} = {seen['operands']}", fontsize=9)
+    ax.set_title(f"{head}: first {len(first)} programs read\n{a_tiles} row tile{'s' * (a_tiles != 1)} + "
+                 f"{b_tiles} weight tile{'s' * (b_tiles != 1)} = {a_tiles + b_tiles}", fontsize=9)
     return ax
 
 

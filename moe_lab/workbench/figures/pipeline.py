@@ -10,13 +10,7 @@ import numpy as np
 
 from moe_lab.config import preset
 from moe_lab.sim.layout import format_layout, model_layer_chars
-from moe_lab.sim.layout_search import (
-    even_layout,
-    layer_costs,
-    layout_report,
-    search_layout,
-    simulate_layout,
-)
+from moe_lab.sim.layout_search import even_layout, layer_costs, layout_report, search_layout, simulate_layout
 from moe_lab.sim.schedule import OP_KINDS, PipelineResult
 
 _OP_COLOURS = {"F": "#4C72B0", "B": "#55A868", "W": "#DD8452"}

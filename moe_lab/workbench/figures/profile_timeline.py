@@ -20,13 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from matplotlib.axes import Axes
 
 from moe_lab.training.sync import SYNC_OPS
 from moe_lab.workbench.figures.charts import ax_or_new
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
 
 # SYNC_OPS entries that sync in every form; index / index_put_ / copies / repeat_interleave /
 # histc sync only with some arguments, which a profiler event does not carry.

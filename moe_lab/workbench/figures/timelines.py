@@ -4,13 +4,13 @@ Gantt chart of an expert-parallel step's stages (`moe_lab.parallel.timeline`, no
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.patches import Patch
 
 from moe_lab.parallel.timeline import Timeline
 from moe_lab.workbench.figures.charts import ax_or_new
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
 
 
 def plot_launch_timeline(n_kernels: int = 10, launch_us: float = 5.0, kernel_us: float = 2.0,
@@ -18,8 +18,6 @@ def plot_launch_timeline(n_kernels: int = 10, launch_us: float = 5.0, kernel_us:
     """A schematic (not a measurement) of one step's host launches and device kernels,
     eager and graphed: when each kernel takes less time than a launch, the device idles
     between kernels in eager mode; a graph launches them all at once."""
-    import matplotlib.pyplot as plt
-
     _, axes = plt.subplots(2, 1, figsize=(9, 3.4), sharex=True)
     eager_end = n_kernels * launch_us + kernel_us
     graph_end = graph_launch_us + n_kernels * kernel_us
@@ -61,8 +59,6 @@ def plot_timeline(timelines: dict[str, Timeline | dict], ax: Axes | None = None,
     step: the other micro-batch), the stages' legend to the right of the lanes. Events drawn
     to the same time scale; ``timelines`` may hold `Timeline`s or their ``to_dict()`` form
     (what a rank returns)."""
-    from matplotlib.patches import Patch
-
     k = 1e3 if unit == "ms" else 1.0
 
     items = [(label, t if isinstance(t, Timeline) else Timeline.from_dict(t))

@@ -17,16 +17,16 @@ The rules this module keeps:
   (its position), ``ladder`` (its name) and ``run`` (one id per measurement, so rungs of
   two measurements are never mixed); `moe_lab.workbench.benchmarks.ttt.record_ladder`
   writes them.
-- **Say what kind of figure it is.** ``kind`` is ``"measured"`` (solid bars), ``"projection"``
-  (hatched bars with a dashed edge and "projection" in the title: a model's output, not a
-  measurement) or ``"reported"`` (outlined bars, with the source in the title: a figure
-  someone else published, e.g. `reported_waterfall`).
+- **Say what kind of figure it is.** ``kind`` is ``"measured"`` (solid bars) or
+  ``"reported"`` (outlined bars, with the source in the title: a figure someone else
+  published, e.g. `reported_waterfall`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import matplotlib.pyplot as plt
 
@@ -42,52 +42,36 @@ MAX_REL_IQR = 0.5
 _UP, _DOWN, _BASE, _TOTAL = "tab:green", "tab:red", "0.55", "tab:blue"
 
 
-@dataclass(frozen=True)
-class Rung:
+class Rung(NamedTuple):
     """One bar: the figure after the optimisation ``label`` (the first rung: the baseline)."""
 
     label: str
     value: float
-    unit: str
-    hardware: str
-    kind: str = "measured"  # "measured", "projection" or "reported"
-    time: str = ""
 
 
 @dataclass(frozen=True)
 class Waterfall:
-    """A ladder of rungs measured (or projected, or reported) on one hardware: a baseline and
-    at least one more rung, all of one hardware, unit and kind."""
+    """A ladder measured (or reported) on one hardware, in one unit: the baseline and at least
+    one more rung."""
 
     title: str
+    hardware: str
+    unit: str
     rungs: tuple[Rung, ...]
-
-    @property
-    def hardware(self) -> str:
-        return self.rungs[0].hardware
-
-    @property
-    def unit(self) -> str:
-        return self.rungs[0].unit
-
-    @property
-    def kind(self) -> str:
-        return self.rungs[0].kind
+    kind: str = "measured"  # "measured" or "reported"
 
     @property
     def total(self) -> float:
         """Last rung over the first."""
-        return self.rungs[-1].value / self.rungs[0].value
+        return self.rungs[-1][1] / self.rungs[0][1]
 
     def table_markdown(self) -> str:
         lines = [f"**{self.title}** — {self.hardware} ({self.kind})", "",
                  f"| step | {self.unit} | × previous | × baseline |", "|---|---:|---:|---:|"]
-        base = self.rungs[0].value
-        prev = base
-        for r in self.rungs:
-            lines.append(f"| {r.label} | {format_value(r.value)} | {r.value / prev:.2f} | "
-                         f"{r.value / base:.2f} |")
-            prev = r.value
+        base = prev = self.rungs[0][1]
+        for label, value in self.rungs:
+            lines.append(f"| {label} | {format_value(value)} | {value / prev:.2f} | {value / base:.2f} |")
+            prev = value
         return "\n".join(lines) + "\n"
 
 
@@ -129,16 +113,15 @@ def waterfalls_from_ledger(records: Iterable[dict], *,
         if len(by_rung) < 2:
             continue
         nb, name, hw = key
-        rungs = tuple(
-            Rung(label=str(rec.get("step", "")).removeprefix("ladder:"), value=float(rec["value"]),
-                 unit=str(rec.get("unit", "")), hardware=hw, time=str(rec.get("time", ""))[:10])
-            for _, rec in sorted(by_rung.items()))
-        date = max(r.time for r in rungs)
+        recs = [rec for _, rec in sorted(by_rung.items())]
+        rungs = tuple(Rung(str(rec.get("step", "")).removeprefix("ladder:"), float(rec["value"]))
+                      for rec in recs)
+        date = max(str(rec.get("time", ""))[:10] for rec in recs)
         title = f"{nb}: {name}" if name else nb
         title = f"{title} ({date})" if date else title
         if not steady:
             title += f" — NOISY: a rung's IQR > {MAX_REL_IQR:.0%} of its median"
-        out.append(Waterfall(title=title, rungs=rungs))
+        out.append(Waterfall(title, hw, str(recs[0].get("unit", "")), rungs))
     return out
 
 
@@ -147,11 +130,10 @@ def reported_waterfall() -> Waterfall:
     after three months of software work, TFLOPS per GPU. Only the two endpoints are
     published as figures; the per-technique gains are quoted in the text, not stacked here."""
     seed = mlperf.DEEPSEEK_V3_GB300
-    hw = f"{seed['gpu']} (NVIDIA, MLPerf Training v6.0)"
-    return Waterfall(
-        title="DeepSeek-V3 671B, software only (three months)",
-        rungs=(Rung("before", seed["tflops_per_gpu_before"], "TFLOPS/GPU", hw, "reported"),
-               Rung("after", seed["tflops_per_gpu"], "TFLOPS/GPU", hw, "reported")))
+    return Waterfall("DeepSeek-V3 671B, software only (three months)",
+                     f"{seed['gpu']} (NVIDIA, MLPerf Training v6.0)", "TFLOPS/GPU",
+                     (Rung("before", seed["tflops_per_gpu_before"]), Rung("after", seed["tflops_per_gpu"])),
+                     "reported")
 
 
 # --------------------------------------------------------------------------------------
@@ -160,9 +142,6 @@ def reported_waterfall() -> Waterfall:
 
 
 def _style(kind: str, color: str) -> dict:
-    if kind == "projection":
-        return {"facecolor": "none", "edgecolor": color, "hatch": "///", "linestyle": "--",
-                "linewidth": 1.2}
     if kind == "reported":
         return {"facecolor": "white", "edgecolor": color, "linewidth": 1.6}
     return {"facecolor": color, "edgecolor": "black", "linewidth": 0.6}
@@ -172,26 +151,24 @@ def plot_waterfall(wf: Waterfall, ax=None):
     """Draw ``wf`` on ``ax`` (created if not given) and return it: the baseline bar, one
     floating bar per optimisation labelled with its ratio, and the total."""
     ax = ax_or_new(ax, (1.3 * (len(wf.rungs) + 2), 3.8))
-    first, last = wf.rungs[0], wf.rungs[-1]
+    (first, base), last = wf.rungs[0], wf.rungs[-1][1]
     # (label, bottom, height, colour, note) of each bar: the baseline, one per optimisation, the total
-    bars = [(first.label, 0.0, first.value, _BASE, format_value(first.value))]
-    for before, rung in zip(wf.rungs, wf.rungs[1:]):
-        low, high = sorted((before.value, rung.value))
-        ratio = rung.value / before.value
-        bars.append((rung.label, low, max(high - low, 1e-12), _UP if ratio >= 1 else _DOWN, f"×{ratio:.2f}"))
-    bars.append(("total", 0.0, last.value, _TOTAL, f"{format_value(last.value)}\n×{wf.total:.2f}"))
+    bars = [(first, 0.0, base, _BASE, format_value(base))]
+    for (_, before), (label, value) in zip(wf.rungs, wf.rungs[1:]):
+        low, high = sorted((before, value))
+        ratio = value / before
+        bars.append((label, low, max(high - low, 1e-12), _UP if ratio >= 1 else _DOWN, f"×{ratio:.2f}"))
+    bars.append(("total", 0.0, last, _TOTAL, f"{format_value(last)}\n×{wf.total:.2f}"))
     for x, (_, bottom, height, color, _) in enumerate(bars):
         ax.bar(x, height, bottom=bottom, width=0.7, **_style(wf.kind, color))
-    for x, rung in enumerate(wf.rungs[:-1]):  # connectors from the top of one rung to the next
-        ax.plot([x + 0.35, x + 0.65], [rung.value, rung.value], color="0.3", lw=0.8, ls=":")
+    for x, (_, value) in enumerate(wf.rungs[:-1]):  # connectors from the top of one rung to the next
+        ax.plot([x + 0.35, x + 0.65], [value, value], color="0.3", lw=0.8, ls=":")
     for x, (_, bottom, height, _, note) in enumerate(bars):
         ax.text(x, bottom + height, note, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(range(len(bars))))
     ax.set_xticklabels([bar[0] for bar in bars], rotation=20, ha="right", fontsize=8)
     ax.set(ylabel=wf.unit, ylim=(0, max(bar[1] + bar[2] for bar in bars) * 1.22))
-    what = {"measured": "measured", "projection": "PROJECTION (a model, not a measurement)",
-            "reported": "reported"}[wf.kind]
-    ax.set_title(f"{wf.title}\n{wf.hardware} — {what}", fontsize=9)
+    ax.set_title(f"{wf.title}\n{wf.hardware} — {wf.kind}", fontsize=9)
     return ax
 
 

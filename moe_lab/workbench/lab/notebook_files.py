@@ -1,6 +1,6 @@
 """The files the workbook runner and the site both write: which notebooks belong to the
-workbook (``NN_name.ipynb``, or ``NNb_name.ipynb`` for one slotted in after ``NN``), how a
-file is written so no reader sees it half-written, and a notebook's HTML export (nbconvert).
+workbook (``NN_name.ipynb``, or ``NNb_name.ipynb`` for one slotted in after ``NN``), and how a
+file is written so no reader sees it half-written.
 
 `moe_lab.workbench.lab.workbook` executes the notebooks and `moe_lab.workbench.lab.site` renders them; both
 import this module, and the runner imports the site, never the other way round.
@@ -32,11 +32,3 @@ def write_text_atomically(path: Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
-
-
-def export_html(notebook: Path, html: Path) -> None:
-    """Render ``notebook`` to ``html`` with nbconvert's default template."""
-    from nbconvert import HTMLExporter  # nbconvert is slow to import; only exports need it
-
-    body, _resources = HTMLExporter().from_filename(str(notebook))
-    write_text_atomically(html, body)

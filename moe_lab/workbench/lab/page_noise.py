@@ -42,30 +42,14 @@ class Noise:
         return f"{self.notebook} cell {self.cell} ({self.kind}): {text}  <- {self.first_line}"
 
 
-@dataclass(frozen=True)
-class Allowed:
-    """An accepted noisy output: in ``notebook`` (a stem, or ``"*"`` for any), of ``kind``,
-    whose text contains ``contains``; ``reason`` says why the page may show it."""
-
-    notebook: str
-    kind: str
-    contains: str
-    reason: str
-
-    def matches(self, noise: Noise) -> bool:
-        return (self.notebook in ("*", noise.notebook) and noise.kind == self.kind
-                and self.contains in noise.text)
-
-
-KINDS = ("stderr", "raw value")
-
-# What a page may show of the two, and why. Keep it short: an entry is a decision that the
-# reader is better served by the output than by its absence.
-ALLOWED: tuple[Allowed, ...] = (
-    Allowed("*", "stderr", "left behind by a build that was killed",
-            "the CPU plug-in found the lock file of a killed build of its kernels and removed "
-            "it (moe_lab.workbench.cpu.build.build_guard): a past failure, said once, on stderr "
-            "as a warning should be; it appears only after a build was killed"),
+# What a page may show of the two, and why: (notebook stem or ``"*"`` for any, kind, a text the
+# output contains, the reason). Keep it short: an entry is a decision that the reader is better
+# served by the output than by its absence.
+ALLOWED: tuple[tuple[str, str, str, str], ...] = (
+    ("*", "stderr", "left behind by a build that was killed",
+     "the CPU plug-in found the lock file of a killed build of its kernels and removed "
+     "it (moe_lab.workbench.cpu.build.build_guard): a past failure, said once, on stderr "
+     "as a warning should be; it appears only after a build was killed"),
 )
 
 
@@ -82,24 +66,23 @@ def scan(notebook, name: str) -> list[Noise]:
     for index, cell in enumerate(notebook["cells"]):
         if cell.get("cell_type") != "code":
             continue
-        source = cell.get("source", "")
-        source = source if isinstance(source, str) else "".join(source)
+        source = "".join(cell.get("source", ""))  # a string, or the list of its lines
         for out in cell.get("outputs", []):
             kind = out.get("output_type")
             if kind == "stream" and out.get("name") == "stderr":
-                text = out.get("text", "")
-                text = text if isinstance(text, str) else "".join(text)
+                text = "".join(out.get("text", ""))
                 if text.strip():
                     found.append(Noise(name, index, "stderr", text, _first_line(source)))
             elif kind == "execute_result":
                 data = out.get("data", {})
-                plain = data.get("text/plain", "")
-                plain = plain if isinstance(plain, str) else "".join(plain)
+                plain = "".join(data.get("text/plain", ""))
                 if _RAW.match(plain) and not any(mime in data for mime in RICH):
                     found.append(Noise(name, index, "raw value", plain, _first_line(source)))
     return found
 
 
-def unexpected(noise: Iterable[Noise], allowed: Sequence[Allowed]) -> list[Noise]:
-    """The items of ``noise`` that no entry of ``allowed`` accepts."""
-    return [item for item in noise if not any(entry.matches(item) for entry in allowed)]
+def unexpected(noise: Iterable[Noise], allowed: Sequence[tuple[str, str, str, str]]) -> list[Noise]:
+    """The items of ``noise`` that no entry of ``allowed`` (as `ALLOWED`) accepts."""
+    return [item for item in noise
+            if not any(notebook in ("*", item.notebook) and kind == item.kind and contains in item.text
+                       for notebook, kind, contains, _reason in allowed)]

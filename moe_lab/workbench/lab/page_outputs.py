@@ -10,15 +10,16 @@ exceptions, each made by one function here on the notebook before it is exported
   would say the stub is right. Each ``✓`` line of a check that ran the reference becomes
   ``◻ name: not done — the reference ran in its place`` (or, under an answer that is written,
   that the reference ran instead and the answer was not checked).
-- `collapse_progress`: a text progress bar (tqdm's) redraws its line with carriage returns;
-  on the page only the last state of each line is kept, and consecutive outputs of one
-  stream are one block, as in JupyterLab.
-- `fold_long_outputs`: an output longer than a screen (more than `FOLD_LINES` lines) is
-  folded into a ``<details>`` element whose summary says how long it is and shows its first
-  line; a click opens it.
+- progress bars: a text progress bar (tqdm's) redraws its line with carriage returns; on
+  the page only the last state of each line is kept (`final_states`), and consecutive
+  outputs of one stream are one block, as in JupyterLab (the site joins them).
+- `folded`: an output longer than a screen (more than `FOLD_LINES` lines) is folded into a
+  ``<details>`` element whose summary says how long it is and shows its first line; a click
+  opens it.
 
-The site applies the three in that order (`moe_lab.workbench.lab.site.prepare_for_site`); the
-checks in ``tests/workbench/lab/test_page_outputs.py`` hold the rendered pages to them.
+The site applies them in that order (`moe_lab.workbench.lab.site.prepare_for_site`), each
+output once; the checks in ``tests/workbench/lab/test_page_outputs.py`` hold the rendered
+pages to them.
 """
 
 from __future__ import annotations
@@ -49,16 +50,12 @@ def _text(value: object) -> str:
     return value if isinstance(value, str) else "".join(value or ())
 
 
-def _tags(cell) -> list[str]:
-    return list(cell.get("metadata", {}).get("tags", []))
-
-
 def run_solutions(nb) -> bool | None:
     """The ``SOLUTIONS`` the notebook ``nb`` ran with: the value papermill injected (the cell
     tagged ``injected-parameters``), else the value of its ``parameters`` cell, else ``None``."""
     for tag in ("injected-parameters", "parameters"):
         for cell in nb.cells:
-            if cell.cell_type == "code" and tag in _tags(cell):
+            if cell.cell_type == "code" and tag in cell.get("metadata", {}).get("tags", []):
                 found = _SOLUTIONS_SET.findall(_text(cell.source))
                 if found:
                     return found[-1] == "True"
@@ -70,16 +67,11 @@ def is_unsolved_stub(source: str) -> bool:
     return bool(_STUB.search(source))
 
 
-def is_exercise_check(source: str) -> bool:
-    """True when ``source`` calls an exercise's check in the notebook's mode
-    (``check_…(…, solutions=SOLUTIONS)``): with ``SOLUTIONS=True`` that check ran the
-    reference solution, not the answer above it."""
-    return bool(_CHECK_CALL.search(source) and _SOLUTIONS_ARG.search(source))
-
-
 def honest_exercises(nb) -> None:
     """Rewrite, in place, each ``✓`` line that a check printed for the reference solution:
-    in every exercise cell (`is_exercise_check`) of a notebook run with ``SOLUTIONS=True``,
+    in every exercise cell (one that calls a check in the notebook's mode,
+    ``check_…(…, solutions=SOLUTIONS)``: that check ran the reference solution, not the answer
+    above it) of a notebook run with ``SOLUTIONS=True``,
     and in every cell that still holds a stub (which can never pass its own check) whatever
     the mode. Under a stub it says "not done", under a written answer "not checked"."""
     solutions = run_solutions(nb)
@@ -88,7 +80,8 @@ def honest_exercises(nb) -> None:
             continue
         source = _text(cell.source)
         stub = is_unsolved_stub(source)
-        if not (stub or (solutions is True and is_exercise_check(source))):
+        exercise = _CHECK_CALL.search(source) and _SOLUTIONS_ARG.search(source)
+        if not (stub or (solutions is True and exercise)):
             continue
         for out in cell.get("outputs", []):
             if out.get("output_type") != "stream":
@@ -119,74 +112,43 @@ def final_states(text: str) -> str:
     return text.replace("\r", "")
 
 
-def collapse_progress(nb) -> None:
-    """In place: consecutive stream outputs of one name in a cell become one output, and each
-    line keeps only its final state (`final_states`), so a progress bar is one line in one
-    block."""
-    for cell in nb.cells:
-        if cell.cell_type != "code" or not cell.get("outputs"):
-            continue
-        outputs = []
-        for out in cell.outputs:
-            last = outputs[-1] if outputs else None
-            if (out.get("output_type") == "stream" and last is not None
-                    and last.get("output_type") == "stream" and last.get("name") == out.get("name")):
-                last["text"] = _text(last.get("text", "")) + _text(out.get("text", ""))
-                continue
-            outputs.append(out)
-        for out in outputs:
-            if out.get("output_type") == "stream":
-                out["text"] = final_states(_text(out.get("text", "")))
-        cell.outputs = outputs
+def _folded(text: str, what: str = "output", markdown: bool = False) -> dict:
+    """``text`` (Markdown when ``markdown``, else plain text with ANSI colours) as the
+    ``data`` of an HTML output: a ``<details>`` element whose summary says it is so many lines
+    of ``what`` and shows the first line."""
+    from nbconvert.filters.ansi import ansi2html  # escapes the text; keeps colours
+
+    first_line = next((line for line in text.split("\n") if line.strip()), "")
+    first = html.escape(_ANSI.sub("", first_line).strip())
+    if len(first) > 100:
+        first = first[:99] + "…"
+    head = f" — <code>{first}</code>" if first else ""
+    body = markdown_to_html(text) if markdown else f'<pre class="moe-fold-text">{ansi2html(text)}</pre>'
+    return {"text/html": f'<details class="moe-fold"><summary>{_line_count(text)} lines of '
+                         f"{html.escape(what)} (folded; click to open){head}</summary>{body}</details>"}
 
 
 def _line_count(text: str) -> int:
     return len(text.rstrip("\n").split("\n")) if text.strip() else 0
 
 
-def fold(body_html: str, lines: int, first_line: str, what: str = "output") -> str:
-    """``body_html`` inside a ``<details>`` whose summary says it is ``lines`` lines of
-    ``what`` and shows ``first_line``."""
-    first = html.escape(_ANSI.sub("", first_line).strip())
-    if len(first) > 100:
-        first = first[:99] + "…"
-    head = f" — <code>{first}</code>" if first else ""
-    return (f'<details class="moe-fold"><summary>{lines} lines of {html.escape(what)} '
-            f"(folded; click to open){head}</summary>{body_html}</details>")
-
-
-def _folded(text: str, what: str = "output", markdown: bool = False) -> dict:
-    """``text`` (Markdown when ``markdown``, else plain text with ANSI colours) as the
-    ``data`` of an HTML output folded into ``<details>`` (`fold`)."""
-    from nbconvert.filters.ansi import ansi2html  # escapes the text; keeps colours
-
-    first = next((line for line in text.split("\n") if line.strip()), "")
-    body = markdown_to_html(text) if markdown else f'<pre class="moe-fold-text">{ansi2html(text)}</pre>'
-    return {"text/html": fold(body, _line_count(text), first, what)}
-
-
-def fold_long_outputs(nb) -> None:
-    """In place: every stream output, plain-text result and Markdown output longer than
-    `FOLD_LINES` lines becomes an HTML output folded into ``<details>`` (`fold`)."""
+def folded(out: dict) -> dict:
+    """One output as the page shows it: a stream's lines at their final state (`final_states`:
+    a progress bar is one line), and a stream, plain-text result or Markdown output longer than
+    `FOLD_LINES` lines folded into ``<details>`` (a new HTML output for a stream)."""
     import nbformat
 
-    for cell in nb.cells:
-        if cell.cell_type != "code" or not cell.get("outputs"):
-            continue
-        outputs = []
-        for out in cell.outputs:
-            data = out.get("data", {})
-            if out.get("output_type") == "stream":
-                text = _text(out.get("text", ""))
-                if _line_count(text) > FOLD_LINES:
-                    what = "output" if out.get("name") == "stdout" else f"{out.get('name')} output"
-                    out = nbformat.v4.new_output("display_data", data=_folded(text, what))
-            elif "text/markdown" in data and _line_count(_text(data["text/markdown"])) > FOLD_LINES:
-                out["data"] = _folded(_text(data["text/markdown"]), markdown=True)
-            elif set(data) == {"text/plain"} and _line_count(_text(data["text/plain"])) > FOLD_LINES:
-                out["data"] = _folded(_text(data["text/plain"]))
-            outputs.append(out)
-        cell.outputs = outputs
+    data = out.get("data", {})
+    if out.get("output_type") == "stream":
+        out["text"] = final_states(_text(out.get("text", "")))
+        if _line_count(out["text"]) > FOLD_LINES:
+            what = "output" if out.get("name") == "stdout" else f"{out.get('name')} output"
+            return nbformat.v4.new_output("display_data", data=_folded(out["text"], what))
+    elif "text/markdown" in data and _line_count(_text(data["text/markdown"])) > FOLD_LINES:
+        out["data"] = _folded(_text(data["text/markdown"]), markdown=True)
+    elif set(data) == {"text/plain"} and _line_count(_text(data["text/plain"])) > FOLD_LINES:
+        out["data"] = _folded(_text(data["text/plain"]))
+    return out
 
 
 #: Style of the folds, added to every page's CSS.

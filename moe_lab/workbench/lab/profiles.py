@@ -22,19 +22,13 @@ PROFILES = ("smoke", "full")
 SEED_RANGE = (0, 2**31 - 1)
 
 
-def check_profile(profile: object) -> str:
-    """``profile`` if it names one of `PROFILES`; else a ``ValueError`` naming it."""
-    if not isinstance(profile, str) or profile not in PROFILES:
-        raise ValueError(f"PROFILE must be one of {', '.join(map(repr, PROFILES))}, "
-                         f"got {profile!r}")
-    return profile
-
-
 def check_parameters(profile: object, seed: object, solutions: object, **counts: object) -> None:
     """Refuse, in one line naming the parameter, a ``PROFILE`` not in `PROFILES`, a ``SEED``
     that is not an integer in `SEED_RANGE`, a ``SOLUTIONS`` that is not a bool, and any other
     parameter given by keyword (``THREADS=THREADS``) that is not an integer ``>= 0``."""
-    check_profile(profile)
+    if not isinstance(profile, str) or profile not in PROFILES:
+        raise ValueError(f"PROFILE must be one of {', '.join(map(repr, PROFILES))}, "
+                         f"got {profile!r}")
     integer(seed, "SEED")
     int_in(seed, "SEED", *SEED_RANGE)
     if not isinstance(solutions, bool):

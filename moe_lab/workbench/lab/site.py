@@ -37,7 +37,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -55,17 +55,18 @@ from moe_lab.workbench.quiet import without_known_lines
 
 @dataclass(frozen=True)
 class Headline:
-    """One candidate headline: the ledger record (``notebook``, ``step``, ``metric``) and
-    how to describe and reproduce it. ``step=None`` matches any step; then ``pick="min"``
-    chooses the least value among the steps' newest records."""
+    """One candidate headline: the ledger record (``step``, ``metric``) of the notebook the
+    entry belongs to, and how to describe it. ``step=None`` matches any step; then
+    ``pick="min"`` chooses the least value among the steps' newest records. ``bench``: the
+    ledger name and the command of a benchmark that records the same figure; the two compete
+    (a full-profile figure, then the newest, wins) and the winner's command reproduces it."""
 
     metric: str
     label: str
     step: str | None = None
-    notebook: str | None = None  # default: the notebook the entry belongs to
-    command: str | None = None  # default: the workbook command for that notebook
     pick: str = "newest"
     unit: str | None = None  # the unit a matching record must carry (``"x"`` and ``"×"`` are one)
+    bench: tuple[str, str] | None = None
 
 
 def workbook_command(notebook: str, profile: str | None = "smoke") -> str:
@@ -149,11 +150,9 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  "adaptive routing (simulated)", "adaptive", unit="%"),),
     "12_time_to_train": (
         Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
-                 "optimised vs naive", unit="x"),
-        Headline("time_to_target_speedup", "time to target loss, optimised vs naive stack",
-                 "optimised vs naive", notebook="bench:time-to-train",
-                 command=("python -m moe_lab bench time-to-train --profile full --seeds 10 --ladder "
-                          "--pick-router"), unit="x"),),
+                 "optimised vs naive", unit="x",
+                 bench=("bench:time-to-train", "python -m moe_lab bench time-to-train --profile full "
+                        "--seeds 10 --ladder --pick-router")),),
 }
 
 
@@ -230,17 +229,13 @@ def article(name: str) -> str:
     return "an" if name[:1].upper() in "AEFHILMNORSX8" else "a"
 
 
-def _profile_rank(record: dict) -> int:
-    return 1 if record.get("profile") == "full" else 0
-
-
 def _best(records: Sequence[dict], pick: str = "newest") -> dict | None:
     if not records:
         return None
     if pick == "min":
-        newest = latest(records, keys=("notebook", "step", "metric", "hardware"))
+        newest = latest(records)
         return min(newest, key=lambda r: (float(r["value"]), str(r.get("time", ""))))
-    return max(records, key=lambda r: (_profile_rank(r), str(r.get("time", ""))))
+    return max(records, key=lambda r: (r.get("profile") == "full", str(r.get("time", ""))))
 
 
 # Figures that no machine measured: simulations, counts, code compiled but not run, and the
@@ -266,25 +261,15 @@ def find_headline(records: Iterable[dict], notebook: str,
     """
     if hardware is not None:
         records = [r for r in records if hardware(r)]
-    # Entries naming the same figure (metric and step) from different sources — a notebook
-    # and the benchmark command behind it — compete: the full-profile, then the newest, wins.
-    # Different figures keep the table's order of preference.
-    groups: dict[tuple, list[Headline]] = {}
-    for spec in HEADLINES.get(notebook, ()):
-        groups.setdefault((spec.metric, spec.step, spec.pick), []).append(spec)
-    for specs in groups.values():
-        found = []
-        for spec in specs:
-            source = spec.notebook or notebook
-            matches = [r for r in records if r.get("notebook") == source
-                       and r.get("metric") == spec.metric
-                       and (spec.step is None or r.get("step") == spec.step)
-                       and (spec.unit is None or _same_unit(r.get("unit"), spec.unit))]
-            rec = _best(matches, spec.pick)
-            if rec is not None:
-                found.append((rec, spec))
-        if found:
-            return max(found, key=lambda item: (_profile_rank(item[0]), str(item[0].get("time", ""))))
+    for spec in HEADLINES.get(notebook, ()):  # in the table's order of preference
+        sources = (notebook, spec.bench[0]) if spec.bench else (notebook,)
+        matches = [r for r in records if r.get("notebook") in sources
+                   and r.get("metric") == spec.metric
+                   and (spec.step is None or r.get("step") == spec.step)
+                   and (spec.unit is None or _same_unit(r.get("unit"), spec.unit))]
+        rec = _best(matches, spec.pick)
+        if rec is not None:
+            return rec, spec
     return None
 
 
@@ -327,47 +312,30 @@ def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
     it was measured, and the command that reproduces it."""
     rows = []
     for name in notebooks:
-        found = find_headline(records, name, hardware)
         gpu_rec = find_gpu_line(records, name)
         gpu = None if gpu_rec is None else {
             "record": gpu_rec, "figure": format_figure(gpu_rec),
             "label": GPU_LINES[name].label if name in GPU_LINES else str(gpu_rec["metric"]),
             "hardware": gpu_rec.get("hardware"), "kind": gpu_rec.get("kind"),
             "basis": gpu_rec.get("basis")}
-        if found is None:
-            rows.append({"notebook": name, "record": None, "label": None, "figure": None,
-                         "hardware": None, "date": None, "command": workbook_command(name),
-                         "gpu": gpu})
-            continue
-        rec, spec = found
-        command = spec.command or workbook_command(name, rec.get("profile"))
-        label = spec.label
-        if spec.step is None and rec.get("step"):
-            label = f"{label} ({rec['step']})"
-        rows.append({"notebook": name, "record": rec, "label": label,
-                     "figure": format_figure(rec), "hardware": rec.get("hardware"),
-                     "date": str(rec.get("time", ""))[:10], "profile": rec.get("profile"),
-                     "command": command, "gpu": gpu})
+        row = {"notebook": name, "record": None, "label": None, "figure": None, "hardware": None,
+               "date": None, "command": workbook_command(name), "gpu": gpu}
+        found = find_headline(records, name, hardware)
+        if found is not None:
+            rec, spec = found
+            step = f" ({rec['step']})" if spec.step is None and rec.get("step") else ""
+            bench = rec.get("notebook") != name  # the benchmark's figure won (`Headline.bench`)
+            row.update(record=rec, label=spec.label + step, figure=format_figure(rec),
+                       hardware=rec.get("hardware"), date=str(rec.get("time", ""))[:10],
+                       profile=rec.get("profile"),
+                       command=spec.bench[1] if bench else workbook_command(name, rec.get("profile")))
+        rows.append(row)
     return rows
 
 
 # --------------------------------------------------------------------------------------
 # What each notebook teaches
 # --------------------------------------------------------------------------------------
-
-
-@dataclass
-class NotebookPage:
-    """One notebook of the site: its name, what it teaches, its page and its headline."""
-
-    name: str
-    number: str
-    title: str
-    summary: str
-    learn: list[str] = field(default_factory=list)
-    href: str = ""
-    status: str = "ok"  # "ok", "error" (a cell raised), "not executed"
-    headline: dict | None = None
 
 
 def describe_notebook(nb) -> tuple[str, str, list[str]]:
@@ -453,20 +421,25 @@ def prepare_for_site(nb):
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
-        outputs = []
+        outputs: list = []
         for out in cell.get("outputs", []):
-            if out.get("output_type") == "stream" and out.get("name") == "stderr":
-                # Known third-party lines (`moe_lab.workbench.quiet`, the one list), in case an executed
-                # notebook still holds one: silenced where they start, a workbook run has none.
-                out["text"] = without_known_lines(out.get("text", ""))
-                if not out["text"].strip():
+            last = outputs[-1] if outputs else None
+            if out.get("output_type") == "stream":
+                text = "".join(out.get("text", ""))
+                if out.get("name") == "stderr":
+                    # Known third-party lines (`moe_lab.workbench.quiet`, the one list), in case an
+                    # executed notebook still holds one: silenced where they start, a run has none.
+                    text = without_known_lines(text)
+                    if not text.strip():
+                        continue
+                if last is not None and last.get("output_type") == "stream" and last.name == out.name:
+                    last["text"] += text  # one block per stream, as in JupyterLab
                     continue
-            if WIDGET_MIME in out.get("data", {}):  # a live widget: no widget manager is loaded, say so
+                out["text"] = text
+            elif WIDGET_MIME in out.get("data", {}):  # a live widget: no widget manager is loaded, say so
                 out["data"] = {"text/html": WIDGET_PLACEHOLDER}
             outputs.append(out)
-        cell.outputs = outputs
-    page_outputs.collapse_progress(nb)
-    page_outputs.fold_long_outputs(nb)
+        cell.outputs = [page_outputs.folded(out) for out in outputs]
     return nb
 
 
@@ -555,48 +528,49 @@ _STATUS_HTML = {"error": '<span class="status error">a cell failed</span>',
                 "not executed": '<span class="status missing">not executed</span>'}
 
 
-def render_index(pages: Sequence[NotebookPage], machine: str = "", generated: str = "") -> str:
-    """The index page as one self-contained HTML string (inline CSS, no scripts)."""
+def index_entry(path: Path, nb, href: str, row: dict) -> str:
+    """The index's entry (an ``<li>``) of the executed notebook ``nb`` read from ``path``
+    (``None`` when it could not be read): its number and title, a link to ``href`` (its page;
+    none when empty), what it teaches (`describe_notebook`), and its headline figure and GPU
+    line (``row``, from `headline_rows`)."""
+    esc = html.escape
+    name, number = path.stem, NOTEBOOK_PATTERN.match(path.name).group(1)
+    title, summary, learn = describe_notebook(nb) if nb is not None else (name, "", [])
+    status = _status(nb) if nb is not None else "not executed"
+    heading = f'<a href="{esc(href)}">{esc(title or name)}</a>' if href else esc(title or name)
+    learn_html = "".join(f"<li>{_inline_markdown(b)}</li>" for b in learn)
+    learn_html = f'<ul class="learn">{learn_html}</ul>' if learn_html else ""
+    record = row["record"]
+    if record is not None:
+        where = ("simulated" if record.get("kind") == "simulated" or row["hardware"] == "simulated"
+                 else "calculated" if record.get("kind") == "calculation"
+                 else f"measured on {row['hardware']}")
+        figure = (f'<div class="figure">Headline: <b>{esc(row["figure"])}</b> — '
+                  f'{esc(row["label"] or "")} <span class="meta">({esc(where)}, '
+                  f'{esc(str(row["date"]))}; reproduce: <code>{esc(row["command"])}</code>)</span></div>')
+    else:
+        figure = ('<div class="figure meta">No figure in the ledger yet: run '
+                  f'<code>{esc(workbook_command(name))}</code>.</div>')
+    gpu = row["gpu"]
+    if gpu:
+        hardware = str(gpu["hardware"] or "")
+        kind = "projection" if gpu["kind"] == "projection" else "published"
+        figure += (f'<div class="figure gpu">On {article(hardware)} '
+                   f'{esc(hardware)}: <b>{esc(gpu["figure"])}</b> — {esc(gpu["label"])} '
+                   f'<span class="meta">({kind}: {esc(str(gpu["basis"] or ""))})</span></div>')
+    elif record is not None or status == "ok":
+        figure += ('<div class="figure meta">No GPU line in the ledger yet: the notebook\'s '
+                   'summary records it.</div>')
+    number_html = "" if (title or "").startswith(number) else f'<span class="num">{esc(number)}</span>'
+    return (f'<li id="{esc(name)}"><h2>{number_html}{heading}{_STATUS_HTML.get(status, "")}</h2>'
+            f'<p class="summary">{_inline_markdown(summary)}</p>{learn_html}{figure}</li>')
+
+
+def render_index(entries: Sequence[str], machine: str, generated: str) -> str:
+    """The index page, its ``entries`` (`index_entry`) in order, as one self-contained HTML
+    string (inline CSS, no scripts)."""
     esc = html.escape
     title = "moe_lab workbook"
-    items = []
-    for page in pages:
-        status = _STATUS_HTML.get(page.status, "")
-        heading = (f'<a href="{esc(page.href)}">{esc(page.title or page.name)}</a>' if page.href
-                   else esc(page.title or page.name))
-        learn = "".join(f"<li>{_inline_markdown(b)}</li>" for b in page.learn)
-        learn_html = f'<ul class="learn">{learn}</ul>' if learn else ""
-        if page.headline and page.headline.get("figure"):
-            h = page.headline
-            record = h.get("record") or {}
-            where = ("simulated" if record.get("kind") == "simulated" or h["hardware"] == "simulated"
-                     else "calculated" if record.get("kind") == "calculation"
-                     else f"measured on {h['hardware']}")
-            figure = (f'<div class="figure">Headline: <b>{esc(h["figure"])}</b> — '
-                      f'{esc(h["label"] or "")} <span class="meta">({esc(where)}, '
-                      f'{esc(str(h["date"]))}; reproduce: '
-                      f'<code>{esc(h["command"])}</code>)</span></div>')
-        else:
-            figure = ('<div class="figure meta">No figure in the ledger yet: run '
-                      f'<code>{esc(workbook_command(page.name))}</code>.</div>')
-        gpu = (page.headline or {}).get("gpu")
-        if gpu:
-            g = gpu["record"]
-            hardware = str(g.get("hardware", ""))
-            kind = "projection" if g.get("kind") == "projection" else "published"
-            figure += (f'<div class="figure gpu">On {article(hardware)} '
-                       f'{esc(hardware)}: <b>{esc(gpu["figure"])}</b> — {esc(gpu["label"])} '
-                       f'<span class="meta">({kind}: {esc(str(g.get("basis", "")))})</span></div>')
-        elif page.headline is not None or page.status == "ok":
-            figure += ('<div class="figure meta">No GPU line in the ledger yet: the notebook\'s '
-                       'summary records it.</div>')
-        number = ("" if (page.title or "").startswith(page.number)
-                  else f'<span class="num">{esc(page.number)}</span>')
-        items.append(
-            f'<li id="{esc(page.name)}"><h2>{number}'
-            f'{heading}{status}</h2><p class="summary">{_inline_markdown(page.summary)}</p>'
-            f'{learn_html}{figure}</li>')
-    machine_html = f"<p class=\"sub\">Executed on {esc(machine)}.</p>" if machine else ""
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
         "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
@@ -604,9 +578,9 @@ def render_index(pages: Sequence[NotebookPage], machine: str = "", generated: st
         f"<h1>{esc(title)}</h1>\n<p class=\"sub\">How Mixture-of-Experts training is made "
         "fast, one measured step at a time. Every figure below is read from the results "
         "ledger; none is typed by hand.</p>\n"
-        f"{machine_html}\n<ol class=\"notebooks\">\n" + "\n".join(items) +
-        "\n</ol>\n<footer>Generated by <code>python -m moe_lab workbook</code>"
-        + (f" on {esc(generated)}" if generated else "") + ".</footer>\n</main>\n</body>\n</html>\n")
+        f"<p class=\"sub\">Executed on {esc(machine)}.</p>\n<ol class=\"notebooks\">\n"
+        + "\n".join(entries) + "\n</ol>\n<footer>Generated by <code>python -m moe_lab workbook</code>"
+        f" on {esc(generated)}.</footer>\n</main>\n</body>\n</html>\n")
 
 
 def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str],
@@ -614,40 +588,35 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     """Render every executed notebook in ``workbook_dir`` to ``out`` and write
     ``out/index.html``; return the index's path.
 
-    ``ledger_path``: the results ledger for the headline figures. A notebook whose page cannot
-    be rendered is still listed, without a link.
+    ``ledger_path``: the results ledger for the headline figures. A notebook that cannot be
+    read, or whose page cannot be rendered, is still listed, without a link.
     """
     import nbformat
 
-    source = Path(workbook_dir)
     target = Path(out)
     target.mkdir(parents=True, exist_ok=True)
     records = workbook_records(read(ledger_path))
-    notebooks = sorted(p for p in source.iterdir() if p.is_file() and NOTEBOOK_PATTERN.match(p.name))
-    pages, executed = [], []
-    for path in notebooks:
+    paths = sorted(p for p in Path(workbook_dir).iterdir() if p.is_file() and NOTEBOOK_PATTERN.match(p.name))
+    executed = []
+    for path in paths:
         try:
-            nb = nbformat.read(path, as_version=4)
-            (title, summary, learn), status = describe_notebook(nb), _status(nb)
+            executed.append(nbformat.read(path, as_version=4))
         except Exception:  # an unreadable notebook is still listed
-            nb, title, summary, learn, status = None, path.stem, "", [], "not executed"
-        row = headline_rows(records, [path.stem])[0]
-        pages.append(NotebookPage(name=path.stem, number=NOTEBOOK_PATTERN.match(path.name).group(1),
-                                  title=title, summary=summary, learn=learn, status=status,
-                                  headline=row if row["record"] or row["gpu"] else None))
-        executed.append(nb)
-    links = [(f"{page.name}.html", page.title or page.name) for page in pages]
-    for i, (page, nb) in enumerate(zip(pages, executed, strict=True)):
+            executed.append(None)
+    links = [(f"{path.stem}.html", (describe_notebook(nb)[0] if nb is not None else "") or path.stem)
+             for path, nb in zip(paths, executed, strict=True)]
+    entries = []
+    for i, (path, nb) in enumerate(zip(paths, executed, strict=True)):
         nav = navigation(links[i - 1] if i > 0 else None, links[i + 1] if i + 1 < len(links) else None)
+        href = ""
         try:
             if nb is not None:
                 write_text_atomically(target / links[i][0], render_page(nb, nav))
-                page.href = links[i][0]
+                href = links[i][0]
         except Exception as exc:  # listed without a link; say why on the build's stderr
-            print(f"site: {page.name}.ipynb could not be rendered: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            print(f"site: {path.name} could not be rendered: {type(exc).__name__}: {exc}", file=sys.stderr)
+        entries.append(index_entry(path, nb, href, headline_rows(records, [path.stem])[0]))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     index = target / "index.html"
-    write_text_atomically(index, render_index(pages, capabilities().summary(), stamp))
+    write_text_atomically(index, render_index(entries, capabilities().summary(), stamp))
     return index
-

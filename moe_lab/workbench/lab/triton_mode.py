@@ -67,10 +67,8 @@ def label_triton_cells() -> bool:
     why = why_no_triton()
     if why is None:
         return False
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
+    from IPython import get_ipython  # installed wherever a notebook runs (ipykernel)
+
     shell = get_ipython()
     if shell is None:
         return False

@@ -119,12 +119,9 @@ def _display_output(fig) -> dict:
     """``fig`` as one nbformat ``display_data`` output (a PNG, and a text form), for an
     ``Output`` widget's ``outputs``; the figure is closed, so pyplot does not show it again."""
     buffer = io.BytesIO()
-    try:
-        fig.savefig(buffer, format="png", bbox_inches="tight")
-        text = repr(fig)
-    finally:
-        plt.close(fig)
-    data = {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"), "text/plain": text}
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    plt.close(fig)
+    data = {"image/png": base64.b64encode(buffer.getvalue()).decode("ascii"), "text/plain": repr(fig)}
     return {"output_type": "display_data", "data": data, "metadata": {}}
 
 

@@ -4,14 +4,13 @@
 in the project root and executes each, in order, with papermill — parameters ``PROFILE``
 and ``SOLUTIONS`` (``True`` unless asked otherwise: the committed notebooks say ``False``,
 learner mode), kernel ``python3``, working directory ``notebooks/`` — into
-``build/workbook/<name>.ipynb``, then exports ``build/workbook/<name>.html`` with
-nbconvert. The kernel inherits this process's environment, which carries
+``build/workbook/<name>.ipynb``. The kernel inherits this process's environment, which carries
 ``MOE_LAB_PROFILE`` and ``MOE_LAB_RESULTS_DIR`` so every figure a notebook records lands in
 one ledger, and ``PYTHONPATH`` starts with the project root, so the notebooks import its
 ``moe_lab``. At the end ``build/RESULTS.md`` shows the machine, one table of the latest
-ledger figures and how long each notebook took, and (with HTML) ``build/site/`` holds every
-executed notebook as a page and an ``index.html`` that opens without a server
-(`moe_lab.workbench.lab.site`).
+ledger figures and how long each notebook took, and (unless ``--no-html``) ``build/site/``
+holds every executed notebook as a page and an ``index.html`` that opens without a server
+(`moe_lab.workbench.lab.site`): the workbook's one HTML export.
 
 A notebook that fails does not stop the run: the others still execute, the failure is
 reported with the error's name and the cell it came from, and the command exits non-zero.
@@ -40,7 +39,7 @@ from pathlib import Path
 from unittest import mock
 
 from moe_lab.perf.capabilities import capabilities, library_versions
-from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, export_html, write_text_atomically
+from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN, write_text_atomically
 from moe_lab.workbench.lab.profiles import PROFILES
 from moe_lab.workbench.lab.site import build_site
 from moe_lab.workbench.measure.ledger import (
@@ -100,16 +99,14 @@ class NotebookRun:
     """One notebook's execution: where its outputs went and how long it took."""
 
     name: str
-    source: Path
     output: Path
-    html: Path | None
     seconds: float
     failure: NotebookFailure | None = None
     restarted: NotebookFailure | None = None  # why the first run stopped, if it did
 
     @property
     def ok(self) -> bool:
-        """Whether the notebook executed (and exported) without an error."""
+        """Whether the notebook executed without an error."""
         return self.failure is None
 
 
@@ -240,7 +237,7 @@ def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html
     Args:
         profile: ``"smoke"`` (each notebook <= 90 s on a 2-core CPU) or ``"full"``.
         only: run just these notebooks (``01_naive_moe``, ``naive_moe`` or ``01``).
-        html: also export each executed notebook to ``<out>/workbook/<name>.html``.
+        html: also build the site, ``<out>/site/`` (`moe_lab.workbench.lab.site.build_site`).
         out: the build directory; default ``<root>/build``.
         solutions: the ``SOLUTIONS`` parameter, injected into every notebook (whose own
             default is ``False``, learner mode): ``True`` checks the reference solutions;
@@ -304,16 +301,7 @@ def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html
                 tqdm.write(f"RESTARTED {source.stem} once in a fresh kernel: "
                            f"{restarted.describe()}", file=sys.stderr)
             seconds = time.perf_counter() - start
-            html_path: Path | None = None
-            if html and output.exists():
-                html_path = executed_dir / f"{source.stem}.html"
-                try:
-                    export_html(output, html_path)
-                except Exception as exc:  # the notebook ran; say the export failed
-                    html_path = None
-                    if failure is None:
-                        failure = NotebookFailure(type(exc).__name__, f"HTML export: {exc}")
-            runs.append(NotebookRun(source.stem, source, output, html_path, seconds, failure, restarted))
+            runs.append(NotebookRun(source.stem, output, seconds, failure, restarted))
             if failure is not None:
                 tqdm.write(f"FAILED {source.stem}: {failure.describe()}", file=sys.stderr)
         bar.close()

@@ -116,39 +116,26 @@ class KernelCount:
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes of memory behind ``t``: its elements, but no more than its storage holds (an
     expanded tensor repeats elements without repeating memory)."""
-    nbytes = t.numel() * t.element_size()
-    try:
-        return min(nbytes, t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):  # tensors without storage
-        return nbytes
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
 
 
 def _unique_tensors(values: Any) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out = []
-    for t in tree_leaves(values):
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    """The tensors in ``values`` (nested), each once, in order."""
+    return list({id(t): t for t in tree_leaves(values) if isinstance(t, torch.Tensor)}.values())
 
 
 def _estimate(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     """``(bytes read, bytes written)`` of one operator call."""
     bound = bind_arguments(func, args, kwargs)
-    not_read: set[int] = set()
-    for arg in func._schema.arguments:
-        value = bound.get(arg.name)
-        if not isinstance(value, torch.Tensor):
-            continue
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            # out= buffers are only written; an in-place target is read too, unless the
-            # operator overwrites it (fill_, copy_, ...).
-            if arg.name != "self" or func.overloadpacket in _OVERWRITES:
-                not_read.add(id(value))
+    # out= buffers are only written; an in-place target is read too, unless the operator
+    # overwrites it (fill_, copy_, ...).
+    not_read = {id(bound.get(arg.name)) for arg in func._schema.arguments
+                if arg.alias_info is not None and arg.alias_info.is_write
+                and (arg.name != "self" or func.overloadpacket in _OVERWRITES)}
+    inputs = _unique_tensors((args, kwargs))
     if func.overloadpacket in _FILLS:  # zeros_like(x) reads x's shape, not its memory
-        not_read.update(id(t) for t in _unique_tensors((args, kwargs)))
-    read = sum(tensor_bytes(t) for t in _unique_tensors((args, kwargs)) if id(t) not in not_read)
+        inputs = []
+    read = sum(tensor_bytes(t) for t in inputs if id(t) not in not_read)
     written = sum(tensor_bytes(t) for t in _unique_tensors(out))
     return read, written
 
@@ -171,12 +158,10 @@ class _KernelCountMode(TorchDispatchMode):
         opdef = _maybe_get_opdef(func) if func.namespace not in ("aten", "prim", "prims") else None
         body = getattr(opdef, "_init_fn", None)
         if body is not None:
-            self.inside_custom += 1
-            try:
-                with self:  # see the fills inside the custom op (its zeroed outputs) too
-                    out = body(*args, **kwargs)
-            finally:
-                self.inside_custom -= 1
+            self.inside_custom += 1  # an error inside ends the count: no need to restore it
+            with self:  # see the fills inside the custom op (its zeroed outputs) too
+                out = body(*args, **kwargs)
+            self.inside_custom -= 1
         else:
             out = func(*args, **kwargs)
         seconds = time.perf_counter() - t0
@@ -239,16 +224,13 @@ def kernels_in_inductor_code(code: str) -> list[OpRecord]:
             return _numel(m.group(2)) * buffers.get(m.group(1), (0, 8))[1]
         return buffers.get(arg, (0, 8))[0]
 
-    for m in re.finditer(rf"({_NAME}) = rand_strided\({_SHAPE}, {_SHAPE}, device='\w+', "
-                         rf"dtype=torch\.(\w+)\)", code):
+    # The inputs (``rand_strided`` in ``get_args``) and the buffers ``call`` allocates.
+    for m in re.finditer(rf"({_NAME}) = (?:rand_strided|empty_strided\w*)\({_SHAPE}, {_SHAPE}, "
+                         rf"(?:device='\w+', dtype=)?torch\.(\w+)\)", code):
         declare(m.group(1), m.group(2), getattr(torch, m.group(4)).itemsize)
     body = code[code.find("def call("):].partition("\nrunner")[0]
     for line in body.splitlines():
         s = line.strip()
-        m = re.match(rf"({_NAME}) = empty_strided\w*\({_SHAPE}, {_SHAPE}, torch\.(\w+)\)", s)
-        if m:
-            declare(m.group(1), m.group(2), getattr(torch, m.group(4)).itemsize)
-            continue
         m = re.match(rf"({_NAME}) = ({_NAME}); del {_NAME}", s)
         if m:  # a buffer reused under a new name
             buffers[m.group(1)] = buffers.get(m.group(2), (0, 8))

@@ -61,7 +61,8 @@ PROJECT_NAME = "moe-lab"
 # Keys every record has; ``**extra`` may add others but not replace these (bar ``profile``).
 CORE_KEYS = ("notebook", "step", "metric", "value", "unit", "hardware", "versions", "time")
 
-DEFAULT_KEYS = ("notebook", "step", "metric", "hardware")
+# What makes two records the same figure (`latest` keeps the newest of each).
+KEYS = ("notebook", "step", "metric", "hardware")
 
 # Extra fields that give the size a figure was measured at: a positive integer when present.
 SIZE_FIELDS = ("tokens", "batch", "batch_size", "seq_len", "ranks", "tokens_per_rank", "n_chunks")
@@ -351,18 +352,15 @@ def _time_of(item: dict[str, Any]) -> datetime:
     return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
-def latest(
-    records: Iterable[dict[str, Any]], keys: Sequence[str] = DEFAULT_KEYS
-) -> list[dict[str, Any]]:
-    """The newest record (by ``time``; later in the list on a tie) for each value of ``keys``.
+def latest(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The newest record (by ``time``; later in the list on a tie) of each figure: each value of
+    ``KEYS`` (notebook, step, metric, hardware).
 
     The result keeps the order in which each key first appears in ``records``.
     """
-    if isinstance(keys, str) or not keys:
-        raise ValueError(f"keys must be a non-empty sequence of field names, got {keys!r}")
     newest: dict[tuple[str, ...], tuple[datetime, int, dict[str, Any]]] = {}
     for index, item in enumerate(records):
-        key = tuple(json.dumps(item.get(name), sort_keys=True) for name in keys)
+        key = tuple(json.dumps(item.get(name), sort_keys=True) for name in KEYS)
         candidate = (_time_of(item), index, item)
         if key not in newest or candidate[:2] >= newest[key][:2]:
             newest[key] = candidate

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from moe_lab.checks import int_in, one_of
-from moe_lab.kernels.mx_gemm import OUT_DTYPES
 from moe_lab.quant.mx import BLOCK_SIZE, E4M3
 
 Tensor = torch.Tensor
@@ -38,13 +36,13 @@ def _abs_product(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> Tens
 
 
 def fp8_promote_bound(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, offsets: Tensor | None = None,
-                      *, out_dtype: torch.dtype = torch.float32,
-                      accumulator_bits: int = HOPPER_FP8_ACCUMULATOR_BITS) -> Tensor:
+                      *, out_dtype: torch.dtype = torch.float32) -> Tensor:
     """Elementwise bound on ``|hardware fp8_promote result − exact product|``: float64 ``[M, N]``.
 
     Arguments as `mx_gemm`'s (``offsets`` given: as `grouped_mx_gemm`'s, ``b`` ``[E, N, K]``;
     rows of no expert bound 0, their output being exact zeros). ``out_dtype``: the result's
-    dtype; ``accumulator_bits``: ``p``, the significand bits the FP8 ``wgmma`` sums in.
+    dtype (float32 or bfloat16, as `mx_gemm` writes). ``p``, the significand bits the FP8
+    ``wgmma`` sums in, is `HOPPER_FP8_ACCUMULATOR_BITS`.
 
     Derived, per output and per 32-wide K block ``j`` with terms ``yᵢ = aᵢbᵢ`` (codes) and
     scale ``s_j = 2^(sa + sb - 254)``; ``u_p = 2^(1-p)``, ``γ_p(n) = n·u_p / (1 - n·u_p)``:
@@ -66,8 +64,6 @@ def fp8_promote_bound(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, of
     accumulator can come within a factor two of; a wrong scale or a lost block, moving the
     result by a block's whole sum, falls outside it.
     """
-    one_of(out_dtype, "out_dtype", OUT_DTYPES)
-    p = int_in(accumulator_bits, "accumulator_bits", 8, 24)
     k = a.shape[-1]
     if offsets is None:
         magnitude = _abs_product(a, a_scale, b, b_scale)
@@ -81,7 +77,7 @@ def fp8_promote_bound(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, of
     def gamma(n: int, unit: float) -> float:
         return n * unit / (1 - n * unit)
 
-    block = gamma(BLOCK_SIZE, 2.0 ** (1 - p))  # steps 1-3
+    block = gamma(BLOCK_SIZE, 2.0 ** (1 - HOPPER_FP8_ACCUMULATOR_BITS))  # steps 1-3
     relative = block + gamma(k // BLOCK_SIZE, 2.0**-24) * (1 + block)  # step 4
     u_out = 0.0 if out_dtype == torch.float32 else 2.0**-8  # step 5
     return (relative * (1 + u_out) + u_out) * magnitude

@@ -158,16 +158,14 @@ def _rank_entry(rank: int, world_size: int, fn: Callable, args: tuple, master_ad
         if netns is not None:
             enter_namespace(netns)
         os.environ.update(env)
+        # torchrun's environment: the ranks then join as `init_from_env` joins torchrun's
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(port)})
+                           "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr,
+                           "MASTER_PORT": str(port)})
         if backend == "gloo":
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
         torch.set_num_threads(threads)
-        if backend == "nccl":  # one GPU per rank (`choose_backend` checked there are enough)
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=collective_timeout_s))
+        init_from_env(collective_timeout_s, backend)
         result = fn(*args)
         torch.save(result, out / f"rank{rank}.pt")
         dist.destroy_process_group()

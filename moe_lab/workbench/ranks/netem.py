@@ -108,7 +108,12 @@ def enter_namespace(name: str) -> None:
 
     Sockets opened afterwards, and threads started afterwards, live in that namespace.
     """
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)  # made by the link this rank is launched on
+    path = f"/var/run/netns/{name}"  # made by the link this rank is launched on
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise LinkUnavailable(f"network namespace {name!r} not found ({path}): its EmulatedLink "
+                              "is not set up, or was torn down") from None
     try:
         if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
             raise LinkUnavailable(f"setns into {name!r} failed: {os.strerror(ctypes.get_errno())}")

@@ -278,38 +278,30 @@ class BatchStream:
 
 
 class StepClock:
-    """Seconds per training step, without making the host wait each step: on CUDA a pair of
-    CUDA events around each step, read only when `times` is asked for (which waits for the
-    GPU to pass the last one), on other devices ``time.perf_counter`` around the call."""
+    """Seconds per training step, without making the host wait each step: `marks` holds each
+    step's ``(start, end)``, two readings of `now` — on CUDA, events recorded in the stream and
+    read only when `times` is asked for (which waits for the GPU to pass the last one), on
+    other devices ``time.perf_counter``."""
 
     def __init__(self, device: torch.device) -> None:
-        self.events = device.type == "cuda"
-        self._marks: list = []  # seconds a step, or the (start, end) CUDA events of each step
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple] = []
 
-    def start(self) -> float | torch.cuda.Event:
-        """Mark the start of a step; pass what it returns to `stop`."""
-        if not self.events:
+    def now(self) -> float | torch.cuda.Event:
+        """The time now: ``time.perf_counter()``, on CUDA an event recorded in the stream."""
+        if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
-    def stop(self, start: float | torch.cuda.Event) -> None:
-        """Mark the end of the step that `start` began."""
-        if not self.events:
-            self._marks.append(time.perf_counter() - start)
-            return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._marks.append((start, end))
-
     def times(self) -> list[float]:
         """Seconds of every step so far (waits for the GPU to pass the last one)."""
-        if not self.events:
-            return list(self._marks)
-        for _, end in self._marks:
-            end.synchronize()
-        return [start.elapsed_time(end) / 1e3 for start, end in self._marks]  # elapsed_time: ms
+        if not self.cuda:
+            return [end - start for start, end in self.marks]
+        if self.marks:  # events complete in stream order: the last end is the last to wait for
+            self.marks[-1][1].synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in self.marks]  # elapsed_time: ms
 
 
 class Trainer:
@@ -395,10 +387,10 @@ class Trainer:
     def advance(self) -> dict | None:
         """One training step on the next batch of the stream (timed into `step_times`); the
         batch after it is drawn and its copy queued while the GPU runs the step."""
-        start = self.clock.start()
+        start = self.clock.now()
         record = self.train_on(self.batches.take())
         self.batches.prefetch()
-        self.clock.stop(start)
+        self.clock.marks.append((start, self.clock.now()))
         return record
 
     @property
@@ -486,22 +478,15 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                      f"{list(p.shape)}")
 
 
-class _RunStopped:
-    """A run that ended early says where it stood: ``step`` steps taken, and ``last_checkpoint``,
-    ``(path, step)`` of the last checkpoint written or resumed from, or ``None``."""
-
-    def __init__(self, message: str, step: int, last_checkpoint: tuple[str, int] | None) -> None:
-        super().__init__(message)
-        self.step, self.last_checkpoint = step, last_checkpoint
-
-
-class TrainingDiverged(_RunStopped, RuntimeError):
+class TrainingDiverged(RuntimeError):
     """The training loss became non-finite (NaN or infinite): the run stops there rather than
-    train on, and save, weights that are no longer numbers."""
+    train on, and save, weights that are no longer numbers. The message names the step and
+    the last checkpoint."""
 
 
-class TrainingInterrupted(_RunStopped, KeyboardInterrupt):
-    """Ctrl-C during `train`: a ``KeyboardInterrupt`` that says where the run stood."""
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during `train`: a ``KeyboardInterrupt`` whose message says where the run stood
+    (the steps taken, the last checkpoint)."""
 
 
 def _progress_bar(steps: range, **options: object) -> object:
@@ -664,7 +649,7 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
             where = f"step {n}" if window <= 1 else f"steps {n - window + 1}-{n}"
             raise TrainingDiverged(
                 f"training diverged: the loss is {record['loss']} at {where} (lr {cfg.lr:g}); "
-                f"{_where_to_resume(last_checkpoint)}", n, last_checkpoint)
+                f"{_where_to_resume(last_checkpoint)}")
 
     def save() -> None:
         def saved() -> None:
@@ -697,8 +682,7 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
             save()  # the completed run, its last statistics read and checked
     except KeyboardInterrupt:
         raise TrainingInterrupted(
-            f"interrupted after step {trainer.steps_done}; {_where_to_resume(last_checkpoint)}",
-            trainer.steps_done, last_checkpoint) from None
+            f"interrupted after step {trainer.steps_done}; {_where_to_resume(last_checkpoint)}") from None
     finally:
         if bar is not None:
             bar.close()

@@ -178,8 +178,8 @@ def test_naive_layer_syncs_once_per_expert_and_fails_the_certificate():
 @pytest.mark.parametrize("shape, dtype", [((37, 64), torch.float32), ((3, 5, 16), torch.float64),
                                           ((0, 8), torch.float32), ((33, 32), torch.bfloat16)])
 def test_swiglu_function_matches_autograd_bit_for_bit(shape, dtype):
-    """The eager SwiGLU's own backward (one gradient buffer, no cat) against autograd's
-    graph of the plain expression: same bits, special values included."""
+    """`swiglu` and its backward against autograd's graph of the plain expression: same bits,
+    special values included."""
     import torch.nn.functional as F
 
     from moe_lab.moe.experts import swiglu

@@ -67,6 +67,6 @@ def test_bench_ep_passes_gloo_explicitly_over_the_emulated_link(monkeypatch):
     monkeypatch.setattr(ep_bench.netem, "available", lambda: (True, "tbf"))
     monkeypatch.setattr(ep_bench.netem, "EmulatedLink", FakeLink)
     monkeypatch.setattr(ep_bench, "run_ranks", fake_run_ranks)
-    report = ep_bench.run_ep_benchmark(2, rate_mbit=100.0)
+    report = ep_bench.run_ep_benchmark(2, 100.0, ep_bench.spec_for("smoke", 2))
     assert seen["link"] is not None and seen.get("backend") == "gloo"
     assert report["link_emulated"] and "emulated link" in report["backend_reason"]

@@ -14,8 +14,7 @@ import torch
 from moe_lab.model import ModelImpls
 from moe_lab.training.build import autocast_forward
 from moe_lab.workbench.benchmarks import ttt
-from moe_lab.workbench.benchmarks.ttt import NAIVE, racing
-from moe_lab.workbench.benchmarks.ttt.cli import config_from_args
+from moe_lab.workbench.benchmarks.ttt import NAIVE, config_from_args, racing
 from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig, TTTRun
 from moe_lab.workbench.benchmarks.ttt.stacks import Stack, cpu_plugin_status
 from moe_lab.workbench.training.loop import Trainer
@@ -211,14 +210,14 @@ def test_both_stacks_train_the_same_model_on_the_same_data(amp, rel):
 
 def test_the_clock():
     # target 5.5 (ln 256 = 5.55): the first evaluation reaches it
-    reached = racing.time_to_train(NAIVE, MICRO)
+    reached = racing.race([NAIVE], MICRO)[0]
     assert reached.reached and reached.steps == 3
     assert reached.time_to_target_s == reached.curve[-1]["time_s"]
     assert reached.time_to_target_s <= reached.elapsed_s
     assert reached.train_s + reached.eval_s == pytest.approx(reached.elapsed_s)
     assert reached.tokens_per_s == pytest.approx(3 * MICRO.tokens_per_step / reached.train_s)
     assert len(reached.train_curve) == 3 and "loss" in reached.train_curve[0]
-    missed = racing.time_to_train(NAIVE, replace(MICRO, target_loss=0.01))
+    missed = racing.race([NAIVE], replace(MICRO, target_loss=0.01))[0]
     assert not missed.reached and missed.time_to_target_s is None and missed.steps == 6
     times = [p["time_s"] for p in missed.curve]
     assert times == sorted(times) and missed.final_eval_loss == missed.curve[-1]["eval_loss"]
@@ -228,7 +227,7 @@ def test_text_file_corpus(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
     cfg = replace(MICRO, corpus=str(text))
-    run = racing.time_to_train(ttt.optimised_stack("cpu", compile=False), cfg)
+    run = racing.race([ttt.optimised_stack("cpu", compile=False)], cfg)[0]
     assert run.curve and math.isfinite(run.final_eval_loss)
 
 
@@ -272,18 +271,15 @@ def test_loss_gap_pairs_seeds_at_the_same_step():
 
 
 def test_compare_alternates_the_order(monkeypatch):
-    calls = []
-    monkeypatch.setattr(racing, "time_to_train",
-                        lambda stack, cfg, **kw: calls.append((stack.name, cfg.seed)) or
-                        _run(stack.name, cfg.seed, 1.0))
-    b = replace(NAIVE, name="b")
-    ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1, 2], device="meta")  # not a CPU: one by one
-    assert calls == [("naive", 0), ("b", 0), ("b", 1), ("naive", 1), ("naive", 2), ("b", 2)]
     raced = []
     monkeypatch.setattr(racing, "race", lambda stacks, cfg, **kw: raced.append(
-        [s.name for s in stacks]) or [_run(s.name, cfg.seed, 1.0) for s in stacks])
+        ([s.name for s in stacks], cfg.seed)) or [_run(s.name, cfg.seed, 1.0) for s in stacks])
+    b = replace(NAIVE, name="b")
+    ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1, 2], device="meta")  # not a CPU: one by one
+    assert raced == [(["naive"], 0), (["b"], 0), (["b"], 1), (["naive"], 1), (["naive"], 2), (["b"], 2)]
+    raced.clear()
     runs = ttt.compare_stacks([NAIVE, b], MICRO, seeds=[0, 1])  # a CPU: interleaved
-    assert raced == [["naive", "b"], ["b", "naive"]]
+    assert raced == [(["naive", "b"], 0), (["b", "naive"], 1)]
     assert [r.stack for r in runs] == ["naive", "b", "b", "naive"]
 
 
@@ -291,7 +287,7 @@ def test_the_race_gives_each_stack_its_own_clock():
     cfg = replace(MICRO, target_loss=0.01)
     best = ttt.optimised_stack("cpu", compile=False)
     raced = racing.race([NAIVE, best], cfg)
-    alone = racing.time_to_train(NAIVE, cfg)
+    alone = racing.race([NAIVE], cfg)[0]
     assert [r.stack for r in raced] == ["naive", "optimised"]
     for run in raced:
         assert run.steps == 6 and [p["step"] for p in run.curve] == [3, 6]
@@ -306,7 +302,7 @@ def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monke
     best = ttt.optimised_stack("cpu", amp="bf16")
     assert best.compiled_eval
     # reached: the compiled (BF16) evaluation and the FP32 confirmation agree
-    run = racing.time_to_train(best, MICRO)
+    run = racing.race([best], MICRO)[0]
     assert run.reached and run.steps == 3
     (point,) = run.curve
     assert point["eval_loss"] <= MICRO.target_loss
@@ -315,7 +311,7 @@ def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monke
     plain = Trainer.evaluate
     monkeypatch.setattr(Trainer, "evaluate", lambda self, compiled=True: (
         {"all": 0.0} if compiled and self.eval_forward is not None else plain(self, compiled)))
-    run = racing.time_to_train(best, replace(MICRO, target_loss=0.01))
+    run = racing.race([best], replace(MICRO, target_loss=0.01))[0]
     assert not run.reached and run.steps == MICRO.steps
     assert [p["compiled_eval_loss"] for p in run.curve] == [0.0, 0.0]
     assert all(p["eval_loss"] > 0.01 for p in run.curve)
@@ -436,7 +432,7 @@ def test_compiled_stack_is_bit_reproducible(mode):
     cfg = replace(ttt.PROFILES["full"], target_loss=0.01, steps=5, eval_every=5)
     best = ttt.optimised_stack("cpu", amp="bf16")
     with racing.deterministic_algorithms() if mode else contextlib.nullcontext():
-        a, b = (racing.time_to_train(best, cfg) for _ in range(2))
+        a, b = (racing.race([best], cfg)[0] for _ in range(2))
     assert [p["eval_loss"] for p in a.curve] == [p["eval_loss"] for p in b.curve]
     assert [r["loss"] for r in a.train_curve] == [r["loss"] for r in b.train_curve]
 
@@ -449,8 +445,8 @@ def test_compiled_stack_trains_like_the_eager_one(amp, rel):
     # chain in fp32, and the compiled stack evaluates in BF16 (the eager one in FP32): the
     # two agree to about bf16's unit roundoff (2^-8 = 3.9e-3), not closer.
     cfg = replace(MICRO, target_loss=0.01, steps=3)
-    eager = racing.time_to_train(ttt.optimised_stack("cpu", compile=False, amp=amp), cfg)
-    compiled = racing.time_to_train(ttt.optimised_stack("cpu", compile=True, amp=amp), cfg)
+    eager = racing.race([ttt.optimised_stack("cpu", compile=False, amp=amp)], cfg)[0]
+    compiled = racing.race([ttt.optimised_stack("cpu", compile=True, amp=amp)], cfg)[0]
     assert compiled.init_s > 0
     assert compiled.curve[-1]["eval_loss"] == pytest.approx(eager.curve[-1]["eval_loss"], rel=rel)
 

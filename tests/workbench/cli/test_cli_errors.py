@@ -22,7 +22,7 @@ from support import cli, one_line
 
 from moe_lab.__main__ import main
 from moe_lab.workbench.jsonout import dumps
-from moe_lab.workbench.lab.profiles import check_profile
+from moe_lab.workbench.lab.profiles import check_parameters
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAIN = ["train", "--steps", "2", "--batch-size", "2", "--eval-every", "0", "--json"]
@@ -231,9 +231,10 @@ def test_json_output_is_finite():
 
 
 def test_check_profile():
-    assert check_profile("smoke") == "smoke" and check_profile("full") == "full"
+    check_parameters("smoke", 0, True)
+    check_parameters("full", 0, True)
     with pytest.raises(ValueError, match=r"PROFILE must be one of 'smoke', 'full', got 'bogus'"):
-        check_profile("bogus")
+        check_parameters("bogus", 0, True)
 
 
 @pytest.mark.slow

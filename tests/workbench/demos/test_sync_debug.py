@@ -124,8 +124,8 @@ def test_the_line_named_is_the_innermost_frame_outside_torch():
     frames = [FrameSummary("/x/moe_lab/training/steps.py", 10, "run", line="out = self.forward(x, y)"),
               FrameSummary("/x/moe_lab/moe/dispatch.py", 104, "forward", line="torch.where(m)"),
               FrameSummary(os.path.join(sync_debug._TORCH_DIR, "functional.py"), 5, "op", line="x")]
-    site = sync_debug._site(sync_debug._caller_frame(frames), 2)
-    assert site == sync_debug.SyncSite("moe_lab/moe/dispatch.py:104", "torch.where(m)", 2)
+    site = sync_debug._site(sync_debug._caller_frame(frames))
+    assert site == ("moe_lab/moe/dispatch.py:104", "torch.where(m)")
     # all inside torch: the innermost frame is named rather than none
     assert sync_debug._caller_frame(frames[2:]).lineno == 5
 

@@ -29,7 +29,6 @@ from moe_lab.workbench.exercises import (
     call_answer,
     exercise,
     not_done,
-    reference_solution,
 )
 from moe_lab.workbench.exercises import nb00_lab_bench as ex00
 from moe_lab.workbench.exercises import nb04_dropless_sync_free_triton as ex04t
@@ -45,19 +44,17 @@ from moe_lab.workbench.lab.notebook_files import NOTEBOOK_PATTERN
 
 @pytest.fixture
 def toy_exercise():
-    name = "_toy_double"
-
-    @reference_solution(name)
-    def double(x):
+    def _toy_double(x):
         return 2 * x
 
-    @exercise(name)
+    @exercise(_toy_double)
     def check_double(fn):
         if call_answer(fn, 3) != 6:
             raise ExerciseError("double(3) should be 6")
 
-    yield check_double, double
-    del SOLUTIONS[name]
+    assert SOLUTIONS["_toy_double"] is _toy_double
+    yield check_double, _toy_double
+    del SOLUTIONS["_toy_double"]
 
 
 def test_unsolved_exercise_is_reported_and_the_reference_returned(toy_exercise, capsys):

@@ -73,19 +73,24 @@ def test_the_persistent_picture_draws_both_grids():
     assert len(ax.collections) == 2 * 6 + 6 + 3  # tiles twice, setups per tile, setups per SM
 
 
+def _filled(ax) -> list[tuple[int, int]]:
+    """The (row tile, column tile) of each filled cell of a `plot_tile_order` picture."""
+    t_m = int(ax.get_ylim()[1])
+    orange = matplotlib.colors.to_rgb("tab:orange")
+    return sorted((t_m - 1 - int(p.get_y()), int(p.get_x())) for p in ax.patches
+                  if p.get_facecolor()[:3] == orange)
+
+
 def test_a_grouped_order_reads_fewer_operand_tiles_than_row_fastest():
-    row = gi.tiles_in_flight(t_m=8, t_n=6, group_m=8, in_flight=8)
-    assert row["tiles"] == [(m, 0) for m in range(8)]
-    assert (row["a_tiles"], row["b_tiles"], row["operands"]) == (8, 1, 9)
-    grouped = gi.tiles_in_flight(t_m=8, t_n=6, group_m=2, in_flight=8)
-    assert sorted(grouped["tiles"]) == [(m, n) for m in range(2) for n in range(4)]
-    assert (grouped["a_tiles"], grouped["b_tiles"], grouped["operands"]) == (2, 4, 6)
-    assert len(gi.tiles_in_flight(3, 2, 1, 100)["tiles"]) == 6  # never more than the grid
+    row = gi.plot_tile_order(t_m=8, t_n=6, group_m=8, in_flight=8)
+    assert _filled(row) == [(m, 0) for m in range(8)]
+    assert "8 row tiles + 1 weight tile = 9" in row.get_title()
     ax = gi.plot_tile_order(8, 6, 2, 8)
-    filled = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("tab:orange")]
-    assert len(ax.patches) == 48 and len(filled) == 8
+    assert _filled(ax) == [(m, n) for m in range(2) for n in range(4)]
+    assert len(ax.patches) == 48
     assert "2 row tiles + 4 weight tiles = 6" in ax.get_title()
     assert sorted(int(t.get_text()) for t in ax.texts) == list(range(48))
+    assert len(_filled(gi.plot_tile_order(3, 2, 1, 100))) == 6  # never more than the grid
 
 
 def test_the_down_projection_settings_are_the_roofline_of_their_assumptions():

@@ -1,5 +1,5 @@
-"""The waterfall: one machine per chart, the newest measurement per ladder, projections and
-reported figures drawn apart."""
+"""The waterfall: one machine per chart, the newest measurement per ladder, reported figures
+drawn apart."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest  # noqa: E402
 
 from moe_lab.workbench.figures.waterfall import (
     LADDER_METRIC,
-    Rung,
     Waterfall,
     plot_waterfall,
     plot_waterfalls,
@@ -29,8 +28,7 @@ def _rec(rung, value, hardware="cpu:test x2", run="a", time="2026-11-29T10:00:00
 
 
 def test_steps_and_total():
-    wf = Waterfall("t", (Rung("a", 100.0, "tok/s", "h"), Rung("b", 150.0, "tok/s", "h"),
-                         Rung("c", 120.0, "tok/s", "h")))
+    wf = Waterfall("t", "h", "tok/s", (("a", 100.0), ("b", 150.0), ("c", 120.0)))
     assert wf.total == pytest.approx(1.2)
     table = wf.table_markdown()
     assert "| b | 150.0 | 1.50 | 1.50 |" in table and "| c | 120.0 | 0.80 | 1.20 |" in table
@@ -52,8 +50,9 @@ def test_ledger_one_waterfall_per_hardware_newest_run_only():
     wfs = waterfalls_from_ledger(records)
     assert [wf.hardware for wf in wfs] == ["H200", "cpu:test x2"]
     cpu = wfs[1]
-    assert [r.value for r in cpu.rungs] == [110.0, 140.0, 160.0]  # the old run is not mixed in
-    assert [r.label for r in cpu.rungs] == ["rung 0", "rung 1", "rung 2"]
+    assert [value for _, value in cpu.rungs] == [110.0, 140.0, 160.0]  # the old run is not mixed in
+    assert [label for label, _ in cpu.rungs] == ["rung 0", "rung 1", "rung 2"]
+    assert cpu.unit == "tok/s" and cpu.kind == "measured"
     assert "12_time_to_train: small, batch 16" in cpu.title
     assert wfs[0].total == pytest.approx(3.0)
     assert waterfalls_from_ledger(records, notebook=["other"]) == []
@@ -65,38 +64,26 @@ def test_a_noisy_measurement_is_passed_over():
     noisy = [_rec(0, 5.0, run="busy", iqr_ms=9.0, median_ms=10.0),
              _rec(1, 9.0, run="busy", iqr_ms=1.0, median_ms=10.0)]
     (wf,) = waterfalls_from_ledger(steady + noisy)
-    assert [r.value for r in wf.rungs] == [100.0, 150.0] and "NOISY" not in wf.title
+    assert [value for _, value in wf.rungs] == [100.0, 150.0] and "NOISY" not in wf.title
     (wf,) = waterfalls_from_ledger(noisy)
-    assert [r.value for r in wf.rungs] == [5.0, 9.0] and "NOISY" in wf.title
+    assert [value for _, value in wf.rungs] == [5.0, 9.0] and "NOISY" in wf.title
 
 
-def _projection() -> Waterfall:
-    """A ladder computed by a model, drawn as a projection."""
-    return Waterfall("what if", tuple(Rung(label, value, "tok/s", "GB300 (projection)", "projection")
-                                      for label, value in (("naive", 10.0), ("optimised", 30.0))))
-
-
-def test_projection_and_reported_are_labelled():
+def test_reported_is_labelled():
     rep = reported_waterfall()
-    assert [r.value for r in rep.rungs] == [1298.0, 1648.0]
+    assert [value for _, value in rep.rungs] == [1298.0, 1648.0]
     assert rep.kind == "reported" and "GB300" in rep.hardware
     assert rep.total == pytest.approx(1648 / 1298)
-    proj = _projection()
-    assert proj.kind == "projection" and proj.hardware == "GB300 (projection)"
-    assert "PROJECTION" in plot_waterfall(proj).get_title()
+    assert "reported" in plot_waterfall(rep).get_title()
 
 
-def test_plots_draw_one_bar_per_rung_plus_total_and_hatch_projections():
-    measured = Waterfall("m", (Rung("a", 100.0, "tok/s", "h"), Rung("b", 150.0, "tok/s", "h")))
+def test_plots_draw_one_bar_per_rung_plus_total():
+    measured = Waterfall("m", "h", "tok/s", (("a", 100.0), ("b", 150.0)))
     ax = plot_waterfall(measured)
     assert len(ax.patches) == 3
     assert all(not p.get_hatch() for p in ax.patches)
     assert "measured" in ax.get_title() and "h" in ax.get_title()
-    proj = _projection()
-    ax2 = plot_waterfall(proj)
-    assert all(p.get_hatch() for p in ax2.patches)
-    assert "PROJECTION" in ax2.get_title()
-    fig = plot_waterfalls([measured, proj, reported_waterfall()])
+    fig = plot_waterfalls([measured, measured, reported_waterfall()])
     titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
     assert len(titles) == 3 and any("reported" in t for t in titles)
     plt.close("all")

@@ -39,8 +39,6 @@ def test_registered_beside_the_reference():
 def test_unit_matches_plain_definition_and_clamps():
     h = torch.randn(64, 10) * 3
     torch.testing.assert_close(clamped_swiglu(h, 1.702, 1.0), plain_clamped_unit(h, 1.702, 1.0))
-    with pytest.raises(ValueError, match="must be even"):
-        clamped_swiglu(torch.zeros(3, 5), 1.0, 1.0)
 
 
 @pytest.mark.parametrize("backend", ["loop", "torch"])
@@ -86,5 +84,5 @@ def test_every_dispatcher_agrees(dispatcher, backend):
 def test_refuses_unfused_backends_and_bad_constants():
     with pytest.raises(ValueError, match="got 'triton'"):
         ClampedSwiGLUExperts(2, 4, 4, "triton")
-    with pytest.raises(ValueError, match="limit=0"):
+    with pytest.raises(ValueError, match="limit must be a finite number > 0"):
         ClampedSwiGLUExperts(2, 4, 4, "loop", limit=0)

@@ -181,8 +181,8 @@ def test_streams_of_different_names_or_split_by_a_figure_are_not_merged():
     figure = nbformat.v4.new_output("display_data", data={"text/plain": "<Figure>"})
     nb = _notebook(_code("x", _stdout("one\n"), figure, _stdout("two\n"),
                          nbformat.v4.new_output("stream", name="stderr", text="moe_lab: note\n")))
-    page_outputs.collapse_progress(nb)
-    assert [o.get("text", o.get("data")) for o in nb.cells[-1].outputs] == [
+    prepared = site.prepare_for_site(nb)
+    assert [o.get("text", o.get("data")) for o in prepared.cells[-1].outputs] == [
         "one\n", {"text/plain": "<Figure>"}, "two\n", "moe_lab: note\n"]
 
 

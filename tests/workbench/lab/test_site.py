@@ -180,15 +180,14 @@ def test_a_gpu_line_without_unit_kind_basis_or_gpu_is_none(broken):
 def test_the_index_shows_the_gpu_line_labelled():
     row = site.headline_rows([_rec("01_naive_moe", "naive", "syncs_per_step", 8, "syncs"), _gpu()],
                              ["01_naive_moe"])[0]
-    page = site.NotebookPage(name="01_naive_moe", number="01", title="01 · naive", summary="s",
-                             headline=row)
-    text = site.render_index([page])
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 01 · naive\n\ns")])
+    path = Path("01_naive_moe.ipynb")
+    text = site.index_entry(path, nb, "01_naive_moe.html", row)
     assert "On an H200: <b>14,848 syncs</b>" in text
     assert "(projection: 256 experts x 58 layers)" in text
     row_without = site.headline_rows([_rec("01_naive_moe", "naive", "syncs_per_step", 8, "syncs")],
                                      ["01_naive_moe"])[0]
-    page.headline = row_without
-    assert "No GPU line in the ledger yet" in site.render_index([page])
+    assert "No GPU line in the ledger yet" in site.index_entry(path, nb, "01_naive_moe.html", row_without)
 
 
 def test_cpu_table_keeps_simulations_and_counts():

@@ -2,7 +2,7 @@
 
 The real notebooks are executed by ``test_notebooks.py``; here two small ones (one that
 records a figure, one that fails midway) check the runner itself: executed notebooks,
-HTML, RESULTS.md with the recorded figure, and a failure reported with its cell.
+the site, RESULTS.md with the recorded figure, and a failure reported with its cell.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ def test_executed_notebook_and_html(project, outcome):
     code = [cell for cell in executed.cells if cell.cell_type == "code"]
     assert all(cell.execution_count is not None for cell in code)
     assert "recorded" in json.dumps(code[-1].outputs)
-    assert tiny.html == project / "build" / "workbook" / "00_tiny.html"
-    page = tiny.html.read_text()
+    page = (project / "build" / "site" / "00_tiny.html").read_text()  # the site is the HTML export
     assert "<html" in page and "widgets_per_s" in page
+    assert not list((project / "build" / "workbook").glob("*.html"))  # no second, plain export
     leftovers = [p.name for p in tiny.output.parent.iterdir() if p.name.startswith(".")]
     assert leftovers == []
 
@@ -154,7 +154,7 @@ def test_cli_runs_from_the_project_and_exits_non_zero_on_failure(
     assert args.func(args) == 1
     assert "FAILED 01_broken: KeyError" in capsys.readouterr().err
     assert (tmp_path / "out" / "workbook" / "01_broken.ipynb").exists()
-    assert not (tmp_path / "out" / "workbook" / "01_broken.html").exists()
+    assert not (tmp_path / "out" / "site").exists()
     assert not (tmp_path / "out" / "workbook" / "00_tiny.ipynb").exists()
     assert "| 01_broken | FAILED |" in (tmp_path / "out" / "RESULTS.md").read_text()
 

@@ -268,18 +268,6 @@ def test_latest_breaks_ties_by_position():
     ]
 
 
-def test_latest_with_custom_keys():
-    items = [
-        _item("a", 1.0, "2026-01-01T00:00:00+00:00"),
-        _item("b", 2.0, "2026-01-02T00:00:00+00:00"),
-    ]
-    assert [item["value"] for item in latest(items, keys=("notebook",))] == [2.0]
-    with pytest.raises(ValueError, match="keys"):
-        latest(items, keys=())
-    with pytest.raises(ValueError, match="keys"):
-        latest(items, keys="notebook")
-
-
 def test_latest_of_records_written(results):
     record("n", "s", "m", 1.0, "u", hardware="h")
     record("n", "s", "m", 2.0, "u", hardware="h")

@@ -36,3 +36,8 @@ def test_emulated_link_enforces_its_rate_with_jumbo_frames():
     sent = results[0]["bytes_per_rank"]
     burst = max(64 * 1024, 4 * netem.MTU)
     assert results[0]["median_s"] >= (sent - burst) / 12.5e6
+
+
+def test_entering_a_namespace_that_is_not_there_names_it():
+    with pytest.raises(netem.LinkUnavailable, match="network namespace 'moelab-0-gone-r0' not found"):
+        netem.enter_namespace("moelab-0-gone-r0")

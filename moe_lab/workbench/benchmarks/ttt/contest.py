@@ -103,16 +103,16 @@ class TTTRun:
     seed: int
     hardware: str
     target_loss: float
-    reached: bool
-    steps: int
-    time_to_target_s: float | None
-    elapsed_s: float
-    init_s: float
-    train_s: float
-    eval_s: float
-    tokens_per_step: int
-    tokens_per_s: float
-    final_eval_loss: float
+    reached: bool = False
+    steps: int = 0
+    time_to_target_s: float | None = None
+    elapsed_s: float = 0.0
+    init_s: float = 0.0
+    train_s: float = 0.0
+    eval_s: float = 0.0
+    tokens_per_step: int = 0
+    tokens_per_s: float = 0.0
+    final_eval_loss: float = float("nan")
     curve: list[dict] = field(default_factory=list)
     train_curve: list[dict] = field(default_factory=list)
 
@@ -122,17 +122,15 @@ def load_contest_corpus(cfg: TTTConfig) -> SyntheticCorpus | TextFileCorpus:
     return load_corpus(cfg.corpus, seq_len=preset(cfg.preset).seq_len, seed=cfg.seed)
 
 
-def make_trainer(stack: Stack, cfg: TTTConfig, device: torch.device | str | None = None, *,
-                 corpus: SyntheticCorpus | TextFileCorpus | None = None,
-                 warm_eval: bool = False) -> Trainer:
-    """The `moe_lab.workbench.training.loop.Trainer` of ``stack`` under ``cfg``: every stack starts from
-    the same weights (seeded with ``cfg.seed``) and draws the same batches. Building it is
-    initialisation: with ``compile`` the model is compiled here, and with ``warm_eval`` its
-    compiled evaluation too."""
-    corpus = load_contest_corpus(cfg) if corpus is None else corpus
+def make_trainer(stack: Stack, cfg: TTTConfig, device: torch.device, *,
+                 corpus: SyntheticCorpus | TextFileCorpus, warm_eval: bool = False) -> Trainer:
+    """The `moe_lab.workbench.training.loop.Trainer` of ``stack`` under ``cfg`` on ``corpus``
+    (`load_contest_corpus`): every stack starts from the same weights (seeded with
+    ``cfg.seed``) and draws the same batches. Building it is initialisation: with ``compile``
+    the model is compiled here, and with ``warm_eval`` its compiled evaluation too."""
     return Trainer(cfg.model_config(stack.router_dtype),
                    cfg.train_config(stack, len(corpus.domains)), corpus=corpus,
-                   device=device_of(device), warm_eval=warm_eval)
+                   device=device, warm_eval=warm_eval)
 
 
 def stack_model(stack: Stack, cfg: TTTConfig,

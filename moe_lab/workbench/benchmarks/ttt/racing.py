@@ -24,7 +24,7 @@ from functools import partial
 import torch
 import torch.utils.deterministic as det
 
-from moe_lab.data import Batch, SyntheticCorpus, TextFileCorpus
+from moe_lab.data import Batch
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.benchmarks.ttt.contest import TTTConfig, TTTRun, load_contest_corpus, make_trainer
 from moe_lab.workbench.benchmarks.ttt.stacks import Stack, device_of
@@ -32,44 +32,18 @@ from moe_lab.workbench.measure.breakdown import step_breakdown
 from moe_lab.workbench.measure.timing import compare
 from moe_lab.workbench.training.loop import Trainer
 
-Corpus = SyntheticCorpus | TextFileCorpus
-
-
-class _Lane:
-    """One stack's run inside `race`: its trainer (own model, data stream) and own clock."""
-
-    def __init__(self, stack: Stack, cfg: TTTConfig, device: torch.device, corpus: Corpus) -> None:
-        self.stack = stack
-        t0 = time.perf_counter()
-        self.trainer = make_trainer(stack, cfg, device, corpus=corpus, warm_eval=True)
-        self.init_s = time.perf_counter() - t0
-        self.clock = 0.0  # timed seconds so far (interleaved: this lane's own segments only)
-        self.eval_s = 0.0
-        self.curve: list[dict] = []
-        self.train_curve: list[dict] = []
-        self.done = False
-        self.time_to_target: float | None = None
-
-    @property
-    def steps(self) -> int:
-        return self.trainer.steps_done
-
-    def evaluate(self, target_loss: float) -> dict:
-        """The eval point after this step: the stack's own evaluation, and where a compiled
-        one says "reached", the plain FP32 one (the naive stack's) has the last word."""
-        loss = self.trainer.evaluate()["all"]
-        point = {"step": self.steps}
-        if loss <= target_loss and self.trainer.eval_forward is not None:
-            point["compiled_eval_loss"] = loss
-            loss = self.trainer.evaluate(compiled=False)["all"]
-        return {**point, "eval_loss": loss}
-
 
 def race(stacks: Sequence[Stack], cfg: TTTConfig, *, device: torch.device | str | None = None,
          max_seconds: float | None = None, progress: bool = False) -> list[TTTRun]:
-    """Train every stack in ``stacks`` to the target, *in lockstep*: one step of each in turn
-    (the order flipping every step), each stack's clock adding up only its own steps and
-    evaluations. With one stack this is a plain run against the wall clock.
+    """Train every stack in ``stacks`` to the target (or for ``cfg.steps``, or until
+    ``max_seconds`` of its timed region), *in lockstep*: one step of each in turn (the order
+    flipping every step), each stack's clock adding up only its own steps and evaluations.
+    With one stack this is a plain run against the wall clock.
+
+    Each stack runs in a *lane*: its trainer (own model, data stream) and its `TTTRun`, whose
+    ``elapsed_s`` is the lane's clock while the race runs. At an evaluation that reaches the
+    target, a compiled evaluation is confirmed by the plain FP32 one (the naive stack's),
+    which has the last word.
 
     Interleaving needs each step finished before the next lane's begins: on a CPU steps are
     synchronous; on CUDA the sync-free step must not be made to wait after every step, so
@@ -80,60 +54,60 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, device: torch.device | str 
         raise ValueError(f"race: interleaving several stacks needs a CPU (got {device}); on "
                          "CUDA each stack runs alone so that nothing syncs its steps")
     corpus = load_contest_corpus(cfg)
-    lanes = [_Lane(stack, cfg, device, corpus) for stack in stacks]
+    hardware = capabilities().hardware_label()
+    lanes: list[tuple[Trainer, TTTRun]] = []
+    for stack in stacks:
+        t0 = time.perf_counter()
+        trainer = make_trainer(stack, cfg, device, corpus=corpus, warm_eval=True)
+        run = TTTRun(stack=stack.name, description=stack.describe(), seed=cfg.seed, hardware=hardware,
+                     target_loss=cfg.target_loss, init_s=time.perf_counter() - t0,
+                     tokens_per_step=cfg.tokens_per_step)
+        lanes.append((trainer, run))
     solo = len(lanes) == 1
+    done: set[int] = set()  # the lanes that reached the target or gave up
     start = time.perf_counter()
     for step in range(cfg.steps):
-        active = [lane for lane in lanes if not lane.done]
+        active = [i for i in range(len(lanes)) if i not in done]
         if not active:
             break
-        for lane in active if step % 2 == 0 else active[::-1]:
+        for i in active if step % 2 == 0 else active[::-1]:
+            trainer, run = lanes[i]
             t0 = time.perf_counter()
-            record = lane.trainer.advance()
+            record = trainer.advance()
             if record is not None:
-                lane.train_curve.append(record)
-            if lane.steps % cfg.eval_every == 0 or lane.steps == cfg.steps:
-                lane.trainer.sync()
+                run.train_curve.append(record)
+            steps = trainer.steps_done
+            if steps % cfg.eval_every == 0 or steps == cfg.steps:
+                trainer.sync()
                 t_eval = time.perf_counter()
-                point = lane.evaluate(cfg.target_loss)
+                point = {"step": steps}
+                loss = trainer.evaluate()["all"]
+                if loss <= cfg.target_loss and trainer.eval_forward is not None:
+                    point["compiled_eval_loss"] = loss
+                    loss = trainer.evaluate(compiled=False)["all"]
                 now = time.perf_counter()
-                lane.eval_s += now - t_eval
-                lane.clock = now - start if solo else lane.clock + now - t0
-                lane.curve.append({**point, "time_s": lane.clock})
-                loss = point["eval_loss"]
+                run.eval_s += now - t_eval
+                run.elapsed_s = now - start if solo else run.elapsed_s + now - t0
+                run.curve.append({**point, "eval_loss": loss, "time_s": run.elapsed_s})
                 if progress:
-                    print(f"{lane.stack.name:>10} step {lane.steps:4d}  {lane.clock:7.1f} s  "
+                    print(f"{run.stack:>10} step {steps:4d}  {run.elapsed_s:7.1f} s  "
                           f"eval loss {loss:.3f}", flush=True)
                 if loss <= cfg.target_loss:
-                    lane.time_to_target, lane.done = lane.clock, True
-                elif max_seconds is not None and lane.clock > max_seconds:
-                    lane.done = True
+                    run.time_to_target_s, run.reached = run.elapsed_s, True
+                if run.reached or (max_seconds is not None and run.elapsed_s > max_seconds):
+                    done.add(i)
             elif not solo:
-                lane.clock += time.perf_counter() - t0
-    hardware = capabilities().hardware_label()
-    runs = []
-    for lane in lanes:
-        lane.trainer.sync()
+                run.elapsed_s += time.perf_counter() - t0
+    for trainer, run in lanes:
+        trainer.sync()
         if solo:
-            lane.clock = time.perf_counter() - start
-        train_s = max(lane.clock - lane.eval_s, 1e-9)
-        runs.append(TTTRun(
-            stack=lane.stack.name, description=lane.stack.describe(), seed=cfg.seed,
-            hardware=hardware, target_loss=cfg.target_loss, reached=lane.time_to_target is not None,
-            steps=lane.steps, time_to_target_s=lane.time_to_target, elapsed_s=lane.clock,
-            init_s=lane.init_s, train_s=train_s, eval_s=lane.eval_s,
-            tokens_per_step=cfg.tokens_per_step,
-            tokens_per_s=lane.steps * cfg.tokens_per_step / train_s,
-            final_eval_loss=lane.curve[-1]["eval_loss"] if lane.curve else float("nan"),
-            curve=lane.curve, train_curve=lane.train_curve))
-    return runs
-
-
-def time_to_train(stack: Stack, cfg: TTTConfig, *, device: torch.device | str | None = None,
-                  max_seconds: float | None = None, progress: bool = False) -> TTTRun:
-    """Train ``stack`` alone on ``cfg`` until the eval loss reaches ``cfg.target_loss`` (or
-    ``cfg.steps``, or ``max_seconds`` of timed region), against the wall clock."""
-    return race([stack], cfg, device=device, max_seconds=max_seconds, progress=progress)[0]
+            run.elapsed_s = time.perf_counter() - start
+        run.steps = trainer.steps_done
+        run.train_s = max(run.elapsed_s - run.eval_s, 1e-9)
+        run.tokens_per_s = run.steps * cfg.tokens_per_step / run.train_s
+        if run.curve:
+            run.final_eval_loss = run.curve[-1]["eval_loss"]
+    return [run for _, run in lanes]
 
 
 @contextlib.contextmanager
@@ -167,21 +141,15 @@ def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int]
                    device: torch.device | str | None = None, max_seconds: float | None = None,
                    progress: bool = False) -> list[TTTRun]:
     """Every stack on every seed. On a CPU the stacks of a seed race in lockstep (`race`);
-    elsewhere they run one after the other, their order alternating from seed to seed.
-    Either way a slow spell of a shared machine does not land on one stack only."""
+    elsewhere each races alone, one after the other; their order alternates from seed to
+    seed. Either way a slow spell of a shared machine does not land on one stack only."""
     device = device_of(device)
     runs: list[TTTRun] = []
     for i, seed in enumerate(seeds):
-        seeded = replace(cfg, seed=int(seed))
         order = list(stacks) if i % 2 == 0 else list(reversed(stacks))
-        if device.type == "cpu":
-            by_name = {r.stack: r for r in race(order, seeded, device=device, max_seconds=max_seconds,
-                                                progress=progress)}
-            runs += [by_name[stack.name] for stack in order]
-            continue
-        for stack in order:
-            runs.append(time_to_train(stack, seeded, device=device, max_seconds=max_seconds,
-                                      progress=progress))
+        for group in [order] if device.type == "cpu" else [[stack] for stack in order]:
+            runs += race(group, replace(cfg, seed=int(seed)), device=device, max_seconds=max_seconds,
+                         progress=progress)
     return runs
 
 

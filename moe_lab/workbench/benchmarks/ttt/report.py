@@ -137,12 +137,10 @@ def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: dict[str, floa
 def stack_ceilings(stacks: Sequence[Stack], n: int = 2048, min_time_s: float = 0.3) -> dict:
     """Each stack's measured matmul ceiling (`moe_lab.workbench.measure.ceilings.Ceiling`), in the precision
     its matmuls run in: fp32, or its ``amp`` dtype; each precision measured once."""
-    measured: dict[str, object] = {}
-    for stack in stacks:
-        dtype = stack.amp or "fp32"
-        if dtype not in measured:
-            measured[dtype] = ceilings.matmul_peak(dtype, n=n, min_time_s=min_time_s)
-    return {stack.name: measured[stack.amp or "fp32"] for stack in stacks}
+    dtypes = [stack.amp or "fp32" for stack in stacks]
+    measured = {dtype: ceilings.matmul_peak(dtype, n=n, min_time_s=min_time_s)
+                for dtype in dict.fromkeys(dtypes)}
+    return {stack.name: measured[dtype] for stack, dtype in zip(stacks, dtypes)}
 
 
 def speedup_bound(mfu_value: float) -> float:

@@ -23,8 +23,6 @@ from moe_lab.kernels.launch import TOKENS_PER_GPU, LaunchConfig
 from moe_lab.kernels.mx_gemm import launch_config as mx_launch_config
 from moe_lab.perf.hardware import ARCHS, mx_mma_of
 
-KERNEL_PACKAGE = "moe_lab.kernels"
-
 # The shapes every `compile_specs` describes: each preset's model (`moe_lab.config.preset`
 # name: its label) at a realistic load per GPU (tokens; each routed to top_k experts, so a
 # grouped GEMM sees SPEC_TOKENS · top_k rows).
