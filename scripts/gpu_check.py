@@ -83,6 +83,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import traceback
@@ -117,19 +118,16 @@ SMOKE = {  # the same roles at interpreter sizes
 def gpu_env(torch) -> dict:
     import triton
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "gpu": "cpu (interpreted smoke run)", "driver": None, "capability": None}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", memory_gb=round(p.total_memory / 2**30, 1),
                    sms=p.multi_processor_count, cuda=torch.version.cuda)
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)
-            env["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError, IndexError):
-            env["driver"] = None
-    else:
-        env.update(gpu="cpu (interpreted smoke run)", driver=None, capability=None)
+        with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError):  # driver: None
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20, check=True)
+            env["driver"] = smi.stdout.split()[0]
     return env
 
 
@@ -223,13 +221,11 @@ class Report:
     def __init__(self, out: Path, env: dict, budget_s: float, sink: Path | None = None) -> None:
         self.out, self.env, self.budget_s, self.sink = out, env, budget_s, sink
         self.start = time.monotonic()
-        self.checks: list[dict] = []
-        self.bench: list[dict] = []
-        self.gains: list[dict] = []
-        self.kernels: list[dict] = []
-        self.launched: list[dict] = []  # compiled kernels the child processes read
-        self.sections: list[dict] = []
         self.current = "-"
+        # one list each: checks, bench, gains, kernels, launched (the compiled kernels the child
+        # processes read) and the sections' entries
+        for key in (*RECORDS, "sections"):
+            setattr(self, key, [])
 
     # -- recording
     def _recorded(self) -> None:
@@ -291,7 +287,7 @@ class Report:
                                        for s in self.sections):  # ran (or was resumed) and passed
             entry["status"] = f"not run: needs '{section.needs}' passed"
         self.sections = [s for s in self.sections if s["section"] != name] + [entry]
-        for key in RECORDS:  # a resumed section's earlier records give way to this run's
+        for key in RECORDS:  # an earlier run's records of this section give way to this run's
             setattr(self, key, [r for r in getattr(self, key) if r.get("section") != name])
         in_child = section.isolated and child_args is not None
         print(f"== {name}  ({left:.0f} s of the budget left{'; in a child process' if in_child else ''}): "
@@ -300,7 +296,6 @@ class Report:
         if entry["status"] != "running":
             return
         self.current = name
-        n_checks = len(self.checks)
         t0 = time.monotonic()
         if in_child:
             entry["status"] = self._run_child(section, child_args, min(left, timeout_s))
@@ -308,7 +303,7 @@ class Report:
             entry["status"] = self._run_here(section, left)
         self.current = "-"
         entry["seconds"] = round(time.monotonic() - t0, 2)
-        if entry["status"] == "done" and not all(c["ok"] for c in self.checks[n_checks:]):
+        if entry["status"] == "done" and not all(c["ok"] for c in self.checks if c["section"] == name):
             entry["status"] = "done, checks failed"
         print(f"   ({entry['seconds']:.1f} s, {entry['status']})", flush=True)
         self.write()
@@ -386,18 +381,13 @@ class Report:
         return [s["section"] for s in self.sections
                 if s["status"] in ("running", "cut at the budget", "not run (budget spent)")]
 
-    def resume_from(self, previous: Path, names: set[str]) -> None:
-        """Keep the records of an earlier run in ``previous`` (its ``*.json``) for every
-        section not in ``names``: a second call that runs only some sections writes one
-        result with the first's."""
-        def load(name: str) -> list:
-            path = previous / f"{name}.json"
-            return json.loads(path.read_text()) if path.exists() else []
-
-        self.sections = [s for s in load("sections") if s["section"] not in names]
-        kept = {s["section"] for s in self.sections}
-        for key in RECORDS:
-            setattr(self, key, [r for r in load(key) if r.get("section") in kept])
+    def load_earlier(self) -> None:
+        """Start from the sections and records of the earlier run in ``out`` (its ``*.json``):
+        a second call that runs only some sections writes one result with the first's (`run`
+        replaces the entry and the records of each section it runs again)."""
+        for key in (*RECORDS, "sections"):
+            path = self.out / f"{key}.json"
+            setattr(self, key, json.loads(path.read_text()) if path.exists() else [])
 
     # -- output
     def write(self) -> None:
@@ -412,12 +402,8 @@ class Report:
             put(out / f"{name}.json", dump(getattr(self, name)))
         put(out / "summary.md", summary_markdown(self))
         if os.environ.get("OUT"):
-            dest = Path(os.environ["OUT"])
-            for f in out.rglob("*"):
-                if f.is_file() and not f.name.endswith(".tmp"):
-                    target = dest / f.relative_to(out)
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy(f, target)
+            shutil.copytree(out, os.environ["OUT"], dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("*.tmp"))
 
 
 def slug(name: str) -> str:
@@ -858,11 +844,11 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
     modes = (None, "fp8_promote") if INTERPRETED else (None,)  # None: the device's own
     hardware_mode = None if INTERPRETED else mx_mma_mode(False, torch.device(dev))
 
-    def cases():  # (name, kernel, reference, shape, operands, offsets), the plain GEMMs first
+    def cases():  # (name, kernel, reference, shape, operands, (offsets,) or ()), the plain GEMMs first
         for label, (M, N, K) in shapes.items():
             g = torch.Generator(device=dev).manual_seed(M + N + K)
             a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (N, K)))
-            yield "mx_gemm", mx_gemm, mx_gemm_reference, label, (a.data, a.scale, b.data, b.scale), None
+            yield "mx_gemm", mx_gemm, mx_gemm_reference, label, (a.data, a.scale, b.data, b.scale), ()
         for label, s in grouped_shapes.items():
             E, M, N, K = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
             g = torch.Generator(device=dev).manual_seed(E + M)
@@ -870,10 +856,9 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
             offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
             a, b = quantize(randn(torch, g, (M, K))), quantize(randn(torch, g, (E, N, K)))
             yield ("grouped_mx_gemm", grouped_mx_gemm, grouped_mx_gemm_reference,
-                   f"{label} M={M} N={N} K={K}", (a.data, a.scale, b.data, b.scale), offsets)
+                   f"{label} M={M} N={N} K={K}", (a.data, a.scale, b.data, b.scale), (offsets,))
 
-    for kernel_name, kernel, reference, shape, operands, offsets in cases():
-        grouped = () if offsets is None else (offsets,)
+    for kernel_name, kernel, reference, shape, operands, grouped in cases():
         want = reference(*operands, *grouped)
         for out_dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
             for mma in modes:
@@ -883,7 +868,7 @@ def section_mx_gemm(torch, dev, rep: Report, shapes: dict, grouped_shapes: dict)
                 if hardware_mode != "fp8_promote":
                     rep.check(name, shape, rel_error(got, want), tol)
                     continue
-                bound = fp8_promote_bound(*operands, offsets, out_dtype=got.dtype)
+                bound = fp8_promote_bound(*operands, *grouped, out_dtype=got.dtype)
                 rep.check(f"{name} within the fp8_promote bound", shape, bound_ratio(torch, got, want, bound),
                           1.0, measured_rel_error=rel_error(got, want),
                           note="figure: largest |error| / bound; measured_rel_error: the hardware's")
@@ -1100,28 +1085,24 @@ def section_registers(torch, rep: Report, cuda: bool) -> None:
     compile report's figures for the same kernel and config (``results/compile/sm_XX.json``
     of this GPU's architecture, matched by kernel, blocks, warps and stages). Interpreted,
     nothing is compiled: the compile report's rows are listed with the driver's empty."""
-    env = rep.env
-    arch = f"sm_{env['capability'].replace('.', '')}" if env.get("capability") else "sm_90"
+    arch = f"sm_{rep.env['capability'].replace('.', '')}" if rep.env.get("capability") else "sm_90"
     path = ROOT / "results" / "compile" / f"{arch}.json"
     report_rows = json.loads(path.read_text())["rows"] if path.exists() else []
 
-    def key(kernel: str, blocks: dict, warps: int, stages: int) -> tuple:
-        return (kernel, tuple(sorted((k, v) for k, v in blocks.items() if k.startswith("BLOCK"))),
-                warps, stages)
+    def key(row: dict, blocks: dict) -> tuple:  # a launch or a report row: kernel, blocks, warps, stages
+        return (row["kernel"], tuple(sorted((k, v) for k, v in blocks.items() if k.startswith("BLOCK"))),
+                row["num_warps"], row["num_stages"])
 
     by_key: dict[tuple, list[dict]] = {}
     for row in report_rows:
-        by_key.setdefault(key(row["kernel"], row.get("blocks", {}), row["num_warps"], row["num_stages"]),
-                          []).append(row)
+        by_key.setdefault(key(row, row["blocks"]), []).append(row)
     if cuda:
         launched = compiled_kernels() + rep.launched  # here and in the children
     else:  # nothing compiled: each config of the report once, the driver's figures empty
-        launched = [{"kernel": row["kernel"], "constexprs": row.get("blocks", {}),
-                     "num_warps": row["num_warps"], "num_stages": row["num_stages"],
-                     "registers": None, "spills": None}
-                    for row in (rows[0] for rows in by_key.values())]
+        launched = [{**rows[0], "constexprs": rows[0]["blocks"], "registers": None, "spills": None}
+                    for rows in by_key.values()]
     for k in launched:
-        matches = by_key.get(key(k["kernel"], k["constexprs"], k["num_warps"], k["num_stages"]), [])
+        matches = by_key.get(key(k, k["constexprs"]), [])
         regs = sorted({m["registers"] for m in matches})
         spills = sorted({m.get("spill_bytes") for m in matches})
         rep.kernels.append({"kernel": k["kernel"], "config": describe_config(k["constexprs"], k["num_warps"],
@@ -1166,19 +1147,22 @@ def bench_grouped_gemm(torch, dev, rep: Report, small: bool) -> None:
     rep.timed("grouped GEMM fwd", **row)
 
 
-def bench_tuning(torch, dev, rep: Report, shapes: dict, out: Path, small: bool) -> None:
+def bench_tuning(torch, dev, rep: Report, shapes: dict, small: bool) -> None:
     """`moe_lab.workbench.measure.autotune` over its `tune_space` for every
     grouped GEMM launch of the layers of ``shapes`` (bf16; ``small``: the first two configs of
     each space, to exercise the tuner), each in the layout the layer launches it (the dX
     launches read the weight through its transposed view): the winner (tile, warps, stages
     and, for the tile-ordered kernels, ``GROUP_M``) and its gain over the rule per launch, all
-    timed in this run. The table of winners is rewritten to ``out/tuned_configs.json`` after
+    timed in this run. The table of winners is rewritten to the run's ``tuned_configs.json`` after
     every launch tuned (a run cut short keeps what it tuned); no launch reads a table: a winner
     is applied explicitly (`moe_lab.kernels.grouped_gemm.FORCED`)."""
     from moe_lab.kernels import grouped_gemm as gg
     from moe_lab.workbench.measure import autotune as tuner
 
     dtype, table = torch.bfloat16, {}
+    # gemm: the op the forward and the dX launch (no copy of the transposed view)
+    ops = {"gemm": torch.ops.moe_lab.grouped_gemm, "swiglu": gg.grouped_gemm_swiglu,
+           "dw": torch.ops.moe_lab.grouped_gemm_dw}
     for label, s in shapes.items():
         E, m, d, f = s["n_experts"], s["tokens"] * s["top_k"], s["d_model"], s["d_expert"]
         counts = torch.full((E,), m // E, device=dev)
@@ -1187,18 +1171,14 @@ def bench_tuning(torch, dev, rep: Report, shapes: dict, out: Path, small: bool) 
             key = tuner.table_key(kernel, m, n, k, E, dtype)
             if key in table:
                 continue
-            if kernel == "dw":
-                x, dy = (torch.randn(m, c, device=dev, dtype=dtype) for c in (k, n))
-                run = partial(torch.ops.moe_lab.grouped_gemm_dw, x, dy, offsets)
+            if kernel == "dw":  # x and dY
+                x, w = (torch.randn(m, c, device=dev, dtype=dtype) for c in (k, n))
             else:
                 x = torch.randn(m, k, device=dev, dtype=dtype)
                 n_w = 2 * n if kernel == "swiglu" else n
                 w = (torch.randn(E, n_w, k, device=dev, dtype=dtype).transpose(1, 2) if transposed
                      else torch.randn(E, k, n_w, device=dev, dtype=dtype))
-                if kernel == "swiglu":
-                    run = partial(gg.grouped_gemm_swiglu, x, w, offsets)
-                else:  # the op the forward and the dX launch (no copy of the transposed view)
-                    run = partial(torch.ops.moe_lab.grouped_gemm, x, w, offsets)
+            run = partial(ops[kernel], x, w, offsets)
             space = tuner.tune_space(kernel, m, n, k, E, dtype)[:2 if small else None]
             winner, times = tuner.autotune(kernel, space, run, seconds)
             table[key] = tuner.table_entry(winner)
@@ -1210,9 +1190,8 @@ def bench_tuning(torch, dev, rep: Report, shapes: dict, out: Path, small: bool) 
                       winner=describe_config(winner.blocks, winner.num_warps, winner.num_stages),
                       winner_group_m=winner.group_m, winner_ms=best * 1e3,
                       ratio_rule_to_winner=times[0] / best)
-            out.mkdir(parents=True, exist_ok=True)
-            put(out / tuner.TUNED_FILE, dump({"gpu": rep.env.get("gpu"), "triton": rep.env.get("triton"),
-                                               "dtype": "bfloat16", "configs": table}))
+            put(rep.out / tuner.TUNED_FILE, dump({"gpu": rep.env.get("gpu"), "triton": rep.env.get("triton"),
+                                                   "dtype": "bfloat16", "configs": table}))
 
 
 def bench_mx_quantize(torch, dev, rep: Report, M: int, K: int) -> None:
@@ -1343,18 +1322,13 @@ def bench_optimised_step(torch, dev, rep: Report, small: bool) -> None:
 # ----------------------------------------------------------------------------- preflight
 
 
-def triton_cache_dir(environ) -> Path:
-    """Where Triton keeps compiled kernels: ``$TRITON_CACHE_DIR``, else its default."""
-    return Path(environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-
-
 def preflight(cuda: bool, environ) -> dict[str, str]:
     """What the compiled path needs, each ``"ok ..."`` or why it cannot work, before anything
     runs: ``TRITON_INTERPRET`` unset where there is a GPU (set, every kernel would run
     interpreted — on the GPU's memory, slowly, without a word), a C compiler and Python's
     headers (Triton builds each kernel's launcher with them) and a writable Triton cache
-    (shared by the child processes, so a kernel compiles once). Interpreted, only the cache
-    matters."""
+    (``$TRITON_CACHE_DIR``, which `main` sets: shared by the child processes, so a kernel
+    compiles once). Interpreted, only the cache matters."""
     found = {}
     interpret = environ.get("TRITON_INTERPRET", "")
     if cuda and interpret not in ("", "0"):
@@ -1371,20 +1345,14 @@ def preflight(cuda: bool, environ) -> dict[str, str]:
         found["Python.h"] = ("ok" if (include / "Python.h").is_file() else
                              f"no Python.h in {include}: Triton's launcher build needs Python's headers "
                              "(the python3-dev package)")
-    cache = triton_cache_dir(environ)
+    cache = Path(environ["TRITON_CACHE_DIR"])
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        probe = cache / f".gpu_check_probe.{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
+        tempfile.TemporaryFile(dir=cache).close()  # a file made and removed there
         found["Triton cache"] = f"ok: {cache}"
     except OSError as exc:
         found["Triton cache"] = f"Triton's cache {cache} is not writable ({exc}); set TRITON_CACHE_DIR"
     return found
-
-
-def preflight_failures(found: dict[str, str]) -> list[str]:
-    return [f"{what}: {why}" for what, why in found.items() if not why.startswith("ok")]
 
 
 # ----------------------------------------------------------------------------- main
@@ -1420,7 +1388,7 @@ def default_out(gpu: str | None) -> Path:
     return ROOT / "results" / slug(gpu)
 
 
-def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, out: Path) -> list[Section]:
+def plan(torch, dev: str, rep: Report, cuda: bool, small: bool) -> list[Section]:
     """Every section of the run, in order: the core checks here; then the kernels that have
     never run on hardware before (the persistent TMA grouped GEMM, the MXFP8 kernels in
     their ``fp8_promote`` mode, CUDA-graph capture), CUDA's sync detector and the notebooks'
@@ -1485,25 +1453,22 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool, out: Path) -> li
         Section("06 graphed vs eager", lambda: bench_graphs(torch, dev, rep, small), needs="CUDA graph step"),
         Section("12 tokens/s of the optimised step", lambda: bench_optimised_step(torch, dev, rep, small),
                 needs="CUDA graph step"),
-        Section("tuning", lambda: bench_tuning(torch, dev, rep, shapes if small else PRODUCTION,
-                                               out, small)),
+        Section("tuning", lambda: bench_tuning(torch, dev, rep, shapes if small else PRODUCTION, small)),
     ]
     return sections
 
 
 def select(sections: list[Section], only: list[str] | None, skip: list[str] | None,
-           resume: dict[str, str] | None) -> list[Section]:
-    """The sections this call runs: ``only`` (``--sections``) or all, less ``skip``; with
-    ``resume`` (an earlier run's section -> status), only those it did not finish."""
+           finished: set[str]) -> list[Section]:
+    """The sections this call runs: ``only`` (``--sections``) or all, less ``skip`` and less
+    ``finished`` (with ``--resume``: those an earlier run finished)."""
     known = {slug(s.name): s.name for s in sections}
     for given in (only or []) + (skip or []):
         if slug(given) not in known:
             raise ValueError(f"unknown section {given!r}; the sections are: "
                              + ", ".join(repr(s.name) for s in sections))
     wanted = {known[slug(n)] for n in only} if only else set(known.values())
-    wanted -= {known[slug(n)] for n in skip or []}
-    if resume is not None:
-        wanted = {n for n in wanted if not resume.get(n, "").startswith("done")}
+    wanted -= {known[slug(n)] for n in skip or []} | finished
     return [s for s in sections if s.name in wanted]
 
 
@@ -1536,7 +1501,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         # the smoke run tests this script, not the CPU plug-in: no C++ build on its path
         os.environ.setdefault("MOE_LAB_NO_CPU_EXTENSION", "1")
-    os.environ.setdefault("TRITON_CACHE_DIR", str(triton_cache_dir(os.environ)))  # one, for the children
+    # one cache for the children (Triton's default where none is set)
+    os.environ.setdefault("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
 
     dev = "cuda" if cuda else "cpu"
     small = args.cpu_smoke
@@ -1547,7 +1513,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_parent(args.child_of)
         Path(args.child_sink).with_suffix(".started").touch()  # the parent's clock for it starts now
         rep = Report(out, {}, args.budget_s, sink=Path(args.child_sink))
-        section = next(s for s in plan(torch, dev, rep, cuda, small, out) if s.name == args.child)
+        section = next(s for s in plan(torch, dev, rep, cuda, small) if s.name == args.child)
         rep.run(section._replace(isolated=False))
         if cuda:
             rep.launched += [{**k, "section": section.name} for k in compiled_kernels()]
@@ -1555,15 +1521,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     found = preflight(cuda, os.environ)
-    failures = preflight_failures(found)
     env = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "triton_mode": "compiled" if cuda and os.environ.get("TRITON_INTERPRET", "") in ("", "0")
            else "interpreted", "preflight": found}
-    if failures or args.preflight:
+    failed = not all(why.startswith("ok") for why in found.values())
+    if failed or args.preflight:
         out.mkdir(parents=True, exist_ok=True)
         put(out / "env.json", dump(env))
         print("\n".join(f"preflight: {what}: {why}" for what, why in found.items()))
-        if failures:
+        if failed:
             print(f"the compiled path cannot work here; nothing run (env.json in {out})")
             return 2
         return 0
@@ -1571,22 +1537,19 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(env), flush=True)
 
     rep = Report(out, env, args.budget_s)
-    sections = plan(torch, dev, rep, cuda, small, out)
-    previous = None
-    if args.resume:
-        path = out / "sections.json"
-        if not path.is_file():
-            ap.error(f"--resume: no earlier run in {out} (no sections.json)")
-        previous = {s["section"]: s["status"] for s in json.loads(path.read_text())}
-    try:
-        chosen = select(sections, args.sections, args.skip, previous)
-    except ValueError as exc:
-        ap.error(str(exc))
+    sections = plan(torch, dev, rep, cuda, small)
+    if args.resume and not (out / "sections.json").is_file():
+        ap.error(f"--resume: no earlier run in {out} (no sections.json)")
     if args.resume or args.sections or args.skip:  # one result with the earlier run's
-        rep.resume_from(out, {s.name for s in chosen})
+        rep.load_earlier()
     else:  # a fresh run: no section file of an earlier one stays beside this one's
         for old in out.glob("children/*.json"):
             old.unlink()
+    finished = {s["section"] for s in rep.sections if args.resume and s["status"].startswith("done")}
+    try:
+        chosen = select(sections, args.sections, args.skip, finished)
+    except ValueError as exc:
+        ap.error(str(exc))
     # a child is given this call's arguments (it uses --cpu-smoke) and the folder
     child_args = [*(sys.argv[1:] if argv is None else argv), "--out", str(out)]
     rep.write()

@@ -156,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_lab.moe.layer import MoELayer
     from moe_lab.parallel.ep import clip_grad_norm_ep, from_layer, sync_gradients
     from moe_lab.parallel.merged_model import MergedModelStep
-    from moe_lab.training.optim import BETAS, param_groups
+    from moe_lab.training.optim import BETAS, Schedule, param_groups
     from moe_lab.workbench.ranks.launch import choose_backend, init_from_env
-    from moe_lab.workbench.training.loop import TrainConfig, lr_at
 
     args = parse_args(argv)
     try:  # refused on every rank alike (e.g. --backend nccl with fewer GPUs than local ranks)
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = model_dtype(device)
     model.to(device, dtype)
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=BETAS)
-    schedule = TrainConfig(steps=args.steps, lr=args.lr, warmup_steps=max(1, args.steps // 10))
+    schedule = Schedule(lr=args.lr, warmup_steps=max(1, args.steps // 10), steps=args.steps)
     corpus = SyntheticCorpus(seq_len=cfg.seq_len, seed=args.seed)
     data_gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batches
     tokens_per_step = args.batch_size * cfg.seq_len * world
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         batch = corpus.sample(args.batch_size, generator=data_gen)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
+            group["lr"] = schedule.lr_at(step)
         optimizer.zero_grad(set_to_none=True)
         if merged is not None:
             loss = merged.step(batch.x.to(device), batch.y.to(device), args.microbatches)

@@ -86,9 +86,8 @@ class Capabilities:
     def to_dict(self) -> dict:
         """A JSON-ready dict of the fields, in their order, with the hardware label after the
         device name."""
-        fields = asdict(self)
-        named = {"device": self.device, "device_name": self.device_name}
-        return {**named, "hardware_label": self.hardware_label(), **fields}
+        return {"device": self.device, "device_name": self.device_name,
+                "hardware_label": self.hardware_label(), **asdict(self)}
 
 
 # CPU flags of bf16 matmul instructions: with them a CPU's bf16 GEMMs run about twice its
@@ -96,7 +95,7 @@ class Capabilities:
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
+def cpuinfo() -> tuple[str, set[str]]:
     """The CPU's model name and feature flags from ``/proc/cpuinfo`` (empty where absent)."""
     model, flags = "", set()
     try:
@@ -145,7 +144,7 @@ def capabilities() -> Capabilities:
         cc = tuple(torch.cuda.get_device_capability(0))
         n_devices = torch.cuda.device_count()
     else:
-        device_name = _cpuinfo()[0] or platform.processor() or platform.machine() or "unknown cpu"
+        device_name = cpuinfo()[0] or platform.processor() or platform.machine() or "unknown cpu"
         cc, n_devices = None, 1
     triton_mode = "absent" if TRITON_MISSING else "interpreted" if interprets_triton(cuda) else "compiled"
     if triton_mode == "compiled" and cc and not gpu_arch(cc).bf16_mma:  # Triton supports sm_80 on
@@ -162,7 +161,7 @@ def capabilities() -> Capabilities:
         native_mxfp8=cc is not None and cc >= MXFP8_MIN_CAPABILITY,
         has_grouped_mm=hasattr(torch, "_grouped_mm"),
         versions=library_versions(),
-        cpu_bf16=bool(_cpuinfo()[1] & CPU_BF16_FLAGS),
+        cpu_bf16=bool(cpuinfo()[1] & CPU_BF16_FLAGS),
     )
 
 

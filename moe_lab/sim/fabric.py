@@ -142,21 +142,18 @@ class LeafSpine:
 class Flows:
     """The flows of a traffic matrix and the links each crosses.
 
-    ``links[f]``: the physical links of flow ``f``, one per hop (host up, leaf up, spine
-    down, host down); ``-1`` where there is no single link: the middle hops of intra-leaf
-    flows, and of adaptively routed flows, which cross every spine.
-    ``rate_links`` / ``rate_capacity``: the links the rate allocation sees — the physical
-    ones for ECMP; for adaptive routing each leaf's uplinks (and downlinks from the spine
-    layer) merged into one link of ``n_spine`` times the capacity. ``spine[f]``: the ECMP
-    choice (``-1`` intra-leaf or adaptive).
+    ``rate_links[f]``: the links of flow ``f`` the rate allocation sees, one per hop (host up,
+    leaf up, spine down, host down; ``-1`` for the middle hops of an intra-leaf flow) — the
+    physical ones for ECMP; for adaptive routing, which crosses every spine, each leaf's
+    uplinks (and downlinks from the spine layer) merged into one link of ``n_spine`` times the
+    capacity, ``rate_capacity``. ``spine[f]``: the ECMP choice (``-1`` intra-leaf or adaptive).
+    ``link_bytes``: the bytes on every physical link.
     """
 
     routing: str
     src: np.ndarray
-    dst: np.ndarray
     nbytes: np.ndarray
     spine: np.ndarray
-    links: np.ndarray
     link_bytes: np.ndarray
     rate_links: np.ndarray
     rate_capacity: np.ndarray
@@ -196,7 +193,7 @@ def route(topo: LeafSpine, traffic: np.ndarray, routing: str = "ecmp",
     if routing == "adaptive":
         link_bytes[2 * H:] /= S  # every spine carries 1/S of each inter-leaf flow
     link_bytes = _physical(link_bytes, routing, topo)
-    return Flows(routing, src, dst, nbytes, spine, links, link_bytes, rate_links, rate_capacity)
+    return Flows(routing, src, nbytes, spine, link_bytes, rate_links, rate_capacity)
 
 
 # ---------------------------------------------------------------------------- burst model

@@ -114,7 +114,8 @@ _INDEX_PUT = {aten.index_put, aten.index_put_, aten._index_put_impl_}
 _COPIES = {aten._to_copy, aten.copy_}
 # The ATen operators of SYNC_OPS that sync in some forms only: `_classify` looks at their arguments.
 _SOMETIMES = {aten.index, aten.repeat_interleave, aten.histc, *_INDEX_PUT, *_COPIES}
-_ALWAYS = {getattr(aten, name[5:]) for name in SYNC_OPS if name.startswith("aten.")} - _SOMETIMES
+# The ATen operators of SYNC_OPS that sync in every form (a profiler's events name them too).
+ALWAYS_SYNCS = {getattr(aten, name[5:]) for name in SYNC_OPS if name.startswith("aten.")} - _SOMETIMES
 # Host reads that bypass the dispatcher on a CPU, seen by the function mode.
 _HOST_READS = {getattr(torch.Tensor, name[7:]): name for name in SYNC_OPS if name.startswith("Tensor.")}
 
@@ -156,7 +157,7 @@ def bind_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> di
 def _classify(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
     """The sync this operator call causes, as a readable name, or None."""
     packet = func.overloadpacket
-    if packet in _ALWAYS:
+    if packet in ALWAYS_SYNCS:
         return str(func)
     if packet not in _SOMETIMES:
         return None

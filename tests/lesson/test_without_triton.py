@@ -84,7 +84,7 @@ from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.benchmarks.router import build_providers
 
 out["triton_mode"] = capabilities().triton_mode
-providers, notes = build_providers(cfg.moe, "cpu")
+providers, notes = build_providers(cfg.moe)
 out["bench_providers"], out["bench_notes"] = sorted(providers), notes
 out["triton_in_modules"] = sys.modules.get("triton", "absent") is None
 print(json.dumps(out))

@@ -17,7 +17,7 @@ MODULE_LINES = 600  # its largest module
 # Code lines (`code_lines`): issue 48's budgets, 6,500 for the lesson (met) and 18,500 for the
 # package with its scripts (a ratchet on the way). Lower them as code goes; never raise them.
 LESSON_CODE_LINES = 6_500
-PACKAGE_CODE_LINES = 18_840
+PACKAGE_CODE_LINES = 18_680
 FUNCTION_LINES = 60  # a lesson function, docstring included
 KERNEL_LINES = 100  # a @triton.jit kernel reads best whole
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 
 from moe_lab.parallel.plan import SCHEDULES
+from moe_lab.workbench.cli import positive_float, positive_int
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.ranks import netem
 from moe_lab.workbench.ranks.harness import merged_rank_main
@@ -101,9 +102,7 @@ def run_ep_benchmark(ranks: int, rate_mbit: float | None, spec: dict, timeout_s:
     # report["backend"] and ["device"] are the ranks' own
     return {**reports[0], "link": description, "link_emulated": link is not None,
             "rate_mbit": rate_mbit if link is not None else None, "backend_reason": backend_reason,
-            "notes": notes, "threads_per_rank": threads_per_rank,
-            "per_rank_exposed_s": [r["exposed_s"] for r in reports],
-            "timelines_all_ranks": [r["timelines"] for r in reports]}
+            "notes": notes, "threads_per_rank": threads_per_rank}
 
 
 def summarize(report: dict) -> dict:
@@ -204,23 +203,23 @@ def record_sweep(rows: list[dict], ranks: int, notebook: str = "bench:ep") -> di
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks (must divide 8 experts)")
+    parser.add_argument("--ranks", type=positive_int, default=2, help="gloo ranks (must divide 8 experts)")
     parser.add_argument("--profile", default="smoke", choices=list(PROFILES))
-    parser.add_argument("--rate-mbit", type=float, default=DEFAULT_RATE_MBIT,
+    parser.add_argument("--rate-mbit", type=positive_float, default=DEFAULT_RATE_MBIT,
                         help="emulated link rate per rank and direction, Mbit/s")
     parser.add_argument("--no-link", action="store_true", help="loopback: do not emulate a link")
-    parser.add_argument("--tokens", type=int, default=None,
+    parser.add_argument("--tokens", type=positive_int, default=None,
                         help="tokens per rank and micro-batch (overrides profile)")
-    parser.add_argument("--chunks", type=int, default=None, help="chunks per micro-batch (overrides profile)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed units per schedule")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--chunks", type=positive_int, help="chunks per micro-batch (overrides profile)")
+    parser.add_argument("--repeats", type=positive_int, default=None, help="timed units per schedule")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep the tuning knobs (chunks, threads per rank)")
     parser.add_argument("--notebook", default="bench:ep", help="ledger 'notebook' field")
 
 
 def run(args: argparse.Namespace) -> dict:
-    # The sizes are checked at the door (`moe_lab.workbench.cli.bench.check_sizes`).
+    # The sizes are checked at the door (their argparse types).
     spec = spec_for(args.profile, args.ranks, args.tokens, args.chunks, args.repeats)
     rate = None if args.no_link else args.rate_mbit
     report = run_ep_benchmark(args.ranks, rate, spec, threads_per_rank=args.threads)

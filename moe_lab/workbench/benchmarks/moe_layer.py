@@ -37,6 +37,7 @@ from moe_lab.perf.capabilities import capabilities
 from moe_lab.training.sync import count_syncs
 from moe_lab.workbench.benchmarks import untimed_triton
 from moe_lab.workbench.benchmarks.ttt.stacks import cpu_plugin_status
+from moe_lab.workbench.cli import non_negative_float, positive_int
 from moe_lab.workbench.measure import ceilings, ledger
 from moe_lab.workbench.measure.timing import compare
 from moe_lab.workbench.quiet import library_notes_silenced
@@ -340,8 +341,9 @@ def fusion_report(tokens: int = 1024, min_time_s: float = 0.3, notebook: str = "
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="all", choices=["all", *SHAPES])
     parser.add_argument("--profile", default="smoke", choices=list(TOKENS))
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per step (overrides profile)")
-    parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timing per provider")
+    parser.add_argument("--tokens", type=positive_int, help="tokens per step (overrides profile)")
+    parser.add_argument("--min-time", type=non_negative_float, default=0.5,
+                        help="seconds of timing per provider")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face blocks")
     parser.add_argument("--only", nargs="+", default=None, metavar="PROVIDER",
                         help="time only these providers besides naive (e.g. 'dropless torch')")
@@ -349,7 +351,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    # --tokens and --min-time are checked at the door (`moe_lab.workbench.cli.bench.check_sizes`).
+    # --tokens and --min-time are checked at the door (their argparse types).
     unknown = sorted(set(args.only or ()) - set(PROVIDERS))
     if unknown:  # before the slow part (the CPU plug-in's build, the ceiling's timing)
         raise ValueError(f"--only: unknown providers {unknown}; known {list(PROVIDERS)}")

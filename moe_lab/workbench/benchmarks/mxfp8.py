@@ -30,6 +30,7 @@ from moe_lab.attention import causal_attention
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.perf.hardware import gpu_spec, roofline
 from moe_lab.quant.mx import quantize
+from moe_lab.workbench.cli import positive_int
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.measure.ceilings import copy_bandwidth
 from moe_lab.workbench.measure.timing import bench
@@ -49,9 +50,9 @@ SIZES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=sorted(SIZES), default="smoke",
                         help="problem sizes (default: smoke)")
-    parser.add_argument("--size", type=int, nargs=2, metavar=("M", "K"),
+    parser.add_argument("--size", type=positive_int, nargs=2, metavar=("M", "K"),
                         help="quantizer input [M, K] (bf16); default from the profile")
-    parser.add_argument("--attention", type=int, nargs=4, metavar=("B", "H", "T", "D"),
+    parser.add_argument("--attention", type=positive_int, nargs=4, metavar=("B", "H", "T", "D"),
                         help="attention shape [batch, heads, seq, head_dim]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-record", action="store_true", help="do not append to the ledger")

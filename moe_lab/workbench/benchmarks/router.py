@@ -32,6 +32,7 @@ from moe_lab.config import MoEConfig
 from moe_lab.moe.router import route_from_logits, routing_agreement
 from moe_lab.perf.capabilities import capabilities
 from moe_lab.workbench.benchmarks import untimed_triton
+from moe_lab.workbench.cli import non_negative_float, positive_int
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.measure.kernel_count import count_compiled_kernels, count_kernels
 from moe_lab.workbench.measure.timing import compare
@@ -63,7 +64,7 @@ def floor_bytes(tokens: int, cfg: MoEConfig) -> int:
     return tokens * cfg.n_experts * 4 + tokens * cfg.top_k * (8 + 4)
 
 
-def build_providers(cfg: MoEConfig, device: str) -> tuple[dict, list[str]]:
+def build_providers(cfg: MoEConfig) -> tuple[dict, list[str]]:
     """``name -> (fn(logits, bias) -> RouterOutput, logits dtype)`` and notes. A compiled
     provider carries its ``torch.compile`` object as ``fn.compiled``."""
     notes: list[str] = []
@@ -106,7 +107,7 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0) -
     logits64 = (torch.randn(tokens, cfg.n_experts, generator=g, dtype=torch.float64) * 2).to(device)
     bias = (torch.randn(cfg.n_experts, generator=g) * 0.01).to(device)
     inputs = {torch.float64: logits64, torch.float32: logits64.float()}
-    providers, notes = build_providers(cfg, device)
+    providers, notes = build_providers(cfg)
     want = {dt: route_from_logits(x, cfg, bias) for dt, x in inputs.items()}
 
     kernels, ids_vs_fp64, calls = {}, {}, {}
@@ -151,8 +152,9 @@ def record(result: dict, notebook: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="all", choices=["all", *SHAPES])
     parser.add_argument("--profile", default="smoke", choices=["smoke", "full"])
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per call (overrides profile)")
-    parser.add_argument("--min-time", type=float, default=0.5, help="seconds of timing per provider")
+    parser.add_argument("--tokens", type=positive_int, help="tokens per call (overrides profile)")
+    parser.add_argument("--min-time", type=non_negative_float, default=0.5,
+                        help="seconds of timing per provider")
     parser.add_argument("--notebook", default="bench:router", help="ledger 'notebook' field")
 
 

@@ -32,6 +32,7 @@ from moe_lab.training.build import build_model, random_batch
 from moe_lab.training.graphs import GraphedStep
 from moe_lab.training.steps import StepConfig, SyncFreeStep
 from moe_lab.training.sync import count_syncs
+from moe_lab.workbench.cli import positive_int
 from moe_lab.workbench.demos.ladder import ladder_step
 from moe_lab.workbench.measure import ledger
 from moe_lab.workbench.measure.host_overhead import count_ops
@@ -148,7 +149,7 @@ def run_step_bench(preset: str, batch_size: int, min_time_s: float, compile: boo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
-    parser.add_argument("--batch-size", type=int, default=2,
+    parser.add_argument("--batch-size", type=positive_int, default=2,
                         help="sequences per step (small = launch-bound on a GPU)")
     parser.add_argument("--profile", default="smoke", choices=list(MIN_TIME))
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
@@ -156,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    # --batch-size is checked at the door (`moe_lab.workbench.cli.bench.check_sizes`).
+    # --batch-size is checked at the door (its argparse type).
     result = run_step_bench(args.preset, args.batch_size, MIN_TIME[args.profile], compile=not args.no_compile)
     extra = {"preset": args.preset, "batch_size": args.batch_size}
     for row in result["rows"]:  # a figure not counted for a provider is None

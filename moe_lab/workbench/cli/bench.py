@@ -6,15 +6,9 @@ import argparse
 import importlib
 import sys
 
-from moe_lab.checks import non_negative_number, positive_int, positive_number
 from moe_lab.workbench.benchmarks import BENCHMARKS
 from moe_lab.workbench.jsonout import dumps
 from moe_lab.workbench.measure import ledger
-
-#: The arguments that size a benchmark's work: each value given must be a positive integer
-#: (``--tokens 0`` is not "the default", ``--size 0 0`` is no measurement).
-SIZE_ARGUMENTS = ("tokens", "size", "attention", "batch_size", "chunks", "repeats", "ranks",
-                  "threads", "seeds", "max_steps")
 
 
 def _format(result: dict) -> str:
@@ -31,19 +25,10 @@ def _format(result: dict) -> str:
 
 
 def check_sizes(args: argparse.Namespace) -> None:
-    """Refuse, before anything runs or is recorded, a size that is not a positive integer, a
-    ``--min-time`` that is not a finite number of seconds >= 0, a ``--rate-mbit`` that is not a
-    number > 0, an MX quantizer size that is not whole blocks, and sizes whose tensors need more
-    memory than this machine has (`moe_lab.memory.check_fits`, naming how much)."""
-    for name in SIZE_ARGUMENTS:
-        values = getattr(args, name, None)
-        for value in values if isinstance(values, list) else [values]:
-            if value is not None:
-                positive_int(value, f"--{name.replace('_', '-')}")
-    if getattr(args, "min_time", None) is not None:
-        non_negative_number(args.min_time, "--min-time")
-    if getattr(args, "rate_mbit", None) is not None:
-        positive_number(args.rate_mbit, "--rate-mbit")
+    """Refuse, before anything runs or is recorded, an MX quantizer size that is not whole blocks
+    and sizes whose tensors need more memory than this machine has (`moe_lab.memory.check_fits`,
+    naming how much). Each size's own kind (a positive integer, ``--tokens 0`` is not "the
+    default") is its argparse type, given where the benchmark adds it."""
     if args.benchmark == "mxfp8" and args.size:
         from moe_lab.quant.mx import BLOCK_SIZE
 

@@ -10,7 +10,6 @@ tile-traffic and roofline tables from its reports (`write_tables`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from moe_lab.config import PRESETS, preset
@@ -23,7 +22,7 @@ def env_command(args: argparse.Namespace) -> int:
     from moe_lab.perf.capabilities import capabilities
 
     caps = capabilities()
-    print(json.dumps(caps.to_dict()) if args.json else caps.summary())
+    print(jsonout.dumps(caps.to_dict()) if args.json else caps.summary())
     return 0
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from moe_lab.kernels import fused_moe, fused_mxfp8, mx_gemm
+from moe_lab.kernels import fused_moe, fused_mxfp8, grouped_gemm, mx_gemm
 from moe_lab.kernels.grouped_gemm import DW_GROUP_K, choose_config, tile_group
 from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import ARCHS, GPUS, gpu_spec
@@ -33,12 +34,12 @@ RESULTS = Path(__file__).resolve().parents[3] / "results" / "compile"
 REPORT = RESULTS / "sm_90.json"
 # The acceptance table's launches, at `choose_config`'s tiles, as `KERNEL_LAUNCHES` (below) writes
 # them.
-LAUNCHES = (("forward (down)", "_grouped_gemm_kernel", "grouped", "gemm", "grouped GEMM forward (down",
+LAUNCHES = (("forward (down)", "_grouped_gemm_kernel", grouped_gemm, "gemm", "grouped GEMM forward (down",
              "d", "f", dict(b_panels=1)),
-            ("dX (down)", "_grouped_gemm_kernel", "grouped", "gemm", "grouped GEMM dX", "f", "d",
+            ("dX (down)", "_grouped_gemm_kernel", grouped_gemm, "gemm", "grouped GEMM dX", "f", "d",
              dict(b_panels=1)),
-            ("gather + SwiGLU forward", "_gather_swiglu_kernel", "grouped", "swiglu", "SwiGLU GEMM forward",
-             "f", "d", dict(b_panels=2)))
+            ("gather + SwiGLU forward", "_gather_swiglu_kernel", grouped_gemm, "swiglu",
+             "SwiGLU GEMM forward", "f", "d", dict(b_panels=2)))
 
 
 @functools.cache
@@ -89,35 +90,6 @@ def _models(models: tuple[str, ...] | None):
     for model, per_expert, experts, d_model, d_expert in ACCEPTANCE:
         if models is None or model in models:
             yield model, per_expert, experts, {"d": d_model, "f": d_expert, "2f": 2 * d_expert}
-
-
-def _grouped_launch(spec, report: dict, per_expert: int, experts: int, n: int, k: int, cfg: LaunchConfig,
-                    kernel: str, label: str, keywords: dict, always_aligned: bool) -> dict:
-    """One launch's row, shared by `tables` and `kernel_tables`: the row-fastest and grouped
-    orders at ``cfg``'s tile and the compile report's resident blocks (``kernel`` at the row
-    whose label holds ``label``), and the grouped order with its waves on expert bounds — always,
-    or (not ``always_aligned``) only where the grouped order is above compulsory and its waves
-    straddle experts (``aligned`` None otherwise)."""
-    b = cfg.blocks
-    in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
-    group = tile_group(per_expert * experts, experts, b["BLOCK_M"])
-    expert_tiles = -(-per_expert // b["BLOCK_M"]) * -(-n // b["BLOCK_N"])
-    aligned = on_expert_bounds(expert_tiles, in_flight)
-
-    def run(order, flight: int):
-        return _simulated(simulate, (per_expert,) * experts, n, k, b["BLOCK_M"], b["BLOCK_N"], b["BLOCK_K"],
-                          in_flight=flight, l2_bytes=spec.l2_bytes, order=order, **keywords)
-
-    traffic = {"row": run("row", in_flight), "grouped": run(group, in_flight)}
-    if always_aligned or (traffic["grouped"].ratio > 1.005 and aligned != in_flight):
-        traffic["aligned"] = run(group, aligned)
-    return {"gpu": spec.name, "per_expert": per_expert, "experts": experts, "n": n, "k": k,
-            "panels": keywords.get("b_panels", 1), "tiles": "x".join(map(str, b.values())),
-            "in_flight": in_flight, "programs": expert_tiles * experts, "expert_tiles": expert_tiles,
-            "aligned_in_flight": aligned, "group_m": group, "compulsory": traffic["row"].compulsory,
-            "aligned": None, "aligned_bytes": None,
-            **{f"{name}_bytes": t.total for name, t in traffic.items()},
-            **{name: t.ratio for name, t in traffic.items()}}
 
 
 def tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,
@@ -171,71 +143,87 @@ def dw_tables(results: Path = RESULTS) -> list[dict]:
 
 
 # The other grouped kernels, each over expert after expert's rows in `tile_order`: (launch, kernel,
-# what picks its tile, choose_config kind, compile-report label piece, N, K, traffic keywords of
-# `moe_lab.perf.traffic.simulate`), N and K from (d_model, d_expert). The label piece finds the
-# kernel's row at the launch's tile in either preset's part of the report (occupancy depends on
-# the compile, not on the routed rows). A gather prologue reads the routed rows of its token
-# rows (counted as routed rows: a token's rows for its top-k experts are read apart); a scatter
-# epilogue writes the token-major [T·k, N] rows, as many as the routed rows.
+# the kernel module whose launch_config picks its tile, its kind there, compile-report label piece,
+# N, K, traffic keywords of `moe_lab.perf.traffic.simulate`), N and K from (d_model, d_expert). The
+# label piece finds the kernel's row at the launch's tile in either preset's part of the report
+# (occupancy depends on the compile, not on the routed rows). A gather prologue reads the routed
+# rows of its token rows (counted as routed rows: a token's rows for its top-k experts are read
+# apart); a scatter epilogue writes the token-major [T·k, N] rows, as many as the routed rows.
 KERNEL_LAUNCHES = (
-    ("dX (up/gate)", "_grouped_gemm_kernel", "grouped", "gemm",
+    ("dX (up/gate)", "_grouped_gemm_kernel", grouped_gemm, "gemm",
      "dX = dY·Wᵀ (the forward kernel on a transposed W; up/gate", "d", "2f", {}),
-    ("SwiGLU backward", "_grouped_gemm_swiglu_kernel", "grouped", "swiglu", "SwiGLU backward", "f", "d",
+    ("SwiGLU backward", "_grouped_gemm_swiglu_kernel", grouped_gemm, "swiglu", "SwiGLU backward", "f", "d",
      dict(b_panels=2, c_bytes=4, epilogue_bytes=2)),
-    ("fused down + weighted scatter", "_gemm_scatter_kernel", "fused", "gemm",
+    ("fused down + weighted scatter", "_gemm_scatter_kernel", fused_moe, "gemm",
      "down projection + weighted scatter (the combine), token-major", "d", "f", {}),
-    ("fused dX (up/gate) + scatter", "_gemm_scatter_kernel", "fused", "gemm",
+    ("fused dX (up/gate) + scatter", "_gemm_scatter_kernel", fused_moe, "gemm",
      "dX of the up/gate projection + scatter to tokens, token-major", "d", "2f", {}),
-    ("fused combine backward", "_gather_gemm_kernel", "fused", "gemm", "combine backward", "f", "d",
+    ("fused combine backward", "_gather_gemm_kernel", fused_moe, "gemm", "combine backward", "f", "d",
      dict(epilogue_bytes=2)),
-    ("fused gather + SwiGLU backward", "_gather_swiglu_kernel", "fused", "swiglu", "SwiGLU GEMM backward",
+    ("fused gather + SwiGLU backward", "_gather_swiglu_kernel", fused_moe, "swiglu", "SwiGLU GEMM backward",
      "f", "d", dict(b_panels=2, c_bytes=4, epilogue_bytes=2)),
-    ("MXFP8 grouped GEMM (up/gate)", "_grouped_mx_gemm_kernel", "mx", None, "grouped MXFP8 GEMM", "2f", "d",
+    ("MXFP8 grouped GEMM (up/gate)", "_grouped_mx_gemm_kernel", mx_gemm, None, "grouped MXFP8 GEMM", "2f",
+     "d", dict(a_bytes=1, b_bytes=1, scaled="ab")),
+    ("MXFP8 grouped GEMM (down)", "_grouped_mx_gemm_kernel", mx_gemm, None, "grouped MXFP8 GEMM", "d", "f",
      dict(a_bytes=1, b_bytes=1, scaled="ab")),
-    ("MXFP8 grouped GEMM (down)", "_grouped_mx_gemm_kernel", "mx", None, "grouped MXFP8 GEMM", "d", "f",
-     dict(a_bytes=1, b_bytes=1, scaled="ab")),
-    ("fused gather + SwiGLU + MXFP8 quantize", "_gather_swiglu_mx_kernel", "fused_mx", "swiglu",
+    ("fused gather + SwiGLU + MXFP8 quantize", "_gather_swiglu_mx_kernel", fused_mxfp8, "swiglu",
      "MXFP8-quantize epilogue", "f", "d", dict(b_panels=2, c_bytes=1, scaled="c")),
-    ("fused MXFP8 down + weighted scatter", "_gemm_scatter_mx_kernel", "fused_mx", "gemm",
+    ("fused MXFP8 down + weighted scatter", "_gemm_scatter_mx_kernel", fused_mxfp8, "gemm",
      "A as MXFP8 codes", "d", "f", dict(a_bytes=1, scaled="a")),
 )
 
 
-def kernel_config(source: str, kind: str | None, m: int, n: int, k: int, experts: int,
+def kernel_config(module: types.ModuleType, kind: str | None, m: int, n: int, k: int, experts: int,
                   gpu: str) -> LaunchConfig:
-    """The `LaunchConfig` a CUDA launch of a `KERNEL_LAUNCHES` kernel takes on ``gpu``: the grouped
-    GEMM's `choose_config`, the fused kernels' and the MXFP8 ones' own ``launch_config`` (the
-    grouped MXFP8 GEMM's by the ``MX_MMA`` the GPU compiles: block-scaled where it has MXFP8 tensor
-    cores, ``fp8_promote`` on Hopper)."""
-    if source == "grouped":
-        return choose_config(kind, m, n, k, experts, torch.bfloat16)
-    if source == "fused":
-        return fused_moe.launch_config(kind, m, n, k, experts, interpreted=False)
-    if source == "fused_mx":
-        return fused_mxfp8.launch_config(kind, m, n, k, experts, interpreted=False)
-    mma = "scaled" if gpu_spec(gpu).native_mxfp8 else "fp8_promote"  # "mx"
-    return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
+    """The `LaunchConfig` a CUDA launch of a `KERNEL_LAUNCHES` kernel takes on ``gpu``: its kernel
+    module's own ``launch_config`` in bfloat16 (the grouped GEMM's, the fused kernels', the MXFP8
+    ones'; the grouped MXFP8 GEMM's by the ``MX_MMA`` the GPU compiles: block-scaled where it has
+    MXFP8 tensor cores, ``fp8_promote`` on Hopper)."""
+    if module is mx_gemm:
+        mma = "scaled" if gpu_spec(gpu).native_mxfp8 else "fp8_promote"
+        return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
+    return module.launch_config(kind, m, n, k, experts, interpreted=False)
 
 
 def _launch_rows(spec, report: dict, models: tuple[str, ...] | None, launches: tuple[str, ...] | None,
                  table: tuple, acceptance: bool):
-    """The rows of ``table`` (`LAUNCHES`: ``acceptance``, always with its waves on expert bounds,
-    or `KERNEL_LAUNCHES`) on one GPU, each with the least bytes one wave touches over its K sweep."""
+    """The rows of ``table`` (`LAUNCHES`: ``acceptance``, or `KERNEL_LAUNCHES`) on one GPU: the
+    row-fastest and grouped orders at the launch's tile (`kernel_config`) and the compile report's
+    resident blocks (``kernel`` at the row whose label holds the launch's label piece); the grouped
+    order with its waves on expert bounds — always for ``acceptance``, otherwise only where the
+    grouped order is above compulsory and its waves straddle experts (``aligned`` None otherwise);
+    and the least bytes one wave touches over its K sweep."""
     for model, per_expert, experts, dims in _models(models):
         for launch, kernel, source, kind, label, n_dim, k_dim, keywords in table:
             if launches is not None and launch not in launches:
                 continue
             n, k = dims[n_dim], dims[k_dim]
             cfg = kernel_config(source, kind, per_expert * experts, n, k, experts, spec.name)
-            row = _grouped_launch(spec, report, per_expert, experts, n, k, cfg, kernel, label, keywords,
-                                  always_aligned=acceptance)
+            b = cfg.blocks
+            in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
+            group = tile_group(per_expert * experts, experts, b["BLOCK_M"])
+            expert_tiles = -(-per_expert // b["BLOCK_M"]) * -(-n // b["BLOCK_N"])
+            aligned = on_expert_bounds(expert_tiles, in_flight)
+            run = functools.partial(_simulated, simulate, (per_expert,) * experts, n, k, b["BLOCK_M"],
+                                    b["BLOCK_N"], b["BLOCK_K"], in_flight=in_flight, l2_bytes=spec.l2_bytes,
+                                    **keywords)
+            traffic = {"row": run(order="row"), "grouped": run(order=group)}
+            if acceptance or (traffic["grouped"].ratio > 1.005 and aligned != in_flight):
+                traffic["aligned"] = run(order=group, in_flight=aligned)
+            panels = keywords.get("b_panels", 1)
             # The least one wave touches over its K sweep (g row tiles x in_flight / g N tiles): above
             # the L2, nothing a wave reads survives to the next, whatever the order.
-            b, in_flight = cfg.blocks, row["in_flight"]
-            wave = min(k * 2 * (g * b["BLOCK_M"] + -(-in_flight // g) * b["BLOCK_N"] * row["panels"])
+            wave = min(k * 2 * (g * b["BLOCK_M"] + -(-in_flight // g) * b["BLOCK_N"] * panels)
                        for g in (1 << i for i in range(in_flight.bit_length())))
-            yield dict(model=model, launch=launch, kernel=kernel, mma="8-bit" if source == "mx" else "bf16",
-                       num_warps=cfg.num_warps, **row, wave_l2=wave / spec.l2_bytes)
+            yield {"model": model, "launch": launch, "kernel": kernel,
+                   "mma": "8-bit" if source is mx_gemm else "bf16", "num_warps": cfg.num_warps,
+                   "gpu": spec.name, "per_expert": per_expert, "experts": experts, "n": n, "k": k,
+                   "panels": panels, "tiles": "x".join(map(str, b.values())), "in_flight": in_flight,
+                   "programs": expert_tiles * experts, "expert_tiles": expert_tiles,
+                   "aligned_in_flight": aligned, "group_m": group, "compulsory": traffic["row"].compulsory,
+                   "aligned": None, "aligned_bytes": None,
+                   **{f"{name}_bytes": t.total for name, t in traffic.items()},
+                   **{name: t.ratio for name, t in traffic.items()}, "wave_l2": wave / spec.l2_bytes}
 
 
 def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None,

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from moe_lab.perf.capabilities import cpuinfo
 from moe_lab.workbench.filelock import file_lock
 
 HERE = Path(__file__).parent
@@ -77,15 +78,11 @@ def capability() -> str:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU has the AVX512_BF16 instructions (``avx512_bf16`` in Linux's
-    ``/proc/cpuinfo``): the kernels then round float32 to bfloat16 with them (one instruction
-    per 32 values; see ``cpu_bf16.h``). False elsewhere, where ATen's conversion serves."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if capability() != "AVX512" or not cpuinfo.exists():
-        return False
-    flags = [line.split() for line in cpuinfo.read_text(errors="replace").splitlines()
-             if line.startswith("flags")]
-    return bool(flags) and "avx512_bf16" in flags[0]
+    """Whether this CPU has the AVX512_BF16 instructions (``avx512_bf16`` among Linux's
+    ``/proc/cpuinfo`` flags, as `moe_lab.perf.capabilities` reads them): the kernels then round
+    float32 to bfloat16 with them (one instruction per 32 values; see ``cpu_bf16.h``). False
+    elsewhere, where ATen's conversion serves."""
+    return capability() == "AVX512" and "avx512_bf16" in cpuinfo()[1]
 
 
 def _flags() -> list[str]:

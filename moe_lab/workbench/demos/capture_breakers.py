@@ -154,9 +154,9 @@ def capture_gallery() -> list[dict]:
     for title, broken, fixed, make_args in CAPTURE_BREAKERS:
         refused = _refusal(broken, make_args())
         rows.append({"title": title, "broken_source": inspect.getsource(broken).strip(),
-       "fixed_source": inspect.getsource(fixed).strip(),
-       "op": None if refused is None else refused.op,
-       "fixed_passes": _refusal(fixed, make_args()) is None})
+                     "fixed_source": inspect.getsource(fixed).strip(),
+                     "op": None if refused is None else refused.op,
+                     "fixed_passes": _refusal(fixed, make_args()) is None})
     return rows
 
 

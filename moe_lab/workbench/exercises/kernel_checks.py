@@ -43,21 +43,17 @@ def launch_answer(name: str, kernel: object, grid: Sequence[int], *args: object,
     try:
         kernel[tuple(grid)](*args, **kwargs)
     except Exception as exc:  # the interpreter's and the compiler's errors have no common base
-        text = _messages(exc)
+        parts, seen, cause = [], set(), exc  # the messages of the exception and its causes
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            parts.append(f"{type(cause).__name__}: {cause}")
+            cause = cause.__cause__ or cause.__context__
+        text = "\n".join(parts)
         if NOT_DONE in text:
             raise NotDoneError(name, f"in {name}, replace the line `tl.static_assert(False, "
                                f"\"{NOT_DONE}\")` with your answer and run the cell again") from None
         last_lines = "\n".join([line for line in text.splitlines() if line.strip()][-12:])
         raise ExerciseError(f"{name}: your Triton code failed to run:\n{last_lines}") from None
-
-
-def _messages(exc: BaseException) -> str:
-    parts, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        parts.append(f"{type(exc).__name__}: {exc}")
-        exc = exc.__cause__ or exc.__context__
-    return "\n".join(parts)
 
 
 def where_differs(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> tuple | None:

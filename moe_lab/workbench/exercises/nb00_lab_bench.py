@@ -38,7 +38,11 @@ def moe_layer_training_flops(moe: MoEConfig) -> float:
     return float(macs * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
 
 
-def _layer_configs(rng: random.Random, trials: int) -> list[MoEConfig]:
+@exercise(moe_layer_training_flops)
+def check_moe_layer_training_flops(fn: Callable[[MoEConfig], float], trials: int = 16) -> None:
+    """Raise `ExerciseError` unless ``fn(moe)`` matches `moe_lab.perf.flops`' count of one
+    MoE layer (router + routed + shared experts), on the presets and random configurations."""
+    rng = random.Random()
     configs = [preset(name).moe for name in ("deepseek_v3", "gpt_oss_20b", "small", "tiny")]
     while len(configs) < trials:
         n_experts = rng.choice([4, 8, 16, 64, 128, 256])
@@ -47,15 +51,7 @@ def _layer_configs(rng: random.Random, trials: int) -> list[MoEConfig]:
                                  top_k=rng.randint(1, min(8, n_experts)),
                                  d_expert=rng.choice([64, 512, 2048, 2880]),
                                  n_shared_experts=rng.choice([0, 0, 1, 2])))
-    return configs
-
-
-@exercise(moe_layer_training_flops)
-def check_moe_layer_training_flops(fn: Callable[[MoEConfig], float], trials: int = 16) -> None:
-    """Raise `ExerciseError` unless ``fn(moe)`` matches `moe_lab.perf.flops`' count of one
-    MoE layer (router + routed + shared experts), on the presets and random configurations."""
-    rng = random.Random()
-    for moe in _layer_configs(rng, trials):
+    for moe in configs:
         model = preset("tiny", d_model=moe.d_model, moe=moe)  # what moe_lab.perf.flops takes
         want = float((router_macs(model) + moe_mlp_macs(model)) * FLOPS_PER_MAC * TRAIN_MULTIPLIER)
         got = call_answer(fn, moe)

@@ -183,17 +183,17 @@ def grouped_matmul_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M_ROWS, N, K,
 GROUPED_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}
 
 
-def run_grouped_matmul(lookup: object, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-                       blocks: dict[str, int] | None = None) -> torch.Tensor:
-    """``grouped_matmul_kernel`` with ``lookup`` as its ``EXPERT_ROWS``: ``y: [M, N]``
-    float32, rows past ``offsets[E]`` NaN (no program owns them)."""
-    blocks = {**GROUPED_BLOCKS, **(blocks or {})}
+def run_grouped_matmul(lookup: object, x: torch.Tensor, w: torch.Tensor,
+                       offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_matmul_kernel`` with ``lookup`` as its ``EXPERT_ROWS``, at `GROUPED_BLOCKS`:
+    ``y: [M, N]`` float32, rows past ``offsets[E]`` NaN (no program owns them)."""
     (m_rows, k), (n_experts, _, n) = x.shape, w.shape
     y = torch.full((m_rows, n), float("nan"), device=x.device)
-    grid = (n_experts, triton.cdiv(m_rows, blocks["BLOCK_M"]), triton.cdiv(n, blocks["BLOCK_N"]))
+    grid = (n_experts, triton.cdiv(m_rows, GROUPED_BLOCKS["BLOCK_M"]),
+            triton.cdiv(n, GROUPED_BLOCKS["BLOCK_N"]))
     if m_rows and n_experts:
         launch_answer("expert_rows", grouped_matmul_kernel, grid, x.contiguous(), w.contiguous(), y,
-                      offsets, m_rows, n, k, EXPERT_ROWS=lookup, **blocks)
+                      offsets, m_rows, n, k, EXPERT_ROWS=lookup, **GROUPED_BLOCKS)
     return y
 
 
@@ -231,12 +231,13 @@ def _check_claims(claims: torch.Tensor, offsets: torch.Tensor, where: str) -> No
 
 
 @exercise(expert_rows)
-def check_expert_rows(lookup: object, block_m: int = 16) -> None:
+def check_expert_rows(lookup: object) -> None:
     """Raise `ExerciseError` unless ``lookup`` gives every row of fresh offsets (empty
     experts, one expert with every row, segments shorter and longer than a tile, padding
     rows after ``offsets[E]``) to exactly one program, of its own expert, and drives the
     grouped matmul to `grouped_gemm_reference`'s result."""
     device = kernel_device()
+    block_m = GROUPED_BLOCKS["BLOCK_M"]  # the probe's tiles are the grouped matmul's
     rng = random.Random()
     cases = [[5, 0, 37, 16, 1, 0], [40], [0, 0, 23], [16, 16], [0],
              [rng.choice([0, 1, 7, 16, 17, 33]) for _ in range(6)]]
@@ -254,8 +255,7 @@ def check_expert_rows(lookup: object, block_m: int = 16) -> None:
         g = torch.Generator().manual_seed(rng.randrange(2**31))
         x = torch.randn(m_rows, 24, generator=g)
         w = torch.randn(len(counts), 24, 40, generator=g)
-        y = run_grouped_matmul(lookup, x.to(device), w.to(device), offsets.to(device),
-                               {"BLOCK_M": block_m}).cpu()
+        y = run_grouped_matmul(lookup, x.to(device), w.to(device), offsets.to(device)).cpu()
         want = grouped_gemm_reference(x, w, offsets)
         bad = where_differs(y[:total], want[:total], rtol=1e-4, atol=1e-4)
         if bad is not None:

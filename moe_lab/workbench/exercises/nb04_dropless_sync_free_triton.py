@@ -180,10 +180,6 @@ def _scheduled_gemm(x_ptr, w_ptr, y_ptr, offsets_ptr, M_ROWS, N, K, E,
     tl.store(y_ptrs, acc, mask=y_mask)
 
 
-def _segments(rng: random.Random, n_experts: int) -> list[int]:
-    return [rng.choice([0, 0, 1, 3, 5, 16, 17, 40]) for _ in range(n_experts)]
-
-
 @exercise(tile_schedule)
 def check_tile_schedule(schedule: object, block_m: int = 16) -> None:
     """Raise `ExerciseError` unless ``schedule`` gives every program of the grid
@@ -192,8 +188,8 @@ def check_tile_schedule(schedule: object, block_m: int = 16) -> None:
     and then drives a grouped GEMM to `grouped_gemm_reference`'s result."""
     device = kernel_device()
     rng = random.Random()
-    cases = [[5, 0, 6, 64, 13, 0, 7, 0], [0, 0, 0, 37], [16, 16, 16], [0, 0], _segments(rng, 8),
-             _segments(rng, 5)]
+    cases = [[5, 0, 6, 64, 13, 0, 7, 0], [0, 0, 0, 37], [16, 16, 16], [0, 0],
+             *([rng.choice([0, 0, 1, 3, 5, 16, 17, 40]) for _ in range(n)] for n in (8, 5))]
     for counts in cases:
         n_experts = len(counts)
         pad = rng.choice([0, 0, 5, 19])

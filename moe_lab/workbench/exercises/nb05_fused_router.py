@@ -110,6 +110,3 @@ def check_first_steps_bytes(fn: Callable) -> None:
                 f"{measured.bytes:,} in {measured.ops} kernels ({per_op}). Count, for each "
                 "kernel, every tensor it reads and the one it writes; a bool is 1 byte." + hint)
     print("✓ first_steps_bytes matches the measured bytes")
-
-
-# ------------------------------------------------------ Triton: the group-limited top-k

@@ -73,14 +73,6 @@ def _group_topk_kernel(scores_ptr, ids_ptr, T, FN: tl.constexpr, BLOCK_T: tl.con
     tl.store(ids_ptr + t[:, None] * TOP_K + k[None, :], ids.to(tl.int32), mask=t_ok[:, None])
 
 
-def group_limited_topk_reference(scores: torch.Tensor, n_groups: int, topk_groups: int,
-                                 top_k: int) -> torch.Tensor:
-    """The reference chain's selection: the group mask, then the top-k, ties to the lower
-    index (what `moe_lab.moe.router.route_from_logits` does between scores and ids)."""
-    mask = group_limited_mask(scores, n_groups, topk_groups)
-    return topk_lowest_index(scores.masked_fill(~mask, float("-inf")), top_k)
-
-
 @exercise(group_limited_topk)
 def check_group_limited_topk(fn: Callable) -> None:
     """Raise `ExerciseError` unless the learner's ``@triton.jit`` ``fn`` picks the reference's
@@ -96,7 +88,10 @@ def check_group_limited_topk(fn: Callable) -> None:
         scores = torch.rand(tokens, n_groups * per_group, generator=g)
         if ties:
             scores = (scores * 4).floor() / 4  # five values: equal scores and equal groups
-        want = group_limited_topk_reference(scores, n_groups, topk_groups, top_k)
+        # The reference chain's selection (`moe_lab.moe.router.route_from_logits` between scores
+        # and ids): the group mask, then the top-k, ties to the lower index.
+        kept = group_limited_mask(scores, n_groups, topk_groups)
+        want = topk_lowest_index(scores.masked_fill(~kept, float("-inf")), top_k)
         got = torch.full((tokens, top_k), -1, dtype=torch.int32, device=device)
         block_t = 64
         launch_answer("group_limited_topk", _group_topk_kernel, (triton.cdiv(tokens, block_t),),
@@ -115,8 +110,7 @@ def check_group_limited_topk(fn: Callable) -> None:
         elif torch.equal(got, topk_lowest_index(scores, top_k)):
             hint = " — that is the plain top-k: only experts of the best groups may be picked"
         else:
-            kept = group_limited_mask(scores, n_groups, topk_groups)[t]
-            outside = [e for e in got[t].tolist() if 0 <= e < kept.numel() and not kept[e]]
+            outside = [e for e in got[t].tolist() if 0 <= e < kept.shape[1] and not kept[t, e]]
             if outside:
                 hint = (f" — expert(s) {outside} are not in the token's {topk_groups} best groups "
                         "(a group's score is the sum of its two best experts)")

@@ -62,12 +62,15 @@ def _block_scale_kernel(x_ptr, out_ptr, ROWS, FN: tl.constexpr, BLOCK_R: tl.cons
     tl.store(out_ptr + r, FN(x).to(tl.int32), mask=r < ROWS)
 
 
-def _scale_blocks(g: torch.Generator) -> torch.Tensor:
-    """[n, 32] float32 blocks over 2^-140 .. 2^120, with zeros, subnormals, NaNs and maxima
-    on powers of two."""
-    n = 96
-    scale = torch.exp2(torch.randint(-140, 121, (n, 1), generator=g).float())
-    x = torch.randn(n, BLOCK_SIZE, generator=g) * scale
+@exercise(e8m0_block_scale)
+def check_e8m0_block_scale(fn: Callable) -> None:
+    """Raise `ExerciseError` unless the learner's ``@triton.jit`` ``fn`` gives every block of
+    a fresh random tile `block_scale_exponent`'s floor-rule byte."""
+    device = kernel_device()
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    # 96 blocks over 2^-140 .. 2^120, with zeros, subnormals, NaNs and maxima on powers of two.
+    scale = torch.exp2(torch.randint(-140, 121, (96, 1), generator=g).float())
+    x = torch.randn(96, BLOCK_SIZE, generator=g) * scale
     x[0].zero_()
     x[1] = torch.randn(BLOCK_SIZE, generator=g) * 2.0**-140  # every value subnormal
     x[2, 5] = float("nan")
@@ -75,16 +78,6 @@ def _scale_blocks(g: torch.Generator) -> torch.Tensor:
     x[3, 7] = -(2.0**20)  # a negative maximum, exactly a power of two
     x[4] = torch.full((BLOCK_SIZE,), 448.0)
     x[5, 0] = float("nan")
-    return x
-
-
-@exercise(e8m0_block_scale)
-def check_e8m0_block_scale(fn: Callable) -> None:
-    """Raise `ExerciseError` unless the learner's ``@triton.jit`` ``fn`` gives every block of
-    a fresh random tile `block_scale_exponent`'s floor-rule byte."""
-    device = kernel_device()
-    g = torch.Generator().manual_seed(random.randrange(2**31))
-    x = _scale_blocks(g)
     want = block_scale_exponent(x.abs().amax(1), E4M3, "floor")
     got = torch.full((x.shape[0],), -1, dtype=torch.int32, device=device)
     launch_answer("e8m0_block_scale", _block_scale_kernel, (triton.cdiv(x.shape[0], 64),),

@@ -77,10 +77,9 @@ def check_time_to_target(fn) -> None:
     """Raises ExerciseError unless ``fn(curve, target)`` returns the time of the first
     evaluation at or below the target (not the best one), or ``None``."""
     rng = random.Random(10)
-    cases = [(_curve(rng, 30), None) for _ in range(20)]
     flat = [{"step": 10, "time_s": 1.0, "eval_loss": 2.0}, {"step": 20, "time_s": 2.0, "eval_loss": 1.5},
             {"step": 30, "time_s": 3.0, "eval_loss": 1.7}, {"step": 40, "time_s": 4.0, "eval_loss": 1.2}]
-    for curve, _ in cases:
+    for curve in [_curve(rng, 30) for _ in range(20)]:
         losses = sorted(p["eval_loss"] for p in curve)
         for target in (losses[len(losses) // 2], losses[0] - 0.1, curve[0]["eval_loss"]):
             got = call_answer(fn, [dict(p) for p in curve], target)

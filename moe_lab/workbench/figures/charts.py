@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.patches import FancyBboxPatch
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 
 def ax_or_new(ax=None, figsize=(6, 3.5)):
@@ -23,6 +23,12 @@ def box(ax, x: float, y: float, w: float, h: float, text: str, color: str, fonts
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=style, facecolor=color, edgecolor="0.3",
                                 linewidth=0.8))
     ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
+
+
+def arrow(ax, start: tuple[float, float], end: tuple[float, float]) -> None:
+    """An arrow of a schematic from ``start`` to ``end`` (data coordinates), tip at ``end``."""
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=10, color="0.3",
+                                 shrinkA=0, shrinkB=0))
 
 
 def plot_tokens_per_expert(counts: Sequence[float], capacity: float | None = None, ax=None,

@@ -26,11 +26,8 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
     A, S = topo.n_leaf, topo.n_spine
     spine_x = np.linspace(0, 1, S + 2)[1:-1]
     leaf_x = np.linspace(0, 1, A + 2)[1:-1]
-    up = result.flows.link_bytes[topo.leaf_up(np.repeat(np.arange(A), S), np.tile(np.arange(S), A))]
-    down = result.flows.link_bytes[
-        topo.spine_down(np.tile(np.arange(S), A), np.repeat(np.arange(A), S))
-    ]
-    load = (up + down) / 2
+    up, down = result.uplink_bytes().reshape(2, A * S)  # leaf a -> spine s at a * S + s; down: s * A + a
+    load = (up + down.reshape(S, A).T.ravel()) / 2  # per leaf-spine pair, in the order of ``up``
     rel = load / (load.mean() or 1.0)  # an idle fabric: every link at 0
     # Centred on the mean; the scale stretches to the largest deviation so hot links show.
     spread = max(0.25, float(np.abs(rel - 1.0).max()))

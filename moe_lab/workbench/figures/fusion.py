@@ -4,13 +4,13 @@ Each function draws on an Axes (created if not given) and returns it."""
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 
 import numpy as np
-from matplotlib.patches import FancyArrowPatch
 
 from moe_lab.perf import fusion
-from moe_lab.workbench.figures.charts import ax_or_new, box
+from moe_lab.workbench.figures.charts import arrow, ax_or_new, box
 
 # (label, kind) per lane: kind "k" a kernel launch, "m" a tensor in memory (HBM). Each lane is the
 # forward of one `moe_lab.perf.fusion` variant, one "k" box per launch that variant counts, in
@@ -63,11 +63,6 @@ def _box(ax, x: float, y: float, label: str, kind: str) -> None:
     box(ax, x - _BOX_W / 2, y - _BOX_H / 2, _BOX_W, _BOX_H, text, color, 6.8, style)
 
 
-def _arrow(ax, start: tuple[float, float], end: tuple[float, float]) -> None:
-    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=10, color="0.3",
-                                 shrinkA=0, shrinkB=0))
-
-
 def plot_dataflow(ax=None):
     """The forward expert path as kernels (square boxes) and the tensors they write to memory
     (rounded boxes), the data flowing left to right: notebook 04's chain (its SwiGLU
@@ -85,12 +80,12 @@ def plot_dataflow(ax=None):
         for i, (label, kind) in enumerate(lane):
             _box(ax, xs[i], y, label, kind)
             if i:
-                _arrow(ax, (xs[i - 1] + edge, y), (xs[i] - edge, y))
+                arrow(ax, (xs[i - 1] + edge, y), (xs[i] - edge, y))
             side = SIDE_INPUTS.get(variant, {}).get(label)
             if side is not None:  # an extra input, under its kernel, flowing up into it
                 below = y - 0.65
                 _box(ax, xs[i], below, side, "m")
-                _arrow(ax, (xs[i], below + _BOX_H / 2 + _PAD + 0.03), (xs[i], y - _BOX_H / 2 - _PAD - 0.03))
+                arrow(ax, (xs[i], below + _BOX_H / 2 + _PAD + 0.03), (xs[i], y - _BOX_H / 2 - _PAD - 0.03))
     for x, style, color, what in ((11.0, "square", "#cfe2f3", "kernel launch"),
                                   (12.5, "round", "#fff2cc", "tensor in HBM")):  # the legend
         box(ax, x, -0.02, 0.3, 0.14, "", color, style=f"{style},pad={_PAD}")
@@ -132,14 +127,11 @@ def plot_projection(table: list[dict], gpus: tuple[str, ...] = ("H200", "GB300")
     ax = ax_or_new(ax, (8, 3.6))
     width = 0.8 / (len(presets) * len(gpus))
     x = np.arange(len(labels))
-    i = 0
-    for preset in presets:
-        for gpu in gpus:
-            by = {r["label"]: r[f"projected_ms_{gpu}"] for r in rows if r["preset"] == preset}
-            offset = (i - (len(presets) * len(gpus) - 1) / 2) * width
-            ax.bar(x + offset, [by.get(lab, 0) for lab in labels], width, hatch="//", alpha=0.75,
-                   label=f"{preset} · {gpu}")
-            i += 1
+    for i, (preset, gpu) in enumerate(itertools.product(presets, gpus)):
+        by = {r["label"]: r[f"projected_ms_{gpu}"] for r in rows if r["preset"] == preset}
+        offset = (i - (len(presets) * len(gpus) - 1) / 2) * width
+        ax.bar(x + offset, [by.get(lab, 0) for lab in labels], width, hatch="//", alpha=0.75,
+               label=f"{preset} · {gpu}")
     ax.set_xticks(x, labels, rotation=25, ha="right", fontsize=7.5)
     ax.set_ylabel("ms per layer (projection)")
     ax.set_title("PROJECTION: counted bytes / datasheet HBM bandwidth — not measured", fontsize=9)

@@ -33,13 +33,7 @@ from matplotlib.patches import Rectangle
 
 from moe_lab.perf import hardware
 from moe_lab.perf.traffic import grouped_order
-from moe_lab.workbench.figures.charts import ax_or_new, box
-
-
-def _arrow(ax: Axes, start: tuple[float, float], end: tuple[float, float]) -> None:
-    ax.annotate("", xy=end, xytext=start,
-                arrowprops=dict(arrowstyle="->", color="0.2", lw=1.2, shrinkA=2, shrinkB=2))
-
+from moe_lab.workbench.figures.charts import arrow, ax_or_new, box
 
 # ----------------------------------------------------------------------------------- (b)
 #: For each tensor-core instruction: (GPU generation, who issues it, where the operands travel
@@ -72,10 +66,10 @@ def plot_tensor_core_paths(ax: Axes | None = None) -> Axes:
         for place, y in zip(path, ys, strict=True):
             box(ax, x, y - h, w, h, place, _PLACE_COLOR[place])
         for y0, y1 in zip(ys, ys[1:], strict=False):
-            _arrow(ax, (x + w / 2, y0 - h), (x + w / 2, y1))
+            arrow(ax, (x + w / 2, y0 - h), (x + w / 2, y1))
         y_tc = ys[-1] - h / 2
         box(ax, x + w + 0.35, y_tc - h / 2, 1.05, h, f"acc. in\n{acc}", _PLACE_COLOR[acc], 7)
-        _arrow(ax, (x + w, y_tc), (x + w + 0.35, y_tc))
+        arrow(ax, (x + w, y_tc), (x + w + 0.35, y_tc))
     ax.set(xlim=(-0.3, 3 * 3.2 - 0.2), ylim=(-3 * gap - h - 0.15, 1.5))
     ax.axis("off")
     ax.set_title("tensor-core instructions: where operands and accumulator live (a schematic)",
@@ -110,11 +104,11 @@ def plot_tma_vs_cp_async(tile: int = 8, threads: int = 16, ax: Axes | None = Non
     ax.text(x0 + 5.2, 1.72, "tile in\nshared memory", ha="center", va="center", fontsize=8)
     box(ax, x0 + 2.3, 0.35, 1.3, 0.55, "mbarrier:\nexpects N bytes", "#e8daef", 7.5)
     box(ax, x0, 0.35, 1.6, 0.55, "warps: wait(phase),\nthen MMA", "#d6eaf8", 7.5)
-    _arrow(ax, (x0 + 1.6, 2.27), (x0 + 2.3, 2.27))
-    _arrow(ax, (x0 + 3.6, 2.27), (x0 + 4.2, 2.0))
-    _arrow(ax, (x0 + 4.2, 1.05), (x0 + 3.6, 0.7))
+    arrow(ax, (x0 + 1.6, 2.27), (x0 + 2.3, 2.27))
+    arrow(ax, (x0 + 3.6, 2.27), (x0 + 4.2, 2.0))
+    arrow(ax, (x0 + 4.2, 1.05), (x0 + 3.6, 0.7))
     ax.text(x0 + 4.3, 0.62, "bytes arrive", fontsize=7, va="center", color="0.25")
-    _arrow(ax, (x0 + 2.3, 0.62), (x0 + 1.6, 0.62))
+    arrow(ax, (x0 + 2.3, 0.62), (x0 + 1.6, 0.62))
     ax.text(x0 + 1.95, 0.2, "phase flips", fontsize=7, ha="center", va="center", color="0.25")
     ax.text(x0 + 3.1, 2.75, "TMA: one instruction per tile, no address math per thread;\n"
             "rows past the descriptor's shape read as zeros", ha="center", va="bottom", fontsize=8)

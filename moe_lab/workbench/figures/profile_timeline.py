@@ -24,18 +24,15 @@ from typing import Any
 
 from matplotlib.axes import Axes
 
-from moe_lab.training.sync import SYNC_OPS
+from moe_lab.training.sync import ALWAYS_SYNCS
 from moe_lab.workbench.figures.charts import ax_or_new
 
-# SYNC_OPS entries that sync in every form; index / index_put_ / copies / repeat_interleave /
-# histc sync only with some arguments, which a profiler event does not carry.
-_SOMETIMES = {"index", "index_put_", "index_put", "_index_put_impl_", "_to_copy", "copy_",
-              "repeat_interleave", "histc"}
-#: Profiler event names counted as host syncs: the unconditional ATen entries of `SYNC_OPS`,
-#: ``aten::item`` (which calls ``_local_scalar_dense``) and the CUDA runtime's waits.
+#: Profiler event names counted as host syncs: the ATen entries of
+#: `moe_lab.training.sync.SYNC_OPS` that sync in every form (index / index_put_ / copies /
+#: repeat_interleave / histc sync only with some arguments, which a profiler event does not
+#: carry), ``aten::item`` (which calls ``_local_scalar_dense``) and the CUDA runtime's waits.
 SYNC_EVENT_NAMES: frozenset[str] = frozenset(
-    {"aten::" + name.split(".", 1)[1] for name in SYNC_OPS
-     if name.startswith("aten.") and name.split(".", 1)[1] not in _SOMETIMES}
+    {"aten::" + op.__name__ for op in ALWAYS_SYNCS}
     | {"aten::item", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
 )
 
@@ -90,7 +87,6 @@ def profile_timeline(prof: Any) -> TimelineRows:
         return Span(e.name, e.time_range.start - t0, e.time_range.end - t0, sync)
 
     cpu = [e for e in events if str(e.device_type).endswith("CPU")]
-    device = [span(e) for e in events if not str(e.device_type).endswith("CPU")]
     named = [span(e) for e in cpu if getattr(e, "is_user_annotation", False)
              and not any(getattr(p, "is_user_annotation", False) for p in _parents(e))]
     rows = {"spans": named}
@@ -98,7 +94,7 @@ def profile_timeline(prof: Any) -> TimelineRows:
     for thread in threads:
         label = "host" if len(threads) == 1 else f"host, thread {thread}"
         rows[label] = [span(e, _is_sync(e)) for e in cpu if e.thread == thread and _top_level_op(e)]
-    rows["device"] = device
+    rows["device"] = [span(e) for e in events if not str(e.device_type).endswith("CPU")]
     syncs = sorted((s for spans in rows.values() for s in spans if s.sync), key=lambda s: s.start_us)
     return TimelineRows({label: spans for label, spans in rows.items() if spans}, syncs)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import matplotlib.pyplot as plt
 
@@ -42,22 +41,16 @@ MAX_REL_IQR = 0.5
 _UP, _DOWN, _BASE, _TOTAL = "tab:green", "tab:red", "0.55", "tab:blue"
 
 
-class Rung(NamedTuple):
-    """One bar: the figure after the optimisation ``label`` (the first rung: the baseline)."""
-
-    label: str
-    value: float
-
-
 @dataclass(frozen=True)
 class Waterfall:
-    """A ladder measured (or reported) on one hardware, in one unit: the baseline and at least
-    one more rung."""
+    """A ladder measured (or reported) on one hardware, in one unit: ``rungs`` holds
+    ``(label, value)`` per bar, the figure after the optimisation ``label`` (the first rung: the
+    baseline), and at least one more rung."""
 
     title: str
     hardware: str
     unit: str
-    rungs: tuple[Rung, ...]
+    rungs: tuple[tuple[str, float], ...]
     kind: str = "measured"  # "measured" or "reported"
 
     @property
@@ -114,7 +107,7 @@ def waterfalls_from_ledger(records: Iterable[dict], *,
             continue
         nb, name, hw = key
         recs = [rec for _, rec in sorted(by_rung.items())]
-        rungs = tuple(Rung(str(rec.get("step", "")).removeprefix("ladder:"), float(rec["value"]))
+        rungs = tuple((str(rec.get("step", "")).removeprefix("ladder:"), float(rec["value"]))
                       for rec in recs)
         date = max(str(rec.get("time", ""))[:10] for rec in recs)
         title = f"{nb}: {name}" if name else nb
@@ -132,7 +125,7 @@ def reported_waterfall() -> Waterfall:
     seed = mlperf.DEEPSEEK_V3_GB300
     return Waterfall("DeepSeek-V3 671B, software only (three months)",
                      f"{seed['gpu']} (NVIDIA, MLPerf Training v6.0)", "TFLOPS/GPU",
-                     (Rung("before", seed["tflops_per_gpu_before"]), Rung("after", seed["tflops_per_gpu"])),
+                     (("before", seed["tflops_per_gpu_before"]), ("after", seed["tflops_per_gpu"])),
                      "reported")
 
 
@@ -141,15 +134,10 @@ def reported_waterfall() -> Waterfall:
 # --------------------------------------------------------------------------------------
 
 
-def _style(kind: str, color: str) -> dict:
-    if kind == "reported":
-        return {"facecolor": "white", "edgecolor": color, "linewidth": 1.6}
-    return {"facecolor": color, "edgecolor": "black", "linewidth": 0.6}
-
-
 def plot_waterfall(wf: Waterfall, ax=None):
     """Draw ``wf`` on ``ax`` (created if not given) and return it: the baseline bar, one
-    floating bar per optimisation labelled with its ratio, and the total."""
+    floating bar per optimisation labelled with its ratio, and the total; a reported figure's
+    bars are outlined, a measured one's filled."""
     ax = ax_or_new(ax, (1.3 * (len(wf.rungs) + 2), 3.8))
     (first, base), last = wf.rungs[0], wf.rungs[-1][1]
     # (label, bottom, height, colour, note) of each bar: the baseline, one per optimisation, the total
@@ -160,7 +148,9 @@ def plot_waterfall(wf: Waterfall, ax=None):
         bars.append((label, low, max(high - low, 1e-12), _UP if ratio >= 1 else _DOWN, f"×{ratio:.2f}"))
     bars.append(("total", 0.0, last, _TOTAL, f"{format_value(last)}\n×{wf.total:.2f}"))
     for x, (_, bottom, height, color, _) in enumerate(bars):
-        ax.bar(x, height, bottom=bottom, width=0.7, **_style(wf.kind, color))
+        style = ({"facecolor": "white", "edgecolor": color, "linewidth": 1.6} if wf.kind == "reported"
+                 else {"facecolor": color, "edgecolor": "black", "linewidth": 0.6})
+        ax.bar(x, height, bottom=bottom, width=0.7, **style)
     for x, (_, value) in enumerate(wf.rungs[:-1]):  # connectors from the top of one rung to the next
         ax.plot([x + 0.35, x + 0.65], [value, value], color="0.3", lw=0.8, ls=":")
     for x, (_, bottom, height, _, note) in enumerate(bars):

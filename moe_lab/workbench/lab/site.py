@@ -9,8 +9,8 @@ link. Everything is a plain file linked by relative paths, so the site opens fro
 any browser, with no server and no network: every page carries its style inline, formulas
 are converted to MathML when the page is written (`latex2mathml`; browsers render MathML
 natively, so no MathJax is loaded), and the pages load no script from anywhere — nbconvert's
-require.js, MathJax, Mermaid and widget-manager tags are left out of the template. A widget
-has no live state in a headless run: the explorers draw a static figure there instead.
+require.js, MathJax, Mermaid and widget-manager tags are left out of the template. The
+workbook runs headless, so the explorers draw a static figure and no page holds a widget.
 Every page links to the previous and next notebook and to the index. Known third-party
 noise on stderr (torchao failing to load a compiled extension, torch's deprecation notes;
 the list is `moe_lab.workbench.quiet`) is left out of the pages; moe_lab's own warnings are
@@ -397,18 +397,9 @@ def _inline_markdown(text: str) -> str:
     return rendered
 
 
-WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-WIDGET_PLACEHOLDER = (
-    '<div class="moe-widget-placeholder" style="border:1px dashed #999;padding:.6em 1em;'
-    'color:#444;background:#fafafa">An interactive explorer: its controls work in JupyterLab '
-    "(<code>make lab</code>). Run headless, as the workbook does, the notebook draws the "
-    "explorer's figure at its default settings instead.</div>")
-
-
 def prepare_for_site(nb):
     """A copy of the executed notebook ``nb`` ready to export: known third-party stderr noise
-    dropped (a stream left empty is dropped too), a live widget's output replaced by a note
-    saying where its controls work, and the cell papermill injects (tagged
+    dropped (a stream left empty is dropped too) and the cell papermill injects (tagged
     ``injected-parameters``: the run's settings, repeated from the notebook's own parameters
     cell) left out. The outputs are then made honest and short
     (`moe_lab.workbench.lab.page_outputs`): a check's ``✓`` earned by the reference under an
@@ -436,8 +427,6 @@ def prepare_for_site(nb):
                     last["text"] += text  # one block per stream, as in JupyterLab
                     continue
                 out["text"] = text
-            elif WIDGET_MIME in out.get("data", {}):  # a live widget: no widget manager is loaded, say so
-                out["data"] = {"text/html": WIDGET_PLACEHOLDER}
             outputs.append(out)
         cell.outputs = [page_outputs.folded(out) for out in outputs]
     return nb

@@ -123,10 +123,9 @@ def project_root() -> Path:
 
 
 def find_notebooks(notebooks_dir: Path) -> list[Path]:
-    """The workbook's notebooks, ``NN_name.ipynb``, sorted by name (so by number)."""
-    if not notebooks_dir.is_dir():
-        raise ValueError(f"notebooks_dir must be a directory, got {str(notebooks_dir)!r}")
-    return sorted(path for path in notebooks_dir.iterdir()
+    """The workbook's notebooks, ``NN_name.ipynb``, sorted by name (so by number); none where
+    ``notebooks_dir`` is not a folder."""
+    return sorted(path for path in notebooks_dir.glob("*.ipynb")
                   if path.is_file() and NOTEBOOK_PATTERN.match(path.name))
 
 
@@ -373,8 +372,6 @@ def run(args: argparse.Namespace) -> int:
     failed = [run for run in runs if not run.ok]
     build = Path(args.out) if args.out is not None else project_root() / "build"
     print(f"{len(runs) - len(failed)}/{len(runs)} notebooks ran; see {build / 'RESULTS.md'}")
-    for item in failed:
-        print(f"FAILED {item.name}: {item.failure.describe()}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -53,38 +53,38 @@ class Ceiling:
         return f"{self.name}: {self.giga:,.1f} G{self.unit} on {self.hardware} ({self.result})"
 
 
-def matmul_operands(dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None,
-                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def matmul_operands(dtype: str | torch.dtype = "fp32", n: int = 1024, *,
+                    device: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ceiling's problem: ``a, b`` random normal ``[n, n]`` and ``out``, for
     ``torch.matmul(a, b, out=out)`` (``2 n^3`` FLOPs) — for timing it beside other work.
     ``dtype``: a float dtype or its name (``"fp32"``, ``"bf16"``, ``"fp16"``)."""
     dt, dev = _DTYPES.get(dtype, dtype), device or capabilities().device
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
     b = torch.randn(n, n, generator=gen).to(device=dev, dtype=dt)
     return a, b, torch.empty(n, n, device=dev, dtype=dt)
 
 
 def matmul_peak(dtype: str | torch.dtype = "fp32", n: int = 1024, *, device: str | None = None,
-                min_time_s: float = 0.3, seed: int = 0) -> Ceiling:
+                min_time_s: float = 0.3) -> Ceiling:
     """Measured FLOP/s of ``[n, n] @ [n, n]`` in ``dtype`` on random normal data.
 
     ``device`` defaults to this machine's (`capabilities`). ``2 n^3`` FLOPs per call.
     """
-    a, b, out = matmul_operands(dtype, n, device=device, seed=seed)
+    a, b, out = matmul_operands(dtype, n, device=device)
     result = bench(torch.matmul, a, b, out=out, warmup=2, min_time_s=min_time_s)
     dt, dev = _NAMES[a.dtype], a.device.type
     return Ceiling(f"matmul_{dt}", result.per_second(2.0 * n**3), "FLOP/s", result,
                    {"n": n, "dtype": dt, "device": dev}, _hardware(dev))
 
 
-def copy_bandwidth(nbytes: int = 128 * 2**20, *, device: str | None = None, min_time_s: float = 0.3,
-                   seed: int = 0) -> Ceiling:
+def copy_bandwidth(nbytes: int = 128 * 2**20, *, device: str | None = None,
+                   min_time_s: float = 0.3) -> Ceiling:
     """Measured bytes/s of copying a random fp32 tensor of ``nbytes`` into another:
     ``2 * nbytes`` (read + write) per copy."""
     dev = device or capabilities().device
     numel = nbytes // 4
-    src = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dev)
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(dev)
     dst = torch.empty_like(src)
     result = bench(dst.copy_, src, warmup=2, min_time_s=min_time_s)
     return Ceiling("copy", result.per_second(2 * numel * 4), "B/s", result,

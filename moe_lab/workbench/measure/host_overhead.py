@@ -108,14 +108,13 @@ def overhead_sweep(widths: Sequence[int] = (256, 128, 64, 32, 16), preset: str =
     return rows
 
 
-def compiled_vs_eager(preset: str = "tiny", batch_size: int = 2, d_model: int | None = None,
-                      min_time_s: float = 0.3) -> dict:
+def compiled_vs_eager(preset: str = "tiny", batch_size: int = 2, min_time_s: float = 0.3) -> dict:
     """The sync-free step with the model eager and under ``torch.compile`` (optimizer
     unchanged: one fused operator already), same weights and batch, timed interleaved.
     Compilation happens once, on the first call, and is reported separately
     (``compile_s``): on a CPU it takes far longer than a step, so it stays out of the timings.
     Returns ``{"eager_ms", "compiled_ms", "speedup", "compile_s"}``."""
-    cfg = shrunk_config(preset, d_model) if d_model else get_preset(preset)
+    cfg = get_preset(preset)
     model, optimizer = build_model(cfg)
     batch = random_batch(cfg, batch_size)
     eager = SyncFreeStep(model, optimizer, batch)

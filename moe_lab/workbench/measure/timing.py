@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_leaves
 
-from moe_lab.checks import non_negative_int, positive_int
+from moe_lab.checks import non_negative_int, non_negative_number, positive_int
 
 # Adaptive runs (repeat=None) time at least this many calls, however slow each one is,
 # so the median and IQR are never computed from one or two samples, and at most the other.
@@ -95,10 +95,8 @@ def infer_device(args: tuple, kwargs: dict) -> str:
     CUDA device is present, since a closure on a GPU machine is assumed to launch GPU work.
     """
     devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-    if "cuda" in devices:
-        return "cuda"
     if devices:
-        return "cpu"
+        return "cuda" if "cuda" in devices else "cpu"
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -170,8 +168,7 @@ def compare(fns: dict[str, Callable], *args, warmup: int = 3, repeat: int | None
             raise ValueError(f"fns[{name!r}] must be callable, got {type(fn).__name__}")
     non_negative_int(warmup, "warmup")
     positive_int(repeat, "repeat (None: adaptive)", or_none=True)
-    if not (isinstance(min_time_s, (int, float)) and min_time_s >= 0 and math.isfinite(min_time_s)):
-        raise ValueError(f"min_time_s must be a finite number >= 0, got {min_time_s!r}")
+    non_negative_number(min_time_s, "min_time_s")
     device = infer_device(args, kwargs)
     names = list(fns)
     marks: dict[str, list] = {name: [] for name in names}

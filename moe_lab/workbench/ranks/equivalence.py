@@ -54,8 +54,11 @@ def _layer_pair(cfg: MoEConfig, tokens_per_rank: int, seed: int, bias: dict, con
     """The same seeded single-process dropless layer and batch on every rank (``bias``: expert
     -> selection bias; ``confident``: router weights drawn N(0, 1), so near-ties are
     improbable), run forward and backward on the whole batch, and the `EPMoELayer` made from
-    it (``ep_options``) run on this rank's slice: ``{"ref", "xr", "y_ref", "ref_stats", "ep",
-    "x", "y", "stats", "lo", "hi"}``."""
+    it (``ep_options``) run on this rank's slice: ``{"ref", "ref_stats", "ep", "stats",
+    "mine": {quantity: this rank's tensor}, "errors": {quantity: max abs difference from the
+    single-process layer's}, "scale": max |y|}``. The quantities: the output ``"y"``, the
+    input gradient ``"dx"``, this rank's expert gradients and the replicated weights'
+    gradients (router, shared expert; all-reduced: each rank holds the part of its tokens)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(seed)  # seeds every device: the same layer and batch on every rank
     with torch.device(rank_device()):
@@ -76,8 +79,21 @@ def _layer_pair(cfg: MoEConfig, tokens_per_rank: int, seed: int, bias: dict, con
     x = x_all[lo:hi].detach().requires_grad_()
     y, stats = ep(x)
     y.backward(g_all[lo:hi])
-    return {"ref": ref, "xr": xr, "y_ref": y_ref, "ref_stats": ref_stats, "ep": ep, "x": x, "y": y,
-            "stats": stats, "lo": lo, "hi": hi}
+    replicated = {name: p.grad.clone() for name, p in ep.named_parameters()
+                  if not name.startswith("experts.")}
+    for grad in replicated.values():
+        dist.all_reduce(grad)
+    local = rank_experts(cfg.n_experts, world, rank)
+    mine = {"y": y.detach(), "dx": x.grad,
+            "experts.w_gate_up": ep.experts.w_gate_up.grad,
+            "experts.w_down": ep.experts.w_down.grad, **replicated}
+    want = {"y": y_ref.detach()[lo:hi], "dx": xr.grad[lo:hi],
+            "experts.w_gate_up": ref.experts.w_gate_up.grad[local.start:local.stop],
+            "experts.w_down": ref.experts.w_down.grad[local.start:local.stop],
+            **{name: ref.get_parameter(name).grad for name in replicated}}
+    return {"ref": ref, "ref_stats": ref_stats, "ep": ep, "stats": stats, "mine": mine,
+            "errors": {name: _err(mine[name], want[name]) for name in mine},
+            "scale": float(y_ref.detach().abs().max())}
 
 
 def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
@@ -98,27 +114,19 @@ def ep_check_rank(cfg_fields: dict, tokens_per_rank: int, seed: int = 0,
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = MoEConfig(**cfg_fields)
-    experts = rank_experts(cfg.n_experts, world, rank)
     result: dict = {"rank": rank, "cases": []}
     for case in cases:
         mode, skew, capacity_factor = case[:3]
         on_overflow = case[3] if len(case) > 3 else "rerun"
         run = _layer_pair(cfg, tokens_per_rank, seed, {0: skew}, confident=True, mode=mode,
                           capacity_factor=capacity_factor, on_overflow=on_overflow)
-        ref, xr, y_ref, ep, x, y, stats = (run[k] for k in ("ref", "xr", "y_ref", "ep", "x", "y", "stats"))
-        lo, hi = run["lo"], run["hi"]
-        router_grad = ep.router.weight.grad.clone()
-        dist.all_reduce(router_grad)
+        ref, ep, stats, errors = (run[k] for k in ("ref", "ep", "stats", "errors"))
         result.setdefault("routing", stats.routing.topk_ids)
         result["cases"].append({
             "mode": mode, "skew": skew, "capacity_factor": capacity_factor, "on_overflow": on_overflow,
-            "y": _err(y, y_ref[lo:hi]),
-            "dx": _err(x.grad, xr.grad[lo:hi]),
-            "dw_gate_up": _err(ep.experts.w_gate_up.grad,
-                              ref.experts.w_gate_up.grad[experts.start:experts.stop]),
-            "dw_down": _err(ep.experts.w_down.grad, ref.experts.w_down.grad[experts.start:experts.stop]),
-            "drouter": _err(router_grad, ref.router.weight.grad),
-            "scale": float(y_ref.detach().abs().max()),
+            "y": errors["y"], "dx": errors["dx"], "dw_gate_up": errors["experts.w_gate_up"],
+            "dw_down": errors["experts.w_down"], "drouter": errors["router.weight"],
+            "scale": run["scale"],
             "overflow": bool(stats.overflow) if stats.overflow is not None else False,
             "reruns": stats.reruns, "budget": stats.budget, "a2a_bytes": stats.a2a_bytes,
             "dropped": int(stats.dropped_tokens),
@@ -259,24 +267,8 @@ def skewed_routing_rank(cfg_fields: dict, tokens_per_rank: int, hot: tuple[int, 
     max abs difference}, "scale": max |y|, "tensors": {quantity: this rank's tensor}}``, the
     tensors (output, input gradient, this rank's expert, router and shared-expert gradients,
     the last two all-reduced) for a caller to compare two runs bit for bit."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    cfg = MoEConfig(**cfg_fields)
-    run = _layer_pair(cfg, tokens_per_rank, seed, {**dict.fromkeys(hot, 0.5), **dict.fromkeys(idle, -1e4)})
-    ref, xr, y_ref, ep, x, y = (run[k] for k in ("ref", "xr", "y_ref", "ep", "x", "y"))
-    lo, hi = run["lo"], run["hi"]
-    replicated = {name: p.grad.clone() for name, p in ep.named_parameters()
-                  if not name.startswith("experts.")}
-    for grad in replicated.values():  # each rank holds the part of its own tokens
-        dist.all_reduce(grad)
-    local = rank_experts(cfg.n_experts, world, rank)
-    mine = {"y": y.detach(), "dx": x.grad,
-            "experts.w_gate_up": ep.experts.w_gate_up.grad,
-            "experts.w_down": ep.experts.w_down.grad, **replicated}
-    want = {"y": y_ref.detach()[lo:hi], "dx": xr.grad[lo:hi],
-            "experts.w_gate_up": ref.experts.w_gate_up.grad[local.start:local.stop],
-            "experts.w_down": ref.experts.w_down.grad[local.start:local.stop],
-            **{name: ref.get_parameter(name).grad for name in replicated}}
-    return {"rank": rank, "received": run["ref_stats"].tokens_per_expert.tolist(),
-            "errors": {name: _err(mine[name], want[name]) for name in mine},
-            "scale": float(y_ref.detach().abs().max()),
-            "tensors": {name: t.detach().cpu() for name, t in mine.items()}}
+    run = _layer_pair(MoEConfig(**cfg_fields), tokens_per_rank, seed,
+                      {**dict.fromkeys(hot, 0.5), **dict.fromkeys(idle, -1e4)})
+    return {"rank": dist.get_rank(), "received": run["ref_stats"].tokens_per_expert.tolist(),
+            "errors": run["errors"], "scale": run["scale"],
+            "tensors": {name: t.detach().cpu() for name, t in run["mine"].items()}}

@@ -98,8 +98,8 @@ def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb:
     of `MERGED_RUNS`, interleaved (call on every rank together). Each timed unit is preceded by
     the untimed forward of ``xa`` and a barrier; a run's time is its slowest rank's.
 
-    Returns ``{"median_s", "runs_s", "exposed_s" (in-step waiting, mean over ranks),
-    "exposed_vs_sequential", "exposed_fraction", "exposed_replay_s" (step − compute-only
+    Returns ``{"median_s", "exposed_s" (in-step waiting, mean over ranks),
+    "exposed_vs_sequential", "exposed_replay_s" (step − compute-only
     with the same chunks), "exposed_replay_vs_sequential", "timelines" (this rank's median
     run per label), "a2a_bytes", "a2a_s" (comm lane time of the sequential unit),
     "compute_s" (compute lane time of the compute-only unit), "n_chunks", "repeats",
@@ -142,8 +142,7 @@ def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb:
     dist.all_reduce(steps_s, op=dist.ReduceOp.MAX, group=layer.group)
     dist.all_reduce(waits, group=layer.group)
     waits /= layer.ep_size
-    slowest = dict(zip(order, steps_s.tolist(), strict=True))
-    median = {label: statistics.median(v) for label, v in slowest.items()}
+    median = {label: statistics.median(v) for label, v in zip(order, steps_s.tolist(), strict=True)}
     exposed = {k: statistics.median(w) for k, w in zip(order, waits.tolist(), strict=True) if k in reference}
     exposed_replay = {k: median[k] - median[ref] for k, ref in reference.items()}
 
@@ -154,9 +153,8 @@ def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb:
     seq = timelines["sequential"]
     return {
         "n_chunks": n_chunks, "repeats": repeats, "world_size": layer.ep_size,
-        "median_s": median, "runs_s": slowest,
+        "median_s": median,
         "exposed_s": exposed, "exposed_vs_sequential": versus_sequential(exposed),
-        "exposed_fraction": {k: v / median[k] for k, v in exposed.items()},
         "exposed_replay_s": exposed_replay,
         "exposed_replay_vs_sequential": versus_sequential(exposed_replay),
         # this rank's Timeline of the median run of each label

@@ -224,7 +224,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     if link is not None:
         if not link.active or link.world_size != world_size:
             raise ValueError(f"link must be an active EmulatedLink for {world_size} ranks, got {link!r}")
-        master_addr, port, ifname = link.master_addr, 29500, IFNAME
+        # Rank 0 hosts the rendezvous, inside its namespace.
+        master_addr, port, ifname = link.address(0), 29500, IFNAME
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -164,11 +164,6 @@ class EmulatedLink:
     def address(self, rank: int) -> str:
         return f"{SUBNET}.{rank + 1}"
 
-    @property
-    def master_addr(self) -> str:
-        """Where rank 0 listens for the rendezvous (inside rank 0's namespace)."""
-        return self.address(0)
-
     def describe(self) -> str:
         return (f"{self.world_size} ranks in network namespaces, each behind a "
                 f"{self.rate_mbit:g} Mbit/s full-duplex link ({self.qdisc})")

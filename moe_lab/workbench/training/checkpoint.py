@@ -79,15 +79,14 @@ def check_checkpoint_path(path: str | os.PathLike) -> Path:
     folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
     if not folder.is_dir():
         raise ValueError(f"checkpoint path '{path}': '{folder}' is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"checkpoint path '{path}': the folder '{folder}' is not writable")
-    try:  # a folder the system refuses files in whatever its permissions say (/proc)
+    try:  # its permissions, or a folder the system refuses files in whatever they say (/proc)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=_temp_prefix(path), suffix=_TEMP_SUFFIX)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
         raise ValueError(f"checkpoint path '{path}': no file can be written in the folder "
-                         f"'{folder}' ({exc.strerror or type(exc).__name__})") from None
+                         f"'{folder}': it is not writable ({exc.strerror or type(exc).__name__})"
+                         ) from None
     return path
 
 

@@ -13,7 +13,7 @@ compiled or autocast forwards); `train` is the loop over it with evaluation, cal
 checkpoints, and the time-to-train race advances one `Trainer` per stack in lockstep. On a
 GPU nothing around its step makes the host wait: the data stream (`BatchStream`) copies
 each batch from pinned memory without blocking, one step ahead, and the step times
-(`StepClock`) come from CUDA events, read once the run asks for them.
+(`Trainer.step_times`) come from CUDA events, read once the run asks for them.
 
 Runs are deterministic under a seed on the CPU. A checkpoint holds the model, optimizer,
 the step's device state, the data generator and the history, so a resumed run continues the
@@ -179,11 +179,6 @@ def corpus_fingerprint(path: str | os.PathLike) -> dict:
     return {"bytes": os.stat(path).st_size, "blake2b": digest.hexdigest()}
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
-    return cfg.schedule.lr_at(step)
-
-
 @dataclass
 class TrainResult:
     model: MoETransformer
@@ -249,21 +244,17 @@ class BatchStream:
         self.generator, self.device = generator, device
         self._ahead: tuple[Batch, Tensor] | None = None  # (batch, generator state before it)
 
-    def _draw(self) -> Batch:
-        batch = self.corpus.sample(self.batch_size, generator=self.generator, split="train")
-        return _to(batch, self.device)
-
     def prefetch(self) -> None:
         """Draw the next batch now and queue its copy to the device (once: a second call
         before `take` keeps the batch already drawn)."""
         if self._ahead is None:
             before = self.generator.get_state()
-            self._ahead = (self._draw(), before)
+            batch = self.corpus.sample(self.batch_size, generator=self.generator, split="train")
+            self._ahead = (_to(batch, self.device), before)
 
     def take(self) -> Batch:
-        """The next batch of the stream, on the device."""
-        if self._ahead is None:
-            return self._draw()
+        """The next batch of the stream, on the device (drawn now where none was prefetched)."""
+        self.prefetch()
         batch, self._ahead = self._ahead[0], None
         return batch
 
@@ -275,33 +266,6 @@ class BatchStream:
         """Continue the stream from a `state`; a prefetched batch is dropped."""
         self.generator.set_state(state)
         self._ahead = None
-
-
-class StepClock:
-    """Seconds per training step, without making the host wait each step: `marks` holds each
-    step's ``(start, end)``, two readings of `now` — on CUDA, events recorded in the stream and
-    read only when `times` is asked for (which waits for the GPU to pass the last one), on
-    other devices ``time.perf_counter``."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple] = []
-
-    def now(self) -> float | torch.cuda.Event:
-        """The time now: ``time.perf_counter()``, on CUDA an event recorded in the stream."""
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def times(self) -> list[float]:
-        """Seconds of every step so far (waits for the GPU to pass the last one)."""
-        if not self.cuda:
-            return [end - start for start, end in self.marks]
-        if self.marks:  # events complete in stream order: the last end is the last to wait for
-            self.marks[-1][1].synchronize()
-        return [start.elapsed_time(end) / 1e3 for start, end in self.marks]  # elapsed_time: ms
 
 
 class Trainer:
@@ -329,20 +293,19 @@ class Trainer:
         check_fits(f"batch_size={cfg.batch_size} ({tokens:,} tokens of {model_cfg.name})",
                    tokens * (12 * model_cfg.vocab_size + 16), "use a smaller batch size (--batch-size)",
                    self.device)
-        if corpus is None:
-            check_corpus(cfg.corpus)
+        if corpus is None:  # cfg.corpus, checked at the door (`train`, the command line)
             corpus = load_corpus(cfg.corpus, seq_len=model_cfg.seq_len, seed=cfg.seed)
         self.corpus = corpus
         self.model, self.optimizer = build_model(
             model_cfg, cfg.impls, step=cfg.step, device=self.device, seed=cfg.seed, lr=cfg.lr,
             weight_decay=cfg.weight_decay)
         self.model.train()
-        self.data_gen = torch.Generator().manual_seed(cfg.seed + 1)
-        self.batches = BatchStream(corpus, cfg.batch_size, self.data_gen, self.device)
+        self.batches = BatchStream(corpus, cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1),
+                                   self.device)
         self.eval_batch = _to(corpus.fixed_eval_set(cfg.eval_per_domain), self.device)
         self.domains = list(corpus.domains)
         self.steps_done = 0
-        self.clock = StepClock(self.device)  # times each `advance`, batch drawing included
+        self._marks: list[tuple] = []  # each `advance`'s (start, end) from `_now`
         if checkpoint is not None:
             self._restore(checkpoint)
         example = random_batch(model_cfg, cfg.batch_size, self.device,
@@ -372,12 +335,6 @@ class Trainer:
                     self.step.state.load_state_dict(checkpoint["step_state"])
             self.step.host_steps = self.steps_done
 
-    @property
-    def step_kind(self) -> str:
-        """The step that runs: ``cfg.step``, or ``"sync_free"`` where a graphed step runs
-        eagerly (no CUDA)."""
-        return "sync_free" if getattr(self.step, "mode", None) == EAGER_MODE else self.cfg.step
-
     def train_on(self, batch: Batch) -> dict | None:
         """One training step on ``batch``; the statistics the step read, or ``None``."""
         record = self.step(batch)
@@ -387,16 +344,30 @@ class Trainer:
     def advance(self) -> dict | None:
         """One training step on the next batch of the stream (timed into `step_times`); the
         batch after it is drawn and its copy queued while the GPU runs the step."""
-        start = self.clock.now()
+        start = self._now()
         record = self.train_on(self.batches.take())
         self.batches.prefetch()
-        self.clock.marks.append((start, self.clock.now()))
+        self._marks.append((start, self._now()))
         return record
+
+    def _now(self) -> float | torch.cuda.Event:
+        """The time now: ``time.perf_counter()``, on CUDA an event recorded in the stream, read
+        only when `step_times` is asked for (the host never waits for it while steps run)."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @property
     def step_times(self) -> list[float]:
-        """Seconds per `advance` so far (`StepClock`: CUDA events on CUDA)."""
-        return self.clock.times()
+        """Seconds per `advance` so far, batch drawing included (on CUDA this waits for the
+        GPU to pass the last step's end event)."""
+        if self.device.type != "cuda":
+            return [end - start for start, end in self._marks]
+        if self._marks:  # events complete in stream order: the last end is the last to wait for
+            self._marks[-1][1].synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in self._marks]  # elapsed_time: ms
 
     def evaluate(self, compiled: bool = True) -> dict[str, float]:
         """The eval loss per domain (`evaluate`), through the compiled evaluation where there
@@ -607,20 +578,18 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
         raise ValueError("resume=True needs TrainConfig.checkpoint_path")
     if corpus is None:
         check_corpus(cfg.corpus)
-    if not cfg.checkpoint_path:
-        trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device)
-        return _run(trainer, None, None, stop_after, callback)
-    path = check_checkpoint_path(cfg.checkpoint_path)
-    with checkpoint_lock(path):
-        if not (resume or overwrite) and path.exists():
+    path = check_checkpoint_path(cfg.checkpoint_path) if cfg.checkpoint_path else None
+    with checkpoint_lock(path) if path else contextlib.nullcontext():  # a run without one holds none
+        if path and not (resume or overwrite) and path.exists():
             raise ValueError(f"--checkpoint {path} exists; pass --resume (resume=True) to continue "
                              "it or --overwrite (overwrite=True) to replace it with this run")
-        # The file the run trains on, if it trains on one: the given corpus's, or cfg.corpus.
+        # The file the run trains on, if it trains on one: the given corpus's, or cfg.corpus;
+        # its fingerprint goes in the checkpoints, if the run writes any.
         corpus_file = getattr(corpus, "path", None) if corpus is not None else cfg.corpus
-        fingerprint = None if corpus_file in (None, "synthetic") else corpus_fingerprint(corpus_file)
-        checkpoint = None
+        fingerprint = (None if path is None or corpus_file in (None, "synthetic")
+                       else corpus_fingerprint(corpus_file))
+        checkpoint = load_checkpoint(path) if resume else None
         if resume:
-            checkpoint = load_checkpoint(path)
             _check_resume(checkpoint, cfg, override, fingerprint)
         trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device, checkpoint=checkpoint)
         return _run(trainer, checkpoint, fingerprint, stop_after, callback)
@@ -633,7 +602,9 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
     checkpoints recording the corpus ``fingerprint``."""
     cfg, model_cfg = trainer.cfg, trainer.model_cfg
     last_checkpoint = None if checkpoint is None else (str(cfg.checkpoint_path), checkpoint["step"])
-    result = TrainResult(model=trainer.model, domains=trainer.domains, step_kind=trainer.step_kind)
+    # The step that ran: cfg.step, or "sync_free" where a graphed step runs eagerly (no CUDA).
+    step_kind = "sync_free" if getattr(trainer.step, "mode", None) == EAGER_MODE else cfg.step
+    result = TrainResult(model=trainer.model, domains=trainer.domains, step_kind=step_kind)
     if checkpoint is not None:
         result.history, result.evals = checkpoint["history"], checkpoint["evals"]
     start = trainer.steps_done

@@ -85,11 +85,11 @@ def test_cpuinfo_reads_model_and_flags(monkeypatch, tmp_path):
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
         info if path == "/proc/cpuinfo" else path, *a, **k))
-    model, flags = caps_mod._cpuinfo()
+    model, flags = caps_mod.cpuinfo()
     assert model == "AMD EPYC 9R14 96-Core Processor"  # the first CPU's
     assert flags == {"fpu", "sse", "avx512f", "avx512_bf16"} and flags & caps_mod.CPU_BF16_FLAGS
     info.write_text("model name\t: old\nflags\t\t: fpu avx2\n")
-    assert not caps_mod._cpuinfo()[1] & caps_mod.CPU_BF16_FLAGS
+    assert not caps_mod.cpuinfo()[1] & caps_mod.CPU_BF16_FLAGS
 
 
 # ------------------------------------------------------------------------------ hardware

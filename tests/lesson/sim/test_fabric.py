@@ -83,11 +83,12 @@ def test_ecmp_paths_go_up_and_down_the_same_spine():
     flows = route(topo, uniform_traffic(16, 1.0), "ecmp", np.random.default_rng(1))
     inter = flows.spine >= 0
     assert inter.sum() == 16 * 12  # every pair on different leaves
+    dst = flows.rate_links[:, 3] - 16  # the last hop: the downlink of host dst, link H + dst
     np.testing.assert_array_equal(
-        flows.links[inter, 1], topo.leaf_up(topo.leaf_of(flows.src[inter]), flows.spine[inter])
+        flows.rate_links[inter, 1], topo.leaf_up(topo.leaf_of(flows.src[inter]), flows.spine[inter])
     )
     np.testing.assert_array_equal(
-        flows.links[inter, 2], topo.spine_down(flows.spine[inter], topo.leaf_of(flows.dst[inter]))
+        flows.rate_links[inter, 2], topo.spine_down(flows.spine[inter], topo.leaf_of(dst[inter]))
     )
     # Bytes are conserved at every tier.
     up = flows.link_bytes[2 * 16 : 2 * 16 + 16]
@@ -220,7 +221,7 @@ def test_an_overflowing_uplink_times_out_the_flows_that_cross_it():
     tight = BurstModel(buffer_kb=16)
     for routing in ("ecmp", "adaptive"):
         result = simulate(topo, traffic, routing=routing, pacing=False, burst=tight)
-        inter = topo.leaf_of(result.flows.src) != topo.leaf_of(result.flows.dst)
+        inter = result.flows.rate_links[:, 1] >= 0  # the flows between leaves: they have a leaf-up hop
         assert result.dropped_bytes[2 * 32 :].sum() > 0  # the uplinks overflow
         assert result.dropped_bytes[: 2 * 32].sum() == 0  # the NICs do not
         assert result.timed_out[inter].all() and not result.timed_out[~inter].any()

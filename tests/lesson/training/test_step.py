@@ -20,7 +20,7 @@ from moe_lab.training.steps import StepConfig, SyncFreeStep
 from moe_lab.training.sync import SyncError, count_syncs
 from moe_lab.workbench.demos.ladder import LADDER, ladder_step
 from moe_lab.workbench.measure.host_overhead import count_ops, overhead_sweep, shrunk_config
-from moe_lab.workbench.training.loop import TrainConfig, lr_at, train
+from moe_lab.workbench.training.loop import TrainConfig, train
 
 TINY = preset("tiny")
 SMALL = preset("small")
@@ -111,7 +111,8 @@ def test_a_real_step_has_no_sync_and_a_read_is_one():
     assert all(sum(c) == 3 * 2 * TINY.seq_len * TINY.moe.top_k for c in stats["tokens_per_expert"])
     assert all(i >= 1.0 for i in stats["imbalance"])
     assert stats["grad_norm_max"] >= stats["grad_norm"] > 0
-    assert stats["lr"] == pytest.approx(lr_at(2, TrainConfig(steps=200, warmup_steps=20)), rel=1e-6)
+    schedule = StepConfig(steps=200, warmup_steps=20).schedule
+    assert stats["lr"] == pytest.approx(schedule.lr_at(2), rel=1e-6)
 
 
 # ------------------------------------------------------------------------------ the pieces
@@ -120,10 +121,9 @@ def test_a_real_step_has_no_sync_and_a_read_is_one():
 @pytest.mark.parametrize("warmup,total,ratio", [(20, 200, 0.1), (0, 50, 0.0), (5, 5, 0.5), (3, 40, 1.0)])
 def test_lr_schedule_on_the_device_is_lr_at(warmup, total, ratio):
     cfg = StepConfig(lr=3e-3, warmup_steps=warmup, steps=total, min_lr_ratio=ratio)
-    tcfg = TrainConfig(lr=3e-3, warmup_steps=warmup, steps=total, min_lr_ratio=ratio)
     for s in range(total + 3):
         got = float(lr_schedule(torch.tensor(float(s)), cfg.schedule))
-        assert got == pytest.approx(lr_at(s, tcfg), rel=1e-6, abs=1e-12), s
+        assert got == pytest.approx(cfg.schedule.lr_at(s), rel=1e-6, abs=1e-12), s
 
 
 def test_optimizer_is_capturable_with_a_shared_device_lr():

@@ -216,7 +216,6 @@ def test_the_clock():
     assert reached.time_to_target_s <= reached.elapsed_s
     assert reached.train_s + reached.eval_s == pytest.approx(reached.elapsed_s)
     assert reached.tokens_per_s == pytest.approx(3 * MICRO.tokens_per_step / reached.train_s)
-    assert len(reached.train_curve) == 3 and "loss" in reached.train_curve[0]
     missed = racing.race([NAIVE], replace(MICRO, target_loss=0.01))[0]
     assert not missed.reached and missed.time_to_target_s is None and missed.steps == 6
     times = [p["time_s"] for p in missed.curve]
@@ -294,8 +293,6 @@ def test_the_race_gives_each_stack_its_own_clock():
         assert run.train_s + run.eval_s == pytest.approx(run.elapsed_s)
     # racing changes the clocks, not the training: the same losses as a run alone
     assert [p["eval_loss"] for p in raced[0].curve] == [p["eval_loss"] for p in alone.curve]
-    with pytest.raises(ValueError, match="CPU"):
-        racing.race([NAIVE, best], cfg, device="meta")
 
 
 def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monkeypatch):
@@ -333,8 +330,8 @@ def test_ladder_throughput_into_the_ledger_and_the_waterfall(ledger_dir):
     records = read()
     assert len(records) == 4 and len({r["run"] for r in records}) == 2
     (wf,) = waterfalls_from_ledger(records)
-    assert [r.label for r in wf.rungs] == [label for label, _ in rungs]
-    assert wf.rungs[0].value == pytest.approx(rows[0]["tokens_per_s"])
+    assert [label for label, _ in wf.rungs] == [label for label, _ in rungs]
+    assert wf.rungs[0][1] == pytest.approx(rows[0]["tokens_per_s"])
 
 
 def test_record_summary(ledger_dir):
@@ -349,9 +346,15 @@ def test_record_summary(ledger_dir):
     assert got[("optimised", "steps_to_target")]["unit"] == "steps"
 
 
-def test_pick_router_impl_returns_a_measured_candidate():
-    name, medians = ttt.pick_router_impl(MICRO, candidates=("reference",), min_time_s=0.0)
-    assert name == "reference" and medians["reference"] > 0
+def test_pick_router_impl_returns_a_measured_candidate(monkeypatch):
+    from moe_lab.moe import router
+    from moe_lab.workbench.benchmarks.ttt.stacks import cpu_router
+
+    # the compiled candidate's chain run eagerly: the pick is under test here, not Inductor
+    monkeypatch.setattr(router, "_compiled_chain", lambda: router.route_from_logits)
+    name, medians = ttt.pick_router_impl(MICRO, min_time_s=0.0)
+    assert list(medians) == [cpu_router(), "compiled"] and name in medians
+    assert all(ms > 0 for ms in medians.values())
 
 
 # ------------------------------------------------------------------------------ MFU, projection
@@ -434,7 +437,6 @@ def test_compiled_stack_is_bit_reproducible(mode):
     with racing.deterministic_algorithms() if mode else contextlib.nullcontext():
         a, b = (racing.race([best], cfg)[0] for _ in range(2))
     assert [p["eval_loss"] for p in a.curve] == [p["eval_loss"] for p in b.curve]
-    assert [r["loss"] for r in a.train_curve] == [r["loss"] for r in b.train_curve]
 
 
 @pytest.mark.slow

@@ -53,16 +53,16 @@ def test_bench_router_refuses_zero_tokens_instead_of_using_the_default(capsys, m
 
     monkeypatch.setattr(router, "run_shape", _must_not_run)
     line = _refused(capsys, "bench", "router", "--tokens", "0")
-    assert "--tokens must be a positive integer, got 0" in line
+    assert "--tokens: must be a positive integer, got 0" in line
     line = _refused(capsys, "bench", "router", "--tokens", "10000000000000")
     assert "--tokens 10000000000000" in line and "GiB" in line
     assert not results_dir.exists()
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--size", "0", "0"], ["--size must be a positive integer, got 0"]),
-    (["--size", "-4", "64"], ["--size must be a positive integer, got -4"]),
-    (["--attention", "1", "1", "0", "64"], ["--attention must be a positive integer, got 0"]),
+    (["--size", "0", "0"], ["--size: must be a positive integer, got 0"]),
+    (["--size", "-4", "64"], ["--size: must be a positive integer, got -4"]),
+    (["--attention", "1", "1", "0", "64"], ["--attention: must be a positive integer, got 0"]),
     (["--size", "1", "32"], ["--size M K must both be multiples of 32", "got 1 32"]),
     (["--size", "10000000", "10000000"], ["--size 10000000 10000000 needs at least", "GiB"]),
     (["--attention", "1", "1", "10000000", "64"], ["--attention 1 1 10000000 64 needs at least", "GiB"]),
@@ -75,7 +75,7 @@ def test_bench_mxfp8_refuses_sizes_that_measure_nothing_or_cannot_fit(capsys, mo
 
     monkeypatch.setattr(mxfp8, "run", _must_not_run)
     line = _refused(capsys, "bench", "mxfp8", *argv)
-    assert line.startswith("error: ") and all(w in line for w in words), line
+    assert "error: " in line and all(w in line for w in words), line
     assert not results_dir.exists()
 
 

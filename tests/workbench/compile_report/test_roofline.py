@@ -7,6 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pytest
 
+from moe_lab.kernels import mx_gemm
 from moe_lab.perf.hardware import gpu_spec
 from moe_lab.perf.traffic import simulate
 from moe_lab.workbench.compile_report import roofline, traffic
@@ -61,7 +62,7 @@ def rows():
 def test_the_committed_roofline_is_generated_and_consistent(rows):
     assert (traffic.RESULTS / "roofline.md").read_text() == roofline.markdown(rows)
     assert "A projection, not a measurement" in roofline.markdown(rows)
-    bf16 = {entry[0] for entry in traffic.KERNEL_LAUNCHES if entry[2] != "mx"}  # not the 8-bit MMAs
+    bf16 = {entry[0] for entry in traffic.KERNEL_LAUNCHES if entry[2] is not mx_gemm}  # not the 8-bit MMAs
     assert bf16 and len(bf16) == len(traffic.KERNEL_LAUNCHES) - 2
     assert {r["launch"] for r in rows} == ({entry[0] for entry in traffic.LAUNCHES}
                                            | {entry[0] for entry in traffic.DW_LAUNCHES} | bf16)

@@ -30,7 +30,7 @@ from moe_lab.workbench.compile_report.specs import (
     CompileSpec,
     describe,
     for_module,
-    int_args,
+    kernel_spec,
     merge_specs,
 )
 
@@ -41,9 +41,11 @@ def test_every_kernel_module_has_its_specs_and_nothing_else_does():
         for_module("moe_lab.kernels.launch")
 
 
-def test_int_args_and_merge_specs():
-    assert int_args(a=1, b=48, c=7, d=2**31) == ({"b": "i32:16", "c": "i32", "d": "i64:16"}, {"a": 1})
+def test_kernel_spec_types_the_ints_and_merge_specs():
     cfg = LaunchConfig({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32})
+    spec = kernel_spec(gg, "k", "ints", {"x": "*bf16"}, dict(a=1, b=48, c=7, d=2**31), {"B": 2}, cfg)
+    assert spec.signature == {"x": "*bf16", "b": "i32:16", "c": "i32", "d": "i64:16"}
+    assert spec.constexprs == {"a": 1, "B": 2} and spec.kernel == "moe_lab.kernels.grouped_gemm:k"
     one = CompileSpec("m:k", "first", {"x": "*bf16"}, {"B": 1}, cfg)
     merged = merge_specs([one, CompileSpec("m:k", "second", {"x": "*bf16"}, {"B": 1}, cfg, "why"),
                           CompileSpec("m:k", "third", {"x": "*fp32"}, {"B": 1}, cfg)])

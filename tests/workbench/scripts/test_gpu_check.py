@@ -364,7 +364,8 @@ def test_the_tuned_table_is_rewritten_after_every_launch_in_the_out_folder(tmp_p
 
     gc = load_script()
     out = tmp_path / "nvidia_h200"
-    rep = gc.Report(tmp_path / "report", {"gpu": "NVIDIA H200"}, 60.0)
+    out.mkdir()
+    rep = gc.Report(out, {"gpu": "NVIDIA H200"}, 60.0)
     shapes = {"a": dict(n_experts=2, tokens=8, top_k=2, d_model=32, d_expert=16)}
     launches = gc.layer_launches(32, 16)
     written, layouts = [], []
@@ -388,13 +389,17 @@ def test_the_tuned_table_is_rewritten_after_every_launch_in_the_out_folder(tmp_p
     monkeypatch.setattr(gc, "put", put)
     monkeypatch.setattr(gc, "seconds", seconds)
     monkeypatch.setattr(torch.ops.moe_lab, "grouped_gemm", record_layout)
-    gc.bench_tuning(torch, "cpu", rep, shapes, out, small=True)
+    gc.bench_tuning(torch, "cpu", rep, shapes, small=True)
     keys = {tuning.table_key(kernel, 16, n, k, 2, torch.bfloat16) for kernel, n, k, _ in launches}
     assert written == list(range(1, len(keys) + 1))  # one write per launch tuned, growing
     assert (out / tuning.TUNED_FILE).is_file() and not any(tmp_path.glob("**/*.tmp"))
     # the dX launches (the transposed view of the weight) are timed as the layer runs them
     transposed = [la for la in launches if la[0] == "gemm" and la[3]]
     assert transposed and layouts.count(False) == 2 * len(transposed)  # two configs each
+
+
+def preflight_failures(found: dict[str, str]) -> list[str]:
+    return [f"{what}: {why}" for what, why in found.items() if not why.startswith("ok")]
 
 
 def test_the_preflight_stops_a_run_that_would_silently_interpret_on_a_gpu(tmp_path, monkeypatch):
@@ -410,16 +415,16 @@ def test_the_preflight_stops_a_run_that_would_silently_interpret_on_a_gpu(tmp_pa
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["env.json"]  # nothing ran
     found = gc.preflight(True, {"CC": str(tmp_path / "no-such-cc"),
                                 "TRITON_CACHE_DIR": str(tmp_path / "c")})
-    assert gc.preflight_failures(found) == [f"C compiler: no C compiler ({tmp_path / 'no-such-cc'}): "
-                                            "Triton builds each kernel's launcher with one"]
+    assert preflight_failures(found) == [f"C compiler: no C compiler ({tmp_path / 'no-such-cc'}): "
+                                         "Triton builds each kernel's launcher with one"]
     monkeypatch.setattr(gc.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     (tmp_path / "a-file").write_text("")  # a cache path under a file: unwritable, even for root
     found = gc.preflight(True, {"TRITON_CACHE_DIR": str(tmp_path / "a-file" / "cache")})
-    failures = gc.preflight_failures(found)
+    failures = preflight_failures(found)
     assert [f.split(":")[0] for f in failures] == ["Python.h", "Triton cache"]
     assert failures[0].startswith("Python.h: no Python.h in") and "set TRITON_CACHE_DIR" in failures[1]
     found = gc.preflight(False, {"TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "c")})
-    assert not gc.preflight_failures(found) and "C compiler" not in found  # interpreted: not needed
+    assert not preflight_failures(found) and "C compiler" not in found  # interpreted: not needed
 
 
 def stand_in_for_cuda_sync_debug(monkeypatch) -> None:

@@ -92,3 +92,14 @@ def test_a_folder_that_takes_no_file_is_refused_at_the_door(tmp_path):
         check_checkpoint_path("/proc/c.pt")
     with pytest.raises(ValueError, match="no file can be written"):
         train(TINY, cfg(checkpoint_path="/proc/c.pt"))
+
+
+def test_a_folder_without_write_permission_is_named_not_writable(tmp_path, monkeypatch):
+    """The probe file is the permission check (root may write anywhere, so it is faked)."""
+    def refused(**kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("tempfile.mkstemp", refused)
+    with pytest.raises(ValueError, match=f"the folder '{tmp_path}': it is not writable "
+                                         r"\(Permission denied\)"):
+        check_checkpoint_path(tmp_path / "c.pt")

@@ -5,7 +5,7 @@ import torch
 
 from moe_lab import preset
 from moe_lab.workbench.training.checkpoint import load_checkpoint, save_checkpoint
-from moe_lab.workbench.training.loop import TrainConfig, lr_at, train
+from moe_lab.workbench.training.loop import TrainConfig, train
 
 TINY = preset("tiny", n_layers=1, seq_len=32)
 
@@ -69,12 +69,12 @@ def test_resume_refuses_other_config(tmp_path):
 
 def test_lr_schedule():
     c = cfg(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
-    assert lr_at(0, c) == pytest.approx(0.1)
-    assert lr_at(9, c) == pytest.approx(1.0)
-    assert lr_at(10, c) == pytest.approx(1.0)
-    assert lr_at(55, c) == pytest.approx(0.55)
-    assert lr_at(100, c) == pytest.approx(0.1)
-    assert all(lr_at(s, c) >= lr_at(s + 1, c) for s in range(10, 100))
+    assert c.schedule.lr_at(0) == pytest.approx(0.1)
+    assert c.schedule.lr_at(9) == pytest.approx(1.0)
+    assert c.schedule.lr_at(10) == pytest.approx(1.0)
+    assert c.schedule.lr_at(55) == pytest.approx(0.55)
+    assert c.schedule.lr_at(100) == pytest.approx(0.1)
+    assert all(c.schedule.lr_at(s) >= c.schedule.lr_at(s + 1) for s in range(10, 100))
 
 
 @pytest.mark.parametrize("field, value", [("steps", 0), ("batch_size", -1), ("lr", 0.0),
@@ -279,7 +279,7 @@ def test_the_step_path_moves_batches_to_the_gpu_without_a_blocking_copy(monkeypa
 
     trainer = Trainer(TINY, cfg(seed=3, steps=8, step="sync_free", read_every=4, eval_every=0,
                                 dispatcher="dropless", expert_backend="torch"))
-    trainer.batches = BatchStream(trainer.corpus, 4, trainer.data_gen, cuda)  # the stream on "CUDA"
+    trainer.batches = BatchStream(trainer.corpus, 4, trainer.batches.generator, cuda)  # the stream on "CUDA"
     recorder.copies.clear()
     syncs_per_step, step_on = [], trainer.train_on
 
@@ -317,9 +317,9 @@ def test_a_prefetched_batch_leaves_the_stream_and_its_checkpoint_unchanged():
 
 
 def test_step_times_come_from_cuda_events_read_without_a_wait_per_step(monkeypatch):
-    """On CUDA the clock records an event pair per step and never waits while steps run,
-    only when ``times`` is asked for."""
-    from moe_lab.workbench.training.loop import StepClock
+    """On CUDA the trainer records an event pair per step and never waits while steps run,
+    only when ``step_times`` is asked for."""
+    from moe_lab.workbench.training.loop import Trainer
 
     class Event:
         made: list["Event"] = []
@@ -339,11 +339,12 @@ def test_step_times_come_from_cuda_events_read_without_a_wait_per_step(monkeypat
             return 1000.0 * (end.t - self.t)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    clock = StepClock(torch.device("cuda"))
+    trainer = Trainer(TINY, cfg(seed=3, steps=4))
+    trainer.device = torch.device("cuda")  # what the clock reads; the batches stay on the CPU
     for _ in range(4):
-        clock.marks.append((clock.now(), clock.now()))
+        trainer.advance()
     assert len(Event.made) == 8 and not any(e.waited for e in Event.made)  # nothing waited for
-    assert clock.times() == [1.0] * 4
+    assert trainer.step_times == [1.0] * 4
 
 
 def test_train_runs_where_tqdm_is_not_installed(monkeypatch):

@@ -51,6 +51,7 @@ from moe_lab.workbench.benchmarks.ttt.report import (
     summarise,
 )
 from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, device_of, ladder, optimised_stack
+from moe_lab.workbench.cli import positive_int
 from moe_lab.workbench.measure import ledger
 
 DESCRIPTION = "time to a target eval loss (a mini MLPerf): naive stack vs optimised stack"
@@ -59,11 +60,11 @@ DESCRIPTION = "time to a target eval loss (a mini MLPerf): naive stack vs optimi
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="smoke", choices=list(PROFILES),
                         help="smoke: tiny preset, seconds; full: small preset, minutes")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (median and spread)")
+    parser.add_argument("--seeds", type=positive_int, default=1, help="seeds 0..N-1 (median and spread)")
     parser.add_argument("--target", type=float, default=None,
                         help="target eval loss in nats per token (default: the profile's)")
-    parser.add_argument("--max-steps", type=int, default=None, help="schedule length and step cap")
-    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--max-steps", type=positive_int, default=None, help="schedule length and step cap")
+    parser.add_argument("--batch-size", type=positive_int, default=None)
     parser.add_argument("--corpus", default="synthetic",
                         help="'synthetic' or a path to a UTF-8 text file (then give --target)")
     parser.add_argument("--no-compile", action="store_true",
@@ -126,8 +127,7 @@ def run(args: argparse.Namespace) -> dict:
                     "optimised": {"stack": best.describe(), "notes": list(best.notes)},
                     "notes": notes, "rows": summary, "loss_gap": gaps}
     if getattr(args, "json", False):  # the curves only where a program reads them
-        result["runs"] = [{k: v for k, v in asdict(r).items() if k != "train_curve"}
-                          for r in runs]
+        result["runs"] = [asdict(r) for r in runs]
     else:
         result["loss_gap"] = [f"{g['stack']} - naive eval loss at step {g['step']}: "
                               f"{g['mean_gap']:+.4f} (standard error {g['se']:.4f}, {g['n']} seeds)"

@@ -9,7 +9,7 @@ measured. `pick_router_impl` times the router candidates at the contest's size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -114,7 +114,6 @@ class TTTRun:
     tokens_per_s: float = 0.0
     final_eval_loss: float = float("nan")
     curve: list[dict] = field(default_factory=list)
-    train_curve: list[dict] = field(default_factory=list)
 
 
 def load_contest_corpus(cfg: TTTConfig) -> SyntheticCorpus | TextFileCorpus:
@@ -142,23 +141,20 @@ def stack_model(stack: Stack, cfg: TTTConfig,
     return model
 
 
-def pick_router_impl(cfg: TTTConfig, candidates: Sequence[str] | None = None,
-                     min_time_s: float = 0.5) -> tuple[str, dict[str, float]]:
+def pick_router_impl(cfg: TTTConfig, min_time_s: float = 0.5) -> tuple[str, dict[str, float]]:
     """Time the FP32 router of one MoE layer of ``cfg``'s model (forward + backward, at the
-    step's token count) for each of ``candidates`` on this machine, interleaved
+    step's token count) for each candidate on this machine, interleaved
     (`moe_lab.workbench.measure.timing.compare`), and return the fastest name and every median in
     milliseconds.
-    By default the candidates are the CPU's reference router (with the plug-in's top-k where
-    it is registered) and its ``torch.compile``; a compiled candidate compiles on its first
-    call, which the warm-up absorbs."""
-    if candidates is None:
-        cpu_plugin_status()
-        candidates = (cpu_router(), "compiled")
+    The candidates are the CPU's reference router (with the plug-in's top-k where it is
+    registered) and its ``torch.compile``; the compiled candidate compiles on its first call,
+    which the warm-up absorbs."""
+    cpu_plugin_status()
     moe_cfg = cfg.model_config("fp32").moe
     gen = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(cfg.tokens_per_step, moe_cfg.d_model, generator=gen)
     providers: dict[str, Callable[[], None]] = {}
-    for name in candidates:
+    for name in (cpu_router(), "compiled"):
         torch.manual_seed(cfg.seed)
         router = Router(moe_cfg, impl=name)
 

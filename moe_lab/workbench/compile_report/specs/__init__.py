@@ -83,29 +83,24 @@ MX_GEMM_PER_ARCH = {arch: {**mode, **mx_launch_config(1, 1, 64, False, mode["MX_
                     for arch, mode in MX_MMA_PER_ARCH.items()}
 
 
-def int_args(**values: int) -> tuple[dict[str, str], dict[str, int]]:
-    """Integer kernel arguments as a CUDA launch specializes them, for a `CompileSpec`:
-    Triton's launcher makes an integer equal to 1 (a unit stride) the constant 1, passes
-    the others as ``i32`` (``i64`` from 2³¹ on) and tells the compiler which are divisible
-    by 16 (``"i32:16"``), which is what lets it vectorize loads and copy them
-    asynchronously. Returns ``(signature, constexprs)`` entries."""
+def kernel_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict[str, str],
+                ints: dict[str, int], constexprs: dict[str, object], config: LaunchConfig,
+                **fields: object) -> CompileSpec:
+    """The `CompileSpec` of ``module``'s ``kernel``: ``pointers`` (and any other typed argument)
+    and ``ints`` its signature, the ints equal to 1 then ``constexprs`` its constexprs;
+    ``fields``: `CompileSpec`'s others (``note``, ...).
+
+    The ints are typed as a CUDA launch specializes them: Triton's launcher makes an integer
+    equal to 1 (a unit stride) the constant 1, passes the others as ``i32`` (``i64`` from 2³¹
+    on) and tells the compiler which are divisible by 16 (``"i32:16"``), which is what lets it
+    vectorize loads and copy them asynchronously."""
     signature, constants = {}, {}
-    for name, value in values.items():
+    for name, value in ints.items():
         if value == 1:
             constants[name] = 1
         else:
             kind = "i32" if -(2**31) <= value < 2**31 else "i64"
             signature[name] = f"{kind}:16" if value % 16 == 0 else kind
-    return signature, constants
-
-
-def kernel_spec(module: types.ModuleType, kernel: str, label: str, pointers: dict[str, str],
-                ints: dict[str, int], constexprs: dict[str, object], config: LaunchConfig,
-                **fields: object) -> CompileSpec:
-    """The `CompileSpec` of ``module``'s ``kernel``: ``pointers`` (and any other typed argument)
-    and ``ints`` typed as a launch types them (`int_args`) its signature; the ints equal to 1,
-    then ``constexprs``, its constexprs; ``fields``: `CompileSpec`'s others (``note``, ...)."""
-    signature, constants = int_args(**ints)
     return CompileSpec(f"{module.__name__}:{kernel}", label, {**pointers, **signature},
                        {**constants, **constexprs}, config, **fields)
 
@@ -116,12 +111,10 @@ def merge_specs(specs: list[CompileSpec]) -> list[CompileSpec]:
     merged: dict[str, CompileSpec] = {}
     for spec in specs:
         key = repr(dataclasses.replace(spec, label="", note=""))
-        if key in merged:
-            first = merged[key]
+        first = merged.setdefault(key, spec)
+        if first is not spec:
             merged[key] = dataclasses.replace(first, label=f"{first.label} | {spec.label}",
                                               note=first.note or spec.note)
-        else:
-            merged[key] = spec
     return list(merged.values())
 
 
