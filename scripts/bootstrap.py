@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bootstrap: torch changed during the install ({before} -> {after})", file=sys.stderr)
         return 1
     print("3. torch untouched; what each notebook runs on here:")
-    report = subprocess.run([sys.executable, "-c", REPORT, str(ROOT / "notebooks")], text=True)
-    return report.returncode
+    return subprocess.run([sys.executable, "-c", REPORT, str(ROOT / "notebooks")], text=True).returncode
 
 
 if __name__ == "__main__":

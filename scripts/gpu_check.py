@@ -216,16 +216,22 @@ class Report:
     compiled kernels' registers; written to disk before and after every section (`write`).
 
     In a child process (``sink`` set) the report writes only its records, to ``sink``, after
-    every record: whatever the child checked before it died is what the parent keeps."""
+    every record: whatever the child checked before it died is what the parent keeps.
 
-    def __init__(self, out: Path, env: dict, budget_s: float, sink: Path | None = None) -> None:
+    ``earlier``: start from the sections and records of the earlier run in ``out`` (its
+    ``*.json``): a second call that runs only some sections writes one result with the first's
+    (`run` replaces the entry and the records of each section it runs again)."""
+
+    def __init__(self, out: Path, env: dict, budget_s: float, sink: Path | None = None,
+                 earlier: bool = False) -> None:
         self.out, self.env, self.budget_s, self.sink = out, env, budget_s, sink
         self.start = time.monotonic()
         self.current = "-"
         # one list each: checks, bench, gains, kernels, launched (the compiled kernels the child
         # processes read) and the sections' entries
         for key in (*RECORDS, "sections"):
-            setattr(self, key, [])
+            path = out / f"{key}.json"
+            setattr(self, key, json.loads(path.read_text()) if earlier and path.exists() else [])
 
     # -- recording
     def _recorded(self) -> None:
@@ -297,10 +303,8 @@ class Report:
             return
         self.current = name
         t0 = time.monotonic()
-        if in_child:
-            entry["status"] = self._run_child(section, child_args, min(left, timeout_s))
-        else:
-            entry["status"] = self._run_here(section, left)
+        entry["status"] = (self._run_child(section, child_args, min(left, timeout_s)) if in_child
+                           else self._run_here(section, left))
         self.current = "-"
         entry["seconds"] = round(time.monotonic() - t0, 2)
         if entry["status"] == "done" and not all(c["ok"] for c in self.checks if c["section"] == name):
@@ -309,10 +313,7 @@ class Report:
         self.write()
 
     def _run_here(self, section: Section, left: float) -> str:
-        fired = []
-
         def out_of_time(signum, frame):  # noqa: ARG001 (the signal handler's signature)
-            fired.append(True)
             raise BudgetExceeded(section.name)
 
         previous = signal.signal(signal.SIGALRM, out_of_time)
@@ -321,7 +322,10 @@ class Report:
             section.run()
             return "done"
         except (Exception, BudgetExceeded) as exc:
-            if not fired:  # record and go on: one broken section must not hide the rest
+            # the alarm fires only once the budget is spent (it was set to what was left): an error
+            # before that is the section's own; record it and go on (one broken section must not
+            # hide the rest)
+            if self.left_s() > 0:
                 self.failed(section.name, exc)
                 return "failed"
             # the budget's interrupt, itself or turned into another error by a library that caught
@@ -381,14 +385,6 @@ class Report:
         return [s["section"] for s in self.sections
                 if s["status"] in ("running", "cut at the budget", "not run (budget spent)")]
 
-    def load_earlier(self) -> None:
-        """Start from the sections and records of the earlier run in ``out`` (its ``*.json``):
-        a second call that runs only some sections writes one result with the first's (`run`
-        replaces the entry and the records of each section it runs again)."""
-        for key in (*RECORDS, "sections"):
-            path = self.out / f"{key}.json"
-            setattr(self, key, json.loads(path.read_text()) if path.exists() else [])
-
     # -- output
     def write(self) -> None:
         """Every file, as of now (atomically each: a kill mid-write leaves the last one); in a
@@ -396,13 +392,12 @@ class Report:
         if self.sink is not None:
             self._recorded()
             return
-        out = self.out
-        out.mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
         for name in ("env", *RECORDS, "sections"):
-            put(out / f"{name}.json", dump(getattr(self, name)))
-        put(out / "summary.md", summary_markdown(self))
+            put(self.out / f"{name}.json", dump(getattr(self, name)))
+        put(self.out / "summary.md", summary_markdown(self))
         if os.environ.get("OUT"):
-            shutil.copytree(out, os.environ["OUT"], dirs_exist_ok=True,
+            shutil.copytree(self.out, os.environ["OUT"], dirs_exist_ok=True,
                             ignore=shutil.ignore_patterns("*.tmp"))
 
 
@@ -446,8 +441,7 @@ def summary_markdown(rep: Report) -> str:
     unfinished = rep.unfinished()
     if unfinished:
         lines += [f"**Stopped at the budget: unfinished sections: {', '.join(unfinished)}.**", ""]
-    n_bad = sum(not c["ok"] for c in rep.checks)
-    lines.append(f"{len(rep.checks) - n_bad}/{len(rep.checks)} checks passed.")
+    lines.append(f"{sum(c['ok'] for c in rep.checks)}/{len(rep.checks)} checks passed.")
     lines += md_table("Sections", "section | status | seconds | note",
                       [[s["section"], s["status"], f"{s['seconds']:.1f}", s.get("note", "")]
                        for s in rep.sections])
@@ -762,7 +756,6 @@ def section_router(torch, dev, rep: Report, shapes: dict) -> None:
     from moe_lab.kernels.fused_router import fused_router
     from moe_lab.moe.router import ROUTER_IMPLS, route
 
-    fused = ROUTER_IMPLS["triton"]
     for label, (T, seq_len, moe) in shapes.items():
         cfg = MoEConfig(d_expert=64, **moe)
         D, E, n_seqs = cfg.d_model, cfg.n_experts, T // seq_len
@@ -771,7 +764,7 @@ def section_router(torch, dev, rep: Report, shapes: dict) -> None:
         w = randn(torch, g, (E, D), scale=D**-0.5).requires_grad_()
         bias = randn(torch, g, (E,), scale=0.01)
         with poisoned(torch):
-            got = fused(x, w, cfg, bias, seq_len=seq_len)
+            got = ROUTER_IMPLS["triton"](x, w, cfg, bias, seq_len=seq_len)
             _, _, counts, prob_sums, _ = fused_router(got.logits.detach(), cfg, bias, seq_len=seq_len)
         want = route(x, w, cfg, bias, seq_len=seq_len)
         margin = topk_margin_ulps(torch, want.logits.detach(), cfg, bias)
@@ -981,8 +974,6 @@ def one_f_one_b_path(torch, dev):
     """The 1F1B schedule (`moe_lab.parallel.merged_model.MergedModelStep`) of the tiny preset
     on a process group of one rank made here, as ``{name: call}``: one step of two micro-batches. It
     syncs by design (the split sizes of its count exchange go to the host)."""
-    import tempfile
-
     import torch.distributed as dist
 
     from moe_lab import MoELayer
@@ -1055,7 +1046,8 @@ def section_notebook_branches(torch, dev, rep: Report, small: bool) -> None:
     from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
     from moe_lab.workbench.exercises import nb03_triton_from_zero as nb03
 
-    dtype = torch.float32 if INTERPRETED else torch.bfloat16  # as notebook 03's DOT_DTYPE
+    # as notebook 03's DOT_DTYPE; the layer's too: interpreted is on the CPU here (`preflight`)
+    dtype = torch.float32 if INTERPRETED else torch.bfloat16
     counts = [5, 0, 37, 1] if small else [900, 0, 3000, 196]
     offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     K, N = (32, 48) if small else (1024, 2048)
@@ -1068,23 +1060,22 @@ def section_notebook_branches(torch, dev, rep: Report, small: bool) -> None:
     rep.check("03 grouped matmul (solution) vs loop", f"E={len(counts)} M={rows} K={K} N={N}",
               rel_error(y[:rows], want[:rows]), 1e-2 if dtype == torch.bfloat16 else 1e-5)
     cfg = MoEConfig(d_model=64 if small else 1024, n_experts=8, top_k=2, d_expert=32 if small else 512)
-    layer_dtype = torch.bfloat16 if torch.device(dev).type == "cuda" else torch.float32
-    tokens = randn(torch, g, (64 if small else 8192, cfg.d_model), layer_dtype)
-    naive = MoELayer(cfg, "naive").to(device=dev, dtype=layer_dtype)
+    tokens = randn(torch, g, (64 if small else 8192, cfg.d_model), dtype)
+    naive = MoELayer(cfg, "naive").to(device=dev, dtype=dtype)
     want, _ = naive(tokens)
     for backend in expert_backends_here(torch, dev):
-        layer = MoELayer(cfg, "dropless", backend).to(device=dev, dtype=layer_dtype)
+        layer = MoELayer(cfg, "dropless", backend).to(device=dev, dtype=dtype)
         layer.load_state_dict(naive.state_dict())
         got, _ = layer(tokens)
-        rep.check(f"04 dropless layer ({backend}) vs naive", f"T={tokens.shape[0]} {str(layer_dtype)[6:]}",
-                  rel_error(got, want), 2e-2 if layer_dtype == torch.bfloat16 else 1e-5)
+        rep.check(f"04 dropless layer ({backend}) vs naive", f"T={tokens.shape[0]} {str(dtype)[6:]}",
+                  rel_error(got, want), 2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def section_registers(torch, rep: Report, cuda: bool) -> None:
+def section_registers(rep: Report) -> None:
     """Registers and spills the driver reports for every kernel launched so far, beside the
     compile report's figures for the same kernel and config (``results/compile/sm_XX.json``
     of this GPU's architecture, matched by kernel, blocks, warps and stages). Interpreted,
-    nothing is compiled: the compile report's rows are listed with the driver's empty."""
+    nothing is compiled: the section reads no kernel."""
     arch = f"sm_{rep.env['capability'].replace('.', '')}" if rep.env.get("capability") else "sm_90"
     path = ROOT / "results" / "compile" / f"{arch}.json"
     report_rows = json.loads(path.read_text())["rows"] if path.exists() else []
@@ -1096,11 +1087,7 @@ def section_registers(torch, rep: Report, cuda: bool) -> None:
     by_key: dict[tuple, list[dict]] = {}
     for row in report_rows:
         by_key.setdefault(key(row, row["blocks"]), []).append(row)
-    if cuda:
-        launched = compiled_kernels() + rep.launched  # here and in the children
-    else:  # nothing compiled: each config of the report once, the driver's figures empty
-        launched = [{**rows[0], "constexprs": rows[0]["blocks"], "registers": None, "spills": None}
-                    for rows in by_key.values()]
+    launched = compiled_kernels() + rep.launched  # here and in the children
     for k in launched:
         matches = by_key.get(key(k, k["constexprs"]), [])
         regs = sorted({m["registers"] for m in matches})
@@ -1425,7 +1412,7 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool) -> list[Section]
         section_fused_moe(torch, dev, rep, shapes, mxfp8=True)
 
     router_tokens, _, router_moe = list(rt_shapes.values())[-1]  # the largest router, timed
-    sections = [
+    return [
         Section("grouped GEMM", lambda: section_grouped_gemm(torch, dev, rep, shapes)),
         Section("fused MoE", lambda: section_fused_moe(torch, dev, rep, shapes, mxfp8=False)),
         Section("permute", lambda: section_permute(torch, dev, rep, pm_shapes)),
@@ -1439,7 +1426,7 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool) -> list[Section]
         Section("sync debug", lambda: section_sync_debug(torch, dev, rep, small), isolated=cuda),
         Section("notebooks 03 and 04 on the device",
                 lambda: section_notebook_branches(torch, dev, rep, small), isolated=cuda),
-        Section("registers and spills", lambda: section_registers(torch, rep, cuda)),
+        Section("registers and spills", lambda: section_registers(rep)),
         Section("ceilings", lambda: section_ceilings(torch, dev, rep, small)),
         Section("grouped GEMM bench", lambda: bench_grouped_gemm(torch, dev, rep, small),
                 needs="TMA grouped GEMM"),
@@ -1455,7 +1442,6 @@ def plan(torch, dev: str, rep: Report, cuda: bool, small: bool) -> list[Section]
                 needs="CUDA graph step"),
         Section("tuning", lambda: bench_tuning(torch, dev, rep, shapes if small else PRODUCTION, small)),
     ]
-    return sections
 
 
 def select(sections: list[Section], only: list[str] | None, skip: list[str] | None,
@@ -1513,11 +1499,9 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_parent(args.child_of)
         Path(args.child_sink).with_suffix(".started").touch()  # the parent's clock for it starts now
         rep = Report(out, {}, args.budget_s, sink=Path(args.child_sink))
-        section = next(s for s in plan(torch, dev, rep, cuda, small) if s.name == args.child)
-        rep.run(section._replace(isolated=False))
-        if cuda:
-            rep.launched += [{**k, "section": section.name} for k in compiled_kernels()]
-            rep.write()
+        rep.run(next(s for s in plan(torch, dev, rep, cuda, small) if s.name == args.child))
+        rep.launched += [{**k, "section": args.child} for k in compiled_kernels()]
+        rep.write()
         return 0
 
     found = preflight(cuda, os.environ)
@@ -1536,15 +1520,11 @@ def main(argv: list[str] | None = None) -> int:
     env.update(gpu_env(torch))
     print(json.dumps(env), flush=True)
 
-    rep = Report(out, env, args.budget_s)
-    sections = plan(torch, dev, rep, cuda, small)
     if args.resume and not (out / "sections.json").is_file():
         ap.error(f"--resume: no earlier run in {out} (no sections.json)")
-    if args.resume or args.sections or args.skip:  # one result with the earlier run's
-        rep.load_earlier()
-    else:  # a fresh run: no section file of an earlier one stays beside this one's
-        for old in out.glob("children/*.json"):
-            old.unlink()
+    # a call with --resume, --sections or --skip: one result with the earlier run's
+    rep = Report(out, env, args.budget_s, earlier=bool(args.resume or args.sections or args.skip))
+    sections = plan(torch, dev, rep, cuda, small)
     finished = {s["section"] for s in rep.sections if args.resume and s["status"].startswith("done")}
     try:
         chosen = select(sections, args.sections, args.skip, finished)

@@ -61,6 +61,7 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "schedule": (("moe_lab/sim/schedule.py",), ("tests/lesson/sim/test_schedule.py",)),
     "checkpoint": (("moe_lab/workbench/training/checkpoint.py",),
                    ("tests/workbench/training/test_checkpoint_durability.py",
+                    "tests/workbench/training/test_checkpoint_temporaries.py",
                     "tests/workbench/training/test_train.py")),
 }
 
@@ -173,8 +174,7 @@ def _scratch_copy() -> Path:
     scratch = Path(tempfile.mkdtemp(prefix="moe_lab_mutate_"))
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
     for name in ("moe_lab", "tests", "scripts", "notebooks", "data"):
-        if (ROOT / name).exists():
-            shutil.copytree(ROOT / name, scratch / name, ignore=ignore)
+        shutil.copytree(ROOT / name, scratch / name, ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", scratch / "pyproject.toml")
     return scratch
 
@@ -202,8 +202,7 @@ def choose(per_target: int | None, seed: int, targets: list[str]) -> list[tuple[
     rng = random.Random(seed)
     chosen = []
     for name in targets:
-        files, _ = TARGETS[name]
-        pool = [m for path in files for m in mutants_of(path, (ROOT / path).read_text())]
+        pool = [m for path in TARGETS[name][0] for m in mutants_of(path, (ROOT / path).read_text())]
         picked = pool if per_target is None or per_target >= len(pool) else rng.sample(pool, per_target)
         chosen += [(name, m) for m in sorted(picked, key=lambda m: (m.path, m.line, m.index))]
     return chosen
@@ -227,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--per-target must be >= 0, got {args.per_target}")
     if not args.timeout > 0:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
-    targets = args.target or sorted(TARGETS)
-    chosen = choose(args.per_target or None, args.seed, targets)
+    chosen = choose(args.per_target or None, args.seed, args.target or sorted(TARGETS))
     if not 1 <= args.start <= max(len(chosen), 1):
         parser.error(f"--start must be between 1 and {len(chosen)} (the sample's size), got {args.start}")
     if args.count < 0:
@@ -240,9 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     scratch = _scratch_copy()
     results = []
     try:
-        for i, (name, m) in enumerate(chosen, 1):
-            if i < args.start or (args.count and i >= args.start + args.count):
-                continue
+        stop = args.start - 1 + args.count if args.count else len(chosen)
+        for i, (name, m) in enumerate(chosen[args.start - 1:stop], args.start):
             start = time.monotonic()
             outcome = run_mutant(scratch, m, TARGETS[name][1], args.timeout)
             results.append({"target": name, **asdict(m), "outcome": outcome,

@@ -112,8 +112,7 @@ def ledger_table(records: list[dict], notebooks: list[str], hardware=None,
 def gpu_check_table(folder: Path) -> list[str]:
     """The benchmarks of ``scripts/gpu_check.py`` stored in ``folder/bench.json``."""
     bench = json.loads((folder / "bench.json").read_text())
-    env_file = folder / "env.json"
-    env = json.loads(env_file.read_text()) if env_file.exists() else {}
+    env = json.loads((folder / "env.json").read_text())  # gpu_check writes it with every bench.json
     lines = [f"Measured {env.get('date', '?')} on {env.get('gpu', folder.name)} "
              f"(torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}); reproduce: "
              "`python scripts/gpu_check.py`.", "",
@@ -125,8 +124,8 @@ def gpu_check_table(folder: Path) -> list[str]:
     return lines
 
 
-def gains_markdown(ledger: Path | None, results: Path, notebooks: list[str]) -> str:
-    records = read_ledger(ledger if ledger is not None else ledger_path())
+def gains_markdown(ledger: Path, results: Path, notebooks: list[str]) -> str:
+    records = read_ledger(ledger)
     out = ["### Measured on a CPU (simulations and counts included)", "",
            *ledger_table(records, notebooks, on_cpu_or_machine_free, gpu_lines=True)]
     if results.is_dir():

@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for the wheel, the environment and the build cache (emptied first)")
     args = parser.parse_args(argv)
     out = args.out.resolve()
-    inside = out == ROOT or ROOT in out.parents
-    if inside and (out == ROOT or out.relative_to(ROOT).parts[0] != "build"):
+    if out == ROOT or (ROOT in out.parents and out.relative_to(ROOT).parts[0] != "build"):
         parser.error(f"--out: must lie outside the checkout or under its build/, got {args.out}")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -55,9 +55,9 @@ def result(benchmark: str) -> MLPerfResult:
 
 def results_table() -> str:
     """The results as a markdown table, with the source beneath."""
+    from moe_lab.workbench.measure.ledger import markdown_table  # here: it imports torch, mlperf does not
+
     header = ("benchmark", "system", "GPUs", "minutes", "GPU-hours", "MoE")
     rows = [(r.benchmark, r.system, f"{r.n_gpus:,}", f"{r.minutes:g}", f"{r.gpu_hours:,.1f}",
              "yes" if r.moe else "") for r in RESULTS]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines) + f"\n\nSource: {SOURCE}."
+    return markdown_table(header, ["---"] * len(header), rows) + f"\nSource: {SOURCE}."

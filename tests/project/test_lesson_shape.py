@@ -14,10 +14,10 @@ PACKAGE = REPO / "moe_lab"
 
 LESSON_LINES = 15_000  # the whole lesson, docstrings included, as `wc -l` counts
 MODULE_LINES = 600  # its largest module
-# Code lines (`code_lines`): issue 48's budgets, 6,500 for the lesson (met) and 18,500 for the
-# package with its scripts (a ratchet on the way). Lower them as code goes; never raise them.
+# Code lines (`code_lines`): issue 48's budgets, 6,500 for the lesson and 18,500 for the package
+# with its scripts. Lower them as code goes; never raise them.
 LESSON_CODE_LINES = 6_500
-PACKAGE_CODE_LINES = 18_680
+PACKAGE_CODE_LINES = 18_500
 FUNCTION_LINES = 60  # a lesson function, docstring included
 KERNEL_LINES = 100  # a @triton.jit kernel reads best whole
 

@@ -32,6 +32,7 @@ Every figure is appended to the ledger (notebook ``bench:ep`` unless ``--noteboo
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from moe_lab.parallel.plan import SCHEDULES
 from moe_lab.workbench.cli import positive_float, positive_int
@@ -69,7 +70,7 @@ def spec_for(profile: str, ranks: int, tokens: int | None = None, n_chunks: int 
         raise ValueError(f"--tokens ({tokens} per rank and micro-batch) must be at least --chunks "
                          f"({n_chunks}): every chunk needs a token")
     return {"cfg": dict(CFG), "tokens": tokens, "n_chunks": n_chunks,
-            "repeats": repeats or p["repeats"], "seed": seed, "warmup": 1,
+            "repeats": repeats or p["repeats"], "seed": seed,
             "bandwidth_rows": 2048}
 
 
@@ -90,15 +91,10 @@ def run_ep_benchmark(ranks: int, rate_mbit: float | None, spec: dict, timeout_s:
     # The backend is chosen here and passed on, never left to the launcher's default: the
     # emulated link carries gloo only, and one GPU cannot hold several NCCL ranks.
     backend, backend_reason = choose_backend(ranks, link)
-    try:
-        if link is not None:
-            link.setup()
+    with link if link is not None else contextlib.nullcontext():
         reports = run_ranks(merged_rank_main, ranks, spec, timeout_s=timeout_s, link=link,
                             backend=backend, threads_per_rank=threads_per_rank)
-        description = link.describe() if link is not None else "loopback (not emulated)"
-    finally:
-        if link is not None:
-            link.teardown()
+    description = link.describe() if link is not None else "loopback (not emulated)"
     # report["backend"] and ["device"] are the ranks' own
     return {**reports[0], "link": description, "link_emulated": link is not None,
             "rate_mbit": rate_mbit if link is not None else None, "backend_reason": backend_reason,
@@ -113,10 +109,9 @@ def summarize(report: dict) -> dict:
     for label, step_s in report["median_s"].items():
         row = {"schedule": label, "step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s}
         if label in report["exposed_s"]:
-            row["exposed_ms"] = report["exposed_s"][label] * 1e3
-            row["exposed_vs_sequential"] = report["exposed_vs_sequential"][label]
-            row["exposed_replay_ms"] = report["exposed_replay_s"][label] * 1e3
-            row["exposed_replay_vs_sequential"] = report["exposed_replay_vs_sequential"][label]
+            for kind in ("exposed", "exposed_replay"):  # outside compute, and step − compute-only
+                row[f"{kind}_ms"] = report[f"{kind}_s"][label] * 1e3
+                row[f"{kind}_vs_sequential"] = report[f"{kind}_vs_sequential"][label]
         rows.append(row)
     return {"rows": rows, "a2a_bytes_per_step": report["a2a_bytes"],
             "a2a_s_sequential": report["a2a_s"], "compute_s": report["compute_s"],

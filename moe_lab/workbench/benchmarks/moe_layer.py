@@ -99,12 +99,7 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
     providers["capacity cf1.25"] = clone("capacity", capacity_factor=1.25)
     if cfg.n_experts <= 8:  # the loop backend does n_experts times the work: coarse only
         providers["dropless loop"] = clone("dropless", "loop")
-    if not hasattr(torch, "_grouped_mm"):
-        notes.append("dropless torch: torch._grouped_mm is missing from this build")
-    elif device == "cuda" and dtype != torch.bfloat16:
-        notes.append("dropless torch: torch._grouped_mm on CUDA needs bf16")
-    else:
-        providers["dropless torch"] = clone("dropless", "torch")
+    providers["dropless torch"] = clone("dropless", "torch")
     if device == "cpu":
         why = cpu_plugin_status()
         if why is None:
@@ -129,6 +124,7 @@ def build_providers(cfg: MoEConfig, include_hf: bool = True, device: str = "cpu"
 
 
 def _step_fn(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    # the provider's fwd+bwd step, and its output on x
     is_hf = not isinstance(module, MoELayer)
 
     def step() -> None:
@@ -139,11 +135,9 @@ def _step_fn(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
             y, stats = module(xi)
             torch.autograd.backward([y, stats.aux_loss], [grad, torch.ones_like(stats.aux_loss)])
 
-    def forward() -> torch.Tensor:
-        with torch.no_grad():
-            return module(x.unsqueeze(0)).squeeze(0) if is_hf else module(x)[0]
-
-    return step, forward
+    with torch.no_grad():
+        y = module(x.unsqueeze(0)).squeeze(0) if is_hf else module(x)[0]
+    return step, y
 
 
 def _device_dtype() -> tuple[str, torch.dtype]:
@@ -167,15 +161,13 @@ def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, include_hf: bool
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     steps, syncs, reference = {}, {}, None
     for name, module in providers.items():
-        step, forward = _step_fn(module, x, grad)
-        y = forward()
+        step, y = _step_fn(module, x, grad)
         if reference is None:
             reference = y
         elif not name.startswith("capacity"):  # capacity drops tokens by design
             torch.testing.assert_close(y, reference, rtol=tol, atol=tol,
                                        msg=lambda m, n=name: f"{n} differs from naive: {m}")
-        _, counter = count_syncs(step)
-        syncs[name] = sum(counter.values())
+        syncs[name] = sum(count_syncs(step)[1].values())
         steps[name] = step
     timings = compare(steps, min_time_s=min_time_s)
     flops = expert_flops(tokens, cfg.top_k, cfg.d_model, cfg.d_expert)
@@ -238,10 +230,7 @@ def expert_compute_vs_floor(shape: str, tokens: int, ceiling_gflops: float | Non
 
 def floor_backends(device: str) -> list[str]:
     """The grouped-GEMM expert backends that run here (the floor comparison's subjects)."""
-    backends = ["torch"] if hasattr(torch, "_grouped_mm") else []
-    if device == "cpu" and cpu_plugin_status() is None:
-        backends.append("openmp")
-    return backends
+    return ["torch", "openmp"] if device == "cpu" and cpu_plugin_status() is None else ["torch"]
 
 
 # The stages each fusion removes from the chain (the SwiGLU epilogue, the gather prologue,

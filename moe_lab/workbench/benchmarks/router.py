@@ -54,11 +54,6 @@ TOKENS = {
 BASELINE = "unfused fp64"
 
 
-def shape_config(shape: str) -> MoEConfig:
-    """The router's ``MoEConfig`` for a named shape (``d_model`` is unused after the matmul)."""
-    return MoEConfig(d_model=64, d_expert=64, **SHAPES[shape])
-
-
 def floor_bytes(tokens: int, cfg: MoEConfig) -> int:
     """One read of the float32 logits plus the int64 ids and float32 weights written."""
     return tokens * cfg.n_experts * 4 + tokens * cfg.top_k * (8 + 4)
@@ -102,7 +97,7 @@ def build_providers(cfg: MoEConfig) -> tuple[dict, list[str]]:
 def run_shape(shape: str, tokens: int, min_time_s: float = 0.5, seed: int = 0) -> dict:
     """Benchmark one shape on this machine's device; returns ``{"rows": [...], "notes": [...], ...}``."""
     device = capabilities().device
-    cfg = shape_config(shape)
+    cfg = MoEConfig(d_model=64, d_expert=64, **SHAPES[shape])  # d_model: unused after the matmul
     g = torch.Generator().manual_seed(seed)
     logits64 = (torch.randn(tokens, cfg.n_experts, generator=g, dtype=torch.float64) * 2).to(device)
     bias = (torch.randn(cfg.n_experts, generator=g) * 0.01).to(device)

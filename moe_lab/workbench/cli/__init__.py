@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # `train` catches its own, to say where its checkpoint stands
         return interrupted(command)
-    except ValueError as exc:  # bad input: one clear line, not a traceback
+    except (ValueError, OSError) as exc:  # bad input, a missing or unreadable file: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -4,13 +4,14 @@
 per token of a preset, broken down, and the TFLOPS per GPU a token rate implies.
 ``compile``: every Triton kernel compiled for sm_90 and sm_100 and read
 (`moe_lab.workbench.compile_report.report`); no GPU needed. A full compile then writes the
-tile-traffic and roofline tables from its reports (`write_tables`).
+tile-traffic and roofline tables from its reports.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from moe_lab.config import PRESETS, preset
 from moe_lab.workbench import jsonout
@@ -58,7 +59,7 @@ def flops_command(args: argparse.Namespace) -> int:
 def compile_command(args: argparse.Namespace) -> int:
     """Compile every kernel module's specs for ``--arch``; print the table (or one JSON
     object), write ``<arch>.json`` and ``summary.md`` into ``--out`` (after a full compile also
-    ``traffic.md`` and ``roofline.md``, `write_tables`), append the figures to the ledger. Exit
+    ``traffic.md`` and ``roofline.md``), append the figures to the ledger. Exit
     status 1 when a row failed or its two accounts of a figure disagree."""
     from moe_lab.workbench.compile_report import check_modules
 
@@ -67,6 +68,7 @@ def compile_command(args: argparse.Namespace) -> int:
         modules = [m if "." in m else f"moe_lab.kernels.{m}" for m in args.modules.split(",") if m]
         check_modules(modules)  # a typo refused before the first heavy import (Triton, torch)
     from moe_lab.workbench.compile_report import report as compile_report
+    from moe_lab.workbench.compile_report import roofline, traffic
 
     report = compile_report.compile_report(compile_report.parse_archs(args.arch), modules)
     rows = report["rows"]
@@ -83,8 +85,16 @@ def compile_command(args: argparse.Namespace) -> int:
             print(f"error: the report could not be written into {out} ({exc}); it is printed below",
                   file=sys.stderr)
             unsaved = True
-        else:  # the tables only after a full compile
-            unsaved = modules is None and not write_tables(out)
+    # After a full compile, once every target's report is in ``out``, the tile-traffic and
+    # roofline tables (`moe_lab.workbench.compile_report.roofline.write_tables`) from them.
+    if modules is None and not unsaved and all(p.exists() for p in traffic.reports(Path(out)).values()):
+        try:
+            for path in roofline.write_tables(Path(out)):
+                print(f"wrote {path}", file=sys.stderr)
+        except (OSError, ValueError) as exc:  # a report without a launch's row, or an unwritable file
+            print(f"error: traffic.md and roofline.md could not be written into {out} ({exc})",
+                  file=sys.stderr)
+            unsaved = True
     with ledger.keep_unwritten() as unwritten:
         compile_report.record(rows)
     print(jsonout.dumps(report) if args.json else compile_report.format_table(rows))
@@ -94,25 +104,6 @@ def compile_command(args: argparse.Namespace) -> int:
         why = row.get("error") or f"cuobjdump and ptxas/metadata disagree: {row['checks']}"
         print(f"{row['kernel']} [{row.get('arch')}]: {why.splitlines()[0]}", file=sys.stderr)
     return 1 if bad or unsaved else 0
-
-
-def write_tables(out) -> bool:
-    """After a full compile (every module), the tile-traffic and roofline tables
-    (`moe_lab.workbench.compile_report.roofline.write_tables`) from the reports just
-    written into ``out``, where every target's report is there. False when they could not be made."""
-    from pathlib import Path
-
-    from moe_lab.workbench.compile_report import roofline, traffic
-
-    if not all(path.exists() for path in traffic.reports(Path(out)).values()):
-        return True
-    try:
-        for path in roofline.write_tables(Path(out)):
-            print(f"wrote {path}", file=sys.stderr)
-    except (OSError, ValueError) as exc:  # a report without a launch's row, or an unwritable file
-        print(f"error: traffic.md and roofline.md could not be written into {out} ({exc})", file=sys.stderr)
-        return False
-    return True
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

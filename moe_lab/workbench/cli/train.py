@@ -72,12 +72,9 @@ def _run_cli(args: argparse.Namespace) -> int:
         print(exc if isinstance(exc, TrainingInterrupted) else
               "interrupted before the first step: nothing was trained", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except TrainingDiverged as exc:
+    except TrainingDiverged as exc:  # an OSError (an unreadable corpus, a full disk) is `main`'s
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # a missing or unreadable corpus or checkpoint, a full disk
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     print(dumps(summary) if args.json else "\n".join(f"{k}: {v}" for k, v in summary.items()))
     return 0
 

@@ -43,7 +43,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from moe_lab.kernels.launch import LaunchConfig
+from moe_lab.perf.capabilities import capabilities
+from moe_lab.workbench.compile_report import known_modules
 from moe_lab.workbench.compile_report.worker import SCALARS, parse_archs
+from moe_lab.workbench.measure import ledger
 
 DEFAULT_ARCHS = ("sm_90", "sm_100")
 # The fields of a row a ledger record carries besides its figure (theoretical warps per SM).
@@ -95,9 +98,6 @@ def compile_report(archs: tuple[str, ...] = DEFAULT_ARCHS,
     `moe_lab.workbench.compile_report.known_modules`) for ``archs`` (checked: `parse_archs`):
     ``{"archs", "triton", "limits", "rows", "compiled_on"}``, one row per spec × arch, and an
     error row for what fails (a module without specs, a failed compile)."""
-    from moe_lab.perf.capabilities import capabilities
-    from moe_lab.workbench.compile_report import known_modules
-
     jobs = [module_job(m) for m in (known_modules() if modules is None else modules)]
     result = run_in_child({"archs": list(archs), "jobs": jobs})
     return {**result, "compiled_on": capabilities().hardware_label()}
@@ -277,9 +277,8 @@ def summary_markdown(report: dict[str, Any]) -> str:
                        f"{lim['shared_per_sm'] // 1024} KB shared per SM"
                        for arch, lim in report["limits"].items())
     errors = sum(1 for row in report["rows"] if row.get("error"))
-    table = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    table += ["| " + " | ".join(c.replace("|", "\\|") for c in table_cells(row)) + " |"
-              for row in report["rows"]]
+    rows = [table_cells(row) for row in report["rows"]]
+    table = ledger.markdown_table(COLUMNS, ["---"] * len(COLUMNS), rows)
     return (
         "# Compile report\n\n"
         f"Every Triton kernel of moe_lab at the configurations a CUDA launch picks, compiled with "
@@ -295,7 +294,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
         "`cp.async.bulk.tensor` and `mbarrier.init` instructions in the PTX; a persistent grid is "
         "one whose kernel has a loop over tiles strided by the number of programs.\n\n"
         + (f"**{errors} row(s) failed** (see ERROR).\n\n" if errors else "")
-        + "\n".join(table) + "\n"
+        + table
         + "\n## Off target, and why\n\n" + exceptions_markdown(report["rows"])
         + refused_markdown(report.get("refused", []))
     )
@@ -336,9 +335,6 @@ def write_results(report: dict[str, Any], out_dir: str | os.PathLike[str]) -> li
 def record(rows: list[dict[str, Any]], notebook: str = "compile") -> int:
     """Append one ledger record per compiled row (error rows have no figure): theoretical
     warps per SM, with the rest of the row as extra fields. Returns the number recorded."""
-    from moe_lab.perf.capabilities import capabilities
-    from moe_lab.workbench.measure import ledger
-
     compiled_on = capabilities().hardware_label()
     compiled = [row for row in rows if not row.get("error")]
     for row in compiled:
@@ -350,7 +346,5 @@ def record(rows: list[dict[str, Any]], notebook: str = "compile") -> int:
 
 def default_out_dir() -> Path:
     """``<project root>/results/compile`` (``./results/compile`` outside a checkout)."""
-    from moe_lab.workbench.measure.ledger import find_project_root
-
-    root = find_project_root()
+    root = ledger.find_project_root()
     return (root if root is not None else Path.cwd()) / "results" / "compile"

@@ -127,14 +127,13 @@ def write_tables(results: Path = traffic.RESULTS) -> list[Path]:
     return list(texts)
 
 
-def plot(rows: list[dict], ax=None):
+def plot(rows: list[dict]):
     """The roofline of every GPU in ``rows`` (`projections`' rows): attainable FLOP/s against
     intensity, dashed (a projection), with each launch at its intensity and attainable rate in
     the grouped order (filled) and the row-fastest order (hollow). Returns the axes."""
     import matplotlib.pyplot as plt
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 4.5))
+    _, ax = plt.subplots(figsize=(8, 4.5))
     gpus = list(dict.fromkeys(r["gpu"] for r in rows))
     low = min(min(r["old_intensity"], r["intensity"]) for r in rows) / 2
     high = max(max(r["intensity"], r["ridge"]) for r in rows) * 2

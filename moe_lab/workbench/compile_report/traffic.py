@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import torch
 
 from moe_lab.kernels import fused_moe, fused_mxfp8, grouped_gemm, mx_gemm
 from moe_lab.kernels.grouped_gemm import DW_GROUP_K, choose_config, tile_group
-from moe_lab.kernels.launch import LaunchConfig
 from moe_lab.perf.hardware import ARCHS, GPUS, gpu_spec
 from moe_lab.perf.traffic import simulate, simulate_dw
 
@@ -173,32 +171,27 @@ KERNEL_LAUNCHES = (
 )
 
 
-def kernel_config(module: types.ModuleType, kind: str | None, m: int, n: int, k: int, experts: int,
-                  gpu: str) -> LaunchConfig:
-    """The `LaunchConfig` a CUDA launch of a `KERNEL_LAUNCHES` kernel takes on ``gpu``: its kernel
-    module's own ``launch_config`` in bfloat16 (the grouped GEMM's, the fused kernels', the MXFP8
-    ones'; the grouped MXFP8 GEMM's by the ``MX_MMA`` the GPU compiles: block-scaled where it has
-    MXFP8 tensor cores, ``fp8_promote`` on Hopper)."""
-    if module is mx_gemm:
-        mma = "scaled" if gpu_spec(gpu).native_mxfp8 else "fp8_promote"
-        return mx_gemm.launch_config(m, n, k, interpreted=False, mma=mma)
-    return module.launch_config(kind, m, n, k, experts, interpreted=False)
-
-
 def _launch_rows(spec, report: dict, models: tuple[str, ...] | None, launches: tuple[str, ...] | None,
                  table: tuple, acceptance: bool):
     """The rows of ``table`` (`LAUNCHES`: ``acceptance``, or `KERNEL_LAUNCHES`) on one GPU: the
-    row-fastest and grouped orders at the launch's tile (`kernel_config`) and the compile report's
-    resident blocks (``kernel`` at the row whose label holds the launch's label piece); the grouped
-    order with its waves on expert bounds — always for ``acceptance``, otherwise only where the
-    grouped order is above compulsory and its waves straddle experts (``aligned`` None otherwise);
-    and the least bytes one wave touches over its K sweep."""
+    row-fastest and grouped orders at the launch's tile (its module's ``launch_config``) and the
+    compile report's resident blocks (``kernel`` at the row whose label holds the launch's label
+    piece); the grouped order with its waves on expert bounds — always for ``acceptance``,
+    otherwise only where the grouped order is above compulsory and its waves straddle experts
+    (``aligned`` None otherwise); and the least bytes one wave touches over its K sweep."""
     for model, per_expert, experts, dims in _models(models):
         for launch, kernel, source, kind, label, n_dim, k_dim, keywords in table:
             if launches is not None and launch not in launches:
                 continue
             n, k = dims[n_dim], dims[k_dim]
-            cfg = kernel_config(source, kind, per_expert * experts, n, k, experts, spec.name)
+            # The tile a CUDA launch takes: its kernel module's own launch_config in bfloat16; the
+            # grouped MXFP8 GEMM's by the MX_MMA the GPU compiles (block-scaled where it has MXFP8
+            # tensor cores, fp8_promote on Hopper).
+            if source is mx_gemm:
+                mma = "scaled" if spec.native_mxfp8 else "fp8_promote"
+                cfg = mx_gemm.launch_config(per_expert * experts, n, k, interpreted=False, mma=mma)
+            else:
+                cfg = source.launch_config(kind, per_expert * experts, n, k, experts, interpreted=False)
             b = cfg.blocks
             in_flight = spec.sms * blocks_per_sm(report, kernel, b, cfg.num_warps, label)
             group = tile_group(per_expert * experts, experts, b["BLOCK_M"])
@@ -232,7 +225,7 @@ def kernel_tables(results: Path = RESULTS, models: tuple[str, ...] | None = None
     up/gate projection, the SwiGLU backward, the fused kernels, the grouped MXFP8 GEMM and the fused
     MXFP8 kernels) at `ACCEPTANCE`'s shapes on every compile target's GPU: ``row`` their old 2-D
     grid's order (row tile fastest), ``grouped`` `tile_order` with `tile_group`'s ``GROUP_M``, as
-    they launch today. Tiles are each kernel's own launch config (`kernel_config`), resident
+    they launch today. Tiles are each kernel's own launch config (its module's ``launch_config``), resident
     blocks per SM the compile report's row of the kernel at that tile; ``mma`` says whether the
     kernel multiplies bf16 tiles (the fused MXFP8 kernels decode or quantize in registers around
     a bf16 MMA) or 8-bit ones (the grouped MXFP8 GEMM). ``models`` and

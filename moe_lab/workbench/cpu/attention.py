@@ -23,7 +23,8 @@ GEMMs' B operands are repacked per head into the pairs layout bfloat16 GEMMs rea
 of the reduction dimension interleaved); for ``Kᵀ`` that is a transpose of K read as 32-bit
 words. Float16, an odd head dimension, or a CPU without bfloat16 GEMMs are widened to float32
 and the output rounded back. Where the CPU has AVX512_BF16, P, dS and the outputs are rounded
-to bfloat16 as they are computed, one instruction per rounding (`moe_lab.workbench.cpu.build.native_bf16`).
+to bfloat16 as they are computed, one instruction per rounding (compiled with ``-mavx512bf16``
+there: `moe_lab.workbench.cpu.build`).
 The bfloat16 forward rounds ``exp(s − max)`` to bfloat16 in the pass that computes it and
 scales the ``[rows, head_dim]`` output of ``P V`` by ``1/sum`` (as a flash attention does),
 instead of normalising ``P`` itself: one pass over the scores fewer.
@@ -52,8 +53,6 @@ from moe_lab.checks import first_derivative_only
 from moe_lab.workbench.cpu.build import kernel_op
 
 Tensor = torch.Tensor
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _attention_shapes(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -153,7 +152,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     else (float16, an odd ``head_dim``, or a CPU without bfloat16 GEMMs, see
     `moe_lab.workbench.cpu.build.bf16_gemms`) is widened to float32 and the output rounded back."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in DTYPES:  # the kernel checks the rest; float64 would be narrowed unseen
+        # the kernel checks the rest; float64 would be narrowed unseen
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"cpu_fused attention takes float32, bfloat16 or float16 inputs, got "
                              f"{name} in {t.dtype}")
     with torch.autocast("cpu", enabled=False):

@@ -12,14 +12,14 @@ compiles them on first use (about 80 s on 2 cores) and caches the result under
 torch version and installation (each environment its own folder) and the compiler flags:
 the vector instruction set ATen uses on this CPU
 (``torch.backends.cpu.get_cpu_capability()``: the kernels' elementwise loops are compiled for
-it) and whether it has AVX512_BF16 (`native_bf16`), so a cache shared by different machines
+it) and whether it has AVX512_BF16 (`_flags`), so a cache shared by different machines
 never hands one a build it cannot run. ``make install`` builds it ahead
 (``python -m moe_lab.workbench.cpu``). A build, or a rebuild over an old one (ninja finds a
 source or a torch header newer than it: `rebuild_reason`), is announced, with its reason,
 before it starts.
 
 It needs a C++ compiler with OpenMP, the same one ``torch.compile`` needs on a CPU. Without
-one, `available` is False, `extension` raises with the reason, and every caller has a
+one, `unavailable_reason` says why, `extension` raises with it, and every caller has a
 plain-PyTorch path (the ``torch`` expert backend, the ``sdpa`` attention). Setting
 ``MOE_LAB_NO_CPU_EXTENSION`` switches the extension off, to try those paths.
 
@@ -71,23 +71,15 @@ _ext = None
 _error: str | None = None
 
 
-def capability() -> str:
-    """The vector instruction set ATen dispatches to on this CPU (``"AVX512"``, ``"AVX2"``,
-    ``"DEFAULT"``, ...); the kernels are compiled for it."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
-def native_bf16() -> bool:
-    """Whether this CPU has the AVX512_BF16 instructions (``avx512_bf16`` among Linux's
-    ``/proc/cpuinfo`` flags, as `moe_lab.perf.capabilities` reads them): the kernels then round
-    float32 to bfloat16 with them (one instruction per 32 values; see ``cpu_bf16.h``). False
-    elsewhere, where ATen's conversion serves."""
-    return capability() == "AVX512" and "avx512_bf16" in cpuinfo()[1]
-
-
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability(), [])]
-    if native_bf16():
+    """The compiler flags: those of the vector instruction set ATen dispatches to on this CPU
+    (``"AVX512"``, ``"AVX2"``, ``"DEFAULT"``, ...), and ``-mavx512bf16`` where the CPU has the
+    AVX512_BF16 instructions (``avx512_bf16`` among Linux's ``/proc/cpuinfo`` flags, as
+    `moe_lab.perf.capabilities` reads them): the kernels then round float32 to bfloat16 with
+    them (one instruction per 32 values; see ``cpu_bf16.h``), elsewhere ATen's conversion serves."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", *_CAPABILITY_FLAGS.get(capability, [])]
+    if capability == "AVX512" and "avx512_bf16" in cpuinfo()[1]:
         flags.append("-mavx512bf16")
     return flags
 
@@ -250,17 +242,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def available() -> bool:
-    """Whether the kernels are built or can be built here (builds them if need be)."""
-    return unavailable_reason() is None
-
-
 def main() -> int:
     """Build ahead (``make install``); a failure is reported, not fatal: the plain-PyTorch
     paths still work."""
     reason = unavailable_reason()
     if reason is None:
-        print(f"moe_lab: CPU kernels ready ({_name_and_dir()[1]}, {capability()})")
+        print(f"moe_lab: CPU kernels ready ({_name_and_dir()[1]}, {torch.backends.cpu.get_cpu_capability()})")
     else:
         print(f"moe_lab: {reason} (the 'torch' expert backend and 'sdpa' attention still work)",
               file=sys.stderr)

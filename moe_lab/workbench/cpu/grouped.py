@@ -23,14 +23,14 @@ that use them, and the weight gradients accumulate in float32 over the blocks, r
 The gain is the cache, not the GEMM. Where the CPU has AVX512_BF16, the first GEMM's
 epilogue rounds its output to bfloat16, keeps the rounded values in registers for the SwiGLU
 and rounds the activation, in one pass and one instruction per rounding
-(`moe_lab.workbench.cpu.build.native_bf16`), bit for bit the same results.
+(compiled with ``-mavx512bf16`` there: `moe_lab.workbench.cpu.build`), bit for bit the same results.
 The ``openmp`` expert backend uses it; `grouped_mm` alone serves where something must happen
 between the GEMMs (MXFP8 emulation quantizes the activation there).
 
 The kernels are C++, built on first use with the rest of moe_lab's CPU kernels
 (`moe_lab.workbench.cpu.build`: once per machine and torch version; ``make install`` builds them
 ahead). They need a C++ compiler with OpenMP — the same one ``torch.compile``
-needs on a CPU. Without one, `available` says False, `extension` raises with the reason,
+needs on a CPU. Without one, `unavailable_reason` says why, `extension` raises with it,
 and the ``torch`` backend remains.
 
 Every launch is a ``torch.library.custom_op`` with a fake implementation (`grouped_mm`

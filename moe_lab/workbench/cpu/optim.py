@@ -12,17 +12,17 @@ own state, so checkpoints are unchanged).
 
 `supports` says whether an optimizer can take it: a CPU AdamW as the sync-free step's
 ``make_optimizer`` builds it (fused, float32, no AMSGrad, not maximising) with moe_lab's CPU kernels built.
-`has_step_hooks` says whether step hooks are registered on it (or globally): those run only in
-``optimizer.step()``, so the step keeps torch's path while there are any. The op has a fake
-implementation, so the step's sync-free certificate covers it. `one_call_step` is the entry
-the plug-in registers as the clip step ``cpu_one_call``.
+While step hooks are registered on it (or globally) the step keeps torch's path: those run only
+in ``optimizer.step()``. The op has a fake implementation, so the step's sync-free certificate
+covers it. `one_call_step` is the entry the plug-in registers as the clip step ``cpu_one_call``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim import optimizer as optim_module
 
-from moe_lab.workbench.cpu.build import available, kernel_op
+from moe_lab.workbench.cpu.build import kernel_op, unavailable_reason
 
 Tensor = torch.Tensor
 
@@ -54,17 +54,7 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
         for p in group["params"]:
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
                 return False
-    return available()
-
-
-def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` would call step hooks (its own or global ones), which
-    `clip_adamw_` does not."""
-    from torch.optim import optimizer as optim_module
-
-    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or optim_module._global_optimizer_pre_hooks
-                or optim_module._global_optimizer_post_hooks)
+    return unavailable_reason() is None
 
 
 def clip_adamw_(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tensor,
@@ -79,7 +69,7 @@ def clip_adamw_(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tenso
     For an optimizer `supports` takes (`one_call_step` asks once, at construction, so the
     per-step path does not walk every parameter to check it again); the kernel checks each
     tensor's dtype, layout and size, and ``max_norm > 0``."""
-    params, grads, avgs, sqs, steps, decays = [], [], [], [], [], []
+    params, decays = [], []
     first = optimizer.param_groups[0]
     lr, betas, eps = first["lr"], first["betas"], first["eps"]
     for group in optimizer.param_groups:
@@ -92,16 +82,14 @@ def clip_adamw_(optimizer: torch.optim.AdamW, max_norm: float, grad_scale: Tenso
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
-            grads.append(p.grad)
-            avgs.append(state["exp_avg"])
-            sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
             decays.append(float(group["weight_decay"]))
+    states = [optimizer.state[p] for p in params]
     if not isinstance(lr, Tensor):
         lr = torch.tensor(float(lr), dtype=torch.float32)
     with torch.no_grad():
-        return _clip_adamw(params, grads, avgs, sqs, steps, decays, lr, float(betas[0]),
-                           float(betas[1]), float(eps), float(max_norm), skip, grad_scale)
+        return _clip_adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                           [s["exp_avg_sq"] for s in states], [s["step"] for s in states], decays, lr,
+                           float(betas[0]), float(betas[1]), float(eps), float(max_norm), skip, grad_scale)
 
 
 def one_call_step(optimizer: torch.optim.Optimizer):
@@ -112,7 +100,9 @@ def one_call_step(optimizer: torch.optim.Optimizer):
         return None
 
     def step(max_norm: float, grad_scale: Tensor, skip: Tensor) -> Tensor | None:
-        if has_step_hooks(optimizer):
+        # ``optimizer.step()`` would call step hooks (its own or global ones); `clip_adamw_` does not
+        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks):
             return None
         return clip_adamw_(optimizer, max_norm, grad_scale, skip)
 

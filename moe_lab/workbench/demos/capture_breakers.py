@@ -152,18 +152,17 @@ def capture_gallery() -> list[dict]:
     ``fixed_passes`` (whether the rewrite is certified sync-free)."""
     rows = []
     for title, broken, fixed, make_args in CAPTURE_BREAKERS:
-        refused = _refusal(broken, make_args())
         rows.append({"title": title, "broken_source": inspect.getsource(broken).strip(),
                      "fixed_source": inspect.getsource(fixed).strip(),
-                     "op": None if refused is None else refused.op,
-                     "fixed_passes": _refusal(fixed, make_args()) is None})
+                     "op": _refused_op(broken, make_args()),
+                     "fixed_passes": _refused_op(fixed, make_args()) is None})
     return rows
 
 
-def _refusal(fn: Callable, args: tuple) -> SyncError | None:
-    """The certificate's refusal of ``fn(*args)``, or None when it is sync-free."""
+def _refused_op(fn: Callable, args: tuple) -> str | None:
+    """The operator the certificate names in refusing ``fn(*args)``, or None when it is sync-free."""
     try:
         assert_sync_free(fn, *args, backward=False)
     except SyncError as err:
-        return err
+        return err.op
     return None

@@ -136,7 +136,6 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
     if not torch.cuda.is_available():
         return SyncDebugReport(label, mode, ran=False)
     seen: Counter[tuple[str, str]] = Counter()  # (where, code) -> warnings, in the order first seen
-    others: list[tuple] = []
     report = SyncDebugReport(label, mode, ran=True)
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings():
@@ -144,8 +143,8 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
         show = warnings.showwarning
 
         def collect(message, category, filename, lineno, file=None, line=None):
-            if MESSAGE not in str(message):
-                others.append((message, category, filename, lineno, file, line))
+            if MESSAGE not in str(message):  # the step's other warnings, shown as they would have been
+                show(message, category, filename, lineno, file, line)
                 return
             seen[_site(_caller_frame(traceback.extract_stack()[:-1]))] += 1
 
@@ -160,9 +159,6 @@ def sync_debug_report(fn: Callable[..., Any], *args: Any, mode: str = "warn", la
             report.stopped_at = SyncSite(*_site(_caller_frame(traceback.extract_tb(err.__traceback__))))
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-            warnings.showwarning = show
-    for other in others:  # the step's other warnings, shown as they would have been
-        show(*other)
     report.sites = [SyncSite(where, code, n) for (where, code), n in seen.items()]
     return report
 

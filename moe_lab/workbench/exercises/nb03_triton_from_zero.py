@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_lab.kernels import common
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
 from moe_lab.workbench.exercises import ExerciseError, exercise, offsets_of
 from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answer, where_differs
@@ -169,14 +170,9 @@ def grouped_matmul_kernel(x_ptr, w_ptr, y_ptr, offsets_ptr, M_ROWS, N, K,
     rows = rows.to(tl.int64)
     row_ok = row_ok & (rows >= 0) & (rows < M_ROWS)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K),
-                    other=0.0)
-        b = tl.load(w_ptr + e.to(tl.int64) * K * N + ks[:, None] * N + cols[None, :],
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+    # The lesson's K loop (float32 tiles, IEEE float32 products) against w[e].
+    acc = common.gemm_k_loop(x_ptr, rows, row_ok, w_ptr + e.to(tl.int64) * K * N, cols, N, K, K, 1, N, 1,
+                             BLOCK_M, BLOCK_N, BLOCK_K, False)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc, mask=row_ok[:, None] & (cols[None, :] < N))
 
 

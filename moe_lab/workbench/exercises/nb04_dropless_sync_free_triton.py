@@ -86,9 +86,8 @@ def check_unpermute_kernel(kernel: object) -> None:
         row_id_map, offsets = make_row_id_map_reference(ids, n_experts, align)
         n_rows = int(offsets[-1]) + 3  # 3 rows past the last expert: never read
         y = torch.randn(n_rows, d, generator=g)
-        used = torch.zeros(n_rows, dtype=torch.bool)
-        used[row_id_map.reshape(-1).long()] = True
-        y[~used] = float("nan")  # padding rows: reading one poisons the output
+        # Padding rows (no (token, slot) maps to them) hold NaN: reading one poisons the output.
+        y[common.row_source(row_id_map, n_rows) < 0] = float("nan")
         weights = torch.rand(tokens, top_k, generator=g)
         if bad_ids:  # ids a padded map holds: past N_ROWS, and -1
             row_id_map = row_id_map.clone()
@@ -111,8 +110,7 @@ def check_unpermute_kernel(kernel: object) -> None:
             continue
         t, c = bad
         hint = ""
-        w_transposed = weights.reshape(-1)[torch.arange(top_k)[None, :] * tokens
-                                           + torch.arange(tokens)[:, None]]
+        w_transposed = weights.view(top_k, tokens).t()  # w's memory read as [TOP_K, T]: w[j, t]
         if torch.isnan(got[t, c]) and not bool(ok[t].all()):
             bad_row = int(row_id_map[t][~ok[t]][0])
             hint = (f" — NaN: token {t} maps to row {bad_row}, outside [0, N_ROWS = {n_rows}): "
@@ -170,13 +168,8 @@ def _scheduled_gemm(x_ptr, w_ptr, y_ptr, offsets_ptr, M_ROWS, N, K, E,
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if seg < E:
         seg_w = tl.minimum(tl.maximum(seg, 0), E - 1).to(tl.int64)
-        for k0 in range(0, K, BLOCK_K):
-            ks = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-            a = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
-                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            b = tl.load(w_ptr + seg_w * K * N + ks[:, None] * N + cols[None, :],
-                        mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = common.gemm_k_loop(x_ptr, rows, row_ok, w_ptr + seg_w * K * N, cols, N, K, K, 1, N, 1,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, False)
     tl.store(y_ptrs, acc, mask=y_mask)
 
 

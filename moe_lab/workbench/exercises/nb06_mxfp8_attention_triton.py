@@ -174,7 +174,6 @@ def check_online_softmax_step(fn: Callable) -> None:
         row, col = bad
         scaled = f', scores scaled by {sharp:g}' if sharp != 1 else ''
         where = f"{tokens} tokens, head_dim {d}{scaled}"
-        hint = ""
         if not torch.isfinite(got[row]).all():
             hint = (" — not finite: subtract the running maximum before exp (and use "
                     "exp(m_old - m_new) to rescale)")

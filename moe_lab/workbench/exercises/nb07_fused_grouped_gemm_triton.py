@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_lab.kernels.common import row_source
+from moe_lab.kernels.common import gather_rows, row_source
 from moe_lab.kernels.grouped_gemm import grouped_gemm_reference
 from moe_lab.kernels.permute import make_row_id_map_reference, permute_reference
 from moe_lab.workbench.exercises import ExerciseError, exercise, random_routing
@@ -33,9 +33,7 @@ from moe_lab.workbench.exercises.kernel_checks import kernel_device, launch_answ
 def gather_tile(x_ptr, src_ptr, rows, row_end, ks, K, TOP_K):
     """``[BLOCK_M, BLOCK_K]`` tile ``x[src[rows] // TOP_K, ks]`` (``x: [T, K]`` contiguous),
     zero where ``rows >= row_end``, ``src < 0`` or ``ks >= K``."""
-    src = tl.load(src_ptr + rows, mask=rows < row_end, other=-1).to(tl.int64)
-    ok = (rows < row_end) & (src >= 0)
-    token = tl.where(ok, src // TOP_K, 0)
+    token, _, ok = gather_rows(src_ptr, rows, rows < row_end, TOP_K)  # the lesson's prologue
     return tl.load(x_ptr + token[:, None] * K + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
 
 

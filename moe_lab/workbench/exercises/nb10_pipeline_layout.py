@@ -40,10 +40,10 @@ def _with_warmup(warm: int, n_microbatches: int) -> list[tuple[str, int]]:
 
 
 @exercise(one_f_one_b_order)
-def check_one_f_one_b_order(fn: Callable[[int, int, int], list], trials: int = 30) -> None:
+def check_one_f_one_b_order(fn: Callable[[int, int, int], list]) -> None:
     """Raise `ExerciseError` unless ``fn`` gives every rank's 1F1B order on random sizes."""
     rng = np.random.default_rng()
-    for _ in range(trials):
+    for _ in range(30):
         p, m = int(rng.integers(1, 9)), int(rng.integers(1, 13))
         for rank in range(p):
             want = [(k, i) for k, i, _ in schedule_order("1f1b", p, m)[rank]]
@@ -92,10 +92,10 @@ def balanced_cut(costs: Sequence[float], n_stages: int) -> list[int]:
 
 
 @exercise(balanced_cut)
-def check_balanced_cut(fn: Callable[[Sequence[float], int], list], trials: int = 30) -> None:
+def check_balanced_cut(fn: Callable[[Sequence[float], int], list]) -> None:
     """Raise `ExerciseError` unless ``fn`` cuts random cost lists optimally."""
     rng = np.random.default_rng()
-    for _ in range(trials):
+    for _ in range(30):
         n = int(rng.integers(2, 30))
         k = int(rng.integers(1, min(n, 8) + 1))
         costs = np.round(rng.uniform(0.1, 3.0, size=n), 3)

@@ -15,10 +15,7 @@ from moe_lab.workbench.exercises import ExerciseError, call_answer, exercise
 def time_to_target(curve: list[dict], target: float) -> float | None:
     """``curve``: evaluations in order, each ``{"step", "time_s", "eval_loss"}``. The time of
     the *first* evaluation at or below ``target``, or ``None`` when none reaches it."""
-    for point in curve:
-        if point["eval_loss"] <= target:
-            return point["time_s"]
-    return None
+    return next((point["time_s"] for point in curve if point["eval_loss"] <= target), None)
 
 
 def race_speedups(curves: dict[str, list[list[dict]]], target: float, baseline: str) -> dict:

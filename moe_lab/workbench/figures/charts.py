@@ -75,9 +75,8 @@ def plot_bars(values: dict[str, float], ax=None, ylabel: str = "", title: str = 
               fmt: str = "{:.3g}"):
     """A labelled bar per entry, the value written on each bar."""
     ax = ax_or_new(ax)
-    names, vals = list(values), [values[k] for k in values]
-    bars = ax.bar(names, vals, color="tab:blue")
-    for b, v in zip(bars, vals, strict=True):
+    bars = ax.bar(list(values), list(values.values()), color="tab:blue")
+    for b, v in zip(bars, values.values(), strict=True):
         ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()),
                     ha="center", va="bottom", fontsize=8)
     ax.set(ylabel=ylabel, title=title)

@@ -45,9 +45,8 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
         ax.scatter(xs, np.full(hpl, 0.08), s=8, color="#2a9d8f", zorder=2)
         for x in xs:
             ax.plot([x, leaf_x[a]], [0.08, 0.35], color="#bbb", linewidth=0.4, zorder=0)
-    ax.text(0.0, 0.9, "spines", va="center", fontsize=8)
-    ax.text(0.0, 0.35, "leaves", va="center", fontsize=8)
-    ax.text(0.0, 0.08, "GPUs", va="center", fontsize=8)
+    for y, tier in ((0.9, "spines"), (0.35, "leaves"), (0.08, "GPUs")):
+        ax.text(0.0, y, tier, va="center", fontsize=8)
     ax.set(xlim=(-0.02, 1.02), ylim=(0, 1))
     ax.axis("off")
     plt.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.03,
@@ -57,15 +56,14 @@ def plot_topology(result: FabricResult, ax: Any = None, *, title: str | None = N
 
 
 def fabric_figure(zipf_s: float = 0.0, oversubscription: float = 1.0, n_spine: int = 8, adaptive: int = 0,
-                  pacing: int = 1, hosts_per_leaf: int = 8, n_leaf: int = 8, seed: int = 0,
-                  link_gbps: float = 400.0) -> Any:
+                  pacing: int = 1, link_gbps: float = 400.0) -> Any:
     """The explorer's figure: one MoE dispatch all-to-all (Zipf skew ``zipf_s`` over the
-    experts) on a leaf-spine fabric — the topology with its uplink loads, and the
-    distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches.
+    experts) on a leaf-spine fabric of 8 leaves of 8 GPUs — the topology with its uplink loads,
+    and the distribution of flow completion times. ``adaptive`` and ``pacing`` are 0/1 switches.
     ``link_gbps``: every GPU's NIC rate, an illustrative default (GB300 systems ship 800 Gb/s
     NICs); the completion times scale with it, the fractions of line rate do not."""
-    topo = LeafSpine(hosts_per_leaf, n_leaf, n_spine, link_gbps, max(1.0, oversubscription))
-    rng = np.random.default_rng(seed)
+    topo = LeafSpine(n_spine=n_spine, link_gbps=link_gbps, oversubscription=max(1.0, oversubscription))
+    rng = np.random.default_rng(0)
     traffic = moe_traffic(topo.n_hosts, tokens_per_gpu=512, zipf_s=zipf_s, rng=rng)
     result = simulate(topo, traffic, routing="adaptive" if adaptive else "ecmp",
                       pacing=bool(pacing), rng=rng)

@@ -35,8 +35,6 @@ def plot_gantt(
     for kind, colour in _OP_COLOURS.items():
         for c in range(result.n_chunks):
             sel = (result.kind == kind) & (result.chunk == c)
-            if not sel.any():
-                continue
             alpha = 1.0 - 0.45 * c / max(result.n_chunks - 1, 1)
             for r in np.unique(result.rank[sel]):
                 rs = sel & (result.rank == r)
@@ -44,10 +42,9 @@ def plot_gantt(
                 ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=colour, alpha=alpha,
                                edgecolor="white", linewidth=0.5)
     if labels and result.rank.size <= 600:
-        width = result.makespan
         for r, mb, s, e in zip(result.rank, result.microbatch, result.start, result.end,
                                strict=True):
-            if (e - s) > 0.012 * width:
+            if (e - s) > 0.012 * result.makespan:
                 ax.text((s + e) / 2, r, str(mb), ha="center", va="center", fontsize=6,
                         color="white")
     ax.set_yticks(range(result.n_ranks))

@@ -123,14 +123,6 @@ def plot_profile_timeline(timeline: TimelineRows, ax: Axes | None = None, title:
         spans = timeline.rows[label]
         if label == "spans":
             colors = [f"C{i % 10}" for i in range(len(spans))]
-        elif label == "device":
-            colors = ["tab:blue"] * len(spans)
-        else:
-            colors = ["tab:red" if s.sync else "0.55" for s in spans]
-        ax.broken_barh([(s.start_us / scale, max(s.end_us - s.start_us, 0.0) / scale)
-                        for s in spans], (y + 0.1, 0.8), facecolors=colors, edgecolor="white",
-                       linewidth=0.3)
-        if label == "spans":
             for s in spans:
                 visible = (max(s.start_us, window[0]), min(s.end_us, window[1]))
                 if visible[1] - visible[0] < 0.06 * width_us:
@@ -138,6 +130,13 @@ def plot_profile_timeline(timeline: TimelineRows, ax: Axes | None = None, title:
                 middle = (visible[0] + visible[1]) / 2
                 ax.text(middle / scale, y + 0.5, s.name, ha="center",
                         va="center", fontsize=8, clip_on=True)
+        elif label == "device":
+            colors = ["tab:blue"] * len(spans)
+        else:
+            colors = ["tab:red" if s.sync else "0.55" for s in spans]
+        ax.broken_barh([(s.start_us / scale, max(s.end_us - s.start_us, 0.0) / scale)
+                        for s in spans], (y + 0.1, 0.8), facecolors=colors, edgecolor="white",
+                       linewidth=0.3)
     in_window = [s for s in timeline.syncs if window[0] <= s.start_us <= window[1]]
     for s in in_window:
         ax.axvline(s.start_us / scale, color="tab:red", lw=1.0, alpha=0.7, zorder=3)

@@ -11,7 +11,7 @@ from moe_lab.moe.stash import page_table, pages_per_expert
 from moe_lab.workbench.figures.charts import ax_or_new
 
 
-def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None):
+def plot_page_map(counts, page_rows: int, n_pages: int, ax=None):
     """Draw the pool a step fills: one cell per page, coloured and labelled by its expert,
     filled as far as the page is full; the trash page is hatched and pages past the end of
     the pool (an overflow) are outlined in red, 16 pages a row. ``counts``: rows per expert."""
@@ -21,7 +21,6 @@ def plot_page_map(counts, page_rows: int, n_pages: int | None = None, ax=None):
     offsets = F.pad(torch.as_tensor(counts, dtype=torch.int64).cumsum(0), (1, 0))
     pages = pages_per_expert(offsets, page_rows)
     used = int(pages.sum())
-    n_pages = used if n_pages is None else n_pages
     page_expert = torch.repeat_interleave(torch.arange(len(pages)), pages).tolist()
     page_of_row, _, _ = page_table(offsets, page_rows, int(offsets[-1]))  # the lesson's own page table
     page_fill = [rows / page_rows for rows in torch.bincount(page_of_row, minlength=used).tolist()]

@@ -147,14 +147,13 @@ def plot_waterfall(wf: Waterfall, ax=None):
         ratio = value / before
         bars.append((label, low, max(high - low, 1e-12), _UP if ratio >= 1 else _DOWN, f"×{ratio:.2f}"))
     bars.append(("total", 0.0, last, _TOTAL, f"{format_value(last)}\n×{wf.total:.2f}"))
-    for x, (_, bottom, height, color, _) in enumerate(bars):
+    for x, (_, bottom, height, color, note) in enumerate(bars):
         style = ({"facecolor": "white", "edgecolor": color, "linewidth": 1.6} if wf.kind == "reported"
                  else {"facecolor": color, "edgecolor": "black", "linewidth": 0.6})
         ax.bar(x, height, bottom=bottom, width=0.7, **style)
+        ax.text(x, bottom + height, note, ha="center", va="bottom", fontsize=8)
     for x, (_, value) in enumerate(wf.rungs[:-1]):  # connectors from the top of one rung to the next
         ax.plot([x + 0.35, x + 0.65], [value, value], color="0.3", lw=0.8, ls=":")
-    for x, (_, bottom, height, _, note) in enumerate(bars):
-        ax.text(x, bottom + height, note, ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(range(len(bars))))
     ax.set_xticklabels([bar[0] for bar in bars], rotation=20, ha="right", fontsize=8)
     ax.set(ylabel=wf.unit, ylim=(0, max(bar[1] + bar[2] for bar in bars) * 1.22))

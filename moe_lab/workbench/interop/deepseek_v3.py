@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 import moe_lab.workbench.interop.hf_blocks as hf
-from moe_lab.config import MoEConfig
 from moe_lab.moe.layer import MoELayer
 
 Tensor = torch.Tensor
@@ -53,21 +52,13 @@ def from_hf_deepseek_v3(block: torch.nn.Module, dispatcher: str = "dropless",
     hf.require_attrs(gate, "DeepseekV3TopkRouter", "weight", "top_k", "num_group", "topk_group",
                   "norm_topk_prob", "routed_scaling_factor", "e_score_correction_bias")
     hf.require_attrs(shared, "DeepseekV3MLP", "gate_proj", "up_proj", "down_proj")
-    hf.require_silu(block.experts)
     hf.require_silu(shared)
-    top_k, renormalize = int(gate.top_k), bool(gate.norm_topk_prob)
-    hf.require_renormalized_top1(top_k, renormalize)
-    n_experts, two_i, hidden = block.experts.gate_up_proj.shape
-    d_expert = two_i // 2
+    d_expert = block.experts.gate_up_proj.shape[1] // 2
     d_shared = shared.gate_proj.weight.shape[0]
     if d_shared % d_expert:
         raise ValueError(f"block.shared_experts width {d_shared} must be a multiple of the routed "
                          f"experts' width {d_expert} (moe_intermediate_size · n_shared_experts)")
-    cfg = MoEConfig(
-        d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=d_expert,
-        n_shared_experts=d_shared // d_expert, score_func="sigmoid", renormalize=renormalize,
-        scaling_factor=float(gate.routed_scaling_factor), n_groups=int(gate.num_group),
-        topk_groups=int(gate.topk_group), aux_loss_coef=0.0,
-    )
-    layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
-    return hf.load_layer(layer, deepseek_v3_from_hf(block.state_dict()), block.experts.gate_up_proj)
+    return hf.swiglu_layer(block, int(gate.top_k), bool(gate.norm_topk_prob), dispatcher, expert_backend,
+                           router_impl, deepseek_v3_from_hf, n_shared_experts=d_shared // d_expert,
+                           score_func="sigmoid", scaling_factor=float(gate.routed_scaling_factor),
+                           n_groups=int(gate.num_group), topk_groups=int(gate.topk_group))

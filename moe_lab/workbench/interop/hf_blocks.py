@@ -12,6 +12,8 @@ columns first — so each is the other's transpose in the last two dims.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -70,18 +72,21 @@ def load_layer(layer: MoELayer, state: dict[str, Tensor], like: Tensor) -> MoELa
     return layer
 
 
-def softmax_swiglu_layer(block: torch.nn.Module, top_k: int, renormalize: bool, dispatcher: str,
-                         expert_backend: str, router_impl: str) -> MoELayer:
-    """The ``MoELayer`` of a block with a plain gate (softmax over all experts, top-k, the chosen
-    weights renormalised where ``renormalize``) and stacked SwiGLU experts: Mixtral, Qwen3-MoE,
-    OLMoE. Its experts' activation and a renormalised top-1 are refused."""
+def swiglu_layer(block: torch.nn.Module, top_k: int, renormalize: bool, dispatcher: str, expert_backend: str,
+                 router_impl: str, from_hf: Callable = swiglu_from_hf, **routing: float | str) -> MoELayer:
+    """The ``MoELayer`` of a block with stacked SwiGLU experts, holding ``from_hf`` of the
+    block's state. Its routing is a plain gate unless ``routing`` (more `MoEConfig` fields)
+    says otherwise: softmax over all experts, top-k, the chosen weights renormalised where
+    ``renormalize``, as Mixtral, Qwen3-MoE and OLMoE route (DeepSeek-V3 passes its sigmoid,
+    groups, scaling and shared experts). Its experts' activation and a renormalised top-1 are
+    refused."""
     require_silu(block.experts)
     require_renormalized_top1(top_k, renormalize)
     n_experts, two_i, hidden = block.experts.gate_up_proj.shape
     cfg = MoEConfig(d_model=hidden, n_experts=n_experts, top_k=top_k, d_expert=two_i // 2,
-                    score_func="softmax", renormalize=renormalize, aux_loss_coef=0.0)
+                    renormalize=renormalize, aux_loss_coef=0.0, **routing)
     layer = MoELayer(cfg, dispatcher, expert_backend, router_impl)
-    return load_layer(layer, swiglu_from_hf(block.state_dict()), block.experts.gate_up_proj)
+    return load_layer(layer, from_hf(block.state_dict()), block.experts.gate_up_proj)
 
 
 def from_hf_mixtral(block: torch.nn.Module, dispatcher: str = "dropless",
@@ -99,7 +104,7 @@ def from_hf_mixtral(block: torch.nn.Module, dispatcher: str = "dropless",
     if getattr(block, "jitter_noise", 0) and block.jitter_noise > 0:
         raise ValueError(f"block.jitter_noise={block.jitter_noise} is not supported; build the "
                          "block with router_jitter_noise=0")
-    return softmax_swiglu_layer(block, int(block.top_k), True, dispatcher, expert_backend, router_impl)
+    return swiglu_layer(block, int(block.top_k), True, dispatcher, expert_backend, router_impl)
 
 
 def from_hf_qwen3_moe(block: torch.nn.Module, dispatcher: str = "dropless",
@@ -113,5 +118,5 @@ def from_hf_qwen3_moe(block: torch.nn.Module, dispatcher: str = "dropless",
     require_attrs(block, "Qwen3MoeSparseMoeBlock", "gate", "experts")
     gate = block.gate
     require_attrs(gate, "Qwen3MoeTopKRouter", "weight", "top_k", "norm_topk_prob")
-    return softmax_swiglu_layer(block, int(gate.top_k), bool(gate.norm_topk_prob), dispatcher,
-                                expert_backend, router_impl)
+    return swiglu_layer(block, int(gate.top_k), bool(gate.norm_topk_prob), dispatcher,
+                        expert_backend, router_impl)

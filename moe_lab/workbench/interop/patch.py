@@ -102,11 +102,10 @@ def _state_dict_in_hf_keys(adapter: HFMoEAdapter, state: dict, prefix: str, _met
 
 def _load_hf_keys(adapter: HFMoEAdapter, state: dict, prefix: str, *_args: object) -> None:
     # Runs before the layer loads: a state in the block's keys is turned into the layer's.
-    inner = prefix + "layer."
     ours = {k[len(prefix):]: state.pop(k) for k in list(state) if k.startswith(prefix)}
     if ours:  # else load_state_dict reports the layer's keys missing
         try:
-            state.update({inner + k: v for k, v in adapter._from_hf(ours).items()})
+            state.update({prefix + "layer." + k: v for k, v in adapter._from_hf(ours).items()})
         except KeyError as err:
             raise ValueError(f"state lacks the block's key {prefix}{err.args[0]}") from None
 
@@ -141,17 +140,13 @@ def patch_hf_model(model: nn.Module, dispatcher: str = "dropless", expert_backen
                              "blocks are moe_lab adapters")
         raise ValueError(f"model {type(model).__name__} has no MoE block of a supported family "
                          f"(expected one of {sorted(HF_MOE_BLOCKS)})")
-    replaced: dict[str, nn.Module] = {}
     for name, block in targets:
         build = HF_MOE_BLOCKS[type(block).__name__][0]
-        layer = build(block, dispatcher=dispatcher, expert_backend=expert_backend,
-                      router_impl=router_impl)
-        adapter = HFMoEAdapter(layer, block)
+        adapter = HFMoEAdapter(build(block, dispatcher, expert_backend, router_impl), block)
         adapter.train(block.training)
         model.set_submodule(name, adapter)
-        replaced[name] = block
     setattr(model, _HOOK, model.register_forward_pre_hook(_refuse_router_logits, with_kwargs=True))
-    return replaced
+    return dict(targets)
 
 
 def unpatch_hf_model(model: nn.Module) -> dict[str, nn.Module]:

@@ -75,14 +75,16 @@ def honest_exercises(nb) -> None:
     and in every cell that still holds a stub (which can never pass its own check) whatever
     the mode. Under a stub it says "not done", under a written answer "not checked"."""
     solutions = run_solutions(nb)
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
+    for cell in nb.cells:  # only a code cell has outputs
         source = _text(cell.source)
         stub = is_unsolved_stub(source)
         exercise = _CHECK_CALL.search(source) and _SOLUTIONS_ARG.search(source)
         if not (stub or (solutions is True and exercise)):
             continue
+        said = ("not done — the reference ran in its place (this page was run with SOLUTIONS=True; "
+                "run the notebook yourself to have your answer checked)" if stub
+                else "not checked — the reference ran in place of the answer above (this page was run "
+                "with SOLUTIONS=True)")
         for out in cell.get("outputs", []):
             if out.get("output_type") != "stream":
                 continue
@@ -92,12 +94,7 @@ def honest_exercises(nb) -> None:
                 if not match:
                     continue
                 who = f"{match.group(1)}: " if match.group(1) else ""
-                if stub:
-                    lines[i] = (f"◻ {who}not done — the reference ran in its place (this page was run "
-                                "with SOLUTIONS=True; run the notebook yourself to have your answer checked)")
-                else:
-                    lines[i] = (f"◻ {who}not checked — the reference ran in place of the answer above "
-                                "(this page was run with SOLUTIONS=True)")
+                lines[i] = f"◻ {who}{said}"
             out["text"] = "\n".join(lines)
 
 
@@ -108,8 +105,7 @@ def final_states(text: str) -> str:
     previous = None
     while previous != text:
         previous, text = text, _BACKSPACE.sub("", text)
-    text = _CARRIAGE_RETURN.sub("", text)
-    return text.replace("\r", "")
+    return _CARRIAGE_RETURN.sub("", text).replace("\r", "")
 
 
 def _folded(text: str, what: str = "output", markdown: bool = False) -> dict:

@@ -224,17 +224,11 @@ def find_gpu_line(records: Iterable[dict], notebook: str) -> dict | None:
     return _best(matches)
 
 
-def article(name: str) -> str:
-    """``"an"`` before a name read out from a letter with a vowel sound (H200: "aitch"), else ``"a"``."""
-    return "an" if name[:1].upper() in "AEFHILMNORSX8" else "a"
-
-
 def _best(records: Sequence[dict], pick: str = "newest") -> dict | None:
     if not records:
         return None
     if pick == "min":
-        newest = latest(records)
-        return min(newest, key=lambda r: (float(r["value"]), str(r.get("time", ""))))
+        return min(latest(records), key=lambda r: (float(r["value"]), str(r.get("time", ""))))
     return max(records, key=lambda r: (r.get("profile") == "full", str(r.get("time", ""))))
 
 
@@ -313,11 +307,9 @@ def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
     rows = []
     for name in notebooks:
         gpu_rec = find_gpu_line(records, name)
-        gpu = None if gpu_rec is None else {
-            "record": gpu_rec, "figure": format_figure(gpu_rec),
-            "label": GPU_LINES[name].label if name in GPU_LINES else str(gpu_rec["metric"]),
-            "hardware": gpu_rec.get("hardware"), "kind": gpu_rec.get("kind"),
-            "basis": gpu_rec.get("basis")}
+        gpu = None if gpu_rec is None else {  # the record, with its figure and label
+            **gpu_rec, "figure": format_figure(gpu_rec),
+            "label": GPU_LINES[name].label if name in GPU_LINES else str(gpu_rec["metric"])}
         row = {"notebook": name, "record": None, "label": None, "figure": None, "hardware": None,
                "date": None, "command": workbook_command(name), "gpu": gpu}
         found = find_headline(records, name, hardware)
@@ -341,11 +333,8 @@ def headline_rows(records: Sequence[dict], notebooks: Sequence[str],
 def describe_notebook(nb) -> tuple[str, str, list[str]]:
     """``(title, summary, learn)`` from the first markdown cell of the notebook ``nb`` (an
     nbformat node): the first heading, the first paragraph after it, and the bullets of its
-    "you will learn" list."""
-    cell = next((c for c in nb.cells if c.cell_type == "markdown"), None)
-    if cell is None:
-        return "", "", []
-    lines = cell.source.splitlines()
+    "you will learn" list; ``("", "", [])`` for a notebook without markdown."""
+    lines = next((c.source for c in nb.cells if c.cell_type == "markdown"), "").splitlines()
     title = next((line.lstrip("# ").strip() for line in lines if line.lstrip().startswith("#")), "")
     # Paragraphs: runs of non-blank lines, headings left out, each joined into one line.
     body = "\n".join(line.strip() for line in lines if not line.lstrip().startswith("#"))
@@ -375,13 +364,15 @@ def _bullets(lines: Sequence[str]) -> list[str]:
     return items
 
 
-def _status(nb) -> str:
+def _status_badge(nb) -> str:
+    """The badge beside a notebook's title on the index: a cell failed, or none was executed;
+    ``""`` when it ran."""
     code = [c for c in nb.cells if c.cell_type == "code"]
     if any(out.get("output_type") == "error" for c in code for out in c.get("outputs", [])):
-        return "error"
+        return '<span class="status error">a cell failed</span>'
     if code and all(c.get("execution_count") is None for c in code):
-        return "not executed"
-    return "ok"
+        return '<span class="status missing">not executed</span>'
+    return ""
 
 
 # --------------------------------------------------------------------------------------
@@ -414,7 +405,6 @@ def prepare_for_site(nb):
             continue
         outputs: list = []
         for out in cell.get("outputs", []):
-            last = outputs[-1] if outputs else None
             if out.get("output_type") == "stream":
                 text = "".join(out.get("text", ""))
                 if out.get("name") == "stderr":
@@ -423,8 +413,8 @@ def prepare_for_site(nb):
                     text = without_known_lines(text)
                     if not text.strip():
                         continue
-                if last is not None and last.get("output_type") == "stream" and last.name == out.name:
-                    last["text"] += text  # one block per stream, as in JupyterLab
+                if outputs and outputs[-1].get("output_type") == "stream" and outputs[-1].name == out.name:
+                    outputs[-1]["text"] += text  # one block per stream, as in JupyterLab
                     continue
                 out["text"] = text
             outputs.append(out)
@@ -497,8 +487,7 @@ h2 { font-size: 1.15rem; margin: 0 0 .3rem; }
 h2 a { color: #0b5cad; text-decoration: none; }
 h2 a:hover { text-decoration: underline; }
 .summary { margin: .3rem 0; }
-ul.learn { margin: .2rem 0 .4rem 1.1rem; padding: 0; color: #333; font-size: .93rem; }
-ul.learn { list-style: disc; }
+ul.learn { margin: .2rem 0 .4rem 1.1rem; padding: 0; color: #333; font-size: .93rem; list-style: disc; }
 ul.learn ul { margin: .1rem 0 .1rem 1.1rem; padding: 0; list-style: circle; }
 math { font-size: 1.1em; }
 .figure { margin-top: .4rem; font-size: .93rem; }
@@ -513,19 +502,14 @@ footer { color: #777; font-size: .85rem; margin-top: 2rem; }
 """
 
 
-_STATUS_HTML = {"error": '<span class="status error">a cell failed</span>',
-                "not executed": '<span class="status missing">not executed</span>'}
-
-
 def index_entry(path: Path, nb, href: str, row: dict) -> str:
-    """The index's entry (an ``<li>``) of the executed notebook ``nb`` read from ``path``
-    (``None`` when it could not be read): its number and title, a link to ``href`` (its page;
-    none when empty), what it teaches (`describe_notebook`), and its headline figure and GPU
-    line (``row``, from `headline_rows`)."""
+    """The index's entry (an ``<li>``) of the executed notebook ``nb`` read from ``path``: its
+    number and title, a link to ``href`` (its page; none when empty), what it teaches
+    (`describe_notebook`), and its headline figure and GPU line (``row``, from `headline_rows`)."""
     esc = html.escape
     name, number = path.stem, NOTEBOOK_PATTERN.match(path.name).group(1)
-    title, summary, learn = describe_notebook(nb) if nb is not None else (name, "", [])
-    status = _status(nb) if nb is not None else "not executed"
+    title, summary, learn = describe_notebook(nb)
+    badge = _status_badge(nb)
     heading = f'<a href="{esc(href)}">{esc(title or name)}</a>' if href else esc(title or name)
     learn_html = "".join(f"<li>{_inline_markdown(b)}</li>" for b in learn)
     learn_html = f'<ul class="learn">{learn_html}</ul>' if learn_html else ""
@@ -542,16 +526,17 @@ def index_entry(path: Path, nb, href: str, row: dict) -> str:
                   f'<code>{esc(workbook_command(name))}</code>.</div>')
     gpu = row["gpu"]
     if gpu:
-        hardware = str(gpu["hardware"] or "")
+        # `GPU_LINE_HARDWARE` read out: an H200 ("aitch"), a B200, a GB300
+        article = "an" if gpu["hardware"].startswith("H") else "a"
         kind = "projection" if gpu["kind"] == "projection" else "published"
-        figure += (f'<div class="figure gpu">On {article(hardware)} '
-                   f'{esc(hardware)}: <b>{esc(gpu["figure"])}</b> — {esc(gpu["label"])} '
+        figure += (f'<div class="figure gpu">On {article} '
+                   f'{esc(gpu["hardware"])}: <b>{esc(gpu["figure"])}</b> — {esc(gpu["label"])} '
                    f'<span class="meta">({kind}: {esc(str(gpu["basis"] or ""))})</span></div>')
-    elif record is not None or status == "ok":
+    elif record is not None or not badge:
         figure += ('<div class="figure meta">No GPU line in the ledger yet: the notebook\'s '
                    'summary records it.</div>')
     number_html = "" if (title or "").startswith(number) else f'<span class="num">{esc(number)}</span>'
-    return (f'<li id="{esc(name)}"><h2>{number_html}{heading}{_STATUS_HTML.get(status, "")}</h2>'
+    return (f'<li id="{esc(name)}"><h2>{number_html}{heading}{badge}</h2>'
             f'<p class="summary">{_inline_markdown(summary)}</p>{learn_html}{figure}</li>')
 
 
@@ -577,8 +562,8 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     """Render every executed notebook in ``workbook_dir`` to ``out`` and write
     ``out/index.html``; return the index's path.
 
-    ``ledger_path``: the results ledger for the headline figures. A notebook that cannot be
-    read, or whose page cannot be rendered, is still listed, without a link.
+    ``ledger_path``: the results ledger for the headline figures. A notebook whose page
+    cannot be rendered is still listed, without a link.
     """
     import nbformat
 
@@ -586,22 +571,17 @@ def build_site(workbook_dir: str | os.PathLike[str], out: str | os.PathLike[str]
     target.mkdir(parents=True, exist_ok=True)
     records = workbook_records(read(ledger_path))
     paths = sorted(p for p in Path(workbook_dir).iterdir() if p.is_file() and NOTEBOOK_PATTERN.match(p.name))
-    executed = []
-    for path in paths:
-        try:
-            executed.append(nbformat.read(path, as_version=4))
-        except Exception:  # an unreadable notebook is still listed
-            executed.append(None)
-    links = [(f"{path.stem}.html", (describe_notebook(nb)[0] if nb is not None else "") or path.stem)
+    # The runner renames each executed notebook into place whole, so every one here reads.
+    executed = [nbformat.read(path, as_version=4) for path in paths]
+    links = [(f"{path.stem}.html", describe_notebook(nb)[0] or path.stem)
              for path, nb in zip(paths, executed, strict=True)]
     entries = []
     for i, (path, nb) in enumerate(zip(paths, executed, strict=True)):
         nav = navigation(links[i - 1] if i > 0 else None, links[i + 1] if i + 1 < len(links) else None)
         href = ""
         try:
-            if nb is not None:
-                write_text_atomically(target / links[i][0], render_page(nb, nav))
-                href = links[i][0]
+            write_text_atomically(target / links[i][0], render_page(nb, nav))
+            href = links[i][0]
         except Exception as exc:  # listed without a link; say why on the build's stderr
             print(f"site: {path.name} could not be rendered: {type(exc).__name__}: {exc}", file=sys.stderr)
         entries.append(index_entry(path, nb, href, headline_rows(records, [path.stem])[0]))

@@ -112,7 +112,6 @@ def explorer(figure_fn: Callable, **sliders) -> None:
     grid = w.GridBox(cells, layout=w.Layout(grid_template_columns="repeat(2, minmax(220px, 1fr))",
                                             grid_gap="4px 24px", width="100%"))
     display(w.VBox([grid, out]))
-    return None
 
 
 def _display_output(fig) -> dict:

@@ -152,8 +152,9 @@ def select_notebooks(notebooks: Sequence[Path], only: Sequence[str] | None) -> l
 
 
 def _stopped_cell(partial: Path) -> tuple[int | None, int | None, str]:
-    """(index, ``In [n]``, source) of the cell a stopped run was in: the last one papermill
-    marked as started in the notebook it saves as it goes; ``(None, None, "")`` if none."""
+    """(index, ``In [n]``, source) of the cell a stopped run was in (`NotebookFailure`'s last
+    three fields): the last one papermill marked as started in the notebook it saves as it
+    goes; ``(None, None, "")`` if none."""
     try:
         import nbformat
 
@@ -190,19 +191,15 @@ def _execute_once(source: Path, partial: Path, parameters: dict, cwd: Path,
                                        log_output=False, execution_timeout=timeout,
                                        shutdown_kernel="immediate", config=transport)
     except PapermillExecutionError as exc:
-        failure = NotebookFailure(str(exc.ename), str(exc.evalue), exc.cell_index, exc.exec_count,
-                                  str(exc.source))
-        return failure, False
+        return NotebookFailure(str(exc.ename), str(exc.evalue), exc.cell_index, exc.exec_count,
+                               str(exc.source)), False
     except Exception as exc:  # a dead or silent kernel, an unreadable notebook
         ename = type(exc).__name__
-        if ename not in STOPPED:
-            silent_at_start = "didn't respond" in str(exc)  # jupyter_client's start timeout
-            return NotebookFailure(ename=ename, evalue=str(exc)), silent_at_start
-        index, count, cell_source = _stopped_cell(partial)
+        if ename not in STOPPED:  # run again only if the kernel was silent at start (jupyter_client)
+            return NotebookFailure(ename, str(exc)), "didn't respond" in str(exc)
         evalue = (f"the cell took more than {timeout:g} s" if ename == "CellTimeoutError"
                   else "the kernel died")
-        return NotebookFailure(ename=ename, evalue=evalue, cell_index=index, exec_count=count,
-                               source=cell_source), True
+        return NotebookFailure(ename, evalue, *_stopped_cell(partial)), True
     return None, False
 
 
@@ -267,9 +264,7 @@ def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html
     root_dir = Path(root).resolve() if root is not None else project_root()
     source_dir = root_dir / "notebooks"
     build = Path(out) if out is not None else root_dir / "build"
-    if results_dir is None:
-        results_dir = os.environ.get("MOE_LAB_RESULTS_DIR") or build / "results"
-    ledger_dir = Path(results_dir)
+    ledger_dir = Path(results_dir or os.environ.get("MOE_LAB_RESULTS_DIR") or build / "results")
 
     available = find_notebooks(source_dir)
     if not available:
@@ -296,11 +291,10 @@ def run_workbook(profile: str = "smoke", only: Sequence[str] | None = None, html
             start = time.perf_counter()
             failure, restarted = _execute(source, output, parameters, cwd=source_dir.resolve(),
                                           timeout=cell_timeout)
+            runs.append(NotebookRun(source.stem, output, time.perf_counter() - start, failure, restarted))
             if restarted is not None:
                 tqdm.write(f"RESTARTED {source.stem} once in a fresh kernel: "
                            f"{restarted.describe()}", file=sys.stderr)
-            seconds = time.perf_counter() - start
-            runs.append(NotebookRun(source.stem, output, seconds, failure, restarted))
             if failure is not None:
                 tqdm.write(f"FAILED {source.stem}: {failure.describe()}", file=sys.stderr)
         bar.close()

@@ -82,13 +82,11 @@ def shrunk_config(preset: str, d_model: int):
 
 
 def overhead_sweep(widths: Sequence[int] = (256, 128, 64, 32, 16), preset: str = "tiny",
-                   batch_size: int = 2, min_time_s: float = 0.2,
-                   per_op_s: float | None = None) -> list[dict]:
+                   batch_size: int = 2, min_time_s: float = 0.2, *, per_op_s: float) -> list[dict]:
     """One sync-free training step (forward, backward, optimizer) of the preset shrunk to
     each width, on the CPU: ``iteration_ms`` (median, `moe_lab.workbench.measure.timing`), ``ops`` and
-    ``compute_ops`` per iteration, and ``floor_ms = ops × per_op_s`` (``per_op_s`` from
-    `dispatch_cost` when not given) with ``floor_frac = floor_ms / iteration_ms``."""
-    per_op_s = dispatch_cost() if per_op_s is None else per_op_s
+    ``compute_ops`` per iteration, and ``floor_ms = ops × per_op_s`` (``per_op_s``: the host's cost
+    of one operator, `dispatch_cost`) with ``floor_frac = floor_ms / iteration_ms``."""
     rows = []
     for width in widths:
         cfg = shrunk_config(preset, width)
@@ -130,12 +128,12 @@ def compiled_vs_eager(preset: str = "tiny", batch_size: int = 2, min_time_s: flo
             "speedup": e.median_s / c.median_s, "compile_s": compile_s}
 
 
-def plot_overhead(rows: list[dict], ax=None, title: str | None = None):
-    """Iteration time against model width, with the host floor ``ops × cost per op``."""
+def plot_overhead(rows: list[dict], title: str | None = None):
+    """Iteration time against model width, with the host floor ``ops × cost per op``; returns the
+    axes."""
     import matplotlib.pyplot as plt  # here, not at the top: the CLI imports this module
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 3.8))
+    _, ax = plt.subplots(figsize=(6.5, 3.8))
     widths = [r["d_model"] for r in rows]
     ax.plot(widths, [r["iteration_ms"] for r in rows], "o-", label="iteration (measured)")
     ax.plot(widths, [r["floor_ms"] for r in rows], "k--",

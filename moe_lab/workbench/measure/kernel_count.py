@@ -196,13 +196,6 @@ def _numel(shape_text: str) -> int:
     return math.prod(int(d) for d in shape_text.split(",") if d.strip())  # () -> 1
 
 
-def _call_args(line: str) -> list[str]:
-    """The arguments of the call on one line of generated code, keyword arguments by value."""
-    node = ast.parse(line).body[0]
-    call = node.value
-    return [ast.get_source_segment(line, arg) for arg in [*call.args, *(k.value for k in call.keywords)]]
-
-
 def kernels_in_inductor_code(code: str) -> list[OpRecord]:
     """The kernel launches in one module of Inductor output code (its ``call`` function).
 
@@ -250,7 +243,9 @@ def kernels_in_inductor_code(code: str) -> list[OpRecord]:
         m = re.match(rf"(?:({_NAME}) = )?((?:cpp_fused|triton_|extern_kernels\.|torch\.ops\.|"
                      rf"aten\.)[\w.]*?)(?:\.run)?\(", s)
         if m:
-            tensors = [a for a in _call_args(s) if a.startswith("reinterpret_tensor(") or a in buffers]
+            call = ast.parse(s).body[0].value  # its arguments, keyword arguments by value
+            args = [ast.get_source_segment(s, arg) for arg in [*call.args, *(k.value for k in call.keywords)]]
+            tensors = [a for a in args if a.startswith("reinterpret_tensor(") or a in buffers]
             first = re.sub(r"^reinterpret_tensor\(|,.*$", "", tensors[0]) if tensors else ""
             launches.append([m.group(2), sum(size_of(a) for a in tensors), 0,
                              buffers.get(first, (0, 8))[1]])

@@ -388,7 +388,7 @@ def format_value(value: object) -> str:
     return f"{number:,.{decimals}f}"
 
 
-def _markdown_table(head: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+def markdown_table(head: Sequence[str], align: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A markdown table: the ``head`` row, the ``align`` markers, then ``rows`` (a cell ``None``
     is empty; a ``|`` or a line break inside a cell is escaped)."""
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
@@ -427,7 +427,7 @@ def figures_table_markdown(records: Iterable[dict[str, Any]], steps: Sequence[st
     several = len(hardware) > 1
     rows = [(step, *([where] if several else []), *(cells[step, where].get(m, "") for m in metrics))
             for step in steps for where in hardware if (step, where) in cells]
-    table = _markdown_table(["step", *(["hardware"] if several else []), *metrics.values()],
+    table = markdown_table(["step", *(["hardware"] if several else []), *metrics.values()],
                             ["---"] * (1 + several) + ["---:"] * len(metrics), rows)
     return table if several else table + f"\n_measured on {hardware[0]}_\n"
 
@@ -441,6 +441,6 @@ def results_table_markdown(records: Iterable[dict[str, Any]]) -> str:
     rows = sorted(records, key=lambda item: str(item.get("notebook", "")))
     if not rows:
         return "_No figures in the ledger yet: run `make workbook`._\n"
-    return _markdown_table(TABLE_COLUMNS, ["---", "---", "---", "---:", "---", "---", "---"], [
+    return markdown_table(TABLE_COLUMNS, ["---", "---", "---", "---:", "---", "---", "---"], [
         (item.get("notebook"), item.get("step"), item.get("metric"), format_value(item.get("value")),
          item.get("unit"), item.get("hardware"), str(item.get("time", ""))[:10]) for item in rows])

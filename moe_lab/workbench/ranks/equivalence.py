@@ -177,8 +177,9 @@ def merged_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 
     ``skew`` biases expert 0's selection (uneven routing); ``starve`` is an expert made never
     to be chosen (it receives nothing). Returns, per ``"schedule/chunks"``, ``"bitwise"`` (all
     outputs, input gradients and parameter gradients equal to the plain schedule's), ``"rel"``
-    (the largest `_rel` against autograd over every quantity) and ``"events"``, plus the
-    tokens each expert received."""
+    (the largest `_rel` against autograd over every quantity), ``"events"`` and ``"a2a_bytes"``
+    (the bytes its timelines say this rank sent), plus the tokens each expert received and the
+    bytes the routing says this rank sends (``"a2a_bytes"``)."""
     ep, (x0, x1, g0, g1) = layer_and_batches({"cfg": cfg_fields, "tokens": tokens, "seed": seed})
     with torch.no_grad():
         ep.router.expert_bias[0] = skew
@@ -196,10 +197,15 @@ def merged_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 
         ys_ref.append(y.detach())
         dxs_ref.append(xr.grad)
         received += stats.tokens_per_expert
+    local = received.view(ep.ep_size, ep.n_local).clone()  # this rank's rows, by the experts' rank
     dist.all_reduce(received)
     autograd = ys_ref + dxs_ref + [p.grad.clone() for p in ep.parameters()]
-
-    result: dict = {"received_per_expert": received.tolist(), "schedules": {}}
+    # Rows this rank sends away (its rows for other ranks' experts) and returns (other ranks'
+    # rows for its experts), each once forward and once backward.
+    kept = local[ep.ep_rank].sum()
+    away = local.sum() - kept + received.view_as(local)[ep.ep_rank].sum() - kept
+    result: dict = {"received_per_expert": received.tolist(), "schedules": {},
+                    "a2a_bytes": 2 * int(away) * x0.shape[1] * x0.element_size()}
     for chunks in sorted({1, n_chunks}):
         step = MergedStep(ep, chunks)
         got = {}
@@ -210,6 +216,7 @@ def merged_check_rank(cfg_fields: dict, tokens: int, n_chunks: int, seed: int = 
             result["schedules"][f"{schedule}/{chunks}"] = {
                 "rel": max(_rel(a, b) for a, b in zip(got[schedule], autograd, strict=True)),
                 "events": sum(len(t.events) for t in tls),
+                "a2a_bytes": sum(e.nbytes for t in tls for e in t.events if e.lane == "comm"),
                 "bitwise": all(torch.equal(a, b)
                                for a, b in zip(got[schedule], got["sequential"], strict=True))}
     return result

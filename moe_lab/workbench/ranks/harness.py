@@ -92,11 +92,11 @@ MERGED_RUNS = {  # label: (schedule, chunked?, replay)
 
 
 def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb: Tensor,
-                      n_chunks: int = 4, repeats: int = 5, warmup: int = 1,
-                      runs: tuple[str, ...] = tuple(MERGED_RUNS)) -> dict:
+                      n_chunks: int, repeats: int, runs: tuple[str, ...]) -> dict:
     """Time the steady-state unit [forward of ``xb`` + backward of ``xa``] under each plan
-    of `MERGED_RUNS`, interleaved (call on every rank together). Each timed unit is preceded by
-    the untimed forward of ``xa`` and a barrier; a run's time is its slowest rank's.
+    of `MERGED_RUNS`, interleaved (call on every rank together), after one untimed warm-up run
+    of each. Each timed unit is preceded by the untimed forward of ``xa`` and a barrier; a
+    run's time is its slowest rank's.
 
     Returns ``{"median_s", "exposed_s" (in-step waiting, mean over ranks),
     "exposed_vs_sequential", "exposed_replay_s" (step − compute-only
@@ -106,8 +106,8 @@ def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb:
     "world_size"}``.
     """
     steps = {False: MergedStep(layer, 1), True: MergedStep(layer, n_chunks)}
-    real = [r for r in runs if not MERGED_RUNS[r][2]]
-    replays = [r for r in runs if MERGED_RUNS[r][2]]
+    order = sorted(runs, key=lambda r: MERGED_RUNS[r][2])  # the replays last
+    real = [r for r in order if not MERGED_RUNS[r][2]]
 
     def one(label: str) -> Timeline:
         schedule, chunked, replay = MERGED_RUNS[label]
@@ -120,10 +120,8 @@ def measure_schedules(layer: EPMoELayer, xa: Tensor, ga: Tensor, xb: Tensor, gb:
         return step.run(plan(schedule, step.n_chunks), fwd=b, bwd=a, replay=replay,
                         sequential=schedule == "sequential", label=label)
 
-    for _ in range(warmup):  # allocations, first calls; fills the replay caches
-        for label in real:
-            one(label)
-    order = real + replays
+    for label in real:  # warm-up: allocations, first calls; fills the replay caches
+        one(label)
     timelines: dict[str, list[Timeline]] = {label: [] for label in order}
     for r in range(repeats):
         for label in (order if r % 2 == 0 else order[::-1]):
@@ -183,7 +181,7 @@ def layer_and_batches(spec: dict, n_tensors: int = 4) -> tuple[EPMoELayer, list[
 def merged_rank_main(spec: dict) -> dict:
     """A rank's part of the schedule benchmark (for ``run_ranks``; used by ``bench ep`` and
     notebook 09). ``spec``: ``cfg`` (MoEConfig fields), ``tokens`` (per rank and
-    micro-batch), ``n_chunks``, ``repeats``, ``warmup``, ``seed``, ``runs`` (labels of
+    micro-batch), ``n_chunks``, ``repeats``, ``seed``, ``runs`` (labels of
     `MERGED_RUNS`), ``bandwidth_rows`` (0: skip the bandwidth probe), ``check`` (default True:
     compare the merged step with the plain one first). Returns the
     `measure_schedules` report (timelines as dicts), the probe, and whether the merged
@@ -198,7 +196,7 @@ def merged_rank_main(spec: dict) -> dict:
     identical = (all(torch.equal(a, b) for a, b in zip(outs["sequential"], outs["1f1b"], strict=True))
                  if outs else None)
     report = measure_schedules(ep, xa, ga, xb, gb, spec["n_chunks"], spec.get("repeats", 5),
-                               spec.get("warmup", 1), tuple(spec.get("runs", MERGED_RUNS)))
+                               tuple(spec.get("runs", MERGED_RUNS)))
     report.update(timelines={k: t.to_dict() for k, t in report["timelines"].items()},
                   merged_equals_plain=identical, rank=dist.get_rank(), backend=dist.get_backend(),
                   device=str(rank_device()), tokens_per_rank=spec["tokens"])

@@ -66,11 +66,10 @@ class RankFailure(RuntimeError):
     ``logs`` holds what each rank wrote to stderr (rank -> text, known-harmless lines left out),
     read once every rank has ended; a rank that raised has its traceback there."""
 
-    def __init__(self, message: str, statuses: list[RankStatus],
-                 logs: dict[int, str] | None = None) -> None:
+    def __init__(self, message: str, statuses: list[RankStatus], logs: dict[int, str]) -> None:
         super().__init__(message)
         self.statuses = statuses
-        self.logs = logs or {}
+        self.logs = logs
 
 
 @dataclass
@@ -297,13 +296,13 @@ def _watch(procs: Sequence, timeout_s: float, grace_s: float, result_dir: Path) 
             for r, p in enumerate(procs)]
 
 
-def check_peers(timeout_s: float = 10.0, group: dist.ProcessGroup | None = None) -> None:
+def check_peers(timeout_s: float) -> None:
     """A barrier that names the ranks that did not arrive within ``timeout_s`` (gloo's
     ``monitored_barrier``; a plain barrier on other backends)."""
-    if dist.get_backend(group) == "gloo":
-        dist.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
     else:
-        dist.barrier(group)
+        dist.barrier()
 
 
 def init_from_env(collective_timeout_s: float = 60.0,

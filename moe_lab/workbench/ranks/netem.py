@@ -147,19 +147,19 @@ class EmulatedLink:
 
     world_size: int
     rate_mbit: float = 400.0
-    tag: str = field(default_factory=lambda: secrets.token_hex(3))
-    owner_pid: int = field(default_factory=os.getpid)
+    # the start of its namespaces' names, PREFIX-<pid>-<random tag> (see PREFIX)
+    stem: str = field(default_factory=lambda: f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}")
     qdisc: str = ""
     active: bool = False
 
     # names and addresses -------------------------------------------------------------
     @property
     def hub(self) -> str:
-        return f"{PREFIX}-{self.owner_pid}-{self.tag}-hub"
+        return f"{self.stem}-hub"
 
     def namespace(self, rank: int) -> str:
         """The namespace rank ``rank`` runs in."""
-        return f"{PREFIX}-{self.owner_pid}-{self.tag}-r{rank}"
+        return f"{self.stem}-r{rank}"
 
     def address(self, rank: int) -> str:
         return f"{SUBNET}.{rank + 1}"

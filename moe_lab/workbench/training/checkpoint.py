@@ -42,14 +42,6 @@ def _temp_prefix(path: Path) -> str:
 _TEMP_SUFFIX = ".tmp"
 
 
-def _temp_pid(path: Path, name: str) -> int | None:
-    """The process that wrote the temporary file ``name`` of ``path``; ``None`` if ``name``
-    is not one (a user's file, say)."""
-    pattern = re.escape(f".{path.name}.moe_lab-") + r"(\d+)-[a-z0-9_]{8}" + re.escape(_TEMP_SUFFIX)
-    match = re.fullmatch(pattern, name)
-    return int(match[1]) if match else None
-
-
 def process_running(pid: int) -> bool:
     """Whether process ``pid`` exists (where that cannot be asked safely: assumed so)."""
     try:
@@ -70,11 +62,9 @@ def check_checkpoint_path(path: str | os.PathLike) -> Path:
     done before the first save."""
     raw = os.fspath(path)
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"checkpoint path '{raw}' is a directory; expected a file name "
-                         f"such as '{path / 'checkpoint.pt'}'")
-    if os.path.basename(raw) in ("", ".", "..", b"", b".", b".."):  # "sub/", "sub/.": no file name
-        raise ValueError(f"checkpoint path '{raw}' names a directory; expected a file name "
+    if path.is_dir() or os.path.basename(raw) in ("", ".", ".."):  # "sub/", "sub/.": no file name
+        what = "is" if path.is_dir() else "names"
+        raise ValueError(f"checkpoint path '{raw}' {what} a directory; expected a file name "
                          f"such as '{path / 'checkpoint.pt'}'")
     folder = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
     if not folder.is_dir():
@@ -90,8 +80,7 @@ def check_checkpoint_path(path: str | os.PathLike) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def checkpoint_lock(path: str | os.PathLike) -> Iterator[None]:
+def checkpoint_lock(path: str | os.PathLike) -> contextlib.AbstractContextManager:
     """Hold the checkpoint ``path`` for one run: an exclusive lock on ``.{name}.moe_lab.lock`` beside
     it (`moe_lab.workbench.filelock`; its folder made if missing), which holds this process's id
     and is removed when the block ends. A checkpoint another run holds raises `CheckpointInUse`
@@ -102,16 +91,17 @@ def checkpoint_lock(path: str | os.PathLike) -> Iterator[None]:
         return CheckpointInUse(f"checkpoint '{path}' is in use by another run ({holder}); "
                                "wait for it to end, or give this run another checkpoint path")
 
-    with file_lock(path.parent / f".{path.name}.moe_lab.lock", refuse):
-        yield
+    return file_lock(path.parent / f".{path.name}.moe_lab.lock", refuse)
 
 
 def _remove_stale_temporaries(path: Path) -> None:
     """Remove the temporary files that saves of ``path`` by processes no longer running left
     in its folder; another process's save in progress and the user's own files stay."""
+    # A temporary file of ``path`` (`_temp_prefix`), its writer's process id in group 1.
+    pattern = re.escape(f".{path.name}.moe_lab-") + r"(\d+)-[a-z0-9_]{8}" + re.escape(_TEMP_SUFFIX)
     for stale in path.parent.iterdir():
-        pid = _temp_pid(path, stale.name)
-        if pid is not None and pid != os.getpid() and not process_running(pid):
+        match = re.fullmatch(pattern, stale.name)  # a user's file does not match
+        if match and int(match[1]) != os.getpid() and not process_running(int(match[1])):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
 
@@ -211,9 +201,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     checkpoint of plain tensors and containers (empty, truncated, another format, or
     pickled code) raises ``ValueError`` naming the file and its size."""
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "not found"
-        raise FileNotFoundError(f"checkpoint {what}: {path}")
+    if not path.is_file():  # a directory is refused before (`check_checkpoint_path`)
+        raise FileNotFoundError(f"checkpoint not found: {path}")
     size = path.stat().st_size
     if size == 0:
         raise ValueError(f"checkpoint '{path}' is empty (0 bytes); expected a file written "

@@ -182,39 +182,15 @@ def corpus_fingerprint(path: str | os.PathLike) -> dict:
 @dataclass
 class TrainResult:
     model: MoETransformer
-    history: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
-    domains: list[str] = field(default_factory=list)
-    tokens_per_s: float = float("nan")
-    steps: int = 0  # training steps taken, resumed ones included
-    step_kind: str = ""  # the step that ran: TrainConfig.step, or "sync_free" where a graphed
+    history: list[dict]
+    evals: list[dict]
+    tokens_per_s: float
+    steps: int  # training steps taken, resumed ones included
+    step_kind: str  # the step that ran: TrainConfig.step, or "sync_free" where a graphed
     # step ran eagerly (no CUDA)
 
     def losses(self) -> list[float]:
         return [h["loss"] for h in self.history]
-
-
-@torch.no_grad()
-def evaluate(model: MoETransformer, eval_batch: Batch, domains: list[str],
-             forward: Callable | None = None) -> dict[str, float]:
-    """Mean next-token loss per domain (and ``"all"``) on a fixed eval batch (no autograd
-    graph: nothing is kept for a backward that never comes). ``forward`` (default: the
-    model itself) runs the model, e.g. its ``torch.compile`` under autocast; the model is put
-    in eval mode around it either way."""
-    was_training = model.training
-    model.eval()
-    logits = (model if forward is None else forward)(eval_batch.x).logits
-    per_token = torch.nn.functional.cross_entropy(
-        logits.float().transpose(1, 2), eval_batch.y, reduction="none"
-    )
-    per_seq = per_token.mean(dim=1)
-    result = {"all": per_seq.mean().item()}
-    for d, name in enumerate(domains):
-        mask = eval_batch.domain == d
-        if mask.any():
-            result[name] = per_seq[mask].mean().item()
-    model.train(was_training)
-    return result
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
@@ -235,8 +211,9 @@ class BatchStream:
     `take` returns the next batch (the one `prefetch` drew and queued, else one drawn now);
     `prefetch` draws the batch after it and queues its copy, called once the step on the
     current batch is queued, so the host draws while the GPU computes. `state` is the
-    generator's state before the batch not yet taken, so a checkpoint resumes with it and
-    the stream is the same whether or not a batch was prefetched."""
+    generator's state before the batch not yet taken, so a checkpoint resumes with it (set
+    on ``generator`` before the first batch) and the stream is the same whether or not a
+    batch was prefetched."""
 
     def __init__(self, corpus: SyntheticCorpus | TextFileCorpus, batch_size: int,
                  generator: torch.Generator, device: torch.device) -> None:
@@ -262,11 +239,6 @@ class BatchStream:
         """The generator's state at the next batch to be taken (a prefetched one included)."""
         return self.generator.get_state() if self._ahead is None else self._ahead[1]
 
-    def set_state(self, state: Tensor) -> None:
-        """Continue the stream from a `state`; a prefetched batch is dropped."""
-        self.generator.set_state(state)
-        self._ahead = None
-
 
 class Trainer:
     """One training run, advanced a step at a time: ``trainer.advance()`` trains on the next
@@ -279,11 +251,10 @@ class Trainer:
     the step is built, the step's device state after.
     """
 
-    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
+    def __init__(self, model_cfg: ModelConfig, cfg: TrainConfig, *,
                  corpus: SyntheticCorpus | TextFileCorpus | None = None,
                  device: torch.device | str | None = None, checkpoint: dict | None = None,
                  warm_eval: bool = False) -> None:
-        cfg = cfg or TrainConfig()
         self.model_cfg, self.cfg = model_cfg, cfg
         self.device = torch.device(device or "cpu")
         # Refuse a batch_size whose step cannot fit in the device's memory, before the corpus,
@@ -299,11 +270,9 @@ class Trainer:
         self.model, self.optimizer = build_model(
             model_cfg, cfg.impls, step=cfg.step, device=self.device, seed=cfg.seed, lr=cfg.lr,
             weight_decay=cfg.weight_decay)
-        self.model.train()
         self.batches = BatchStream(corpus, cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 1),
                                    self.device)
         self.eval_batch = _to(corpus.fixed_eval_set(cfg.eval_per_domain), self.device)
-        self.domains = list(corpus.domains)
         self.steps_done = 0
         self._marks: list[tuple] = []  # each `advance`'s (start, end) from `_now`
         if checkpoint is not None:
@@ -318,9 +287,7 @@ class Trainer:
         self.eval_forward = (step_forward(self.model, compile=cfg.compile, amp=cfg.amp,
                                           dynamic=False) if cfg.compiled_eval else None)
         if self.eval_forward is not None and warm_eval:
-            warm = random_batch(model_cfg, len(self.eval_batch.x), self.device,
-                                torch.Generator().manual_seed(cfg.seed + 11))
-            evaluate(self.model, warm, [], forward=self.eval_forward)
+            self.evaluate()  # compiles the evaluation now, not in the first timed one
         if cfg.step == "eager":
             self.step = EagerStep(self.model, self.optimizer, cfg.step_config, forward=self.forward)
         elif cfg.step == "graphed":
@@ -329,11 +296,10 @@ class Trainer:
         else:
             self.step = SyncFreeStep(self.model, self.optimizer, example, cfg.step_config,
                                      forward=self.forward, clip_step=cfg.clip_step)
-        if checkpoint is not None:
-            if self.step.state is not None:
-                with self._restoring("step_state", "the step's device state"):
-                    self.step.state.load_state_dict(checkpoint["step_state"])
-            self.step.host_steps = self.steps_done
+        if checkpoint is not None and self.step.state is not None:
+            with self._restoring("step_state", "the step's device state"):
+                self.step.state.load_state_dict(checkpoint["step_state"])
+        self.step.host_steps = self.steps_done  # a resumed run's schedule goes on where it was
 
     def train_on(self, batch: Batch) -> dict | None:
         """One training step on ``batch``; the statistics the step read, or ``None``."""
@@ -369,11 +335,27 @@ class Trainer:
             self._marks[-1][1].synchronize()
         return [start.elapsed_time(end) / 1e3 for start, end in self._marks]  # elapsed_time: ms
 
+    @torch.no_grad()
     def evaluate(self, compiled: bool = True) -> dict[str, float]:
-        """The eval loss per domain (`evaluate`), through the compiled evaluation where there
-        is one and ``compiled``, else the plain FP32 one."""
-        forward = self.eval_forward if compiled else None
-        return evaluate(self.model, self.eval_batch, self.domains, forward=forward)
+        """Mean next-token loss per domain (and ``"all"``) on the fixed eval batch (no autograd
+        graph: nothing is kept for a backward that never comes), through the compiled
+        evaluation (its ``torch.compile`` under autocast) where there is one and ``compiled``,
+        else the plain FP32 model; the model is put in eval mode for it, then back in training
+        mode (where it always is between steps)."""
+        self.model.eval()
+        forward = self.eval_forward if compiled and self.eval_forward is not None else self.model
+        logits = forward(self.eval_batch.x).logits
+        per_token = torch.nn.functional.cross_entropy(
+            logits.float().transpose(1, 2), self.eval_batch.y, reduction="none"
+        )
+        per_seq = per_token.mean(dim=1)
+        result = {"all": per_seq.mean().item()}
+        for d, name in enumerate(self.corpus.domains):
+            mask = self.eval_batch.domain == d
+            if mask.any():
+                result[name] = per_seq[mask].mean().item()
+        self.model.train()
+        return result
 
     def sync(self) -> None:
         """Wait for the device (CUDA) to finish the steps queued so far."""
@@ -426,7 +408,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
         with self._restoring("data_gen", "the data generator's state"):
-            self.batches.set_state(state["data_gen"])
+            self.batches.generator.set_state(state["data_gen"])  # nothing prefetched yet
         with self._restoring("torch_rng", "torch's RNG state"):
             torch.set_rng_state(state["torch_rng"])
         self.steps_done = state["step"]
@@ -552,7 +534,7 @@ def _check_resume(checkpoint: dict, cfg: TrainConfig, override: bool,
 
 def train(model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
           corpus: SyntheticCorpus | TextFileCorpus | None = None, resume: bool = False,
-          override: bool = False, overwrite: bool = True, stop_after: int | None = None,
+          override: bool = False, overwrite: bool = True,
           callback: Callable[[int, dict | None], object] | None = None,
           device: torch.device | str | None = None) -> TrainResult:
     """Train a fresh model (or resume from ``cfg.checkpoint_path`` when ``resume``).
@@ -562,8 +544,7 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
     trained, and the run holds the path until it ends (`checkpoint_lock`: a second run on it
     raises `CheckpointInUse`). ``overwrite=False`` refuses a path that already holds a file
     (unless ``resume``). A resumed run must have steps left, and the `RUN_SETTINGS` and
-    corpus contents it was saved with unless ``override``. ``stop_after`` ends the run early
-    after that many total steps, without a final checkpoint (an interrupted run).
+    corpus contents it was saved with unless ``override``.
     ``callback(step, record)`` is called after every step (``record`` is ``None`` where the
     step read nothing).
 
@@ -592,64 +573,56 @@ def train(model_cfg: ModelConfig, cfg: TrainConfig | None = None, *,
         if resume:
             _check_resume(checkpoint, cfg, override, fingerprint)
         trainer = Trainer(model_cfg, cfg, corpus=corpus, device=device, checkpoint=checkpoint)
-        return _run(trainer, checkpoint, fingerprint, stop_after, callback)
+        return _run(trainer, checkpoint, fingerprint, callback)
 
 
 def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
-         stop_after: int | None, callback: Callable[[int, dict | None], object] | None,
-         ) -> TrainResult:
+         callback: Callable[[int, dict | None], object] | None) -> TrainResult:
     """`train`'s loop over a built ``trainer`` (resumed from ``checkpoint``, if given), its
     checkpoints recording the corpus ``fingerprint``."""
     cfg, model_cfg = trainer.cfg, trainer.model_cfg
     last_checkpoint = None if checkpoint is None else (str(cfg.checkpoint_path), checkpoint["step"])
-    # The step that ran: cfg.step, or "sync_free" where a graphed step runs eagerly (no CUDA).
-    step_kind = "sync_free" if getattr(trainer.step, "mode", None) == EAGER_MODE else cfg.step
-    result = TrainResult(model=trainer.model, domains=trainer.domains, step_kind=step_kind)
-    if checkpoint is not None:
-        result.history, result.evals = checkpoint["history"], checkpoint["evals"]
-    start = trainer.steps_done
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
-    steps = range(start, end)
+    history, evals = ([], []) if checkpoint is None else (checkpoint["history"], checkpoint["evals"])
+    steps = range(trainer.steps_done, cfg.steps)
     bar = (None if tqdm is None else  # no progress bar where tqdm is not installed
-           _progress_bar(steps, desc=f"train {model_cfg.name}", disable=not cfg.progress, initial=start,
-                         total=end))
+           _progress_bar(steps, desc=f"train {model_cfg.name}", disable=not cfg.progress,
+                         initial=steps.start, total=cfg.steps))
 
-    def check_finite(record: dict) -> None:
+    def keep(record: dict) -> None:
+        """Add the statistics ``record`` to the history, once its loss is known finite."""
         if not math.isfinite(record["loss"]):
             n, window = trainer.steps_done, record.get("steps", 1)
             where = f"step {n}" if window <= 1 else f"steps {n - window + 1}-{n}"
             raise TrainingDiverged(
                 f"training diverged: the loss is {record['loss']} at {where} (lr {cfg.lr:g}); "
                 f"{_where_to_resume(last_checkpoint)}")
+        history.append(record)
 
     def save() -> None:
         def saved() -> None:
             nonlocal last_checkpoint
             last_checkpoint = (str(cfg.checkpoint_path), trainer.steps_done)
-        state = trainer.state(result.history, result.evals)
+        state = trainer.state(history, evals)
         save_checkpoint(cfg.checkpoint_path, {**state, "corpus_fingerprint": fingerprint}, saved)
 
     try:
         for step in steps if bar is None else bar:
             record = trainer.advance()
             if record is not None:
-                check_finite(record)
-                result.history.append(record)
+                keep(record)
                 if cfg.progress and bar is not None:
                     bar.set_postfix(loss=f"{record['loss']:.3f}")
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-                result.evals.append({"step": step + 1, **trainer.evaluate()})
+                evals.append({"step": step + 1, **trainer.evaluate()})
             if callback is not None:
                 callback(step, record)
             if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
                     and step + 1 < cfg.steps):
                 save()
-        result.steps = trainer.steps_done
         last = trainer.step.flush()  # the statistics the step still holds (a sync-free window)
         if last is not None:
-            check_finite(last)
-            result.history.append(last)
-        if cfg.checkpoint_path and trainer.steps_done == cfg.steps:
+            keep(last)
+        if cfg.checkpoint_path:
             save()  # the completed run, its last statistics read and checked
     except KeyboardInterrupt:
         raise TrainingInterrupted(
@@ -657,7 +630,8 @@ def _run(trainer: Trainer, checkpoint: dict | None, fingerprint: dict | None,
     finally:
         if bar is not None:
             bar.close()
-    times = trainer.step_times
-    if times:  # the upper median step time
-        result.tokens_per_s = cfg.batch_size * model_cfg.seq_len / statistics.median_high(times)
-    return result
+    # The step that ran: cfg.step, or "sync_free" where a graphed step runs eagerly (no CUDA).
+    step_kind = "sync_free" if getattr(trainer.step, "mode", None) == EAGER_MODE else cfg.step
+    seconds = statistics.median_high(trainer.step_times)  # upper median; a run takes >= 1 step
+    return TrainResult(model=trainer.model, history=history, evals=evals, steps=trainer.steps_done,
+                       tokens_per_s=cfg.batch_size * model_cfg.seq_len / seconds, step_kind=step_kind)

@@ -318,4 +318,5 @@ def test_router_benchmark_module_contract_and_ledger():
     recorded = [r for r in ledger.read() if r["notebook"] == "test:router"]
     assert {r["metric"] for r in recorded} >= {"median_ms", "vs_unfused_fp64", "kernels_per_call",
                                                "bytes_per_call", "bytes_vs_floor"}
-    assert bench.floor_bytes(64, bench.shape_config("deepseek_v3")) == 64 * 256 * 4 + 64 * 8 * 12
+    deepseek = MoEConfig(d_model=64, d_expert=64, **bench.SHAPES["deepseek_v3"])
+    assert bench.floor_bytes(64, deepseek) == 64 * 256 * 4 + 64 * 8 * 12

@@ -5,7 +5,7 @@ two-micro-batch step (warm-up forward, merged unit, cool-down backward) under ev
 gives outputs, input gradients and every parameter gradient *bitwise* equal to the plain
 (sequential) schedule with the same chunks, and equal to autograd through `EPMoELayer` on
 the two micro-batches up to float32 rounding (≤ 1e-6 relative to each tensor's largest
-entry).
+entry). The bytes its timelines record as sent are what the routing says each rank sends.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def _check(results: list[dict], n_chunks: int, starved: int) -> None:
             assert res["bitwise"], (label, res)
             assert res["rel"] <= REL_TOL, (label, res)
             assert res["events"] > 0
+            assert res["a2a_bytes"] == r["a2a_bytes"] > 0, (label, res)  # the timeline's bytes
 
 
 @pytest.mark.timeout(90)

@@ -17,7 +17,7 @@ CFG = dict(d_model=32, n_experts=8, top_k=2, d_expert=48, n_shared_experts=1)
 def test_benchmark_reports_the_four_schedules(tmp_path, monkeypatch):
     # loopback and tiny sizes: the figures mean nothing here, the report's shape does
     monkeypatch.setenv("MOE_LAB_RESULTS_DIR", str(tmp_path))
-    spec = {"cfg": CFG, "tokens": 32, "n_chunks": 2, "repeats": 1, "warmup": 1, "seed": 0,
+    spec = {"cfg": CFG, "tokens": 32, "n_chunks": 2, "repeats": 1, "seed": 0,
             "bandwidth_rows": 0}
     reports = run_ranks(merged_rank_main, 2, spec, timeout_s=80, threads_per_rank=1)
     report = reports[0]
@@ -48,10 +48,10 @@ def test_bench_ep_passes_gloo_explicitly_over_the_emulated_link(monkeypatch):
         def __init__(self, ranks: int, rate_mbit: float) -> None:
             self.ranks = ranks
 
-        def setup(self) -> None:
+        def __enter__(self) -> None:
             pass
 
-        def teardown(self) -> None:
+        def __exit__(self, *exc: object) -> None:
             pass
 
         def describe(self) -> str:

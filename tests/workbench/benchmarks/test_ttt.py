@@ -322,7 +322,7 @@ def test_ladder_throughput_into_the_ledger_and_the_waterfall(ledger_dir):
     from moe_lab.workbench.measure.ledger import read
 
     rungs = ttt.ladder("cpu", compile=False)[:2]
-    rows = ttt.ladder_throughput(rungs, MICRO, min_time_s=0.0, warmup=1)
+    rows = ttt.ladder_throughput(rungs, MICRO, min_time_s=0.0)
     assert [r["rung"] for r in rows] == [0, 1] and rows[0]["vs_first"] == 1.0
     assert all(r["tokens_per_s"] > 0 and r["n"] >= 5 for r in rows)
     ttt.record_ladder(rows, MICRO, "12_time_to_train", profile="smoke")

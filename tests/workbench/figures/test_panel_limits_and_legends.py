@@ -75,7 +75,7 @@ def test_the_fabric_explorer_draws_the_link_rate_it_is_given():
 
     p99 = {}
     for gbps in (400.0, 800.0):
-        fig = fabric_figure(hosts_per_leaf=4, n_leaf=4, n_spine=4, link_gbps=gbps)
+        fig = fabric_figure(n_spine=4, link_gbps=gbps)
         assert f"at {gbps:g} Gb/s (illustrative)" in fig._suptitle.get_text()
         (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
         p99[gbps] = legend.get_texts()[0].get_text()

@@ -15,7 +15,7 @@ CFG = dict(d_model=32, n_experts=8, top_k=2, d_expert=48, n_shared_experts=1)
 
 @pytest.mark.timeout(120)
 def test_rank_functions_create_everything_on_the_rank_device():
-    spec = {"cfg": CFG, "tokens": 32, "n_chunks": 2, "repeats": 1, "warmup": 1, "seed": 0,
+    spec = {"cfg": CFG, "tokens": 32, "n_chunks": 2, "repeats": 1, "seed": 0,
             "bandwidth_rows": 16}
     calls = [
         (whoami, ()),

@@ -69,8 +69,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     gains = json.loads((out / "gains.json").read_text())
     assert {"04", "05", "06", "08", "12"} <= {g["notebook"] for g in gains}
     assert all(g["value"] > 0 for g in gains)
-    kernels = json.loads((out / "kernels.json").read_text())  # the compile report's, interpreted
-    assert kernels and all(k["registers"] is None and k["report_registers"] for k in kernels)
+    assert json.loads((out / "kernels.json").read_text()) == []  # interpreted: nothing compiled
     sections = json.loads((out / "sections.json").read_text())
     assert [s["status"] for s in sections] == ["done"] * len(sections)
     assert {s["section"] for s in sections} >= {"fused MoE", "TMA grouped GEMM",

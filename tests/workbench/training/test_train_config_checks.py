@@ -8,7 +8,7 @@ import pytest
 
 from moe_lab import preset
 from moe_lab.workbench.training.checkpoint import load_checkpoint
-from moe_lab.workbench.training.loop import TrainConfig, train
+from moe_lab.workbench.training.loop import TrainConfig, TrainingInterrupted, train
 
 TINY = preset("tiny", n_layers=1, seq_len=32)
 
@@ -40,9 +40,14 @@ def test_a_path_object_is_kept_as_its_string(tmp_path):
 
 
 def _checkpointed_run(tmp_path: Path, corpus: str) -> Path:
-    """A run on ``corpus`` checkpointed at step 2 of 4, then stopped."""
+    """A run on ``corpus`` checkpointed at step 2 of 4, then stopped (Ctrl-C at step 3)."""
+    def ctrl_c(step, record):
+        if step == 2:
+            raise KeyboardInterrupt
+
     path = tmp_path / "ck.pt"
-    train(TINY, cfg(corpus=corpus, checkpoint_path=str(path), checkpoint_every=2), stop_after=3)
+    with pytest.raises(TrainingInterrupted):
+        train(TINY, cfg(corpus=corpus, checkpoint_path=str(path), checkpoint_every=2), callback=ctrl_c)
     assert load_checkpoint(path)["step"] == 2
     return path
 

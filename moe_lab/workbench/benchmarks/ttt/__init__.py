@@ -51,7 +51,7 @@ from moe_lab.workbench.benchmarks.ttt.report import (
     summarise,
 )
 from moe_lab.workbench.benchmarks.ttt.stacks import NAIVE, device_of, ladder, optimised_stack
-from moe_lab.workbench.cli import positive_int
+from moe_lab.workbench.cli import positive_float, positive_int
 from moe_lab.workbench.measure import ledger
 
 DESCRIPTION = "time to a target eval loss (a mini MLPerf): naive stack vs optimised stack"
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="bit-reproducible runs: torch.use_deterministic_algorithms during the "
                              "race (see deterministic_algorithms; costs some throughput)")
-    parser.add_argument("--max-seconds", type=float, default=None,
+    parser.add_argument("--max-seconds", type=positive_float, default=None,
                         help="give up on a run after this many timed seconds")
     parser.add_argument("--notebook", default=NOTEBOOK, help="ledger 'notebook' field")
     parser.add_argument("--progress", action="store_true", help="print every evaluation")
@@ -88,8 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TTTConfig:
     changes = {"target_loss": args.target, "steps": args.max_steps, "batch_size": args.batch_size}
-    if args.max_seconds is not None and not args.max_seconds > 0:
-        raise ValueError(f"--max-seconds must be a number of seconds > 0, got {args.max_seconds}")
     if args.corpus != "synthetic":
         if not Path(args.corpus).is_file():
             raise ValueError(f"--corpus '{args.corpus}' is not a file; expected 'synthetic' or the "
@@ -115,8 +113,7 @@ def run(args: argparse.Namespace) -> dict:
             ledger.record(args.notebook, f"router:{name}", "router_fwd_bwd_ms", ms, "ms",
                           tokens=cfg.tokens_per_step, preset=cfg.preset)
     amp = {"auto": None, "bf16": "bf16", "off": ""}[args.amp]
-    best = optimised_stack(device, compile=compile_,
-                           router_impl=None if compile_ and device.type == "cpu" else router, amp=amp)
+    best = optimised_stack(device, compile=compile_, router_impl=router, amp=amp)
     with deterministic_algorithms() if args.deterministic else contextlib.nullcontext():
         runs = compare_stacks([NAIVE, best], cfg, seeds=range(args.seeds), device=device,
                               max_seconds=args.max_seconds, progress=args.progress)
@@ -150,8 +147,7 @@ def run(args: argparse.Namespace) -> dict:
         result["lower_precision_speedup_bound"] = speedup_bound(
             result["mfu"][0]["achieved_gflops"] * 1e9 / peaks[best.name].value)
     if args.ladder:
-        rows = ladder_throughput(ladder(device, compile=compile_, router_impl=router,
-                                        amp=best.amp if device.type == "cpu" else None),
+        rows = ladder_throughput(ladder(device, compile=compile_, router_impl=router, amp=best.amp),
                                  cfg, device=device)
         record_ladder(rows, cfg, args.notebook, profile=args.profile)
         result["ladder"] = rows

@@ -149,14 +149,13 @@ def compare_stacks(stacks: Sequence[Stack], cfg: TTTConfig, seeds: Sequence[int]
 
 
 def ladder_throughput(rungs: Sequence[tuple[str, Stack]], cfg: TTTConfig, *,
-                      device: torch.device | str | None = None, min_time_s: float = 2.0,
-                      warmup: int = 2) -> list[dict]:
+                      device: torch.device | str | None = None, min_time_s: float = 2.0) -> list[dict]:
     """Training tokens/s of one step of every rung, on the same batches, timed interleaved
     (`moe_lab.workbench.measure.timing.compare`: round by round, so noise lands on all rungs alike).
     Returns one
     row per rung: label, stack, median step time, spread, tokens/s, ratio to the first."""
     providers, init_s = _steppers(dict(rungs), cfg, device)
-    timings = compare(providers, warmup=warmup, min_time_s=min_time_s)
+    timings = compare(providers, warmup=2, min_time_s=min_time_s)
     first = next(iter(timings.values())).median_s
     rows = []
     for i, (label, stack) in enumerate(rungs):

@@ -124,14 +124,11 @@ def mfu_rows(summary: Sequence[dict], cfg: TTTConfig, peak_flops: dict[str, floa
     model of `moe_lab.perf.flops` (matmuls only, 6 FLOPs per weight per token plus
     attention)."""
     per_token = training_flops_per_token(preset(cfg.preset))
-    rows = []
-    for row in summary:
-        peak = peak_flops[row["stack"]]
-        rows.append({"stack": row["stack"], "tokens_per_s": row["tokens_per_s"],
-                     "achieved_gflops": row["tokens_per_s"] * per_token / 1e9,
-                     "ceiling_gflops": peak / 1e9,
-                     "mfu": mfu(row["tokens_per_s"] * per_token, peak)})
-    return rows
+    return [{"stack": row["stack"], "tokens_per_s": row["tokens_per_s"],
+             "achieved_gflops": row["tokens_per_s"] * per_token / 1e9,
+             "ceiling_gflops": peak_flops[row["stack"]] / 1e9,
+             "mfu": mfu(row["tokens_per_s"] * per_token, peak_flops[row["stack"]])}
+            for row in summary]
 
 
 def stack_ceilings(stacks: Sequence[Stack], n: int = 2048, min_time_s: float = 0.3) -> dict:

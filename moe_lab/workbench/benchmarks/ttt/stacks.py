@@ -145,8 +145,9 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
     attention, the reference router, torch's clip step), labelled with the plug-in's reason.
     ``compile`` (default True) wraps the model in ``torch.compile`` with Inductor's C++
     wrapper and compiles the evaluations too (``compiled_eval``). ``router_impl`` overrides
-    the router (under ``compile`` Inductor fuses the router chain with the rest of the
-    model; without it, pass the winner of `pick_router_impl`). ``amp``: ``"bf16"`` or
+    the router of an eager stack (pass the winner of `pick_router_impl`); under ``compile``
+    Inductor fuses the router chain with the rest of the model, and the CPU's router
+    (`cpu_router`) is kept whatever is passed. ``amp``: ``"bf16"`` or
     ``""``; by default BF16 autocast where the CPU has bf16 matmul instructions
     (`moe_lab.perf.capabilities.native_bf16_cpu`), the logits in FP32, and PyTorch's
     attention core (without the plug-in) kept in FP32, whose CPU backward is faster.
@@ -181,8 +182,7 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
         backend, why = "openmp", ("the CPU plug-in's OpenMP grouped GEMM (each core takes whole "
                                   f"experts) and C++ token permutation; {interpreted}")
     else:
-        backend = "torch" if hasattr(torch, "_grouped_mm") else "loop"
-        why = f"{backend} grouped GEMM: {unavailable}; {interpreted}"
+        backend, why = "torch", f"torch grouped GEMM: {unavailable}; {interpreted}"
     if "cpu_fused" in ATTENTION_IMPLS:
         attention, attention_note = "cpu_fused", (
             "the CPU plug-in's fused attention (cpu_fused): one core per (batch, head), causal "
@@ -192,7 +192,7 @@ def optimised_stack(device: torch.device | str | None = None, *, compile: bool |
         attention = "sdpa_fp32" if amp else "sdpa"
         attention_note = ("PyTorch's scaled_dot_product_attention" + (" with its core in FP32"
                           if amp else "") + f": {unavailable}")
-    router = router_impl or cpu_router()
+    router = router_impl if router_impl and not compile else cpu_router()
     embedding = "opaque_grad" if "opaque_grad" in EMBEDDING_IMPLS else "reference"
     clip_step = "cpu_one_call" if "cpu_one_call" in CLIP_STEPS else "torch"
     router_note = (f"the FP32 {router} router" + (" (the reference chain with the CPU "
@@ -240,11 +240,7 @@ def ladder(device: torch.device | str | None = None, *, compile: bool | None = N
     and the embedding's gradient is one opaque op) or the CUDA graph (GPU); + MXFP8, where
     native. The last rung is `optimised_stack`.
     """
-    device = device_of(device)
-    compile = True if compile is None else bool(compile)
-    best = optimised_stack(device, compile=compile,
-                           router_impl=None if compile and device.type == "cpu" else router_impl,
-                           amp=amp)
+    best = optimised_stack(device, compile=compile, router_impl=router_impl, amp=amp)
     eager_router = router_impl or best.impls.router_impl
     rungs = [("naive", NAIVE)]
 
