@@ -293,6 +293,8 @@ def test_the_race_gives_each_stack_its_own_clock():
         assert run.train_s + run.eval_s == pytest.approx(run.elapsed_s)
     # racing changes the clocks, not the training: the same losses as a run alone
     assert [p["eval_loss"] for p in raced[0].curve] == [p["eval_loss"] for p in alone.curve]
+    with pytest.raises(ValueError, match="CPU"):
+        racing.race([NAIVE, best], cfg, device="meta")
 
 
 def test_a_compiled_evaluation_is_confirmed_in_fp32_before_the_clock_stops(monkeypatch):

@@ -47,9 +47,12 @@ def race(stacks: Sequence[Stack], cfg: TTTConfig, *, device: torch.device | str 
 
     Interleaving needs each step finished before the next lane's begins: on a CPU steps are
     synchronous; on CUDA the sync-free step must not be made to wait after every step, so
-    there `compare_stacks` races each stack alone.
+    several stacks on CUDA are refused (`compare_stacks` races each alone there).
     """
     device = device_of(device)
+    if len(stacks) > 1 and device.type != "cpu":
+        raise ValueError(f"race: interleaving several stacks needs a CPU (got {device}); on "
+                         "CUDA each stack runs alone so that nothing syncs its steps")
     corpus = load_contest_corpus(cfg)
     hardware = capabilities().hardware_label()
     lanes: list[tuple[Trainer, TTTRun]] = []
