@@ -21,7 +21,7 @@ LESSON_CODE_LINES = 6_500
 PACKAGE_CODE_LINES = 18_500
 # The notebooks' code cells, non-blank lines: they must not grow by taking in the package's code.
 # Issue 48's budget is the count when it was filed, 3,566. A ratchet: lower it as cells go.
-NOTEBOOK_CODE_LINES = 3_566
+NOTEBOOK_CODE_LINES = 3_564
 FUNCTION_LINES = 60  # a lesson function, docstring included
 KERNEL_LINES = 100  # a @triton.jit kernel reads best whole
 

@@ -223,3 +223,11 @@ def test_the_checks_here_fail_on_a_page_left_as_executed():
     assert "✓" in raw
     assert len([b for b in blocks(raw) if "it/s" in b["text"]]) > 1
     assert max(unfolded_text_lines(raw)) > page_outputs.FOLD_LINES
+
+
+def test_a_pipe_escaped_in_a_table_cell_is_a_pipe_on_the_page_code_included():
+    page = page_outputs.markdown_to_html("| p | layout |\n|---|---|\n| 4 | `Et*16\\|t*16` a\\|b |\n\n"
+                                         "`x\\|y` outside a table\n")
+    cells = re.findall(r"<td>(.*?)</td>", page)
+    assert cells == ["4", "<code>Et*16|t*16</code> a|b"], page
+    assert "<code>x\\|y</code>" in page  # outside a table, code is left as written
