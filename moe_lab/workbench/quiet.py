@@ -12,14 +12,16 @@ None of them is a Python warning, so ``warnings.filterwarnings`` cannot reach th
 - `LOG_RECORDS` are `logging` records: each is dropped by a filter on the one logger that
   emits it, for the duration of `library_notes_silenced` (moe_lab wraps the import that
   triggers them: ``transformers``, which imports ``torchao``). Nothing stays installed.
-- `RANK_STDERR_LINES` are lines that PyTorch's C++ code writes to a rank's stderr; the rank
-  launcher (`moe_lab.workbench.ranks.launch.run_ranks`) collects each rank's stderr and
-  leaves these lines out when it passes the rest on.
+- `RANK_STDERR_LINES` are lines that PyTorch's C++ code writes to a process's stderr: the
+  rank launcher (`moe_lab.workbench.ranks.launch.run_ranks`) collects each rank's stderr and
+  leaves these lines out when it passes the rest on. A notebook kernel's own cannot be
+  stopped where they start without hiding the rest of its stderr.
 
 ``moe_lab.workbench.lab.site`` drops the same lines from the pages it renders, should an
-executed notebook still hold one (a notebook run by hand that imported ``transformers``
-itself). ``tests/workbench/lab/test_page_noise.py`` fails on any stderr a notebook shows
-that is not on its allow-list.
+executed notebook hold one (a notebook run by hand that imported ``transformers`` itself, a
+cell that ran the profiler), and `moe_lab.workbench.lab.page_noise` does not count them.
+``tests/workbench/lab/test_page_noise.py`` fails on any other stderr a notebook shows that
+is not on its allow-list.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ LOG_RECORDS: tuple[tuple[str, re.Pattern[str]], ...] = (
      re.compile(r"is an Enum subclass .*register_constant\(\) on Enum subclasses is deprecated")),
 )
 
-# stderr lines of a rank process (PyTorch's C++ logging), one pattern per known line.
+# stderr lines of a rank or kernel process (PyTorch's C++ logging), one pattern per known line.
 RANK_STDERR_LINES: tuple[re.Pattern[str], ...] = (
     # c10d's TCP store asks the resolver for the name of each connecting peer, only to
     # write it in its own log lines; on a machine with no DNS for the address (an emulated
     # link's namespace, a sandbox without a resolver) the lookup fails and it says so.
     # Harmless: the connection is made by address and works.
     re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved"),
+    # Kineto (torch.profiler's engine) marks each start and stop of a trace for system tracers
+    # (USDT probes), printing the mark at every log level. Harmless: the profile is unaffected.
+    re.compile(r"^USDT:.*\] profiler_(start|stop)$"),
 )
 
 

@@ -33,3 +33,8 @@ def test_only_the_known_lines_are_taken_out_of_text():
             "moe_lab: a warning of our own\n")
     assert quiet.without_known_lines(text) == "moe_lab: a warning of our own\n"
     assert quiet.without_known_lines("Failed to load /x/mylib.so\n") == "Failed to load /x/mylib.so\n"
+    marks = ("USDT:2026-12-06 07:51:07 3394:3394 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+             "USDT:2026-12-06 07:51:07 3394:3394 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    assert quiet.without_known_lines(marks) == ""
+    other = "USDT:2026-12-06 07:51:07 3394:3394 Other.cpp:1] profiler_start failed\n"
+    assert quiet.without_known_lines(marks + other) == other

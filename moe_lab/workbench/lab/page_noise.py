@@ -13,7 +13,8 @@ its reason. ``tests/workbench/lab/test_notebooks.py`` scans every notebook it ex
 fails on anything else, so no notebook is executed twice for it;
 ``tests/workbench/lab/test_page_noise.py`` tests the scanner and the list.
 
-Known third-party notes are silenced where they start (`moe_lab.workbench.quiet`), not here.
+Known third-party notes are silenced where they start (`moe_lab.workbench.quiet`), not here; the
+lines of its list that a kernel's C++ code printed are not counted.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import itertools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from moe_lab.workbench.quiet import without_known_lines
 
 # The repr of a dict or a list (and of the dict and list types a cell is likely to end in).
 _RAW = re.compile(r"^\s*(\{|\[|(defaultdict|OrderedDict|Counter)\()")
@@ -86,7 +89,7 @@ def scan(notebook, name: str) -> list[Noise]:
         for out in cell.get("outputs", []):
             kind = out.get("output_type")
             if kind == "stream" and out.get("name") == "stderr":
-                text = "".join(out.get("text", ""))
+                text = without_known_lines("".join(out.get("text", "")))  # moe_lab.workbench.quiet's list
                 if text.strip():
                     found.append(Noise(name, index, "stderr", text, _first_line(source)))
             markdown = "".join(out.get("data", {}).get("text/markdown", ""))

@@ -65,6 +65,17 @@ def test_the_check_fails_on_noise_not_allowed_and_passes_on_allowed_noise():
     assert page_noise.unexpected(found[:1], (other,)) == found[:1]
 
 
+def test_the_known_lines_a_kernel_printed_are_not_noise_and_the_rest_is():
+    mark = "USDT:2026-12-06 07:51:07 3394:3394 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+    def stderr(text):
+        return [nbformat.v4.new_output("stream", name="stderr", text=text)]
+
+    profiled = _executed(("with profile(): step()", stderr(mark)),
+                         ("with profile(): step()", stderr(mark + "oops\n")))
+    found = page_noise.scan(profiled, "99_synthetic")
+    assert [(n.cell, n.kind, n.text) for n in found] == [(1, "stderr", "oops\n")]
+
+
 def test_a_clean_notebook_has_no_noise():
     clean = _executed(("print('hi')", [nbformat.v4.new_output("stream", name="stdout", text="hi\n")]),
                       ("x", [_result("4")]), ("", []))
