@@ -12,7 +12,7 @@ None of them is a Python warning, so ``warnings.filterwarnings`` cannot reach th
 - `LOG_RECORDS` are `logging` records: each is dropped by a filter on the one logger that
   emits it, for the duration of `library_notes_silenced` (moe_lab wraps the import that
   triggers them: ``transformers``, which imports ``torchao``). Nothing stays installed.
-- `RANK_STDERR_LINES` are lines that PyTorch's C++ code writes to a process's stderr: the
+- `STDERR_LINES` are lines that PyTorch's C++ code writes to a process's stderr: the
   rank launcher (`moe_lab.workbench.ranks.launch.run_ranks`) collects each rank's stderr and
   leaves these lines out when it passes the rest on. A notebook kernel's own cannot be
   stopped where they start without hiding the rest of its stderr.
@@ -48,7 +48,7 @@ LOG_RECORDS: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 # stderr lines of a rank or kernel process (PyTorch's C++ logging), one pattern per known line.
-RANK_STDERR_LINES: tuple[re.Pattern[str], ...] = (
+STDERR_LINES: tuple[re.Pattern[str], ...] = (
     # c10d's TCP store asks the resolver for the name of each connecting peer, only to
     # write it in its own log lines; on a machine with no DNS for the address (an emulated
     # link's namespace, a sandbox without a resolver) the lookup fails and it says so.
@@ -82,7 +82,7 @@ def library_notes_silenced() -> Iterator[None]:
 
 def without_known_lines(text: str) -> str:
     """``text`` without its known-harmless lines (`LOG_RECORDS` as printed, or
-    `RANK_STDERR_LINES`); the rest kept as it was."""
-    patterns = (*(pattern for _, pattern in LOG_RECORDS), *RANK_STDERR_LINES)
+    `STDERR_LINES`); the rest kept as it was."""
+    patterns = (*(pattern for _, pattern in LOG_RECORDS), *STDERR_LINES)
     return "".join(line for line in text.splitlines(keepends=True)
                    if not any(pattern.search(line) for pattern in patterns))
